@@ -1,0 +1,105 @@
+# pysmoe — build the C engine, set up Python, run the demo and the tests.
+#
+#   make run     build everything, make the demo vault (first time), generate from it
+#   make test    build everything and run the test suite
+#   make lib     only libsmoe (build/libsmoe.so, copied into pysmoe/ for the binding)
+#   make asan    the test suite against a libsmoe built with AddressSanitizer + UBSan
+#   make PORTABLE=1 ...   no instruction-set-specific kernels
+
+PYTHON  ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+UNAME   := $(shell uname -s)
+ARCH    := $(shell uname -m)
+
+CC      ?= cc
+# -ffp-contract=off: no silent a*b+c fusion, so each reduction's rounding is what the source
+# says, the same in the batched and single-token kernels and in numpy's dequantisation.
+CFLAGS_BASE := -std=c11 -Wall -Wextra -fPIC -pthread -ffp-contract=off -fvisibility=hidden \
+               -D_GNU_SOURCE -D_DARWIN_C_SOURCE
+OPT     ?= -O3 -g
+ifeq ($(PORTABLE),1)
+  ISA_FLAGS := -DSMOE_PORTABLE=1
+else ifeq ($(ARCH),x86_64)
+  ISA_FLAGS := -mavx2 -mfma -mf16c
+else
+  ISA_FLAGS :=
+endif
+CFLAGS  += $(CFLAGS_BASE) $(OPT) $(ISA_FLAGS)
+LDLIBS  := -lm -pthread
+
+ifeq ($(UNAME),Darwin)
+  LIBNAME := libsmoe.dylib
+  SHARED  := -dynamiclib -install_name @rpath/$(LIBNAME)
+else
+  LIBNAME := libsmoe.so
+  SHARED  := -shared -Wl,-soname,$(LIBNAME)
+endif
+
+SRCS    := $(sort $(wildcard csrc/*.c))
+HDRS    := $(wildcard csrc/*.h)
+BUILD   ?= build
+OBJS    := $(patsubst csrc/%.c,$(BUILD)/%.o,$(SRCS))
+LIB     := $(BUILD)/$(LIBNAME)
+EXAMPLE := $(BUILD)/smoe_generate
+
+.PHONY: all lib examples venv venv-test run test asan clean format fuzz
+
+all: lib examples
+
+lib: $(LIB) pysmoe/$(LIBNAME)
+
+$(BUILD)/%.o: csrc/%.c $(HDRS) | $(BUILD)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD):
+	mkdir -p $(BUILD)
+
+$(LIB): $(OBJS)
+	$(CC) $(CFLAGS) $(SHARED) -o $@ $(OBJS) $(LDLIBS)
+
+pysmoe/$(LIBNAME): $(LIB)
+	cp $(LIB) $@
+
+examples: $(EXAMPLE)
+
+# The example links only libsmoe (rpath next to itself).
+$(EXAMPLE): examples/generate.c csrc/smoe.h $(LIB)
+	$(CC) -std=c11 -Wall -Wextra -O2 -Icsrc $< -L$(BUILD) -lsmoe -Wl,-rpath,'$$ORIGIN' -o $@
+
+# --- Python environment: created here, so a fresh machine needs only python3 and a compiler.
+$(VENV)/.stamp-base: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.stamp-test: pyproject.toml $(VENV)/.stamp-base
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.stamp-base
+venv-test: $(VENV)/.stamp-test
+
+run: lib $(VENV)/.stamp-base
+	$(PY) -m pysmoe run --prompt "The quick brown fox" --max-tokens 32
+
+test: lib examples $(VENV)/.stamp-test
+	$(PY) -m pytest -q tests
+
+# Sanitizers: the library is built apart (build-asan/) and loaded into the ordinary Python by
+# preloading the sanitizer runtimes; leak checking is off because CPython itself leaks by design.
+ASAN_BUILD := build-asan
+asan: $(VENV)/.stamp-test
+	$(MAKE) BUILD=$(ASAN_BUILD) OPT="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined" \
+	        LDLIBS="-lm -pthread -fsanitize=address,undefined" $(ASAN_BUILD)/$(LIBNAME) $(ASAN_BUILD)/smoe_generate
+	SMOE_LIB=$(CURDIR)/$(ASAN_BUILD)/$(LIBNAME) SMOE_EXAMPLE=$(CURDIR)/$(ASAN_BUILD)/smoe_generate \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)" \
+	$(PY) -m pytest -q -x tests -m "not slow" -p no:cacheprovider
+
+$(ASAN_BUILD)/smoe_generate: examples/generate.c csrc/smoe.h $(ASAN_BUILD)/$(LIBNAME)
+	$(CC) -std=c11 -Wall -Wextra -O1 -g -fsanitize=address,undefined -Icsrc $< -L$(ASAN_BUILD) -lsmoe -Wl,-rpath,'$$ORIGIN' -o $@
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD) pysmoe/libsmoe.so pysmoe/libsmoe.dylib

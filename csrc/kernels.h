@@ -1,0 +1,50 @@
+/* kernels.h — the math of one layer, as functions of plain arrays.
+ *
+ * Bit identity between the layer-major and token-serial paths rests on one rule: the value of
+ * each output element depends only on its own inputs, never on n (tokens in the batch), on the
+ * row range a thread was given, or on the thread count. Every kernel here reduces each output
+ * element in one fixed order, whatever the batch.
+ *
+ * kernels.c holds the portable reference versions (kept forever; the fast ones are checked
+ * against them). */
+#ifndef SMOE_KERNELS_H
+#define SMOE_KERNELS_H
+
+#include "vault.h"
+
+/* y[t·ldy + r] = Σ_c W[r, c] · x[t·ldx + c]   for t in [0, n), r in [r0, r1).
+ * w: the tensor's first byte (W->data for dense tensors, blob + W->offset for expert tensors). */
+void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n,
+                      float *y, size_t ldy, uint32_t r0, uint32_t r1);
+
+/* Row `row` of W dequantised into out (cols floats): embedding lookup. */
+void smoe_dequant_row(const smoe_tensor *W, const uint8_t *w, uint32_t row, float *out);
+
+/* out = x / sqrt(mean(x²) + eps) · weight; weight a 1 × dim tensor (f32 or bf16). out may be x. */
+void smoe_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
+
+/* Rotate-half RoPE in place on n_heads vectors of head_dim: for i < head_dim/2,
+ * (x_i, x_{i+h/2}) ← (x_i·cos_i − x_{i+h/2}·sin_i, x_{i+h/2}·cos_i + x_i·sin_i).
+ * cos, sin: head_dim/2 entries for this position. */
+void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, const float *cos, const float *sin);
+
+/* One query head against positions [0, n_pos) of the cache: out = softmax(q·K/√d) · V.
+ * k, v point at position 0 of this KV head; consecutive positions are `stride` floats apart.
+ * scratch: n_pos floats. */
+void smoe_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
+                 uint32_t head_dim, float *scratch);
+
+/* In-place softmax over n floats (f32, max-subtracted). */
+void smoe_softmax(float *x, uint32_t n);
+
+/* The k largest of p[0..n) in descending order (ties: lower index first) into idx, their values
+ * into val. If renorm, val is divided by its sum. */
+void smoe_topk(const float *p, uint32_t n, uint32_t k, bool renorm, int32_t *idx, float *val);
+
+/* h[i] = silu(g[i]) · u[i] */
+void smoe_swiglu(float *h, const float *g, const float *u, uint32_t n);
+
+/* y[i] += a · x[i] */
+void smoe_axpy(float *y, float a, const float *x, uint32_t n);
+
+#endif

@@ -1,0 +1,21 @@
+/* sample.h — choosing the next id from logits: greedy, temperature, top-k, top-p, min-p,
+ * repetition penalty; deterministic for a given seed. */
+#ifndef SMOE_SAMPLE_H
+#define SMOE_SAMPLE_H
+
+#include "internal.h"
+
+typedef struct {
+    smoe_sampler_params p;
+    uint64_t rng[2]; /* xoroshiro128+ state from the seed */
+} smoe_sampler;
+
+void smoe_sampler_init(smoe_sampler *s, const smoe_sampler_params *p);
+
+/* Picks the next id. logits (vocab) are not modified. history: the ids so far (for the
+ * repetition penalty). scratch: vocab floats; scratch_idx: vocab ints. Never allocates.
+ * Greedy (temperature 0) takes the largest logit after the penalty, lowest id on ties. */
+int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const int32_t *history,
+                    uint32_t n_history, float *scratch, int32_t *scratch_idx);
+
+#endif

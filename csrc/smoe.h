@@ -1,0 +1,216 @@
+/*
+ * smoe.h — the whole public ABI of libsmoe, the pysmoe engine.
+ *
+ * libsmoe runs Qwen3-MoE models whose expert weights live on disk in a vault (docs/vault.md):
+ * dense weights stay in memory, expert blobs are streamed with Direct I/O into a bounded
+ * retention cache. Two ways to feed a prompt give bit-identical results:
+ *
+ *   smoe_prefill_chunk  layer-major: per layer, the whole chunk routes, each needed expert is
+ *                       read once and applied to every token routed to it;
+ *   smoe_decode_step    token-serial: one token through every layer; returns logits and/or a
+ *                       sampled next id.
+ *
+ * Conventions
+ *   - Every call that can fail returns smoe_status (0 ok, negative error). smoe_last_error()
+ *     gives the message of the last failure on the calling thread.
+ *   - The library never prints, exits or aborts. Messages go to the log callback, if set.
+ *   - Handles are opaque; objects are returned through out-parameters; *_free / *_close accept
+ *     NULL.
+ *   - Option and stats structs start with struct_size so the ABI can grow: set it to
+ *     sizeof(the struct) (the *_default_* functions do).
+ *   - A vault may be shared by several sessions; a session must be used by one thread at a time.
+ */
+#ifndef SMOE_H
+#define SMOE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define SMOE_API __declspec(dllexport)
+#else
+#define SMOE_API __attribute__((visibility("default")))
+#endif
+
+/* Bump SMOE_ABI_VERSION whenever a function's signature, a struct's layout or an enum value
+ * changes; bindings refuse a library whose smoe_abi_version() differs from what they expect. */
+#define SMOE_ABI_VERSION 1
+#define SMOE_VERSION_STRING "0.1.0"
+
+typedef enum {
+    SMOE_OK = 0,
+    SMOE_ERR_INVALID_ARG = -1,    /* a NULL handle, a bad size, an out-of-range value */
+    SMOE_ERR_BAD_TOKEN = -2,      /* a token id outside [0, vocab_size) */
+    SMOE_ERR_CONTEXT_FULL = -3,   /* the call would pass the session's context length */
+    SMOE_ERR_VAULT = -4,          /* missing, truncated, corrupted or unsupported vault */
+    SMOE_ERR_IO = -5,             /* a read failed or came back short */
+    SMOE_ERR_NOMEM = -6,          /* an allocation failed */
+    SMOE_ERR_SESSION_BROKEN = -7, /* an earlier failure left the session unusable */
+    SMOE_ERR_UNSUPPORTED = -8,    /* this build or CPU cannot do it */
+    SMOE_ERR_INTERNAL = -9,
+} smoe_status;
+
+SMOE_API const char *smoe_status_str(smoe_status status);
+/* Message of the last failure on this thread; "" if none. Valid until the next failing call. */
+SMOE_API const char *smoe_last_error(void);
+SMOE_API const char *smoe_version(void);
+SMOE_API int smoe_abi_version(void);
+
+/* Log levels passed to the callback. */
+enum { SMOE_LOG_DEBUG = 0, SMOE_LOG_INFO = 1, SMOE_LOG_WARN = 2, SMOE_LOG_ERROR = 3 };
+typedef void (*smoe_log_fn)(int level, const char *message, void *user);
+/* Process-wide. NULL silences the library (the default). The callback may be called from I/O
+ * threads; it must not call back into libsmoe. */
+SMOE_API void smoe_set_log_callback(smoe_log_fn fn, void *user);
+
+/* ---------------------------------------------------------------------------------- vault */
+
+typedef struct smoe_vault smoe_vault;
+
+typedef struct {
+    uint32_t struct_size;
+    uint32_t vocab_size;
+    uint32_t hidden_size;
+    uint32_t num_hidden_layers;
+    uint32_t num_attention_heads;
+    uint32_t num_key_value_heads;
+    uint32_t head_dim;
+    uint32_t intermediate_size;     /* dense MLP layers */
+    uint32_t moe_intermediate_size; /* one expert */
+    uint32_t num_experts;
+    uint32_t num_experts_per_tok;
+    uint32_t max_position_embeddings;
+    uint32_t num_sparse_layers;
+    float rms_norm_eps;
+    double rope_theta;
+    uint64_t blob_bytes;  /* one expert blob on disk */
+    uint64_t dense_bytes; /* kept in memory while the vault is open */
+    uint64_t file_bytes;
+    bool norm_topk_prob;
+    bool tie_word_embeddings;
+} smoe_config;
+
+/* Opens DIR/vault.bin, validates header and tables, loads and checks the dense region.
+ * On failure *out is NULL and nothing stays open. */
+SMOE_API smoe_status smoe_open_vault(const char *dir, smoe_vault **out);
+SMOE_API void smoe_close_vault(smoe_vault *vault); /* after every session of it is freed */
+SMOE_API smoe_status smoe_vault_config(const smoe_vault *vault, smoe_config *out);
+/* Kind of layer l: 1 sparse (experts), 0 dense MLP. */
+SMOE_API smoe_status smoe_vault_layer_is_sparse(const smoe_vault *vault, uint32_t layer, bool *out);
+
+/* Called by smoe_verify_vault for each region whose checksum fails: kind is "header",
+ * "dense" or "blob"; layer/expert are -1 except for blobs. */
+typedef void (*smoe_verify_fn)(const char *kind, int32_t layer, int32_t expert, void *user);
+/* Re-reads every blob and checks its CRC (and the dense region's). SMOE_ERR_VAULT if any is
+ * bad (each reported to fn, which may be NULL), SMOE_ERR_IO if a read fails. */
+SMOE_API smoe_status smoe_verify_vault(const smoe_vault *vault, smoe_verify_fn fn, void *user);
+
+/* Tensor formats (docs/vault.md section 3). */
+typedef enum { SMOE_FMT_F32 = 0, SMOE_FMT_BF16 = 1, SMOE_FMT_Q8 = 2, SMOE_FMT_Q4 = 3 } smoe_format;
+typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2 } smoe_scale_format;
+/* Dequantises a rows × cols tensor laid out as the vault stores it (data points at the
+ * tensor's first byte, nbytes long) into out (rows × cols floats). Pure; for tests and tools. */
+SMOE_API smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t rows,
+                                     uint32_t cols, const void *data, size_t nbytes, float *out);
+
+/* -------------------------------------------------------------------------------- session */
+
+typedef struct smoe_session smoe_session;
+
+typedef struct {
+    uint32_t struct_size;
+    uint32_t context;      /* KV cache length in tokens (default 4096, capped by the model's) */
+    uint32_t chunk;        /* largest n for smoe_prefill_chunk (default 64) */
+    uint32_t threads;      /* compute threads including the caller (default: online cores) */
+    uint32_t io_threads;   /* blob reads in flight (default 4) */
+    uint32_t reserved;
+    uint64_t cache_bytes;  /* retention cache budget; 0 = only the slots one step needs */
+    bool direct_io;        /* O_DIRECT / F_NOCACHE; falls back to buffered reads, logged (default true) */
+    bool verify_blobs;     /* check each blob's CRC as it is read (default false) */
+} smoe_session_params;
+
+SMOE_API smoe_session_params smoe_session_default_params(void);
+
+/* Allocates everything the session will ever use: KV cache, activation planes, cache slots,
+ * threads. On failure *out is NULL. The vault must outlive the session. */
+SMOE_API smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *params,
+                                      smoe_session **out);
+SMOE_API void smoe_session_free(smoe_session *session);
+
+/* Forgets the tokens seen so far (position back to 0); the retention cache stays warm. Also
+ * makes a broken session usable again. */
+SMOE_API smoe_status smoe_session_reset(smoe_session *session);
+/* Number of tokens in the KV cache. */
+SMOE_API uint32_t smoe_session_position(const smoe_session *session);
+
+/* Layer-major prefill of n tokens (1 ≤ n ≤ params.chunk) at the current position. Produces no
+ * logits: feed the prompt's last token through smoe_decode_step.
+ * On failure the position is where it was before the call (KV rows past it are garbage and
+ * will be overwritten); the session stays usable unless SMOE_ERR_SESSION_BROKEN is returned. */
+SMOE_API smoe_status smoe_prefill_chunk(smoe_session *session, const int32_t *ids, uint32_t n);
+
+typedef struct {
+    uint32_t struct_size;
+    float temperature;        /* 0 = greedy (default 0) */
+    uint32_t top_k;           /* 0 = off */
+    float top_p;              /* 1 = off */
+    float min_p;              /* 0 = off */
+    float repetition_penalty; /* 1 = off; applied over the last repetition_window tokens */
+    uint32_t repetition_window;
+    uint64_t seed;
+} smoe_sampler_params;
+
+SMOE_API smoe_sampler_params smoe_sampler_default_params(void);
+/* Sets the sampler and reseeds its generator: the same seed gives the same ids. */
+SMOE_API smoe_status smoe_session_set_sampler(smoe_session *session, const smoe_sampler_params *params);
+
+/* Token-serial step: appends id at the current position, runs every layer, and writes the
+ * next-token logits (vocab_size floats) to logits and/or a sampled id to next_id (either may
+ * be NULL). On failure the position is unchanged, as for smoe_prefill_chunk. */
+SMOE_API smoe_status smoe_decode_step(smoe_session *session, int32_t id, float *logits, int32_t *next_id);
+
+/* Copies the K and V rows of layer for positions [start, start + n) (each n × kv_heads·head_dim
+ * floats, post-RoPE K) into k and v (either may be NULL). For tests and tools. */
+SMOE_API smoe_status smoe_session_read_kv(const smoe_session *session, uint32_t layer, uint32_t start,
+                                          uint32_t n, float *k, float *v);
+
+typedef struct {
+    uint32_t struct_size;
+    uint32_t position;
+    uint64_t blob_reads;      /* blobs read from disk */
+    uint64_t bytes_read;
+    uint64_t cache_hits;      /* expert uses served by the retention cache */
+    uint64_t cache_misses;    /* expert uses that needed a read */
+    double io_wait_s;         /* seconds compute waited for blobs */
+    double prefill_s;         /* seconds inside smoe_prefill_chunk */
+    double decode_s;          /* seconds inside smoe_decode_step */
+    uint64_t tokens_prefilled;
+    uint64_t tokens_decoded;
+    uint64_t resident_bytes;  /* dense + cache + kv + planes */
+    uint64_t dense_bytes;
+    uint64_t cache_bytes;     /* bytes of expert slots */
+    uint64_t kv_bytes;
+    uint64_t plane_bytes;
+    uint32_t cache_slots;
+    uint32_t num_layers;      /* entries smoe_stats_union_sizes fills */
+    bool direct_io;           /* reads bypass the page cache */
+} smoe_counters;
+
+SMOE_API smoe_status smoe_stats(const smoe_session *session, smoe_counters *out);
+/* Per layer, the number of distinct experts the last smoe_prefill_chunk used (0 for dense
+ * layers). out has room for cap entries; fills min(cap, num_layers). */
+SMOE_API smoe_status smoe_stats_union_sizes(const smoe_session *session, uint32_t *out, uint32_t cap);
+/* Zeroes the counters (not the cache). */
+SMOE_API smoe_status smoe_stats_reset(smoe_session *session);
+/* Drops every retained blob, so the next step starts cold. */
+SMOE_API smoe_status smoe_cache_clear(smoe_session *session);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* SMOE_H */

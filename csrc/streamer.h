@@ -1,0 +1,63 @@
+/* streamer.h — expert blobs from disk into pre-allocated aligned slots, and the retention cache.
+ *
+ * One compute thread (the session's) calls everything here; a pool of I/O threads does the
+ * reads. Slot states move through C11 atomics: EMPTY → LOADING → READY (or FAILED); a slot is
+ * pinned from acquire to release and is never evicted while pinned or loading. Compute reads a
+ * blob's bytes where pread put them. Nothing is read that was not acquired: no speculation. */
+#ifndef SMOE_STREAMER_H
+#define SMOE_STREAMER_H
+
+#include "internal.h"
+
+typedef struct smoe_streamer smoe_streamer;
+
+typedef struct {
+    const char *path;            /* vault.bin */
+    uint64_t blob_bytes;         /* multiple of SMOE_PAGE */
+    const uint64_t *blob_offset; /* (layers × experts), 0 = no blob (dense layer) */
+    const uint32_t *blob_crc;    /* (layers × experts) */
+    uint32_t n_layers, n_experts;
+    uint32_t n_sparse_layers;    /* for the per-layer share of the budget */
+    uint32_t n_slots;            /* ≥ 1 */
+    uint32_t io_threads;         /* ≥ 1 */
+    bool direct_io;              /* try O_DIRECT / F_NOCACHE, fall back (logged) */
+    bool verify;                 /* check the CRC of every blob read */
+} smoe_streamer_params;
+
+typedef struct {
+    uint64_t blob_reads, bytes_read, hits, misses;
+    double io_wait_s;
+    bool direct_io; /* in force */
+} smoe_streamer_stats;
+
+smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out);
+void smoe_streamer_free(smoe_streamer *s); /* waits for reads in flight */
+
+/* Pins the slot of (layer, expert), starting its read if it is not retained (a miss), and
+ * returns the slot's index (≥ 0). Returns −1, changing nothing, when every slot is pinned or
+ * loading: release one and try again. Does not wait for I/O. Counts a hit or a miss. */
+int smoe_streamer_acquire(smoe_streamer *s, uint32_t layer, uint32_t expert);
+
+/* Waits for slot's read. SMOE_OK when its bytes are ready; SMOE_ERR_IO (message names the
+ * layer, expert and offset) when the read failed or came back short, or SMOE_ERR_VAULT when
+ * its CRC did not match. Time spent waiting is added to io_wait_s. */
+smoe_status smoe_streamer_wait(smoe_streamer *s, int slot);
+
+/* Waits until at least one of slots[0..n) is no longer loading; returns its position in the
+ * array (the lowest such position). */
+uint32_t smoe_streamer_wait_any(smoe_streamer *s, const int *slots, uint32_t n);
+
+bool smoe_streamer_ready(const smoe_streamer *s, int slot); /* no longer loading */
+const uint8_t *smoe_streamer_data(const smoe_streamer *s, int slot); /* blob_bytes, 16 KiB aligned */
+
+/* Unpins. A failed slot becomes empty (so a later acquire reads again). */
+void smoe_streamer_release(smoe_streamer *s, int slot);
+
+/* Drops every retained blob; no slot may be pinned. Waits for reads in flight. */
+void smoe_streamer_clear(smoe_streamer *s);
+
+void smoe_streamer_get_stats(const smoe_streamer *s, smoe_streamer_stats *out);
+void smoe_streamer_reset_stats(smoe_streamer *s);
+uint64_t smoe_streamer_slot_bytes(const smoe_streamer *s); /* n_slots × blob_bytes */
+
+#endif

@@ -1,0 +1,65 @@
+/* vault.h — the parsed vault (docs/vault.md) as the rest of the engine sees it. */
+#ifndef SMOE_VAULT_H
+#define SMOE_VAULT_H
+
+#include "internal.h"
+
+/* One tensor: a dense tensor (data points into the dense region in memory) or an expert-blob
+ * tensor (data is NULL; offset is relative to the blob's start). */
+typedef struct {
+    uint8_t format;       /* smoe_format */
+    uint8_t scale_format; /* smoe_scale_format */
+    uint32_t rows, cols;
+    uint64_t offset;      /* dense: relative to dense_offset; blob: relative to blob start */
+    uint64_t nbytes;
+    const uint8_t *data;  /* dense tensors only */
+    /* Derived part offsets relative to the tensor's first byte (q4/q8): */
+    uint64_t scales_off, biases_off;
+} smoe_tensor;
+
+typedef struct {
+    const smoe_tensor *input_norm, *post_norm; /* 1 × hidden */
+    const smoe_tensor *q, *k, *v, *o;
+    const smoe_tensor *q_norm, *k_norm;        /* 1 × head_dim */
+    const smoe_tensor *router;                 /* sparse layers, else NULL */
+    const smoe_tensor *mlp_gate, *mlp_up, *mlp_down; /* dense layers, else NULL */
+    bool sparse;
+} smoe_layer_weights;
+
+/* The layout parsed from header + tables: no pointers into memory, only numbers.
+ * Produced by smoe_vault_parse, which a fuzzer can drive. */
+typedef struct {
+    smoe_config cfg;
+    uint64_t file_size, table_offset, table_bytes, dense_offset, dense_bytes, blob_bytes;
+    uint32_t dense_crc, n_tensors, n_blobs;
+    uint8_t *layer_sparse;   /* (layers) */
+    smoe_tensor expert[3];   /* gate, up, down: offsets within a blob */
+    smoe_tensor *tensors;    /* (n_tensors) dense tensors; .data NULL until bound */
+    char (*names)[40];       /* (n_tensors) */
+    uint64_t *blob_offset;   /* (layers × experts) 0 for dense layers */
+    uint32_t *blob_crc;      /* (layers × experts) */
+    smoe_layer_weights *layers; /* (layers) pointers into tensors */
+    const smoe_tensor *embed, *final_norm, *lm_head; /* lm_head == embed when tied */
+} smoe_layout;
+
+/* Parses bytes [0, len) of vault.bin (len ≥ 256 and covering the whole table region), checking
+ * everything docs/vault.md lists against file_size (the real size of the file). Allocates the
+ * layout's arrays; on failure frees them and returns an error with a message. Pure: no I/O. */
+smoe_status smoe_vault_parse(const uint8_t *bytes, size_t len, uint64_t file_size, smoe_layout *out);
+void smoe_layout_free(smoe_layout *layout);
+
+/* Bytes of header + tables that smoe_vault_parse needs, read from the first 256 bytes: 0 if
+ * they are not a plausible header (the parse then reports why). */
+uint64_t smoe_vault_head_bytes(const uint8_t *header256);
+
+struct smoe_vault {
+    char *dir;
+    char *path;           /* DIR/vault.bin */
+    smoe_layout lay;
+    uint8_t *dense;       /* (dense_bytes) 16 KiB aligned, loaded at open */
+};
+
+/* Byte size of a tensor of this shape and format (docs/vault.md section 3); 0 if invalid. */
+uint64_t smoe_tensor_bytes(uint8_t format, uint32_t rows, uint32_t cols);
+
+#endif

@@ -1,0 +1,116 @@
+"""The C declarations the binding uses: generated from csrc/smoe.h by scripts/gen_cdef.py."""
+
+CDEF = """
+#define SMOE_ABI_VERSION 1
+typedef enum {
+SMOE_OK = 0,
+SMOE_ERR_INVALID_ARG = -1,
+SMOE_ERR_BAD_TOKEN = -2,
+SMOE_ERR_CONTEXT_FULL = -3,
+SMOE_ERR_VAULT = -4,
+SMOE_ERR_IO = -5,
+SMOE_ERR_NOMEM = -6,
+SMOE_ERR_SESSION_BROKEN = -7,
+SMOE_ERR_UNSUPPORTED = -8,
+SMOE_ERR_INTERNAL = -9,
+} smoe_status;
+const char *smoe_status_str(smoe_status status);
+const char *smoe_last_error(void);
+const char *smoe_version(void);
+int smoe_abi_version(void);
+enum { SMOE_LOG_DEBUG = 0, SMOE_LOG_INFO = 1, SMOE_LOG_WARN = 2, SMOE_LOG_ERROR = 3 };
+typedef void (*smoe_log_fn)(int level, const char *message, void *user);
+void smoe_set_log_callback(smoe_log_fn fn, void *user);
+typedef struct smoe_vault smoe_vault;
+typedef struct {
+uint32_t struct_size;
+uint32_t vocab_size;
+uint32_t hidden_size;
+uint32_t num_hidden_layers;
+uint32_t num_attention_heads;
+uint32_t num_key_value_heads;
+uint32_t head_dim;
+uint32_t intermediate_size;
+uint32_t moe_intermediate_size;
+uint32_t num_experts;
+uint32_t num_experts_per_tok;
+uint32_t max_position_embeddings;
+uint32_t num_sparse_layers;
+float rms_norm_eps;
+double rope_theta;
+uint64_t blob_bytes;
+uint64_t dense_bytes;
+uint64_t file_bytes;
+bool norm_topk_prob;
+bool tie_word_embeddings;
+} smoe_config;
+smoe_status smoe_open_vault(const char *dir, smoe_vault **out);
+void smoe_close_vault(smoe_vault *vault);
+smoe_status smoe_vault_config(const smoe_vault *vault, smoe_config *out);
+smoe_status smoe_vault_layer_is_sparse(const smoe_vault *vault, uint32_t layer, bool *out);
+typedef void (*smoe_verify_fn)(const char *kind, int32_t layer, int32_t expert, void *user);
+smoe_status smoe_verify_vault(const smoe_vault *vault, smoe_verify_fn fn, void *user);
+typedef enum { SMOE_FMT_F32 = 0, SMOE_FMT_BF16 = 1, SMOE_FMT_Q8 = 2, SMOE_FMT_Q4 = 3 } smoe_format;
+typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2 } smoe_scale_format;
+smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t rows,
+uint32_t cols, const void *data, size_t nbytes, float *out);
+typedef struct smoe_session smoe_session;
+typedef struct {
+uint32_t struct_size;
+uint32_t context;
+uint32_t chunk;
+uint32_t threads;
+uint32_t io_threads;
+uint32_t reserved;
+uint64_t cache_bytes;
+bool direct_io;
+bool verify_blobs;
+} smoe_session_params;
+smoe_session_params smoe_session_default_params(void);
+smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *params,
+smoe_session **out);
+void smoe_session_free(smoe_session *session);
+smoe_status smoe_session_reset(smoe_session *session);
+uint32_t smoe_session_position(const smoe_session *session);
+smoe_status smoe_prefill_chunk(smoe_session *session, const int32_t *ids, uint32_t n);
+typedef struct {
+uint32_t struct_size;
+float temperature;
+uint32_t top_k;
+float top_p;
+float min_p;
+float repetition_penalty;
+uint32_t repetition_window;
+uint64_t seed;
+} smoe_sampler_params;
+smoe_sampler_params smoe_sampler_default_params(void);
+smoe_status smoe_session_set_sampler(smoe_session *session, const smoe_sampler_params *params);
+smoe_status smoe_decode_step(smoe_session *session, int32_t id, float *logits, int32_t *next_id);
+smoe_status smoe_session_read_kv(const smoe_session *session, uint32_t layer, uint32_t start,
+uint32_t n, float *k, float *v);
+typedef struct {
+uint32_t struct_size;
+uint32_t position;
+uint64_t blob_reads;
+uint64_t bytes_read;
+uint64_t cache_hits;
+uint64_t cache_misses;
+double io_wait_s;
+double prefill_s;
+double decode_s;
+uint64_t tokens_prefilled;
+uint64_t tokens_decoded;
+uint64_t resident_bytes;
+uint64_t dense_bytes;
+uint64_t cache_bytes;
+uint64_t kv_bytes;
+uint64_t plane_bytes;
+uint32_t cache_slots;
+uint32_t num_layers;
+bool direct_io;
+} smoe_counters;
+smoe_status smoe_stats(const smoe_session *session, smoe_counters *out);
+smoe_status smoe_stats_union_sizes(const smoe_session *session, uint32_t *out, uint32_t cap);
+smoe_status smoe_stats_reset(smoe_session *session);
+smoe_status smoe_cache_clear(smoe_session *session);
+"""
