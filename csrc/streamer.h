@@ -25,9 +25,10 @@ typedef struct {
 } smoe_streamer_params;
 
 typedef struct {
-    uint64_t blob_reads, bytes_read, hits, misses;
-    double io_wait_s;
-    bool direct_io; /* in force */
+    uint64_t blob_reads, bytes_read; /* counted when a read is issued (a failed read counts) */
+    uint64_t hits, misses;           /* one of the two per successful acquire */
+    double io_wait_s;                /* seconds wait / wait_any / clear spent on loading slots */
+    bool direct_io;                  /* in force (false after a logged fallback) */
 } smoe_streamer_stats;
 
 smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out);
@@ -35,7 +36,10 @@ void smoe_streamer_free(smoe_streamer *s); /* waits for reads in flight */
 
 /* Pins the slot of (layer, expert), starting its read if it is not retained (a miss), and
  * returns the slot's index (≥ 0). Returns −1, changing nothing, when every slot is pinned or
- * loading: release one and try again. Does not wait for I/O. Counts a hit or a miss. */
+ * loading: release one and try again. Returns −2 (smoe_last_error says why) for a layer or
+ * expert out of range or a layer without blobs: a caller bug, never worth a retry. Does not wait
+ * for I/O. Counts a hit or a miss; a slot still loading counts as a hit. Pins nest: acquiring a
+ * pinned key again pins it twice. A key whose read failed is read again (a miss). */
 int smoe_streamer_acquire(smoe_streamer *s, uint32_t layer, uint32_t expert);
 
 /* Waits for slot's read. SMOE_OK when its bytes are ready; SMOE_ERR_IO (message names the
@@ -44,7 +48,8 @@ int smoe_streamer_acquire(smoe_streamer *s, uint32_t layer, uint32_t expert);
 smoe_status smoe_streamer_wait(smoe_streamer *s, int slot);
 
 /* Waits until at least one of slots[0..n) is no longer loading; returns its position in the
- * array (the lowest such position). */
+ * array (the lowest such position); n when n is 0. Does not report failures: call
+ * smoe_streamer_wait on the slot it names (which then returns at once). */
 uint32_t smoe_streamer_wait_any(smoe_streamer *s, const int *slots, uint32_t n);
 
 bool smoe_streamer_ready(const smoe_streamer *s, int slot); /* no longer loading */
@@ -53,7 +58,8 @@ const uint8_t *smoe_streamer_data(const smoe_streamer *s, int slot); /* blob_byt
 /* Unpins. A failed slot becomes empty (so a later acquire reads again). */
 void smoe_streamer_release(smoe_streamer *s, int slot);
 
-/* Drops every retained blob; no slot may be pinned. Waits for reads in flight. */
+/* Drops every retained blob; no slot may be pinned (a pinned one is left alone). Waits for
+ * reads in flight. */
 void smoe_streamer_clear(smoe_streamer *s);
 
 void smoe_streamer_get_stats(const smoe_streamer *s, smoe_streamer_stats *out);

@@ -1,0 +1,672 @@
+/* streamer.c — expert blobs from NVMe into pre-allocated slots, and the retention cache.
+ *
+ * The pipeline
+ * ------------
+ * The session's compute thread routes tokens and, the moment an expert enters a layer's union,
+ * calls smoe_streamer_acquire(layer, expert). If the blob is retained (read earlier, or being
+ * read now) that is a hit: the slot is pinned and returned. Otherwise it is a miss: a victim slot
+ * is chosen, re-keyed, marked LOADING, and its index is pushed onto the request ring. One of
+ * io_threads I/O threads pops it and does one pread() of the whole blob into the slot's buffer,
+ * then publishes READY (or FAILED) with a store-release. Compute later calls
+ * smoe_streamer_wait(slot) (or wait_any over a set, to consume blobs in the order they land),
+ * reads the weights where pread put them, and releases the slot. Nothing is copied; nothing is
+ * read that was not acquired (no speculation, no readahead).
+ *
+ *   compute thread                          I/O threads (io_threads of them)
+ *   acquire ─► victim, key, LOADING ─► ring ─► pop ─► pread(blob) [─► CRC] ─► READY/FAILED
+ *   wait / wait_any ◄─────────────────────────────── completion counter (futex) ◄─┘
+ *   use bytes, release (unpin)
+ *
+ * Slot states (C11 atomics, one 32-bit word per slot)
+ *   EMPTY ──acquire (miss)──► LOADING ──I/O thread──► READY  (retained until evicted)
+ *                                      └─────────────► FAILED (unpinned FAILED = EMPTY)
+ * Only the compute thread moves a slot out of EMPTY, READY or FAILED; only an I/O thread moves
+ * it out of LOADING. So each transition has one writer, and everything else about a slot — its
+ * key, pin count, LRU stamp, the key→slot index and per-layer counts — is touched by the compute
+ * thread alone and needs no lock. The I/O thread writes the slot's buffer and its error fields
+ * before its store-release of the state; compute reads them after a load-acquire. A slot that is
+ * pinned or LOADING is never a victim. acquire returns −1 when every slot is pinned or loading:
+ * the caller releases (or waits for and consumes) something and tries again.
+ *
+ * The request ring is single-producer (compute) multi-consumer (I/O): the producer writes the
+ * entry and store-releases tail; a consumer loads tail, reads the entry and claims it with a CAS
+ * on head. Every queued request belongs to a LOADING slot, so at most n_slots are queued and a
+ * ring of the next power of two ≥ n_slots never overflows. Idle I/O threads sleep on a futex
+ * (Linux) or a condition variable (elsewhere) keyed on a sequence word bumped per push; the
+ * producer issues a wake only when some thread has declared itself asleep. Completions bump a
+ * second counter that a waiting compute thread sleeps on, after a short spin. The sleeper flags
+ * and counters are seq_cst so that "declare asleep, re-check" and "publish, check for sleepers"
+ * cannot both miss each other.
+ *
+ * Retention policy
+ * ----------------
+ * Layers are visited in a cycle, 0..L−1 for every token. Plain global LRU thrashes on a cycle
+ * whenever the budget is smaller than the working set: the blob needed next is always the one
+ * used longest ago, so LRU evicts exactly what is about to be asked for and every access misses.
+ * So the budget is shared out over the sparse layers: quota = n_slots / n_sparse_layers (integer
+ * division; 0 when there are more layers than slots). On a miss the victim is
+ *   1. an EMPTY slot (or an unpinned FAILED one), if any;
+ *   2. otherwise an unpinned READY slot from the layer that most exceeds its quota
+ *      (count_in_layer − quota, the requesting layer counting its new entry), least recently
+ *      used within that layer; equal excess → the globally least recently used of those.
+ * Each layer thus keeps about its quota of blobs across the cycle, and those score hits on the
+ * next token whenever routing repeats (adjacent tokens share ~half their experts); the slots
+ * beyond the quotas act as a shared LRU. Recency is a per-slot stamp from a 64-bit clock bumped
+ * on every acquire. The victim search is a linear scan over the slots: it runs only on a miss,
+ * which costs a multi-megabyte read, so a few thousand compares are noise and a heap would only
+ * add state.
+ *
+ * Accounting: a hit or miss per acquire (a LOADING slot asked for again is a hit: it was
+ * requested once); blob_reads and bytes_read count when a read is issued (compute thread, no
+ * atomics), so a read that fails still counts — it went to the disk. io_wait_s is the time
+ * wait/wait_any spent on slots that were still LOADING.
+ *
+ * Direct I/O: with params.direct_io the file is opened O_DIRECT (Linux) or F_NOCACHE (macOS)
+ * next to an ordinary buffered descriptor. Slots are 16 KiB aligned and blob offsets and sizes
+ * are multiples of 16 KiB, as O_DIRECT requires. If the O_DIRECT open fails, or an O_DIRECT read
+ * fails with EINVAL (a filesystem that accepts the flag but not the I/O), the streamer logs a
+ * warning and uses the buffered descriptor from then on; stats report which is in force. A probe
+ * read of the file's first page at creation settles this before any blob is read.
+ */
+#include "streamer.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#if defined(__linux__) && !defined(SMOE_NO_FUTEX)
+#define SMOE_FUTEX 1
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#else
+#define SMOE_FUTEX 0
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#elif defined(__aarch64__)
+#define cpu_relax() __asm__ __volatile__("yield")
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+enum { SLOT_EMPTY = 0, SLOT_LOADING = 1, SLOT_READY = 2, SLOT_FAILED = 3 };
+enum { ERR_NONE = 0, ERR_ERRNO, ERR_SHORT, ERR_CRC };
+
+#define SPIN_ITERS 2000 /* ~10–50 µs of polling before sleeping: a blob read takes milliseconds */
+
+typedef struct {
+    _Atomic uint32_t state;
+    /* Request, written by compute before the push, read by the I/O thread after the pop. */
+    uint32_t layer, expert;
+    uint64_t offset;
+    uint32_t crc;
+    /* Outcome, written by the I/O thread before its store-release of state. */
+    int err_kind, err_no;
+    uint64_t got; /* bytes read before a short read */
+    /* Compute thread only. */
+    int32_t key;    /* layer × n_experts + expert, −1 when none */
+    uint32_t pins;
+    uint64_t stamp; /* LRU clock at the last acquire */
+    uint8_t *data;  /* blob_bytes, SMOE_PAGE aligned */
+} slot_t;
+
+/* A word that threads sleep on until its value changes: a futex, or a mutex + condvar. */
+typedef struct {
+    _Atomic uint32_t seq;
+    _Atomic uint32_t sleepers;
+#if !SMOE_FUTEX
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+#endif
+} waitword;
+
+struct smoe_streamer {
+    smoe_streamer_params p; /* path, blob_offset and blob_crc are the caller's (must outlive) */
+    uint32_t n_keys;
+    slot_t *slots;   /* (n_slots) */
+    int32_t *index;  /* (n_layers × n_experts) key → slot, −1 = not retained */
+    uint32_t *layer_count; /* (n_layers) retained slots per layer */
+    uint32_t quota;
+    uint64_t clock;
+
+    int fd_direct, fd_buffered; /* fd_direct is −1 without direct I/O */
+    _Atomic bool use_direct;
+    _Atomic bool warned;
+
+    /* Request ring: single producer (compute), many consumers (I/O). */
+    _Atomic uint32_t *ring; /* (ring_cap) slot indices */
+    uint32_t ring_mask;
+    _Atomic uint32_t head, tail;
+    waitword queued;    /* bumped per push and at shutdown; idle I/O threads sleep on it */
+    waitword completed; /* bumped per finished read; compute sleeps on it */
+    _Atomic bool stop;
+
+    pthread_t *threads;
+    uint32_t n_threads; /* started */
+
+    uint64_t blob_reads, bytes_read, hits, misses;
+    double io_wait_s;
+};
+
+/* ------------------------------------------------------------------------------ wait words */
+
+static int waitword_init(waitword *w) {
+    atomic_init(&w->seq, 0);
+    atomic_init(&w->sleepers, 0);
+#if !SMOE_FUTEX
+    if (pthread_mutex_init(&w->mu, NULL) != 0) return -1;
+    if (pthread_cond_init(&w->cv, NULL) != 0) {
+        pthread_mutex_destroy(&w->mu);
+        return -1;
+    }
+#endif
+    return 0;
+}
+
+static void waitword_destroy(waitword *w) {
+#if !SMOE_FUTEX
+    pthread_cond_destroy(&w->cv);
+    pthread_mutex_destroy(&w->mu);
+#else
+    (void)w;
+#endif
+}
+
+/* Sleeps while w->seq == seen. The caller has already counted itself in sleepers and re-checked
+ * its condition after loading seen; spurious returns are fine (callers loop). */
+static void waitword_sleep(waitword *w, uint32_t seen) {
+#if SMOE_FUTEX
+    syscall(SYS_futex, (uint32_t *)&w->seq, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+#else
+    pthread_mutex_lock(&w->mu);
+    while (atomic_load(&w->seq) == seen) pthread_cond_wait(&w->cv, &w->mu);
+    pthread_mutex_unlock(&w->mu);
+#endif
+}
+
+/* Bumps seq and wakes up to n sleepers (INT_MAX = all), with no syscall when none sleeps. */
+static void waitword_bump(waitword *w, int n) {
+    atomic_fetch_add(&w->seq, 1);
+    if (atomic_load(&w->sleepers) == 0) return;
+#if SMOE_FUTEX
+    syscall(SYS_futex, (uint32_t *)&w->seq, FUTEX_WAKE_PRIVATE, n, NULL, NULL, 0);
+#else
+    pthread_mutex_lock(&w->mu);
+    pthread_mutex_unlock(&w->mu);
+    if (n == 1) pthread_cond_signal(&w->cv);
+    else pthread_cond_broadcast(&w->cv);
+#endif
+}
+
+/* --------------------------------------------------------------------------------- the ring */
+
+static void ring_push(smoe_streamer *s, uint32_t slot) {
+    uint32_t t = atomic_load_explicit(&s->tail, memory_order_relaxed);
+    atomic_store_explicit(&s->ring[t & s->ring_mask], slot, memory_order_relaxed);
+    atomic_store_explicit(&s->tail, t + 1, memory_order_release);
+    waitword_bump(&s->queued, 1);
+}
+
+/* Claims one request; false when the ring is empty. */
+static bool ring_pop(smoe_streamer *s, uint32_t *slot) {
+    uint32_t h = atomic_load_explicit(&s->head, memory_order_relaxed);
+    for (;;) {
+        uint32_t t = atomic_load_explicit(&s->tail, memory_order_acquire);
+        if (h == t) return false;
+        /* May be stale if another consumer claims h first; then the CAS fails and h reloads. */
+        uint32_t v = atomic_load_explicit(&s->ring[h & s->ring_mask], memory_order_relaxed);
+        if (atomic_compare_exchange_weak_explicit(&s->head, &h, h + 1, memory_order_acquire,
+                                                  memory_order_relaxed)) {
+            *slot = v;
+            return true;
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------ I/O threads */
+
+static const char *errno_text(int e, char *buf, size_t n) {
+#if defined(__GLIBC__) && defined(_GNU_SOURCE)
+    return strerror_r(e, buf, n);
+#else
+    if (strerror_r(e, buf, n) != 0) snprintf(buf, n, "errno %d", e);
+    return buf;
+#endif
+}
+
+/* Reads len bytes at off into buf, looping over short reads and EINTR. Returns the bytes read
+ * (< len at end of file) or −1 with errno set. */
+static int64_t pread_full(int fd, uint8_t *buf, uint64_t len, uint64_t off) {
+    uint64_t done = 0;
+    while (done < len) {
+        ssize_t r = pread(fd, buf + done, (size_t)(len - done), (off_t)(off + done));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (r == 0) break;
+        done += (uint64_t)r;
+    }
+    return (int64_t)done;
+}
+
+static void fall_back_to_buffered(smoe_streamer *s, int err) {
+    atomic_store(&s->use_direct, false);
+    if (!atomic_exchange(&s->warned, true)) {
+        char eb[128];
+        smoe_log(SMOE_LOG_WARN, "%s: direct I/O read failed (%s); using buffered reads", s->p.path,
+                 errno_text(err, eb, sizeof eb));
+    }
+}
+
+/* Reads a whole range, with O_DIRECT when in force; falls back on EINVAL. */
+static int64_t read_range(smoe_streamer *s, uint8_t *buf, uint64_t len, uint64_t off) {
+    if (atomic_load_explicit(&s->use_direct, memory_order_relaxed)) {
+        int64_t r = pread_full(s->fd_direct, buf, len, off);
+        if (r >= 0 || errno != EINVAL) return r;
+        fall_back_to_buffered(s, errno);
+    }
+    return pread_full(s->fd_buffered, buf, len, off);
+}
+
+static void do_read(smoe_streamer *s, slot_t *sl) {
+    uint64_t n = s->p.blob_bytes;
+    int64_t r = read_range(s, sl->data, n, sl->offset);
+    uint32_t state = SLOT_READY;
+    sl->err_kind = ERR_NONE;
+    if (r < 0) {
+        sl->err_kind = ERR_ERRNO;
+        sl->err_no = errno;
+        state = SLOT_FAILED;
+    } else if ((uint64_t)r < n) {
+        sl->err_kind = ERR_SHORT;
+        sl->got = (uint64_t)r;
+        state = SLOT_FAILED;
+    } else if (s->p.verify && smoe_crc32(0, sl->data, n) != sl->crc) {
+        sl->err_kind = ERR_CRC;
+        state = SLOT_FAILED;
+    }
+    atomic_store_explicit(&sl->state, state, memory_order_release);
+    waitword_bump(&s->completed, INT_MAX);
+}
+
+/* Pops and reads until stop is set and the ring is empty: requests queued before free() still
+ * complete, so no slot is left LOADING behind a joined thread. */
+static void *io_main(void *arg) {
+    smoe_streamer *s = arg;
+    for (;;) {
+        uint32_t slot;
+        if (ring_pop(s, &slot)) {
+            do_read(s, &s->slots[slot]);
+            continue;
+        }
+        atomic_fetch_add(&s->queued.sleepers, 1);
+        uint32_t seen = atomic_load(&s->queued.seq);
+        bool empty = atomic_load(&s->head) == atomic_load(&s->tail);
+        if (empty && atomic_load(&s->stop)) {
+            atomic_fetch_sub(&s->queued.sleepers, 1);
+            return NULL;
+        }
+        if (empty) waitword_sleep(&s->queued, seen);
+        atomic_fetch_sub(&s->queued.sleepers, 1);
+    }
+}
+
+/* ------------------------------------------------------------------------- create, destroy */
+
+static void stop_threads(smoe_streamer *s) {
+    atomic_store(&s->stop, true);
+    waitword_bump(&s->queued, INT_MAX);
+    for (uint32_t i = 0; i < s->n_threads; i++) pthread_join(s->threads[i], NULL);
+    s->n_threads = 0;
+}
+
+void smoe_streamer_free(smoe_streamer *s) {
+    if (!s) return;
+    stop_threads(s);
+    if (s->fd_direct >= 0) close(s->fd_direct);
+    if (s->fd_buffered >= 0) close(s->fd_buffered);
+    if (s->slots)
+        for (uint32_t i = 0; i < s->p.n_slots; i++) smoe_free(s->slots[i].data);
+    waitword_destroy(&s->completed);
+    waitword_destroy(&s->queued);
+    smoe_free(s->threads);
+    smoe_free((void *)s->ring);
+    smoe_free(s->layer_count);
+    smoe_free(s->index);
+    smoe_free(s->slots);
+    smoe_free(s);
+}
+
+/* Opens the direct descriptor, if asked, and decides with one probe read whether it works. */
+static void open_direct(smoe_streamer *s) {
+    char eb[128];
+#if defined(__linux__)
+    s->fd_direct = open(s->p.path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (s->fd_direct < 0) {
+        smoe_log(SMOE_LOG_WARN, "%s: cannot open with O_DIRECT (%s); using buffered reads", s->p.path,
+                 errno_text(errno, eb, sizeof eb));
+        return;
+    }
+#elif defined(__APPLE__)
+    s->fd_direct = open(s->p.path, O_RDONLY | O_CLOEXEC);
+    if (s->fd_direct >= 0 && fcntl(s->fd_direct, F_NOCACHE, 1) != 0) {
+        smoe_log(SMOE_LOG_WARN, "%s: F_NOCACHE refused (%s); using buffered reads", s->p.path,
+                 errno_text(errno, eb, sizeof eb));
+        close(s->fd_direct);
+        s->fd_direct = -1;
+    }
+    if (s->fd_direct < 0) return;
+#else
+    smoe_log(SMOE_LOG_WARN, "%s: no direct I/O on this platform; using buffered reads", s->p.path);
+    (void)eb;
+    return;
+#endif
+    atomic_store(&s->use_direct, true);
+    /* The probe reads the file's first page (the vault header, never a blob) into slot 0. */
+    if (pread_full(s->fd_direct, s->slots[0].data, SMOE_PAGE, 0) < 0) {
+        if (errno == EINVAL) fall_back_to_buffered(s, errno);
+        /* Other errors will show again, with a blob's name, on the first real read. */
+    }
+    memset(s->slots[0].data, 0, SMOE_PAGE);
+}
+
+smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out) {
+    if (!out) return smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: out is NULL");
+    *out = NULL;
+    if (!p || !p->path || !p->blob_offset || !p->blob_crc)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: missing parameter");
+    if (p->blob_bytes == 0 || p->blob_bytes % SMOE_PAGE != 0 || p->blob_bytes > (uint64_t)SIZE_MAX / 2)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: blob_bytes %llu is not a positive multiple of %u",
+                         (unsigned long long)p->blob_bytes, SMOE_PAGE);
+    if (p->n_slots < 1 || p->io_threads < 1 || p->n_layers < 1 || p->n_experts < 1 ||
+        p->n_sparse_layers > p->n_layers || p->n_slots > (1u << 30) || p->io_threads > 1024 ||
+        (uint64_t)p->n_layers * p->n_experts > INT32_MAX)
+        return smoe_fail(SMOE_ERR_INVALID_ARG,
+                         "streamer: bad sizes (slots %u, io threads %u, layers %u (%u sparse), experts %u)",
+                         p->n_slots, p->io_threads, p->n_layers, p->n_sparse_layers, p->n_experts);
+    uint32_t n_keys = p->n_layers * p->n_experts;
+    for (uint32_t k = 0; k < n_keys; k++)
+        if (p->blob_offset[k] % SMOE_PAGE != 0)
+            return smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: blob (%u,%u) offset %llu is not %u-aligned",
+                             k / p->n_experts, k % p->n_experts, (unsigned long long)p->blob_offset[k],
+                             SMOE_PAGE);
+
+    smoe_streamer *s = smoe_alloc(sizeof *s, 64);
+    if (!s) return smoe_fail(SMOE_ERR_NOMEM, "streamer: out of memory");
+    s->p = *p;
+    s->n_keys = n_keys;
+    s->fd_direct = s->fd_buffered = -1;
+    atomic_init(&s->use_direct, false);
+    atomic_init(&s->warned, false);
+    atomic_init(&s->head, 0);
+    atomic_init(&s->tail, 0);
+    atomic_init(&s->stop, false);
+    if (waitword_init(&s->queued) != 0) {
+        smoe_free(s);
+        return smoe_fail(SMOE_ERR_NOMEM, "streamer: cannot create a condition variable");
+    }
+    if (waitword_init(&s->completed) != 0) {
+        waitword_destroy(&s->queued);
+        smoe_free(s);
+        return smoe_fail(SMOE_ERR_NOMEM, "streamer: cannot create a condition variable");
+    }
+    s->quota = p->n_sparse_layers ? p->n_slots / p->n_sparse_layers : 0;
+
+    uint32_t cap = 1;
+    while (cap < p->n_slots) cap <<= 1;
+    s->ring_mask = cap - 1;
+    s->slots = smoe_alloc((size_t)p->n_slots * sizeof *s->slots, 64);
+    s->index = smoe_alloc((size_t)n_keys * sizeof *s->index, 64);
+    s->layer_count = smoe_alloc((size_t)p->n_layers * sizeof *s->layer_count, 64);
+    s->ring = smoe_alloc((size_t)cap * sizeof *s->ring, 64);
+    s->threads = smoe_alloc((size_t)p->io_threads * sizeof *s->threads, 64);
+    if (!s->slots || !s->index || !s->layer_count || !s->ring || !s->threads) {
+        smoe_streamer_free(s);
+        return smoe_fail(SMOE_ERR_NOMEM, "streamer: out of memory");
+    }
+    for (uint32_t k = 0; k < n_keys; k++) s->index[k] = -1;
+    for (uint32_t i = 0; i < cap; i++) atomic_init(&s->ring[i], 0);
+    for (uint32_t i = 0; i < p->n_slots; i++) {
+        slot_t *sl = &s->slots[i];
+        atomic_init(&sl->state, SLOT_EMPTY);
+        sl->key = -1;
+        sl->data = smoe_alloc((size_t)p->blob_bytes, SMOE_PAGE);
+        if (!sl->data) {
+            smoe_streamer_free(s);
+            return smoe_fail(SMOE_ERR_NOMEM, "streamer: cannot allocate %u slots of %llu bytes", p->n_slots,
+                             (unsigned long long)p->blob_bytes);
+        }
+    }
+
+    char eb[128];
+    s->fd_buffered = open(p->path, O_RDONLY | O_CLOEXEC);
+    if (s->fd_buffered < 0) {
+        smoe_status st = smoe_fail(SMOE_ERR_IO, "%s: cannot open: %s", p->path, errno_text(errno, eb, sizeof eb));
+        smoe_streamer_free(s);
+        return st;
+    }
+    if (p->direct_io) open_direct(s);
+
+    for (uint32_t i = 0; i < p->io_threads; i++) {
+        int e = pthread_create(&s->threads[i], NULL, io_main, s);
+        if (e != 0) {
+            smoe_streamer_free(s);
+            return smoe_fail(SMOE_ERR_NOMEM, "streamer: cannot start I/O thread %u of %u: %s", i + 1,
+                             p->io_threads, errno_text(e, eb, sizeof eb));
+        }
+        s->n_threads = i + 1;
+    }
+    *out = s;
+    return SMOE_OK;
+}
+
+/* ---------------------------------------------------------------------------- compute side */
+
+static uint32_t state_of(const slot_t *sl) {
+    return atomic_load_explicit(&((slot_t *)sl)->state, memory_order_acquire);
+}
+
+static void unmap(smoe_streamer *s, slot_t *sl) {
+    if (sl->key < 0) return;
+    if (s->index[sl->key] == (int32_t)(sl - s->slots)) s->index[sl->key] = -1;
+    s->layer_count[(uint32_t)sl->key / s->p.n_experts]--;
+    sl->key = -1;
+}
+
+/* The retention policy (see the essay at the top). −1 when every slot is pinned or loading. */
+static int pick_victim(smoe_streamer *s, uint32_t layer) {
+    int best = -1;
+    int64_t best_excess = 0;
+    uint64_t best_stamp = 0;
+    for (uint32_t i = 0; i < s->p.n_slots; i++) {
+        slot_t *sl = &s->slots[i];
+        if (sl->pins) continue;
+        uint32_t st = state_of(sl);
+        if (st == SLOT_EMPTY || st == SLOT_FAILED) return (int)i;
+        if (st != SLOT_READY) continue;
+        uint32_t l = (uint32_t)sl->key / s->p.n_experts;
+        int64_t excess = (int64_t)s->layer_count[l] + (l == layer) - (int64_t)s->quota;
+        if (best < 0 || excess > best_excess || (excess == best_excess && sl->stamp < best_stamp)) {
+            best = (int)i;
+            best_excess = excess;
+            best_stamp = sl->stamp;
+        }
+    }
+    return best;
+}
+
+int smoe_streamer_acquire(smoe_streamer *s, uint32_t layer, uint32_t expert) {
+    if (!s || layer >= s->p.n_layers || expert >= s->p.n_experts) {
+        smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: no blob (%u,%u)", layer, expert);
+        return -2;
+    }
+    uint32_t key = layer * s->p.n_experts + expert;
+    if (s->p.blob_offset[key] == 0) {
+        smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: layer %u has no expert blobs", layer);
+        return -2;
+    }
+    int32_t idx = s->index[key];
+    if (idx >= 0) {
+        slot_t *sl = &s->slots[idx];
+        if (state_of(sl) != SLOT_FAILED) {
+            sl->pins++;
+            sl->stamp = ++s->clock;
+            s->hits++;
+            return idx;
+        }
+        /* A failed read is retried by whoever asks next; the failed slot empties on release. */
+        unmap(s, sl);
+        if (sl->pins == 0) atomic_store_explicit(&sl->state, SLOT_EMPTY, memory_order_relaxed);
+    }
+    int v = pick_victim(s, layer);
+    if (v < 0) return -1;
+    slot_t *sl = &s->slots[v];
+    unmap(s, sl);
+    sl->key = (int32_t)key;
+    s->index[key] = v;
+    s->layer_count[layer]++;
+    sl->pins = 1;
+    sl->stamp = ++s->clock;
+    sl->layer = layer;
+    sl->expert = expert;
+    sl->offset = s->p.blob_offset[key];
+    sl->crc = s->p.blob_crc[key];
+    atomic_store_explicit(&sl->state, SLOT_LOADING, memory_order_relaxed);
+    s->misses++;
+    s->blob_reads++;
+    s->bytes_read += s->p.blob_bytes;
+    ring_push(s, (uint32_t)v); /* its store-release publishes the request fields */
+    return v;
+}
+
+/* Sleeps (after a short spin) until done(s, arg) holds; done is re-checked after every
+ * completion. Adds the time to io_wait_s. */
+static void wait_until(smoe_streamer *s, bool (*done)(const smoe_streamer *, const void *), const void *arg) {
+    if (done(s, arg)) return;
+    double t0 = smoe_now();
+    for (int i = 0; i < SPIN_ITERS && !done(s, arg); i++) cpu_relax();
+    while (!done(s, arg)) {
+        atomic_store(&s->completed.sleepers, 1); /* one compute thread: a flag is enough */
+        uint32_t seen = atomic_load(&s->completed.seq);
+        if (!done(s, arg)) waitword_sleep(&s->completed, seen);
+        atomic_store(&s->completed.sleepers, 0);
+    }
+    s->io_wait_s += smoe_now() - t0;
+}
+
+static bool slot_done(const smoe_streamer *s, const void *arg) {
+    return state_of(&s->slots[*(const int *)arg]) != SLOT_LOADING;
+}
+
+typedef struct {
+    const int *slots;
+    uint32_t n;
+} slot_set;
+
+static bool any_done(const smoe_streamer *s, const void *arg) {
+    const slot_set *set = arg;
+    for (uint32_t i = 0; i < set->n; i++)
+        if (state_of(&s->slots[set->slots[i]]) != SLOT_LOADING) return true;
+    return false;
+}
+
+static bool none_loading(const smoe_streamer *s, const void *arg) {
+    (void)arg;
+    for (uint32_t i = 0; i < s->p.n_slots; i++)
+        if (state_of(&s->slots[i]) == SLOT_LOADING) return false;
+    return true;
+}
+
+smoe_status smoe_streamer_wait(smoe_streamer *s, int slot) {
+    if (!s || slot < 0 || (uint32_t)slot >= s->p.n_slots)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: bad slot %d", slot);
+    wait_until(s, slot_done, &slot);
+    slot_t *sl = &s->slots[slot];
+    if (state_of(sl) == SLOT_READY) return SMOE_OK;
+    if (state_of(sl) != SLOT_FAILED) return smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: slot %d holds no blob", slot);
+    unsigned long long off = (unsigned long long)sl->offset;
+    char eb[128];
+    switch (sl->err_kind) {
+    case ERR_CRC:
+        return smoe_fail(SMOE_ERR_VAULT, "blob (%u,%u) checksum mismatch (layer %u, expert %u, offset %llu)",
+                         sl->layer, sl->expert, sl->layer, sl->expert, off);
+    case ERR_SHORT:
+        return smoe_fail(SMOE_ERR_IO,
+                         "%s: short read of blob (%u,%u) (layer %u, expert %u, offset %llu): got %llu of %llu "
+                         "bytes (file truncated?)",
+                         s->p.path, sl->layer, sl->expert, sl->layer, sl->expert, off,
+                         (unsigned long long)sl->got, (unsigned long long)s->p.blob_bytes);
+    default:
+        return smoe_fail(SMOE_ERR_IO, "%s: read of blob (%u,%u) (layer %u, expert %u, offset %llu) failed: %s",
+                         s->p.path, sl->layer, sl->expert, sl->layer, sl->expert, off,
+                         errno_text(sl->err_no, eb, sizeof eb));
+    }
+}
+
+uint32_t smoe_streamer_wait_any(smoe_streamer *s, const int *slots, uint32_t n) {
+    if (!s || !slots || n == 0) return n;
+    slot_set set = {slots, n};
+    wait_until(s, any_done, &set);
+    for (uint32_t i = 0; i < n; i++)
+        if (state_of(&s->slots[slots[i]]) != SLOT_LOADING) return i;
+    return n; /* unreachable: any_done held and only compute leaves non-LOADING states */
+}
+
+bool smoe_streamer_ready(const smoe_streamer *s, int slot) {
+    return s && slot >= 0 && (uint32_t)slot < s->p.n_slots && state_of(&s->slots[slot]) != SLOT_LOADING;
+}
+
+const uint8_t *smoe_streamer_data(const smoe_streamer *s, int slot) {
+    if (!s || slot < 0 || (uint32_t)slot >= s->p.n_slots) return NULL;
+    return s->slots[slot].data;
+}
+
+void smoe_streamer_release(smoe_streamer *s, int slot) {
+    if (!s || slot < 0 || (uint32_t)slot >= s->p.n_slots) return;
+    slot_t *sl = &s->slots[slot];
+    if (sl->pins == 0) return;
+    if (--sl->pins == 0 && state_of(sl) == SLOT_FAILED) {
+        unmap(s, sl);
+        atomic_store_explicit(&sl->state, SLOT_EMPTY, memory_order_relaxed);
+    }
+}
+
+void smoe_streamer_clear(smoe_streamer *s) {
+    if (!s) return;
+    wait_until(s, none_loading, NULL);
+    for (uint32_t i = 0; i < s->p.n_slots; i++) {
+        slot_t *sl = &s->slots[i];
+        if (sl->pins) continue; /* a caller bug; leave what is in use alone */
+        unmap(s, sl);
+        atomic_store_explicit(&sl->state, SLOT_EMPTY, memory_order_relaxed);
+    }
+}
+
+void smoe_streamer_get_stats(const smoe_streamer *s, smoe_streamer_stats *out) {
+    if (!s || !out) return;
+    out->blob_reads = s->blob_reads;
+    out->bytes_read = s->bytes_read;
+    out->hits = s->hits;
+    out->misses = s->misses;
+    out->io_wait_s = s->io_wait_s;
+    out->direct_io = atomic_load(&((smoe_streamer *)s)->use_direct);
+}
+
+void smoe_streamer_reset_stats(smoe_streamer *s) {
+    if (!s) return;
+    s->blob_reads = s->bytes_read = s->hits = s->misses = 0;
+    s->io_wait_s = 0;
+}
+
+uint64_t smoe_streamer_slot_bytes(const smoe_streamer *s) {
+    return s ? (uint64_t)s->p.n_slots * s->p.blob_bytes : 0;
+}
