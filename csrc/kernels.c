@@ -1,0 +1,358 @@
+/* kernels.c — the portable reference kernels (kernels.h).
+ *
+ * The reduction-order rule
+ * ------------------------
+ * Float addition is not associative, so a sum's bits depend on the order of its terms. The
+ * layer-major prefill multiplies a whole chunk of tokens by a weight matrix at once; the
+ * token-serial step multiplies one. The two must agree bit for bit, and neither may depend on
+ * how the rows were cut between threads. So every output element here is reduced in one order
+ * that is a function of its own shape only — never of n, of [r0, r1), or of the thread count:
+ *
+ *   dot(w, x) over cols c = 0 .. cols-1:
+ *     16 lane accumulators a[0..15], all starting at +0.0f;
+ *     for c in increasing order: a[c % 16] += w[c] · x[c]   (product rounded, then added:
+ *                                                             the build uses -ffp-contract=off)
+ *     then the fixed tree  s8[j] = a[j] + a[j+8]    (j < 8)
+ *                          s4[j] = s8[j] + s8[j+4]  (j < 4)
+ *                          s2[j] = s4[j] + s4[j+2]  (j < 2)
+ *                          dot   = s2[0] + s2[1]
+ *
+ * The tree is what a SIMD horizontal sum does naturally (two 8-wide registers added, then the
+ * 128-bit halves, then the 64-bit halves, then the last pair), so the AVX2 and NEON kernels can
+ * reproduce it exactly; the 16 independent lanes also give the compiler room to vectorise this
+ * file. Where w is quantised, w[c] is first dequantised exactly as docs/vault.md says
+ * (float(scale)·float(q) + float(bias), a separate multiply and add), so the dequantised value
+ * is the same whether it is produced once per row and reused for a whole batch of tokens (as
+ * smoe_matmul_rows does) or once per token.
+ *
+ * How smoe_matmul_rows keeps to the rule while reusing work: it walks rows in tiles of 4 and
+ * tokens in tiles of 32; for each tile it dequantises a block of up to 1024 columns of the 4
+ * rows into a stack buffer once and feeds it to every token of the tile. Each (row, token) pair
+ * owns its own 16 lane accumulators, which persist across the column blocks, and blocks start
+ * at multiples of 16, so lane j still sees columns c ≡ j (mod 16) in increasing order: tiling
+ * rows, tokens or columns changes which work is shared, never the order of any one sum.
+ *
+ * The other reductions (RMSNorm's sum of squares, attention's q·k) use the same 16-lane dot;
+ * softmax sums and attention's weighted sum of V run in plain index / position order. All of
+ * them are per token, so n never enters.
+ *
+ * Numerics follow Hugging Face transformers' Qwen3-MoE in float32: RMSNorm is
+ * weight · (x · 1/sqrt(mean(x²) + eps)); attention scales scores by head_dim^-0.5 rounded to
+ * float; softmax is max-subtracted with expf, each entry divided by the sum; silu(g) is
+ * g / (1 + expf(-g)); the router's top-k weights are divided by their sum.
+ *
+ * Assumes a little-endian host (the vault is little-endian and is used in place).
+ */
+#include "kernels.h"
+
+#include <math.h>
+#include <string.h>
+
+enum {
+    LANES = 16,  /* lane accumulators of every dot product */
+    BLOCK = 1024, /* columns dequantised at a time; a multiple of 64 (a quant group) and of LANES */
+    RTILE = 4,   /* rows sharing one pass over the tokens */
+    TTILE = 32,  /* tokens sharing one dequantised block */
+    GROUP = 64,  /* quantisation group along cols */
+};
+
+/* ------------------------------------------------------------------------ scalar formats */
+
+static inline float f32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float bf16_to_f32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+
+/* IEEE half → float, exactly, without relying on F16C. */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    if (exp == 0x1f) return f32_from_bits(sign | 0x7f800000u | (man << 13)); /* inf, nan */
+    if (exp != 0) return f32_from_bits(sign | ((exp + 112u) << 23) | (man << 13));
+    /* zero or subnormal: man · 2^-24, exact in float (a normal float for man > 0) */
+    float v = (float)man * 0x1p-24f;
+    return sign ? -v : v;
+}
+
+static inline uint16_t load_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline uint32_t load_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float load_scale(uint8_t scale_format, const uint8_t *p) {
+    uint16_t v = load_u16(p);
+    return scale_format == SMOE_SCALE_F16 ? f16_to_f32(v) : bf16_to_f32(v);
+}
+
+/* ----------------------------------------------------------------------- dequantisation */
+
+/* Columns [c0, c0 + nc) of row `row` of W as floats. For f32 the tensor's own memory is
+ * returned; otherwise the values are written to buf (nc floats) and buf is returned.
+ * For q8/q4, c0 and nc are multiples of GROUP (cols is). */
+static const float *row_block(const smoe_tensor *W, const uint8_t *w, uint32_t row, uint32_t c0, uint32_t nc,
+                              float *buf) {
+    const uint64_t cols = W->cols;
+    switch (W->format) {
+    case SMOE_FMT_F32:
+        return (const float *)(const void *)(w + 4 * ((uint64_t)row * cols + c0));
+    case SMOE_FMT_BF16: {
+        const uint8_t *src = w + 2 * ((uint64_t)row * cols + c0);
+        for (uint32_t c = 0; c < nc; c++) buf[c] = bf16_to_f32(load_u16(src + 2 * c));
+        return buf;
+    }
+    case SMOE_FMT_Q8:
+    case SMOE_FMT_Q4: {
+        const uint64_t gpr = cols / GROUP; /* groups per row */
+        const uint8_t *scales = w + W->scales_off + 2 * ((uint64_t)row * gpr + c0 / GROUP);
+        const uint8_t *biases = w + W->biases_off + 2 * ((uint64_t)row * gpr + c0 / GROUP);
+        for (uint32_t g = 0; g < nc / GROUP; g++) {
+            const float s = load_scale(W->scale_format, scales + 2 * g);
+            const float b = load_scale(W->scale_format, biases + 2 * g);
+            float *o = buf + g * GROUP; /* (GROUP) */
+            if (W->format == SMOE_FMT_Q8) {
+                const uint8_t *q = w + (uint64_t)row * cols + c0 + (uint64_t)g * GROUP;
+                for (uint32_t k = 0; k < GROUP; k++) {
+                    float sq = s * (float)q[k];
+                    o[k] = sq + b;
+                }
+            } else {
+                const uint8_t *q = w + 4 * (((uint64_t)row * cols + c0) / 8 + (uint64_t)g * (GROUP / 8));
+                for (uint32_t i = 0; i < GROUP / 8; i++) {
+                    const uint32_t word = load_u32(q + 4 * i);
+                    for (uint32_t k = 0; k < 8; k++) {
+                        float sq = s * (float)((word >> (4 * k)) & 15u);
+                        o[8 * i + k] = sq + b;
+                    }
+                }
+            }
+        }
+        return buf;
+    }
+    default: /* the vault parser admits no other format */
+        memset(buf, 0, (size_t)nc * sizeof *buf);
+        return buf;
+    }
+}
+
+void smoe_dequant_row(const smoe_tensor *W, const uint8_t *w, uint32_t row, float *out) {
+    for (uint32_t c0 = 0; c0 < W->cols; c0 += BLOCK) {
+        uint32_t nc = W->cols - c0 < BLOCK ? W->cols - c0 : BLOCK;
+        const float *src = row_block(W, w, row, c0, nc, out + c0);
+        if (src != out + c0) memcpy(out + c0, src, (size_t)nc * sizeof *out);
+    }
+}
+
+/* --------------------------------------------------------------------- the fixed-order dot */
+
+static inline float lanes_sum(const float a[LANES]) {
+    float s8[8], s4[4], s2[2];
+    for (int j = 0; j < 8; j++) s8[j] = a[j] + a[j + 8];
+    for (int j = 0; j < 4; j++) s4[j] = s8[j] + s8[j + 4];
+    for (int j = 0; j < 2; j++) s2[j] = s4[j] + s4[j + 2];
+    return s2[0] + s2[1];
+}
+
+/* a[c % 16] += w[c]·x[c] for c in [0, nc); nc's block starts at a multiple of 16. */
+static inline void lanes_acc(float a[restrict LANES], const float *restrict w, const float *restrict x, uint32_t nc) {
+    float l[LANES];
+    memcpy(l, a, sizeof l);
+    uint32_t c = 0;
+    for (; c + LANES <= nc; c += LANES)
+        for (int j = 0; j < LANES; j++) {
+            float p = w[c + j] * x[c + j];
+            l[j] += p;
+        }
+    for (; c < nc; c++) {
+        float p = w[c] * x[c];
+        l[c % LANES] += p;
+    }
+    memcpy(a, l, sizeof l);
+}
+
+/* lanes_acc for four rows against one x: the same per-row order, one load of x. */
+static inline void lanes_acc4(float a[restrict RTILE][LANES], const float *restrict w0, const float *restrict w1,
+                              const float *restrict w2, const float *restrict w3, const float *restrict x,
+                              uint32_t nc) {
+    float l0[LANES], l1[LANES], l2[LANES], l3[LANES];
+    memcpy(l0, a[0], sizeof l0);
+    memcpy(l1, a[1], sizeof l1);
+    memcpy(l2, a[2], sizeof l2);
+    memcpy(l3, a[3], sizeof l3);
+    uint32_t c = 0;
+    for (; c + LANES <= nc; c += LANES)
+        for (int j = 0; j < LANES; j++) {
+            const float xv = x[c + j];
+            float p0 = w0[c + j] * xv, p1 = w1[c + j] * xv, p2 = w2[c + j] * xv, p3 = w3[c + j] * xv;
+            l0[j] += p0;
+            l1[j] += p1;
+            l2[j] += p2;
+            l3[j] += p3;
+        }
+    for (; c < nc; c++) {
+        const float xv = x[c];
+        float p0 = w0[c] * xv, p1 = w1[c] * xv, p2 = w2[c] * xv, p3 = w3[c] * xv;
+        l0[c % LANES] += p0;
+        l1[c % LANES] += p1;
+        l2[c % LANES] += p2;
+        l3[c % LANES] += p3;
+    }
+    memcpy(a[0], l0, sizeof l0);
+    memcpy(a[1], l1, sizeof l1);
+    memcpy(a[2], l2, sizeof l2);
+    memcpy(a[3], l3, sizeof l3);
+}
+
+static float dot16(const float *w, const float *x, uint32_t n) {
+    float a[LANES] = {0};
+    lanes_acc(a, w, x, n);
+    return lanes_sum(a);
+}
+
+/* ------------------------------------------------------------------------------- matmul */
+
+void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n,
+                      float *y, size_t ldy, uint32_t r0, uint32_t r1) {
+    const uint32_t cols = W->cols;
+    float wbuf[RTILE][BLOCK];        /* (rows of the tile, block columns) dequantised weights */
+    float acc[TTILE][RTILE][LANES];  /* (tokens of the tile, rows of the tile, lanes) */
+    for (uint32_t r = r0; r < r1; r += RTILE) {
+        const uint32_t nr = r1 - r < RTILE ? r1 - r : RTILE;
+        for (uint32_t t0 = 0; t0 < n; t0 += TTILE) {
+            const uint32_t nt = n - t0 < TTILE ? n - t0 : TTILE;
+            memset(acc, 0, sizeof acc);
+            for (uint32_t c0 = 0; c0 < cols; c0 += BLOCK) {
+                const uint32_t nc = cols - c0 < BLOCK ? cols - c0 : BLOCK;
+                const float *wr[RTILE];
+                for (uint32_t i = 0; i < nr; i++) wr[i] = row_block(W, w, r + i, c0, nc, wbuf[i]);
+                for (uint32_t t = 0; t < nt; t++) {
+                    const float *xt = x + (t0 + t) * ldx + c0;
+                    if (nr == RTILE)
+                        lanes_acc4(acc[t], wr[0], wr[1], wr[2], wr[3], xt, nc);
+                    else
+                        for (uint32_t i = 0; i < nr; i++) lanes_acc(acc[t][i], wr[i], xt, nc);
+                }
+            }
+            for (uint32_t t = 0; t < nt; t++)
+                for (uint32_t i = 0; i < nr; i++) y[(t0 + t) * ldy + r + i] = lanes_sum(acc[t][i]);
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------ per-token math */
+
+void smoe_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps) {
+    const float ss = dot16(x, x, dim);
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    float wbuf[BLOCK]; /* (block) the weight, widened */
+    for (uint32_t c0 = 0; c0 < dim; c0 += BLOCK) {
+        const uint32_t nc = dim - c0 < BLOCK ? dim - c0 : BLOCK;
+        const float *wv = row_block(weight, weight->data, 0, c0, nc, wbuf);
+        for (uint32_t c = 0; c < nc; c++) {
+            float xn = x[c0 + c] * inv;
+            out[c0 + c] = wv[c] * xn;
+        }
+    }
+}
+
+void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, const float *cos, const float *sin) {
+    const uint32_t h = head_dim / 2;
+    for (uint32_t k = 0; k < n_heads; k++) {
+        float *v = x + (size_t)k * head_dim; /* (head_dim) */
+        for (uint32_t i = 0; i < h; i++) {
+            const float a = v[i], b = v[i + h];
+            float ac = a * cos[i], bs = b * sin[i], bc = b * cos[i], as = a * sin[i];
+            v[i] = ac - bs;
+            v[i + h] = bc + as;
+        }
+    }
+}
+
+void smoe_softmax(float *x, uint32_t n) {
+    if (n == 0) return;
+    float m = x[0];
+    for (uint32_t i = 1; i < n; i++)
+        if (x[i] > m) m = x[i];
+    float sum = 0.0f;
+    for (uint32_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        sum += x[i];
+    }
+    for (uint32_t i = 0; i < n; i++) x[i] = x[i] / sum;
+}
+
+void smoe_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
+                 uint32_t head_dim, float *scratch) {
+    /* head_dim ** -0.5 as transformers computes it (in double), then rounded to float */
+    const float scale = (float)(1.0 / sqrt((double)head_dim));
+    for (uint32_t p = 0; p < n_pos; p++) scratch[p] = dot16(q, k + p * stride, head_dim) * scale;
+    smoe_softmax(scratch, n_pos);
+    for (uint32_t d = 0; d < head_dim; d++) out[d] = 0.0f;
+    for (uint32_t p = 0; p < n_pos; p++) {
+        const float a = scratch[p];
+        const float *vp = v + p * stride; /* (head_dim) */
+        for (uint32_t d = 0; d < head_dim; d++) {
+            float av = a * vp[d];
+            out[d] += av;
+        }
+    }
+}
+
+/* a ranks before b: larger value, or equal value and lower index */
+static inline bool ranks_before(float va, uint32_t a, float vb, uint32_t b) {
+    return va > vb || (va == vb && a < b);
+}
+
+void smoe_topk(const float *p, uint32_t n, uint32_t k, bool renorm, int32_t *idx, float *val) {
+    if (k > n) k = n;
+    if (k == 0) return;
+    uint32_t have = 0;
+    /* insertion into a sorted list of k: k is small (experts per token) */
+    for (uint32_t i = 0; i < n; i++) {
+        const float v = p[i];
+        if (v != v) continue; /* NaN never ranks */
+        if (have == k && !ranks_before(v, i, val[k - 1], (uint32_t)idx[k - 1])) continue;
+        uint32_t j = have < k ? have++ : k - 1;
+        while (j > 0 && ranks_before(v, i, val[j - 1], (uint32_t)idx[j - 1])) {
+            val[j] = val[j - 1];
+            idx[j] = idx[j - 1];
+            j--;
+        }
+        val[j] = v;
+        idx[j] = (int32_t)i;
+    }
+    for (uint32_t j = have; j < k; j++) { /* only when p held NaNs */
+        idx[j] = -1;
+        val[j] = 0.0f;
+    }
+    if (renorm) {
+        float sum = 0.0f;
+        for (uint32_t j = 0; j < k; j++) sum += val[j];
+        for (uint32_t j = 0; j < k; j++) val[j] = val[j] / sum;
+    }
+}
+
+void smoe_swiglu(float *h, const float *g, const float *u, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) {
+        const float gi = g[i];
+        float silu = gi / (1.0f + expf(-gi));
+        h[i] = silu * u[i];
+    }
+}
+
+void smoe_axpy(float *y, float a, const float *x, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) {
+        float ax = a * x[i];
+        y[i] += ax;
+    }
+}

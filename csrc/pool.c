@@ -1,0 +1,236 @@
+/* pool.c — the compute worker pool (pool.h).
+ *
+ * threads − 1 persistent workers; the caller of smoe_pool_run is worker 0. A run is published
+ * through one atomic generation counter: the caller writes the task (fn, ctx, n, grain), sets
+ * `pending` to the number of workers, and increments `gen` (release). Workers watching `gen`
+ * see the new value (acquire), read the task, run their range and decrement `pending`; the
+ * caller runs range 0 and then waits for `pending` to reach 0. No mutex is taken on this path.
+ *
+ * Waiting spins briefly (runs of one decode step come back to back) and then sleeps: on Linux
+ * on a futex on the very word being watched, elsewhere on a condition variable. A sleeper first
+ * announces itself (`sleepers`, `caller_sleeping`) and then sleeps only if the word still holds
+ * the value it saw; the waker changes the word first and then looks for sleepers. Both sides
+ * use sequentially consistent atomics, so one of them always sees the other: no lost wakeup,
+ * and no system call when nobody sleeps.
+ */
+#include "pool.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SMOE_POOL_FUTEX 1
+#else
+#define SMOE_POOL_FUTEX 0
+#endif
+
+enum { SPIN_ITERS = 1 << 14, MAX_THREADS = 1024 };
+
+typedef struct {
+    smoe_pool *pool;
+    uint32_t index; /* worker number, 1 .. threads−1 */
+} worker_arg;
+
+struct smoe_pool {
+    uint32_t threads;
+    pthread_t *tids;      /* (threads − 1) */
+    worker_arg *args;     /* (threads − 1) */
+    uint32_t started;     /* workers created so far */
+
+    /* the task of the current generation: written by the caller before gen is bumped */
+    smoe_task_fn fn;
+    void *ctx;
+    uint32_t n, grain;
+
+    _Atomic uint32_t gen;             /* bumped once per run (and once at shutdown) */
+    _Atomic uint32_t pending;         /* workers still running this generation */
+    _Atomic uint32_t sleepers;        /* workers asleep (or about to be) on gen */
+    _Atomic uint32_t caller_sleeping; /* the caller asleep (or about to be) on pending */
+    _Atomic bool stop;
+
+#if !SMOE_POOL_FUTEX
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+#endif
+};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Sleeps while *word == expected (may return spuriously). */
+static void word_wait(smoe_pool *p, _Atomic uint32_t *word, uint32_t expected) {
+#if SMOE_POOL_FUTEX
+    (void)p;
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT_PRIVATE, expected, NULL, NULL, 0);
+#else
+    pthread_mutex_lock(&p->mu);
+    while (atomic_load(word) == expected) pthread_cond_wait(&p->cv, &p->mu);
+    pthread_mutex_unlock(&p->mu);
+#endif
+}
+
+/* Wakes every sleeper on word; the caller changed *word before. */
+static void word_wake(smoe_pool *p, _Atomic uint32_t *word) {
+#if SMOE_POOL_FUTEX
+    (void)p;
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
+#else
+    (void)word;
+    /* taking the lock orders this wake after a waiter's check-then-wait */
+    pthread_mutex_lock(&p->mu);
+    pthread_mutex_unlock(&p->mu);
+    pthread_cond_broadcast(&p->cv);
+#endif
+}
+
+/* Range of worker w: the ceil(n/grain) grains are dealt out as evenly as possible, the lower
+ * workers taking the extra ones, so with little work the caller (worker 0) gets some. */
+static void worker_range(uint32_t n, uint32_t grain, uint32_t threads, uint32_t w, uint32_t *begin, uint32_t *end) {
+    const uint64_t grains = ((uint64_t)n + grain - 1) / grain;
+    const uint64_t base = grains / threads, extra = grains % threads;
+    const uint64_t g0 = w * base + (w < extra ? w : extra);
+    const uint64_t g1 = g0 + base + (w < extra ? 1 : 0);
+    const uint64_t b = g0 * grain, e = g1 * grain;
+    *begin = (uint32_t)(b < n ? b : n);
+    *end = (uint32_t)(e < n ? e : n);
+}
+
+static void run_range(smoe_pool *p, uint32_t w) {
+    uint32_t b, e;
+    worker_range(p->n, p->grain, p->threads, w, &b, &e);
+    if (b < e) p->fn(p->ctx, b, e, w);
+}
+
+static void *worker_main(void *arg) {
+    const worker_arg *a = arg;
+    smoe_pool *p = a->pool;
+    uint32_t seen = atomic_load_explicit(&p->gen, memory_order_acquire);
+    for (;;) {
+        uint32_t g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen) {
+            if (++spins < SPIN_ITERS) {
+                cpu_relax();
+                continue;
+            }
+            atomic_fetch_add(&p->sleepers, 1);
+            word_wait(p, &p->gen, seen);
+            atomic_fetch_sub(&p->sleepers, 1);
+        }
+        seen = g;
+        if (atomic_load_explicit(&p->stop, memory_order_acquire)) return NULL;
+        run_range(p, a->index);
+        if (atomic_fetch_sub(&p->pending, 1) == 1 && atomic_load(&p->caller_sleeping)) word_wake(p, &p->pending);
+    }
+}
+
+uint32_t smoe_pool_threads(const smoe_pool *pool) { return pool ? pool->threads : 0; }
+
+/* Publishes a new generation and wakes sleeping workers. */
+static void publish(smoe_pool *p) {
+    atomic_fetch_add(&p->gen, 1);
+    if (atomic_load(&p->sleepers) > 0) word_wake(p, &p->gen);
+}
+
+void smoe_pool_free(smoe_pool *pool) {
+    if (!pool) return;
+    if (pool->started > 0) {
+        atomic_store(&pool->stop, true);
+        publish(pool);
+        for (uint32_t i = 0; i < pool->started; i++) pthread_join(pool->tids[i], NULL);
+    }
+#if !SMOE_POOL_FUTEX
+    pthread_cond_destroy(&pool->cv);
+    pthread_mutex_destroy(&pool->mu);
+#endif
+    smoe_free(pool->args);
+    smoe_free(pool->tids);
+    smoe_free(pool);
+}
+
+smoe_status smoe_pool_new(uint32_t threads, smoe_pool **out) {
+    if (!out) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_pool_new: out is NULL");
+    *out = NULL;
+    if (threads < 1 || threads > MAX_THREADS)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "threads must be in [1, %u], got %u", MAX_THREADS, threads);
+    smoe_pool *p = smoe_alloc(sizeof *p, 64);
+    if (!p) return smoe_fail(SMOE_ERR_NOMEM, "worker pool: out of memory");
+    p->threads = threads;
+    atomic_init(&p->gen, 0);
+    atomic_init(&p->pending, 0);
+    atomic_init(&p->sleepers, 0);
+    atomic_init(&p->caller_sleeping, 0);
+    atomic_init(&p->stop, false);
+#if !SMOE_POOL_FUTEX
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->cv, NULL);
+#endif
+    if (threads == 1) {
+        *out = p;
+        return SMOE_OK;
+    }
+    p->tids = smoe_alloc(sizeof *p->tids * (threads - 1), 64);
+    p->args = smoe_alloc(sizeof *p->args * (threads - 1), 64);
+    if (!p->tids || !p->args) {
+        smoe_pool_free(p);
+        return smoe_fail(SMOE_ERR_NOMEM, "worker pool: out of memory");
+    }
+    /* Workers block every signal, so the host (Python's SIGINT handling) sees them on its own
+     * threads; they inherit the mask of the creating thread. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int err = 0;
+    for (uint32_t i = 0; i < threads - 1; i++) {
+        p->args[i].pool = p;
+        p->args[i].index = i + 1;
+        err = pthread_create(&p->tids[i], NULL, worker_main, &p->args[i]);
+        if (err) break;
+        p->started++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (err) {
+        smoe_pool_free(p);
+        return smoe_fail(SMOE_ERR_NOMEM, "worker pool: cannot start thread %u of %u (error %d)", p->started + 1,
+                         threads, err);
+    }
+    *out = p;
+    return SMOE_OK;
+}
+
+void smoe_pool_run(smoe_pool *pool, smoe_task_fn fn, void *ctx, uint32_t n, uint32_t grain) {
+    if (n == 0) return;
+    if (grain == 0) grain = 1;
+    if (pool->threads == 1 || n <= grain) {
+        fn(ctx, 0, n, 0);
+        return;
+    }
+    pool->fn = fn;
+    pool->ctx = ctx;
+    pool->n = n;
+    pool->grain = grain;
+    atomic_store(&pool->pending, pool->threads - 1);
+    publish(pool); /* the seq_cst bump releases the task fields above */
+    run_range(pool, 0);
+    int spins = 0;
+    uint32_t left;
+    while ((left = atomic_load_explicit(&pool->pending, memory_order_acquire)) != 0) {
+        if (++spins < SPIN_ITERS) {
+            cpu_relax();
+            continue;
+        }
+        atomic_store(&pool->caller_sleeping, 1);
+        if ((left = atomic_load(&pool->pending)) != 0) word_wait(pool, &pool->pending, left);
+        atomic_store(&pool->caller_sleeping, 0);
+    }
+}

@@ -1,0 +1,191 @@
+/* sample.c — choosing the next id (sample.h).
+ *
+ * The pipeline, in the order Hugging Face's logits processors apply it:
+ *   1. repetition penalty over the last repetition_window ids of the history, each distinct id
+ *      once: a logit > 0 is divided by the penalty, any other multiplied by it;
+ *   2. temperature 0 → argmax (lowest id on ties), no random draw;
+ *   3. logits / temperature;
+ *   4. top-k: keep the k largest (ties: lower id first);
+ *   5. softmax over what is left (in double, max-subtracted);
+ *   6. top-p: keep the smallest prefix of the candidates, best first, whose probability sums
+ *      to ≥ top_p;
+ *   7. min-p: drop candidates whose probability is < min_p · p_max;
+ *   8. renormalise and draw one uniform double from xoroshiro128+ (seeded by splitmix64).
+ * NaN logits count as −inf. The same seed and logits always give the same id.
+ *
+ * The vocabulary (151,936 for Qwen3) is never fully sorted when top-k bounds the candidates:
+ * a bounded min-heap selects the best k in O(V log k). Top-p or min-p without top-k select the
+ * best 64, 256, 1024, ... until the cut-off falls inside the selection, which for a peaked
+ * distribution is the first try.
+ */
+#include "sample.h"
+
+#include <math.h>
+
+/* ---------------------------------------------------------------------------------- rng */
+
+static uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t xoroshiro128p(uint64_t s[2]) {
+    const uint64_t s0 = s[0];
+    uint64_t s1 = s[1];
+    const uint64_t result = s0 + s1;
+    s1 ^= s0;
+    s[0] = rotl(s0, 24) ^ s1 ^ (s1 << 16);
+    s[1] = rotl(s1, 37);
+    return result;
+}
+
+/* uniform in [0, 1) from the top 53 bits (the low bits of xoroshiro128+ are the weak ones) */
+static double uniform(uint64_t s[2]) { return (double)(xoroshiro128p(s) >> 11) * 0x1.0p-53; }
+
+void smoe_sampler_init(smoe_sampler *s, const smoe_sampler_params *p) {
+    s->p = *p;
+    uint64_t x = p->seed;
+    s->rng[0] = splitmix64(&x);
+    s->rng[1] = splitmix64(&x);
+    if ((s->rng[0] | s->rng[1]) == 0) s->rng[1] = 1; /* the all-zero state is a fixed point */
+}
+
+/* ---------------------------------------------------------------------------- selection */
+
+static inline float clean(float x) { return x != x ? -INFINITY : x; }
+
+/* a ranks before b: larger value, or equal value and lower id — a strict total order */
+static inline bool better(const float *v, int32_t a, int32_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); }
+
+static uint32_t argmax(const float *v, uint32_t n) {
+    uint32_t best = 0;
+    for (uint32_t i = 1; i < n; i++)
+        if (v[i] > v[best]) best = i;
+    return best;
+}
+
+/* heap[0..size) is a heap whose root is the worst entry; restores it below position i */
+static void sift_down(const float *v, int32_t *heap, uint32_t size, uint32_t i) {
+    for (;;) {
+        uint32_t worst = i, l = 2 * i + 1, r = l + 1;
+        if (l < size && better(v, heap[worst], heap[l])) worst = l;
+        if (r < size && better(v, heap[worst], heap[r])) worst = r;
+        if (worst == i) return;
+        int32_t t = heap[i];
+        heap[i] = heap[worst];
+        heap[worst] = t;
+        i = worst;
+    }
+}
+
+/* The best k ids of v[0..n) (1 ≤ k ≤ n) into out[0..k), best first. */
+static void select_top(const float *v, uint32_t n, uint32_t k, int32_t *out) {
+    for (uint32_t i = 0; i < k; i++) out[i] = (int32_t)i;
+    for (uint32_t i = k / 2; i-- > 0;) sift_down(v, out, k, i);
+    for (uint32_t i = k; i < n; i++)
+        if (better(v, (int32_t)i, out[0])) {
+            out[0] = (int32_t)i;
+            sift_down(v, out, k, 0);
+        }
+    /* heapsort: the worst goes to the back each time, leaving out best first */
+    for (uint32_t size = k; size > 1; size--) {
+        int32_t t = out[0];
+        out[0] = out[size - 1];
+        out[size - 1] = t;
+        sift_down(v, out, size - 1, 0);
+    }
+}
+
+/* Walks the sorted candidates idx[0..s) (probabilities exp(v − m) / z) applying top-p and
+ * min-p. Returns how many to keep (≥ 1), or 0 when the cut-off lies beyond the s given and
+ * more candidates exist (complete false). */
+static uint32_t cutoff(const float *v, const int32_t *idx, uint32_t s, float m, double z, float top_p, float min_p,
+                       bool complete) {
+    const double p_max = 1.0 / z; /* exp(v[idx[0]] − m) = 1: idx[0] holds the maximum */
+    const double min_keep = (double)min_p * p_max;
+    double cum = 0.0;
+    for (uint32_t j = 0; j < s; j++) {
+        const double p = exp((double)v[idx[j]] - (double)m) / z;
+        if (min_p > 0.0f && p < min_keep) return j > 0 ? j : 1;
+        cum += p;
+        if (top_p < 1.0f && cum >= (double)top_p) return j + 1;
+    }
+    return complete ? s : 0;
+}
+
+/* ------------------------------------------------------------------------------- sample */
+
+int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const int32_t *history,
+                    uint32_t n_history, float *scratch, int32_t *scratch_idx) {
+    if (vocab == 0) return -1;
+    const smoe_sampler_params *p = &s->p;
+    float *v = scratch; /* (vocab) working logits */
+    for (uint32_t i = 0; i < vocab; i++) v[i] = clean(logits[i]);
+
+    const float pen = p->repetition_penalty;
+    if (pen > 0.0f && pen != 1.0f && p->repetition_window > 0 && history) {
+        const uint32_t w = n_history < p->repetition_window ? n_history : p->repetition_window;
+        for (uint32_t h = n_history - w; h < n_history; h++) {
+            const int32_t id = history[h];
+            if (id < 0 || (uint32_t)id >= vocab) continue;
+            /* Penalise each distinct id once: a value already changed has been penalised. One
+             * left unchanged by the penalty (0 or ±inf) is a fixed point, so a second pass over
+             * it changes nothing either. */
+            if (v[id] != clean(logits[id])) continue;
+            v[id] = v[id] > 0.0f ? v[id] / pen : v[id] * pen;
+        }
+    }
+
+    const uint32_t best = argmax(v, vocab);
+    if (!(p->temperature > 0.0f) || v[best] == -INFINITY) return (int32_t)best;
+
+    for (uint32_t i = 0; i < vocab; i++) v[i] = v[i] / p->temperature;
+    const float m = v[best];
+    if (m == INFINITY) return (int32_t)best; /* a temperature so small that it overflowed */
+    const bool cut = p->top_p < 1.0f || p->min_p > 0.0f;
+    const uint32_t k = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
+    int32_t *idx = scratch_idx; /* (vocab) candidate ids, best first */
+    uint32_t keep;
+    double z = 0.0;
+
+    if (k < vocab) {
+        select_top(v, vocab, k, idx);
+        for (uint32_t j = 0; j < k; j++) z += exp((double)v[idx[j]] - (double)m);
+        keep = cut ? cutoff(v, idx, k, m, z, p->top_p, p->min_p, true) : k;
+    } else {
+        for (uint32_t i = 0; i < vocab; i++) z += exp((double)v[i] - (double)m);
+        if (!cut) { /* the whole vocabulary, in id order: no selection needed */
+            const double target = uniform(s->rng) * z;
+            double cum = 0.0;
+            uint32_t last = best;
+            for (uint32_t i = 0; i < vocab; i++) {
+                const double e = exp((double)v[i] - (double)m);
+                if (e == 0.0) continue;
+                cum += e;
+                last = i;
+                if (target < cum) return (int32_t)i;
+            }
+            return (int32_t)last;
+        }
+        keep = 0;
+        for (uint32_t sel = 64; keep == 0; sel *= 4) {
+            if (sel > vocab) sel = vocab;
+            select_top(v, vocab, sel, idx);
+            keep = cutoff(v, idx, sel, m, z, p->top_p, p->min_p, sel == vocab);
+        }
+    }
+
+    double mass = 0.0;
+    for (uint32_t j = 0; j < keep; j++) mass += exp((double)v[idx[j]] - (double)m);
+    const double target = uniform(s->rng) * mass;
+    double cum = 0.0;
+    for (uint32_t j = 0; j < keep; j++) {
+        cum += exp((double)v[idx[j]] - (double)m);
+        if (target < cum) return idx[j];
+    }
+    return idx[keep - 1];
+}
