@@ -1,0 +1,875 @@
+/* vault.c — reading a vault: parse and validate vault.bin, load the dense region, verify.
+ *
+ * The format (version 1; docs/vault.md is the full text and the contract):
+ *
+ *   1. Header, bytes [0, 256): magic "SMOEVLT\0", version 1, header_crc (CRC-32 of
+ *      [0, table_offset + table_bytes) with the crc field read as 0), file_size (exact),
+ *      table_offset (256), table_bytes (≤ 64 MiB), dense_offset (16 KiB multiple, after the
+ *      tables), dense_bytes, dense_crc, n_tensors, blob_bytes (16 KiB multiple, 0 iff no sparse
+ *      layer), n_blobs (layers × experts); everything else zero.
+ *   2. Tables, exactly table_bytes, in this order:
+ *      2.1 config block (96 bytes): the model's sizes, flags, rms_norm_eps, rope_theta;
+ *      2.2 layer kinds: one byte per layer (1 sparse, 0 dense MLP), zero-padded to 8;
+ *      2.3 expert blob layout: descriptors of gate, up, down (offsets within a blob);
+ *      2.4 dense tensors: n_tensors descriptors, each name present exactly once with its shape;
+ *      2.5 blob table: n_blobs × {u64 offset, u32 crc, u32 0}, index layer × experts + expert;
+ *          offset 0 for dense layers, else a 16 KiB multiple past the dense region.
+ *      A descriptor is 64 bytes: char name[40] (NUL-padded), u8 format (f32, bf16, q8, q4),
+ *      u8 scale_format (none for f32/bf16; f16 or bf16 for q8/q4), u16 0, u32 rows, u32 cols,
+ *      u32 0, u64 offset (multiple of 64; dense: from dense_offset, blob: from the blob start).
+ *   3. Tensor bytes: row-major; q8/q4 (cols % 64 == 0) store codes, scales, biases, each part
+ *      starting at a 64-byte boundary from the tensor's offset; w = scale·q + bias per group of 64.
+ *   4. Dense region (loaded at open, dense_crc checked), then the blobs, blob_bytes each.
+ *
+ * The file is untrusted: smoe_vault_parse checks every number against the file size and the
+ * rules above before anything uses it, and is a pure function of the bytes so a fuzzer can
+ * drive it (tests/c/fuzz_vault.c). Reading is open + pread only; the library never prints.
+ */
+#include "vault.h"
+
+#include "kernels.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define HEADER_BYTES 256u
+#define CONFIG_BYTES 96u
+#define DESC_BYTES 64u
+#define BLOB_ENTRY_BYTES 16u
+#define MAX_TABLE_BYTES (64ull << 20)
+#define MAX_LAYERS 1024u
+#define MAX_EXPERTS 1024u
+#define MAX_DIM 65536u
+#define MAX_VOCAB (1u << 24)
+#define VERIFY_CHUNK (16u << 20) /* bytes per pread in smoe_verify_vault */
+
+static const char MAGIC[8] = {'S', 'M', 'O', 'E', 'V', 'L', 'T', '\0'};
+
+static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static uint32_t rd32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static uint64_t rd64(const uint8_t *p) { return (uint64_t)rd32(p) | (uint64_t)rd32(p + 4) << 32; }
+static float rdf32(const uint8_t *p) {
+    uint32_t u = rd32(p);
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static double rdf64(const uint8_t *p) {
+    uint64_t u = rd64(p);
+    double d;
+    memcpy(&d, &u, 8);
+    return d;
+}
+
+static bool all_zero(const uint8_t *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i]) return false;
+    return true;
+}
+
+/* ----------------------------------------------------------------------- tensor byte sizes */
+
+uint64_t smoe_tensor_bytes(uint8_t format, uint32_t rows, uint32_t cols) {
+    if (rows == 0 || cols == 0) return 0;
+    uint64_t n = (uint64_t)rows * cols; /* < 2^64: both factors < 2^32 */
+    switch (format) {
+    case SMOE_FMT_F32: return n > UINT64_MAX / 4 ? 0 : 4 * n;
+    case SMOE_FMT_BF16: return n > UINT64_MAX / 4 ? 0 : 2 * n;
+    case SMOE_FMT_Q8:
+    case SMOE_FMT_Q4:
+        if (cols % 64) return 0;
+        if (n > UINT64_MAX / 4) return 0;
+        return smoe_align_up(format == SMOE_FMT_Q8 ? n : n / 2, 64) + 2 * smoe_align_up(n / 32, 64);
+    }
+    return 0;
+}
+
+/* Format, scale format, size and part offsets of a tensor; false if the combination is invalid. */
+static bool tensor_init(smoe_tensor *t, uint8_t format, uint8_t scale_format, uint32_t rows, uint32_t cols) {
+    bool quant = format == SMOE_FMT_Q8 || format == SMOE_FMT_Q4;
+    if (format > SMOE_FMT_Q4) return false;
+    if (quant ? (scale_format != SMOE_SCALE_F16 && scale_format != SMOE_SCALE_BF16) : scale_format != SMOE_SCALE_NONE)
+        return false;
+    uint64_t nbytes = smoe_tensor_bytes(format, rows, cols);
+    if (nbytes == 0) return false;
+    memset(t, 0, sizeof *t);
+    t->format = format;
+    t->scale_format = scale_format;
+    t->rows = rows;
+    t->cols = cols;
+    t->nbytes = nbytes;
+    if (quant) {
+        uint64_t n = (uint64_t)rows * cols;
+        t->scales_off = smoe_align_up(format == SMOE_FMT_Q8 ? n : n / 2, 64);
+        t->biases_off = t->scales_off + smoe_align_up(n / 32, 64);
+    }
+    return true;
+}
+
+static const char *format_name(uint8_t f) {
+    static const char *names[] = {"f32", "bf16", "q8", "q4"};
+    return f <= SMOE_FMT_Q4 ? names[f] : "?";
+}
+
+/* ---------------------------------------------------------------------------------- parse */
+
+/* A name from the file, made printable for a message (the file may hold anything). */
+static const char *printable(const char name[40], char buf[40]) {
+    size_t i = 0;
+    for (; i < 39 && name[i]; i++) buf[i] = (name[i] >= 0x20 && name[i] < 0x7f) ? name[i] : '?';
+    buf[i] = '\0';
+    return buf;
+}
+
+/* One 64-byte descriptor (docs/vault.md 2.3): everything that does not depend on where the
+ * tensor lives. `what` names the descriptor in messages. */
+static smoe_status parse_desc(const uint8_t *d, const char *what, char name[40], smoe_tensor *t) {
+    memcpy(name, d, 40);
+    const char *nul = memchr(name, '\0', 40);
+    if (!nul) return smoe_fail(SMOE_ERR_VAULT, "%s: name is not NUL-terminated within 40 bytes", what);
+    char pn[40];
+    printable(name, pn);
+    if (!all_zero((const uint8_t *)nul, (size_t)(name + 40 - nul)))
+        return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): name not NUL-padded", what, pn);
+    uint8_t format = d[40], scale_format = d[41];
+    uint32_t rows = rd32(d + 44), cols = rd32(d + 48);
+    uint64_t offset = rd64(d + 56);
+    if (rd16(d + 42) || rd32(d + 52))
+        return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): reserved field not zero", what, pn);
+    if (format > SMOE_FMT_Q4) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): unknown format %u", what, pn, format);
+    if (!tensor_init(t, format, scale_format, rows, cols)) {
+        if (rows == 0 || cols == 0)
+            return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): empty shape %ux%u", what, pn, rows, cols);
+        if ((format == SMOE_FMT_Q8 || format == SMOE_FMT_Q4) && cols % 64)
+            return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %s needs cols %% 64 == 0, cols is %u", what, pn,
+                             format_name(format), cols);
+        return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): scale_format %u does not go with format %s", what, pn,
+                         scale_format, format_name(format));
+    }
+    if (offset % 64) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): offset %llu not a multiple of 64", what, pn,
+                                      (unsigned long long)offset);
+    t->offset = offset;
+    return SMOE_OK;
+}
+
+/* Dense tensor slots: three global ones, then LAYER_SLOTS per layer. */
+enum { G_EMBED, G_NORM, G_LM_HEAD, N_GLOBAL };
+enum {
+    L_INPUT_NORM, L_POST_NORM, L_Q, L_K, L_V, L_O, L_Q_NORM, L_K_NORM, L_ROUTER, L_MLP_GATE, L_MLP_UP,
+    L_MLP_DOWN, LAYER_SLOTS
+};
+static const char *const LAYER_SUFFIX[LAYER_SLOTS] = {
+    "input_layernorm", "post_attention_layernorm", "q_proj", "k_proj", "v_proj", "o_proj",
+    "q_norm", "k_norm", "router", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+};
+
+/* Slot of a dense tensor name, or -1 if no tensor of this vault may have it. */
+static int64_t name_slot(const char *name, const smoe_layout *L) {
+    uint32_t nl = L->cfg.num_hidden_layers;
+    if (!strcmp(name, "embed_tokens")) return G_EMBED;
+    if (!strcmp(name, "norm")) return G_NORM;
+    if (!strcmp(name, "lm_head")) return L->cfg.tie_word_embeddings ? -1 : G_LM_HEAD;
+    if (strncmp(name, "layers.", 7)) return -1;
+    const char *p = name + 7;
+    if (*p < '0' || *p > '9' || (p[0] == '0' && p[1] != '.')) return -1; /* no leading zeros */
+    uint32_t l = 0;
+    for (const char *start = p; *p >= '0' && *p <= '9'; p++) {
+        if (p - start == 4) return -1; /* layers < 1024 */
+        l = l * 10 + (uint32_t)(*p - '0');
+    }
+    if (*p++ != '.' || l >= nl) return -1;
+    for (int s = 0; s < LAYER_SLOTS; s++) {
+        if (strcmp(p, LAYER_SUFFIX[s])) continue;
+        bool sparse = L->layer_sparse[l];
+        if (s == L_ROUTER && !sparse) return -1;
+        if (s >= L_MLP_GATE && sparse) return -1;
+        return N_GLOBAL + (int64_t)l * LAYER_SLOTS + s;
+    }
+    return -1;
+}
+
+/* Expected shape of a slot; *norm set for vectors that must be f32/bf16. */
+static void slot_shape(const smoe_config *c, int64_t slot, uint64_t *rows, uint64_t *cols, bool *norm) {
+    uint64_t h = c->hidden_size, v = c->vocab_size, hd = c->head_dim;
+    uint64_t q = (uint64_t)c->num_attention_heads * hd, kv = (uint64_t)c->num_key_value_heads * hd;
+    uint64_t I = c->intermediate_size;
+    *norm = false;
+    if (slot < N_GLOBAL) {
+        *norm = slot == G_NORM;
+        *rows = slot == G_NORM ? 1 : v;
+        *cols = h;
+        return;
+    }
+    switch ((slot - N_GLOBAL) % LAYER_SLOTS) {
+    case L_INPUT_NORM:
+    case L_POST_NORM: *norm = true, *rows = 1, *cols = h; return;
+    case L_Q: *rows = q, *cols = h; return;
+    case L_K:
+    case L_V: *rows = kv, *cols = h; return;
+    case L_O: *rows = h, *cols = q; return;
+    case L_Q_NORM:
+    case L_K_NORM: *norm = true, *rows = 1, *cols = hd; return;
+    case L_ROUTER: *rows = c->num_experts, *cols = h; return;
+    case L_MLP_GATE:
+    case L_MLP_UP: *rows = I, *cols = h; return;
+    default: *rows = h, *cols = I; return;
+    }
+}
+
+void smoe_layout_free(smoe_layout *L) {
+    if (!L) return;
+    smoe_free(L->layers);
+    smoe_free(L->blob_crc);
+    smoe_free(L->blob_offset);
+    smoe_free(L->names);
+    smoe_free(L->tensors);
+    smoe_free(L->layer_sparse);
+    memset(L, 0, sizeof *L);
+}
+
+uint64_t smoe_vault_head_bytes(const uint8_t *h) {
+    if (!h || memcmp(h, MAGIC, 8) || rd32(h + 8) != 1) return 0;
+    uint64_t table_offset = rd64(h + 24), table_bytes = rd64(h + 32);
+    if (table_offset != HEADER_BYTES || table_bytes > MAX_TABLE_BYTES) return 0;
+    return table_offset + table_bytes;
+}
+
+static int cmp_u64_pair(const void *a, const void *b) {
+    const uint64_t *x = a, *y = b;
+    return x[0] < y[0] ? -1 : x[0] > y[0];
+}
+
+static smoe_status parse_header(const uint8_t *b, size_t len, uint64_t real_size, smoe_layout *L) {
+    if (len < HEADER_BYTES)
+        return smoe_fail(SMOE_ERR_VAULT, "header truncated: %zu bytes, the header is %u", len, HEADER_BYTES);
+    if (memcmp(b, MAGIC, 8)) return smoe_fail(SMOE_ERR_VAULT, "not a pysmoe vault (bad magic)");
+    uint32_t version = rd32(b + 8);
+    if (version != 1)
+        return smoe_fail(SMOE_ERR_VAULT, "unsupported vault version %u (this libsmoe reads version 1)", version);
+    L->file_size = rd64(b + 16);
+    L->table_offset = rd64(b + 24);
+    L->table_bytes = rd64(b + 32);
+    L->dense_offset = rd64(b + 40);
+    L->dense_bytes = rd64(b + 48);
+    L->dense_crc = rd32(b + 56);
+    L->n_tensors = rd32(b + 60);
+    L->blob_bytes = rd64(b + 64);
+    L->n_blobs = rd32(b + 72);
+    if (L->table_offset != HEADER_BYTES)
+        return smoe_fail(SMOE_ERR_VAULT, "header: table_offset %llu, must be 256", (unsigned long long)L->table_offset);
+    if (L->table_bytes < CONFIG_BYTES || L->table_bytes > MAX_TABLE_BYTES)
+        return smoe_fail(SMOE_ERR_VAULT, "header: table_bytes %llu outside [%u, 64 MiB]",
+                         (unsigned long long)L->table_bytes, CONFIG_BYTES);
+    uint64_t table_end = L->table_offset + L->table_bytes;
+    if (len < table_end)
+        return smoe_fail(SMOE_ERR_VAULT, "tables truncated: %zu bytes of header and tables, need %llu", len,
+                         (unsigned long long)table_end);
+    uint32_t stored = rd32(b + 12);
+    static const uint8_t zero4[4] = {0};
+    uint32_t crc = smoe_crc32(0, b, 12);
+    crc = smoe_crc32(crc, zero4, 4);
+    crc = smoe_crc32(crc, b + 16, table_end - 16);
+    if (crc != stored)
+        return smoe_fail(SMOE_ERR_VAULT, "header checksum mismatch (computed %08x, header_crc %08x): corrupted header or tables",
+                         crc, stored);
+    if (real_size < L->file_size)
+        return smoe_fail(SMOE_ERR_VAULT, "truncated: the file is %llu bytes, its header says %llu",
+                         (unsigned long long)real_size, (unsigned long long)L->file_size);
+    if (real_size > L->file_size)
+        return smoe_fail(SMOE_ERR_VAULT, "the file is %llu bytes, its header says %llu (trailing bytes)",
+                         (unsigned long long)real_size, (unsigned long long)L->file_size);
+    if (rd32(b + 76) || !all_zero(b + 80, HEADER_BYTES - 80))
+        return smoe_fail(SMOE_ERR_VAULT, "header: reserved bytes not zero");
+    if (L->dense_offset % SMOE_PAGE || L->dense_offset < table_end)
+        return smoe_fail(SMOE_ERR_VAULT, "header: dense_offset %llu must be a multiple of %u at or past the tables' end %llu",
+                         (unsigned long long)L->dense_offset, SMOE_PAGE, (unsigned long long)table_end);
+    if (L->dense_offset > L->file_size || L->dense_bytes > L->file_size - L->dense_offset)
+        return smoe_fail(SMOE_ERR_VAULT, "header: dense region [%llu, +%llu) runs past the end of the file (%llu bytes)",
+                         (unsigned long long)L->dense_offset, (unsigned long long)L->dense_bytes,
+                         (unsigned long long)L->file_size);
+    if (L->blob_bytes % SMOE_PAGE)
+        return smoe_fail(SMOE_ERR_VAULT, "header: blob_bytes %llu not a multiple of %u",
+                         (unsigned long long)L->blob_bytes, SMOE_PAGE);
+    return SMOE_OK;
+}
+
+static smoe_status parse_config(const uint8_t *c, smoe_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    cfg->struct_size = sizeof *cfg;
+    cfg->vocab_size = rd32(c + 0);
+    cfg->hidden_size = rd32(c + 4);
+    cfg->num_hidden_layers = rd32(c + 8);
+    cfg->num_attention_heads = rd32(c + 12);
+    cfg->num_key_value_heads = rd32(c + 16);
+    cfg->head_dim = rd32(c + 20);
+    cfg->intermediate_size = rd32(c + 24);
+    cfg->moe_intermediate_size = rd32(c + 28);
+    cfg->num_experts = rd32(c + 32);
+    cfg->num_experts_per_tok = rd32(c + 36);
+    cfg->max_position_embeddings = rd32(c + 40);
+    uint32_t flags = rd32(c + 44);
+    cfg->rms_norm_eps = rdf32(c + 48);
+    cfg->rope_theta = rdf64(c + 56);
+    cfg->norm_topk_prob = flags & 1;
+    cfg->tie_word_embeddings = (flags >> 1) & 1;
+
+    static const char *const field[] = {
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_experts_per_tok",
+        "max_position_embeddings",
+    };
+    for (unsigned i = 0; i < sizeof field / sizeof *field; i++)
+        if (rd32(c + 4 * i) == 0) return smoe_fail(SMOE_ERR_VAULT, "config: %s is 0", field[i]);
+    if (flags & ~3u) return smoe_fail(SMOE_ERR_VAULT, "config: unknown flags 0x%x", flags);
+    if (rd32(c + 52) || !all_zero(c + 64, CONFIG_BYTES - 64))
+        return smoe_fail(SMOE_ERR_VAULT, "config: reserved bytes not zero");
+    if (cfg->vocab_size > MAX_VOCAB)
+        return smoe_fail(SMOE_ERR_VAULT, "config: vocab_size %u > 2^24", cfg->vocab_size);
+    if (cfg->num_hidden_layers > MAX_LAYERS)
+        return smoe_fail(SMOE_ERR_VAULT, "config: num_hidden_layers %u > %u", cfg->num_hidden_layers, MAX_LAYERS);
+    if (cfg->num_experts > MAX_EXPERTS || cfg->num_experts_per_tok > cfg->num_experts)
+        return smoe_fail(SMOE_ERR_VAULT, "config: need num_experts_per_tok (%u) <= num_experts (%u) <= %u",
+                         cfg->num_experts_per_tok, cfg->num_experts, MAX_EXPERTS);
+    if (cfg->hidden_size > MAX_DIM || cfg->head_dim > MAX_DIM || cfg->intermediate_size > MAX_DIM ||
+        cfg->moe_intermediate_size > MAX_DIM)
+        return smoe_fail(SMOE_ERR_VAULT, "config: hidden_size, head_dim and widths must be <= %u", MAX_DIM);
+    if (cfg->num_attention_heads % cfg->num_key_value_heads)
+        return smoe_fail(SMOE_ERR_VAULT, "config: num_attention_heads %u not a multiple of num_key_value_heads %u",
+                         cfg->num_attention_heads, cfg->num_key_value_heads);
+    if (cfg->head_dim % 2) return smoe_fail(SMOE_ERR_VAULT, "config: head_dim %u is odd", cfg->head_dim);
+    /* Not in the limits list, but no model runs with them and they would poison every layer. */
+    if (!(isfinite(cfg->rms_norm_eps) && cfg->rms_norm_eps > 0))
+        return smoe_fail(SMOE_ERR_VAULT, "config: rms_norm_eps %g is not a positive number", (double)cfg->rms_norm_eps);
+    if (!(isfinite(cfg->rope_theta) && cfg->rope_theta > 0))
+        return smoe_fail(SMOE_ERR_VAULT, "config: rope_theta %g is not a positive number", cfg->rope_theta);
+    return SMOE_OK;
+}
+
+/* The three expert tensors of every blob (2.3). */
+static smoe_status parse_expert_layout(const uint8_t *d, smoe_layout *L) {
+    static const char *const want[3] = {"gate", "up", "down"};
+    const smoe_config *c = &L->cfg;
+    uint32_t shape[3][2] = {
+        {c->moe_intermediate_size, c->hidden_size},
+        {c->moe_intermediate_size, c->hidden_size},
+        {c->hidden_size, c->moe_intermediate_size},
+    };
+    for (int i = 0; i < 3; i++) {
+        char what[48], name[40], pn[40];
+        snprintf(what, sizeof what, "expert tensor %d", i);
+        smoe_tensor *t = &L->expert[i];
+        smoe_status rc = parse_desc(d + (size_t)i * DESC_BYTES, what, name, t);
+        if (rc) return rc;
+        if (strcmp(name, want[i]))
+            return smoe_fail(SMOE_ERR_VAULT, "%s is named '%s', expected '%s'", what, printable(name, pn), want[i]);
+        if (t->rows != shape[i][0] || t->cols != shape[i][1])
+            return smoe_fail(SMOE_ERR_VAULT, "expert tensor '%s': shape %ux%u, expected %ux%u", want[i], t->rows,
+                             t->cols, shape[i][0], shape[i][1]);
+        /* With no sparse layer there are no blobs (blob_bytes 0): the descriptors are unused. */
+        if (c->num_sparse_layers && (t->offset > L->blob_bytes || t->nbytes > L->blob_bytes - t->offset))
+            return smoe_fail(SMOE_ERR_VAULT, "expert tensor '%s': bytes [%llu, +%llu) run past blob_bytes %llu", want[i],
+                             (unsigned long long)t->offset, (unsigned long long)t->nbytes,
+                             (unsigned long long)L->blob_bytes);
+    }
+    if (c->num_sparse_layers)
+        for (int i = 0; i < 3; i++)
+            for (int j = i + 1; j < 3; j++) {
+                const smoe_tensor *a = &L->expert[i], *b = &L->expert[j];
+                if (a->offset < b->offset + b->nbytes && b->offset < a->offset + a->nbytes)
+                    return smoe_fail(SMOE_ERR_VAULT, "expert tensors '%s' and '%s' overlap", want[i], want[j]);
+            }
+    return SMOE_OK;
+}
+
+static smoe_status parse_dense_table(const uint8_t *d, smoe_layout *L) {
+    const smoe_config *c = &L->cfg;
+    size_t n_slots = N_GLOBAL + (size_t)c->num_hidden_layers * LAYER_SLOTS;
+    int32_t *slot_of = smoe_alloc(n_slots * sizeof *slot_of, 64); /* tensor index + 1, 0 = empty */
+    if (!slot_of) return smoe_fail(SMOE_ERR_NOMEM, "cannot allocate the tensor index");
+    smoe_status rc = SMOE_OK;
+    for (uint32_t i = 0; i < L->n_tensors && rc == SMOE_OK; i++) {
+        char what[32], pn[40];
+        snprintf(what, sizeof what, "dense tensor %u", i);
+        smoe_tensor *t = &L->tensors[i];
+        if ((rc = parse_desc(d + (size_t)i * DESC_BYTES, what, L->names[i], t))) break;
+        const char *name = printable(L->names[i], pn);
+        int64_t slot = name_slot(L->names[i], L);
+        if (slot < 0) {
+            rc = smoe_fail(SMOE_ERR_VAULT, "%s: unexpected name '%s'", what, name);
+            break;
+        }
+        if (slot_of[slot]) {
+            rc = smoe_fail(SMOE_ERR_VAULT, "%s: '%s' appears twice (first as tensor %d)", what, name, slot_of[slot] - 1);
+            break;
+        }
+        slot_of[slot] = (int32_t)i + 1;
+        uint64_t rows, cols;
+        bool norm;
+        slot_shape(c, slot, &rows, &cols, &norm);
+        if (t->rows != rows || t->cols != cols)
+            rc = smoe_fail(SMOE_ERR_VAULT, "%s '%s': shape %ux%u, expected %llux%llu", what, name, t->rows, t->cols,
+                           (unsigned long long)rows, (unsigned long long)cols);
+        else if (norm && t->format != SMOE_FMT_F32 && t->format != SMOE_FMT_BF16)
+            rc = smoe_fail(SMOE_ERR_VAULT, "%s '%s': a norm must be f32 or bf16, not %s", what, name,
+                           format_name(t->format));
+        else if (t->offset > L->dense_bytes || t->nbytes > L->dense_bytes - t->offset)
+            rc = smoe_fail(SMOE_ERR_VAULT, "%s '%s': bytes [%llu, +%llu) run past the dense region (%llu bytes)", what,
+                           name, (unsigned long long)t->offset, (unsigned long long)t->nbytes,
+                           (unsigned long long)L->dense_bytes);
+    }
+    if (rc == SMOE_OK) {
+        /* n_tensors equals the number of names this config requires, each was seen at most
+         * once and every name belongs to a required slot, so every slot is now filled. */
+        for (uint32_t l = 0; l < c->num_hidden_layers; l++) {
+            smoe_layer_weights *w = &L->layers[l];
+            const int32_t *s = slot_of + N_GLOBAL + (size_t)l * LAYER_SLOTS;
+#define T(k) (s[k] ? &L->tensors[s[k] - 1] : NULL)
+            w->sparse = L->layer_sparse[l];
+            w->input_norm = T(L_INPUT_NORM);
+            w->post_norm = T(L_POST_NORM);
+            w->q = T(L_Q);
+            w->k = T(L_K);
+            w->v = T(L_V);
+            w->o = T(L_O);
+            w->q_norm = T(L_Q_NORM);
+            w->k_norm = T(L_K_NORM);
+            w->router = T(L_ROUTER);
+            w->mlp_gate = T(L_MLP_GATE);
+            w->mlp_up = T(L_MLP_UP);
+            w->mlp_down = T(L_MLP_DOWN);
+#undef T
+        }
+        L->embed = &L->tensors[slot_of[G_EMBED] - 1];
+        L->final_norm = &L->tensors[slot_of[G_NORM] - 1];
+        L->lm_head = c->tie_word_embeddings ? L->embed : &L->tensors[slot_of[G_LM_HEAD] - 1];
+    }
+    smoe_free(slot_of);
+    return rc;
+}
+
+static smoe_status parse_blob_table(const uint8_t *d, smoe_layout *L) {
+    const smoe_config *c = &L->cfg;
+    uint64_t data_end = L->dense_offset + L->dense_bytes;
+    uint64_t n_sparse = 0;
+    for (uint32_t i = 0; i < L->n_blobs; i++) {
+        const uint8_t *e = d + (size_t)i * BLOB_ENTRY_BYTES;
+        uint32_t layer = i / c->num_experts, expert = i % c->num_experts;
+        uint64_t off = rd64(e);
+        L->blob_offset[i] = off;
+        L->blob_crc[i] = rd32(e + 8);
+        if (rd32(e + 12))
+            return smoe_fail(SMOE_ERR_VAULT, "blob (layer %u, expert %u): reserved field not zero", layer, expert);
+        if (!L->layer_sparse[layer]) {
+            if (off) return smoe_fail(SMOE_ERR_VAULT, "blob (layer %u, expert %u): offset %llu for a dense layer, must be 0",
+                                      layer, expert, (unsigned long long)off);
+            continue;
+        }
+        n_sparse++;
+        if (off % SMOE_PAGE || off < data_end || off > L->file_size || L->blob_bytes > L->file_size - off)
+            return smoe_fail(SMOE_ERR_VAULT,
+                             "blob (layer %u, expert %u): offset %llu must be a multiple of %u with the blob "
+                             "(%llu bytes) between the dense region's end %llu and the file's end %llu",
+                             layer, expert, (unsigned long long)off, SMOE_PAGE, (unsigned long long)L->blob_bytes,
+                             (unsigned long long)data_end, (unsigned long long)L->file_size);
+    }
+    if (n_sparse < 2) return SMOE_OK;
+    uint64_t (*order)[2] = smoe_alloc(n_sparse * sizeof *order, 64); /* (offset, index) */
+    if (!order) return smoe_fail(SMOE_ERR_NOMEM, "cannot allocate %llu blob entries", (unsigned long long)n_sparse);
+    size_t k = 0;
+    for (uint32_t i = 0; i < L->n_blobs; i++)
+        if (L->layer_sparse[i / c->num_experts]) order[k][0] = L->blob_offset[i], order[k][1] = i, k++;
+    qsort(order, k, sizeof *order, cmp_u64_pair);
+    smoe_status rc = SMOE_OK;
+    for (size_t i = 0; i + 1 < k; i++)
+        if (order[i + 1][0] - order[i][0] < L->blob_bytes) {
+            uint64_t a = order[i][1], b = order[i + 1][1];
+            rc = smoe_fail(SMOE_ERR_VAULT, "blobs (layer %llu, expert %llu) and (layer %llu, expert %llu) overlap",
+                           (unsigned long long)(a / c->num_experts), (unsigned long long)(a % c->num_experts),
+                           (unsigned long long)(b / c->num_experts), (unsigned long long)(b % c->num_experts));
+            break;
+        }
+    smoe_free(order);
+    return rc;
+}
+
+static smoe_status parse_all(const uint8_t *b, size_t len, uint64_t real_size, smoe_layout *L) {
+    smoe_status rc = parse_header(b, len, real_size, L);
+    if (rc) return rc;
+    const uint8_t *t = b + L->table_offset;
+    if ((rc = parse_config(t, &L->cfg))) return rc;
+    smoe_config *c = &L->cfg;
+    uint32_t nl = c->num_hidden_layers, ne = c->num_experts;
+
+    /* Every count is checked against the table size before anything is allocated from it. */
+    uint64_t kinds_bytes = smoe_align_up(nl, 8);
+    if (L->table_bytes < CONFIG_BYTES + kinds_bytes)
+        return smoe_fail(SMOE_ERR_VAULT, "tables: table_bytes %llu too small for %u layer kinds",
+                         (unsigned long long)L->table_bytes, nl);
+    const uint8_t *kinds = t + CONFIG_BYTES;
+    uint32_t n_sparse = 0;
+    for (uint32_t l = 0; l < nl; l++) {
+        if (kinds[l] > 1) return smoe_fail(SMOE_ERR_VAULT, "layer kinds: layer %u has kind %u (must be 0 or 1)", l, kinds[l]);
+        n_sparse += kinds[l];
+    }
+    if (!all_zero(kinds + nl, kinds_bytes - nl)) return smoe_fail(SMOE_ERR_VAULT, "layer kinds: padding not zero");
+    c->num_sparse_layers = n_sparse;
+    if ((n_sparse == 0) != (L->blob_bytes == 0))
+        return smoe_fail(SMOE_ERR_VAULT, "header: blob_bytes %llu with %u sparse layers (0 exactly when there are none)",
+                         (unsigned long long)L->blob_bytes, n_sparse);
+    if ((uint64_t)L->n_blobs != (uint64_t)nl * ne)
+        return smoe_fail(SMOE_ERR_VAULT, "header: n_blobs %u, must be num_hidden_layers x num_experts = %llu", L->n_blobs,
+                         (unsigned long long)nl * ne);
+    uint64_t want_tensors = (c->tie_word_embeddings ? 2 : 3) + (uint64_t)(nl - n_sparse) * 11 + (uint64_t)n_sparse * 9;
+    if (L->n_tensors != want_tensors)
+        return smoe_fail(SMOE_ERR_VAULT, "header: n_tensors %u, this config has %llu dense tensors", L->n_tensors,
+                         (unsigned long long)want_tensors);
+    uint64_t want_table = CONFIG_BYTES + kinds_bytes + 3 * DESC_BYTES + (uint64_t)L->n_tensors * DESC_BYTES +
+                          (uint64_t)L->n_blobs * BLOB_ENTRY_BYTES;
+    if (L->table_bytes != want_table)
+        return smoe_fail(SMOE_ERR_VAULT, "header: table_bytes %llu, the tables it describes take %llu",
+                         (unsigned long long)L->table_bytes, (unsigned long long)want_table);
+
+    L->layer_sparse = smoe_alloc(nl, 64);
+    L->tensors = smoe_alloc((size_t)L->n_tensors * sizeof *L->tensors, 64);
+    L->names = smoe_alloc((size_t)L->n_tensors * sizeof *L->names, 64);
+    L->blob_offset = smoe_alloc((size_t)L->n_blobs * sizeof *L->blob_offset, 64);
+    L->blob_crc = smoe_alloc((size_t)L->n_blobs * sizeof *L->blob_crc, 64);
+    L->layers = smoe_alloc((size_t)nl * sizeof *L->layers, 64);
+    if (!L->layer_sparse || !L->tensors || !L->names || !L->blob_offset || !L->blob_crc || !L->layers)
+        return smoe_fail(SMOE_ERR_NOMEM, "cannot allocate the vault's tables");
+    memcpy(L->layer_sparse, kinds, nl);
+
+    const uint8_t *expert = kinds + kinds_bytes;
+    const uint8_t *dense = expert + 3 * DESC_BYTES;
+    const uint8_t *blobs = dense + (size_t)L->n_tensors * DESC_BYTES;
+    if ((rc = parse_expert_layout(expert, L))) return rc;
+    if ((rc = parse_dense_table(dense, L))) return rc;
+    return parse_blob_table(blobs, L);
+}
+
+smoe_status smoe_vault_parse(const uint8_t *bytes, size_t len, uint64_t file_size, smoe_layout *out) {
+    if (!out) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_vault_parse: out is NULL");
+    memset(out, 0, sizeof *out);
+    if (!bytes) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_vault_parse: bytes is NULL");
+    smoe_status rc = parse_all(bytes, len, file_size, out);
+    if (rc) smoe_layout_free(out);
+    return rc;
+}
+
+/* ----------------------------------------------------------------------------------- I/O */
+
+/* Reads up to n bytes at off, looping over short reads and EINTR. Returns the bytes read (less
+ * than n only at end of file) or -1 with errno set. */
+static int64_t pread_full(int fd, void *buf, uint64_t n, uint64_t off) {
+    uint8_t *p = buf;
+    uint64_t done = 0;
+    while (done < n) {
+        uint64_t want = n - done;
+        if (want > (1u << 30)) want = 1u << 30; /* Linux caps one read near 2 GiB */
+        ssize_t r = pread(fd, p + done, (size_t)want, (off_t)(off + done));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (r == 0) break;
+        done += (uint64_t)r;
+    }
+    return (int64_t)done;
+}
+
+/* Exactly n bytes at off, or an error naming the file. */
+static smoe_status read_exact(int fd, const char *path, void *buf, uint64_t n, uint64_t off) {
+    int64_t got = pread_full(fd, buf, n, off);
+    if (got < 0)
+        return smoe_fail(SMOE_ERR_IO, "%s: read of %llu bytes at %llu failed: %s", path, (unsigned long long)n,
+                         (unsigned long long)off, strerror(errno));
+    if ((uint64_t)got < n)
+        return smoe_fail(SMOE_ERR_IO, "%s: read of %llu bytes at %llu came back short (%lld): the file shrank", path,
+                         (unsigned long long)n, (unsigned long long)off, (long long)got);
+    return SMOE_OK;
+}
+
+static char *dup_str(const char *a, const char *b) {
+    size_t na = strlen(a), nb = strlen(b);
+    char *s = smoe_alloc(na + nb + 1, 8);
+    if (s) memcpy(s, a, na), memcpy(s + na, b, nb + 1);
+    return s;
+}
+
+/* The whole of open once the file is open: header, tables, dense region. */
+static smoe_status load(smoe_vault *v, int fd) {
+    const char *path = v->path;
+    struct stat st;
+    if (fstat(fd, &st) != 0) return smoe_fail(SMOE_ERR_IO, "%s: stat failed: %s", path, strerror(errno));
+    if (!S_ISREG(st.st_mode)) return smoe_fail(SMOE_ERR_VAULT, "%s is not a regular file", path);
+    uint64_t size = (uint64_t)st.st_size;
+    uint8_t head[HEADER_BYTES];
+    uint64_t n = size < HEADER_BYTES ? size : HEADER_BYTES;
+    smoe_status rc = read_exact(fd, path, head, n, 0);
+    if (rc) return rc;
+    if (size == 0) return smoe_fail(SMOE_ERR_VAULT, "%s is empty: not a pysmoe vault", path);
+    if (memcmp(head, MAGIC, n < 8 ? n : 8))
+        return smoe_fail(SMOE_ERR_VAULT, "%s is not a pysmoe vault (bad magic)", path);
+    if (size < HEADER_BYTES)
+        return smoe_fail(SMOE_ERR_VAULT, "%s is truncated: %llu bytes, the header alone is %u", path,
+                         (unsigned long long)size, HEADER_BYTES);
+    uint64_t need = smoe_vault_head_bytes(head);
+    uint8_t *tables = NULL;
+    if (need == 0) {
+        rc = smoe_vault_parse(head, HEADER_BYTES, size, &v->lay); /* says what is wrong */
+        if (rc == SMOE_OK) rc = smoe_fail(SMOE_ERR_INTERNAL, "header rejected without a reason");
+    } else if (need > size) {
+        rc = smoe_fail(SMOE_ERR_VAULT, "truncated: the file is %llu bytes, its header and tables need %llu",
+                       (unsigned long long)size, (unsigned long long)need);
+    } else if (!(tables = smoe_alloc(need, 64))) {
+        rc = smoe_fail(SMOE_ERR_NOMEM, "cannot allocate %llu bytes for the tables", (unsigned long long)need);
+    } else if ((rc = read_exact(fd, path, tables, need, 0)) == SMOE_OK) {
+        rc = smoe_vault_parse(tables, need, size, &v->lay);
+    }
+    smoe_free(tables);
+    if (rc) {
+        char msg[1024];
+        snprintf(msg, sizeof msg, "%s", smoe_last_error());
+        if (strncmp(msg, path, strlen(path))) return smoe_fail(rc, "%s: %s", path, msg);
+        return rc;
+    }
+
+    const smoe_layout *L = &v->lay;
+    v->dense = smoe_alloc(L->dense_bytes, SMOE_PAGE);
+    if (!v->dense)
+        return smoe_fail(SMOE_ERR_NOMEM, "%s: cannot allocate %llu bytes for the dense weights", path,
+                         (unsigned long long)L->dense_bytes);
+    if ((rc = read_exact(fd, path, v->dense, L->dense_bytes, L->dense_offset))) return rc;
+    uint32_t crc = smoe_crc32(0, v->dense, L->dense_bytes);
+    if (crc != L->dense_crc)
+        return smoe_fail(SMOE_ERR_VAULT, "%s: dense region checksum mismatch (computed %08x, header says %08x)", path, crc,
+                         L->dense_crc);
+    for (uint32_t i = 0; i < L->n_tensors; i++) v->lay.tensors[i].data = v->dense + L->tensors[i].offset;
+    return SMOE_OK;
+}
+
+smoe_status smoe_open_vault(const char *dir, smoe_vault **out) {
+    if (!out) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_open_vault: out is NULL");
+    *out = NULL;
+    if (!dir) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_open_vault: dir is NULL");
+    struct stat st;
+    if (stat(dir, &st) != 0) {
+        if (errno == ENOENT || errno == ENOTDIR)
+            return smoe_fail(SMOE_ERR_VAULT, "no vault at %s: no such directory", dir);
+        return smoe_fail(SMOE_ERR_IO, "no vault at %s: %s", dir, strerror(errno));
+    }
+    if (!S_ISDIR(st.st_mode)) return smoe_fail(SMOE_ERR_VAULT, "no vault at %s: not a directory", dir);
+
+    smoe_vault *v = smoe_alloc(sizeof *v, 64);
+    if (!v) return smoe_fail(SMOE_ERR_NOMEM, "cannot allocate a vault");
+    v->dir = dup_str(dir, "");
+    v->path = dup_str(dir, "/vault.bin");
+    if (!v->dir || !v->path) {
+        smoe_close_vault(v);
+        return smoe_fail(SMOE_ERR_NOMEM, "cannot allocate a vault");
+    }
+    int fd = open(v->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        int e = errno;
+        smoe_status rc = e == ENOENT ? smoe_fail(SMOE_ERR_VAULT, "no vault at %s: it has no vault.bin", dir)
+                                     : smoe_fail(SMOE_ERR_IO, "cannot open %s: %s", v->path, strerror(e));
+        smoe_close_vault(v);
+        return rc;
+    }
+    smoe_status rc = load(v, fd);
+    close(fd);
+    if (rc) {
+        smoe_close_vault(v);
+        return rc;
+    }
+    smoe_log(SMOE_LOG_INFO, "opened %s: %u layers (%u sparse), %u experts, %.1f MiB dense, %.1f MiB per blob", v->path,
+             v->lay.cfg.num_hidden_layers, v->lay.cfg.num_sparse_layers, v->lay.cfg.num_experts,
+             (double)v->lay.dense_bytes / (1 << 20), (double)v->lay.blob_bytes / (1 << 20));
+    *out = v;
+    return SMOE_OK;
+}
+
+void smoe_close_vault(smoe_vault *v) {
+    if (!v) return;
+    smoe_free(v->dense);
+    smoe_layout_free(&v->lay);
+    smoe_free(v->path);
+    smoe_free(v->dir);
+    smoe_free(v);
+}
+
+smoe_status smoe_vault_config(const smoe_vault *v, smoe_config *out) {
+    if (!v || !out) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_vault_config: NULL argument");
+    uint32_t size = out->struct_size;
+    if (size < sizeof(uint32_t))
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_vault_config: set out->struct_size to sizeof(smoe_config)");
+    /* A caller built against an older header gets the prefix it knows; a newer one keeps the
+     * fields this library does not know about. */
+    smoe_config c = v->lay.cfg;
+    c.dense_bytes = v->lay.dense_bytes;
+    c.blob_bytes = v->lay.blob_bytes;
+    c.file_bytes = v->lay.file_size;
+    memcpy(out, &c, size < sizeof c ? size : sizeof c);
+    out->struct_size = size;
+    return SMOE_OK;
+}
+
+smoe_status smoe_vault_layer_is_sparse(const smoe_vault *v, uint32_t layer, bool *out) {
+    if (!v || !out) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_vault_layer_is_sparse: NULL argument");
+    if (layer >= v->lay.cfg.num_hidden_layers)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "layer %u out of range (the vault has %u)", layer,
+                         v->lay.cfg.num_hidden_layers);
+    *out = v->lay.layer_sparse[layer];
+    return SMOE_OK;
+}
+
+/* ---------------------------------------------------------------------------------- verify */
+
+typedef struct {
+    smoe_verify_fn fn;
+    void *user;
+    uint32_t bad;
+    const char *path;
+} verify_ctx;
+
+static void report(verify_ctx *x, const char *kind, int32_t layer, int32_t expert, const char *why) {
+    x->bad++;
+    if (layer >= 0) smoe_log(SMOE_LOG_WARN, "%s: %s (layer %d, expert %d): %s", x->path, kind, layer, expert, why);
+    else smoe_log(SMOE_LOG_WARN, "%s: %s region: %s", x->path, kind, why);
+    if (x->fn) x->fn(kind, layer, expert, x->user);
+}
+
+/* Continues *crc over [off, off + n), read in VERIFY_CHUNK pieces; *short_read set if the file
+ * ends early. */
+static smoe_status crc_range(int fd, const char *path, uint8_t *buf, uint64_t off, uint64_t n, uint32_t *crc,
+                             bool *short_read) {
+    *short_read = false;
+    for (uint64_t done = 0; done < n;) {
+        uint64_t want = n - done < VERIFY_CHUNK ? n - done : VERIFY_CHUNK;
+        int64_t got = pread_full(fd, buf, want, off + done);
+        if (got < 0)
+            return smoe_fail(SMOE_ERR_IO, "%s: read at %llu failed: %s", path, (unsigned long long)(off + done),
+                             strerror(errno));
+        *crc = smoe_crc32(*crc, buf, (size_t)got);
+        if ((uint64_t)got < want) {
+            *short_read = true;
+            return SMOE_OK;
+        }
+        done += want;
+    }
+    return SMOE_OK;
+}
+
+static smoe_status verify_blobs(int fd, const smoe_vault *v, uint8_t *buf, verify_ctx *x) {
+    const smoe_layout *L = &v->lay;
+    uint32_t ne = L->cfg.num_experts;
+    uint64_t bb = L->blob_bytes;
+    /* Runs of blobs that lie back to back (the writer's order) are read in VERIFY_CHUNK pieces
+     * that cross blob boundaries, so small blobs still make big sequential reads. */
+    for (uint32_t i = 0; i < L->n_blobs;) {
+        if (!L->layer_sparse[i / ne]) {
+            i++;
+            continue;
+        }
+        uint32_t j = i + 1;
+        while (j < L->n_blobs && L->layer_sparse[j / ne] && L->blob_offset[j] == L->blob_offset[j - 1] + bb) j++;
+        uint64_t pos = L->blob_offset[i], end = pos + (uint64_t)(j - i) * bb, left = bb;
+        uint32_t k = i, crc = 0;
+        while (pos < end) {
+            uint64_t want = end - pos < VERIFY_CHUNK ? end - pos : VERIFY_CHUNK;
+            int64_t got = pread_full(fd, buf, want, pos);
+            if (got < 0)
+                return smoe_fail(SMOE_ERR_IO, "%s: read at %llu failed: %s", x->path, (unsigned long long)pos,
+                                 strerror(errno));
+            for (const uint8_t *p = buf, *e = buf + got; p < e;) {
+                uint64_t take = (uint64_t)(e - p) < left ? (uint64_t)(e - p) : left;
+                crc = smoe_crc32(crc, p, (size_t)take);
+                p += take;
+                if ((left -= take) == 0) {
+                    if (crc != L->blob_crc[k]) report(x, "blob", (int32_t)(k / ne), (int32_t)(k % ne), "checksum mismatch");
+                    k++, crc = 0, left = bb;
+                }
+            }
+            if ((uint64_t)got < want) {
+                for (; k < j; k++) report(x, "blob", (int32_t)(k / ne), (int32_t)(k % ne), "cut short by the end of the file");
+                break;
+            }
+            pos += want;
+        }
+        i = j;
+    }
+    return SMOE_OK;
+}
+
+smoe_status smoe_verify_vault(const smoe_vault *v, smoe_verify_fn fn, void *user) {
+    if (!v) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_verify_vault: vault is NULL");
+    const smoe_layout *L = &v->lay;
+    verify_ctx x = {fn, user, 0, v->path};
+    int fd = open(v->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return smoe_fail(SMOE_ERR_IO, "cannot open %s: %s", v->path, strerror(errno));
+#ifdef POSIX_FADV_SEQUENTIAL
+    posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+#endif
+    uint8_t *buf = smoe_alloc(VERIFY_CHUNK, SMOE_PAGE);
+    if (!buf) {
+        close(fd);
+        return smoe_fail(SMOE_ERR_NOMEM, "cannot allocate the verify buffer");
+    }
+    smoe_status rc;
+    uint32_t crc;
+    bool cut;
+    /* Header and tables as they are on disk now, the crc field read as zero. */
+    uint64_t table_end = L->table_offset + L->table_bytes;
+    int64_t got = pread_full(fd, buf, 16, 0);
+    if (got < 0) {
+        rc = smoe_fail(SMOE_ERR_IO, "%s: read at 0 failed: %s", v->path, strerror(errno));
+        goto done;
+    }
+    cut = got < 16;
+    if (!cut) {
+        uint32_t stored = rd32(buf + 12);
+        memset(buf + 12, 0, 4);
+        crc = smoe_crc32(0, buf, 16);
+        if ((rc = crc_range(fd, v->path, buf, 16, table_end - 16, &crc, &cut))) goto done;
+        if (!cut && crc != stored) report(&x, "header", -1, -1, "checksum mismatch");
+    }
+    if (cut) report(&x, "header", -1, -1, "cut short by the end of the file");
+
+    crc = 0;
+    if ((rc = crc_range(fd, v->path, buf, L->dense_offset, L->dense_bytes, &crc, &cut))) goto done;
+    if (cut) report(&x, "dense", -1, -1, "cut short by the end of the file");
+    else if (crc != L->dense_crc) report(&x, "dense", -1, -1, "checksum mismatch");
+
+    if ((rc = verify_blobs(fd, v, buf, &x))) goto done;
+    rc = x.bad ? smoe_fail(SMOE_ERR_VAULT, "%s: %u region(s) failed verification", v->path, x.bad) : SMOE_OK;
+done:
+    smoe_free(buf);
+    close(fd);
+    return rc;
+}
+
+/* ------------------------------------------------------------------------------ dequantize */
+
+smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t rows, uint32_t cols,
+                            const void *data, size_t nbytes, float *out) {
+    if (!data || !out) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_dequantize: NULL argument");
+    smoe_tensor t;
+    if ((unsigned)format > 255 || (unsigned)scale_format > 255 ||
+        !tensor_init(&t, (uint8_t)format, (uint8_t)scale_format, rows, cols))
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_dequantize: invalid format %d / scale format %d for %ux%u",
+                         (int)format, (int)scale_format, rows, cols);
+    if (nbytes != t.nbytes)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_dequantize: %ux%u %s takes %llu bytes, got %zu", rows, cols,
+                         format_name(t.format), (unsigned long long)t.nbytes, nbytes);
+    t.data = data;
+    for (uint32_t r = 0; r < rows; r++) smoe_dequant_row(&t, data, r, out + (size_t)r * cols);
+    return SMOE_OK;
+}
