@@ -1,0 +1,38 @@
+/* decode.c — the token-serial step: one token through every layer, then logits and sampling.
+ *
+ * The prompt's last token also comes through here (after smoe_prefill_chunk has walked the
+ * rest), so sampling lives in one place. */
+#include "session.h"
+
+#include <string.h>
+
+smoe_status smoe_decode_step(smoe_session *s, int32_t id, float *logits, int32_t *next_id) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_decode_step: session is NULL");
+    smoe_status st = smoe_check_tokens(s, &id, 1);
+    if (st != SMOE_OK)
+        return st;
+    double t0 = smoe_now();
+    const smoe_config *c = &s->cfg;
+    uint32_t pos = s->pos;
+
+    smoe_embed(s, &id, 1);
+    for (uint32_t l = 0; l < c->num_hidden_layers; l++) {
+        uint32_t used;
+        smoe_attention_block(s, l, pos, 1);
+        if ((st = smoe_ffn_block(s, l, 1, &used)) != SMOE_OK)
+            return st; /* position unchanged: row pos of the KV cache is rewritten next time */
+    }
+    smoe_rmsnorm(s->xn, s->x, s->lay->final_norm, c->hidden_size, c->rms_norm_eps);
+    smoe_linear(s, s->lay->lm_head, s->lay->lm_head->data, s->xn, 1, s->logits);
+
+    s->history[pos] = id;
+    s->pos = pos + 1;
+    if (logits)
+        memcpy(logits, s->logits, c->vocab_size * sizeof(float));
+    if (next_id)
+        *next_id = smoe_sample(&s->sampler, s->logits, c->vocab_size, s->history, s->pos, s->sample_f, s->sample_i);
+    s->tokens_decoded++;
+    s->decode_s += smoe_now() - t0;
+    return SMOE_OK;
+}

@@ -1,0 +1,296 @@
+/* layer.c — the math of one decoder layer for n tokens, shared by both prefill paths.
+ *
+ * Qwen3-MoE as transformers implements Qwen3MoeDecoderLayer:
+ *
+ *   h  = x + o_proj(attention(rope(q_norm(q_proj(rms(x)))), rope(k_norm(k_proj(rms(x)))), v_proj(rms(x))))
+ *   x' = h + ffn(rms(h))        ffn = Σ_k w_k · down(silu(gate(·)) · up(·)) over the top-k experts
+ *                                     of softmax(router(·)), or a dense MLP on dense layers
+ *
+ * Each function here works on rows [0, n) of the session's planes. The serial step calls them
+ * with n = 1; the layer-major prefill with the whole chunk. Nothing here depends on n for the
+ * value of any row, which is the whole of the bit-identity argument:
+ *   - matrix products go through smoe_matmul_rows, whose per-element reduction is fixed;
+ *   - norms, RoPE, attention, routing are per token;
+ *   - a token's expert outputs land in its own (token, slot) rows and are summed in slot order,
+ *     never in the order blobs happened to arrive.
+ *
+ * Experts. For a sparse layer the tokens route in order; an expert's read is fired the moment
+ * it first enters the layer's union (smoe_streamer_acquire), so the disk works while later
+ * tokens still route. Then each union expert, as its blob arrives, is applied to all the tokens
+ * routed to it: their rows are gathered, gate and up run as one product over the blob, then
+ * down. When the streamer has no free slot, compute drains a ready expert and retries.
+ */
+#include "session.h"
+
+#include <math.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ matrix products on the pool */
+
+typedef struct {
+    const smoe_tensor *W;
+    const uint8_t *w;
+    const float *x;
+    uint32_t n;
+    float *y;
+    size_t ldy;
+} linear_task;
+
+static void linear_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
+    (void)worker;
+    const linear_task *t = ctx;
+    smoe_matmul_rows(t->W, t->w, t->x, t->W->cols, t->n, t->y, t->ldy, r0, r1);
+}
+
+/* Row grain keeps each thread's rows a multiple of 16: splits never cut a cache line of y. */
+enum { ROW_GRAIN = 16 };
+
+void smoe_linear(smoe_session *s, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n, float *y) {
+    linear_task t = {W, w, x, n, y, W->rows};
+    smoe_pool_run(s->pool, linear_rows, &t, W->rows, ROW_GRAIN);
+}
+
+/* Gate and up of one expert (or dense MLP) in one dispatch: rows [0, I) are gate, [I, 2I) up;
+ * output hg is (n, 2I) with gate in the first I columns. */
+typedef struct {
+    const smoe_tensor *gate, *up;
+    const uint8_t *wg, *wu;
+    const float *x;
+    uint32_t n;
+    float *y;
+} gate_up_task;
+
+static void gate_up_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
+    (void)worker;
+    const gate_up_task *t = ctx;
+    uint32_t I = t->gate->rows;
+    size_t ld = 2 * (size_t)I;
+    if (r0 < I)
+        smoe_matmul_rows(t->gate, t->wg, t->x, t->gate->cols, t->n, t->y, ld, r0, r1 < I ? r1 : I);
+    if (r1 > I)
+        smoe_matmul_rows(t->up, t->wu, t->x, t->up->cols, t->n, t->y + I, ld, (r0 > I ? r0 : I) - I, r1 - I);
+}
+
+/* out (n, hidden) = down(silu(gate(x)) · up(x)) for x (n, hidden). */
+static void swiglu_mlp(smoe_session *s, const smoe_tensor *gate, const uint8_t *wg, const smoe_tensor *up,
+                       const uint8_t *wu, const smoe_tensor *down, const uint8_t *wd, const float *x, uint32_t n,
+                       float *out) {
+    uint32_t I = gate->rows;
+    gate_up_task t = {gate, up, wg, wu, x, n, s->hg};
+    smoe_pool_run(s->pool, gate_up_rows, &t, 2 * I, ROW_GRAIN);
+    for (uint32_t i = 0; i < n; i++)
+        smoe_swiglu(s->h + (size_t)i * I, s->hg + (size_t)i * 2 * I, s->hg + (size_t)i * 2 * I + I, I);
+    smoe_linear(s, down, wd, s->h, n, out);
+}
+
+/* --------------------------------------------------------------------------------- embedding */
+
+void smoe_embed(smoe_session *s, const int32_t *ids, uint32_t n) {
+    const smoe_tensor *E = s->lay->embed;
+    for (uint32_t i = 0; i < n; i++)
+        smoe_dequant_row(E, E->data, (uint32_t)ids[i], s->x + (size_t)i * s->cfg.hidden_size);
+}
+
+smoe_status smoe_check_tokens(const smoe_session *s, const int32_t *ids, uint32_t n) {
+    if (s->broken)
+        return smoe_fail(SMOE_ERR_SESSION_BROKEN, "the session is unusable after an earlier failure; reset it");
+    for (uint32_t i = 0; i < n; i++)
+        if (ids[i] < 0 || (uint32_t)ids[i] >= s->cfg.vocab_size)
+            return smoe_fail(SMOE_ERR_BAD_TOKEN, "token id %d (index %u) is outside the vocabulary [0, %u)", ids[i],
+                             i, s->cfg.vocab_size);
+    if ((uint64_t)s->pos + n > s->params.context)
+        return smoe_fail(SMOE_ERR_CONTEXT_FULL, "%u more tokens would pass the context of %u (position %u)", n,
+                         s->params.context, s->pos);
+    return SMOE_OK;
+}
+
+/* --------------------------------------------------------------------------------- attention */
+
+typedef struct {
+    smoe_session *s;
+    uint32_t l, pos0;
+} attend_task;
+
+/* Items are (token, head) pairs; token t sees positions [0, pos0 + t]. */
+static void attend_items(void *ctx, uint32_t i0, uint32_t i1, uint32_t worker) {
+    const attend_task *t = ctx;
+    smoe_session *s = t->s;
+    const smoe_config *c = &s->cfg;
+    uint32_t heads = c->num_attention_heads, hd = c->head_dim;
+    uint32_t group = heads / c->num_key_value_heads;
+    const float *kl = s->k_cache + (size_t)t->l * s->params.context * s->kv_dim;
+    const float *vl = s->v_cache + (size_t)t->l * s->params.context * s->kv_dim;
+    float *scratch = s->scores + (size_t)worker * s->params.context;
+    for (uint32_t i = i0; i < i1; i++) {
+        uint32_t tok = i / heads, h = i % heads, kvh = h / group;
+        smoe_attend(s->att + (size_t)tok * s->q_dim + (size_t)h * hd, s->q + (size_t)tok * s->q_dim + (size_t)h * hd,
+                    kl + (size_t)kvh * hd, vl + (size_t)kvh * hd, s->kv_dim, t->pos0 + tok + 1, hd, scratch);
+    }
+}
+
+void smoe_attention_block(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n) {
+    const smoe_config *c = &s->cfg;
+    const smoe_layer_weights *L = &s->lay->layers[l];
+    uint32_t H = c->hidden_size, hd = c->head_dim, half = hd / 2;
+    float eps = c->rms_norm_eps;
+
+    for (uint32_t t = 0; t < n; t++)
+        smoe_rmsnorm(s->xn + (size_t)t * H, s->x + (size_t)t * H, L->input_norm, H, eps);
+
+    /* K and V land straight in the cache rows of their positions. */
+    float *krows = s->k_cache + ((size_t)l * s->params.context + pos0) * s->kv_dim;
+    float *vrows = s->v_cache + ((size_t)l * s->params.context + pos0) * s->kv_dim;
+    smoe_linear(s, L->q, L->q->data, s->xn, n, s->q);
+    smoe_linear(s, L->k, L->k->data, s->xn, n, krows);
+    smoe_linear(s, L->v, L->v->data, s->xn, n, vrows);
+
+    for (uint32_t t = 0; t < n; t++) {
+        const float *cs = s->rope_cos + (size_t)(pos0 + t) * half;
+        const float *sn = s->rope_sin + (size_t)(pos0 + t) * half;
+        float *qt = s->q + (size_t)t * s->q_dim, *kt = krows + (size_t)t * s->kv_dim;
+        for (uint32_t h = 0; h < c->num_attention_heads; h++)
+            smoe_rmsnorm(qt + (size_t)h * hd, qt + (size_t)h * hd, L->q_norm, hd, eps);
+        for (uint32_t h = 0; h < c->num_key_value_heads; h++)
+            smoe_rmsnorm(kt + (size_t)h * hd, kt + (size_t)h * hd, L->k_norm, hd, eps);
+        smoe_rope(qt, c->num_attention_heads, hd, cs, sn);
+        smoe_rope(kt, c->num_key_value_heads, hd, cs, sn);
+    }
+
+    attend_task at = {s, l, pos0};
+    smoe_pool_run(s->pool, attend_items, &at, n * c->num_attention_heads, 1);
+
+    smoe_linear(s, L->o, L->o->data, s->att, n, s->xn);
+    for (size_t i = 0; i < (size_t)n * H; i++)
+        s->x[i] += s->xn[i];
+}
+
+/* ---------------------------------------------------------------------------------------- FFN */
+
+/* Applies union expert u (its blob ready in slot) to every (token, slot) routed to it. */
+static void run_expert(smoe_session *s, uint32_t e, const uint8_t *blob) {
+    const smoe_layout *lay = s->lay;
+    uint32_t H = s->cfg.hidden_size, K = s->cfg.num_experts_per_tok;
+    uint32_t m = s->exp_count[e];
+    const uint32_t *rows = s->exp_rows + (size_t)e * s->params.chunk;
+    for (uint32_t j = 0; j < m; j++)
+        memcpy(s->xg + (size_t)j * H, s->xn + (size_t)(rows[j] / K) * H, H * sizeof(float));
+    const smoe_tensor *g = &lay->expert[0], *u = &lay->expert[1], *d = &lay->expert[2];
+    swiglu_mlp(s, g, blob + g->offset, u, blob + u->offset, d, blob + d->offset, s->xg, m, s->yg);
+    for (uint32_t j = 0; j < m; j++)
+        memcpy(s->slot_out + (size_t)rows[j] * H, s->yg + (size_t)j * H, H * sizeof(float));
+}
+
+/* Releases every slot the union still pins (after a failure). */
+static void release_union(smoe_session *s, uint32_t n_union) {
+    for (uint32_t u = 0; u < n_union; u++)
+        if (s->union_slot[u] >= 0) {
+            smoe_streamer_release(s->streamer, s->union_slot[u]);
+            s->union_slot[u] = -1;
+        }
+}
+
+/* Waits for any acquired-but-not-computed union expert, runs it, releases its slot.
+ * pending[0..*np) are union positions holding a slot. */
+static smoe_status drain_one(smoe_session *s, uint32_t *pending, uint32_t *np, int *slots) {
+    for (uint32_t i = 0; i < *np; i++)
+        slots[i] = s->union_slot[pending[i]];
+    uint32_t i = smoe_streamer_wait_any(s->streamer, slots, *np);
+    uint32_t u = pending[i];
+    int slot = s->union_slot[u];
+    smoe_status st = smoe_streamer_wait(s->streamer, slot);
+    if (st != SMOE_OK)
+        return st;
+    run_expert(s, (uint32_t)s->union_list[u], smoe_streamer_data(s->streamer, slot));
+    smoe_streamer_release(s->streamer, slot);
+    s->union_slot[u] = -1;
+    pending[i] = pending[--*np];
+    return SMOE_OK;
+}
+
+static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size) {
+    const smoe_config *c = &s->cfg;
+    const smoe_layer_weights *L = &s->lay->layers[l];
+    uint32_t E = c->num_experts, K = c->num_experts_per_tok, H = c->hidden_size;
+
+    smoe_linear(s, L->router, L->router->data, s->xn, n, s->router);
+
+    /* Route in token order; fire each expert's read when it first enters the union. */
+    memset(s->exp_count, 0, E * sizeof(uint32_t));
+    uint32_t n_union = 0, next_acquire = 0;
+    for (uint32_t t = 0; t < n; t++) {
+        float *p = s->router + (size_t)t * E;
+        smoe_softmax(p, E);
+        smoe_topk(p, E, K, c->norm_topk_prob, s->topk_idx + (size_t)t * K, s->topk_w + (size_t)t * K);
+        for (uint32_t k = 0; k < K; k++) {
+            uint32_t e = (uint32_t)s->topk_idx[(size_t)t * K + k];
+            if (s->exp_count[e] == 0) {
+                s->union_list[n_union] = (int32_t)e;
+                s->union_slot[n_union] = -1;
+                n_union++;
+                /* Fire at once while slots allow; the rest are acquired as slots free up. */
+                if (next_acquire == n_union - 1) {
+                    int slot = smoe_streamer_acquire(s->streamer, l, e);
+                    if (slot >= 0)
+                        s->union_slot[next_acquire++] = slot;
+                }
+            }
+            s->exp_rows[(size_t)e * s->params.chunk + s->exp_count[e]++] = t * K + k;
+        }
+    }
+    *union_size = n_union;
+
+    /* Compute experts as their blobs arrive; acquire the rest as slots are released. The union
+     * positions [0, next_acquire) not yet computed are the pending ones. */
+    uint32_t *pending = s->pending;
+    int *slots = s->pending_slots;
+    uint32_t np = 0;
+    for (uint32_t u = 0; u < next_acquire; u++)
+        pending[np++] = u;
+    smoe_status st = SMOE_OK;
+    while (np > 0 || next_acquire < n_union) {
+        while (next_acquire < n_union) {
+            int slot = smoe_streamer_acquire(s->streamer, l, (uint32_t)s->union_list[next_acquire]);
+            if (slot < 0)
+                break;
+            s->union_slot[next_acquire] = slot;
+            pending[np++] = next_acquire++;
+        }
+        if (np == 0) {
+            st = smoe_fail(SMOE_ERR_INTERNAL, "layer %u: no streamer slot could be acquired", l);
+            break;
+        }
+        if ((st = drain_one(s, pending, &np, slots)) != SMOE_OK)
+            break;
+    }
+    if (st != SMOE_OK) {
+        release_union(s, n_union);
+        return st;
+    }
+
+    /* Weighted sum in top-k slot order, then the residual. */
+    for (uint32_t t = 0; t < n; t++) {
+        float *acc = s->yg; /* (hidden) scratch: the expert outputs are all in slot_out now */
+        memset(acc, 0, H * sizeof(float));
+        for (uint32_t k = 0; k < K; k++)
+            smoe_axpy(acc, s->topk_w[(size_t)t * K + k], s->slot_out + ((size_t)t * K + k) * H, H);
+        float *xt = s->x + (size_t)t * H;
+        for (uint32_t i = 0; i < H; i++)
+            xt[i] += acc[i];
+    }
+    return SMOE_OK;
+}
+
+smoe_status smoe_ffn_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size) {
+    const smoe_layer_weights *L = &s->lay->layers[l];
+    uint32_t H = s->cfg.hidden_size;
+    for (uint32_t t = 0; t < n; t++)
+        smoe_rmsnorm(s->xn + (size_t)t * H, s->x + (size_t)t * H, L->post_norm, H, s->cfg.rms_norm_eps);
+    if (L->sparse)
+        return moe_block(s, l, n, union_size);
+    *union_size = 0;
+    swiglu_mlp(s, L->mlp_gate, L->mlp_gate->data, L->mlp_up, L->mlp_up->data, L->mlp_down, L->mlp_down->data, s->xn,
+               n, s->yg);
+    for (size_t i = 0; i < (size_t)n * H; i++)
+        s->x[i] += s->yg[i];
+    return SMOE_OK;
+}

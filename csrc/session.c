@@ -1,0 +1,304 @@
+/* session.c — creating and freeing a session, its options, counters and KV access.
+ *
+ * Everything a session will ever use is allocated here, sized by the params: the KV cache, the
+ * RoPE tables, the activation planes for `chunk` tokens, the streamer's slots, the threads.
+ * smoe_prefill_chunk and smoe_decode_step then never allocate. */
+#include "session.h"
+
+#include <math.h>
+#include <string.h>
+#include <unistd.h>
+
+smoe_session_params smoe_session_default_params(void) {
+    smoe_session_params p;
+    memset(&p, 0, sizeof p);
+    p.struct_size = sizeof p;
+    p.context = 4096;
+    p.chunk = 64;
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    p.threads = cores > 0 ? (uint32_t)cores : 1;
+    p.io_threads = 4;
+    p.cache_bytes = 0;
+    p.direct_io = true;
+    p.verify_blobs = false;
+    return p;
+}
+
+smoe_sampler_params smoe_sampler_default_params(void) {
+    smoe_sampler_params p;
+    memset(&p, 0, sizeof p);
+    p.struct_size = sizeof p;
+    p.temperature = 0.0f;
+    p.top_k = 0;
+    p.top_p = 1.0f;
+    p.min_p = 0.0f;
+    p.repetition_penalty = 1.0f;
+    p.repetition_window = 64;
+    p.seed = 0;
+    return p;
+}
+
+/* Params from a caller whose struct may be older (smaller) than ours: fields it lacks keep
+ * their defaults. */
+static smoe_status read_params(const smoe_session_params *in, smoe_session_params *out) {
+    *out = smoe_session_default_params();
+    if (!in)
+        return SMOE_OK;
+    if (in->struct_size < offsetof(smoe_session_params, cache_bytes) || in->struct_size > sizeof *out)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_params.struct_size %u is not a known size (%zu)",
+                         in->struct_size, sizeof *out);
+    memcpy(out, in, in->struct_size);
+    out->struct_size = sizeof *out;
+    return SMOE_OK;
+}
+
+void smoe_session_free(smoe_session *s) {
+    if (!s)
+        return;
+    smoe_streamer_free(s->streamer);
+    smoe_pool_free(s->pool);
+    void *bufs[] = {s->k_cache, s->v_cache, s->rope_cos, s->rope_sin, s->history, s->x, s->xn, s->q, s->att,
+                    s->scores, s->router, s->topk_idx, s->topk_w, s->slot_out, s->xg, s->hg, s->h, s->yg,
+                    s->logits, s->sample_f, s->sample_i, s->exp_count, s->exp_rows, s->union_list,
+                    s->union_slot, s->pending, s->pending_slots, s->union_sizes};
+    for (size_t i = sizeof bufs / sizeof bufs[0]; i-- > 0;)
+        smoe_free(bufs[i]);
+    smoe_free(s);
+}
+
+/* One plane: counted in plane_bytes, 64-byte aligned, zeroed. */
+static void *plane(smoe_session *s, size_t count, size_t elem, bool *ok) {
+    size_t bytes = count * elem;
+    if (bytes == 0)
+        bytes = 64;
+    void *p = smoe_alloc(bytes, 64);
+    if (!p)
+        *ok = false;
+    s->plane_bytes += bytes;
+    return p;
+}
+
+static void build_rope(smoe_session *s) {
+    /* As transformers computes it, in float32: inv_freq = 1 / θ^(2i/d), angle = pos · inv_freq. */
+    uint32_t d = s->cfg.head_dim, half = d / 2;
+    for (uint32_t i = 0; i < half; i++) {
+        float inv = 1.0f / powf((float)s->cfg.rope_theta, (float)(2 * i) / (float)d);
+        for (uint32_t p = 0; p < s->params.context; p++) {
+            float a = (float)p * inv;
+            s->rope_cos[(size_t)p * half + i] = cosf(a);
+            s->rope_sin[(size_t)p * half + i] = sinf(a);
+        }
+    }
+}
+
+smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *params, smoe_session **out) {
+    if (!out)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_new: out is NULL");
+    *out = NULL;
+    if (!vault)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_new: vault is NULL");
+    smoe_session_params p;
+    smoe_status st = read_params(params, &p);
+    if (st != SMOE_OK)
+        return st;
+    const smoe_config *c = &vault->lay.cfg;
+    if (p.context == 0 || p.chunk == 0 || p.threads == 0 || p.io_threads == 0)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "context, chunk, threads and io_threads must be at least 1");
+    if (p.context > c->max_position_embeddings)
+        p.context = c->max_position_embeddings;
+    if (p.chunk > 65536 || p.threads > 256 || p.io_threads > 256)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "chunk ≤ 65536, threads ≤ 256 and io_threads ≤ 256 (got %u, %u, %u)",
+                         p.chunk, p.threads, p.io_threads);
+
+    smoe_session *s = smoe_alloc(sizeof *s, 64);
+    if (!s)
+        return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the session");
+    s->vault = vault;
+    s->lay = &vault->lay;
+    s->cfg = *c;
+    s->params = p;
+    s->q_dim = c->num_attention_heads * c->head_dim;
+    s->kv_dim = c->num_key_value_heads * c->head_dim;
+    s->ffn = c->intermediate_size > c->moe_intermediate_size ? c->intermediate_size : c->moe_intermediate_size;
+
+    size_t C = p.chunk, H = c->hidden_size, E = c->num_experts, K = c->num_experts_per_tok, L = c->num_hidden_layers;
+    bool ok = true;
+    size_t kv = L * p.context * s->kv_dim;
+    s->k_cache = smoe_alloc(kv * sizeof(float), 64);
+    s->v_cache = smoe_alloc(kv * sizeof(float), 64);
+    ok = s->k_cache && s->v_cache;
+    s->kv_bytes = 2 * kv * sizeof(float);
+    s->rope_cos = plane(s, (size_t)p.context * (c->head_dim / 2), sizeof(float), &ok);
+    s->rope_sin = plane(s, (size_t)p.context * (c->head_dim / 2), sizeof(float), &ok);
+    s->history = plane(s, p.context, sizeof(int32_t), &ok);
+    s->x = plane(s, C * H, sizeof(float), &ok);
+    s->xn = plane(s, C * H, sizeof(float), &ok);
+    s->q = plane(s, C * s->q_dim, sizeof(float), &ok);
+    s->att = plane(s, C * s->q_dim, sizeof(float), &ok);
+    s->scores = plane(s, (size_t)p.threads * p.context, sizeof(float), &ok);
+    s->router = plane(s, C * E, sizeof(float), &ok);
+    s->topk_idx = plane(s, C * K, sizeof(int32_t), &ok);
+    s->topk_w = plane(s, C * K, sizeof(float), &ok);
+    s->slot_out = plane(s, C * K * H, sizeof(float), &ok);
+    s->xg = plane(s, C * H, sizeof(float), &ok);
+    s->hg = plane(s, C * 2 * s->ffn, sizeof(float), &ok);
+    s->h = plane(s, C * s->ffn, sizeof(float), &ok);
+    s->yg = plane(s, C * H, sizeof(float), &ok);
+    s->logits = plane(s, c->vocab_size, sizeof(float), &ok);
+    s->sample_f = plane(s, c->vocab_size, sizeof(float), &ok);
+    s->sample_i = plane(s, c->vocab_size, sizeof(int32_t), &ok);
+    s->exp_count = plane(s, E, sizeof(uint32_t), &ok);
+    s->exp_rows = plane(s, E * C, sizeof(uint32_t), &ok);
+    s->union_list = plane(s, E, sizeof(int32_t), &ok);
+    s->union_slot = plane(s, E, sizeof(int32_t), &ok);
+    s->pending = plane(s, E, sizeof(uint32_t), &ok);
+    s->pending_slots = plane(s, E, sizeof(int), &ok);
+    s->union_sizes = plane(s, L, sizeof(uint32_t), &ok);
+    if (!ok) {
+        smoe_session_free(s);
+        return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the KV cache (%zu bytes) and planes (%llu bytes)",
+                         (size_t)s->kv_bytes, (unsigned long long)s->plane_bytes);
+    }
+    build_rope(s);
+
+    if ((st = smoe_pool_new(p.threads, &s->pool)) != SMOE_OK) {
+        smoe_session_free(s);
+        return st;
+    }
+
+    if (c->num_sparse_layers > 0) {
+        /* The budget in whole blobs; never fewer than one token's experts of one layer, never
+         * more than there are blobs. */
+        uint64_t total = (uint64_t)c->num_sparse_layers * c->num_experts;
+        uint64_t slots = p.cache_bytes / vault->lay.blob_bytes;
+        if (slots < K)
+            slots = K;
+        if (slots > total)
+            slots = total;
+        smoe_streamer_params sp = {
+            .path = vault->path,
+            .blob_bytes = vault->lay.blob_bytes,
+            .blob_offset = vault->lay.blob_offset,
+            .blob_crc = vault->lay.blob_crc,
+            .n_layers = c->num_hidden_layers,
+            .n_experts = c->num_experts,
+            .n_sparse_layers = c->num_sparse_layers,
+            .n_slots = (uint32_t)slots,
+            .io_threads = p.io_threads,
+            .direct_io = p.direct_io,
+            .verify = p.verify_blobs,
+        };
+        if ((st = smoe_streamer_new(&sp, &s->streamer)) != SMOE_OK) {
+            smoe_session_free(s);
+            return st;
+        }
+    }
+    smoe_sampler_params sdef = smoe_sampler_default_params();
+    smoe_sampler_init(&s->sampler, &sdef);
+    *out = s;
+    return SMOE_OK;
+}
+
+smoe_status smoe_session_reset(smoe_session *s) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "session is NULL");
+    s->pos = 0;
+    s->broken = false;
+    return SMOE_OK;
+}
+
+uint32_t smoe_session_position(const smoe_session *s) { return s ? s->pos : 0; }
+
+smoe_status smoe_session_set_sampler(smoe_session *s, const smoe_sampler_params *params) {
+    if (!s || !params)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_set_sampler: NULL argument");
+    smoe_sampler_params p = smoe_sampler_default_params();
+    if (params->struct_size < sizeof(uint32_t) + sizeof(float) || params->struct_size > sizeof p)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_sampler_params.struct_size %u is not a known size",
+                         params->struct_size);
+    memcpy(&p, params, params->struct_size);
+    p.struct_size = sizeof p;
+    if (!(p.temperature >= 0.0f) || !(p.top_p > 0.0f && p.top_p <= 1.0f) || !(p.min_p >= 0.0f && p.min_p <= 1.0f) ||
+        !(p.repetition_penalty > 0.0f))
+        return smoe_fail(SMOE_ERR_INVALID_ARG,
+                         "sampler: temperature ≥ 0, 0 < top_p ≤ 1, 0 ≤ min_p ≤ 1, repetition_penalty > 0 "
+                         "(got %g, %g, %g, %g)",
+                         p.temperature, p.top_p, p.min_p, p.repetition_penalty);
+    smoe_sampler_init(&s->sampler, &p);
+    return SMOE_OK;
+}
+
+smoe_status smoe_session_read_kv(const smoe_session *s, uint32_t layer, uint32_t start, uint32_t n, float *k,
+                                 float *v) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "session is NULL");
+    if (layer >= s->cfg.num_hidden_layers || (uint64_t)start + n > s->pos)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "KV rows [%u, %u) of layer %u: the cache holds %u positions of %u layers",
+                         start, start + n, layer, s->pos, s->cfg.num_hidden_layers);
+    size_t off = ((size_t)layer * s->params.context + start) * s->kv_dim, len = (size_t)n * s->kv_dim * sizeof(float);
+    if (k)
+        memcpy(k, s->k_cache + off, len);
+    if (v)
+        memcpy(v, s->v_cache + off, len);
+    return SMOE_OK;
+}
+
+smoe_status smoe_stats(const smoe_session *s, smoe_counters *out) {
+    if (!s || !out)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_stats: NULL argument");
+    if (out->struct_size < offsetof(smoe_counters, direct_io) || out->struct_size > sizeof *out)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_counters.struct_size %u is not a known size", out->struct_size);
+    smoe_counters c;
+    memset(&c, 0, sizeof c);
+    c.struct_size = out->struct_size;
+    c.position = s->pos;
+    if (s->streamer) {
+        smoe_streamer_stats ss;
+        smoe_streamer_get_stats(s->streamer, &ss);
+        c.blob_reads = ss.blob_reads;
+        c.bytes_read = ss.bytes_read;
+        c.cache_hits = ss.hits;
+        c.cache_misses = ss.misses;
+        c.io_wait_s = ss.io_wait_s;
+        c.direct_io = ss.direct_io;
+        c.cache_bytes = smoe_streamer_slot_bytes(s->streamer);
+        c.cache_slots = (uint32_t)(c.cache_bytes / s->lay->blob_bytes);
+    }
+    c.prefill_s = s->prefill_s;
+    c.decode_s = s->decode_s;
+    c.tokens_prefilled = s->tokens_prefilled;
+    c.tokens_decoded = s->tokens_decoded;
+    c.dense_bytes = s->lay->dense_bytes;
+    c.kv_bytes = s->kv_bytes;
+    c.plane_bytes = s->plane_bytes;
+    c.resident_bytes = c.dense_bytes + c.cache_bytes + c.kv_bytes + c.plane_bytes;
+    c.num_layers = s->cfg.num_hidden_layers;
+    memcpy(out, &c, out->struct_size);
+    return SMOE_OK;
+}
+
+smoe_status smoe_stats_union_sizes(const smoe_session *s, uint32_t *out, uint32_t cap) {
+    if (!s || (!out && cap))
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_stats_union_sizes: NULL argument");
+    uint32_t n = cap < s->cfg.num_hidden_layers ? cap : s->cfg.num_hidden_layers;
+    memcpy(out, s->union_sizes, n * sizeof(uint32_t));
+    return SMOE_OK;
+}
+
+smoe_status smoe_stats_reset(smoe_session *s) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "session is NULL");
+    if (s->streamer)
+        smoe_streamer_reset_stats(s->streamer);
+    s->prefill_s = s->decode_s = 0;
+    s->tokens_prefilled = s->tokens_decoded = 0;
+    return SMOE_OK;
+}
+
+smoe_status smoe_cache_clear(smoe_session *s) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "session is NULL");
+    if (s->streamer)
+        smoe_streamer_clear(s->streamer);
+    return SMOE_OK;
+}

@@ -1,0 +1,88 @@
+/* session.h — a session's state, and the layer math that both prefill paths share.
+ *
+ * The token-serial step (decode.c) and the layer-major prefill (prefill.c) differ only in the
+ * order of their loops: token-serial runs every layer for one token, layer-major runs one layer
+ * for every token of a chunk. Both call the same block functions below with n tokens (n = 1
+ * for the serial step), and every kernel computes each output element the same way whatever n
+ * is (kernels.h), which is what makes the two paths bit-identical. */
+#ifndef SMOE_SESSION_H
+#define SMOE_SESSION_H
+
+#include "kernels.h"
+#include "pool.h"
+#include "sample.h"
+#include "streamer.h"
+#include "vault.h"
+
+struct smoe_session {
+    smoe_vault *vault;
+    const smoe_layout *lay;
+    smoe_config cfg;
+    smoe_session_params params;
+    smoe_pool *pool;
+    smoe_streamer *streamer; /* NULL when the model has no sparse layer */
+    smoe_sampler sampler;
+
+    uint32_t pos;    /* tokens in the KV cache */
+    bool broken;
+    uint32_t q_dim;  /* heads · head_dim */
+    uint32_t kv_dim; /* kv_heads · head_dim */
+    uint32_t ffn;    /* max(intermediate_size, moe_intermediate_size) */
+
+    /* KV cache and positions */
+    float *k_cache, *v_cache; /* (layers, context, kv_dim) K after norm and RoPE */
+    float *rope_cos, *rope_sin; /* (context, head_dim/2) */
+    int32_t *history;         /* (context) ids at each position */
+
+    /* Activation planes: rows for `chunk` tokens */
+    float *x;        /* (chunk, hidden) residual stream */
+    float *xn;       /* (chunk, hidden) normed input of the current block; reused for block outputs */
+    float *q;        /* (chunk, q_dim) */
+    float *att;      /* (chunk, q_dim) attention output, heads concatenated */
+    float *scores;   /* (threads, context) attention scratch, one row per worker */
+    float *router;   /* (chunk, experts) router logits, then probabilities */
+    int32_t *topk_idx; /* (chunk, top_k) */
+    float *topk_w;   /* (chunk, top_k) */
+    float *slot_out; /* (chunk, top_k, hidden) each routed expert's output, summed in slot order */
+    float *xg;       /* (chunk, hidden) the rows routed to one expert, gathered */
+    float *hg;       /* (chunk, 2·ffn) gate rows then up rows of one expert / dense MLP */
+    float *h;        /* (chunk, ffn) silu(gate)·up */
+    float *yg;       /* (chunk, hidden) one expert's output rows */
+    float *logits;   /* (vocab) */
+    float *sample_f; /* (vocab) sampler scratch */
+    int32_t *sample_i; /* (vocab) */
+
+    /* The union of one layer (chunk): experts in order of first appearance */
+    uint32_t *exp_count;  /* (experts) tokens routed to each */
+    uint32_t *exp_rows;   /* (experts, chunk) t·top_k + slot of each routed (token, slot) */
+    int32_t *union_list;  /* (experts) */
+    int32_t *union_slot;  /* (experts) streamer slot per union position, −1 before acquire */
+    uint32_t *pending;    /* (experts) union positions holding a slot, not yet computed */
+    int *pending_slots;   /* (experts) their slots, for smoe_streamer_wait_any */
+    uint32_t *union_sizes; /* (layers) of the last prefill */
+
+    /* Counters that are not the streamer's */
+    double prefill_s, decode_s;
+    uint64_t tokens_prefilled, tokens_decoded;
+    uint64_t plane_bytes, kv_bytes;
+};
+
+/* y (n, W.rows) = x (n, W.cols) · Wᵀ, rows split over the worker pool. */
+void smoe_linear(smoe_session *s, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n, float *y);
+
+/* x rows [0, n) ← embedding rows of ids. */
+void smoe_embed(smoe_session *s, const int32_t *ids, uint32_t n);
+
+/* Attention block of layer l for tokens at positions pos0 .. pos0+n−1: norm, QKV, QK-norm,
+ * RoPE, K/V append, causal attention, o_proj, residual. */
+void smoe_attention_block(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n);
+
+/* FFN block of layer l (sparse: routing + experts; dense: MLP), residual included. The number
+ * of distinct experts the n tokens used goes to *union_size (0 for a dense layer). On failure
+ * every slot it pinned is released. */
+smoe_status smoe_ffn_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size);
+
+/* Checks ids and room for n more tokens; SMOE_OK or an error with a message. */
+smoe_status smoe_check_tokens(const smoe_session *s, const int32_t *ids, uint32_t n);
+
+#endif
