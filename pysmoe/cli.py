@@ -1,0 +1,56 @@
+"""python -m pysmoe run|chat|synth|convert|info|verify|bench
+
+Each subcommand lives in its own module with add_parser(subparsers) and run(args); modules are
+imported only for the command that runs, except for their (light) parser definitions."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMANDS = {
+    "run": ("pysmoe.cmd_run", "generate from a prompt (no --vault: the built-in demo vault)"),
+    "chat": ("pysmoe.cmd_chat", "interactive chat with the vault's chat template"),
+    "synth": ("pysmoe.synth", "make a random vault of a preset shape"),
+    "convert": ("pysmoe.convert", "convert a Hugging Face Qwen3-MoE checkpoint into a vault"),
+    "info": ("pysmoe.cmd_vault", "show a vault's config, sizes and formats"),
+    "verify": ("pysmoe.cmd_vault", "check every checksum of a vault"),
+    "bench": ("pysmoe.bench", "time to first token and decode speed, against the machine's limits"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m pysmoe", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the engine's messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:  # a command whose module is missing still shows, and says why
+            p = sub.add_parser(name, help=f"{help_text} (unavailable: {e})")
+            p.set_defaults(_unavailable=str(e))
+            continue
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_parser(p, name)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="pysmoe: %(message)s")
+    if getattr(args, "_unavailable", None):
+        print(f"pysmoe {args.command}: unavailable: {args._unavailable}", file=sys.stderr)
+        return 2
+    from .errors import SmoeError
+    try:
+        return args._run(args) or 0
+    except SmoeError as e:
+        print(f"pysmoe {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,31 @@
+"""The built-in demo vault: made on first use under the user's cache folder."""
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import sys
+
+DEMO_PRESET = "tiny"
+DEMO_SEED = 0
+DEMO_VERSION = 1  # bump when the synth output for the demo changes
+
+
+def demo_vault_path() -> pathlib.Path:
+    base = os.environ.get("PYSMOE_CACHE") or os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return pathlib.Path(base) / "pysmoe" / f"demo-{DEMO_PRESET}-s{DEMO_SEED}-v{DEMO_VERSION}"
+
+
+def ensure_demo_vault() -> pathlib.Path:
+    """The demo vault's path, making it first if it is not there (written aside, then renamed,
+    so an interrupted run never leaves half a vault behind)."""
+    path = demo_vault_path()
+    if (path / "vault.bin").exists():
+        return path
+    from .synth import synth
+    tmp = path.with_name(path.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    print(f"making the demo vault ({DEMO_PRESET} preset) in {path} ...", file=sys.stderr)
+    synth(tmp, preset=DEMO_PRESET, seed=DEMO_SEED)
+    tmp.rename(path)
+    return path

@@ -1,0 +1,79 @@
+"""Text in, tokens out: stream_generate() yields one small record per generated token."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterator, Sequence
+
+from .engine import Session
+from .errors import InvalidArgument
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationResponse:
+    token: int
+    text: str                  # the new text this token completes ("" while a character is partial)
+    prompt_tokens: int
+    generation_tokens: int     # generated so far, this one included
+    prompt_tps: float          # prompt tokens per second of time to first token
+    generation_tps: float      # tokens per second after the first
+    ttft_s: float              # seconds from the call to the first generated token
+    finish_reason: str | None  # None while running; "stop", "length" or "context" on the last
+
+
+def _as_ids(session: Session, prompt, chat: bool) -> list[int]:
+    if isinstance(prompt, str):
+        tok = session.vault.tokenizer
+        if tok is None:
+            raise InvalidArgument("this vault has no tokenizer.json: pass token ids instead of text")
+        if chat:
+            return tok.apply_chat_template([{"role": "user", "content": prompt}])
+        return tok.encode(prompt)
+    return [int(i) for i in prompt]
+
+
+def stream_generate(session: Session, prompt: str | Sequence[int], max_tokens: int = 64, *,
+                    temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+                    repetition_penalty: float = 1.0, seed: int = 0, chat: bool = False,
+                    stop: Sequence[int] | None = None) -> Iterator[GenerationResponse]:
+    """Generate from a prompt (text, or ids) and yield a GenerationResponse per token."""
+    ids = _as_ids(session, prompt, chat)
+    tok = session.vault.tokenizer
+    if stop is None:
+        stop = tok.eos_ids if tok is not None else ()
+    stop = set(stop)
+    start = time.perf_counter()
+    first = None
+    out: list[int] = []
+    emitted = ""
+    gen = session.generate(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, top_k=top_k,
+                           min_p=min_p, repetition_penalty=repetition_penalty, stop=stop)
+    for token in gen:
+        now = time.perf_counter()
+        if first is None:
+            first = now
+        out.append(token)
+        text = ""
+        if tok is not None:
+            full = tok.decode(out)
+            # Hold back a trailing replacement character: the next token may complete it.
+            if not full.endswith("\ufffd"):
+                text, emitted = full[len(emitted):], full
+        finish = None
+        if token in stop:
+            finish = "stop"
+        elif len(out) == max_tokens:
+            finish = "length"
+        elif session.position >= session.context:
+            finish = "context"
+        ttft = first - start
+        yield GenerationResponse(
+            token=token, text=text, prompt_tokens=len(ids), generation_tokens=len(out),
+            prompt_tps=len(ids) / ttft if ttft > 0 else float("inf"),
+            generation_tps=(len(out) - 1) / (now - first) if now > first else 0.0,
+            ttft_s=ttft, finish_reason=finish)
+
+
+def generate(session: Session, prompt: str | Sequence[int], max_tokens: int = 64, **kwargs) -> str:
+    """The whole generated text (needs a tokenizer)."""
+    return "".join(r.text for r in stream_generate(session, prompt, max_tokens, **kwargs))
