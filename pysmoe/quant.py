@@ -1,0 +1,288 @@
+"""Tensor formats of the vault (docs/vault.md section 3), in numpy.
+
+A quantised tensor of rows × cols (cols % 64 == 0) is three parts, each starting on a 64-byte
+boundary relative to the tensor's first byte:
+
+    codes    q4: rows × cols/8 little-endian u32 words, element c at bits 4·(c%8) of word c/8
+             q8: rows × cols u8
+    scales   rows × cols/64, f16 or bf16
+    biases   rows × cols/64, f16 or bf16
+
+and dequantises as w = f32(scale)·f32(q) + f32(bias): one f32 multiply, then one f32 add, never
+fused. libsmoe's `smoe_dequantize` does the same operations, so the two agree bit for bit
+(tests/test_quant.py checks it).
+
+Quantisation is MLX's affine scheme per group of 64 inputs: scale = (max − min)/(2^bits − 1),
+bias = min. Scale and bias are rounded to the stored dtype *first* and the codes computed from
+the rounded values, so the rounding of the scale does not add to the error of every code.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+GROUP = 64
+ALIGN = 64
+FORMATS = ("f32", "bf16", "q8", "q4")
+SCALE_DTYPES = ("f16", "bf16")
+# The numbers docs/vault.md gives each format and scale dtype in the tensor descriptors.
+FORMAT_CODE = {"f32": 0, "bf16": 1, "q8": 2, "q4": 3}
+SCALE_CODE = {None: 0, "f16": 1, "bf16": 2}
+FORMAT_NAME = {v: k for k, v in FORMAT_CODE.items()}
+SCALE_NAME = {v: k for k, v in SCALE_CODE.items()}
+_BITS = {"q4": 4, "q8": 8}
+
+# Rows quantised per step: bounds the temporaries (a few × 16 MiB) whatever the matrix size.
+_CHUNK_ELEMS = 1 << 22
+
+
+def align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def is_quantized(fmt: str) -> bool:
+    return fmt in _BITS
+
+
+def _check_format(fmt: str, cols: int) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown tensor format {fmt!r} (one of {', '.join(FORMATS)})")
+    if fmt in _BITS and cols % GROUP:
+        raise ValueError(f"format {fmt} needs cols % {GROUP} == 0, got cols={cols}")
+
+
+def _check_scale_dtype(scale_dtype: str) -> None:
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"unknown scale dtype {scale_dtype!r} (one of {', '.join(SCALE_DTYPES)})")
+
+
+def parts(fmt: str, rows: int, cols: int) -> tuple[int, int, int, int]:
+    """(codes_bytes, scales_offset, biases_offset, total_bytes) of a quantised tensor."""
+    _check_format(fmt, cols)
+    if fmt not in _BITS:
+        n = tensor_nbytes(fmt, rows, cols)
+        return n, n, n, n
+    codes = rows * cols * _BITS[fmt] // 8
+    sb = 2 * rows * (cols // GROUP)
+    scales_off = align(codes, ALIGN)
+    biases_off = scales_off + align(sb, ALIGN)
+    return codes, scales_off, biases_off, biases_off + align(sb, ALIGN)
+
+
+def tensor_nbytes(fmt: str, rows: int, cols: int) -> int:
+    """Stored size in bytes of a rows × cols tensor (the same for f16 and bf16 scales)."""
+    _check_format(fmt, cols)
+    if fmt == "f32":
+        return 4 * rows * cols
+    if fmt == "bf16":
+        return 2 * rows * cols
+    return parts(fmt, rows, cols)[3]
+
+
+# ------------------------------------------------------------------------------ 16-bit floats
+
+def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """Round-to-nearest-even of f32 to bf16, as u16 bits (NaN stays a quiet NaN)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        rounded[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
+    return rounded
+
+
+def bf16_bits_to_f32(b: np.ndarray) -> np.ndarray:
+    return (np.asarray(b, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def _round_to(x: np.ndarray, scale_dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(stored u16 bits, their exact f32 value) of x rounded to scale_dtype."""
+    if scale_dtype == "f16":
+        with np.errstate(over="ignore"):
+            h = x.astype(np.float16)
+        return h.view(np.uint16), h.astype(np.float32)
+    bits = f32_to_bf16_bits(x)
+    return bits, bf16_bits_to_f32(bits)
+
+
+def _scale_bits(values: np.ndarray, scale_dtype: str) -> np.ndarray:
+    """Scales or biases given as stored u16 bits, float16, or floats (rounded) -> u16 bits."""
+    values = np.asarray(values)
+    if values.dtype == np.uint16:
+        return values
+    if values.dtype == np.float16:
+        if scale_dtype != "f16":
+            raise ValueError("float16 scales given for a bf16 scale dtype; pass floats or u16 bits")
+        return values.view(np.uint16)
+    return _round_to(values.astype(np.float32), scale_dtype)[0]
+
+
+# --------------------------------------------------------------------------------- quantise
+
+def pack_q4_codes(codes: np.ndarray) -> np.ndarray:
+    """u8 codes 0..15 (…, cols) -> the packed bytes (…, cols/2): low nibble = even element.
+
+    Eight nibbles per little-endian u32 with element c at bits 4·(c%8) is exactly this byte
+    stream, so no u32 arithmetic is needed.
+    """
+    codes = np.asarray(codes, dtype=np.uint8)
+    return (codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))).astype(np.uint8)
+
+
+def unpack_q4_codes(packed: np.ndarray) -> np.ndarray:
+    """Inverse of pack_q4_codes: bytes (…, n) -> codes (…, 2n)."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    out = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), dtype=np.uint8)
+    out[..., 0::2] = packed & np.uint8(15)
+    out[..., 1::2] = packed >> np.uint8(4)
+    return out
+
+
+def quantize_codes_direct(fmt: str, rows: int, cols: int, codes, scales, biases,
+                          scale_dtype: str = "f16") -> bytes:
+    """Lay out codes that already exist, with their scales and biases, as the vault stores them.
+
+    For writers that never had float weights: `pysmoe synth` (random codes) and MLX repacking
+    (MLX's q4 u32 words are this layout). codes: q4 either packed (rows·cols/2 bytes, any dtype
+    whose bytes are the words, e.g. MLX's u32 (rows, cols/8)) or unpacked u8 (rows, cols);
+    q8 u8 (rows, cols). scales, biases: rows × cols/64 as stored u16 bits, float16 (f16 only)
+    or floats (rounded to scale_dtype).
+    """
+    if not is_quantized(fmt):
+        raise ValueError(f"quantize_codes_direct is for q4/q8, not {fmt}")
+    _check_scale_dtype(scale_dtype)
+    ncodes, soff, boff, total = parts(fmt, rows, cols)
+    codes = np.ascontiguousarray(codes)
+    if fmt == "q4" and codes.nbytes == rows * cols and codes.dtype == np.uint8:
+        codes = pack_q4_codes(codes.reshape(rows, cols))
+    if codes.nbytes != ncodes:
+        raise ValueError(f"{fmt} codes of {rows}x{cols} must be {ncodes} bytes, got {codes.nbytes}")
+    groups = rows * (cols // GROUP)
+    s = _scale_bits(scales, scale_dtype).reshape(-1)
+    b = _scale_bits(biases, scale_dtype).reshape(-1)
+    if s.size != groups or b.size != groups:
+        raise ValueError(f"{rows}x{cols} needs {groups} scales and biases, got {s.size} and {b.size}")
+    out = bytearray(total)
+    out[:ncodes] = codes.view(np.uint8).reshape(-1).data
+    out[soff:soff + 2 * groups] = s.astype("<u2").tobytes()
+    out[boff:boff + 2 * groups] = b.astype("<u2").tobytes()
+    return bytes(out)
+
+
+def _quantize_rows(w: np.ndarray, bits: int, scale_dtype: str, out_codes: np.ndarray,
+                   out_s: np.ndarray, out_b: np.ndarray) -> None:
+    r, cols = w.shape
+    g = w.reshape(r, cols // GROUP, GROUP)
+    lo = g.min(axis=-1)
+    hi = g.max(axis=-1)
+    if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+        raise ValueError("cannot quantise a tensor holding inf or NaN")
+    levels = (1 << bits) - 1
+    s_bits, s = _round_to((hi - lo) / np.float32(levels), scale_dtype)
+    b_bits, b = _round_to(lo, scale_dtype)
+    if not (np.isfinite(s).all() and np.isfinite(b).all()):
+        raise ValueError(f"values too large for {scale_dtype} scales")
+    zero = s == 0
+    safe = np.where(zero, np.float32(1), s)
+    q = g - b[..., None]
+    q /= safe[..., None]
+    np.rint(q, out=q)
+    np.clip(q, 0, levels, out=q)
+    if zero.any():
+        q[zero] = 0
+    q = q.astype(np.uint8).reshape(r, cols)
+    out_codes[...] = pack_q4_codes(q) if bits == 4 else q
+    out_s[...] = s_bits
+    out_b[...] = b_bits
+
+
+def quantize(w: np.ndarray, fmt: str, scale_dtype: str = "f16") -> bytes:
+    """A (rows, cols) or (cols,) float array -> its bytes in format fmt (docs/vault.md §3)."""
+    w = np.asarray(w)
+    if w.ndim == 1:
+        w = w.reshape(1, -1)
+    if w.ndim != 2:
+        raise ValueError(f"expected a matrix or a vector, got shape {w.shape}")
+    rows, cols = w.shape
+    _check_format(fmt, cols)
+    if fmt == "f32":
+        return np.ascontiguousarray(w, dtype="<f4").tobytes()
+    if fmt == "bf16":
+        out = np.empty((rows, cols), dtype=np.uint16)
+        step = max(1, _CHUNK_ELEMS // max(cols, 1))
+        for r0 in range(0, rows, step):
+            out[r0:r0 + step] = f32_to_bf16_bits(w[r0:r0 + step].astype(np.float32))
+        return out.astype("<u2").tobytes()
+    _check_scale_dtype(scale_dtype)
+    bits = _BITS[fmt]
+    ncodes, soff, boff, total = parts(fmt, rows, cols)
+    gpr = cols // GROUP
+    buf = np.zeros(total, dtype=np.uint8)
+    codes = buf[:ncodes].reshape(rows, cols * bits // 8)
+    scales = buf[soff:soff + 2 * rows * gpr].view("<u2").reshape(rows, gpr)
+    biases = buf[boff:boff + 2 * rows * gpr].view("<u2").reshape(rows, gpr)
+    step = max(1, _CHUNK_ELEMS // cols)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        _quantize_rows(w[r0:r1].astype(np.float32, copy=False), bits, scale_dtype,
+                       codes[r0:r1], scales[r0:r1], biases[r0:r1])
+    return buf.tobytes()
+
+
+# ------------------------------------------------------------------------------- dequantise
+
+def _as_u8(data) -> np.ndarray:
+    if isinstance(data, np.ndarray):
+        return data.reshape(-1).view(np.uint8)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def _widen(bits: np.ndarray, scale_dtype: str) -> np.ndarray:
+    if scale_dtype == "f16":
+        return bits.view("<f2").astype(np.float32)
+    return bf16_bits_to_f32(bits)
+
+
+def split(data, fmt: str, rows: int, cols: int, scale_dtype: str | None = "f16"):
+    """The parts of a stored q4/q8 tensor as arrays: (codes u8 (rows, cols) unpacked,
+    scales f32 (rows, cols/64), biases f32 (rows, cols/64))."""
+    ncodes, soff, boff, total = parts(fmt, rows, cols)
+    u8 = _as_u8(data)
+    if u8.size < total:
+        raise ValueError(f"{fmt} {rows}x{cols} needs {total} bytes, got {u8.size}")
+    gpr = cols // GROUP
+    codes = u8[:ncodes].reshape(rows, -1)
+    if fmt == "q4":
+        codes = unpack_q4_codes(codes)
+    s = _widen(u8[soff:soff + 2 * rows * gpr].view("<u2"), scale_dtype).reshape(rows, gpr)
+    b = _widen(u8[boff:boff + 2 * rows * gpr].view("<u2"), scale_dtype).reshape(rows, gpr)
+    return codes, s, b
+
+
+def dequantize(data, fmt: str, rows: int, cols: int, scale_dtype: str | None = "f16") -> np.ndarray:
+    """Stored bytes (bytes, memoryview or u8 array, at least tensor_nbytes long) -> f32 (rows, cols)."""
+    _check_format(fmt, cols)
+    n = tensor_nbytes(fmt, rows, cols)
+    u8 = _as_u8(data)
+    if u8.size < n:
+        raise ValueError(f"{fmt} {rows}x{cols} needs {n} bytes, got {u8.size}")
+    if fmt == "f32":
+        return u8[:n].view("<f4").astype(np.float32).reshape(rows, cols)
+    if fmt == "bf16":
+        return bf16_bits_to_f32(u8[:n].view("<u2")).reshape(rows, cols)
+    _check_scale_dtype(scale_dtype)
+    gpr = cols // GROUP
+    out = np.empty((rows, cols), dtype=np.float32)
+    step = max(1, _CHUNK_ELEMS // cols)
+    ncodes, soff, boff, _ = parts(fmt, rows, cols)
+    code_row = ncodes // rows
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        c = u8[r0 * code_row:r1 * code_row].reshape(r1 - r0, code_row)
+        q = unpack_q4_codes(c) if fmt == "q4" else c
+        s = _widen(u8[soff + 2 * r0 * gpr:soff + 2 * r1 * gpr].view("<u2"), scale_dtype)
+        b = _widen(u8[boff + 2 * r0 * gpr:boff + 2 * r1 * gpr].view("<u2"), scale_dtype)
+        o = out[r0:r1].reshape(r1 - r0, gpr, GROUP)
+        np.multiply(q.reshape(r1 - r0, gpr, GROUP).astype(np.float32),
+                    s.reshape(r1 - r0, gpr, 1), out=o)
+        np.add(o, b.reshape(r1 - r0, gpr, 1), out=o)
+    return out

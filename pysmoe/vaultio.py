@@ -1,0 +1,734 @@
+"""Write and read vaults (docs/vault.md) in pure Python.
+
+`VaultWriter` is the one writer: `pysmoe synth` and `pysmoe convert` both use it. The layout is
+fully determined by the config and the formats, so the writer computes every offset up front,
+creates vault.bin at its final size, and then takes tensors and expert blobs in any order, each
+written with pwrite at its place (a converter can stream experts straight from safetensors
+shards without holding them). `close()` checks that everything arrived, checksums the dense
+region, and writes the tables and the header last: a vault whose writer died has no valid
+header.
+
+    header (256) | tables | pad to 16 KiB | dense region | blob (0,0) | blob (0,1) | ...
+
+`read_vault` is a small reader over np.memmap for `pysmoe info` and the numpy reference forward.
+It parses what it needs and checks the obvious; the C parser is the one that validates untrusted
+input exhaustively.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import struct
+import threading
+import zlib
+
+import numpy as np
+
+from . import quant
+from .errors import VaultError
+from .quant import FORMAT_CODE, FORMAT_NAME, SCALE_CODE, SCALE_NAME, align
+
+MAGIC = b"SMOEVLT\0"
+VERSION = 1
+HEADER_BYTES = 256
+BLOB_ALIGN = 16384
+CONFIG_BYTES = 96
+DESC_BYTES = 64
+BLOB_ENTRY_BYTES = 16
+NAME_BYTES = 40
+MAX_TABLE_BYTES = 64 << 20
+
+_HEADER = struct.Struct("<8sIIQQQQQIIQII")  # through `reserved` at 76; zeros to 256
+_CONFIG = struct.Struct("<12IfId")           # 64 bytes; zeros to 96
+_DESC = struct.Struct("<40sBBHIIIQ")          # 64 bytes
+_BLOB = struct.Struct("<QII")                 # 16 bytes
+
+ROLES = ("experts", "attention", "embed", "lm_head", "router", "norms", "mlp")
+DEFAULT_FORMATS = {"experts": "q4", "attention": "q8", "embed": "q8", "lm_head": "q8",
+                   "mlp": "q8", "router": "f32", "norms": "f32"}
+EXPERT_PARTS = ("gate", "up", "down")
+
+# ------------------------------------------------------------------------------------ config
+
+CONFIG_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+               "num_experts", "num_experts_per_tok", "max_position_embeddings", "norm_topk_prob",
+               "tie_word_embeddings", "rms_norm_eps", "rope_theta", "mlp_only_layers",
+               "decoder_sparse_step")
+_INT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+             "num_experts", "num_experts_per_tok", "max_position_embeddings", "decoder_sparse_step")
+
+
+def normalize_config(cfg: dict) -> dict:
+    """A Qwen3-MoE config.json dict in either spelling -> one with every key of CONFIG_KEYS.
+
+    Released Qwen checkpoints write `num_experts` and `rope_theta`; transformers 5 writes
+    `num_local_experts` and `rope_parameters: {"rope_theta": ...}`. Keys not listed are kept
+    as they were (model_type, architectures, ...).
+    """
+    out = dict(cfg)
+    if "num_experts" not in out and "num_local_experts" in out:
+        out["num_experts"] = out["num_local_experts"]
+    out.pop("num_local_experts", None)
+    if "rope_theta" not in out:
+        rp = out.get("rope_parameters")
+        if isinstance(rp, dict) and "rope_theta" in rp:
+            out["rope_theta"] = rp["rope_theta"]
+    for key in ("rope_parameters", "rope_scaling"):
+        rp = out.get(key)
+        rope_type = rp.get("rope_type", rp.get("type", "default")) if isinstance(rp, dict) else "default"
+        if rope_type != "default":
+            raise ValueError(f"{key} rope_type {rope_type!r} is not supported (only default RoPE)")
+    if out.get("head_dim") is None and out.get("hidden_size") and out.get("num_attention_heads"):
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    if out.get("num_key_value_heads") is None and "num_attention_heads" in out:
+        out["num_key_value_heads"] = out["num_attention_heads"]
+    defaults = {"mlp_only_layers": [], "decoder_sparse_step": 1, "norm_topk_prob": False,
+                "tie_word_embeddings": False, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    for k, v in defaults.items():
+        if out.get(k) is None:
+            out[k] = v
+    missing = [k for k in CONFIG_KEYS if k not in out]
+    if missing:
+        raise ValueError("config lacks " + ", ".join(missing))
+    for k in _INT_KEYS:
+        out[k] = int(out[k])
+    out["mlp_only_layers"] = [int(x) for x in out["mlp_only_layers"]]
+    out["norm_topk_prob"] = bool(out["norm_topk_prob"])
+    out["tie_word_embeddings"] = bool(out["tie_word_embeddings"])
+    out["rms_norm_eps"] = float(out["rms_norm_eps"])
+    out["rope_theta"] = float(out["rope_theta"])
+    return out
+
+
+def layer_kinds(cfg: dict) -> list[bool]:
+    """Per layer: True if sparse (router + experts), as transformers decides it."""
+    step = cfg["decoder_sparse_step"]
+    only = set(cfg["mlp_only_layers"])
+    return [l not in only and cfg["num_experts"] > 0 and step > 0 and (l + 1) % step == 0
+            for l in range(cfg["num_hidden_layers"])]
+
+
+def _check_limits(cfg: dict) -> None:
+    for k in _INT_KEYS:
+        if cfg[k] < 1:
+            raise ValueError(f"config {k} must be >= 1, got {cfg[k]}")
+    if cfg["num_attention_heads"] % cfg["num_key_value_heads"]:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    if not cfg["num_experts_per_tok"] <= cfg["num_experts"] <= 1024:
+        raise ValueError("need num_experts_per_tok <= num_experts <= 1024")
+    if cfg["num_hidden_layers"] > 1024:
+        raise ValueError("at most 1024 layers")
+    for k in ("hidden_size", "head_dim", "intermediate_size", "moe_intermediate_size"):
+        if cfg[k] > 65536:
+            raise ValueError(f"{k} must be <= 65536")
+    if cfg["vocab_size"] > 1 << 24:
+        raise ValueError("vocab_size must be <= 2^24")
+    if cfg["head_dim"] % 2:
+        raise ValueError("head_dim must be even")
+
+
+def role_of(name: str) -> str:
+    """The role (a key of DEFAULT_FORMATS) of a dense tensor name."""
+    if name == "embed_tokens":
+        return "embed"
+    if name == "lm_head":
+        return "lm_head"
+    if name == "norm" or name.endswith(("layernorm", "q_norm", "k_norm")):
+        return "norms"
+    if name.endswith("router"):
+        return "router"
+    if ".mlp." in name:
+        return "mlp"
+    return "attention"
+
+
+def dense_shapes(cfg: dict) -> list[tuple[str, int, int]]:
+    """Every dense tensor (name, rows, cols) in the order the writer lays them out."""
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    q_out = cfg["num_attention_heads"] * hd
+    kv_out = cfg["num_key_value_heads"] * hd
+    out = [("embed_tokens", cfg["vocab_size"], h)]
+    for l, sparse in enumerate(layer_kinds(cfg)):
+        p = f"layers.{l}."
+        out += [(p + "input_layernorm", 1, h), (p + "q_proj", q_out, h), (p + "k_proj", kv_out, h),
+                (p + "v_proj", kv_out, h), (p + "q_norm", 1, hd), (p + "k_norm", 1, hd),
+                (p + "o_proj", h, q_out), (p + "post_attention_layernorm", 1, h)]
+        if sparse:
+            out.append((p + "router", cfg["num_experts"], h))
+        else:
+            i = cfg["intermediate_size"]
+            out += [(p + "mlp.gate_proj", i, h), (p + "mlp.up_proj", i, h), (p + "mlp.down_proj", h, i)]
+    out.append(("norm", 1, h))
+    if not cfg["tie_word_embeddings"]:
+        out.append(("lm_head", cfg["vocab_size"], h))
+    return out
+
+
+# ------------------------------------------------------------------------------------ layout
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A tensor descriptor. offset is absolute in vault.bin for dense tensors and relative to
+    the blob's start for the expert tensors gate/up/down."""
+    name: str
+    format: str
+    scale_format: str | None
+    rows: int
+    cols: int
+    offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    config: dict
+    sparse: tuple            # (layers) bool
+    table_bytes: int
+    dense_offset: int
+    dense_bytes: int
+    tensors: dict            # name -> Tensor (offset absolute)
+    expert: tuple            # (gate, up, down) Tensor, offsets relative to the blob
+    blob_bytes: int
+    blob_offsets: tuple      # (layers × experts) absolute, 0 for dense layers
+    file_size: int
+
+    @property
+    def n_blobs(self) -> int:
+        return len(self.blob_offsets)
+
+    def blob_offset(self, layer: int, expert: int) -> int:
+        return self.blob_offsets[layer * self.config["num_experts"] + expert]
+
+
+def _scale_fmt(fmt: str, scale_dtype: str) -> str | None:
+    return scale_dtype if quant.is_quantized(fmt) else None
+
+
+def resolve_formats(formats: dict | None) -> dict:
+    """Role (or exact tensor name) -> format, with the defaults filled in."""
+    out = dict(DEFAULT_FORMATS)
+    for k, v in (formats or {}).items():
+        if v not in quant.FORMATS:
+            raise ValueError(f"format for {k!r}: {v!r} is not one of {', '.join(quant.FORMATS)}")
+        out[k] = v
+    return out
+
+
+def compute_layout(cfg: dict, formats: dict | None = None, scale_dtype: str = "f16") -> Layout:
+    """Where every byte of a vault of this config goes (docs/vault.md section 5)."""
+    cfg = normalize_config(cfg)
+    _check_limits(cfg)
+    fmts = resolve_formats(formats)
+    if scale_dtype not in quant.SCALE_DTYPES:
+        raise ValueError(f"scale_dtype must be one of {quant.SCALE_DTYPES}, got {scale_dtype!r}")
+    sparse = tuple(layer_kinds(cfg))
+    shapes = dense_shapes(cfg)
+    unknown = set(fmts) - set(ROLES) - {n for n, _, _ in shapes}
+    if unknown:
+        raise ValueError("formats names neither a role nor a tensor: " + ", ".join(sorted(unknown)))
+    L, E = cfg["num_hidden_layers"], cfg["num_experts"]
+    table_bytes = (CONFIG_BYTES + align(L, 8) + 3 * DESC_BYTES + DESC_BYTES * len(shapes)
+                   + BLOB_ENTRY_BYTES * L * E)
+    if table_bytes > MAX_TABLE_BYTES:
+        raise ValueError(f"table region of {table_bytes} bytes exceeds 64 MiB")
+    dense_offset = align(HEADER_BYTES + table_bytes, BLOB_ALIGN)
+
+    tensors, rel = {}, 0
+    for name, rows, cols in shapes:
+        fmt = fmts.get(name, fmts[role_of(name)])
+        if role_of(name) == "norms" and fmt not in ("f32", "bf16"):
+            raise ValueError(f"{name}: norm vectors must be f32 or bf16, not {fmt}")
+        try:
+            n = quant.tensor_nbytes(fmt, rows, cols)
+        except ValueError as e:
+            raise ValueError(f"{name} ({rows}x{cols}): {e}") from None
+        rel = align(rel, quant.ALIGN)
+        tensors[name] = Tensor(name, fmt, _scale_fmt(fmt, scale_dtype), rows, cols, dense_offset + rel, n)
+        rel += n
+    dense_bytes = align(rel, quant.ALIGN)
+
+    h, m = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    efmt = fmts["experts"]
+    expert, off = [], 0
+    for part, rows, cols in (("gate", m, h), ("up", m, h), ("down", h, m)):
+        try:
+            n = quant.tensor_nbytes(efmt, rows, cols)
+        except ValueError as e:
+            raise ValueError(f"expert {part} ({rows}x{cols}): {e}") from None
+        off = align(off, quant.ALIGN)
+        expert.append(Tensor(part, efmt, _scale_fmt(efmt, scale_dtype), rows, cols, off, n))
+        off += n
+    any_sparse = any(sparse)
+    blob_bytes = align(off, BLOB_ALIGN) if any_sparse else 0
+
+    pos = align(dense_offset + dense_bytes, BLOB_ALIGN)
+    blob_offsets = []
+    for l in range(L):
+        for _ in range(E):
+            if sparse[l]:
+                blob_offsets.append(pos)
+                pos += blob_bytes
+            else:
+                blob_offsets.append(0)
+    file_size = pos if any_sparse else dense_offset + dense_bytes
+    return Layout(cfg, sparse, table_bytes, dense_offset, dense_bytes, tensors, tuple(expert),
+                  blob_bytes, tuple(blob_offsets), file_size)
+
+
+def _name_bytes(name: str) -> bytes:
+    b = name.encode("ascii")
+    if len(b) >= NAME_BYTES:
+        raise ValueError(f"tensor name {name!r} longer than {NAME_BYTES - 1} bytes")
+    return b.ljust(NAME_BYTES, b"\0")
+
+
+def _desc(t: Tensor, offset: int) -> bytes:
+    return _DESC.pack(_name_bytes(t.name), FORMAT_CODE[t.format], SCALE_CODE[t.scale_format], 0,
+                      t.rows, t.cols, 0, offset)
+
+
+def _config_block(cfg: dict) -> bytes:
+    flags = (1 if cfg["norm_topk_prob"] else 0) | (2 if cfg["tie_word_embeddings"] else 0)
+    b = _CONFIG.pack(cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"],
+                     cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+                     cfg["intermediate_size"], cfg["moe_intermediate_size"], cfg["num_experts"],
+                     cfg["num_experts_per_tok"], cfg["max_position_embeddings"], flags,
+                     cfg["rms_norm_eps"], 0, cfg["rope_theta"])
+    return b.ljust(CONFIG_BYTES, b"\0")
+
+
+# ------------------------------------------------------------------------------------ writer
+
+class VaultWriter:
+    """Writes one vault directory. Tensors and blobs may arrive in any order and from several
+    threads (each is one pwrite at its own offset); close() finishes the file.
+
+        with VaultWriter(out, config, formats={"experts": "q4"}) as w:
+            w.add_dense("embed_tokens", emb)          # quantised per its role
+            w.add_expert(0, 3, gate, up, down)        # float arrays
+            w.add_expert_raw(0, 4, blob_bytes)        # already laid out
+    """
+
+    def __init__(self, out_dir, config: dict, *, formats: dict | None = None, scale_dtype: str = "f16",
+                 tokenizer_json: str | None = None, tokenizer_config: dict | None = None):
+        self.layout = compute_layout(config, formats, scale_dtype)
+        self.config = self.layout.config
+        self.scale_dtype = scale_dtype
+        self.tokenizer_json = tokenizer_json
+        self.tokenizer_config = tokenizer_config
+        self.dir = pathlib.Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "vault.bin"
+        self._lock = threading.Lock()
+        self._dense_done: set[str] = set()
+        self._blob_crc: dict[tuple[int, int], int] = {}
+        self._closed = False
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.ftruncate(self._fd, self.layout.file_size)  # sparse: untouched padding reads as 0
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    # -- properties for `pysmoe info` and progress reporting
+    @property
+    def blob_bytes(self) -> int:
+        return self.layout.blob_bytes
+
+    @property
+    def file_size(self) -> int:
+        return self.layout.file_size
+
+    def format_of(self, name: str) -> str:
+        return self.layout.tensors[name].format
+
+    def sparse_layers(self) -> list[int]:
+        return [l for l, s in enumerate(self.layout.sparse) if s]
+
+    def missing(self) -> list[str]:
+        """What close() would complain about."""
+        out = [n for n in self.layout.tensors if n not in self._dense_done]
+        E = self.config["num_experts"]
+        for l in self.sparse_layers():
+            out += [f"expert ({l}, {e})" for e in range(E) if (l, e) not in self._blob_crc]
+        return out
+
+    def _pwrite(self, data, offset: int) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            n = os.pwrite(self._fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    def _check_open(self):
+        if self._closed:
+            raise ValueError("VaultWriter is closed")
+
+    # -- dense tensors
+    def add_dense(self, name: str, array) -> None:
+        """Quantise a float array to the format of name's role and write it."""
+        t = self._tensor(name)
+        a = np.asarray(array)
+        if a.shape != (t.rows, t.cols) and not (t.rows == 1 and a.shape == (t.cols,)):
+            raise ValueError(f"{name}: shape {a.shape}, expected ({t.rows}, {t.cols})")
+        self.add_dense_raw(name, quant.quantize(a.reshape(t.rows, t.cols), t.format, self.scale_dtype))
+
+    def add_dense_raw(self, name: str, data) -> None:
+        """Write a dense tensor's bytes, already in its stored format."""
+        self._check_open()
+        t = self._tensor(name)
+        if memoryview(data).nbytes != t.nbytes:
+            raise ValueError(f"{name}: {memoryview(data).nbytes} bytes, {t.format} {t.rows}x{t.cols} is {t.nbytes}")
+        with self._lock:
+            if name in self._dense_done:
+                raise ValueError(f"{name} written twice")
+            self._dense_done.add(name)
+        self._pwrite(data, t.offset)
+
+    def _tensor(self, name: str) -> Tensor:
+        try:
+            return self.layout.tensors[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not a tensor of this vault") from None
+
+    # -- experts
+    def expert_format(self) -> str:
+        return self.layout.expert[0].format
+
+    def pack_expert(self, gate, up, down) -> bytes:
+        """Quantise one expert's float matrices into a blob's bytes (unpadded)."""
+        buf = bytearray(self.layout.expert[2].offset + self.layout.expert[2].nbytes)
+        for t, w in zip(self.layout.expert, (gate, up, down)):
+            w = np.asarray(w)
+            if w.shape != (t.rows, t.cols):
+                raise ValueError(f"expert {t.name}: shape {w.shape}, expected ({t.rows}, {t.cols})")
+            buf[t.offset:t.offset + t.nbytes] = quant.quantize(w, t.format, self.scale_dtype)
+        return bytes(buf)
+
+    def add_expert(self, layer: int, expert: int, gate, up, down) -> None:
+        """Quantise and write one expert: gate, up (moe_inter, hidden), down (hidden, moe_inter)."""
+        self.add_expert_raw(layer, expert, self.pack_expert(gate, up, down))
+
+    def add_expert_raw(self, layer: int, expert: int, blob) -> None:
+        """Write one whole blob laid out as layout.expert says (at most blob_bytes; the rest is
+        zero padding)."""
+        self._check_open()
+        L, E = self.config["num_hidden_layers"], self.config["num_experts"]
+        if not (0 <= layer < L and 0 <= expert < E):
+            raise IndexError(f"expert ({layer}, {expert}) outside {L} layers x {E} experts")
+        if not self.layout.sparse[layer]:
+            raise ValueError(f"layer {layer} is a dense layer; it has no experts")
+        n = memoryview(blob).nbytes
+        if n > self.layout.blob_bytes:
+            raise ValueError(f"blob of {n} bytes, blob_bytes is {self.layout.blob_bytes}")
+        pad = self.layout.blob_bytes - n
+        crc = zlib.crc32(blob)
+        if pad:
+            crc = zlib.crc32(bytes(pad), crc)
+        with self._lock:
+            if (layer, expert) in self._blob_crc:
+                raise ValueError(f"expert ({layer}, {expert}) written twice")
+            self._blob_crc[(layer, expert)] = crc
+        off = self.layout.blob_offset(layer, expert)
+        self._pwrite(blob, off)
+        if pad:  # the file is sparse, but say it in bytes: a rewritten vault must not leak
+            self._pwrite(bytes(pad), off + n)
+
+    # -- finishing
+    def _dense_crc(self) -> int:
+        crc, off, end = 0, self.layout.dense_offset, self.layout.dense_offset + self.layout.dense_bytes
+        while off < end:
+            chunk = os.pread(self._fd, min(64 << 20, end - off), off)
+            if not chunk:
+                raise OSError("vault.bin shorter than its dense region")
+            crc = zlib.crc32(chunk, crc)
+            off += len(chunk)
+        return crc
+
+    def _tables(self) -> bytes:
+        lay, cfg = self.layout, self.config
+        L, E = cfg["num_hidden_layers"], cfg["num_experts"]
+        parts = [_config_block(cfg), bytes(int(s) for s in lay.sparse).ljust(align(L, 8), b"\0")]
+        parts += [_desc(t, t.offset) for t in lay.expert]
+        parts += [_desc(t, t.offset - lay.dense_offset) for t in lay.tensors.values()]
+        for l in range(L):
+            for e in range(E):
+                parts.append(_BLOB.pack(lay.blob_offset(l, e), self._blob_crc.get((l, e), 0), 0))
+        tables = b"".join(parts)
+        assert len(tables) == lay.table_bytes
+        return tables
+
+    def _header(self, dense_crc: int, header_crc: int) -> bytes:
+        lay, cfg = self.layout, self.config
+        h = _HEADER.pack(MAGIC, VERSION, header_crc, lay.file_size, HEADER_BYTES, lay.table_bytes,
+                         lay.dense_offset, lay.dense_bytes, dense_crc, len(lay.tensors),
+                         lay.blob_bytes, cfg["num_hidden_layers"] * cfg["num_experts"], 0)
+        return h.ljust(HEADER_BYTES, b"\0")
+
+    def close(self) -> None:
+        """Check that every tensor and blob was written, then write tables, header and the
+        side files. Raises ValueError naming what is missing (the file stays headerless)."""
+        if self._closed:
+            return
+        missing = self.missing()
+        if missing:
+            shown = ", ".join(missing[:20]) + (f", ... ({len(missing)} in all)" if len(missing) > 20 else "")
+            raise ValueError(f"vault incomplete, not written: {shown}")
+        tables = self._tables()
+        dense_crc = self._dense_crc()
+        header_crc = zlib.crc32(tables, zlib.crc32(self._header(dense_crc, 0)))
+        self._pwrite(tables, HEADER_BYTES)
+        self._pwrite(self._header(dense_crc, header_crc), 0)
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._closed = True
+        (self.dir / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
+        if self.tokenizer_json is not None:
+            (self.dir / "tokenizer.json").write_text(self.tokenizer_json)
+        if self.tokenizer_config is not None:
+            (self.dir / "tokenizer_config.json").write_text(json.dumps(self.tokenizer_config, indent=2) + "\n")
+
+    def abort(self) -> None:
+        """Give up: close and delete vault.bin."""
+        if self._closed:
+            return
+        self._closed = True
+        os.close(self._fd)
+        self.path.unlink(missing_ok=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+
+
+# ------------------------------------------------------------------------------------ reader
+
+class VaultFormatError(VaultError, ValueError):
+    """The pure reader could not make sense of a vault."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    version: int
+    header_crc: int
+    file_size: int
+    table_offset: int
+    table_bytes: int
+    dense_offset: int
+    dense_bytes: int
+    dense_crc: int
+    n_tensors: int
+    blob_bytes: int
+    n_blobs: int
+
+
+def _parse_desc(raw: bytes) -> tuple[str, str, str | None, int, int, int]:
+    name, fmt, sfmt, _, rows, cols, _, off = _DESC.unpack(raw)
+    if b"\0" not in name:
+        raise VaultFormatError("tensor name not NUL-terminated")
+    if fmt not in FORMAT_NAME or sfmt not in SCALE_NAME:
+        raise VaultFormatError(f"bad format {fmt}/{sfmt}")
+    return name.split(b"\0", 1)[0].decode("ascii"), FORMAT_NAME[fmt], SCALE_NAME[sfmt], rows, cols, off
+
+
+def _config_from_block(b: bytes, sparse: list[bool]) -> dict:
+    v = _CONFIG.unpack(b[:_CONFIG.size])
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+            "num_experts", "num_experts_per_tok", "max_position_embeddings")
+    cfg = dict(zip(keys, v[:11]))
+    cfg["norm_topk_prob"] = bool(v[11] & 1)
+    cfg["tie_word_embeddings"] = bool(v[11] & 2)
+    cfg["rms_norm_eps"] = float(v[12])
+    cfg["rope_theta"] = float(v[14])
+    cfg["mlp_only_layers"] = [l for l, s in enumerate(sparse) if not s]
+    cfg["decoder_sparse_step"] = 1
+    return cfg
+
+
+class VaultFile:
+    """A vault opened read-only over np.memmap (pure Python, no libsmoe)."""
+
+    def __init__(self, path):
+        p = pathlib.Path(path)
+        self.dir = p if p.is_dir() else p.parent
+        self.path = self.dir / "vault.bin" if p.is_dir() else p
+        size = self.path.stat().st_size
+        if size < HEADER_BYTES:
+            raise VaultFormatError(f"{self.path}: {size} bytes, shorter than a header")
+        self.mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        head = bytes(self.mm[:HEADER_BYTES])
+        f = _HEADER.unpack(head[:_HEADER.size])
+        if f[0] != MAGIC:
+            raise VaultFormatError(f"{self.path}: not a pysmoe vault (bad magic)")
+        if f[1] != VERSION:
+            raise VaultFormatError(f"{self.path}: vault version {f[1]}, this reader knows {VERSION}")
+        self.header = Header(*f[1:12])
+        h = self.header
+        if h.file_size != size:
+            raise VaultFormatError(f"{self.path}: {size} bytes, header says {h.file_size} (truncated?)")
+        if h.table_offset + h.table_bytes > size or h.table_bytes > MAX_TABLE_BYTES:
+            raise VaultFormatError("table region outside the file")
+        tab = bytes(self.mm[h.table_offset:h.table_offset + h.table_bytes])
+        pos = CONFIG_BYTES
+        L = _CONFIG.unpack(tab[:_CONFIG.size])[2]
+        kinds = tab[pos:pos + L]
+        self.sparse = [b == 1 for b in kinds]
+        pos += align(L, 8)
+        self.expert_tensors = []
+        for _ in range(3):
+            name, fmt, sfmt, rows, cols, off = _parse_desc(tab[pos:pos + DESC_BYTES])
+            self.expert_tensors.append(Tensor(name, fmt, sfmt, rows, cols, off,
+                                              quant.tensor_nbytes(fmt, rows, cols)))
+            pos += DESC_BYTES
+        self.tensors: dict[str, Tensor] = {}
+        for _ in range(h.n_tensors):
+            name, fmt, sfmt, rows, cols, off = _parse_desc(tab[pos:pos + DESC_BYTES])
+            n = quant.tensor_nbytes(fmt, rows, cols)
+            if off + n > h.dense_bytes:
+                raise VaultFormatError(f"tensor {name} outside the dense region")
+            self.tensors[name] = Tensor(name, fmt, sfmt, rows, cols, h.dense_offset + off, n)
+            pos += DESC_BYTES
+        blobs = np.frombuffer(tab, dtype=np.dtype([("offset", "<u8"), ("crc", "<u4"), ("r", "<u4")]),
+                              count=h.n_blobs, offset=pos)
+        self.blob_offsets = blobs["offset"].astype(np.int64)
+        self.blob_crcs = blobs["crc"].astype(np.int64)
+        bin_cfg = _config_from_block(tab, self.sparse)
+        cj = self.dir / "config.json"
+        self.config = normalize_config(json.loads(cj.read_text())) if cj.exists() else bin_cfg
+        self.binary_config = bin_cfg
+
+    # -- access
+    def raw(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        return self.mm[t.offset:t.offset + t.nbytes]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The dense tensor, dequantised to f32 (rows, cols); vectors come back (cols,)."""
+        t = self.tensors[name]
+        w = quant.dequantize(self.raw(name), t.format, t.rows, t.cols, t.scale_format)
+        return w.reshape(-1) if t.rows == 1 else w
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        return self.sparse[layer]
+
+    def blob_offset(self, layer: int, expert: int) -> int:
+        return int(self.blob_offsets[layer * self.binary_config["num_experts"] + expert])
+
+    def blob(self, layer: int, expert: int) -> np.ndarray:
+        if not self.sparse[layer]:
+            raise ValueError(f"layer {layer} is dense; it has no experts")
+        off = self.blob_offset(layer, expert)
+        return self.mm[off:off + self.header.blob_bytes]
+
+    def expert(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(gate, up, down) of one expert, dequantised to f32."""
+        b = self.blob(layer, expert)
+        return tuple(quant.dequantize(b[t.offset:t.offset + t.nbytes], t.format, t.rows, t.cols,
+                                      t.scale_format) for t in self.expert_tensors)
+
+    # -- checks
+    def verify(self) -> list[str]:
+        """Every checksum: the names of the bad regions ([] if all good)."""
+        h, bad = self.header, []
+        head = bytearray(self.mm[:h.table_offset + h.table_bytes])
+        head[12:16] = b"\0\0\0\0"
+        if zlib.crc32(head) != h.header_crc:
+            bad.append("header")
+        if _crc(self.mm, h.dense_offset, h.dense_bytes) != h.dense_crc:
+            bad.append("dense")
+        E = self.binary_config["num_experts"]
+        for i, off in enumerate(self.blob_offsets):
+            if self.sparse[i // E] and _crc(self.mm, int(off), h.blob_bytes) != self.blob_crcs[i]:
+                bad.append(f"blob ({i // E}, {i % E})")
+        return bad
+
+    def close(self) -> None:
+        mm, self.mm = getattr(self, "mm", None), None
+        if mm is not None and mm._mmap is not None:
+            mm._mmap.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _crc(mm: np.ndarray, off: int, n: int) -> int:
+    crc, step = 0, 64 << 20
+    for p in range(off, off + n, step):
+        crc = zlib.crc32(mm[p:min(off + n, p + step)], crc)
+    return crc
+
+
+def read_vault(path) -> VaultFile:
+    """Open a vault directory (or its vault.bin) with the pure-Python reader."""
+    return VaultFile(path)
+
+
+# -------------------------------------------------------------------------------------- info
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def info(path) -> str:
+    """A human summary of a vault: config, sizes, formats per role."""
+    v = read_vault(path)
+    try:
+        cfg, h = v.config, v.header
+        n_sparse = sum(v.sparse)
+        E = v.binary_config["num_experts"]
+        lines = [f"vault      {v.dir}",
+                 f"model      {cfg.get('model_type', 'qwen3_moe')}: {cfg['num_hidden_layers']} layers "
+                 f"({n_sparse} sparse), hidden {cfg['hidden_size']}, vocab {cfg['vocab_size']}",
+                 f"attention  {cfg['num_attention_heads']} heads x {cfg['head_dim']}, "
+                 f"{cfg['num_key_value_heads']} kv heads, rope_theta {cfg['rope_theta']:g}, "
+                 f"max positions {cfg['max_position_embeddings']}",
+                 f"experts    {cfg['num_experts']} x {cfg['moe_intermediate_size']}, top-{cfg['num_experts_per_tok']}"
+                 f"{' (renormalised)' if cfg['norm_topk_prob'] else ''}; dense MLP {cfg['intermediate_size']}",
+                 f"file       {_size(h.file_size)} ({h.file_size} bytes)",
+                 f"dense      {_size(h.dense_bytes)} in {h.n_tensors} tensors (resident)",
+                 f"blobs      {n_sparse * E} x {_size(h.blob_bytes)} = {_size(n_sparse * E * h.blob_bytes)}"]
+        roles: dict[str, set] = {}
+        for t in v.tensors.values():
+            roles.setdefault(role_of(t.name), set()).add(t.format + (f"/{t.scale_format}" if t.scale_format else ""))
+        et = v.expert_tensors[0]
+        if n_sparse:
+            roles["experts"] = {et.format + (f"/{et.scale_format}" if et.scale_format else "")}
+        lines.append("formats    " + ", ".join(f"{r} {'+'.join(sorted(roles[r]))}" for r in ROLES if r in roles))
+        tok = v.dir / "tokenizer.json"
+        lines.append(f"tokenizer  {'tokenizer.json' if tok.exists() else 'none'}"
+                     f"{', chat template' if _has_chat_template(v.dir) else ''}")
+        return "\n".join(lines)
+    finally:
+        v.close()
+
+
+def _has_chat_template(d: pathlib.Path) -> bool:
+    p = d / "tokenizer_config.json"
+    if not p.exists():
+        return False
+    try:
+        return bool(json.loads(p.read_text()).get("chat_template"))
+    except (ValueError, AttributeError):
+        return False
