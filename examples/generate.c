@@ -1,0 +1,62 @@
+/* generate.c — run a prompt through libsmoe from plain C.
+ *
+ *   smoe_generate VAULT_DIR MAX_TOKENS ID [ID ...]
+ *
+ * Feeds the prompt ids (layer-major, in chunks; the last id through the token-serial step),
+ * then generates MAX_TOKENS ids greedily and prints them, space-separated, on one line.
+ * Links only libsmoe. */
+#include "smoe.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+
+static int fail(const char *what, smoe_status st) {
+    fprintf(stderr, "%s: %s: %s\n", what, smoe_status_str(st), smoe_last_error());
+    return 1;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 4) {
+        fprintf(stderr, "usage: %s VAULT_DIR MAX_TOKENS ID [ID ...]\n", argv[0]);
+        return 2;
+    }
+    int max_tokens = atoi(argv[2]);
+    uint32_t n = (uint32_t)(argc - 3);
+    int32_t *ids = malloc(n * sizeof *ids);
+    if (!ids)
+        return 1;
+    for (uint32_t i = 0; i < n; i++)
+        ids[i] = (int32_t)strtol(argv[3 + i], NULL, 10);
+
+    smoe_vault *vault = NULL;
+    smoe_status st = smoe_open_vault(argv[1], &vault);
+    if (st != SMOE_OK)
+        return fail("smoe_open_vault", st);
+
+    smoe_session_params params = smoe_session_default_params();
+    smoe_session *session = NULL;
+    if ((st = smoe_session_new(vault, &params, &session)) != SMOE_OK) {
+        smoe_close_vault(vault);
+        return fail("smoe_session_new", st);
+    }
+
+    int rc = 0;
+    for (uint32_t start = 0; start + 1 < n && rc == 0; start += params.chunk) {
+        uint32_t len = n - 1 - start < params.chunk ? n - 1 - start : params.chunk;
+        if ((st = smoe_prefill_chunk(session, ids + start, len)) != SMOE_OK)
+            rc = fail("smoe_prefill_chunk", st);
+    }
+    int32_t next = ids[n - 1];
+    for (int i = 0; i < max_tokens && rc == 0; i++) {
+        if ((st = smoe_decode_step(session, next, NULL, &next)) != SMOE_OK)
+            rc = fail("smoe_decode_step", st);
+        else
+            printf(i ? " %d" : "%d", next);
+    }
+    printf("\n");
+
+    smoe_session_free(session);
+    smoe_close_vault(vault);
+    free(ids);
+    return rc;
+}
