@@ -1,0 +1,349 @@
+"""A missing, truncated or corrupted vault gives pysmoe.VaultError with a message, never a crash.
+
+Most corruptions of the header and tables are caught by header_crc alone; to reach the checks
+behind it, many cases here re-seal the crc after editing (`seal`)."""
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import zlib
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pysmoe
+from pysmoe._ffi import check, ffi, lib
+
+import _tmp_vault_bytes as tmpwriter  # TEMPORARY until pysmoe.synth lands
+
+# Header field offsets (docs/vault.md section 1).
+VERSION, HEADER_CRC, FILE_SIZE, TABLE_OFFSET, TABLE_BYTES = 8, 12, 16, 24, 32
+DENSE_OFFSET, DENSE_BYTES, DENSE_CRC, N_TENSORS, BLOB_BYTES, N_BLOBS = 40, 48, 56, 60, 64, 72
+CONFIG = 256  # the config block opens the table region
+DESC = 64
+
+
+def make_vault(path):
+    tmpwriter.write(path, seed=0)
+    return path
+
+
+def u64(buf, off):
+    return struct.unpack_from("<Q", buf, off)[0]
+
+
+def u32(buf, off):
+    return struct.unpack_from("<I", buf, off)[0]
+
+
+def table_end(buf):
+    return u64(buf, TABLE_OFFSET) + u64(buf, TABLE_BYTES)
+
+
+def seal(buf):
+    """Rewrite header_crc over [0, table_offset + table_bytes) with the field read as zero, as
+    a writer would, so that an edit reaches the validation behind the checksum."""
+    if len(buf) < TABLE_BYTES + 8:
+        return buf
+    end = table_end(buf)
+    if end > len(buf) or end < 16:
+        return buf
+    b = bytearray(buf)
+    b[HEADER_CRC:HEADER_CRC + 4] = bytes(4)
+    struct.pack_into("<I", b, HEADER_CRC, zlib.crc32(bytes(b[:end])))
+    return b
+
+
+def layout(buf):
+    """Offsets of the table sections of a well-formed vault."""
+    layers = u32(buf, CONFIG + 8)
+    kinds = CONFIG + 96
+    expert = kinds + (layers + 7) // 8 * 8
+    dense = expert + 3 * DESC
+    blobs = dense + DESC * u32(buf, N_TENSORS)
+    return dict(kinds=kinds, expert=expert, dense=dense, blobs=blobs)
+
+
+def dense_index(buf, name):
+    d = layout(buf)["dense"]
+    for i in range(u32(buf, N_TENSORS)):
+        if buf[d + DESC * i:d + DESC * i + 40].rstrip(b"\0") == name.encode():
+            return d + DESC * i
+    raise KeyError(name)
+
+
+def try_open(path):
+    """Opens and closes; raises what check raises. A vault that opens is also verified."""
+    p = ffi.new("smoe_vault **")
+    rc = lib.smoe_open_vault(str(path).encode(), p)
+    if rc:
+        assert p[0] == ffi.NULL
+        check(rc)
+    try:
+        c = ffi.new("smoe_config *")
+        c.struct_size = ffi.sizeof("smoe_config")
+        check(lib.smoe_vault_config(p[0], c))
+        check(lib.smoe_verify_vault(p[0], ffi.NULL, ffi.NULL))
+    finally:
+        lib.smoe_close_vault(p[0])
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    return make_vault(tmp_path_factory.mktemp("good") / "vault")
+
+
+@pytest.fixture(scope="module")
+def good_bytes(good):
+    return (good / "vault.bin").read_bytes()
+
+
+@pytest.fixture
+def put(tmp_path):
+    """put(bytes) writes a vault dir holding those bytes as vault.bin and returns its path."""
+    def write(buf):
+        d = tmp_path / "v"
+        d.mkdir(exist_ok=True)
+        (d / "vault.bin").write_bytes(bytes(buf))
+        return d
+    return write
+
+
+def expect_error(path, match):
+    with pytest.raises(pysmoe.VaultError, match=match):
+        try_open(path)
+
+
+# ---------------------------------------------------------------------------- missing, short
+
+def test_good_vault_opens(good):
+    try_open(good)
+
+
+def test_missing_dir(tmp_path):
+    expect_error(tmp_path / "nope", "no vault at .*nope")
+
+
+def test_dir_without_vault_bin(tmp_path):
+    expect_error(tmp_path, "no vault at .*no vault.bin")
+
+
+def test_path_is_a_file(tmp_path):
+    (tmp_path / "f").write_bytes(b"x")
+    expect_error(tmp_path / "f", "not a directory")
+
+
+def test_empty_file(put):
+    expect_error(put(b""), "empty")
+
+
+@pytest.mark.parametrize("cut", [1, 7, 8, 100, 255, 256, 300, "tables-1", "tables", "dense", "dense+100",
+                                 "blob", "end-1"])
+def test_truncated(put, good_bytes, cut):
+    h = good_bytes
+    points = {"tables-1": table_end(h) - 1, "tables": table_end(h), "dense": u64(h, DENSE_OFFSET),
+              "dense+100": u64(h, DENSE_OFFSET) + 100, "blob": len(h) - u64(h, BLOB_BYTES), "end-1": len(h) - 1}
+    n = points.get(cut, cut)
+    expect_error(put(h[:n]), "truncated")
+
+
+def test_blob_cut_short_even_when_the_header_agrees(put, good_bytes):
+    b = bytearray(good_bytes[:-100])
+    struct.pack_into("<Q", b, FILE_SIZE, len(b))
+    expect_error(put(seal(b)), "blob .*file's end")
+
+
+def test_trailing_bytes(put, good_bytes):
+    expect_error(put(good_bytes + b"\0"), "trailing")
+
+
+# ------------------------------------------------------------------------------ header fields
+
+def test_wrong_magic(put, good_bytes):
+    expect_error(put(b"GGUF" + good_bytes[4:]), "not a pysmoe vault")
+    expect_error(put(b"GGUF"), "not a pysmoe vault")  # a short file that is not ours either
+    expect_error(put(b"SMOE"), "truncated")  # a short one that may be ours
+
+
+def test_wrong_version(put, good_bytes):
+    b = bytearray(good_bytes)
+    struct.pack_into("<I", b, VERSION, 2)
+    expect_error(put(seal(b)), "unsupported vault version 2")
+    expect_error(put(b), "unsupported vault version 2")  # the version speaks before the checksum
+
+
+def test_header_crc(put, good_bytes):
+    b = bytearray(good_bytes)
+    b[CONFIG + 200] ^= 1
+    expect_error(put(b), "header checksum")
+
+
+def test_dense_crc(put, good_bytes):
+    b = bytearray(good_bytes)
+    struct.pack_into("<I", b, DENSE_CRC, u32(b, DENSE_CRC) ^ 1)
+    expect_error(put(seal(b)), "dense region checksum")
+
+
+def edit(buf, off, fmt, value):
+    b = bytearray(buf)
+    struct.pack_into(fmt, b, off, value)
+    return seal(b)
+
+
+@pytest.mark.parametrize("field,fmt,value,match", [
+    (TABLE_OFFSET, "<Q", 512, "table_offset"),
+    (TABLE_BYTES, "<Q", 1 << 40, "table_bytes"),
+    (TABLE_BYTES, "<Q", 8, "table_bytes"),
+    (DENSE_OFFSET, "<Q", 1 << 62, "dense"),
+    (DENSE_OFFSET, "<Q", 16384 + 64, "dense_offset"),
+    (DENSE_OFFSET, "<Q", 0, "dense_offset"),
+    (DENSE_BYTES, "<Q", (1 << 64) - 1, "dense region"),
+    (N_TENSORS, "<I", 7, "n_tensors"),
+    (N_TENSORS, "<I", 0xFFFFFFFF, "n_tensors"),
+    (N_BLOBS, "<I", 0xFFFFFFFF, "n_blobs"),
+    (BLOB_BYTES, "<Q", 100, "blob_bytes"),
+    (BLOB_BYTES, "<Q", 0, "blob_bytes"),
+    (BLOB_BYTES, "<Q", 1 << 60, "expert tensor|blob"),
+    (76, "<I", 1, "reserved"),
+    (200, "<B", 1, "reserved"),
+])
+def test_header_field_out_of_range(put, good_bytes, field, fmt, value, match):
+    expect_error(put(edit(good_bytes, field, fmt, value)), match)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    (0, 0, "vocab_size is 0"),
+    (0, (1 << 24) + 1, "vocab_size"),
+    (8, 1025, "num_hidden_layers"),
+    (8, 2, "padding|n_blobs|n_tensors"),
+    (16, 3, "multiple of num_key_value_heads"),
+    (20, 15, "head_dim"),
+    (32, 1025, "num_experts"),
+    (36, 99, "num_experts_per_tok"),
+    (44, 4, "flags"),
+    (48, 0, "rms_norm_eps"),
+    (52, 1, "reserved"),
+])
+def test_config_out_of_range(put, good_bytes, field, value, match):
+    expect_error(put(edit(good_bytes, CONFIG + field, "<I", value)), match)
+
+
+def test_layer_kind_not_0_or_1(put, good_bytes):
+    expect_error(put(edit(good_bytes, layout(good_bytes)["kinds"], "<B", 2)), "kind 2")
+
+
+# ------------------------------------------------------------------------------ tensor tables
+
+def test_tensor_offset_past_dense_region(put, good_bytes):
+    d = dense_index(good_bytes, "layers.1.router")
+    expect_error(put(edit(good_bytes, d + 56, "<Q", u64(good_bytes, DENSE_BYTES))), "past the dense region")
+    expect_error(put(edit(good_bytes, d + 56, "<Q", (1 << 64) - 64)), "past the dense region")
+    expect_error(put(edit(good_bytes, d + 56, "<Q", 32)), "multiple of 64")
+
+
+def test_tensor_wrong_shape(put, good_bytes):
+    d = dense_index(good_bytes, "layers.2.q_proj")
+    expect_error(put(edit(good_bytes, d + 44, "<I", 65)), "shape 65x64")
+    expect_error(put(edit(good_bytes, d + 44, "<I", 0)), "empty shape")
+
+
+def test_tensor_names(put, good_bytes):
+    d = dense_index(good_bytes, "layers.1.router")
+    for name, match in [(b"layers.1.mlp.gate_proj", "unexpected name"), (b"layers.01.router", "unexpected"),
+                        (b"layers.9.router", "unexpected"), (b"lm_head", "appears twice"), (b"bogus", "unexpected"),
+                        (b"layers.1.router\0x", "NUL-padded"), (b"x" * 40, "NUL-terminated")]:
+        b = bytearray(good_bytes)
+        b[d:d + 40] = name.ljust(40, b"\0")
+        expect_error(put(seal(b)), match)
+
+
+def test_tensor_formats(put, good_bytes):
+    norm = dense_index(good_bytes, "layers.0.input_layernorm")
+    b = bytearray(good_bytes)
+    b[norm + 40:norm + 42] = bytes([3, 1])  # q4 with f16 scales; hidden is a multiple of 64
+    expect_error(put(seal(b)), "norm must be f32 or bf16")
+    qn = dense_index(good_bytes, "layers.0.q_norm")
+    b = bytearray(good_bytes)
+    b[qn + 40:qn + 42] = bytes([2, 1])
+    expect_error(put(seal(b)), "cols % 64")
+    expect_error(put(edit(good_bytes, qn + 40, "<B", 9)), "unknown format")
+    expect_error(put(edit(good_bytes, qn + 41, "<B", 1)), "scale_format")
+    expect_error(put(edit(good_bytes, qn + 42, "<H", 1)), "reserved")
+
+
+def test_expert_layout(put, good_bytes):
+    e = layout(good_bytes)["expert"]
+    up_off = u64(good_bytes, e + DESC + 56)
+    expect_error(put(edit(good_bytes, e + DESC + 56, "<Q", 0)), "overlap")
+    expect_error(put(edit(good_bytes, e + 2 * DESC + 56, "<Q", u64(good_bytes, BLOB_BYTES))), "past blob_bytes")
+    b = bytearray(good_bytes)
+    b[e:e + 4] = b"gatf"
+    expect_error(put(seal(b)), "expected 'gate'")
+    expect_error(put(edit(good_bytes, e + 48, "<I", 128)), "shape")
+    assert up_off > 0
+
+
+def test_blob_table(put, good_bytes):
+    t = layout(good_bytes)["blobs"]
+    n_exp = u32(good_bytes, CONFIG + 32)
+    first_sparse = t + 16 * n_exp  # layer 0 is dense in the test vault
+    off0 = u64(good_bytes, first_sparse)
+    expect_error(put(edit(good_bytes, first_sparse + 16, "<Q", off0)), "overlap")
+    expect_error(put(edit(good_bytes, first_sparse, "<Q", off0 + 4096)), "multiple of 16384")
+    expect_error(put(edit(good_bytes, first_sparse, "<Q", len(good_bytes))), "file's end")
+    expect_error(put(edit(good_bytes, first_sparse, "<Q", 0)), "dense region's end")
+    expect_error(put(edit(good_bytes, first_sparse, "<Q", (1 << 64) - 16384)), "file's end")
+    expect_error(put(edit(good_bytes, t, "<Q", off0)), "dense layer")
+    expect_error(put(edit(good_bytes, t + 12, "<I", 1)), "reserved")
+
+
+# ------------------------------------------------------------------------------ fuzzing
+
+@pytest.fixture(scope="module")
+def fuzz_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz")
+
+
+def open_mutated(fuzz_dir, buf):
+    (fuzz_dir / "vault.bin").write_bytes(bytes(buf))
+    try:
+        try_open(fuzz_dir)
+    except pysmoe.VaultError as e:
+        assert str(e)  # always a message
+
+
+mutation = st.tuples(st.integers(min_value=0), st.integers(min_value=0, max_value=255))
+FUZZ = settings(deadline=None, max_examples=200, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FUZZ
+@given(muts=st.lists(mutation, min_size=1, max_size=8), reseal=st.booleans(), data=st.data())
+def test_fuzz_header_and_tables(fuzz_dir, good_bytes, muts, reseal, data):
+    end = table_end(good_bytes)
+    b = bytearray(good_bytes)
+    for pos, val in muts:
+        b[pos % end] = val
+    if data.draw(st.booleans(), label="cut"):
+        b = b[:data.draw(st.integers(0, len(b)), label="length")]
+    open_mutated(fuzz_dir, seal(b) if reseal else b)
+
+
+# Words of the header and tables are where a single edit does the most: counts, offsets, sizes.
+@FUZZ
+@given(word=st.integers(min_value=0), value=st.one_of(
+    st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 63, 64, 16384, 2**31, 2**32 - 1, 2**32, 2**63, 2**64 - 1])),
+    width=st.sampled_from([4, 8]))
+def test_fuzz_sealed_fields(fuzz_dir, good_bytes, word, value, width):
+    end = table_end(good_bytes)
+    off = (word * 4) % (end - width)
+    b = bytearray(good_bytes)
+    b[off:off + width] = (value % (1 << (8 * width))).to_bytes(width, "little")
+    open_mutated(fuzz_dir, seal(b))
+
+
+@FUZZ
+@given(length=st.integers(min_value=0))
+def test_fuzz_truncation(fuzz_dir, good_bytes, length):
+    open_mutated(fuzz_dir, good_bytes[:length % len(good_bytes)])
