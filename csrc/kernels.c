@@ -95,7 +95,69 @@ static inline float load_scale(uint8_t scale_format, const uint8_t *p) {
     return scale_format == SMOE_SCALE_F16 ? f16_to_f32(v) : bf16_to_f32(v);
 }
 
+/* The dequantisation and lane loops are written twice: with GCC/Clang vector extensions (a
+ * 16-lane accumulator held as two vectors of 8 floats, lanes 0–7 and 8–15; every lane is an
+ * independent IEEE float, so the arithmetic is exactly that of the scalar loop, only laid out so
+ * that the compiler keeps the accumulators in registers), and as plain C for other compilers or
+ * with -DSMOE_KERNELS_SCALAR. The tests build both and compare their bits. Vectors are moved only
+ * with memcpy and never passed to or returned from functions, which keeps the ABI out of it. */
+#if defined(__GNUC__) && !defined(SMOE_KERNELS_SCALAR)
+#define SMOE_LANES_VEC 1
+typedef float v8f __attribute__((vector_size(8 * sizeof(float))));
+typedef uint32_t v8u __attribute__((vector_size(8 * sizeof(uint32_t))));
+typedef int32_t v8i __attribute__((vector_size(8 * sizeof(int32_t)))); /* codes → float via signed ints */
+typedef uint16_t v8h __attribute__((vector_size(8 * sizeof(uint16_t))));
+#define V8_LOAD(v, p) memcpy(&(v), (p), sizeof(v8f))
+#define V8_STORE(p, v) memcpy((p), &(v), sizeof(v8f))
+#else
+#define SMOE_LANES_VEC 0
+#endif
+
 /* ----------------------------------------------------------------------- dequantisation */
+
+/* buf[c] = bf16 src[c] widened, c < nc */
+static inline void deq_bf16(float *restrict buf, const uint8_t *restrict src, uint32_t nc) {
+    uint32_t c = 0;
+#if SMOE_LANES_VEC
+    for (; c + 8 <= nc; c += 8) {
+        v8h h;
+        memcpy(&h, src + 2 * c, sizeof h);
+        v8u u = __builtin_convertvector(h, v8u) << 16;
+        memcpy(buf + c, &u, sizeof u);
+    }
+#endif
+    for (; c < nc; c++) buf[c] = bf16_to_f32(load_u16(src + 2 * c));
+}
+
+/* o[k] = s·q[k] + b for the 64 codes of a q8 group (compilers vectorise this one unaided) */
+static inline void deq_q8(float *restrict o, const uint8_t *restrict q, float s, float b) {
+    for (int k = 0; k < GROUP; k++) {
+        float sq = s * (float)q[k];
+        o[k] = sq + b;
+    }
+}
+
+/* the same for a q4 group: 8 words of 8 codes, code k of a word in bits [4k, 4k+4) */
+static inline void deq_q4(float *restrict o, const uint8_t *restrict q, float s, float b) {
+#if SMOE_LANES_VEC
+    const v8u shift = {0, 4, 8, 12, 16, 20, 24, 28};
+    for (int i = 0; i < GROUP / 8; i++) {
+        v8u word = (v8u){0} + load_u32(q + 4 * i);
+        v8u code = (word >> shift) & 15u;
+        v8f sq = __builtin_convertvector((v8i)code, v8f) * s;
+        v8f r = sq + b;
+        V8_STORE(o + 8 * i, r);
+    }
+#else
+    for (int i = 0; i < GROUP / 8; i++) {
+        const uint32_t word = load_u32(q + 4 * i);
+        for (int k = 0; k < 8; k++) {
+            float sq = s * (float)((word >> (4 * k)) & 15u);
+            o[8 * i + k] = sq + b;
+        }
+    }
+#endif
+}
 
 /* Columns [c0, c0 + nc) of row `row` of W as floats. For f32 the tensor's own memory is
  * returned; otherwise the values are written to buf (nc floats) and buf is returned.
@@ -107,8 +169,7 @@ static const float *row_block(const smoe_tensor *W, const uint8_t *w, uint32_t r
     case SMOE_FMT_F32:
         return (const float *)(const void *)(w + 4 * ((uint64_t)row * cols + c0));
     case SMOE_FMT_BF16: {
-        const uint8_t *src = w + 2 * ((uint64_t)row * cols + c0);
-        for (uint32_t c = 0; c < nc; c++) buf[c] = bf16_to_f32(load_u16(src + 2 * c));
+        deq_bf16(buf, w + 2 * ((uint64_t)row * cols + c0), nc);
         return buf;
     }
     case SMOE_FMT_Q8:
@@ -119,23 +180,10 @@ static const float *row_block(const smoe_tensor *W, const uint8_t *w, uint32_t r
         for (uint32_t g = 0; g < nc / GROUP; g++) {
             const float s = load_scale(W->scale_format, scales + 2 * g);
             const float b = load_scale(W->scale_format, biases + 2 * g);
-            float *o = buf + g * GROUP; /* (GROUP) */
-            if (W->format == SMOE_FMT_Q8) {
-                const uint8_t *q = w + (uint64_t)row * cols + c0 + (uint64_t)g * GROUP;
-                for (uint32_t k = 0; k < GROUP; k++) {
-                    float sq = s * (float)q[k];
-                    o[k] = sq + b;
-                }
-            } else {
-                const uint8_t *q = w + 4 * (((uint64_t)row * cols + c0) / 8 + (uint64_t)g * (GROUP / 8));
-                for (uint32_t i = 0; i < GROUP / 8; i++) {
-                    const uint32_t word = load_u32(q + 4 * i);
-                    for (uint32_t k = 0; k < 8; k++) {
-                        float sq = s * (float)((word >> (4 * k)) & 15u);
-                        o[8 * i + k] = sq + b;
-                    }
-                }
-            }
+            if (W->format == SMOE_FMT_Q8)
+                deq_q8(buf + g * GROUP, w + (uint64_t)row * cols + c0 + (uint64_t)g * GROUP, s, b);
+            else
+                deq_q4(buf + g * GROUP, w + ((uint64_t)row * cols + c0) / 2 + (uint64_t)g * (GROUP / 2), s, b);
         }
         return buf;
     }
@@ -163,54 +211,85 @@ static inline float lanes_sum(const float a[LANES]) {
     return s2[0] + s2[1];
 }
 
-/* a[c % 16] += w[c]·x[c] for c in [0, nc); nc's block starts at a multiple of 16. */
+/* a[c % 16] += w[c]·x[c] for c in [0, nc); the block starts at a multiple of 16. */
 static inline void lanes_acc(float a[restrict LANES], const float *restrict w, const float *restrict x, uint32_t nc) {
-    float l[LANES];
-    memcpy(l, a, sizeof l);
     uint32_t c = 0;
+#if SMOE_LANES_VEC
+    v8f lo, hi, wl, wh, xl, xh;
+    V8_LOAD(lo, a);
+    V8_LOAD(hi, a + 8);
+    for (; c + LANES <= nc; c += LANES) {
+        V8_LOAD(wl, w + c);
+        V8_LOAD(wh, w + c + 8);
+        V8_LOAD(xl, x + c);
+        V8_LOAD(xh, x + c + 8);
+        v8f pl = wl * xl, ph = wh * xh;
+        lo += pl;
+        hi += ph;
+    }
+    V8_STORE(a, lo);
+    V8_STORE(a + 8, hi);
+#else
     for (; c + LANES <= nc; c += LANES)
         for (int j = 0; j < LANES; j++) {
             float p = w[c + j] * x[c + j];
-            l[j] += p;
+            a[j] += p;
         }
+#endif
     for (; c < nc; c++) {
         float p = w[c] * x[c];
-        l[c % LANES] += p;
+        a[c % LANES] += p;
     }
-    memcpy(a, l, sizeof l);
 }
 
 /* lanes_acc for four rows against one x: the same per-row order, one load of x. */
 static inline void lanes_acc4(float a[restrict RTILE][LANES], const float *restrict w0, const float *restrict w1,
                               const float *restrict w2, const float *restrict w3, const float *restrict x,
                               uint32_t nc) {
-    float l0[LANES], l1[LANES], l2[LANES], l3[LANES];
-    memcpy(l0, a[0], sizeof l0);
-    memcpy(l1, a[1], sizeof l1);
-    memcpy(l2, a[2], sizeof l2);
-    memcpy(l3, a[3], sizeof l3);
     uint32_t c = 0;
+#if SMOE_LANES_VEC
+    const float *wr[RTILE] = {w0, w1, w2, w3};
+    v8f lo[RTILE], hi[RTILE];
+    for (int i = 0; i < RTILE; i++) {
+        V8_LOAD(lo[i], a[i]);
+        V8_LOAD(hi[i], a[i] + 8);
+    }
+    for (; c + LANES <= nc; c += LANES) {
+        v8f xl, xh;
+        V8_LOAD(xl, x + c);
+        V8_LOAD(xh, x + c + 8);
+        for (int i = 0; i < RTILE; i++) {
+            v8f wl, wh;
+            V8_LOAD(wl, wr[i] + c);
+            V8_LOAD(wh, wr[i] + c + 8);
+            v8f pl = wl * xl, ph = wh * xh;
+            lo[i] += pl;
+            hi[i] += ph;
+        }
+    }
+    for (int i = 0; i < RTILE; i++) {
+        V8_STORE(a[i], lo[i]);
+        V8_STORE(a[i] + 8, hi[i]);
+    }
+#else
     for (; c + LANES <= nc; c += LANES)
         for (int j = 0; j < LANES; j++) {
             const float xv = x[c + j];
             float p0 = w0[c + j] * xv, p1 = w1[c + j] * xv, p2 = w2[c + j] * xv, p3 = w3[c + j] * xv;
-            l0[j] += p0;
-            l1[j] += p1;
-            l2[j] += p2;
-            l3[j] += p3;
+            a[0][j] += p0;
+            a[1][j] += p1;
+            a[2][j] += p2;
+            a[3][j] += p3;
         }
+#endif
     for (; c < nc; c++) {
         const float xv = x[c];
         float p0 = w0[c] * xv, p1 = w1[c] * xv, p2 = w2[c] * xv, p3 = w3[c] * xv;
-        l0[c % LANES] += p0;
-        l1[c % LANES] += p1;
-        l2[c % LANES] += p2;
-        l3[c % LANES] += p3;
+        a[0][c % LANES] += p0;
+        a[1][c % LANES] += p1;
+        a[2][c % LANES] += p2;
+        a[3][c % LANES] += p3;
     }
-    memcpy(a[0], l0, sizeof l0);
-    memcpy(a[1], l1, sizeof l1);
-    memcpy(a[2], l2, sizeof l2);
-    memcpy(a[3], l3, sizeof l3);
 }
 
 static float dot16(const float *w, const float *x, uint32_t n) {

@@ -1,0 +1,487 @@
+/* test_kernels.c — the reference kernels (csrc/kernels.c) against naive versions.
+ *
+ * Built and run by tests/test_c_units.py; exits non-zero on the first failed check group and
+ * says what failed on stderr.
+ *
+ * Tolerances:
+ *   matmul: |y − ref| ≤ 4·(cols/16 + 4)·2⁻²⁴·Σ|w·x| + 1e-30, ref the dot in double of the
+ *           dequantised weights (a bound on float summation over cols/16 + 4 additions per lane
+ *           chain and tree, with room to spare);
+ *   rmsnorm, attend, softmax, swiglu: relative 1e-5 of the magnitude involved;
+ *   dequantisation, n- and split-independence, topk order: exact (bits).
+ */
+#include "kernels.h"
+
+#include <immintrin.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures;
+
+#define CHECK(cond, ...)                                                                   \
+    do {                                                                                   \
+        if (!(cond)) {                                                                     \
+            fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond);      \
+            fprintf(stderr, __VA_ARGS__);                                                  \
+            fprintf(stderr, "\n");                                                         \
+            if (++failures > 20) exit(1);                                                  \
+        }                                                                                  \
+    } while (0)
+
+/* ------------------------------------------------------------------------- test data */
+
+static uint64_t rng_state = 0x1234567;
+
+static uint64_t rnd(void) {
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static float rndf(float lo, float hi) { return lo + (hi - lo) * (float)((rnd() >> 40) * 0x1p-24); }
+
+static uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Independent f16 decoding (ldexp), for the naive side. */
+static float naive_f16(uint16_t h) {
+    int e = (h >> 10) & 31, m = h & 1023;
+    double v = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(1024 + m, e - 25);
+    return (float)((h & 0x8000) ? -v : v);
+}
+
+static float naive_bf16(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+static uint64_t align64(uint64_t x) { return (x + 63) / 64 * 64; }
+
+typedef struct {
+    smoe_tensor t;
+    uint8_t *bytes;
+} test_tensor;
+
+/* A random rows × cols tensor in the vault layout (docs/vault.md section 3). */
+static test_tensor make_tensor(uint8_t format, uint8_t scale_format, uint32_t rows, uint32_t cols) {
+    test_tensor tt;
+    memset(&tt, 0, sizeof tt);
+    smoe_tensor *t = &tt.t;
+    t->format = format;
+    t->scale_format = scale_format;
+    t->rows = rows;
+    t->cols = cols;
+    uint64_t n = (uint64_t)rows * cols;
+    uint64_t codes = 0, sbytes = 0;
+    switch (format) {
+    case SMOE_FMT_F32: t->nbytes = 4 * n; break;
+    case SMOE_FMT_BF16: t->nbytes = 2 * n; break;
+    case SMOE_FMT_Q8: codes = align64(n); break;
+    case SMOE_FMT_Q4: codes = align64(n / 2); break;
+    }
+    if (format >= SMOE_FMT_Q8) {
+        sbytes = align64(2 * n / 64);
+        t->scales_off = codes;
+        t->biases_off = codes + sbytes;
+        t->nbytes = codes + 2 * sbytes;
+    }
+    tt.bytes = aligned_alloc(64, align64(t->nbytes) + 64);
+    t->data = tt.bytes;
+    uint8_t *b = tt.bytes;
+    if (format == SMOE_FMT_F32) {
+        for (uint64_t i = 0; i < n; i++) {
+            float f = rndf(-1, 1);
+            memcpy(b + 4 * i, &f, 4);
+        }
+    } else if (format == SMOE_FMT_BF16) {
+        for (uint64_t i = 0; i < n; i++) {
+            uint16_t h = (uint16_t)(f32_bits(rndf(-1, 1)) >> 16);
+            memcpy(b + 2 * i, &h, 2);
+        }
+    } else {
+        for (uint64_t i = 0; i < codes; i++) b[i] = (uint8_t)rnd();
+        for (uint64_t g = 0; g < 2 * (n / 64); g++) {
+            uint16_t h;
+            if (scale_format == SMOE_SCALE_F16) {
+                /* mostly normal magnitudes around 2^-6..2^-2, some subnormal */
+                int e = (rnd() % 16 == 0) ? 0 : 9 + (int)(rnd() % 5);
+                h = (uint16_t)((rnd() & 1) << 15 | e << 10 | (rnd() & 1023));
+            } else {
+                h = (uint16_t)(f32_bits(rndf(-0.25f, 0.25f)) >> 16);
+            }
+            memcpy(b + (g < n / 64 ? t->scales_off + 2 * g : t->biases_off + 2 * (g - n / 64)), &h, 2);
+        }
+    }
+    return tt;
+}
+
+/* W[r, c] dequantised in float exactly as docs/vault.md says, decoded independently. */
+static float naive_w(const smoe_tensor *t, const uint8_t *b, uint32_t r, uint32_t c) {
+    uint64_t i = (uint64_t)r * t->cols + c;
+    uint16_t h;
+    uint32_t u;
+    switch (t->format) {
+    case SMOE_FMT_F32: memcpy(&u, b + 4 * i, 4); return bits_f32(u);
+    case SMOE_FMT_BF16: memcpy(&h, b + 2 * i, 2); return naive_bf16(h);
+    default: {
+        uint64_t g = (uint64_t)r * (t->cols / 64) + c / 64;
+        uint16_t sh, bh;
+        memcpy(&sh, b + t->scales_off + 2 * g, 2);
+        memcpy(&bh, b + t->biases_off + 2 * g, 2);
+        float s = t->scale_format == SMOE_SCALE_F16 ? naive_f16(sh) : naive_bf16(sh);
+        float bias = t->scale_format == SMOE_SCALE_F16 ? naive_f16(bh) : naive_bf16(bh);
+        unsigned q;
+        if (t->format == SMOE_FMT_Q8) {
+            q = b[i];
+        } else {
+            memcpy(&u, b + 4 * (i / 8), 4);
+            q = (u >> (4 * (c % 8))) & 15u;
+        }
+        volatile float sq = s * (float)q; /* a separate multiply and add */
+        return sq + bias;
+    }
+    }
+}
+
+static const char *fmt_name(uint8_t f, uint8_t s) {
+    static const char *names[] = {"f32", "bf16", "q8", "q4"};
+    static char buf[32];
+    snprintf(buf, sizeof buf, "%s%s", names[f], f >= SMOE_FMT_Q8 ? (s == SMOE_SCALE_F16 ? "/f16" : "/bf16") : "");
+    return buf;
+}
+
+/* ------------------------------------------------------------------------------ matmul */
+
+static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t cols) {
+    test_tensor tt = make_tensor(format, sf, rows, cols);
+    const smoe_tensor *W = &tt.t;
+    const uint32_t N = 64;
+    const size_t ldx = cols + 3, ldy = rows + 5;
+    float *x = malloc(sizeof(float) * ldx * N);
+    for (size_t i = 0; i < ldx * N; i++) x[i] = rndf(-1, 1);
+    float *wd = malloc(sizeof(float) * rows * cols); /* (rows, cols) naive dequantised */
+    for (uint32_t r = 0; r < rows; r++)
+        for (uint32_t c = 0; c < cols; c++) wd[(size_t)r * cols + c] = naive_w(W, tt.bytes, r, c);
+
+    /* dequant_row: bit-exact */
+    float *row = malloc(sizeof(float) * cols);
+    for (uint32_t r = 0; r < rows; r++) {
+        smoe_dequant_row(W, tt.bytes, r, row);
+        int bad = memcmp(row, wd + (size_t)r * cols, sizeof(float) * cols) != 0;
+        CHECK(!bad, "%s %ux%u: dequant_row(%u) differs from the naive dequantisation", fmt_name(format, sf), rows,
+              cols, r);
+        if (bad) break;
+    }
+
+    /* n = 64, all rows, padded strides: against the double-precision dot */
+    float *y64 = malloc(sizeof(float) * ldy * N);
+    for (size_t i = 0; i < ldy * N; i++) y64[i] = NAN;
+    smoe_matmul_rows(W, tt.bytes, x, ldx, N, y64, ldy, 0, rows);
+    int worst_reported = 0;
+    for (uint32_t t = 0; t < N; t++)
+        for (uint32_t r = 0; r < rows; r++) {
+            double ref = 0, mag = 0;
+            for (uint32_t c = 0; c < cols; c++) {
+                double p = (double)wd[(size_t)r * cols + c] * x[t * ldx + c];
+                ref += p;
+                mag += fabs(p);
+            }
+            double tol = 4.0 * (cols / 16.0 + 4) * 0x1p-24 * mag + 1e-30;
+            double err = fabs(y64[t * ldy + r] - ref);
+            if (!(err <= tol) && !worst_reported++)
+                CHECK(err <= tol, "%s %ux%u: y[t=%u, r=%u] = %.9g, double ref %.9g (tol %.3g)", fmt_name(format, sf),
+                      rows, cols, t, r, y64[t * ldy + r], ref, tol);
+        }
+    for (uint32_t t = 0; t < N; t++)
+        for (size_t r = rows; r < ldy; r++)
+            CHECK(isnan(y64[t * ldy + r]), "matmul wrote past rows into the stride padding");
+
+    /* every other way of cutting the same work gives the same bits */
+    float *y = malloc(sizeof(float) * rows * N);
+    const uint32_t batch_sizes[] = {1, 7, 33};
+    for (size_t bi = 0; bi < sizeof batch_sizes / sizeof *batch_sizes; bi++) {
+        uint32_t nb = batch_sizes[bi];
+        for (uint32_t t0 = 0; t0 < N; t0 += nb) {
+            uint32_t nt = N - t0 < nb ? N - t0 : nb;
+            /* row splits: a random cut into up to 5 ranges, some empty */
+            uint32_t cuts[6] = {0, 0, 0, 0, 0, rows};
+            for (int k = 1; k < 5; k++) cuts[k] = (uint32_t)(rnd() % (rows + 1));
+            for (int a = 1; a < 5; a++)
+                for (int b = a + 1; b < 5; b++)
+                    if (cuts[b] < cuts[a]) {
+                        uint32_t tmp = cuts[a];
+                        cuts[a] = cuts[b];
+                        cuts[b] = tmp;
+                    }
+            for (int k = 0; k < 5; k++)
+                smoe_matmul_rows(W, tt.bytes, x + t0 * ldx, ldx, nt, y + (size_t)t0 * rows, rows, cuts[k], cuts[k + 1]);
+        }
+        int diff = 0;
+        for (uint32_t t = 0; t < N && !diff; t++)
+            for (uint32_t r = 0; r < rows; r++)
+                if (f32_bits(y[(size_t)t * rows + r]) != f32_bits(y64[t * ldy + r])) {
+                    CHECK(0, "%s %ux%u: batch %u with split rows gives other bits at t=%u r=%u: %a vs %a",
+                          fmt_name(format, sf), rows, cols, nb, t, r, y[(size_t)t * rows + r], y64[t * ldy + r]);
+                    diff = 1;
+                    break;
+                }
+    }
+    /* one row at a time, one token at a time */
+    for (uint32_t t = 0; t < N; t += 9)
+        for (uint32_t r = 0; r < rows; r += 5) {
+            smoe_matmul_rows(W, tt.bytes, x + t * ldx, ldx, 1, y, rows, r, r + 1); /* writes y[r] only */
+            CHECK(f32_bits(y[r]) == f32_bits(y64[t * ldy + r]), "%s: single (t=%u, r=%u) differs",
+                  fmt_name(format, sf), t, r);
+        }
+
+    free(y);
+    free(y64);
+    free(row);
+    free(wd);
+    free(x);
+    free(tt.bytes);
+}
+
+static void test_matmul(void) {
+    struct {
+        uint32_t rows, cols;
+    } qshapes[] = {{1, 64}, {37, 320}, {5, 2112}, {13, 1024}, {3, 128}}, fshapes[] = {{1, 1}, {37, 333}, {6, 2101}, {9, 1024}, {2, 17}};
+    for (size_t i = 0; i < sizeof qshapes / sizeof *qshapes; i++) {
+        test_matmul_case(SMOE_FMT_F32, SMOE_SCALE_NONE, fshapes[i].rows, fshapes[i].cols);
+        test_matmul_case(SMOE_FMT_BF16, SMOE_SCALE_NONE, fshapes[i].rows, fshapes[i].cols);
+        for (uint8_t sf = SMOE_SCALE_F16; sf <= SMOE_SCALE_BF16; sf++) {
+            test_matmul_case(SMOE_FMT_Q8, sf, qshapes[i].rows, qshapes[i].cols);
+            test_matmul_case(SMOE_FMT_Q4, sf, qshapes[i].rows, qshapes[i].cols);
+        }
+    }
+}
+
+/* Every f16 value through the q8 path (q = 1, bias = +0) against the F16C instruction. */
+static void test_f16_all(void) {
+    const uint32_t rows = 1024, cols = 64 * 64; /* 65536 groups: one per f16 bit pattern */
+    smoe_tensor t;
+    memset(&t, 0, sizeof t);
+    t.format = SMOE_FMT_Q8;
+    t.scale_format = SMOE_SCALE_F16;
+    t.rows = rows;
+    t.cols = cols;
+    uint64_t n = (uint64_t)rows * cols, ng = n / 64;
+    t.scales_off = align64(n);
+    t.biases_off = t.scales_off + align64(2 * ng);
+    t.nbytes = t.biases_off + align64(2 * ng);
+    uint8_t *b = aligned_alloc(64, t.nbytes);
+    memset(b, 0, t.nbytes);
+    memset(b, 1, n);
+    for (uint32_t g = 0; g < ng; g++) {
+        uint16_t h = (uint16_t)g;
+        memcpy(b + t.scales_off + 2 * g, &h, 2);
+    }
+    t.data = b;
+    float *row = malloc(sizeof(float) * cols);
+    int bad = 0;
+    for (uint32_t r = 0; r < rows && bad < 5; r++) {
+        smoe_dequant_row(&t, b, r, row);
+        for (uint32_t g = 0; g < cols / 64; g++) {
+            uint16_t h = (uint16_t)(r * (cols / 64) + g);
+            volatile float hw = _cvtsh_ss(h);
+            volatile float want = hw * 1.0f;
+            want = want + 0.0f;
+            float got = row[g * 64 + 17];
+            bool ok = isnan(want) ? isnan(got) : f32_bits(got) == f32_bits(want);
+            if (!ok && bad++ < 5) CHECK(ok, "f16 0x%04x → %a, F16C says %a", h, got, (float)want);
+        }
+    }
+    free(row);
+    free(b);
+}
+
+/* ----------------------------------------------------------------------- per-token math */
+
+static void test_rmsnorm(void) {
+    const uint32_t dims[] = {1, 64, 100, 2048, 2053};
+    for (size_t di = 0; di < sizeof dims / sizeof *dims; di++) {
+        uint32_t dim = dims[di];
+        for (uint8_t f = SMOE_FMT_F32; f <= SMOE_FMT_BF16; f++) {
+            test_tensor w = make_tensor(f, SMOE_SCALE_NONE, 1, dim);
+            float *x = malloc(sizeof(float) * dim), *out = malloc(sizeof(float) * dim);
+            for (uint32_t i = 0; i < dim; i++) x[i] = rndf(-3, 3);
+            const float eps = 1e-6f;
+            smoe_rmsnorm(out, x, &w.t, dim, eps);
+            double ss = 0;
+            for (uint32_t i = 0; i < dim; i++) ss += (double)x[i] * x[i];
+            double inv = 1.0 / sqrt(ss / dim + eps);
+            for (uint32_t i = 0; i < dim; i++) {
+                double ref = x[i] * inv * naive_w(&w.t, w.bytes, 0, i);
+                CHECK(fabs(out[i] - ref) <= 1e-5 * (fabs(ref) + 1e-6), "rmsnorm dim %u [%u]: %g vs %g", dim, i,
+                      out[i], ref);
+            }
+            smoe_rmsnorm(x, x, &w.t, dim, eps); /* in place: the same bits */
+            CHECK(memcmp(x, out, sizeof(float) * dim) == 0, "rmsnorm in place differs (dim %u)", dim);
+            free(x);
+            free(out);
+            free(w.bytes);
+        }
+    }
+}
+
+static void test_rope(void) {
+    const uint32_t heads = 3, hd = 128, h = hd / 2;
+    float x[3 * 128], x0[3 * 128], cs[64], sn[64];
+    for (uint32_t i = 0; i < heads * hd; i++) x[i] = x0[i] = rndf(-2, 2);
+    for (uint32_t i = 0; i < h; i++) {
+        double th = 17 * pow(1e6, -2.0 * i / hd);
+        cs[i] = (float)cos(th);
+        sn[i] = (float)sin(th);
+    }
+    smoe_rope(x, heads, hd, cs, sn);
+    for (uint32_t k = 0; k < heads; k++)
+        for (uint32_t i = 0; i < hd; i++) {
+            const float *v = x0 + k * hd;
+            /* transformers: q·cos + rotate_half(q)·sin with cos = cat(c, c), sin = cat(s, s) */
+            double rot = i < h ? -(double)v[i + h] : (double)v[i - h];
+            double ref = (double)v[i] * cs[i % h] + rot * sn[i % h];
+            CHECK(fabs(x[k * hd + i] - ref) <= 1e-6 * (fabs(v[i]) + fabs(rot) + 1e-3), "rope head %u [%u]: %g vs %g",
+                  k, i, x[k * hd + i], ref);
+        }
+}
+
+static void test_softmax(void) {
+    const uint32_t ns[] = {1, 2, 128, 1000};
+    for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
+        uint32_t n = ns[ni];
+        float *x = malloc(sizeof(float) * n);
+        double *ref = malloc(sizeof(double) * n), m = -INFINITY, z = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            x[i] = rndf(-20, 20);
+            if (x[i] > m) m = x[i];
+        }
+        for (uint32_t i = 0; i < n; i++) z += ref[i] = exp(x[i] - m);
+        smoe_softmax(x, n);
+        double sum = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            sum += x[i];
+            CHECK(fabs(x[i] - ref[i] / z) <= 1e-5 * ref[i] / z + 1e-12, "softmax n %u [%u]: %g vs %g", n, i, x[i],
+                  ref[i] / z);
+        }
+        CHECK(fabs(sum - 1) < 1e-5, "softmax n %u sums to %g", n, sum);
+        free(x);
+        free(ref);
+    }
+    float big[3] = {1000.0f, 1000.0f, -1000.0f}; /* max subtraction keeps this finite */
+    smoe_softmax(big, 3);
+    CHECK(big[0] == 0.5f && big[1] == 0.5f && big[2] == 0.0f, "softmax of large logits: %g %g %g", big[0], big[1],
+          big[2]);
+}
+
+static void test_attend(void) {
+    const uint32_t hd = 128, stride = 4 * 128 + 8;
+    const uint32_t npos[] = {1, 2, 17, 300};
+    for (size_t pi = 0; pi < sizeof npos / sizeof *npos; pi++) {
+        uint32_t n = npos[pi];
+        float *k = malloc(sizeof(float) * stride * n), *v = malloc(sizeof(float) * stride * n);
+        float q[128], out[128], *scratch = malloc(sizeof(float) * n);
+        for (size_t i = 0; i < (size_t)stride * n; i++) {
+            k[i] = rndf(-1, 1);
+            v[i] = rndf(-1, 1);
+        }
+        for (uint32_t i = 0; i < hd; i++) q[i] = rndf(-2, 2);
+        smoe_attend(out, q, k, v, stride, n, hd, scratch);
+        double *s = malloc(sizeof(double) * n), m = -INFINITY, z = 0;
+        for (uint32_t p = 0; p < n; p++) {
+            double d = 0;
+            for (uint32_t i = 0; i < hd; i++) d += (double)q[i] * k[(size_t)p * stride + i];
+            s[p] = d / sqrt(hd);
+            if (s[p] > m) m = s[p];
+        }
+        for (uint32_t p = 0; p < n; p++) z += s[p] = exp(s[p] - m);
+        for (uint32_t i = 0; i < hd; i++) {
+            double ref = 0;
+            for (uint32_t p = 0; p < n; p++) ref += s[p] / z * v[(size_t)p * stride + i];
+            CHECK(fabs(out[i] - ref) <= 1e-5, "attend n_pos %u [%u]: %g vs %g", n, i, out[i], ref);
+        }
+        free(s);
+        free(k);
+        free(v);
+        free(scratch);
+    }
+}
+
+static void test_topk(void) {
+    const float p[] = {0.1f, 0.3f, 0.3f, 0.2f, 0.3f, 0.05f};
+    int32_t idx[6];
+    float val[6];
+    smoe_topk(p, 6, 3, false, idx, val);
+    CHECK(idx[0] == 1 && idx[1] == 2 && idx[2] == 4, "topk ties: %d %d %d", idx[0], idx[1], idx[2]);
+    smoe_topk(p, 6, 4, true, idx, val);
+    CHECK(idx[0] == 1 && idx[1] == 2 && idx[2] == 4 && idx[3] == 3, "topk 4: %d %d %d %d", idx[0], idx[1], idx[2],
+          idx[3]);
+    float sum = ((0.3f + 0.3f) + 0.3f) + 0.2f;
+    CHECK(val[0] == 0.3f / sum && val[3] == 0.2f / sum, "topk renorm: %g %g", val[0], val[3]);
+    smoe_topk(p, 6, 6, false, idx, val);
+    CHECK(idx[4] == 0 && idx[5] == 5, "topk all: %d %d", idx[4], idx[5]);
+
+    /* random, with many ties, against a selection by the total order */
+    for (int trial = 0; trial < 200; trial++) {
+        uint32_t n = 1 + (uint32_t)(rnd() % 200), k = 1 + (uint32_t)(rnd() % (n < 16 ? n : 16));
+        float q[200];
+        for (uint32_t i = 0; i < n; i++) q[i] = (float)(rnd() % 20) / 20.0f;
+        int32_t got[16];
+        float gv[16];
+        smoe_topk(q, n, k, false, got, gv);
+        bool used[200] = {0};
+        for (uint32_t j = 0; j < k; j++) {
+            int32_t b = -1;
+            for (uint32_t i = 0; i < n; i++)
+                if (!used[i] && (b < 0 || q[i] > q[b])) b = (int32_t)i;
+            used[b] = true;
+            CHECK(got[j] == b && gv[j] == q[b], "topk random trial %d pos %u: %d vs %d", trial, j, got[j], b);
+        }
+    }
+}
+
+static void test_swiglu_axpy(void) {
+    const uint32_t n = 1000;
+    float g[1000], u[1000], h[1000], y[1000], y0[1000];
+    for (uint32_t i = 0; i < n; i++) {
+        g[i] = rndf(-30, 30);
+        u[i] = rndf(-2, 2);
+        y[i] = y0[i] = rndf(-1, 1);
+    }
+    smoe_swiglu(h, g, u, n);
+    for (uint32_t i = 0; i < n; i++) {
+        double ref = g[i] / (1 + exp(-(double)g[i])) * u[i];
+        CHECK(fabs(h[i] - ref) <= 1e-5 * fabs(ref) + 1e-30, "swiglu [%u] g=%g: %g vs %g", i, g[i], h[i], ref);
+    }
+    smoe_axpy(y, 0.37f, u, n);
+    for (uint32_t i = 0; i < n; i++) {
+        volatile float ax = 0.37f * u[i];
+        float ref = y0[i] + ax;
+        CHECK(f32_bits(y[i]) == f32_bits(ref), "axpy [%u]", i);
+    }
+}
+
+int main(void) {
+    test_f16_all();
+    test_matmul();
+    test_rmsnorm();
+    test_rope();
+    test_softmax();
+    test_attend();
+    test_topk();
+    test_swiglu_axpy();
+    if (failures) {
+        fprintf(stderr, "test_kernels: %d failure(s)\n", failures);
+        return 1;
+    }
+    printf("test_kernels: ok\n");
+    return 0;
+}
