@@ -122,6 +122,7 @@ class Source:
 
     file: Path
     name: str
+    nbytes: int                # what it occupies in the checkpoint
     expert: int | None = None  # index into the first axis of a fused experts tensor
     rows: slice | None = None  # gate or up half of a fused gate_up_proj
 
@@ -136,6 +137,8 @@ class Plan:
     experts: dict[tuple[int, int], dict[str, Source]]   # (layer, expert) → gate/up/down
 
 
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _DENSE_IN_LAYER = {
@@ -167,14 +170,15 @@ def plan(hf_dir) -> Plan:
     files = _shard_files(hf_dir)
     _import_torch()
 
-    headers: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    headers: dict[str, tuple[Path, tuple[int, ...], int]] = {}  # name → file, shape, bytes/element
     duplicates = []
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 if name in headers:
                     duplicates.append(name)
-                headers[name] = (f, tuple(st.get_slice(name).get_shape()))
+                sl = st.get_slice(name)
+                headers[name] = (f, tuple(sl.get_shape()), _DTYPE_BYTES.get(sl.get_dtype(), 4))
     if duplicates:
         raise ConvertError(f"{hf_dir}: tensors stored more than once: {_list(duplicates)}")
 
@@ -196,7 +200,8 @@ def plan(hf_dir) -> Plan:
             twice.append(f"{slot[key]} and {src}")
         slot[key] = src
 
-    for name, (f, shape) in headers.items():
+    for name, (f, shape, itemsize) in headers.items():
+        size = itemsize * int(np.prod(shape))
         m = _LAYER.fullmatch(name)
         if name == "model.embed_tokens.weight":
             target = "embed_tokens"
@@ -218,22 +223,22 @@ def plan(hf_dir) -> Plan:
             elif me and l in sparse and int(me.group(1)) < E:
                 if shape != want_expert[me.group(2)]:
                     bad_shape.append(f"{name} {shape} (want {want_expert[me.group(2)]})")
-                place(experts[(l, int(me.group(1)))], me.group(2), Source(f, name))
+                place(experts[(l, int(me.group(1)))], me.group(2), Source(f, name, size))
                 continue
             elif rest == "mlp.experts.gate_up_proj" and l in sparse:
                 if shape != (E, 2 * I, H):
                     bad_shape.append(f"{name} {shape} (want {(E, 2 * I, H)})")
                     continue
                 for e in range(E):
-                    place(experts[(l, e)], "gate", Source(f, name, e, slice(0, I)))
-                    place(experts[(l, e)], "up", Source(f, name, e, slice(I, 2 * I)))
+                    place(experts[(l, e)], "gate", Source(f, name, size // (2 * E), e, slice(0, I)))
+                    place(experts[(l, e)], "up", Source(f, name, size // (2 * E), e, slice(I, 2 * I)))
                 continue
             elif rest == "mlp.experts.down_proj" and l in sparse:
                 if shape != (E, H, I):
                     bad_shape.append(f"{name} {shape} (want {(E, H, I)})")
                     continue
                 for e in range(E):
-                    place(experts[(l, e)], "down", Source(f, name, e))
+                    place(experts[(l, e)], "down", Source(f, name, size // E, e))
                 continue
             else:
                 unknown.append(name)
@@ -246,7 +251,7 @@ def plan(hf_dir) -> Plan:
             continue
         if shape != want_dense[target]:
             bad_shape.append(f"{name} {shape} (want {want_dense[target]})")
-        place(dense, target, Source(f, name))
+        place(dense, target, Source(f, name, size))
 
     problems = []
     if unknown:
@@ -353,16 +358,17 @@ def convert(hf_dir, out_dir, experts: str = "q4", dense=None, scale_dtype: str =
         files = {s.file for s in p.dense.values()}
         files |= {s.file for parts in p.experts.values() for s in parts.values()}
         handles = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in sorted(files)}
-        bar = stack.enter_context(Progress(len(p.dense) + len(p.experts), "convert",
-                                           enabled=progress))
+        total = sum(s.nbytes for s in p.dense.values())
+        total += sum(s.nbytes for parts in p.experts.values() for s in parts.values())
+        bar = stack.enter_context(Progress(total, "convert", unit="B", enabled=progress))
         for name, src in p.dense.items():
             writer.add_dense(name, _read(handles, src))
-            bar.update(1)
+            bar.update(src.nbytes)
         for (layer, e), parts in p.experts.items():
             gate, up, down = (_read(handles, parts[k]) for k in ("gate", "up", "down"))
             writer.add_expert(layer, e, gate, up, down)
             del gate, up, down
-            bar.update(1)
+            bar.update(sum(s.nbytes for s in parts.values()))
     return out_dir
 
 
