@@ -151,6 +151,8 @@ static smoe_status parse_desc(const uint8_t *d, const char *what, char name[40],
         if ((format == SMOE_FMT_Q8 || format == SMOE_FMT_Q4) && cols % 64)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %s needs cols %% 64 == 0, cols is %u", what, pn,
                              format_name(format), cols);
+        if (smoe_tensor_bytes(format, rows, cols) == 0)
+            return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %ux%u is too large", what, pn, rows, cols);
         return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): scale_format %u does not go with format %s", what, pn,
                          scale_format, format_name(format));
     }
