@@ -137,8 +137,7 @@ class Plan:
     experts: dict[tuple[int, int], dict[str, Source]]   # (layer, expert) → gate/up/down
 
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-                "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_FLOAT_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}  # safetensors dtypes read as weights
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _DENSE_IN_LAYER = {
@@ -161,26 +160,33 @@ def _list(names, limit: int = 20) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def plan(hf_dir) -> Plan:
-    """Read config.json and the safetensors headers; map and check every tensor. Reads no data."""
+def plan(hf_dir, cfg: dict | None = None) -> Plan:
+    """Read config.json (unless given, normalised) and the safetensors headers; map and check
+    every tensor. Reads no tensor data."""
     from safetensors import safe_open
 
     hf_dir = Path(hf_dir)
-    cfg = load_config(hf_dir)
+    cfg = load_config(hf_dir) if cfg is None else cfg
     files = _shard_files(hf_dir)
     _import_torch()
 
     headers: dict[str, tuple[Path, tuple[int, ...], int]] = {}  # name → file, shape, bytes/element
-    duplicates = []
+    duplicates, not_float = [], []
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for name in st.keys():
                 if name in headers:
                     duplicates.append(name)
                 sl = st.get_slice(name)
-                headers[name] = (f, tuple(sl.get_shape()), _DTYPE_BYTES.get(sl.get_dtype(), 4))
+                dtype = sl.get_dtype()
+                if dtype not in _FLOAT_BYTES:
+                    not_float.append(f"{name} ({dtype})")
+                headers[name] = (f, tuple(sl.get_shape()), _FLOAT_BYTES.get(dtype, 4))
     if duplicates:
         raise ConvertError(f"{hf_dir}: tensors stored more than once: {_list(duplicates)}")
+    if not_float:
+        raise ConvertError(f"{hf_dir}: tensors that are not floats (an already quantised "
+                           f"checkpoint?): {_list(not_float)}")
 
     from .vaultio import dense_shapes, layer_kinds
 
@@ -189,10 +195,10 @@ def plan(hf_dir) -> Plan:
     L, E, H = cfg["num_hidden_layers"], cfg["num_experts"], cfg["hidden_size"]
     I = cfg["moe_intermediate_size"]
     want_expert = {"gate": (I, H), "up": (I, H), "down": (H, I)}
-    sparse = [l for l, is_sparse in enumerate(layer_kinds(cfg)) if is_sparse]
+    sparse = {l for l, is_sparse in enumerate(layer_kinds(cfg)) if is_sparse}
 
     dense: dict[str, Source] = {}
-    experts: dict[tuple[int, int], dict[str, Source]] = {(l, e): {} for l in sparse for e in range(E)}
+    experts: dict[tuple[int, int], dict[str, Source]] = {(l, e): {} for l in sorted(sparse) for e in range(E)}
     unknown, bad_shape, twice = [], [], []
 
     def place(slot: dict, key: str, src: Source) -> None:
@@ -344,11 +350,12 @@ def convert(hf_dir, out_dir, experts: str = "q4", dense=None, scale_dtype: str =
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     formats = resolve_formats(experts, dense)
-    p = plan(hf_dir)
-    try:  # formats that do not fit a shape (q4 needs cols % 64 == 0) fail here, before any write
-        compute_layout(p.config, formats, scale_dtype)
+    cfg = load_config(hf_dir)
+    try:  # limits, and formats that do not fit a shape (q4 needs cols % 64 == 0), fail here
+        compute_layout(cfg, formats, scale_dtype)
     except ValueError as exc:
         raise ConvertError(f"cannot convert {hf_dir} with formats {formats}: {exc}") from None
+    p = plan(hf_dir, cfg)
     tokenizer_json, tokenizer_config = _tokenizer_files(hf_dir)
 
     with ExitStack() as stack:

@@ -227,7 +227,8 @@ def test_an_expert_given_twice(tmp_path):
 def test_integer_tensor(tmp_path):
     tensors = checkpoint_tensors(CONFIG)
     tensors["model.layers.0.self_attn.v_proj.weight"] = torch.zeros(32, 64, dtype=torch.int32)
-    assert "not a float" in errors_for(tmp_path, tensors=tensors)
+    msg = errors_for(tmp_path, tensors=tensors)
+    assert "not floats" in msg and "model.layers.0.self_attn.v_proj.weight (I32)" in msg
 
 
 def test_format_that_does_not_fit(tmp_path):
