@@ -382,11 +382,10 @@ def convert(hf_dir, out_dir, experts: str = "q4", dense=None, scale_dtype: str =
 # ---- CLI ------------------------------------------------------------------------------------
 
 
-def add_parser(subparsers):
-    p = subparsers.add_parser(
-        "convert", help="convert a Hugging Face Qwen3-MoE checkpoint into a vault",
-        description="Convert a Hugging Face Qwen3-MoE checkpoint (config.json + safetensors) "
-                    "into a vault. Reads one tensor at a time.")
+def add_parser(p, name: str = "convert") -> None:
+    """The arguments of `python -m pysmoe convert` on its (sub)parser p (cli.py makes p)."""
+    p.description = ("Convert a Hugging Face Qwen3-MoE checkpoint (config.json + safetensors) into "
+                     "a vault, reading one tensor (or one expert) at a time.")
     p.add_argument("hf_dir", metavar="HF_DIR", help="checkpoint directory (config.json, *.safetensors)")
     p.add_argument("out", metavar="OUT", help="vault directory to write")
     p.add_argument("--experts", choices=FORMATS, default="q4", help="expert weight format (default q4)")
@@ -397,8 +396,6 @@ def add_parser(subparsers):
     p.add_argument("--scale-dtype", choices=("f16", "bf16"), default="f16",
                    help="dtype of q4/q8 scales and biases (default f16)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.set_defaults(func=run)
-    return p
 
 
 def run(args) -> int:
