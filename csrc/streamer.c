@@ -134,6 +134,7 @@ struct smoe_streamer {
     slot_t *slots;   /* (n_slots) */
     int32_t *index;  /* (n_layers × n_experts) key → slot, −1 = not retained */
     uint32_t *layer_count; /* (n_layers) retained slots per layer */
+    uint64_t *layer_use;   /* (n_layers) clock at the layer's last acquire */
     uint32_t quota;
     uint64_t clock;
 
@@ -267,10 +268,24 @@ static void fall_back_to_buffered(smoe_streamer *s, int err) {
     }
 }
 
+#ifdef SMOE_STREAMER_TEST_HOOKS
+/* Tests only: 1 = the O_DIRECT open fails with EINVAL, 2 = every O_DIRECT read does. */
+int smoe_streamer_test_fail_direct;
+static int64_t pread_direct(int fd, uint8_t *buf, uint64_t len, uint64_t off) {
+    if (smoe_streamer_test_fail_direct == 2) {
+        errno = EINVAL;
+        return -1;
+    }
+    return pread_full(fd, buf, len, off);
+}
+#else
+#define pread_direct pread_full
+#endif
+
 /* Reads a whole range, with O_DIRECT when in force; falls back on EINVAL. */
 static int64_t read_range(smoe_streamer *s, uint8_t *buf, uint64_t len, uint64_t off) {
     if (atomic_load_explicit(&s->use_direct, memory_order_relaxed)) {
-        int64_t r = pread_full(s->fd_direct, buf, len, off);
+        int64_t r = pread_direct(s->fd_direct, buf, len, off);
         if (r >= 0 || errno != EINVAL) return r;
         fall_back_to_buffered(s, errno);
     }
@@ -340,6 +355,7 @@ void smoe_streamer_free(smoe_streamer *s) {
     waitword_destroy(&s->queued);
     smoe_free(s->threads);
     smoe_free((void *)s->ring);
+    smoe_free(s->layer_use);
     smoe_free(s->layer_count);
     smoe_free(s->index);
     smoe_free(s->slots);
@@ -351,6 +367,13 @@ static void open_direct(smoe_streamer *s) {
     char eb[128];
 #if defined(__linux__)
     s->fd_direct = open(s->p.path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+#ifdef SMOE_STREAMER_TEST_HOOKS
+    if (smoe_streamer_test_fail_direct == 1 && s->fd_direct >= 0) {
+        close(s->fd_direct);
+        s->fd_direct = -1;
+        errno = EINVAL;
+    }
+#endif
     if (s->fd_direct < 0) {
         smoe_log(SMOE_LOG_WARN, "%s: cannot open with O_DIRECT (%s); using buffered reads", s->p.path,
                  errno_text(errno, eb, sizeof eb));
@@ -372,7 +395,7 @@ static void open_direct(smoe_streamer *s) {
 #endif
     atomic_store(&s->use_direct, true);
     /* The probe reads the file's first page (the vault header, never a blob) into slot 0. */
-    if (pread_full(s->fd_direct, s->slots[0].data, SMOE_PAGE, 0) < 0) {
+    if (pread_direct(s->fd_direct, s->slots[0].data, SMOE_PAGE, 0) < 0) {
         if (errno == EINVAL) fall_back_to_buffered(s, errno);
         /* Other errors will show again, with a blob's name, on the first real read. */
     }
@@ -427,9 +450,10 @@ smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out
     s->slots = smoe_alloc((size_t)p->n_slots * sizeof *s->slots, 64);
     s->index = smoe_alloc((size_t)n_keys * sizeof *s->index, 64);
     s->layer_count = smoe_alloc((size_t)p->n_layers * sizeof *s->layer_count, 64);
+    s->layer_use = smoe_alloc((size_t)p->n_layers * sizeof *s->layer_use, 64);
     s->ring = smoe_alloc((size_t)cap * sizeof *s->ring, 64);
     s->threads = smoe_alloc((size_t)p->io_threads * sizeof *s->threads, 64);
-    if (!s->slots || !s->index || !s->layer_count || !s->ring || !s->threads) {
+    if (!s->slots || !s->index || !s->layer_count || !s->layer_use || !s->ring || !s->threads) {
         smoe_streamer_free(s);
         return smoe_fail(SMOE_ERR_NOMEM, "streamer: out of memory");
     }
@@ -486,7 +510,8 @@ static void unmap(smoe_streamer *s, slot_t *sl) {
 static int pick_victim(smoe_streamer *s, uint32_t layer) {
     int best = -1;
     int64_t best_excess = 0;
-    uint64_t best_stamp = 0;
+    bool best_other = false;
+    uint64_t best_layer_use = 0;
     for (uint32_t i = 0; i < s->p.n_slots; i++) {
         slot_t *sl = &s->slots[i];
         if (sl->pins) continue;
@@ -494,11 +519,20 @@ static int pick_victim(smoe_streamer *s, uint32_t layer) {
         if (st == SLOT_EMPTY || st == SLOT_FAILED) return (int)i;
         if (st != SLOT_READY) continue;
         uint32_t l = (uint32_t)sl->key / s->p.n_experts;
-        int64_t excess = (int64_t)s->layer_count[l] + (l == layer) - (int64_t)s->quota;
-        if (best < 0 || excess > best_excess || (excess == best_excess && sl->stamp < best_stamp)) {
+        int64_t excess = (int64_t)s->layer_count[l] - (int64_t)s->quota;
+        bool other = l != layer;
+        uint64_t layer_use = s->layer_use[l];
+        bool better;
+        if (best < 0) better = true;
+        else if (excess != best_excess) better = excess > best_excess;
+        else if (other != best_other) better = other;
+        else if (layer_use != best_layer_use) better = layer_use > best_layer_use;
+        else better = sl->stamp < s->slots[best].stamp;
+        if (better) {
             best = (int)i;
             best_excess = excess;
-            best_stamp = sl->stamp;
+            best_other = other;
+            best_layer_use = layer_use;
         }
     }
     return best;
@@ -519,7 +553,7 @@ int smoe_streamer_acquire(smoe_streamer *s, uint32_t layer, uint32_t expert) {
         slot_t *sl = &s->slots[idx];
         if (state_of(sl) != SLOT_FAILED) {
             sl->pins++;
-            sl->stamp = ++s->clock;
+            sl->stamp = s->layer_use[layer] = ++s->clock;
             s->hits++;
             return idx;
         }
@@ -535,7 +569,7 @@ int smoe_streamer_acquire(smoe_streamer *s, uint32_t layer, uint32_t expert) {
     s->index[key] = v;
     s->layer_count[layer]++;
     sl->pins = 1;
-    sl->stamp = ++s->clock;
+    sl->stamp = s->layer_use[layer] = ++s->clock;
     sl->layer = layer;
     sl->expert = expert;
     sl->offset = s->p.blob_offset[key];
