@@ -1,0 +1,39 @@
+"""Shared fixtures: small synthetic vaults, made once per test session.
+
+    tiny_vault       preset "tiny", seed 0, default formats (q4 experts, q8 matrices, f32 norms)
+    tiny_vault_f32   preset "tiny", seed 0, every tensor f32 (tight comparisons)
+    make_vault       make_vault(name, **synth_kwargs) -> path, cached per argument set
+
+Treat the vaults as read-only: they are shared by every test of the session.
+"""
+from __future__ import annotations
+
+import pytest
+
+ALL_F32 = {"attention": "f32", "embed": "f32", "lm_head": "f32", "mlp": "f32", "router": "f32", "norms": "f32"}
+
+
+@pytest.fixture(scope="session")
+def make_vault(tmp_path_factory):
+    from pysmoe.synth import synth
+
+    made = {}
+
+    def make(name: str = "vault", **kwargs):
+        key = (name, repr(sorted(kwargs.items())))
+        if key not in made:
+            kwargs.setdefault("progress", False)
+            made[key] = synth(tmp_path_factory.mktemp(name), **kwargs)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_vault(make_vault):
+    return make_vault("tiny", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_vault_f32(make_vault):
+    return make_vault("tiny_f32", preset="tiny", seed=0, experts="f32", formats=ALL_F32)
