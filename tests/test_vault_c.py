@@ -1,6 +1,7 @@
 """libsmoe's vault reader on a good vault: open, config, layer kinds, verify, dequantize."""
 from __future__ import annotations
 
+import json
 import shutil
 import struct
 import zlib
@@ -10,14 +11,24 @@ import pytest
 
 import pysmoe
 from pysmoe._ffi import check, ffi, lib
+# The function, not `pysmoe.synth`: once imported, the submodule shadows the lazy name.
+from pysmoe.synth import synth
 from pysmoe import quant
 
-import _tmp_vault_bytes as tmpwriter  # TEMPORARY until pysmoe.synth lands
 
 
-def make_vault(path):
-    tmpwriter.write(path, seed=0)
-    return path
+def make_vault(path, **kw):
+    return synth(path, preset="tiny", seed=0, progress=False, **kw)
+
+
+def written_config(path):
+    return json.loads((path / "config.json").read_text())
+
+
+def layer_kinds(cfg):
+    """docs/vault.md 2.2, the way transformers decides it."""
+    return [int(l not in cfg["mlp_only_layers"] and cfg["num_experts"] > 0
+                and (l + 1) % cfg["decoder_sparse_step"] == 0) for l in range(cfg["num_hidden_layers"])]
 
 
 def header(buf):
@@ -90,7 +101,7 @@ def flip(path, offset):
 
 
 def test_open_and_config(good):
-    want = tmpwriter.CFG
+    want = written_config(good)
     with Opened(good) as v:
         c = config(v)
         for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -107,6 +118,22 @@ def test_open_and_config(good):
         assert c.struct_size == ffi.sizeof("smoe_config")
 
 
+@pytest.mark.parametrize("kw", [dict(experts="q8", scale_dtype="bf16"), dict(experts="bf16"),
+                                dict(experts="f32", formats={"attention": "bf16", "embed": "f32"}),
+                                dict(overrides={"tie_word_embeddings": True}),
+                                dict(layers=2, overrides={"mlp_only_layers": [0, 1]})],
+                         ids=["q8-bf16scales", "bf16", "f32", "tied", "all-dense"])
+def test_writer_variants_open_and_verify(tmp_path, kw):
+    path = make_vault(tmp_path / "v", **kw)
+    want = written_config(path)
+    with Opened(path) as v:
+        c = config(v)
+        assert c.tie_word_embeddings == want["tie_word_embeddings"]
+        assert c.num_sparse_layers == sum(layer_kinds(want))
+        assert (c.blob_bytes == 0) == (c.num_sparse_layers == 0)
+        assert verify(v) == (0, [])
+
+
 def test_layer_kinds(good):
     with Opened(good) as v:
         c = config(v)
@@ -115,7 +142,8 @@ def test_layer_kinds(good):
         for layer in range(c.num_hidden_layers):
             check(lib.smoe_vault_layer_is_sparse(v, layer, out))
             kinds.append(int(out[0]))
-        assert kinds == tmpwriter.KINDS
+        assert kinds == layer_kinds(written_config(good))
+        assert 0 < sum(kinds) < len(kinds)  # the test vault has both kinds
         assert c.num_sparse_layers == sum(kinds)
         with pytest.raises(pysmoe.InvalidArgument, match="out of range"):
             check(lib.smoe_vault_layer_is_sparse(v, c.num_hidden_layers, out))
@@ -129,7 +157,7 @@ def test_config_struct_size(good):
         # An older caller's shorter struct gets only the prefix it knows.
         c.struct_size = 8
         check(lib.smoe_vault_config(v, c))
-        assert c.struct_size == 8 and c.vocab_size == tmpwriter.CFG["vocab_size"] and c.hidden_size == 0
+        assert c.struct_size == 8 and c.vocab_size == written_config(good)["vocab_size"] and c.hidden_size == 0
 
 
 def test_verify_good_vault(good):
@@ -142,7 +170,7 @@ def test_verify_good_vault(good):
 def test_verify_reports_flipped_blob_bytes(copy):
     buf = (copy / "vault.bin").read_bytes()
     entries = blob_entries(buf)
-    n_exp = tmpwriter.CFG["num_experts"]
+    n_exp = written_config(copy)["num_experts"]
     blob_bytes = header(buf)["blob_bytes"]
     sparse = [i for i, (off, _) in enumerate(entries) if off]
     hit = [sparse[0], sparse[len(sparse) // 2], sparse[-1]]
@@ -168,7 +196,7 @@ def test_verify_reports_dense_and_header(copy):
 def test_verify_reports_blobs_cut_off(copy):
     buf = (copy / "vault.bin").read_bytes()
     h = header(buf)
-    n_exp = tmpwriter.CFG["num_experts"]
+    n_exp = written_config(copy)["num_experts"]
     with Opened(copy) as v:
         with open(copy / "vault.bin", "r+b") as f:
             f.truncate(len(buf) - h["blob_bytes"] - 10)  # the last blob gone, the one before cut
