@@ -11,14 +11,8 @@ import pytest
 
 import pysmoe
 from pysmoe._ffi import check, ffi, lib
-# The function, not `pysmoe.synth`: once imported, the submodule shadows the lazy name.
-from pysmoe.synth import synth
 from pysmoe import quant
 
-
-
-def make_vault(path, **kw):
-    return synth(path, preset="tiny", seed=0, progress=False, **kw)
 
 
 def written_config(path):
@@ -80,9 +74,9 @@ def verify(v):
     return rc, bad
 
 
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    return make_vault(tmp_path_factory.mktemp("good") / "vault")
+@pytest.fixture
+def good(tiny_vault):  # conftest.py's, shared: read-only
+    return tiny_vault
 
 
 @pytest.fixture
@@ -123,8 +117,8 @@ def test_open_and_config(good):
                                 dict(overrides={"tie_word_embeddings": True}),
                                 dict(layers=2, overrides={"mlp_only_layers": [0, 1]})],
                          ids=["q8-bf16scales", "bf16", "f32", "tied", "all-dense"])
-def test_writer_variants_open_and_verify(tmp_path, kw):
-    path = make_vault(tmp_path / "v", **kw)
+def test_writer_variants_open_and_verify(make_vault, kw):
+    path = make_vault("variant", preset="tiny", seed=0, **kw)
     want = written_config(path)
     with Opened(path) as v:
         c = config(v)

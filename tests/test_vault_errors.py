@@ -15,18 +15,12 @@ from hypothesis import strategies as st
 
 import pysmoe
 from pysmoe._ffi import check, ffi, lib
-# The function, not `pysmoe.synth`: once imported, the submodule shadows the lazy name.
-from pysmoe.synth import synth
 
 # Header field offsets (docs/vault.md section 1).
 VERSION, HEADER_CRC, FILE_SIZE, TABLE_OFFSET, TABLE_BYTES = 8, 12, 16, 24, 32
 DENSE_OFFSET, DENSE_BYTES, DENSE_CRC, N_TENSORS, BLOB_BYTES, N_BLOBS = 40, 48, 56, 60, 64, 72
 CONFIG = 256  # the config block opens the table region
 DESC = 64
-
-
-def make_vault(path):
-    return synth(path, preset="tiny", seed=0, progress=False)
 
 
 def u64(buf, off):
@@ -90,8 +84,8 @@ def try_open(path):
 
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    return make_vault(tmp_path_factory.mktemp("good") / "vault")
+def good(tiny_vault):  # conftest.py's, shared: read-only
+    return tiny_vault
 
 
 @pytest.fixture(scope="module")
