@@ -15,6 +15,7 @@ plainest code transformers has).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -87,30 +88,20 @@ def build_model(seed: int = 0, **overrides):
     return model
 
 
-def write_tokenizer(out_dir, vocab_size: int) -> None:
-    """tokenizer.json (+ tokenizer_config.json with a chat template) sized to the model's vocab."""
-    out_dir = Path(out_dir)
-    try:
-        from pysmoe.tokenizer import build_synthetic_tokenizer
-    except ImportError:
-        build_synthetic_tokenizer = None
-    if build_synthetic_tokenizer is not None:
-        tok = build_synthetic_tokenizer(vocab_size)
-        if hasattr(tok, "save"):
-            tok.save(str(out_dir / "tokenizer.json"))
-        else:
-            (out_dir / "tokenizer.json").write_text(tok if isinstance(tok, str) else json.dumps(tok))
-    else:
-        from tokenizers import Tokenizer, models, pre_tokenizers
+@functools.lru_cache(maxsize=None)
+def _tokenizer_json(vocab_size: int) -> str:
+    from pysmoe.tokenizer import build_synthetic_tokenizer
 
-        vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
-        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        tok.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}",
-        "eos_token": "<unk>",
-    }))
+    return build_synthetic_tokenizer(vocab_size)  # trains a small BPE: once per vocab size
+
+
+def write_tokenizer(out_dir, vocab_size: int) -> None:
+    """tokenizer.json and tokenizer_config.json (with a chat template) sized to the model's vocab."""
+    from pysmoe.tokenizer import synthetic_tokenizer_config
+
+    out_dir = Path(out_dir)
+    (out_dir / "tokenizer.json").write_text(_tokenizer_json(vocab_size), encoding="utf-8")
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(synthetic_tokenizer_config(), indent=2))
 
 
 def make_hf_model(tmp_dir, seed: int = 0, **config_overrides):
