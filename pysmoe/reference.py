@@ -184,6 +184,15 @@ class ReferenceModel:
         lm_head = self.w("embed_tokens") if self.tied else self.w("lm_head")
         return (x @ lm_head.T).astype(np.float32), routing
 
+    def close(self) -> None:
+        self.vault.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def logits(self, ids) -> np.ndarray:
         """(len(ids), vocab_size) float32: the logits after each prefix ids[:i+1]."""
         return self.forward(ids)[0]
