@@ -357,6 +357,21 @@ class VaultWriter:
             out += [f"expert ({l}, {e})" for e in range(E) if (l, e) not in self._blob_crc]
         return out
 
+    def _describe_missing(self) -> str:
+        dense = [n for n in self.layout.tensors if n not in self._dense_done]
+        parts = []
+        if dense:
+            parts.append(", ".join(dense[:12]) + (f" and {len(dense) - 12} more tensors" if len(dense) > 12 else ""))
+        E = self.config["num_experts"]
+        for l in self.sparse_layers():
+            gone = [e for e in range(E) if (l, e) not in self._blob_crc]
+            if len(gone) == 1:
+                parts.append(f"expert ({l}, {gone[0]})")
+            elif gone:
+                shown = ", ".join(map(str, gone[:8])) + (", ..." if len(gone) > 8 else "")
+                parts.append(f"{len(gone)} experts of layer {l} ({shown})")
+        return "; ".join(parts)
+
     def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
         while len(view):
@@ -475,8 +490,7 @@ class VaultWriter:
             return
         missing = self.missing()
         if missing:
-            shown = ", ".join(missing[:20]) + (f", ... ({len(missing)} in all)" if len(missing) > 20 else "")
-            raise ValueError(f"vault incomplete, not written: {shown}")
+            raise ValueError("vault incomplete, not written: " + self._describe_missing())
         tables = self._tables()
         dense_crc = self._dense_crc()
         header_crc = zlib.crc32(tables, zlib.crc32(self._header(dense_crc, 0)))
