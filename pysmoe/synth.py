@@ -241,9 +241,13 @@ def _write_experts(writer: VaultWriter, seed: int, progress: bool, label: str) -
 
 # ---------------------------------------------------------------------------------------- CLI
 
-def add_parser(subparsers):
-    p = subparsers.add_parser("synth", help="write a random vault of a preset shape",
-                              description="Write a random Qwen3-MoE vault (for tests and benchmarks).")
+def add_parser(parser, name: str = "synth"):
+    """Add synth's arguments to parser (pysmoe.cli passes the subcommand's own parser); given
+    the subparsers object of an ArgumentParser instead, make the subcommand first."""
+    if hasattr(parser, "add_parser"):
+        parser = parser.add_parser(name, help="write a random vault of a preset shape",
+                                   description="Write a random Qwen3-MoE vault (for tests and benchmarks).")
+    p = parser
     p.add_argument("out", help="vault directory to write")
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape (default tiny)")
     p.add_argument("--seed", type=int, default=0)
@@ -260,5 +264,5 @@ def run(args) -> int:
     out = synth(args.out, preset=args.preset, seed=args.seed, layers=args.layers, experts=args.experts,
                 routing=args.routing, progress=not args.quiet)
     size = (out / "vault.bin").stat().st_size
-    print(f"wrote {out} ({size / 2 ** 30:.2f} GiB) in {time.monotonic() - t0:.1f} s")
+    print(f"wrote {out} ({size / 2 ** 20:,.1f} MiB) in {time.monotonic() - t0:.1f} s")
     return 0

@@ -99,8 +99,9 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = False):
-        """ChatML text (or its ids with tokenize=True) of a conversation."""
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True):
+        """The ids of a conversation in ChatML (its text with tokenize=False), as Hugging Face's
+        method of the same name returns them."""
         text = apply_chat_template(messages, add_generation_prompt)
         return self.encode(text) if tokenize else text
 

@@ -181,6 +181,9 @@ def test_cli(tmp_path, capsys):
                               "--experts", "q8", "--quiet"])
     assert args.func(args) == 0
     assert "wrote" in capsys.readouterr().out
+    from pysmoe import cli
+    assert cli.main(["synth", str(tmp_path / "w"), "--layers", "1", "--quiet"]) == 0
+    assert V.read_vault(tmp_path / "w").config["num_hidden_layers"] == 1
     cfg = json.loads((tmp_path / "v" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 2
     with V.read_vault(tmp_path / "v") as v:
@@ -209,9 +212,9 @@ def test_tokenizer_of_a_vault(tiny_vault):
     assert all(0 <= i < 512 for i in ids) and tok.decode(ids) == text
     assert tok.decode(ids + [tok.vocab_size, 10 ** 6]) == text  # past the tokenizer's vocab: ""
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    chat = tok.apply_chat_template(msgs)
+    chat = tok.apply_chat_template(msgs, tokenize=False)
     assert chat == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    ids = tok.apply_chat_template(msgs, tokenize=True)
+    ids = tok.apply_chat_template(msgs)
     assert ids.count(tok.token_to_id("<|im_start|>")) == 3 and ids.count(tok.eos_id) == 2
     assert tok.decode(ids, skip_special_tokens=False) == chat
     assert tok.chat_template == synthetic_tokenizer_config()["chat_template"]
