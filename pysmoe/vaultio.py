@@ -673,9 +673,9 @@ class VaultFile:
         return bad
 
     def close(self) -> None:
-        mm, self.mm = getattr(self, "mm", None), None
-        if mm is not None and mm._mmap is not None:
-            mm._mmap.close()
+        """Drop the mapping. It is unmapped when the last array viewing it goes (raw() and
+        blob() hand out views); closing the mmap under them would crash numpy."""
+        self.mm = None
 
     def __enter__(self):
         return self
