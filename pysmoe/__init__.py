@@ -17,8 +17,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "open_vault": "engine", "Vault": "engine", "Session": "engine",
     "stream_generate": "generate", "generate": "generate", "GenerationResponse": "generate",
-    "synth": "synth", "PRESETS": "synth",
-    "convert": "convert",
+    "synth": "synthesis", "PRESETS": "synthesis",
+    "convert": "converter",
 }
 
 __all__ = ["SmoeError", "VaultError", "InvalidArgument", "BadToken", "ContextFull", "ReadError",
@@ -28,6 +28,9 @@ __all__ = ["SmoeError", "VaultError", "InvalidArgument", "BadToken", "ContextFul
 def __getattr__(name):
     if name in _LAZY:
         import importlib
-        module = importlib.import_module(f".{_LAZY[name]}", __name__)
-        return getattr(module, name)
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value  # resolve once
+        # (modules are named apart from the functions they export, synthesis.synth and
+        # converter.convert, because importing a submodule rebinds the package attribute.)
+        return value
     raise AttributeError(f"module 'pysmoe' has no attribute {name!r}")

@@ -22,7 +22,7 @@ def ensure_demo_vault() -> pathlib.Path:
     path = demo_vault_path()
     if (path / "vault.bin").exists():
         return path
-    from .synth import synth
+    from .synthesis import synth
     tmp = path.with_name(path.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"making the demo vault ({DEMO_PRESET} preset) in {path} ...", file=sys.stderr)

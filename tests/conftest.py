@@ -15,7 +15,7 @@ ALL_F32 = {"attention": "f32", "embed": "f32", "lm_head": "f32", "mlp": "f32", "
 
 @pytest.fixture(scope="session")
 def make_vault(tmp_path_factory):
-    from pysmoe.synth import synth
+    from pysmoe.synthesis import synth
 
     made = {}
 

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from safetensors.torch import save_file  # noqa: E402
 
-from pysmoe.convert import ConvertError, _import_torch, add_parser, convert, run  # noqa: E402
+from pysmoe.converter import ConvertError, _import_torch, add_parser, convert, run  # noqa: E402
 from pysmoe.vaultio import read_vault  # noqa: E402
 
 CONFIG = {  # the released-checkpoint spelling; layer 1 is dense
@@ -113,7 +113,7 @@ def test_tied_checkpoint_with_a_stray_lm_head_converts_with_a_warning(tmp_path, 
     tensors = checkpoint_tensors(cfg)
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     src = write_checkpoint(tmp_path / "hf", cfg, tensors)
-    with caplog.at_level(logging.WARNING, logger="pysmoe.convert"):
+    with caplog.at_level(logging.WARNING, logger="pysmoe.converter"):
         vf = read_vault(convert_quiet(src, tmp_path / "v"))
     assert "lm_head" not in vf.tensors
     assert "lm_head.weight is not used" in caplog.text

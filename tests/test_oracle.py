@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 from hf_models import (hf_logits, make_hf_model, router_gap, sample_ids, set_expert,  # noqa: E402
                        sparse_layers, write_fused_checkpoint, write_released_spelling)
 
-from pysmoe.convert import convert  # noqa: E402
+from pysmoe.converter import convert  # noqa: E402
 from pysmoe.reference import ReferenceModel  # noqa: E402
 from pysmoe.vaultio import CONFIG_KEYS, read_vault  # noqa: E402
 

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from pysmoe import synth as S
+from pysmoe import synthesis as S
 from pysmoe import vaultio as V
 from pysmoe.progress import Progress
 from pysmoe.tokenizer import (SPECIAL_TOKENS, build_synthetic_tokenizer, load_tokenizer, Tokenizer,

@@ -244,7 +244,7 @@ def test_corruption_is_seen_by_verify(tmp_path):
 
 
 def test_sizes_of_the_real_models():
-    from pysmoe.synth import preset_config
+    from pysmoe.synthesis import preset_config
 
     a3b = V.compute_layout(preset_config("a3b"))
     assert a3b.blob_bytes == 2654208  # 3 × (768·2048/2 + 2·2·768·2048/64) bytes, = 162 × 16 KiB
