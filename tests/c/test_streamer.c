@@ -1,6 +1,6 @@
 /* test_streamer.c — the streamer against files of known blobs. Driven by tests/test_streamer.py:
  *
- *   test_streamer TEST WORKDIR [SHMDIR]
+ *   test_streamer TEST WORKDIR [SHMDIR [SEED]]
  *
  * TEST is one of the names in the table at the bottom, or "all". WORKDIR is where test files
  * go (on a filesystem with O_DIRECT: ext4, xfs...); SHMDIR, if given, a tmpfs. Prints what
@@ -714,7 +714,8 @@ int main(int argc, char **argv) {
         return 2;
     }
     workdir = argv[2];
-    shmdir = argc > 3 ? argv[3] : NULL;
+    shmdir = argc > 3 && argv[3][0] ? argv[3] : NULL;
+    if (argc > 4) rng_state = strtoull(argv[4], NULL, 0);
     bool any = false;
     for (size_t i = 0; i < sizeof tests / sizeof *tests; i++)
         if (!strcmp(argv[1], "all") || !strcmp(argv[1], tests[i].name)) {
