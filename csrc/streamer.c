@@ -617,10 +617,15 @@ typedef struct {
     uint32_t n;
 } slot_set;
 
+/* Not loading; a slot index out of range counts as settled (wait on it reports the error). */
+static bool settled(const smoe_streamer *s, int slot) {
+    return slot < 0 || (uint32_t)slot >= s->p.n_slots || state_of(&s->slots[slot]) != SLOT_LOADING;
+}
+
 static bool any_done(const smoe_streamer *s, const void *arg) {
     const slot_set *set = arg;
     for (uint32_t i = 0; i < set->n; i++)
-        if (state_of(&s->slots[set->slots[i]]) != SLOT_LOADING) return true;
+        if (settled(s, set->slots[i])) return true;
     return false;
 }
 
@@ -662,7 +667,7 @@ uint32_t smoe_streamer_wait_any(smoe_streamer *s, const int *slots, uint32_t n) 
     slot_set set = {slots, n};
     wait_until(s, any_done, &set);
     for (uint32_t i = 0; i < n; i++)
-        if (state_of(&s->slots[slots[i]]) != SLOT_LOADING) return i;
+        if (settled(s, slots[i])) return i;
     return n; /* unreachable: any_done held and only compute leaves non-LOADING states */
 }
 

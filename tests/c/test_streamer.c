@@ -529,7 +529,22 @@ static void t_truncate(void) {
     CHECK(smoe_streamer_wait(s, slot) == SMOE_ERR_IO, "read error");
     CHECK(strstr(smoe_last_error(), "layer 0, expert 1") && strstr(smoe_last_error(), "directory"), "message: %s",
           smoe_last_error());
+    /* Asked for again while the failed slot is still pinned: a fresh read into another slot. */
+    int again = smoe_streamer_acquire(s, 0, 1);
+    CHECK(again >= 0 && again != slot, "re-read elsewhere (%d, %d)", again, slot);
+    CHECK(smoe_streamer_wait(s, again) == SMOE_ERR_IO, "fails again");
+    CHECK(smoe_streamer_acquire(s, 0, 0) == -1, "both slots pinned");
     smoe_streamer_release(s, slot);
+    smoe_streamer_release(s, again);
+    int bad[3] = {-5, 99, 0};
+    CHECK(smoe_streamer_wait_any(s, bad, 3) == 0, "bad slots count as settled");
+    smoe_streamer_stats x = stats(s);
+    CHECK(x.misses == 2 && x.blob_reads == 2 && x.hits == 0, "two reads");
+    for (int i = 0; i < 2; i++) { /* both slots free again */
+        int a = smoe_streamer_acquire(s, 0, (uint32_t)i);
+        CHECK(a >= 0, "reusable");
+        CHECK(smoe_streamer_wait(s, a) == SMOE_ERR_IO, "still a directory");
+    }
     smoe_streamer_free(s);
     free_file(&f);
 }
