@@ -16,6 +16,7 @@
 #include "pool.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -29,7 +30,10 @@
 #define SMOE_POOL_FUTEX 0
 #endif
 
-enum { SPIN_ITERS = 1 << 14, MAX_THREADS = 1024 };
+/* Waiting: SPIN_PAUSE rounds of a pause instruction (microseconds: back-to-back runs never
+ * sleep), then SPIN_YIELD rounds of sched_yield (when there are more threads than free cores,
+ * the thread being waited for gets the core), then sleep. */
+enum { SPIN_PAUSE = 2048, SPIN_YIELD = 64, MAX_THREADS = 1024 };
 
 typedef struct {
     smoe_pool *pool;
@@ -65,6 +69,18 @@ static inline void cpu_relax(void) {
 #elif defined(__aarch64__)
     __asm__ __volatile__("yield");
 #endif
+}
+
+/* One round of waiting; false when it is time to sleep. */
+static inline bool spin(uint32_t *rounds) {
+    const uint32_t r = ++*rounds;
+    if (r < SPIN_PAUSE)
+        cpu_relax();
+    else if (r < SPIN_PAUSE + SPIN_YIELD)
+        sched_yield();
+    else
+        return false;
+    return true;
 }
 
 /* Sleeps while *word == expected (may return spuriously). */
@@ -114,15 +130,11 @@ static void run_range(smoe_pool *p, uint32_t w) {
 static void *worker_main(void *arg) {
     const worker_arg *a = arg;
     smoe_pool *p = a->pool;
-    uint32_t seen = atomic_load_explicit(&p->gen, memory_order_acquire);
+    uint32_t seen = 0; /* gen at creation: a run may be published before this thread starts */
     for (;;) {
-        uint32_t g;
-        int spins = 0;
+        uint32_t g, rounds = 0;
         while ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen) {
-            if (++spins < SPIN_ITERS) {
-                cpu_relax();
-                continue;
-            }
+            if (spin(&rounds)) continue;
             atomic_fetch_add(&p->sleepers, 1);
             word_wait(p, &p->gen, seen);
             atomic_fetch_sub(&p->sleepers, 1);
@@ -222,13 +234,9 @@ void smoe_pool_run(smoe_pool *pool, smoe_task_fn fn, void *ctx, uint32_t n, uint
     atomic_store(&pool->pending, pool->threads - 1);
     publish(pool); /* the seq_cst bump releases the task fields above */
     run_range(pool, 0);
-    int spins = 0;
-    uint32_t left;
+    uint32_t left, rounds = 0;
     while ((left = atomic_load_explicit(&pool->pending, memory_order_acquire)) != 0) {
-        if (++spins < SPIN_ITERS) {
-            cpu_relax();
-            continue;
-        }
+        if (spin(&rounds)) continue;
         atomic_store(&pool->caller_sleeping, 1);
         if ((left = atomic_load(&pool->pending)) != 0) word_wait(pool, &pool->pending, left);
         atomic_store(&pool->caller_sleeping, 0);

@@ -13,10 +13,10 @@
  *   8. renormalise and draw one uniform double from xoroshiro128+ (seeded by splitmix64).
  * NaN logits count as −inf. The same seed and logits always give the same id.
  *
- * The vocabulary (151,936 for Qwen3) is never fully sorted when top-k bounds the candidates:
- * a bounded min-heap selects the best k in O(V log k). Top-p or min-p without top-k select the
- * best 64, 256, 1024, ... until the cut-off falls inside the selection, which for a peaked
- * distribution is the first try.
+ * The vocabulary (151,936 for Qwen3) is never fully sorted unless the cut needs it: with top-k
+ * a bounded heap selects the best k in O(V log k); top-p or min-p without top-k sort only the
+ * ids above a logit threshold chosen so that the set surely contains the cut (section in
+ * smoe_sample), usually a few hundred ids.
  */
 #include "sample.h"
 
@@ -82,30 +82,49 @@ static void sift_down(const float *v, int32_t *heap, uint32_t size, uint32_t i) 
     }
 }
 
-/* The best k ids of v[0..n) (1 ≤ k ≤ n) into out[0..k), best first. */
+static void heapify(const float *v, int32_t *ids, uint32_t n) {
+    for (uint32_t i = n / 2; i-- > 0;) sift_down(v, ids, n, i);
+}
+
+/* heapsort of a heap: the worst goes to the back each time, leaving ids best first */
+static void heap_to_sorted(const float *v, int32_t *ids, uint32_t n) {
+    for (uint32_t size = n; size > 1; size--) {
+        int32_t t = ids[0];
+        ids[0] = ids[size - 1];
+        ids[size - 1] = t;
+        sift_down(v, ids, size - 1, 0);
+    }
+}
+
+/* The best k ids of v[0..n) (1 ≤ k ≤ n) into out[0..k), best first: O(n log k). */
 static void select_top(const float *v, uint32_t n, uint32_t k, int32_t *out) {
     for (uint32_t i = 0; i < k; i++) out[i] = (int32_t)i;
-    for (uint32_t i = k / 2; i-- > 0;) sift_down(v, out, k, i);
+    heapify(v, out, k);
     for (uint32_t i = k; i < n; i++)
         if (better(v, (int32_t)i, out[0])) {
             out[0] = (int32_t)i;
             sift_down(v, out, k, 0);
         }
-    /* heapsort: the worst goes to the back each time, leaving out best first */
-    for (uint32_t size = k; size > 1; size--) {
-        int32_t t = out[0];
-        out[0] = out[size - 1];
-        out[size - 1] = t;
-        sift_down(v, out, size - 1, 0);
-    }
+    heap_to_sorted(v, out, k);
 }
 
-/* Walks the sorted candidates idx[0..s) (probabilities exp(v − m) / z) applying top-p and
- * min-p. Returns how many to keep (≥ 1), or 0 when the cut-off lies beyond the s given and
- * more candidates exist (complete false). */
-static uint32_t cutoff(const float *v, const int32_t *idx, uint32_t s, float m, double z, float top_p, float min_p,
-                       bool complete) {
-    const double p_max = 1.0 / z; /* exp(v[idx[0]] − m) = 1: idx[0] holds the maximum */
+/* The ids with v ≥ t, best first, into out; returns how many. Such a set is a prefix of the
+ * whole vocabulary in rank order. */
+static uint32_t select_above(const float *v, uint32_t n, double t, int32_t *out) {
+    uint32_t c = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if ((double)v[i] >= t) out[c++] = (int32_t)i;
+    heapify(v, out, c);
+    heap_to_sorted(v, out, c);
+    return c;
+}
+
+/* Walks the sorted candidates idx[0..s) — a prefix of all candidates in rank order, with
+ * probabilities exp(v − m) / z — applying top-p then min-p, and returns how many to keep
+ * (≥ 1). The prefix must reach the cut: either its mass is ≥ top_p, or it holds every
+ * candidate that passes min-p, or it is all of them. */
+static uint32_t cutoff(const float *v, const int32_t *idx, uint32_t s, float m, double z, float top_p, float min_p) {
+    const double p_max = 1.0 / z; /* idx[0] holds the maximum m: exp(0) / z */
     const double min_keep = (double)min_p * p_max;
     double cum = 0.0;
     for (uint32_t j = 0; j < s; j++) {
@@ -114,7 +133,7 @@ static uint32_t cutoff(const float *v, const int32_t *idx, uint32_t s, float m, 
         cum += p;
         if (top_p < 1.0f && cum >= (double)top_p) return j + 1;
     }
-    return complete ? s : 0;
+    return s;
 }
 
 /* ------------------------------------------------------------------------------- sample */
@@ -155,7 +174,7 @@ int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const 
     if (k < vocab) {
         select_top(v, vocab, k, idx);
         for (uint32_t j = 0; j < k; j++) z += exp((double)v[idx[j]] - (double)m);
-        keep = cut ? cutoff(v, idx, k, m, z, p->top_p, p->min_p, true) : k;
+        keep = cut ? cutoff(v, idx, k, m, z, p->top_p, p->min_p) : k;
     } else {
         for (uint32_t i = 0; i < vocab; i++) z += exp((double)v[i] - (double)m);
         if (!cut) { /* the whole vocabulary, in id order: no selection needed */
@@ -171,12 +190,22 @@ int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const 
             }
             return (int32_t)last;
         }
-        keep = 0;
-        for (uint32_t sel = 64; keep == 0; sel *= 4) {
-            if (sel > vocab) sel = vocab;
-            select_top(v, vocab, sel, idx);
-            keep = cutoff(v, idx, sel, m, z, p->top_p, p->min_p, sel == vocab);
-        }
+        /* Sort only a prefix that is sure to contain the cut: the ids with v ≥ t, for the
+         * highest t (tried m−1, m−2, m−4, ...) whose set holds top_p of the mass, or else the
+         * set that min-p keeps (p ≥ min_p·p_max ⇔ v ≥ m + ln min_p, taken 1 lower for rounding). */
+        double t = -INFINITY;
+        if (p->min_p > 0.0f) t = (double)m + log((double)p->min_p) - 1.0;
+        if (p->top_p < 1.0f)
+            for (double d = 1.0; (double)m - d > t; d *= 2.0) {
+                double mass = 0.0;
+                for (uint32_t i = 0; i < vocab; i++)
+                    if ((double)v[i] >= (double)m - d) mass += exp((double)v[i] - (double)m);
+                if (mass >= (double)p->top_p * z) {
+                    t = (double)m - d;
+                    break;
+                }
+            }
+        keep = cutoff(v, idx, select_above(v, vocab, t, idx), m, z, p->top_p, p->min_p);
     }
 
     double mass = 0.0;
