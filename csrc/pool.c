@@ -21,7 +21,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 
-#if defined(__linux__)
+#if defined(__linux__) && !defined(SMOE_NO_FUTEX) /* -DSMOE_NO_FUTEX: the condvar path, for tests */
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -92,6 +92,8 @@ static void check_run(smoe_pool *pool, pool_ctx *c, uint32_t n, uint32_t grain) 
           (unsigned long long)want);
 }
 
+static int pool_runs = 10000; /* argv[1] lowers it for the sanitizer builds */
+
 static void test_pool(void) {
     static pool_ctx ctx;
     smoe_pool *bad = (smoe_pool *)1;
@@ -111,7 +113,7 @@ static void test_pool(void) {
 
         /* many consecutive runs, no hang, still right; then after sleeps (workers on the futex).
          * More threads than cores (8 here) is slow by nature: fewer runs there. */
-        const int runs = threads <= 4 ? 10000 : 1000;
+        const int runs = threads <= 4 ? pool_runs : pool_runs / 10;
         for (int r = 0; r < runs && !failures; r++) check_run(pool, &ctx, 1 + (uint32_t)(r * 7919) % 300, 1 + r % 5);
         for (int r = 0; r < 3; r++) {
             sleep_ms(30);
@@ -342,7 +344,8 @@ static void test_sampler(void) {
     }
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    if (argc > 1) pool_runs = atoi(argv[1]);
     double t0 = smoe_now();
     test_pool();
     double t1 = smoe_now();
