@@ -392,28 +392,26 @@ static inline bool ranks_before(float va, uint32_t a, float vb, uint32_t b) {
     return va > vb || (va == vb && a < b);
 }
 
+/* ranking value of p[i]: NaN ranks as −inf */
+static inline float rank_of(const float *p, int32_t i) { return p[i] != p[i] ? -INFINITY : p[i]; }
+
 void smoe_topk(const float *p, uint32_t n, uint32_t k, bool renorm, int32_t *idx, float *val) {
     if (k > n) k = n;
     if (k == 0) return;
+    /* insertion into a sorted list of k ids (k is small: experts per token); with NaN ranking
+     * as −inf, idx always holds k distinct valid indices */
     uint32_t have = 0;
-    /* insertion into a sorted list of k: k is small (experts per token) */
     for (uint32_t i = 0; i < n; i++) {
-        const float v = p[i];
-        if (v != v) continue; /* NaN never ranks */
-        if (have == k && !ranks_before(v, i, val[k - 1], (uint32_t)idx[k - 1])) continue;
+        const float v = rank_of(p, (int32_t)i);
+        if (have == k && !ranks_before(v, i, rank_of(p, idx[k - 1]), (uint32_t)idx[k - 1])) continue;
         uint32_t j = have < k ? have++ : k - 1;
-        while (j > 0 && ranks_before(v, i, val[j - 1], (uint32_t)idx[j - 1])) {
-            val[j] = val[j - 1];
+        while (j > 0 && ranks_before(v, i, rank_of(p, idx[j - 1]), (uint32_t)idx[j - 1])) {
             idx[j] = idx[j - 1];
             j--;
         }
-        val[j] = v;
         idx[j] = (int32_t)i;
     }
-    for (uint32_t j = have; j < k; j++) { /* only when p held NaNs */
-        idx[j] = -1;
-        val[j] = 0.0f;
-    }
+    for (uint32_t j = 0; j < k; j++) val[j] = p[idx[j]];
     if (renorm) {
         float sum = 0.0f;
         for (uint32_t j = 0; j < k; j++) sum += val[j];

@@ -449,6 +449,12 @@ static void test_topk(void) {
     smoe_topk(p, 6, 6, false, idx, val);
     CHECK(idx[4] == 0 && idx[5] == 5, "topk all: %d %d", idx[4], idx[5]);
 
+    /* NaN ranks last, and idx always holds valid, distinct ids */
+    const float pn[5] = {NAN, 0.2f, NAN, -INFINITY, 0.1f};
+    smoe_topk(pn, 5, 4, false, idx, val);
+    CHECK(idx[0] == 1 && idx[1] == 4 && idx[2] == 0 && idx[3] == 2, "topk with NaN: %d %d %d %d", idx[0], idx[1],
+          idx[2], idx[3]);
+
     /* random, with many ties, against a selection by the total order */
     for (int trial = 0; trial < 200; trial++) {
         uint32_t n = 1 + (uint32_t)(rnd() % 200), k = 1 + (uint32_t)(rnd() % (n < 16 ? n : 16));
