@@ -2,9 +2,17 @@
  *
  * threads − 1 persistent workers; the caller of smoe_pool_run is worker 0. A run is published
  * through one atomic generation counter: the caller writes the task (fn, ctx, n, grain), sets
- * `pending` to the number of workers, and increments `gen` (release). Workers watching `gen`
- * see the new value (acquire), read the task, run their range and decrement `pending`; the
- * caller runs range 0 and then waits for `pending` to reach 0. No mutex is taken on this path.
+ * `pending` to the number of workers, re-arms one claim flag per worker range, and increments
+ * `gen`. Workers watching `gen` see the new value, claim their range (an atomic exchange on
+ * its flag), run it and decrement `pending`. The caller runs range 0 and then claims every
+ * range still unclaimed and runs it itself: when there are more threads than free cores (or a
+ * worker is slow to wake), the work does not wait for a descheduled thread. Which thread runs a
+ * range never changes its result (kernels.h), only who does the arithmetic. No mutex is taken
+ * on this path.
+ *
+ * A worker that saw generation k and was descheduled may claim a range of run k+1: the caller
+ * writes the task before re-arming the flags, and the claim's acquire makes it visible, so the
+ * worker runs run k+1's range correctly and counts it in run k+1's `pending`.
  *
  * Waiting spins briefly (runs of one decode step come back to back) and then sleeps: on Linux
  * on a futex on the very word being watched, elsewhere on a condition variable. A sleeper first
@@ -52,6 +60,7 @@ struct smoe_pool {
     uint32_t n, grain;
 
     _Atomic uint32_t gen;             /* bumped once per run (and once at shutdown) */
+    _Atomic uint32_t *claimed;        /* (threads) per range: 0 armed, 1 taken; [0] unused */
     _Atomic uint32_t pending;         /* workers still running this generation */
     _Atomic uint32_t sleepers;        /* workers asleep (or about to be) on gen */
     _Atomic uint32_t caller_sleeping; /* the caller asleep (or about to be) on pending */
@@ -127,6 +136,13 @@ static void run_range(smoe_pool *p, uint32_t w) {
     if (b < e) p->fn(p->ctx, b, e, w);
 }
 
+/* Runs range w unless someone already took it; true if this thread ran it. */
+static bool claim_and_run(smoe_pool *p, uint32_t w) {
+    if (atomic_exchange_explicit(&p->claimed[w], 1, memory_order_acq_rel) != 0) return false;
+    run_range(p, w);
+    return true;
+}
+
 static void *worker_main(void *arg) {
     const worker_arg *a = arg;
     smoe_pool *p = a->pool;
@@ -141,8 +157,8 @@ static void *worker_main(void *arg) {
         }
         seen = g;
         if (atomic_load_explicit(&p->stop, memory_order_acquire)) return NULL;
-        run_range(p, a->index);
-        if (atomic_fetch_sub(&p->pending, 1) == 1 && atomic_load(&p->caller_sleeping)) word_wake(p, &p->pending);
+        if (claim_and_run(p, a->index) && atomic_fetch_sub(&p->pending, 1) == 1 && atomic_load(&p->caller_sleeping))
+            word_wake(p, &p->pending);
     }
 }
 
@@ -165,6 +181,7 @@ void smoe_pool_free(smoe_pool *pool) {
     pthread_cond_destroy(&pool->cv);
     pthread_mutex_destroy(&pool->mu);
 #endif
+    smoe_free(pool->claimed);
     smoe_free(pool->args);
     smoe_free(pool->tids);
     smoe_free(pool);
@@ -193,7 +210,8 @@ smoe_status smoe_pool_new(uint32_t threads, smoe_pool **out) {
     }
     p->tids = smoe_alloc(sizeof *p->tids * (threads - 1), 64);
     p->args = smoe_alloc(sizeof *p->args * (threads - 1), 64);
-    if (!p->tids || !p->args) {
+    p->claimed = smoe_alloc(sizeof *p->claimed * threads, 64);
+    if (!p->tids || !p->args || !p->claimed) {
         smoe_pool_free(p);
         return smoe_fail(SMOE_ERR_NOMEM, "worker pool: out of memory");
     }
@@ -232,8 +250,12 @@ void smoe_pool_run(smoe_pool *pool, smoe_task_fn fn, void *ctx, uint32_t n, uint
     pool->n = n;
     pool->grain = grain;
     atomic_store(&pool->pending, pool->threads - 1);
-    publish(pool); /* the seq_cst bump releases the task fields above */
+    for (uint32_t w = 1; w < pool->threads; w++) /* seq_cst: after the task fields above */
+        atomic_store(&pool->claimed[w], 0);
+    publish(pool);
     run_range(pool, 0);
+    for (uint32_t w = 1; w < pool->threads; w++)
+        if (claim_and_run(pool, w)) atomic_fetch_sub(&pool->pending, 1);
     uint32_t left, rounds = 0;
     while ((left = atomic_load_explicit(&pool->pending, memory_order_acquire)) != 0) {
         if (spin(&rounds)) continue;

@@ -1,0 +1,249 @@
+"""The C engine against the numpy reference and against transformers, its invariances, and its
+behaviour on bad input."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+import pysmoe
+from pysmoe.reference import ReferenceModel
+
+from conftest import ALL_F32
+
+TOL = 1e-4
+
+# Configs that exercise the model's quirks (tiny preset: head_dim 32 ≠ 64/4, mlp_only_layers [2]).
+CONFIGS = {
+    "tiny": {},
+    "no_norm_topk": {"norm_topk_prob": False},
+    "tied": {"tie_word_embeddings": True},
+    "sparse_step_2": {"decoder_sparse_step": 2, "mlp_only_layers": []},
+}
+
+
+def serial_logits(session, ids):
+    return np.stack([session.decode(t) for t in ids])
+
+
+def ids_for(vault, n, seed=1):
+    return [int(i) for i in np.random.default_rng(seed).integers(0, vault.config["vocab_size"], size=n)]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_engine_matches_reference_at_every_position(make_vault, name):
+    path = make_vault(f"f32_{name}", preset="tiny", seed=3, experts="f32", formats=ALL_F32,
+                      overrides=CONFIGS[name])
+    with pysmoe.open_vault(path) as vault, vault.session(threads=2) as s:
+        ids = ids_for(vault, 64)
+        got = serial_logits(s, ids)
+        want = ReferenceModel(path).logits(ids)
+        assert np.isfinite(got).all()
+        err = float(np.abs(got - want).max())
+        assert err <= TOL, f"{name}: max |engine − reference| = {err}"
+        assert np.abs(want).max() > 0.5  # the tolerance is small against the logits' size
+
+
+def test_engine_matches_reference_on_quantized_vault(tiny_vault):
+    # q4 experts and q8 matrices: the reference dequantises the same bytes
+    with pysmoe.open_vault(tiny_vault) as vault, vault.session(threads=2) as s:
+        ids = ids_for(vault, 32)
+        got = serial_logits(s, ids)
+        want = ReferenceModel(tiny_vault).logits(ids)
+        assert float(np.abs(got - want).max()) <= TOL
+
+
+@pytest.fixture(scope="module")
+def hf_vault(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from hf_models import make_hf_model
+    from pysmoe.converter import convert
+    tmp = tmp_path_factory.mktemp("hf_e2e")
+    path, model = make_hf_model(tmp, num_hidden_layers=3, mlp_only_layers=[1])
+    return convert(path, tmp / "vault", experts="f32", dense="f32", progress=False), model
+
+
+def test_end_to_end_against_transformers(hf_vault):
+    import torch
+    from hf_models import hf_logits, sample_ids
+    path, model = hf_vault
+    ids = sample_ids(model, 16)
+    with pysmoe.open_vault(path) as vault, vault.session(threads=2) as s:
+        got = serial_logits(s, ids)
+        assert float(np.abs(got - hf_logits(model, ids)).max()) <= TOL
+
+        s.reset()
+        engine_ids = list(s.generate(ids, max_tokens=32))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
+                             eos_token_id=None, pad_token_id=0)
+    assert engine_ids == out[0, len(ids):].tolist()
+
+
+def test_results_do_not_depend_on_threads_or_cache(tiny_vault):
+    vault = pysmoe.open_vault(tiny_vault)
+    ids = ids_for(vault, 24)
+    expert_total = vault.expert_bytes
+    runs = {}
+    for threads in (1, 2, 3):
+        for budget in (0, vault.blob_bytes * 10, expert_total * 2):
+            with vault.session(threads=threads, cache_bytes=budget) as s:
+                runs[threads, budget] = serial_logits(s, ids)
+                st = s.stats()
+                if budget == 0:
+                    assert st["cache_misses"] > 0 and st["blob_reads"] == st["cache_misses"]
+                    assert st["bytes_read"] == st["blob_reads"] * vault.blob_bytes
+    first = next(iter(runs.values()))
+    for key, got in runs.items():
+        assert np.array_equal(got, first), key
+
+
+def test_cache_budget_is_respected_and_hits_counted(tiny_vault):
+    vault = pysmoe.open_vault(tiny_vault)
+    ids = ids_for(vault, 16)
+    with vault.session(cache_bytes=vault.expert_bytes * 2) as s:
+        serial_logits(s, ids)
+        st = s.stats()
+        total_blobs = vault.num_sparse_layers * vault.config["num_experts"]
+        assert st["blob_reads"] <= total_blobs  # everything fits: each blob read at most once
+        assert st["cache_hits"] + st["cache_misses"] == 16 * vault.num_sparse_layers * vault.config["num_experts_per_tok"]
+        assert st["cache_bytes"] <= vault.expert_bytes
+        s.clear_cache()
+        s.reset_stats()
+        s.reset()
+        serial_logits(s, ids[:1])
+        assert s.stats()["cache_hits"] == 0
+    small = vault.blob_bytes * 6
+    with vault.session(cache_bytes=small) as s:
+        st = s.stats()
+        assert st["cache_bytes"] <= small
+        assert st["resident_bytes"] == st["dense_bytes"] + st["cache_bytes"] + st["kv_bytes"] + st["plane_bytes"]
+
+
+def test_bad_input_is_an_error_and_the_session_survives(tiny_vault):
+    vault = pysmoe.open_vault(tiny_vault)
+    V = vault.config["vocab_size"]
+    with vault.session(context=8) as s:
+        with pytest.raises(pysmoe.BadToken):
+            s.decode(V)
+        with pytest.raises(pysmoe.BadToken):
+            s.prefill([1, 2, -1])
+        with pytest.raises(ValueError):  # BadToken is also a ValueError
+            s.prefill([V + 5])
+        assert s.position == 0
+        s.prefill([1, 2, 3, 4, 5, 6])
+        with pytest.raises(pysmoe.ContextFull):
+            s.prefill([1, 2, 3])
+        assert s.position == 6
+        s.decode(7)
+        s.decode(8)
+        with pytest.raises(pysmoe.ContextFull):
+            s.decode(9)
+        s.reset()
+        assert np.isfinite(s.prefill([1, 2, 3])).all()
+
+
+def test_null_handles_and_bad_params_from_c():
+    from pysmoe._ffi import ffi, lib
+    assert lib.smoe_decode_step(ffi.NULL, 1, ffi.NULL, ffi.NULL) == pysmoe.InvalidArgument.code
+    assert lib.smoe_prefill_chunk(ffi.NULL, ffi.NULL, 0) == pysmoe.InvalidArgument.code
+    assert lib.smoe_session_new(ffi.NULL, ffi.NULL, ffi.NULL) == pysmoe.InvalidArgument.code
+    lib.smoe_session_free(ffi.NULL)
+    lib.smoe_close_vault(ffi.NULL)
+    out = ffi.new("smoe_vault **")
+    assert lib.smoe_open_vault(b"/nonexistent/vault", out) == pysmoe.VaultError.code
+    assert out[0] == ffi.NULL
+
+
+def test_bad_session_params(tiny_vault):
+    vault = pysmoe.open_vault(tiny_vault)
+    for kwargs in ({"chunk": 0}, {"threads": 0}, {"context": 0}, {"io_threads": 0}, {"cache_bytes": -1},
+                   {"prefill": "sideways"}):
+        with pytest.raises(pysmoe.InvalidArgument):
+            vault.session(**kwargs)
+    with vault.session() as s:
+        with pytest.raises(pysmoe.InvalidArgument):
+            s.set_sampler(top_p=0.0)
+        with pytest.raises(pysmoe.InvalidArgument):
+            s.set_sampler(temperature=-1.0)
+
+
+def test_truncated_blob_file_after_open_is_a_read_error(tiny_vault, tmp_path):
+    copy = tmp_path / "v"
+    shutil.copytree(tiny_vault, copy)
+    vault = pysmoe.open_vault(copy)
+    ids = ids_for(vault, 40)  # a 40-token chunk routes to every expert of a 16-expert layer
+    with vault.session(direct_io=False) as s:
+        good = s.prefill(ids)
+        s.reset()
+        s.clear_cache()
+        # the last blobs (the last layer's last experts) disappear under the open vault
+        os.truncate(copy / "vault.bin", (copy / "vault.bin").stat().st_size - 3 * vault.blob_bytes)
+        with pytest.raises(pysmoe.ReadError) as err:
+            s.prefill(ids)
+        assert "layer" in str(err.value) and "expert" in str(err.value)
+        assert s.position == 0  # a failed call leaves the position where it was
+        shutil.copyfile(tiny_vault / "vault.bin", copy / "vault.bin")  # same inode, whole again
+        s.reset()
+        assert np.array_equal(s.prefill(ids), good)  # and the session still works
+
+
+def test_session_keeps_its_vault_alive_and_close_is_idempotent(tiny_vault):
+    vault = pysmoe.open_vault(tiny_vault)
+    s = vault.session()
+    vault.close()
+    vault.close()
+    assert np.isfinite(s.prefill([1, 2, 3])).all()  # the vault is still open under the session
+    s.close()
+    s.close()
+    with pytest.raises(pysmoe.InvalidArgument):
+        s.decode(1)
+    with pytest.raises(pysmoe.InvalidArgument):
+        vault.session()
+
+
+def test_sampling_is_deterministic_per_seed(tiny_vault):
+    vault = pysmoe.open_vault(tiny_vault)
+    ids = ids_for(vault, 8)
+    runs = []
+    for seed in (5, 5, 6):
+        with vault.session() as s:
+            runs.append(list(s.generate(ids, max_tokens=24, temperature=1.0, top_p=0.9, seed=seed)))
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+    with vault.session() as s:
+        greedy = list(s.generate(ids, max_tokens=8))
+        s.reset()
+        logits = s.prefill(ids)
+        assert greedy[0] == int(np.argmax(logits))
+
+
+def test_stream_generate_records(tiny_vault):
+    with pysmoe.open_vault(tiny_vault) as vault, vault.session() as s:
+        recs = list(pysmoe.stream_generate(s, "hello there", max_tokens=5, stop=()))
+        assert [r.generation_tokens for r in recs] == [1, 2, 3, 4, 5]
+        assert recs[-1].finish_reason == "length" and all(r.finish_reason is None for r in recs[:-1])
+        assert recs[0].prompt_tokens == len(vault.tokenizer.encode("hello there"))
+        assert all(r.ttft_s > 0 for r in recs)
+
+
+def test_c_example_matches_python(tiny_vault):
+    exe = os.environ.get("SMOE_EXAMPLE") or os.path.join(os.path.dirname(__file__), "..", "build", "smoe_generate")
+    if not os.path.exists(exe):
+        pytest.fail(f"{exe} is missing: `make examples` builds it")
+    vault = pysmoe.open_vault(tiny_vault)
+    ids = ids_for(vault, 70)  # more than one chunk of 64
+    with vault.session() as s:
+        want = list(s.generate(ids, max_tokens=12))
+    out = subprocess.run([exe, str(tiny_vault), "12", *map(str, ids)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert [int(x) for x in out.stdout.split()] == want
+
+
+def test_c_example_reports_errors(tmp_path):
+    exe = os.environ.get("SMOE_EXAMPLE") or os.path.join(os.path.dirname(__file__), "..", "build", "smoe_generate")
+    out = subprocess.run([exe, str(tmp_path), "4", "1"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "smoe_open_vault" in out.stderr
