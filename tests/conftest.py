@@ -2,6 +2,7 @@
 
     tiny_vault       preset "tiny", seed 0, default formats (q4 experts, q8 matrices, f32 norms)
     tiny_vault_f32   preset "tiny", seed 0, every tensor f32 (tight comparisons)
+    hf_vault         (f32 vault, transformers model) converted from a small random checkpoint
     make_vault       make_vault(name, **synth_kwargs) -> path, cached per argument set
 
 Treat the vaults as read-only: they are shared by every test of the session.
@@ -37,3 +38,13 @@ def tiny_vault(make_vault):
 @pytest.fixture(scope="session")
 def tiny_vault_f32(make_vault):
     return make_vault("tiny_f32", preset="tiny", seed=0, experts="f32", formats=ALL_F32)
+
+
+@pytest.fixture(scope="session")
+def hf_vault(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from hf_models import make_hf_model
+    from pysmoe.converter import convert
+    tmp = tmp_path_factory.mktemp("hf_e2e")
+    path, model = make_hf_model(tmp, num_hidden_layers=3, mlp_only_layers=[1])
+    return convert(path, tmp / "vault", experts="f32", dense="f32", progress=False), model

@@ -56,16 +56,6 @@ def test_engine_matches_reference_on_quantized_vault(tiny_vault):
         assert float(np.abs(got - want).max()) <= TOL
 
 
-@pytest.fixture(scope="module")
-def hf_vault(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from hf_models import make_hf_model
-    from pysmoe.converter import convert
-    tmp = tmp_path_factory.mktemp("hf_e2e")
-    path, model = make_hf_model(tmp, num_hidden_layers=3, mlp_only_layers=[1])
-    return convert(path, tmp / "vault", experts="f32", dense="f32", progress=False), model
-
-
 def test_end_to_end_against_transformers(hf_vault):
     import torch
     from hf_models import hf_logits, sample_ids

@@ -65,8 +65,15 @@ int main(int argc, char **argv) {
     p.chunk = (uint32_t)atoi(argv[3]);
     p.threads = 2;
     smoe_session *s;
+    atomic_store(&armed, 1); /* session creation allocates: the shim must see libsmoe's calls */
     if ((st = smoe_session_new(v, &p, &s)))
         return fail("session", st);
+    atomic_store(&armed, 0);
+    long at_creation = atomic_exchange(&calls, 0);
+    if (at_creation == 0) {
+        fprintf(stderr, "the shim saw no allocation in smoe_session_new: it is not interposed in libsmoe\n");
+        return 4;
+    }
     int n_prompt = atoi(argv[4]), n_decode = atoi(argv[5]);
     int32_t ids[4096];
     for (int i = 0; i < n_prompt && i < 4096; i++)
@@ -74,7 +81,8 @@ int main(int argc, char **argv) {
 
     /* The counter must see an allocation, or a zero below would prove nothing. */
     atomic_store(&armed, 1);
-    free(malloc(64));
+    void *volatile probe = malloc(64); /* volatile: the compiler may not elide the pair */
+    free(probe);
     atomic_store(&armed, 0);
     if (atomic_exchange(&calls, 0) != 2) {
         fprintf(stderr, "the allocator shim is not interposed\n");
@@ -94,7 +102,7 @@ int main(int argc, char **argv) {
     atomic_store(&armed, 0);
 
     long n = atomic_load(&calls);
-    printf("heap calls during prefill + decode: %ld\n", n);
+    printf("heap calls in smoe_session_new: %ld\nheap calls during prefill + decode: %ld\n", at_creation, n);
     smoe_session_free(s);
     smoe_close_vault(v);
     return n == 0 ? 0 : 3;

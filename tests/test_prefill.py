@@ -1,0 +1,153 @@
+"""Layer-major batched prefill: bit-identical to the token-serial path, reads each union expert
+once per layer, and never touches the heap."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pysmoe
+from pysmoe._ffi import ffi, lib
+from pysmoe.reference import ReferenceModel
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+GREEDY_AFTER = 8
+
+
+def run_path(vault, ids, prefill, **kw):
+    """Logits after the prompt, the next greedy ids, and every KV row of every layer."""
+    with vault.session(prefill=prefill, context=512, **kw) as s:
+        logits = s.prefill(ids)
+        nxt = [int(np.argmax(logits))]
+        for _ in range(GREEDY_AFTER - 1):
+            nxt.append(int(np.argmax(s.decode(nxt[-1]))))
+        kv = [s.kv(layer) for layer in range(vault.config["num_hidden_layers"])]
+        return logits, nxt, kv, s.stats()
+
+
+def assert_identical(a, b):
+    la, na, kva, _ = a
+    lb, nb, kvb, _ = b
+    assert np.array_equal(la.view(np.uint32), lb.view(np.uint32)), "logits differ"
+    assert na == nb, "greedy continuations differ"
+    for layer, ((ka, va), (kb, vb)) in enumerate(zip(kva, kvb)):
+        assert np.array_equal(ka.view(np.uint32), kb.view(np.uint32)), f"K of layer {layer} differs"
+        assert np.array_equal(va.view(np.uint32), vb.view(np.uint32)), f"V of layer {layer} differs"
+
+
+def budgets(vault):
+    return {"zero": 0, "small": vault.blob_bytes * (vault.config["num_experts_per_tok"] + 3),
+            "all": vault.expert_bytes * 2}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_layer_major_is_bit_identical_to_token_serial(tiny_vault, data):
+    vault = pysmoe.open_vault(tiny_vault)
+    V = vault.config["vocab_size"]
+    n = data.draw(st.integers(1, 300), label="prompt length")
+    ids = data.draw(st.lists(st.integers(0, V - 1), min_size=n, max_size=n), label="ids")
+    chunk = data.draw(st.integers(1, 128), label="chunk")
+    threads = data.draw(st.integers(1, 3), label="threads")
+    budget = data.draw(st.sampled_from(sorted(budgets(vault))), label="budget")
+    serial = run_path(vault, ids, "token-serial", threads=threads, cache_bytes=budgets(vault)[budget])
+    batched = run_path(vault, ids, "layer-major", threads=threads, chunk=chunk,
+                       cache_bytes=budgets(vault)[budget])
+    assert_identical(serial, batched)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 64])
+def test_prompt_lengths_around_the_chunk(tiny_vault, chunk):
+    vault = pysmoe.open_vault(tiny_vault)
+    rng = np.random.default_rng(chunk)
+    # the chunks cover ids[:-1]; so lengths that make n−1 a multiple, one more and one less
+    for n in sorted({1, 2, chunk, chunk + 1, chunk + 2, 2 * chunk, 2 * chunk + 1, 2 * chunk + 2}):
+        ids = [int(i) for i in rng.integers(0, vault.config["vocab_size"], size=n)]
+        assert_identical(run_path(vault, ids, "token-serial", threads=2),
+                         run_path(vault, ids, "layer-major", threads=2, chunk=chunk))
+
+
+def test_quantized_and_f32_vaults_and_dense_layers(make_vault):
+    # f32 everywhere, and a vault whose every other layer is a dense MLP
+    for path in (make_vault("f32all", preset="tiny", seed=4, experts="f32",
+                            formats={r: "f32" for r in ("attention", "embed", "lm_head", "mlp")}),
+                 make_vault("step2", preset="tiny", seed=5, overrides={"decoder_sparse_step": 2,
+                                                                       "mlp_only_layers": []})):
+        vault = pysmoe.open_vault(path)
+        ids = [int(i) for i in np.random.default_rng(0).integers(0, vault.config["vocab_size"], size=50)]
+        assert_identical(run_path(vault, ids, "token-serial"), run_path(vault, ids, "layer-major", chunk=13))
+
+
+def chunk_reads(vault, ids, chunk=None, budget=0):
+    """Blob reads and union sizes of one smoe_prefill_chunk of all ids, from a cold cache."""
+    with vault.session(cache_bytes=budget, chunk=chunk or len(ids)) as s:
+        arr = np.asarray(ids, dtype=np.int32)
+        from pysmoe._ffi import check
+        check(lib.smoe_prefill_chunk(s.handle, ffi.cast("int32_t *", ffi.from_buffer(arr)), len(arr)))
+        sizes = ffi.new("uint32_t[]", vault.config["num_hidden_layers"])
+        check(lib.smoe_stats_union_sizes(s.handle, sizes, vault.config["num_hidden_layers"]))
+        return s.stats(), list(sizes)
+
+
+@pytest.mark.parametrize("n", [1, 3, 20, 45])
+def test_a_cold_chunk_reads_exactly_its_unions(tiny_vault_f32, n):
+    vault = pysmoe.open_vault(tiny_vault_f32)
+    ids = [int(i) for i in np.random.default_rng(n).integers(0, vault.config["vocab_size"], size=n)]
+    stats, sizes = chunk_reads(vault, ids)
+    # the unions, computed independently by the numpy reference's routing
+    want = [0 if r is None else len(np.unique(r)) for r in ReferenceModel(tiny_vault_f32).routing(ids)]
+    assert sizes == want
+    assert stats["blob_reads"] == sum(want) == stats["cache_misses"]
+    assert stats["bytes_read"] == sum(want) * vault.blob_bytes
+    assert stats["cache_hits"] == 0
+
+
+def test_union_sizes_in_stats_and_cli(tiny_vault):
+    vault = pysmoe.open_vault(tiny_vault)
+    ids = list(range(1, 41))
+    with vault.session(chunk=16) as s:
+        s.prefill(ids)
+        u = s.stats()["union_sizes"]
+    assert len(u) == vault.config["num_hidden_layers"]
+    assert all((x > 0) == vault.layer_is_sparse(layer) for layer, x in enumerate(u))
+    # three chunks (16 + 16 + 7 of the 39 prefilled ids): each layer's sum is at most 3·E
+    assert max(u) <= 3 * vault.config["num_experts"]
+
+
+def test_layer_major_matches_transformers(hf_vault):
+    from hf_models import hf_logits, sample_ids
+    path, model = hf_vault
+    ids = sample_ids(model, 20)
+    want = hf_logits(model, ids)
+    with pysmoe.open_vault(path) as vault:
+        for n in (1, 7, 20):
+            with vault.session(chunk=6) as s:
+                assert float(np.abs(s.prefill(ids[:n]) - want[n - 1]).max()) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def noalloc_exe(tmp_path_factory):
+    lib_dir = os.path.dirname(os.environ.get("SMOE_LIB") or os.path.join(ROOT, "build", "libsmoe.so"))
+    exe = tmp_path_factory.mktemp("noalloc") / "test_noalloc"
+    cc = os.environ.get("CC", "cc")
+    cmd = [cc, "-std=c11", "-O1", "-Wall", "-Wextra", "-Werror", "-I", os.path.join(ROOT, "csrc"),
+           os.path.join(ROOT, "tests", "c", "test_noalloc.c"), "-L", lib_dir, "-lsmoe",
+           f"-Wl,-rpath,{lib_dir}", "-o", str(exe)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return exe
+
+
+@pytest.mark.skipif(not os.path.exists("/lib/x86_64-linux-gnu/libc.so.6") and
+                    not os.path.exists("/lib/aarch64-linux-gnu/libc.so.6"), reason="the shim needs glibc")
+@pytest.mark.skipif("LD_PRELOAD" in os.environ, reason="a preloaded allocator (ASan) replaces the shim")
+@pytest.mark.parametrize("budget,chunk", [(0, 7), (1 << 30, 64), (0, 1)])
+def test_no_heap_allocation_in_prefill_or_decode(noalloc_exe, tiny_vault, budget, chunk):
+    out = subprocess.run([str(noalloc_exe), str(tiny_vault), str(budget), str(chunk), "100", "8"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "heap calls during prefill + decode: 0" in out.stdout
