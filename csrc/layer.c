@@ -250,11 +250,16 @@ static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *
     while (np > 0 || next_acquire < n_union) {
         while (next_acquire < n_union) {
             int slot = smoe_streamer_acquire(s->streamer, l, (uint32_t)s->union_list[next_acquire]);
-            if (slot < 0)
+            if (slot < 0) {
+                if (slot < -1) /* a key the streamer refuses: its message is already set */
+                    st = SMOE_ERR_INTERNAL;
                 break;
+            }
             s->union_slot[next_acquire] = slot;
             pending[np++] = next_acquire++;
         }
+        if (st != SMOE_OK)
+            break;
         if (np == 0) {
             st = smoe_fail(SMOE_ERR_INTERNAL, "layer %u: no streamer slot could be acquired", l);
             break;

@@ -1,0 +1,77 @@
+"""The cffi binding: its cdef is the header's, the ABI version is checked, every status maps to
+a typed exception that carries the library's message, and logs reach Python's logging."""
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import pathlib
+
+import pytest
+
+import pysmoe
+from pysmoe import errors
+from pysmoe._cdef import CDEF
+from pysmoe._ffi import ABI_VERSION, check, ffi, lib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_cdef_is_generated_from_the_header():
+    spec = importlib.util.spec_from_file_location("gen_cdef", ROOT / "scripts" / "gen_cdef.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    header = (ROOT / "csrc" / "smoe.h").read_text()
+    assert gen.render(header) == (ROOT / "pysmoe" / "_cdef.py").read_text(), \
+        "pysmoe/_cdef.py is stale: python scripts/gen_cdef.py > pysmoe/_cdef.py"
+    assert "smoe_prefill_chunk" in CDEF and "smoe_decode_step" in CDEF
+
+
+def test_every_public_function_is_exported():
+    import re
+    names = re.findall(r"SMOE_API [^;(]*?\b(smoe_\w+)\s*\(", (ROOT / "csrc" / "smoe.h").read_text())
+    assert len(names) > 20
+    for name in names:
+        assert getattr(lib, name) is not None, name
+    for fixed in ("smoe_open_vault", "smoe_close_vault", "smoe_session_new", "smoe_session_free",
+                  "smoe_prefill_chunk", "smoe_decode_step", "smoe_stats", "smoe_last_error", "smoe_version"):
+        assert fixed in names
+
+
+def test_versions():
+    assert lib.smoe_abi_version() == ABI_VERSION == lib.SMOE_ABI_VERSION
+    assert ffi.string(lib.smoe_version()).decode() == pysmoe.__version__
+
+
+def test_every_status_maps_to_a_typed_exception():
+    codes = [v for k, v in vars(lib).items() if k.startswith("SMOE_ERR_")] if hasattr(lib, "__dict__") else []
+    codes = [getattr(lib, n) for n in dir(lib) if n.startswith("SMOE_ERR_")] or codes
+    assert len(codes) == 9
+    for code in codes:
+        text = ffi.string(lib.smoe_status_str(code)).decode()
+        assert text and text != ffi.string(lib.smoe_status_str(0)).decode()
+        cls = errors.BY_CODE[code]
+        assert issubclass(cls, pysmoe.SmoeError) and cls.code == code
+    assert issubclass(pysmoe.VaultError, pysmoe.SmoeError)
+    assert issubclass(pysmoe.BadToken, ValueError) and issubclass(pysmoe.ReadError, OSError)
+
+
+def test_check_carries_the_library_message(tmp_path):
+    out = ffi.new("smoe_vault **")
+    with pytest.raises(pysmoe.VaultError) as err:
+        check(lib.smoe_open_vault(os.fsencode(tmp_path / "nowhere"), out))
+    assert "nowhere" in str(err.value) and err.value.code == pysmoe.VaultError.code
+    assert check(0) == 0
+
+
+def test_engine_messages_reach_logging(tiny_vault, caplog):
+    with caplog.at_level(logging.DEBUG, logger="pysmoe"):
+        pysmoe.open_vault(tiny_vault).close()
+    opened = [r for r in caplog.records if r.name == "pysmoe" and "opened" in r.getMessage()]
+    assert opened and opened[0].levelno == logging.INFO and str(tiny_vault) in opened[0].getMessage()
+
+
+def test_open_vault_on_garbage(tmp_path):
+    (tmp_path / "vault.bin").write_bytes(b"not a vault at all" * 100)
+    with pytest.raises(pysmoe.VaultError, match="not a pysmoe vault"):
+        pysmoe.open_vault(tmp_path)
