@@ -4,6 +4,7 @@
 #   make test    build everything and run the test suite
 #   make lib     only libsmoe (build/libsmoe.so, copied into pysmoe/ for the binding)
 #   make asan    the test suite against a libsmoe built with AddressSanitizer + UBSan
+#   make fuzz    mutate a tiny vault's header and tables under ASan/UBSan (tests/c/fuzz_vault.c)
 #   make PORTABLE=1 ...   no instruction-set-specific kernels
 
 PYTHON  ?= python3
@@ -64,8 +65,9 @@ pysmoe/$(LIBNAME): $(LIB)
 examples: $(EXAMPLE)
 
 # The example links only libsmoe (rpath next to itself).
+EXAMPLE_CFLAGS ?= -O2
 $(EXAMPLE): examples/generate.c csrc/smoe.h $(LIB)
-	$(CC) -std=c11 -Wall -Wextra -O2 -Icsrc $< -L$(BUILD) -lsmoe -Wl,-rpath,'$$ORIGIN' -o $@
+	$(CC) -std=c11 -Wall -Wextra $(EXAMPLE_CFLAGS) -Icsrc $< -L$(BUILD) -lsmoe -Wl,-rpath,'$$ORIGIN' -o $@
 
 # --- Python environment: created here, so a fresh machine needs only python3 and a compiler.
 $(VENV)/.stamp-base: pyproject.toml
@@ -92,14 +94,21 @@ test: lib examples $(VENV)/.stamp-test
 ASAN_BUILD := build-asan
 asan: $(VENV)/.stamp-test
 	$(MAKE) BUILD=$(ASAN_BUILD) OPT="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined" \
-	        LDLIBS="-lm -pthread -fsanitize=address,undefined" $(ASAN_BUILD)/$(LIBNAME) $(ASAN_BUILD)/smoe_generate
+	        LDLIBS="-lm -pthread -fsanitize=address,undefined" EXAMPLE_CFLAGS="-O1 -g -fsanitize=address,undefined" \
+	        $(ASAN_BUILD)/$(LIBNAME) $(ASAN_BUILD)/smoe_generate
 	SMOE_LIB=$(CURDIR)/$(ASAN_BUILD)/$(LIBNAME) SMOE_EXAMPLE=$(CURDIR)/$(ASAN_BUILD)/smoe_generate \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	LD_PRELOAD="$$($(CC) -print-file-name=libasan.so) $$($(CC) -print-file-name=libubsan.so)" \
 	$(PY) -m pytest -q -x tests -m "not slow" -p no:cacheprovider
 
-$(ASAN_BUILD)/smoe_generate: examples/generate.c csrc/smoe.h $(ASAN_BUILD)/$(LIBNAME)
-	$(CC) -std=c11 -Wall -Wextra -O1 -g -fsanitize=address,undefined -Icsrc $< -L$(ASAN_BUILD) -lsmoe -Wl,-rpath,'$$ORIGIN' -o $@
+# The parser fuzzer as its own mutation driver (gcc has no libFuzzer; the file says how to build
+# it with clang's -fsanitize=fuzzer).
+FUZZ_ITERS ?= 200000
+fuzz: $(VENV)/.stamp-base | $(BUILD)
+	$(CC) $(CFLAGS_BASE) $(ISA_FLAGS) -g -O1 -fsanitize=address,undefined -DSTANDALONE -Icsrc \
+	      tests/c/fuzz_vault.c $(SRCS) $(LDLIBS) -o $(BUILD)/fuzz_vault
+	test -f $(BUILD)/fuzz-seed/vault.bin || $(PY) -m pysmoe synth $(BUILD)/fuzz-seed --preset tiny
+	$(BUILD)/fuzz_vault $(FUZZ_ITERS) $(BUILD)/fuzz-seed/vault.bin
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) pysmoe/libsmoe.so pysmoe/libsmoe.dylib
