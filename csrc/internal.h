@@ -28,6 +28,10 @@ void smoe_free(void *p);
 
 double smoe_now(void); /* monotonic seconds */
 
+/* Reads up to n bytes at off into buf, looping over short reads and EINTR. Returns the bytes
+ * read (fewer than n only at end of file) or −1 with errno set. */
+int64_t smoe_pread_full(int fd, void *buf, uint64_t n, uint64_t off);
+
 /* CRC-32 (IEEE 802.3, the one zlib's crc32 computes); start with crc = 0. */
 uint32_t smoe_crc32(uint32_t crc, const void *data, size_t n);
 

@@ -254,22 +254,6 @@ static const char *errno_text(int e, char *buf, size_t n) {
 #endif
 }
 
-/* Reads len bytes at off into buf, looping over short reads and EINTR. Returns the bytes read
- * (< len at end of file) or −1 with errno set. */
-static int64_t pread_full(int fd, uint8_t *buf, uint64_t len, uint64_t off) {
-    uint64_t done = 0;
-    while (done < len) {
-        ssize_t r = pread(fd, buf + done, (size_t)(len - done), (off_t)(off + done));
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        if (r == 0) break;
-        done += (uint64_t)r;
-    }
-    return (int64_t)done;
-}
-
 static void fall_back_to_buffered(smoe_streamer *s, int err) {
     atomic_store(&s->use_direct, false);
     if (!atomic_exchange(&s->warned, true)) {
@@ -287,10 +271,10 @@ static int64_t pread_direct(int fd, uint8_t *buf, uint64_t len, uint64_t off) {
         errno = EINVAL;
         return -1;
     }
-    return pread_full(fd, buf, len, off);
+    return smoe_pread_full(fd, buf, len, off);
 }
 #else
-#define pread_direct pread_full
+#define pread_direct smoe_pread_full
 #endif
 
 /* Reads a whole range, with O_DIRECT when in force; falls back on EINVAL. */
@@ -300,7 +284,7 @@ static int64_t read_range(smoe_streamer *s, uint8_t *buf, uint64_t len, uint64_t
         if (r >= 0 || errno != EINVAL) return r;
         fall_back_to_buffered(s, errno);
     }
-    return pread_full(s->fd_buffered, buf, len, off);
+    return smoe_pread_full(s->fd_buffered, buf, len, off);
 }
 
 static void do_read(smoe_streamer *s, slot_t *sl) {

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <errno.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------------------ status, version */
 
@@ -126,4 +128,23 @@ uint32_t smoe_crc32(uint32_t crc, const void *data, size_t n) {
     }
     while (n--) c = crc_table[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
     return ~c;
+}
+
+/* Reads up to n bytes at off, looping over short reads and EINTR. Returns the bytes read (less
+ * than n only at end of file) or -1 with errno set. */
+int64_t smoe_pread_full(int fd, void *buf, uint64_t n, uint64_t off) {
+    uint8_t *p = buf;
+    uint64_t done = 0;
+    while (done < n) {
+        uint64_t want = n - done;
+        if (want > (1u << 30)) want = 1u << 30; /* Linux caps one read near 2 GiB */
+        ssize_t r = pread(fd, p + done, (size_t)want, (off_t)(off + done));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (r == 0) break;
+        done += (uint64_t)r;
+    }
+    return (int64_t)done;
 }

@@ -26,6 +26,7 @@
  * drive it (tests/c/fuzz_vault.c). Reading is open + pread only; the library never prints.
  */
 #include "vault.h"
+#include "cpu.h"
 
 #include "kernels.h"
 
@@ -568,28 +569,9 @@ smoe_status smoe_vault_parse(const uint8_t *bytes, size_t len, uint64_t file_siz
 
 /* ----------------------------------------------------------------------------------- I/O */
 
-/* Reads up to n bytes at off, looping over short reads and EINTR. Returns the bytes read (less
- * than n only at end of file) or -1 with errno set. */
-static int64_t pread_full(int fd, void *buf, uint64_t n, uint64_t off) {
-    uint8_t *p = buf;
-    uint64_t done = 0;
-    while (done < n) {
-        uint64_t want = n - done;
-        if (want > (1u << 30)) want = 1u << 30; /* Linux caps one read near 2 GiB */
-        ssize_t r = pread(fd, p + done, (size_t)want, (off_t)(off + done));
-        if (r < 0) {
-            if (errno == EINTR) continue;
-            return -1;
-        }
-        if (r == 0) break;
-        done += (uint64_t)r;
-    }
-    return (int64_t)done;
-}
-
 /* Exactly n bytes at off, or an error naming the file. */
 static smoe_status read_exact(int fd, const char *path, void *buf, uint64_t n, uint64_t off) {
-    int64_t got = pread_full(fd, buf, n, off);
+    int64_t got = smoe_pread_full(fd, buf, n, off);
     if (got < 0)
         return smoe_fail(SMOE_ERR_IO, "%s: read of %llu bytes at %llu failed: %s", path, (unsigned long long)n,
                          (unsigned long long)off, strerror(errno));
@@ -659,6 +641,11 @@ static smoe_status load(smoe_vault *v, int fd) {
 }
 
 smoe_status smoe_open_vault(const char *dir, smoe_vault **out) {
+    smoe_status isa = smoe_cpu_check(); /* first: before any code that may use AVX2 (cpu.c) */
+    if (isa != SMOE_OK) {
+        if (out) *out = NULL;
+        return isa;
+    }
     if (!out) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_open_vault: out is NULL");
     *out = NULL;
     if (!dir) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_open_vault: dir is NULL");
@@ -756,7 +743,7 @@ static smoe_status crc_range(int fd, const char *path, uint8_t *buf, uint64_t of
     *short_read = false;
     for (uint64_t done = 0; done < n;) {
         uint64_t want = n - done < VERIFY_CHUNK ? n - done : VERIFY_CHUNK;
-        int64_t got = pread_full(fd, buf, want, off + done);
+        int64_t got = smoe_pread_full(fd, buf, want, off + done);
         if (got < 0)
             return smoe_fail(SMOE_ERR_IO, "%s: read at %llu failed: %s", path, (unsigned long long)(off + done),
                              strerror(errno));
@@ -787,7 +774,7 @@ static smoe_status verify_blobs(int fd, const smoe_vault *v, uint8_t *buf, verif
         uint32_t k = i, crc = 0;
         while (pos < end) {
             uint64_t want = end - pos < VERIFY_CHUNK ? end - pos : VERIFY_CHUNK;
-            int64_t got = pread_full(fd, buf, want, pos);
+            int64_t got = smoe_pread_full(fd, buf, want, pos);
             if (got < 0)
                 return smoe_fail(SMOE_ERR_IO, "%s: read at %llu failed: %s", x->path, (unsigned long long)pos,
                                  strerror(errno));
@@ -830,7 +817,7 @@ smoe_status smoe_verify_vault(const smoe_vault *v, smoe_verify_fn fn, void *user
     bool cut;
     /* Header and tables as they are on disk now, the crc field read as zero. */
     uint64_t table_end = L->table_offset + L->table_bytes;
-    int64_t got = pread_full(fd, buf, 16, 0);
+    int64_t got = smoe_pread_full(fd, buf, 16, 0);
     if (got < 0) {
         rc = smoe_fail(SMOE_ERR_IO, "%s: read at 0 failed: %s", v->path, strerror(errno));
         goto done;
