@@ -1,0 +1,641 @@
+"""python -m pysmoe bench VAULT: time to first token and decode speed, against the machine's limits.
+
+    python -m pysmoe bench /work/vault --prompt-lengths 1,8,45,64,256 --cache-frac 0.1 --threads 2
+
+What it measures, all in one run (bench/README.md says more):
+
+- TTFT, cold: the wall time of ``Session.prefill(ids)`` after ``reset(); clear_cache();
+  reset_stats()``, reads with Direct I/O (the run checks ``stats()["direct_io"]`` and says so
+  loudly when O_DIRECT was not in force), for each prefill path; bytes and blob reads per run.
+- The I/O floor: the bytes of the prompt's exact union (every (layer, expert) its exact routing
+  needs, read once: the blob reads of a prefill into an empty cache that can hold every expert)
+  divided by this disk's Direct I/O bandwidth, measured by a plain parallel pread loop over the
+  same vault file, at the blob size and with ``io_threads`` readers (the engine's queue depth).
+- The compute floor: the same prefill on a session whose cache holds every expert, warmed by one
+  run, then timed (the timed runs must show no miss; the table says when they do).
+- TTFT / max(I/O floor, compute floor), the number we steer by, and layer-major / token-serial.
+- Decode tokens/s after a prompt, at the cache budget and with every expert resident.
+
+Every figure is a median over ``--repeats`` runs. Inside one repeat the contenders (each path
+cold, the pread probe, each path resident) run back to back in an order that rotates from one
+repeat to the next, and each ratio is taken between runs of the same repeat before its median, so
+that a shared, noisy machine moves both sides of a comparison alike.
+
+The cold sessions of both paths are one session whose ``prefill_path`` is switched between runs
+(same cache budget, same planes; every run starts cold anyway); this keeps the memory of a large
+vault's benchmark to one cold cache plus one resident cache.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+DEFAULT_LENGTHS = (1, 8, 45, 64, 256, 1024)
+PATHS = ("layer-major", "token-serial")
+MiB = 1 << 20
+
+
+# ------------------------------------------------------------------------------------ parser
+
+def _int_list(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, not {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError("prompt lengths must be integers ≥ 1")
+    return out
+
+
+def _path_list(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in out if x not in PATHS]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"paths are a comma-separated subset of {','.join(PATHS)}")
+    return out
+
+
+def add_parser(p: argparse.ArgumentParser, name: str = "bench") -> None:
+    p.add_argument("vault", help="vault directory (make one with: python -m pysmoe synth DIR --preset mini)")
+    p.add_argument("--prompt-lengths", type=_int_list, default=list(DEFAULT_LENGTHS),
+                   help="prompt lengths in tokens, comma-separated (default 1,8,45,64,256,1024)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--cache-mb", type=float, default=None, help="retention cache budget in MiB")
+    budget.add_argument("--cache-frac", type=float, default=None,
+                        help="retention cache budget as a fraction of the expert bytes (default 0.1)")
+    p.add_argument("--paths", type=_path_list, default=list(PATHS),
+                   help="prefill paths to time, comma-separated (default layer-major,token-serial)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per figure; each figure is their median (default 3)")
+    p.add_argument("--chunk", type=int, default=64, help="layer-major chunk in tokens (default 64)")
+    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--io-threads", type=int, default=4, help="blob reads in flight, engine and probe (default 4)")
+    p.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded per decode run (0: no decode runs)")
+    p.add_argument("--decode-prompt", type=int, default=8, help="prompt length before the decode runs (default 8)")
+    p.add_argument("--serial-max-len", type=int, default=None,
+                   help="time token-serial only for prompts up to this length (it reads top-k blobs per token "
+                        "per layer: slow on large vaults)")
+    p.add_argument("--no-resident", action="store_true",
+                   help="skip the compute floor and resident decode (they need memory for every expert)")
+    p.add_argument("--resident-mb", type=float, default=None,
+                   help="cache of the resident session in MiB (default: every expert's bytes)")
+    p.add_argument("--probe-mb", type=float, default=1024,
+                   help="at most this many MiB per bandwidth probe (default 1024)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompt ids and the probe's blob choice")
+    p.add_argument("--context", type=int, default=None, help="KV length (default: longest prompt + decode + 1)")
+    p.add_argument("--strict", action="store_true", help="exit 3 if any cold run or probe lacked Direct I/O")
+    p.add_argument("--json", metavar="OUT", help="write every run and the medians to this JSON file")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+# ------------------------------------------------------------------------------- the machine
+
+def machine_info() -> dict:
+    info = {"cpus": os.cpu_count(), "platform": sys.platform}
+    try:
+        import platform
+        info["machine"] = platform.machine()
+        info["python"] = platform.python_version()
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        import subprocess
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        info["git"] = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True,
+                                     text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["git"] = None
+    from ._ffi import ffi, lib
+    try:
+        info["libsmoe"] = ffi.string(lib.smoe_version()).decode()
+    except Exception:  # pragma: no cover
+        pass
+    info["smoe_lib"] = os.environ.get("SMOE_LIB")
+    info["mem_total_mb"] = _meminfo("MemTotal")
+    info["mem_available_mb"] = _meminfo("MemAvailable")
+    return info
+
+
+def _meminfo(key: str) -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:  # pragma: no cover
+        return None
+
+
+# ----------------------------------------------------------------------- the Direct I/O probe
+
+class DirectReader:
+    """A plain parallel pread loop over a vault's blobs: `io_threads` readers, each reading whole
+    blobs with one preadv into its own page-aligned buffer (an anonymous mmap), the file opened
+    with O_DIRECT (F_NOCACHE on macOS). No cache, no engine: the disk's bandwidth at this read
+    size and queue depth."""
+
+    def __init__(self, vault_dir, io_threads: int = 4):
+        import concurrent.futures as cf
+        import mmap
+        import pathlib
+
+        import numpy as np
+
+        from .vaultio import VaultFile
+        vf = VaultFile(vault_dir)
+        try:
+            E = vf.binary_config["num_experts"]
+            self.blob_bytes = int(vf.header.blob_bytes)
+            self.offsets = np.array([int(o) for i, o in enumerate(vf.blob_offsets) if vf.sparse[i // E]],
+                                    dtype=np.int64)
+            self.path = pathlib.Path(vf.path)
+        finally:
+            vf.close()
+        self.io_threads = int(io_threads)
+        self.direct_io = False
+        flags = os.O_RDONLY
+        if hasattr(os, "O_DIRECT"):
+            try:
+                self.fd = os.open(self.path, flags | os.O_DIRECT)
+                self.direct_io = True
+            except OSError:
+                self.fd = os.open(self.path, flags)
+        else:
+            self.fd = os.open(self.path, flags)
+            try:
+                import fcntl
+                if hasattr(fcntl, "F_NOCACHE"):
+                    fcntl.fcntl(self.fd, fcntl.F_NOCACHE, 1)
+                    self.direct_io = True
+            except OSError:
+                pass
+        self._bufs = [mmap.mmap(-1, max(self.blob_bytes, 1)) for _ in range(self.io_threads)]
+        self._pool = cf.ThreadPoolExecutor(self.io_threads, thread_name_prefix="pread-probe")
+        self._calls = 0
+
+    def _direct_failed(self):
+        """O_DIRECT opened but reads refuse it (some file systems): fall back, say so."""
+        os.close(self.fd)
+        self.fd = os.open(self.path, os.O_RDONLY)
+        self.direct_io = False
+
+    def read(self, n_blobs: int, seed: int = 0) -> dict:
+        """Read n_blobs distinct random blobs; returns seconds, bytes, GB/s."""
+        import itertools
+
+        import numpy as np
+        n_blobs = max(1, min(int(n_blobs), len(self.offsets)))
+        rng = np.random.default_rng([seed, self._calls])
+        self._calls += 1
+        offs = self.offsets[rng.choice(len(self.offsets), n_blobs, replace=False)].tolist()
+        counter = itertools.count()
+        size = self.blob_bytes
+
+        def worker(k: int) -> int:
+            buf, done = self._bufs[k], 0
+            while True:
+                i = next(counter)
+                if i >= n_blobs:
+                    return done
+                got = os.preadv(self.fd, [buf], offs[i])
+                if got != size:
+                    raise OSError(f"short read of a blob at {offs[i]}: {got} of {size} bytes")
+                done += got
+
+        try:
+            t0 = time.perf_counter()
+            total = sum(f.result() for f in [self._pool.submit(worker, k) for k in range(self.io_threads)])
+            dt = time.perf_counter() - t0
+        except OSError as e:
+            if self.direct_io and e.errno == 22:  # EINVAL: O_DIRECT refused by the file system
+                self._direct_failed()
+                return self.read(n_blobs, seed)
+            raise
+        return {"seconds": dt, "bytes": total, "blobs": n_blobs, "gbps": total / dt / 1e9,
+                "direct_io": self.direct_io}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+            os.close(self.fd)
+            for b in self._bufs:
+                b.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ------------------------------------------------------------------------------- the runs
+
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _spread(xs):
+    xs = [x for x in xs if x is not None]
+    return [min(xs), max(xs)] if xs else None
+
+
+def make_prompt(vocab: int, n: int, seed: int = 0):
+    """The first n ids of one fixed random sequence (so shorter prompts are prefixes of longer)."""
+    import numpy as np
+    rng = np.random.default_rng([seed, 0xB3])
+    return rng.integers(0, vocab, max(n, 1), dtype=np.int64)[:n].astype(np.int32)
+
+
+class Bench:
+    """The sessions and probe of one benchmark run over one vault.
+
+    cold: a session with the cache budget, every run started cold (reset, clear_cache,
+    reset_stats); resident: a session whose cache holds every expert, kept warm."""
+
+    def __init__(self, vault_path, *, cache_bytes=None, cache_frac=0.1, threads=None, chunk=64, io_threads=4,
+                 context=4096, resident=True, resident_bytes=None, probe_bytes=1 << 30, seed=0, log=None):
+        from .engine import open_vault
+        self.vault = open_vault(vault_path)
+        self.log = log or (lambda msg: None)
+        v = self.vault
+        self.vocab = v.config["vocab_size"]
+        self.blob_bytes = v.blob_bytes
+        self.expert_bytes = v.expert_bytes
+        self.cache_bytes = int(cache_bytes if cache_bytes is not None else cache_frac * v.expert_bytes)
+        self.io_threads = io_threads
+        self.chunk = chunk
+        self.seed = seed
+        kw = dict(threads=threads, chunk=chunk, io_threads=io_threads, context=context, direct_io=True)
+        self.cold = v.session(cache_bytes=self.cache_bytes, **kw)
+        self.threads = self.cold.threads
+        self.resident = None
+        self.resident_bytes = None
+        self.warnings = []
+        if resident:
+            if resident_bytes is None:
+                # Every expert, and a slot more per sparse layer, so that the budget is never the limit
+                # -- unless that would not fit in this machine's available memory next to the cold cache.
+                want = v.expert_bytes + v.blob_bytes * v.num_sparse_layers
+                avail = _meminfo("MemAvailable")
+                if avail is not None:
+                    room = int(avail * MiB) - self.cache_bytes - (3 << 29)
+                    if want > room:
+                        self.warnings.append(
+                            f"the resident cache is cut to {max(room, 0) / MiB:,.0f} MiB of the {want / MiB:,.0f} "
+                            f"MiB of experts to fit in available memory: the compute floor may include reads")
+                        want = max(room, v.blob_bytes * v.num_sparse_layers)
+                resident_bytes = want
+            self.resident_bytes = int(resident_bytes)
+            self.resident = v.session(cache_bytes=self.resident_bytes, **kw)
+        for w in self.warnings:
+            self.log("WARNING: " + w)
+        self.probe = DirectReader(v.path, io_threads)
+        self.probe_blobs_max = max(1, int(probe_bytes // max(self.blob_bytes, 1)))
+        self._exact = {}        # prompt length -> exact union blobs
+        self._warm = set()      # (path, length) already run on the resident session
+
+    def close(self):
+        for s in (self.cold, self.resident):
+            if s is not None:
+                s.close()
+        self.probe.close()
+        self.vault.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def prompt(self, n: int):
+        return make_prompt(self.vocab, n, self.seed)
+
+    # -- single runs
+    @staticmethod
+    def _timed_prefill(session, path, ids) -> dict:
+        session.prefill_path = path
+        t0 = time.perf_counter()
+        session.prefill(ids)
+        dt = time.perf_counter() - t0
+        st = session.stats()
+        return {"ttft_s": dt, "blob_reads": st["blob_reads"], "bytes_read": st["bytes_read"],
+                "cache_hits": st["cache_hits"], "cache_misses": st["cache_misses"], "io_wait_s": st["io_wait_s"],
+                "direct_io": st["direct_io"], "union_sum": sum(st["union_sizes"]),
+                "resident_bytes": st["resident_bytes"]}
+
+    def cold_ttft(self, path: str, n: int) -> dict:
+        s = self.cold
+        s.reset()
+        s.clear_cache()
+        s.reset_stats()
+        return self._timed_prefill(s, path, self.prompt(n))
+
+    def exact_union(self, n: int) -> int | None:
+        """Blobs the prompt's exact routing needs, each once: the reads of a prefill into an empty
+        cache that holds every expert (it also warms the resident session for this prompt)."""
+        if n not in self._exact:
+            if self.resident is None:
+                return None
+            s = self.resident
+            s.reset()
+            s.clear_cache()
+            s.reset_stats()
+            rec = self._timed_prefill(s, "layer-major", self.prompt(n))
+            self._exact[n] = rec["blob_reads"]
+            self._warm = {("layer-major", n)}
+        return self._exact[n]
+
+    def resident_ttft(self, path: str, n: int) -> dict:
+        s = self.resident
+        ids = self.prompt(n)
+        if (path, n) not in self._warm:
+            s.reset()
+            self._timed_prefill(s, path, ids)  # warm-up: whatever this prompt needs comes in
+            self._warm.add((path, n))
+        s.reset()
+        s.reset_stats()
+        return self._timed_prefill(s, path, ids)
+
+    def io_probe(self, n_blobs: int, rep: int) -> dict:
+        return self.probe.read(min(max(n_blobs, 8 * self.io_threads), self.probe_blobs_max), seed=self.seed * 7919 + rep)
+
+    def decode_run(self, which: str, prompt_len: int, n_tokens: int) -> dict:
+        """Prefill a prompt (layer-major), then time n_tokens greedy decode steps."""
+        import numpy as np
+        s = self.cold if which == "budget" else self.resident
+        ids = self.prompt(prompt_len)
+        s.prefill_path = "layer-major"
+        if which == "budget":
+            s.clear_cache()
+        elif ("decode", prompt_len, n_tokens) not in self._warm:
+            self._warm.add(("decode", prompt_len, n_tokens))
+            self.decode_run(which, prompt_len, n_tokens)   # warm-up: the same greedy tokens come in
+        s.reset()
+        logits = s.prefill(ids)
+        s.reset_stats()
+        t0 = time.perf_counter()
+        for _ in range(n_tokens):
+            logits = s.decode(int(np.argmax(logits)))
+        dt = time.perf_counter() - t0
+        st = s.stats()
+        return {"seconds": dt, "tokens": n_tokens, "tps": n_tokens / dt if dt > 0 else None,
+                "blob_reads": st["blob_reads"], "bytes_read": st["bytes_read"], "cache_hits": st["cache_hits"],
+                "cache_misses": st["cache_misses"], "direct_io": st["direct_io"]}
+
+
+def _rotate(items: list, k: int) -> list:
+    if not items:
+        return items
+    k %= len(items)
+    return items[k:] + items[:k]
+
+
+def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cache_frac=0.1, chunk=64, threads=None,
+              io_threads=4, decode_tokens=16, decode_prompt=8, serial_max_len=None, resident=True,
+              resident_bytes=None, probe_bytes=1 << 30, seed=0, context=None, log=None) -> dict:
+    """Run the benchmark; returns a dict of the raw runs and the medians (what --json writes)."""
+    log = log or (lambda msg: None)
+    lengths, paths = list(lengths), list(paths)
+    if context is None:
+        context = max(max(lengths), decode_prompt + decode_tokens) + 1
+    result = {"machine": machine_info(), "loadavg_before": loadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "argv": sys.argv[1:]}
+    t_start = time.perf_counter()
+    with Bench(vault_path, cache_bytes=cache_bytes, cache_frac=cache_frac, threads=threads, chunk=chunk,
+               io_threads=io_threads, context=context, resident=resident, resident_bytes=resident_bytes,
+               probe_bytes=probe_bytes, seed=seed, log=log) as b:
+        v = b.vault
+        result["vault"] = {"path": str(v.path), "blob_bytes": v.blob_bytes, "expert_bytes": v.expert_bytes,
+                           "dense_bytes": v.dense_bytes, "layers": v.config["num_hidden_layers"],
+                           "sparse_layers": v.num_sparse_layers, "experts": v.config["num_experts"],
+                           "top_k": v.config["num_experts_per_tok"], "hidden_size": v.config["hidden_size"]}
+        result["settings"] = {"cache_bytes": b.cache_bytes, "cache_frac": b.cache_bytes / max(v.expert_bytes, 1),
+                              "resident_cache_bytes": b.resident_bytes, "chunk": chunk, "threads": b.threads,
+                              "io_threads": io_threads, "repeats": repeats, "paths": paths, "lengths": lengths,
+                              "decode_tokens": decode_tokens, "decode_prompt": decode_prompt,
+                              "serial_max_len": serial_max_len, "seed": seed, "probe_direct_io": b.probe.direct_io}
+        rows = []
+        for n in lengths:
+            cell_paths = [p for p in paths if p != "token-serial" or serial_max_len is None or n <= serial_max_len]
+            exact = b.exact_union(n)
+            contenders = [("cold", p) for p in cell_paths] + [("probe", None)]
+            if b.resident is not None:
+                contenders += [("resident", p) for p in cell_paths]
+            runs = {f"{k}:{p}" if p else k: [] for k, p in contenders}
+            for r in range(repeats):
+                for kind, p in _rotate(contenders, r):
+                    if kind == "cold":
+                        rec = b.cold_ttft(p, n)
+                        if not rec["direct_io"]:
+                            log(f"WARNING: O_DIRECT NOT IN FORCE for the {p} run at {n} tokens: the page cache "
+                                f"may have served these reads")
+                    elif kind == "probe":
+                        rec = b.io_probe(exact if exact is not None else n * v.config["num_experts_per_tok"]
+                                         * v.num_sparse_layers, r)
+                    else:
+                        rec = b.resident_ttft(p, n)
+                    runs[f"{kind}:{p}" if p else kind].append(rec)
+                    what = f"{kind} {p}" if p else "pread probe"
+                    fig = f"{rec['gbps']:.2f} GB/s" if kind == "probe" else f"{rec['ttft_s']:.3f} s"
+                    log(f"  {n:5d} tokens  rep {r + 1}/{repeats}  {what:<24s} {fig}")
+            rows.append(_summarise_length(n, exact, runs, cell_paths, v.blob_bytes, b.resident is not None))
+        result["ttft"] = rows
+        result["warnings"] = list(b.warnings)
+        decode = {}
+        if decode_tokens > 0:
+            kinds = ["budget"] + (["resident"] if b.resident is not None else [])
+            runs = {k: [] for k in kinds}
+            for r in range(repeats):
+                for k in _rotate(kinds, r):
+                    rec = b.decode_run(k, decode_prompt, decode_tokens)
+                    runs[k].append(rec)
+                    log(f"  decode {k:<8s} rep {r + 1}/{repeats}  {rec['tps']:.2f} tok/s")
+            for k in kinds:
+                rs = runs[k]
+                decode[k] = {"tps": _median([x["tps"] for x in rs]), "tps_spread": _spread([x["tps"] for x in rs]),
+                             "blob_reads_per_token": _median([x["blob_reads"] / x["tokens"] for x in rs]),
+                             "mib_read_per_token": _median([x["bytes_read"] / x["tokens"] / MiB for x in rs]),
+                             "cache_misses": _median([x["cache_misses"] for x in rs]),
+                             "direct_io": all(x["direct_io"] for x in rs), "runs": rs}
+        result["decode"] = decode
+    result["loadavg_after"] = loadavg()
+    result["wall_s"] = time.perf_counter() - t_start
+    result["direct_io_everywhere"] = all(
+        run["direct_io"] for row in result["ttft"] for key, rs in row["runs"].items() for run in rs
+        if key.startswith("cold") or key == "probe") and all(d["direct_io"] for d in decode.values())
+    cpus = result["machine"]["cpus"] or 1
+    busy = [x for x in (result["loadavg_before"], result["loadavg_after"]) if x]
+    result["machine_busy"] = any(x[0] > 0.5 * cpus for x in busy)
+    return result
+
+
+def _summarise_length(n, exact, runs, paths, blob_bytes, has_resident) -> dict:
+    probe = runs["probe"]
+    gbps = _median([x["gbps"] for x in probe])
+    exact_bytes = exact * blob_bytes if exact is not None else None
+    # per repeat: I/O floor from that repeat's own bandwidth
+    union_source = "cold prefill into a cache holding every expert"
+    if exact_bytes is not None:
+        io_floor_reps = [exact_bytes / (x["gbps"] * 1e9) for x in probe]
+    elif "layer-major" in paths:
+        # No resident session: the layer-major cold run's own reads stand in for the union (an upper
+        # bound: the budget can make it read an expert twice, and the last token's reads add in).
+        union_source = "blob reads of the layer-major cold run (no resident session; upper bound)"
+        io_floor_reps = [x["blob_reads"] * blob_bytes / (y["gbps"] * 1e9)
+                         for x, y in zip(runs["cold:layer-major"], probe)]
+        exact = _median([x["blob_reads"] for x in runs["cold:layer-major"]])
+        exact_bytes = exact * blob_bytes
+    else:
+        io_floor_reps = []
+    io_floor = _median(io_floor_reps) if io_floor_reps else None
+    row = {"prompt_tokens": n, "exact_union_blobs": exact, "exact_union_bytes": exact_bytes,
+           "union_source": union_source,
+           "disk_gbps": gbps, "disk_gbps_spread": _spread([x["gbps"] for x in probe]), "io_floor_s": io_floor,
+           "paths": {}, "runs": runs}
+    comp_reps = None
+    if has_resident:
+        # per repeat: the fastest resident path is the compute floor
+        per_path = [[x["ttft_s"] for x in runs[f"resident:{p}"]] for p in paths]
+        comp_reps = [min(vals) for vals in zip(*per_path)]
+        row["compute_floor_s"] = _median(comp_reps)
+        row["compute_floor_misses"] = max(x["cache_misses"] for p in paths for x in runs[f"resident:{p}"])
+    else:
+        row["compute_floor_s"] = None
+    for p in paths:
+        cold = runs[f"cold:{p}"]
+        t = [x["ttft_s"] for x in cold]
+        pr = {"ttft_s": _median(t), "ttft_spread": _spread(t), "prompt_tps": n / _median(t),
+              "blob_reads": _median([x["blob_reads"] for x in cold]),
+              "bytes_read": _median([x["bytes_read"] for x in cold]),
+              "cache_hits": _median([x["cache_hits"] for x in cold]),
+              "io_wait_s": _median([x["io_wait_s"] for x in cold]),
+              "union_sum": _median([x["union_sum"] for x in cold]),
+              "direct_io": all(x["direct_io"] for x in cold)}
+        if has_resident:
+            pr["resident_s"] = _median([x["ttft_s"] for x in runs[f"resident:{p}"]])
+        ratios = []
+        for i, x in enumerate(cold):
+            floors = [f for f in ((io_floor_reps[i] if io_floor_reps else None),
+                                  (comp_reps[i] if comp_reps else None)) if f is not None]
+            if floors:
+                ratios.append(x["ttft_s"] / max(floors))
+        pr["ttft_over_floor"] = _median(ratios) if ratios else None
+        row["paths"][p] = pr
+    if "layer-major" in paths and "token-serial" in paths:
+        lm, ts = runs["cold:layer-major"], runs["cold:token-serial"]
+        row["lm_over_ts"] = _median([a["ttft_s"] / b["ttft_s"] for a, b in zip(lm, ts)])
+    floors = [f for f in (io_floor, row["compute_floor_s"]) if f is not None]
+    row["floor_s"] = max(floors) if floors else None
+    return row
+
+
+# ------------------------------------------------------------------------------------ output
+
+def _f(x, fmt="{:.3f}", none="—"):
+    return none if x is None else fmt.format(x)
+
+
+def format_table(res: dict) -> str:
+    v, s = res["vault"], res["settings"]
+    out = []
+    out.append(f"vault {v['path']}: {v['layers']} layers ({v['sparse_layers']} sparse), {v['experts']} experts top-"
+               f"{v['top_k']}, blob {v['blob_bytes'] / MiB:.2f} MiB, experts {v['expert_bytes'] / MiB:,.0f} MiB")
+    out.append(f"cache {s['cache_bytes'] / MiB:,.1f} MiB ({100 * s['cache_frac']:.1f}% of the experts), chunk "
+               f"{s['chunk']}, threads {s['threads']}, io_threads {s['io_threads']}, median of {s['repeats']}; "
+               f"load {res['loadavg_before']} -> {res['loadavg_after']} on {res['machine']['cpus']} CPUs")
+    if not res["direct_io_everywhere"]:
+        out.append("!!! WARNING: Direct I/O (O_DIRECT) was NOT in force for every cold run or probe: the page cache "
+                   "may have served reads; these TTFTs are not cold !!!")
+    else:
+        out.append("Direct I/O (O_DIRECT) in force for every cold run and probe.")
+    for w in res.get("warnings", []):
+        out.append(f"WARNING: {w}")
+    if res.get("machine_busy"):
+        out.append("NOTE: the machine was busy (load average above half the CPUs): figures are preliminary.")
+    out.append("")
+    hdr = (f"{'tokens':>6} {'path':<13} {'TTFT s':>8} {'min-max':>15} {'tok/s':>8} {'reads':>6} {'MiB read':>9} "
+           f"{'hits':>5} {'io_wait':>7} {'resid. s':>8} {'/floor':>6}")
+    out.append(hdr)
+    out.append("-" * len(hdr))
+    for row in res["ttft"]:
+        n = row["prompt_tokens"]
+        for p, pr in row["paths"].items():
+            sp = pr["ttft_spread"]
+            out.append(f"{n:>6} {p:<13} {pr['ttft_s']:>8.3f} {f'{sp[0]:.3f}-{sp[1]:.3f}':>15} {pr['prompt_tps']:>8.1f} "
+                       f"{pr['blob_reads']:>6.0f} {pr['bytes_read'] / MiB:>9.1f} {pr['cache_hits']:>5.0f} "
+                       f"{pr['io_wait_s']:>7.3f} {_f(pr.get('resident_s')):>8} {_f(pr['ttft_over_floor'], '{:.2f}'):>6}"
+                       + ("" if pr["direct_io"] else "  NO O_DIRECT"))
+    out.append("")
+    hdr2 = (f"{'tokens':>6} {'union blobs':>11} {'union MiB':>9} {'disk GB/s':>9} {'I/O floor':>9} "
+            f"{'compute fl.':>11} {'floor s':>8} {'LM/TS':>6}")
+    out.append(hdr2)
+    out.append("-" * len(hdr2))
+    for row in res["ttft"]:
+        ub = row["exact_union_bytes"]
+        miss = row.get("compute_floor_misses")
+        out.append(f"{row['prompt_tokens']:>6} {_f(row['exact_union_blobs'], '{:.0f}'):>11} "
+                   f"{_f(ub / MiB if ub is not None else None, '{:.1f}'):>9} {_f(row['disk_gbps'], '{:.2f}'):>9} "
+                   f"{_f(row['io_floor_s']):>9} {_f(row['compute_floor_s']):>11} {_f(row['floor_s']):>8} "
+                   f"{_f(row.get('lm_over_ts'), '{:.2f}'):>6}"
+                   + (f"  (resident runs missed {miss} blobs: compute floor is an upper bound)" if miss else ""))
+    if res.get("decode"):
+        out.append("")
+        d = res["decode"]
+        out.append(f"decode after a {s['decode_prompt']}-token prompt, {s['decode_tokens']} greedy tokens:")
+        for k, x in d.items():
+            label = f"cache {s['cache_bytes'] / MiB:,.0f} MiB" if k == "budget" else "every expert resident"
+            sp = x["tps_spread"]
+            out.append(f"  {label:<24s} {x['tps']:8.2f} tok/s  ({sp[0]:.2f}-{sp[1]:.2f}), "
+                       f"{x['blob_reads_per_token']:.1f} blob reads/token, {x['mib_read_per_token']:.1f} MiB/token"
+                       + ("" if x["direct_io"] else "  NO O_DIRECT"))
+    out.append("")
+    out.append("TTFT: wall time of Session.prefill (cold: reset, clear_cache, reset_stats). union: blobs the prompt's "
+               "exact routing needs, once each. I/O floor: union bytes / disk GB/s (parallel O_DIRECT pread, "
+               "io_threads readers, blob-sized reads). compute floor: the fastest path with every expert resident. "
+               "/floor: TTFT / max(I/O floor, compute floor). LM/TS: layer-major / token-serial TTFT.")
+    return "\n".join(out)
+
+
+def run(args) -> int:
+    if args.repeats < 1:
+        print("pysmoe bench: --repeats must be ≥ 1", file=sys.stderr)
+        return 2
+    cache_bytes = int(args.cache_mb * MiB) if args.cache_mb is not None else None
+    cache_frac = args.cache_frac if args.cache_frac is not None else 0.1
+    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    res = run_bench(args.vault, args.prompt_lengths, paths=args.paths, repeats=args.repeats, cache_bytes=cache_bytes,
+                    cache_frac=cache_frac, chunk=args.chunk, threads=args.threads, io_threads=args.io_threads,
+                    decode_tokens=args.decode_tokens, decode_prompt=args.decode_prompt,
+                    serial_max_len=args.serial_max_len, resident=not args.no_resident,
+                    resident_bytes=int(args.resident_mb * MiB) if args.resident_mb is not None else None,
+                    probe_bytes=int(args.probe_mb * MiB), seed=args.seed, context=args.context, log=log)
+    print(format_table(res))
+    if not res["direct_io_everywhere"]:
+        print("pysmoe bench: WARNING: O_DIRECT was not in force for every cold run; see the table", file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    if args.strict and not res["direct_io_everywhere"]:
+        return 3
+    return 0

@@ -1,0 +1,86 @@
+"""`python -m pysmoe bench` runs end to end on the tiny vault (no timing asserts: speed lives in
+bench/). Checks the table, the JSON record and the I/O accounting the figures rest on."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pysmoe.bench import DirectReader, format_table, make_prompt, run_bench
+from pysmoe.cli import main
+
+
+def test_bench_cli_table_and_json(tiny_vault, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", str(tiny_vault), "--prompt-lengths", "1,5,9", "--repeats", "2", "--threads", "1",
+               "--chunk", "4", "--decode-tokens", "3", "--decode-prompt", "4", "--json", str(out), "--quiet"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    for word in ("layer-major", "token-serial", "I/O floor", "compute fl.", "LM/TS", "tok/s", "decode"):
+        assert word in text
+    assert ("O_DIRECT) in force" in text) or ("NOT in force" in text)
+
+    res = json.loads(out.read_text())
+    v = res["vault"]
+    assert [row["prompt_tokens"] for row in res["ttft"]] == [1, 5, 9]
+    for row in res["ttft"]:
+        n = row["prompt_tokens"]
+        assert set(row["paths"]) == {"layer-major", "token-serial"}
+        assert len(row["runs"]["cold:layer-major"]) == 2 and len(row["runs"]["probe"]) == 2
+        # The exact union: at most top-k blobs per sparse layer per token, at least top-k per layer.
+        assert v["top_k"] * v["sparse_layers"] <= row["exact_union_blobs"] <= n * v["top_k"] * v["sparse_layers"]
+        assert row["exact_union_bytes"] == row["exact_union_blobs"] * v["blob_bytes"]
+        assert row["io_floor_s"] > 0 and row["compute_floor_s"] > 0 and row["disk_gbps"] > 0
+        assert row["compute_floor_misses"] == 0  # the resident session really held everything
+        assert row["lm_over_ts"] > 0
+        for p, pr in row["paths"].items():
+            assert pr["ttft_s"] > 0 and pr["ttft_over_floor"] > 0
+            # Every cold run starts with an empty cache, so it reads at least the exact union.
+            assert pr["blob_reads"] >= row["exact_union_blobs"]
+            assert pr["bytes_read"] == pr["blob_reads"] * v["blob_bytes"]
+            assert isinstance(pr["direct_io"], bool)
+        if n == 1:  # one token: both paths run the same single step
+            assert row["paths"]["layer-major"]["blob_reads"] == row["paths"]["token-serial"]["blob_reads"]
+    assert set(res["decode"]) == {"budget", "resident"}
+    assert res["decode"]["resident"]["cache_misses"] == 0
+    assert res["decode"]["budget"]["tps"] > 0
+    assert isinstance(res["direct_io_everywhere"], bool)
+    assert format_table(res) == text.rstrip("\n")
+
+
+def test_bench_one_path_no_resident(tiny_vault):
+    res = run_bench(tiny_vault, [3], paths=["layer-major"], repeats=1, threads=1, decode_tokens=0, resident=False)
+    (row,) = res["ttft"]
+    assert set(row["paths"]) == {"layer-major"} and "lm_over_ts" not in row
+    assert row["compute_floor_s"] is None
+    # Without a resident session the layer-major cold run's reads stand in for the union.
+    assert row["exact_union_blobs"] == row["paths"]["layer-major"]["blob_reads"]
+    assert row["io_floor_s"] > 0
+    assert res["decode"] == {}
+    format_table(res)
+
+
+def test_bench_serial_max_len(tiny_vault):
+    res = run_bench(tiny_vault, [2, 6], repeats=1, threads=1, decode_tokens=0, serial_max_len=2, resident=False)
+    assert set(res["ttft"][0]["paths"]) == {"layer-major", "token-serial"}
+    assert set(res["ttft"][1]["paths"]) == {"layer-major"}
+
+
+def test_direct_reader_reads_whole_blobs(tiny_vault):
+    with DirectReader(tiny_vault, io_threads=3) as r:
+        res = r.read(10)
+        assert res["blobs"] == 10 and res["bytes"] == 10 * r.blob_bytes
+        assert r.read(10 ** 6)["blobs"] == len(r.offsets)  # at most every blob once
+        assert isinstance(res["direct_io"], bool)
+
+
+def test_prompts_are_prefixes():
+    a, b = make_prompt(1000, 5), make_prompt(1000, 9)
+    assert (b[:5] == a).all() and a.dtype.name == "int32"
+
+
+@pytest.mark.parametrize("argv", [["--prompt-lengths", "0"], ["--paths", "sideways"], ["--cache-mb", "1", "--cache-frac", "0.1"]])
+def test_bench_cli_bad_arguments(tiny_vault, argv):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", str(tiny_vault), *argv])
+    assert e.value.code == 2
