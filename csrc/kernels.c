@@ -42,8 +42,13 @@
  * g / (1 + expf(-g)); the router's top-k weights are divided by their sum.
  *
  * Assumes a little-endian host (the vault is little-endian and is used in place).
+ *
+ * Dispatch. The functions of kernels.h at the end of this file pick, at build time, the AVX2
+ * kernels of kernels_avx2.c (which keep the same rule with their own, stated, order and are
+ * tested against these within a tolerance) or these reference kernels, which keep their own
+ * names (smoe_ref_*) in every build. See kernels_isa.h.
  */
-#include "kernels.h"
+#include "kernels_isa.h"
 
 #include <math.h>
 #include <string.h>
@@ -300,8 +305,8 @@ static float dot16(const float *w, const float *x, uint32_t n) {
 
 /* ------------------------------------------------------------------------------- matmul */
 
-void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n,
-                      float *y, size_t ldy, uint32_t r0, uint32_t r1) {
+void smoe_ref_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n,
+                          float *y, size_t ldy, uint32_t r0, uint32_t r1) {
     const uint32_t cols = W->cols;
     float wbuf[RTILE][BLOCK];        /* (rows of the tile, block columns) dequantised weights */
     float acc[TTILE][RTILE][LANES];  /* (tokens of the tile, rows of the tile, lanes) */
@@ -330,7 +335,7 @@ void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, si
 
 /* ------------------------------------------------------------------------ per-token math */
 
-void smoe_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps) {
+void smoe_ref_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps) {
     const float ss = dot16(x, x, dim);
     const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
     float wbuf[BLOCK]; /* (block) the weight, widened */
@@ -370,8 +375,8 @@ void smoe_softmax(float *x, uint32_t n) {
     for (uint32_t i = 0; i < n; i++) x[i] = x[i] / sum;
 }
 
-void smoe_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
-                 uint32_t head_dim, float *scratch) {
+void smoe_ref_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
+                     uint32_t head_dim, float *scratch) {
     /* head_dim ** -0.5 as transformers computes it (in double), then rounded to float */
     const float scale = (float)(1.0 / sqrt((double)head_dim));
     for (uint32_t p = 0; p < n_pos; p++) scratch[p] = dot16(q, k + p * stride, head_dim) * scale;
@@ -432,4 +437,33 @@ void smoe_axpy(float *y, float a, const float *x, uint32_t n) {
         float ax = a * x[i];
         y[i] += ax;
     }
+}
+
+/* ----------------------------------------------------------------------------- dispatch */
+
+const char *smoe_kernels_isa(void) { return SMOE_HAVE_AVX2 ? "avx2" : "portable"; }
+
+void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n,
+                      float *y, size_t ldy, uint32_t r0, uint32_t r1) {
+#if SMOE_HAVE_AVX2
+    if (smoe_avx2_matmul_rows(W, w, x, ldx, n, y, ldy, r0, r1)) return;
+#endif
+    smoe_ref_matmul_rows(W, w, x, ldx, n, y, ldy, r0, r1);
+}
+
+void smoe_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps) {
+#if SMOE_HAVE_AVX2
+    smoe_avx2_rmsnorm(out, x, weight, dim, eps);
+#else
+    smoe_ref_rmsnorm(out, x, weight, dim, eps);
+#endif
+}
+
+void smoe_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
+                 uint32_t head_dim, float *scratch) {
+#if SMOE_HAVE_AVX2
+    smoe_avx2_attend(out, q, k, v, stride, n_pos, head_dim, scratch);
+#else
+    smoe_ref_attend(out, q, k, v, stride, n_pos, head_dim, scratch);
+#endif
 }

@@ -4,6 +4,7 @@
  * RoPE tables, the activation planes for `chunk` tokens, the streamer's slots, the threads.
  * smoe_prefill_chunk and smoe_decode_step then never allocate. */
 #include "session.h"
+#include "cpu.h"
 
 #include <math.h>
 #include <string.h>
@@ -92,6 +93,11 @@ static void build_rope(smoe_session *s) {
 }
 
 smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *params, smoe_session **out) {
+    smoe_status isa = smoe_cpu_check(); /* first: before any code that may use AVX2 (cpu.c) */
+    if (isa != SMOE_OK) {
+        if (out) *out = NULL;
+        return isa;
+    }
     if (!out)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_new: out is NULL");
     *out = NULL;

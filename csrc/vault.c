@@ -26,6 +26,7 @@
  * drive it (tests/c/fuzz_vault.c). Reading is open + pread only; the library never prints.
  */
 #include "vault.h"
+#include "cpu.h"
 
 #include "kernels.h"
 
@@ -640,6 +641,11 @@ static smoe_status load(smoe_vault *v, int fd) {
 }
 
 smoe_status smoe_open_vault(const char *dir, smoe_vault **out) {
+    smoe_status isa = smoe_cpu_check(); /* first: before any code that may use AVX2 (cpu.c) */
+    if (isa != SMOE_OK) {
+        if (out) *out = NULL;
+        return isa;
+    }
     if (!out) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_open_vault: out is NULL");
     *out = NULL;
     if (!dir) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_open_vault: dir is NULL");

@@ -1,16 +1,20 @@
-"""The reference kernels, the worker pool and the sampler through their C tests.
+"""The kernels, the worker pool and the sampler through their C tests.
 
 tests/c/test_kernels.c and tests/c/test_pool_sample.c are compiled here with gcc against the
-csrc files they need (kernels.c, pool.c, sample.c, util.c) with the engine's flags, and run.
-Builds:
+csrc files they need (kernels.c, kernels_avx2.c, cpu.c, pool.c, sample.c, util.c) with the
+engine's flags, and run. Builds:
 
-    O2, O3        the engine's flags; the vector-extension lane loops
+    O2, O3        the engine's flags; the vector-extension lane loops; on x86-64 the AVX2 kernels
     scalar        -DSMOE_KERNELS_SCALAR: the plain-C lane loops, which must give the same bits
+    portable      what `make PORTABLE=1` compiles: -DSMOE_PORTABLE, no -mavx2 (the reference
+                  kernels are then the dispatched ones)
     nofutex       -DSMOE_NO_FUTEX: the pool's condition-variable path (what macOS runs)
     asan          AddressSanitizer + UBSan
     tsan          ThreadSanitizer (pool and sampler only; slow)
 
-test_kernels prints a checksum of every kernel output; all its builds must print the same one.
+test_kernels prints a checksum of the reference kernels' outputs, which every build must print
+the same, and one of the dispatched kernels' outputs, the same in every build of one instruction
+set (and equal to the reference checksum in the portable build).
 """
 
 import os
@@ -23,14 +27,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
-LIB_SOURCES = [CSRC / name for name in ("kernels.c", "pool.c", "sample.c", "util.c")]
+LIB_SOURCES = [CSRC / name for name in ("kernels.c", "kernels_avx2.c", "cpu.c", "pool.c", "sample.c", "util.c")]
 FLAGS = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread", "-ffp-contract=off", "-D_GNU_SOURCE", f"-I{CSRC}"]
-if platform.machine() in ("x86_64", "AMD64"):
-    FLAGS += ["-mavx2", "-mfma", "-mf16c"]
+X86 = platform.machine() in ("x86_64", "AMD64")
+ISA_FLAGS = ["-mavx2", "-mfma", "-mf16c"] if X86 else []
 BUILDS = {
     "O2": ["-O2"],
     "O3": ["-O3"],
     "scalar": ["-O2", "-DSMOE_KERNELS_SCALAR"],
+    "portable": ["-O2", "-DSMOE_PORTABLE=1"],
+    "cpuhook": ["-O2", "-DSMOE_CPU_TEST_HOOKS"],
     "nofutex": ["-O2", "-DSMOE_NO_FUTEX"],
     "asan": ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
     "tsan": ["-O1", "-g", "-fsanitize=thread"],
@@ -48,8 +54,11 @@ def build(tmp_path_factory):
         key = (program, variant)
         if key not in built:
             exe = out / f"{program}_{variant}"
-            cmd = ["gcc", *FLAGS, *BUILDS[variant], str(ROOT / "tests" / "c" / f"{program}.c"),
-                   *map(str, LIB_SOURCES), "-lm", "-o", str(exe)]
+            isa = [] if variant == "portable" else ISA_FLAGS
+            # the CPU-check build links the whole engine: it calls smoe_open_vault / smoe_session_new
+            sources = sorted(CSRC.glob("*.c")) if variant == "cpuhook" else LIB_SOURCES
+            cmd = ["gcc", *FLAGS, *isa, *BUILDS[variant], str(ROOT / "tests" / "c" / f"{program}.c"),
+                   *map(str, sources), "-lm", "-o", str(exe)]
             r = subprocess.run(cmd, capture_output=True, text=True)
             assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
             built[key] = exe
@@ -66,18 +75,29 @@ def run(exe: Path, *args: str, timeout: float = 300) -> str:
     return r.stdout
 
 
-@pytest.mark.parametrize("variant", ["O2", "O3", "scalar", "asan"])
+@pytest.mark.parametrize("variant", ["O2", "O3", "scalar", "portable", "asan"])
 def test_kernels(build, variant):
-    assert "test_kernels: ok" in run(build("test_kernels", variant))
+    out = run(build("test_kernels", variant))
+    assert "test_kernels: ok" in out
+    assert f"isa {'avx2' if X86 and variant != 'portable' else 'portable'}" in out
+
+
+def checksums(out: str) -> dict:
+    return dict(ln.split() for ln in out.splitlines() if ln.startswith("checksum"))
 
 
 def test_kernels_same_bits_in_every_build(build):
-    sums = {}
-    for variant in ("O2", "O3", "scalar"):
-        lines = [ln for ln in run(build("test_kernels", variant)).splitlines() if ln.startswith("checksum ")]
-        assert len(lines) == 1
-        sums[variant] = lines[0]
-    assert len(set(sums.values())) == 1, sums
+    sums = {v: checksums(run(build("test_kernels", v))) for v in ("O2", "O3", "scalar", "portable")}
+    # the reference kernels: one set of bits whatever the flags and the instruction set
+    assert len({s["checksum"] for s in sums.values()}) == 1, sums
+    # the dispatched kernels: one set of bits per instruction set
+    assert len({sums[v]["checksum_fast"] for v in ("O2", "O3", "scalar")}) == 1, sums
+    assert sums["portable"]["checksum_fast"] == sums["portable"]["checksum"]
+
+
+def test_cpu_check_refuses_before_any_avx2(build):
+    """A CPU without AVX2 gets SMOE_ERR_UNSUPPORTED and a message from the first entry points."""
+    assert "test_kernels cpu: ok" in run(build("test_kernels", "cpuhook"), "cpu")
 
 
 @pytest.mark.parametrize("variant", ["O2", "nofutex", "asan"])

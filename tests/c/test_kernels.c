@@ -1,16 +1,26 @@
-/* test_kernels.c — the reference kernels (csrc/kernels.c) against naive versions.
+/* test_kernels.c — the reference kernels (csrc/kernels.c) and the kernels this build dispatches
+ * to (csrc/kernels_avx2.c on x86-64, unless built with -DSMOE_PORTABLE / without -mavx2) against
+ * naive versions and against each other.
  *
  * Built and run by tests/test_c_units.py; exits non-zero on the first failed check group and
- * says what failed on stderr.
+ * says what failed on stderr. With the argument "cpu" (and -DSMOE_CPU_TEST_HOOKS, linked with the
+ * whole engine) it checks instead that smoe_open_vault and smoe_session_new refuse a CPU that
+ * lacks what the build needs.
  *
- * Tolerances:
- *   matmul: |y − ref| ≤ 4·(cols/16 + 4)·2⁻²⁴·Σ|w·x| + 1e-30, ref the dot in double of the
- *           dequantised weights (a bound on float summation over cols/16 + 4 additions per lane
- *           chain and tree, with room to spare);
- *   rmsnorm, attend, softmax, swiglu: relative 1e-5 of the magnitude involved;
- *   dequantisation, n- and split-independence, topk order: exact (bits).
+ * Tolerances (u = 2⁻²⁴, ref the dot in double of the dequantised weights):
+ *   reference matmul: |y − ref| ≤ 4·(cols/16 + 4)·u·Σ|w·x| + 1e-30 (a bound on float summation
+ *           over cols/16 + 4 additions per lane chain and tree, with room to spare);
+ *   fast matmul: |y − ref| ≤ 4·(cols/8 + 16)·u·M + 1e-30, M = Σ|w·x| for f32/bf16 and
+ *           M = Σ_c (|s·q_c| + |b|)·|x_c| for q8/q4, whose affine form (s·Σq·x + b·Σx) cancels
+ *           s·q against b only after rounding; and |y_fast − y_reference| within the sum of the two;
+ *   rmsnorm, attend, softmax, swiglu (both): relative 1e-5 of the magnitude involved;
+ *   dequantisation, n- and split-independence (both), topk order: exact (bits).
  */
-#include "kernels.h"
+#include "kernels_isa.h"
+#ifdef SMOE_CPU_TEST_HOOKS
+#include "cpu.h"
+#include "smoe.h"
+#endif
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -25,11 +35,14 @@ static int failures;
 /* FNV-1a over the bits of every kernel output: the Python driver builds this program with the
  * vector-extension and the scalar lane loops (and at -O2 and -O3) and compares the printed
  * checksums, which must be equal. */
-static uint64_t out_hash = 0xcbf29ce484222325ull;
+static uint64_t out_hash = 0xcbf29ce484222325ull;  /* the reference kernels' outputs */
+static uint64_t fast_hash = 0xcbf29ce484222325ull; /* the dispatched kernels' outputs */
+static int hashing_fast;                            /* which of the two hash_floats feeds */
 
 static void hash_floats(const float *v, size_t n) {
+    uint64_t *h = hashing_fast ? &fast_hash : &out_hash;
     const unsigned char *b = (const unsigned char *)v;
-    for (size_t i = 0; i < n * sizeof(float); i++) out_hash = (out_hash ^ b[i]) * 0x100000001b3ull;
+    for (size_t i = 0; i < n * sizeof(float); i++) *h = (*h ^ b[i]) * 0x100000001b3ull;
 }
 
 #define CHECK(cond, ...)                                                                   \
@@ -173,7 +186,34 @@ static const char *fmt_name(uint8_t f, uint8_t s) {
 
 /* ------------------------------------------------------------------------------ matmul */
 
-static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t cols) {
+typedef void (*matmul_fn)(const smoe_tensor *, const uint8_t *, const float *, size_t, uint32_t, float *, size_t,
+                          uint32_t, uint32_t);
+
+/* |s·q| + |b| of W[r, c] (|w| for f32/bf16): the magnitude the fast q kernels' error scales with */
+static double affine_mag(const smoe_tensor *t, const uint8_t *b, uint32_t r, uint32_t c) {
+    if (t->format < SMOE_FMT_Q8) return fabs(naive_w(t, b, r, c));
+    uint64_t i = (uint64_t)r * t->cols + c, g = (uint64_t)r * (t->cols / 64) + c / 64;
+    uint16_t sh, bh;
+    memcpy(&sh, b + t->scales_off + 2 * g, 2);
+    memcpy(&bh, b + t->biases_off + 2 * g, 2);
+    double s = t->scale_format == SMOE_SCALE_F16 ? naive_f16(sh) : naive_bf16(sh);
+    double bias = t->scale_format == SMOE_SCALE_F16 ? naive_f16(bh) : naive_bf16(bh);
+    unsigned q;
+    if (t->format == SMOE_FMT_Q8) {
+        q = b[i];
+    } else {
+        uint32_t u;
+        memcpy(&u, b + 4 * (i / 8), 4);
+        q = (u >> (4 * (c % 8))) & 15u;
+    }
+    return fabs(s * q) + fabs(bias);
+}
+
+/* fast: test the dispatched smoe_matmul_rows (and compare it with the reference kernel);
+ * otherwise the reference kernel itself. */
+static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t cols, int fast) {
+    const matmul_fn mm = fast ? smoe_matmul_rows : smoe_ref_matmul_rows;
+    hashing_fast = fast;
     test_tensor tt = make_tensor(format, sf, rows, cols);
     const smoe_tensor *W = &tt.t;
     const uint32_t N = 64;
@@ -197,22 +237,41 @@ static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t
     /* n = 64, all rows, padded strides: against the double-precision dot */
     float *y64 = malloc(sizeof(float) * ldy * N);
     for (size_t i = 0; i < ldy * N; i++) y64[i] = NAN;
-    smoe_matmul_rows(W, tt.bytes, x, ldx, N, y64, ldy, 0, rows);
+    mm(W, tt.bytes, x, ldx, N, y64, ldy, 0, rows);
+    float *yref = NULL; /* (N, rows) the reference kernel, when testing the fast one */
+    if (fast) {
+        yref = malloc(sizeof(float) * rows * N);
+        smoe_ref_matmul_rows(W, tt.bytes, x, ldx, N, yref, rows, 0, rows);
+    }
+    double *amag = malloc(sizeof(double) * rows * cols); /* (rows, cols) affine magnitudes */
+    for (uint32_t r = 0; r < rows; r++)
+        for (uint32_t c = 0; c < cols; c++) amag[(size_t)r * cols + c] = affine_mag(W, tt.bytes, r, c);
     int worst_reported = 0;
     for (uint32_t t = 0; t < N; t++)
         for (uint32_t r = 0; r < rows; r++) {
-            double ref = 0, mag = 0;
+            double ref = 0, mag = 0, am = 0;
             for (uint32_t c = 0; c < cols; c++) {
                 double p = (double)wd[(size_t)r * cols + c] * x[t * ldx + c];
                 ref += p;
                 mag += fabs(p);
+                am += amag[(size_t)r * cols + c] * fabs(x[t * ldx + c]);
             }
-            double tol = 4.0 * (cols / 16.0 + 4) * 0x1p-24 * mag + 1e-30;
+            double tol_ref = 4.0 * (cols / 16.0 + 4) * 0x1p-24 * mag + 1e-30;
+            double tol_fast = 4.0 * (cols / 8.0 + 16) * 0x1p-24 * am + 1e-30;
+            double tol = fast ? tol_fast : tol_ref;
             double err = fabs(y64[t * ldy + r] - ref);
             if (!(err <= tol) && !worst_reported++)
-                CHECK(err <= tol, "%s %ux%u: y[t=%u, r=%u] = %.9g, double ref %.9g (tol %.3g)", fmt_name(format, sf),
-                      rows, cols, t, r, y64[t * ldy + r], ref, tol);
+                CHECK(err <= tol, "%s %ux%u%s: y[t=%u, r=%u] = %.9g, double ref %.9g (tol %.3g)", fmt_name(format, sf),
+                      rows, cols, fast ? " fast" : "", t, r, y64[t * ldy + r], ref, tol);
+            if (fast) {
+                double d = fabs((double)y64[t * ldy + r] - yref[(size_t)t * rows + r]);
+                if (!(d <= tol_fast + tol_ref) && !worst_reported++)
+                    CHECK(d <= tol_fast + tol_ref, "%s %ux%u: fast y[t=%u, r=%u] = %.9g, reference kernel %.9g",
+                          fmt_name(format, sf), rows, cols, t, r, y64[t * ldy + r], yref[(size_t)t * rows + r]);
+            }
         }
+    free(amag);
+    free(yref);
     for (uint32_t t = 0; t < N; t++) hash_floats(y64 + t * ldy, rows);
     for (uint32_t t = 0; t < N; t++)
         for (size_t r = rows; r < ldy; r++)
@@ -236,7 +295,7 @@ static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t
                         cuts[b] = tmp;
                     }
             for (int k = 0; k < 5; k++)
-                smoe_matmul_rows(W, tt.bytes, x + t0 * ldx, ldx, nt, y + (size_t)t0 * rows, rows, cuts[k], cuts[k + 1]);
+                mm(W, tt.bytes, x + t0 * ldx, ldx, nt, y + (size_t)t0 * rows, rows, cuts[k], cuts[k + 1]);
         }
         int diff = 0;
         for (uint32_t t = 0; t < N && !diff; t++)
@@ -251,7 +310,7 @@ static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t
     /* one row at a time, one token at a time */
     for (uint32_t t = 0; t < N; t += 9)
         for (uint32_t r = 0; r < rows; r += 5) {
-            smoe_matmul_rows(W, tt.bytes, x + t * ldx, ldx, 1, y, rows, r, r + 1); /* writes y[r] only */
+            mm(W, tt.bytes, x + t * ldx, ldx, 1, y, rows, r, r + 1); /* writes y[r] only */
             CHECK(f32_bits(y[r]) == f32_bits(y64[t * ldy + r]), "%s: single (t=%u, r=%u) differs",
                   fmt_name(format, sf), t, r);
         }
@@ -262,6 +321,14 @@ static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t
     free(wd);
     free(x);
     free(tt.bytes);
+    hashing_fast = 0;
+}
+
+static void test_matmul_shape(uint8_t format, uint8_t sf, uint32_t rows, uint32_t cols) {
+    uint64_t seed = rng_state; /* the same tensor and x for both kernels */
+    test_matmul_case(format, sf, rows, cols, 0);
+    rng_state = seed;
+    test_matmul_case(format, sf, rows, cols, 1);
 }
 
 static void test_matmul(void) {
@@ -269,13 +336,25 @@ static void test_matmul(void) {
         uint32_t rows, cols;
     } qshapes[] = {{1, 64}, {37, 320}, {5, 2112}, {13, 1024}, {3, 128}}, fshapes[] = {{1, 1}, {37, 333}, {6, 2101}, {9, 1024}, {2, 17}};
     for (size_t i = 0; i < sizeof qshapes / sizeof *qshapes; i++) {
-        test_matmul_case(SMOE_FMT_F32, SMOE_SCALE_NONE, fshapes[i].rows, fshapes[i].cols);
-        test_matmul_case(SMOE_FMT_BF16, SMOE_SCALE_NONE, fshapes[i].rows, fshapes[i].cols);
+        test_matmul_shape(SMOE_FMT_F32, SMOE_SCALE_NONE, fshapes[i].rows, fshapes[i].cols);
+        test_matmul_shape(SMOE_FMT_BF16, SMOE_SCALE_NONE, fshapes[i].rows, fshapes[i].cols);
         for (uint8_t sf = SMOE_SCALE_F16; sf <= SMOE_SCALE_BF16; sf++) {
-            test_matmul_case(SMOE_FMT_Q8, sf, qshapes[i].rows, qshapes[i].cols);
-            test_matmul_case(SMOE_FMT_Q4, sf, qshapes[i].rows, qshapes[i].cols);
+            test_matmul_shape(SMOE_FMT_Q8, sf, qshapes[i].rows, qshapes[i].cols);
+            test_matmul_shape(SMOE_FMT_Q4, sf, qshapes[i].rows, qshapes[i].cols);
         }
     }
+    /* random shapes: rows not a multiple of any register block, f32/bf16 cols of any residue */
+    for (int trial = 0; trial < 6; trial++) {
+        uint32_t rows = 1 + (uint32_t)(rnd() % 41), fcols = 1 + (uint32_t)(rnd() % 1500);
+        uint32_t qcols = 64 * (1 + (uint32_t)(rnd() % 40));
+        uint8_t sf = SMOE_SCALE_F16 + (uint8_t)(rnd() % 2);
+        test_matmul_shape(SMOE_FMT_F32, SMOE_SCALE_NONE, rows, fcols);
+        test_matmul_shape(SMOE_FMT_BF16, SMOE_SCALE_NONE, rows, fcols);
+        test_matmul_shape(SMOE_FMT_Q8, sf, rows, qcols);
+        test_matmul_shape(SMOE_FMT_Q4, sf, rows, qcols);
+    }
+    /* wider than the fast q kernels take (they hand it to the reference): still n-independent */
+    test_matmul_shape(SMOE_FMT_Q4, SMOE_SCALE_F16, 2, 64 * 300);
 }
 
 /* Every f16 value through the q8 path (q = 1, bias = +0) against the F16C instruction (or,
@@ -324,7 +403,9 @@ static void test_f16_all(void) {
 
 /* ----------------------------------------------------------------------- per-token math */
 
-static void test_rmsnorm(void) {
+static void test_rmsnorm(int fast) {
+    void (*rmsnorm)(float *, const float *, const smoe_tensor *, uint32_t, float) = fast ? smoe_rmsnorm : smoe_ref_rmsnorm;
+    hashing_fast = fast;
     const uint32_t dims[] = {1, 64, 100, 2048, 2053};
     for (size_t di = 0; di < sizeof dims / sizeof *dims; di++) {
         uint32_t dim = dims[di];
@@ -333,7 +414,7 @@ static void test_rmsnorm(void) {
             float *x = malloc(sizeof(float) * dim), *out = malloc(sizeof(float) * dim);
             for (uint32_t i = 0; i < dim; i++) x[i] = rndf(-3, 3);
             const float eps = 1e-6f;
-            smoe_rmsnorm(out, x, &w.t, dim, eps);
+            rmsnorm(out, x, &w.t, dim, eps);
             hash_floats(out, dim);
             double ss = 0;
             for (uint32_t i = 0; i < dim; i++) ss += (double)x[i] * x[i];
@@ -343,7 +424,7 @@ static void test_rmsnorm(void) {
                 CHECK(fabs(out[i] - ref) <= 1e-5 * (fabs(ref) + 1e-6), "rmsnorm dim %u [%u]: %g vs %g", dim, i,
                       out[i], ref);
             }
-            smoe_rmsnorm(x, x, &w.t, dim, eps); /* in place: the same bits */
+            rmsnorm(x, x, &w.t, dim, eps); /* in place: the same bits */
             CHECK(memcmp(x, out, sizeof(float) * dim) == 0, "rmsnorm in place differs (dim %u)", dim);
             free(x);
             free(out);
@@ -401,11 +482,15 @@ static void test_softmax(void) {
           big[2]);
 }
 
-static void test_attend(void) {
-    const uint32_t hd = 128, stride = 4 * 128 + 8;
-    const uint32_t npos[] = {1, 2, 17, 300};
+static void test_attend(int fast) {
+    void (*attend)(float *, const float *, const float *, const float *, size_t, uint32_t, uint32_t, float *) =
+        fast ? smoe_attend : smoe_ref_attend;
+    hashing_fast = fast;
+    const uint32_t stride = 4 * 128 + 8;
+    const uint32_t npos[] = {1, 2, 17, 300, 5, 9};
+    const uint32_t hds[] = {128, 128, 128, 128, 64, 100};
     for (size_t pi = 0; pi < sizeof npos / sizeof *npos; pi++) {
-        uint32_t n = npos[pi];
+        uint32_t n = npos[pi], hd = hds[pi];
         float *k = malloc(sizeof(float) * stride * n), *v = malloc(sizeof(float) * stride * n);
         float q[128], out[128], *scratch = malloc(sizeof(float) * n);
         for (size_t i = 0; i < (size_t)stride * n; i++) {
@@ -413,7 +498,7 @@ static void test_attend(void) {
             v[i] = rndf(-1, 1);
         }
         for (uint32_t i = 0; i < hd; i++) q[i] = rndf(-2, 2);
-        smoe_attend(out, q, k, v, stride, n, hd, scratch);
+        attend(out, q, k, v, stride, n, hd, scratch);
         hash_floats(out, hd);
         double *s = malloc(sizeof(double) * n), m = -INFINITY, z = 0;
         for (uint32_t p = 0; p < n; p++) {
@@ -495,20 +580,66 @@ static void test_swiglu_axpy(void) {
     }
 }
 
-int main(void) {
+#ifdef SMOE_CPU_TEST_HOOKS
+/* The runtime check: with the hook pretending the CPU lacks AVX2, the first entry points refuse
+ * with SMOE_ERR_UNSUPPORTED and say how to get a build that runs. */
+static int test_cpu_check(void) {
+    smoe_cpu_test_lacks_isa = 1;
+    smoe_vault *v = NULL;
+    smoe_status st = smoe_open_vault("/nonexistent", &v);
+    if (SMOE_HAVE_AVX2) {
+        CHECK(st == SMOE_ERR_UNSUPPORTED && v == NULL, "open_vault on a CPU without AVX2: status %d", (int)st);
+        CHECK(strstr(smoe_last_error(), "AVX2") && strstr(smoe_last_error(), "PORTABLE=1"), "message: %s",
+              smoe_last_error());
+        smoe_session *s = NULL;
+        st = smoe_session_new(NULL, NULL, &s);
+        CHECK(st == SMOE_ERR_UNSUPPORTED && s == NULL, "session_new on a CPU without AVX2: status %d", (int)st);
+    } else {
+        CHECK(st == SMOE_ERR_VAULT, "a portable build runs anywhere: open_vault gave %d (%s)", (int)st,
+              smoe_last_error());
+    }
+    smoe_cpu_test_lacks_isa = 0;
+    st = smoe_open_vault("/nonexistent", &v);
+    CHECK(st == SMOE_ERR_VAULT, "this CPU: open_vault of a missing directory gave %d (%s)", (int)st, smoe_last_error());
+    if (failures) {
+        fprintf(stderr, "test_kernels cpu: %d failure(s)\n", failures);
+        return 1;
+    }
+    printf("test_kernels cpu: ok\n");
+    return 0;
+}
+#endif
+
+int main(int argc, char **argv) {
+#ifdef SMOE_CPU_TEST_HOOKS
+    if (argc > 1 && strcmp(argv[1], "cpu") == 0) return test_cpu_check();
+#endif
+    (void)argc;
+    (void)argv;
     test_f16_all();
     test_matmul();
-    test_rmsnorm();
+    for (int fast = 0; fast < 2; fast++) { /* the same inputs for both: the hashes must be comparable */
+        uint64_t seed = rng_state;
+        test_rmsnorm(fast);
+        if (!fast) rng_state = seed;
+    }
     test_rope();
     test_softmax();
-    test_attend();
+    for (int fast = 0; fast < 2; fast++) {
+        uint64_t seed = rng_state;
+        test_attend(fast);
+        if (!fast) rng_state = seed;
+    }
+    hashing_fast = 0;
     test_topk();
     test_swiglu_axpy();
     if (failures) {
         fprintf(stderr, "test_kernels: %d failure(s)\n", failures);
         return 1;
     }
+    printf("isa %s\n", smoe_kernels_isa());
     printf("checksum %016llx\n", (unsigned long long)out_hash);
+    printf("checksum_fast %016llx\n", (unsigned long long)fast_hash);
     printf("test_kernels: ok\n");
     return 0;
 }

@@ -1,0 +1,245 @@
+/* bench/kernels.c — matrix-product throughput of the dispatched kernels (kernels_avx2.c on
+ * x86-64) and of the reference kernels, against this CPU's limits measured here too.
+ *
+ *   make lib && cc -O3 -std=c11 -ffp-contract=off -D_GNU_SOURCE -mavx2 -mfma -mf16c -Icsrc \
+ *       bench/kernels.c csrc/kernels.c csrc/kernels_avx2.c -lm -pthread -o build/bench_kernels
+ *   build/bench_kernels [threads]        (default 1; rows are split between threads)
+ *
+ * Limits: peak FMA rate (12 independent 8-wide FMA chains per thread: 2 FMA/cycle × 16 flops)
+ * and read bandwidth (a 1 GiB buffer summed with 256-bit loads). Products: q4 and q8 with f16
+ * scales, bf16, f32; n = 1 on a matrix far larger than the caches (the weights stream from
+ * memory, as decode reads them), n = 64 on a 2048 × 2048 matrix (the batched product of a
+ * prefill chunk; compute-bound). Figures are medians of REPS runs. GFLOP/s counts 2·rows·cols·n;
+ * GB/s counts the weight bytes (codes + scales + biases) read once per call.
+ */
+#include "kernels_isa.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+enum { REPS = 7 };
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return v[n / 2];
+}
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+
+/* ------------------------------------------------------------------------------ threads */
+
+typedef struct {
+    void (*fn)(void *, int);
+    void *ctx;
+    int id;
+} job;
+
+static void *job_main(void *p) {
+    job *j = p;
+    j->fn(j->ctx, j->id);
+    return NULL;
+}
+
+static void run_threads(int threads, void (*fn)(void *, int), void *ctx) {
+    pthread_t tid[64];
+    job jobs[64];
+    for (int i = 0; i < threads; i++) {
+        jobs[i] = (job){fn, ctx, i};
+        if (i) pthread_create(&tid[i], NULL, job_main, &jobs[i]);
+    }
+    fn(ctx, 0);
+    for (int i = 1; i < threads; i++) pthread_join(tid[i], NULL);
+}
+
+/* --------------------------------------------------------------------------------- limits */
+
+#if defined(__AVX2__) && defined(__FMA__)
+static void peak_fma_body(void *ctx, int id) {
+    (void)id;
+    long iters = *(long *)ctx;
+    __m256 a[12];
+    for (int i = 0; i < 12; i++) a[i] = _mm256_set1_ps((float)i * 1e-3f);
+    const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+    for (long i = 0; i < iters; i++) {
+        for (int j = 0; j < 12; j++) a[j] = _mm256_fmadd_ps(a[j], m, c);
+        __asm__ volatile("" : "+x"(a[0]), "+x"(a[1]), "+x"(a[2]), "+x"(a[3]), "+x"(a[4]), "+x"(a[5]));
+        __asm__ volatile("" : "+x"(a[6]), "+x"(a[7]), "+x"(a[8]), "+x"(a[9]), "+x"(a[10]), "+x"(a[11]));
+    }
+}
+
+static double peak_fma(int threads) {
+    long iters = 20000000;
+    double v[REPS];
+    for (int r = 0; r < REPS; r++) {
+        double t = now();
+        run_threads(threads, peak_fma_body, &iters);
+        v[r] = (double)iters * 12 * 16 * threads / (now() - t) / 1e9;
+    }
+    return median(v, REPS);
+}
+#endif
+
+typedef struct {
+    const uint8_t *buf;
+    size_t bytes;
+    int threads;
+    volatile uint64_t sink;
+} bw_ctx;
+
+static void bw_body(void *p, int id) {
+    bw_ctx *c = p;
+    size_t per = c->bytes / (size_t)c->threads;
+    const uint64_t *q = (const uint64_t *)(const void *)(c->buf + per * (size_t)id);
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (size_t i = 0; i < per / 8; i += 4) {
+        s0 += q[i];
+        s1 += q[i + 1];
+        s2 += q[i + 2];
+        s3 += q[i + 3];
+    }
+    c->sink += s0 + s1 + s2 + s3;
+}
+
+static double read_bw(int threads) {
+    bw_ctx c = {NULL, (size_t)1 << 30, threads, 0};
+    uint8_t *b = aligned_alloc(64, c.bytes);
+    memset(b, 1, c.bytes);
+    c.buf = b;
+    double v[REPS];
+    for (int r = 0; r < REPS; r++) {
+        double t = now();
+        run_threads(threads, bw_body, &c);
+        v[r] = (double)c.bytes / (now() - t) / 1e9;
+    }
+    free(b);
+    return median(v, REPS);
+}
+
+/* ------------------------------------------------------------------------------- products */
+
+typedef struct {
+    smoe_tensor t;
+    uint8_t *bytes;
+} tensor;
+
+static tensor make(uint8_t format, uint32_t rows, uint32_t cols) {
+    tensor m;
+    memset(&m, 0, sizeof m);
+    smoe_tensor *t = &m.t;
+    t->format = format;
+    t->scale_format = format >= SMOE_FMT_Q8 ? SMOE_SCALE_F16 : SMOE_SCALE_NONE;
+    t->rows = rows;
+    t->cols = cols;
+    uint64_t n = (uint64_t)rows * cols;
+    switch (format) {
+    case SMOE_FMT_F32: t->nbytes = 4 * n; break;
+    case SMOE_FMT_BF16: t->nbytes = 2 * n; break;
+    default: {
+        uint64_t codes = format == SMOE_FMT_Q8 ? n : n / 2, sb = 2 * (n / 64);
+        t->scales_off = codes;
+        t->biases_off = codes + sb;
+        t->nbytes = codes + 2 * sb;
+    }
+    }
+    m.bytes = aligned_alloc(64, (t->nbytes + 63) / 64 * 64);
+    for (uint64_t i = 0; i < t->nbytes / 8; i++) ((uint64_t *)(void *)m.bytes)[i] = rnd();
+    if (format == SMOE_FMT_F32) /* finite values */
+        for (uint64_t i = 0; i < n; i++) ((float *)(void *)m.bytes)[i] = (float)(rnd() % 2001) * 1e-3f - 1.0f;
+    if (format == SMOE_FMT_BF16)
+        for (uint64_t i = 0; i < n; i++) ((uint16_t *)(void *)m.bytes)[i] = (uint16_t)(0x3c00 + rnd() % 0x300);
+    if (format >= SMOE_FMT_Q8) /* f16 scales and biases around 2^-6 */
+        for (uint64_t g = 0; g < 2 * (n / 64); g++)
+            ((uint16_t *)(void *)(m.bytes + t->scales_off))[g] = (uint16_t)(0x2400 | (rnd() & 0x83ff));
+    t->data = m.bytes;
+    return m;
+}
+
+typedef void (*matmul_fn)(const smoe_tensor *, const uint8_t *, const float *, size_t, uint32_t, float *, size_t,
+                          uint32_t, uint32_t);
+
+typedef struct {
+    matmul_fn fn;
+    const tensor *m;
+    const float *x;
+    float *y;
+    uint32_t n;
+    int threads;
+} mm_ctx;
+
+static void mm_body(void *p, int id) {
+    mm_ctx *c = p;
+    uint32_t rows = c->m->t.rows, per = (rows / (uint32_t)c->threads + 15) / 16 * 16;
+    uint32_t r0 = per * (uint32_t)id, r1 = r0 + per < rows ? r0 + per : rows;
+    if (r0 < r1) c->fn(&c->m->t, c->m->bytes, c->x, c->m->t.cols, c->n, c->y, rows, r0, r1);
+}
+
+static void bench_one(const char *name, matmul_fn fn, uint8_t format, uint32_t rows, uint32_t cols, uint32_t n,
+                      int threads, double peak, double bw) {
+    tensor m = make(format, rows, cols);
+    float *x = malloc(sizeof(float) * cols * n), *y = malloc(sizeof(float) * rows * n);
+    for (size_t i = 0; i < (size_t)cols * n; i++) x[i] = (float)(rnd() % 2001) * 1e-3f - 1.0f;
+    mm_ctx c = {fn, &m, x, y, n, threads};
+    run_threads(threads, mm_body, &c); /* warm */
+    double v[REPS];
+    for (int r = 0; r < REPS; r++) {
+        double t = now();
+        run_threads(threads, mm_body, &c);
+        v[r] = now() - t;
+    }
+    double t = median(v, REPS);
+    double gflops = 2.0 * rows * cols * n / t / 1e9, gbs = (double)m.t.nbytes / t / 1e9;
+    static const char *fmts[] = {"f32", "bf16", "q8", "q4"};
+    printf("%-9s %-4s %5u x %-5u n=%-3u %8.2f ms %7.1f GFLOP/s (%3.0f%% of peak) %6.1f GB/s (%3.0f%% of bw)\n", name,
+           fmts[format], rows, cols, n, t * 1e3, gflops, 100 * gflops / peak, gbs, 100 * gbs / bw);
+    fflush(stdout);
+    free(x);
+    free(y);
+    free(m.bytes);
+}
+
+int main(int argc, char **argv) {
+    int threads = argc > 1 ? atoi(argv[1]) : 1;
+    if (threads < 1 || threads > 64) threads = 1;
+#if defined(__AVX2__) && defined(__FMA__)
+    double peak = peak_fma(threads);
+#else
+    double peak = NAN;
+#endif
+    double bw = read_bw(threads);
+    printf("kernels: %s, %d thread(s); peak FMA %.1f GFLOP/s, read bandwidth %.1f GB/s\n", smoe_kernels_isa(), threads,
+           peak, bw);
+    const uint8_t formats[] = {SMOE_FMT_Q4, SMOE_FMT_Q8, SMOE_FMT_BF16, SMOE_FMT_F32};
+    for (size_t f = 0; f < sizeof formats; f++) {
+        /* n = 1 over ~128 MiB of q4 (less for the wider formats' time's sake: still ≫ L2) */
+        uint32_t rows = formats[f] == SMOE_FMT_Q4 ? 32768 : formats[f] == SMOE_FMT_Q8 ? 16384 : 8192;
+        bench_one("fast", smoe_matmul_rows, formats[f], rows, 8192, 1, threads, peak, bw);
+        bench_one("reference", smoe_ref_matmul_rows, formats[f], rows, 8192, 1, threads, peak, bw);
+        bench_one("fast", smoe_matmul_rows, formats[f], 2048, 2048, 64, threads, peak, bw);
+        bench_one("reference", smoe_ref_matmul_rows, formats[f], 2048, 2048, 64, threads, peak, bw);
+    }
+    return 0;
+}

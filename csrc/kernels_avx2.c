@@ -1,0 +1,529 @@
+/* kernels_avx2.c — AVX2 + FMA + F16C kernels for x86-64 (kernels_isa.h says when they are built).
+ *
+ * What they must keep
+ * -------------------
+ * The rule of kernels.c: each output element is reduced by one sequence of floating-point
+ * operations that depends on its own shape only — never on n, on the rows [r0, r1) a thread was
+ * given, or on the thread count — so the token-serial and layer-major paths agree bit for bit.
+ * They need not agree with the reference kernels bit for bit (they use fused multiply-adds and
+ * their own order); tests/c/test_kernels.c checks them against the reference within a stated
+ * tolerance, and checks their own n- and split-independence exactly.
+ *
+ * The order, for y[t, r] = Σ_c W[r, c]·x[t, c]
+ * --------------------------------------------
+ * One 8-lane accumulator per (row, token); lane j sees columns c ≡ j (mod 8) in increasing
+ * order; the end is the fixed tree ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) of hsum8.
+ *
+ *  f32, bf16:  acc = fma(w[8v..8v+8), x[8v..8v+8), acc) for v = 0, 1, … (acc starts at +0; a
+ *              last partial vector is zero-padded), y = hsum8(acc).
+ *
+ *  q8, q4:     the affine form, per group g of 64 columns:
+ *                  Σ_c w_c·x_c = s_g·Σ_c q_c·x_c + b_g·Σ_c x_c
+ *              so the inner loop multiplies integer codes (exact as floats) by x and the scale
+ *              is applied once per group, not once per weight:
+ *                  a   = q[0..8)·x[0..8);  a = fma(q[8k..8k+8), x[8k..8k+8), a)  for k = 1..7
+ *                  tot = fma(a, s_g, tot)                        (tot starts at +0)
+ *                  X_g = hsum8(x[0..8) + x[8..16) + … + x[56..64))   (adds in that order)
+ *                  bia = fma(b[g..g+8), X[g..g+8), bia) over groups 8 at a time, zero-padded
+ *                  y   = hsum8(tot · lf) + hsum8(bia)
+ *              For q4 the codes come out of one vpshufb + vpand per 8, with odd lanes holding
+ *              16·q (the high nibble left in place); lf = (1, 1/16, 1, 1/16, …) undoes that at
+ *              the end, exactly (a power of two). For q8, lf = 1 and the multiply is skipped.
+ *              X_g is a function of the token alone, computed once per call (per tile of TT
+ *              tokens) and the same way whatever n.
+ *
+ * How the shapes share work without touching that order
+ * ------------------------------------------------------
+ *  n = 1 (and a last tile of one token): rows RV at a time, codes decoded into registers as they
+ *  stream past, tot in registers — the matrix-vector product, bound by decoding and memory.
+ *  n ≥ 2: tokens in tiles of TT; for each block of RB rows, each block of CBG groups is decoded
+ *  once into a float buffer and fed to register blocks of RB rows × TB tokens, whose partial
+ *  accumulators (a) live in registers and whose tot lives in a small stack array between groups.
+ *  A store and a load are exact, so spilling changes nothing; every block size is a choice about
+ *  reuse, never about the order of any one sum.
+ *
+ * Rows wider than MAXG groups (q) go to the reference kernel: a choice by shape, not by n.
+ *
+ * Error, against the exact sum: the q forms carry the cancellation of s·q against b, so the bound
+ * is relative to M = Σ_c (|s_g·q_c| + |b_g|)·|x_c|, not to Σ|w_c·x_c|; see tests/c/test_kernels.c.
+ */
+#include "kernels_isa.h"
+
+#if SMOE_HAVE_AVX2
+
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+enum {
+    GROUP = 64,  /* quantisation group along cols */
+    MAXG = 256,  /* groups per row the q kernels take (cols ≤ 16384); wider rows: reference */
+    RB = 3,      /* rows of a register block (n ≥ 2) */
+    TB = 4,      /* tokens of a register block: RB·TB accumulators + RB codes + 1 x = 16 ymm */
+    TT = 32,     /* tokens of a tile: they share one decoding of each weight block */
+    CBG = 8,     /* q groups decoded at a time (512 columns) */
+    FCB = 512,   /* f32/bf16 columns per block (a multiple of 8) */
+    RV = 4,      /* rows at a time in the matrix-vector kernels (n = 1) */
+};
+
+/* ------------------------------------------------------------------------------ helpers */
+
+/* ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) */
+INLINE float hsum8(__m256 v) {
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    __m128 s1 = _mm_add_ss(s2, _mm_movehdup_ps(s2));
+    return _mm_cvtss_f32(s1);
+}
+
+INLINE __m256i tail_mask(uint32_t m) { /* lanes [0, m) set, 0 ≤ m ≤ 8 */
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)m), lane);
+}
+
+INLINE __m256 bf16x8(const uint8_t *p) { /* 8 bf16 → f32, exactly */
+    __m128i h = _mm_loadu_si128((const __m128i *)(const void *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+INLINE float bf16_1(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* dst[g] = the ng scales (or biases) at src as f32 (exactly); zeros after, up to a multiple of 8 */
+static void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf) {
+    uint32_t g = 0;
+    for (; g + 8 <= ng; g += 8) {
+        __m128i h = _mm_loadu_si128((const __m128i *)(const void *)(src + 2 * g));
+        __m256 f = sf == SMOE_SCALE_F16 ? _mm256_cvtph_ps(h)
+                                        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        _mm256_storeu_ps(dst + g, f);
+    }
+    for (; g < ng; g++) {
+        uint16_t h;
+        memcpy(&h, src + 2 * g, 2);
+        dst[g] = sf == SMOE_SCALE_F16 ? _cvtsh_ss(h) : bf16_1(src + 2 * g);
+    }
+    for (; g % 8; g++) dst[g] = 0.0f;
+}
+
+/* X[g] = Σ of group g of x (the order of the essay); zeros after, up to a multiple of 8 */
+static void group_sums(float *X, const float *x, uint32_t gpr) {
+    uint32_t g = 0;
+    for (; g < gpr; g++) {
+        const float *xg = x + (size_t)g * GROUP;
+        __m256 v = _mm256_loadu_ps(xg);
+        for (int k = 1; k < 8; k++) v = _mm256_add_ps(v, _mm256_loadu_ps(xg + 8 * k));
+        X[g] = hsum8(v);
+    }
+    for (; g % 8; g++) X[g] = 0.0f;
+}
+
+/* hsum8 of Σ_g fma(b[g..g+8), X[g..g+8)) over gpr8 (a multiple of 8) zero-padded groups */
+INLINE float bias_dot(const float *b, const float *X, uint32_t gpr8) {
+    __m256 a = _mm256_setzero_ps();
+    for (uint32_t g = 0; g < gpr8; g += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(b + g), _mm256_loadu_ps(X + g), a);
+    return hsum8(a);
+}
+
+/* ------------------------------------------------------------------------- q codes */
+
+/* The 64 codes of a q4 group (32 bytes; code 2j is the low nibble of byte j) as 8 vectors of
+ * floats: even lanes q, odd lanes 16·q. Both 128-bit halves hold the same 16 bytes; the shuffle
+ * puts byte (4k + lane/2) in the low byte of each lane and the mask keeps its nibble. */
+INLINE void q4_codes(__m256 q[8], const uint8_t *p) {
+#define Z(b) ((int)(0x80808000u | (b)))
+#define CTRL(k) _mm256_setr_epi32(Z(4 * k), Z(4 * k), Z(4 * k + 1), Z(4 * k + 1), Z(4 * k + 2), Z(4 * k + 2), \
+                                  Z(4 * k + 3), Z(4 * k + 3))
+    const __m256i c0 = CTRL(0), c1 = CTRL(1), c2 = CTRL(2), c3 = CTRL(3);
+#undef CTRL
+#undef Z
+    const __m256i mask = _mm256_setr_epi32(0x0f, 0xf0, 0x0f, 0xf0, 0x0f, 0xf0, 0x0f, 0xf0);
+    const __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)p));
+    const __m256i hi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(p + 16)));
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(lo, c0), mask));
+    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(lo, c1), mask));
+    q[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(lo, c2), mask));
+    q[3] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(lo, c3), mask));
+    q[4] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(hi, c0), mask));
+    q[5] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(hi, c1), mask));
+    q[6] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(hi, c2), mask));
+    q[7] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(hi, c3), mask));
+}
+
+INLINE void q8_codes(__m256 q[8], const uint8_t *p) {
+    for (int k = 0; k < 8; k++)
+        q[k] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p + 8 * k))));
+}
+
+INLINE void group_codes(__m256 q[8], const uint8_t *p, bool q4) {
+    if (q4)
+        q4_codes(q, p);
+    else
+        q8_codes(q, p);
+}
+
+/* ------------------------------------------------------------------------ q: n = 1 */
+
+typedef struct {
+    const uint8_t *codes, *scales, *biases; /* of row 0 */
+    size_t row_bytes;                       /* code bytes per row */
+    uint32_t gpr, gpr8;
+    uint8_t sf;
+    bool q4;
+} qmat;
+
+/* R rows from r against one token (X its group sums): tot in registers. */
+INLINE void q_rows_1(const int R, const qmat *m, uint32_t r, const float *x, const float *X, float *y) {
+    float s[RV][MAXG], b[RV][MAXG]; /* (rows, groups) scales and biases as f32 */
+    const uint8_t *p[RV];
+    __m256 tot[RV];
+    for (int i = 0; i < R; i++) {
+        load_scales(s[i], m->scales + 2 * (size_t)(r + i) * m->gpr, m->gpr, m->sf);
+        load_scales(b[i], m->biases + 2 * (size_t)(r + i) * m->gpr, m->gpr, m->sf);
+        p[i] = m->codes + (size_t)(r + i) * m->row_bytes;
+        tot[i] = _mm256_setzero_ps();
+    }
+    const size_t gbytes = m->q4 ? GROUP / 2 : GROUP;
+    for (uint32_t g = 0; g < m->gpr; g++) {
+        const float *xg = x + (size_t)g * GROUP;
+        for (int i = 0; i < R; i++) {
+            __m256 q[8];
+            group_codes(q, p[i] + g * gbytes, m->q4);
+            __m256 a = _mm256_mul_ps(q[0], _mm256_loadu_ps(xg));
+            for (int k = 1; k < 8; k++) a = _mm256_fmadd_ps(q[k], _mm256_loadu_ps(xg + 8 * k), a);
+            tot[i] = _mm256_fmadd_ps(a, _mm256_broadcast_ss(s[i] + g), tot[i]);
+        }
+    }
+    const __m256 lf = _mm256_setr_ps(1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f);
+    for (int i = 0; i < R; i++) {
+        float h = hsum8(m->q4 ? _mm256_mul_ps(tot[i], lf) : tot[i]);
+        y[r + i] = h + bias_dot(b[i], X, m->gpr8);
+    }
+}
+
+/* ----------------------------------------------------------------------- q: n ≥ 2 */
+
+/* R rows × T tokens over ng groups. qf: the decoded codes, row i at qf + i·CBG·GROUP; s[i]: row
+ * i's scales from this block's first group; xt[j]: token j at this block's first column;
+ * tot[j][i]: the running tot of (row i, token j). */
+INLINE void q_block(const int R, const int T, const float *qf, const float *const *s, const float *const *xt,
+                    uint32_t ng, __m256 (*tot)[RB]) {
+    for (uint32_t g = 0; g < ng; g++) {
+        __m256 a[RB][TB];
+        const float *qg = qf + (size_t)g * GROUP;
+        {
+            __m256 qv[RB];
+            for (int i = 0; i < R; i++) qv[i] = _mm256_loadu_ps(qg + (size_t)i * CBG * GROUP);
+            for (int j = 0; j < T; j++) {
+                __m256 xv = _mm256_loadu_ps(xt[j] + (size_t)g * GROUP);
+                for (int i = 0; i < R; i++) a[i][j] = _mm256_mul_ps(qv[i], xv);
+            }
+        }
+        for (int k = 1; k < 8; k++) {
+            __m256 qv[RB];
+            for (int i = 0; i < R; i++) qv[i] = _mm256_loadu_ps(qg + (size_t)i * CBG * GROUP + 8 * k);
+            for (int j = 0; j < T; j++) {
+                __m256 xv = _mm256_loadu_ps(xt[j] + (size_t)g * GROUP + 8 * k);
+                for (int i = 0; i < R; i++) a[i][j] = _mm256_fmadd_ps(qv[i], xv, a[i][j]);
+            }
+        }
+        for (int i = 0; i < R; i++) {
+            __m256 sv = _mm256_broadcast_ss(s[i] + g);
+            for (int j = 0; j < T; j++) tot[j][i] = _mm256_fmadd_ps(a[i][j], sv, tot[j][i]);
+        }
+    }
+}
+
+static void q_block_any(int R, int T, const float *qf, const float *const *s, const float *const *xt, uint32_t ng,
+                        __m256 (*tot)[RB]) {
+    switch (R * 8 + T) {
+#define CASE(r, t) \
+    case r * 8 + t: q_block(r, t, qf, s, xt, ng, tot); break;
+        CASE(3, 4) CASE(3, 3) CASE(3, 2) CASE(3, 1)
+        CASE(2, 4) CASE(2, 3) CASE(2, 2) CASE(2, 1)
+        CASE(1, 4) CASE(1, 3) CASE(1, 2) CASE(1, 1)
+#undef CASE
+    }
+}
+
+static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
+                     size_t ldy, uint32_t r0, uint32_t r1) {
+    qmat m;
+    m.q4 = W->format == SMOE_FMT_Q4;
+    m.codes = w;
+    m.scales = w + W->scales_off;
+    m.biases = w + W->biases_off;
+    m.row_bytes = m.q4 ? W->cols / 2 : W->cols;
+    m.gpr = W->cols / GROUP;
+    m.gpr8 = (m.gpr + 7) & ~7u;
+    m.sf = W->scale_format;
+    const size_t gbytes = m.q4 ? GROUP / 2 : GROUP;
+    const __m256 lf = _mm256_setr_ps(1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f);
+
+    float X[TT][MAXG];             /* (tile tokens, groups) group sums of x */
+    float sb[RB][MAXG], bb[RB][MAXG]; /* (block rows, groups) scales, biases */
+    float qf[RB][CBG * GROUP];     /* (block rows, block columns) decoded codes */
+    __m256 tot[TT][RB];            /* (tile tokens, block rows) running scaled sums */
+
+    for (uint32_t t0 = 0; t0 < n; t0 += TT) {
+        const uint32_t nt = n - t0 < TT ? n - t0 : TT;
+        for (uint32_t t = 0; t < nt; t++) group_sums(X[t], x + (size_t)(t0 + t) * ldx, m.gpr);
+        float *yt = y + (size_t)t0 * ldy;
+        if (nt == 1) {
+            const float *xt = x + (size_t)t0 * ldx;
+            uint32_t r = r0;
+            for (; r + RV <= r1; r += RV) q_rows_1(RV, &m, r, xt, X[0], yt);
+            switch (r1 - r) {
+            case 3: q_rows_1(3, &m, r, xt, X[0], yt); break;
+            case 2: q_rows_1(2, &m, r, xt, X[0], yt); break;
+            case 1: q_rows_1(1, &m, r, xt, X[0], yt); break;
+            }
+            continue;
+        }
+        for (uint32_t r = r0; r < r1; r += RB) {
+            const uint32_t nr = r1 - r < RB ? r1 - r : RB;
+            for (uint32_t i = 0; i < nr; i++) {
+                load_scales(sb[i], m.scales + 2 * (size_t)(r + i) * m.gpr, m.gpr, m.sf);
+                load_scales(bb[i], m.biases + 2 * (size_t)(r + i) * m.gpr, m.gpr, m.sf);
+            }
+            for (uint32_t t = 0; t < nt; t++)
+                for (uint32_t i = 0; i < RB; i++) tot[t][i] = _mm256_setzero_ps();
+            for (uint32_t g0 = 0; g0 < m.gpr; g0 += CBG) {
+                const uint32_t ng = m.gpr - g0 < CBG ? m.gpr - g0 : CBG;
+                for (uint32_t i = 0; i < nr; i++) {
+                    const uint8_t *p = m.codes + (size_t)(r + i) * m.row_bytes + (size_t)g0 * gbytes;
+                    for (uint32_t g = 0; g < ng; g++) {
+                        __m256 q[8];
+                        group_codes(q, p + g * gbytes, m.q4);
+                        for (int k = 0; k < 8; k++) _mm256_storeu_ps(qf[i] + g * GROUP + 8 * k, q[k]);
+                    }
+                }
+                const float *s[RB] = {sb[0] + g0, sb[1] + g0, sb[2] + g0};
+                for (uint32_t tb = 0; tb < nt; tb += TB) {
+                    const uint32_t ntb = nt - tb < TB ? nt - tb : TB;
+                    const float *xt[TB];
+                    for (uint32_t j = 0; j < ntb; j++) xt[j] = x + (size_t)(t0 + tb + j) * ldx + (size_t)g0 * GROUP;
+                    q_block_any((int)nr, (int)ntb, qf[0], s, xt, ng, tot + tb);
+                }
+            }
+            for (uint32_t t = 0; t < nt; t++)
+                for (uint32_t i = 0; i < nr; i++) {
+                    float h = hsum8(m.q4 ? _mm256_mul_ps(tot[t][i], lf) : tot[t][i]);
+                    yt[(size_t)t * ldy + r + i] = h + bias_dot(bb[i], X[t], m.gpr8);
+                }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------ f32, bf16 */
+
+/* 8 weights of a row from column c (f32 or bf16), the last m < 8 zero-padded when m > 0. */
+INLINE __m256 f_load(const uint8_t *row, bool bf16, uint32_t c) {
+    return bf16 ? bf16x8(row + 2 * (size_t)c) : _mm256_loadu_ps((const float *)(const void *)row + c);
+}
+
+INLINE __m256 f_load_tail(const uint8_t *row, bool bf16, uint32_t c, uint32_t m) {
+    if (bf16) {
+        uint16_t h[8] = {0};
+        memcpy(h, row + 2 * (size_t)c, 2 * m);
+        return bf16x8((const uint8_t *)h);
+    }
+    return _mm256_maskload_ps((const float *)(const void *)row + c, tail_mask(m));
+}
+
+/* R rows from r against one token: acc in registers, the whole row in one pass. */
+INLINE void f_rows_1(const int R, const uint8_t *w, size_t row_bytes, bool bf16, uint32_t cols, uint32_t r,
+                     const float *x, float *y) {
+    __m256 acc[RV];
+    const uint8_t *p[RV];
+    for (int i = 0; i < R; i++) {
+        acc[i] = _mm256_setzero_ps();
+        p[i] = w + (size_t)(r + i) * row_bytes;
+    }
+    uint32_t c = 0;
+    for (; c + 8 <= cols; c += 8) {
+        __m256 xv = _mm256_loadu_ps(x + c);
+        for (int i = 0; i < R; i++) acc[i] = _mm256_fmadd_ps(f_load(p[i], bf16, c), xv, acc[i]);
+    }
+    if (c < cols) {
+        __m256 xv = _mm256_maskload_ps(x + c, tail_mask(cols - c));
+        for (int i = 0; i < R; i++) acc[i] = _mm256_fmadd_ps(f_load_tail(p[i], bf16, c, cols - c), xv, acc[i]);
+    }
+    for (int i = 0; i < R; i++) y[r + i] = hsum8(acc[i]);
+}
+
+/* R rows × T tokens over nc columns (the last m = nc % 8 zero-padded). wr[i]: row i at this
+ * block's first column (f32); xt[j]: token j likewise; acc[j][i] carried in memory. */
+INLINE void f_block(const int R, const int T, const float *const *wr, const float *const *xt, uint32_t nc,
+                    __m256 (*acc)[RB]) {
+    __m256 a[RB][TB];
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < T; j++) a[i][j] = acc[j][i];
+    uint32_t c = 0;
+    for (; c + 8 <= nc; c += 8) {
+        __m256 wv[RB];
+        for (int i = 0; i < R; i++) wv[i] = _mm256_loadu_ps(wr[i] + c);
+        for (int j = 0; j < T; j++) {
+            __m256 xv = _mm256_loadu_ps(xt[j] + c);
+            for (int i = 0; i < R; i++) a[i][j] = _mm256_fmadd_ps(wv[i], xv, a[i][j]);
+        }
+    }
+    if (c < nc) {
+        const __m256i mk = tail_mask(nc - c);
+        __m256 wv[RB];
+        for (int i = 0; i < R; i++) wv[i] = _mm256_maskload_ps(wr[i] + c, mk);
+        for (int j = 0; j < T; j++) {
+            __m256 xv = _mm256_maskload_ps(xt[j] + c, mk);
+            for (int i = 0; i < R; i++) a[i][j] = _mm256_fmadd_ps(wv[i], xv, a[i][j]);
+        }
+    }
+    for (int i = 0; i < R; i++)
+        for (int j = 0; j < T; j++) acc[j][i] = a[i][j];
+}
+
+static void f_block_any(int R, int T, const float *const *wr, const float *const *xt, uint32_t nc,
+                        __m256 (*acc)[RB]) {
+    switch (R * 8 + T) {
+#define CASE(r, t) \
+    case r * 8 + t: f_block(r, t, wr, xt, nc, acc); break;
+        CASE(3, 4) CASE(3, 3) CASE(3, 2) CASE(3, 1)
+        CASE(2, 4) CASE(2, 3) CASE(2, 2) CASE(2, 1)
+        CASE(1, 4) CASE(1, 3) CASE(1, 2) CASE(1, 1)
+#undef CASE
+    }
+}
+
+static void f_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
+                     size_t ldy, uint32_t r0, uint32_t r1) {
+    const bool bf16 = W->format == SMOE_FMT_BF16;
+    const uint32_t cols = W->cols;
+    const size_t row_bytes = (size_t)cols * (bf16 ? 2 : 4);
+    float wb[RB][FCB]; /* (block rows, block columns) bf16 weights widened */
+    __m256 acc[TT][RB]; /* (tile tokens, block rows) */
+
+    for (uint32_t t0 = 0; t0 < n; t0 += TT) {
+        const uint32_t nt = n - t0 < TT ? n - t0 : TT;
+        float *yt = y + (size_t)t0 * ldy;
+        if (nt == 1) {
+            const float *xt = x + (size_t)t0 * ldx;
+            uint32_t r = r0;
+            for (; r + RV <= r1; r += RV) f_rows_1(RV, w, row_bytes, bf16, cols, r, xt, yt);
+            switch (r1 - r) {
+            case 3: f_rows_1(3, w, row_bytes, bf16, cols, r, xt, yt); break;
+            case 2: f_rows_1(2, w, row_bytes, bf16, cols, r, xt, yt); break;
+            case 1: f_rows_1(1, w, row_bytes, bf16, cols, r, xt, yt); break;
+            }
+            continue;
+        }
+        for (uint32_t r = r0; r < r1; r += RB) {
+            const uint32_t nr = r1 - r < RB ? r1 - r : RB;
+            for (uint32_t t = 0; t < nt; t++)
+                for (uint32_t i = 0; i < RB; i++) acc[t][i] = _mm256_setzero_ps();
+            for (uint32_t c0 = 0; c0 < cols; c0 += FCB) {
+                const uint32_t nc = cols - c0 < FCB ? cols - c0 : FCB;
+                const float *wr[RB];
+                for (uint32_t i = 0; i < nr; i++) {
+                    const uint8_t *row = w + (size_t)(r + i) * row_bytes;
+                    if (!bf16) {
+                        wr[i] = (const float *)(const void *)row + c0;
+                        continue;
+                    }
+                    uint32_t c = 0;
+                    for (; c + 8 <= nc; c += 8) _mm256_storeu_ps(wb[i] + c, bf16x8(row + 2 * (size_t)(c0 + c)));
+                    for (; c < nc; c++) wb[i][c] = bf16_1(row + 2 * (size_t)(c0 + c));
+                    wr[i] = wb[i];
+                }
+                for (uint32_t tb = 0; tb < nt; tb += TB) {
+                    const uint32_t ntb = nt - tb < TB ? nt - tb : TB;
+                    const float *xt[TB];
+                    for (uint32_t j = 0; j < ntb; j++) xt[j] = x + (size_t)(t0 + tb + j) * ldx + c0;
+                    f_block_any((int)nr, (int)ntb, wr, xt, nc, acc + tb);
+                }
+            }
+            for (uint32_t t = 0; t < nt; t++)
+                for (uint32_t i = 0; i < nr; i++) yt[(size_t)t * ldy + r + i] = hsum8(acc[t][i]);
+        }
+    }
+}
+
+bool smoe_avx2_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
+                           size_t ldy, uint32_t r0, uint32_t r1) {
+    switch (W->format) {
+    case SMOE_FMT_F32:
+    case SMOE_FMT_BF16:
+        f_matmul(W, w, x, ldx, n, y, ldy, r0, r1);
+        return true;
+    case SMOE_FMT_Q8:
+    case SMOE_FMT_Q4:
+        if (W->cols % GROUP || W->cols / GROUP > MAXG) return false;
+        q_matmul(W, w, x, ldx, n, y, ldy, r0, r1);
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* ------------------------------------------------------------------------ per-token math */
+
+/* Σ a[c]·b[c]: one 8-lane fma chain in column order, the last vector zero-padded, then hsum8. */
+INLINE float dot8(const float *a, const float *b, uint32_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    uint32_t c = 0;
+    for (; c + 8 <= n; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc);
+    if (c < n) {
+        const __m256i mk = tail_mask(n - c);
+        acc = _mm256_fmadd_ps(_mm256_maskload_ps(a + c, mk), _mm256_maskload_ps(b + c, mk), acc);
+    }
+    return hsum8(acc);
+}
+
+void smoe_avx2_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps) {
+    const float ss = dot8(x, x, dim);
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    const __m256 iv = _mm256_set1_ps(inv);
+    const bool bf16 = weight->format == SMOE_FMT_BF16;
+    uint32_t c = 0;
+    for (; c + 8 <= dim; c += 8) {
+        __m256 xn = _mm256_mul_ps(_mm256_loadu_ps(x + c), iv);
+        _mm256_storeu_ps(out + c, _mm256_mul_ps(f_load(weight->data, bf16, c), xn));
+    }
+    for (; c < dim; c++) {
+        float wv = bf16 ? bf16_1(weight->data + 2 * (size_t)c) : ((const float *)(const void *)weight->data)[c];
+        float xn = x[c] * inv;
+        out[c] = wv * xn;
+    }
+}
+
+void smoe_avx2_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
+                      uint32_t head_dim, float *scratch) {
+    const float scale = (float)(1.0 / sqrt((double)head_dim));
+    for (uint32_t p = 0; p < n_pos; p++) scratch[p] = dot8(q, k + p * stride, head_dim) * scale;
+    smoe_softmax(scratch, n_pos);
+    /* out[d] = Σ_p a_p·v_p[d] in position order, 64 dimensions at a time in registers */
+    uint32_t d0 = 0;
+    for (; d0 + 64 <= head_dim; d0 += 64) {
+        __m256 o[8];
+        for (int j = 0; j < 8; j++) o[j] = _mm256_setzero_ps();
+        for (uint32_t p = 0; p < n_pos; p++) {
+            const __m256 a = _mm256_broadcast_ss(scratch + p);
+            const float *vp = v + p * stride + d0;
+            for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(vp + 8 * j), o[j]);
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + d0 + 8 * j, o[j]);
+    }
+    for (uint32_t d = d0; d < head_dim; d++) {
+        float o = 0.0f;
+        for (uint32_t p = 0; p < n_pos; p++) o = fmaf(scratch[p], v[p * stride + d], o);
+        out[d] = o;
+    }
+}
+
+#endif /* SMOE_HAVE_AVX2 */

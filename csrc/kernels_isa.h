@@ -1,0 +1,40 @@
+/* kernels_isa.h — the reference kernels under their own names, and the instruction-set kernels
+ * that kernels.c dispatches to. Private to kernels*.c, cpu.c and the kernel tests.
+ *
+ * The public names (kernels.h) pick one implementation per build: the AVX2 + FMA + F16C kernels
+ * when the compiler targets them (the Makefile passes -mavx2 -mfma -mf16c on x86-64 unless
+ * PORTABLE=1), the reference kernels otherwise. The choice is made at build time, never at run
+ * time, so one build always runs one arithmetic; cpu.c refuses (SMOE_ERR_UNSUPPORTED) to open a
+ * vault on a CPU that cannot run what the build chose. */
+#ifndef SMOE_KERNELS_ISA_H
+#define SMOE_KERNELS_ISA_H
+
+#include "kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SMOE_PORTABLE)
+#define SMOE_HAVE_AVX2 1
+#else
+#define SMOE_HAVE_AVX2 0
+#endif
+
+/* Which kernels this build runs: "avx2" or "portable". */
+const char *smoe_kernels_isa(void);
+
+/* The reference kernels (kernels.c), kept forever: the fast ones are tested against them. */
+void smoe_ref_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
+                          size_t ldy, uint32_t r0, uint32_t r1);
+void smoe_ref_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
+void smoe_ref_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
+                     uint32_t head_dim, float *scratch);
+
+#if SMOE_HAVE_AVX2
+/* kernels_avx2.c. matmul returns false for a shape it does not take (then the reference runs;
+ * the choice depends on the tensor's shape and format only, never on n or on the rows). */
+bool smoe_avx2_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
+                           size_t ldy, uint32_t r0, uint32_t r1);
+void smoe_avx2_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
+void smoe_avx2_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
+                      uint32_t head_dim, float *scratch);
+#endif
+
+#endif
