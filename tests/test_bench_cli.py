@@ -84,3 +84,17 @@ def test_bench_cli_bad_arguments(tiny_vault, argv):
     with pytest.raises(SystemExit) as e:
         main(["bench", str(tiny_vault), *argv])
     assert e.value.code == 2
+
+
+def test_bench_cut_resident_cache(tiny_vault):
+    # A resident cache too small for every expert: the union becomes an upper bound and the
+    # compute floor is still reported (net of I/O waits), both flagged in the table.
+    from pysmoe.engine import open_vault
+    with open_vault(tiny_vault) as v:
+        small = v.blob_bytes * v.num_sparse_layers * 2
+    res = run_bench(tiny_vault, [6], repeats=1, threads=1, decode_tokens=0, resident_bytes=small)
+    (row,) = res["ttft"]
+    assert "upper bound" in row["union_source"]
+    assert row["exact_union_blobs"] <= min(p["blob_reads"] for p in row["paths"].values())
+    assert row["compute_floor_s"] is not None
+    assert "upper bound" in format_table(res)
