@@ -9,8 +9,10 @@
  * and read bandwidth (a 1 GiB buffer summed with 256-bit loads). Products: q4 and q8 with f16
  * scales, bf16, f32; n = 1 on a matrix far larger than the caches (the weights stream from
  * memory, as decode reads them), n = 64 on a 2048 × 2048 matrix (the batched product of a
- * prefill chunk; compute-bound). Figures are medians of REPS runs. GFLOP/s counts 2·rows·cols·n;
- * GB/s counts the weight bytes (codes + scales + biases) read once per call.
+ * prefill chunk; compute-bound). Figures are medians of REPS runs, the fast and the reference
+ * kernel alternating run by run. GFLOP/s counts 2·rows·cols·n; GB/s counts the weight bytes
+ * (codes + scales + biases) read once per call. One thread is timed by its CPU time (the machine
+ * is shared); more threads by the wall clock.
  */
 #include "kernels_isa.h"
 
@@ -26,9 +28,13 @@
 
 enum { REPS = 7 };
 
+/* With one thread, the thread's CPU time: the machine is shared, and time spent descheduled
+ * says nothing about the kernel. With more, wall time (they must all be running). */
+static clockid_t bench_clock = CLOCK_THREAD_CPUTIME_ID;
+
 static double now(void) {
     struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
+    clock_gettime(bench_clock, &t);
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
@@ -197,24 +203,38 @@ static void mm_body(void *p, int id) {
     if (r0 < r1) c->fn(&c->m->t, c->m->bytes, c->x, c->m->t.cols, c->n, c->y, rows, r0, r1);
 }
 
-static void bench_one(const char *name, matmul_fn fn, uint8_t format, uint32_t rows, uint32_t cols, uint32_t n,
-                      int threads, double peak, double bw) {
+static double time_once(mm_ctx *c) {
+    double t = now();
+    run_threads(c->threads, mm_body, c);
+    return now() - t;
+}
+
+/* the fast and the reference kernel on the same matrix, alternating run by run */
+static void bench_pair(uint8_t format, uint32_t rows, uint32_t cols, uint32_t n, int threads, double peak,
+                       double bw) {
     tensor m = make(format, rows, cols);
     float *x = malloc(sizeof(float) * cols * n), *y = malloc(sizeof(float) * rows * n);
     for (size_t i = 0; i < (size_t)cols * n; i++) x[i] = (float)(rnd() % 2001) * 1e-3f - 1.0f;
-    mm_ctx c = {fn, &m, x, y, n, threads};
-    run_threads(threads, mm_body, &c); /* warm */
-    double v[REPS];
+    mm_ctx fast = {smoe_matmul_rows, &m, x, y, n, threads}, ref = {smoe_ref_matmul_rows, &m, x, y, n, threads};
+    time_once(&fast); /* warm */
+    time_once(&ref);
+    double vf[REPS], vr[REPS], ratio[REPS];
     for (int r = 0; r < REPS; r++) {
-        double t = now();
-        run_threads(threads, mm_body, &c);
-        v[r] = now() - t;
+        vf[r] = time_once(&fast);
+        vr[r] = time_once(&ref);
+        ratio[r] = vr[r] / vf[r];
     }
-    double t = median(v, REPS);
-    double gflops = 2.0 * rows * cols * n / t / 1e9, gbs = (double)m.t.nbytes / t / 1e9;
     static const char *fmts[] = {"f32", "bf16", "q8", "q4"};
-    printf("%-9s %-4s %5u x %-5u n=%-3u %8.2f ms %7.1f GFLOP/s (%3.0f%% of peak) %6.1f GB/s (%3.0f%% of bw)\n", name,
-           fmts[format], rows, cols, n, t * 1e3, gflops, 100 * gflops / peak, gbs, 100 * gbs / bw);
+    double times[2] = {median(vf, REPS), median(vr, REPS)};
+    for (int k = 0; k < 2; k++) {
+        double t = times[k];
+        double gflops = 2.0 * rows * cols * n / t / 1e9, gbs = (double)m.t.nbytes / t / 1e9;
+        printf("%-9s %-4s %5u x %-5u n=%-3u %8.2f ms %7.1f GFLOP/s (%3.0f%% of peak) %6.1f GB/s (%3.0f%% of bw)",
+               k ? "reference" : "fast", fmts[format], rows, cols, n, t * 1e3, gflops, 100 * gflops / peak, gbs,
+               100 * gbs / bw);
+        if (k == 0) printf("  fast/ref ×%.2f", median(ratio, REPS));
+        printf("\n");
+    }
     fflush(stdout);
     free(x);
     free(y);
@@ -224,22 +244,21 @@ static void bench_one(const char *name, matmul_fn fn, uint8_t format, uint32_t r
 int main(int argc, char **argv) {
     int threads = argc > 1 ? atoi(argv[1]) : 1;
     if (threads < 1 || threads > 64) threads = 1;
+    if (threads > 1) bench_clock = CLOCK_MONOTONIC;
 #if defined(__AVX2__) && defined(__FMA__)
     double peak = peak_fma(threads);
 #else
     double peak = NAN;
 #endif
     double bw = read_bw(threads);
-    printf("kernels: %s, %d thread(s); peak FMA %.1f GFLOP/s, read bandwidth %.1f GB/s\n", smoe_kernels_isa(), threads,
-           peak, bw);
+    printf("kernels: %s, %d thread(s), %s; peak FMA %.1f GFLOP/s, read bandwidth %.1f GB/s\n", smoe_kernels_isa(),
+           threads, threads > 1 ? "wall clock" : "thread CPU time", peak, bw);
     const uint8_t formats[] = {SMOE_FMT_Q4, SMOE_FMT_Q8, SMOE_FMT_BF16, SMOE_FMT_F32};
     for (size_t f = 0; f < sizeof formats; f++) {
         /* n = 1 over ~128 MiB of q4 (less for the wider formats' time's sake: still ≫ L2) */
         uint32_t rows = formats[f] == SMOE_FMT_Q4 ? 32768 : formats[f] == SMOE_FMT_Q8 ? 16384 : 8192;
-        bench_one("fast", smoe_matmul_rows, formats[f], rows, 8192, 1, threads, peak, bw);
-        bench_one("reference", smoe_ref_matmul_rows, formats[f], rows, 8192, 1, threads, peak, bw);
-        bench_one("fast", smoe_matmul_rows, formats[f], 2048, 2048, 64, threads, peak, bw);
-        bench_one("reference", smoe_ref_matmul_rows, formats[f], 2048, 2048, 64, threads, peak, bw);
+        bench_pair(formats[f], rows, 8192, 1, threads, peak, bw);
+        bench_pair(formats[f], 2048, 2048, 64, threads, peak, bw);
     }
     return 0;
 }

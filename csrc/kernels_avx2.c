@@ -180,8 +180,27 @@ typedef struct {
     bool q4;
 } qmat;
 
-/* R rows from r against one token (X its group sums): tot in registers. */
-INLINE void q_rows_1(const int R, const qmat *m, uint32_t r, const float *x, const float *X, float *y) {
+/* Codes 8k..8k+7 of a q4 group at p, as q4_codes makes them (one vpshufb + vpand + convert). */
+#define Z(x) ((int32_t)(0x80808000u | (x)))
+#define CTRL(b) {Z(b), Z(b), Z(b + 1), Z(b + 1), Z(b + 2), Z(b + 2), Z(b + 3), Z(b + 3)}
+static const int32_t q4_ctrl[4][8] __attribute__((aligned(32))) = {CTRL(0), CTRL(4), CTRL(8), CTRL(12)};
+#undef CTRL
+#undef Z
+
+INLINE __m256 q4_code8(const uint8_t *p, int k) {
+    const __m256i half = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(p + 16 * (k / 4))));
+    const __m256i ctrl = _mm256_load_si256((const __m256i *)(const void *)q4_ctrl[k % 4]);
+    const __m256i mask = _mm256_setr_epi32(0x0f, 0xf0, 0x0f, 0xf0, 0x0f, 0xf0, 0x0f, 0xf0);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(half, ctrl), mask));
+}
+
+INLINE __m256 q8_code8(const uint8_t *p, int k) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p + 8 * k))));
+}
+
+/* R rows from r against one token (X its group sums): codes decoded as they stream past, 8 at
+ * a time for all R rows against one vector of x; tot in registers. */
+INLINE void q_rows_1(const int R, const bool q4, const qmat *m, uint32_t r, const float *x, const float *X, float *y) {
     float s[RV][MAXG], b[RV][MAXG]; /* (rows, groups) scales and biases as f32 */
     const uint8_t *p[RV];
     __m256 tot[RV];
@@ -191,21 +210,44 @@ INLINE void q_rows_1(const int R, const qmat *m, uint32_t r, const float *x, con
         p[i] = m->codes + (size_t)(r + i) * m->row_bytes;
         tot[i] = _mm256_setzero_ps();
     }
-    const size_t gbytes = m->q4 ? GROUP / 2 : GROUP;
+    const size_t gbytes = q4 ? GROUP / 2 : GROUP;
     for (uint32_t g = 0; g < m->gpr; g++) {
         const float *xg = x + (size_t)g * GROUP;
-        for (int i = 0; i < R; i++) {
-            __m256 q[8];
-            group_codes(q, p[i] + g * gbytes, m->q4);
-            __m256 a = _mm256_mul_ps(q[0], _mm256_loadu_ps(xg));
-            for (int k = 1; k < 8; k++) a = _mm256_fmadd_ps(q[k], _mm256_loadu_ps(xg + 8 * k), a);
-            tot[i] = _mm256_fmadd_ps(a, _mm256_broadcast_ss(s[i] + g), tot[i]);
+        __m256 a[RV];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            const __m256 xv = _mm256_loadu_ps(xg + 8 * k);
+            for (int i = 0; i < R; i++) {
+                const uint8_t *pg = p[i] + g * gbytes;
+                const __m256 q = q4 ? q4_code8(pg, k) : q8_code8(pg, k);
+                a[i] = k == 0 ? _mm256_mul_ps(q, xv) : _mm256_fmadd_ps(q, xv, a[i]);
+            }
         }
+        for (int i = 0; i < R; i++) tot[i] = _mm256_fmadd_ps(a[i], _mm256_broadcast_ss(s[i] + g), tot[i]);
     }
     const __m256 lf = _mm256_setr_ps(1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f);
     for (int i = 0; i < R; i++) {
-        float h = hsum8(m->q4 ? _mm256_mul_ps(tot[i], lf) : tot[i]);
+        float h = hsum8(q4 ? _mm256_mul_ps(tot[i], lf) : tot[i]);
         y[r + i] = h + bias_dot(b[i], X, m->gpr8);
+    }
+}
+
+static void q_matvec(const qmat *m, uint32_t r0, uint32_t r1, const float *x, const float *X, float *y) {
+    uint32_t r = r0;
+    if (m->q4) {
+        for (; r + RV <= r1; r += RV) q_rows_1(RV, true, m, r, x, X, y);
+        switch (r1 - r) {
+        case 3: q_rows_1(3, true, m, r, x, X, y); break;
+        case 2: q_rows_1(2, true, m, r, x, X, y); break;
+        case 1: q_rows_1(1, true, m, r, x, X, y); break;
+        }
+    } else {
+        for (; r + RV <= r1; r += RV) q_rows_1(RV, false, m, r, x, X, y);
+        switch (r1 - r) {
+        case 3: q_rows_1(3, false, m, r, x, X, y); break;
+        case 2: q_rows_1(2, false, m, r, x, X, y); break;
+        case 1: q_rows_1(1, false, m, r, x, X, y); break;
+        }
     }
 }
 
@@ -278,14 +320,7 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
         for (uint32_t t = 0; t < nt; t++) group_sums(X[t], x + (size_t)(t0 + t) * ldx, m.gpr);
         float *yt = y + (size_t)t0 * ldy;
         if (nt == 1) {
-            const float *xt = x + (size_t)t0 * ldx;
-            uint32_t r = r0;
-            for (; r + RV <= r1; r += RV) q_rows_1(RV, &m, r, xt, X[0], yt);
-            switch (r1 - r) {
-            case 3: q_rows_1(3, &m, r, xt, X[0], yt); break;
-            case 2: q_rows_1(2, &m, r, xt, X[0], yt); break;
-            case 1: q_rows_1(1, &m, r, xt, X[0], yt); break;
-            }
+            q_matvec(&m, r0, r1, x + (size_t)t0 * ldx, X[0], yt);
             continue;
         }
         for (uint32_t r = r0; r < r1; r += RB) {
