@@ -15,6 +15,11 @@ jitter, and bias = −7.5·scale (−127.5·scale for q8) makes the weights zero
 is assembled in numpy and written whole. bf16 and f32 tensors (the f32 vaults of the tests) and
 the norms and routers go through floats.
 
+Routing (docs/synth.md): "uniform" random routers, or "realistic": popular experts and
+neighbouring tokens sharing experts (≈45% and a top-20% share of ≈0.5 by default), built into
+the embedding, the routers, the lm_head and zero rows of the residual writers, so that the
+engine's exact routing produces it.
+
 Every tensor and every expert draws from its own generator seeded by (seed, what, where), so the
 result does not depend on the order they are written in, and one seed gives identical bytes.
 """
@@ -84,16 +89,240 @@ def _uniform(rng: np.random.Generator, shape, std: float, mean: float = 0.0) -> 
 
 # ---------------------------------------------------------------------------------- routings
 #
-# A routing mode decides the router weights of a sparse layer. "uniform": every expert equally
-# likely over random inputs. (A "realistic" mode, with popular experts and routing that
-# correlates between neighbouring tokens, is another issue; it plugs in here.)
+# A routing mode decides the router weights of a sparse layer and may shape the rest of the
+# model so that the routing the engine computes has the statistics it wants. "uniform": every
+# expert equally likely over random inputs, neighbouring tokens unrelated. "realistic": popular
+# experts and locality between neighbouring tokens, as in a trained Qwen3 model (docs/synth.md).
 
 def _router_uniform(cfg: dict, layer: int, rng: np.random.Generator) -> np.ndarray:
     h = cfg["hidden_size"]
     return _uniform(rng, (cfg["num_experts"], h), ROUTER_GAIN / math.sqrt(h))
 
 
-ROUTINGS = {"uniform": _router_uniform}
+class UniformRouting:
+    """Random router rows; nothing else changes (the bytes of the original synth)."""
+
+    def __init__(self, cfg: dict, seed: int, knobs: dict):
+        self.cfg = cfg
+
+    def router(self, layer: int, rng: np.random.Generator) -> np.ndarray:
+        return _router_uniform(self.cfg, layer, rng)
+
+    reserved = 0                   # leading residual channels no layer writes into
+
+    def shape_columns(self, name: str) -> int:
+        return 0                   # leading columns of a dense matrix this mode fills itself
+
+    def fill_columns(self, name: str, block: np.ndarray, rng: np.random.Generator) -> None:
+        pass
+
+    def zero_rows(self, name: str) -> int:
+        return 0                   # leading rows of a dense matrix that must be zero
+
+
+# The realistic mode's knobs and their defaults (docs/synth.md says what each does).
+REALISTIC_DEFAULTS = dict(
+    overlap=0.45,        # target adjacent-token expert overlap, per layer
+    top20_share=0.5,     # target share of routings taken by a layer's 20% most-used experts
+    stay=0.9,            # P(the next sampled token keeps the current one's topic) at temperature
+    temperature=0.8,     # ... this one (coherent_prompt's)
+    topics=None,         # topic count: min(64, hidden/16, vocab/8), at least 2
+    specific_dims=None,  # token-specific routing channels: max(16, topics)
+)
+_CAL_TOKENS = 256        # calibration sequences: as long as routing_stats' default prompt
+_CAL_SEQS = 8
+_TOPIC_VALUE = 2.0       # embedding value of a token's topic channel
+_BIAS_VALUE = 1.0        # embedding value of the shared channel (every token)
+FINAL_RMS_GUESS = 1.05   # rms of the last residual state (measured 1.04 mini, 1.08 tiny)
+
+
+def realistic_layout(cfg: dict, topics: int | None = None, specific_dims: int | None = None) -> dict:
+    """Where the realistic mode's routing channels sit in the residual stream."""
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    t = topics if topics is not None else max(2, min(64, h // 16, vocab // 8))
+    s = specific_dims if specific_dims is not None else max(16, t)
+    if t < 1 or s < 1 or 1 + t + s > h // 2:
+        raise ValueError(f"realistic routing: 1 + topics ({t}) + specific_dims ({s}) must be at most "
+                         f"hidden_size/2 = {h // 2}")
+    if t > vocab:
+        raise ValueError(f"realistic routing: more topics ({t}) than tokens ({vocab})")
+    return dict(topics=t, specific=s, bias_ch=0, topic_ch=1, spec_ch=1 + t, reserved=1 + t + s)
+
+
+def topic_of(ids, vocab: int, topics: int) -> np.ndarray:
+    """Topic of each token id: contiguous blocks of ids share one (docs/synth.md)."""
+    return (np.asarray(ids, dtype=np.int64) * topics) // vocab
+
+
+def _simulate(beta, topical, specific, k: int, lam: float, pop: float):
+    """Routing statistics of the realistic logit model over sequences: (overlap, top-20% share).
+    logits = pop·beta + lam·topical + sqrt(1-lam²)·specific, where topical = alpha[topic] and
+    specific = (xi @ nu.T)/sqrt(S) per token of each sequence."""
+    z = np.float32(lam) * topical
+    z += np.float32(math.sqrt(max(0.0, 1 - lam * lam))) * specific
+    z += np.float32(pop) * beta
+    top = np.argpartition(-z, k - 1, axis=-1)[..., :k]
+    m = np.zeros(z.shape, dtype=bool)
+    np.put_along_axis(m, top, True, axis=-1)
+    overlap = (m[:, 1:] & m[:, :-1]).sum(-1).mean() / k
+    counts = m.sum(1).astype(np.float64)                                   # per sequence
+    return float(overlap), float(np.mean(top_share(counts, axis=-1)))
+
+
+def top_share(counts, frac: float = 0.2, axis: int = -1):
+    """Share of the total taken by the largest frac of the entries (fractional at the edge:
+    0.2 of 128 experts is the top 25 plus 0.6 of the 26th)."""
+    c = -np.sort(-np.asarray(counts, dtype=np.float64), axis=axis)
+    n = c.shape[axis]
+    q = frac * n
+    f = int(math.floor(q))
+    c = np.moveaxis(c, axis, -1)
+    top = c[..., :f].sum(-1) + ((q - f) * c[..., f] if f < n else 0.0)
+    return top / np.maximum(c.sum(-1), 1e-30)
+
+
+def calibrate(beta, alpha, nu, k: int, overlap: float, share: float, stay: float,
+              rng: np.random.Generator, start: tuple[float, float] | None = None) -> tuple[float, float]:
+    """(lam, pop) for which the logit model of one layer gives this overlap and top-20% share
+    on topic-coherent sequences (topic kept with probability stay). Common random numbers,
+    alternating bisections: a few milliseconds per step."""
+    T, E = alpha.shape
+    S = nu.shape[1]
+    seqs = np.empty((_CAL_SEQS, _CAL_TOKENS), dtype=np.int64)
+    for s in range(_CAL_SEQS):
+        t = int(rng.integers(T))
+        for i in range(_CAL_TOKENS):
+            if i and rng.random() >= stay:
+                t = int(rng.integers(T))
+            seqs[s, i] = t
+    xi = rng.standard_normal((_CAL_SEQS, _CAL_TOKENS, S)).astype(np.float32)
+    topical, specific = alpha[seqs], (xi @ nu.T) / np.float32(math.sqrt(S))
+
+    def solve(f, target, lo, hi, steps=14):
+        for _ in range(steps):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+        return 0.5 * (lo + hi)
+
+    if start is None:      # from scratch: wide brackets
+        lam, pop = 0.7, 0.7
+        for _ in range(4):
+            pop = solve(lambda p: _simulate(beta, topical, specific, k, lam, p)[1], share, 0.0, 4.0)
+            lam = solve(lambda l: _simulate(beta, topical, specific, k, l, pop)[0], overlap, 0.0, 1.0)
+        return lam, pop
+    lam, pop = start       # refining a nearby solution: narrow brackets, fewer steps
+    for _ in range(2):
+        pop = solve(lambda p: _simulate(beta, topical, specific, k, lam, p)[1], share,
+                    max(0.0, pop - 0.3), pop + 0.3, steps=7)
+        lam = solve(lambda l: _simulate(beta, topical, specific, k, l, pop)[0], overlap,
+                    max(0.0, lam - 0.15), min(1.0, lam + 0.15), steps=7)
+    return lam, pop
+
+
+class RealisticRouting:
+    """Popular experts and locality between neighbours, reached through the weights.
+
+    The residual stream reserves its first channels for routing: channel 0 carries a constant
+    (every token), channels 1..topics a one-hot topic (tokens in contiguous id blocks share
+    one), the next specific_dims channels a token-specific Gaussian. No layer writes into them
+    (those rows of o_proj, the dense MLPs' and the experts' down_proj are zero), so every
+    layer's router sees them exactly as the embedding put them, up to RMSNorm's scale, which
+    top-k ignores. Router row e reads only them: pop·beta_e from the constant (popularity),
+    lam·alpha_e[topic] from the topic channels (locality), sqrt(1-lam²)·nu_e·xi from the
+    specific channels; (lam, pop) are solved by simulating this logit model on topic-coherent
+    sequences, for the target overlap and share: once per vault, then refined on each layer's draws. lm_head adds a logit to the tokens of the current token's topic, sized so that
+    sampling at `temperature` keeps the topic with probability `stay`: the model writes
+    topic-coherent text, which is what coherent_prompt samples.
+    """
+
+    def __init__(self, cfg: dict, seed: int, knobs: dict):
+        unknown = set(knobs) - set(REALISTIC_DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown realistic-routing knob(s): {', '.join(sorted(unknown))}")
+        kn = dict(REALISTIC_DEFAULTS, **{k: v for k, v in knobs.items() if v is not None})
+        E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+        if not (0 < kn["overlap"] < 1):
+            raise ValueError(f"overlap must lie in (0, 1), got {kn['overlap']}")
+        if not (0.2 <= kn["top20_share"] < 1):
+            raise ValueError(f"top20_share must lie in [0.2, 1), got {kn['top20_share']}")
+        if not (0 < kn["stay"] < 1) or kn["temperature"] <= 0:
+            raise ValueError("stay must lie in (0, 1) and temperature be > 0")
+        self.cfg, self.seed, self.knobs = cfg, seed, kn
+        self.lay = realistic_layout(cfg, kn["topics"], kn["specific_dims"])
+        self.reserved = self.lay["reserved"]
+        self.calibration: tuple[float, float] | None = None
+        self.layer_calibration: dict[int, tuple[float, float]] = {}
+        T = self.lay["topics"]
+        # logit advantage of the current topic's tokens: exp(d/temp)/(exp(d/temp) + T - 1) = stay
+        self.topic_logit = kn["temperature"] * math.log(kn["stay"] / (1 - kn["stay"]) * max(T - 1, 1))
+
+    def _norm(self, name: str) -> np.ndarray:
+        """The norm weights synth writes for name (their own generator, drawn again here)."""
+        rng = _rng(self.seed, _KIND_DENSE, zlib.crc32(name.encode()))
+        return _uniform(rng, (self.cfg["hidden_size"],), NORM_SPREAD, mean=1.0)
+
+    def _draws(self, rng: np.random.Generator):
+        E, T, S = self.cfg["num_experts"], self.lay["topics"], self.lay["specific"]
+        beta = rng.standard_normal(E)
+        beta = ((beta - beta.mean()) / beta.std()).astype(np.float32)
+        return beta, rng.standard_normal((T, E)).astype(np.float32), rng.standard_normal((E, S)).astype(np.float32)
+
+    def solve(self) -> tuple[float, float]:
+        """(lam, pop) for the targets, solved once per vault on draws of its own (every
+        layer's draws have the same distribution; ~3 s for a3b)."""
+        if self.calibration is None:
+            kn = self.knobs
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 7])))
+            self.calibration = calibrate(*self._draws(rng), self.cfg["num_experts_per_tok"], kn["overlap"],
+                                         kn["top20_share"], kn["stay"], rng)
+        return self.calibration
+
+    def router(self, layer: int, rng: np.random.Generator) -> np.ndarray:
+        cfg, lay, kn = self.cfg, self.lay, self.knobs
+        E, k, h = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["hidden_size"]
+        T, S = lay["topics"], lay["specific"]
+        beta, alpha, nu = self._draws(rng)
+        # Refine the vault's solution on this layer's own draws: with few experts or topics
+        # (tiny: 16 and 4) one draw's popularity differs enough from another's to matter.
+        kn = self.knobs
+        lam, pop = calibrate(beta, alpha, nu, k, kn["overlap"], kn["top20_share"], kn["stay"],
+                             np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 7, layer]))),
+                             start=self.solve())
+        self.layer_calibration[layer] = (lam, pop)
+        w = np.zeros((E, h), dtype=np.float32)
+        w[:, lay["bias_ch"]] = pop * beta / _BIAS_VALUE
+        w[:, lay["topic_ch"]:lay["topic_ch"] + T] = lam * alpha.T / _TOPIC_VALUE
+        w[:, lay["spec_ch"]:lay["spec_ch"] + S] = math.sqrt(max(0.0, 1 - lam * lam)) * nu / math.sqrt(S)
+        # The router reads rmsnorm(x)·post_attention_layernorm: undo the norm's weights.
+        w[:, :self.reserved] /= self._norm(f"layers.{layer}.post_attention_layernorm")[None, :self.reserved]
+        return w * np.float32(ROUTER_GAIN)
+
+    def shape_columns(self, name: str) -> int:
+        role = role_of(name)
+        return self.reserved if role in ("embed", "lm_head") else 0
+
+    def fill_columns(self, name: str, block: np.ndarray, rng: np.random.Generator) -> None:
+        """block: the first shape_columns(name) columns of a (vocab, hidden) matrix, random."""
+        lay, vocab = self.lay, self.cfg["vocab_size"]
+        T, S = lay["topics"], lay["specific"]
+        topic = topic_of(np.arange(vocab), vocab, T)
+        rows = np.arange(vocab)
+        if role_of(name) == "embed":
+            block[:, :lay["spec_ch"]] = 0
+            block[:, lay["bias_ch"]] = _BIAS_VALUE
+            block[rows, lay["topic_ch"] + topic] = _TOPIC_VALUE
+            block[:, lay["spec_ch"]:lay["spec_ch"] + S] = rng.standard_normal((vocab, S), dtype=np.float32)
+        else:  # lm_head: the current topic's tokens gain topic_logit (final norm undone)
+            block[:, lay["topic_ch"]:lay["topic_ch"] + T] *= np.float32(0.0)
+            g = self._norm("norm")[lay["topic_ch"]:lay["topic_ch"] + T]
+            block[rows, lay["topic_ch"] + topic] = (self.topic_logit * FINAL_RMS_GUESS / _TOPIC_VALUE / g[topic])
+
+    def zero_rows(self, name: str) -> int:
+        """Leading rows of a dense matrix that must be zero: the residual writers."""
+        return self.reserved if name.endswith(("o_proj", "down_proj")) else 0
+
+
+ROUTINGS = {"uniform": UniformRouting, "realistic": RealisticRouting}
 
 
 # ------------------------------------------------------------------------------------- dense
@@ -108,20 +337,61 @@ def _dense_std(cfg: dict, name: str, cols: int) -> float:
     return (LM_HEAD_GAIN if role == "lm_head" else 1.0) / math.sqrt(cols)
 
 
-def _write_dense(writer: VaultWriter, name: str, rng: np.random.Generator, routing: str) -> None:
+def _zero_leading_rows(buf: np.ndarray, t, rows: int) -> None:
+    """Make the first rows of a q4/q8 tensor exactly zero: scale and bias 0."""
+    _, soff, boff, _ = quant.parts(t.format, t.rows, t.cols)
+    n = 2 * rows * (t.cols // quant.GROUP)
+    buf[soff:soff + n] = 0
+    buf[boff:boff + n] = 0
+
+
+def _splice_columns(buf: np.ndarray, t, block_bytes: bytes, ncols: int) -> None:
+    """Put a quantised (rows, ncols) block over the first ncols columns of a q4/q8 tensor."""
+    bits = 4 if t.format == "q4" else 8
+    blk = np.frombuffer(block_bytes, dtype=np.uint8)
+    ncodes, soff, boff, _ = quant.parts(t.format, t.rows, t.cols)
+    bc, bsoff, bboff, _ = quant.parts(t.format, t.rows, ncols)
+    full = buf[:ncodes].reshape(t.rows, t.cols * bits // 8)
+    full[:, :ncols * bits // 8] = blk[:bc].reshape(t.rows, ncols * bits // 8)
+    g, bg = t.cols // quant.GROUP, ncols // quant.GROUP
+    for off, boff_ in ((soff, bsoff), (boff, bboff)):
+        dst = buf[off:off + 2 * t.rows * g].reshape(t.rows, 2 * g)
+        dst[:, :2 * bg] = blk[boff_:boff_ + 2 * t.rows * bg].reshape(t.rows, 2 * bg)
+
+
+def _write_dense(writer: VaultWriter, name: str, rng: np.random.Generator, routing) -> None:
     cfg, t = writer.config, writer.layout.tensors[name]
     role = role_of(name)
     if role == "norms":
         writer.add_dense(name, _uniform(rng, (t.cols,), NORM_SPREAD, mean=1.0))
-    elif role == "router":
-        writer.add_dense(name, ROUTINGS[routing](cfg, int(name.split(".")[1]), rng))
-    elif quant.is_quantized(t.format):
+        return
+    if role == "router":
+        writer.add_dense(name, routing.router(int(name.split(".")[1]), rng))
+        return
+    std = _dense_std(cfg, name, t.cols)
+    shaped = routing.shape_columns(name)
+    zero = routing.zero_rows(name)
+    if quant.is_quantized(t.format):
         # As for experts, q4/q8 matrices are drawn as codes: an a3b has 1.5 G dense weights.
         buf = np.zeros(t.nbytes, dtype=np.uint8)
-        _random_codes(buf, t, _dense_std(cfg, name, t.cols), rng, writer.scale_dtype)
+        _random_codes(buf, t, std, rng, writer.scale_dtype)
+        if shaped:
+            ncols = quant.align(shaped, quant.GROUP)
+            block = _uniform(rng, (t.rows, ncols), std)
+            routing.fill_columns(name, block, rng)
+            _splice_columns(buf, t, quant.quantize(block, t.format, writer.scale_dtype), ncols)
+        if zero:
+            _zero_leading_rows(buf, t, zero)
         writer.add_dense_raw(name, buf)
     else:
-        writer.add_dense(name, _uniform(rng, (t.rows, t.cols), _dense_std(cfg, name, t.cols)))
+        w = _uniform(rng, (t.rows, t.cols), std)
+        if shaped:
+            block = w[:, :shaped].copy()
+            routing.fill_columns(name, block, rng)
+            w[:, :shaped] = block
+        if zero:
+            w[:zero] = 0
+        writer.add_dense(name, w)
 
 
 # ------------------------------------------------------------------------------------ experts
@@ -150,12 +420,14 @@ def _random_codes(out: np.ndarray, t, std: float, rng: np.random.Generator, scal
     out[boff:boff + 2 * groups] = b_bits.astype("<u2").view(np.uint8)
 
 
-def _coded_blob(writer: VaultWriter, rng: np.random.Generator, stds) -> np.ndarray:
-    """One q4 or q8 expert blob of random codes."""
+def _coded_blob(writer: VaultWriter, rng: np.random.Generator, stds, zero_down_rows: int = 0) -> np.ndarray:
+    """One q4 or q8 expert blob of random codes (the first zero_down_rows rows of down zero)."""
     last = writer.layout.expert[-1]
     blob = np.zeros(last.offset + last.nbytes, dtype=np.uint8)
     for t, std in zip(writer.layout.expert, stds):
         _random_codes(blob[t.offset:t.offset + t.nbytes], t, std, rng, writer.scale_dtype)
+    if zero_down_rows:
+        _zero_leading_rows(blob[last.offset:last.offset + last.nbytes], last, zero_down_rows)
     return blob
 
 
@@ -183,15 +455,24 @@ def preset_config(preset: str, layers: int | None = None, overrides: dict | None
 
 def synth(path, preset: str = "tiny", seed: int = 0, layers: int | None = None, experts: str = "q4",
           routing: str = "uniform", progress: bool = True, *, formats: dict | None = None,
-          overrides: dict | None = None, scale_dtype: str = "f16") -> pathlib.Path:
+          overrides: dict | None = None, scale_dtype: str = "f16", overlap: float | None = None,
+          top20_share: float | None = None, stay: float | None = None, temperature: float | None = None,
+          topics: int | None = None, specific_dims: int | None = None) -> pathlib.Path:
     """Write a random vault to directory path and return it.
 
-    preset: a key of PRESETS; layers truncates it; experts: the expert format; routing: only
-    "uniform" so far. formats sets other roles' formats (docs: vaultio.DEFAULT_FORMATS);
-    overrides replaces config fields (e.g. {"tie_word_embeddings": True}).
+    preset: a key of PRESETS; layers truncates it; experts: the expert format; routing:
+    "uniform" (random routers) or "realistic" (popular experts, neighbouring tokens sharing
+    experts; its knobs overlap, top20_share, stay, temperature, topics, specific_dims default
+    to REALISTIC_DEFAULTS, docs/synth.md). formats sets other roles' formats (docs:
+    vaultio.DEFAULT_FORMATS); overrides replaces config fields (e.g. {"tie_word_embeddings": True}).
     """
     if routing not in ROUTINGS:
         raise ValueError(f"routing {routing!r} is not implemented (available: {', '.join(ROUTINGS)})")
+    knobs = dict(overlap=overlap, top20_share=top20_share, stay=stay, temperature=temperature,
+                 topics=topics, specific_dims=specific_dims)
+    knobs = {k: v for k, v in knobs.items() if v is not None}
+    if knobs and routing != "realistic":
+        raise ValueError(f"{', '.join(sorted(knobs))}: only for routing='realistic'")
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"expert format {experts!r} is not one of {', '.join(EXPERT_FORMATS)}")
     cfg = preset_config(preset, layers, overrides)
@@ -203,17 +484,18 @@ def synth(path, preset: str = "tiny", seed: int = 0, layers: int | None = None, 
     with writer:
         cfg = writer.config
         lay = writer.layout
+        mode = ROUTINGS[routing](cfg, seed, knobs)
         dense_total = sum(t.rows * t.cols for t in lay.tensors.values())
         with Progress(dense_total, f"{path.name}: dense", unit="weights", enabled=progress) as bar:
             for name, t in lay.tensors.items():
                 rng = _rng(seed, _KIND_DENSE, zlib.crc32(name.encode()))
-                _write_dense(writer, name, rng, routing)
+                _write_dense(writer, name, rng, mode)
                 bar.update(t.rows * t.cols)
-        _write_experts(writer, seed, progress, path.name)
+        _write_experts(writer, seed, progress, path.name, mode.reserved)
     return path
 
 
-def _write_experts(writer: VaultWriter, seed: int, progress: bool, label: str) -> None:
+def _write_experts(writer: VaultWriter, seed: int, progress: bool, label: str, zero_down_rows: int = 0) -> None:
     cfg, lay = writer.config, writer.layout
     todo = [(l, e) for l in writer.sparse_layers() for e in range(cfg["num_experts"])]
     if not todo:
@@ -227,9 +509,11 @@ def _write_experts(writer: VaultWriter, seed: int, progress: bool, label: str) -
         for l, e in todo:
             rng = _rng(seed, _KIND_EXPERT, l, e)
             if coded:
-                blob = _coded_blob(writer, rng, stds)
+                blob = _coded_blob(writer, rng, stds, zero_down_rows)
             else:
-                blob = writer.pack_expert(*_float_expert(cfg, rng, stds))
+                gate, up, down = _float_expert(cfg, rng, stds)
+                down[:zero_down_rows] = 0
+                blob = writer.pack_expert(gate, up, down)
             pending.append(pool.submit(writer.add_expert_raw, l, e, blob))
             if len(pending) >= 4:
                 pending.pop(0).result()
@@ -253,7 +537,21 @@ def add_parser(parser, name: str = "synth"):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
     p.add_argument("--experts", default="q4", choices=EXPERT_FORMATS, help="expert format (default q4)")
-    p.add_argument("--routing", default="uniform", choices=sorted(ROUTINGS))
+    p.add_argument("--routing", default="uniform", choices=sorted(ROUTINGS),
+                   help="uniform: random routers; realistic: popular experts and locality (docs/synth.md)")
+    g = p.add_argument_group("realistic routing knobs (docs/synth.md)")
+    d = REALISTIC_DEFAULTS
+    g.add_argument("--overlap", type=float, default=None,
+                   help=f"target adjacent-token expert overlap per layer (default {d['overlap']})")
+    g.add_argument("--top20-share", type=float, default=None,
+                   help=f"target share of routings of a layer's top 20%% experts (default {d['top20_share']})")
+    g.add_argument("--stay", type=float, default=None,
+                   help=f"P(next sampled token keeps the topic) (default {d['stay']})")
+    g.add_argument("--temperature", type=float, default=None,
+                   help=f"sampling temperature stay refers to (default {d['temperature']})")
+    g.add_argument("--topics", type=int, default=None, help="topic count (default min(64, hidden/16, vocab/8))")
+    g.add_argument("--specific-dims", type=int, default=None,
+                   help="token-specific routing channels (default max(16, topics))")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -261,8 +559,10 @@ def add_parser(parser, name: str = "synth"):
 
 def run(args) -> int:
     t0 = time.monotonic()
+    knobs = {k: getattr(args, k, None) for k in REALISTIC_DEFAULTS}
+    knobs = {k: v for k, v in knobs.items() if v is not None}
     out = synth(args.out, preset=args.preset, seed=args.seed, layers=args.layers, experts=args.experts,
-                routing=args.routing, progress=not args.quiet)
+                routing=args.routing, progress=not args.quiet, **knobs)
     size = (out / "vault.bin").stat().st_size
     print(f"wrote {out} ({size / 2 ** 20:,.1f} MiB) in {time.monotonic() - t0:.1f} s")
     return 0

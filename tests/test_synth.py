@@ -155,8 +155,8 @@ def test_f32_and_other_expert_formats(tmp_path, tiny_vault_f32):
 
 
 def test_bad_arguments(tmp_path):
-    with pytest.raises(ValueError, match="routing 'realistic' is not implemented"):
-        S.synth(tmp_path, routing="realistic", progress=False)
+    with pytest.raises(ValueError, match="routing 'nonsense' is not implemented"):
+        S.synth(tmp_path, routing="nonsense", progress=False)
     with pytest.raises(ValueError, match="expert format"):
         S.synth(tmp_path, experts="q3", progress=False)
     with pytest.raises(ValueError, match="unknown preset"):
