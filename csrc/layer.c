@@ -223,6 +223,7 @@ static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *
         smoe_topk(p, E, K, c->norm_topk_prob, s->topk_idx + (size_t)t * K, s->topk_w + (size_t)t * K);
         for (uint32_t k = 0; k < K; k++) {
             uint32_t e = (uint32_t)s->topk_idx[(size_t)t * K + k];
+            s->expert_counts[(size_t)l * E + e]++;
             if (s->exp_count[e] == 0) {
                 s->union_list[n_union] = (int32_t)e;
                 s->union_slot[n_union] = -1;

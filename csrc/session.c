@@ -61,7 +61,7 @@ void smoe_session_free(smoe_session *s) {
     void *bufs[] = {s->k_cache, s->v_cache, s->rope_cos, s->rope_sin, s->history, s->x, s->xn, s->q, s->att,
                     s->scores, s->router, s->topk_idx, s->topk_w, s->slot_out, s->xg, s->hg, s->h, s->yg,
                     s->logits, s->sample_f, s->sample_i, s->exp_count, s->exp_rows, s->union_list,
-                    s->union_slot, s->pending, s->pending_slots, s->union_sizes};
+                    s->union_slot, s->pending, s->pending_slots, s->union_sizes, s->expert_counts};
     for (size_t i = sizeof bufs / sizeof bufs[0]; i-- > 0;)
         smoe_free(bufs[i]);
     smoe_free(s);
@@ -160,6 +160,7 @@ smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *param
     s->pending = plane(s, E, sizeof(uint32_t), &ok);
     s->pending_slots = plane(s, E, sizeof(int), &ok);
     s->union_sizes = plane(s, L, sizeof(uint32_t), &ok);
+    s->expert_counts = plane(s, L * E, sizeof(uint64_t), &ok);
     if (!ok) {
         smoe_session_free(s);
         return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the KV cache (%zu bytes) and planes (%llu bytes)",
@@ -291,6 +292,16 @@ smoe_status smoe_stats_union_sizes(const smoe_session *s, uint32_t *out, uint32_
     return SMOE_OK;
 }
 
+smoe_status smoe_stats_expert_counts(const smoe_session *s, uint32_t layer, uint64_t *counts, uint32_t cap) {
+    if (!s || (!counts && cap))
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_stats_expert_counts: NULL argument");
+    if (layer >= s->cfg.num_hidden_layers)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "layer %u: the model has %u", layer, s->cfg.num_hidden_layers);
+    uint32_t n = cap < s->cfg.num_experts ? cap : s->cfg.num_experts;
+    memcpy(counts, s->expert_counts + (size_t)layer * s->cfg.num_experts, n * sizeof(uint64_t));
+    return SMOE_OK;
+}
+
 smoe_status smoe_stats_reset(smoe_session *s) {
     if (!s)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "session is NULL");
@@ -298,6 +309,7 @@ smoe_status smoe_stats_reset(smoe_session *s) {
         smoe_streamer_reset_stats(s->streamer);
     s->prefill_s = s->decode_s = 0;
     s->tokens_prefilled = s->tokens_decoded = 0;
+    memset(s->expert_counts, 0, (size_t)s->cfg.num_hidden_layers * s->cfg.num_experts * sizeof(uint64_t));
     return SMOE_OK;
 }
 

@@ -60,6 +60,7 @@ struct smoe_session {
     uint32_t *pending;    /* (experts) union positions holding a slot, not yet computed */
     int *pending_slots;   /* (experts) their slots, for smoe_streamer_wait_any */
     uint32_t *union_sizes; /* (layers) of the last prefill */
+    uint64_t *expert_counts; /* (layers, experts) tokens routed to each, since the last stats reset */
 
     /* Counters that are not the streamer's */
     double prefill_s, decode_s;

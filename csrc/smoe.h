@@ -205,6 +205,11 @@ SMOE_API smoe_status smoe_stats(const smoe_session *session, smoe_counters *out)
 /* Per layer, the number of distinct experts the last smoe_prefill_chunk used (0 for dense
  * layers). out has room for cap entries; fills min(cap, num_layers). */
 SMOE_API smoe_status smoe_stats_union_sizes(const smoe_session *session, uint32_t *out, uint32_t cap);
+/* Per expert of layer, how many tokens had it among their top-k since the session was made or
+ * smoe_stats_reset last ran (prefill chunks and decode steps alike). Fills
+ * min(cap, num_experts) entries; zeros for a dense layer. */
+SMOE_API smoe_status smoe_stats_expert_counts(const smoe_session *session, uint32_t layer, uint64_t *counts,
+                                              uint32_t cap);
 /* Zeroes the counters (not the cache). */
 SMOE_API smoe_status smoe_stats_reset(smoe_session *session);
 /* Drops every retained blob, so the next step starts cold. */

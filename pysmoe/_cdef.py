@@ -111,6 +111,8 @@ bool direct_io;
 } smoe_counters;
 smoe_status smoe_stats(const smoe_session *session, smoe_counters *out);
 smoe_status smoe_stats_union_sizes(const smoe_session *session, uint32_t *out, uint32_t cap);
+smoe_status smoe_stats_expert_counts(const smoe_session *session, uint32_t layer, uint64_t *counts,
+uint32_t cap);
 smoe_status smoe_stats_reset(smoe_session *session);
 smoe_status smoe_cache_clear(smoe_session *session);
 """

@@ -83,24 +83,34 @@ def test_quantized_and_f32_vaults_and_dense_layers(make_vault):
 
 
 def chunk_reads(vault, ids, chunk=None, budget=0):
-    """Blob reads and union sizes of one smoe_prefill_chunk of all ids, from a cold cache."""
+    """Blob reads, union sizes and per-expert routing counts of one smoe_prefill_chunk of all
+    ids, from a cold cache."""
+    from pysmoe._ffi import check
+    L, E = vault.config["num_hidden_layers"], vault.config["num_experts"]
     with vault.session(cache_bytes=budget, chunk=chunk or len(ids)) as s:
         arr = np.asarray(ids, dtype=np.int32)
-        from pysmoe._ffi import check
         check(lib.smoe_prefill_chunk(s.handle, ffi.cast("int32_t *", ffi.from_buffer(arr)), len(arr)))
-        sizes = ffi.new("uint32_t[]", vault.config["num_hidden_layers"])
-        check(lib.smoe_stats_union_sizes(s.handle, sizes, vault.config["num_hidden_layers"]))
-        return s.stats(), list(sizes)
+        sizes = ffi.new("uint32_t[]", L)
+        check(lib.smoe_stats_union_sizes(s.handle, sizes, L))
+        counts = ffi.new("uint64_t[]", E)
+        per_layer = []
+        for layer in range(L):
+            check(lib.smoe_stats_expert_counts(s.handle, layer, counts, E))
+            per_layer.append([int(counts[e]) for e in range(E)])
+        return s.stats(), list(sizes), per_layer
 
 
 @pytest.mark.parametrize("n", [1, 3, 20, 45])
 def test_a_cold_chunk_reads_exactly_its_unions(tiny_vault_f32, n):
     vault = pysmoe.open_vault(tiny_vault_f32)
     ids = [int(i) for i in np.random.default_rng(n).integers(0, vault.config["vocab_size"], size=n)]
-    stats, sizes = chunk_reads(vault, ids)
+    stats, sizes, counts = chunk_reads(vault, ids)
     # the unions, computed independently by the numpy reference's routing
-    want = [0 if r is None else len(np.unique(r)) for r in ReferenceModel(tiny_vault_f32).routing(ids)]
+    routes = ReferenceModel(tiny_vault_f32).routing(ids)
+    want = [0 if r is None else len(np.unique(r)) for r in routes]
     assert sizes == want
+    E = vault.config["num_experts"]
+    assert counts == [[0] * E if r is None else np.bincount(np.ravel(r), minlength=E).tolist() for r in routes]
     assert stats["blob_reads"] == sum(want) == stats["cache_misses"]
     assert stats["bytes_read"] == sum(want) * vault.blob_bytes
     assert stats["cache_hits"] == 0
