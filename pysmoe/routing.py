@@ -146,7 +146,7 @@ def _engine_pass(s, ids, chunk: int, n_layers: int, want_counts: bool):
         E = s.vault.config["num_experts"]
         ctype = ffi.typeof(fn).args[2].item.cname
         buf = ffi.new(f"{ctype}[]", E)
-        counts = np.zeros((n_layers, E), dtype=np.int64)
+        counts = np.zeros((n_layers, E), dtype=np.uint64)
     arr = np.ascontiguousarray(ids, dtype=np.int32)
     for start in range(0, len(arr) - chunk + 1, chunk):
         part = arr[start:start + chunk]
@@ -159,7 +159,8 @@ def _engine_pass(s, ids, chunk: int, n_layers: int, want_counts: bool):
             for layer in range(n_layers):
                 check(fn(s.handle, layer, buf, E))
                 counts[layer] += np.frombuffer(ffi.buffer(buf), dtype=np.dtype(f"u{ffi.sizeof(ctype)}"))
-    return np.asarray(unions, dtype=np.int64).reshape(-1, n_layers), counts
+    return (np.asarray(unions, dtype=np.int64).reshape(-1, n_layers),
+            None if counts is None else counts.astype(np.int64))
 
 
 def routing_stats(vault, tokens: int = DEFAULT_TOKENS, seed: int = 0, ids=None, skew: str = "auto",
