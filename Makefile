@@ -59,8 +59,9 @@ $(BUILD):
 $(LIB): $(OBJS)
 	$(CC) $(CFLAGS) $(SHARED) -o $@ $(OBJS) $(LDLIBS)
 
+# Copy, then rename: a running process keeps the old file's pages (cp would rewrite them under it).
 pysmoe/$(LIBNAME): $(LIB)
-	cp $(LIB) $@
+	cp $(LIB) $@.tmp && mv -f $@.tmp $@
 
 examples: $(EXAMPLE)
 
