@@ -125,7 +125,7 @@ typedef struct smoe_session smoe_session;
 typedef struct {
     uint32_t struct_size;
     uint32_t context;      /* KV cache length in tokens (default 4096, capped by the model's) */
-    uint32_t chunk;        /* largest n for smoe_prefill_chunk (default 64) */
+    uint32_t chunk;        /* largest n for smoe_prefill_chunk (default 256) */
     uint32_t threads;      /* compute threads including the caller (default: online cores) */
     uint32_t io_threads;   /* blob reads in flight (default 4) */
     uint32_t reserved;

@@ -12,7 +12,7 @@ def add_session_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-mb", type=float, default=0, help="retention cache budget in MiB (0: one layer's slots)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--io-threads", type=int, default=4, help="blob reads in flight")
-    p.add_argument("--chunk", type=int, default=64, help="layer-major prefill chunk (tokens)")
+    p.add_argument("--chunk", type=int, default=None, help="layer-major prefill chunk in tokens (default: the library's, 256)")
     p.add_argument("--context", type=int, default=4096, help="KV cache length (tokens)")
     p.add_argument("--prefill", choices=("layer-major", "token-serial"), default="layer-major")
     p.add_argument("--buffered", action="store_true", help="buffered reads instead of Direct I/O")

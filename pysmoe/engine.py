@@ -108,7 +108,7 @@ class Vault:
             check(rc)
         return bad
 
-    def session(self, cache_bytes: int = 0, threads: int | None = None, chunk: int = 64,
+    def session(self, cache_bytes: int = 0, threads: int | None = None, chunk: int | None = None,
                 prefill: str = "layer-major", context: int = 4096, io_threads: int = 4,
                 direct_io: bool = True, verify_blobs: bool = False) -> "Session":
         return Session(self, cache_bytes=cache_bytes, threads=threads, chunk=chunk, prefill=prefill,
@@ -139,11 +139,12 @@ class Vault:
 class Session:
     """A KV cache, activation planes and a retention cache over one vault."""
 
-    def __init__(self, vault: Vault, *, cache_bytes=0, threads=None, chunk=64, prefill="layer-major",
+    def __init__(self, vault: Vault, *, cache_bytes=0, threads=None, chunk=None, prefill="layer-major",
                  context=4096, io_threads=4, direct_io=True, verify_blobs=False):
         if prefill not in PREFILL_PATHS:
             raise InvalidArgument(f"prefill must be one of {PREFILL_PATHS}, not {prefill!r}")
-        for name, value, low in (("cache_bytes", cache_bytes, 0), ("chunk", chunk, 1), ("context", context, 1),
+        for name, value, low in (("cache_bytes", cache_bytes, 0), ("chunk", 1 if chunk is None else chunk, 1),
+                                 ("context", context, 1),
                                  ("io_threads", io_threads, 1), ("threads", 1 if threads is None else threads, 1)):
             if not isinstance(value, (int, np.integer)) or value < low:
                 raise InvalidArgument(f"{name} must be an integer ≥ {low}, not {value!r}")
@@ -152,7 +153,8 @@ class Session:
         p.cache_bytes = int(cache_bytes)
         if threads is not None:
             p.threads = int(threads)
-        p.chunk = int(chunk)
+        if chunk is not None:  # None: the library's default (smoe_session_default_params)
+            p.chunk = int(chunk)
         p.context = int(context)
         p.io_threads = int(io_threads)
         p.direct_io = bool(direct_io)
@@ -163,7 +165,7 @@ class Session:
         self._h = ffi.gc(out[0], lib.smoe_session_free)
         vault._sessions.add(self)
         self.prefill_path = prefill
-        self.chunk = int(chunk)
+        self.chunk = int(p.chunk)
         self.context = min(int(context), vault.config["max_position_embeddings"])
         self.threads = int(p.threads)
         self._vocab = vault.config["vocab_size"]
