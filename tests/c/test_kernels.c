@@ -30,7 +30,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int failures;
 
 /* FNV-1a over the bits of every kernel output: the Python driver builds this program with the
  * vector-extension and the scalar lane loops (and at -O2 and -O3) and compares the printed
@@ -45,15 +44,7 @@ static void hash_floats(const float *v, size_t n) {
     for (size_t i = 0; i < n * sizeof(float); i++) *h = (*h ^ b[i]) * 0x100000001b3ull;
 }
 
-#define CHECK(cond, ...)                                                                   \
-    do {                                                                                   \
-        if (!(cond)) {                                                                     \
-            fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond);      \
-            fprintf(stderr, __VA_ARGS__);                                                  \
-            fprintf(stderr, "\n");                                                         \
-            if (++failures > 20) exit(1);                                                  \
-        }                                                                                  \
-    } while (0)
+#include "check.h"
 
 /* ------------------------------------------------------------------------- test data */
 

@@ -13,17 +13,8 @@
 #include <string.h>
 #include <time.h>
 
-static int failures;
 
-#define CHECK(cond, ...)                                                                   \
-    do {                                                                                   \
-        if (!(cond)) {                                                                     \
-            fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond);      \
-            fprintf(stderr, __VA_ARGS__);                                                  \
-            fprintf(stderr, "\n");                                                         \
-            if (++failures > 20) exit(1);                                                  \
-        }                                                                                  \
-    } while (0)
+#include "check.h"
 
 /* ---------------------------------------------------------------------------------- pool */
 
