@@ -500,6 +500,27 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
     return result
 
 
+def _overlap(cold, io_floor_reps, comp_reps) -> dict:
+    """How a path's cold TTFT splits into waiting on I/O and computing, each repeat against that
+    repeat's floors, then the median. io_wait_s is the wall time the compute thread (there is one
+    that waits) spent blocked on blobs still loading, so it is part of TTFT, never more."""
+    def per_rep(f):
+        return _median([f(i, x) for i, x in enumerate(cold)])
+
+    def ratio(a, b):
+        return a / b if b else None
+
+    io_ok = bool(io_floor_reps) and len(io_floor_reps) >= len(cold)
+    comp_ok = bool(comp_reps) and len(comp_reps) >= len(cold)
+    return {
+        "io_wait_frac": per_rep(lambda i, x: ratio(x["io_wait_s"], x["ttft_s"])),
+        "io_wait_over_io_floor": per_rep(lambda i, x: ratio(x["io_wait_s"], io_floor_reps[i])) if io_ok else None,
+        "compute_busy_s": per_rep(lambda i, x: x["ttft_s"] - x["io_wait_s"]),
+        "compute_busy_over_compute_floor":
+            per_rep(lambda i, x: ratio(x["ttft_s"] - x["io_wait_s"], comp_reps[i])) if comp_ok else None,
+    }
+
+
 def _summarise_length(n, exact, runs, paths, blob_bytes, has_resident, resident_full=True, max_union=None) -> dict:
     probe = runs["probe"]
     gbps = _median([x["gbps"] for x in probe])
@@ -560,6 +581,7 @@ def _summarise_length(n, exact, runs, paths, blob_bytes, has_resident, resident_
             if floors:
                 ratios.append(x["ttft_s"] / max(floors))
         pr["ttft_over_floor"] = _median(ratios) if ratios else None
+        pr.update(_overlap(cold, io_floor_reps, comp_reps))
         row["paths"][p] = pr
     if "layer-major" in paths and "token-serial" in paths:
         lm, ts = runs["cold:layer-major"], runs["cold:token-serial"]
@@ -620,6 +642,21 @@ def format_table(res: dict) -> str:
                    + (f"  (resident runs missed up to {miss} blobs: compute floor net of their io_wait)"
                       if miss else "")
                    + ("  (union: upper bound)" if "upper bound" in row.get("union_source", "") else ""))
+    if res["ttft"]:
+        out.append("")
+        out.append(f"overlap, cold runs (cache {100 * s['cache_frac']:.1f}%): how TTFT splits into waiting on I/O and "
+                   f"computing")
+        hdr3 = (f"{'tokens':>6} {'path':<13} {'TTFT s':>8} {'io_wait':>8} {'wait/TTFT':>9} {'I/O floor':>9} "
+                f"{'wait/I/O fl.':>12} {'busy s':>8} {'compute fl.':>11} {'busy/comp.':>10}")
+        out.append(hdr3)
+        out.append("-" * len(hdr3))
+        for row in res["ttft"]:
+            for p, pr in row["paths"].items():
+                out.append(f"{row['prompt_tokens']:>6} {p:<13} {pr['ttft_s']:>8.3f} {pr['io_wait_s']:>8.3f} "
+                           f"{_f(pr.get('io_wait_frac'), '{:.0%}'):>9} {_f(row['io_floor_s']):>9} "
+                           f"{_f(pr.get('io_wait_over_io_floor'), '{:.2f}'):>12} {_f(pr.get('compute_busy_s')):>8} "
+                           f"{_f(row['compute_floor_s']):>11} "
+                           f"{_f(pr.get('compute_busy_over_compute_floor'), '{:.2f}'):>10}")
     if res.get("decode"):
         out.append("")
         d = res["decode"]
@@ -640,6 +677,11 @@ def format_table(res: dict) -> str:
                "exact routing needs, once each. I/O floor: union bytes / disk GB/s (parallel O_DIRECT pread, "
                "io_threads readers, blob-sized reads). compute floor: the fastest path with every expert resident. "
                "/floor: TTFT / max(I/O floor, compute floor). LM/TS: layer-major / token-serial TTFT.")
+    out.append("Overlap: io_wait = seconds compute waited on blobs still loading (part of TTFT); wait/TTFT = "
+               "io_wait / TTFT; wait/I/O fl. = io_wait / I/O floor, target <= 1 (reads overlap compute instead of "
+               "adding to it); busy = TTFT - io_wait, compute's own time; busy/comp. = busy / compute floor (above "
+               "1: compute ran slower than with every expert resident, or the path does more work than the "
+               "fastest one). Ratios per repeat, then the median.")
     return "\n".join(out)
 
 

@@ -16,7 +16,8 @@ def test_bench_cli_table_and_json(tiny_vault, tmp_path, capsys):
                "--chunk", "4", "--decode-tokens", "3", "--decode-prompt", "4", "--json", str(out), "--quiet"])
     assert rc == 0
     text = capsys.readouterr().out
-    for word in ("layer-major", "token-serial", "I/O floor", "compute fl.", "LM/TS", "tok/s", "decode"):
+    for word in ("layer-major", "token-serial", "I/O floor", "compute fl.", "LM/TS", "tok/s", "decode", "wait/TTFT",
+                 "wait/I/O fl.", "busy/comp."):
         assert word in text
     assert ("O_DIRECT) in force" in text) or ("NOT in force" in text)
 
@@ -39,6 +40,10 @@ def test_bench_cli_table_and_json(tiny_vault, tmp_path, capsys):
             assert pr["blob_reads"] >= row["exact_union_blobs"]
             assert pr["bytes_read"] == pr["blob_reads"] * v["blob_bytes"]
             assert isinstance(pr["direct_io"], bool)
+            # Overlap: io_wait is part of the TTFT; busy is the rest.
+            assert 0 <= pr["io_wait_frac"] <= 1
+            assert pr["io_wait_over_io_floor"] >= 0 and pr["compute_busy_over_compute_floor"] > 0
+            assert 0 < pr["compute_busy_s"] <= pr["ttft_s"]
         if n == 1:  # one token: both paths run the same single step
             assert row["paths"]["layer-major"]["blob_reads"] == row["paths"]["token-serial"]["blob_reads"]
     assert set(res["decode"]) == {"budget", "resident"}
