@@ -14,7 +14,11 @@ What it measures, all in one run (bench/README.md says more):
 - The compute floor: the same prefill on a session whose cache holds every expert, warmed by one
   run, then timed (the timed runs must show no miss; the table says when they do).
 - TTFT / max(I/O floor, compute floor), the number we steer by, and layer-major / token-serial.
+- Overlap, per cold run: io_wait_s / TTFT, io_wait_s / I/O floor (target ≤ 1: compute waited no
+  longer than the disk needs for the union) and TTFT − io_wait_s against the compute floor.
 - Decode tokens/s after a prompt, at the cache budget and with every expert resident.
+- With --decode-budgets: decode tokens/s against the cache budget, a fresh session per run and
+  budget (after the TTFT sessions are closed, so that 100% has their memory).
 
 Every figure is a median over ``--repeats`` runs. Inside one repeat the contenders (each path
 cold, the pread probe, each path resident) run back to back in an order that rotates from one
@@ -51,6 +55,16 @@ def _int_list(text: str) -> list[int]:
     return out
 
 
+def _pct_list(text: str) -> list[float]:
+    try:
+        out = sorted({float(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated percentages, not {text!r}") from None
+    if not out or out[0] < 0 or out[-1] > 100:
+        raise argparse.ArgumentTypeError("budgets are percentages of the expert bytes, 0 to 100")
+    return out
+
+
 def _path_list(text: str) -> list[str]:
     out = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in out if x not in PATHS]
@@ -70,11 +84,21 @@ def add_parser(p: argparse.ArgumentParser, name: str = "bench") -> None:
     p.add_argument("--paths", type=_path_list, default=list(PATHS),
                    help="prefill paths to time, comma-separated (default layer-major,token-serial)")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; each figure is their median (default 3)")
-    p.add_argument("--chunk", type=int, default=64, help="layer-major chunk in tokens (default 64)")
+    p.add_argument("--chunk", type=int, default=None, help="layer-major chunk in tokens (default: the library's)")
     p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--io-threads", type=int, default=4, help="blob reads in flight, engine and probe (default 4)")
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded per decode run (0: no decode runs)")
     p.add_argument("--decode-prompt", type=int, default=8, help="prompt length before the decode runs (default 8)")
+    p.add_argument("--decode-budgets", type=_pct_list, default=None, metavar="PCTS",
+                   help="decode tokens/s against the cache budget: comma-separated percentages of the expert bytes "
+                        "(100: every expert), e.g. 0,5,10,25,50,100; a fresh session per run prefills "
+                        "--budget-prompt tokens, then decodes --decode-tokens; budgets that do not fit in available "
+                        "memory are skipped")
+    p.add_argument("--budget-prompt", type=int, default=64,
+                   help="prompt length before each --decode-budgets run (default 64: long enough that the cache is "
+                        "as full as its budget allows when decode starts)")
+    p.add_argument("--no-ttft", action="store_true",
+                   help="skip the TTFT table and the two-point decode (with --decode-budgets: only the budget curve)")
     p.add_argument("--serial-max-len", type=int, default=None,
                    help="time token-serial only for prompts up to this length (it reads top-k blobs per token "
                         "per layer: slow on large vaults)")
@@ -273,7 +297,7 @@ class Bench:
     cold: a session with the cache budget, every run started cold (reset, clear_cache,
     reset_stats); resident: a session whose cache holds every expert, kept warm."""
 
-    def __init__(self, vault_path, *, cache_bytes=None, cache_frac=0.1, threads=None, chunk=64, io_threads=4,
+    def __init__(self, vault_path, *, cache_bytes=None, cache_frac=0.1, threads=None, chunk=None, io_threads=4,
                  context=4096, resident=True, resident_bytes=None, probe_bytes=1 << 30, seed=0, log=None):
         from .engine import open_vault
         self.vault = open_vault(vault_path)
@@ -289,6 +313,7 @@ class Bench:
         kw = dict(threads=threads, chunk=chunk, io_threads=io_threads, context=context, direct_io=True)
         self.cold = v.session(cache_bytes=self.cache_bytes, **kw)
         self.threads = self.cold.threads
+        self.chunk = self.cold.chunk
         self.resident = None
         self.resident_bytes = None
         self.resident_full = False
@@ -413,30 +438,82 @@ def _rotate(items: list, k: int) -> list:
     return items[k:] + items[:k]
 
 
-def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cache_frac=0.1, chunk=64, threads=None,
+def _vault_info(v) -> dict:
+    return {"path": str(v.path), "blob_bytes": v.blob_bytes, "expert_bytes": v.expert_bytes,
+            "dense_bytes": v.dense_bytes, "layers": v.config["num_hidden_layers"],
+            "sparse_layers": v.num_sparse_layers, "experts": v.config["num_experts"],
+            "top_k": v.config["num_experts_per_tok"], "hidden_size": v.config["hidden_size"]}
+
+
+def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cache_frac=0.1, chunk=None, threads=None,
               io_threads=4, decode_tokens=16, decode_prompt=8, serial_max_len=None, resident=True,
-              resident_bytes=None, probe_bytes=1 << 30, seed=0, context=None, log=None, checkpoint=None) -> dict:
+              resident_bytes=None, probe_bytes=1 << 30, seed=0, context=None, log=None, checkpoint=None,
+              ttft=True, decode_budgets=None, budget_prompt=64) -> dict:
     """Run the benchmark; returns a dict of the raw runs and the medians (what --json writes).
-    checkpoint(partial_result), if given, is called after each prompt length (so a run that dies
-    leaves what it measured)."""
+    checkpoint(partial_result), if given, is called after each prompt length and each repeat of
+    the budget curve (so a run that dies leaves what it measured).
+
+    ttft=False skips the TTFT table and the two-point decode (and so the resident session);
+    decode_budgets (percentages of the expert bytes) adds the decode-against-budget curve, run
+    after the TTFT sessions are closed so that its largest budget has their memory."""
     log = log or (lambda msg: None)
     checkpoint = checkpoint or (lambda res: None)
-    lengths, paths = list(lengths), list(paths)
+    lengths, paths = (list(lengths) if ttft else []), list(paths)
+    decode_budgets = sorted(set(decode_budgets or []))
     if context is None:
-        context = max(max(lengths), decode_prompt + decode_tokens) + 1
+        context = max(lengths + [decode_prompt + decode_tokens if ttft else 0,
+                                 budget_prompt + decode_tokens if decode_budgets else 0]) + 1
     result = {"machine": machine_info(), "loadavg_before": loadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "argv": sys.argv[1:]}
+              "argv": sys.argv[1:], "ttft": [], "decode": {}, "warnings": []}
     t_start = time.perf_counter()
+    if ttft:
+        _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_frac, chunk, threads, io_threads,
+                  decode_tokens, decode_prompt, serial_max_len, resident, resident_bytes, probe_bytes, seed, context,
+                  log, checkpoint)
+    if decode_budgets:
+        from .engine import open_vault
+        with open_vault(vault_path) as v:
+            if not ttft:
+                result["vault"] = _vault_info(v)
+                result["settings"] = {"cache_bytes": None, "cache_frac": None, "resident_cache_bytes": None,
+                                      "chunk": chunk, "threads": threads, "io_threads": io_threads,
+                                      "repeats": repeats, "paths": [], "lengths": [], "decode_tokens": decode_tokens,
+                                      "decode_prompt": None, "serial_max_len": None, "seed": seed,
+                                      "probe_direct_io": None}
+            result["decode_budgets"] = decode_budget_curve(
+                v, decode_budgets, repeats=repeats, threads=threads, chunk=chunk, io_threads=io_threads,
+                context=context, prompt_len=budget_prompt, n_tokens=decode_tokens, seed=seed, log=log,
+                checkpoint=lambda curve: checkpoint(dict(result, decode_budgets=curve, partial=True,
+                                                         loadavg_now=loadavg())))
+            if not ttft:
+                result["settings"].update(threads=result["decode_budgets"]["threads"],
+                                          chunk=result["decode_budgets"]["chunk"])
+    result["partial"] = False
+    result["loadavg_after"] = loadavg()
+    result["wall_s"] = time.perf_counter() - t_start
+    curve = result.get("decode_budgets") or {"budgets": []}
+    result["direct_io_everywhere"] = (
+        all(run["direct_io"] for row in result["ttft"] for key, rs in row["runs"].items() for run in rs
+            if key.startswith("cold") or key == "probe")
+        and all(d["direct_io"] for d in result["decode"].values())
+        and all(b["direct_io"] for b in curve["budgets"] if b["direct_io"] is not None))
+    cpus = result["machine"]["cpus"] or 1
+    busy = [x for x in (result["loadavg_before"], result["loadavg_after"]) if x]
+    result["machine_busy"] = any(x[0] > 0.5 * cpus for x in busy)
+    return result
+
+
+def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_frac, chunk, threads, io_threads,
+              decode_tokens, decode_prompt, serial_max_len, resident, resident_bytes, probe_bytes, seed, context,
+              log, checkpoint) -> None:
+    """The TTFT table and the two-point decode, into result."""
     with Bench(vault_path, cache_bytes=cache_bytes, cache_frac=cache_frac, threads=threads, chunk=chunk,
                io_threads=io_threads, context=context, resident=resident, resident_bytes=resident_bytes,
                probe_bytes=probe_bytes, seed=seed, log=log) as b:
         v = b.vault
-        result["vault"] = {"path": str(v.path), "blob_bytes": v.blob_bytes, "expert_bytes": v.expert_bytes,
-                           "dense_bytes": v.dense_bytes, "layers": v.config["num_hidden_layers"],
-                           "sparse_layers": v.num_sparse_layers, "experts": v.config["num_experts"],
-                           "top_k": v.config["num_experts_per_tok"], "hidden_size": v.config["hidden_size"]}
+        result["vault"] = _vault_info(v)
         result["settings"] = {"cache_bytes": b.cache_bytes, "cache_frac": b.cache_bytes / max(v.expert_bytes, 1),
-                              "resident_cache_bytes": b.resident_bytes, "chunk": chunk, "threads": b.threads,
+                              "resident_cache_bytes": b.resident_bytes, "chunk": b.chunk, "threads": b.threads,
                               "io_threads": io_threads, "repeats": repeats, "paths": paths, "lengths": lengths,
                               "decode_tokens": decode_tokens, "decode_prompt": decode_prompt,
                               "serial_max_len": serial_max_len, "seed": seed, "probe_direct_io": b.probe.direct_io}
@@ -488,16 +565,135 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
                              "cache_misses": _median([x["cache_misses"] for x in rs]),
                              "direct_io": all(x["direct_io"] for x in rs), "runs": rs}
         result["decode"] = decode
-    result["partial"] = False
-    result["loadavg_after"] = loadavg()
-    result["wall_s"] = time.perf_counter() - t_start
-    result["direct_io_everywhere"] = all(
-        run["direct_io"] for row in result["ttft"] for key, rs in row["runs"].items() for run in rs
-        if key.startswith("cold") or key == "probe") and all(d["direct_io"] for d in decode.values())
-    cpus = result["machine"]["cpus"] or 1
-    busy = [x for x in (result["loadavg_before"], result["loadavg_after"]) if x]
-    result["machine_busy"] = any(x[0] > 0.5 * cpus for x in busy)
-    return result
+
+
+# ------------------------------------------------------------------ decode against the cache budget
+
+MEM_MARGIN = 3 << 29   # bytes left free beside a big cache: KV, planes, Python, the rest of the machine
+
+
+def budget_slots(v, pct: float) -> int:
+    """The slots a session gets for a cache of pct % of the expert bytes: the engine's rule (whole
+    blobs, at least one token's experts of one layer, at most every blob)."""
+    total = v.num_sparse_layers * v.config["num_experts"]
+    want = int(pct / 100 * v.expert_bytes) // max(v.blob_bytes, 1)
+    return max(v.config["num_experts_per_tok"], min(total, want))
+
+
+def budget_decode_run(v, pct, ids, n_tokens, *, threads, chunk, io_threads, context) -> dict:
+    """A fresh session with a cache of pct % of the expert bytes (Direct I/O): prefill ids
+    layer-major (the cache fills as far as its budget lets), then time n_tokens greedy decode
+    steps. Counters are those of the decode steps alone."""
+    import numpy as np
+    t0 = time.perf_counter()
+    cache = budget_slots(v, pct) * v.blob_bytes
+    with v.session(cache_bytes=cache, threads=threads, chunk=chunk, io_threads=io_threads, context=context,
+                   direct_io=True) as s:
+        open_s = time.perf_counter() - t0
+        s.prefill_path = "layer-major"
+        t0 = time.perf_counter()
+        logits = s.prefill(ids)
+        prefill_s = time.perf_counter() - t0
+        st = s.stats()
+        pre = {"prefill_s": prefill_s, "prefill_blob_reads": st["blob_reads"], "prefill_io_wait_s": st["io_wait_s"]}
+        s.reset_stats()
+        toks = []
+        t0 = time.perf_counter()
+        for _ in range(n_tokens):
+            toks.append(int(np.argmax(logits)))
+            logits = s.decode(toks[-1])
+        dt = time.perf_counter() - t0
+        st = s.stats()
+        uses = st["cache_hits"] + st["cache_misses"]
+        return {"budget_pct": pct, "cache_bytes": st["cache_bytes"], "cache_slots": st["cache_slots"],
+                "resident_bytes": st["resident_bytes"], "open_s": open_s, **pre,
+                "seconds": dt, "tokens": n_tokens, "tps": n_tokens / dt if dt > 0 else None,
+                "blob_reads": st["blob_reads"], "bytes_read": st["bytes_read"], "cache_hits": st["cache_hits"],
+                "cache_misses": st["cache_misses"], "hit_rate": st["cache_hits"] / uses if uses else None,
+                "io_wait_s": st["io_wait_s"], "direct_io": st["direct_io"], "threads": s.threads, "chunk": s.chunk,
+                "ids": toks + [int(np.argmax(logits))]}
+
+
+def _budget_room(v, pct) -> str | None:
+    """Why a session at pct % would not fit in available memory now, or None."""
+    avail = _meminfo("MemAvailable")
+    if avail is None:
+        return None
+    need = budget_slots(v, pct) * v.blob_bytes + MEM_MARGIN
+    if need > avail * MiB:
+        return (f"a {pct:g}% cache ({budget_slots(v, pct) * v.blob_bytes / MiB:,.0f} MiB) and a "
+                f"{MEM_MARGIN / MiB:,.0f} MiB margin do not fit in the {avail:,.0f} MiB available")
+    return None
+
+
+def decode_budget_curve(v, budgets_pct, *, repeats=3, threads=None, chunk=None, io_threads=4, context=None,
+                        prompt_len=64, n_tokens=16, seed=0, log=None, checkpoint=None) -> dict:
+    """Decode tokens/s against the cache budget. For each budget (percent of the expert bytes; 100
+    holds every expert) a fresh session with that cache prefills the same prompt, then decodes
+    n_tokens greedy tokens (budget_decode_run). Inside each repeat the budgets alternate in an
+    order that rotates by one per repeat; tps_over_largest is each run's tokens/s over that of
+    the largest budget in the same repeat, then the median. A budget whose cache does not fit in
+    available memory (checked before every session) is skipped, with the reason."""
+    log = log or (lambda msg: None)
+    checkpoint = checkpoint or (lambda curve: None)
+    budgets = sorted(set(float(b) for b in budgets_pct))
+    ids = make_prompt(v.config["vocab_size"], prompt_len, seed)
+    if context is None:
+        context = prompt_len + n_tokens + 1
+    runs = {b: [] for b in budgets}
+    curve = {"prompt_tokens": prompt_len, "decode_tokens": n_tokens, "repeats": repeats, "budgets": [],
+             "threads": None, "chunk": None, "tokens_identical": None}
+
+    def summarise():
+        rows = []
+        for b in budgets:
+            rs = [x for x in runs[b] if "skipped" not in x]
+            row = {"budget_pct": b, "cache_bytes": budget_slots(v, b) * v.blob_bytes,
+                   "cache_frac": budget_slots(v, b) * v.blob_bytes / max(v.expert_bytes, 1),
+                   "runs": runs[b], "skipped": None}
+            if not rs:
+                row.update(tps=None, tps_spread=None, tps_over_largest=None, hit_rate=None,
+                           blob_reads_per_token=None, mib_read_per_token=None, prefill_s=None, direct_io=None)
+                row["skipped"] = next((x["skipped"] for x in runs[b] if "skipped" in x), "not run")
+            else:
+                row.update(tps=_median([x["tps"] for x in rs]), tps_spread=_spread([x["tps"] for x in rs]),
+                           tps_over_largest=_median([x.get("tps_over_largest") for x in rs]),
+                           hit_rate=_median([x["hit_rate"] for x in rs]),
+                           blob_reads_per_token=_median([x["blob_reads"] / x["tokens"] for x in rs]),
+                           mib_read_per_token=_median([x["bytes_read"] / x["tokens"] / MiB for x in rs]),
+                           prefill_s=_median([x["prefill_s"] for x in rs]),
+                           direct_io=all(x["direct_io"] for x in rs))
+            rows.append(row)
+        done = [x for b in budgets for x in runs[b] if "skipped" not in x]
+        curve["budgets"] = rows
+        curve["tokens_identical"] = len({tuple(x["ids"]) for x in done}) <= 1 if done else None
+        if done:
+            curve["threads"], curve["chunk"] = done[0]["threads"], done[0]["chunk"]
+        return curve
+
+    for r in range(repeats):
+        rep = []
+        for b in _rotate(budgets, r):
+            why = _budget_room(v, b)
+            if why:
+                rec = {"budget_pct": b, "skipped": why}
+                log(f"  decode at {b:g}% SKIPPED: {why}")
+            else:
+                rec = budget_decode_run(v, b, ids, n_tokens, threads=threads, chunk=chunk, io_threads=io_threads,
+                                        context=context)
+                rep.append(rec)
+                log(f"  decode at {b:5g}% ({rec['cache_bytes'] / MiB:,.0f} MiB)  rep {r + 1}/{repeats}  "
+                    f"{rec['tps']:.2f} tok/s, hit rate {rec['hit_rate'] or 0:.0%}")
+            runs[b].append(rec)
+        if rep:
+            top = max(rep, key=lambda x: x["budget_pct"])
+            for x in rep:
+                x["tps_over_largest"] = x["tps"] / top["tps"] if top["tps"] else None
+        checkpoint(summarise())
+    curve = summarise()
+    if curve["tokens_identical"] is False:
+        log("WARNING: the greedy tokens differed between cache budgets: results must not depend on the budget")
+    return curve
 
 
 def _overlap(cold, io_floor_reps, comp_reps) -> dict:
@@ -602,9 +798,10 @@ def format_table(res: dict) -> str:
     out = []
     out.append(f"vault {v['path']}: {v['layers']} layers ({v['sparse_layers']} sparse), {v['experts']} experts top-"
                f"{v['top_k']}, blob {v['blob_bytes'] / MiB:.2f} MiB, experts {v['expert_bytes'] / MiB:,.0f} MiB")
-    out.append(f"cache {s['cache_bytes'] / MiB:,.1f} MiB ({100 * s['cache_frac']:.1f}% of the experts), chunk "
-               f"{s['chunk']}, threads {s['threads']}, io_threads {s['io_threads']}, median of {s['repeats']}; "
-               f"load {res['loadavg_before']} -> {res['loadavg_after']} on {res['machine']['cpus']} CPUs")
+    cache = (f"cache {s['cache_bytes'] / MiB:,.1f} MiB ({100 * s['cache_frac']:.1f}% of the experts), "
+             if s.get("cache_bytes") is not None else "")
+    out.append(f"{cache}chunk {s['chunk']}, threads {s['threads']}, io_threads {s['io_threads']}, median of "
+               f"{s['repeats']}; load {res['loadavg_before']} -> {res['loadavg_after']} on {res['machine']['cpus']} CPUs")
     if not res["direct_io_everywhere"]:
         out.append("!!! WARNING: Direct I/O (O_DIRECT) was NOT in force for every cold run or probe: the page cache "
                    "may have served reads; these TTFTs are not cold !!!")
@@ -614,7 +811,46 @@ def format_table(res: dict) -> str:
         out.append(f"WARNING: {w}")
     if res.get("machine_busy"):
         out.append("NOTE: the machine was busy (load average above half the CPUs): figures are preliminary.")
+    if res["ttft"]:
+        out += _ttft_tables(res)
+    if res.get("decode"):
+        out.append("")
+        d = res["decode"]
+        out.append(f"decode after a {s['decode_prompt']}-token prompt, {s['decode_tokens']} greedy tokens:")
+        for k, x in d.items():
+            if k == "budget":
+                label = f"cache {s['cache_bytes'] / MiB:,.0f} MiB"
+            elif x["cache_misses"]:
+                label = f"resident cache {s['resident_cache_bytes'] / MiB:,.0f} MiB (cut)"
+            else:
+                label = "every expert resident"
+            sp = x["tps_spread"]
+            out.append(f"  {label:<24s} {x['tps']:8.2f} tok/s  ({sp[0]:.2f}-{sp[1]:.2f}), "
+                       f"{x['blob_reads_per_token']:.1f} blob reads/token, {x['mib_read_per_token']:.1f} MiB/token"
+                       + ("" if x["direct_io"] else "  NO O_DIRECT"))
+    if res.get("decode_budgets"):
+        out += _budget_table(res["decode_budgets"])
     out.append("")
+    if res["ttft"]:
+        out.append("TTFT: wall time of Session.prefill (cold: reset, clear_cache, reset_stats). union: blobs the "
+                   "prompt's exact routing needs, once each. I/O floor: union bytes / disk GB/s (parallel O_DIRECT "
+                   "pread, io_threads readers, blob-sized reads). compute floor: the fastest path with every expert "
+                   "resident. /floor: TTFT / max(I/O floor, compute floor). LM/TS: layer-major / token-serial TTFT.")
+        out.append("Overlap: io_wait = seconds compute waited on blobs still loading (part of TTFT); wait/TTFT = "
+                   "io_wait / TTFT; wait/I/O fl. = io_wait / I/O floor, target <= 1 (reads overlap compute instead "
+                   "of adding to it); busy = TTFT - io_wait, compute's own time; busy/comp. = busy / compute floor "
+                   "(above 1: compute ran slower than with every expert resident, or the path does more work than "
+                   "the fastest one). Ratios per repeat, then the median.")
+    if res.get("decode_budgets"):
+        out.append("Budget curve: each run a fresh session with that cache (Direct I/O) prefills the same prompt "
+                   "layer-major, then decodes greedily; tok/s, hit rate and reads are the decode steps' alone. "
+                   "/largest: tok/s over the largest budget's in the same repeat, then the median.")
+    return "\n".join(out)
+
+
+def _ttft_tables(res: dict) -> list[str]:
+    s = res["settings"]
+    out = [""]
     hdr = (f"{'tokens':>6} {'path':<13} {'TTFT s':>8} {'min-max':>15} {'tok/s':>8} {'reads':>6} {'MiB read':>9} "
            f"{'hits':>5} {'io_wait':>7} {'resid. s':>8} {'/floor':>6}")
     out.append(hdr)
@@ -642,47 +878,44 @@ def format_table(res: dict) -> str:
                    + (f"  (resident runs missed up to {miss} blobs: compute floor net of their io_wait)"
                       if miss else "")
                    + ("  (union: upper bound)" if "upper bound" in row.get("union_source", "") else ""))
-    if res["ttft"]:
-        out.append("")
-        out.append(f"overlap, cold runs (cache {100 * s['cache_frac']:.1f}%): how TTFT splits into waiting on I/O and "
-                   f"computing")
-        hdr3 = (f"{'tokens':>6} {'path':<13} {'TTFT s':>8} {'io_wait':>8} {'wait/TTFT':>9} {'I/O floor':>9} "
-                f"{'wait/I/O fl.':>12} {'busy s':>8} {'compute fl.':>11} {'busy/comp.':>10}")
-        out.append(hdr3)
-        out.append("-" * len(hdr3))
-        for row in res["ttft"]:
-            for p, pr in row["paths"].items():
-                out.append(f"{row['prompt_tokens']:>6} {p:<13} {pr['ttft_s']:>8.3f} {pr['io_wait_s']:>8.3f} "
-                           f"{_f(pr.get('io_wait_frac'), '{:.0%}'):>9} {_f(row['io_floor_s']):>9} "
-                           f"{_f(pr.get('io_wait_over_io_floor'), '{:.2f}'):>12} {_f(pr.get('compute_busy_s')):>8} "
-                           f"{_f(row['compute_floor_s']):>11} "
-                           f"{_f(pr.get('compute_busy_over_compute_floor'), '{:.2f}'):>10}")
-    if res.get("decode"):
-        out.append("")
-        d = res["decode"]
-        out.append(f"decode after a {s['decode_prompt']}-token prompt, {s['decode_tokens']} greedy tokens:")
-        for k, x in d.items():
-            if k == "budget":
-                label = f"cache {s['cache_bytes'] / MiB:,.0f} MiB"
-            elif x["cache_misses"]:
-                label = f"resident cache {s['resident_cache_bytes'] / MiB:,.0f} MiB (cut)"
-            else:
-                label = "every expert resident"
-            sp = x["tps_spread"]
-            out.append(f"  {label:<24s} {x['tps']:8.2f} tok/s  ({sp[0]:.2f}-{sp[1]:.2f}), "
-                       f"{x['blob_reads_per_token']:.1f} blob reads/token, {x['mib_read_per_token']:.1f} MiB/token"
-                       + ("" if x["direct_io"] else "  NO O_DIRECT"))
     out.append("")
-    out.append("TTFT: wall time of Session.prefill (cold: reset, clear_cache, reset_stats). union: blobs the prompt's "
-               "exact routing needs, once each. I/O floor: union bytes / disk GB/s (parallel O_DIRECT pread, "
-               "io_threads readers, blob-sized reads). compute floor: the fastest path with every expert resident. "
-               "/floor: TTFT / max(I/O floor, compute floor). LM/TS: layer-major / token-serial TTFT.")
-    out.append("Overlap: io_wait = seconds compute waited on blobs still loading (part of TTFT); wait/TTFT = "
-               "io_wait / TTFT; wait/I/O fl. = io_wait / I/O floor, target <= 1 (reads overlap compute instead of "
-               "adding to it); busy = TTFT - io_wait, compute's own time; busy/comp. = busy / compute floor (above "
-               "1: compute ran slower than with every expert resident, or the path does more work than the "
-               "fastest one). Ratios per repeat, then the median.")
-    return "\n".join(out)
+    out.append(f"overlap, cold runs (cache {100 * s['cache_frac']:.1f}%): how TTFT splits into waiting on I/O and "
+               f"computing")
+    hdr3 = (f"{'tokens':>6} {'path':<13} {'TTFT s':>8} {'io_wait':>8} {'wait/TTFT':>9} {'I/O floor':>9} "
+            f"{'wait/I/O fl.':>12} {'busy s':>8} {'compute fl.':>11} {'busy/comp.':>10}")
+    out.append(hdr3)
+    out.append("-" * len(hdr3))
+    for row in res["ttft"]:
+        for p, pr in row["paths"].items():
+            out.append(f"{row['prompt_tokens']:>6} {p:<13} {pr['ttft_s']:>8.3f} {pr['io_wait_s']:>8.3f} "
+                       f"{_f(pr.get('io_wait_frac'), '{:.0%}'):>9} {_f(row['io_floor_s']):>9} "
+                       f"{_f(pr.get('io_wait_over_io_floor'), '{:.2f}'):>12} {_f(pr.get('compute_busy_s')):>8} "
+                       f"{_f(row['compute_floor_s']):>11} "
+                       f"{_f(pr.get('compute_busy_over_compute_floor'), '{:.2f}'):>10}")
+    return out
+
+
+def _budget_table(c: dict) -> list[str]:
+    out = ["", f"decode against the cache budget: a {c['prompt_tokens']}-token prompt, then {c['decode_tokens']} "
+               f"greedy tokens, a fresh session per run (actual: the cache in whole blobs, at least top-k, as a "
+               f"fraction of the expert bytes)"]
+    hdr = (f"{'budget':>7} {'cache MiB':>10} {'actual':>7} {'tok/s':>8} {'min-max':>15} {'/largest':>8} {'hit rate':>8} "
+           f"{'reads/tok':>9} {'MiB/tok':>8} {'prefill s':>9}")
+    out.append(hdr)
+    out.append("-" * len(hdr))
+    for b in c["budgets"]:
+        pct = f"{b['budget_pct']:g}%"
+        if b["tps"] is None:
+            out.append(f"{pct:>7} {b['cache_bytes'] / MiB:>10,.1f} {b['cache_frac']:>7.1%}  SKIPPED: {b['skipped']}")
+            continue
+        sp = b["tps_spread"]
+        out.append(f"{pct:>7} {b['cache_bytes'] / MiB:>10,.1f} {b['cache_frac']:>7.1%} {b['tps']:>8.2f} {f'{sp[0]:.2f}-{sp[1]:.2f}':>15} "
+                   f"{_f(b['tps_over_largest'], '{:.2f}'):>8} {_f(b['hit_rate'], '{:.0%}'):>8} "
+                   f"{b['blob_reads_per_token']:>9.1f} {b['mib_read_per_token']:>8.1f} {b['prefill_s']:>9.3f}"
+                   + ("" if b["direct_io"] else "  NO O_DIRECT"))
+    if c.get("tokens_identical") is False:
+        out.append("!!! WARNING: the greedy tokens differed between budgets (they must not) !!!")
+    return out
 
 
 def resummarise(res: dict) -> dict:
@@ -712,12 +945,19 @@ def run(args) -> int:
     if args.repeats < 1:
         print("pysmoe bench: --repeats must be ≥ 1", file=sys.stderr)
         return 2
+    if args.no_ttft and not args.decode_budgets:
+        print("pysmoe bench: --no-ttft leaves nothing to run without --decode-budgets", file=sys.stderr)
+        return 2
+    if args.decode_budgets and (args.decode_tokens < 1 or args.budget_prompt < 1):
+        print("pysmoe bench: --decode-budgets needs --decode-tokens ≥ 1 and --budget-prompt ≥ 1", file=sys.stderr)
+        return 2
     cache_bytes = int(args.cache_mb * MiB) if args.cache_mb is not None else None
     cache_frac = args.cache_frac if args.cache_frac is not None else 0.1
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    if not args.no_resident:
-        # The resident session holds every expert: on a shared machine short of memory, let the
-        # kernel's OOM killer take this benchmark rather than someone else's work.
+    if (not args.no_resident and not args.no_ttft) or args.decode_budgets:
+        # The resident session (and a large budget of the curve) holds every expert: on a shared
+        # machine short of memory, let the kernel's OOM killer take this benchmark rather than
+        # someone else's work.
         try:
             with open("/proc/self/oom_score_adj", "w") as f:
                 f.write("1000")
@@ -729,6 +969,7 @@ def run(args) -> int:
                     serial_max_len=args.serial_max_len, resident=not args.no_resident,
                     resident_bytes=int(args.resident_mb * MiB) if args.resident_mb is not None else None,
                     probe_bytes=int(args.probe_mb * MiB), seed=args.seed, context=args.context, log=log,
+                    ttft=not args.no_ttft, decode_budgets=args.decode_budgets, budget_prompt=args.budget_prompt,
                     checkpoint=(lambda partial: _write_json(args.json, partial)) if args.json else None)
     print(format_table(res))
     if not res["direct_io_everywhere"]:

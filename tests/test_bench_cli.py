@@ -103,3 +103,55 @@ def test_bench_cut_resident_cache(tiny_vault):
     assert row["exact_union_blobs"] <= min(p["blob_reads"] for p in row["paths"].values())
     assert row["compute_floor_s"] is not None
     assert "upper bound" in format_table(res)
+
+
+# ------------------------------------------------------------- decode against the cache budget
+
+def test_bench_decode_budgets(tiny_vault, tmp_path, capsys):
+    out = tmp_path / "budgets.json"
+    rc = main(["bench", str(tiny_vault), "--no-ttft", "--decode-budgets", "0,50,100", "--budget-prompt", "6",
+               "--decode-tokens", "3", "--repeats", "2", "--threads", "1", "--chunk", "4", "--json", str(out),
+               "--quiet"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "decode against the cache budget" in text and "/largest" in text
+    res = json.loads(out.read_text())
+    assert res["ttft"] == [] and res["decode"] == {}
+    assert format_table(res) == text.rstrip("\n")
+    c = res["decode_budgets"]
+    assert (c["prompt_tokens"], c["decode_tokens"], c["repeats"]) == (6, 3, 2)
+    # Results never depend on the cache budget: every run decoded the same greedy tokens.
+    assert c["tokens_identical"] is True
+    rows = {b["budget_pct"]: b for b in c["budgets"]}
+    assert sorted(rows) == [0, 50, 100]
+    for b in rows.values():
+        assert b["skipped"] is None and len(b["runs"]) == 2
+        assert b["tps"] > 0 and b["tps_spread"][0] <= b["tps"] <= b["tps_spread"][1]
+        assert 0 <= b["hit_rate"] <= 1 and b["blob_reads_per_token"] >= 0 and b["tps_over_largest"] > 0
+        assert 0 < b["cache_frac"] <= 1 and isinstance(b["direct_io"], bool)
+        for run in b["runs"]:
+            assert run["cache_hits"] + run["cache_misses"] > 0 and run["blob_reads"] == run["cache_misses"]
+    assert rows[100]["cache_frac"] == 1 and rows[100]["tps_over_largest"] == 1
+    # Every expert fits: only first uses miss, so no budget reads less or hits more.
+    assert rows[100]["blob_reads_per_token"] <= rows[0]["blob_reads_per_token"]
+    assert rows[100]["hit_rate"] >= rows[50]["hit_rate"] >= rows[0]["hit_rate"]
+
+
+def test_bench_decode_budget_skipped_without_memory(tiny_vault, monkeypatch):
+    # Pretend that only the margin and a few slots are available: the 100% point is skipped, with why.
+    import pysmoe.bench as bench
+    from pysmoe.engine import open_vault
+    with open_vault(tiny_vault) as v:
+        room = (bench.MEM_MARGIN + bench.budget_slots(v, 0) * v.blob_bytes) / bench.MiB
+    monkeypatch.setattr(bench, "_meminfo", lambda key: room)
+    res = run_bench(tiny_vault, [], ttft=False, decode_budgets=[0, 100], budget_prompt=4, decode_tokens=2,
+                    repeats=1, threads=1)
+    low, full = res["decode_budgets"]["budgets"]
+    assert low["tps"] > 0 and low["skipped"] is None
+    assert full["tps"] is None and "do not fit" in full["skipped"]
+    assert "SKIPPED" in format_table(res)
+
+
+def test_bench_no_ttft_needs_budgets(tiny_vault, capsys):
+    assert main(["bench", str(tiny_vault), "--no-ttft"]) == 2
+    assert main(["bench", str(tiny_vault), "--decode-budgets", "10", "--decode-tokens", "0"]) == 2
