@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/export_gguf.py VAULT OUT.gguf
     .venv/bin/python bench/peer.py VAULT --gguf OUT.gguf [--prompt-lengths 8,45] [--threads 2] \
-        [--repeats 3] [--decode-tokens 16] [--modes check,warm,cold] [--cache-frac 0.1] [--json OUT]
+        [--repeats 3] [--decode-tokens 16] [--modes check,warm,cold] [--blocks] [--cache-frac 0.1] [--json OUT]
 
 llama.cpp runs through llama-cpp-python in a child process of this one (a worker speaking JSON
 lines on stdin/stdout), pysmoe in this process; the two take turns, run by run, and every
@@ -12,7 +12,10 @@ figure is a median of --repeats runs. Modes (bench/peer.md says why each is set 
 check  llama.cpp's logits against pysmoe's for every position of the longest prompt (argmax
        agreement, correlation): both engines run the same model, up to Q4_0 vs q4.
 warm   everything in memory: pysmoe with a cache that holds every expert, warmed; llama.cpp with
-       the model loaded (mmap, its default CPU repacking) and warmed by the same prompt.
+       the model loaded (mmap, its default CPU repacking) and warmed by the same prompt. Needs
+       memory for the model twice; --blocks runs it NOT alternated, one engine at a time (all
+       pysmoe repeats, then all llama.cpp repeats, page cache dropped before each block), for a
+       model that does not fit twice.
 cold   the model does not fit: budget = pysmoe's stats()["resident_bytes"] with a cache of
        --cache-frac of the expert bytes. pysmoe: a fresh open_vault + session with that cache,
        Direct I/O. llama.cpp: a fresh worker that moves itself into a memory cgroup limited to
@@ -316,42 +319,192 @@ def mode_check(vault, gguf, args, log):
     return res
 
 
-def mode_warm(vault, gguf, args, log):
+class PysmoeWarm:
+    """pysmoe with every expert in memory: one session whose cache holds them all, warmed by a
+    longer prompt (and each timed prompt once more, untimed, by prepare)."""
+    name = "pysmoe"
+
+    def __init__(self, vault, args, warm_ids):
+        from pysmoe import open_vault
+        t0 = time.perf_counter()
+        self.v = open_vault(vault)
+        self.cache = self.v.expert_bytes + self.v.blob_bytes * self.v.num_sparse_layers
+        try:
+            self.s = self.v.session(cache_bytes=self.cache, threads=args.threads, context=args.ctx)
+        except BaseException:
+            self.v.close()
+            raise
+        self.load_s = time.perf_counter() - t0
+        self.decode = args.decode_tokens
+        pysmoe_run(self.s, warm_ids, 0)
+
+    def prepare(self, ids):
+        pysmoe_run(self.s, ids, self.decode)
+        self.s.reset_stats()
+
+    def run(self, ids):
+        return pysmoe_run(self.s, ids, self.decode)
+
+    def extra(self) -> dict:
+        return {"cache_misses_timed": self.s.stats()["cache_misses"]}
+
+    def close(self):
+        self.s.close()
+        self.v.close()
+
+
+class LlamaWarm:
+    """llama.cpp with the model loaded (mmap, its default CPU repacking unless --no-repack-warm),
+    warmed the same way."""
+    name = "llama.cpp"
+
+    def __init__(self, gguf, args, warm_ids):
+        self.w = LlamaWorker(gguf, args.threads, args.ctx, no_repack=args.no_repack_warm, omp_active=args.omp_active)
+        self.load_s = self.w.load_s
+        self.decode = args.decode_tokens
+        self.w.call(op="run", ids=warm_ids.tolist(), decode=0)
+
+    def prepare(self, ids):
+        self.w.call(op="run", ids=ids.tolist(), decode=self.decode)
+
+    def run(self, ids):
+        return self.w.call(op="run", ids=ids.tolist(), decode=self.decode)
+
+    def extra(self) -> dict:
+        return {}
+
+    def close(self):
+        self.w.close()
+
+
+def _mem_available():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+MEM_MARGIN = 3 << 29   # left free beside an engine holding a whole model: Python, KV, the rest of the machine
+
+
+def warm_needs(vault, gguf) -> dict:
+    """Bytes each engine holds with the whole model in memory: pysmoe its dense weights and a cache
+    of every expert; llama.cpp about its GGUF (the experts repacked into anonymous memory, the rest
+    mapped)."""
     from pysmoe import open_vault
-    v = open_vault(vault)
-    vocab = v.config["vocab_size"]
-    cache = v.expert_bytes + v.blob_bytes * v.num_sparse_layers
-    s = v.session(cache_bytes=cache, threads=args.threads, context=args.ctx)
-    w = LlamaWorker(gguf, args.threads, args.ctx, no_repack=args.no_repack_warm, omp_active=args.omp_active)
-    log(f"warm: llama.cpp loaded in {w.load_s:.2f} s; pysmoe cache {cache / MiB:,.0f} MiB (every expert)")
+    with open_vault(vault) as v:
+        pysmoe_b = v.dense_bytes + v.expert_bytes
+    return {"pysmoe": pysmoe_b, "llama.cpp": os.path.getsize(gguf)}
+
+
+def mode_warm(vault, gguf, args, log):
+    """Everything in memory, both engines open at once, runs alternated (needs room for the model
+    twice; --blocks otherwise)."""
+    from pysmoe import open_vault
+    need = warm_needs(vault, gguf)
+    avail = _mem_available()
+    total = sum(need.values()) + MEM_MARGIN
+    if avail is not None and total > avail:
+        why = (f"both engines holding the model at once need about {total / MiB:,.0f} MiB (pysmoe "
+               f"{need['pysmoe'] / MiB:,.0f}, llama.cpp {need['llama.cpp'] / MiB:,.0f}, margin {MEM_MARGIN / MiB:,.0f}) "
+               f"and {avail / MiB:,.0f} MiB are available: run it with --blocks")
+        log(f"warm: SKIPPED: {why}")
+        return {"skipped": why, "alternated": True}
+    with open_vault(vault) as v:
+        vocab = v.config["vocab_size"]
     warm_ids = make_prompt(vocab, min(args.ctx - args.decode_tokens - 2, 256), args.seed + 1)
-    out = {}
+    engines = {}
+    out = {"alternated": True}
     try:
         # warm-up: a longer prompt pulls (nearly) every expert into pysmoe's cache and llama.cpp's
         # page cache / repacked buffers; then each timed prompt once more, untimed.
-        pysmoe_run(s, warm_ids, 0)
-        w.call(op="run", ids=warm_ids.tolist(), decode=0)
+        engines["pysmoe"] = PysmoeWarm(vault, args, warm_ids)
+        engines["llama.cpp"] = LlamaWarm(gguf, args, warm_ids)
+        log(f"warm: llama.cpp loaded in {engines['llama.cpp'].load_s:.2f} s; pysmoe cache "
+            f"{engines['pysmoe'].cache / MiB:,.0f} MiB (every expert)")
         for n in args.prompt_lengths:
             ids = make_prompt(vocab, n, args.seed)
-            pysmoe_run(s, ids, args.decode_tokens)
-            w.call(op="run", ids=ids.tolist(), decode=args.decode_tokens)
-            s.reset_stats()
+            for e in engines.values():
+                e.prepare(ids)
             runs = {"pysmoe": [], "llama.cpp": []}
             for r in range(args.repeats):
                 order = ["pysmoe", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "pysmoe"]
                 for who in order:
-                    if who == "pysmoe":
-                        runs[who].append(pysmoe_run(s, ids, args.decode_tokens))
-                    else:
-                        runs[who].append(w.call(op="run", ids=ids.tolist(), decode=args.decode_tokens))
-            st = s.stats()
+                    runs[who].append(engines[who].run(ids))
             out[n] = _summary(runs, n, args.decode_tokens)
-            out[n]["pysmoe"]["cache_misses_timed"] = st["cache_misses"]
+            for who, e in engines.items():
+                out[n][who].update(e.extra(), load_s=e.load_s)
             log(_line("warm", n, out[n]))
     finally:
-        w.close()
-        s.close()
-        v.close()
+        for e in engines.values():
+            e.close()
+    return out
+
+
+def mode_warm_blocks(vault, gguf, args, log):
+    """Everything in memory, one engine at a time: all of pysmoe's repeats, then all of llama.cpp's,
+    each engine opened once and closed before the other opens, the page cache dropped before each
+    block. For a model that does not fit in memory twice (the full a3b: an 18 GB vault and an 18 GB
+    GGUF on a 24 GB machine). NOT alternated: the two blocks run minutes apart, so a change in the
+    machine's load between them moves the ratio; each block's load average is recorded."""
+    from pysmoe import open_vault
+    with open_vault(vault) as v:
+        vocab = v.config["vocab_size"]
+    warm_ids = make_prompt(vocab, min(args.ctx - args.decode_tokens - 2, 256), args.seed + 1)
+    need = warm_needs(vault, gguf)
+    runs = {n: {"pysmoe": [], "llama.cpp": []} for n in args.prompt_lengths}
+    extra = {n: {"pysmoe": {}, "llama.cpp": {}} for n in args.prompt_lengths}
+    blocks = {}
+    log("warm in blocks: NOT alternated (all pysmoe repeats, then all llama.cpp repeats, one engine in memory at "
+        f"a time{'' if args.no_drop_caches else ', the page cache dropped before each'}): the machine's load may "
+        "differ between the blocks")
+    for who in ("pysmoe", "llama.cpp"):
+        info = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "dropped_caches": False, "skipped": None,
+                "need_bytes": need[who]}
+        if not args.no_drop_caches:
+            try:
+                drop_caches()
+                info["dropped_caches"] = True
+            except OSError as e:
+                log(f"warm {who} block: could not drop the page cache ({e}); continuing without")
+        avail = _mem_available()
+        info["mem_available_bytes"] = avail
+        info["loadavg_before"] = list(os.getloadavg())
+        if avail is not None and need[who] + MEM_MARGIN > avail:
+            info["skipped"] = (f"{who} holding the model needs about {(need[who] + MEM_MARGIN) / MiB:,.0f} MiB "
+                               f"(with a {MEM_MARGIN / MiB:,.0f} MiB margin), {avail / MiB:,.0f} MiB available")
+            log(f"warm {who} block: SKIPPED: {info['skipped']}")
+            blocks[who] = info
+            continue
+        t0 = time.perf_counter()
+        e = PysmoeWarm(vault, args, warm_ids) if who == "pysmoe" else LlamaWarm(gguf, args, warm_ids)
+        info["load_s"] = e.load_s
+        try:
+            for n in args.prompt_lengths:
+                ids = make_prompt(vocab, n, args.seed)
+                e.prepare(ids)
+                for r in range(args.repeats):
+                    runs[n][who].append(e.run(ids))
+                extra[n][who] = e.extra()
+                t = _median([x["ttft_s"] for x in runs[n][who]])
+                log(f"warm {who} block n={n}: TTFT {_f(t)} s")
+        finally:
+            e.close()
+        info["seconds"] = time.perf_counter() - t0
+        info["loadavg_after"] = list(os.getloadavg())
+        blocks[who] = info
+    out = {"alternated": False, "blocks": blocks,
+           "note": "not alternated: all pysmoe repeats, then all llama.cpp repeats, one engine in memory at a time "
+                   "(the model does not fit twice); ratios are of medians taken in different blocks"}
+    for n in args.prompt_lengths:
+        out[n] = _summary(runs[n], n, args.decode_tokens)
+        for who in ("pysmoe", "llama.cpp"):
+            out[n][who].update(extra[n][who], load_s=blocks[who].get("load_s"))
+        log(_line("warm (blocks)", n, out[n]))
     return out
 
 
@@ -455,11 +608,12 @@ def table(res) -> str:
             "|---|---|---|---|---|---|---|---|---|---|"]
     for mode in ("warm", "cold"):
         m = res.get(mode) or {}
+        label = "warm (blocks, not alternated)" if mode == "warm" and m.get("alternated") is False else mode
         for n, r in m.items():
-            if not isinstance(r, dict) or "pysmoe" not in r:
+            if not isinstance(r, dict) or "ttft_ratio_llama_over_pysmoe" not in r:
                 continue
             p, l = r["pysmoe"], r["llama.cpp"]
-            rows.append(f"| {mode} | {n} | {_f(p['ttft_s'])} | {_f(l['ttft_s'])} | "
+            rows.append(f"| {label} | {n} | {_f(p['ttft_s'])} | {_f(l['ttft_s'])} | "
                         f"{_f(r['ttft_ratio_llama_over_pysmoe'], '{:.2f}')}× | {_f(p['prefill_tps'], '{:.1f}')} | "
                         f"{_f(l['prefill_tps'], '{:.1f}')} | {_f(p['decode_tps'], '{:.2f}')} | "
                         f"{_f(l['decode_tps'], '{:.2f}')} | {_f(p['load_s'], '{:.2f}')} / {_f(l['load_s'], '{:.2f}')} |")
@@ -475,8 +629,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--cache-frac", type=float, default=0.1, help="pysmoe cache for the cold mode, of the expert bytes")
-    ap.add_argument("--ctx", type=int, default=512, help="context of both engines (sizes pysmoe's KV and llama.cpp's)")
+    ap.add_argument("--ctx", type=int, default=None,
+                    help="context of both engines (sizes pysmoe's KV and llama.cpp's; default: 512, or the longest "
+                         "prompt + decode tokens + 2 when that is more)")
     ap.add_argument("--modes", default="check,warm,cold")
+    ap.add_argument("--blocks", action="store_true",
+                    help="warm mode in blocks, NOT alternated: all pysmoe repeats, then all llama.cpp repeats, one "
+                         "engine in memory at a time, the page cache dropped before each block (for a model that "
+                         "does not fit in memory twice)")
+    ap.add_argument("--no-drop-caches", action="store_true",
+                    help="--blocks without dropping the page cache between blocks (tests; small models)")
     ap.add_argument("--no-repack-warm", action="store_true", help="warm llama.cpp without its CPU weight repacking")
     ap.add_argument("--repack-cold", action="store_true",
                     help="cold llama.cpp with repacking (copies the experts to anonymous memory: OOM in the cgroup)")
@@ -496,15 +658,28 @@ def main(argv=None) -> int:
         return _worker_main(args)
     if not args.vault:
         ap.error("VAULT is required")
+    if args.ctx is None:
+        args.ctx = max(512, max(args.prompt_lengths) + args.decode_tokens + 2)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
     modes = [m for m in args.modes.split(",") if m]
+    bad = [m for m in modes if m not in ("check", "warm", "cold")]
+    if bad:
+        ap.error(f"unknown mode(s) {','.join(bad)}: choose from check,warm,cold")
+    from pysmoe import open_vault
+    with open_vault(args.vault) as v:
+        vault_info = {"layers": v.config["num_hidden_layers"], "sparse_layers": v.num_sparse_layers,
+                      "experts": v.config["num_experts"], "top_k": v.config["num_experts_per_tok"],
+                      "hidden_size": v.config["hidden_size"], "blob_bytes": v.blob_bytes,
+                      "expert_bytes": v.expert_bytes, "dense_bytes": v.dense_bytes}
     res = {"omp_wait_policy": "active (default)" if args.omp_active else os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-           "vault": str(args.vault), "gguf": str(args.gguf), "argv": sys.argv, "threads": args.threads,
-           "repeats": args.repeats, "decode_tokens": args.decode_tokens, "prompt_lengths": args.prompt_lengths,
-           "loadavg_start": list(os.getloadavg()), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+           "vault": str(args.vault), "vault_info": vault_info, "gguf": str(args.gguf), "argv": sys.argv,
+           "threads": args.threads, "repeats": args.repeats, "decode_tokens": args.decode_tokens,
+           "prompt_lengths": args.prompt_lengths, "ctx": args.ctx, "cache_frac": args.cache_frac,
+           "warm_blocks": args.blocks, "loadavg_start": list(os.getloadavg()),
+           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         import llama_cpp
         res["llama_cpp_python"] = llama_cpp.__version__
@@ -512,11 +687,14 @@ def main(argv=None) -> int:
         log("llama-cpp-python is not installed (pip install llama-cpp-python): nothing to compare against")
         return 2
     for m in modes:
-        fn = {"check": mode_check, "warm": mode_warm, "cold": mode_cold}[m]
+        fn = {"check": mode_check, "warm": mode_warm_blocks if args.blocks else mode_warm, "cold": mode_cold}[m]
         res[m] = fn(args.vault, args.gguf, args, log)
         res[f"loadavg_after_{m}"] = list(os.getloadavg())
     res["loadavg_end"] = list(os.getloadavg())
     print(table(res))
+    if (res.get("warm") or {}).get("alternated") is False:
+        print("warm ran in blocks, NOT alternated (--blocks): all pysmoe repeats, then all llama.cpp repeats, one "
+              "engine in memory at a time; the load average of each block is in the JSON (warm.blocks).")
     print(f"load average: start {res['loadavg_start']}, end {res['loadavg_end']} ({os.cpu_count()} CPUs)")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")

@@ -155,3 +155,92 @@ def test_bench_decode_budget_skipped_without_memory(tiny_vault, monkeypatch):
 def test_bench_no_ttft_needs_budgets(tiny_vault, capsys):
     assert main(["bench", str(tiny_vault), "--no-ttft"]) == 2
     assert main(["bench", str(tiny_vault), "--decode-budgets", "10", "--decode-tokens", "0"]) == 2
+
+
+# ------------------------------------------------------------- bench/plot.py and bench/peer.py
+
+def _load(name):
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def sparse_vault(make_vault):
+    # llama.cpp's qwen3moe has no dense-MLP layers: tiny without its one.
+    return make_vault("tiny_sparse", preset="tiny", seed=0, overrides={"mlp_only_layers": []})
+
+
+@pytest.fixture(scope="module")
+def bench_record(sparse_vault, tmp_path_factory):
+    res = run_bench(sparse_vault, [1, 4], repeats=1, threads=1, chunk=4, decode_tokens=2, decode_prompt=2,
+                    decode_budgets=[0, 100], budget_prompt=4)
+    path = tmp_path_factory.mktemp("plot") / "tiny.json"
+    path.write_text(json.dumps(res))
+    return path
+
+
+def test_plot_budget_curve_and_ttft(bench_record, tmp_path):
+    pytest.importorskip("matplotlib")
+    plot = _load("plot")
+    assert plot.main([str(bench_record), "--out", str(tmp_path)]) == 0
+    for name in ("tiny-ttft.png", "tiny-decode-budget.png", "decode-tps.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+
+
+def test_peer_warm_blocks_and_plot(sparse_vault, bench_record, tmp_path, capsys):
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    import importlib.util
+    import pathlib
+    import subprocess
+    import sys
+    gguf = tmp_path / "tiny.gguf"
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "export_gguf.py"
+    subprocess.run([sys.executable, str(script), str(sparse_vault), str(gguf)], check=True, capture_output=True)
+    peer = _load("peer")
+    out = tmp_path / "peer.json"
+    # No page-cache drop from the test suite: it is machine-wide.
+    assert peer.main([str(sparse_vault), "--gguf", str(gguf), "--modes", "warm", "--blocks", "--no-drop-caches",
+                      "--prompt-lengths", "1,4", "--repeats", "2", "--decode-tokens", "2", "--threads", "1",
+                      "--json", str(out)]) == 0
+    assert "NOT alternated" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["warm_blocks"] is True and res["vault_info"]["layers"] >= 1
+    warm = res["warm"]
+    assert warm["alternated"] is False and set(warm["blocks"]) == {"pysmoe", "llama.cpp"}
+    for b in warm["blocks"].values():
+        assert b["skipped"] is None and b["dropped_caches"] is False and b["seconds"] > 0
+    for n in ("1", "4"):
+        for who in ("pysmoe", "llama.cpp"):
+            assert len(warm[n][who]["ttft_all_s"]) == 2 and warm[n][who]["ttft_s"] > 0
+        assert warm[n]["pysmoe"]["cache_misses_timed"] == 0
+        assert warm[n]["ttft_ratio_llama_over_pysmoe"] > 0
+    if importlib.util.find_spec("matplotlib") is None:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    plot = _load("plot")
+    rec = json.loads(bench_record.read_text())
+    warnings = []
+    peers = plot.pair_peers([rec], [res], warnings.append)
+    assert peers == {0: [res]} and warnings == []   # the same vault shape
+    # The cold mode needs root and a memory cgroup (and tiny's budget is smaller than a Python
+    # process): its series is drawn from a record of the same shape as the warm one.
+    cold = {"info": {"cache_bytes": rec["settings"]["cache_bytes"], "budget_bytes": 1 << 20},
+            **{n: warm[n] for n in ("1", "4")}}
+    fig, ax = plt.subplots()
+    plot.plot_ttft(ax, rec, [dict(res, cold=cold)], warnings.append)
+    labels = ax.get_legend_handles_labels()[1]
+    plt.close(fig)
+    assert any(l.startswith("pysmoe layer-major") for l in labels) and any("token-serial" in l for l in labels)
+    assert any("I/O floor" in l for l in labels) and any("llama.cpp, everything in memory (in blocks" in l
+                                                          for l in labels)
+    assert any(l.startswith("llama.cpp, cold, memory cgroup 1 MiB") for l in labels) and warnings == []
+    assert plot.main([str(bench_record), "--peer", str(out), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "tiny-ttft.png").exists()
