@@ -690,6 +690,8 @@ def main(argv=None) -> int:
         fn = {"check": mode_check, "warm": mode_warm_blocks if args.blocks else mode_warm, "cold": mode_cold}[m]
         res[m] = fn(args.vault, args.gguf, args, log)
         res[f"loadavg_after_{m}"] = list(os.getloadavg())
+        if args.json:  # after each mode, so that a long run that dies leaves what it measured
+            pathlib.Path(args.json).write_text(json.dumps(dict(res, partial=True), indent=1, default=str) + "\n")
     res["loadavg_end"] = list(os.getloadavg())
     print(table(res))
     if (res.get("warm") or {}).get("alternated") is False:
@@ -697,7 +699,7 @@ def main(argv=None) -> int:
               "engine in memory at a time; the load average of each block is in the JSON (warm.blocks).")
     print(f"load average: start {res['loadavg_start']}, end {res['loadavg_end']} ({os.cpu_count()} CPUs)")
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+        pathlib.Path(args.json).write_text(json.dumps(dict(res, partial=False), indent=1, default=str) + "\n")
     return 0
 
 
