@@ -109,7 +109,8 @@ def add_parser(p: argparse.ArgumentParser, name: str = "bench") -> None:
     p.add_argument("--probe-mb", type=float, default=1024,
                    help="at most this many MiB per bandwidth probe (default 1024)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt ids and the probe's blob choice")
-    p.add_argument("--context", type=int, default=None, help="KV length (default: longest prompt + decode + 1)")
+    p.add_argument("--context", type=int, default=None, help="KV length (default: the longest prompt, decode prompt + decode tokens, or budget prompt + "
+                        "decode tokens, whichever is most, + 1)")
     p.add_argument("--strict", action="store_true", help="exit 3 if any cold run or probe lacked Direct I/O")
     p.add_argument("--json", metavar="OUT", help="write every run and the medians to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
