@@ -9,7 +9,10 @@
  * takes no floating-point arguments, so its variadic prologue saves no vector registers, and the
  * formatting is libc's.
  *
- * The check is a few loads of the compiler runtime's CPU model: cheap, and not on any hot path. */
+ * The check is a few loads of the compiler runtime's CPU model: cheap, and not on any hot path.
+ *
+ * An AArch64 build needs no check: its NEON kernels use only what ARMv8.0-A makes mandatory
+ * (Advanced SIMD with float FMA and half-precision conversion), so smoe_cpu_check is SMOE_OK. */
 #include "cpu.h"
 
 #include "internal.h"

@@ -44,9 +44,9 @@
  * Assumes a little-endian host (the vault is little-endian and is used in place).
  *
  * Dispatch. The functions of kernels.h at the end of this file pick, at build time, the AVX2
- * kernels of kernels_avx2.c (which keep the same rule with their own, stated, order and are
- * tested against these within a tolerance) or these reference kernels, which keep their own
- * names (smoe_ref_*) in every build. See kernels_isa.h.
+ * kernels of kernels_avx2.c or the NEON kernels of kernels_neon.c (which keep the same rule with
+ * their own, stated, order and are tested against these within a tolerance) or these reference
+ * kernels, which keep their own names (smoe_ref_*) in every build. See kernels_isa.h.
  */
 #include "kernels_isa.h"
 
@@ -441,12 +441,14 @@ void smoe_axpy(float *y, float a, const float *x, uint32_t n) {
 
 /* ----------------------------------------------------------------------------- dispatch */
 
-const char *smoe_kernels_isa(void) { return SMOE_HAVE_AVX2 ? "avx2" : "portable"; }
+const char *smoe_kernels_isa(void) { return SMOE_HAVE_AVX2 ? "avx2" : SMOE_HAVE_NEON ? "neon" : "portable"; }
 
 void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n,
                       float *y, size_t ldy, uint32_t r0, uint32_t r1) {
 #if SMOE_HAVE_AVX2
     if (smoe_avx2_matmul_rows(W, w, x, ldx, n, y, ldy, r0, r1)) return;
+#elif SMOE_HAVE_NEON
+    if (smoe_neon_matmul_rows(W, w, x, ldx, n, y, ldy, r0, r1)) return;
 #endif
     smoe_ref_matmul_rows(W, w, x, ldx, n, y, ldy, r0, r1);
 }
@@ -454,6 +456,8 @@ void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, si
 void smoe_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps) {
 #if SMOE_HAVE_AVX2
     smoe_avx2_rmsnorm(out, x, weight, dim, eps);
+#elif SMOE_HAVE_NEON
+    smoe_neon_rmsnorm(out, x, weight, dim, eps);
 #else
     smoe_ref_rmsnorm(out, x, weight, dim, eps);
 #endif
@@ -463,6 +467,8 @@ void smoe_attend(float *out, const float *q, const float *k, const float *v, siz
                  uint32_t head_dim, float *scratch) {
 #if SMOE_HAVE_AVX2
     smoe_avx2_attend(out, q, k, v, stride, n_pos, head_dim, scratch);
+#elif SMOE_HAVE_NEON
+    smoe_neon_attend(out, q, k, v, stride, n_pos, head_dim, scratch);
 #else
     smoe_ref_attend(out, q, k, v, stride, n_pos, head_dim, scratch);
 #endif

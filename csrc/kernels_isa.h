@@ -3,9 +3,10 @@
  *
  * The public names (kernels.h) pick one implementation per build: the AVX2 + FMA + F16C kernels
  * when the compiler targets them (the Makefile passes -mavx2 -mfma -mf16c on x86-64 unless
- * PORTABLE=1), the reference kernels otherwise. The choice is made at build time, never at run
- * time, so one build always runs one arithmetic; cpu.c refuses (SMOE_ERR_UNSUPPORTED) to open a
- * vault on a CPU that cannot run what the build chose. */
+ * PORTABLE=1), the NEON kernels on AArch64 (unless PORTABLE=1), the reference kernels otherwise.
+ * The choice is made at build time, never at run time, so one build always runs one arithmetic;
+ * cpu.c refuses (SMOE_ERR_UNSUPPORTED) to open a vault on a CPU that cannot run what the build
+ * chose (an x86-64 CPU without AVX2; every AArch64 CPU has NEON). */
 #ifndef SMOE_KERNELS_ISA_H
 #define SMOE_KERNELS_ISA_H
 
@@ -17,7 +18,14 @@
 #define SMOE_HAVE_AVX2 0
 #endif
 
-/* Which kernels this build runs: "avx2" or "portable". */
+/* AArch64 Advanced SIMD is part of every arm64 CPU: no flag, no runtime check (kernels_neon.c). */
+#if defined(__aarch64__) && defined(__ARM_NEON) && !defined(SMOE_PORTABLE)
+#define SMOE_HAVE_NEON 1
+#else
+#define SMOE_HAVE_NEON 0
+#endif
+
+/* Which kernels this build runs: "avx2", "neon" or "portable". */
 const char *smoe_kernels_isa(void);
 
 /* The reference kernels (kernels.c), kept forever: the fast ones are tested against them. */
@@ -34,6 +42,15 @@ bool smoe_avx2_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *
                            size_t ldy, uint32_t r0, uint32_t r1);
 void smoe_avx2_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
 void smoe_avx2_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
+                      uint32_t head_dim, float *scratch);
+#endif
+
+#if SMOE_HAVE_NEON
+/* kernels_neon.c, with the same contract as the AVX2 ones (matmul: false = not this shape). */
+bool smoe_neon_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
+                           size_t ldy, uint32_t r0, uint32_t r1);
+void smoe_neon_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
+void smoe_neon_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
                       uint32_t head_dim, float *scratch);
 #endif
 

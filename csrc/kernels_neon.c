@@ -1,0 +1,640 @@
+/* kernels_neon.c — AArch64 Advanced SIMD (NEON) kernels (kernels_isa.h says when they are built).
+ *
+ * Baseline ARMv8.0-A only: float FMA (vfmaq_f32), half→single conversion (FCVTL), pairwise add;
+ * no dot-product, FP16-arithmetic or SVE extension, so they run on every arm64 CPU and cpu.c
+ * has nothing to check at run time (Advanced SIMD is mandatory in AArch64).
+ *
+ * What they must keep
+ * -------------------
+ * The rule of kernels.c: each output element is reduced by one sequence of floating-point
+ * operations that depends on its own shape only — never on n, on the rows [r0, r1) a thread was
+ * given, or on the thread count — so the token-serial and layer-major paths agree bit for bit.
+ * They need not agree with the reference kernels bit for bit (they fuse multiply-adds and use
+ * their own order); tests/c/test_kernels_neon.c checks them against the reference within a
+ * stated tolerance, and checks their own n- and split-independence exactly.
+ *
+ * The order, for y[t, r] = Σ_c W[r, c]·x[t, c]
+ * --------------------------------------------
+ * One 8-lane accumulator per (row, token), held as two q registers (lanes 0–3 and 4–7); lane j
+ * sees columns c ≡ j (mod 8) in increasing order; the end is the fixed tree of hsum8:
+ *
+ *     s_j = l_j + l_{j+4}  (j < 4: the two registers added)
+ *     t_0 = s_0 + s_2,  t_1 = s_1 + s_3  (low and high 64-bit halves added)
+ *     sum = t_0 + t_1   (one pairwise add)
+ *
+ * that is ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)). It is written out with vaddq / vadd / vpadds
+ * rather than left to vaddvq_f32, whose pairing the intrinsic does not promise.
+ *
+ *  f32, bf16:  acc = fma(w[8v..8v+8), x[8v..8v+8), acc) for v = 0, 1, … (acc starts at +0; a
+ *              last partial vector is zero-padded), y = hsum8(acc).
+ *
+ *  q8, q4:     the affine form, per group g of 64 columns:
+ *                  Σ_c w_c·x_c = s_g·Σ_c q_c·x_c + b_g·Σ_c x_c
+ *              so the inner loop multiplies integer codes (exact as floats) by x and the scale
+ *              is applied once per group, not once per weight:
+ *                  a   = q[0..8)·x[0..8);  a = fma(q[8k..8k+8), x[8k..8k+8), a)  for k = 1..7
+ *                  tot = fma(a, s_g, tot)                        (tot starts at +0)
+ *                  X_g = hsum8(x[0..8) + x[8..16) + … + x[56..64))   (adds in that order)
+ *                  bia = fma(b[g..g+8), X[g..g+8), bia) over groups 8 at a time, zero-padded
+ *                  y   = hsum8(tot) + hsum8(bia)
+ *              q4 codes come out in column order (low nibble = even column, high nibble = odd
+ *              column, interleaved by a zip), q8 codes by widening; both exact as floats.
+ *              X_g is a function of the token alone, computed once per call (per tile of TT
+ *              tokens) and the same way whatever n.
+ *
+ * This is, operation for operation, the order of kernels_avx2.c's float kernels (its q4 trick of
+ * 16·q in odd lanes undone by an exact 1/16 gives the same values whenever no product is
+ * subnormal), so where both files use the float forms a NEON build and an AVX2 build print the
+ * same bits. Nothing relies on that: each instruction set only promises its own fixed order
+ * and a bound against the reference.
+ *
+ * How the shapes share work without touching that order
+ * ------------------------------------------------------
+ * The two registers of an accumulator are two independent chains (lanes 0–3 see columns
+ * 8v..8v+4, lanes 4–7 see 8v+4..8v+8), so a kernel may run one half's chain over a block of
+ * columns and then the other's: each lane still sees its own columns in increasing order.
+ *
+ *  n = 1 (and a last tile of one token): RV rows at a time against one x, both halves at once,
+ *  codes decoded into registers as they stream past, tot in registers — the matrix-vector
+ *  product, bound by decoding and memory.
+ *  n ≥ 2: tokens in tiles of TT; for each block of RB rows, each block of CBG groups (q) or FCB
+ *  columns (f32/bf16) is decoded once into a float buffer and fed to register blocks of RB rows
+ *  × TB tokens, one half (4 lanes) at a time: 16 accumulators + 4 weights + 1 x of the 32 q
+ *  registers. tot (q) and the accumulators (f32/bf16) live in a small stack array between blocks
+ *  and halves. A store and a load are exact, so spilling changes nothing; every block size is a
+ *  choice about reuse, never about the order of any one sum.
+ *
+ * Rows wider than MAXG groups (q) go to the reference kernel: a choice by shape, not by n.
+ *
+ * Error, against the exact sum: the q forms carry the cancellation of s·q against b, so the bound
+ * is relative to M = Σ_c (|s_g·q_c| + |b_g|)·|x_c|, not to Σ|w_c·x_c|; see the tests.
+ *
+ * Loads go through byte pointers (vld1q_u8 + reinterpret) wherever the address comes from the
+ * vault, so no misaligned typed pointer is ever formed.
+ */
+#include "kernels_isa.h"
+
+#if SMOE_HAVE_NEON
+
+#include <arm_neon.h>
+#include <math.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+
+enum {
+    GROUP = 64, /* quantisation group along cols */
+    MAXG = 256, /* groups per row the q kernels take (cols ≤ 16384); wider rows: reference */
+    RB = 4,     /* rows of a register block (n ≥ 2) */
+    TB = 4,     /* tokens of a register block: RB·TB half-accumulators + RB weights + 1 x */
+    TT = 32,    /* tokens of a tile: they share one decoding of each weight block */
+    CBG = 8,    /* q groups decoded at a time (512 columns) */
+    FCB = 512,  /* f32/bf16 columns per block (a multiple of 8) */
+    RV = 4,     /* rows at a time in the matrix-vector kernels (n = 1) */
+};
+
+/* ------------------------------------------------------------------------------ helpers */
+
+/* One 8-lane accumulator or vector: lanes 0–3 and 4–7. */
+typedef struct {
+    float32x4_t lo, hi;
+} f8;
+
+INLINE f8 f8_zero(void) {
+    f8 r = {vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)};
+    return r;
+}
+
+INLINE f8 f8_load(const float *p) {
+    f8 r = {vld1q_f32(p), vld1q_f32(p + 4)};
+    return r;
+}
+
+INLINE void f8_store(float *p, f8 v) {
+    vst1q_f32(p, v.lo);
+    vst1q_f32(p + 4, v.hi);
+}
+
+INLINE f8 f8_add(f8 a, f8 b) {
+    f8 r = {vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)};
+    return r;
+}
+
+INLINE f8 f8_mul(f8 a, f8 b) {
+    f8 r = {vmulq_f32(a.lo, b.lo), vmulq_f32(a.hi, b.hi)};
+    return r;
+}
+
+/* acc + a·b, rounded once */
+INLINE f8 f8_fma(f8 acc, f8 a, f8 b) {
+    f8 r = {vfmaq_f32(acc.lo, a.lo, b.lo), vfmaq_f32(acc.hi, a.hi, b.hi)};
+    return r;
+}
+
+/* ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)) */
+INLINE float hsum8(f8 v) {
+    const float32x4_t s4 = vaddq_f32(v.lo, v.hi);
+    const float32x2_t s2 = vadd_f32(vget_low_f32(s4), vget_high_f32(s4));
+    return vpadds_f32(s2);
+}
+
+/* 4 floats from a byte address of any alignment */
+INLINE float32x4_t ld4(const uint8_t *p) { return vreinterpretq_f32_u8(vld1q_u8(p)); }
+
+INLINE float32x4_t bf16_lo(uint16x8_t h) { return vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16)); }
+INLINE float32x4_t bf16_hi(uint16x8_t h) { return vreinterpretq_f32_u32(vshll_high_n_u16(h, 16)); }
+
+INLINE f8 bf16x8(const uint8_t *p) { /* 8 bf16 → f32, exactly */
+    const uint16x8_t h = vreinterpretq_u16_u8(vld1q_u8(p));
+    f8 r = {bf16_lo(h), bf16_hi(h)};
+    return r;
+}
+
+/* 8 weights of a row from column c (f32 or bf16) */
+INLINE f8 f_load(const uint8_t *row, bool bf16, uint32_t c) {
+    if (bf16) return bf16x8(row + 2 * (size_t)c);
+    f8 r = {ld4(row + 4 * (size_t)c), ld4(row + 4 * (size_t)c + 16)};
+    return r;
+}
+
+/* the same for the last m < 8 columns, zero-padded */
+INLINE f8 f_load_tail(const uint8_t *row, bool bf16, uint32_t c, uint32_t m) {
+    float buf[8] = {0};
+    if (bf16) {
+        uint16_t h[8] = {0};
+        memcpy(h, row + 2 * (size_t)c, 2 * (size_t)m);
+        return bf16x8((const uint8_t *)h);
+    }
+    memcpy(buf, row + 4 * (size_t)c, 4 * (size_t)m);
+    return f8_load(buf);
+}
+
+INLINE f8 x_load_tail(const float *x, uint32_t m) {
+    float buf[8] = {0};
+    memcpy(buf, x, 4 * (size_t)m);
+    return f8_load(buf);
+}
+
+INLINE float bf16_1(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* dst[g] = the ng scales (or biases) at src as f32 (exactly); zeros after, up to a multiple of 8 */
+static void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf) {
+    for (uint32_t g = 0; g < ng; g += 8) {
+        uint16x8_t h;
+        if (ng - g >= 8) {
+            h = vreinterpretq_u16_u8(vld1q_u8(src + 2 * (size_t)g));
+        } else {
+            uint16_t pad[8] = {0}; /* +0 in both formats */
+            memcpy(pad, src + 2 * (size_t)g, 2 * (size_t)(ng - g));
+            h = vld1q_u16(pad);
+        }
+        if (sf == SMOE_SCALE_F16) {
+            vst1q_f32(dst + g, vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(h))));
+            vst1q_f32(dst + g + 4, vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(h))));
+        } else {
+            vst1q_f32(dst + g, bf16_lo(h));
+            vst1q_f32(dst + g + 4, bf16_hi(h));
+        }
+    }
+}
+
+/* X[g] = Σ of group g of x (the order of the essay); zeros after, up to a multiple of 8 */
+static void group_sums(float *X, const float *x, uint32_t gpr) {
+    uint32_t g = 0;
+    for (; g < gpr; g++) {
+        const float *xg = x + (size_t)g * GROUP;
+        f8 v = f8_load(xg);
+        for (int k = 1; k < 8; k++) v = f8_add(v, f8_load(xg + 8 * k));
+        X[g] = hsum8(v);
+    }
+    for (; g % 8; g++) X[g] = 0.0f;
+}
+
+/* hsum8 of Σ_g fma(b[g..g+8), X[g..g+8)) over gpr8 (a multiple of 8) zero-padded groups */
+INLINE float bias_dot(const float *b, const float *X, uint32_t gpr8) {
+    f8 a = f8_zero();
+    for (uint32_t g = 0; g < gpr8; g += 8) a = f8_fma(a, f8_load(b + g), f8_load(X + g));
+    return hsum8(a);
+}
+
+/* ------------------------------------------------------------------------- q codes */
+
+/* Codes 16m..16m+15 of a group at p, one byte each, in column order. */
+INLINE uint8x16_t q4_bytes16(const uint8_t *p, int m) {
+    const uint8x16_t b = vld1q_u8(p + 16 * (m / 2));
+    const uint8x16_t lo = vandq_u8(b, vdupq_n_u8(15)), hi = vshrq_n_u8(b, 4);
+    return (m & 1) ? vzip2q_u8(lo, hi) : vzip1q_u8(lo, hi); /* byte j → codes 2j, 2j + 1 */
+}
+
+INLINE uint8x16_t q8_bytes16(const uint8_t *p, int m) { return vld1q_u8(p + 16 * m); }
+
+INLINE uint8x16_t q_bytes16(const uint8_t *p, int m, bool q4) { return q4 ? q4_bytes16(p, m) : q8_bytes16(p, m); }
+
+/* 16 codes as floats: c[0] columns 0–7, c[1] columns 8–15 of the 16 */
+INLINE void codes16(f8 c[2], uint8x16_t b) {
+    const uint16x8_t w0 = vmovl_u8(vget_low_u8(b)), w1 = vmovl_high_u8(b);
+    c[0].lo = vcvtq_f32_u32(vmovl_u16(vget_low_u16(w0)));
+    c[0].hi = vcvtq_f32_u32(vmovl_high_u16(w0));
+    c[1].lo = vcvtq_f32_u32(vmovl_u16(vget_low_u16(w1)));
+    c[1].hi = vcvtq_f32_u32(vmovl_high_u16(w1));
+}
+
+/* ------------------------------------------------------------------------ q: n = 1 */
+
+typedef struct {
+    const uint8_t *codes, *scales, *biases; /* of row 0 */
+    size_t row_bytes;                       /* code bytes per row */
+    uint32_t gpr, gpr8;
+    uint8_t sf;
+    bool q4;
+} qmat;
+
+/* R rows from r against one token (X its group sums): codes decoded 16 at a time as they stream
+ * past, for all R rows against two vectors of x; tot in registers. */
+INLINE void q_rows_1(const int R, const bool q4, const qmat *m, uint32_t r, const float *x, const float *X,
+                     float *y) {
+    float s[RV][MAXG], b[RV][MAXG]; /* (rows, groups) scales and biases as f32 */
+    const uint8_t *p[RV];
+    f8 tot[RV];
+    for (int i = 0; i < R; i++) {
+        load_scales(s[i], m->scales + 2 * (size_t)(r + i) * m->gpr, m->gpr, m->sf);
+        load_scales(b[i], m->biases + 2 * (size_t)(r + i) * m->gpr, m->gpr, m->sf);
+        p[i] = m->codes + (size_t)(r + i) * m->row_bytes;
+        tot[i] = f8_zero();
+    }
+    const size_t gbytes = q4 ? GROUP / 2 : GROUP;
+    for (uint32_t g = 0; g < m->gpr; g++) {
+        const float *xg = x + (size_t)g * GROUP;
+        f8 a[RV];
+#pragma GCC unroll 4
+        for (int k2 = 0; k2 < 4; k2++) { /* columns 16·k2 .. 16·k2 + 16: k = 2·k2 and 2·k2 + 1 */
+            const f8 x0 = f8_load(xg + 16 * k2), x1 = f8_load(xg + 16 * k2 + 8);
+            for (int i = 0; i < R; i++) {
+                f8 q[2];
+                codes16(q, q_bytes16(p[i] + g * gbytes, k2, q4));
+                a[i] = k2 == 0 ? f8_mul(q[0], x0) : f8_fma(a[i], q[0], x0);
+                a[i] = f8_fma(a[i], q[1], x1);
+            }
+        }
+        for (int i = 0; i < R; i++) {
+            tot[i].lo = vfmaq_n_f32(tot[i].lo, a[i].lo, s[i][g]);
+            tot[i].hi = vfmaq_n_f32(tot[i].hi, a[i].hi, s[i][g]);
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        const float h = hsum8(tot[i]);
+        y[r + i] = h + bias_dot(b[i], X, m->gpr8);
+    }
+}
+
+static void q_matvec(const qmat *m, uint32_t r0, uint32_t r1, const float *x, const float *X, float *y) {
+    uint32_t r = r0;
+    if (m->q4) {
+        for (; r + RV <= r1; r += RV) q_rows_1(RV, true, m, r, x, X, y);
+        switch (r1 - r) {
+        case 3: q_rows_1(3, true, m, r, x, X, y); break;
+        case 2: q_rows_1(2, true, m, r, x, X, y); break;
+        case 1: q_rows_1(1, true, m, r, x, X, y); break;
+        }
+    } else {
+        for (; r + RV <= r1; r += RV) q_rows_1(RV, false, m, r, x, X, y);
+        switch (r1 - r) {
+        case 3: q_rows_1(3, false, m, r, x, X, y); break;
+        case 2: q_rows_1(2, false, m, r, x, X, y); break;
+        case 1: q_rows_1(1, false, m, r, x, X, y); break;
+        }
+    }
+}
+
+/* ----------------------------------------------------------------------- q: n ≥ 2 */
+
+/* R rows × T tokens over ng groups, one half (4 lanes) of each accumulator at a time. qf: the
+ * decoded codes, row i at qf + i·CBG·GROUP; s[i]: row i's scales from this block's first group;
+ * xt[j]: token j at this block's first column; tot[j][i]: the running tot of (row i, token j). */
+INLINE void q_block(const int R, const int T, const float *qf, const float *const *s, const float *const *xt,
+                    uint32_t ng, float (*tot)[RB][8]) {
+    for (uint32_t g = 0; g < ng; g++) {
+        const float *qg = qf + (size_t)g * GROUP;
+        for (int h = 0; h < 2; h++) {
+            const int o = 4 * h;
+            float32x4_t a[RB][TB];
+            {
+                float32x4_t qv[RB];
+                for (int i = 0; i < R; i++) qv[i] = vld1q_f32(qg + (size_t)i * CBG * GROUP + o);
+                for (int j = 0; j < T; j++) {
+                    const float32x4_t xv = vld1q_f32(xt[j] + (size_t)g * GROUP + o);
+                    for (int i = 0; i < R; i++) a[i][j] = vmulq_f32(qv[i], xv);
+                }
+            }
+            for (int k = 1; k < 8; k++) {
+                float32x4_t qv[RB];
+                for (int i = 0; i < R; i++) qv[i] = vld1q_f32(qg + (size_t)i * CBG * GROUP + 8 * k + o);
+                for (int j = 0; j < T; j++) {
+                    const float32x4_t xv = vld1q_f32(xt[j] + (size_t)g * GROUP + 8 * k + o);
+                    for (int i = 0; i < R; i++) a[i][j] = vfmaq_f32(a[i][j], qv[i], xv);
+                }
+            }
+            for (int i = 0; i < R; i++)
+                for (int j = 0; j < T; j++) {
+                    float *tp = tot[j][i] + o;
+                    vst1q_f32(tp, vfmaq_n_f32(vld1q_f32(tp), a[i][j], s[i][g]));
+                }
+        }
+    }
+}
+
+static void q_block_any(int R, int T, const float *qf, const float *const *s, const float *const *xt, uint32_t ng,
+                        float (*tot)[RB][8]) {
+    switch (R * 8 + T) {
+#define CASE(r, t) \
+    case r * 8 + t: q_block(r, t, qf, s, xt, ng, tot); break;
+        CASE(4, 4) CASE(4, 3) CASE(4, 2) CASE(4, 1)
+        CASE(3, 4) CASE(3, 3) CASE(3, 2) CASE(3, 1)
+        CASE(2, 4) CASE(2, 3) CASE(2, 2) CASE(2, 1)
+        CASE(1, 4) CASE(1, 3) CASE(1, 2) CASE(1, 1)
+#undef CASE
+    }
+}
+
+static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
+                     size_t ldy, uint32_t r0, uint32_t r1) {
+    qmat m;
+    m.q4 = W->format == SMOE_FMT_Q4;
+    m.codes = w;
+    m.scales = w + W->scales_off;
+    m.biases = w + W->biases_off;
+    m.row_bytes = m.q4 ? W->cols / 2 : W->cols;
+    m.gpr = W->cols / GROUP;
+    m.gpr8 = (m.gpr + 7) & ~7u;
+    m.sf = W->scale_format;
+    const size_t gbytes = m.q4 ? GROUP / 2 : GROUP;
+
+    float X[TT][MAXG];                /* (tile tokens, groups) group sums of x */
+    float sb[RB][MAXG], bb[RB][MAXG]; /* (block rows, groups) scales, biases */
+    float qf[RB][CBG * GROUP];        /* (block rows, block columns) decoded codes */
+    float tot[TT][RB][8];             /* (tile tokens, block rows, lanes) running scaled sums */
+
+    for (uint32_t t0 = 0; t0 < n; t0 += TT) {
+        const uint32_t nt = n - t0 < TT ? n - t0 : TT;
+        for (uint32_t t = 0; t < nt; t++) group_sums(X[t], x + (size_t)(t0 + t) * ldx, m.gpr);
+        float *yt = y + (size_t)t0 * ldy;
+        if (nt == 1) {
+            q_matvec(&m, r0, r1, x + (size_t)t0 * ldx, X[0], yt);
+            continue;
+        }
+        for (uint32_t r = r0; r < r1; r += RB) {
+            const uint32_t nr = r1 - r < RB ? r1 - r : RB;
+            for (uint32_t i = 0; i < nr; i++) {
+                load_scales(sb[i], m.scales + 2 * (size_t)(r + i) * m.gpr, m.gpr, m.sf);
+                load_scales(bb[i], m.biases + 2 * (size_t)(r + i) * m.gpr, m.gpr, m.sf);
+            }
+            memset(tot, 0, sizeof tot); /* +0 */
+            for (uint32_t g0 = 0; g0 < m.gpr; g0 += CBG) {
+                const uint32_t ng = m.gpr - g0 < CBG ? m.gpr - g0 : CBG;
+                for (uint32_t i = 0; i < nr; i++) {
+                    const uint8_t *p = m.codes + (size_t)(r + i) * m.row_bytes + (size_t)g0 * gbytes;
+                    for (uint32_t g = 0; g < ng; g++)
+                        for (int k2 = 0; k2 < 4; k2++) {
+                            f8 q[2];
+                            codes16(q, q_bytes16(p + g * gbytes, k2, m.q4));
+                            f8_store(qf[i] + g * GROUP + 16 * k2, q[0]);
+                            f8_store(qf[i] + g * GROUP + 16 * k2 + 8, q[1]);
+                        }
+                }
+                const float *s[RB] = {sb[0] + g0, sb[1] + g0, sb[2] + g0, sb[3] + g0};
+                for (uint32_t tb = 0; tb < nt; tb += TB) {
+                    const uint32_t ntb = nt - tb < TB ? nt - tb : TB;
+                    const float *xt[TB];
+                    for (uint32_t j = 0; j < ntb; j++) xt[j] = x + (size_t)(t0 + tb + j) * ldx + (size_t)g0 * GROUP;
+                    q_block_any((int)nr, (int)ntb, qf[0], s, xt, ng, tot + tb);
+                }
+            }
+            for (uint32_t t = 0; t < nt; t++)
+                for (uint32_t i = 0; i < nr; i++) {
+                    const float h = hsum8(f8_load(tot[t][i]));
+                    yt[(size_t)t * ldy + r + i] = h + bias_dot(bb[i], X[t], m.gpr8);
+                }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------ f32, bf16 */
+
+/* R rows from r against one token: acc in registers, the whole row in one pass. */
+INLINE void f_rows_1(const int R, const uint8_t *w, size_t row_bytes, bool bf16, uint32_t cols, uint32_t r,
+                     const float *x, float *y) {
+    f8 acc[RV];
+    const uint8_t *p[RV];
+    for (int i = 0; i < R; i++) {
+        acc[i] = f8_zero();
+        p[i] = w + (size_t)(r + i) * row_bytes;
+    }
+    uint32_t c = 0;
+    for (; c + 8 <= cols; c += 8) {
+        const f8 xv = f8_load(x + c);
+        for (int i = 0; i < R; i++) acc[i] = f8_fma(acc[i], f_load(p[i], bf16, c), xv);
+    }
+    if (c < cols) {
+        const f8 xv = x_load_tail(x + c, cols - c);
+        for (int i = 0; i < R; i++) acc[i] = f8_fma(acc[i], f_load_tail(p[i], bf16, c, cols - c), xv);
+    }
+    for (int i = 0; i < R; i++) y[r + i] = hsum8(acc[i]);
+}
+
+/* R rows × T tokens over nc columns (the last nc % 8 zero-padded), one half of each accumulator
+ * at a time. wr[i]: row i at this block's first column (f32); xt[j]: token j likewise;
+ * acc[j][i]: the accumulator of (row i, token j), carried in memory. */
+INLINE void f_block(const int R, const int T, const float *const *wr, const float *const *xt, uint32_t nc,
+                    float (*acc)[RB][8]) {
+    const uint32_t nc8 = nc & ~7u, m = nc - nc8;
+    float wtail[RB][8], xtail[TB][8]; /* the last partial vector of each row and token, padded */
+    if (m) {
+        for (int i = 0; i < R; i++) {
+            memset(wtail[i], 0, sizeof wtail[i]);
+            memcpy(wtail[i], wr[i] + nc8, 4 * (size_t)m);
+        }
+        for (int j = 0; j < T; j++) {
+            memset(xtail[j], 0, sizeof xtail[j]);
+            memcpy(xtail[j], xt[j] + nc8, 4 * (size_t)m);
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        const int o = 4 * h;
+        float32x4_t a[RB][TB];
+        for (int i = 0; i < R; i++)
+            for (int j = 0; j < T; j++) a[i][j] = vld1q_f32(acc[j][i] + o);
+        for (uint32_t c = 0; c < nc8; c += 8) {
+            float32x4_t wv[RB];
+            for (int i = 0; i < R; i++) wv[i] = vld1q_f32(wr[i] + c + o);
+            for (int j = 0; j < T; j++) {
+                const float32x4_t xv = vld1q_f32(xt[j] + c + o);
+                for (int i = 0; i < R; i++) a[i][j] = vfmaq_f32(a[i][j], wv[i], xv);
+            }
+        }
+        if (m) {
+            float32x4_t wv[RB];
+            for (int i = 0; i < R; i++) wv[i] = vld1q_f32(wtail[i] + o);
+            for (int j = 0; j < T; j++) {
+                const float32x4_t xv = vld1q_f32(xtail[j] + o);
+                for (int i = 0; i < R; i++) a[i][j] = vfmaq_f32(a[i][j], wv[i], xv);
+            }
+        }
+        for (int i = 0; i < R; i++)
+            for (int j = 0; j < T; j++) vst1q_f32(acc[j][i] + o, a[i][j]);
+    }
+}
+
+static void f_block_any(int R, int T, const float *const *wr, const float *const *xt, uint32_t nc,
+                        float (*acc)[RB][8]) {
+    switch (R * 8 + T) {
+#define CASE(r, t) \
+    case r * 8 + t: f_block(r, t, wr, xt, nc, acc); break;
+        CASE(4, 4) CASE(4, 3) CASE(4, 2) CASE(4, 1)
+        CASE(3, 4) CASE(3, 3) CASE(3, 2) CASE(3, 1)
+        CASE(2, 4) CASE(2, 3) CASE(2, 2) CASE(2, 1)
+        CASE(1, 4) CASE(1, 3) CASE(1, 2) CASE(1, 1)
+#undef CASE
+    }
+}
+
+static void f_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
+                     size_t ldy, uint32_t r0, uint32_t r1) {
+    const bool bf16 = W->format == SMOE_FMT_BF16;
+    const uint32_t cols = W->cols;
+    const size_t row_bytes = (size_t)cols * (bf16 ? 2 : 4);
+    float wb[RB][FCB];    /* (block rows, block columns) the weights as f32 */
+    float acc[TT][RB][8]; /* (tile tokens, block rows, lanes) */
+
+    for (uint32_t t0 = 0; t0 < n; t0 += TT) {
+        const uint32_t nt = n - t0 < TT ? n - t0 : TT;
+        float *yt = y + (size_t)t0 * ldy;
+        if (nt == 1) {
+            const float *xt = x + (size_t)t0 * ldx;
+            uint32_t r = r0;
+            for (; r + RV <= r1; r += RV) f_rows_1(RV, w, row_bytes, bf16, cols, r, xt, yt);
+            switch (r1 - r) {
+            case 3: f_rows_1(3, w, row_bytes, bf16, cols, r, xt, yt); break;
+            case 2: f_rows_1(2, w, row_bytes, bf16, cols, r, xt, yt); break;
+            case 1: f_rows_1(1, w, row_bytes, bf16, cols, r, xt, yt); break;
+            }
+            continue;
+        }
+        for (uint32_t r = r0; r < r1; r += RB) {
+            const uint32_t nr = r1 - r < RB ? r1 - r : RB;
+            memset(acc, 0, sizeof acc); /* +0 */
+            for (uint32_t c0 = 0; c0 < cols; c0 += FCB) {
+                const uint32_t nc = cols - c0 < FCB ? cols - c0 : FCB;
+                const float *wr[RB];
+                for (uint32_t i = 0; i < nr; i++) {
+                    const uint8_t *row = w + (size_t)(r + i) * row_bytes;
+                    /* f32 rows are copied too: the register block then loads through a float
+                     * pointer that is known to be aligned for float */
+                    uint32_t c = 0;
+                    for (; c + 8 <= nc; c += 8) f8_store(wb[i] + c, f_load(row, bf16, c0 + c));
+                    if (c < nc) {
+                        float tail[8];
+                        f8_store(tail, f_load_tail(row, bf16, c0 + c, nc - c));
+                        memcpy(wb[i] + c, tail, 4 * (size_t)(nc - c));
+                    }
+                    wr[i] = wb[i];
+                }
+                for (uint32_t tb = 0; tb < nt; tb += TB) {
+                    const uint32_t ntb = nt - tb < TB ? nt - tb : TB;
+                    const float *xt[TB];
+                    for (uint32_t j = 0; j < ntb; j++) xt[j] = x + (size_t)(t0 + tb + j) * ldx + c0;
+                    f_block_any((int)nr, (int)ntb, wr, xt, nc, acc + tb);
+                }
+            }
+            for (uint32_t t = 0; t < nt; t++)
+                for (uint32_t i = 0; i < nr; i++) yt[(size_t)t * ldy + r + i] = hsum8(f8_load(acc[t][i]));
+        }
+    }
+}
+
+bool smoe_neon_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
+                           size_t ldy, uint32_t r0, uint32_t r1) {
+    switch (W->format) {
+    case SMOE_FMT_F32:
+    case SMOE_FMT_BF16:
+        f_matmul(W, w, x, ldx, n, y, ldy, r0, r1);
+        return true;
+    case SMOE_FMT_Q8:
+    case SMOE_FMT_Q4:
+        if (W->cols % GROUP || W->cols / GROUP > MAXG) return false;
+        q_matmul(W, w, x, ldx, n, y, ldy, r0, r1);
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* ------------------------------------------------------------------------ per-token math */
+
+/* Σ a[c]·b[c]: one 8-lane fma chain in column order, the last vector zero-padded, then hsum8. */
+INLINE float dot8(const float *a, const float *b, uint32_t n) {
+    f8 acc = f8_zero();
+    uint32_t c = 0;
+    for (; c + 8 <= n; c += 8) acc = f8_fma(acc, f8_load(a + c), f8_load(b + c));
+    if (c < n) acc = f8_fma(acc, x_load_tail(a + c, n - c), x_load_tail(b + c, n - c));
+    return hsum8(acc);
+}
+
+void smoe_neon_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps) {
+    const float ss = dot8(x, x, dim);
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    const bool bf16 = weight->format == SMOE_FMT_BF16;
+    uint32_t c = 0;
+    for (; c + 8 <= dim; c += 8) {
+        const f8 xv = f8_load(x + c), wv = f_load(weight->data, bf16, c);
+        const f8 o = {vmulq_f32(wv.lo, vmulq_n_f32(xv.lo, inv)), vmulq_f32(wv.hi, vmulq_n_f32(xv.hi, inv))};
+        f8_store(out + c, o);
+    }
+    for (; c < dim; c++) {
+        float wv;
+        if (bf16)
+            wv = bf16_1(weight->data + 2 * (size_t)c);
+        else
+            memcpy(&wv, weight->data + 4 * (size_t)c, 4);
+        float xn = x[c] * inv;
+        out[c] = wv * xn;
+    }
+}
+
+void smoe_neon_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
+                      uint32_t head_dim, float *scratch) {
+    const float scale = (float)(1.0 / sqrt((double)head_dim));
+    for (uint32_t p = 0; p < n_pos; p++) scratch[p] = dot8(q, k + p * stride, head_dim) * scale;
+    smoe_softmax(scratch, n_pos);
+    /* out[d] = Σ_p a_p·v_p[d] as one fma chain in position order from +0, 64 dimensions at a time
+     * in registers, then 4, then 1 */
+    uint32_t d0 = 0;
+    for (; d0 + 64 <= head_dim; d0 += 64) {
+        float32x4_t o[16];
+        for (int j = 0; j < 16; j++) o[j] = vdupq_n_f32(0.0f);
+        for (uint32_t p = 0; p < n_pos; p++) {
+            const float a = scratch[p];
+            const float *vp = v + p * stride + d0;
+            for (int j = 0; j < 16; j++) o[j] = vfmaq_n_f32(o[j], vld1q_f32(vp + 4 * j), a);
+        }
+        for (int j = 0; j < 16; j++) vst1q_f32(out + d0 + 4 * j, o[j]);
+    }
+    for (; d0 + 4 <= head_dim; d0 += 4) {
+        float32x4_t o = vdupq_n_f32(0.0f);
+        for (uint32_t p = 0; p < n_pos; p++) o = vfmaq_n_f32(o, vld1q_f32(v + p * stride + d0), scratch[p]);
+        vst1q_f32(out + d0, o);
+    }
+    for (uint32_t d = d0; d < head_dim; d++) {
+        float o = 0.0f;
+        for (uint32_t p = 0; p < n_pos; p++) o = fmaf(scratch[p], v[p * stride + d], o);
+        out[d] = o;
+    }
+}
+
+#endif /* SMOE_HAVE_NEON */
