@@ -10,7 +10,8 @@
  * scales, bf16, f32; n = 1 on a matrix far larger than the caches (the weights stream from
  * memory, as decode reads them), n = 64 on a 2048 × 2048 matrix (the batched product of a
  * prefill chunk; compute-bound). Figures are medians of REPS runs, the fast and the reference
- * kernel alternating run by run. GFLOP/s counts 2·rows·cols·n; GB/s counts the weight bytes
+ * kernel alternating run by run, and for q8/q4 the 8-bit-activation product (smoe_matmul_rows_qx,
+ * "q8-act": the session's default), its quantisation of x included in its time. GFLOP/s counts 2·rows·cols·n; GB/s counts the weight bytes
  * (codes + scales + biases) read once per call. One thread is timed by its CPU time (the machine
  * is shared); more threads by the wall clock.
  */
@@ -188,23 +189,35 @@ typedef void (*matmul_fn)(const smoe_tensor *, const uint8_t *, const float *, s
                           uint32_t, uint32_t);
 
 typedef struct {
-    matmul_fn fn;
+    matmul_fn fn;      /* NULL: the 8-bit-activation product (smoe_matmul_rows_qx) */
     const tensor *m;
     const float *x;
     float *y;
     uint32_t n;
     int threads;
+    smoe_qx qx;        /* fn NULL: x quantised here, in the timed call, as the engine does per product */
+    void *codes;
+    float *d, *gsum;
 } mm_ctx;
 
 static void mm_body(void *p, int id) {
     mm_ctx *c = p;
     uint32_t rows = c->m->t.rows, per = (rows / (uint32_t)c->threads + 15) / 16 * 16;
     uint32_t r0 = per * (uint32_t)id, r1 = r0 + per < rows ? r0 + per : rows;
-    if (r0 < r1) c->fn(&c->m->t, c->m->bytes, c->x, c->m->t.cols, c->n, c->y, rows, r0, r1);
+    if (r0 >= r1) return;
+    if (c->fn)
+        c->fn(&c->m->t, c->m->bytes, c->x, c->m->t.cols, c->n, c->y, rows, r0, r1);
+    else
+        smoe_matmul_rows_qx(&c->m->t, c->m->bytes, &c->qx, c->n, c->y, rows, r0, r1);
 }
 
 static double time_once(mm_ctx *c) {
     double t = now();
+    if (!c->fn) {
+        uint32_t cols = c->m->t.cols;
+        smoe_qx_prepare(c->x, cols, c->n, cols, c->m->t.format, c->codes, c->d, c->gsum);
+        c->qx = (smoe_qx){c->codes, c->d, c->gsum, cols, c->m->t.format};
+    }
     run_threads(c->threads, mm_body, c);
     return now() - t;
 }
@@ -215,27 +228,46 @@ static void bench_pair(uint8_t format, uint32_t rows, uint32_t cols, uint32_t n,
     tensor m = make(format, rows, cols);
     float *x = malloc(sizeof(float) * cols * n), *y = malloc(sizeof(float) * rows * n);
     for (size_t i = 0; i < (size_t)cols * n; i++) x[i] = (float)(rnd() % 2001) * 1e-3f - 1.0f;
-    mm_ctx fast = {smoe_matmul_rows, &m, x, y, n, threads}, ref = {smoe_ref_matmul_rows, &m, x, y, n, threads};
+    mm_ctx fast = {.fn = smoe_matmul_rows, .m = &m, .x = x, .y = y, .n = n, .threads = threads};
+    mm_ctx ref = fast, q8x = fast;
+    ref.fn = smoe_ref_matmul_rows;
+    const int has_qx = format == SMOE_FMT_Q8 || format == SMOE_FMT_Q4;
+    if (has_qx) {
+        smoe_qx_size z = smoe_qx_sizes(cols, format);
+        q8x.fn = NULL;
+        q8x.codes = aligned_alloc(64, (z.code_bytes * n + 63) / 64 * 64);
+        q8x.d = malloc(sizeof(float) * z.d_floats * n);
+        q8x.gsum = malloc(sizeof(float) * z.gsum_floats * n);
+    }
     time_once(&fast); /* warm */
     time_once(&ref);
-    double vf[REPS], vr[REPS], ratio[REPS];
+    if (has_qx) time_once(&q8x);
+    double vf[REPS], vr[REPS], vq[REPS], ratio[REPS], qratio[REPS];
     for (int r = 0; r < REPS; r++) {
         vf[r] = time_once(&fast);
         vr[r] = time_once(&ref);
         ratio[r] = vr[r] / vf[r];
+        if (has_qx) {
+            vq[r] = time_once(&q8x);
+            qratio[r] = vf[r] / vq[r];
+        }
     }
     static const char *fmts[] = {"f32", "bf16", "q8", "q4"};
-    double times[2] = {median(vf, REPS), median(vr, REPS)};
-    for (int k = 0; k < 2; k++) {
+    static const char *names[] = {"fast", "reference", "q8-act"};
+    double times[3] = {median(vf, REPS), median(vr, REPS), has_qx ? median(vq, REPS) : 0};
+    for (int k = 0; k < 2 + has_qx; k++) {
         double t = times[k];
         double gflops = 2.0 * rows * cols * n / t / 1e9, gbs = (double)m.t.nbytes / t / 1e9;
         printf("%-9s %-4s %5u x %-5u n=%-3u %8.2f ms %7.1f GFLOP/s (%3.0f%% of peak) %6.1f GB/s (%3.0f%% of bw)",
-               k ? "reference" : "fast", fmts[format], rows, cols, n, t * 1e3, gflops, 100 * gflops / peak, gbs,
-               100 * gbs / bw);
+               names[k], fmts[format], rows, cols, n, t * 1e3, gflops, 100 * gflops / peak, gbs, 100 * gbs / bw);
         if (k == 0) printf("  fast/ref ×%.2f", median(ratio, REPS));
+        if (k == 2) printf("  q8-act/fast ×%.2f", median(qratio, REPS));
         printf("\n");
     }
     fflush(stdout);
+    free(q8x.codes);
+    free(q8x.d);
+    free(q8x.gsum);
     free(x);
     free(y);
     free(m.bytes);

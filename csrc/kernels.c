@@ -333,6 +333,144 @@ void smoe_ref_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x
     }
 }
 
+/* ------------------------------------------------------------ 8-bit activations (q8, q4) */
+
+/* The arithmetic of smoe_matmul_rows_qx, in full (kernels.h says what it approximates).
+ *
+ * Quantising x (smoe_qx_prepare, one implementation for every build), per token, per block b of
+ * 32 columns of group g: m = max|x_c|; d = m / 127; codes round-half-even(x_c · (127 / m)),
+ * which lie in [−127, 127]. A block with m < 2⁻¹⁰⁰ (or m = 0) gets d = 0 and codes 0; one with
+ * an infinite or NaN x gets d = that value (NaN for a NaN) and codes 0, so the output is not
+ * finite either. The group sum gsum_g is the f32 sum of the group's 64 x in the order of
+ * kernels_avx2.c's group sums: lane j = x_j + x_{8+j} + … + x_{56+j}, then hsum8 below.
+ *
+ * Layout of one token's codes (groups padded with zeros to a multiple of 4), per group:
+ *   q4 weights, int8:  columns 0–15, 32–47, 16–31, 48–63
+ *   q8 weights, int16: columns 0–7, 32–39, 8–15, 40–47, 16–23, 48–55, 24–31, 56–63
+ * — the orders in which AVX2 unpacks a group's weight codes, so that each 128-bit half of a
+ * product holds one block. d, per 4 groups k: d[8k + j] = d of group 4k + j%4, block j/4.
+ *
+ * The product, for one (row, token), with I_{g,b} = Σ_{c ∈ block b of g} q_c · code_c exact
+ * (|I| < 2²⁴, so (float)I is exact) and s, bias the row's scales and biases:
+ *   tot[j] = +0;  for k = 0, 1, …:  tot[j] = fma((float)I_{4k+j%4, j/4}, s_{4k+j%4}·d[8k+j], tot[j])
+ *   bia[j] = +0;  for k = 0, 1, …:  bia[j] = fma(bias_{8k+j}, gsum_{8k+j}, bia[j])
+ *   y = hsum8(tot) + hsum8(bia),   hsum8(l) = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+ * Padded groups have s = bias = d = gsum = 0 and add exactly nothing. The AVX2 kernel computes
+ * the same operations on vectors, so the two agree bit for bit (tests/c/test_kernels.c). */
+
+enum { QX_GROUPS = 4, QX_TINY_EXP = -100 };
+
+static uint32_t qx_groups(uint32_t cols) { return (cols / GROUP + QX_GROUPS - 1) / QX_GROUPS * QX_GROUPS; }
+
+smoe_qx_size smoe_qx_sizes(uint32_t cols, uint8_t wformat) {
+    const uint32_t gp = qx_groups(cols);
+    smoe_qx_size z = {(size_t)gp * GROUP * (wformat == SMOE_FMT_Q8 ? 2 : 1), (size_t)gp * 2,
+                      (size_t)(cols / GROUP + 7) / 8 * 8};
+    return z;
+}
+
+/* Where column c (< 64) of a group sits in the layout above. */
+static inline uint32_t qx_pos(uint32_t c, bool q8) {
+    if (!q8)
+        return (c & ~48u) | ((c & 16u) << 1) | ((c & 32u) >> 1); /* swap the 16-column chunks 1 and 2 */
+    return 16 * ((c & 31u) >> 3) + 8 * (c >> 5) + (c & 7u);
+}
+
+static inline float hsum8_ref(const float l[8]) { return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])); }
+
+void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, void *codes, float *d,
+                     float *gsum) {
+    const bool q8 = wformat == SMOE_FMT_Q8;
+    const smoe_qx_size z = smoe_qx_sizes(cols, wformat);
+    const uint32_t gpr = cols / GROUP, gp = qx_groups(cols);
+    const float tiny = ldexpf(1.0f, QX_TINY_EXP);
+    for (uint32_t t = 0; t < n; t++) {
+        const float *xt = x + (size_t)t * ldx;
+        int8_t *c8 = (int8_t *)codes + (size_t)t * z.code_bytes;
+        int16_t *c16 = (int16_t *)codes + (size_t)t * z.code_bytes / 2;
+        float *dt = d + (size_t)t * z.d_floats, *st = gsum + (size_t)t * z.gsum_floats;
+        for (uint32_t g = 0; g < gp; g++)
+            for (uint32_t b = 0; b < 2; b++) {
+                const float *xb = xt + (size_t)g * GROUP + 32 * b;
+                float m = 0.0f, bad = 0.0f; /* bad: the first inf or NaN seen */
+                if (g < gpr)
+                    for (uint32_t c = 0; c < 32; c++) {
+                        const float a = fabsf(xb[c]);
+                        if (a != a)
+                            bad = a; /* NaN wins */
+                        else if (a == INFINITY && bad == 0.0f)
+                            bad = a;
+                        else if (a > m)
+                            m = a;
+                    }
+                const bool zero = bad != 0.0f || !(m >= tiny);
+                const float id = zero ? 0.0f : 127.0f / m;
+                dt[8 * (g / 4) + g % 4 + 4 * b] = bad != 0.0f ? bad : zero ? 0.0f : m / 127.0f;
+                for (uint32_t c = 0; c < 32; c++) {
+                    const int v = zero ? 0 : (int)nearbyintf(xb[c] * id);
+                    const uint32_t at = g * GROUP + qx_pos(32 * b + c, q8);
+                    if (q8)
+                        c16[at] = (int16_t)v;
+                    else
+                        c8[at] = (int8_t)v;
+                }
+            }
+        for (uint32_t g = 0; g < z.gsum_floats; g++) {
+            float l[8] = {0};
+            if (g < gpr)
+                for (int j = 0; j < 8; j++) {
+                    const float *xg = xt + (size_t)g * GROUP + j;
+                    l[j] = xg[0];
+                    for (int k = 1; k < 8; k++) l[j] += xg[8 * k];
+                }
+            st[g] = g < gpr ? hsum8_ref(l) : 0.0f;
+        }
+    }
+}
+
+void smoe_ref_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                             size_t ldy, uint32_t r0, uint32_t r1) {
+    const bool q8 = W->format == SMOE_FMT_Q8;
+    const uint32_t cols = W->cols, gpr = cols / GROUP, gp = qx_groups(cols);
+    const smoe_qx_size z = smoe_qx_sizes(cols, W->format);
+    for (uint32_t r = r0; r < r1; r++) {
+        const uint8_t *scales = w + W->scales_off + 2 * (size_t)r * gpr;
+        const uint8_t *biases = w + W->biases_off + 2 * (size_t)r * gpr;
+        const uint8_t *row = w + (size_t)r * (q8 ? cols : cols / 2);
+        for (uint32_t t = 0; t < n; t++) {
+            const int8_t *c8 = (const int8_t *)X->codes + (size_t)t * z.code_bytes;
+            const int16_t *c16 = (const int16_t *)X->codes + (size_t)t * z.code_bytes / 2;
+            const float *dt = X->d + (size_t)t * z.d_floats, *st = X->gsum + (size_t)t * z.gsum_floats;
+            float tot[8] = {0}, bia[8] = {0};
+            for (uint32_t k = 0; k < gp; k += QX_GROUPS) {
+                for (uint32_t j = 0; j < 8; j++) {
+                    const uint32_t g = k + j % 4, b = j / 4;
+                    int32_t I = 0;
+                    float sg = 0.0f;
+                    if (g < gpr) {
+                        sg = load_scale(W->scale_format, scales + 2 * g);
+                        for (uint32_t c = 32 * b; c < 32 * b + 32; c++) {
+                            const int32_t qc = q8 ? row[(size_t)g * GROUP + c]
+                                                  : (row[(size_t)g * (GROUP / 2) + c / 2] >> (4 * (c & 1))) & 15;
+                            const uint32_t at = g * GROUP + qx_pos(c, q8);
+                            I += qc * (q8 ? (int32_t)c16[at] : (int32_t)c8[at]);
+                        }
+                    }
+                    const float sd = sg * dt[2 * k + j];
+                    tot[j] = fmaf((float)I, sd, tot[j]);
+                }
+            }
+            for (uint32_t k = 0; k < z.gsum_floats; k += 8)
+                for (uint32_t j = 0; j < 8; j++) {
+                    const uint32_t g = k + j;
+                    const float bg = g < gpr ? load_scale(W->scale_format, biases + 2 * g) : 0.0f;
+                    bia[j] = fmaf(bg, st[g], bia[j]);
+                }
+            y[(size_t)t * ldy + r] = hsum8_ref(tot) + hsum8_ref(bia);
+        }
+    }
+}
+
 /* ------------------------------------------------------------------------ per-token math */
 
 void smoe_ref_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps) {
@@ -451,6 +589,14 @@ void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, si
     if (smoe_neon_matmul_rows(W, w, x, ldx, n, y, ldy, r0, r1)) return;
 #endif
     smoe_ref_matmul_rows(W, w, x, ldx, n, y, ldy, r0, r1);
+}
+
+void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                         uint32_t r0, uint32_t r1) {
+#if SMOE_HAVE_AVX2
+    if (smoe_avx2_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1)) return;
+#endif
+    smoe_ref_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1);
 }
 
 void smoe_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps) {

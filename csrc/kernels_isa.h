@@ -31,6 +31,8 @@ const char *smoe_kernels_isa(void);
 /* The reference kernels (kernels.c), kept forever: the fast ones are tested against them. */
 void smoe_ref_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
                           size_t ldy, uint32_t r0, uint32_t r1);
+void smoe_ref_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                             size_t ldy, uint32_t r0, uint32_t r1);
 void smoe_ref_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
 void smoe_ref_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
                      uint32_t head_dim, float *scratch);
@@ -40,6 +42,8 @@ void smoe_ref_attend(float *out, const float *q, const float *k, const float *v,
  * the choice depends on the tensor's shape and format only, never on n or on the rows). */
 bool smoe_avx2_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
                            size_t ldy, uint32_t r0, uint32_t r1);
+bool smoe_avx2_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                              size_t ldy, uint32_t r0, uint32_t r1);
 void smoe_avx2_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
 void smoe_avx2_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
                       uint32_t head_dim, float *scratch);

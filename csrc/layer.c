@@ -31,23 +31,58 @@ typedef struct {
     const smoe_tensor *W;
     const uint8_t *w;
     const float *x;
+    const smoe_qx *qx; /* x as 8-bit codes, or NULL: multiply the f32 x */
     uint32_t n;
     float *y;
     size_t ldy;
 } linear_task;
 
+static void matmul(const smoe_tensor *W, const uint8_t *w, const float *x, const smoe_qx *qx, uint32_t n, float *y,
+                   size_t ldy, uint32_t r0, uint32_t r1) {
+    if (qx)
+        smoe_matmul_rows_qx(W, w, qx, n, y, ldy, r0, r1);
+    else
+        smoe_matmul_rows(W, w, x, W->cols, n, y, ldy, r0, r1);
+}
+
 static void linear_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
     (void)worker;
     const linear_task *t = ctx;
-    smoe_matmul_rows(t->W, t->w, t->x, t->W->cols, t->n, t->y, t->ldy, r0, r1);
+    matmul(t->W, t->w, t->x, t->qx, t->n, t->y, t->ldy, r0, r1);
+}
+
+/* What the session's qx planes hold: the codes of `x` for weights of `qx.wformat`, or nothing
+ * (x NULL). Products that share one input (q, k, v; gate, up) quantise it once. */
+typedef struct {
+    const float *x;
+    smoe_qx qx;
+} qx_planes;
+
+/* x (n, W.cols) as the 8-bit codes W's product takes, prepared in the session's planes unless
+ * they hold them already; NULL when W multiplies f32 inputs (f32/bf16 weights, or
+ * float_activations). */
+static const smoe_qx *prepare(smoe_session *s, const smoe_tensor *W, const float *x, uint32_t n, qx_planes *pl) {
+    if (s->params.float_activations || (W->format != SMOE_FMT_Q8 && W->format != SMOE_FMT_Q4))
+        return NULL;
+    if (pl->x != x || pl->qx.cols != W->cols || pl->qx.wformat != W->format) {
+        smoe_qx_prepare(x, W->cols, n, W->cols, W->format, s->qx_codes, s->qx_d, s->qx_gsum);
+        *pl = (qx_planes){x, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, W->format}};
+    }
+    return &pl->qx;
 }
 
 /* Row grain keeps each thread's rows a multiple of 16: splits never cut a cache line of y. */
 enum { ROW_GRAIN = 16 };
 
-void smoe_linear(smoe_session *s, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n, float *y) {
-    linear_task t = {W, w, x, n, y, W->rows};
+static void linear_with(smoe_session *s, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n, float *y,
+                        qx_planes *pl) {
+    linear_task t = {W, w, x, prepare(s, W, x, n, pl), n, y, W->rows};
     smoe_pool_run(s->pool, linear_rows, &t, W->rows, ROW_GRAIN);
+}
+
+void smoe_linear(smoe_session *s, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n, float *y) {
+    qx_planes pl = {0};
+    linear_with(s, W, w, x, n, y, &pl);
 }
 
 /* Gate and up of one expert (or dense MLP) in one dispatch: rows [0, I) are gate, [I, 2I) up;
@@ -56,6 +91,7 @@ typedef struct {
     const smoe_tensor *gate, *up;
     const uint8_t *wg, *wu;
     const float *x;
+    const smoe_qx *qg, *qu; /* x as codes for gate / up, or NULL */
     uint32_t n;
     float *y;
 } gate_up_task;
@@ -66,9 +102,9 @@ static void gate_up_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
     uint32_t I = t->gate->rows;
     size_t ld = 2 * (size_t)I;
     if (r0 < I)
-        smoe_matmul_rows(t->gate, t->wg, t->x, t->gate->cols, t->n, t->y, ld, r0, r1 < I ? r1 : I);
+        matmul(t->gate, t->wg, t->x, t->qg, t->n, t->y, ld, r0, r1 < I ? r1 : I);
     if (r1 > I)
-        smoe_matmul_rows(t->up, t->wu, t->x, t->up->cols, t->n, t->y + I, ld, (r0 > I ? r0 : I) - I, r1 - I);
+        matmul(t->up, t->wu, t->x, t->qu, t->n, t->y + I, ld, (r0 > I ? r0 : I) - I, r1 - I);
 }
 
 /* out (n, hidden) = down(silu(gate(x)) · up(x)) for x (n, hidden). */
@@ -76,8 +112,20 @@ static void swiglu_mlp(smoe_session *s, const smoe_tensor *gate, const uint8_t *
                        const uint8_t *wu, const smoe_tensor *down, const uint8_t *wd, const float *x, uint32_t n,
                        float *out) {
     uint32_t I = gate->rows;
-    gate_up_task t = {gate, up, wg, wu, x, n, s->hg};
-    smoe_pool_run(s->pool, gate_up_rows, &t, 2 * I, ROW_GRAIN);
+    qx_planes pl = {0};
+    const smoe_qx *qg = prepare(s, gate, x, n, &pl);
+    if (qg && up->format != gate->format && (up->format == SMOE_FMT_Q8 || up->format == SMOE_FMT_Q4)) {
+        /* gate and up want different codes and there is one set of planes: one after the other */
+        linear_task tg = {gate, wg, x, qg, n, s->hg, 2 * (size_t)I};
+        smoe_pool_run(s->pool, linear_rows, &tg, I, ROW_GRAIN);
+        linear_task tu = {up, wu, x, prepare(s, up, x, n, &pl), n, s->hg + I, 2 * (size_t)I};
+        smoe_pool_run(s->pool, linear_rows, &tu, I, ROW_GRAIN);
+    } else {
+        /* up takes gate's codes (the same format), or its own when gate takes none */
+        gate_up_task t = {gate, up, wg, wu, x, qg, NULL, n, s->hg};
+        t.qu = prepare(s, up, x, n, &pl);
+        smoe_pool_run(s->pool, gate_up_rows, &t, 2 * I, ROW_GRAIN);
+    }
     for (uint32_t i = 0; i < n; i++)
         smoe_swiglu(s->h + (size_t)i * I, s->hg + (size_t)i * 2 * I, s->hg + (size_t)i * 2 * I + I, I);
     smoe_linear(s, down, wd, s->h, n, out);
@@ -140,9 +188,10 @@ void smoe_attention_block(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n
     /* K and V land straight in the cache rows of their positions. */
     float *krows = s->k_cache + ((size_t)l * s->params.context + pos0) * s->kv_dim;
     float *vrows = s->v_cache + ((size_t)l * s->params.context + pos0) * s->kv_dim;
-    smoe_linear(s, L->q, L->q->data, s->xn, n, s->q);
-    smoe_linear(s, L->k, L->k->data, s->xn, n, krows);
-    smoe_linear(s, L->v, L->v->data, s->xn, n, vrows);
+    qx_planes pl = {0}; /* q, k and v share one quantisation of xn when their formats agree */
+    linear_with(s, L->q, L->q->data, s->xn, n, s->q, &pl);
+    linear_with(s, L->k, L->k->data, s->xn, n, krows, &pl);
+    linear_with(s, L->v, L->v->data, s->xn, n, vrows, &pl);
 
     for (uint32_t t = 0; t < n; t++) {
         const float *cs = s->rope_cos + (size_t)(pos0 + t) * half;

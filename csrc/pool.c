@@ -220,14 +220,21 @@ smoe_status smoe_pool_new(uint32_t threads, smoe_pool **out) {
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    int err = 0;
-    for (uint32_t i = 0; i < threads - 1; i++) {
+    /* The kernels keep blocks of unpacked weights on the stack (up to ~200 KB): give workers a
+     * stack of at least SMOE_WORKER_STACK whatever the platform's default (musl's is 128 KB). */
+    pthread_attr_t attr;
+    int err = pthread_attr_init(&attr);
+    size_t stack = 0;
+    if (!err && pthread_attr_getstacksize(&attr, &stack) == 0 && stack < SMOE_WORKER_STACK)
+        pthread_attr_setstacksize(&attr, SMOE_WORKER_STACK);
+    for (uint32_t i = 0; !err && i < threads - 1; i++) {
         p->args[i].pool = p;
         p->args[i].index = i + 1;
-        err = pthread_create(&p->tids[i], NULL, worker_main, &p->args[i]);
+        err = pthread_create(&p->tids[i], &attr, worker_main, &p->args[i]);
         if (err) break;
         p->started++;
     }
+    pthread_attr_destroy(&attr);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (err) {
         smoe_pool_free(p);

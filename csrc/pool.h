@@ -6,6 +6,9 @@
 
 typedef struct smoe_pool smoe_pool;
 
+/* Least stack a worker thread gets (the caller's own thread needs as much: smoe.h says so). */
+enum { SMOE_WORKER_STACK = 1 << 20 };
+
 /* fn handles items [begin, end) as worker `worker` (0 ≤ worker < threads). */
 typedef void (*smoe_task_fn)(void *ctx, uint32_t begin, uint32_t end, uint32_t worker);
 

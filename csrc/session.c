@@ -60,6 +60,7 @@ void smoe_session_free(smoe_session *s) {
     smoe_pool_free(s->pool);
     void *bufs[] = {s->k_cache, s->v_cache, s->rope_cos, s->rope_sin, s->history, s->x, s->xn, s->q, s->att,
                     s->scores, s->router, s->topk_idx, s->topk_w, s->slot_out, s->xg, s->hg, s->h, s->yg,
+                    s->qx_codes, s->qx_d, s->qx_gsum,
                     s->logits, s->sample_f, s->sample_i, s->exp_count, s->exp_rows, s->union_list,
                     s->union_slot, s->pending, s->pending_slots, s->union_sizes, s->expert_counts};
     for (size_t i = sizeof bufs / sizeof bufs[0]; i-- > 0;)
@@ -150,6 +151,15 @@ smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *param
     s->hg = plane(s, C * 2 * s->ffn, sizeof(float), &ok);
     s->h = plane(s, C * s->ffn, sizeof(float), &ok);
     s->yg = plane(s, C * H, sizeof(float), &ok);
+    {
+        /* the widest input of any q8/q4 product: hidden, q_dim (o_proj) or an FFN width (down) */
+        uint32_t cols = H > s->q_dim ? (uint32_t)H : s->q_dim;
+        cols = cols > s->ffn ? cols : s->ffn;
+        smoe_qx_size z = smoe_qx_sizes(cols, SMOE_FMT_Q8); /* q8's int16 codes are the larger */
+        s->qx_codes = plane(s, C * z.code_bytes, 1, &ok);
+        s->qx_d = plane(s, C * z.d_floats, sizeof(float), &ok);
+        s->qx_gsum = plane(s, C * z.gsum_floats, sizeof(float), &ok);
+    }
     s->logits = plane(s, c->vocab_size, sizeof(float), &ok);
     s->sample_f = plane(s, c->vocab_size, sizeof(float), &ok);
     s->sample_i = plane(s, c->vocab_size, sizeof(int32_t), &ok);

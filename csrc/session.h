@@ -48,6 +48,9 @@ struct smoe_session {
     float *hg;       /* (chunk, 2·ffn) gate rows then up rows of one expert / dense MLP */
     float *h;        /* (chunk, ffn) silu(gate)·up */
     float *yg;       /* (chunk, hidden) one expert's output rows */
+    void *qx_codes;  /* (chunk, ·) the input of the next q8/q4 product as 8-bit codes (kernels.h) */
+    float *qx_d;     /* (chunk, ·) their block scales */
+    float *qx_gsum;  /* (chunk, ·) their group sums */
     float *logits;   /* (vocab) */
     float *sample_f; /* (vocab) sampler scratch */
     int32_t *sample_i; /* (vocab) */

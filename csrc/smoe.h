@@ -19,6 +19,8 @@
  *   - Option and stats structs start with struct_size so the ABI can grow: set it to
  *     sizeof(the struct) (the *_default_* functions do).
  *   - A vault may be shared by several sessions; a session must be used by one thread at a time.
+ *   - Prefill and decode calls run kernels on the calling thread too; it needs about 1 MiB of
+ *     stack (the library gives its own worker threads at least that).
  */
 #ifndef SMOE_H
 #define SMOE_H
@@ -128,7 +130,10 @@ typedef struct {
     uint32_t chunk;        /* largest n for smoe_prefill_chunk (default 256) */
     uint32_t threads;      /* compute threads including the caller (default: online cores) */
     uint32_t io_threads;   /* blob reads in flight (default 4) */
-    uint32_t reserved;
+    uint32_t float_activations; /* 0 (default): the inputs of q8/q4 matrices are quantised to 8 bits
+                                   per 32 values, as llama.cpp does (kernels.h); 1: they stay f32 and
+                                   the dequantised weights multiply them exactly (slower). Either way
+                                   both prefill paths agree bit for bit. */
     uint64_t cache_bytes;  /* retention cache budget; 0 = only the slots one step needs */
     bool direct_io;        /* O_DIRECT / F_NOCACHE; falls back to buffered reads, logged (default true) */
     bool verify_blobs;     /* check each blob's CRC as it is read (default false) */

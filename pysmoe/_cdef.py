@@ -61,7 +61,7 @@ uint32_t context;
 uint32_t chunk;
 uint32_t threads;
 uint32_t io_threads;
-uint32_t reserved;
+uint32_t float_activations;
 uint64_t cache_bytes;
 bool direct_io;
 bool verify_blobs;

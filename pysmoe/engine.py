@@ -23,6 +23,7 @@ from ._ffi import check, ffi, lib
 from .errors import BadToken, ContextFull, InvalidArgument, VaultError
 
 PREFILL_PATHS = ("layer-major", "token-serial")
+ACTIVATIONS = ("q8", "f32")
 
 
 def open_vault(path) -> "Vault":
@@ -110,9 +111,10 @@ class Vault:
 
     def session(self, cache_bytes: int = 0, threads: int | None = None, chunk: int | None = None,
                 prefill: str = "layer-major", context: int = 4096, io_threads: int = 4,
-                direct_io: bool = True, verify_blobs: bool = False) -> "Session":
+                direct_io: bool = True, verify_blobs: bool = False, activations: str = "q8") -> "Session":
         return Session(self, cache_bytes=cache_bytes, threads=threads, chunk=chunk, prefill=prefill,
-                       context=context, io_threads=io_threads, direct_io=direct_io, verify_blobs=verify_blobs)
+                       context=context, io_threads=io_threads, direct_io=direct_io, verify_blobs=verify_blobs,
+                       activations=activations)
 
     def close(self) -> None:
         """Close the vault; safe twice. Sessions still open keep it alive until they close."""
@@ -137,12 +139,19 @@ class Vault:
 
 
 class Session:
-    """A KV cache, activation planes and a retention cache over one vault."""
+    """A KV cache, activation planes and a retention cache over one vault.
+
+    activations: "q8" (default) quantises the inputs of q8/q4 matrices to 8 bits per 32 values, as
+    llama.cpp does, and multiplies integer codes; "f32" keeps them in float and multiplies the
+    dequantised weights exactly (slower; what the numpy reference computes). Both prefill paths
+    agree bit for bit either way."""
 
     def __init__(self, vault: Vault, *, cache_bytes=0, threads=None, chunk=None, prefill="layer-major",
-                 context=4096, io_threads=4, direct_io=True, verify_blobs=False):
+                 context=4096, io_threads=4, direct_io=True, verify_blobs=False, activations="q8"):
         if prefill not in PREFILL_PATHS:
             raise InvalidArgument(f"prefill must be one of {PREFILL_PATHS}, not {prefill!r}")
+        if activations not in ACTIVATIONS:
+            raise InvalidArgument(f"activations must be one of {ACTIVATIONS}, not {activations!r}")
         for name, value, low in (("cache_bytes", cache_bytes, 0), ("chunk", 1 if chunk is None else chunk, 1),
                                  ("context", context, 1),
                                  ("io_threads", io_threads, 1), ("threads", 1 if threads is None else threads, 1)):
@@ -159,12 +168,14 @@ class Session:
         p.io_threads = int(io_threads)
         p.direct_io = bool(direct_io)
         p.verify_blobs = bool(verify_blobs)
+        p.float_activations = int(activations == "f32")
         params = ffi.new("smoe_session_params *", p)
         out = ffi.new("smoe_session **")
         check(lib.smoe_session_new(vault.handle, params, out))
         self._h = ffi.gc(out[0], lib.smoe_session_free)
         vault._sessions.add(self)
         self.prefill_path = prefill
+        self.activations = activations
         self.chunk = int(p.chunk)
         self.context = min(int(context), vault.config["max_position_embeddings"])
         self.threads = int(p.threads)

@@ -48,12 +48,43 @@ def test_engine_matches_reference_at_every_position(make_vault, name):
 
 
 def test_engine_matches_reference_on_quantized_vault(tiny_vault):
-    # q4 experts and q8 matrices: the reference dequantises the same bytes
-    with pysmoe.open_vault(tiny_vault) as vault, vault.session(threads=2) as s:
+    # q4 experts and q8 matrices: the reference dequantises the same bytes and multiplies f32
+    # activations, as the engine does with activations="f32"
+    with pysmoe.open_vault(tiny_vault) as vault, vault.session(threads=2, activations="f32") as s:
         ids = ids_for(vault, 32)
         got = serial_logits(s, ids)
         want = ReferenceModel(tiny_vault).logits(ids)
         assert float(np.abs(got - want).max()) <= TOL
+
+
+# 8-bit activations (the default) against f32 activations, on the same q4/q8 vault: the
+# quantisation moves each product by at most Σ|s·q|·d/2 (tests/c/test_kernels.c checks that bound
+# per kernel); through the layers it shows as a small relative change in the logits.
+Q8_REL = 0.05  # max |Δlogit| / max |logit|
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mini"])
+def test_q8_activations_close_to_f32(make_vault, tiny_vault, preset):
+    path = tiny_vault if preset == "tiny" else make_vault("mini", preset="mini", seed=0, overrides={"num_hidden_layers": 6})
+    with pysmoe.open_vault(path) as vault:
+        ids = ids_for(vault, 24)
+        with vault.session(threads=2, activations="f32") as s:
+            exact = serial_logits(s, ids)
+        with vault.session(threads=2) as s:
+            assert s.activations == "q8"
+            q8 = serial_logits(s, ids)
+    assert np.isfinite(q8).all()
+    assert not np.array_equal(q8, exact)  # the modes really differ
+    rel = np.abs(q8 - exact).max(axis=1) / np.abs(exact).max(axis=1)
+    assert rel.max() <= Q8_REL, rel
+    agree = np.mean(q8.argmax(axis=1) == exact.argmax(axis=1))
+    assert agree >= 0.9, agree
+
+
+def test_bad_activations_refused(tiny_vault):
+    with pysmoe.open_vault(tiny_vault) as vault:
+        with pytest.raises(pysmoe.InvalidArgument):
+            vault.session(activations="int4")
 
 
 def test_end_to_end_against_transformers(hf_vault):

@@ -200,6 +200,24 @@ static double affine_mag(const smoe_tensor *t, const uint8_t *b, uint32_t r, uin
     return fabs(s * q) + fabs(bias);
 }
 
+/* s, q and b of W[r, c] for q8/q4 (W = s·q + b) */
+static void affine_parts(const smoe_tensor *t, const uint8_t *b, uint32_t r, uint32_t c, double *s, double *q,
+                         double *bias) {
+    uint64_t i = (uint64_t)r * t->cols + c, g = (uint64_t)r * (t->cols / 64) + c / 64;
+    uint16_t sh, bh;
+    memcpy(&sh, b + t->scales_off + 2 * g, 2);
+    memcpy(&bh, b + t->biases_off + 2 * g, 2);
+    *s = t->scale_format == SMOE_SCALE_F16 ? naive_f16(sh) : naive_bf16(sh);
+    *bias = t->scale_format == SMOE_SCALE_F16 ? naive_f16(bh) : naive_bf16(bh);
+    if (t->format == SMOE_FMT_Q8) {
+        *q = b[i];
+    } else {
+        uint32_t u;
+        memcpy(&u, b + 4 * (i / 8), 4);
+        *q = (u >> (4 * (c % 8))) & 15u;
+    }
+}
+
 /* fast: test the dispatched smoe_matmul_rows (and compare it with the reference kernel);
  * otherwise the reference kernel itself. */
 static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t cols, int fast) {
@@ -601,6 +619,169 @@ static int test_cpu_check(void) {
 }
 #endif
 
+/* ------------------------------------------------------------- 8-bit activations (qx) */
+
+/* The documented layout (kernels.c): where column c of a group sits among the group's codes. */
+static uint32_t doc_qx_pos(uint32_t c, int q8) {
+    static const uint32_t q4_chunk_at[4] = {0, 32, 16, 48}; /* columns 0–15, 32–47, 16–31, 48–63 */
+    if (!q8) return q4_chunk_at[c / 16] + c % 16;
+    uint32_t half = c / 32, v = (c % 32) / 8; /* vectors [8v..8v+8 | 32+8v..32+8v+8] of int16 */
+    return 16 * v + 8 * half + c % 8;
+}
+
+/* smoe_qx_prepare, the reference and the dispatched qx matmul: codes and scales as documented;
+ * the product within a bound of the exact sum over the quantised x; the fast kernel equal to the
+ * reference bit for bit; and every batch size and row split giving the same bits. */
+static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t cols) {
+    const int q8 = format == SMOE_FMT_Q8;
+    test_tensor tt = make_tensor(format, sf, rows, cols);
+    const smoe_tensor *W = &tt.t;
+    const uint32_t N = 40, gpr = cols / 64;
+    const size_t ldx = cols + 5, ldy = rows + 3;
+    float *x = malloc(sizeof(float) * ldx * N);
+    for (size_t i = 0; i < ldx * N; i++) x[i] = rndf(-1, 1) * (rnd() % 7 == 0 ? 8.0f : 1.0f);
+    for (uint32_t c = 0; c < 32 && c < cols; c++) x[ldx + c] = 0.0f;  /* token 1: an all-zero block */
+    const smoe_qx_size z = smoe_qx_sizes(cols, format);
+    void *codes = aligned_alloc(64, align64(z.code_bytes * N));
+    float *d = malloc(sizeof(float) * z.d_floats * N), *gs = malloc(sizeof(float) * z.gsum_floats * N);
+    smoe_qx_prepare(x, ldx, N, cols, format, codes, d, gs);
+    const smoe_qx X = {codes, d, gs, cols, format};
+
+    /* the codes and scales, against the documentation */
+    int bad = 0;
+    for (uint32_t t = 0; t < N && !bad; t++)
+        for (uint32_t g = 0; g < gpr && !bad; g++)
+            for (uint32_t b = 0; b < 2; b++) {
+                const float *xb = x + t * ldx + 64 * g + 32 * b;
+                float m = 0;
+                for (int c = 0; c < 32; c++) m = fabsf(xb[c]) > m ? fabsf(xb[c]) : m;
+                const float db = d[t * z.d_floats + 8 * (g / 4) + g % 4 + 4 * b];
+                if (db != m / 127.0f) {
+                    CHECK(0, "qx %ux%u: d[t=%u, g=%u, b=%u] = %a, want %a", rows, cols, t, g, b, db, m / 127.0f);
+                    bad = 1;
+                    break;
+                }
+                for (uint32_t c = 0; c < 32; c++) {
+                    const uint32_t at = 64 * g + doc_qx_pos(32 * b + c, q8);
+                    const int code = q8 ? ((const int16_t *)codes)[t * z.code_bytes / 2 + at]
+                                        : ((const int8_t *)codes)[t * z.code_bytes + at];
+                    const float want = m > 0 ? nearbyintf(xb[c] * (127.0f / m)) : 0.0f;
+                    if (code != (int)want || code < -127 || code > 127) {
+                        CHECK(0, "qx %ux%u: code (t=%u, col %u) = %d, want %d", rows, cols, t, 64 * g + 32 * b + c,
+                              code, (int)want);
+                        bad = 1;
+                        break;
+                    }
+                }
+            }
+
+    /* the reference against the exact sum of its own terms (s·d·I + b·gsum: a float-rounding
+     * bound), and against the dot with the float x (adding the quantisation bound Σ|s·q|·d/2) */
+    float *yr = malloc(sizeof(float) * ldy * N), *yf = malloc(sizeof(float) * ldy * N);
+    for (size_t i = 0; i < ldy * N; i++) yr[i] = yf[i] = NAN;
+    smoe_ref_matmul_rows_qx(W, tt.bytes, &X, N, yr, ldy, 0, rows);
+    smoe_matmul_rows_qx(W, tt.bytes, &X, N, yf, ldy, 0, rows);
+    int reported = 0;
+    for (uint32_t t = 0; t < N; t++)
+        for (uint32_t r = 0; r < rows; r++) {
+            double kern = 0, mag = 0, full = 0, qerr = 0, bmag = 0;
+            for (uint32_t c = 0; c < cols; c++) {
+                const uint32_t g = c / 64, b = (c % 64) / 32, at = 64 * g + doc_qx_pos(c % 64, q8);
+                const int code = q8 ? ((const int16_t *)codes)[t * z.code_bytes / 2 + at]
+                                    : ((const int8_t *)codes)[t * z.code_bytes + at];
+                const double db = d[t * z.d_floats + 8 * (g / 4) + g % 4 + 4 * b];
+                double sg, q, bias;
+                affine_parts(W, tt.bytes, r, c, &sg, &q, &bias);
+                kern += sg * q * db * code;
+                mag += fabs(sg * q * db * code);
+                full += (double)naive_w(W, tt.bytes, r, c) * x[t * ldx + c];
+                qerr += fabs(sg * q) * db * 0.5;
+                bmag += fabs(bias * x[t * ldx + c]);
+            }
+            for (uint32_t g = 0; g < gpr; g++) {
+                double sg, q, bias;
+                affine_parts(W, tt.bytes, r, 64 * g, &sg, &q, &bias);
+                kern += bias * gs[t * z.gsum_floats + g];
+                mag += fabs(bias * gs[t * z.gsum_floats + g]);
+            }
+            const double tol_k = 4.0 * (cols / 256.0 + 16) * 0x1p-24 * mag + 1e-30;
+            const double tol_q = qerr + tol_k + 16 * 0x1p-24 * bmag;
+            const double y = yr[t * ldy + r];
+            if (!(fabs(y - kern) <= tol_k) && !reported++)
+                CHECK(0, "qx %s %ux%u: y[t=%u, r=%u] = %.9g, exact sum of its terms %.9g (tol %.3g)",
+                      fmt_name(format, sf), rows, cols, t, r, y, kern, tol_k);
+            if (!(fabs(y - full) <= tol_q) && !reported++)
+                CHECK(0, "qx %s %ux%u: y[t=%u, r=%u] = %.9g, float-x dot %.9g (tol %.3g)", fmt_name(format, sf), rows,
+                      cols, t, r, y, full, tol_q);
+            if (f32_bits(yr[t * ldy + r]) != f32_bits(yf[t * ldy + r]) && !reported++)
+                CHECK(0, "qx %s %ux%u: dispatched y[t=%u, r=%u] = %a, reference %a", fmt_name(format, sf), rows, cols,
+                      t, r, yf[t * ldy + r], yr[t * ldy + r]);
+        }
+    hashing_fast = 0;
+    for (uint32_t t = 0; t < N; t++) hash_floats(yr + t * ldy, rows);
+    hashing_fast = 1;
+    for (uint32_t t = 0; t < N; t++) hash_floats(yf + t * ldy, rows);
+    hashing_fast = 0;
+    for (uint32_t t = 0; t < N; t++)
+        for (size_t r = rows; r < ldy; r++)
+            CHECK(isnan(yf[t * ldy + r]) && isnan(yr[t * ldy + r]), "qx matmul wrote into the stride padding");
+
+    /* batch sizes and row splits: the same bits */
+    float *y = malloc(sizeof(float) * rows * N);
+    const uint32_t batch_sizes[] = {1, 3, 17};
+    for (size_t bi = 0; bi < sizeof batch_sizes / sizeof *batch_sizes; bi++) {
+        for (uint32_t t0 = 0; t0 < N; t0 += batch_sizes[bi]) {
+            const uint32_t nt = N - t0 < batch_sizes[bi] ? N - t0 : batch_sizes[bi];
+            const smoe_qx Xt = {(const uint8_t *)codes + t0 * z.code_bytes, d + t0 * z.d_floats,
+                                gs + t0 * z.gsum_floats, cols, format};
+            uint32_t cut = (uint32_t)(rnd() % (rows + 1)), cut2 = (uint32_t)(rnd() % (rows + 1));
+            if (cut2 < cut) { uint32_t tmp = cut; cut = cut2; cut2 = tmp; }
+            smoe_matmul_rows_qx(W, tt.bytes, &Xt, nt, y + (size_t)t0 * rows, rows, 0, cut);
+            smoe_matmul_rows_qx(W, tt.bytes, &Xt, nt, y + (size_t)t0 * rows, rows, cut, cut2);
+            smoe_matmul_rows_qx(W, tt.bytes, &Xt, nt, y + (size_t)t0 * rows, rows, cut2, rows);
+        }
+        for (uint32_t t = 0; t < N; t++)
+            for (uint32_t r = 0; r < rows; r++)
+                if (f32_bits(y[(size_t)t * rows + r]) != f32_bits(yf[t * ldy + r])) {
+                    CHECK(0, "qx %s %ux%u: batch %u with split rows differs at t=%u r=%u", fmt_name(format, sf),
+                          rows, cols, batch_sizes[bi], t, r);
+                    t = N;
+                    break;
+                }
+    }
+
+    /* a non-finite x gives a non-finite y (never a silent finite one) */
+    x[2 * ldx + 5] = INFINITY;
+    x[3 * ldx + cols - 1] = NAN;
+    smoe_qx_prepare(x, ldx, N, cols, format, codes, d, gs);
+    smoe_matmul_rows_qx(W, tt.bytes, &X, 4, y, rows, 0, rows);
+    for (uint32_t r = 0; r < rows; r++) {
+        CHECK(!isfinite(y[2 * rows + r]) || naive_w(W, tt.bytes, r, 5) == 0.0f, "qx: inf in x, finite y[r=%u]", r);
+        CHECK(isnan(y[3 * rows + r]), "qx: NaN in x, y[r=%u] = %g", r, y[3 * rows + r]);
+    }
+
+    free(y);
+    free(yr);
+    free(yf);
+    free(codes);
+    free(d);
+    free(gs);
+    free(x);
+    free(tt.bytes);
+}
+
+static void test_matmul_qx(void) {
+    const struct {
+        uint32_t rows, cols;
+    } shapes[] = {{1, 64}, {37, 320}, {5, 2112}, {13, 1024}, {3, 128}, {4, 448}};
+    for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
+        test_matmul_qx_case(SMOE_FMT_Q4, SMOE_SCALE_F16, shapes[i].rows, shapes[i].cols);
+        test_matmul_qx_case(SMOE_FMT_Q8, SMOE_SCALE_BF16, shapes[i].rows, shapes[i].cols);
+    }
+    test_matmul_qx_case(SMOE_FMT_Q4, SMOE_SCALE_BF16, 9, 768);
+    test_matmul_qx_case(SMOE_FMT_Q8, SMOE_SCALE_F16, 9, 768);
+}
+
 int main(int argc, char **argv) {
 #ifdef SMOE_CPU_TEST_HOOKS
     if (argc > 1 && strcmp(argv[1], "cpu") == 0) return test_cpu_check();
@@ -609,6 +790,7 @@ int main(int argc, char **argv) {
     (void)argv;
     test_f16_all();
     test_matmul();
+    test_matmul_qx();
     for (int fast = 0; fast < 2; fast++) { /* the same inputs for both: the hashes must be comparable */
         uint64_t seed = rng_state;
         test_rmsnorm(fast);
