@@ -54,6 +54,7 @@
 #include <assert.h>
 #include <immintrin.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define INLINE static inline __attribute__((always_inline))
@@ -365,7 +366,9 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
  * unpacked into the layout of the x codes (qx_unpack); then for each (row, token), four groups at
  * a time: the integer products P_g (8 int32 lanes: lanes 0–3 from block 0, 4–7 from block 1;
  * exact, so how they are formed does not matter), two rounds of hadd to the exact block sums
- * [I_{g..g+4, 0} | I_{g..g+4, 1}], and one fma into tot with (s, s) · d. */
+ * [I_{g..g+4, 0} | I_{g..g+4, 1}], and one fma into tot with (s, s) · d.
+ * The code is in kernels_avx2_qx.h, instantiated for plain AVX2 and for AVX-VNNI; the VNNI one
+ * runs where the CPU has it (the same bits: see that file). */
 
 enum {
     QRB = 4,    /* rows of a block of the batched product (bench/RESULTS.md: 4 × 1 measured best) */
@@ -373,205 +376,44 @@ enum {
     QRV = 4,    /* rows at a time of the matrix-vector product */
 };
 
-/* Row `row`'s codes for groups [0, gp) in the layout of the x codes, zeros past gpr:
- * q4: 64 bytes per group, A = unpacklo(lo, hi) (columns 0–15 | 32–47), C = unpackhi (16–31 | 48–63);
- * q8: 128 bytes per group, 4 vectors of 16 int16 (columns 8v..8v+8 | 32+8v..32+8v+8). */
-static void qx_unpack(uint8_t *dst, const uint8_t *row, uint32_t gpr, uint32_t gp, bool q8) {
-    uint32_t g = 0;
-    if (!q8) {
-        const __m256i m = _mm256_set1_epi8(0x0f);
-        for (; g < gpr; g++) {
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(row + 32 * (size_t)g));
-            const __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-            _mm256_store_si256((__m256i *)(void *)(dst + 64 * (size_t)g), _mm256_unpacklo_epi8(lo, hi));
-            _mm256_store_si256((__m256i *)(void *)(dst + 64 * (size_t)g + 32), _mm256_unpackhi_epi8(lo, hi));
-        }
-        memset(dst + 64 * (size_t)g, 0, 64 * (size_t)(gp - g));
-        return;
-    }
-    for (; g < gpr; g++) {
-        const uint8_t *p = row + 64 * (size_t)g;
-        for (int v = 0; v < 4; v++) {
-            const __m128i a = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(const void *)(p + 8 * v)));
-            const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(const void *)(p + 32 + 8 * v)));
-            _mm256_store_si256((__m256i *)(void *)(dst + 128 * (size_t)g + 32 * v), _mm256_set_m128i(b, a));
-        }
-    }
-    memset(dst + 128 * (size_t)g, 0, 128 * (size_t)(gp - g));
-}
+#define QX(name) name##_plain
+#define QX_ATTR
+#define QX_VNNI 0
+#include "kernels_avx2_qx.h"
+#undef QX
+#undef QX_ATTR
+#undef QX_VNNI
 
-/* P of one group: w the row's unpacked codes, x the token's codes, both at the group. */
-INLINE __m256i qx_p(const bool q8, const uint8_t *w, const uint8_t *x) {
-#define LD(p, o) _mm256_load_si256((const __m256i *)(const void *)((p) + (o)))
-#define LDU(p, o) _mm256_loadu_si256((const __m256i *)(const void *)((p) + (o)))
-    if (!q8) {
-        const __m256i a = _mm256_maddubs_epi16(LD(w, 0), LDU(x, 0));
-        const __m256i c = _mm256_maddubs_epi16(LD(w, 32), LDU(x, 32));
-        return _mm256_madd_epi16(_mm256_add_epi16(a, c), _mm256_set1_epi16(1));
-    }
-    const __m256i p0 = _mm256_madd_epi16(LD(w, 0), LDU(x, 0)), p1 = _mm256_madd_epi16(LD(w, 32), LDU(x, 32));
-    const __m256i p2 = _mm256_madd_epi16(LD(w, 64), LDU(x, 64)), p3 = _mm256_madd_epi16(LD(w, 96), LDU(x, 96));
-    return _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3));
-#undef LD
-#undef LDU
-}
+#if SMOE_HAVE_AVXVNNI
+#define QX(name) name##_vnni
+#define QX_ATTR __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define QX_VNNI 1
+#include "kernels_avx2_qx.h"
+#undef QX
+#undef QX_ATTR
+#undef QX_VNNI
+#endif
 
-/* P of one group straight from the row's stored codes (the matrix-vector product, which reads each
- * weight once: unpacking into a buffer first would only add a store and a load). The same
- * integers as qx_p on the unpacked codes, so the same bits downstream. */
-INLINE __m256i qx_p_raw(const bool q8, const uint8_t *w, const uint8_t *x) {
-#define LDU(p, o) _mm256_loadu_si256((const __m256i *)(const void *)((p) + (o)))
-#define LD16(p, o) _mm_loadu_si128((const __m128i *)(const void *)((p) + (o)))
-    if (!q8) {
-        const __m256i m = _mm256_set1_epi8(0x0f);
-        const __m256i b = LDU(w, 0);
-        const __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-        const __m256i a = _mm256_maddubs_epi16(_mm256_unpacklo_epi8(lo, hi), LDU(x, 0));
-        const __m256i c = _mm256_maddubs_epi16(_mm256_unpackhi_epi8(lo, hi), LDU(x, 32));
-        return _mm256_madd_epi16(_mm256_add_epi16(a, c), _mm256_set1_epi16(1));
-    }
-    /* columns 0–15, 16–31, 32–47, 48–63; vector v = (8v..8v+8 | 32+8v..32+8v+8) as int16 */
-    const __m128i a0 = LD16(w, 0), a1 = LD16(w, 16), b0 = LD16(w, 32), b1 = LD16(w, 48);
-    const __m256i w0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(a0, b0));
-    const __m256i w1 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi64(a0, b0));
-    const __m256i w2 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(a1, b1));
-    const __m256i w3 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi64(a1, b1));
-    const __m256i p0 = _mm256_madd_epi16(w0, LDU(x, 0)), p1 = _mm256_madd_epi16(w1, LDU(x, 32));
-    const __m256i p2 = _mm256_madd_epi16(w2, LDU(x, 64)), p3 = _mm256_madd_epi16(w3, LDU(x, 96));
-    return _mm256_add_epi32(_mm256_add_epi32(p0, p1), _mm256_add_epi32(p2, p3));
-#undef LDU
-#undef LD16
-}
+static int qx_use_vnni = -1; /* -1: not asked yet (a benign race: every thread computes the same) */
 
-/* R rows against one token, codes read where they are stored (w[i]: row i's codes; wb: their
- * bytes per group), groups past gpr taken as zero; otherwise as qx_block. */
-INLINE void qx_rows_1(const int R, const bool q8, const uint8_t *const *w, const float *const *s,
-                      const uint8_t *x, const float *d, uint32_t gpr, uint32_t gp, __m256 *tot) {
-    const size_t wb = q8 ? 64 : 32, xb = q8 ? 128 : 64;
-    __m256 acc[4];
-    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
-    for (uint32_t g = 0; g < gp; g += 4) {
-        for (int i = 0; i < R; i++) {
-            __m256i p[4];
-            for (uint32_t k = 0; k < 4; k++)
-                p[k] = g + k < gpr ? qx_p_raw(q8, w[i] + (g + k) * wb, x + (g + k) * xb) : _mm256_setzero_si256();
-            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-            const __m256 sd = _mm256_mul_ps(_mm256_broadcast_ps((const __m128 *)(const void *)(s[i] + g)),
-                                            _mm256_loadu_ps(d + 2 * g));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), sd, acc[i]);
-        }
+bool smoe_avx2_qx_vnni(void) {
+#if SMOE_HAVE_AVXVNNI
+    if (qx_use_vnni < 0) {
+        const char *off = getenv("SMOE_NO_VNNI"); /* to measure or test the plain path */
+        qx_use_vnni = !(off && *off && strcmp(off, "0") != 0) && __builtin_cpu_supports("avxvnni");
     }
-    for (int i = 0; i < R; i++) tot[i] = acc[i];
-}
-
-/* R rows × T tokens over gp groups (a multiple of 4): tot[i][j] += the scaled block sums.
- * w[i]: row i's unpacked codes; s[i]: its scales (zero-padded); x[j], d[j]: token j's codes
- * and block scales. */
-INLINE void qx_block(const int R, const int T, const bool q8, const uint8_t *const *w, const float *const *s,
-                     const uint8_t *const *x, const float *const *d, uint32_t gp, __m256 (*tot)[QTB]) {
-    const size_t gb = q8 ? 128 : 64; /* bytes per group, codes of both */
-    __m256 acc[QRB][QTB];
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < T; j++) acc[i][j] = _mm256_setzero_ps();
-    for (uint32_t g = 0; g < gp; g += 4) {
-        __m256i h[QRB][QTB];
-        for (int i = 0; i < R; i++)
-            for (int j = 0; j < T; j++) {
-                const uint8_t *wi = w[i] + g * gb, *xj = x[j] + g * gb;
-                const __m256i a = _mm256_hadd_epi32(qx_p(q8, wi, xj), qx_p(q8, wi + gb, xj + gb));
-                const __m256i b = _mm256_hadd_epi32(qx_p(q8, wi + 2 * gb, xj + 2 * gb), qx_p(q8, wi + 3 * gb, xj + 3 * gb));
-                h[i][j] = _mm256_hadd_epi32(a, b);
-            }
-        for (int i = 0; i < R; i++) {
-            const __m256 s4 = _mm256_broadcast_ps((const __m128 *)(const void *)(s[i] + g));
-            for (int j = 0; j < T; j++) {
-                const __m256 sd = _mm256_mul_ps(s4, _mm256_loadu_ps(d[j] + 2 * g));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h[i][j]), sd, acc[i][j]);
-            }
-        }
-    }
-    for (int i = 0; i < R; i++)
-        for (int j = 0; j < T; j++) tot[i][j] = acc[i][j];
-}
-
-static void qx_block_any(int R, int T, bool q8, const uint8_t *const *w, const float *const *s,
-                         const uint8_t *const *x, const float *const *d, uint32_t gp, __m256 (*tot)[QTB]) {
-    switch (R * 8 + T + (q8 ? 64 : 0)) {
-#define CASE(r, t) \
-    case r * 8 + t: qx_block(r, t, false, w, s, x, d, gp, tot); break; \
-    case 64 + r * 8 + t: qx_block(r, t, true, w, s, x, d, gp, tot); break;
-        CASE(4, 1) CASE(3, 1) CASE(2, 1) CASE(1, 1)
-#undef CASE
-    }
+    return qx_use_vnni > 0;
+#else
+    return false;
+#endif
 }
 
 bool smoe_avx2_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                               size_t ldy, uint32_t r0, uint32_t r1) {
-    if (W->cols % GROUP || W->cols / GROUP > MAXG) return false;
-    const bool q8 = W->format == SMOE_FMT_Q8;
-    const uint32_t gpr = W->cols / GROUP, gp = (gpr + 3) & ~3u, gpr8 = (gpr + 7) & ~7u;
-    const size_t row_bytes = q8 ? W->cols : W->cols / 2;
-    const smoe_qx_size z = smoe_qx_sizes(W->cols, W->format);
-    const uint8_t *scales = w + W->scales_off, *biases = w + W->biases_off;
-
-    _Alignas(32) uint8_t cw[QRB][MAXG * 128]; /* (block rows, groups · bytes) unpacked codes */
-    float sb[QRB][MAXG], bb[QRB][MAXG];       /* (block rows, groups) scales, biases */
-    __m256 tot[QRB][QTB];
-
-    if (n == 1) { /* matrix-vector: QRV rows at a time, codes read in place */
-        float sv[QRV][MAXG], bv[QRV][MAXG]; /* (rows, groups) scales, biases */
-        const uint8_t *x = X->codes;
-        for (uint32_t r = r0; r < r1; r += QRV) {
-            const uint32_t nr = r1 - r < QRV ? r1 - r : QRV;
-            const uint8_t *wr[QRV];
-            const float *sr[QRV];
-            __m256 acc[QRV];
-            for (uint32_t i = 0; i < nr; i++) {
-                wr[i] = w + (size_t)(r + i) * row_bytes;
-                sr[i] = sv[i];
-                load_scales(sv[i], scales + 2 * (size_t)(r + i) * gpr, gpr, W->scale_format);
-                load_scales(bv[i], biases + 2 * (size_t)(r + i) * gpr, gpr, W->scale_format);
-            }
-            switch (nr * 2 + q8) {
-#define CASE(k) \
-    case k * 2: qx_rows_1(k, false, wr, sr, x, X->d, gpr, gp, acc); break; \
-    case k * 2 + 1: qx_rows_1(k, true, wr, sr, x, X->d, gpr, gp, acc); break;
-                CASE(4) CASE(3) CASE(2) CASE(1)
-#undef CASE
-            }
-            for (uint32_t i = 0; i < nr; i++) y[r + i] = hsum8(acc[i]) + bias_dot(bv[i], X->gsum, gpr8);
-        }
-        return true;
-    }
-    for (uint32_t r = r0; r < r1; r += QRB) {
-        const uint32_t nr = r1 - r < QRB ? r1 - r : QRB;
-        for (uint32_t i = 0; i < nr; i++) {
-            qx_unpack(cw[i], w + (size_t)(r + i) * row_bytes, gpr, gp, q8);
-            load_scales(sb[i], scales + 2 * (size_t)(r + i) * gpr, gpr, W->scale_format);
-            load_scales(bb[i], biases + 2 * (size_t)(r + i) * gpr, gpr, W->scale_format);
-        }
-        const uint8_t *wr[QRB];
-        const float *sr[QRB];
-        for (uint32_t i = 0; i < QRB; i++) {
-            wr[i] = cw[i];
-            sr[i] = sb[i];
-        }
-        for (uint32_t t = 0; t < n; t += QTB) {
-            const uint32_t nt = n - t < QTB ? n - t : QTB;
-            const uint8_t *xt[QTB];
-            const float *dt[QTB];
-            for (uint32_t j = 0; j < nt; j++) {
-                xt[j] = (const uint8_t *)X->codes + (size_t)(t + j) * z.code_bytes;
-                dt[j] = X->d + (size_t)(t + j) * z.d_floats;
-            }
-            qx_block_any((int)nr, (int)nt, q8, wr, sr, xt, dt, gp, tot);
-            for (uint32_t i = 0; i < nr; i++)
-                for (uint32_t j = 0; j < nt; j++)
-                    y[(size_t)(t + j) * ldy + r + i] =
-                        hsum8(tot[i][j]) + bias_dot(bb[i], X->gsum + (size_t)(t + j) * z.gsum_floats, gpr8);
-        }
-    }
-    return true;
+#if SMOE_HAVE_AVXVNNI
+    if (smoe_avx2_qx_vnni()) return smoe_avx2_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1);
+#endif
+    return smoe_avx2_matmul_rows_qx_plain(W, w, X, n, y, ldy, r0, r1);
 }
 
 /* ------------------------------------------------------------------------ f32, bf16 */

@@ -18,6 +18,13 @@
 #define SMOE_HAVE_AVX2 0
 #endif
 
+/* AVX-VNNI instances of the 8-bit-activation products, picked at run time (GCC ≥ 11, Clang ≥ 12) */
+#if SMOE_HAVE_AVX2 && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define SMOE_HAVE_AVXVNNI 1
+#else
+#define SMOE_HAVE_AVXVNNI 0
+#endif
+
 /* AArch64 Advanced SIMD is part of every arm64 CPU: no flag, no runtime check (kernels_neon.c). */
 #if defined(__aarch64__) && defined(__ARM_NEON) && !defined(SMOE_PORTABLE)
 #define SMOE_HAVE_NEON 1
@@ -44,6 +51,15 @@ bool smoe_avx2_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *
                            size_t ldy, uint32_t r0, uint32_t r1);
 bool smoe_avx2_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                               size_t ldy, uint32_t r0, uint32_t r1);
+/* The two instances behind it (kernels_avx2_qx.h; the same bits), for the tests, and which one
+ * smoe_avx2_matmul_rows_qx runs: VNNI where the CPU has AVX-VNNI, unless SMOE_NO_VNNI=1. */
+bool smoe_avx2_matmul_rows_qx_plain(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                                    size_t ldy, uint32_t r0, uint32_t r1);
+#if SMOE_HAVE_AVXVNNI
+bool smoe_avx2_matmul_rows_qx_vnni(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                                   size_t ldy, uint32_t r0, uint32_t r1);
+#endif
+bool smoe_avx2_qx_vnni(void);
 void smoe_avx2_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
 void smoe_avx2_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
                       uint32_t head_dim, float *scratch);

@@ -81,6 +81,28 @@ def test_q8_activations_close_to_f32(make_vault, tiny_vault, preset):
     assert agree >= 0.9, agree
 
 
+_LOGITS_SCRIPT = """
+import sys, numpy as np, pysmoe
+with pysmoe.open_vault(sys.argv[1]) as v, v.session(threads=2) as s:
+    ids = np.random.default_rng(5).integers(0, v.config["vocab_size"], 20).astype(np.int32)
+    sys.stdout.write(s.prefill(ids).astype(np.float32).tobytes().hex())
+"""
+
+
+def test_vnni_and_plain_avx2_give_the_same_bits(tiny_vault):
+    # SMOE_NO_VNNI=1 forces the plain AVX2 instance of the 8-bit-activation products; where the
+    # CPU has AVX-VNNI the default runs the VNNI one. Their integer sums are exact: same logits.
+    import sys
+    outs = []
+    for flag in ("1", "0"):
+        env = dict(os.environ, SMOE_NO_VNNI=flag)
+        r = subprocess.run([sys.executable, "-c", _LOGITS_SCRIPT, str(tiny_vault)], capture_output=True, text=True,
+                           timeout=120, env=env)
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout)
+    assert outs[0] and outs[0] == outs[1]
+
+
 def test_bad_activations_refused(tiny_vault):
     with pysmoe.open_vault(tiny_vault) as vault:
         with pytest.raises(pysmoe.InvalidArgument):

@@ -717,6 +717,29 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint3
                 CHECK(0, "qx %s %ux%u: dispatched y[t=%u, r=%u] = %a, reference %a", fmt_name(format, sf), rows, cols,
                       t, r, yf[t * ldy + r], yr[t * ldy + r]);
         }
+#if SMOE_HAVE_AVX2
+    /* both AVX2 instances (plain, and VNNI where the CPU has it), whichever one dispatch picked */
+    for (int vnni = 0; vnni < 1 + SMOE_HAVE_AVXVNNI; vnni++) {
+        if (vnni && !__builtin_cpu_supports("avxvnni")) continue;
+        float *yi = malloc(sizeof(float) * ldy * N);
+#if SMOE_HAVE_AVXVNNI
+        if (vnni)
+            smoe_avx2_matmul_rows_qx_vnni(W, tt.bytes, &X, N, yi, ldy, 0, rows);
+        else
+#endif
+            smoe_avx2_matmul_rows_qx_plain(W, tt.bytes, &X, N, yi, ldy, 0, rows);
+        for (uint32_t t = 0; t < N; t++)
+            for (uint32_t r = 0; r < rows; r++)
+                if (f32_bits(yi[t * ldy + r]) != f32_bits(yr[t * ldy + r])) {
+                    CHECK(0, "qx %s %ux%u: the %s instance gives y[t=%u, r=%u] = %a, reference %a",
+                          fmt_name(format, sf), rows, cols, vnni ? "VNNI" : "plain AVX2", t, r, yi[t * ldy + r],
+                          yr[t * ldy + r]);
+                    t = N;
+                    break;
+                }
+        free(yi);
+    }
+#endif
     hashing_fast = 0;
     for (uint32_t t = 0; t < N; t++) hash_floats(yr + t * ldy, rows);
     hashing_fast = 1;
