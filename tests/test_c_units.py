@@ -1,10 +1,12 @@
 """The kernels, the worker pool and the sampler through their C tests.
 
-tests/c/test_kernels.c and tests/c/test_pool_sample.c are compiled here with gcc against the
-csrc files they need (kernels.c, kernels_avx2.c, cpu.c, pool.c, sample.c, util.c) with the
-engine's flags, and run. Builds:
+tests/c/test_kernels.c, tests/c/test_kernels_neon.c and tests/c/test_pool_sample.c are compiled
+here with gcc against the csrc files they need (kernels.c, kernels_avx2.c, kernels_neon.c, cpu.c,
+pool.c, sample.c, util.c) with the engine's flags, and run. Builds:
 
-    O2, O3        the engine's flags; the vector-extension lane loops; on x86-64 the AVX2 kernels
+    O2, O3        the engine's flags; the vector-extension lane loops; on x86-64 the AVX2 kernels,
+                  on arm64 the NEON ones (test_kernels_neon has nothing to test elsewhere; `make
+                  neon-check` runs it for arm64 under qemu)
     scalar        -DSMOE_KERNELS_SCALAR: the plain-C lane loops, which must give the same bits
     portable      what `make PORTABLE=1` compiles: -DSMOE_PORTABLE, no -mavx2 (the reference
                   kernels are then the dispatched ones)
@@ -27,9 +29,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
-LIB_SOURCES = [CSRC / name for name in ("kernels.c", "kernels_avx2.c", "cpu.c", "pool.c", "sample.c", "util.c")]
+LIB_SOURCES = [CSRC / name for name in ("kernels.c", "kernels_avx2.c", "kernels_neon.c", "cpu.c", "pool.c", "sample.c",
+                                        "util.c")]
 FLAGS = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread", "-ffp-contract=off", "-D_GNU_SOURCE", f"-I{CSRC}"]
 X86 = platform.machine() in ("x86_64", "AMD64")
+ARM64 = platform.machine() in ("aarch64", "arm64")
+ISA = "avx2" if X86 else "neon" if ARM64 else "portable"  # what the non-portable builds dispatch to
 ISA_FLAGS = ["-mavx2", "-mfma", "-mf16c"] if X86 else []
 BUILDS = {
     "O2": ["-O2"],
@@ -55,8 +60,9 @@ def build(tmp_path_factory):
         if key not in built:
             exe = out / f"{program}_{variant}"
             isa = [] if variant == "portable" else ISA_FLAGS
-            # the CPU-check build links the whole engine: it calls smoe_open_vault / smoe_session_new
-            sources = sorted(CSRC.glob("*.c")) if variant == "cpuhook" else LIB_SOURCES
+            # the CPU-check build and test_paths link the whole engine (smoe_open_vault etc.)
+            whole = variant == "cpuhook" or program == "test_paths"
+            sources = sorted(CSRC.glob("*.c")) if whole else LIB_SOURCES
             cmd = ["gcc", *FLAGS, *isa, *BUILDS[variant], str(ROOT / "tests" / "c" / f"{program}.c"),
                    *map(str, sources), "-lm", "-o", str(exe)]
             r = subprocess.run(cmd, capture_output=True, text=True)
@@ -79,7 +85,13 @@ def run(exe: Path, *args: str, timeout: float = 300) -> str:
 def test_kernels(build, variant):
     out = run(build("test_kernels", variant))
     assert "test_kernels: ok" in out
-    assert f"isa {'avx2' if X86 and variant != 'portable' else 'portable'}" in out
+    assert f"isa {ISA if variant != 'portable' else 'portable'}" in out
+
+
+@pytest.mark.parametrize("variant", ["O2", "O3", "asan"])
+def test_kernels_neon(build, variant):
+    out = run(build("test_kernels_neon", variant))
+    assert ("test_kernels_neon: ok" if ARM64 else "test_kernels_neon: skipped") in out
 
 
 def checksums(out: str) -> dict:
@@ -98,6 +110,13 @@ def test_kernels_same_bits_in_every_build(build):
 def test_cpu_check_refuses_before_any_avx2(build):
     """A CPU without AVX2 gets SMOE_ERR_UNSUPPORTED and a message from the first entry points."""
     assert "test_kernels cpu: ok" in run(build("test_kernels", "cpuhook"), "cpu")
+
+
+@pytest.mark.parametrize("vault", ["tiny_vault", "tiny_vault_f32"])
+def test_paths_program(build, vault, request):
+    """tests/c/test_paths.c (layer-major against token-serial from C, what `make neon-check` runs
+    for arm64 under qemu) on this host, so that the program keeps building and passing."""
+    assert "test_paths: ok" in run(build("test_paths", "O2"), str(request.getfixturevalue(vault)), "40")
 
 
 @pytest.mark.parametrize("variant", ["O2", "nofutex", "asan"])
