@@ -5,6 +5,8 @@
 #   make lib     only libsmoe (build/libsmoe.so, copied into pysmoe/ for the binding)
 #   make asan    the test suite against a libsmoe built with AddressSanitizer + UBSan
 #   make fuzz    mutate a tiny vault's header and tables under ASan/UBSan (tests/c/fuzz_vault.c)
+#   make neon-check  the C tests cross-built for aarch64 (NEON kernels), run under qemu-aarch64;
+#                skipped with a message where the tools are missing (scripts/neon_check.sh)
 #   make PORTABLE=1 ...   no instruction-set-specific kernels
 
 PYTHON  ?= python3
@@ -44,7 +46,7 @@ OBJS    := $(patsubst csrc/%.c,$(BUILD)/%.o,$(SRCS))
 LIB     := $(BUILD)/$(LIBNAME)
 EXAMPLE := $(BUILD)/smoe_generate
 
-.PHONY: all lib examples venv venv-test run test asan clean format fuzz
+.PHONY: all lib examples venv venv-test run test asan clean format fuzz neon-check
 
 all: lib examples
 
@@ -110,6 +112,10 @@ fuzz: $(VENV)/.stamp-base | $(BUILD)
 	      tests/c/fuzz_vault.c $(SRCS) $(LDLIBS) -o $(BUILD)/fuzz_vault
 	test -f $(BUILD)/fuzz-seed/vault.bin || $(PY) -m pysmoe synth $(BUILD)/fuzz-seed --preset tiny
 	$(BUILD)/fuzz_vault $(FUZZ_ITERS) $(BUILD)/fuzz-seed/vault.bin
+
+# Not part of `make test`: it needs a cross compiler and qemu-user (apt), which CI does not install.
+neon-check:
+	OUT=$(BUILD)/neon-check PY=$(PY) sh scripts/neon_check.sh
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) pysmoe/libsmoe.so pysmoe/libsmoe.dylib
