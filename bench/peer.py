@@ -43,6 +43,11 @@ if str(ROOT) not in sys.path:
 MiB = 1 << 20
 
 
+
+def _pysmoe_kernels() -> str:
+    from pysmoe._ffi import ffi, lib
+    return ffi.string(lib.smoe_kernels()).decode()
+
 def make_prompt(vocab: int, n: int, seed: int = 0) -> np.ndarray:
     """The first n ids of one fixed random sequence (pysmoe.bench.make_prompt's sequence)."""
     rng = np.random.default_rng([seed, 0xB3])
@@ -679,6 +684,7 @@ def main(argv=None) -> int:
            "threads": args.threads, "repeats": args.repeats, "decode_tokens": args.decode_tokens,
            "prompt_lengths": args.prompt_lengths, "ctx": args.ctx, "cache_frac": args.cache_frac,
            "warm_blocks": args.blocks, "loadavg_start": list(os.getloadavg()),
+           "pysmoe_activations": "q8", "pysmoe_kernels": _pysmoe_kernels(),
            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         import llama_cpp

@@ -581,6 +581,13 @@ void smoe_axpy(float *y, float a, const float *x, uint32_t n) {
 
 const char *smoe_kernels_isa(void) { return SMOE_HAVE_AVX2 ? "avx2" : SMOE_HAVE_NEON ? "neon" : "portable"; }
 
+const char *smoe_kernels(void) {
+#if SMOE_HAVE_AVX2
+    if (smoe_avx2_qx_vnni()) return "avx2+avx-vnni";
+#endif
+    return smoe_kernels_isa();
+}
+
 void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n,
                       float *y, size_t ldy, uint32_t r0, uint32_t r1) {
 #if SMOE_HAVE_AVX2

@@ -61,6 +61,8 @@ SMOE_API const char *smoe_status_str(smoe_status status);
 /* Message of the last failure on this thread; "" if none. Valid until the next failing call. */
 SMOE_API const char *smoe_last_error(void);
 SMOE_API const char *smoe_version(void);
+/* The kernels this build runs on this CPU: "avx2+avx-vnni", "avx2", "neon" or "portable". */
+SMOE_API const char *smoe_kernels(void);
 SMOE_API int smoe_abi_version(void);
 
 /* Log levels passed to the callback. */

@@ -17,6 +17,7 @@ SMOE_ERR_INTERNAL = -9,
 const char *smoe_status_str(smoe_status status);
 const char *smoe_last_error(void);
 const char *smoe_version(void);
+const char *smoe_kernels(void);
 int smoe_abi_version(void);
 enum { SMOE_LOG_DEBUG = 0, SMOE_LOG_INFO = 1, SMOE_LOG_WARN = 2, SMOE_LOG_ERROR = 3 };
 typedef void (*smoe_log_fn)(int level, const char *message, void *user);

@@ -45,6 +45,7 @@ MiB = 1 << 20
 
 # ------------------------------------------------------------------------------------ parser
 
+
 def _int_list(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -144,6 +145,7 @@ def machine_info() -> dict:
     from ._ffi import ffi, lib
     try:
         info["libsmoe"] = ffi.string(lib.smoe_version()).decode()
+        info["kernels"] = ffi.string(lib.smoe_kernels()).decode()
     except Exception:  # pragma: no cover
         pass
     info["smoe_lib"] = os.environ.get("SMOE_LIB")
@@ -480,7 +482,7 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
                                       "chunk": chunk, "threads": threads, "io_threads": io_threads,
                                       "repeats": repeats, "paths": [], "lengths": [], "decode_tokens": decode_tokens,
                                       "decode_prompt": None, "serial_max_len": None, "seed": seed,
-                                      "probe_direct_io": None}
+                                      "probe_direct_io": None, "activations": "q8"}
             result["decode_budgets"] = decode_budget_curve(
                 v, decode_budgets, repeats=repeats, threads=threads, chunk=chunk, io_threads=io_threads,
                 context=context, prompt_len=budget_prompt, n_tokens=decode_tokens, seed=seed, log=log,
@@ -517,7 +519,8 @@ def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_fr
                               "resident_cache_bytes": b.resident_bytes, "chunk": b.chunk, "threads": b.threads,
                               "io_threads": io_threads, "repeats": repeats, "paths": paths, "lengths": lengths,
                               "decode_tokens": decode_tokens, "decode_prompt": decode_prompt,
-                              "serial_max_len": serial_max_len, "seed": seed, "probe_direct_io": b.probe.direct_io}
+                              "serial_max_len": serial_max_len, "seed": seed, "probe_direct_io": b.probe.direct_io,
+                              "activations": b.cold.activations}
         rows = []
         for n in lengths:
             cell_paths = [p for p in paths if p != "token-serial" or serial_max_len is None or n <= serial_max_len]
