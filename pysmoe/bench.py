@@ -110,6 +110,11 @@ def add_parser(p: argparse.ArgumentParser, name: str = "bench") -> None:
     p.add_argument("--probe-mb", type=float, default=1024,
                    help="at most this many MiB per bandwidth probe (default 1024)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt ids and the probe's blob choice")
+    p.add_argument("--prompt-ids", metavar="FILE", default=None,
+                   help="prompt ids (.npy, or text of integers) instead of random ones; each prompt length takes a "
+                        "prefix. For realistic-routing vaults use coherent ids sampled from the model: "
+                        "python -c \"import numpy, pysmoe.routing as r; numpy.save('ids.npy', "
+                        "r.coherent_prompt('VAULT', 1024))\"")
     p.add_argument("--context", type=int, default=None, help="KV length (default: the longest prompt, decode prompt + decode tokens, or budget prompt + "
                         "decode tokens, whichever is most, + 1)")
     p.add_argument("--strict", action="store_true", help="exit 3 if any cold run or probe lacked Direct I/O")
@@ -287,11 +292,31 @@ def _spread(xs):
     return [min(xs), max(xs)] if xs else None
 
 
-def make_prompt(vocab: int, n: int, seed: int = 0):
-    """The first n ids of one fixed random sequence (so shorter prompts are prefixes of longer)."""
+def make_prompt(vocab: int, n: int, seed: int = 0, ids=None):
+    """The first n ids of one fixed random sequence (so shorter prompts are prefixes of longer),
+    or of ids when given (--prompt-ids: e.g. coherent ids sampled from the model itself,
+    pysmoe.routing.coherent_prompt), which must then hold at least n."""
     import numpy as np
+    if ids is not None:
+        if len(ids) < n:
+            raise ValueError(f"the prompt ids hold {len(ids)} ids, {n} are needed")
+        return np.asarray(ids[:n], dtype=np.int32)
     rng = np.random.default_rng([seed, 0xB3])
     return rng.integers(0, vocab, max(n, 1), dtype=np.int64)[:n].astype(np.int32)
+
+
+def load_prompt_ids(path: str, vocab: int):
+    """Prompt ids from a .npy file or a text file of integers (whitespace or commas)."""
+    import numpy as np
+    if str(path).endswith(".npy"):
+        ids = np.load(path)
+    else:
+        with open(path) as f:
+            ids = np.array([int(t) for t in f.read().replace(",", " ").split()], dtype=np.int64)
+    ids = np.asarray(ids).reshape(-1)
+    if ids.size == 0 or ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"{path}: prompt ids must be non-empty and within [0, {vocab})")
+    return ids.astype(np.int32)
 
 
 class Bench:
@@ -301,7 +326,8 @@ class Bench:
     reset_stats); resident: a session whose cache holds every expert, kept warm."""
 
     def __init__(self, vault_path, *, cache_bytes=None, cache_frac=0.1, threads=None, chunk=None, io_threads=4,
-                 context=4096, resident=True, resident_bytes=None, probe_bytes=1 << 30, seed=0, log=None):
+                 context=4096, resident=True, resident_bytes=None, probe_bytes=1 << 30, seed=0, log=None,
+                 prompt_ids=None):
         from .engine import open_vault
         self.vault = open_vault(vault_path)
         self.log = log or (lambda msg: None)
@@ -313,6 +339,7 @@ class Bench:
         self.io_threads = io_threads
         self.chunk = chunk
         self.seed = seed
+        self.prompt_ids = prompt_ids
         kw = dict(threads=threads, chunk=chunk, io_threads=io_threads, context=context, direct_io=True)
         self.cold = v.session(cache_bytes=self.cache_bytes, **kw)
         self.threads = self.cold.threads
@@ -359,7 +386,7 @@ class Bench:
         self.close()
 
     def prompt(self, n: int):
-        return make_prompt(self.vocab, n, self.seed)
+        return make_prompt(self.vocab, n, self.seed, self.prompt_ids)
 
     # -- single runs
     @staticmethod
@@ -451,7 +478,7 @@ def _vault_info(v) -> dict:
 def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cache_frac=0.1, chunk=None, threads=None,
               io_threads=4, decode_tokens=16, decode_prompt=8, serial_max_len=None, resident=True,
               resident_bytes=None, probe_bytes=1 << 30, seed=0, context=None, log=None, checkpoint=None,
-              ttft=True, decode_budgets=None, budget_prompt=64) -> dict:
+              ttft=True, decode_budgets=None, budget_prompt=64, prompt_ids=None) -> dict:
     """Run the benchmark; returns a dict of the raw runs and the medians (what --json writes).
     checkpoint(partial_result), if given, is called after each prompt length and each repeat of
     the budget curve (so a run that dies leaves what it measured).
@@ -467,12 +494,13 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
         context = max(lengths + [decode_prompt + decode_tokens if ttft else 0,
                                  budget_prompt + decode_tokens if decode_budgets else 0]) + 1
     result = {"machine": machine_info(), "loadavg_before": loadavg(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-              "argv": sys.argv[1:], "ttft": [], "decode": {}, "warnings": []}
+              "argv": sys.argv[1:], "ttft": [], "decode": {}, "warnings": [],
+              "prompt": "random" if prompt_ids is None else "given ids"}
     t_start = time.perf_counter()
     if ttft:
         _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_frac, chunk, threads, io_threads,
                   decode_tokens, decode_prompt, serial_max_len, resident, resident_bytes, probe_bytes, seed, context,
-                  log, checkpoint)
+                  log, checkpoint, prompt_ids)
     if decode_budgets:
         from .engine import open_vault
         with open_vault(vault_path) as v:
@@ -486,6 +514,7 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
             result["decode_budgets"] = decode_budget_curve(
                 v, decode_budgets, repeats=repeats, threads=threads, chunk=chunk, io_threads=io_threads,
                 context=context, prompt_len=budget_prompt, n_tokens=decode_tokens, seed=seed, log=log,
+                prompt_ids=prompt_ids,
                 checkpoint=lambda curve: checkpoint(dict(result, decode_budgets=curve, partial=True,
                                                          loadavg_now=loadavg())))
             if not ttft:
@@ -508,11 +537,11 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
 
 def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_frac, chunk, threads, io_threads,
               decode_tokens, decode_prompt, serial_max_len, resident, resident_bytes, probe_bytes, seed, context,
-              log, checkpoint) -> None:
+              log, checkpoint, prompt_ids=None) -> None:
     """The TTFT table and the two-point decode, into result."""
     with Bench(vault_path, cache_bytes=cache_bytes, cache_frac=cache_frac, threads=threads, chunk=chunk,
                io_threads=io_threads, context=context, resident=resident, resident_bytes=resident_bytes,
-               probe_bytes=probe_bytes, seed=seed, log=log) as b:
+               probe_bytes=probe_bytes, seed=seed, log=log, prompt_ids=prompt_ids) as b:
         v = b.vault
         result["vault"] = _vault_info(v)
         result["settings"] = {"cache_bytes": b.cache_bytes, "cache_frac": b.cache_bytes / max(v.expert_bytes, 1),
@@ -631,7 +660,7 @@ def _budget_room(v, pct) -> str | None:
 
 
 def decode_budget_curve(v, budgets_pct, *, repeats=3, threads=None, chunk=None, io_threads=4, context=None,
-                        prompt_len=64, n_tokens=16, seed=0, log=None, checkpoint=None) -> dict:
+                        prompt_len=64, n_tokens=16, seed=0, log=None, checkpoint=None, prompt_ids=None) -> dict:
     """Decode tokens/s against the cache budget. For each budget (percent of the expert bytes; 100
     holds every expert) a fresh session with that cache prefills the same prompt, then decodes
     n_tokens greedy tokens (budget_decode_run). Inside each repeat the budgets alternate in an
@@ -641,7 +670,7 @@ def decode_budget_curve(v, budgets_pct, *, repeats=3, threads=None, chunk=None, 
     log = log or (lambda msg: None)
     checkpoint = checkpoint or (lambda curve: None)
     budgets = sorted(set(float(b) for b in budgets_pct))
-    ids = make_prompt(v.config["vocab_size"], prompt_len, seed)
+    ids = make_prompt(v.config["vocab_size"], prompt_len, seed, prompt_ids)
     if context is None:
         context = prompt_len + n_tokens + 1
     runs = {b: [] for b in budgets}
@@ -955,6 +984,21 @@ def run(args) -> int:
     if args.decode_budgets and (args.decode_tokens < 1 or args.budget_prompt < 1):
         print("pysmoe bench: --decode-budgets needs --decode-tokens ≥ 1 and --budget-prompt ≥ 1", file=sys.stderr)
         return 2
+    prompt_ids = None
+    if args.prompt_ids:
+        from .engine import open_vault
+        with open_vault(args.vault) as v:
+            vocab = v.config["vocab_size"]
+        try:
+            prompt_ids = load_prompt_ids(args.prompt_ids, vocab)
+        except (OSError, ValueError) as e:
+            print(f"pysmoe bench: --prompt-ids: {e}", file=sys.stderr)
+            return 2
+        need = max(list(args.prompt_lengths) + [args.decode_prompt, args.budget_prompt if args.decode_budgets else 0])
+        if len(prompt_ids) < need:
+            print(f"pysmoe bench: --prompt-ids holds {len(prompt_ids)} ids, the longest prompt needs {need}",
+                  file=sys.stderr)
+            return 2
     cache_bytes = int(args.cache_mb * MiB) if args.cache_mb is not None else None
     cache_frac = args.cache_frac if args.cache_frac is not None else 0.1
     log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -974,6 +1018,7 @@ def run(args) -> int:
                     resident_bytes=int(args.resident_mb * MiB) if args.resident_mb is not None else None,
                     probe_bytes=int(args.probe_mb * MiB), seed=args.seed, context=args.context, log=log,
                     ttft=not args.no_ttft, decode_budgets=args.decode_budgets, budget_prompt=args.budget_prompt,
+                    prompt_ids=prompt_ids,
                     checkpoint=(lambda partial: _write_json(args.json, partial)) if args.json else None)
     print(format_table(res))
     if not res["direct_io_everywhere"]:

@@ -244,3 +244,28 @@ def test_peer_warm_blocks_and_plot(sparse_vault, bench_record, tmp_path, capsys)
     assert any(l.startswith("llama.cpp, cold, memory cgroup 1 MiB") for l in labels) and warnings == []
     assert plot.main([str(bench_record), "--peer", str(out), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "tiny-ttft.png").exists()
+
+
+def test_bench_prompt_ids(tiny_vault, tmp_path, capsys):
+    import numpy as np
+    from pysmoe.bench import run_bench
+    ids = np.arange(3, 40, dtype=np.int32)
+    rec = run_bench(tiny_vault, [4, 9], paths=["layer-major"], repeats=1, threads=1, decode_tokens=0,
+                    resident=False, probe_bytes=1 << 20, prompt_ids=ids)
+    assert rec["prompt"] == "given ids"
+    # the runs use those ids: the random prompt given as ids reads what the default run reads
+    kw = dict(paths=["layer-major"], repeats=1, threads=1, decode_tokens=0, resident=False, probe_bytes=1 << 20)
+    default = run_bench(tiny_vault, [9], **kw)
+    import pysmoe
+    with pysmoe.open_vault(tiny_vault) as v:
+        vocab = v.config["vocab_size"]
+    given = run_bench(tiny_vault, [9], prompt_ids=make_prompt(vocab, 9), **kw)
+    reads = lambda r: r["ttft"][0]["paths"]["layer-major"]["blob_reads"]  # noqa: E731
+    assert reads(given) == reads(default)
+    assert rec["ttft"][1]["paths"]["layer-major"]["blob_reads"] != reads(default)
+    f = tmp_path / "ids.txt"
+    f.write_text("1, 2 3")
+    assert main(["bench", str(tiny_vault), "--prompt-ids", str(f), "--prompt-lengths", "8"]) == 2
+    assert "holds 3 ids" in capsys.readouterr().err
+    f.write_text("1 2 99999999")
+    assert main(["bench", str(tiny_vault), "--prompt-ids", str(f), "--prompt-lengths", "2"]) == 2
