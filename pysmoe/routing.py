@@ -15,9 +15,11 @@ What is measured, per sparse layer, over a prompt of N tokens:
   overlap of every other adjacent pair, exactly, from the engine's own routing.
 - top20_share: the share of the N·k routings taken by the layer's 20% most-used experts
   (fractional at the edge: for 128 experts the top 25 plus 0.6 of the 26th). A uniform router
-  gives 0.2. Needs per-expert counts, which the ABI does not give yet (see EXPERT_COUNTS_ABI):
-  with that call the engine's counts are used; without it the numpy reference computes the
-  routing (exact, slow: fine for tiny and mini, minutes for a3b; `skew="reference"|"none"`).
+  gives 0.2 in the limit, more over a finite prompt (uniform_share: 0.27 for 128 experts, top-8
+  over 256 tokens), and the output reports that baseline at the same N. Needs per-expert
+  counts: the engine's (smoe_stats_expert_counts, EXPERT_COUNTS_ABI) when libsmoe has them,
+  else the numpy reference computes the routing (exact, slow: fine for tiny and mini, minutes
+  for a3b; `skew="reference"|"none"`).
 - union45: the union size of a 45-token layer-major chunk (the seed's benchmark prompt
   length), averaged over the prompt's full 45-token chunks (engine, exact).
 
@@ -69,10 +71,36 @@ def top_share(counts, frac: float = TOP_FRACTION) -> float:
     return float(top / total)
 
 
-def uniform_expectations(num_experts: int, top_k: int, chunk: int = UNION_CHUNK) -> dict:
-    """What routing that ignores its input and favours no expert gives."""
+def uniform_share(num_experts: int, top_k: int, tokens: int, reps: int | None = None, seed: int = 0) -> float:
+    """Mean top-20% share that a uniform router (k distinct experts per token, all equally
+    likely) gives over `tokens` tokens. Not 0.2: finite counts scatter around tokens·k/E and
+    the largest fifth of them is picked after the fact, so it reads high when tokens·k/E is
+    small (128 experts, top-8: 0.27 over 256 tokens, 0.23 over 1024). Monte Carlo with a
+    fixed seed, reps prompts of up to ~4 M draws together; deterministic."""
+    if tokens < 1:
+        raise ValueError("tokens must be >= 1")
+    rng = np.random.default_rng([seed, num_experts, top_k, tokens])
+    reps = reps or int(min(64, max(8, 4_000_000 // (tokens * num_experts))))
+    shares = []
+    for _ in range(reps):
+        counts = np.zeros(num_experts, dtype=np.int64)
+        for n in range(0, tokens, 65536):
+            z = rng.random((min(65536, tokens - n), num_experts), dtype=np.float32)
+            counts += np.bincount(np.argpartition(z, top_k - 1, axis=1)[:, :top_k].ravel(), minlength=num_experts)
+        shares.append(top_share(counts))
+    return float(np.mean(shares))
+
+
+def uniform_expectations(num_experts: int, top_k: int, chunk: int = UNION_CHUNK, tokens: int | None = None) -> dict:
+    """What routing that ignores its input and favours no expert gives. top20_share is the
+    population value, 0.2; with tokens, top20_share_at_tokens is what such a router reads over
+    a prompt of that many tokens (uniform_share)."""
     p = top_k / num_experts
-    return {"overlap": p, "top20_share": TOP_FRACTION, "union45": num_experts * (1 - (1 - p) ** chunk)}
+    out = {"overlap": p, "top20_share": TOP_FRACTION, "union45": num_experts * (1 - (1 - p) ** chunk)}
+    if tokens is not None:
+        out["tokens"] = int(tokens)
+        out["top20_share_at_tokens"] = uniform_share(num_experts, top_k, tokens)
+    return out
 
 
 # ------------------------------------------------------------------------------------ prompts
@@ -227,7 +255,8 @@ def routing_stats(vault, tokens: int = DEFAULT_TOKENS, seed: int = 0, ids=None, 
             overall[key + "_max"] = float(max(vals)) if vals else None
         return {"vault": str(v.path), "tokens": int(ids.size), "num_experts": E, "top_k": k,
                 "pairs": int(pairs.shape[0]), "chunks45": 0 if big is None else int(len(big)),
-                "skew_source": None if skew == "none" else skew, "uniform": uniform_expectations(E, k, chunk),
+                "skew_source": None if skew == "none" else skew,
+                "uniform": uniform_expectations(E, k, chunk, tokens=int(ids.size)),
                 "layers": layers, "overall": overall}
     finally:
         if owned:
@@ -241,8 +270,10 @@ def format_stats(st: dict) -> str:
     u = st["uniform"]
     lines = [f"routing over {st['tokens']} prompt tokens ({st['pairs']} adjacent pairs, "
              f"{st['chunks45']} chunks of {UNION_CHUNK}; skew from {st['skew_source'] or 'nowhere: no counts'})",
-             f"uniform routing would give overlap {u['overlap']:.3f}, top-20% share {u['top20_share']:.3f}, "
-             f"45-token union {u['union45']:.1f}",
+             f"uniform routing would give overlap {u['overlap']:.3f}, top-20% share {u['top20_share']:.3f}"
+             + (f" ({u['top20_share_at_tokens']:.3f} over {u['tokens']} tokens: finite counts)"
+                if "top20_share_at_tokens" in u else "")
+             + f", 45-token union {u['union45']:.1f}",
              f"{'layer':>5}  {'overlap':>7}  {'top20%':>6}  {'union45':>7}"]
     for d in st["layers"]:
         if d is not None:
@@ -256,4 +287,4 @@ def format_stats(st: dict) -> str:
 
 
 __all__ = ["coherent_prompt", "routing_stats", "stats_from_routes", "top_share", "format_stats",
-           "uniform_expectations", "EXPERT_COUNTS_ABI"]
+           "uniform_expectations", "uniform_share", "EXPERT_COUNTS_ABI"]
