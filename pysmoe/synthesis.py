@@ -16,9 +16,9 @@ is assembled in numpy and written whole. bf16 and f32 tensors (the f32 vaults of
 the norms and routers go through floats.
 
 Routing (docs/synth.md): "uniform" random routers, or "realistic": popular experts and
-neighbouring tokens sharing experts (≈45% and a top-20% share of ≈0.5 by default), built into
-the embedding, the routers, the lm_head and zero rows of the residual writers, so that the
-engine's exact routing produces it.
+neighbouring tokens sharing experts (≈45% and a top-20% share of ≈0.5 over long prompts by
+default), built into the embedding, the routers, the lm_head and zero rows of the residual
+writers, so that the engine's exact routing produces it.
 
 Every tensor and every expert draws from its own generator seeded by (seed, what, where), so the
 result does not depend on the order they are written in, and one seed gives identical bytes.
@@ -129,8 +129,7 @@ REALISTIC_DEFAULTS = dict(
     topics=None,         # topic count: min(64, hidden/16, vocab/8), at least 2
     specific_dims=None,  # token-specific routing channels: max(16, topics)
 )
-_CAL_TOKENS = 256        # calibration sequences: as long as routing_stats' default prompt
-_CAL_SEQS = 8
+_CAL_POPULATION = 8192   # calibration tokens, all topics equally often (the stationary mix)
 _TOPIC_VALUE = 2.0       # embedding value of a token's topic channel
 _BIAS_VALUE = 1.0        # embedding value of the shared channel (every token)
 FINAL_RMS_GUESS = 1.05   # rms of the last residual state (measured 1.04 mini, 1.08 tiny)
@@ -154,19 +153,85 @@ def topic_of(ids, vocab: int, topics: int) -> np.ndarray:
     return (np.asarray(ids, dtype=np.int64) * topics) // vocab
 
 
-def _simulate(beta, topical, specific, k: int, lam: float, pop: float):
-    """Routing statistics of the realistic logit model over sequences: (overlap, top-20% share).
-    logits = pop·beta + lam·topical + sqrt(1-lam²)·specific, where topical = alpha[topic] and
-    specific = (xi @ nu.T)/sqrt(S) per token of each sequence."""
-    z = np.float32(lam) * topical
-    z += np.float32(math.sqrt(max(0.0, 1 - lam * lam))) * specific
-    z += np.float32(pop) * beta
+def _route_mask(z: np.ndarray, k: int) -> np.ndarray:
+    """(..., E) logits -> (..., E) bool, True for each token's top k."""
     top = np.argpartition(-z, k - 1, axis=-1)[..., :k]
     m = np.zeros(z.shape, dtype=bool)
     np.put_along_axis(m, top, True, axis=-1)
-    overlap = (m[:, 1:] & m[:, :-1]).sum(-1).mean() / k
-    counts = m.sum(1).astype(np.float64)                                   # per sequence
-    return float(overlap), float(np.mean(top_share(counts, axis=-1)))
+    return m
+
+
+def _logits(beta, topical, specific, lam: float, pop: float) -> np.ndarray:
+    z = np.float32(lam) * topical + np.float32(math.sqrt(max(0.0, 1 - lam * lam))) * specific
+    z += np.float32(pop) * beta
+    return z
+
+
+class _Population:
+    """What the targets are defined on: the tokens of an endless coherent prompt, for one
+    layer's draws (beta, alpha, nu). Its topic chain (keep the topic with probability stay,
+    else jump to another) visits every topic equally often in the long run, so the sample is
+    stratified: ceil(tokens/topics) token-specific draws xi for every topic.
+
+    overlap: stay·(overlap of two tokens of one topic) + (1 − stay)·(two tokens of different
+    topics), which is the adjacent-pair mean of such a prompt; top-20% share: of the sample's
+    expert counts. With 8192 tokens the counts are large enough (≥ 512 per expert for 128
+    experts, top-8) that finite counts add < 0.005 to the share; a finite prompt reads more
+    (simulate_prompts, docs/synth.md)."""
+
+    def __init__(self, beta, alpha, nu, k: int, stay: float, rng: np.random.Generator,
+                 tokens: int = _CAL_POPULATION):
+        T, E = alpha.shape
+        S = nu.shape[1]
+        M = max(2, -(-tokens // T))
+        xi = rng.standard_normal((T, M, S), dtype=np.float32)
+        self.beta, self.k, self.stay, self.T = beta, k, stay, T
+        self.topical = alpha[:, None, :]                                       # (T, 1, E)
+        self.specific = (xi @ nu.T) / np.float32(math.sqrt(S))                 # (T, M, E)
+        # a partner of another topic for every token: row t, column j -> topic t + 1..T-1
+        self.other = (np.arange(T)[:, None] + 1 + rng.integers(max(T - 1, 1), size=M)[None, :]) % T
+        self.cols = np.arange(M)[None, :]
+
+    def stats(self, lam: float, pop: float) -> tuple[float, float]:
+        """(overlap, top-20% share) of the logit model with these (lam, pop)."""
+        m = _route_mask(_logits(self.beta, self.topical, self.specific, lam, pop), self.k)
+        same = (m[:, 1:] & m[:, :-1]).sum(-1).mean() / self.k
+        if self.T > 1:
+            diff = (m & m[self.other, self.cols]).sum(-1).mean() / self.k
+            overlap = self.stay * same + (1 - self.stay) * diff
+        else:
+            overlap = same
+        return float(overlap), float(top_share(m.sum((0, 1)).astype(np.float64)))
+
+
+def topic_chain(T: int, tokens: int, seqs: int, stay: float, rng: np.random.Generator) -> np.ndarray:
+    """(seqs, tokens) topics of coherent prompts: a random first topic, then each token keeps
+    the topic with probability stay, else jumps to one of the other T − 1 (as the lm_head
+    makes the model do)."""
+    out = np.empty((seqs, tokens), dtype=np.int64)
+    for s in range(seqs):
+        t = int(rng.integers(T))
+        for i in range(tokens):
+            if i and T > 1 and rng.random() >= stay:
+                t = (t + 1 + int(rng.integers(T - 1))) % T
+            out[s, i] = t
+    return out
+
+
+def simulate_prompts(beta, alpha, nu, k: int, lam: float, pop: float, stay: float, tokens: int,
+                     seqs: int, rng: np.random.Generator) -> dict:
+    """What routing_stats would read on coherent prompts of this many tokens, for one layer's
+    draws and (lam, pop): overlap and top-20% share per prompt (mean and std over seqs
+    prompts). A short prompt's share is above the population's: it visits few topics, and its
+    counts are small (docs/synth.md)."""
+    S = nu.shape[1]
+    ch = topic_chain(alpha.shape[0], tokens, seqs, stay, rng)
+    xi = rng.standard_normal((seqs, tokens, S), dtype=np.float32)
+    m = _route_mask(_logits(beta, alpha[ch], (xi @ nu.T) / np.float32(math.sqrt(S)), lam, pop), k)
+    ov = (m[:, 1:] & m[:, :-1]).sum(-1).mean(-1) / k
+    sh = top_share(m.sum(1).astype(np.float64), axis=-1)
+    return {"tokens": tokens, "overlap": float(ov.mean()), "top20_share": float(sh.mean()),
+            "top20_share_std": float(sh.std())}
 
 
 def top_share(counts, frac: float = 0.2, axis: int = -1):
@@ -184,38 +249,27 @@ def top_share(counts, frac: float = 0.2, axis: int = -1):
 def calibrate(beta, alpha, nu, k: int, overlap: float, share: float, stay: float,
               rng: np.random.Generator, start: tuple[float, float] | None = None) -> tuple[float, float]:
     """(lam, pop) for which the logit model of one layer gives this overlap and top-20% share
-    on topic-coherent sequences (topic kept with probability stay). Common random numbers,
-    alternating bisections: a few milliseconds per step."""
-    T, E = alpha.shape
-    S = nu.shape[1]
-    seqs = np.empty((_CAL_SEQS, _CAL_TOKENS), dtype=np.int64)
-    for s in range(_CAL_SEQS):
-        t = int(rng.integers(T))
-        for i in range(_CAL_TOKENS):
-            if i and rng.random() >= stay:
-                t = int(rng.integers(T))
-            seqs[s, i] = t
-    xi = rng.standard_normal((_CAL_SEQS, _CAL_TOKENS, S)).astype(np.float32)
-    topical, specific = alpha[seqs], (xi @ nu.T) / np.float32(math.sqrt(S))
+    in the population of coherent tokens (_Population: the share of an endless prompt, not of
+    a finite one). Common random numbers, alternating bisections: ~10 ms per step for a3b."""
+    popn = _Population(beta, alpha, nu, k, stay, rng)
 
-    def solve(f, target, lo, hi, steps=14):
+    def solve(f, target, lo, hi, steps=12):
         for _ in range(steps):
             mid = 0.5 * (lo + hi)
             lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
         return 0.5 * (lo + hi)
 
-    if start is None:      # from scratch: wide brackets
+    if start is None:      # from scratch: wide brackets (settled after two rounds on every preset)
         lam, pop = 0.7, 0.7
-        for _ in range(4):
-            pop = solve(lambda p: _simulate(beta, topical, specific, k, lam, p)[1], share, 0.0, 4.0)
-            lam = solve(lambda l: _simulate(beta, topical, specific, k, l, pop)[0], overlap, 0.0, 1.0)
+        for _ in range(3):
+            pop = solve(lambda p: popn.stats(lam, p)[1], share, 0.0, 4.0)
+            lam = solve(lambda l: popn.stats(l, pop)[0], overlap, 0.0, 1.0)
         return lam, pop
     lam, pop = start       # refining a nearby solution: narrow brackets, fewer steps
     for _ in range(2):
-        pop = solve(lambda p: _simulate(beta, topical, specific, k, lam, p)[1], share,
-                    max(0.0, pop - 0.3), pop + 0.3, steps=7)
-        lam = solve(lambda l: _simulate(beta, topical, specific, k, l, pop)[0], overlap,
-                    max(0.0, lam - 0.15), min(1.0, lam + 0.15), steps=7)
+        pop = solve(lambda p: popn.stats(lam, p)[1], share, max(0.0, pop - 0.3), pop + 0.3, steps=7)
+        lam = solve(lambda l: popn.stats(l, pop)[0], overlap, max(0.0, lam - 0.15), min(1.0, lam + 0.15),
+                    steps=7)
     return lam, pop
 
 
@@ -229,10 +283,12 @@ class RealisticRouting:
     layer's router sees them exactly as the embedding put them, up to RMSNorm's scale, which
     top-k ignores. Router row e reads only them: pop·beta_e from the constant (popularity),
     lam·alpha_e[topic] from the topic channels (locality), sqrt(1-lam²)·nu_e·xi from the
-    specific channels; (lam, pop) are solved by simulating this logit model on topic-coherent
-    sequences, for the target overlap and share: once per vault, then refined on each layer's draws. lm_head adds a logit to the tokens of the current token's topic, sized so that
-    sampling at `temperature` keeps the topic with probability `stay`: the model writes
-    topic-coherent text, which is what coherent_prompt samples.
+    specific channels; (lam, pop) are solved on a sample of this logit model's population of
+    coherent tokens (_Population) for the target overlap and share, the share of an endless
+    prompt: once per vault, then refined on each layer's draws. A finite prompt reads a higher
+    share (expected_stats). lm_head adds a logit to the tokens of the current token's topic,
+    sized so that sampling at `temperature` keeps the topic with probability `stay`: the model
+    writes topic-coherent text, which is what coherent_prompt samples.
     """
 
     def __init__(self, cfg: dict, seed: int, knobs: dict):
@@ -269,13 +325,27 @@ class RealisticRouting:
 
     def solve(self) -> tuple[float, float]:
         """(lam, pop) for the targets, solved once per vault on draws of its own (every
-        layer's draws have the same distribution; ~3 s for a3b)."""
+        layer's draws have the same distribution; ~1 s for a3b)."""
         if self.calibration is None:
             kn = self.knobs
             rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 7])))
             self.calibration = calibrate(*self._draws(rng), self.cfg["num_experts_per_tok"], kn["overlap"],
                                          kn["top20_share"], kn["stay"], rng)
         return self.calibration
+
+    def expected_stats(self, tokens: int, seqs: int = 16) -> dict:
+        """What routing_stats should read on this vault's coherent prompts of `tokens` tokens:
+        the logit model with the vault's own draws and (lam, pop), on seqs simulated prompts
+        (simulate_prompts; the mean over them, and the share's std from prompt to prompt).
+        population_share is the target the calibration reached, the share of an endless prompt."""
+        kn, k = self.knobs, self.cfg["num_experts_per_tok"]
+        lam, pop = self.solve()
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 7])))
+        draws = self._draws(rng)
+        out = simulate_prompts(*draws, k, lam, pop, kn["stay"], tokens, seqs,
+                               np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, 8, tokens]))))
+        out["population_share"] = _Population(*draws, k, kn["stay"], rng).stats(lam, pop)[1]
+        return out
 
     def router(self, layer: int, rng: np.random.Generator) -> np.ndarray:
         cfg, lay, kn = self.cfg, self.lay, self.knobs
@@ -323,6 +393,14 @@ class RealisticRouting:
 
 
 ROUTINGS = {"uniform": UniformRouting, "realistic": RealisticRouting}
+
+
+def expected_stats(preset: str, tokens: int, seed: int = 0, seqs: int = 16, overrides: dict | None = None,
+                   **knobs) -> dict:
+    """What `info --routing-stats --tokens N` should read on `synth(preset=..., routing=
+    "realistic", seed=..., **knobs)` (RealisticRouting.expected_stats; no vault is written)."""
+    knobs = {k: v for k, v in knobs.items() if v is not None}
+    return RealisticRouting(preset_config(preset, None, overrides), seed, knobs).expected_stats(tokens, seqs)
 
 
 # ------------------------------------------------------------------------------------- dense
