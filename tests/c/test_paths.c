@@ -6,7 +6,9 @@
  * path (every id through smoe_decode_step, one thread) is the baseline; then for several
  * (chunk, threads) pairs the layer-major path (smoe_prefill_chunk in chunks, the last id
  * through smoe_decode_step) must give the same logits of the last id and the same K and V rows
- * of every layer, bit for bit, and so must two more greedy decode steps.
+ * of every layer, bit for bit, and so must two more greedy decode steps. All of it twice: with
+ * 8-bit activations for q8/q4 products (the default) and with float_activations (the f32
+ * products of smoe_matmul_rows).
  *
  * The Python tests check the same property with hypothesis; this program exists for builds with
  * no Python on the target: `make neon-check` runs it, linked statically for AArch64, under
@@ -32,12 +34,13 @@ static uint32_t kv_dim, n_pos;
 /* Prefill ids[0, n - 1) with chunk (0 = token-serial), then decode ids[n - 1] and DECODE greedy
  * ids; fills out. 0 on success. */
 static int run_prompt(smoe_vault *vault, const int32_t *ids, uint32_t n, uint32_t chunk, uint32_t threads,
-                      run_out *out) {
+                      uint32_t float_act, run_out *out) {
     smoe_session_params p = smoe_session_default_params();
     p.threads = threads;
     p.chunk = chunk ? chunk : 1;
     p.context = n + DECODE + 8;
     p.cache_bytes = 0;
+    p.float_activations = float_act;
     smoe_session *s = NULL;
     smoe_status st = smoe_session_new(vault, &p, &s);
     if (st != SMOE_OK) {
@@ -70,6 +73,33 @@ static size_t first_diff(const float *a, const float *b, size_t n) {
     return n;
 }
 
+/* Every (chunk, threads) case against token-serial in one activation mode. 0 unless a run
+ * failed (a difference is a CHECK failure). */
+static int check_paths(smoe_vault *vault, const int32_t *ids, uint32_t n, uint32_t float_act) {
+    static const uint32_t cases[][2] = {{1, 2}, {3, 1}, {5, 3}, {7, 4}, {64, 2}, {64, 1}}; /* (chunk, threads) */
+    const char *mode = float_act ? "f32 activations" : "8-bit activations";
+    const size_t nl = (size_t)(1 + DECODE) * cfg.vocab_size, nkv = (size_t)cfg.num_hidden_layers * n_pos * kv_dim;
+    run_out base = {malloc(sizeof(float) * nl), malloc(sizeof(float) * nkv), malloc(sizeof(float) * nkv)};
+    run_out got = {malloc(sizeof(float) * nl), malloc(sizeof(float) * nkv), malloc(sizeof(float) * nkv)};
+    int rc = run_prompt(vault, ids, n, 0, 1, float_act, &base);
+    for (size_t c = 0; c < sizeof cases / sizeof *cases && rc == 0; c++) {
+        const uint32_t chunk = cases[c][0], threads = cases[c][1];
+        if ((rc = run_prompt(vault, ids, n, chunk, threads, float_act, &got)) != 0) break;
+        size_t i = first_diff(got.logits, base.logits, nl);
+        CHECK(i == nl, "%s, chunk %u, threads %u: logits differ from token-serial (step %zu, id %zu)", mode, chunk,
+              threads, i / cfg.vocab_size, i % cfg.vocab_size);
+        i = first_diff(got.k, base.k, nkv);
+        CHECK(i == nkv, "%s, chunk %u, threads %u: K differs from token-serial (layer %zu, pos %zu)", mode, chunk,
+              threads, i / ((size_t)n_pos * kv_dim), i / kv_dim % n_pos);
+        i = first_diff(got.v, base.v, nkv);
+        CHECK(i == nkv, "%s, chunk %u, threads %u: V differs from token-serial (layer %zu, pos %zu)", mode, chunk,
+              threads, i / ((size_t)n_pos * kv_dim), i / kv_dim % n_pos);
+    }
+    free(base.logits), free(base.k), free(base.v);
+    free(got.logits), free(got.k), free(got.v);
+    return rc;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: %s VAULT_DIR [N_PROMPT]\n", argv[0]);
@@ -97,29 +127,8 @@ int main(int argc, char **argv) {
         z = z * 6364136223846793005ull + 1442695040888963407ull;
         ids[i] = (int32_t)((z >> 33) % cfg.vocab_size);
     }
-    const size_t nl = (size_t)(1 + DECODE) * cfg.vocab_size, nkv = (size_t)cfg.num_hidden_layers * n_pos * kv_dim;
-    run_out base = {malloc(sizeof(float) * nl), malloc(sizeof(float) * nkv), malloc(sizeof(float) * nkv)};
-    run_out got = {malloc(sizeof(float) * nl), malloc(sizeof(float) * nkv), malloc(sizeof(float) * nkv)};
-    int rc = run_prompt(vault, ids, n, 0, 1, &base);
-    const uint32_t cases[][2] = {{1, 2}, {3, 1}, {5, 3}, {7, 4}, {64, 2}, {64, 1}}; /* (chunk, threads) */
-    for (size_t c = 0; c < sizeof cases / sizeof *cases && rc == 0; c++) {
-        const uint32_t chunk = cases[c][0], threads = cases[c][1];
-        if (run_prompt(vault, ids, n, chunk, threads, &got)) {
-            rc = 1;
-            break;
-        }
-        size_t i = first_diff(got.logits, base.logits, nl);
-        CHECK(i == nl, "chunk %u, threads %u: logits differ from token-serial at step %zu, id %zu: %a vs %a", chunk,
-              threads, i / cfg.vocab_size, i % cfg.vocab_size, got.logits[i < nl ? i : 0], base.logits[i < nl ? i : 0]);
-        i = first_diff(got.k, base.k, nkv);
-        CHECK(i == nkv, "chunk %u, threads %u: K differs from token-serial (layer %zu, pos %zu)", chunk, threads,
-              i / ((size_t)n_pos * kv_dim), i / kv_dim % n_pos);
-        i = first_diff(got.v, base.v, nkv);
-        CHECK(i == nkv, "chunk %u, threads %u: V differs from token-serial (layer %zu, pos %zu)", chunk, threads,
-              i / ((size_t)n_pos * kv_dim), i / kv_dim % n_pos);
-    }
-    free(base.logits), free(base.k), free(base.v);
-    free(got.logits), free(got.k), free(got.v);
+    int rc = 0;
+    for (uint32_t float_act = 0; float_act < 2 && rc == 0; float_act++) rc = check_paths(vault, ids, n, float_act);
     free(ids);
     smoe_close_vault(vault);
     if (rc) return 1;
@@ -127,6 +136,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "test_paths: %d failure(s)\n", failures);
         return 1;
     }
-    printf("test_paths: ok (%u prompt ids, %u layers, %u experts)\n", n, cfg.num_hidden_layers, cfg.num_experts);
+    printf("test_paths: ok (%u prompt ids, %u layers, %u experts; 8-bit and f32 activations)\n", n,
+           cfg.num_hidden_layers, cfg.num_experts);
     return 0;
 }
