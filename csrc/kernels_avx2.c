@@ -394,6 +394,84 @@ enum {
 #undef QX_VNNI
 #endif
 
+/* smoe_ref_qx_prepare on vectors, the same bytes: max|x| per 32 columns (order-free), codes
+ * rounded by cvtps (round-half-even, as nearbyintf), packed into the layout of kernels.c, the
+ * group sums in group_sums' order. A block holding an inf or a NaN goes to the scalar code. */
+bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, void *codes,
+                          float *d, float *gsum) {
+    if (cols % GROUP) return false;
+    const bool q8 = wformat == SMOE_FMT_Q8;
+    const smoe_qx_size z = smoe_qx_sizes(cols, wformat);
+    const uint32_t gpr = cols / GROUP, gp = (gpr + 3) & ~3u;
+    const float tiny = 0x1p-100f;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), big = _mm256_set1_ps(3.4028234664e38f);
+    for (uint32_t t = 0; t < n; t++) {
+        const float *xt = x + (size_t)t * ldx;
+        uint8_t *ct = (uint8_t *)codes + (size_t)t * z.code_bytes;
+        float *dt = d + (size_t)t * z.d_floats, *st = gsum + (size_t)t * z.gsum_floats;
+        for (uint32_t g = 0; g < gpr; g++) {
+            const float *xg = xt + (size_t)g * GROUP;
+            __m256 v[8];
+            for (int k = 0; k < 8; k++) v[k] = _mm256_loadu_ps(xg + 8 * k);
+            __m256i q[8]; /* codes of columns 8k..8k+8 as int32 */
+            for (int b = 0; b < 2; b++) {
+                __m256 a = _mm256_and_ps(v[4 * b], absmask);
+                __m256 bad = _mm256_cmp_ps(a, big, _CMP_NLE_UQ);
+                for (int k = 1; k < 4; k++) {
+                    const __m256 ak = _mm256_and_ps(v[4 * b + k], absmask);
+                    bad = _mm256_or_ps(bad, _mm256_cmp_ps(ak, big, _CMP_NLE_UQ));
+                    a = _mm256_max_ps(a, ak);
+                }
+                float *db = dt + 8 * (g / 4) + g % 4 + 4 * b;
+                if (_mm256_movemask_ps(bad)) { /* an inf or a NaN: codes 0, d as the scalar code sets it */
+                    float worst = 0.0f;
+                    for (int c = 0; c < 32; c++) {
+                        const float ac = fabsf(xg[32 * b + c]);
+                        if (ac != ac)
+                            worst = ac;
+                        else if (ac == INFINITY && worst == 0.0f)
+                            worst = ac;
+                    }
+                    *db = worst;
+                    for (int k = 0; k < 4; k++) q[4 * b + k] = _mm256_setzero_si256();
+                    continue;
+                }
+                __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+                m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+                const float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+                const bool zero = !(m >= tiny);
+                *db = zero ? 0.0f : m / 127.0f;
+                const __m256 id = _mm256_set1_ps(zero ? 0.0f : 127.0f / m);
+                for (int k = 0; k < 4; k++) q[4 * b + k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[4 * b + k], id));
+            }
+            if (q8) { /* vector j: columns 8j..8j+8 | 32+8j..32+8j+8 as int16 */
+                for (int j = 0; j < 4; j++) {
+                    const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[j], q[j + 4]), 0xd8);
+                    _mm256_storeu_si256((__m256i *)(void *)(ct + 128 * (size_t)g + 32 * j), p);
+                }
+            } else { /* columns 0–15, 32–47 | 16–31, 48–63 as int8 */
+                const __m256i c0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8); /* 0–15 */
+                const __m256i c1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8); /* 16–31 */
+                const __m256i c2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[4], q[5]), 0xd8); /* 32–47 */
+                const __m256i c3 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[6], q[7]), 0xd8); /* 48–63 */
+                const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi16(c0, c2), 0xd8);
+                const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi16(c1, c3), 0xd8);
+                _mm256_storeu_si256((__m256i *)(void *)(ct + 64 * (size_t)g), lo);
+                _mm256_storeu_si256((__m256i *)(void *)(ct + 64 * (size_t)g + 32), hi);
+            }
+            __m256 sum = v[0];
+            for (int k = 1; k < 8; k++) sum = _mm256_add_ps(sum, v[k]);
+            st[g] = hsum8(sum);
+        }
+        for (uint32_t g = gpr; g < gp; g++) {
+            memset(ct + (size_t)g * (q8 ? 128 : 64), 0, q8 ? 128 : 64);
+            dt[8 * (g / 4) + g % 4] = dt[8 * (g / 4) + g % 4 + 4] = 0.0f;
+        }
+        for (uint32_t g = gpr; g < z.gsum_floats; g++) st[g] = 0.0f;
+    }
+    return true;
+}
+
 static int qx_use_vnni = -1; /* -1: not asked yet (a benign race: every thread computes the same) */
 
 bool smoe_avx2_qx_vnni(void) {

@@ -793,6 +793,50 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint3
     free(tt.bytes);
 }
 
+/* The dispatched smoe_qx_prepare (AVX2 where built) against the reference: the same bytes, with
+ * zeros, tiny values, infinities and NaNs in some blocks. */
+static void test_qx_prepare_same_bytes(void) {
+    const uint32_t colss[] = {64, 192, 320, 2048, 4160};
+    const uint8_t fmts[] = {SMOE_FMT_Q4, SMOE_FMT_Q8};
+    for (size_t ci = 0; ci < sizeof colss / sizeof *colss; ci++)
+        for (size_t fi = 0; fi < 2; fi++) {
+            const uint32_t cols = colss[ci], n = 9;
+            const size_t ldx = cols + 7;
+            float *x = malloc(sizeof(float) * ldx * n);
+            for (size_t i = 0; i < ldx * n; i++) x[i] = rndf(-3, 3) * (rnd() % 5 == 0 ? 1e-3f : 1.0f);
+            for (uint32_t c = 0; c < 32; c++) x[1 * ldx + c] = 0.0f;             /* a zero block */
+            for (uint32_t c = 0; c < 32 && 32 + c < cols; c++) x[2 * ldx + 32 + c] = 1e-35f; /* tiny */
+            x[3 * ldx + 3] = INFINITY;
+            x[4 * ldx + cols - 2] = -INFINITY;
+            x[5 * ldx + 40 % cols] = NAN;
+            x[5 * ldx + 41 % cols] = INFINITY;
+            x[6 * ldx + 7] = -0.0f;
+            const smoe_qx_size z = smoe_qx_sizes(cols, fmts[fi]);
+            uint8_t *c1 = malloc(z.code_bytes * n), *c2 = malloc(z.code_bytes * n);
+            float *d1 = malloc(sizeof(float) * z.d_floats * n), *d2 = malloc(sizeof(float) * z.d_floats * n);
+            float *s1 = malloc(sizeof(float) * z.gsum_floats * n), *s2 = malloc(sizeof(float) * z.gsum_floats * n);
+            memset(c1, 0x55, z.code_bytes * n);
+            memset(c2, 0xaa, z.code_bytes * n);
+            memset(d1, 0x55, sizeof(float) * z.d_floats * n);
+            memset(d2, 0xaa, sizeof(float) * z.d_floats * n);
+            memset(s1, 0x55, sizeof(float) * z.gsum_floats * n);
+            memset(s2, 0xaa, sizeof(float) * z.gsum_floats * n);
+            smoe_ref_qx_prepare(x, ldx, n, cols, fmts[fi], c1, d1, s1);
+            smoe_qx_prepare(x, ldx, n, cols, fmts[fi], c2, d2, s2);
+            CHECK(memcmp(c1, c2, z.code_bytes * n) == 0, "qx_prepare %s cols %u: codes differ from the reference",
+                  fmt_name(fmts[fi], SMOE_SCALE_F16), cols);
+            CHECK(memcmp(d1, d2, sizeof(float) * z.d_floats * n) == 0, "qx_prepare cols %u: d differs", cols);
+            CHECK(memcmp(s1, s2, sizeof(float) * z.gsum_floats * n) == 0, "qx_prepare cols %u: sums differ", cols);
+            free(x);
+            free(c1);
+            free(c2);
+            free(d1);
+            free(d2);
+            free(s1);
+            free(s2);
+        }
+}
+
 static void test_matmul_qx(void) {
     const struct {
         uint32_t rows, cols;
@@ -814,6 +858,7 @@ int main(int argc, char **argv) {
     test_f16_all();
     test_matmul();
     test_matmul_qx();
+    test_qx_prepare_same_bytes();
     for (int fast = 0; fast < 2; fast++) { /* the same inputs for both: the hashes must be comparable */
         uint64_t seed = rng_state;
         test_rmsnorm(fast);
