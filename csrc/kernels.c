@@ -610,6 +610,8 @@ void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *
                          uint32_t r0, uint32_t r1) {
 #if SMOE_HAVE_AVX2
     if (smoe_avx2_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1)) return;
+#elif SMOE_HAVE_NEON
+    if (smoe_neon_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1)) return;
 #endif
     smoe_ref_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1);
 }

@@ -74,6 +74,8 @@ void smoe_avx2_attend(float *out, const float *q, const float *k, const float *v
 /* kernels_neon.c, with the same contract as the AVX2 ones (matmul: false = not this shape). */
 bool smoe_neon_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
                            size_t ldy, uint32_t r0, uint32_t r1);
+bool smoe_neon_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                              size_t ldy, uint32_t r0, uint32_t r1);
 void smoe_neon_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
 void smoe_neon_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
                       uint32_t head_dim, float *scratch);

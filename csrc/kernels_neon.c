@@ -637,4 +637,105 @@ void smoe_neon_attend(float *out, const float *q, const float *k, const float *v
     }
 }
 
+
+/* ---------------------------------------------------------- q with 8-bit activations */
+
+/* smoe_matmul_rows_qx with NEON: the reference's arithmetic (kernels.c), the same bits. Each
+ * row's codes are unpacked once into the layout of the x codes; per (row, token) and block the
+ * integer products are widened (vmull, exact) and pairwise added into int32 (vpadal), summed
+ * with vaddvq (exact); the float part is the reference's, lanes 0–3 and 4–7 in two vectors. */
+
+/* q4 row codes in the layout of kernels.c (int8: columns 0–15, 32–47, 16–31, 48–63 per group);
+ * q8 as int16 (columns 8v..8v+8 | 32+8v..32+8v+8 for v = 0..3), zeros past gpr. */
+static void qx_unpack_neon(uint8_t *dst, const uint8_t *row, uint32_t gpr, uint32_t gp, bool q8) {
+    for (uint32_t g = 0; g < gp; g++) {
+        if (g >= gpr) {
+            memset(dst + (size_t)g * (q8 ? 128 : 64), 0, q8 ? 128 : 64);
+            continue;
+        }
+        if (!q8) {
+            const uint8x16_t b0 = vld1q_u8(row + 32 * (size_t)g), b1 = vld1q_u8(row + 32 * (size_t)g + 16);
+            const uint8x16_t m = vdupq_n_u8(15);
+            const uint8x16_t l0 = vandq_u8(b0, m), h0 = vshrq_n_u8(b0, 4); /* columns 0–31: even, odd */
+            const uint8x16_t l1 = vandq_u8(b1, m), h1 = vshrq_n_u8(b1, 4); /* columns 32–63 */
+            uint8_t *o = dst + 64 * (size_t)g;
+            vst1q_u8(o, vzip1q_u8(l0, h0));      /* 0–15 */
+            vst1q_u8(o + 16, vzip1q_u8(l1, h1)); /* 32–47 */
+            vst1q_u8(o + 32, vzip2q_u8(l0, h0)); /* 16–31 */
+            vst1q_u8(o + 48, vzip2q_u8(l1, h1)); /* 48–63 */
+        } else {
+            const uint8_t *p = row + 64 * (size_t)g;
+            int16_t *o = (int16_t *)(void *)(dst + 128 * (size_t)g);
+            for (int v = 0; v < 4; v++) {
+                vst1q_s16(o + 16 * v, vreinterpretq_s16_u16(vmovl_u8(vld1_u8(p + 8 * v))));
+                vst1q_s16(o + 16 * v + 8, vreinterpretq_s16_u16(vmovl_u8(vld1_u8(p + 32 + 8 * v))));
+            }
+        }
+    }
+}
+
+/* The exact block sums of one group: *i0 block 0 (columns 0–31), *i1 block 1. */
+INLINE void qx_sums_neon(const uint8_t *w, const uint8_t *x, bool q8, int32_t *i0, int32_t *i1) {
+    if (!q8) { /* block 0: bytes 0–15 and 32–47 of the layout; block 1: 16–31 and 48–63 */
+        int32x4_t a = vdupq_n_s32(0), b = vdupq_n_s32(0);
+        for (int h = 0; h < 2; h++) {
+            const int8x16_t wa = vreinterpretq_s8_u8(vld1q_u8(w + 32 * h)), xa = vld1q_s8((const int8_t *)x + 32 * h);
+            const int8x16_t wb = vreinterpretq_s8_u8(vld1q_u8(w + 32 * h + 16));
+            const int8x16_t xb = vld1q_s8((const int8_t *)x + 32 * h + 16);
+            a = vpadalq_s16(a, vmull_s8(vget_low_s8(wa), vget_low_s8(xa)));
+            a = vpadalq_s16(a, vmull_high_s8(wa, xa));
+            b = vpadalq_s16(b, vmull_s8(vget_low_s8(wb), vget_low_s8(xb)));
+            b = vpadalq_s16(b, vmull_high_s8(wb, xb));
+        }
+        *i0 = vaddvq_s32(a);
+        *i1 = vaddvq_s32(b);
+        return;
+    }
+    const int16_t *wv = (const int16_t *)(const void *)w, *xv = (const int16_t *)(const void *)x;
+    int32x4_t a = vdupq_n_s32(0), b = vdupq_n_s32(0);
+    for (int v = 0; v < 4; v++) { /* the first 8 of each 16 are block 0, the last 8 block 1 */
+        const int16x8_t w0 = vld1q_s16(wv + 16 * v), x0 = vld1q_s16(xv + 16 * v);
+        const int16x8_t w1 = vld1q_s16(wv + 16 * v + 8), x1 = vld1q_s16(xv + 16 * v + 8);
+        a = vmlal_s16(a, vget_low_s16(w0), vget_low_s16(x0));
+        a = vmlal_high_s16(a, w0, x0);
+        b = vmlal_s16(b, vget_low_s16(w1), vget_low_s16(x1));
+        b = vmlal_high_s16(b, w1, x1);
+    }
+    *i0 = vaddvq_s32(a);
+    *i1 = vaddvq_s32(b);
+}
+
+bool smoe_neon_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                              size_t ldy, uint32_t r0, uint32_t r1) {
+    if (W->cols % GROUP || W->cols / GROUP > MAXG) return false;
+    const bool q8 = W->format == SMOE_FMT_Q8;
+    const uint32_t gpr = W->cols / GROUP, gp = (gpr + 3) & ~3u, gpr8 = (gpr + 7) & ~7u;
+    const size_t row_bytes = q8 ? W->cols : W->cols / 2, gb = q8 ? 128 : 64;
+    const smoe_qx_size z = smoe_qx_sizes(W->cols, W->format);
+    _Alignas(16) uint8_t cw[MAXG * 128]; /* (groups · bytes) one row's unpacked codes */
+    float sb[MAXG], bb[MAXG];            /* (groups) its scales and biases, zero-padded */
+    for (uint32_t r = r0; r < r1; r++) {
+        qx_unpack_neon(cw, w + (size_t)r * row_bytes, gpr, gp, q8);
+        load_scales(sb, w + W->scales_off + 2 * (size_t)r * gpr, gpr, W->scale_format);
+        load_scales(bb, w + W->biases_off + 2 * (size_t)r * gpr, gpr, W->scale_format);
+        for (uint32_t t = 0; t < n; t++) {
+            const uint8_t *xt = (const uint8_t *)X->codes + (size_t)t * z.code_bytes;
+            const float *dt = X->d + (size_t)t * z.d_floats, *st = X->gsum + (size_t)t * z.gsum_floats;
+            float32x4_t t0 = vdupq_n_f32(0.0f), t1 = vdupq_n_f32(0.0f);
+            for (uint32_t g = 0; g < gp; g += 4) {
+                int32_t i[8]; /* [I_{g..g+4, 0} | I_{g..g+4, 1}] */
+                for (uint32_t k = 0; k < 4; k++)
+                    qx_sums_neon(cw + (g + k) * gb, xt + (g + k) * gb, q8, &i[k], &i[4 + k]);
+                const float32x4_t s4 = vld1q_f32(sb + g);
+                const float32x4_t sd0 = vmulq_f32(s4, vld1q_f32(dt + 2 * g)), sd1 = vmulq_f32(s4, vld1q_f32(dt + 2 * g + 4));
+                t0 = vfmaq_f32(t0, vcvtq_f32_s32(vld1q_s32(i)), sd0);
+                t1 = vfmaq_f32(t1, vcvtq_f32_s32(vld1q_s32(i + 4)), sd1);
+            }
+            f8 tot = {t0, t1};
+            y[(size_t)t * ldy + r] = hsum8(tot) + bias_dot(bb, st, gpr8);
+        }
+    }
+    return true;
+}
+
 #endif /* SMOE_HAVE_NEON */
