@@ -180,26 +180,6 @@ static const char *fmt_name(uint8_t f, uint8_t s) {
 typedef void (*matmul_fn)(const smoe_tensor *, const uint8_t *, const float *, size_t, uint32_t, float *, size_t,
                           uint32_t, uint32_t);
 
-/* |s·q| + |b| of W[r, c] (|w| for f32/bf16): the magnitude the fast q kernels' error scales with */
-static double affine_mag(const smoe_tensor *t, const uint8_t *b, uint32_t r, uint32_t c) {
-    if (t->format < SMOE_FMT_Q8) return fabs(naive_w(t, b, r, c));
-    uint64_t i = (uint64_t)r * t->cols + c, g = (uint64_t)r * (t->cols / 64) + c / 64;
-    uint16_t sh, bh;
-    memcpy(&sh, b + t->scales_off + 2 * g, 2);
-    memcpy(&bh, b + t->biases_off + 2 * g, 2);
-    double s = t->scale_format == SMOE_SCALE_F16 ? naive_f16(sh) : naive_bf16(sh);
-    double bias = t->scale_format == SMOE_SCALE_F16 ? naive_f16(bh) : naive_bf16(bh);
-    unsigned q;
-    if (t->format == SMOE_FMT_Q8) {
-        q = b[i];
-    } else {
-        uint32_t u;
-        memcpy(&u, b + 4 * (i / 8), 4);
-        q = (u >> (4 * (c % 8))) & 15u;
-    }
-    return fabs(s * q) + fabs(bias);
-}
-
 /* s, q and b of W[r, c] for q8/q4 (W = s·q + b) */
 static void affine_parts(const smoe_tensor *t, const uint8_t *b, uint32_t r, uint32_t c, double *s, double *q,
                          double *bias) {
@@ -216,6 +196,14 @@ static void affine_parts(const smoe_tensor *t, const uint8_t *b, uint32_t r, uin
         memcpy(&u, b + 4 * (i / 8), 4);
         *q = (u >> (4 * (c % 8))) & 15u;
     }
+}
+
+/* |s·q| + |b| of W[r, c] (|w| for f32/bf16): the magnitude the fast q kernels' error scales with */
+static double affine_mag(const smoe_tensor *t, const uint8_t *b, uint32_t r, uint32_t c) {
+    if (t->format < SMOE_FMT_Q8) return fabs(naive_w(t, b, r, c));
+    double s, q, bias;
+    affine_parts(t, b, r, c, &s, &q, &bias);
+    return fabs(s * q) + fabs(bias);
 }
 
 /* fast: test the dispatched smoe_matmul_rows (and compare it with the reference kernel);
