@@ -46,164 +46,23 @@ static void hash_floats(const float *v, size_t n) {
 
 #include "check.h"
 
-/* ------------------------------------------------------------------------- test data */
-
-static uint64_t rng_state = 0x1234567;
-
-static uint64_t rnd(void) {
-    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static float rndf(float lo, float hi) { return lo + (hi - lo) * (float)((rnd() >> 40) * 0x1p-24); }
-
-static uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-static float bits_f32(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Independent f16 decoding (ldexp), for the naive side. */
-static float naive_f16(uint16_t h) {
-    int e = (h >> 10) & 31, m = h & 1023;
-    double v = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(1024 + m, e - 25);
-    return (float)((h & 0x8000) ? -v : v);
-}
-
-static float naive_bf16(uint16_t h) { return bits_f32((uint32_t)h << 16); }
-
-static uint64_t align64(uint64_t x) { return (x + 63) / 64 * 64; }
-
-typedef struct {
-    smoe_tensor t;
-    uint8_t *bytes;
-} test_tensor;
-
-/* A random rows × cols tensor in the vault layout (docs/vault.md section 3). */
-static test_tensor make_tensor(uint8_t format, uint8_t scale_format, uint32_t rows, uint32_t cols) {
-    test_tensor tt;
-    memset(&tt, 0, sizeof tt);
-    smoe_tensor *t = &tt.t;
-    t->format = format;
-    t->scale_format = scale_format;
-    t->rows = rows;
-    t->cols = cols;
-    uint64_t n = (uint64_t)rows * cols;
-    uint64_t codes = 0, sbytes = 0;
-    switch (format) {
-    case SMOE_FMT_F32: t->nbytes = 4 * n; break;
-    case SMOE_FMT_BF16: t->nbytes = 2 * n; break;
-    case SMOE_FMT_Q8: codes = align64(n); break;
-    case SMOE_FMT_Q4: codes = align64(n / 2); break;
-    }
-    if (format >= SMOE_FMT_Q8) {
-        sbytes = align64(2 * n / 64);
-        t->scales_off = codes;
-        t->biases_off = codes + sbytes;
-        t->nbytes = codes + 2 * sbytes;
-    }
-    tt.bytes = aligned_alloc(64, align64(t->nbytes) + 64);
-    t->data = tt.bytes;
-    uint8_t *b = tt.bytes;
-    if (format == SMOE_FMT_F32) {
-        for (uint64_t i = 0; i < n; i++) {
-            float f = rndf(-1, 1);
-            memcpy(b + 4 * i, &f, 4);
-        }
-    } else if (format == SMOE_FMT_BF16) {
-        for (uint64_t i = 0; i < n; i++) {
-            uint16_t h = (uint16_t)(f32_bits(rndf(-1, 1)) >> 16);
-            memcpy(b + 2 * i, &h, 2);
-        }
-    } else {
-        for (uint64_t i = 0; i < codes; i++) b[i] = (uint8_t)rnd();
-        for (uint64_t g = 0; g < 2 * (n / 64); g++) {
-            uint16_t h;
-            if (scale_format == SMOE_SCALE_F16) {
-                /* mostly normal magnitudes around 2^-6..2^-2, some subnormal */
-                int e = (rnd() % 16 == 0) ? 0 : 9 + (int)(rnd() % 5);
-                h = (uint16_t)((rnd() & 1) << 15 | e << 10 | (rnd() & 1023));
-            } else {
-                h = (uint16_t)(f32_bits(rndf(-0.25f, 0.25f)) >> 16);
-            }
-            memcpy(b + (g < n / 64 ? t->scales_off + 2 * g : t->biases_off + 2 * (g - n / 64)), &h, 2);
-        }
-    }
-    return tt;
-}
-
-/* W[r, c] dequantised in float exactly as docs/vault.md says, decoded independently. */
-static float naive_w(const smoe_tensor *t, const uint8_t *b, uint32_t r, uint32_t c) {
-    uint64_t i = (uint64_t)r * t->cols + c;
-    uint16_t h;
-    uint32_t u;
-    switch (t->format) {
-    case SMOE_FMT_F32: memcpy(&u, b + 4 * i, 4); return bits_f32(u);
-    case SMOE_FMT_BF16: memcpy(&h, b + 2 * i, 2); return naive_bf16(h);
-    default: {
-        uint64_t g = (uint64_t)r * (t->cols / 64) + c / 64;
-        uint16_t sh, bh;
-        memcpy(&sh, b + t->scales_off + 2 * g, 2);
-        memcpy(&bh, b + t->biases_off + 2 * g, 2);
-        float s = t->scale_format == SMOE_SCALE_F16 ? naive_f16(sh) : naive_bf16(sh);
-        float bias = t->scale_format == SMOE_SCALE_F16 ? naive_f16(bh) : naive_bf16(bh);
-        unsigned q;
-        if (t->format == SMOE_FMT_Q8) {
-            q = b[i];
-        } else {
-            memcpy(&u, b + 4 * (i / 8), 4);
-            q = (u >> (4 * (c % 8))) & 15u;
-        }
-        volatile float sq = s * (float)q; /* a separate multiply and add */
-        return sq + bias;
-    }
-    }
-}
-
-static const char *fmt_name(uint8_t f, uint8_t s) {
-    static const char *names[] = {"f32", "bf16", "q8", "q4"};
-    static char buf[32];
-    snprintf(buf, sizeof buf, "%s%s", names[f], f >= SMOE_FMT_Q8 ? (s == SMOE_SCALE_F16 ? "/f16" : "/bf16") : "");
-    return buf;
-}
+#define TEST_DATA_SEED 0x1234567
+#include "test_data.h"
 
 /* ------------------------------------------------------------------------------ matmul */
 
 typedef void (*matmul_fn)(const smoe_tensor *, const uint8_t *, const float *, size_t, uint32_t, float *, size_t,
                           uint32_t, uint32_t);
 
-/* s, q and b of W[r, c] for q8/q4 (W = s·q + b) */
+/* s, q and b of W[r, c] for q8/q4 (W = s·q + b), as doubles */
 static void affine_parts(const smoe_tensor *t, const uint8_t *b, uint32_t r, uint32_t c, double *s, double *q,
                          double *bias) {
-    uint64_t i = (uint64_t)r * t->cols + c, g = (uint64_t)r * (t->cols / 64) + c / 64;
-    uint16_t sh, bh;
-    memcpy(&sh, b + t->scales_off + 2 * g, 2);
-    memcpy(&bh, b + t->biases_off + 2 * g, 2);
-    *s = t->scale_format == SMOE_SCALE_F16 ? naive_f16(sh) : naive_bf16(sh);
-    *bias = t->scale_format == SMOE_SCALE_F16 ? naive_f16(bh) : naive_bf16(bh);
-    if (t->format == SMOE_FMT_Q8) {
-        *q = b[i];
-    } else {
-        uint32_t u;
-        memcpy(&u, b + 4 * (i / 8), 4);
-        *q = (u >> (4 * (c % 8))) & 15u;
-    }
-}
-
-/* |s·q| + |b| of W[r, c] (|w| for f32/bf16): the magnitude the fast q kernels' error scales with */
-static double affine_mag(const smoe_tensor *t, const uint8_t *b, uint32_t r, uint32_t c) {
-    if (t->format < SMOE_FMT_Q8) return fabs(naive_w(t, b, r, c));
-    double s, q, bias;
-    affine_parts(t, b, r, c, &s, &q, &bias);
-    return fabs(s * q) + fabs(bias);
+    float sf, bf;
+    unsigned qu;
+    naive_q(t, b, r, c, &sf, &bf, &qu);
+    *s = sf;
+    *q = qu;
+    *bias = bf;
 }
 
 /* fast: test the dispatched smoe_matmul_rows (and compare it with the reference kernel);
@@ -211,7 +70,7 @@ static double affine_mag(const smoe_tensor *t, const uint8_t *b, uint32_t r, uin
 static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t cols, int fast) {
     const matmul_fn mm = fast ? smoe_matmul_rows : smoe_ref_matmul_rows;
     hashing_fast = fast;
-    test_tensor tt = make_tensor(format, sf, rows, cols);
+    test_tensor tt = make_tensor(format, sf, rows, cols, 0);
     const smoe_tensor *W = &tt.t;
     const uint32_t N = 64;
     const size_t ldx = cols + 3, ldy = rows + 5;
@@ -317,7 +176,7 @@ static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t
     free(row);
     free(wd);
     free(x);
-    free(tt.bytes);
+    free(tt.alloc);
     hashing_fast = 0;
 }
 
@@ -407,7 +266,7 @@ static void test_rmsnorm(int fast) {
     for (size_t di = 0; di < sizeof dims / sizeof *dims; di++) {
         uint32_t dim = dims[di];
         for (uint8_t f = SMOE_FMT_F32; f <= SMOE_FMT_BF16; f++) {
-            test_tensor w = make_tensor(f, SMOE_SCALE_NONE, 1, dim);
+            test_tensor w = make_tensor(f, SMOE_SCALE_NONE, 1, dim, 0);
             float *x = malloc(sizeof(float) * dim), *out = malloc(sizeof(float) * dim);
             for (uint32_t i = 0; i < dim; i++) x[i] = rndf(-3, 3);
             const float eps = 1e-6f;
@@ -425,7 +284,7 @@ static void test_rmsnorm(int fast) {
             CHECK(memcmp(x, out, sizeof(float) * dim) == 0, "rmsnorm in place differs (dim %u)", dim);
             free(x);
             free(out);
-            free(w.bytes);
+            free(w.alloc);
         }
     }
 }
@@ -622,7 +481,7 @@ static uint32_t doc_qx_pos(uint32_t c, int q8) {
  * reference bit for bit; and every batch size and row split giving the same bits. */
 static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t cols) {
     const int q8 = format == SMOE_FMT_Q8;
-    test_tensor tt = make_tensor(format, sf, rows, cols);
+    test_tensor tt = make_tensor(format, sf, rows, cols, 0);
     const smoe_tensor *W = &tt.t;
     const uint32_t N = 40, gpr = cols / 64;
     const size_t ldx = cols + 5, ldy = rows + 3;
@@ -778,7 +637,7 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint3
     free(d);
     free(gs);
     free(x);
-    free(tt.bytes);
+    free(tt.alloc);
 }
 
 /* The dispatched smoe_qx_prepare (AVX2 where built) against the reference: the same bytes, with
