@@ -23,65 +23,64 @@
 #endif
 
 
-/* Row `row`'s codes for groups [0, gp) in the layout of the x codes, zeros past gpr:
- * q4: 64 bytes per group, A = unpacklo(lo, hi) (columns 0–15 | 32–47), C = unpackhi (16–31 | 48–63);
- * q8: 128 bytes per group, 4 vectors of 16 int16 (columns 8v..8v+8 | 32+8v..32+8v+8). */
-QX_ATTR static void QX(qx_unpack)(uint8_t *dst, const uint8_t *row, uint32_t gpr, uint32_t gp, bool q8) {
-    uint32_t g = 0;
+/* One group's stored codes unpacked into the layout of the x codes:
+ * q4 (32 bytes): c[0] = unpacklo(lo, hi) (columns 0–15 | 32–47), c[1] = unpackhi (16–31 | 48–63);
+ * q8 (64 bytes): c[v] = columns 8v..8v+8 | 32+8v..32+8v+8 as int16, v < 4. */
+QX_ATTR INLINE void QX(qx_codes)(const bool q8, const uint8_t *w, __m256i c[4]) {
     if (!q8) {
         const __m256i m = _mm256_set1_epi8(0x0f);
-        for (; g < gpr; g++) {
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(row + 32 * (size_t)g));
-            const __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-            _mm256_store_si256((__m256i *)(void *)(dst + 64 * (size_t)g), _mm256_unpacklo_epi8(lo, hi));
-            _mm256_store_si256((__m256i *)(void *)(dst + 64 * (size_t)g + 32), _mm256_unpackhi_epi8(lo, hi));
-        }
-        memset(dst + 64 * (size_t)g, 0, 64 * (size_t)(gp - g));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)w);
+        const __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+        c[0] = _mm256_unpacklo_epi8(lo, hi);
+        c[1] = _mm256_unpackhi_epi8(lo, hi);
         return;
     }
-    for (; g < gpr; g++) {
-        const uint8_t *p = row + 64 * (size_t)g;
-        for (int v = 0; v < 4; v++) {
-            const __m128i a = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(const void *)(p + 8 * v)));
-            const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(const void *)(p + 32 + 8 * v)));
-            _mm256_store_si256((__m256i *)(void *)(dst + 128 * (size_t)g + 32 * v), _mm256_set_m128i(b, a));
-        }
-    }
-    memset(dst + 128 * (size_t)g, 0, 128 * (size_t)(gp - g));
+#define LD16(o) _mm_loadu_si128((const __m128i *)(const void *)(w + (o)))
+    const __m128i a0 = LD16(0), a1 = LD16(16), b0 = LD16(32), b1 = LD16(48);
+#undef LD16
+    c[0] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(a0, b0));
+    c[1] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi64(a0, b0));
+    c[2] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(a1, b1));
+    c[3] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi64(a1, b1));
 }
 
-/* P of one group: w the row's unpacked codes, x the token's codes, both at the group. */
-QX_ATTR INLINE __m256i QX(qx_p)(const bool q8, const uint8_t *w, const uint8_t *x) {
-#define LD(p, o) _mm256_load_si256((const __m256i *)(const void *)((p) + (o)))
-#define LDU(p, o) _mm256_loadu_si256((const __m256i *)(const void *)((p) + (o)))
+/* Row `row`'s codes for groups [0, gp) unpacked (qx_codes), zeros past gpr: 64 bytes per group
+ * for q4, 128 for q8. */
+QX_ATTR static void QX(qx_unpack)(uint8_t *dst, const uint8_t *row, uint32_t gpr, uint32_t gp, bool q8) {
+    const size_t wb = q8 ? 64 : 32, gb = q8 ? 128 : 64;
+    const int nv = q8 ? 4 : 2;
+    uint32_t g = 0;
+    for (; g < gpr; g++) {
+        __m256i c[4];
+        QX(qx_codes)(q8, row + wb * g, c);
+        for (int v = 0; v < nv; v++) _mm256_store_si256((__m256i *)(void *)(dst + gb * g + 32 * (size_t)v), c[v]);
+    }
+    memset(dst + gb * g, 0, gb * (size_t)(gp - g));
+}
+
+/* P of one group from its unpacked codes c and the token's codes x at the group. */
+QX_ATTR INLINE __m256i QX(qx_dot)(const bool q8, const __m256i c[4], const uint8_t *x) {
+#define LDU(o) _mm256_loadu_si256((const __m256i *)(const void *)(x + (o)))
     if (!q8)
-        return QX_U8S8(LD(w, 0), LDU(x, 0), LD(w, 32), LDU(x, 32));
-    return QX_S16(LD(w, 0), LDU(x, 0), LD(w, 32), LDU(x, 32), LD(w, 64), LDU(x, 64), LD(w, 96), LDU(x, 96));
-#undef LD
+        return QX_U8S8(c[0], LDU(0), c[1], LDU(32));
+    return QX_S16(c[0], LDU(0), c[1], LDU(32), c[2], LDU(64), c[3], LDU(96));
 #undef LDU
+}
+
+/* P of one group: w the row's unpacked codes (qx_unpack), x the token's codes. */
+QX_ATTR INLINE __m256i QX(qx_p)(const bool q8, const uint8_t *w, const uint8_t *x) {
+    __m256i c[4];
+    for (int v = 0; v < (q8 ? 4 : 2); v++) c[v] = _mm256_load_si256((const __m256i *)(const void *)(w + 32 * v));
+    return QX(qx_dot)(q8, c, x);
 }
 
 /* P of one group straight from the row's stored codes (the matrix-vector product, which reads each
  * weight once: unpacking into a buffer first would only add a store and a load). The same
  * integers as qx_p on the unpacked codes, so the same bits downstream. */
 QX_ATTR INLINE __m256i QX(qx_p_raw)(const bool q8, const uint8_t *w, const uint8_t *x) {
-#define LDU(p, o) _mm256_loadu_si256((const __m256i *)(const void *)((p) + (o)))
-#define LD16(p, o) _mm_loadu_si128((const __m128i *)(const void *)((p) + (o)))
-    if (!q8) {
-        const __m256i m = _mm256_set1_epi8(0x0f);
-        const __m256i b = LDU(w, 0);
-        const __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-        return QX_U8S8(_mm256_unpacklo_epi8(lo, hi), LDU(x, 0), _mm256_unpackhi_epi8(lo, hi), LDU(x, 32));
-    }
-    /* columns 0–15, 16–31, 32–47, 48–63; vector v = (8v..8v+8 | 32+8v..32+8v+8) as int16 */
-    const __m128i a0 = LD16(w, 0), a1 = LD16(w, 16), b0 = LD16(w, 32), b1 = LD16(w, 48);
-    const __m256i w0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(a0, b0));
-    const __m256i w1 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi64(a0, b0));
-    const __m256i w2 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(a1, b1));
-    const __m256i w3 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi64(a1, b1));
-    return QX_S16(w0, LDU(x, 0), w1, LDU(x, 32), w2, LDU(x, 64), w3, LDU(x, 96));
-#undef LDU
-#undef LD16
+    __m256i c[4];
+    QX(qx_codes)(q8, w, c);
+    return QX(qx_dot)(q8, c, x);
 }
 
 /* R rows against one token, codes read where they are stored (w[i]: row i's codes; wb: their
