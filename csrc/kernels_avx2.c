@@ -54,6 +54,7 @@
 #include <assert.h>
 #include <immintrin.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -472,15 +473,19 @@ bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols,
     return true;
 }
 
-static int qx_use_vnni = -1; /* -1: not asked yet (a benign race: every thread computes the same) */
+/* -1: not asked yet. Threads that ask at once all compute the same answer; the atomic keeps
+ * that from being a data race. */
+static _Atomic int qx_use_vnni = -1;
 
 bool smoe_avx2_qx_vnni(void) {
 #if SMOE_HAVE_AVXVNNI
-    if (qx_use_vnni < 0) {
+    int use = atomic_load_explicit(&qx_use_vnni, memory_order_relaxed);
+    if (use < 0) {
         const char *off = getenv("SMOE_NO_VNNI"); /* to measure or test the plain path */
-        qx_use_vnni = !(off && *off && strcmp(off, "0") != 0) && __builtin_cpu_supports("avxvnni");
+        use = !(off && *off && strcmp(off, "0") != 0) && __builtin_cpu_supports("avxvnni");
+        atomic_store_explicit(&qx_use_vnni, use, memory_order_relaxed);
     }
-    return qx_use_vnni > 0;
+    return use > 0;
 #else
     return false;
 #endif
