@@ -4,7 +4,14 @@
  * rest), so sampling lives in one place. */
 #include "session.h"
 
+#include <math.h>
 #include <string.h>
+
+static bool any_finite(const float *x, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++)
+        if (isfinite(x[i])) return true;
+    return false;
+}
 
 smoe_status smoe_decode_step(smoe_session *s, int32_t id, float *logits, int32_t *next_id) {
     if (!s)
@@ -25,6 +32,11 @@ smoe_status smoe_decode_step(smoe_session *s, int32_t id, float *logits, int32_t
     }
     smoe_rmsnorm(s->xn, s->x, s->lay->final_norm, c->hidden_size, c->rms_norm_eps);
     smoe_linear(s, s->lay->lm_head, s->lay->lm_head->data, s->xn, 1, s->logits);
+    /* Logits with no finite value (NaN or infinite scales in the vault, say) would make greedy
+     * sampling return id 0 on every step, without a word: refuse them instead. */
+    if (!any_finite(s->logits, c->vocab_size))
+        return smoe_fail(SMOE_ERR_VAULT, "decode at position %u: every logit is NaN or infinite (non-finite weights? "
+                                         "run `pysmoe verify`)", pos);
 
     s->history[pos] = id;
     s->pos = pos + 1;

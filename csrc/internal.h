@@ -32,8 +32,19 @@ double smoe_now(void); /* monotonic seconds */
  * read (fewer than n only at end of file) or −1 with errno set. */
 int64_t smoe_pread_full(int fd, void *buf, uint64_t n, uint64_t off);
 
-/* CRC-32 (IEEE 802.3, the one zlib's crc32 computes); start with crc = 0. */
-uint32_t smoe_crc32(uint32_t crc, const void *data, size_t n);
+/* CRC-32C (Castagnoli), continued from crc (start with 0: smoe_crc32c(0, "123456789", 9) is
+ * 0xE3069283); the fastest implementation this CPU has. */
+uint32_t smoe_crc32c(uint32_t crc, const void *data, size_t n);
+/* smoe_checksum's parts, for callers that read a region piece by piece: the bounds of its 4
+ * lanes for n bytes (lane i is [b[i], b[i+1])), and the checksum from the lanes' CRC-32Cs. */
+void smoe_checksum_lanes(uint64_t n, uint64_t b[5]);
+uint32_t smoe_checksum_combine(const uint32_t lane_crc[4]);
+/* Tests and benchmarks: one implementation on purpose (SMOE_CRC_BEST = what smoe_checksum runs),
+ * and the name of the one in use ("sse4.2", "armv8-crc" or "table"). */
+enum { SMOE_CRC_BEST = 0, SMOE_CRC_TABLE = 1 };
+uint32_t smoe_checksum_with(int which, const void *data, size_t n);
+uint32_t smoe_crc32c_with(int which, uint32_t crc, const void *data, size_t n);
+const char *smoe_checksum_impl(void);
 
 static inline uint64_t smoe_align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 

@@ -21,7 +21,7 @@ smoe_session_params smoe_session_default_params(void) {
     p.io_threads = 4;
     p.cache_bytes = 0;
     p.direct_io = true;
-    p.verify_blobs = false;
+    p.verify_blobs = true; /* bench/RESULTS.md "Per-read blob checksums": cheap next to the read */
     return p;
 }
 
@@ -192,8 +192,15 @@ smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *param
             slots = K;
         if (slots > total)
             slots = total;
+        /* A vault.bin rewritten in place since the vault opened it would mix the loaded tables
+         * and dense weights with new blobs. */
+        if ((st = smoe_vault_check_unchanged(vault)) != SMOE_OK) {
+            smoe_session_free(s);
+            return st;
+        }
         smoe_streamer_params sp = {
             .path = vault->path,
+            .fd = vault->fd,
             .blob_bytes = vault->lay.blob_bytes,
             .blob_offset = vault->lay.blob_offset,
             .blob_crc = vault->lay.blob_crc,

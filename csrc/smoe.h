@@ -41,7 +41,7 @@ extern "C" {
 
 /* Bump SMOE_ABI_VERSION whenever a function's signature, a struct's layout or an enum value
  * changes; bindings refuse a library whose smoe_abi_version() differs from what they expect. */
-#define SMOE_ABI_VERSION 1
+#define SMOE_ABI_VERSION 2
 #define SMOE_VERSION_STRING "0.1.0"
 
 typedef enum {
@@ -50,7 +50,7 @@ typedef enum {
     SMOE_ERR_BAD_TOKEN = -2,      /* a token id outside [0, vocab_size) */
     SMOE_ERR_CONTEXT_FULL = -3,   /* the call would pass the session's context length */
     SMOE_ERR_VAULT = -4,          /* missing, truncated, corrupted or unsupported vault */
-    SMOE_ERR_IO = -5,             /* a read failed or came back short */
+    SMOE_ERR_IO = -5,             /* a read failed, came back short or did not match its checksum */
     SMOE_ERR_NOMEM = -6,          /* an allocation failed */
     SMOE_ERR_SESSION_BROKEN = -7, /* an earlier failure left the session unusable */
     SMOE_ERR_UNSUPPORTED = -8,    /* this build or CPU cannot do it */
@@ -100,6 +100,11 @@ typedef struct {
 } smoe_config;
 
 /* Opens DIR/vault.bin, validates header and tables, loads and checks the dense region.
+ * A vault.bin that is not a regular file (a FIFO, a device) is refused without blocking.
+ * The vault keeps the file open: its sessions read blobs from that very file (the same inode)
+ * even if DIR/vault.bin is later replaced; a replaced file that cannot be followed is refused
+ * (SMOE_ERR_VAULT, "changed since it was opened"), never mixed with the loaded tables.
+ * A vault of format version 1 is refused: re-create it (`pysmoe convert` / `pysmoe synth`).
  * On failure *out is NULL and nothing stays open. */
 SMOE_API smoe_status smoe_open_vault(const char *dir, smoe_vault **out);
 SMOE_API void smoe_close_vault(smoe_vault *vault); /* after every session of it is freed */
@@ -107,16 +112,25 @@ SMOE_API smoe_status smoe_vault_config(const smoe_vault *vault, smoe_config *out
 /* Kind of layer l: 1 sparse (experts), 0 dense MLP. */
 SMOE_API smoe_status smoe_vault_layer_is_sparse(const smoe_vault *vault, uint32_t layer, bool *out);
 
-/* Called by smoe_verify_vault for each region whose checksum fails: kind is "header",
- * "dense" or "blob"; layer/expert are -1 except for blobs. */
-typedef void (*smoe_verify_fn)(const char *kind, int32_t layer, int32_t expert, void *user);
-/* Re-reads every blob and checks its CRC (and the dense region's). SMOE_ERR_VAULT if any is
- * bad (each reported to fn, which may be NULL), SMOE_ERR_IO if a read fails. */
+/* Called by smoe_verify_vault for each problem: kind is "header", "dense" or "blob" for a region
+ * whose checksum fails or that the file cuts short, "values" for a quantised tensor whose scales
+ * or biases hold NaN or infinity; layer/expert are -1 except for blobs (and "values" of a blob's
+ * tensor). what says it in words, e.g. "checksum mismatch", "layers.3.q_proj scales: 2 non-finite
+ * values" or "down biases: 1 non-finite values". */
+typedef void (*smoe_verify_fn)(const char *kind, int32_t layer, int32_t expert, const char *what, void *user);
+/* Re-reads the file and checks every checksum (header, dense region, every blob) and that every
+ * quantised tensor's scales and biases are finite. SMOE_ERR_VAULT if anything is bad (each
+ * reported to fn, which may be NULL), SMOE_ERR_IO if a read fails. */
 SMOE_API smoe_status smoe_verify_vault(const smoe_vault *vault, smoe_verify_fn fn, void *user);
+
+/* The vault format's checksum (docs/vault.md, "Checksums"): CRC-32C over 4 lanes of the n bytes,
+ * combined by a CRC-32C of the four lane CRCs. Hardware CRC32C (SSE4.2 on x86-64, chosen at run
+ * time; ARMv8 CRC on arm64) or a portable table, all giving the same value. */
+SMOE_API uint32_t smoe_checksum(const void *data, size_t n);
 
 /* Tensor formats (docs/vault.md section 3). */
 typedef enum { SMOE_FMT_F32 = 0, SMOE_FMT_BF16 = 1, SMOE_FMT_Q8 = 2, SMOE_FMT_Q4 = 3 } smoe_format;
-typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2 } smoe_scale_format;
+typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2, SMOE_SCALE_F32 = 3 } smoe_scale_format;
 /* Dequantises a rows × cols tensor laid out as the vault stores it (data points at the
  * tensor's first byte, nbytes long) into out (rows × cols floats). Pure; for tests and tools. */
 SMOE_API smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t rows,
@@ -138,7 +152,8 @@ typedef struct {
                                    both prefill paths agree bit for bit. */
     uint64_t cache_bytes;  /* retention cache budget; 0 = only the slots one step needs */
     bool direct_io;        /* O_DIRECT / F_NOCACHE; falls back to buffered reads, logged (default true) */
-    bool verify_blobs;     /* check each blob's CRC as it is read (default false) */
+    bool verify_blobs;     /* check each blob's checksum every time it is read from disk (default
+                              true); a mismatch is SMOE_ERR_IO naming layer, expert and offset */
 } smoe_session_params;
 
 SMOE_API smoe_session_params smoe_session_default_params(void);

@@ -13,7 +13,7 @@
  * read that was not acquired (no speculation, no readahead).
  *
  *   compute thread                          I/O threads (io_threads of them)
- *   acquire ─► victim, key, LOADING ─► ring ─► pop ─► pread(blob) [─► CRC] ─► READY/FAILED
+ *   acquire ─► victim, key, LOADING ─► ring ─► pop ─► pread(blob) ─► checksum ─► READY/FAILED
  *   wait / wait_any ◄─────────────────────────────── completion counter (futex) ◄─┘
  *   use bytes, release (unpin)
  *
@@ -71,6 +71,17 @@
  * requested once); blob_reads and bytes_read count when a read is issued (compute thread, no
  * atomics), so a read that fails still counts — it went to the disk. io_wait_s is the time
  * wait/wait_any spent on slots that were still LOADING.
+ *
+ * Checking: with params.verify (the session default) the I/O thread computes smoe_checksum of
+ * every blob right after its pread and before publishing READY, so compute never sees bytes that
+ * do not match the blob table; a mismatch is a FAILED slot (SMOE_ERR_IO from wait), read again
+ * by the next acquire. Hardware CRC32C runs at several GB/s per core, far above the disk, and the
+ * I/O threads are otherwise idle while pread sleeps (bench/RESULTS.md measures the cost).
+ *
+ * Which file: the streamer never reopens vault.bin by path when it can help it. The buffered
+ * descriptor is a dup of the vault's; on Linux the O_DIRECT one reopens /proc/self/fd/N, which
+ * follows the open file, not the name. Elsewhere (or without /proc) the path is opened and its
+ * device and inode compared with the vault's descriptor: a different file is refused.
  *
  * Direct I/O: with params.direct_io the file is opened O_DIRECT (Linux) or F_NOCACHE (macOS)
  * next to an ordinary buffered descriptor. Slots are 16 KiB aligned and blob offsets and sizes
@@ -300,7 +311,7 @@ static void do_read(smoe_streamer *s, slot_t *sl) {
         sl->err_kind = ERR_SHORT;
         sl->got = (uint64_t)r;
         state = SLOT_FAILED;
-    } else if (s->p.verify && smoe_crc32(0, sl->data, n) != sl->crc) {
+    } else if (s->p.verify && smoe_checksum(sl->data, n) != sl->crc) {
         sl->err_kind = ERR_CRC;
         state = SLOT_FAILED;
     }
@@ -357,11 +368,29 @@ void smoe_streamer_free(smoe_streamer *s) {
     smoe_free(s);
 }
 
-/* Opens the direct descriptor, if asked, and decides with one probe read whether it works. */
-static void open_direct(smoe_streamer *s) {
+/* Opens path with flags and keeps it only if it is the same file as the vault's descriptor:
+ * −1 with errno set if it cannot be opened, −2 if it is another file (closed again). */
+static int open_same_file(const smoe_streamer *s, int flags) {
+    int fd = open(s->p.path, flags);
+    if (fd < 0) return -1;
+    struct stat a, b;
+    if (fstat(fd, &a) != 0 || fstat(s->p.fd, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+        close(fd);
+        return -2;
+    }
+    return fd;
+}
+
+/* Opens the direct descriptor, if asked, and decides with one probe read whether it works.
+ * SMOE_ERR_VAULT if the only way to open it finds another file at the path. */
+static smoe_status open_direct(smoe_streamer *s) {
     char eb[128];
 #if defined(__linux__)
-    s->fd_direct = open(s->p.path, O_RDONLY | O_DIRECT | O_CLOEXEC);
+    char self[64];
+    snprintf(self, sizeof self, "/proc/self/fd/%d", s->p.fd);
+    s->fd_direct = open(self, O_RDONLY | O_DIRECT | O_CLOEXEC); /* the open file, whatever its name now */
+    if (s->fd_direct < 0 && (errno == ENOENT || errno == ENOTDIR || errno == EACCES)) /* no /proc */
+        s->fd_direct = open_same_file(s, O_RDONLY | O_DIRECT | O_CLOEXEC);
 #ifdef SMOE_STREAMER_TEST_HOOKS
     if (smoe_streamer_test_fail_direct == 1 && s->fd_direct >= 0) {
         close(s->fd_direct);
@@ -369,24 +398,32 @@ static void open_direct(smoe_streamer *s) {
         errno = EINVAL;
     }
 #endif
+    if (s->fd_direct == -2)
+        return smoe_fail(SMOE_ERR_VAULT, "%s: vault.bin changed since it was opened (another file is there now); "
+                                         "open the vault again", s->p.path);
     if (s->fd_direct < 0) {
         smoe_log(SMOE_LOG_WARN, "%s: cannot open with O_DIRECT (%s); using buffered reads", s->p.path,
                  errno_text(errno, eb, sizeof eb));
-        return;
+        return SMOE_OK;
     }
 #elif defined(__APPLE__)
-    s->fd_direct = open(s->p.path, O_RDONLY | O_CLOEXEC);
+    /* F_NOCACHE belongs to the open file description: set on a dup it would change the vault's
+     * own descriptor too, so the path is opened anew and checked to be the same file. */
+    s->fd_direct = open_same_file(s, O_RDONLY | O_CLOEXEC);
+    if (s->fd_direct == -2)
+        return smoe_fail(SMOE_ERR_VAULT, "%s: vault.bin changed since it was opened (another file is there now); "
+                                         "open the vault again", s->p.path);
     if (s->fd_direct >= 0 && fcntl(s->fd_direct, F_NOCACHE, 1) != 0) {
         smoe_log(SMOE_LOG_WARN, "%s: F_NOCACHE refused (%s); using buffered reads", s->p.path,
                  errno_text(errno, eb, sizeof eb));
         close(s->fd_direct);
         s->fd_direct = -1;
     }
-    if (s->fd_direct < 0) return;
+    if (s->fd_direct < 0) return SMOE_OK;
 #else
     smoe_log(SMOE_LOG_WARN, "%s: no direct I/O on this platform; using buffered reads", s->p.path);
     (void)eb;
-    return;
+    return SMOE_OK;
 #endif
     atomic_store(&s->use_direct, true);
     /* The probe reads the file's first page (the vault header, never a blob) into slot 0. */
@@ -395,12 +432,13 @@ static void open_direct(smoe_streamer *s) {
         /* Other errors will show again, with a blob's name, on the first real read. */
     }
     memset(s->slots[0].data, 0, SMOE_PAGE);
+    return SMOE_OK;
 }
 
 smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out) {
     if (!out) return smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: out is NULL");
     *out = NULL;
-    if (!p || !p->path || !p->blob_offset || !p->blob_crc)
+    if (!p || !p->path || p->fd < 0 || !p->blob_offset || !p->blob_crc)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: missing parameter");
     if (p->blob_bytes == 0 || p->blob_bytes % SMOE_PAGE != 0 || p->blob_bytes > (uint64_t)SIZE_MAX / 2)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: blob_bytes %llu is not a positive multiple of %u",
@@ -467,13 +505,18 @@ smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out
     }
 
     char eb[128];
-    s->fd_buffered = open(p->path, O_RDONLY | O_CLOEXEC);
+    s->fd_buffered = fcntl(p->fd, F_DUPFD_CLOEXEC, 0); /* the vault's open file, not the path */
     if (s->fd_buffered < 0) {
-        smoe_status st = smoe_fail(SMOE_ERR_IO, "%s: cannot open: %s", p->path, errno_text(errno, eb, sizeof eb));
+        smoe_status st = smoe_fail(SMOE_ERR_IO, "%s: cannot duplicate the vault's descriptor: %s", p->path,
+                                   errno_text(errno, eb, sizeof eb));
         smoe_streamer_free(s);
         return st;
     }
-    if (p->direct_io) open_direct(s);
+    smoe_status st = p->direct_io ? open_direct(s) : SMOE_OK;
+    if (st != SMOE_OK) {
+        smoe_streamer_free(s);
+        return st;
+    }
 
     for (uint32_t i = 0; i < p->io_threads; i++) {
         int e = pthread_create(&s->threads[i], NULL, io_main, s);
@@ -631,8 +674,10 @@ smoe_status smoe_streamer_wait(smoe_streamer *s, int slot) {
     char eb[128];
     switch (sl->err_kind) {
     case ERR_CRC:
-        return smoe_fail(SMOE_ERR_VAULT, "blob (%u,%u) checksum mismatch (layer %u, expert %u, offset %llu)",
-                         sl->layer, sl->expert, sl->layer, sl->expert, off);
+        return smoe_fail(SMOE_ERR_IO,
+                         "%s: blob (%u,%u) checksum mismatch (layer %u, expert %u, offset %llu): the file changed or "
+                         "the read was corrupted; run `pysmoe verify`",
+                         s->p.path, sl->layer, sl->expert, sl->layer, sl->expert, off);
     case ERR_SHORT:
         return smoe_fail(SMOE_ERR_IO,
                          "%s: short read of blob (%u,%u) (layer %u, expert %u, offset %llu): got %llu of %llu "

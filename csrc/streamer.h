@@ -12,7 +12,12 @@
 typedef struct smoe_streamer smoe_streamer;
 
 typedef struct {
-    const char *path;            /* vault.bin */
+    const char *path;            /* vault.bin: for messages, and the fallback reopen below */
+    int fd;                      /* vault.bin as the vault opened it: blobs are read from this file
+                                    (a dup, and on Linux /proc/self/fd/N reopened O_DIRECT), so a
+                                    vault.bin replaced since is never read; where the open file
+                                    cannot be reopened, path is, and refused unless it is the same
+                                    file (SMOE_ERR_VAULT) */
     uint64_t blob_bytes;         /* multiple of SMOE_PAGE */
     const uint64_t *blob_offset; /* (layers × experts), 0 = no blob (dense layer) */
     const uint32_t *blob_crc;    /* (layers × experts) */
@@ -21,7 +26,7 @@ typedef struct {
     uint32_t n_slots;            /* ≥ 1 */
     uint32_t io_threads;         /* ≥ 1 */
     bool direct_io;              /* try O_DIRECT / F_NOCACHE, fall back (logged) */
-    bool verify;                 /* check the CRC of every blob read */
+    bool verify;                 /* check smoe_checksum of every blob read, in the I/O thread */
 } smoe_streamer_params;
 
 typedef struct {
@@ -43,8 +48,9 @@ void smoe_streamer_free(smoe_streamer *s); /* waits for reads in flight */
 int smoe_streamer_acquire(smoe_streamer *s, uint32_t layer, uint32_t expert);
 
 /* Waits for slot's read. SMOE_OK when its bytes are ready; SMOE_ERR_IO (message names the
- * layer, expert and offset) when the read failed or came back short, or SMOE_ERR_VAULT when
- * its CRC did not match. Time spent waiting is added to io_wait_s. */
+ * layer, expert and offset) when the read failed, came back short or did not match its
+ * checksum (the slot then empties on release, so a later acquire reads it again). Time spent
+ * waiting is added to io_wait_s. */
 smoe_status smoe_streamer_wait(smoe_streamer *s, int slot);
 
 /* Waits until at least one of slots[0..n) is no longer loading; returns its position in the

@@ -10,6 +10,7 @@ typedef struct {
     uint8_t format;       /* smoe_format */
     uint8_t scale_format; /* smoe_scale_format */
     uint32_t rows, cols;
+    uint32_t group;      /* q4/q8 group size along cols; 0 otherwise */
     uint64_t offset;      /* dense: relative to dense_offset; blob: relative to blob start */
     uint64_t nbytes;
     const uint8_t *data;  /* dense tensors only */
@@ -52,14 +53,30 @@ void smoe_layout_free(smoe_layout *layout);
  * they are not a plausible header (the parse then reports why). */
 uint64_t smoe_vault_head_bytes(const uint8_t *header256);
 
+/* What identifies the file a vault opened: a file replaced or rewritten since differs. */
+typedef struct {
+    uint64_t dev, ino, size;
+    int64_t mtime_s, mtime_ns;
+} smoe_file_id;
+
 struct smoe_vault {
     char *dir;
     char *path;           /* DIR/vault.bin */
+    int fd;               /* vault.bin as opened: sessions read blobs through this file, not the path */
+    smoe_file_id id;      /* of fd at open */
     smoe_layout lay;
     uint8_t *dense;       /* (dense_bytes) 16 KiB aligned, loaded at open */
 };
 
-/* Byte size of a tensor of this shape and format (docs/vault.md section 3); 0 if invalid. */
-uint64_t smoe_tensor_bytes(uint8_t format, uint32_t rows, uint32_t cols);
+/* fd's identity (fstat); false with errno set if fstat fails. */
+bool smoe_file_id_of(int fd, smoe_file_id *out);
+bool smoe_file_id_equal(const smoe_file_id *a, const smoe_file_id *b);
+/* SMOE_OK if the vault's file still has the size and mtime it had at open; SMOE_ERR_VAULT
+ * ("vault.bin changed since it was opened") if it was rewritten in place since. */
+smoe_status smoe_vault_check_unchanged(const smoe_vault *v);
+
+/* Byte size of a tensor of this format, scale format, group size and shape (docs/vault.md
+ * section 3); 0 if the combination is invalid. */
+uint64_t smoe_tensor_bytes(uint8_t format, uint8_t scale_format, uint32_t group, uint32_t rows, uint32_t cols);
 
 #endif

@@ -31,11 +31,11 @@ def run(args) -> int:
             t0 = time.perf_counter()
             bad = vault.verify()
             dt = time.perf_counter() - t0
-            for kind, layer, expert in bad:
-                where = f"layer {layer} expert {expert}" if kind == "blob" else kind
-                print(f"BAD {kind}: {where}")
+            for kind, layer, expert, what in bad:
+                where = f"layer {layer} expert {expert}: " if layer >= 0 else ""
+                print(f"BAD {kind}: {where}{what}")
             total = vault.file_bytes
-            print(f"{args.vault}: {'OK' if not bad else f'{len(bad)} bad region(s)'} "
+            print(f"{args.vault}: {'OK' if not bad else f'{len(bad)} problem(s)'} "
                   f"({total / 1e9:.2f} GB checked in {dt:.1f} s)")
             return 0 if not bad else 1
         from .vaultio import info

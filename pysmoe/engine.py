@@ -96,13 +96,15 @@ class Vault:
             self._tokenizer = load_tokenizer(self.path)
         return self._tokenizer
 
-    def verify(self) -> list[tuple[str, int, int]]:
-        """Check every checksum. Returns the bad regions as (kind, layer, expert); [] if sound."""
+    def verify(self) -> list[tuple[str, int, int, str]]:
+        """Check every checksum and that every quantised tensor's scales and biases are finite.
+        Returns the problems as (kind, layer, expert, what) — kind "header", "dense", "blob" or
+        "values", layer and expert -1 outside blobs, what in words; [] if sound."""
         bad = []
 
-        @ffi.callback("void(const char *, int32_t, int32_t, void *)")
-        def on_bad(kind, layer, expert, _user):
-            bad.append((ffi.string(kind).decode(), layer, expert))
+        @ffi.callback("void(const char *, int32_t, int32_t, const char *, void *)")
+        def on_bad(kind, layer, expert, what, _user):
+            bad.append((ffi.string(kind).decode(), layer, expert, ffi.string(what).decode("utf-8", "replace")))
 
         rc = lib.smoe_verify_vault(self.handle, on_bad, ffi.NULL)
         if rc != 0 and not (rc == VaultError.code and bad):
@@ -111,7 +113,7 @@ class Vault:
 
     def session(self, cache_bytes: int = 0, threads: int | None = None, chunk: int | None = None,
                 prefill: str = "layer-major", context: int = 4096, io_threads: int = 4,
-                direct_io: bool = True, verify_blobs: bool = False, activations: str = "q8") -> "Session":
+                direct_io: bool = True, verify_blobs: bool = True, activations: str = "q8") -> "Session":
         return Session(self, cache_bytes=cache_bytes, threads=threads, chunk=chunk, prefill=prefill,
                        context=context, io_threads=io_threads, direct_io=direct_io, verify_blobs=verify_blobs,
                        activations=activations)
@@ -147,7 +149,7 @@ class Session:
     agree bit for bit either way."""
 
     def __init__(self, vault: Vault, *, cache_bytes=0, threads=None, chunk=None, prefill="layer-major",
-                 context=4096, io_threads=4, direct_io=True, verify_blobs=False, activations="q8"):
+                 context=4096, io_threads=4, direct_io=True, verify_blobs=True, activations="q8"):
         if prefill not in PREFILL_PATHS:
             raise InvalidArgument(f"prefill must be one of {PREFILL_PATHS}, not {prefill!r}")
         if activations not in ACTIVATIONS:

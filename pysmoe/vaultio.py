@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import pathlib
+import stat
 import struct
 import threading
-import zlib
 
 import numpy as np
 
@@ -31,7 +32,8 @@ from .errors import VaultError
 from .quant import FORMAT_CODE, FORMAT_NAME, SCALE_CODE, SCALE_NAME, align
 
 MAGIC = b"SMOEVLT\0"
-VERSION = 1
+VERSION = 2
+QUANT_GROUP = 64  # the group size this writer and reader handle (docs/vault.md allows 32, 64, 128)
 HEADER_BYTES = 256
 BLOB_ALIGN = 16384
 CONFIG_BYTES = 96
@@ -286,9 +288,26 @@ def _name_bytes(name: str) -> bytes:
     return b.ljust(NAME_BYTES, b"\0")
 
 
+def checksum(data) -> int:
+    """The vault format's checksum (docs/vault.md, "Checksums"): libsmoe's smoe_checksum, a
+    4-lane CRC-32C, over any buffer (bytes, bytearray, memoryview, numpy array, mmap)."""
+    from ._ffi import ffi, lib  # the binding loads libsmoe; only checksumming needs it here
+    with memoryview(data) as view:
+        if view.nbytes == 0:
+            return int(lib.smoe_checksum(ffi.NULL, 0))
+        if not view.c_contiguous:
+            return checksum(view.tobytes())
+        with view.cast("B") as flat:
+            return int(lib.smoe_checksum(ffi.from_buffer(flat), flat.nbytes))
+
+
+def _group_size(fmt: str) -> int:
+    return QUANT_GROUP if quant.is_quantized(fmt) else 0
+
+
 def _desc(t: Tensor, offset: int) -> bytes:
-    return _DESC.pack(_name_bytes(t.name), FORMAT_CODE[t.format], SCALE_CODE[t.scale_format], 0,
-                      t.rows, t.cols, 0, offset)
+    return _DESC.pack(_name_bytes(t.name), FORMAT_CODE[t.format], SCALE_CODE[t.scale_format],
+                      _group_size(t.format), t.rows, t.cols, 0, offset)
 
 
 def _config_block(cfg: dict) -> bytes:
@@ -440,9 +459,7 @@ class VaultWriter:
         if n > self.layout.blob_bytes:
             raise ValueError(f"blob of {n} bytes, blob_bytes is {self.layout.blob_bytes}")
         pad = self.layout.blob_bytes - n
-        crc = zlib.crc32(blob)
-        if pad:
-            crc = zlib.crc32(bytes(pad), crc)
+        crc = checksum(bytes(blob) + bytes(pad) if pad else blob)  # over the whole blob, padding included
         with self._lock:
             if (layer, expert) in self._blob_crc:
                 raise ValueError(f"expert ({layer}, {expert}) written twice")
@@ -454,14 +471,12 @@ class VaultWriter:
 
     # -- finishing
     def _dense_crc(self) -> int:
-        crc, off, end = 0, self.layout.dense_offset, self.layout.dense_offset + self.layout.dense_bytes
-        while off < end:
-            chunk = os.pread(self._fd, min(64 << 20, end - off), off)
-            if not chunk:
-                raise OSError("vault.bin shorter than its dense region")
-            crc = zlib.crc32(chunk, crc)
-            off += len(chunk)
-        return crc
+        n = self.layout.dense_bytes
+        if n == 0:
+            return checksum(b"")
+        # dense_offset is a 16 KiB multiple, so a valid mmap offset on every platform
+        with mmap.mmap(self._fd, n, prot=mmap.PROT_READ, offset=self.layout.dense_offset) as m:
+            return checksum(m)
 
     def _tables(self) -> bytes:
         lay, cfg = self.layout, self.config
@@ -493,7 +508,7 @@ class VaultWriter:
             raise ValueError("vault incomplete, not written: " + self._describe_missing())
         tables = self._tables()
         dense_crc = self._dense_crc()
-        header_crc = zlib.crc32(tables, zlib.crc32(self._header(dense_crc, 0)))
+        header_crc = checksum(self._header(dense_crc, 0) + tables)
         self._pwrite(tables, HEADER_BYTES)
         self._pwrite(self._header(dense_crc, header_crc), 0)
         os.fsync(self._fd)
@@ -552,12 +567,16 @@ class Header:
 
 
 def _parse_desc(raw: bytes) -> tuple[str, str, str | None, int, int, int]:
-    name, fmt, sfmt, _, rows, cols, _, off = _DESC.unpack(raw)
+    name, fmt, sfmt, group, rows, cols, _, off = _DESC.unpack(raw)
     if b"\0" not in name:
         raise VaultFormatError("tensor name not NUL-terminated")
     if fmt not in FORMAT_NAME or sfmt not in SCALE_NAME:
         raise VaultFormatError(f"bad format {fmt}/{sfmt}")
-    return name.split(b"\0", 1)[0].decode("ascii"), FORMAT_NAME[fmt], SCALE_NAME[sfmt], rows, cols, off
+    text = name.split(b"\0", 1)[0].decode("ascii")
+    if group != _group_size(FORMAT_NAME[fmt]):
+        raise VaultFormatError(f"tensor {text}: group_size {group} is not supported by this reader "
+                               f"({QUANT_GROUP} for q4/q8, 0 otherwise)")
+    return text, FORMAT_NAME[fmt], SCALE_NAME[sfmt], rows, cols, off
 
 
 def _config_from_block(b: bytes, sparse: list[bool]) -> dict:
@@ -582,7 +601,11 @@ class VaultFile:
         p = pathlib.Path(path)
         self.dir = p if p.is_dir() else p.parent
         self.path = self.dir / "vault.bin" if p.is_dir() else p
-        size = self.path.stat().st_size
+        st = self.path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the open below
+            raise VaultFormatError(f"{self.path} is not a regular file (a FIFO, device or socket); "
+                                   "not a pysmoe vault")
+        size = st.st_size
         if size < HEADER_BYTES:
             raise VaultFormatError(f"{self.path}: {size} bytes, shorter than a header")
         self.mm = np.memmap(self.path, dtype=np.uint8, mode="r")
@@ -590,6 +613,9 @@ class VaultFile:
         f = _HEADER.unpack(head[:_HEADER.size])
         if f[0] != MAGIC:
             raise VaultFormatError(f"{self.path}: not a pysmoe vault (bad magic)")
+        if f[1] == 1:
+            raise VaultFormatError(f"{self.path}: vault format version 1 is no longer supported; re-create it "
+                                   "with `pysmoe convert` or `pysmoe synth`")
         if f[1] != VERSION:
             raise VaultFormatError(f"{self.path}: vault version {f[1]}, this reader knows {VERSION}")
         self.header = Header(*f[1:12])
@@ -662,7 +688,7 @@ class VaultFile:
         h, bad = self.header, []
         head = bytearray(self.mm[:h.table_offset + h.table_bytes])
         head[12:16] = b"\0\0\0\0"
-        if zlib.crc32(head) != h.header_crc:
+        if checksum(head) != h.header_crc:
             bad.append("header")
         if _crc(self.mm, h.dense_offset, h.dense_bytes) != h.dense_crc:
             bad.append("dense")
@@ -685,10 +711,7 @@ class VaultFile:
 
 
 def _crc(mm: np.ndarray, off: int, n: int) -> int:
-    crc, step = 0, 64 << 20
-    for p in range(off, off + n, step):
-        crc = zlib.crc32(mm[p:min(off + n, p + step)], crc)
-    return crc
+    return checksum(mm[off:off + n])
 
 
 def read_vault(path) -> VaultFile:

@@ -63,7 +63,7 @@ static void seal(uint8_t *b, size_t n) {
     uint64_t end = smoe_vault_head_bytes(b);
     if (end == 0 || end > n) return;
     memset(b + 12, 0, 4);
-    uint32_t crc = smoe_crc32(0, b, end);
+    uint32_t crc = smoe_checksum(b, end);
     for (int i = 0; i < 4; i++) b[12 + i] = (uint8_t)(crc >> (8 * i));
 }
 
