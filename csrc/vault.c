@@ -916,7 +916,9 @@ static smoe_status verify_blobs(int fd, const smoe_vault *v, uint8_t *buf, uint6
     static const char *const expert_name[3] = {"gate", "up", "down"};
     const smoe_layout *L = &v->lay;
     uint32_t ne = L->cfg.num_experts;
-    uint64_t bb = L->blob_bytes, per_read = buf_bytes / bb;
+    uint64_t bb = L->blob_bytes;
+    if (bb == 0) return SMOE_OK; /* no sparse layer, no blobs */
+    uint64_t per_read = buf_bytes / bb;
     for (uint32_t i = 0; i < L->n_blobs;) {
         if (!L->layer_sparse[i / ne]) {
             i++;

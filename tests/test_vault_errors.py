@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-import zlib
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import checksum_ref
 import pysmoe
+from pysmoe import vaultio as V
 from pysmoe._ffi import check, ffi, lib
 
 # Header field offsets (docs/vault.md section 1).
@@ -45,7 +46,7 @@ def seal(buf):
         return buf
     b = bytearray(buf)
     b[HEADER_CRC:HEADER_CRC + 4] = bytes(4)
-    struct.pack_into("<I", b, HEADER_CRC, zlib.crc32(bytes(b[:end])))
+    struct.pack_into("<I", b, HEADER_CRC, checksum_ref.checksum(bytes(b[:end])))
     return b
 
 
@@ -162,9 +163,22 @@ def test_wrong_magic(put, good_bytes):
 
 def test_wrong_version(put, good_bytes):
     b = bytearray(good_bytes)
-    struct.pack_into("<I", b, VERSION, 2)
-    expect_error(put(seal(b)), "unsupported vault version 2")
-    expect_error(put(b), "unsupported vault version 2")  # the version speaks before the checksum
+    struct.pack_into("<I", b, VERSION, 3)
+    expect_error(put(seal(b)), "unsupported vault version 3")
+    expect_error(put(b), "unsupported vault version 3")  # the version speaks before the checksum
+
+
+def test_version_1_says_re_create(put, good_bytes):
+    b = bytearray(good_bytes)
+    struct.pack_into("<I", b, VERSION, 1)
+    for buf in (b, seal(b)):
+        path = put(buf)
+        with pytest.raises(pysmoe.VaultError, match="version 1 is no longer supported; re-create it with "
+                                                    "`pysmoe convert` or `pysmoe synth`") as e:
+            try_open(path)
+        assert str(path) in str(e.value)
+        with pytest.raises(pysmoe.VaultError, match="version 1 is no longer supported"):
+            V.read_vault(path)
 
 
 def test_header_crc(put, good_bytes):
@@ -255,15 +269,32 @@ def test_tensor_names(put, good_bytes):
 def test_tensor_formats(put, good_bytes):
     norm = dense_index(good_bytes, "layers.0.input_layernorm")
     b = bytearray(good_bytes)
-    b[norm + 40:norm + 42] = bytes([3, 1])  # q4 with f16 scales; hidden is a multiple of 64
+    b[norm + 40:norm + 44] = bytes([3, 1, 64, 0])  # q4, f16 scales, groups of 64; hidden is a multiple of 64
     expect_error(put(seal(b)), "norm must be f32 or bf16")
     qn = dense_index(good_bytes, "layers.0.q_norm")
     b = bytearray(good_bytes)
-    b[qn + 40:qn + 42] = bytes([2, 1])
-    expect_error(put(seal(b)), "cols % 64")
+    b[qn + 40:qn + 44] = bytes([2, 1, 64, 0])
+    expect_error(put(seal(b)), "cols % group_size")
     expect_error(put(edit(good_bytes, qn + 40, "<B", 9)), "unknown format")
     expect_error(put(edit(good_bytes, qn + 41, "<B", 1)), "scale_format")
-    expect_error(put(edit(good_bytes, qn + 42, "<H", 1)), "reserved")
+    expect_error(put(edit(good_bytes, qn + 42, "<H", 1)), "group_size 1 for f32")
+    expect_error(put(edit(good_bytes, qn + 52, "<I", 1)), "reserved")
+    q = dense_index(good_bytes, "layers.0.q_proj")
+    assert good_bytes[q + 40] in (2, 3) and good_bytes[q + 42] == 64  # quantised in the tiny vault
+    for group in (0, 16, 48, 256):
+        expect_error(put(edit(good_bytes, q + 42, "<H", group)), f"group_size {group} \\(must be 32, 64 or 128\\)")
+    expect_error(put(edit(good_bytes, q + 41, "<B", 4)), "scale_format 4")
+
+
+@pytest.mark.parametrize("offset,value,match", [(42, 32, "group size 32 / f16/bf16 scales"),
+                                                (41, 3, "group size 64 / f32 scales")])
+def test_valid_but_unsupported_quantisation(put, good_bytes, offset, value, match):
+    # A valid version-2 descriptor (the size it implies still fits the dense region) that the
+    # kernels of this build cannot run yet: refused at open, naming the tensor.
+    q = dense_index(good_bytes, "layers.0.q_proj")
+    b = edit(good_bytes, q + offset, "<B" if offset == 41 else "<H", value)
+    with pytest.raises(pysmoe.Unsupported, match="tensor layers.0.q_proj: " + match + " are not supported"):
+        try_open(put(b))
 
 
 def test_expert_layout(put, good_bytes):

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 
 import numpy as np
 import pytest
 
 from pysmoe import quant as Q
 from pysmoe import vaultio as V
+from pysmoe.vaultio import checksum
+
+import checksum_ref
 
 CFG = dict(vocab_size=320, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
            head_dim=32, intermediate_size=128, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
@@ -77,7 +79,7 @@ def test_bytes_follow_the_spec(tmp_path):
     layout, want, _ = _write_model(tmp_path)
     raw = (tmp_path / "vault.bin").read_bytes()
     h = _header(raw)
-    assert h["magic"] == b"SMOEVLT\0" and h["version"] == 1 and h["reserved"] == 0
+    assert h["magic"] == b"SMOEVLT\0" and h["version"] == 2 and h["reserved"] == 0
     assert raw[80:256] == bytes(176)
     assert h["file_size"] == len(raw) == layout.file_size
     assert h["table_offset"] == 256
@@ -88,8 +90,8 @@ def test_bytes_follow_the_spec(tmp_path):
     # checksums
     head = bytearray(raw[:256 + h["table_bytes"]])
     head[12:16] = bytes(4)
-    assert zlib.crc32(head) == h["header_crc"]
-    assert zlib.crc32(raw[h["dense_offset"]:h["dense_offset"] + h["dense_bytes"]]) == h["dense_crc"]
+    assert checksum_ref.checksum(head) == h["header_crc"]
+    assert checksum(raw[h["dense_offset"]:h["dense_offset"] + h["dense_bytes"]]) == h["dense_crc"]
 
     # config block
     t = 256
@@ -105,7 +107,7 @@ def test_bytes_follow_the_spec(tmp_path):
     end = 0
     for i, part in enumerate(("gate", "up", "down")):
         name, fmt, sfmt, r0, rows, cols, r1, off = struct.unpack_from("<40sBBHIIIQ", raw, t + 64 * i)
-        assert name.rstrip(b"\0") == part.encode() and fmt == 3 and sfmt == 1 and r0 == r1 == 0
+        assert name.rstrip(b"\0") == part.encode() and fmt == 3 and sfmt == 1 and r0 == 64 and r1 == 0  # group 64
         assert (rows, cols) == ((64, 64) if part != "down" else (64, 64))
         assert off % 64 == 0 and off >= end
         end = off + Q.tensor_nbytes("q4", rows, cols)
@@ -114,8 +116,9 @@ def test_bytes_follow_the_spec(tmp_path):
     # dense table: offsets relative to dense_offset, 64-aligned, inside the dense region, no overlap
     spans = []
     for i in range(h["n_tensors"]):
-        name, fmt, sfmt, _, rows, cols, _, off = struct.unpack_from("<40sBBHIIIQ", raw, t + 64 * i)
+        name, fmt, sfmt, group, rows, cols, _, off = struct.unpack_from("<40sBBHIIIQ", raw, t + 64 * i)
         name = name.rstrip(b"\0").decode()
+        assert group == (0 if Q.FORMAT_NAME[fmt] in ("f32", "bf16") else 64)
         n = Q.tensor_nbytes(Q.FORMAT_NAME[fmt], rows, cols)
         assert off % 64 == 0 and off + n <= h["dense_bytes"]
         assert sfmt == (0 if Q.FORMAT_NAME[fmt] in ("f32", "bf16") else 1)
@@ -134,7 +137,7 @@ def test_bytes_follow_the_spec(tmp_path):
             continue
         assert off % 16384 == 0 and off + h["blob_bytes"] <= len(raw)
         assert off >= h["dense_offset"] + h["dense_bytes"]
-        assert crc == zlib.crc32(raw[off:off + h["blob_bytes"]])
+        assert crc == checksum(raw[off:off + h["blob_bytes"]])
         seen.append(off)
     assert len(set(seen)) == len(seen) and sorted(seen) == seen  # (layer, expert) order, distinct
     assert t + 16 * h["n_blobs"] == 256 + h["table_bytes"]
@@ -211,7 +214,7 @@ def test_raw_blob_is_zero_padded_and_crc_covers_padding(tmp_path):
         b = np.asarray(v.blob(2, 3))
         assert b.size == v.header.blob_bytes
         assert np.all(b[:1000] == 4) and not b[1000:].any()
-        assert v.blob_crcs[2 * 4 + 3] == zlib.crc32(bytes([4]) * 1000 + bytes(v.header.blob_bytes - 1000))
+        assert v.blob_crcs[2 * 4 + 3] == checksum_ref.checksum(bytes([4]) * 1000 + bytes(v.header.blob_bytes - 1000))
         assert v.verify() == []
 
 
