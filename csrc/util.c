@@ -138,12 +138,6 @@ static uint32_t crc32c_raw_table(uint32_t c, const uint8_t *p, size_t n) {
     return c;
 }
 
-static uint64_t load64_le(const uint8_t *p) {
-    uint64_t v;
-    memcpy(&v, p, 8); /* every host this builds for is little-endian (x86-64, arm64) */
-    return v;
-}
-
 static void put32_le(uint8_t *p, uint32_t v) {
     for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
@@ -189,6 +183,12 @@ static bool crc_hw_available(void) { return true; } /* the build requires the ex
 #endif
 
 #ifdef CRC_HW
+static uint64_t load64_le(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8); /* both hosts with a CRC instruction here (x86-64, arm64) are little-endian */
+    return v;
+}
+
 CRC_HW_ATTR static uint32_t crc32c_raw_hw(uint32_t c, const uint8_t *p, size_t n) {
     for (; n >= 8; p += 8, n -= 8) c = CRC_STEP64(c, load64_le(p));
     for (; n; p++, n--) c = CRC_STEP8(c, *p);

@@ -1,6 +1,7 @@
 """The kernels, the worker pool and the sampler through their C tests.
 
-tests/c/test_kernels.c, tests/c/test_kernels_neon.c and tests/c/test_pool_sample.c are compiled
+tests/c/test_kernels.c, tests/c/test_kernels_neon.c, tests/c/test_pool_sample.c and
+tests/c/test_checksum.c are compiled
 here with gcc against the csrc files they need (kernels.c, kernels_avx2.c, kernels_neon.c, cpu.c,
 pool.c, sample.c, util.c) with the engine's flags, and run. Builds:
 
@@ -11,6 +12,7 @@ pool.c, sample.c, util.c) with the engine's flags, and run. Builds:
     portable      what `make PORTABLE=1` compiles: -DSMOE_PORTABLE, no -mavx2 (the reference
                   kernels are then the dispatched ones)
     nofutex       -DSMOE_NO_FUTEX: the pool's condition-variable path (what macOS runs)
+    nohwcrc       -DSMOE_NO_HW_CRC: smoe_checksum without the CRC32C instructions (table only)
     asan          AddressSanitizer + UBSan
     tsan          ThreadSanitizer (pool and sampler only; slow)
 
@@ -43,6 +45,7 @@ BUILDS = {
     "portable": ["-O2", "-DSMOE_PORTABLE=1"],
     "cpuhook": ["-O2", "-DSMOE_CPU_TEST_HOOKS"],
     "nofutex": ["-O2", "-DSMOE_NO_FUTEX"],
+    "nohwcrc": ["-O2", "-DSMOE_NO_HW_CRC"],
     "asan": ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
     "tsan": ["-O1", "-g", "-fsanitize=thread"],
 }
@@ -128,3 +131,16 @@ def test_pool_and_sampler(build, variant):
 @pytest.mark.slow
 def test_pool_and_sampler_tsan(build):
     assert "test_pool_sample: ok" in run(build("test_pool_sample", "tsan"), SANITIZER_RUNS, timeout=600)
+
+
+@pytest.mark.parametrize("variant", ["O2", "portable", "nohwcrc", "asan"])
+def test_checksum(build, variant):
+    """tests/c/test_checksum.c: the hardware CRC32C (SSE4.2 / ARMv8, when the CPU has it) and the
+    table agree with a bitwise CRC-32C and the 4-lane definition, on every length 0..300 and
+    random lengths up to 100k at misaligned addresses."""
+    out = run(build("test_checksum", variant))
+    assert "test_checksum: ok" in out
+    if variant == "nohwcrc":
+        assert "impl table" in out
+    elif X86 and variant != "asan":
+        assert "impl sse4.2" in out  # every x86-64 CPU that runs the AVX2 build has SSE4.2
