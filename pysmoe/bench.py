@@ -110,6 +110,10 @@ def add_parser(p: argparse.ArgumentParser, name: str = "bench") -> None:
     p.add_argument("--probe-mb", type=float, default=1024,
                    help="at most this many MiB per bandwidth probe (default 1024)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt ids and the probe's blob choice")
+    p.add_argument("--verify-blobs", choices=("on", "off", "both"), default="on",
+                   help="check each blob's checksum as it is read (the engine's default, on); both: every cold "
+                        "run also runs on a second, unchecked session in the same repeat, and the table gives "
+                        "the cost of checking (default on)")
     p.add_argument("--prompt-ids", metavar="FILE", default=None,
                    help="prompt ids (.npy, or text of integers) instead of random ones; each prompt length takes a "
                         "prefix. For realistic-routing vaults use coherent ids sampled from the model: "
@@ -327,7 +331,7 @@ class Bench:
 
     def __init__(self, vault_path, *, cache_bytes=None, cache_frac=0.1, threads=None, chunk=None, io_threads=4,
                  context=4096, resident=True, resident_bytes=None, probe_bytes=1 << 30, seed=0, log=None,
-                 prompt_ids=None):
+                 prompt_ids=None, verify_blobs="on"):
         from .engine import open_vault
         self.vault = open_vault(vault_path)
         self.log = log or (lambda msg: None)
@@ -340,8 +344,12 @@ class Bench:
         self.chunk = chunk
         self.seed = seed
         self.prompt_ids = prompt_ids
-        kw = dict(threads=threads, chunk=chunk, io_threads=io_threads, context=context, direct_io=True)
+        kw = dict(threads=threads, chunk=chunk, io_threads=io_threads, context=context, direct_io=True,
+                  verify_blobs=verify_blobs != "off")
         self.cold = v.session(cache_bytes=self.cache_bytes, **kw)
+        # --verify-blobs both: the same cold session unchecked, to time both in one repeat
+        self.cold_unchecked = (v.session(cache_bytes=self.cache_bytes, **dict(kw, verify_blobs=False))
+                               if verify_blobs == "both" else None)
         self.threads = self.cold.threads
         self.chunk = self.cold.chunk
         self.resident = None
@@ -373,7 +381,7 @@ class Bench:
         self._warm = set()      # (path, length) already run on the resident session
 
     def close(self):
-        for s in (self.cold, self.resident):
+        for s in (self.cold, self.cold_unchecked, self.resident):
             if s is not None:
                 s.close()
         self.probe.close()
@@ -401,8 +409,8 @@ class Bench:
                 "direct_io": st["direct_io"], "union_sum": sum(st["union_sizes"]),
                 "resident_bytes": st["resident_bytes"]}
 
-    def cold_ttft(self, path: str, n: int) -> dict:
-        s = self.cold
+    def cold_ttft(self, path: str, n: int, checked: bool = True) -> dict:
+        s = self.cold if checked else self.cold_unchecked
         s.reset()
         s.clear_cache()
         s.reset_stats()
@@ -478,7 +486,7 @@ def _vault_info(v) -> dict:
 def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cache_frac=0.1, chunk=None, threads=None,
               io_threads=4, decode_tokens=16, decode_prompt=8, serial_max_len=None, resident=True,
               resident_bytes=None, probe_bytes=1 << 30, seed=0, context=None, log=None, checkpoint=None,
-              ttft=True, decode_budgets=None, budget_prompt=64, prompt_ids=None) -> dict:
+              ttft=True, decode_budgets=None, budget_prompt=64, prompt_ids=None, verify_blobs="on") -> dict:
     """Run the benchmark; returns a dict of the raw runs and the medians (what --json writes).
     checkpoint(partial_result), if given, is called after each prompt length and each repeat of
     the budget curve (so a run that dies leaves what it measured).
@@ -500,7 +508,7 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
     if ttft:
         _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_frac, chunk, threads, io_threads,
                   decode_tokens, decode_prompt, serial_max_len, resident, resident_bytes, probe_bytes, seed, context,
-                  log, checkpoint, prompt_ids)
+                  log, checkpoint, prompt_ids, verify_blobs)
     if decode_budgets:
         from .engine import open_vault
         with open_vault(vault_path) as v:
@@ -537,11 +545,11 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
 
 def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_frac, chunk, threads, io_threads,
               decode_tokens, decode_prompt, serial_max_len, resident, resident_bytes, probe_bytes, seed, context,
-              log, checkpoint, prompt_ids=None) -> None:
+              log, checkpoint, prompt_ids=None, verify_blobs="on") -> None:
     """The TTFT table and the two-point decode, into result."""
     with Bench(vault_path, cache_bytes=cache_bytes, cache_frac=cache_frac, threads=threads, chunk=chunk,
                io_threads=io_threads, context=context, resident=resident, resident_bytes=resident_bytes,
-               probe_bytes=probe_bytes, seed=seed, log=log, prompt_ids=prompt_ids) as b:
+               probe_bytes=probe_bytes, seed=seed, log=log, prompt_ids=prompt_ids, verify_blobs=verify_blobs) as b:
         v = b.vault
         result["vault"] = _vault_info(v)
         result["settings"] = {"cache_bytes": b.cache_bytes, "cache_frac": b.cache_bytes / max(v.expert_bytes, 1),
@@ -549,19 +557,21 @@ def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_fr
                               "io_threads": io_threads, "repeats": repeats, "paths": paths, "lengths": lengths,
                               "decode_tokens": decode_tokens, "decode_prompt": decode_prompt,
                               "serial_max_len": serial_max_len, "seed": seed, "probe_direct_io": b.probe.direct_io,
-                              "activations": b.cold.activations}
+                              "activations": b.cold.activations, "verify_blobs": verify_blobs}
         rows = []
         for n in lengths:
             cell_paths = [p for p in paths if p != "token-serial" or serial_max_len is None or n <= serial_max_len]
             exact = b.exact_union(n)
             contenders = [("cold", p) for p in cell_paths] + [("probe", None)]
+            if b.cold_unchecked is not None:
+                contenders += [("cold-unchecked", p) for p in cell_paths]
             if b.resident is not None:
                 contenders += [("resident", p) for p in cell_paths]
             runs = {f"{k}:{p}" if p else k: [] for k, p in contenders}
             for r in range(repeats):
                 for kind, p in _rotate(contenders, r):
-                    if kind == "cold":
-                        rec = b.cold_ttft(p, n)
+                    if kind in ("cold", "cold-unchecked"):
+                        rec = b.cold_ttft(p, n, checked=kind == "cold")
                         if not rec["direct_io"]:
                             log(f"WARNING: O_DIRECT NOT IN FORCE for the {p} run at {n} tokens: the page cache "
                                 f"may have served these reads")
@@ -578,6 +588,8 @@ def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_fr
                                           resident_full=b.resident_full,
                                           max_union=min(v.num_sparse_layers * v.config["num_experts"],
                                                         n * v.config["num_experts_per_tok"] * v.num_sparse_layers)))
+            if b.cold_unchecked is not None:
+                rows[-1]["checksum_cost"] = _checksum_cost(runs, cell_paths)
             checkpoint(dict(result, ttft=rows, partial=True, warnings=list(b.warnings), loadavg_now=loadavg()))
         result["ttft"] = rows
         result["warnings"] = list(b.warnings)
@@ -750,6 +762,18 @@ def _overlap(cold, io_floor_reps, comp_reps) -> dict:
     }
 
 
+def _checksum_cost(runs, paths) -> dict:
+    """Per path: checked and unchecked cold TTFT (medians) and the median of the per-repeat ratios
+    checked / unchecked (both runs of a ratio come from the same repeat)."""
+    out = {}
+    for p in paths:
+        on, off = runs[f"cold:{p}"], runs[f"cold-unchecked:{p}"]
+        out[p] = {"checked_s": _median([x["ttft_s"] for x in on]), "unchecked_s": _median([x["ttft_s"] for x in off]),
+                  "ratio": _median([a["ttft_s"] / b["ttft_s"] for a, b in zip(on, off)]),
+                  "ratios": [a["ttft_s"] / b["ttft_s"] for a, b in zip(on, off)]}
+    return out
+
+
 def _summarise_length(n, exact, runs, paths, blob_bytes, has_resident, resident_full=True, max_union=None) -> dict:
     probe = runs["probe"]
     gbps = _median([x["gbps"] for x in probe])
@@ -897,6 +921,17 @@ def _ttft_tables(res: dict) -> list[str]:
                        f"{pr['io_wait_s']:>7.3f} {_f(pr.get('resident_s')):>8} {_f(pr['ttft_over_floor'], '{:.2f}'):>6}"
                        + ("" if pr["direct_io"] else "  NO O_DIRECT"))
     out.append("")
+    if any("checksum_cost" in row for row in res["ttft"]):
+        out.append("per-read blob checksums (cold, same repeat): checked / unchecked")
+        hdr_c = f"{'tokens':>6} {'path':<13} {'checked s':>9} {'unchecked s':>11} {'ratio':>7} {'per repeat':<30}"
+        out.append(hdr_c)
+        out.append("-" * len(hdr_c))
+        for row in res["ttft"]:
+            for p, c in row.get("checksum_cost", {}).items():
+                reps = " ".join(f"{x:.3f}" for x in c["ratios"])
+                out.append(f"{row['prompt_tokens']:>6} {p:<13} {c['checked_s']:>9.3f} {c['unchecked_s']:>11.3f} "
+                           f"{c['ratio']:>7.3f} {reps:<30}")
+        out.append("")
     hdr2 = (f"{'tokens':>6} {'union blobs':>11} {'union MiB':>9} {'disk GB/s':>9} {'I/O floor':>9} "
             f"{'compute fl.':>11} {'floor s':>8} {'LM/TS':>6}")
     out.append(hdr2)
@@ -1018,7 +1053,7 @@ def run(args) -> int:
                     resident_bytes=int(args.resident_mb * MiB) if args.resident_mb is not None else None,
                     probe_bytes=int(args.probe_mb * MiB), seed=args.seed, context=args.context, log=log,
                     ttft=not args.no_ttft, decode_budgets=args.decode_budgets, budget_prompt=args.budget_prompt,
-                    prompt_ids=prompt_ids,
+                    prompt_ids=prompt_ids, verify_blobs=args.verify_blobs,
                     checkpoint=(lambda partial: _write_json(args.json, partial)) if args.json else None)
     print(format_table(res))
     if not res["direct_io_everywhere"]:

@@ -269,3 +269,16 @@ def test_bench_prompt_ids(tiny_vault, tmp_path, capsys):
     assert "holds 3 ids" in capsys.readouterr().err
     f.write_text("1 2 99999999")
     assert main(["bench", str(tiny_vault), "--prompt-ids", str(f), "--prompt-lengths", "2"]) == 2
+
+
+def test_bench_verify_blobs_both(tiny_vault, capsys):
+    """--verify-blobs both: checked and unchecked cold runs of the same repeats, and their ratio."""
+    res = run_bench(tiny_vault, [6], paths=["layer-major"], repeats=2, threads=1, decode_tokens=0, resident=False,
+                    verify_blobs="both")
+    row = res["ttft"][0]
+    assert len(row["runs"]["cold:layer-major"]) == len(row["runs"]["cold-unchecked:layer-major"]) == 2
+    assert row["runs"]["cold:layer-major"][0]["blob_reads"] == row["runs"]["cold-unchecked:layer-major"][0]["blob_reads"]
+    c = row["checksum_cost"]["layer-major"]
+    assert len(c["ratios"]) == 2 and c["ratio"] > 0 and res["settings"]["verify_blobs"] == "both"
+    from pysmoe.bench import format_table
+    assert "checked / unchecked" in format_table(res)
