@@ -1,8 +1,9 @@
 /* vault.c — reading a vault: parse and validate vault.bin, load the dense region, verify.
  *
- * The format (version 1; docs/vault.md is the full text and the contract):
+ * The format (version 2; docs/vault.md is the full text and the contract). Every checksum is
+ * smoe_checksum (CRC-32C over 4 lanes, util.c; docs/vault.md section 6).
  *
- *   1. Header, bytes [0, 256): magic "SMOEVLT\0", version 1, header_crc (CRC-32 of
+ *   1. Header, bytes [0, 256): magic "SMOEVLT\0", version 2, header_crc (checksum of
  *      [0, table_offset + table_bytes) with the crc field read as 0), file_size (exact),
  *      table_offset (256), table_bytes (≤ 64 MiB), dense_offset (16 KiB multiple, after the
  *      tables), dense_bytes, dense_crc, n_tensors, blob_bytes (16 KiB multiple, 0 iff no sparse
@@ -15,15 +16,19 @@
  *      2.5 blob table: n_blobs × {u64 offset, u32 crc, u32 0}, index layer × experts + expert;
  *          offset 0 for dense layers, else a 16 KiB multiple past the dense region.
  *      A descriptor is 64 bytes: char name[40] (NUL-padded), u8 format (f32, bf16, q8, q4),
- *      u8 scale_format (none for f32/bf16; f16 or bf16 for q8/q4), u16 0, u32 rows, u32 cols,
- *      u32 0, u64 offset (multiple of 64; dense: from dense_offset, blob: from the blob start).
- *   3. Tensor bytes: row-major; q8/q4 (cols % 64 == 0) store codes, scales, biases, each part
- *      starting at a 64-byte boundary from the tensor's offset; w = scale·q + bias per group of 64.
+ *      u8 scale_format (none for f32/bf16; f16, bf16 or f32 for q8/q4), u16 group_size (32, 64
+ *      or 128 for q8/q4, 0 otherwise), u32 rows, u32 cols, u32 0, u64 offset (multiple of 64;
+ *      dense: from dense_offset, blob: from the blob start).
+ *   3. Tensor bytes: row-major; q8/q4 (cols % group_size == 0) store codes, scales, biases, each
+ *      part starting at a 64-byte boundary from the tensor's offset; w = scale·q + bias per group.
  *   4. Dense region (loaded at open, dense_crc checked), then the blobs, blob_bytes each.
  *
  * The file is untrusted: smoe_vault_parse checks every number against the file size and the
  * rules above before anything uses it, and is a pure function of the bytes so a fuzzer can
  * drive it (tests/c/fuzz_vault.c). Reading is open + pread only; the library never prints.
+ * The vault keeps vault.bin open (and its identity: device, inode, size, mtime) so that its
+ * sessions read the very file whose tables and dense weights it loaded (streamer.c). A
+ * non-regular vault.bin is refused before any read, opened O_NONBLOCK so a FIFO cannot block.
  */
 #include "vault.h"
 #include "cpu.h"
