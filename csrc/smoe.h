@@ -102,8 +102,10 @@ typedef struct {
 /* Opens DIR/vault.bin, validates header and tables, loads and checks the dense region.
  * A vault.bin that is not a regular file (a FIFO, a device) is refused without blocking.
  * The vault keeps the file open: its sessions read blobs from that very file (the same inode)
- * even if DIR/vault.bin is later replaced; a replaced file that cannot be followed is refused
- * (SMOE_ERR_VAULT, "changed since it was opened"), never mixed with the loaded tables.
+ * even if DIR/vault.bin is later renamed over, never mixing another file's blobs with the loaded
+ * tables; a file rewritten in place since (other size or mtime), or another file at the path
+ * where the open one cannot be reopened, makes smoe_session_new fail with SMOE_ERR_VAULT
+ * ("changed since it was opened").
  * A vault of format version 1 is refused: re-create it (`pysmoe convert` / `pysmoe synth`).
  * On failure *out is NULL and nothing stays open. */
 SMOE_API smoe_status smoe_open_vault(const char *dir, smoe_vault **out);
@@ -193,7 +195,8 @@ SMOE_API smoe_status smoe_session_set_sampler(smoe_session *session, const smoe_
 
 /* Token-serial step: appends id at the current position, runs every layer, and writes the
  * next-token logits (vocab_size floats) to logits and/or a sampled id to next_id (either may
- * be NULL). On failure the position is unchanged, as for smoe_prefill_chunk. */
+ * be NULL). On failure the position is unchanged, as for smoe_prefill_chunk. Logits with no
+ * finite value (NaN or infinite weights) are SMOE_ERR_VAULT, not a sampled id 0. */
 SMOE_API smoe_status smoe_decode_step(smoe_session *session, int32_t id, float *logits, int32_t *next_id);
 
 /* Copies the K and V rows of layer for positions [start, start + n) (each n × kv_heads·head_dim
