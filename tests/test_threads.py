@@ -49,7 +49,7 @@ def test_threads_hammering_one_session_get_busy_or_correct_results(tiny_vault):
     prompt = np.arange(3, 10)
     rounds = 24
     kw = dict(cache_bytes=vault.blob_bytes * 8, chunk=3, threads=1)
-    want = repeated_prompt_logits(vault, prompt, rounds, **kw)
+    want = repeated_prompt_logits(vault, prompt, rounds + THREADS, **kw)  # each thread may pass `rounds` once
     s = vault.session(**kw)
     got, busy = [], [0] * THREADS
     lock = threading.Lock()
