@@ -4,7 +4,8 @@
 #   make test    build everything and run the test suite
 #   make lib     only libsmoe (build/libsmoe.so, copied into pysmoe/ for the binding)
 #   make asan    the test suite against a libsmoe built with AddressSanitizer + UBSan
-#   make fuzz    mutate a tiny vault's header and tables under ASan/UBSan (tests/c/fuzz_vault.c)
+#   make fuzz    mutate a tiny vault's header and tables under ASan/UBSan (tests/c/fuzz_vault.c), then
+#                its blob payloads through the engine, then the Python reader (tests/fuzz_vaultio.py)
 #   make neon-check  the C tests cross-built for aarch64 (NEON kernels), run under qemu-aarch64;
 #                skipped with a message where the tools are missing (scripts/neon_check.sh)
 #   make PORTABLE=1 ...   no instruction-set-specific kernels
@@ -105,13 +106,14 @@ asan: $(VENV)/.stamp-test
 	$(PY) -m pytest -q -x tests -m "not slow" -p no:cacheprovider
 
 # The parser fuzzer as its own mutation driver (gcc has no libFuzzer; the file says how to build
-# it with clang's -fsanitize=fuzzer).
+# it with clang's -fsanitize=fuzzer); it goes on to blob payloads. Then the Python reader.
 FUZZ_ITERS ?= 200000
 fuzz: $(VENV)/.stamp-base | $(BUILD)
 	$(CC) $(CFLAGS_BASE) $(ISA_FLAGS) -g -O1 -fsanitize=address,undefined -DSTANDALONE -Icsrc \
 	      tests/c/fuzz_vault.c $(SRCS) $(LDLIBS) -o $(BUILD)/fuzz_vault
 	test -f $(BUILD)/fuzz-seed/vault.bin || $(PY) -m pysmoe synth $(BUILD)/fuzz-seed --preset tiny
 	$(BUILD)/fuzz_vault $(FUZZ_ITERS) $(BUILD)/fuzz-seed/vault.bin
+	PYTHONPATH=$(CURDIR) $(PY) tests/fuzz_vaultio.py $$(( $(FUZZ_ITERS) / 20 )) $(BUILD)/fuzz-seed
 
 # Not part of `make test`: it needs a cross compiler and qemu-user (apt), which CI does not install.
 neon-check:

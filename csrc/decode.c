@@ -13,9 +13,7 @@ static bool any_finite(const float *x, uint32_t n) {
     return false;
 }
 
-smoe_status smoe_decode_step(smoe_session *s, int32_t id, float *logits, int32_t *next_id) {
-    if (!s)
-        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_decode_step: session is NULL");
+static smoe_status decode(smoe_session *s, int32_t id, float *logits, int32_t *next_id) {
     smoe_status st = smoe_check_tokens(s, &id, 1);
     if (st != SMOE_OK)
         return st;
@@ -25,10 +23,13 @@ smoe_status smoe_decode_step(smoe_session *s, int32_t id, float *logits, int32_t
 
     smoe_embed(s, &id, 1);
     for (uint32_t l = 0; l < c->num_hidden_layers; l++) {
+        /* position unchanged on failure: row pos of the KV cache is rewritten next time */
         uint32_t used;
+        if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK)
+            return st;
         smoe_attention_block(s, l, pos, 1);
         if ((st = smoe_ffn_block(s, l, 1, &used)) != SMOE_OK)
-            return st; /* position unchanged: row pos of the KV cache is rewritten next time */
+            return st;
     }
     smoe_rmsnorm(s->xn, s->x, s->lay->final_norm, c->hidden_size, c->rms_norm_eps);
     smoe_linear(s, s->lay->lm_head, s->lay->lm_head->data, s->xn, 1, s->logits);
@@ -39,7 +40,7 @@ smoe_status smoe_decode_step(smoe_session *s, int32_t id, float *logits, int32_t
                                          "run `pysmoe verify`)", pos);
 
     s->history[pos] = id;
-    s->pos = pos + 1;
+    smoe_session_set_pos(s, pos + 1);
     if (logits)
         memcpy(logits, s->logits, c->vocab_size * sizeof(float));
     if (next_id)
@@ -47,4 +48,13 @@ smoe_status smoe_decode_step(smoe_session *s, int32_t id, float *logits, int32_t
     s->tokens_decoded++;
     s->decode_s += smoe_now() - t0;
     return SMOE_OK;
+}
+
+smoe_status smoe_decode_step(smoe_session *s, int32_t id, float *logits, int32_t *next_id) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_decode_step: session is NULL");
+    smoe_status st = smoe_session_enter(s, "smoe_decode_step");
+    if (st != SMOE_OK)
+        return st;
+    return smoe_session_leave(s, decode(s, id, logits, next_id));
 }

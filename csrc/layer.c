@@ -314,7 +314,8 @@ static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *
             st = smoe_fail(SMOE_ERR_INTERNAL, "layer %u: no streamer slot could be acquired", l);
             break;
         }
-        if ((st = drain_one(s, pending, &np, slots)) != SMOE_OK)
+        /* a cancel need not wait for the rest of a layer's reads */
+        if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK || (st = drain_one(s, pending, &np, slots)) != SMOE_OK)
             break;
     }
     if (st != SMOE_OK) {

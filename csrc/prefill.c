@@ -12,9 +12,7 @@
  * feeding the same tokens one at a time through smoe_decode_step (session.h says why). */
 #include "session.h"
 
-smoe_status smoe_prefill_chunk(smoe_session *s, const int32_t *ids, uint32_t n) {
-    if (!s || (!ids && n))
-        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_prefill_chunk: NULL argument");
+static smoe_status prefill(smoe_session *s, const int32_t *ids, uint32_t n) {
     if (n == 0 || n > s->params.chunk)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_prefill_chunk: n = %u, must be 1 to the session's chunk (%u)", n,
                          s->params.chunk);
@@ -26,14 +24,26 @@ smoe_status smoe_prefill_chunk(smoe_session *s, const int32_t *ids, uint32_t n) 
 
     smoe_embed(s, ids, n);
     for (uint32_t l = 0; l < s->cfg.num_hidden_layers; l++) {
+        /* position unchanged on failure: the chunk's KV rows are rewritten next time */
+        if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK)
+            return st;
         smoe_attention_block(s, l, pos, n);
         if ((st = smoe_ffn_block(s, l, n, &s->union_sizes[l])) != SMOE_OK)
-            return st; /* position unchanged: the chunk's KV rows are rewritten next time */
+            return st;
     }
     for (uint32_t i = 0; i < n; i++)
         s->history[pos + i] = ids[i];
-    s->pos = pos + n;
+    smoe_session_set_pos(s, pos + n);
     s->tokens_prefilled += n;
     s->prefill_s += smoe_now() - t0;
     return SMOE_OK;
+}
+
+smoe_status smoe_prefill_chunk(smoe_session *s, const int32_t *ids, uint32_t n) {
+    if (!s || (!ids && n))
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_prefill_chunk: NULL argument");
+    smoe_status st = smoe_session_enter(s, "smoe_prefill_chunk");
+    if (st != SMOE_OK)
+        return st;
+    return smoe_session_leave(s, prefill(s, ids, n));
 }

@@ -120,6 +120,8 @@ smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *param
     smoe_session *s = smoe_alloc(sizeof *s, 64);
     if (!s)
         return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the session");
+    atomic_init(&s->busy, 0);
+    atomic_init(&s->cancel, 0);
     s->vault = vault;
     s->lay = &vault->lay;
     s->cfg = *c;
@@ -226,12 +228,36 @@ smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *param
 smoe_status smoe_session_reset(smoe_session *s) {
     if (!s)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "session is NULL");
-    s->pos = 0;
+    smoe_status st = smoe_session_enter(s, "smoe_session_reset");
+    if (st != SMOE_OK)
+        return st;
+    smoe_session_set_pos(s, 0);
     s->broken = false;
-    return SMOE_OK;
+    return smoe_session_leave(s, SMOE_OK);
 }
 
-uint32_t smoe_session_position(const smoe_session *s) { return s ? s->pos : 0; }
+uint32_t smoe_session_position(const smoe_session *s) { return s ? __atomic_load_n(&s->pos, __ATOMIC_ACQUIRE) : 0; }
+
+smoe_status smoe_session_rewind(smoe_session *s, uint32_t position) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "session is NULL");
+    smoe_status st = smoe_session_enter(s, "smoe_session_rewind");
+    if (st != SMOE_OK)
+        return st;
+    if (position > s->pos)
+        st = smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_rewind: position %u is past the current one (%u)", position,
+                       s->pos);
+    else
+        smoe_session_set_pos(s, position);
+    return smoe_session_leave(s, st);
+}
+
+smoe_status smoe_session_cancel(smoe_session *s) {
+    if (!s)
+        return SMOE_ERR_INVALID_ARG; /* no smoe_fail: it formats a message, not signal-safe */
+    atomic_store_explicit(&s->cancel, 1, memory_order_relaxed);
+    return SMOE_OK;
+}
 
 smoe_status smoe_session_set_sampler(smoe_session *s, const smoe_sampler_params *params) {
     if (!s || !params)
@@ -242,17 +268,21 @@ smoe_status smoe_session_set_sampler(smoe_session *s, const smoe_sampler_params 
                          params->struct_size);
     memcpy(&p, params, params->struct_size);
     p.struct_size = sizeof p;
+    smoe_status st = smoe_session_enter(s, "smoe_session_set_sampler");
+    if (st != SMOE_OK)
+        return st;
     if (!(p.temperature >= 0.0f) || !(p.top_p > 0.0f && p.top_p <= 1.0f) || !(p.min_p >= 0.0f && p.min_p <= 1.0f) ||
         !(p.repetition_penalty > 0.0f))
-        return smoe_fail(SMOE_ERR_INVALID_ARG,
+        st = smoe_fail(SMOE_ERR_INVALID_ARG,
                          "sampler: temperature ≥ 0, 0 < top_p ≤ 1, 0 ≤ min_p ≤ 1, repetition_penalty > 0 "
                          "(got %g, %g, %g, %g)",
                          p.temperature, p.top_p, p.min_p, p.repetition_penalty);
-    smoe_sampler_init(&s->sampler, &p);
-    return SMOE_OK;
+    else
+        smoe_sampler_init(&s->sampler, &p);
+    return smoe_session_leave(s, st);
 }
 
-smoe_status smoe_session_read_kv(const smoe_session *s, uint32_t layer, uint32_t start, uint32_t n, float *k,
+static smoe_status session_read_kv_claimed(const smoe_session *s, uint32_t layer, uint32_t start, uint32_t n, float *k,
                                  float *v) {
     if (!s)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "session is NULL");
@@ -267,7 +297,7 @@ smoe_status smoe_session_read_kv(const smoe_session *s, uint32_t layer, uint32_t
     return SMOE_OK;
 }
 
-smoe_status smoe_stats(const smoe_session *s, smoe_counters *out) {
+static smoe_status stats_claimed(const smoe_session *s, smoe_counters *out) {
     if (!s || !out)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_stats: NULL argument");
     if (out->struct_size < offsetof(smoe_counters, direct_io) || out->struct_size > sizeof *out)
@@ -301,7 +331,7 @@ smoe_status smoe_stats(const smoe_session *s, smoe_counters *out) {
     return SMOE_OK;
 }
 
-smoe_status smoe_stats_union_sizes(const smoe_session *s, uint32_t *out, uint32_t cap) {
+static smoe_status stats_union_sizes_claimed(const smoe_session *s, uint32_t *out, uint32_t cap) {
     if (!s || (!out && cap))
         return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_stats_union_sizes: NULL argument");
     uint32_t n = cap < s->cfg.num_hidden_layers ? cap : s->cfg.num_hidden_layers;
@@ -309,7 +339,7 @@ smoe_status smoe_stats_union_sizes(const smoe_session *s, uint32_t *out, uint32_
     return SMOE_OK;
 }
 
-smoe_status smoe_stats_expert_counts(const smoe_session *s, uint32_t layer, uint64_t *counts, uint32_t cap) {
+static smoe_status stats_expert_counts_claimed(const smoe_session *s, uint32_t layer, uint64_t *counts, uint32_t cap) {
     if (!s || (!counts && cap))
         return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_stats_expert_counts: NULL argument");
     if (layer >= s->cfg.num_hidden_layers)
@@ -319,7 +349,7 @@ smoe_status smoe_stats_expert_counts(const smoe_session *s, uint32_t layer, uint
     return SMOE_OK;
 }
 
-smoe_status smoe_stats_reset(smoe_session *s) {
+static smoe_status stats_reset_claimed(smoe_session *s) {
     if (!s)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "session is NULL");
     if (s->streamer)
@@ -330,10 +360,65 @@ smoe_status smoe_stats_reset(smoe_session *s) {
     return SMOE_OK;
 }
 
-smoe_status smoe_cache_clear(smoe_session *s) {
+static smoe_status cache_clear_claimed(smoe_session *s) {
     if (!s)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "session is NULL");
     if (s->streamer)
         smoe_streamer_clear(s->streamer);
     return SMOE_OK;
+}
+
+/* The entry points of the calls above: each claims the session around its body (smoe.h, Threading). */
+smoe_status smoe_session_read_kv(const smoe_session *s, uint32_t layer, uint32_t start, uint32_t n, float *k, float *v) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_read_kv: session is NULL");
+    smoe_status st = smoe_session_enter(s, "smoe_session_read_kv");
+    if (st != SMOE_OK)
+        return st;
+    return smoe_session_leave(s, session_read_kv_claimed(s, layer, start, n, k, v));
+}
+
+smoe_status smoe_stats(const smoe_session *s, smoe_counters *out) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_stats: session is NULL");
+    smoe_status st = smoe_session_enter(s, "smoe_stats");
+    if (st != SMOE_OK)
+        return st;
+    return smoe_session_leave(s, stats_claimed(s, out));
+}
+
+smoe_status smoe_stats_union_sizes(const smoe_session *s, uint32_t *out, uint32_t cap) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_stats_union_sizes: session is NULL");
+    smoe_status st = smoe_session_enter(s, "smoe_stats_union_sizes");
+    if (st != SMOE_OK)
+        return st;
+    return smoe_session_leave(s, stats_union_sizes_claimed(s, out, cap));
+}
+
+smoe_status smoe_stats_expert_counts(const smoe_session *s, uint32_t layer, uint64_t *counts, uint32_t cap) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_stats_expert_counts: session is NULL");
+    smoe_status st = smoe_session_enter(s, "smoe_stats_expert_counts");
+    if (st != SMOE_OK)
+        return st;
+    return smoe_session_leave(s, stats_expert_counts_claimed(s, layer, counts, cap));
+}
+
+smoe_status smoe_stats_reset(smoe_session *s) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_stats_reset: session is NULL");
+    smoe_status st = smoe_session_enter(s, "smoe_stats_reset");
+    if (st != SMOE_OK)
+        return st;
+    return smoe_session_leave(s, stats_reset_claimed(s));
+}
+
+smoe_status smoe_cache_clear(smoe_session *s) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_cache_clear: session is NULL");
+    smoe_status st = smoe_session_enter(s, "smoe_cache_clear");
+    if (st != SMOE_OK)
+        return st;
+    return smoe_session_leave(s, cache_clear_claimed(s));
 }

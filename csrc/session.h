@@ -14,6 +14,8 @@
 #include "streamer.h"
 #include "vault.h"
 
+#include <stdatomic.h>
+
 struct smoe_session {
     smoe_vault *vault;
     const smoe_layout *lay;
@@ -23,8 +25,10 @@ struct smoe_session {
     smoe_streamer *streamer; /* NULL when the model has no sparse layer */
     smoe_sampler sampler;
 
-    uint32_t pos;    /* tokens in the KV cache */
+    uint32_t pos;    /* tokens in the KV cache; stored with set_pos (smoe_session_position loads it) */
     bool broken;
+    _Atomic int busy;   /* 1 while a call runs (smoe_session_enter .. smoe_session_leave) */
+    _Atomic int cancel; /* set by smoe_session_cancel, cleared by smoe_session_enter */
     uint32_t q_dim;  /* heads · head_dim */
     uint32_t kv_dim; /* kv_heads · head_dim */
     uint32_t ffn;    /* max(intermediate_size, moe_intermediate_size) */
@@ -85,6 +89,34 @@ void smoe_attention_block(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n
  * of distinct experts the n tokens used goes to *union_size (0 for a dense layer). On failure
  * every slot it pinned is released. */
 smoe_status smoe_ffn_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size);
+
+/* Claims the session for one ABI call (smoe.h, Threading): SMOE_ERR_BUSY, touching nothing,
+ * when another call holds it; otherwise clears any cancel request. fn names the call. */
+static inline smoe_status smoe_session_enter(const smoe_session *cs, const char *fn) {
+    smoe_session *s = (smoe_session *)cs; /* the claim is not part of the session's value */
+    int idle = 0;
+    if (!atomic_compare_exchange_strong_explicit(&s->busy, &idle, 1, memory_order_acquire, memory_order_relaxed))
+        return smoe_fail(SMOE_ERR_BUSY, "%s: another call is running on this session", fn);
+    atomic_store_explicit(&s->cancel, 0, memory_order_relaxed);
+    return SMOE_OK;
+}
+
+/* Releases the claim and passes st through, so a call ends `return smoe_session_leave(s, st);`. */
+static inline smoe_status smoe_session_leave(const smoe_session *cs, smoe_status st) {
+    atomic_store_explicit(&((smoe_session *)cs)->busy, 0, memory_order_release);
+    return st;
+}
+
+/* SMOE_ERR_CANCELLED with a message when smoe_session_cancel asked the running call to stop. */
+static inline smoe_status smoe_session_check_cancel(const smoe_session *s, uint32_t layer) {
+    if (!atomic_load_explicit(&((smoe_session *)s)->cancel, memory_order_relaxed))
+        return SMOE_OK;
+    return smoe_fail(SMOE_ERR_CANCELLED, "cancelled in layer %u (smoe_session_cancel); position %u unchanged", layer,
+                     s->pos);
+}
+
+/* The position a finished call leaves, published for smoe_session_position's atomic load. */
+static inline void smoe_session_set_pos(smoe_session *s, uint32_t pos) { __atomic_store_n(&s->pos, pos, __ATOMIC_RELEASE); }
 
 /* Checks ids and room for n more tokens; SMOE_OK or an error with a message. */
 smoe_status smoe_check_tokens(const smoe_session *s, const int32_t *ids, uint32_t n);

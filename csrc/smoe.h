@@ -18,9 +18,32 @@
  *     NULL.
  *   - Option and stats structs start with struct_size so the ABI can grow: set it to
  *     sizeof(the struct) (the *_default_* functions do).
- *   - A vault may be shared by several sessions; a session must be used by one thread at a time.
+ *   - A vault may be shared by several sessions, each used from any thread (see Threading).
  *   - Prefill and decode calls run kernels on the calling thread too; it needs about 1 MiB of
  *     stack (the library gives its own worker threads at least that).
+ *
+ * Threading
+ *   - A session runs one call at a time. Every call that reads or changes a session
+ *     (smoe_prefill_chunk, smoe_decode_step, smoe_session_reset, smoe_session_rewind,
+ *     smoe_session_set_sampler, smoe_session_read_kv, smoe_stats*, smoe_cache_clear) claims it
+ *     with an atomic compare-exchange as it starts and releases it as it returns. A call that
+ *     finds the session claimed by another thread returns SMOE_ERR_BUSY at once and touches
+ *     nothing: the running call is unaffected. So concurrent use is refused, never undefined; a
+ *     caller that wants to share a session across threads serialises the calls itself.
+ *   - Two calls free of that rule: smoe_session_position (an atomic load of the position the
+ *     last finished call left) and smoe_session_cancel (an atomic store), safe from any thread
+ *     at any time, and smoe_session_cancel from a signal handler too.
+ *   - smoe_session_cancel stops the prefill or decode call that is running on the session: it
+ *     checks between layers, and between the experts of a layer while it waits for blobs, and
+ *     returns SMOE_ERR_CANCELLED, which leaves the session as any other failure does (position
+ *     unchanged, session usable). Every call clears the request as it claims the session, so a
+ *     cancel that arrives while no call runs — or before a call has claimed the session — is
+ *     ignored; one that arrives while a call runs is never lost (the call returns CANCELLED or,
+ *     if it was past its last check, completes normally).
+ *   - smoe_session_free and smoe_close_vault must not run while a call runs on the session (or a
+ *     session of the vault): that is undefined behaviour. Cancel, let the call return, then free.
+ *     The Python binding enforces this (Session.close() cancels and waits).
+ *   - Different sessions, of one vault or of several, may run calls at the same time.
  */
 #ifndef SMOE_H
 #define SMOE_H
@@ -55,6 +78,8 @@ typedef enum {
     SMOE_ERR_SESSION_BROKEN = -7, /* an earlier failure left the session unusable */
     SMOE_ERR_UNSUPPORTED = -8,    /* this build or CPU cannot do it */
     SMOE_ERR_INTERNAL = -9,
+    SMOE_ERR_BUSY = -10,          /* another call is running on this session (nothing was done) */
+    SMOE_ERR_CANCELLED = -11,     /* smoe_session_cancel stopped the call (position unchanged) */
 } smoe_status;
 
 SMOE_API const char *smoe_status_str(smoe_status status);
@@ -169,8 +194,18 @@ SMOE_API void smoe_session_free(smoe_session *session);
 /* Forgets the tokens seen so far (position back to 0); the retention cache stays warm. Also
  * makes a broken session usable again. */
 SMOE_API smoe_status smoe_session_reset(smoe_session *session);
-/* Number of tokens in the KV cache. */
+/* Number of tokens in the KV cache, as the last finished call left it (an atomic load: safe
+ * while another thread runs a call on the session). */
 SMOE_API uint32_t smoe_session_position(const smoe_session *session);
+/* Moves the position back to position (≤ the current one), forgetting the tokens after it. The
+ * KV rows before it are those the earlier calls wrote, so this is exact: what follows is what
+ * would have followed position the first time. The sampler's random state is not rewound.
+ * SMOE_ERR_INVALID_ARG, changing nothing, if position is past the current one. */
+SMOE_API smoe_status smoe_session_rewind(smoe_session *session, uint32_t position);
+/* Asks the prefill or decode call running on session to stop (Threading, above); returns at
+ * once. Only an atomic store: thread- and async-signal-safe. SMOE_ERR_INVALID_ARG (with no
+ * message, for signal safety) for NULL. */
+SMOE_API smoe_status smoe_session_cancel(smoe_session *session);
 
 /* Layer-major prefill of n tokens (1 ≤ n ≤ params.chunk) at the current position. Produces no
  * logits: feed the prompt's last token through smoe_decode_step.

@@ -24,6 +24,8 @@ const char *smoe_status_str(smoe_status status) {
     case SMOE_ERR_SESSION_BROKEN: return "session broken";
     case SMOE_ERR_UNSUPPORTED: return "unsupported";
     case SMOE_ERR_INTERNAL: return "internal error";
+    case SMOE_ERR_BUSY: return "another call is running on this session";
+    case SMOE_ERR_CANCELLED: return "cancelled";
     }
     return "unknown status";
 }

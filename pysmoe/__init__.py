@@ -9,7 +9,7 @@
 Names resolve lazily so that `import pysmoe` stays cheap and the converters do not pull in the
 engine (or the engine the converters).
 """
-from .errors import (BadToken, ContextFull, InternalError, InvalidArgument, OutOfMemory, ReadError,
+from .errors import (BadToken, Busy, Cancelled, ContextFull, InternalError, InvalidArgument, OutOfMemory, ReadError,
                      SessionBroken, SmoeError, Unsupported, VaultError)
 
 __version__ = "0.1.0"
@@ -22,7 +22,7 @@ _LAZY = {
 }
 
 __all__ = ["SmoeError", "VaultError", "InvalidArgument", "BadToken", "ContextFull", "ReadError",
-           "OutOfMemory", "SessionBroken", "Unsupported", "InternalError", *_LAZY]
+           "OutOfMemory", "SessionBroken", "Unsupported", "InternalError", "Busy", "Cancelled", *_LAZY]
 
 
 def __getattr__(name):

@@ -13,6 +13,8 @@ SMOE_ERR_NOMEM = -6,
 SMOE_ERR_SESSION_BROKEN = -7,
 SMOE_ERR_UNSUPPORTED = -8,
 SMOE_ERR_INTERNAL = -9,
+SMOE_ERR_BUSY = -10,
+SMOE_ERR_CANCELLED = -11,
 } smoe_status;
 const char *smoe_status_str(smoe_status status);
 const char *smoe_last_error(void);
@@ -74,6 +76,8 @@ smoe_session **out);
 void smoe_session_free(smoe_session *session);
 smoe_status smoe_session_reset(smoe_session *session);
 uint32_t smoe_session_position(const smoe_session *session);
+smoe_status smoe_session_rewind(smoe_session *session, uint32_t position);
+smoe_status smoe_session_cancel(smoe_session *session);
 smoe_status smoe_prefill_chunk(smoe_session *session, const int32_t *ids, uint32_t n);
 typedef struct {
 uint32_t struct_size;

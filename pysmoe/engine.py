@@ -8,27 +8,76 @@
 
 A Session holds a strong reference to its Vault, so the vault stays open while any session of
 it lives. close() is explicit and idempotent; ffi.gc is only a safety net.
+
+Threads: a Session runs one method at a time. A method called while another thread is inside
+one raises Busy at once (libsmoe refuses concurrent calls the same way, SMOE_ERR_BUSY);
+position and cancel() may be called at any time, from any thread or a signal handler; close()
+from another thread cancels the running method and waits for it to return. A method that fails
+(for any exception, Cancelled and KeyboardInterrupt included) leaves the position where it
+found it: the methods that make several C calls rewind (smoe_session_rewind) before raising.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import numbers
 import os
 import pathlib
+import threading
 import weakref
 from typing import Iterator, Sequence
 
 import numpy as np
 
 from ._ffi import check, ffi, lib
-from .errors import BadToken, ContextFull, InvalidArgument, VaultError
+from .errors import BadToken, Busy, Cancelled, ContextFull, InvalidArgument, VaultError
 
 PREFILL_PATHS = ("layer-major", "token-serial")
 ACTIVATIONS = ("q8", "f32")
 
 
+U32, U64 = 2**32 - 1, 2**64 - 1
+
+
 def open_vault(path) -> "Vault":
-    """Open a vault directory (docs/vault.md). Raises VaultError if it is missing or corrupt."""
+    """Open a vault directory (docs/vault.md; `~` is expanded). Raises VaultError if it is
+    missing or corrupt."""
     return Vault(path)
+
+
+def _int_arg(name: str, value, low: int, high: int | None = None) -> int:
+    """value as an int in [low, high], else InvalidArgument (never cffi's OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low or (
+            high is not None and value > high):
+        bound = f"≥ {low}" if high is None else f"in [{low}, {high}]"
+        raise InvalidArgument(f"{name} must be an integer {bound}, not {value!r}")
+    return int(value)
+
+
+def _real_arg(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidArgument(f"{name} must be a number, not {value!r}")
+    return float(value)
+
+
+def _stop_ids(stop) -> frozenset:
+    """The stop ids of generate: an iterable of integers (None: none)."""
+    if stop is None:
+        return frozenset()
+    try:
+        items = list(stop)
+    except TypeError:
+        raise InvalidArgument(f"stop must be a sequence of token ids, not {stop!r}") from None
+    return frozenset(_int_arg("a stop id", s, -(2**31), 2**31 - 1) for s in items)
+
+
+def _read_vault_file(path: pathlib.Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise VaultError(f"{path}: cannot read ({e.strerror or e})") from e
+    except ValueError as e:  # not UTF-8
+        raise VaultError(f"{path}: not valid text ({e})") from None
 
 
 def _config_dict(c) -> dict:
@@ -47,7 +96,10 @@ class Vault:
     """An open vault: dense weights in memory, expert blobs on disk."""
 
     def __init__(self, path):
-        self.path = pathlib.Path(path)
+        try:
+            self.path = pathlib.Path(os.path.expanduser(path))
+        except TypeError:
+            raise InvalidArgument(f"a vault path must be a str or os.PathLike, not {path!r}") from None
         out = ffi.new("smoe_vault **")
         check(lib.smoe_open_vault(os.fsencode(self.path), out))
         self._h = ffi.gc(out[0], lib.smoe_close_vault)
@@ -63,9 +115,11 @@ class Vault:
         cfg_path = self.path / "config.json"
         if cfg_path.exists():
             try:
-                cfg = json.loads(cfg_path.read_text())
+                cfg = json.loads(_read_vault_file(cfg_path))
             except ValueError as e:
                 raise VaultError(f"{cfg_path}: not valid JSON ({e})") from None
+            if not isinstance(cfg, dict):
+                raise VaultError(f"{cfg_path}: not a JSON object")
         cfg.update(_config_dict(c))
         self.config = cfg
         self._tokenizer = None
@@ -93,7 +147,13 @@ class Vault:
         """The vault's tokenizer (pysmoe.tokenizer.Tokenizer), or None if it has none."""
         if self._tokenizer is None and (self.path / "tokenizer.json").exists():
             from .tokenizer import load_tokenizer
-            self._tokenizer = load_tokenizer(self.path)
+            try:
+                self._tokenizer = load_tokenizer(self.path)
+            except OSError as e:
+                raise VaultError(f"{e.filename or self.path / 'tokenizer.json'}: cannot read "
+                                 f"({e.strerror or e})") from e
+            except Exception as e:  # bad JSON or a tokenizer the tokenizers library refuses
+                raise VaultError(f"{self.path / 'tokenizer.json'}: not a usable tokenizer ({e})") from e
         return self._tokenizer
 
     def verify(self) -> list[tuple[str, int, int, str]]:
@@ -146,7 +206,9 @@ class Session:
     activations: "q8" (default) quantises the inputs of q8/q4 matrices to 8 bits per 32 values, as
     llama.cpp does, and multiplies integer codes; "f32" keeps them in float and multiplies the
     dequantised weights exactly (slower; what the numpy reference computes). Both prefill paths
-    agree bit for bit either way."""
+    agree bit for bit either way.
+
+    One method runs at a time (the module's docstring says what happens otherwise)."""
 
     def __init__(self, vault: Vault, *, cache_bytes=0, threads=None, chunk=None, prefill="layer-major",
                  context=4096, io_threads=4, direct_io=True, verify_blobs=True, activations="q8"):
@@ -154,20 +216,20 @@ class Session:
             raise InvalidArgument(f"prefill must be one of {PREFILL_PATHS}, not {prefill!r}")
         if activations not in ACTIVATIONS:
             raise InvalidArgument(f"activations must be one of {ACTIVATIONS}, not {activations!r}")
-        for name, value, low in (("cache_bytes", cache_bytes, 0), ("chunk", 1 if chunk is None else chunk, 1),
-                                 ("context", context, 1),
-                                 ("io_threads", io_threads, 1), ("threads", 1 if threads is None else threads, 1)):
-            if not isinstance(value, (int, np.integer)) or value < low:
-                raise InvalidArgument(f"{name} must be an integer ≥ {low}, not {value!r}")
+        cache_bytes = _int_arg("cache_bytes", cache_bytes, 0, U64)
+        chunk = None if chunk is None else _int_arg("chunk", chunk, 1, U32)
+        context = _int_arg("context", context, 1, U32)
+        io_threads = _int_arg("io_threads", io_threads, 1, U32)
+        threads = None if threads is None else _int_arg("threads", threads, 1, U32)
         self.vault = vault  # strong reference: the vault outlives the session
         p = lib.smoe_session_default_params()
-        p.cache_bytes = int(cache_bytes)
+        p.cache_bytes = cache_bytes
         if threads is not None:
-            p.threads = int(threads)
+            p.threads = threads
         if chunk is not None:  # None: the library's default (smoe_session_default_params)
-            p.chunk = int(chunk)
-        p.context = int(context)
-        p.io_threads = int(io_threads)
+            p.chunk = chunk
+        p.context = context
+        p.io_threads = io_threads
         p.direct_io = bool(direct_io)
         p.verify_blobs = bool(verify_blobs)
         p.float_activations = int(activations == "f32")
@@ -175,11 +237,16 @@ class Session:
         out = ffi.new("smoe_session **")
         check(lib.smoe_session_new(vault.handle, params, out))
         self._h = ffi.gc(out[0], lib.smoe_session_free)
+        self._lock = threading.Lock()    # held by the thread inside a method (others get Busy)
+        self._owner = None               # that thread's id
+        self._hlock = threading.RLock()  # guards the handle for position and cancel, which skip _lock
+        self._cancelled = False          # cancel() since the running method began
+        self._close_pending = False      # close() came from inside a method (a signal handler)
         vault._sessions.add(self)
         self.prefill_path = prefill
         self.activations = activations
         self.chunk = int(p.chunk)
-        self.context = min(int(context), vault.config["max_position_embeddings"])
+        self.context = min(context, vault.config["max_position_embeddings"])
         self.threads = int(p.threads)
         self._vocab = vault.config["vocab_size"]
         self._union = [0] * vault.config["num_hidden_layers"]
@@ -192,12 +259,66 @@ class Session:
             raise InvalidArgument("the session is closed")
         return self._h
 
+    @contextlib.contextmanager
+    def _claim(self, fresh: bool = True, rewind_to: int | None = None):
+        """Holds the session for one method; Busy if another thread holds it. fresh: a new
+        method, so an earlier cancel() is forgotten (as libsmoe forgets it). rewind_to: on any
+        exception the position goes back there (None: where this claim found it)."""
+        if not self._lock.acquire(blocking=False):
+            raise Busy("another call is running on this session (in another thread)")
+        try:
+            self._owner = threading.get_ident()
+            if fresh:
+                self._cancelled = False
+            h = self.handle
+            start = int(lib.smoe_session_position(h)) if rewind_to is None else rewind_to
+            try:
+                yield start
+            except BaseException:
+                if self._h is not None:
+                    lib.smoe_session_rewind(self._h, start)  # ≤ the position now: cannot fail
+                raise
+        finally:
+            self._owner = None
+            self._lock.release()
+            if self._close_pending:
+                self.close()
+
+    def _call(self, fn, *args) -> None:
+        """One C call of a method, unless cancel() came since the method began."""
+        if self._cancelled:
+            raise Cancelled("cancelled (Session.cancel)")
+        check(fn(self.handle, *args))
+
+    def cancel(self) -> None:
+        """Ask the method running on this session to stop: it raises Cancelled within a layer's
+        time (libsmoe checks between layers), the position where it was before the method.
+        Safe from any thread and from a signal handler (it takes no lock a method holds). A
+        cancel while no method runs is ignored, as is one that comes as a method finishes."""
+        self._cancelled = True
+        with self._hlock:
+            if self._h is not None:
+                lib.smoe_session_cancel(self._h)
+
     def close(self) -> None:
-        if self._h is not None:
-            ffi.release(self._h)
-            self._h = None
-            self.vault._sessions.discard(self)
-            self.vault._release_if_idle()
+        """Free the session; safe twice. A method running in another thread is cancelled and
+        waited for; called from inside a method (a signal handler), the session closes as that
+        method returns."""
+        if self._h is None:
+            return
+        self.cancel()
+        if self._owner == threading.get_ident():
+            self._close_pending = True
+            return
+        with self._lock:
+            with self._hlock:
+                h, self._h = self._h, None
+            if h is None:
+                return
+            ffi.release(h)
+        self._close_pending = False
+        self.vault._sessions.discard(self)
+        self.vault._release_if_idle()
 
     def __enter__(self):
         return self
@@ -207,21 +328,36 @@ class Session:
 
     @property
     def position(self) -> int:
-        return int(lib.smoe_session_position(self.handle))
+        """Tokens in the KV cache (as the last finished call left them: safe at any time)."""
+        with self._hlock:
+            return int(lib.smoe_session_position(self.handle))
 
     def reset(self) -> None:
         """Forget the tokens so far (the retention cache stays warm)."""
-        check(lib.smoe_session_reset(self.handle))
+        with self._claim():
+            self._call(lib.smoe_session_reset)
+
+    def rewind(self, position: int) -> None:
+        """Forget the tokens after position (≤ the current one); exact: the KV rows before it are
+        kept."""
+        position = _int_arg("position", position, 0, U32)
+        with self._claim():
+            self._call(lib.smoe_session_rewind, position)
 
     def clear_cache(self) -> None:
         """Drop every retained expert blob, so the next step starts cold."""
-        check(lib.smoe_cache_clear(self.handle))
+        with self._claim():
+            self._call(lib.smoe_cache_clear)
 
     def reset_stats(self) -> None:
-        check(lib.smoe_stats_reset(self.handle))
+        with self._claim():
+            self._call(lib.smoe_stats_reset)
 
     def _ids(self, ids) -> np.ndarray:
-        arr = np.asarray(ids)
+        try:
+            arr = np.asarray(ids)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(f"ids must be a 1-D sequence of token ids ({e})") from None
         if arr.ndim != 1 or arr.size == 0:
             raise InvalidArgument("ids must be a non-empty 1-D sequence of token ids")
         if not np.issubdtype(arr.dtype, np.integer):
@@ -232,18 +368,35 @@ class Session:
         return np.ascontiguousarray(arr, dtype=np.int32)
 
     # ------------------------------------------------------------------ the two calls
+    @staticmethod
+    def _sampler_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                        repetition_window=64, seed=0):
+        """The smoe_sampler_params of these values, each checked for type and range (libsmoe
+        checks the real-valued ones again)."""
+        sp = ffi.new("smoe_sampler_params *", lib.smoe_sampler_default_params())
+        sp.temperature = _real_arg("temperature", temperature)
+        sp.top_p = _real_arg("top_p", top_p)
+        sp.min_p = _real_arg("min_p", min_p)
+        sp.repetition_penalty = _real_arg("repetition_penalty", repetition_penalty)
+        sp.top_k = _int_arg("top_k", top_k, 0, U32)
+        sp.repetition_window = _int_arg("repetition_window", repetition_window, 0, U32)
+        sp.seed = _int_arg("seed", seed, 0, U64)
+        if not (sp.temperature >= 0 and 0 < sp.top_p <= 1 and 0 <= sp.min_p <= 1 and sp.repetition_penalty > 0):
+            raise InvalidArgument("sampler: temperature ≥ 0, 0 < top_p ≤ 1, 0 ≤ min_p ≤ 1, repetition_penalty > 0 "
+                                  f"(got {temperature!r}, {top_p!r}, {min_p!r}, {repetition_penalty!r})")
+        return sp
+
     def set_sampler(self, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
                     repetition_window=64, seed=0) -> None:
-        sp = lib.smoe_sampler_default_params()
-        sp.temperature, sp.top_k, sp.top_p, sp.min_p = temperature, top_k, top_p, min_p
-        sp.repetition_penalty, sp.repetition_window, sp.seed = repetition_penalty, repetition_window, seed
-        check(lib.smoe_session_set_sampler(self.handle, ffi.new("smoe_sampler_params *", sp)))
+        sp = self._sampler_params(temperature, top_k, top_p, min_p, repetition_penalty, repetition_window, seed)
+        with self._claim():
+            self._call(lib.smoe_session_set_sampler, sp)
 
     def _step(self, token: int, want_logits=True):
         logits = np.empty(self._vocab, dtype=np.float32) if want_logits else None
         nxt = ffi.new("int32_t *")
         lp = ffi.cast("float *", ffi.from_buffer(logits)) if want_logits else ffi.NULL
-        check(lib.smoe_decode_step(self.handle, int(token), lp, nxt))
+        self._call(lib.smoe_decode_step, int(token), lp, nxt)
         return logits, int(nxt[0])
 
     def _feed(self, ids: np.ndarray) -> None:
@@ -252,13 +405,13 @@ class Session:
         union = [0] * n_layers
         if self.prefill_path == "token-serial":
             for t in ids:
-                check(lib.smoe_decode_step(self.handle, int(t), ffi.NULL, ffi.NULL))
+                self._call(lib.smoe_decode_step, int(t), ffi.NULL, ffi.NULL)
         else:
             sizes = ffi.new("uint32_t[]", n_layers)
             for start in range(0, len(ids), self.chunk):
                 part = ids[start:start + self.chunk]
-                check(lib.smoe_prefill_chunk(self.handle, ffi.cast("int32_t *", ffi.from_buffer(part)), len(part)))
-                check(lib.smoe_stats_union_sizes(self.handle, sizes, n_layers))
+                self._call(lib.smoe_prefill_chunk, ffi.cast("int32_t *", ffi.from_buffer(part)), len(part))
+                self._call(lib.smoe_stats_union_sizes, sizes, n_layers)
                 union = [u + int(sizes[i]) for i, u in enumerate(union)]
         self._union = union
 
@@ -270,45 +423,59 @@ class Session:
         """Feed a prompt; returns the logits (float32, vocab) that follow its last id.
 
         All ids but the last go through the session's prefill path (layer-major chunks by
-        default); the last through the token-serial step."""
+        default); the last through the token-serial step. On any exception the position is
+        where it was before the call."""
         arr = self._ids(ids)
-        self._check_room(len(arr))
-        self._feed(arr[:-1])
-        logits, _ = self._step(arr[-1])
+        with self._claim():
+            self._check_room(len(arr))
+            self._feed(arr[:-1])
+            logits, _ = self._step(arr[-1])
         return logits
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one id; returns the logits that follow it."""
         self._ids([token])
-        return self._step(token)[0]
+        with self._claim():
+            return self._step(token)[0]
 
     def generate(self, ids: Sequence[int], max_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                  stop: Sequence[int] = ()) -> Iterator[int]:
         """Prefill ids, then yield up to max_tokens sampled ids (stops early at an id in stop or
-        when the context is full)."""
+        when the context is full). Every argument is checked here, before anything is fed; the
+        work happens as the iterator is consumed. If it raises (Cancelled included), the
+        position is where it was before the prompt; closing the iterator early keeps what was fed."""
         arr = self._ids(ids)
-        if max_tokens < 0:
-            raise InvalidArgument("max_tokens must be ≥ 0")
+        max_tokens = _int_arg("max_tokens", max_tokens, 0)
+        sp = self._sampler_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                  repetition_penalty=repetition_penalty, seed=seed)
+        stop = _stop_ids(stop)
         self._check_room(len(arr))
-        self.set_sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                         repetition_penalty=repetition_penalty, seed=seed)
-        if max_tokens == 0:
-            return
-        self._feed(arr[:-1])
-        _, nxt = self._step(arr[-1], want_logits=False)
-        stop = set(int(s) for s in stop)
+        return self._generate(arr, max_tokens, sp, stop)
+
+    def _generate(self, arr: np.ndarray, max_tokens: int, sp, stop: frozenset) -> Iterator[int]:
+        with self._claim() as start:
+            self._call(lib.smoe_session_set_sampler, sp)
+            if max_tokens == 0:
+                return
+            self._check_room(len(arr))
+            self._feed(arr[:-1])
+            _, nxt = self._step(arr[-1], want_logits=False)
         for i in range(max_tokens):
             yield nxt
             if nxt in stop or i + 1 == max_tokens or self.position >= self.context:
                 return
-            _, nxt = self._step(nxt, want_logits=False)
+            # Not held across the yield: the consumer may use other sessions, or this one's
+            # position, meanwhile. A cancel() since the prompt still counts.
+            with self._claim(fresh=False, rewind_to=start):
+                _, nxt = self._step(nxt, want_logits=False)
 
     # ------------------------------------------------------------------ introspection
     def stats(self) -> dict:
         c = ffi.new("smoe_counters *")
         c.struct_size = ffi.sizeof("smoe_counters")
-        check(lib.smoe_stats(self.handle, c))
+        with self._claim():
+            self._call(lib.smoe_stats, c)
         return {
             "position": int(c.position), "blob_reads": int(c.blob_reads), "bytes_read": int(c.bytes_read),
             "cache_hits": int(c.cache_hits), "cache_misses": int(c.cache_misses), "io_wait_s": float(c.io_wait_s),
@@ -322,13 +489,17 @@ class Session:
 
     def kv(self, layer: int, start: int = 0, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """K (after norm and RoPE) and V rows of a layer for positions [start, start + n)."""
-        if n is None:
-            n = self.position - start
-        kv_dim = self.vault.config["num_key_value_heads"] * self.vault.config["head_dim"]
-        k = np.empty((n, kv_dim), dtype=np.float32)
-        v = np.empty((n, kv_dim), dtype=np.float32)
-        check(lib.smoe_session_read_kv(self.handle, layer, start, n, ffi.cast("float *", ffi.from_buffer(k)),
-                                       ffi.cast("float *", ffi.from_buffer(v))))
+        layer = _int_arg("layer", layer, 0, U32)
+        start = _int_arg("start", start, 0, U32)
+        with self._claim():
+            if n is None:
+                n = self.position - start
+            n = _int_arg("n", n, 0, U32)
+            kv_dim = self.vault.config["num_key_value_heads"] * self.vault.config["head_dim"]
+            k = np.empty((n, kv_dim), dtype=np.float32)
+            v = np.empty((n, kv_dim), dtype=np.float32)
+            self._call(lib.smoe_session_read_kv, layer, start, n, ffi.cast("float *", ffi.from_buffer(k)),
+                       ffi.cast("float *", ffi.from_buffer(v)))
         return k, v
 
     def __repr__(self):

@@ -52,5 +52,17 @@ class InternalError(SmoeError):
     code = -9
 
 
+class Busy(SmoeError, RuntimeError):
+    """Another call is running on this session (in another thread); nothing was done."""
+
+    code = -10
+
+
+class Cancelled(SmoeError):
+    """Session.cancel() stopped the call; the session's position is where it was before it."""
+
+    code = -11
+
+
 BY_CODE = {cls.code: cls for cls in (InvalidArgument, BadToken, ContextFull, VaultError, ReadError,
-                                     OutOfMemory, SessionBroken, Unsupported, InternalError)}
+                                     OutOfMemory, SessionBroken, Unsupported, InternalError, Busy, Cancelled)}

@@ -5,7 +5,7 @@ import dataclasses
 import time
 from typing import Iterator, Sequence
 
-from .engine import Session
+from .engine import Session, _stop_ids
 from .errors import InvalidArgument
 
 
@@ -29,25 +29,35 @@ def _as_ids(session: Session, prompt, chat: bool) -> list[int]:
         if chat:
             return tok.apply_chat_template([{"role": "user", "content": prompt}])
         return tok.encode(prompt)
-    return [int(i) for i in prompt]
+    try:
+        return [int(i) for i in prompt]
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"a prompt is text or a sequence of token ids ({e})") from None
 
 
 def stream_generate(session: Session, prompt: str | Sequence[int], max_tokens: int = 64, *,
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                     repetition_penalty: float = 1.0, seed: int = 0, chat: bool = False,
                     stop: Sequence[int] | None = None) -> Iterator[GenerationResponse]:
-    """Generate from a prompt (text, or ids) and yield a GenerationResponse per token."""
+    """Generate from a prompt (text, or ids) and yield a GenerationResponse per token. Every
+    argument is checked here, before anything is fed (Session.generate says what a failure
+    leaves)."""
     ids = _as_ids(session, prompt, chat)
     tok = session.vault.tokenizer
     if stop is None:
         stop = tok.eos_ids if tok is not None else ()
-    stop = set(stop)
+    stop = _stop_ids(stop)
     start = time.perf_counter()
+    gen = session.generate(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, top_k=top_k,
+                           min_p=min_p, repetition_penalty=repetition_penalty, stop=stop)
+    return _responses(session, tok, ids, gen, max_tokens, stop, start)
+
+
+def _responses(session: Session, tok, ids: list[int], gen: Iterator[int], max_tokens: int, stop: frozenset,
+               start: float) -> Iterator[GenerationResponse]:
     first = None
     out: list[int] = []
     emitted = ""
-    gen = session.generate(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, top_k=top_k,
-                           min_p=min_p, repetition_penalty=repetition_penalty, stop=stop)
     for token in gen:
         now = time.perf_counter()
         if first is None:

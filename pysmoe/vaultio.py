@@ -609,6 +609,15 @@ class VaultFile:
         if size < HEADER_BYTES:
             raise VaultFormatError(f"{self.path}: {size} bytes, shorter than a header")
         self.mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        try:
+            self._parse(size)
+        except VaultError:
+            raise
+        except (struct.error, ValueError, KeyError, IndexError, OverflowError, TypeError) as e:
+            # a field _parse has no explicit check for (a name, a format code, a count) is nonsense
+            raise VaultFormatError(f"{self.path}: corrupt header or tables ({type(e).__name__}: {e})") from None
+
+    def _parse(self, size: int) -> None:
         head = bytes(self.mm[:HEADER_BYTES])
         f = _HEADER.unpack(head[:_HEADER.size])
         if f[0] != MAGIC:

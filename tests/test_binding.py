@@ -46,7 +46,7 @@ def test_versions():
 def test_every_status_maps_to_a_typed_exception():
     codes = [v for k, v in vars(lib).items() if k.startswith("SMOE_ERR_")] if hasattr(lib, "__dict__") else []
     codes = [getattr(lib, n) for n in dir(lib) if n.startswith("SMOE_ERR_")] or codes
-    assert len(codes) == 9
+    assert sorted(codes) == sorted(errors.BY_CODE)  # every status has its class, and no class is stale
     for code in codes:
         text = ffi.string(lib.smoe_status_str(code)).decode()
         assert text and text != ffi.string(lib.smoe_status_str(0)).decode()
@@ -54,6 +54,8 @@ def test_every_status_maps_to_a_typed_exception():
         assert issubclass(cls, pysmoe.SmoeError) and cls.code == code
     assert issubclass(pysmoe.VaultError, pysmoe.SmoeError)
     assert issubclass(pysmoe.BadToken, ValueError) and issubclass(pysmoe.ReadError, OSError)
+    assert issubclass(pysmoe.Busy, RuntimeError) and errors.BY_CODE[lib.SMOE_ERR_BUSY] is pysmoe.Busy
+    assert errors.BY_CODE[lib.SMOE_ERR_CANCELLED] is pysmoe.Cancelled
 
 
 def test_check_carries_the_library_message(tmp_path):

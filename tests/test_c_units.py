@@ -1,7 +1,7 @@
 """The kernels, the worker pool and the sampler through their C tests.
 
 tests/c/test_kernels.c, tests/c/test_kernels_neon.c, tests/c/test_pool_sample.c and
-tests/c/test_checksum.c are compiled
+tests/c/test_checksum.c and tests/c/test_threads.c (with the whole engine, as test_paths.c) are compiled
 here with gcc against the csrc files they need (kernels.c, kernels_avx2.c, kernels_neon.c, cpu.c,
 pool.c, sample.c, util.c) with the engine's flags, and run. Builds:
 
@@ -64,7 +64,7 @@ def build(tmp_path_factory):
             exe = out / f"{program}_{variant}"
             isa = [] if variant == "portable" else ISA_FLAGS
             # the CPU-check build and test_paths link the whole engine (smoe_open_vault etc.)
-            whole = variant == "cpuhook" or program == "test_paths"
+            whole = variant == "cpuhook" or program in ("test_paths", "test_threads")
             sources = sorted(CSRC.glob("*.c")) if whole else LIB_SOURCES
             cmd = ["gcc", *FLAGS, *isa, *BUILDS[variant], str(ROOT / "tests" / "c" / f"{program}.c"),
                    *map(str, sources), "-lm", "-o", str(exe)]
@@ -120,6 +120,18 @@ def test_paths_program(build, vault, request):
     """tests/c/test_paths.c (layer-major against token-serial from C, what `make neon-check` runs
     for arm64 under qemu) on this host, so that the program keeps building and passing."""
     assert "test_paths: ok" in run(build("test_paths", "O2"), str(request.getfixturevalue(vault)), "40")
+
+
+@pytest.mark.parametrize("variant", ["O2", "asan"])
+def test_threads_program(build, variant, tiny_vault):
+    """tests/c/test_threads.c: concurrent calls on one session are refused (SMOE_ERR_BUSY), a
+    cancel from another thread stops a prefill with the position kept (smoe.h, Threading)."""
+    assert "test_threads: ok" in run(build("test_threads", variant), str(tiny_vault))
+
+
+@pytest.mark.slow
+def test_threads_program_tsan(build, tiny_vault):
+    assert "test_threads: ok" in run(build("test_threads", "tsan"), str(tiny_vault), timeout=600)
 
 
 @pytest.mark.parametrize("variant", ["O2", "nofutex", "asan"])

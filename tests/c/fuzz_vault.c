@@ -12,12 +12,23 @@
  *   gcc -std=c11 -g -O1 -fsanitize=address,undefined -DSTANDALONE -D_GNU_SOURCE -Icsrc \
  *       tests/c/fuzz_vault.c csrc/vault.c csrc/util.c csrc/kernels.c -lm -pthread -o /tmp/fuzz_vault
  *   /tmp/fuzz_vault 200000 some/vault/vault.bin
+ *
+ * The standalone driver then fuzzes blob payloads through the whole engine (it needs every
+ * csrc/ file, as `make fuzz` links them): in a copy of the vault (VAULT.blobfuzz-XXXXXX beside
+ * it, removed at the end), ITERS / 1000 times (at least 50) a few bytes of a random expert blob
+ * are changed on disk, a new session prefills a fixed prompt, and the bytes are put back. With
+ * verify_blobs the prefill must fail with SMOE_ERR_VAULT or SMOE_ERR_IO unless no token was
+ * routed to that expert; without it, it must not crash (whatever the numbers).
  */
 #include "vault.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef STANDALONE
+#include <fcntl.h>
+#include <unistd.h>
+#endif
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -67,6 +78,79 @@ static void seal(uint8_t *b, size_t n) {
     for (int i = 0; i < 4; i++) b[12 + i] = (uint8_t)(crc >> (8 * i));
 }
 
+/* Copies src to dst; 0 on success. */
+static int copy_file(const char *src, const char *dst) {
+    FILE *in = fopen(src, "rb"), *out = in ? fopen(dst, "wb") : NULL;
+    char buf[1 << 16];
+    size_t n;
+    int rc = in && out ? 0 : -1;
+    while (rc == 0 && (n = fread(buf, 1, sizeof buf, in)) > 0)
+        if (fwrite(buf, 1, n, out) != n) rc = -1;
+    if (in) fclose(in);
+    if (out && fclose(out) != 0) rc = -1;
+    return rc;
+}
+
+static int fuzz_blobs(const char *vault_bin, long iters) {
+    char tmpl[4096], bin[4200];
+    snprintf(tmpl, sizeof tmpl, "%s.blobfuzz-XXXXXX", vault_bin);
+    if (!mkdtemp(tmpl)) return perror(tmpl), 1;
+    snprintf(bin, sizeof bin, "%s/vault.bin", tmpl);
+    if (copy_file(vault_bin, bin) != 0) return fprintf(stderr, "cannot copy %s\n", vault_bin), 1;
+    smoe_vault *v;
+    if (smoe_open_vault(tmpl, &v) != SMOE_OK) return fprintf(stderr, "%s\n", smoe_last_error()), 1;
+    int fd = open(bin, O_RDWR);
+    if (fd < 0) return perror(bin), 1;
+    const smoe_layout *lay = &v->lay;
+    uint32_t E = lay->cfg.num_experts, n_keys = lay->cfg.num_hidden_layers * E;
+    int32_t ids[24];
+    for (int i = 0; i < 24; i++) ids[i] = (int32_t)((i * 131 + 7) % lay->cfg.vocab_size);
+    long caught = 0, unused = 0, unchecked = 0;
+    for (long it = 0; it < iters; it++) {
+        uint32_t key;
+        do key = (uint32_t)(rnd() % n_keys);
+        while (lay->blob_offset[key] == 0);
+        uint64_t off[4];
+        uint8_t old[4];
+        int k = 1 + (int)(rnd() % 4);
+        for (int j = 0; j < k; j++) {
+            off[j] = lay->blob_offset[key] + rnd() % lay->blob_bytes;
+            if (pread(fd, &old[j], 1, (off_t)off[j]) != 1) return perror("pread"), 1;
+            uint8_t b = (uint8_t)(old[j] ^ (1u + rnd() % 255)); /* always a change */
+            if (pwrite(fd, &b, 1, (off_t)off[j]) != 1) return perror("pwrite"), 1;
+        }
+        smoe_session_params p = smoe_session_default_params();
+        p.threads = 1;
+        p.verify_blobs = it % 2 == 0;
+        smoe_session *s;
+        if (smoe_session_new(v, &p, &s) != SMOE_OK) return fprintf(stderr, "%s\n", smoe_last_error()), 1;
+        smoe_status st = smoe_prefill_chunk(s, ids, 23);
+        if (st == SMOE_OK) st = smoe_decode_step(s, ids[23], NULL, NULL);
+        uint64_t routed, *counts = calloc(E, sizeof *counts);
+        smoe_stats_expert_counts(s, key / E, counts, E);
+        routed = counts[key % E];
+        free(counts);
+        if (p.verify_blobs) {
+            if (st == SMOE_ERR_VAULT || st == SMOE_ERR_IO) caught++;
+            else if (st == SMOE_OK && routed == 0) unused++;
+            else return fprintf(stderr, "blob (%u,%u) changed: status %d, routed %llu: %s\n", key / E, key % E, st,
+                                (unsigned long long)routed, smoe_last_error()), 1;
+        } else {
+            unchecked++;
+        }
+        smoe_session_free(s);
+        for (int j = k - 1; j >= 0; j--) /* in reverse: a byte changed twice gets its first value */
+            if (pwrite(fd, &old[j], 1, (off_t)off[j]) != 1) return perror("pwrite"), 1;
+    }
+    close(fd);
+    smoe_close_vault(v);
+    unlink(bin);
+    rmdir(tmpl);
+    printf("%s: %ld blob mutations: %ld caught by the checksum, %ld in experts nobody used, %ld unchecked runs\n",
+           vault_bin, iters, caught, unused, unchecked);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc < 3) {
         fprintf(stderr, "usage: %s ITERS vault.bin...\n", argv[0]);
@@ -114,6 +198,7 @@ int main(int argc, char **argv) {
         printf("%s: %ld mutations, %ld parsed\n", argv[a], iters, ok);
         free(seed);
         free(buf);
+        if (fuzz_blobs(argv[a], iters / 1000 > 50 ? iters / 1000 : 50) != 0) return 1;
     }
     return 0;
 }
