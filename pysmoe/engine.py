@@ -27,7 +27,10 @@ ACTIVATIONS = ("q8", "f32")
 
 
 def open_vault(path) -> "Vault":
-    """Open a vault directory (docs/vault.md). Raises VaultError if it is missing or corrupt."""
+    """Open a vault directory (docs/vault.md). Raises VaultError if it is missing or corrupt, or
+    is the leftover of an interrupted write (pysmoe.vaultdir)."""
+    from .vaultdir import check_complete
+    check_complete(pathlib.Path(path).expanduser())
     return Vault(path)
 
 
@@ -47,7 +50,7 @@ class Vault:
     """An open vault: dense weights in memory, expert blobs on disk."""
 
     def __init__(self, path):
-        self.path = pathlib.Path(path)
+        self.path = pathlib.Path(path).expanduser()
         out = ffi.new("smoe_vault **")
         check(lib.smoe_open_vault(os.fsencode(self.path), out))
         self._h = ffi.gc(out[0], lib.smoe_close_vault)
