@@ -33,7 +33,8 @@ class _Version(argparse.Action):
             native = f"libsmoe {ffi.string(lib.smoe_version()).decode()} (ABI {lib.smoe_abi_version()})"
         except (ImportError, OSError) as e:
             native = f"libsmoe unavailable ({e})"
-        parser.exit(message=f"pysmoe {__version__}, {native}\n")
+        print(f"pysmoe {__version__}, {native}")
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
