@@ -136,3 +136,13 @@ def test_engine_errors_exit_1_with_message(tmp_path, tiny_vault):
     assert out.returncode == 1 and "VaultError" in out.stderr and "Traceback" not in out.stderr
     out = cli("run", "--vault", tiny_vault, "--ids", "1,99999", "--max-tokens", "2")
     assert out.returncode == 1 and "BadToken" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args", [["-1", "5"], ["4", "-5"], ["x", "5"], ["4", "5x"], ["4", "1", "abc"], ["", "1"],
+                                  ["4", "99999999999"]])
+def test_c_example_validates_its_arguments(tiny_vault, args):
+    exe = os.environ.get("SMOE_EXAMPLE") or os.path.join(os.path.dirname(__file__), "..", "build", "smoe_generate")
+    out = subprocess.run([exe, str(tiny_vault), *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "usage:" in out.stderr and out.stdout == ""
+    ok = subprocess.run([exe, str(tiny_vault), "0", "5"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and ok.stdout.strip() == ""  # zero tokens asked, none printed
