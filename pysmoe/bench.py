@@ -75,41 +75,42 @@ def _path_list(text: str) -> list[str]:
 
 
 def add_parser(p: argparse.ArgumentParser, name: str = "bench") -> None:
+    from .argtypes import mebibytes, nonneg_int, positive_float, positive_int, probability, seed
     p.add_argument("vault", help="vault directory (make one with: python -m pysmoe synth DIR --preset mini)")
     p.add_argument("--prompt-lengths", type=_int_list, default=list(DEFAULT_LENGTHS),
                    help="prompt lengths in tokens, comma-separated (default 1,8,45,64,256,1024)")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--cache-mb", type=float, default=None, help="retention cache budget in MiB")
-    budget.add_argument("--cache-frac", type=float, default=None,
+    budget.add_argument("--cache-mb", type=mebibytes, default=None, help="retention cache budget in MiB")
+    budget.add_argument("--cache-frac", type=probability, default=None,
                         help="retention cache budget as a fraction of the expert bytes (default 0.1)")
     p.add_argument("--paths", type=_path_list, default=list(PATHS),
                    help="prefill paths to time, comma-separated (default layer-major,token-serial)")
-    p.add_argument("--repeats", type=int, default=3, help="runs per figure; each figure is their median (default 3)")
-    p.add_argument("--chunk", type=int, default=None, help="layer-major chunk in tokens (default: the library's)")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
-    p.add_argument("--io-threads", type=int, default=4, help="blob reads in flight, engine and probe (default 4)")
-    p.add_argument("--decode-tokens", type=int, default=16, help="tokens decoded per decode run (0: no decode runs)")
-    p.add_argument("--decode-prompt", type=int, default=8, help="prompt length before the decode runs (default 8)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; each figure is their median (default 3)")
+    p.add_argument("--chunk", type=positive_int, default=None, help="layer-major chunk in tokens (default: the library's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--io-threads", type=positive_int, default=4, help="blob reads in flight, engine and probe (default 4)")
+    p.add_argument("--decode-tokens", type=nonneg_int, default=16, help="tokens decoded per decode run (0: no decode runs)")
+    p.add_argument("--decode-prompt", type=positive_int, default=8, help="prompt length before the decode runs (default 8)")
     p.add_argument("--decode-budgets", type=_pct_list, default=None, metavar="PCTS",
                    help="decode tokens/s against the cache budget: comma-separated percentages of the expert bytes "
                         "(100: every expert), e.g. 0,5,10,25,50,100; a fresh session per run prefills "
                         "--budget-prompt tokens, then decodes --decode-tokens; budgets that do not fit in available "
                         "memory are skipped")
-    p.add_argument("--budget-prompt", type=int, default=64,
+    p.add_argument("--budget-prompt", type=positive_int, default=64,
                    help="prompt length before each --decode-budgets run (default 64: long enough that the cache is "
                         "as full as its budget allows when decode starts)")
     p.add_argument("--no-ttft", action="store_true",
                    help="skip the TTFT table and the two-point decode (with --decode-budgets: only the budget curve)")
-    p.add_argument("--serial-max-len", type=int, default=None,
+    p.add_argument("--serial-max-len", type=positive_int, default=None,
                    help="time token-serial only for prompts up to this length (it reads top-k blobs per token "
                         "per layer: slow on large vaults)")
     p.add_argument("--no-resident", action="store_true",
                    help="skip the compute floor and resident decode (they need memory for every expert)")
-    p.add_argument("--resident-mb", type=float, default=None,
+    p.add_argument("--resident-mb", type=mebibytes, default=None,
                    help="cache of the resident session in MiB (default: every expert's bytes)")
-    p.add_argument("--probe-mb", type=float, default=1024,
+    p.add_argument("--probe-mb", type=positive_float, default=1024,
                    help="at most this many MiB per bandwidth probe (default 1024)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompt ids and the probe's blob choice")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the prompt ids and the probe's blob choice")
     p.add_argument("--verify-blobs", choices=("on", "off", "both"), default="on",
                    help="check each blob's checksum as it is read (the engine's default, on); both: every cold "
                         "run also runs on a second, unchecked session in the same repeat, and the table gives "
@@ -119,7 +120,7 @@ def add_parser(p: argparse.ArgumentParser, name: str = "bench") -> None:
                         "prefix. For realistic-routing vaults use coherent ids sampled from the model: "
                         "python -c \"import numpy, pysmoe.routing as r; numpy.save('ids.npy', "
                         "r.coherent_prompt('VAULT', 1024))\"")
-    p.add_argument("--context", type=int, default=None, help="KV length (default: the longest prompt, decode prompt + decode tokens, or budget prompt + "
+    p.add_argument("--context", type=positive_int, default=None, help="KV length (default: the longest prompt, decode prompt + decode tokens, or budget prompt + "
                         "decode tokens, whichever is most, + 1)")
     p.add_argument("--strict", action="store_true", help="exit 3 if any cold run or probe lacked Direct I/O")
     p.add_argument("--json", metavar="OUT", help="write every run and the medians to this JSON file")

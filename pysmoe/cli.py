@@ -20,9 +20,29 @@ COMMANDS = {
 }
 
 
+class _Version(argparse.Action):
+    """--version: pysmoe's and libsmoe's, the library loaded only when asked."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from . import __version__
+        try:
+            from ._ffi import ffi, lib
+            native = f"libsmoe {ffi.string(lib.smoe_version()).decode()} (ABI {lib.smoe_abi_version()})"
+        except (ImportError, OSError) as e:
+            native = f"libsmoe unavailable ({e})"
+        print(f"pysmoe {__version__}, {native}")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m pysmoe", description=__doc__.splitlines()[0])
+    from .argtypes import HelpFormatter
+    parser = argparse.ArgumentParser(prog="python -m pysmoe", description=__doc__.splitlines()[0],
+                                     epilog="exit status: 0 ok, 1 engine error, 2 bad usage, 130 interrupted")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the engine's messages")
+    parser.add_argument("--version", action=_Version, help="print pysmoe's and libsmoe's versions and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module, help_text) in COMMANDS.items():
         try:
@@ -31,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
             p = sub.add_parser(name, help=f"{help_text} (unavailable: {e})")
             p.set_defaults(_unavailable=str(e))
             continue
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         mod.add_parser(p, name)
         p.set_defaults(_run=mod.run)
     return parser
@@ -45,8 +65,12 @@ def main(argv=None) -> int:
         print(f"pysmoe {args.command}: unavailable: {args._unavailable}", file=sys.stderr)
         return 2
     from .errors import SmoeError
+    from .vaultdir import TargetError
     try:
         return args._run(args) or 0
+    except TargetError as e:  # where to write: a usage error, said before anything was written
+        print(f"pysmoe {args.command}: error: {e}", file=sys.stderr)
+        return 2
     except SmoeError as e:
         print(f"pysmoe {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

@@ -1,53 +1,232 @@
 """python -m pysmoe chat: a conversation through the vault's chat template.
 
-Each turn re-renders the whole conversation and prefills it from position 0: simple and exact;
-the retention cache keeps the experts of earlier turns warm, so the re-read is mostly hits."""
+The session keeps the conversation's KV from turn to turn. Each turn renders the whole
+conversation with the template; when the ids already fed are a prefix of that rendering (the
+usual case) only the rest is prefilled, otherwise (a template that rewrites earlier turns, a
+reply that re-tokenises differently, /system) the session is reset and the whole conversation
+re-prefilled: exact either way. When the next turn would not fit the context, the oldest turns
+are dropped (the system prompt is kept) and stderr says so.
+
+Lines starting with "/" are commands (/help lists them), never sent to the model. Ctrl-C during
+a reply stops it and returns to the prompt; Ctrl-C at the prompt twice in a row, Ctrl-D or /exit
+quits. On a terminal, lines are edited with readline and kept in a history file.
+"""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import pathlib
 import sys
+from typing import Iterator
 
 from .cmd_run import add_sampling_args, add_session_args, open_session, sampling_kwargs
 
+HELP = """commands (not sent to the model):
+  /help          this list
+  /reset         forget the conversation (the system prompt stays)
+  /system TEXT   set the system prompt (/system alone removes it)
+  /exit          quit (also /quit, Ctrl-D, or Ctrl-C twice at the prompt)
+  //TEXT         send TEXT starting with "/"
+Ctrl-C during a reply stops it."""
+
 
 def add_parser(p: argparse.ArgumentParser, name: str) -> None:
-    p.add_argument("--system", default=None, help="system message")
+    p.add_argument("--system", default=None, help="system prompt (change it with /system TEXT)")
     add_session_args(p)
     add_sampling_args(p)
 
 
+class TurnTooLong(ValueError):
+    """The message alone, with room for the reply, does not fit the context."""
+
+
+class Conversation:
+    """The messages of a chat and the ids whose KV the session holds (`fed`)."""
+
+    def __init__(self, session, tokenizer, system: str | None = None, max_tokens: int = 64, **sampling):
+        self.session, self.tok = session, tokenizer
+        self.system = system or None
+        self.turns: list[dict] = []    # user and assistant messages, oldest first
+        self.fed: list[int] = []       # the ids in the session's KV, in order
+        self.max_tokens, self.sampling = max_tokens, sampling
+        self.kept = 0                  # prompt ids of the last turn that were already in the KV
+        self.dropped = 0               # turns the last reply dropped to fit the context
+
+    def messages(self, extra: list[dict] = ()) -> list[dict]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.turns + list(extra)
+
+    def reset(self) -> None:
+        self.turns, self.fed = [], []
+        self.session.reset()
+
+    def _fit(self, user: dict) -> list[int]:
+        """The rendering of the conversation plus user, dropping the oldest turns (never the
+        system prompt) until it leaves room for max_tokens of reply."""
+        self.dropped = 0
+        room = self.session.context - self.max_tokens
+        while True:
+            ids = self.tok.apply_chat_template(self.messages([user]))
+            if len(ids) <= room:
+                return ids
+            if not self.turns:
+                raise TurnTooLong(f"this message ({len(ids)} tokens with the conversation's template) and "
+                                  f"{self.max_tokens} tokens of reply do not fit the context of {self.session.context}")
+            # a user message and its reply (a turn whose reply was interrupted may lack one)
+            del self.turns[:2 if len(self.turns) > 1 and self.turns[1]["role"] == "assistant" else 1]
+            self.dropped += 1
+
+    def reply(self, text: str) -> Iterator:
+        """Send a user message; yields GenerationResponse records of the reply. Close the
+        iterator (contextlib.closing) if you stop early: that is what records the reply."""
+        from .generate import stream_generate
+        user = {"role": "user", "content": text}
+        ids = self._fit(user)
+        n = len(self.fed)
+        if not (0 < n < len(ids) and ids[:n] == self.fed):
+            self.session.reset()
+            self.fed, n = [], 0
+        self.kept = n
+        self.turns.append(user)
+        todo = self.fed + ids[n:]  # what the session will have fed, in order, as far as it gets
+        reply = []
+        try:
+            for r in stream_generate(self.session, ids[n:], self.max_tokens, **self.sampling):
+                todo.append(r.token)
+                reply.append(r.text)
+                yield r
+        finally:
+            # Interrupted (Ctrl-C, an error) or not, the KV holds the first `position` ids of
+            # todo: prompt ids are fed in order, and each generated id is fed before the next
+            # one is sampled. TODO(cancel): once Session.cancel() exists (pysmoe/engine.py), the
+            # SIGINT handler should call it so a long prefill stops within a layer instead of at
+            # the next chunk boundary; this bookkeeping stays as it is.
+            self.fed = todo[:self.session.position]
+            if reply:
+                self.turns.append({"role": "assistant", "content": "".join(reply)})
+            else:  # nothing was answered: forget the question (the next turn re-prefills)
+                self.turns.pop()
+
+
+def history_file() -> pathlib.Path:
+    state = os.environ.get("XDG_STATE_HOME")
+    if state:
+        return pathlib.Path(state) / "pysmoe" / "history"
+    return pathlib.Path.home() / ".pysmoe_history"
+
+
+@contextlib.contextmanager
+def line_editing(enabled: bool):
+    """readline editing and a history file, on a terminal."""
+    if not enabled:
+        yield
+        return
+    try:
+        import readline
+    except ImportError:  # Windows without pyreadline: plain input()
+        yield
+        return
+    path = history_file()
+    with contextlib.suppress(OSError):
+        readline.read_history_file(path)
+    readline.set_history_length(1000)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+
+
+def note(text: str) -> None:
+    print(f"[{text}]", file=sys.stderr, flush=True)
+
+
+def command(conv: Conversation, line: str) -> bool:
+    """Run a /command; False when it asks to quit."""
+    name, _, rest = line.partition(" ")
+    if name in ("/exit", "/quit"):
+        return False
+    if name == "/help":
+        print(HELP, file=sys.stderr)
+    elif name == "/reset":
+        conv.reset()
+        note("conversation cleared" + (" (system prompt kept)" if conv.system else ""))
+    elif name == "/system":
+        conv.system = rest.strip() or None
+        note(f"system prompt set: {conv.system}" if conv.system else "system prompt removed")
+    else:
+        note(f"unknown command {name}: /help lists them; //TEXT sends TEXT starting with /")
+    return True
+
+
 def run(args) -> int:
-    from .generate import stream_generate
     vault, session = open_session(args)
     with vault, session:
         tok = vault.tokenizer
         if tok is None:
-            print("pysmoe chat: this vault has no tokenizer.json", file=sys.stderr)
+            print("pysmoe chat: error: this vault has no tokenizer.json", file=sys.stderr)
             return 2
-        messages = [{"role": "system", "content": args.system}] if args.system else []
+        conv = Conversation(session, tok, args.system, args.max_tokens, **sampling_kwargs(args))
         interactive = sys.stdin.isatty()
-        while True:
+        if interactive:
+            note(f"chat with {vault.path}: /help for commands, Ctrl-D to quit")
+        with line_editing(interactive):
+            return _loop(conv, interactive)
+
+
+def _loop(conv: Conversation, interactive: bool) -> int:
+    interrupted = False  # the last thing at the prompt was a Ctrl-C
+    while True:
+        try:
             if interactive:
-                print(">> ", end="", flush=True)
-            line = sys.stdin.readline()
-            if not line:
+                line = input(">> ")
+            else:
+                line = sys.stdin.readline()
+                if not line:
+                    raise EOFError
+        except EOFError:
+            if interactive:
+                print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            if interrupted:
+                return 130
+            interrupted = True
+            note("Ctrl-C again, Ctrl-D or /exit to quit")
+            continue
+        interrupted = False
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/") and not line.startswith("//"):
+            if not command(conv, line):
                 return 0
-            line = line.strip()
-            if not line:
-                continue
-            messages.append({"role": "user", "content": line})
-            ids = tok.apply_chat_template(messages)
-            if len(ids) + args.max_tokens > session.context:
-                print("[the conversation no longer fits the context; starting over]", file=sys.stderr)
-                messages = messages[-1:]
-                ids = tok.apply_chat_template(messages)
-            session.reset()
-            reply, last = [], None
-            for r in stream_generate(session, ids, args.max_tokens, **sampling_kwargs(args)):
+            continue
+        if line.startswith("//"):
+            line = line[1:]
+        _turn(conv, line)
+
+
+def _turn(conv: Conversation, line: str) -> None:
+    last = None
+    try:
+        with contextlib.closing(conv.reply(line)) as replies:
+            for r in replies:
+                if last is None and conv.dropped:
+                    note(f"context full: dropped the oldest {conv.dropped} turn(s); the system prompt is kept")
                 print(r.text, end="", flush=True)
-                reply.append(r.text)
                 last = r
-            if last is not None:
-                print(f"\n[{last.generation_tokens} tokens, TTFT {last.ttft_s:.2f} s, "
-                      f"{last.generation_tps:.1f} tok/s]", file=sys.stderr)
-            messages.append({"role": "assistant", "content": "".join(reply)})
+    except TurnTooLong as e:
+        note(str(e))
+        return
+    except KeyboardInterrupt:
+        print(flush=True)
+        note("reply stopped")
+        return
+    print(flush=True)
+    if last is not None:
+        note(f"{last.generation_tokens} tokens; prompt: {last.prompt_tokens} new, {conv.kept} kept; "
+             f"TTFT {last.ttft_s:.2f} s, {last.generation_tps:.1f} tok/s")

@@ -5,46 +5,77 @@ import argparse
 import json
 import sys
 
+from .argtypes import (mebibytes, nonneg_float, nonneg_int, positive_float, positive_int, probability,
+                       seed)
+
 
 def add_session_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by run, chat and bench."""
+    """Options shared by run and chat."""
     p.add_argument("--vault", help="vault directory (default: the built-in demo vault, made on first use)")
-    p.add_argument("--cache-mb", type=float, default=0, help="retention cache budget in MiB (0: one layer's slots)")
-    p.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
-    p.add_argument("--io-threads", type=int, default=4, help="blob reads in flight")
-    p.add_argument("--chunk", type=int, default=None, help="layer-major prefill chunk in tokens (default: the library's, 256)")
-    p.add_argument("--context", type=int, default=4096, help="KV cache length (tokens)")
-    p.add_argument("--prefill", choices=("layer-major", "token-serial"), default="layer-major")
+    p.add_argument("--cache-mb", type=mebibytes, default=None,
+                   help="retention cache budget in MiB; 0: only the slots one step needs (default: chosen "
+                        "from available memory and the vault, printed at start; see pysmoe/memory.py)")
+    p.add_argument("--threads", type=positive_int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--io-threads", type=positive_int, default=4, help="blob reads in flight")
+    p.add_argument("--chunk", type=positive_int, default=None,
+                   help="layer-major prefill chunk in tokens (default: the library's, 256)")
+    p.add_argument("--context", type=positive_int, default=4096,
+                   help="KV cache length in tokens (capped by the model's max_position_embeddings)")
+    p.add_argument("--prefill", choices=("layer-major", "token-serial"), default="layer-major",
+                   help="how prompts are fed: layer-major chunks or one token at a time (same result)")
     p.add_argument("--buffered", action="store_true", help="buffered reads instead of Direct I/O")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=nonneg_float, default=0.0, help="sampling temperature; 0: greedy")
+    p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass; 1: off")
+    p.add_argument("--top-k", type=nonneg_int, default=0, help="sample among the k likeliest; 0: off")
+    p.add_argument("--min-p", type=probability, default=0.0,
+                   help="drop tokens below min-p times the likeliest's probability; 0: off")
+    p.add_argument("--repetition-penalty", type=positive_float, default=1.0,
+                   help="divide the logits of recent tokens by this; 1: off")
+    p.add_argument("--seed", type=seed, default=0, help="sampler seed (same seed, same ids)")
 
 
 def add_parser(p: argparse.ArgumentParser, name: str) -> None:
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="prompt text (through the vault's tokenizer)")
-    src.add_argument("--ids", help="prompt token ids, comma-separated")
+    src.add_argument("--prompt", help="prompt text, through the vault's tokenizer (or pipe it on stdin)")
+    src.add_argument("--ids", type=_id_list, help="prompt token ids, comma-separated")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--json", action="store_true", help="print one machine-readable record instead of text")
     add_session_args(p)
     add_sampling_args(p)
 
 
+def _id_list(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError("takes comma-separated integers") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError("takes one or more comma-separated non-negative integers")
+    return ids
+
+
 def open_session(args):
     from .demo import ensure_demo_vault
     from .engine import open_vault
+    from .memory import choose_cache
     vault = open_vault(args.vault or ensure_demo_vault())
-    session = vault.session(cache_bytes=int(args.cache_mb * (1 << 20)), threads=args.threads, chunk=args.chunk,
-                            prefill=args.prefill, context=args.context, io_threads=args.io_threads,
-                            direct_io=not args.buffered)
+    try:
+        if args.cache_mb is None:
+            choice = choose_cache(vault, args.context, args.chunk or 256)
+            cache_bytes = choice.bytes
+            print(f"pysmoe: {choice.describe()}", file=sys.stderr)
+        else:
+            cache_bytes = int(args.cache_mb * (1 << 20))
+        session = vault.session(cache_bytes=cache_bytes, threads=args.threads, chunk=args.chunk,
+                                prefill=args.prefill, context=args.context, io_threads=args.io_threads,
+                                direct_io=not args.buffered)
+    except BaseException:
+        vault.close()
+        raise
     return vault, session
 
 
@@ -81,16 +112,25 @@ def print_summary(rec: dict, out=sys.stderr) -> None:
         print(f"prefill union per layer: {' '.join(map(str, u))} (Σ {sum(u)})", file=out)
 
 
+def read_prompt(args) -> str | list[int] | None:
+    """The prompt: --ids, --prompt, or the text piped on stdin; None when there is none."""
+    if args.ids is not None:
+        return args.ids
+    if args.prompt is not None:
+        return args.prompt
+    if sys.stdin is not None and not sys.stdin.isatty():
+        text = sys.stdin.read()
+        return text if text.strip() else None
+    return None
+
+
 def run(args) -> int:
     from .generate import stream_generate
-    if args.ids:
-        try:
-            prompt = [int(x) for x in args.ids.split(",") if x.strip()]
-        except ValueError:
-            print("pysmoe run: --ids takes comma-separated integers", file=sys.stderr)
-            return 2
-    else:
-        prompt = args.prompt if args.prompt is not None else "The quick brown fox"
+    prompt = read_prompt(args)
+    if prompt is None:
+        print("pysmoe run: error: no prompt: give --prompt TEXT, --ids 1,2,3, or pipe text on stdin",
+              file=sys.stderr)
+        return 2
     vault, session = open_session(args)
     with vault, session:
         last, n_prompt, ids, text = None, None, [], []

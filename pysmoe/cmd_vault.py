@@ -8,14 +8,15 @@ import time
 
 
 def add_parser(p: argparse.ArgumentParser, name: str) -> None:
+    from .argtypes import int_range, seed
     p.add_argument("vault", help="vault directory")
     if name == "info":
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument("--routing-stats", action="store_true",
                        help="run the engine over a prompt sampled from the model and report adjacent-token "
                             "expert overlap, top-20%% expert share and 45-token union size per layer")
-        p.add_argument("--tokens", type=int, default=256, help="prompt tokens for --routing-stats (default 256)")
-        p.add_argument("--seed", type=int, default=0, help="prompt seed for --routing-stats (default 0)")
+        p.add_argument("--tokens", type=int_range(2), default=256, help="prompt tokens for --routing-stats (default 256)")
+        p.add_argument("--seed", type=seed, default=0, help="prompt seed for --routing-stats (default 0)")
         p.add_argument("--skew", default="auto", choices=("auto", "engine", "reference", "none"),
                        help="where --routing-stats gets per-expert counts (default auto)")
         p.set_defaults(_cmd="info")
@@ -41,9 +42,6 @@ def run(args) -> int:
         from .vaultio import info
         if getattr(args, "routing_stats", False):
             from .routing import format_stats, routing_stats
-            if args.tokens < 2:
-                print("pysmoe info: --tokens must be at least 2", file=sys.stderr)
-                return 2
             st = routing_stats(vault, tokens=args.tokens, seed=args.seed, skew=args.skew)
             print(json.dumps(st, indent=1) if args.json else f"{info(args.vault)}\n\n{format_stats(st)}")
             return 0

@@ -335,20 +335,22 @@ def _tokenizer_files(hf_dir: Path) -> tuple[str | None, dict | None]:
 
 
 def convert(hf_dir, out_dir, experts: str = "q4", dense=None, scale_dtype: str = "f16",
-            progress: bool = True) -> Path:
+            progress: bool = True, force: bool = False) -> Path:
     """Convert the checkpoint in hf_dir into a vault at out_dir; returns out_dir as a Path.
 
     experts: the expert format (q4, q8, bf16, f32). dense: None for the writer's defaults, one
     format for every dense matrix (embed, lm_head, attention, dense mlp), or {role: format} with
     roles embed, lm_head, attention, router, mlp, norms. scale_dtype: f16 or bf16, the scales
     and biases of q4/q8 tensors. Raises ConvertError before writing anything when the checkpoint
-    cannot be converted."""
+    cannot be converted. The vault is written beside out_dir and renamed into place when complete
+    and verified (pysmoe.vaultdir.staged): a non-empty out_dir is refused unless force."""
     from safetensors import safe_open
 
     from .progress import Progress
+    from .vaultdir import staged
     from .vaultio import VaultWriter, compute_layout
 
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir).expanduser()
     formats = resolve_formats(experts, dense)
     cfg = load_config(hf_dir)
     try:  # limits, and formats that do not fit a shape (q4 needs cols % 64 == 0), fail here
@@ -359,8 +361,9 @@ def convert(hf_dir, out_dir, experts: str = "q4", dense=None, scale_dtype: str =
     tokenizer_json, tokenizer_config = _tokenizer_files(hf_dir)
 
     with ExitStack() as stack:
+        tmp = stack.enter_context(staged(out_dir, force))  # entered first: left last, after the writer closed
         writer = stack.enter_context(VaultWriter(
-            out_dir, p.config, formats=formats, scale_dtype=scale_dtype,
+            tmp, p.config, formats=formats, scale_dtype=scale_dtype,
             tokenizer_json=tokenizer_json, tokenizer_config=tokenizer_config))
         files = {s.file for s in p.dense.values()}
         files |= {s.file for parts in p.experts.values() for s in parts.values()}
@@ -387,7 +390,9 @@ def add_parser(p, name: str = "convert") -> None:
     p.description = ("Convert a Hugging Face Qwen3-MoE checkpoint (config.json + safetensors) into "
                      "a vault, reading one tensor (or one expert) at a time.")
     p.add_argument("hf_dir", metavar="HF_DIR", help="checkpoint directory (config.json, *.safetensors)")
-    p.add_argument("out", metavar="OUT", help="vault directory to write")
+    from .argtypes import vault_out
+    p.add_argument("out", metavar="OUT", type=vault_out, help="vault directory to write (empty or new, unless --force)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUT (only once the new vault is complete)")
     p.add_argument("--experts", choices=FORMATS, default="q4", help="expert weight format (default q4)")
     p.add_argument("--dense", choices=FORMATS, help="format of every dense matrix (default: the writer's)")
     p.add_argument("--attention", choices=FORMATS, help="format of q/k/v/o_proj (overrides --dense)")
@@ -404,5 +409,5 @@ def run(args) -> int:
         if getattr(args, role):
             dense[role] = getattr(args, role)
     convert(args.hf_dir, args.out, experts=args.experts, dense=dense or None,
-            scale_dtype=args.scale_dtype, progress=args.progress)
+            scale_dtype=args.scale_dtype, progress=args.progress, force=args.force)
     return 0

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import shutil
 import sys
 
 DEMO_PRESET = "tiny"
@@ -23,9 +22,6 @@ def ensure_demo_vault() -> pathlib.Path:
     if (path / "vault.bin").exists():
         return path
     from .synthesis import synth
-    tmp = path.with_name(path.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
     print(f"making the demo vault ({DEMO_PRESET} preset) in {path} ...", file=sys.stderr)
-    synth(tmp, preset=DEMO_PRESET, seed=DEMO_SEED)
-    tmp.rename(path)
-    return path
+    # force: whatever is there without a vault.bin is not a vault worth keeping
+    return synth(path, preset=DEMO_PRESET, seed=DEMO_SEED, force=True)

@@ -41,8 +41,14 @@ U32, U64 = 2**32 - 1, 2**64 - 1
 
 def open_vault(path) -> "Vault":
     """Open a vault directory (docs/vault.md; `~` is expanded). Raises VaultError if it is
-    missing or corrupt."""
-    return Vault(path)
+    missing or corrupt, or is the leftover of an interrupted write (pysmoe.vaultdir)."""
+    from .vaultdir import check_complete
+    try:
+        p = pathlib.Path(os.path.expanduser(path))
+    except TypeError:
+        raise InvalidArgument(f"a vault path must be a str or os.PathLike, not {path!r}") from None
+    check_complete(p)
+    return Vault(p)
 
 
 def _int_arg(name: str, value, low: int, high: int | None = None) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import math
 import pathlib
+import sys
 import time
 import zlib
 
@@ -36,7 +37,8 @@ import numpy as np
 from . import quant
 from .progress import Progress
 from .tokenizer import build_synthetic_tokenizer, synthetic_tokenizer_config
-from .vaultio import VaultWriter, role_of
+from .vaultdir import staged
+from .vaultio import VaultWriter, compute_layout, role_of
 
 _COMMON = dict(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, tie_word_embeddings=False,
                rms_norm_eps=1e-6, rope_theta=1e6, model_type="qwen3_moe",
@@ -535,7 +537,7 @@ def synth(path, preset: str = "tiny", seed: int = 0, layers: int | None = None, 
           routing: str = "uniform", progress: bool = True, *, formats: dict | None = None,
           overrides: dict | None = None, scale_dtype: str = "f16", overlap: float | None = None,
           top20_share: float | None = None, stay: float | None = None, temperature: float | None = None,
-          topics: int | None = None, specific_dims: int | None = None) -> pathlib.Path:
+          topics: int | None = None, specific_dims: int | None = None, force: bool = False) -> pathlib.Path:
     """Write a random vault to directory path and return it.
 
     preset: a key of PRESETS; layers truncates it; experts: the expert format; routing:
@@ -543,34 +545,45 @@ def synth(path, preset: str = "tiny", seed: int = 0, layers: int | None = None, 
     experts; its knobs overlap, top20_share, stay, temperature, topics, specific_dims default
     to REALISTIC_DEFAULTS, docs/synth.md). formats sets other roles' formats (docs:
     vaultio.DEFAULT_FORMATS); overrides replaces config fields (e.g. {"tie_word_embeddings": True}).
+
+    The vault is written beside path and renamed into place when complete and verified
+    (pysmoe.vaultdir.staged): a non-empty path is refused (TargetExists) unless force.
+    Bad arguments raise ValueError before anything is written.
     """
-    if routing not in ROUTINGS:
-        raise ValueError(f"routing {routing!r} is not implemented (available: {', '.join(ROUTINGS)})")
     knobs = dict(overlap=overlap, top20_share=top20_share, stay=stay, temperature=temperature,
                  topics=topics, specific_dims=specific_dims)
-    knobs = {k: v for k, v in knobs.items() if v is not None}
+    cfg, fmts, mode = prepare(preset, seed, layers, experts, routing, formats, overrides, scale_dtype, knobs)
+    path = pathlib.Path(path).expanduser()
+    tok_json = build_synthetic_tokenizer(cfg["vocab_size"])
+    with staged(path, force) as tmp:
+        with VaultWriter(tmp, cfg, formats=fmts, scale_dtype=scale_dtype, tokenizer_json=tok_json,
+                         tokenizer_config=synthetic_tokenizer_config()) as writer:
+            lay = writer.layout
+            dense_total = sum(t.rows * t.cols for t in lay.tensors.values())
+            with Progress(dense_total, f"{path.name}: dense", unit="weights", enabled=progress) as bar:
+                for name, t in lay.tensors.items():
+                    rng = _rng(seed, _KIND_DENSE, zlib.crc32(name.encode()))
+                    _write_dense(writer, name, rng, mode)
+                    bar.update(t.rows * t.cols)
+            _write_experts(writer, seed, progress, path.name, mode.reserved)
+    return path
+
+
+def prepare(preset: str = "tiny", seed: int = 0, layers: int | None = None, experts: str = "q4",
+            routing: str = "uniform", formats: dict | None = None, overrides: dict | None = None,
+            scale_dtype: str = "f16", knobs: dict | None = None):
+    """Check synth's arguments without writing anything: (config, formats, routing mode), or
+    ValueError saying what is wrong (compute_layout's limits included)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing {routing!r} is not implemented (available: {', '.join(ROUTINGS)})")
+    knobs = {k: v for k, v in (knobs or {}).items() if v is not None}
     if knobs and routing != "realistic":
         raise ValueError(f"{', '.join(sorted(knobs))}: only for routing='realistic'")
     if experts not in EXPERT_FORMATS:
         raise ValueError(f"expert format {experts!r} is not one of {', '.join(EXPERT_FORMATS)}")
-    cfg = preset_config(preset, layers, overrides)
-    path = pathlib.Path(path)
     fmts = dict(formats or {}, experts=experts)
-    tok_json = build_synthetic_tokenizer(cfg["vocab_size"])
-    writer = VaultWriter(path, cfg, formats=fmts, scale_dtype=scale_dtype, tokenizer_json=tok_json,
-                         tokenizer_config=synthetic_tokenizer_config())
-    with writer:
-        cfg = writer.config
-        lay = writer.layout
-        mode = ROUTINGS[routing](cfg, seed, knobs)
-        dense_total = sum(t.rows * t.cols for t in lay.tensors.values())
-        with Progress(dense_total, f"{path.name}: dense", unit="weights", enabled=progress) as bar:
-            for name, t in lay.tensors.items():
-                rng = _rng(seed, _KIND_DENSE, zlib.crc32(name.encode()))
-                _write_dense(writer, name, rng, mode)
-                bar.update(t.rows * t.cols)
-        _write_experts(writer, seed, progress, path.name, mode.reserved)
-    return path
+    cfg = preset_config(preset, layers, overrides)
+    return cfg, fmts, ROUTINGS[routing](compute_layout(cfg, fmts, scale_dtype).config, seed, knobs)
 
 
 def _write_experts(writer: VaultWriter, seed: int, progress: bool, label: str, zero_down_rows: int = 0) -> None:
@@ -606,29 +619,32 @@ def _write_experts(writer: VaultWriter, seed: int, progress: bool, label: str, z
 def add_parser(parser, name: str = "synth"):
     """Add synth's arguments to parser (pysmoe.cli passes the subcommand's own parser); given
     the subparsers object of an ArgumentParser instead, make the subcommand first."""
+    from .argtypes import HelpFormatter, int_range, positive_float, positive_int, probability, seed, vault_out
     if hasattr(parser, "add_parser"):
-        parser = parser.add_parser(name, help="write a random vault of a preset shape",
+        parser = parser.add_parser(name, help="write a random vault of a preset shape", formatter_class=HelpFormatter,
                                    description="Write a random Qwen3-MoE vault (for tests and benchmarks).")
     p = parser
-    p.add_argument("out", help="vault directory to write")
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape (default tiny)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers")
-    p.add_argument("--experts", default="q4", choices=EXPERT_FORMATS, help="expert format (default q4)")
+    p.add_argument("out", type=vault_out, help="vault directory to write (must be empty or new, unless --force)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUT (only once the new vault is complete)")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape")
+    p.add_argument("--seed", type=seed, default=0, help="seed of every random weight (same seed, same bytes)")
+    p.add_argument("--layers", type=positive_int, default=None, help="keep only the first N layers")
+    p.add_argument("--experts", default="q4", choices=EXPERT_FORMATS, help="expert format")
     p.add_argument("--routing", default="uniform", choices=sorted(ROUTINGS),
                    help="uniform: random routers; realistic: popular experts and locality (docs/synth.md)")
     g = p.add_argument_group("realistic routing knobs (docs/synth.md)")
     d = REALISTIC_DEFAULTS
-    g.add_argument("--overlap", type=float, default=None,
-                   help=f"target adjacent-token expert overlap per layer (default {d['overlap']})")
-    g.add_argument("--top20-share", type=float, default=None,
-                   help=f"target share of routings of a layer's top 20%% experts (default {d['top20_share']})")
-    g.add_argument("--stay", type=float, default=None,
-                   help=f"P(next sampled token keeps the topic) (default {d['stay']})")
-    g.add_argument("--temperature", type=float, default=None,
+    g.add_argument("--overlap", type=probability, default=None,
+                   help=f"target adjacent-token expert overlap per layer, in (0, 1) (default {d['overlap']})")
+    g.add_argument("--top20-share", type=probability, default=None,
+                   help=f"target share of routings of a layer's top 20%% experts, in [0.2, 1) "
+                        f"(default {d['top20_share']})")
+    g.add_argument("--stay", type=probability, default=None,
+                   help=f"P(next sampled token keeps the topic), in (0, 1) (default {d['stay']})")
+    g.add_argument("--temperature", type=positive_float, default=None,
                    help=f"sampling temperature stay refers to (default {d['temperature']})")
-    g.add_argument("--topics", type=int, default=None, help="topic count (default min(64, hidden/16, vocab/8))")
-    g.add_argument("--specific-dims", type=int, default=None,
+    g.add_argument("--topics", type=int_range(1), default=None, help="topic count (default min(64, hidden/16, vocab/8))")
+    g.add_argument("--specific-dims", type=int_range(1), default=None,
                    help="token-specific routing channels (default max(16, topics))")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -639,8 +655,13 @@ def run(args) -> int:
     t0 = time.monotonic()
     knobs = {k: getattr(args, k, None) for k in REALISTIC_DEFAULTS}
     knobs = {k: v for k, v in knobs.items() if v is not None}
+    try:  # a knob out of range for the preset is bad usage, said before anything is written
+        prepare(args.preset, args.seed, args.layers, args.experts, args.routing, knobs=knobs)
+    except ValueError as e:
+        print(f"pysmoe synth: error: {e}", file=sys.stderr)
+        return 2
     out = synth(args.out, preset=args.preset, seed=args.seed, layers=args.layers, experts=args.experts,
-                routing=args.routing, progress=not args.quiet, **knobs)
+                routing=args.routing, progress=not args.quiet, force=args.force, **knobs)
     size = (out / "vault.bin").stat().st_size
     print(f"wrote {out} ({size / 2 ** 20:,.1f} MiB) in {time.monotonic() - t0:.1f} s")
     return 0

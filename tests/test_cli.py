@@ -40,7 +40,7 @@ def test_run_matches_python_api(tiny_vault):
 
 
 def test_run_demo_vault(tmp_path):
-    out = cli("run", "--max-tokens", "3", "--json", env=dict(ENV, PYSMOE_CACHE=str(tmp_path)))
+    out = cli("run", "--prompt", "hi", "--max-tokens", "3", "--json", env=dict(ENV, PYSMOE_CACHE=str(tmp_path)))
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "pysmoe").is_dir() and json.loads(out.stdout)["generated_tokens"] == 3
 
@@ -71,10 +71,64 @@ def test_synth(tmp_path):
 
 
 @pytest.mark.parametrize("args", [[], ["frobnicate"], ["run", "--max-tokens", "many"], ["synth"],
-                                  ["run", "--prefill", "sideways"]])
-def test_bad_usage_exits_2_without_traceback(args):
-    out = cli(*args)
-    assert out.returncode == 2 and "Traceback" not in out.stderr and "usage" in out.stderr
+                                  ["run", "--prefill", "sideways"],
+                                  ["run", "--max-tokens", "0"], ["run", "--max-tokens", "-1"], ["run", "--top-k", "-2"],
+                                  ["run", "--seed", "-1"], ["run", "--seed", str(2 ** 64)], ["run", "--cache-mb", "nan"],
+                                  ["run", "--cache-mb", "inf"], ["run", "--cache-mb", "-1"], ["run", "--threads", "0"],
+                                  ["run", "--chunk", "0"], ["run", "--context", "0"], ["run", "--io-threads", "0"],
+                                  ["run", "--temperature", "-1"], ["run", "--top-p", "1.5"], ["run", "--min-p", "nan"],
+                                  ["run", "--repetition-penalty", "0"], ["run", "--ids", "1,x"], ["run", "--ids", "-3"],
+                                  ["chat", "--top-k", "-2"], ["chat", "--max-tokens", "0"],
+                                  ["synth", "OUT", "--layers", "0"], ["synth", "OUT", "--seed", "-1"],
+                                  ["synth", "OUT", "--overlap", "2"], ["synth", "OUT", "--overlap", "0.5"],
+                                  ["synth", "OUT", "--routing", "realistic", "--topics", "100000"],
+                                  ["bench", "V", "--repeats", "0"], ["bench", "V", "--cache-mb", "inf"],
+                                  ["bench", "V", "--threads", "0"], ["convert", "HF", "FILE"],
+                                  ["info", "V", "--tokens", "1", "--routing-stats"]])
+def test_bad_usage_exits_2_without_traceback(args, tmp_path):
+    args = [str(tmp_path / "new") if a == "OUT" else str(tmp_path / "f") if a == "FILE" else a for a in args]
+    (tmp_path / "f").write_text("a file")
+    out = cli(*args, stdin=subprocess.DEVNULL)
+    assert out.returncode == 2 and "Traceback" not in out.stderr and "error:" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()[-1]) < 300  # one line says what is wrong
+    assert not (tmp_path / "new").exists()  # nothing written
+
+
+def test_run_needs_a_prompt(tiny_vault):
+    out = cli("run", "--vault", tiny_vault, "--max-tokens", "2", stdin=subprocess.DEVNULL)
+    assert out.returncode == 2 and "no prompt" in out.stderr and "--prompt" in out.stderr
+    out = cli("run", "--vault", tiny_vault, "--max-tokens", "2", "--json", input="hello from stdin")
+    assert out.returncode == 0, out.stderr
+    with_flag = cli("run", "--vault", tiny_vault, "--max-tokens", "2", "--json", "--prompt", "hello from stdin")
+    assert json.loads(out.stdout)["ids"] == json.loads(with_flag.stdout)["ids"]
+
+
+def test_default_cache_budget_is_printed_and_overridable(tiny_vault):
+    out = cli("run", "--vault", tiny_vault, "--ids", "1,2,3", "--max-tokens", "2", "--json")
+    assert out.returncode == 0 and "cache budget" in out.stderr and "--cache-mb" in out.stderr
+    auto = json.loads(out.stdout)["resident_bytes"]
+    out = cli("run", "--vault", tiny_vault, "--ids", "1,2,3", "--max-tokens", "2", "--json", "--cache-mb", "0")
+    assert out.returncode == 0 and "cache budget" not in out.stderr
+    assert json.loads(out.stdout)["resident_bytes"] < auto
+
+
+def test_help_shows_defaults_and_every_option_has_help():
+    import argparse
+
+    from pysmoe.cli import build_parser
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in subs.choices.items():
+        for action in p._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help text"
+    out = cli("run", "--help")
+    assert out.returncode == 0 and "(default: 64)" in out.stdout and "(default: layer-major)" in out.stdout
+
+
+def test_version():
+    import pysmoe
+    out = cli("--version")
+    assert out.returncode == 0 and f"pysmoe {pysmoe.__version__}" in out.stdout and "libsmoe " in out.stdout
 
 
 def test_engine_errors_exit_1_with_message(tmp_path, tiny_vault):
@@ -82,3 +136,13 @@ def test_engine_errors_exit_1_with_message(tmp_path, tiny_vault):
     assert out.returncode == 1 and "VaultError" in out.stderr and "Traceback" not in out.stderr
     out = cli("run", "--vault", tiny_vault, "--ids", "1,99999", "--max-tokens", "2")
     assert out.returncode == 1 and "BadToken" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("args", [["-1", "5"], ["4", "-5"], ["x", "5"], ["4", "5x"], ["4", "1", "abc"], ["", "1"],
+                                  ["4", "99999999999"]])
+def test_c_example_validates_its_arguments(tiny_vault, args):
+    exe = os.environ.get("SMOE_EXAMPLE") or os.path.join(os.path.dirname(__file__), "..", "build", "smoe_generate")
+    out = subprocess.run([exe, str(tiny_vault), *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "usage:" in out.stderr and out.stdout == ""
+    ok = subprocess.run([exe, str(tiny_vault), "0", "5"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and ok.stdout.strip() == ""  # zero tokens asked, none printed

@@ -1,0 +1,87 @@
+"""The default retention cache budget: what `run` and `chat` use when --cache-mb is not given.
+
+A budget of 0 keeps only the slots one step needs, so every decode step re-reads most of its
+experts (about 2x slower decode than with a cache). The default is
+
+    min(every expert blob of the vault,
+        max(one token's experts, FRACTION x (available memory - KV cache - planes)))
+
+rounded down to whole blobs. "Available" is measured after the vault is open, so the dense
+weights are already out of it: Linux's MemAvailable (free memory plus what the kernel can
+reclaim), elsewhere half the physical memory. Direct I/O bypasses the page cache, so blobs do not
+also sit there. FRACTION leaves the rest to the user's other programs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+FRACTION = 0.5
+
+
+def available_memory() -> int | None:
+    """Bytes of memory a new allocation can get without swapping, or None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:  # macOS and other Unixes: no MemAvailable; take half the physical memory
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def kv_bytes(config: dict, context: int) -> int:
+    """The session's K and V caches (f32, every layer), as smoe_session_new allocates them."""
+    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    return 2 * config["num_hidden_layers"] * context * kv_dim * 4
+
+
+def plane_bytes(config: dict, context: int, chunk: int = 256) -> int:
+    """An upper estimate of the session's activation planes and RoPE tables."""
+    width = (4 * config["hidden_size"] + config["num_attention_heads"] * config["head_dim"]
+             + 2 * max(config["intermediate_size"], config["moe_intermediate_size"]) + config["num_experts"])
+    return 4 * (2 * chunk * width + context * config["head_dim"])
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheChoice:
+    bytes: int               # the budget
+    available: int | None    # memory available when it was chosen
+    all_experts: int         # bytes of every blob: more than this is never needed
+    one_token: int           # bytes of one token's experts: the floor
+
+    def describe(self) -> str:
+        mib, gib = 1 << 20, 1 << 30
+        avail = f"{self.available / gib:.1f} GiB available" if self.available is not None else "memory unknown"
+        return (f"cache budget {self.bytes / mib:,.0f} MiB (auto: {avail}, all experts "
+                f"{self.all_experts / mib:,.0f} MiB; --cache-mb to change)")
+
+
+def choose_cache(vault, context: int, chunk: int = 256, available: int | None = None) -> CacheChoice:
+    """The default cache budget for a session of `context` tokens over an open vault (see the
+    module's docstring). available: bytes of free memory (default: measured now)."""
+    cfg = vault.config
+    context = min(context, cfg["max_position_embeddings"])
+    blob = vault.blob_bytes
+    all_experts = vault.expert_bytes
+    one_token = min(all_experts, cfg["num_experts_per_tok"] * vault.num_sparse_layers * blob)
+    if available is None:
+        available = available_memory()
+    if available is None:
+        want = one_token
+    else:
+        spare = available - kv_bytes(cfg, context) - plane_bytes(cfg, context, chunk)
+        want = max(one_token, int(FRACTION * spare))
+    want = min(want, all_experts)
+    if blob:
+        want -= want % blob
+    return CacheChoice(bytes=max(want, 0), available=available, all_experts=all_experts, one_token=one_token)
+
+
+def default_cache_bytes(vault, context: int, chunk: int = 256) -> int:
+    """The default retention cache budget in bytes (choose_cache(...).bytes)."""
+    return choose_cache(vault, context, chunk).bytes
