@@ -15,7 +15,7 @@
  *      2.5 blob table: n_blobs × {u64 offset, u32 crc, u32 0}, index layer × experts + expert;
  *          offset 0 for dense layers, else a 16 KiB multiple past the dense region.
  *      A descriptor is 64 bytes: char name[40] (NUL-padded), u8 format (f32, bf16, q8, q4),
- *      u8 scale_format (none for f32/bf16; f16 or bf16 for q8/q4), u16 0, u32 rows, u32 cols,
+ *      u8 scale_format (none for f32/bf16; f16 or bf16 for q8/q4), u16 group (32, 64 or 128 for q8/q4; 0 otherwise), u32 rows, u32 cols,
  *      u32 0, u64 offset (multiple of 64; dense: from dense_offset, blob: from the blob start).
  *   3. Tensor bytes: row-major; q8/q4 (cols % 64 == 0) store codes, scales, biases, each part
  *      starting at a 64-byte boundary from the tensor's offset; w = scale·q + bias per group of 64.
@@ -143,9 +143,21 @@ static smoe_status parse_desc(const uint8_t *d, const char *what, char name[40],
     uint8_t format = d[40], scale_format = d[41];
     uint32_t rows = rd32(d + 44), cols = rd32(d + 48);
     uint64_t offset = rd64(d + 56);
-    if (rd16(d + 42) || rd32(d + 52))
-        return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): reserved field not zero", what, pn);
+    uint16_t group = rd16(d + 42); /* group size along cols for q4/q8, 0 for f32/bf16 */
+    if (rd32(d + 52)) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): reserved field not zero", what, pn);
     if (format > SMOE_FMT_Q4) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): unknown format %u", what, pn, format);
+    bool quant = format == SMOE_FMT_Q8 || format == SMOE_FMT_Q4;
+    if (!quant && group) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): group size %u on a float tensor", what, pn, group);
+    if (quant && group != 32 && group != 64 && group != 128)
+        return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): group size %u (32, 64 or 128)", what, pn, group);
+    /* Valid in the format, not yet in these kernels (they are written for groups of 64 and
+     * 16-bit scales). */
+    if (quant && group != 64)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "%s ('%s'): group size %u needs group-%u kernels (this build has group-64 only)",
+                         what, pn, group, group);
+    if (quant && scale_format == 3)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "%s ('%s'): f32 scales need f32-scale kernels (this build has f16/bf16 only)",
+                         what, pn);
     if (!tensor_init(t, format, scale_format, rows, cols)) {
         if (rows == 0 || cols == 0)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): empty shape %ux%u", what, pn, rows, cols);

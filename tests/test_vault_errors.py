@@ -255,15 +255,28 @@ def test_tensor_names(put, good_bytes):
 def test_tensor_formats(put, good_bytes):
     norm = dense_index(good_bytes, "layers.0.input_layernorm")
     b = bytearray(good_bytes)
-    b[norm + 40:norm + 42] = bytes([3, 1])  # q4 with f16 scales; hidden is a multiple of 64
+    b[norm + 40:norm + 44] = bytes([3, 1, 64, 0])  # q4, f16 scales, groups of 64; hidden % 64 == 0
     expect_error(put(seal(b)), "norm must be f32 or bf16")
     qn = dense_index(good_bytes, "layers.0.q_norm")
     b = bytearray(good_bytes)
-    b[qn + 40:qn + 42] = bytes([2, 1])
+    b[qn + 40:qn + 44] = bytes([2, 1, 64, 0])
     expect_error(put(seal(b)), "cols % 64")
+    b[qn + 42:qn + 44] = bytes([0, 0])  # a quantised tensor without a group size
+    expect_error(put(seal(b)), "group size 0")
     expect_error(put(edit(good_bytes, qn + 40, "<B", 9)), "unknown format")
     expect_error(put(edit(good_bytes, qn + 41, "<B", 1)), "scale_format")
-    expect_error(put(edit(good_bytes, qn + 42, "<H", 1)), "reserved")
+    expect_error(put(edit(good_bytes, qn + 42, "<H", 1)), "group size 1 on a float tensor")
+
+
+def test_group_sizes_and_f32_scales_this_build_cannot_run(put, good_bytes):
+    """Valid in the format, refused as Unsupported (not as a corrupt vault) until the kernels
+    for them exist."""
+    q = dense_index(good_bytes, "layers.0.q_proj")
+    assert good_bytes[q + 40] in (2, 3) and good_bytes[q + 42:q + 44] == bytes([64, 0])
+    with pytest.raises(pysmoe.errors.Unsupported, match="group-32 kernels"):
+        try_open(put(edit(good_bytes, q + 42, "<H", 32)))
+    with pytest.raises(pysmoe.VaultError, match="group size 48"):
+        try_open(put(edit(good_bytes, q + 42, "<H", 48)))
 
 
 def test_expert_layout(put, good_bytes):

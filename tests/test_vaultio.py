@@ -105,7 +105,7 @@ def test_bytes_follow_the_spec(tmp_path):
     end = 0
     for i, part in enumerate(("gate", "up", "down")):
         name, fmt, sfmt, r0, rows, cols, r1, off = struct.unpack_from("<40sBBHIIIQ", raw, t + 64 * i)
-        assert name.rstrip(b"\0") == part.encode() and fmt == 3 and sfmt == 1 and r0 == r1 == 0
+        assert name.rstrip(b"\0") == part.encode() and fmt == 3 and sfmt == 1 and r0 == 64 and r1 == 0
         assert (rows, cols) == ((64, 64) if part != "down" else (64, 64))
         assert off % 64 == 0 and off >= end
         end = off + Q.tensor_nbytes("q4", rows, cols)
