@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cmd_run import add_sampling_args, add_session_args, open_session, sampling_kwargs
+from .cmd_run import add_sampling_args, add_session_args, add_template_args, open_session, sampling_kwargs
 
 
 def add_parser(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--system", default=None, help="system message")
+    add_template_args(p)
     add_session_args(p)
     add_sampling_args(p)
 
@@ -36,11 +37,11 @@ def run(args) -> int:
             if not line:
                 continue
             messages.append({"role": "user", "content": line})
-            ids = tok.apply_chat_template(messages)
+            ids = tok.apply_chat_template(messages, **(args.chat_template_kwargs or {}))
             if len(ids) + args.max_tokens > session.context:
                 print("[the conversation no longer fits the context; starting over]", file=sys.stderr)
                 messages = messages[-1:]
-                ids = tok.apply_chat_template(messages)
+                ids = tok.apply_chat_template(messages, **(args.chat_template_kwargs or {}))
             session.reset()
             reply, last = [], None
             for r in stream_generate(session, ids, args.max_tokens, **sampling_kwargs(args)):

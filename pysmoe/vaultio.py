@@ -757,13 +757,30 @@ def info(path) -> str:
                  f"file       {_size(h.file_size)} ({h.file_size} bytes)",
                  f"dense      {_size(h.dense_bytes)} in {h.n_tensors} tensors (resident)",
                  f"blobs      {n_sparse * E} x {_size(h.blob_bytes)} = {_size(n_sparse * E * h.blob_bytes)}"]
+        def fmt(t: Tensor) -> str:  # q4/g64/bf16, f32
+            return t.format + (f"/g{t.group}/{t.scale_format}" if quant.is_quantized(t.format) else "")
+
         roles: dict[str, set] = {}
         for t in v.tensors.values():
-            roles.setdefault(role_of(t.name), set()).add(t.format + (f"/{t.scale_format}" if t.scale_format else ""))
-        et = v.expert_tensors[0]
+            roles.setdefault(role_of(t.name), set()).add(fmt(t))
         if n_sparse:
-            roles["experts"] = {et.format + (f"/{et.scale_format}" if et.scale_format else "")}
+            roles["experts"] = {fmt(t) for t in v.expert_tensors}
         lines.append("formats    " + ", ".join(f"{r} {'+'.join(sorted(roles[r]))}" for r in ROLES if r in roles))
+        if n_sparse and len({fmt(t) for t in v.expert_tensors}) > 1:
+            lines.append("experts    " + ", ".join(f"{t.name} {fmt(t)}" for t in v.expert_tensors))
+        src = v.dir / "source.json"
+        if src.exists():
+            try:
+                s = json.loads(src.read_text())
+                q = s.get("quantization")
+                recipe = (", ".join(f"{k} {val}" for k, val in q.items() if not isinstance(val, dict))
+                          if isinstance(q, dict) else "none (floats)")
+                overrides = sum(isinstance(val, dict) for val in (q or {}).values()) if isinstance(q, dict) else 0
+                lines.append(f"source     {s.get('kind')} checkpoint {s.get('path', '')}"
+                             f"{' (' + s['dtype'] + ')' if s.get('dtype') else ''}")
+                lines.append(f"recipe     {recipe}{f' (+{overrides} per-tensor overrides)' if overrides else ''}")
+            except (ValueError, AttributeError, TypeError):
+                lines.append("source     source.json unreadable")
         tok = v.dir / "tokenizer.json"
         lines.append(f"tokenizer  {'tokenizer.json' if tok.exists() else 'none'}"
                      f"{', chat template' if _has_chat_template(v.dir) else ''}")

@@ -150,7 +150,8 @@ class _HfJob:
 
     def source(self) -> dict:
         return {"kind": "hf", "path": str(Path(self.ckpt.dir).resolve()), "dtype": self.dtype,
-                "quantization": {"quantiser": "mlx-affine", "formats": dict(self.formats),
+                "quantization": {"quantiser": "mlx-affine",
+                                 "formats": ", ".join(f"{k} {v}" for k, v in self.formats.items()),
                                  "group_size": self.group, "scale_dtype": self.scale_dtype}}
 
 
