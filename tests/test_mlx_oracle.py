@@ -113,6 +113,7 @@ def test_logits_match_mlx_in_f32(case):
     with _open(case["vault"]) as v, v.session(activations="f32", chunk=4) as s:
         got = s.prefill(case["ids"])
     want = case["want"][-1]
+    print(f"f32 activations: max |dlogit| {np.max(np.abs(got - want)):.3g}")
     assert np.max(np.abs(got - want)) <= F32_TOL
     assert int(np.argmax(got)) == int(np.argmax(want))
 
