@@ -790,6 +790,8 @@ def info(path) -> str:
 
 
 def _has_chat_template(d: pathlib.Path) -> bool:
+    if (d / "chat_template.jinja").exists():
+        return True
     p = d / "tokenizer_config.json"
     if not p.exists():
         return False
