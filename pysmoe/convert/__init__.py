@@ -24,11 +24,15 @@ import json
 import logging
 import shutil
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from .. import quant
 from .hf import DENSE_MATRIX_ROLES, DENSE_ROLES, FORMATS, ConvertError, load_config, plan, resolve_formats
 from .safetensors_io import Checkpoint, SafetensorsError
+from ..vaultio import TensorFormat
+
+_SCALE_OF = {"BF16": "bf16", "F16": "f16", "F32": "f32"}
 
 __all__ = ["ConvertError", "convert", "detect", "load_config", "plan", "add_parser", "run"]
 
@@ -173,23 +177,22 @@ class _MlxJob:
         self.ckpt = ckpt
         self.scale_dtype = scale_dtype or "f16"
         self.group = group
-        # formats asked for apply to tensors MLX left in floats; quantised ones stay as stored
-        from ..vaultio import TensorFormat, role_of
+        from ..vaultio import role_of
 
-        def asked(role: str, e) -> TensorFormat:
-            fmt = floats.get(role)
-            if e.quantised or fmt is None:
-                return e.fmt
-            return TensorFormat(fmt, group, scale_dtype or None)
+        # A format asked for applies to tensors MLX left in floats (quantised with MLX's
+        # quantiser, scales in that tensor's dtype unless scale_dtype says otherwise);
+        # quantised tensors stay exactly as stored.
+        def asked(fmt: str | None, current, module: str):
+            if fmt is None or quant.is_quantized(current.format):
+                return current
+            dtype = _SCALE_OF.get(ckpt.tensors[module + ".weight"].dtype, "f32")
+            return TensorFormat(fmt, group, scale_dtype or dtype)
 
         for name, e in list(p.dense.items()):
-            p.dense[name] = type(e)(**{**e.__dict__, "fmt": asked(role_of(name), e)})
-        self.expert_entries = {}
-        for part in ("gate", "up", "down"):
-            e0 = mlx.Entry(f"model.layers.{p.sparse[0]}.mlp.switch_mlp.{part}_proj", 0, 0,
-                           p.experts[part], False) if p.sparse else None
-            if e0 is not None and not quant.is_quantized(p.experts[part].format) and "experts" in floats:
-                p.experts[part] = TensorFormat(floats["experts"], group, scale_dtype or None)
+            p.dense[name] = replace(e, fmt=asked(floats.get(role_of(name)), e.fmt, e.module))
+        for part in p.experts:
+            module = f"model.layers.{p.sparse[0]}.mlp.switch_mlp.{part}_proj"
+            p.experts[part] = asked(floats.get("experts"), p.experts[part], module)
         self.formats = p.formats()
         self.config = p.config
         E = p.config["num_experts"]
@@ -244,7 +247,7 @@ class _MlxJob:
             raw = mlx.read_quantised(self.ckpt, entry, e)
             return quant.dequantize(raw, entry.fmt.format, entry.rows, entry.cols, entry.fmt.scale_dtype,
                                     entry.fmt.group)
-        return mlx.read_float(self.ckpt, type(entry)(**{**entry.__dict__, "index": e}))
+        return mlx.read_float(self.ckpt, replace(entry, index=e))
 
     def source(self) -> dict:
         return {"kind": "mlx", "path": str(Path(self.ckpt.dir).resolve()),

@@ -248,7 +248,7 @@ def resolve_formats(experts: str = "q4", dense=None) -> dict[str, str]:
     router and norms), one format for every dense matrix role in DENSE_MATRIX_ROLES (the router
     and the norms keep f32 unless named), or a {role: format} dict over DENSE_ROLES."""
     def check(role, fmt):
-        if fmt not in FORMATS:
+        if (fmt if isinstance(fmt, str) else getattr(fmt, "format", None)) not in FORMATS:  # or a TensorFormat
             raise ConvertError(f"unknown format {fmt!r} for {role} (one of {', '.join(FORMATS)})")
         return fmt
 
