@@ -178,7 +178,7 @@ def unpack_q4_codes(packed: np.ndarray) -> np.ndarray:
 
 
 def quantize_codes_direct(fmt: str, rows: int, cols: int, codes, scales, biases,
-                          scale_dtype: str = "f16", group: int = GROUP) -> bytes:
+                          scale_dtype: str = "f16", group: int = GROUP) -> bytearray:
     """Lay out codes that already exist, with their scales and biases, as the vault stores them.
 
     For writers that never had float weights: `pysmoe synth` (random codes) and the MLX import
@@ -207,7 +207,7 @@ def quantize_codes_direct(fmt: str, rows: int, cols: int, codes, scales, biases,
     out[:ncodes] = codes.view(np.uint8).reshape(-1).data
     out[soff:soff + nb] = s.astype(_STORED[scale_dtype]).tobytes()
     out[boff:boff + nb] = b.astype(_STORED[scale_dtype]).tobytes()
-    return bytes(out)
+    return out  # a bytearray: a tensor can be large, and bytes(out) would copy it
 
 
 def mlx_affine(g: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -270,15 +270,24 @@ def quantize(w: np.ndarray, fmt: str, scale_dtype: str = "f16", group: int = GRO
     if w.ndim != 2:
         raise ValueError(f"expected a matrix or a vector, got shape {w.shape}")
     rows, cols = w.shape
+    return bytes(quantize_rows(lambda r0, r1: w[r0:r1].astype(np.float32, copy=False), rows, cols, fmt,
+                               scale_dtype, group))
+
+
+def quantize_rows(read_rows, rows: int, cols: int, fmt: str, scale_dtype: str = "f16",
+                  group: int = GROUP) -> np.ndarray:
+    """quantize() of a matrix given as read_rows(r0, r1) -> f32 (r1 - r0, cols), called for a
+    few MiB of rows at a time, so a large tensor (an embedding) never exists in f32 whole.
+    Returns the stored bytes as a u8 array."""
     _check_format(fmt, cols, group)
-    if fmt == "f32":
-        return np.ascontiguousarray(w, dtype="<f4").tobytes()
-    if fmt == "bf16":
-        out = np.empty((rows, cols), dtype=np.uint16)
-        step = max(1, _CHUNK_ELEMS // max(cols, 1))
+    step = max(1, _CHUNK_ELEMS // max(cols, 1))
+    if fmt in ("f32", "bf16"):
+        out = np.empty((rows, cols), dtype="<f4" if fmt == "f32" else "<u2")
         for r0 in range(0, rows, step):
-            out[r0:r0 + step] = f32_to_bf16_bits(w[r0:r0 + step].astype(np.float32))
-        return out.astype("<u2").tobytes()
+            r1 = min(rows, r0 + step)
+            block = read_rows(r0, r1)
+            out[r0:r1] = block if fmt == "f32" else f32_to_bf16_bits(block)
+        return out.reshape(-1).view(np.uint8)
     _check_scale_dtype(scale_dtype)
     bits = _BITS[fmt]
     ncodes, soff, boff, total = parts(fmt, rows, cols, group, scale_dtype)
@@ -288,12 +297,10 @@ def quantize(w: np.ndarray, fmt: str, scale_dtype: str = "f16", group: int = GRO
     codes = buf[:ncodes].reshape(rows, cols * bits // 8)
     scales = buf[soff:soff + nb].view(_STORED[scale_dtype]).reshape(rows, gpr)
     biases = buf[boff:boff + nb].view(_STORED[scale_dtype]).reshape(rows, gpr)
-    step = max(1, _CHUNK_ELEMS // cols)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        _quantize_rows(w[r0:r1].astype(np.float32, copy=False), bits, group, scale_dtype,
-                       codes[r0:r1], scales[r0:r1], biases[r0:r1])
-    return buf.tobytes()
+        _quantize_rows(read_rows(r0, r1), bits, group, scale_dtype, codes[r0:r1], scales[r0:r1], biases[r0:r1])
+    return buf
 
 
 # ------------------------------------------------------------------------------- dequantise

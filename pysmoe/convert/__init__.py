@@ -144,7 +144,15 @@ class _HfJob:
         from .hf import read
 
         for name, s in self.plan.dense.items():
-            writer.add_dense(name, read(self.ckpt, s))
+            t = writer.layout.tensors[name]
+            if s.expert is None and len(self.ckpt.tensors[s.name].shape) == 2:
+                # by blocks of rows: an embedding never exists whole in f32
+                data = quant.quantize_rows(lambda r0, r1, n=s.name: self.ckpt.rows(n, r0, r1), t.rows, t.cols,
+                                           t.format, t.scale_format or "f16", t.group or quant.GROUP)
+                writer.add_dense_raw(name, data)
+                del data
+            else:
+                writer.add_dense(name, read(self.ckpt, s))
             bar.update(s.nbytes)
         for (layer, e), parts in self.plan.experts.items():
             gate, up, down = (read(self.ckpt, parts[k]) for k in ("gate", "up", "down"))

@@ -220,9 +220,7 @@ def read_float(ckpt: Checkpoint, e: Entry) -> np.ndarray:
 def read_quantised(ckpt: Checkpoint, e: Entry, index: int | None = None) -> bytes:
     """The stored bytes of a quantised module (one expert of a stacked one) in vault layout."""
     i = e.index if index is None else index
-    w, s, b = (ckpt.raw(f"{e.module}.{k}") for k in ("weight", "scales", "biases"))
-    if i is not None:
-        w, s, b = w[i], s[i], b[i]
+    w, s, b = (ckpt.raw(f"{e.module}.{k}", i) for k in ("weight", "scales", "biases"))
     sd = e.fmt.scale_dtype
     s = np.ascontiguousarray(s)
     b = np.ascontiguousarray(b)

@@ -6,9 +6,12 @@ A .safetensors file is
 
 where the header maps each tensor name to {"dtype", "shape", "data_offsets": [begin, end]}
 (offsets relative to the first byte after the header) and may hold "__metadata__". Tensors are
-row-major and little-endian. This module parses the header itself and hands tensors out as
-np.memmap views, so nothing is read until it is used and a converter holds about one tensor at a
-time. bf16, which numpy lacks, comes out as its u16 bits (`floats()` widens it to f32 exactly).
+row-major and little-endian. This module parses the header itself and reads a tensor (or one
+slice along its first axis: one expert of a stacked tensor) with pread into a fresh array when
+asked, so a converter holds about one tensor at a time. (Not np.memmap: pages of a long-lived
+mapping stay in the process's resident set as they are touched, so peak RSS would grow to the
+size of the checkpoint.) bf16, which numpy lacks, comes out as its u16 bits (`floats()` widens
+it to f32 exactly).
 
 A checkpoint is one model.safetensors or the shards named by model.safetensors.index.json.
 Every offset and size in a header is checked against the file before use.
@@ -16,6 +19,7 @@ Every offset and size in a header is checked against the file before use.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,15 +114,22 @@ def shard_files(ckpt_dir: Path) -> list[Path]:
     raise SafetensorsError(f"{ckpt_dir}: no model.safetensors, model.safetensors.index.json or *.safetensors")
 
 
+def _widen(a: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored float values (bf16 as u16 bits) -> f32, exactly."""
+    if dtype == "BF16":
+        return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
 class Checkpoint:
-    """Every tensor of a checkpoint directory, by name, read lazily through np.memmap."""
+    """Every tensor of a checkpoint directory, by name, read on demand."""
 
     def __init__(self, ckpt_dir):
         self.dir = Path(ckpt_dir)
         self.files = shard_files(self.dir)
         self.tensors: dict[str, TensorInfo] = {}
         self.duplicates: list[str] = []
-        self._maps: dict[Path, np.memmap] = {}
+        self._fds: dict[Path, int] = {}
         for f in self.files:
             tensors, _ = read_header(f)
             for name, info in tensors.items():
@@ -129,34 +140,60 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
-    def _map(self, path: Path) -> np.memmap:
-        m = self._maps.get(path)
-        if m is None:
-            m = self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
-        return m
+    def _fd(self, path: Path) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
 
-    def raw(self, name: str) -> np.ndarray:
-        """The tensor as stored: a read-only array view of the file (bf16 as u16 bits)."""
+    def raw(self, name: str, index: int | None = None) -> np.ndarray:
+        """The tensor as stored (bf16 as u16 bits), or its slice [index] along the first axis,
+        read from the file into a new array."""
         t = self.tensors[name]
-        if t.nbytes == 0:
-            return np.zeros(t.shape, dtype=DTYPES[t.dtype])
-        return self._map(t.file)[t.start:t.start + t.nbytes].view(DTYPES[t.dtype]).reshape(t.shape)
+        dt = np.dtype(DTYPES[t.dtype])
+        off, shape, n = t.start, t.shape, t.nbytes
+        if index is not None:
+            if not t.shape or not 0 <= index < t.shape[0]:
+                raise IndexError(f"{name} {list(t.shape)}: no slice {index}")
+            n = t.nbytes // t.shape[0]
+            off, shape = t.start + index * n, t.shape[1:]
+        return self._pread(t, off, n).view(dt).reshape(shape)
+
+    def _pread(self, t: TensorInfo, off: int, n: int) -> np.ndarray:
+        buf = np.empty(n, dtype=np.uint8)
+        view, fd, done = memoryview(buf), self._fd(t.file), 0
+        while done < n:
+            got = os.preadv(fd, [view[done:]], off + done)
+            if got <= 0:
+                raise SafetensorsError(f"{t.file}: short read of {t.name}")
+            done += got
+        return buf
+
+    def rows(self, name: str, r0: int, r1: int) -> np.ndarray:
+        """Rows [r0, r1) of a 2-D float tensor as f32 (read from the file: contiguous bytes)."""
+        t = self.tensors[name]
+        if len(t.shape) != 2 or not 0 <= r0 <= r1 <= t.shape[0] or t.dtype not in FLOATS:
+            raise SafetensorsError(f"{name} {t.dtype} {list(t.shape)}: no float rows [{r0}, {r1})")
+        row = t.nbytes // t.shape[0]
+        a = self._pread(t, t.start + r0 * row, (r1 - r0) * row).view(DTYPES[t.dtype]).reshape(r1 - r0, t.shape[1])
+        return _widen(a, t.dtype)
 
     def floats(self, name: str, index=None) -> np.ndarray:
-        """A float tensor (or raw(name)[index]) as f32; bf16 and f16 widen exactly."""
+        """A float tensor as f32 (bf16 and f16 widen exactly); index: a slice number along the
+        first axis, or a tuple (number, then numpy indices into that slice)."""
         t = self.tensors[name]
         if t.dtype not in FLOATS:
             raise SafetensorsError(f"{name}: dtype {t.dtype} is not a float")
-        a = self.raw(name)
-        if index is not None:
-            a = a[index]
-        if t.dtype == "BF16":
-            return (a.astype(np.uint32) << np.uint32(16)).view(np.float32)
-        return np.ascontiguousarray(a, dtype=np.float32)
+        if isinstance(index, tuple):
+            a = self.raw(name, index[0])[index[1:]]
+        else:
+            a = self.raw(name, index)
+        return _widen(a, t.dtype)
 
     def close(self) -> None:
-        """Drop the mappings (views handed out keep theirs alive)."""
-        self._maps.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
     def __enter__(self):
         return self
