@@ -28,7 +28,10 @@ from pysmoe.errors import Unsupported  # noqa: E402
 from pysmoe.vaultio import read_vault  # noqa: E402
 
 F32_TOL = 1e-4
-Q8_REL = 0.6  # ‖Δlogits‖/‖logits‖ with 8-bit activations: measured 0.49 (q4, q8 router: routing moves), 0.04 (q8)
+# ‖Δlogits‖/‖logits‖ with 8-bit activations: measured 0.49 (q4 case) and 0.04 (q8) for these
+# prompts; the random tiny models amplify activation rounding chaotically (0.03-0.12 on other
+# prompts, with either quantiser), so this bound is loose: the f32 comparison is the tight one.
+Q8_REL = 0.6
 
 # (id, transformers config overrides, mlx_lm.convert quantisation or None)
 CASES = [
