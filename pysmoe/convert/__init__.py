@@ -191,6 +191,9 @@ class _MlxJob:
         # quantiser, scales in that tensor's dtype unless scale_dtype says otherwise);
         # quantised tensors stay exactly as stored.
         def asked(fmt: str | None, current, module: str):
+            if fmt is not None and quant.is_quantized(current.format) and fmt != current.format:
+                log.warning("%s is stored as %s by MLX; it is copied as stored, not converted to %s",
+                            module, current.format, fmt)
             if fmt is None or quant.is_quantized(current.format):
                 return current
             dtype = _SCALE_OF.get(ckpt.tensors[module + ".weight"].dtype, "f32")
