@@ -71,7 +71,8 @@ def test_synth(tmp_path):
 
 
 @pytest.mark.parametrize("args", [[], ["frobnicate"], ["run", "--max-tokens", "many"], ["synth"],
-                                  ["run", "--prefill", "sideways"]])
+                                  ["run", "--prefill", "sideways"], ["run", "--chat-template-kwargs", "{nope"],
+                                  ["run", "--chat-template-kwargs", "[1]"]])
 def test_bad_usage_exits_2_without_traceback(args):
     out = cli(*args)
     assert out.returncode == 2 and "Traceback" not in out.stderr and "usage" in out.stderr
@@ -82,3 +83,19 @@ def test_engine_errors_exit_1_with_message(tmp_path, tiny_vault):
     assert out.returncode == 1 and "VaultError" in out.stderr and "Traceback" not in out.stderr
     out = cli("run", "--vault", tiny_vault, "--ids", "1,99999", "--max-tokens", "2")
     assert out.returncode == 1 and "BadToken" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_vault, tmp_path):
+    """--chat-template-kwargs sets template variables: a template that prints one shows it in
+    the prompt's token count (the vault's template replaced by one reading `mode`)."""
+    import shutil
+
+    v = tmp_path / "v"
+    shutil.copytree(tiny_vault, v)
+    (v / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}"
+                                           "{% if mode is defined %}{{ mode * 20 }}{% endif %}")
+    args = ["run", "--vault", v, "--prompt", "hi", "--chat", "--max-tokens", "1", "--json"]
+    plain = json.loads(cli(*args).stdout)["prompt_tokens"]
+    out = cli(*args, "--chat-template-kwargs", '{"mode": "long "}')
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["prompt_tokens"] > plain + 10
