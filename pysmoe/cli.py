@@ -13,7 +13,7 @@ COMMANDS = {
     "run": ("pysmoe.cmd_run", "generate from a prompt (no --vault: the built-in demo vault)"),
     "chat": ("pysmoe.cmd_chat", "interactive chat with the vault's chat template"),
     "synth": ("pysmoe.synthesis", "make a random vault of a preset shape"),
-    "convert": ("pysmoe.converter", "convert a Hugging Face Qwen3-MoE checkpoint into a vault"),
+    "convert": ("pysmoe.convert", "import an MLX or Hugging Face Qwen3-MoE checkpoint into a vault"),
     "info": ("pysmoe.cmd_vault", "show a vault's config, sizes and formats"),
     "verify": ("pysmoe.cmd_vault", "check every checksum of a vault"),
     "bench": ("pysmoe.bench", "time to first token and decode speed, against the machine's limits"),

@@ -20,7 +20,7 @@ import pathlib
 import sys
 from typing import Iterator
 
-from .cmd_run import add_sampling_args, add_session_args, open_session, sampling_kwargs
+from .cmd_run import add_sampling_args, add_session_args, add_template_args, open_session, sampling_kwargs
 
 HELP = """commands (not sent to the model):
   /help          this list
@@ -33,6 +33,7 @@ Ctrl-C during a reply stops it."""
 
 def add_parser(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--system", default=None, help="system prompt (change it with /system TEXT)")
+    add_template_args(p)
     add_session_args(p)
     add_sampling_args(p)
 
@@ -44,8 +45,10 @@ class TurnTooLong(ValueError):
 class Conversation:
     """The messages of a chat and the ids whose KV the session holds (`fed`)."""
 
-    def __init__(self, session, tokenizer, system: str | None = None, max_tokens: int = 64, **sampling):
+    def __init__(self, session, tokenizer, system: str | None = None, max_tokens: int = 64,
+                 template_kwargs: dict | None = None, **sampling):
         self.session, self.tok = session, tokenizer
+        self.template_kwargs = dict(template_kwargs or {})  # e.g. Qwen3's {"enable_thinking": False}
         self.system = system or None
         self.turns: list[dict] = []    # user and assistant messages, oldest first
         self.fed: list[int] = []       # the ids in the session's KV, in order
@@ -67,7 +70,7 @@ class Conversation:
         self.dropped = 0
         room = self.session.context - self.max_tokens
         while True:
-            ids = self.tok.apply_chat_template(self.messages([user]))
+            ids = self.tok.apply_chat_template(self.messages([user]), **self.template_kwargs)
             if len(ids) <= room:
                 return ids
             if not self.turns:
@@ -168,7 +171,8 @@ def run(args) -> int:
         if tok is None:
             print("pysmoe chat: error: this vault has no tokenizer.json", file=sys.stderr)
             return 2
-        conv = Conversation(session, tok, args.system, args.max_tokens, **sampling_kwargs(args))
+        conv = Conversation(session, tok, args.system, args.max_tokens, template_kwargs=args.chat_template_kwargs,
+                            **sampling_kwargs(args))
         interactive = sys.stdin.isatty()
         if interactive:
             note(f"chat with {vault.path}: /help for commands, Ctrl-D to quit")

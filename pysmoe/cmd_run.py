@@ -38,11 +38,27 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed, default=0, help="sampler seed (same seed, same ids)")
 
 
+def add_template_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template-kwargs", dest="chat_template_kwargs", type=_json_object, default=None,
+                   metavar="JSON", help="variables of the chat template, e.g. '{\"enable_thinking\": false}'")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def add_parser(p: argparse.ArgumentParser, name: str) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text, through the vault's tokenizer (or pipe it on stdin)")
     src.add_argument("--ids", type=_id_list, help="prompt token ids, comma-separated")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    add_template_args(p)
     p.add_argument("--json", action="store_true", help="print one machine-readable record instead of text")
     add_session_args(p)
     add_sampling_args(p)
@@ -134,7 +150,8 @@ def run(args) -> int:
     vault, session = open_session(args)
     with vault, session:
         last, n_prompt, ids, text = None, None, [], []
-        for r in stream_generate(session, prompt, args.max_tokens, chat=args.chat, **sampling_kwargs(args)):
+        for r in stream_generate(session, prompt, args.max_tokens, chat=args.chat,
+                                 chat_template_kwargs=args.chat_template_kwargs, **sampling_kwargs(args)):
             last, n_prompt = r, r.prompt_tokens
             ids.append(r.token)
             text.append(r.text)

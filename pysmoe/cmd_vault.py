@@ -26,7 +26,17 @@ def add_parser(p: argparse.ArgumentParser, name: str) -> None:
 
 def run(args) -> int:
     from .engine import open_vault
-    vault = open_vault(args.vault)  # the C parser validates header, tables and the dense CRC
+    from .errors import Unsupported
+    try:
+        vault = open_vault(args.vault)  # the C parser validates header, tables and the dense CRC
+    except Unsupported as e:
+        # a valid vault this build cannot run (a group size or scale dtype its kernels lack):
+        # still describe it, from the pure-Python reader
+        if args._cmd != "info" or args.json or getattr(args, "routing_stats", False):
+            raise
+        from .vaultio import info
+        print(f"{info(args.vault)}\nengine     cannot run it: {e}")
+        return 0
     with vault:
         if args._cmd == "verify":
             t0 = time.perf_counter()

@@ -21,13 +21,13 @@ class GenerationResponse:
     finish_reason: str | None  # None while running; "stop", "length" or "context" on the last
 
 
-def _as_ids(session: Session, prompt, chat: bool) -> list[int]:
+def _as_ids(session: Session, prompt, chat: bool, template_kwargs: dict | None = None) -> list[int]:
     if isinstance(prompt, str):
         tok = session.vault.tokenizer
         if tok is None:
             raise InvalidArgument("this vault has no tokenizer.json: pass token ids instead of text")
         if chat:
-            return tok.apply_chat_template([{"role": "user", "content": prompt}])
+            return tok.apply_chat_template([{"role": "user", "content": prompt}], **(template_kwargs or {}))
         return tok.encode(prompt)
     try:
         return [int(i) for i in prompt]
@@ -38,11 +38,12 @@ def _as_ids(session: Session, prompt, chat: bool) -> list[int]:
 def stream_generate(session: Session, prompt: str | Sequence[int], max_tokens: int = 64, *,
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                     repetition_penalty: float = 1.0, seed: int = 0, chat: bool = False,
-                    stop: Sequence[int] | None = None) -> Iterator[GenerationResponse]:
+                    stop: Sequence[int] | None = None,
+                    chat_template_kwargs: dict | None = None) -> Iterator[GenerationResponse]:
     """Generate from a prompt (text, or ids) and yield a GenerationResponse per token. Every
     argument is checked here, before anything is fed (Session.generate says what a failure
-    leaves)."""
-    ids = _as_ids(session, prompt, chat)
+    leaves). chat_template_kwargs: variables of the chat template (Qwen3: {"enable_thinking": False})."""
+    ids = _as_ids(session, prompt, chat, chat_template_kwargs)
     tok = session.vault.tokenizer
     if stop is None:
         stop = tok.eos_ids if tok is not None else ()

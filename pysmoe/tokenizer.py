@@ -3,7 +3,14 @@
 `load_tokenizer(vault_dir)` wraps `tokenizers.Tokenizer` with what generation needs: encode,
 decode that tolerates ids past the tokenizer's vocabulary (real Qwen models have a larger
 embedding table than tokenizer, and a random model happily samples from the gap), the
-end-of-sequence ids, and the ChatML chat template written out in Python (no jinja).
+end-of-sequence ids (generation_config.json's `eos_token_id`, an int or a list — Qwen3 has
+several — then tokenizer_config.json's eos_token), and the checkpoint's own chat template
+(tokenizer_config.json's `chat_template` or chat_template.jinja) rendered with jinja2 the way
+transformers' `apply_chat_template` renders it: a sandboxed environment with trim_blocks and
+lstrip_blocks, the loopcontrols extension and a `{% generation %}` block, the `tojson` filter
+without HTML escaping, the globals `raise_exception` and `strftime_now`, and the special tokens
+(bos_token, eos_token, ...) plus any template keyword arguments (`enable_thinking=False`) as
+variables. A vault without a template gets ChatML.
 
 `build_synthetic_tokenizer(vocab_size)` trains a small byte-level BPE on a corpus shipped in
 pysmoe/data/, so that synthetic vaults speak bytes like a real model does.
@@ -63,16 +70,82 @@ def apply_chat_template(messages, add_generation_prompt: bool = True) -> str:
     return "".join(parts)
 
 
-class Tokenizer:
-    """tokenizer.json (+ tokenizer_config.json when present) of a vault."""
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
-    def __init__(self, tokenizer_json: str, config: dict | None = None):
+
+def _environment():
+    """A jinja2 environment configured as transformers configures the one of apply_chat_template."""
+    import datetime
+    import json as _json
+
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` marks assistant text for training masks;
+        rendering it is rendering its body."""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(["name:endgeneration"], drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return _json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+def render_chat_template(template: str, messages, add_generation_prompt: bool = True, tools=None,
+                         documents=None, **variables) -> str:
+    """The text of a conversation under a jinja chat template, as transformers renders it.
+    `reasoning_content`, `thinking` and `reasoning` of a message are aliased to each other as
+    transformers does (templates read one or another)."""
+    chat = []
+    for m in messages:
+        m = dict(m)
+        r = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if m.get(k) is not None), None)
+        if r is not None:
+            m = {"thinking": r, **m, "reasoning_content": r}
+        chat.append(m)
+    return _environment().from_string(template).render(
+        messages=chat, tools=tools, documents=documents, add_generation_prompt=add_generation_prompt,
+        **variables)
+
+
+class Tokenizer:
+    """tokenizer.json (+ tokenizer_config.json, chat_template.jinja, generation_config.json when
+    present) of a vault."""
+
+    def __init__(self, tokenizer_json: str, config: dict | None = None, chat_template: str | None = None,
+                 generation_config: dict | None = None):
         from tokenizers import Tokenizer as HFTokenizer
 
         self._tok = HFTokenizer.from_str(tokenizer_json)
         self.config = config or {}
+        self.generation_config = generation_config or {}
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._template = chat_template if chat_template is not None else _template_of(self.config)
         eos = []
+        gen = self.generation_config.get("eos_token_id")
+        for i in (gen if isinstance(gen, list) else [gen] if gen is not None else []):
+            if int(i) not in eos:
+                eos.append(int(i))
         for name in (_token_text(self.config.get("eos_token")), "<|im_end|>", "<|endoftext|>"):
             i = self._tok.token_to_id(name) if name else None
             if i is not None and i not in eos:
@@ -85,7 +158,7 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
-        return self.config.get("chat_template")
+        return self._template
 
     def encode(self, text: str) -> list[int]:
         """Ids of text; special tokens written in the text (`<|im_start|>`) become their ids."""
@@ -99,11 +172,27 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True):
-        """The ids of a conversation in ChatML (its text with tokenize=False), as Hugging Face's
-        method of the same name returns them."""
-        text = apply_chat_template(messages, add_generation_prompt)
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True,
+                            tools=None, **template_kwargs):
+        """The ids of a conversation under the vault's chat template (its text with
+        tokenize=False), as Hugging Face's method of the same name returns them. template_kwargs
+        become template variables (Qwen3: enable_thinking=False); tools is a list of JSON
+        schemas. Without a template: ChatML."""
+        if self._template is None:
+            text = apply_chat_template(messages, add_generation_prompt)
+        else:
+            special = {k: _token_text(self.config[k]) for k in _SPECIAL if self.config.get(k) is not None}
+            text = render_chat_template(self._template, messages, add_generation_prompt, tools=tools,
+                                        **{**special, **template_kwargs})
         return self.encode(text) if tokenize else text
+
+
+def _template_of(config: dict) -> str | None:
+    t = config.get("chat_template")
+    if isinstance(t, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {d.get("name"): d.get("template") for d in t if isinstance(d, dict)}
+        return named.get("default") or next(iter(named.values()), None)
+    return t
 
 
 def _token_text(tok) -> str | None:
@@ -121,4 +210,8 @@ def load_tokenizer(vault_dir) -> Tokenizer:
         raise FileNotFoundError(f"{d} has no tokenizer.json")
     tc = d / "tokenizer_config.json"
     config = json.loads(tc.read_text(encoding="utf-8")) if tc.exists() else {}
-    return Tokenizer(tj.read_text(encoding="utf-8"), config)
+    jinja = d / "chat_template.jinja"
+    template = jinja.read_text(encoding="utf-8") if jinja.exists() else None
+    gc = d / "generation_config.json"
+    gen = json.loads(gc.read_text(encoding="utf-8")) if gc.exists() else {}
+    return Tokenizer(tj.read_text(encoding="utf-8"), config, template, gen)

@@ -33,7 +33,6 @@ from .quant import FORMAT_CODE, FORMAT_NAME, SCALE_CODE, SCALE_NAME, align
 
 MAGIC = b"SMOEVLT\0"
 VERSION = 2
-QUANT_GROUP = 64  # the group size this writer and reader handle (docs/vault.md allows 32, 64, 128)
 HEADER_BYTES = 256
 BLOB_ALIGN = 16384
 CONFIG_BYTES = 96
@@ -183,6 +182,17 @@ class Tensor:
     cols: int
     offset: int
     nbytes: int
+    group: int = quant.GROUP  # q4/q8 group size along cols; 0 for f32/bf16
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorFormat:
+    """How one tensor is stored: format, and for q4/q8 the group size and the scales' dtype.
+    A `formats` entry may be one of these or just the format's name (the writer's defaults
+    fill in the rest)."""
+    format: str
+    group: int = quant.GROUP
+    scale_dtype: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,30 +216,51 @@ class Layout:
         return self.blob_offsets[layer * self.config["num_experts"] + expert]
 
 
-def _scale_fmt(fmt: str, scale_dtype: str) -> str | None:
-    return scale_dtype if quant.is_quantized(fmt) else None
-
-
-def resolve_formats(formats: dict | None) -> dict:
-    """Role (or exact tensor name) -> format, with the defaults filled in."""
-    out = dict(DEFAULT_FORMATS)
-    for k, v in (formats or {}).items():
-        if v not in quant.FORMATS:
-            raise ValueError(f"format for {k!r}: {v!r} is not one of {', '.join(quant.FORMATS)}")
-        out[k] = v
+def resolve_formats(formats: dict | None, scale_dtype: str = "f16", group: int = quant.GROUP) -> dict:
+    """Role (or exact tensor name, or `experts.gate|up|down`) -> TensorFormat, with the defaults
+    filled in. Float formats get group 0 and no scale dtype."""
+    raw = dict(DEFAULT_FORMATS)
+    raw.update(formats or {})
+    out = {}
+    for k, v in raw.items():
+        tf = v if isinstance(v, TensorFormat) else TensorFormat(v, group, scale_dtype)
+        if tf.format not in quant.FORMATS:
+            raise ValueError(f"format for {k!r}: {tf.format!r} is not one of {', '.join(quant.FORMATS)}")
+        if quant.is_quantized(tf.format):
+            sd = tf.scale_dtype or scale_dtype
+            if sd not in quant.SCALE_DTYPES:
+                raise ValueError(f"scale dtype for {k!r}: {sd!r} is not one of {', '.join(quant.SCALE_DTYPES)}")
+            if tf.group not in quant.GROUPS:
+                raise ValueError(f"group size for {k!r}: {tf.group} is not one of {', '.join(map(str, quant.GROUPS))}")
+            tf = TensorFormat(tf.format, tf.group, sd)
+        else:
+            tf = TensorFormat(tf.format, 0, None)
+        out[k] = tf
     return out
 
 
-def compute_layout(cfg: dict, formats: dict | None = None, scale_dtype: str = "f16") -> Layout:
-    """Where every byte of a vault of this config goes (docs/vault.md section 5)."""
+def _sized(name: str, tf: TensorFormat, rows: int, cols: int, offset: int) -> Tensor:
+    try:
+        n = quant.tensor_nbytes(tf.format, rows, cols, tf.group or quant.GROUP, tf.scale_dtype)
+    except ValueError as e:
+        raise ValueError(f"{name} ({rows}x{cols}): {e}") from None
+    return Tensor(name, tf.format, tf.scale_dtype, rows, cols, offset, n, tf.group)
+
+
+def compute_layout(cfg: dict, formats: dict | None = None, scale_dtype: str = "f16",
+                   group: int = quant.GROUP) -> Layout:
+    """Where every byte of a vault of this config goes (docs/vault.md section 5). formats maps
+    a role, a dense tensor's name or `experts.gate|up|down` to a format name or a
+    TensorFormat; scale_dtype and group are the defaults for q4/q8 entries given by name."""
     cfg = normalize_config(cfg)
     _check_limits(cfg)
-    fmts = resolve_formats(formats)
     if scale_dtype not in quant.SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be one of {quant.SCALE_DTYPES}, got {scale_dtype!r}")
+    fmts = resolve_formats(formats, scale_dtype, group)
     sparse = tuple(layer_kinds(cfg))
     shapes = dense_shapes(cfg)
-    unknown = set(fmts) - set(ROLES) - {n for n, _, _ in shapes}
+    expert_keys = {f"experts.{p}" for p in EXPERT_PARTS}
+    unknown = set(fmts) - set(ROLES) - expert_keys - {n for n, _, _ in shapes}
     if unknown:
         raise ValueError("formats names neither a role nor a tensor: " + ", ".join(sorted(unknown)))
     L, E = cfg["num_hidden_layers"], cfg["num_experts"]
@@ -241,29 +272,22 @@ def compute_layout(cfg: dict, formats: dict | None = None, scale_dtype: str = "f
 
     tensors, rel = {}, 0
     for name, rows, cols in shapes:
-        fmt = fmts.get(name, fmts[role_of(name)])
-        if role_of(name) == "norms" and fmt not in ("f32", "bf16"):
-            raise ValueError(f"{name}: norm vectors must be f32 or bf16, not {fmt}")
-        try:
-            n = quant.tensor_nbytes(fmt, rows, cols)
-        except ValueError as e:
-            raise ValueError(f"{name} ({rows}x{cols}): {e}") from None
+        tf = fmts.get(name, fmts[role_of(name)])
+        if role_of(name) == "norms" and tf.format not in ("f32", "bf16"):
+            raise ValueError(f"{name}: norm vectors must be f32 or bf16, not {tf.format}")
         rel = align(rel, quant.ALIGN)
-        tensors[name] = Tensor(name, fmt, _scale_fmt(fmt, scale_dtype), rows, cols, dense_offset + rel, n)
-        rel += n
+        tensors[name] = _sized(name, tf, rows, cols, dense_offset + rel)
+        rel += tensors[name].nbytes
     dense_bytes = align(rel, quant.ALIGN)
 
     h, m = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    efmt = fmts["experts"]
     expert, off = [], 0
     for part, rows, cols in (("gate", m, h), ("up", m, h), ("down", h, m)):
-        try:
-            n = quant.tensor_nbytes(efmt, rows, cols)
-        except ValueError as e:
-            raise ValueError(f"expert {part} ({rows}x{cols}): {e}") from None
+        tf = fmts.get(f"experts.{part}", fmts["experts"])
         off = align(off, quant.ALIGN)
-        expert.append(Tensor(part, efmt, _scale_fmt(efmt, scale_dtype), rows, cols, off, n))
-        off += n
+        expert.append(_sized(f"expert {part}", tf, rows, cols, off))
+        expert[-1] = dataclasses.replace(expert[-1], name=part)
+        off += expert[-1].nbytes
     any_sparse = any(sparse)
     blob_bytes = align(off, BLOB_ALIGN) if any_sparse else 0
 
@@ -301,13 +325,9 @@ def checksum(data) -> int:
             return int(lib.smoe_checksum(ffi.from_buffer(flat), flat.nbytes))
 
 
-def _group_size(fmt: str) -> int:
-    return QUANT_GROUP if quant.is_quantized(fmt) else 0
-
-
 def _desc(t: Tensor, offset: int) -> bytes:
     return _DESC.pack(_name_bytes(t.name), FORMAT_CODE[t.format], SCALE_CODE[t.scale_format],
-                      _group_size(t.format), t.rows, t.cols, 0, offset)
+                      t.group if quant.is_quantized(t.format) else 0, t.rows, t.cols, 0, offset)
 
 
 def _config_block(cfg: dict) -> bytes:
@@ -333,8 +353,9 @@ class VaultWriter:
     """
 
     def __init__(self, out_dir, config: dict, *, formats: dict | None = None, scale_dtype: str = "f16",
-                 tokenizer_json: str | None = None, tokenizer_config: dict | None = None):
-        self.layout = compute_layout(config, formats, scale_dtype)
+                 group: int = quant.GROUP, tokenizer_json: str | None = None,
+                 tokenizer_config: dict | None = None):
+        self.layout = compute_layout(config, formats, scale_dtype, group)
         self.config = self.layout.config
         self.scale_dtype = scale_dtype
         self.tokenizer_json = tokenizer_json
@@ -408,7 +429,8 @@ class VaultWriter:
         a = np.asarray(array)
         if a.shape != (t.rows, t.cols) and not (t.rows == 1 and a.shape == (t.cols,)):
             raise ValueError(f"{name}: shape {a.shape}, expected ({t.rows}, {t.cols})")
-        self.add_dense_raw(name, quant.quantize(a.reshape(t.rows, t.cols), t.format, self.scale_dtype))
+        self.add_dense_raw(name, quant.quantize(a.reshape(t.rows, t.cols), t.format, t.scale_format or "f16",
+                                                t.group or quant.GROUP))
 
     def add_dense_raw(self, name: str, data) -> None:
         """Write a dense tensor's bytes, already in its stored format."""
@@ -439,7 +461,8 @@ class VaultWriter:
             w = np.asarray(w)
             if w.shape != (t.rows, t.cols):
                 raise ValueError(f"expert {t.name}: shape {w.shape}, expected ({t.rows}, {t.cols})")
-            buf[t.offset:t.offset + t.nbytes] = quant.quantize(w, t.format, self.scale_dtype)
+            buf[t.offset:t.offset + t.nbytes] = quant.quantize(w, t.format, t.scale_format or "f16",
+                                                               t.group or quant.GROUP)
         return bytes(buf)
 
     def add_expert(self, layer: int, expert: int, gate, up, down) -> None:
@@ -566,17 +589,24 @@ class Header:
     n_blobs: int
 
 
-def _parse_desc(raw: bytes) -> tuple[str, str, str | None, int, int, int]:
+def _parse_desc(raw: bytes, base: int = 0) -> Tensor:
+    """A descriptor -> Tensor (offset + base)."""
     name, fmt, sfmt, group, rows, cols, _, off = _DESC.unpack(raw)
     if b"\0" not in name:
         raise VaultFormatError("tensor name not NUL-terminated")
     if fmt not in FORMAT_NAME or sfmt not in SCALE_NAME:
         raise VaultFormatError(f"bad format {fmt}/{sfmt}")
-    text = name.split(b"\0", 1)[0].decode("ascii")
-    if group != _group_size(FORMAT_NAME[fmt]):
-        raise VaultFormatError(f"tensor {text}: group_size {group} is not supported by this reader "
-                               f"({QUANT_GROUP} for q4/q8, 0 otherwise)")
-    return text, FORMAT_NAME[fmt], SCALE_NAME[sfmt], rows, cols, off
+    name = name.split(b"\0", 1)[0].decode("ascii")
+    fmt, sfmt = FORMAT_NAME[fmt], SCALE_NAME[sfmt]
+    if quant.is_quantized(fmt) and group not in quant.GROUPS:
+        raise VaultFormatError(f"tensor {name}: group size {group} (32, 64 or 128)")
+    if not quant.is_quantized(fmt) and group:
+        raise VaultFormatError(f"tensor {name}: group size {group} on a {fmt} tensor (must be 0)")
+    try:
+        n = quant.tensor_nbytes(fmt, rows, cols, group or quant.GROUP, sfmt)
+    except ValueError as e:
+        raise VaultFormatError(f"tensor {name}: {e}") from None
+    return Tensor(name, fmt, sfmt, rows, cols, base + off, n, group)
 
 
 def _config_from_block(b: bytes, sparse: list[bool]) -> dict:
@@ -641,17 +671,14 @@ class VaultFile:
         pos += align(L, 8)
         self.expert_tensors = []
         for _ in range(3):
-            name, fmt, sfmt, rows, cols, off = _parse_desc(tab[pos:pos + DESC_BYTES])
-            self.expert_tensors.append(Tensor(name, fmt, sfmt, rows, cols, off,
-                                              quant.tensor_nbytes(fmt, rows, cols)))
+            self.expert_tensors.append(_parse_desc(tab[pos:pos + DESC_BYTES]))
             pos += DESC_BYTES
         self.tensors: dict[str, Tensor] = {}
         for _ in range(h.n_tensors):
-            name, fmt, sfmt, rows, cols, off = _parse_desc(tab[pos:pos + DESC_BYTES])
-            n = quant.tensor_nbytes(fmt, rows, cols)
-            if off + n > h.dense_bytes:
-                raise VaultFormatError(f"tensor {name} outside the dense region")
-            self.tensors[name] = Tensor(name, fmt, sfmt, rows, cols, h.dense_offset + off, n)
+            t = _parse_desc(tab[pos:pos + DESC_BYTES], h.dense_offset)
+            if t.offset + t.nbytes > h.dense_offset + h.dense_bytes:
+                raise VaultFormatError(f"tensor {t.name} outside the dense region")
+            self.tensors[t.name] = t
             pos += DESC_BYTES
         blobs = np.frombuffer(tab, dtype=np.dtype([("offset", "<u8"), ("crc", "<u4"), ("r", "<u4")]),
                               count=h.n_blobs, offset=pos)
@@ -670,7 +697,7 @@ class VaultFile:
     def tensor(self, name: str) -> np.ndarray:
         """The dense tensor, dequantised to f32 (rows, cols); vectors come back (cols,)."""
         t = self.tensors[name]
-        w = quant.dequantize(self.raw(name), t.format, t.rows, t.cols, t.scale_format)
+        w = quant.dequantize(self.raw(name), t.format, t.rows, t.cols, t.scale_format, t.group or quant.GROUP)
         return w.reshape(-1) if t.rows == 1 else w
 
     def layer_is_sparse(self, layer: int) -> bool:
@@ -689,7 +716,7 @@ class VaultFile:
         """(gate, up, down) of one expert, dequantised to f32."""
         b = self.blob(layer, expert)
         return tuple(quant.dequantize(b[t.offset:t.offset + t.nbytes], t.format, t.rows, t.cols,
-                                      t.scale_format) for t in self.expert_tensors)
+                                      t.scale_format, t.group or quant.GROUP) for t in self.expert_tensors)
 
     # -- checks
     def verify(self) -> list[str]:
@@ -755,13 +782,30 @@ def info(path) -> str:
                  f"file       {_size(h.file_size)} ({h.file_size} bytes)",
                  f"dense      {_size(h.dense_bytes)} in {h.n_tensors} tensors (resident)",
                  f"blobs      {n_sparse * E} x {_size(h.blob_bytes)} = {_size(n_sparse * E * h.blob_bytes)}"]
+        def fmt(t: Tensor) -> str:  # q4/g64/bf16, f32
+            return t.format + (f"/g{t.group}/{t.scale_format}" if quant.is_quantized(t.format) else "")
+
         roles: dict[str, set] = {}
         for t in v.tensors.values():
-            roles.setdefault(role_of(t.name), set()).add(t.format + (f"/{t.scale_format}" if t.scale_format else ""))
-        et = v.expert_tensors[0]
+            roles.setdefault(role_of(t.name), set()).add(fmt(t))
         if n_sparse:
-            roles["experts"] = {et.format + (f"/{et.scale_format}" if et.scale_format else "")}
+            roles["experts"] = {fmt(t) for t in v.expert_tensors}
         lines.append("formats    " + ", ".join(f"{r} {'+'.join(sorted(roles[r]))}" for r in ROLES if r in roles))
+        if n_sparse and len({fmt(t) for t in v.expert_tensors}) > 1:
+            lines.append("experts    " + ", ".join(f"{t.name} {fmt(t)}" for t in v.expert_tensors))
+        src = v.dir / "source.json"
+        if src.exists():
+            try:
+                s = json.loads(src.read_text())
+                q = s.get("quantization")
+                recipe = (", ".join(f"{k} {val}" for k, val in q.items() if not isinstance(val, dict))
+                          if isinstance(q, dict) else "none (floats)")
+                overrides = sum(isinstance(val, dict) for val in (q or {}).values()) if isinstance(q, dict) else 0
+                lines.append(f"source     {s.get('kind')} checkpoint {s.get('path', '')}"
+                             f"{' (' + s['dtype'] + ')' if s.get('dtype') else ''}")
+                lines.append(f"recipe     {recipe}{f' (+{overrides} per-tensor overrides)' if overrides else ''}")
+            except (ValueError, AttributeError, TypeError):
+                lines.append("source     source.json unreadable")
         tok = v.dir / "tokenizer.json"
         lines.append(f"tokenizer  {'tokenizer.json' if tok.exists() else 'none'}"
                      f"{', chat template' if _has_chat_template(v.dir) else ''}")
@@ -771,6 +815,8 @@ def info(path) -> str:
 
 
 def _has_chat_template(d: pathlib.Path) -> bool:
+    if (d / "chat_template.jinja").exists():
+        return True
     p = d / "tokenizer_config.json"
     if not p.exists():
         return False

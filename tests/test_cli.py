@@ -71,7 +71,8 @@ def test_synth(tmp_path):
 
 
 @pytest.mark.parametrize("args", [[], ["frobnicate"], ["run", "--max-tokens", "many"], ["synth"],
-                                  ["run", "--prefill", "sideways"],
+                                  ["run", "--prefill", "sideways"], ["run", "--chat-template-kwargs", "{nope"],
+                                  ["run", "--chat-template-kwargs", "[1]"],
                                   ["run", "--max-tokens", "0"], ["run", "--max-tokens", "-1"], ["run", "--top-k", "-2"],
                                   ["run", "--seed", "-1"], ["run", "--seed", str(2 ** 64)], ["run", "--cache-mb", "nan"],
                                   ["run", "--cache-mb", "inf"], ["run", "--cache-mb", "-1"], ["run", "--threads", "0"],
@@ -146,3 +147,19 @@ def test_c_example_validates_its_arguments(tiny_vault, args):
     assert out.returncode == 2 and "usage:" in out.stderr and out.stdout == ""
     ok = subprocess.run([exe, str(tiny_vault), "0", "5"], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and ok.stdout.strip() == ""  # zero tokens asked, none printed
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_vault, tmp_path):
+    """--chat-template-kwargs sets template variables: a template that prints one shows it in
+    the prompt's token count (the vault's template replaced by one reading `mode`)."""
+    import shutil
+
+    v = tmp_path / "v"
+    shutil.copytree(tiny_vault, v)
+    (v / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}"
+                                           "{% if mode is defined %}{{ mode * 20 }}{% endif %}")
+    args = ["run", "--vault", v, "--prompt", "hi", "--chat", "--max-tokens", "1", "--json"]
+    plain = json.loads(cli(*args).stdout)["prompt_tokens"]
+    out = cli(*args, "--chat-template-kwargs", '{"mode": "long "}')
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["prompt_tokens"] > plain + 10

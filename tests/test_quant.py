@@ -48,15 +48,16 @@ def test_quantised_formats_need_whole_groups():
 
 
 def test_q4_packing_order():
-    # A group holding 0..15 twice quantises to scale 1, bias 0 (exact in f16) and codes c % 16.
-    w = np.tile(np.arange(16, dtype=np.float32), 4)[None, :]
+    # A group holding -15..0 four times quantises to scale 1, bias -15 (MLX's edge of larger
+    # magnitude) and codes c % 16.
+    w = np.tile(np.arange(16, dtype=np.float32) - 15, 4)[None, :]
     data = Q.quantize(w, "q4", "f16")
     words = np.frombuffer(data[:32], dtype="<u4")
     assert [hex(x) for x in words[:2]] == ["0x76543210", "0xfedcba98"]
     assert np.all(words == np.tile(np.array([0x76543210, 0xFEDCBA98], dtype=np.uint32), 4))
     scales = np.frombuffer(data[64:66], dtype="<f2")
     biases = np.frombuffer(data[128:130], dtype="<f2")
-    assert scales[0] == 1 and biases[0] == 0
+    assert scales[0] == 1 and biases[0] == -15
     assert np.array_equal(Q.dequantize(data, "q4", 1, 64, "f16"), w)
 
 
@@ -76,11 +77,14 @@ def test_q4_codes_direct_matches_element_rule():
 
 
 def test_q8_layout():
-    w = np.arange(128, dtype=np.float32).reshape(2, 64)  # rows 0..63 and 64..127: scale 63/255
+    # rows 0..63 and 64..127: the larger edge is the maximum, so the scale is negative (-63/255)
+    # and the codes count down from it
+    w = np.arange(128, dtype=np.float32).reshape(2, 64)
     data = Q.quantize(w, "q8", "f16")
     codes = np.frombuffer(data[:128], dtype=np.uint8).reshape(2, 64)
-    assert codes[0, 0] == 0 and codes[0, -1] == 255 and codes[1, 0] == 0 and codes[1, -1] == 255
-    assert np.all(np.diff(codes.astype(int), axis=1) >= 0)
+    assert codes[0, 0] == 255 and codes[0, -1] == 0 and codes[1, 0] == 255 and codes[1, -1] == 0
+    assert np.all(np.diff(codes.astype(int), axis=1) <= 0)
+    assert np.frombuffer(data[128:130], dtype="<f2")[0] < 0
 
 
 def test_bf16_round_to_nearest_even():
@@ -129,15 +133,18 @@ def test_bf16_matches_nearest_even(seed, n):
 
 
 def _bound(w, fmt, sd):
-    """Largest error allowed per element: half a step, plus what rounding scale and bias to
-    the stored dtype can cost at the group's ends."""
+    """Largest error allowed per element: a step (half a step of rounding; or, at the far end
+    of the group, what MLX's moving the scale so that zero is a code can clip: at most
+    levels·step/(2·|q0|) with |q0| >= levels/2), plus what rounding scale and bias to the
+    stored dtype can cost at the group's ends."""
     rows, cols = w.shape
     g = w.reshape(rows, cols // 64, 64).astype(np.float64)
     lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
     levels = 15 if fmt == "q4" else 255
     step = (hi - lo) / levels
     eps = 2.0 ** -11 if sd == "f16" else 2.0 ** -8
-    b = 0.5 * step * (1 + 2 * eps) + eps * (np.abs(lo) + levels * step) * 2 + 1e-7 * (np.abs(hi) + np.abs(lo))
+    edge = np.maximum(np.abs(lo), np.abs(hi))
+    b = step * (1 + 2 * eps) + eps * (edge + levels * step) * 2 + 1e-7 * (np.abs(hi) + np.abs(lo))
     return np.broadcast_to(b, g.shape).reshape(rows, cols)
 
 

@@ -302,7 +302,7 @@ def test_layer_kinds_follow_transformers():
 
 def test_info(tiny_vault):
     text = V.info(tiny_vault)
-    assert "4 layers (3 sparse)" in text and "experts q4/f16" in text and "chat template" in text
+    assert "4 layers (3 sparse)" in text and "experts q4/g64/f16" in text and "chat template" in text
 
 
 def test_libsmoe_opens_what_the_writer_wrote(tiny_vault):

@@ -1,0 +1,298 @@
+"""`pysmoe convert SRC OUT`: a checkpoint on disk → a vault, without torch.
+
+    python -m pysmoe convert mlx-community/Qwen3-30B-A3B-4bit/ vault/   # MLX: copied as stored
+    python -m pysmoe convert Qwen/Qwen3-30B-A3B/ vault/ --experts q4     # HF bf16: MLX's quantiser
+
+SRC is recognised by what it holds (`detect`):
+
+- **mlx**: config.json has `quantization`, or the experts are stacked as `switch_mlp` (mlx.py).
+  Quantised tensors are copied byte for byte in the format MLX gave them; nothing is
+  requantised.
+- **hf**: a Hugging Face checkpoint of floats (bf16, f16, f32), sharded or not (hf.py).
+  Quantised formats are made with MLX's affine quantiser (pysmoe.quant), scales and biases in the
+  source dtype unless asked otherwise, so the vault equals an import of `mlx_lm convert -q`.
+
+Both are planned from the safetensors headers first (safetensors_io.py: header parsed here,
+data np.memmap'ed): every problem is reported before a byte is written. Then tensors are written
+one at a time (memory stays near one expert), with a progress bar of input bytes, rate and ETA.
+The vault directory also gets the checkpoint's tokenizer files, generation_config.json and a
+`source.json` that says where it came from (`pysmoe info` shows it).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from contextlib import ExitStack, contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+from .. import quant
+from .hf import DENSE_MATRIX_ROLES, DENSE_ROLES, FORMATS, ConvertError, load_config, plan, resolve_formats
+from .safetensors_io import Checkpoint, SafetensorsError
+from ..vaultio import TensorFormat
+
+_SCALE_OF = {"BF16": "bf16", "F16": "f16", "F32": "f32"}
+
+__all__ = ["ConvertError", "convert", "detect", "load_config", "plan", "add_parser", "run"]
+
+log = logging.getLogger("pysmoe.converter")
+
+# Copied into the vault as they are: what the tokenizer and the chat template need.
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+              "generation_config.json", "special_tokens_map.json")
+SOURCE_FILE = "source.json"
+
+
+def detect(src) -> str:
+    """"mlx" or "hf" for a checkpoint directory (ConvertError if it is neither)."""
+    from .mlx import is_mlx
+
+    src = Path(src)
+    if not (src / "config.json").is_file():
+        raise ConvertError(f"{src}: no config.json (is this a checkpoint directory?)")
+    try:
+        ckpt = Checkpoint(src)
+    except SafetensorsError as exc:
+        raise ConvertError(str(exc)) from None
+    return "mlx" if is_mlx(src, ckpt) else "hf"
+
+
+@contextmanager
+def _target(out: Path, force: bool):
+    """The directory the vault is written into: a temporary one beside out, renamed into place
+    once complete and verified (pysmoe.vaultdir.staged); a non-empty out is refused unless force."""
+    from ..vaultdir import staged
+    with staged(out, force) as tmp:
+        yield tmp
+
+
+def convert(src, out_dir, experts: str | None = None, dense=None, scale_dtype: str | None = None,
+            group: int = quant.GROUP, progress: bool = True, force: bool = False) -> Path:
+    """Convert the checkpoint in src (MLX or Hugging Face, see `detect`) into a vault at out_dir.
+
+    experts: expert format (q4, q8, bf16, f32); for an HF checkpoint default q4; for MLX only
+    for experts stored unquantised (quantised ones are copied as they are). dense: None (the
+    writer's defaults for HF; as stored for MLX), one format for every dense matrix, or {role:
+    format} with roles embed, lm_head, attention, router, mlp, norms. scale_dtype: f16, bf16 or
+    f32 for the q4/q8 tensors made here; default the checkpoint's dtype (as MLX does). group:
+    their group size (32, 64, 128). Raises ConvertError before writing anything when the
+    checkpoint cannot be converted."""
+    from ..progress import Progress
+    from ..vaultio import VaultWriter
+
+    src, out_dir = Path(src).expanduser(), Path(out_dir).expanduser()
+    kind = detect(src)
+    try:
+        ckpt = Checkpoint(src)
+    except SafetensorsError as exc:
+        raise ConvertError(str(exc)) from None
+    with ExitStack() as stack:
+        stack.callback(ckpt.close)
+        if kind == "mlx":
+            job = _MlxJob(src, ckpt, experts, dense, scale_dtype, group)
+        else:
+            job = _HfJob(src, ckpt, experts, dense, scale_dtype, group)
+        with _target(out_dir, force) as target:
+            with VaultWriter(target, job.config, formats=job.formats, scale_dtype=job.scale_dtype,
+                             group=group) as writer:
+                with Progress(job.total, "convert", unit="B", enabled=progress) as bar:
+                    job.write(writer, bar)
+            _side_files(src, target)
+            (target / SOURCE_FILE).write_text(json.dumps(job.source(), indent=2) + "\n")
+    return out_dir
+
+
+def _side_files(src: Path, out: Path) -> None:
+    if not (src / "tokenizer.json").is_file():
+        log.warning("%s has no tokenizer.json: the vault will have none", src)
+    for name in SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+
+
+def _check_float_format(role: str, fmt: str | None) -> str | None:
+    if fmt is not None and fmt not in FORMATS:
+        raise ConvertError(f"unknown format {fmt!r} for {role} (one of {', '.join(FORMATS)})")
+    return fmt
+
+
+class _HfJob:
+    def __init__(self, src, ckpt, experts, dense, scale_dtype, group):
+        from ..vaultio import compute_layout
+        from . import hf
+
+        self.kind = "hf"
+        cfg = load_config(src)
+        self.formats = resolve_formats(experts or "q4", dense)
+        self.plan = plan(src, cfg, ckpt)
+        self.ckpt = ckpt
+        self.dtype = hf.source_dtype(ckpt, self.plan)
+        self.scale_dtype = scale_dtype or self.dtype
+        self.group = group
+        try:  # limits, and formats that do not fit a shape (q4 needs cols % group == 0), fail here
+            compute_layout(cfg, self.formats, self.scale_dtype, group)
+        except ValueError as exc:
+            raise ConvertError(f"cannot convert {src} with formats {self.formats}: {exc}") from None
+        self.config = self.plan.config
+        self.total = sum(s.nbytes for s in self.plan.dense.values())
+        self.total += sum(s.nbytes for parts in self.plan.experts.values() for s in parts.values())
+
+    def write(self, writer, bar) -> None:
+        from .hf import read
+
+        for name, s in self.plan.dense.items():
+            t = writer.layout.tensors[name]
+            if s.expert is None and len(self.ckpt.tensors[s.name].shape) == 2:
+                # by blocks of rows: an embedding never exists whole in f32
+                data = quant.quantize_rows(lambda r0, r1, n=s.name: self.ckpt.rows(n, r0, r1), t.rows, t.cols,
+                                           t.format, t.scale_format or "f16", t.group or quant.GROUP)
+                writer.add_dense_raw(name, data)
+                del data
+            else:
+                writer.add_dense(name, read(self.ckpt, s))
+            bar.update(s.nbytes)
+        for (layer, e), parts in self.plan.experts.items():
+            gate, up, down = (read(self.ckpt, parts[k]) for k in ("gate", "up", "down"))
+            writer.add_expert(layer, e, gate, up, down)
+            del gate, up, down
+            bar.update(sum(s.nbytes for s in parts.values()))
+
+    def source(self) -> dict:
+        return {"kind": "hf", "path": str(Path(self.ckpt.dir).resolve()), "dtype": self.dtype,
+                "quantization": {"quantiser": "mlx-affine",
+                                 "formats": ", ".join(f"{k} {v}" for k, v in self.formats.items()),
+                                 "group_size": self.group, "scale_dtype": self.scale_dtype}}
+
+
+class _MlxJob:
+    def __init__(self, src, ckpt, experts, dense, scale_dtype, group):
+        from . import mlx
+
+        self.kind = "mlx"
+        floats = {}
+        if experts:
+            floats["experts"] = _check_float_format("experts", experts)
+        if isinstance(dense, str):
+            dense = {role: dense for role in DENSE_MATRIX_ROLES}
+        for role, fmt in (dense or {}).items():
+            if role not in DENSE_ROLES:
+                raise ConvertError(f"unknown dense role {role!r} (one of {', '.join(DENSE_ROLES)})")
+            floats[role] = _check_float_format(role, fmt)
+        self.plan = p = mlx.plan(src, ckpt)
+        self.ckpt = ckpt
+        self.scale_dtype = scale_dtype or "f16"
+        self.group = group
+        from ..vaultio import role_of
+
+        # A format asked for applies to tensors MLX left in floats (quantised with MLX's
+        # quantiser, scales in that tensor's dtype unless scale_dtype says otherwise);
+        # quantised tensors stay exactly as stored.
+        def asked(fmt: str | None, current, module: str):
+            if fmt is not None and quant.is_quantized(current.format) and fmt != current.format:
+                log.warning("%s is stored as %s by MLX; it is copied as stored, not converted to %s",
+                            module, current.format, fmt)
+            if fmt is None or quant.is_quantized(current.format):
+                return current
+            dtype = _SCALE_OF.get(ckpt.tensors[module + ".weight"].dtype, "f32")
+            return TensorFormat(fmt, group, scale_dtype or dtype)
+
+        for name, e in list(p.dense.items()):
+            p.dense[name] = replace(e, fmt=asked(floats.get(role_of(name)), e.fmt, e.module))
+        for part in p.experts:
+            module = f"model.layers.{p.sparse[0]}.mlp.switch_mlp.{part}_proj"
+            p.experts[part] = asked(floats.get("experts"), p.experts[part], module)
+        self.formats = p.formats()
+        self.config = p.config
+        E = p.config["num_experts"]
+        self.total = sum(e.nbytes for e in p.dense.values())
+        for l in p.sparse:
+            for part in ("gate", "up", "down"):
+                t = ckpt.tensors[f"model.layers.{l}.mlp.switch_mlp.{part}_proj.weight"]
+                self.total += t.nbytes
+                for k in ("scales", "biases"):
+                    n = f"model.layers.{l}.mlp.switch_mlp.{part}_proj.{k}"
+                    self.total += ckpt.tensors[n].nbytes if n in ckpt else 0
+        self._per_expert = self.total - sum(e.nbytes for e in p.dense.values())
+        self._per_expert //= max(1, E * len(p.sparse))
+
+    def write(self, writer, bar) -> None:
+        from . import mlx
+
+        p = self.plan
+        for name, e in p.dense.items():
+            if e.quantised:
+                writer.add_dense_raw(name, mlx.read_quantised(self.ckpt, e))
+            else:
+                writer.add_dense(name, mlx.read_float(self.ckpt, e))
+            bar.update(e.nbytes)
+        cfg = p.config
+        H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
+        shapes = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+        for l in p.sparse:
+            entries = {}
+            for part, (rows, cols) in shapes.items():
+                module = f"model.layers.{l}.mlp.switch_mlp.{part}_proj"
+                stored = mlx.Entry(module, rows, cols, p.experts[part],
+                                   f"{module}.scales" in self.ckpt, 0)
+                entries[part] = stored
+            for e in range(cfg["num_experts"]):
+                if all(x.quantised for x in entries.values()) and all(
+                        writer.layout.expert[i].format == entries[k].fmt.format
+                        for i, k in enumerate(("gate", "up", "down"))):
+                    blob = bytearray(writer.layout.expert[2].offset + writer.layout.expert[2].nbytes)
+                    for t, part in zip(writer.layout.expert, ("gate", "up", "down")):
+                        blob[t.offset:t.offset + t.nbytes] = mlx.read_quantised(self.ckpt, entries[part], e)
+                    writer.add_expert_raw(l, e, bytes(blob))
+                else:
+                    mats = [self._expert_floats(entries[k], e) for k in ("gate", "up", "down")]
+                    writer.add_expert(l, e, *mats)
+                bar.update(self._per_expert)
+
+    def _expert_floats(self, entry, e):
+        from . import mlx
+
+        if entry.quantised:  # mixing a stored-quantised part with float parts: decode exactly
+            raw = mlx.read_quantised(self.ckpt, entry, e)
+            return quant.dequantize(raw, entry.fmt.format, entry.rows, entry.cols, entry.fmt.scale_dtype,
+                                    entry.fmt.group)
+        return mlx.read_float(self.ckpt, replace(entry, index=e))
+
+    def source(self) -> dict:
+        return {"kind": "mlx", "path": str(Path(self.ckpt.dir).resolve()),
+                "quantization": self.plan.recipe or None}
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+
+
+def add_parser(p, name: str = "convert") -> None:
+    """The arguments of `python -m pysmoe convert` on its (sub)parser p (cli.py makes p)."""
+    p.description = ("Convert a checkpoint into a vault: an MLX checkpoint (mlx_lm convert, "
+                     "mlx-community; quantised tensors copied as stored) or a Hugging Face "
+                     "Qwen3-MoE checkpoint of floats (quantised with MLX's quantiser). No torch needed.")
+    p.add_argument("src", metavar="SRC", help="checkpoint directory (config.json, *.safetensors)")
+    from ..argtypes import vault_out
+    p.add_argument("out", metavar="OUT", type=vault_out, help="vault directory to write (empty or new, unless --force)")
+    p.add_argument("--experts", choices=FORMATS, help="expert format (default: q4 for a float checkpoint; "
+                   "as stored for MLX)")
+    p.add_argument("--dense", choices=FORMATS, help="format of every dense matrix (default: the writer's / as stored)")
+    p.add_argument("--attention", choices=FORMATS, help="format of q/k/v/o_proj (overrides --dense)")
+    p.add_argument("--embed", choices=FORMATS, help="format of embed_tokens (overrides --dense)")
+    p.add_argument("--lm-head", dest="lm_head", choices=FORMATS, help="format of lm_head (overrides --dense)")
+    p.add_argument("--scale-dtype", choices=quant.SCALE_DTYPES,
+                   help="dtype of the scales and biases of q4/q8 tensors made here (default: the checkpoint's)")
+    p.add_argument("--group-size", dest="group", type=int, choices=quant.GROUPS, default=quant.GROUP,
+                   help="group size of q4/q8 tensors made here (default 64)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUT (only once the new vault is complete)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def run(args) -> int:
+    dense = {role: args.dense for role in DENSE_MATRIX_ROLES} if args.dense else {}
+    for role in ("attention", "embed", "lm_head"):
+        if getattr(args, role):
+            dense[role] = getattr(args, role)
+    convert(args.src, args.out, experts=args.experts, dense=dense or None, scale_dtype=args.scale_dtype,
+            group=args.group, progress=args.progress, force=args.force)
+    return 0

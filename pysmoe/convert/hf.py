@@ -1,0 +1,284 @@
+"""A Hugging Face Qwen3-MoE checkpoint (safetensors, bf16/f16/f32) → the tensors of a vault.
+
+The checkpoint is a directory with config.json and either model.safetensors or
+model.safetensors.index.json plus its shards, read with safetensors_io (no torch). A real
+Qwen3-235B-A22B is ~470 GB of bf16, so the converter never holds more than one tensor (or one
+expert) in memory:
+
+1. Plan, from the safetensors headers alone (no tensor data is read): every name is mapped to its
+   place in the vault and its shape checked against config.json. An unknown tensor, a missing
+   one, a duplicate or a wrong shape stops the conversion here, before anything is written, with
+   the list of offending names: a weight is never dropped silently.
+2. Write: the dense tensors in vault order, then the experts (layer, expert) by (layer, expert),
+   each expert's gate, up and down read straight from wherever they lie (the shards stay mapped,
+   not loaded) and handed to the writer together, so memory stays at about one expert.
+
+Quantised formats use MLX's affine quantiser (pysmoe.quant), with scales in the source dtype by
+default, so a q4 vault made here from the bf16 release holds the codes, scales and biases of
+`mlx_lm convert -q` of the same checkpoint.
+
+Expert weights come in two spellings, both accepted (also mixed across layers):
+
+- per expert, as released Qwen checkpoints and transformers' save_pretrained write them:
+  `model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`;
+- fused, as transformers 5 holds them in memory: `model.layers.L.mlp.experts.gate_up_proj`
+  [E, 2·I, H] (rows 0..I-1 are gate, I..2I-1 up: Qwen3MoeExperts does `.chunk(2)` on the output,
+  gate first) and `model.layers.L.mlp.experts.down_proj` [E, H, I]. Read one expert at a time.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import SmoeError
+from .safetensors_io import DTYPES, FLOATS, Checkpoint, SafetensorsError
+
+FORMATS = ("q4", "q8", "bf16", "f32")
+# Dense roles that can be given their own format (VaultWriter's roles), and those a single
+# `dense` format covers: the router stays f32 (it decides routing and is small), norms f32.
+DENSE_ROLES = ("embed", "lm_head", "attention", "mlp", "router", "norms")
+DENSE_MATRIX_ROLES = ("embed", "lm_head", "attention", "mlp")
+ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+
+log = logging.getLogger("pysmoe.converter")
+
+
+class ConvertError(SmoeError, ValueError):
+    """The checkpoint cannot be converted: what is wrong is in the message."""
+
+
+# ---- the source checkpoint ------------------------------------------------------------------
+
+
+def load_config(hf_dir: Path) -> dict:
+    """config.json, checked for what this engine runs, in the normalised spelling."""
+    from ..vaultio import normalize_config
+
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise ConvertError(f"{hf_dir}: no config.json (is this a Hugging Face checkpoint directory?)")
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConvertError(f"{path}: {exc}") from None
+
+    archs = raw.get("architectures") or []
+    if not any(a in ARCHITECTURES for a in archs) and raw.get("model_type") != "qwen3_moe":
+        raise ConvertError(f"{path}: architecture {archs or raw.get('model_type')!r} is not supported; "
+                           f"pysmoe runs {', '.join(ARCHITECTURES)} (model_type qwen3_moe)")
+    if raw.get("attention_bias"):
+        raise ConvertError(f"{path}: attention_bias=true is not supported (Qwen3-MoE has no attention biases)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConvertError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
+    if raw.get("use_sliding_window"):
+        raise ConvertError(f"{path}: use_sliding_window=true is not supported")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+    if rope_type not in ("default", None):
+        raise ConvertError(f"{path}: RoPE type {rope_type!r} is not supported (only the default RoPE)")
+    try:
+        return normalize_config(raw)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ConvertError(f"{path}: {exc}") from None
+
+
+# ---- the plan: every source tensor mapped to its place in the vault --------------------------
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one vault matrix comes from: a tensor of a shard, or one expert's rows of a fused one."""
+
+    file: Path
+    name: str
+    nbytes: int                # what it occupies in the checkpoint
+    expert: int | None = None  # index into the first axis of a fused experts tensor
+    rows: slice | None = None  # gate or up half of a fused gate_up_proj
+
+    def __str__(self):
+        return self.name if self.expert is None else f"{self.name}[{self.expert}]"
+
+
+@dataclass
+class Plan:
+    config: dict
+    dense: dict[str, Source]                            # vault name → source, in vault order
+    experts: dict[tuple[int, int], dict[str, Source]]   # (layer, expert) → gate/up/down
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+_DENSE_IN_LAYER = {
+    "input_layernorm.weight": "input_layernorm",
+    "post_attention_layernorm.weight": "post_attention_layernorm",
+    "self_attn.q_proj.weight": "q_proj", "self_attn.k_proj.weight": "k_proj",
+    "self_attn.v_proj.weight": "v_proj", "self_attn.o_proj.weight": "o_proj",
+    "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate.weight": "router",
+    "mlp.gate_proj.weight": "mlp.gate_proj", "mlp.up_proj.weight": "mlp.up_proj",
+    "mlp.down_proj.weight": "mlp.down_proj",
+}
+# Buffers some exporters save that are not weights (recomputed from rope_theta).
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+
+
+def _list(names, limit: int = 20) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Plan:
+    """Read config.json (unless given, normalised) and the safetensors headers; map and check
+    every tensor. Reads no tensor data."""
+    hf_dir = Path(hf_dir)
+    cfg = load_config(hf_dir) if cfg is None else cfg
+    if ckpt is None:
+        try:
+            ckpt = Checkpoint(hf_dir)
+        except SafetensorsError as exc:
+            raise ConvertError(str(exc)) from None
+    if ckpt.duplicates:
+        raise ConvertError(f"{hf_dir}: tensors stored more than once: {_list(ckpt.duplicates)}")
+    not_float = [f"{n} ({t.dtype})" for n, t in ckpt.tensors.items() if t.dtype not in FLOATS]
+    if not_float:
+        raise ConvertError(f"{hf_dir}: tensors that are not floats (an already quantised "
+                           f"checkpoint that is not MLX's?): {_list(not_float)}")
+    headers = {n: (t.file, t.shape, np.dtype(DTYPES[t.dtype]).itemsize) for n, t in ckpt.tensors.items()}
+
+    from ..vaultio import dense_shapes, layer_kinds
+
+    # vault name → shape in the checkpoint (norm vectors are 1-D there), in vault order
+    want_dense = {n: (cols,) if rows == 1 else (rows, cols) for n, rows, cols in dense_shapes(cfg)}
+    L, E, H = cfg["num_hidden_layers"], cfg["num_experts"], cfg["hidden_size"]
+    I = cfg["moe_intermediate_size"]
+    want_expert = {"gate": (I, H), "up": (I, H), "down": (H, I)}
+    sparse = {l for l, is_sparse in enumerate(layer_kinds(cfg)) if is_sparse}
+
+    dense: dict[str, Source] = {}
+    experts: dict[tuple[int, int], dict[str, Source]] = {(l, e): {} for l in sorted(sparse) for e in range(E)}
+    unknown, bad_shape, twice = [], [], []
+
+    def place(slot: dict, key: str, src: Source) -> None:
+        if key in slot:
+            twice.append(f"{slot[key]} and {src}")
+        slot[key] = src
+
+    for name, (f, shape, itemsize) in headers.items():
+        size = itemsize * int(np.prod(shape))
+        m = _LAYER.fullmatch(name)
+        if name == "model.embed_tokens.weight":
+            target = "embed_tokens"
+        elif name == "model.norm.weight":
+            target = "norm"
+        elif name == "lm_head.weight":
+            if cfg["tie_word_embeddings"]:
+                log.warning("%s: tie_word_embeddings is set, so lm_head.weight is not used "
+                            "(transformers ties it to embed_tokens too)", hf_dir)
+                continue
+            target = "lm_head"
+        elif _IGNORED.fullmatch(name):
+            continue
+        elif m and int(m.group(1)) < L:
+            l, rest = int(m.group(1)), m.group(2)
+            me = _EXPERT.fullmatch(rest)
+            if rest in _DENSE_IN_LAYER:
+                target = f"layers.{l}.{_DENSE_IN_LAYER[rest]}"
+            elif me and l in sparse and int(me.group(1)) < E:
+                if shape != want_expert[me.group(2)]:
+                    bad_shape.append(f"{name} {shape} (want {want_expert[me.group(2)]})")
+                place(experts[(l, int(me.group(1)))], me.group(2), Source(f, name, size))
+                continue
+            elif rest == "mlp.experts.gate_up_proj" and l in sparse:
+                if shape != (E, 2 * I, H):
+                    bad_shape.append(f"{name} {shape} (want {(E, 2 * I, H)})")
+                    continue
+                for e in range(E):
+                    place(experts[(l, e)], "gate", Source(f, name, size // (2 * E), e, slice(0, I)))
+                    place(experts[(l, e)], "up", Source(f, name, size // (2 * E), e, slice(I, 2 * I)))
+                continue
+            elif rest == "mlp.experts.down_proj" and l in sparse:
+                if shape != (E, H, I):
+                    bad_shape.append(f"{name} {shape} (want {(E, H, I)})")
+                    continue
+                for e in range(E):
+                    place(experts[(l, e)], "down", Source(f, name, size // E, e))
+                continue
+            else:
+                unknown.append(name)
+                continue
+        else:
+            unknown.append(name)
+            continue
+        if target not in want_dense:  # e.g. a router in a layer config.json says is dense
+            unknown.append(name)
+            continue
+        if shape != want_dense[target]:
+            bad_shape.append(f"{name} {shape} (want {want_dense[target]})")
+        place(dense, target, Source(f, name, size))
+
+    problems = []
+    if unknown:
+        problems.append(f"tensors this converter does not know what to do with (config.json says "
+                        f"{len(sparse)} of {L} layers are sparse, {E} experts): {_list(unknown)}")
+    if bad_shape:
+        problems.append(f"tensors whose shape does not match config.json: {_list(bad_shape)}")
+    if twice:
+        problems.append(f"weights given twice: {_list(twice)}")
+    missing = [f"{k}" for k in want_dense if k not in dense]
+    missing += [f"layers.{l}.experts.{e}.{p}" for (l, e), got in experts.items()
+                for p in ("gate", "up", "down") if p not in got]
+    if missing:
+        problems.append(f"weights missing from the checkpoint: {_list(missing)}")
+    if problems:
+        raise ConvertError(f"cannot convert {hf_dir}:\n  " + "\n  ".join(problems))
+    return Plan(cfg, {k: dense[k] for k in want_dense}, experts)
+
+
+# ---- formats --------------------------------------------------------------------------------
+
+
+def resolve_formats(experts: str = "q4", dense=None) -> dict[str, str]:
+    """{role: format} for VaultWriter. `dense` is None (the writer's defaults: q8 matrices, f32
+    router and norms), one format for every dense matrix role in DENSE_MATRIX_ROLES (the router
+    and the norms keep f32 unless named), or a {role: format} dict over DENSE_ROLES."""
+    def check(role, fmt):
+        if (fmt if isinstance(fmt, str) else getattr(fmt, "format", None)) not in FORMATS:  # or a TensorFormat
+            raise ConvertError(f"unknown format {fmt!r} for {role} (one of {', '.join(FORMATS)})")
+        return fmt
+
+    formats = {"experts": check("experts", experts)}
+    if dense is None:
+        return formats
+    if isinstance(dense, str):
+        dense = {role: dense for role in DENSE_MATRIX_ROLES}
+    for role, fmt in dense.items():
+        if role not in DENSE_ROLES:
+            raise ConvertError(f"unknown dense role {role!r} (one of {', '.join(DENSE_ROLES)})")
+        if fmt is not None:
+            formats[role] = check(role, fmt)
+    return formats
+
+
+# ---- conversion -----------------------------------------------------------------------------
+
+
+def read(ckpt: Checkpoint, src: Source) -> np.ndarray:
+    """One vault matrix from the checkpoint, as f32 (bf16/f16 widen exactly)."""
+    if src.expert is None:
+        return ckpt.floats(src.name)
+    a = ckpt.floats(src.name, src.expert if src.rows is None else (src.expert, src.rows))
+    return np.ascontiguousarray(a)
+
+
+def source_dtype(ckpt: Checkpoint, p: Plan) -> str:
+    """The float dtype of the checkpoint's expert weights (or its first matrix): what the
+    scales of quantised tensors default to, as MLX keeps them."""
+    srcs = [s for parts in p.experts.values() for s in parts.values()] or list(p.dense.values())
+    dt = ckpt.tensors[srcs[0].name].dtype if srcs else "F32"
+    return {"BF16": "bf16", "F16": "f16"}.get(dt, "f32")
