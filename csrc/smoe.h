@@ -41,7 +41,7 @@ extern "C" {
 
 /* Bump SMOE_ABI_VERSION whenever a function's signature, a struct's layout or an enum value
  * changes; bindings refuse a library whose smoe_abi_version() differs from what they expect. */
-#define SMOE_ABI_VERSION 1
+#define SMOE_ABI_VERSION 2
 #define SMOE_VERSION_STRING "0.1.0"
 
 typedef enum {
@@ -116,11 +116,13 @@ SMOE_API smoe_status smoe_verify_vault(const smoe_vault *vault, smoe_verify_fn f
 
 /* Tensor formats (docs/vault.md section 3). */
 typedef enum { SMOE_FMT_F32 = 0, SMOE_FMT_BF16 = 1, SMOE_FMT_Q8 = 2, SMOE_FMT_Q4 = 3 } smoe_format;
-typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2 } smoe_scale_format;
+typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2, SMOE_SCALE_F32 = 3 } smoe_scale_format;
 /* Dequantises a rows × cols tensor laid out as the vault stores it (data points at the
- * tensor's first byte, nbytes long) into out (rows × cols floats). Pure; for tests and tools. */
-SMOE_API smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t rows,
-                                     uint32_t cols, const void *data, size_t nbytes, float *out);
+ * tensor's first byte, nbytes long) into out (rows × cols floats). group_size: for q8/q4 the
+ * group along cols (32, 64 or 128; cols a multiple of it), 0 for f32/bf16. Pure; for tests and
+ * tools. */
+SMOE_API smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t group_size,
+                                     uint32_t rows, uint32_t cols, const void *data, size_t nbytes, float *out);
 
 /* -------------------------------------------------------------------------------- session */
 

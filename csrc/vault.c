@@ -107,6 +107,7 @@ static bool tensor_init(smoe_tensor *t, uint8_t format, uint8_t scale_format, ui
     t->rows = rows;
     t->cols = cols;
     t->nbytes = nbytes;
+    t->group = quant ? 64 : 0; /* format 1's only group size */
     if (quant) {
         uint64_t n = (uint64_t)rows * cols;
         t->scales_off = smoe_align_up(format == SMOE_FMT_Q8 ? n : n / 2, 64);
@@ -847,14 +848,35 @@ done:
 
 /* ------------------------------------------------------------------------------ dequantize */
 
-smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t rows, uint32_t cols,
-                            const void *data, size_t nbytes, float *out) {
+/* The tensor's layout for any group size (docs/vault.md 3): codes, then scales, then biases, of
+ * rows × cols/group values each, every part on a 64-byte boundary. */
+static bool dequant_layout(smoe_tensor *t, uint8_t format, uint8_t scale_format, uint32_t group, uint32_t rows,
+                           uint32_t cols) {
+    if (format != SMOE_FMT_Q8 && format != SMOE_FMT_Q4) return group == 0 && tensor_init(t, format, scale_format, rows, cols);
+    if (scale_format < SMOE_SCALE_F16 || scale_format > SMOE_SCALE_F32) return false;
+    if ((group != 32 && group != 64 && group != 128) || rows == 0 || cols == 0 || cols % group) return false;
+    const uint64_t n = (uint64_t)rows * cols, sbytes = smoe_align_up(n / group * (scale_format == SMOE_SCALE_F32 ? 4 : 2), 64);
+    memset(t, 0, sizeof *t);
+    t->format = format;
+    t->scale_format = scale_format;
+    t->rows = rows;
+    t->cols = cols;
+    t->group = group;
+    t->scales_off = smoe_align_up(format == SMOE_FMT_Q8 ? n : n / 2, 64);
+    t->biases_off = t->scales_off + sbytes;
+    t->nbytes = t->biases_off + sbytes;
+    return true;
+}
+
+smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t group_size, uint32_t rows,
+                            uint32_t cols, const void *data, size_t nbytes, float *out) {
     if (!data || !out) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_dequantize: NULL argument");
     smoe_tensor t;
     if ((unsigned)format > 255 || (unsigned)scale_format > 255 ||
-        !tensor_init(&t, (uint8_t)format, (uint8_t)scale_format, rows, cols))
-        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_dequantize: invalid format %d / scale format %d for %ux%u",
-                         (int)format, (int)scale_format, rows, cols);
+        !dequant_layout(&t, (uint8_t)format, (uint8_t)scale_format, group_size, rows, cols))
+        return smoe_fail(SMOE_ERR_INVALID_ARG,
+                         "smoe_dequantize: invalid format %d / scale format %d / group size %u for %ux%u", (int)format,
+                         (int)scale_format, group_size, rows, cols);
     if (nbytes != t.nbytes)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_dequantize: %ux%u %s takes %llu bytes, got %zu", rows, cols,
                          format_name(t.format), (unsigned long long)t.nbytes, nbytes);

@@ -10,6 +10,7 @@ typedef struct {
     uint8_t format;       /* smoe_format */
     uint8_t scale_format; /* smoe_scale_format */
     uint32_t rows, cols;
+    uint32_t group;      /* q4/q8 group size along cols; 0 otherwise */
     uint64_t offset;      /* dense: relative to dense_offset; blob: relative to blob start */
     uint64_t nbytes;
     const uint8_t *data;  /* dense tensors only */
