@@ -17,13 +17,13 @@
  *  f32, bf16:  acc = fma(w[8v..8v+8), x[8v..8v+8), acc) for v = 0, 1, … (acc starts at +0; a
  *              last partial vector is zero-padded), y = hsum8(acc).
  *
- *  q8, q4:     the affine form, per group g of 64 columns:
+ *  q8, q4:     the affine form, per group g of G columns (G = 32, 64 or 128, the tensor's):
  *                  Σ_c w_c·x_c = s_g·Σ_c q_c·x_c + b_g·Σ_c x_c
  *              so the inner loop multiplies integer codes (exact as floats) by x and the scale
  *              is applied once per group, not once per weight:
- *                  a   = q[0..8)·x[0..8);  a = fma(q[8k..8k+8), x[8k..8k+8), a)  for k = 1..7
+ *                  a   = q[0..8)·x[0..8);  a = fma(q[8k..8k+8), x[8k..8k+8), a)  for k = 1..G/8−1
  *                  tot = fma(a, s_g, tot)                        (tot starts at +0)
- *                  X_g = hsum8(x[0..8) + x[8..16) + … + x[56..64))   (adds in that order)
+ *                  X_g = hsum8(x[0..8) + x[8..16) + … + x[G−8..G))  (adds in that order)
  *                  bia = fma(b[g..g+8), X[g..g+8), bia) over groups 8 at a time, zero-padded
  *                  y   = hsum8(tot · lf) + hsum8(bia)
  *              For q4 the codes come out of one vpshufb + vpand per 8, with odd lanes holding
@@ -36,13 +36,15 @@
  * ------------------------------------------------------
  *  n = 1 (and a last tile of one token): rows RV at a time, codes decoded into registers as they
  *  stream past, tot in registers — the matrix-vector product, bound by decoding and memory.
- *  n ≥ 2: tokens in tiles of TT; for each block of RB rows, each block of CBG groups is decoded
+ *  n ≥ 2: tokens in tiles of TT; for each block of RB rows, each block of CB columns is decoded
  *  once into a float buffer and fed to register blocks of RB rows × TB tokens, whose partial
  *  accumulators (a) live in registers and whose tot lives in a small stack array between groups.
  *  A store and a load are exact, so spilling changes nothing; every block size is a choice about
  *  reuse, never about the order of any one sum.
  *
- * Rows wider than MAXG groups (q) go to the reference kernel: a choice by shape, not by n.
+ * Rows wider than MAXC columns (q) go to the reference kernel: a choice by shape, not by n.
+ * Scales and biases may be f16, bf16 or f32: all are widened to f32 exactly before use, so the
+ * scale format changes no operation above.
  *
  * Error, against the exact sum: the q forms carry the cancellation of s·q against b, so the bound
  * is relative to M = Σ_c (|s_g·q_c| + |b_g|)·|x_c|, not to Σ|w_c·x_c|; see tests/c/test_kernels.c.
@@ -349,12 +351,13 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
 /* ---------------------------------------------------------- q with 8-bit activations */
 
 /* smoe_matmul_rows_qx: the arithmetic kernels.c states, on vectors. A row block's codes are first
- * unpacked into the layout of the x codes (qx_unpack); then for each (row, token), four groups at
- * a time: the integer products P_g (8 int32 lanes: lanes 0–3 from block 0, 4–7 from block 1;
- * exact, so how they are formed does not matter), two rounds of hadd to the exact block sums
- * [I_{g..g+4, 0} | I_{g..g+4, 1}], and one fma into tot with (s, s) · d.
- * The code is in kernels_avx2_qx.h, instantiated for plain AVX2 and for AVX-VNNI; the VNNI one
- * runs where the CPU has it (the same bits: see that file). */
+ * unpacked into the layout of the x codes (qx_unpack); then for each (row, token), four units of
+ * 64 columns at a time: the integer products P_u (8 int32 lanes: lanes 0–3 from block 0, 4–7 from
+ * block 1; exact, so how they are formed does not matter), two rounds of hadd to the exact block
+ * sums [I_{u..u+4, 0} | I_{u..u+4, 1}], and one fma into tot with σ · d, σ the scales of the
+ * blocks' groups laid out as the lanes (qx_sigma: one broadcast for group 64, one permute for
+ * 32 and 128). The code is in kernels_avx2_qx.h, instantiated for plain AVX2 and for AVX-VNNI;
+ * the VNNI one runs where the CPU has it (the same bits: see that file). */
 
 enum {
     QRB = 4,    /* rows of a block of the batched product (bench/RESULTS.md: 4 × 1 measured best) */

@@ -28,13 +28,13 @@
  *  f32, bf16:  acc = fma(w[8v..8v+8), x[8v..8v+8), acc) for v = 0, 1, … (acc starts at +0; a
  *              last partial vector is zero-padded), y = hsum8(acc).
  *
- *  q8, q4:     the affine form, per group g of 64 columns:
+ *  q8, q4:     the affine form, per group g of G columns (G = 32, 64 or 128, the tensor's):
  *                  Σ_c w_c·x_c = s_g·Σ_c q_c·x_c + b_g·Σ_c x_c
  *              so the inner loop multiplies integer codes (exact as floats) by x and the scale
  *              is applied once per group, not once per weight:
- *                  a   = q[0..8)·x[0..8);  a = fma(q[8k..8k+8), x[8k..8k+8), a)  for k = 1..7
+ *                  a   = q[0..8)·x[0..8);  a = fma(q[8k..8k+8), x[8k..8k+8), a)  for k = 1..G/8−1
  *                  tot = fma(a, s_g, tot)                        (tot starts at +0)
- *                  X_g = hsum8(x[0..8) + x[8..16) + … + x[56..64))   (adds in that order)
+ *                  X_g = hsum8(x[0..8) + x[8..16) + … + x[G−8..G))  (adds in that order)
  *                  bia = fma(b[g..g+8), X[g..g+8), bia) over groups 8 at a time, zero-padded
  *                  y   = hsum8(tot) + hsum8(bia)
  *              q4 codes come out in column order (low nibble = even column, high nibble = odd
@@ -64,7 +64,9 @@
  *  and halves. A store and a load are exact, so spilling changes nothing; every block size is a
  *  choice about reuse, never about the order of any one sum.
  *
- * Rows wider than MAXG groups (q) go to the reference kernel: a choice by shape, not by n.
+ * Rows wider than MAXC columns (q) go to the reference kernel: a choice by shape, not by n.
+ * Scales and biases may be f16, bf16 or f32: all are widened to f32 exactly before use, so the
+ * scale format changes no operation above.
  *
  * Error, against the exact sum: the q forms carry the cancellation of s·q against b, so the bound
  * is relative to M = Σ_c (|s_g·q_c| + |b_g|)·|x_c|, not to Σ|w_c·x_c|; see the tests.
