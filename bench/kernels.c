@@ -3,7 +3,9 @@
  *
  *   make lib && cc -O3 -std=c11 -ffp-contract=off -D_GNU_SOURCE -mavx2 -mfma -mf16c -Icsrc \
  *       bench/kernels.c csrc/kernels.c csrc/kernels_avx2.c -lm -pthread -o build/bench_kernels
- *   build/bench_kernels [threads]        (default 1; rows are split between threads)
+ *   build/bench_kernels [threads [group [f32]]]   (threads default 1, rows split between them;
+ *                                                 q group size 32, 64 (default) or 128; "f32": f32
+ *                                                 scales instead of f16)
  *
  * Limits: peak FMA rate (12 independent 8-wide FMA chains per thread: 2 FMA/cycle × 16 flops)
  * and read bandwidth (a 1 GiB buffer summed with 256-bit loads). Products: q4 and q8 with f16
@@ -153,12 +155,16 @@ typedef struct {
     uint8_t *bytes;
 } tensor;
 
+static uint32_t q_group = 64;          /* argv[2] */
+static uint8_t q_scales = SMOE_SCALE_F16; /* argv[3] "f32": SMOE_SCALE_F32 */
+
 static tensor make(uint8_t format, uint32_t rows, uint32_t cols) {
     tensor m;
     memset(&m, 0, sizeof m);
     smoe_tensor *t = &m.t;
     t->format = format;
-    t->scale_format = format >= SMOE_FMT_Q8 ? SMOE_SCALE_F16 : SMOE_SCALE_NONE;
+    t->scale_format = format >= SMOE_FMT_Q8 ? q_scales : SMOE_SCALE_NONE;
+    t->group = format >= SMOE_FMT_Q8 ? q_group : 0;
     t->rows = rows;
     t->cols = cols;
     uint64_t n = (uint64_t)rows * cols;
@@ -166,7 +172,7 @@ static tensor make(uint8_t format, uint32_t rows, uint32_t cols) {
     case SMOE_FMT_F32: t->nbytes = 4 * n; break;
     case SMOE_FMT_BF16: t->nbytes = 2 * n; break;
     default: {
-        uint64_t codes = format == SMOE_FMT_Q8 ? n : n / 2, sb = 2 * (n / 64);
+        uint64_t codes = format == SMOE_FMT_Q8 ? n : n / 2, sb = (q_scales == SMOE_SCALE_F32 ? 4 : 2) * (n / q_group);
         t->scales_off = codes;
         t->biases_off = codes + sb;
         t->nbytes = codes + 2 * sb;
@@ -178,9 +184,14 @@ static tensor make(uint8_t format, uint32_t rows, uint32_t cols) {
         for (uint64_t i = 0; i < n; i++) ((float *)(void *)m.bytes)[i] = (float)(rnd() % 2001) * 1e-3f - 1.0f;
     if (format == SMOE_FMT_BF16)
         for (uint64_t i = 0; i < n; i++) ((uint16_t *)(void *)m.bytes)[i] = (uint16_t)(0x3c00 + rnd() % 0x300);
-    if (format >= SMOE_FMT_Q8) /* f16 scales and biases around 2^-6 */
-        for (uint64_t g = 0; g < 2 * (n / 64); g++)
-            ((uint16_t *)(void *)(m.bytes + t->scales_off))[g] = (uint16_t)(0x2400 | (rnd() & 0x83ff));
+    if (format >= SMOE_FMT_Q8) /* scales and biases around 2^-6 */
+        for (uint64_t g = 0; g < 2 * (n / q_group); g++) {
+            const uint16_t h = (uint16_t)(0x2400 | (rnd() & 0x83ff));
+            if (q_scales == SMOE_SCALE_F32)
+                ((float *)(void *)(m.bytes + t->scales_off))[g] = _cvtsh_ss(h);
+            else
+                ((uint16_t *)(void *)(m.bytes + t->scales_off))[g] = h;
+        }
     t->data = m.bytes;
     return m;
 }
@@ -215,8 +226,8 @@ static double time_once(mm_ctx *c) {
     double t = now();
     if (!c->fn) {
         uint32_t cols = c->m->t.cols;
-        smoe_qx_prepare(c->x, cols, c->n, cols, c->m->t.format, c->codes, c->d, c->gsum);
-        c->qx = (smoe_qx){c->codes, c->d, c->gsum, cols, c->m->t.format};
+        smoe_qx_prepare(c->x, cols, c->n, cols, c->m->t.format, c->m->t.group, c->codes, c->d, c->gsum);
+        c->qx = (smoe_qx){c->codes, c->d, c->gsum, cols, c->m->t.group, c->m->t.format};
     }
     run_threads(c->threads, mm_body, c);
     return now() - t;
@@ -233,7 +244,7 @@ static void bench_pair(uint8_t format, uint32_t rows, uint32_t cols, uint32_t n,
     ref.fn = smoe_ref_matmul_rows;
     const int has_qx = format == SMOE_FMT_Q8 || format == SMOE_FMT_Q4;
     if (has_qx) {
-        smoe_qx_size z = smoe_qx_sizes(cols, format);
+        smoe_qx_size z = smoe_qx_sizes(cols, format, q_group);
         q8x.fn = NULL;
         q8x.codes = aligned_alloc(64, (z.code_bytes * n + 63) / 64 * 64);
         q8x.d = malloc(sizeof(float) * z.d_floats * n);
@@ -276,6 +287,9 @@ static void bench_pair(uint8_t format, uint32_t rows, uint32_t cols, uint32_t n,
 int main(int argc, char **argv) {
     int threads = argc > 1 ? atoi(argv[1]) : 1;
     if (threads < 1 || threads > 64) threads = 1;
+    if (argc > 2) q_group = (uint32_t)atoi(argv[2]);
+    if (q_group != 32 && q_group != 128) q_group = 64;
+    if (argc > 3 && strcmp(argv[3], "f32") == 0) q_scales = SMOE_SCALE_F32;
     if (threads > 1) bench_clock = CLOCK_MONOTONIC;
 #if defined(__AVX2__) && defined(__FMA__)
     double peak = peak_fma(threads);
@@ -283,6 +297,7 @@ int main(int argc, char **argv) {
     double peak = NAN;
 #endif
     double bw = read_bw(threads);
+    printf("q group %u, %s scales\n", q_group, q_scales == SMOE_SCALE_F32 ? "f32" : "f16");
     printf("kernels: %s, %d thread(s), %s; peak FMA %.1f GFLOP/s, read bandwidth %.1f GB/s\n", smoe_kernels_isa(),
            threads, threads > 1 ? "wall clock" : "thread CPU time", peak, bw);
     const uint8_t formats[] = {SMOE_FMT_Q4, SMOE_FMT_Q8, SMOE_FMT_BF16, SMOE_FMT_F32};

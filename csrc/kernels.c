@@ -55,10 +55,9 @@
 
 enum {
     LANES = 16,  /* lane accumulators of every dot product */
-    BLOCK = 1024, /* columns dequantised at a time; a multiple of 64 (a quant group) and of LANES */
+    BLOCK = 1024, /* columns dequantised at a time; a multiple of 128 (the largest quant group) and of LANES */
     RTILE = 4,   /* rows sharing one pass over the tokens */
     TTILE = 32,  /* tokens sharing one dequantised block */
-    GROUP = 64,  /* quantisation group along cols */
 };
 
 /* ------------------------------------------------------------------------ scalar formats */
@@ -95,8 +94,10 @@ static inline uint32_t load_u32(const uint8_t *p) {
     return v;
 }
 
-static inline float load_scale(uint8_t scale_format, const uint8_t *p) {
-    uint16_t v = load_u16(p);
+/* Scale (or bias) i of the array at p (f16, bf16 or f32), as f32 (exactly) */
+static inline float load_scale(uint8_t scale_format, const uint8_t *p, size_t i) {
+    if (scale_format == SMOE_SCALE_F32) return f32_from_bits(load_u32(p + 4 * i));
+    uint16_t v = load_u16(p + 2 * i);
     return scale_format == SMOE_SCALE_F16 ? f16_to_f32(v) : bf16_to_f32(v);
 }
 
@@ -134,19 +135,19 @@ static inline void deq_bf16(float *restrict buf, const uint8_t *restrict src, ui
     for (; c < nc; c++) buf[c] = bf16_to_f32(load_u16(src + 2 * c));
 }
 
-/* o[k] = s·q[k] + b for the 64 codes of a q8 group (compilers vectorise this one unaided) */
-static inline void deq_q8(float *restrict o, const uint8_t *restrict q, float s, float b) {
-    for (int k = 0; k < GROUP; k++) {
+/* o[k] = s·q[k] + b for the G codes of a q8 group (compilers vectorise this one unaided) */
+static inline void deq_q8(float *restrict o, const uint8_t *restrict q, uint32_t G, float s, float b) {
+    for (uint32_t k = 0; k < G; k++) {
         float sq = s * (float)q[k];
         o[k] = sq + b;
     }
 }
 
-/* the same for a q4 group: 8 words of 8 codes, code k of a word in bits [4k, 4k+4) */
-static inline void deq_q4(float *restrict o, const uint8_t *restrict q, float s, float b) {
+/* the same for a q4 group: G/8 words of 8 codes, code k of a word in bits [4k, 4k+4) */
+static inline void deq_q4(float *restrict o, const uint8_t *restrict q, uint32_t G, float s, float b) {
 #if SMOE_LANES_VEC
     const v8u shift = {0, 4, 8, 12, 16, 20, 24, 28};
-    for (int i = 0; i < GROUP / 8; i++) {
+    for (uint32_t i = 0; i < G / 8; i++) {
         v8u word = (v8u){0} + load_u32(q + 4 * i);
         v8u code = (word >> shift) & 15u;
         v8f sq = __builtin_convertvector((v8i)code, v8f) * s;
@@ -154,7 +155,7 @@ static inline void deq_q4(float *restrict o, const uint8_t *restrict q, float s,
         V8_STORE(o + 8 * i, r);
     }
 #else
-    for (int i = 0; i < GROUP / 8; i++) {
+    for (uint32_t i = 0; i < G / 8; i++) {
         const uint32_t word = load_u32(q + 4 * i);
         for (int k = 0; k < 8; k++) {
             float sq = s * (float)((word >> (4 * k)) & 15u);
@@ -166,7 +167,7 @@ static inline void deq_q4(float *restrict o, const uint8_t *restrict q, float s,
 
 /* Columns [c0, c0 + nc) of row `row` of W as floats. For f32 the tensor's own memory is
  * returned; otherwise the values are written to buf (nc floats) and buf is returned.
- * For q8/q4, c0 and nc are multiples of GROUP (cols is). */
+ * For q8/q4, c0 and nc are multiples of the group size G (cols is; BLOCK is). */
 static const float *row_block(const smoe_tensor *W, const uint8_t *w, uint32_t row, uint32_t c0, uint32_t nc,
                               float *buf) {
     const uint64_t cols = W->cols;
@@ -179,16 +180,15 @@ static const float *row_block(const smoe_tensor *W, const uint8_t *w, uint32_t r
     }
     case SMOE_FMT_Q8:
     case SMOE_FMT_Q4: {
-        const uint64_t gpr = cols / GROUP; /* groups per row */
-        const uint8_t *scales = w + W->scales_off + 2 * ((uint64_t)row * gpr + c0 / GROUP);
-        const uint8_t *biases = w + W->biases_off + 2 * ((uint64_t)row * gpr + c0 / GROUP);
-        for (uint32_t g = 0; g < nc / GROUP; g++) {
-            const float s = load_scale(W->scale_format, scales + 2 * g);
-            const float b = load_scale(W->scale_format, biases + 2 * g);
+        const uint32_t G = W->group;
+        const uint64_t g0 = (uint64_t)row * (cols / G) + c0 / G; /* the block's first group */
+        for (uint32_t g = 0; g < nc / G; g++) {
+            const float s = load_scale(W->scale_format, w + W->scales_off, g0 + g);
+            const float b = load_scale(W->scale_format, w + W->biases_off, g0 + g);
             if (W->format == SMOE_FMT_Q8)
-                deq_q8(buf + g * GROUP, w + (uint64_t)row * cols + c0 + (uint64_t)g * GROUP, s, b);
+                deq_q8(buf + g * G, w + (uint64_t)row * cols + c0 + (uint64_t)g * G, G, s, b);
             else
-                deq_q4(buf + g * GROUP, w + ((uint64_t)row * cols + c0) / 2 + (uint64_t)g * (GROUP / 2), s, b);
+                deq_q4(buf + g * G, w + ((uint64_t)row * cols + c0) / 2 + (uint64_t)g * (G / 2), G, s, b);
         }
         return buf;
     }
@@ -337,39 +337,49 @@ void smoe_ref_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x
 
 /* The arithmetic of smoe_matmul_rows_qx, in full (kernels.h says what it approximates).
  *
- * Quantising x (smoe_qx_prepare; the AVX2 version gives the same bytes, tested), per token, per block b of
- * 32 columns of group g: m = max|x_c|; d = m / 127; codes round-half-even(x_c · (127 / m)),
+ * Columns are taken in units of 64 (two blocks of 32), whatever the weights' group size G (32,
+ * 64 or 128): a token has U = ceil(cols / 64) units, padded with empty units to a multiple of 4.
+ * A block past cols (the second half of the last unit when cols is an odd multiple of 32, and
+ * both halves of a padding unit) is empty: d = 0 and codes 0.
+ *
+ * Quantising x (smoe_qx_prepare; the AVX2 version gives the same bytes, tested), per token, per
+ * block b of 32 columns: m = max|x_c|; d = m / 127; codes round-half-even(x_c · (127 / m)),
  * which lie in [−127, 127]. A block with m < 2⁻¹⁰⁰ (or m = 0) gets d = 0 and codes 0; one with
  * an infinite or NaN x gets d = that value (NaN for a NaN) and codes 0, so the output is not
- * finite either. The group sum gsum_g is the f32 sum of the group's 64 x in the order of
- * kernels_avx2.c's group sums: lane j = x_j + x_{8+j} + … + x_{56+j}, then hsum8 below.
+ * finite either. The group sum gsum_g (g < cols/G) is the f32 sum of the group's G x in the
+ * order of kernels_avx2.c's group sums: lane j = x_j + x_{8+j} + … + x_{G−8+j}, then hsum8 below;
+ * zeros after, up to a multiple of 8.
  *
- * Layout of one token's codes (groups padded with zeros to a multiple of 4), per group:
+ * Layout of one token's codes, per unit:
  *   q4 weights, int8:  columns 0–15, 32–47, 16–31, 48–63
  *   q8 weights, int16: columns 0–7, 32–39, 8–15, 40–47, 16–23, 48–55, 24–31, 56–63
- * — the orders in which AVX2 unpacks a group's weight codes, so that each 128-bit half of a
- * product holds one block. d, per 4 groups k: d[8k + j] = d of group 4k + j%4, block j/4.
+ * — the orders in which AVX2 unpacks 64 of a row's weight codes, so that each 128-bit half of a
+ * product holds one block. d, per 4 units k: d[8k + j] = d of unit 4k + j%4, block j/4.
  *
- * The product, for one (row, token), with I_{g,b} = Σ_{c ∈ block b of g} q_c · code_c exact
- * (|I| < 2²⁴, so (float)I is exact) and s, bias the row's scales and biases:
- *   tot[j] = +0;  for k = 0, 1, …:  tot[j] = fma((float)I_{4k+j%4, j/4}, s_{4k+j%4}·d[8k+j], tot[j])
+ * The product, for one (row, token), with I_{u,b} = Σ_{c ∈ block b of unit u} q_c · code_c exact
+ * (|I| < 2²⁴, so (float)I is exact), σ_{u,b} the row's scale of the group that holds block (u, b)
+ * (the group of column 64u + 32b; 0 for an empty block) and bias_g the row's biases:
+ *   tot[j] = +0;  for k = 0, 1, …:  tot[j] = fma((float)I_{4k+j%4, j/4}, σ_{4k+j%4, j/4}·d[8k+j], tot[j])
  *   bia[j] = +0;  for k = 0, 1, …:  bia[j] = fma(bias_{8k+j}, gsum_{8k+j}, bia[j])
  *   y = hsum8(tot) + hsum8(bia),   hsum8(l) = ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
- * Padded groups have s = bias = d = gsum = 0 and add exactly nothing. The AVX2 kernel computes
- * the same operations on vectors, so the two agree bit for bit (tests/c/test_kernels.c). */
+ * Padded groups have bias = gsum = 0 and empty blocks σ = d = I = 0: they add exactly nothing.
+ * For G = 64, σ_{u,b} = s_u and this is the order of the earlier 64-only kernels, bit for bit.
+ * The AVX2 and NEON kernels compute the same operations on vectors, so all agree bit for bit
+ * (tests/c/test_kernels.c, test_kernels_neon.c). */
 
-enum { QX_GROUPS = 4, QX_TINY_EXP = -100 };
+enum { QX_UNIT = 64, QX_UNITS = 4, QX_TINY_EXP = -100 };
 
-static uint32_t qx_groups(uint32_t cols) { return (cols / GROUP + QX_GROUPS - 1) / QX_GROUPS * QX_GROUPS; }
+/* units of 64 columns per token, padded to a multiple of 4 */
+static uint32_t qx_units(uint32_t cols) { return (cols + QX_UNITS * QX_UNIT - 1) / (QX_UNITS * QX_UNIT) * QX_UNITS; }
 
-smoe_qx_size smoe_qx_sizes(uint32_t cols, uint8_t wformat) {
-    const uint32_t gp = qx_groups(cols);
-    smoe_qx_size z = {(size_t)gp * GROUP * (wformat == SMOE_FMT_Q8 ? 2 : 1), (size_t)gp * 2,
-                      (size_t)(cols / GROUP + 7) / 8 * 8};
+smoe_qx_size smoe_qx_sizes(uint32_t cols, uint8_t wformat, uint32_t group) {
+    const uint32_t up = qx_units(cols);
+    smoe_qx_size z = {(size_t)up * QX_UNIT * (wformat == SMOE_FMT_Q8 ? 2 : 1), (size_t)up * 2,
+                      (size_t)(cols / group + 7) / 8 * 8};
     return z;
 }
 
-/* Where column c (< 64) of a group sits in the layout above. */
+/* Where column c (< 64) of a unit sits in the layout above. */
 static inline uint32_t qx_pos(uint32_t c, bool q8) {
     if (!q8)
         return (c & ~48u) | ((c & 16u) << 1) | ((c & 32u) >> 1); /* swap the 16-column chunks 1 and 2 */
@@ -378,22 +388,23 @@ static inline uint32_t qx_pos(uint32_t c, bool q8) {
 
 static inline float hsum8_ref(const float l[8]) { return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])); }
 
-void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, void *codes,
-                         float *d, float *gsum) {
+void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
+                         void *codes, float *d, float *gsum) {
     const bool q8 = wformat == SMOE_FMT_Q8;
-    const smoe_qx_size z = smoe_qx_sizes(cols, wformat);
-    const uint32_t gpr = cols / GROUP, gp = qx_groups(cols);
+    const smoe_qx_size z = smoe_qx_sizes(cols, wformat, group);
+    const uint32_t up = qx_units(cols), ng = cols / group;
     const float tiny = ldexpf(1.0f, QX_TINY_EXP);
     for (uint32_t t = 0; t < n; t++) {
         const float *xt = x + (size_t)t * ldx;
         int8_t *c8 = (int8_t *)codes + (size_t)t * z.code_bytes;
         int16_t *c16 = (int16_t *)codes + (size_t)t * z.code_bytes / 2;
         float *dt = d + (size_t)t * z.d_floats, *st = gsum + (size_t)t * z.gsum_floats;
-        for (uint32_t g = 0; g < gp; g++)
+        for (uint32_t u = 0; u < up; u++)
             for (uint32_t b = 0; b < 2; b++) {
-                const float *xb = xt + (size_t)g * GROUP + 32 * b;
+                const uint32_t c0 = QX_UNIT * u + 32 * b;
+                const float *xb = xt + c0;
                 float m = 0.0f, bad = 0.0f; /* bad: the first inf or NaN seen */
-                if (g < gpr)
+                if (c0 < cols)
                     for (uint32_t c = 0; c < 32; c++) {
                         const float a = fabsf(xb[c]);
                         if (a != a)
@@ -405,10 +416,10 @@ void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, 
                     }
                 const bool zero = bad != 0.0f || !(m >= tiny);
                 const float id = zero ? 0.0f : 127.0f / m;
-                dt[8 * (g / 4) + g % 4 + 4 * b] = bad != 0.0f ? bad : zero ? 0.0f : m / 127.0f;
+                dt[8 * (u / 4) + u % 4 + 4 * b] = bad != 0.0f ? bad : zero ? 0.0f : m / 127.0f;
                 for (uint32_t c = 0; c < 32; c++) {
                     const int v = zero ? 0 : (int)nearbyintf(xb[c] * id);
-                    const uint32_t at = g * GROUP + qx_pos(32 * b + c, q8);
+                    const uint32_t at = u * QX_UNIT + qx_pos(32 * b + c, q8);
                     if (q8)
                         c16[at] = (int16_t)v;
                     else
@@ -417,13 +428,13 @@ void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, 
             }
         for (uint32_t g = 0; g < z.gsum_floats; g++) {
             float l[8] = {0};
-            if (g < gpr)
-                for (int j = 0; j < 8; j++) {
-                    const float *xg = xt + (size_t)g * GROUP + j;
+            if (g < ng)
+                for (uint32_t j = 0; j < 8; j++) {
+                    const float *xg = xt + (size_t)g * group + j;
                     l[j] = xg[0];
-                    for (int k = 1; k < 8; k++) l[j] += xg[8 * k];
+                    for (uint32_t k = 1; k < group / 8; k++) l[j] += xg[8 * k];
                 }
-            st[g] = g < gpr ? hsum8_ref(l) : 0.0f;
+            st[g] = g < ng ? hsum8_ref(l) : 0.0f;
         }
     }
 }
@@ -431,28 +442,28 @@ void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, 
 void smoe_ref_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                              size_t ldy, uint32_t r0, uint32_t r1) {
     const bool q8 = W->format == SMOE_FMT_Q8;
-    const uint32_t cols = W->cols, gpr = cols / GROUP, gp = qx_groups(cols);
-    const smoe_qx_size z = smoe_qx_sizes(cols, W->format);
+    const uint32_t cols = W->cols, G = W->group, ng = cols / G, up = qx_units(cols);
+    const uint8_t sf = W->scale_format;
+    const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
     for (uint32_t r = r0; r < r1; r++) {
-        const uint8_t *scales = w + W->scales_off + 2 * (size_t)r * gpr;
-        const uint8_t *biases = w + W->biases_off + 2 * (size_t)r * gpr;
+        const size_t s0 = (size_t)r * ng; /* the row's first scale and bias */
         const uint8_t *row = w + (size_t)r * (q8 ? cols : cols / 2);
         for (uint32_t t = 0; t < n; t++) {
             const int8_t *c8 = (const int8_t *)X->codes + (size_t)t * z.code_bytes;
             const int16_t *c16 = (const int16_t *)X->codes + (size_t)t * z.code_bytes / 2;
             const float *dt = X->d + (size_t)t * z.d_floats, *st = X->gsum + (size_t)t * z.gsum_floats;
             float tot[8] = {0}, bia[8] = {0};
-            for (uint32_t k = 0; k < gp; k += QX_GROUPS) {
+            for (uint32_t k = 0; k < up; k += QX_UNITS) {
                 for (uint32_t j = 0; j < 8; j++) {
-                    const uint32_t g = k + j % 4, b = j / 4;
+                    const uint32_t u = k + j % 4, b = j / 4, c0 = QX_UNIT * u + 32 * b;
                     int32_t I = 0;
                     float sg = 0.0f;
-                    if (g < gpr) {
-                        sg = load_scale(W->scale_format, scales + 2 * g);
-                        for (uint32_t c = 32 * b; c < 32 * b + 32; c++) {
-                            const int32_t qc = q8 ? row[(size_t)g * GROUP + c]
-                                                  : (row[(size_t)g * (GROUP / 2) + c / 2] >> (4 * (c & 1))) & 15;
-                            const uint32_t at = g * GROUP + qx_pos(c, q8);
+                    if (c0 < cols) {
+                        sg = load_scale(sf, w + W->scales_off, s0 + c0 / G);
+                        for (uint32_t c = 0; c < 32; c++) {
+                            const uint32_t col = c0 + c;
+                            const int32_t qc = q8 ? row[col] : (row[col / 2] >> (4 * (col & 1))) & 15;
+                            const uint32_t at = u * QX_UNIT + qx_pos(32 * b + c, q8);
                             I += qc * (q8 ? (int32_t)c16[at] : (int32_t)c8[at]);
                         }
                     }
@@ -463,7 +474,7 @@ void smoe_ref_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_
             for (uint32_t k = 0; k < z.gsum_floats; k += 8)
                 for (uint32_t j = 0; j < 8; j++) {
                     const uint32_t g = k + j;
-                    const float bg = g < gpr ? load_scale(W->scale_format, biases + 2 * g) : 0.0f;
+                    const float bg = g < ng ? load_scale(sf, w + W->biases_off, s0 + g) : 0.0f;
                     bia[j] = fmaf(bg, st[g], bia[j]);
                 }
             y[(size_t)t * ldy + r] = hsum8_ref(tot) + hsum8_ref(bia);
@@ -598,12 +609,12 @@ void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, si
     smoe_ref_matmul_rows(W, w, x, ldx, n, y, ldy, r0, r1);
 }
 
-void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, void *codes, float *d,
-                     float *gsum) {
+void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
+                     void *codes, float *d, float *gsum) {
 #if SMOE_HAVE_AVX2
-    if (smoe_avx2_qx_prepare(x, ldx, n, cols, wformat, codes, d, gsum)) return;
+    if (smoe_avx2_qx_prepare(x, ldx, n, cols, wformat, group, codes, d, gsum)) return;
 #endif
-    smoe_ref_qx_prepare(x, ldx, n, cols, wformat, codes, d, gsum);
+    smoe_ref_qx_prepare(x, ldx, n, cols, wformat, group, codes, d, gsum);
 }
 
 void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,

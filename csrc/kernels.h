@@ -19,19 +19,22 @@ void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, si
 
 /* Activations quantised to 8 bits for q8/q4 weights (the default; smoe_session_params.
  * float_activations turns it off). Per token, per block of 32 columns: d = max|x| / 127 and codes
- * round(x · 127/max|x|) in [−127, 127]; plus each 64-column group's float sum for the bias term.
+ * round(x · 127/max|x|) in [−127, 127]; plus each weight group's float sum for the bias term.
  * Then, with I the exact integer Σ q·code over one block (q the weight's codes),
- *     y = Σ_g Σ_b (s_g·d_{g,b})·I_{g,b} + Σ_g b_g·Σ_{c∈g} x_c
+ *     y = Σ_blocks (s·d)·I + Σ_g b_g·Σ_{c∈g} x_c      (s the scale of the block's group)
  * in the fixed order kernels.c states. Integer sums are exact, so only that float order
- * matters, and it depends on cols only: never on n, the rows or the threads.
+ * matters, and it depends on cols and the group size only: never on n, the rows or the threads.
  *
  * smoe_qx_prepare fills the three arrays for n tokens for weights of format wfmt (q8 or q4: the
- * code layout differs), with the sizes smoe_qx_sizes gives per token. */
+ * code layout differs) and group size `group` (32, 64 or 128: the group sums differ), with the
+ * sizes smoe_qx_sizes gives per token. Only gsum_floats depends on the group, and it is largest
+ * for group 32, so planes sized for (cols, q8, 32) hold any product of cols or fewer columns. */
 typedef struct {
     const void *codes;  /* (n, code_bytes) int8 (q4 weights) or int16 (q8), in the layout of kernels.c */
-    const float *d;     /* (n, d_floats) block scales, 8 per 4 groups */
+    const float *d;     /* (n, d_floats) block scales, 8 per 256 columns */
     const float *gsum;  /* (n, gsum_floats) group sums, zero-padded to a multiple of 8 */
     uint32_t cols;
+    uint32_t group;     /* the weights' group size the sums were made for */
     uint8_t wformat;    /* SMOE_FMT_Q8 or SMOE_FMT_Q4 */
 } smoe_qx;
 
@@ -39,12 +42,12 @@ typedef struct {
     size_t code_bytes, d_floats, gsum_floats; /* per token */
 } smoe_qx_size;
 
-smoe_qx_size smoe_qx_sizes(uint32_t cols, uint8_t wformat);
-void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, void *codes, float *d,
-                     float *gsum);
+smoe_qx_size smoe_qx_sizes(uint32_t cols, uint8_t wformat, uint32_t group);
+void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
+                     void *codes, float *d, float *gsum);
 
 /* y[t·ldy + r] for t in [0, n), r in [r0, r1), W q8 or q4 with W->cols == X->cols and the same
- * format as X was prepared for. */
+ * format and group as X was prepared for. */
 void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                          uint32_t r0, uint32_t r1);
 

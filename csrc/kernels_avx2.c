@@ -17,13 +17,13 @@
  *  f32, bf16:  acc = fma(w[8v..8v+8), x[8v..8v+8), acc) for v = 0, 1, … (acc starts at +0; a
  *              last partial vector is zero-padded), y = hsum8(acc).
  *
- *  q8, q4:     the affine form, per group g of 64 columns:
+ *  q8, q4:     the affine form, per group g of G columns (G = 32, 64 or 128, the tensor's):
  *                  Σ_c w_c·x_c = s_g·Σ_c q_c·x_c + b_g·Σ_c x_c
  *              so the inner loop multiplies integer codes (exact as floats) by x and the scale
  *              is applied once per group, not once per weight:
- *                  a   = q[0..8)·x[0..8);  a = fma(q[8k..8k+8), x[8k..8k+8), a)  for k = 1..7
+ *                  a   = q[0..8)·x[0..8);  a = fma(q[8k..8k+8), x[8k..8k+8), a)  for k = 1..G/8−1
  *                  tot = fma(a, s_g, tot)                        (tot starts at +0)
- *                  X_g = hsum8(x[0..8) + x[8..16) + … + x[56..64))   (adds in that order)
+ *                  X_g = hsum8(x[0..8) + x[8..16) + … + x[G−8..G))  (adds in that order)
  *                  bia = fma(b[g..g+8), X[g..g+8), bia) over groups 8 at a time, zero-padded
  *                  y   = hsum8(tot · lf) + hsum8(bia)
  *              For q4 the codes come out of one vpshufb + vpand per 8, with odd lanes holding
@@ -36,13 +36,15 @@
  * ------------------------------------------------------
  *  n = 1 (and a last tile of one token): rows RV at a time, codes decoded into registers as they
  *  stream past, tot in registers — the matrix-vector product, bound by decoding and memory.
- *  n ≥ 2: tokens in tiles of TT; for each block of RB rows, each block of CBG groups is decoded
+ *  n ≥ 2: tokens in tiles of TT; for each block of RB rows, each block of CB columns is decoded
  *  once into a float buffer and fed to register blocks of RB rows × TB tokens, whose partial
  *  accumulators (a) live in registers and whose tot lives in a small stack array between groups.
  *  A store and a load are exact, so spilling changes nothing; every block size is a choice about
  *  reuse, never about the order of any one sum.
  *
- * Rows wider than MAXG groups (q) go to the reference kernel: a choice by shape, not by n.
+ * Rows wider than MAXC columns (q) go to the reference kernel: a choice by shape, not by n.
+ * Scales and biases may be f16, bf16 or f32: all are widened to f32 exactly before use, so the
+ * scale format changes no operation above.
  *
  * Error, against the exact sum: the q forms carry the cancellation of s·q against b, so the bound
  * is relative to M = Σ_c (|s_g·q_c| + |b_g|)·|x_c|, not to Σ|w_c·x_c|; see tests/c/test_kernels.c.
@@ -61,15 +63,18 @@
 #define INLINE static inline __attribute__((always_inline))
 
 enum {
-    GROUP = 64,  /* quantisation group along cols */
-    MAXG = 256,  /* groups per row the q kernels take (cols ≤ 16384); wider rows: reference */
+    MAXC = 16384,    /* columns of a row the q kernels take; wider rows: reference */
+    MAXG = MAXC / 32, /* groups of such a row at most (group size 32) */
     RB = 3,      /* rows of a register block (n ≥ 2) */
     TB = 4,      /* tokens of a register block: RB·TB accumulators + RB codes + 1 x = 16 ymm */
     TT = 32,     /* tokens of a tile: they share one decoding of each weight block */
-    CBG = 8,     /* q groups decoded at a time (512 columns) */
+    CB = 512,    /* q columns decoded at a time (a multiple of every group size) */
     FCB = 512,   /* f32/bf16 columns per block (a multiple of 8) */
     RV = 4,      /* rows at a time in the matrix-vector kernels (n = 1) */
 };
+
+/* The group sizes the q kernels take: 32, 64, 128 (docs/vault.md). */
+INLINE bool group_ok(uint32_t G) { return G == 32 || G == 64 || G == 128; }
 
 /* ------------------------------------------------------------------------------ helpers */
 
@@ -100,9 +105,17 @@ INLINE float bf16_1(const uint8_t *p) {
     return f;
 }
 
-/* dst[g] = the ng scales (or biases) at src as f32 (exactly); zeros after, up to a multiple of 8 */
+/* bytes of one scale or bias */
+INLINE size_t scale_bytes(uint8_t sf) { return sf == SMOE_SCALE_F32 ? 4 : 2; }
+
+/* dst[g] = the ng scales (or biases; f16, bf16 or f32) at src as f32 (exactly); zeros after, up
+ * to a multiple of 8 */
 static void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf) {
     uint32_t g = 0;
+    if (sf == SMOE_SCALE_F32) {
+        memcpy(dst, src, 4 * (size_t)ng);
+        g = ng;
+    }
     for (; g + 8 <= ng; g += 8) {
         __m128i h = _mm_loadu_si128((const __m128i *)(const void *)(src + 2 * g));
         __m256 f = sf == SMOE_SCALE_F16 ? _mm256_cvtph_ps(h)
@@ -117,13 +130,13 @@ static void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf)
     for (; g % 8; g++) dst[g] = 0.0f;
 }
 
-/* X[g] = Σ of group g of x (the order of the essay); zeros after, up to a multiple of 8 */
-static void group_sums(float *X, const float *x, uint32_t gpr) {
+/* X[g] = Σ of group g (G columns) of x, the order of the essay; zeros after, up to a multiple of 8 */
+static void group_sums(float *X, const float *x, uint32_t gpr, uint32_t G) {
     uint32_t g = 0;
     for (; g < gpr; g++) {
-        const float *xg = x + (size_t)g * GROUP;
+        const float *xg = x + (size_t)g * G;
         __m256 v = _mm256_loadu_ps(xg);
-        for (int k = 1; k < 8; k++) v = _mm256_add_ps(v, _mm256_loadu_ps(xg + 8 * k));
+        for (uint32_t k = 1; k < G / 8; k++) v = _mm256_add_ps(v, _mm256_loadu_ps(xg + 8 * k));
         X[g] = hsum8(v);
     }
     for (; g % 8; g++) X[g] = 0.0f;
@@ -138,52 +151,9 @@ INLINE float bias_dot(const float *b, const float *X, uint32_t gpr8) {
 
 /* ------------------------------------------------------------------------- q codes */
 
-/* The 64 codes of a q4 group (32 bytes; code 2j is the low nibble of byte j) as 8 vectors of
- * floats: even lanes q, odd lanes 16·q. Both 128-bit halves hold the same 16 bytes; the shuffle
- * puts byte (4k + lane/2) in the low byte of each lane and the mask keeps its nibble. */
-INLINE void q4_codes(__m256 q[8], const uint8_t *p) {
-#define Z(b) ((int)(0x80808000u | (b)))
-#define CTRL(k) _mm256_setr_epi32(Z(4 * k), Z(4 * k), Z(4 * k + 1), Z(4 * k + 1), Z(4 * k + 2), Z(4 * k + 2), \
-                                  Z(4 * k + 3), Z(4 * k + 3))
-    const __m256i c0 = CTRL(0), c1 = CTRL(1), c2 = CTRL(2), c3 = CTRL(3);
-#undef CTRL
-#undef Z
-    const __m256i mask = _mm256_setr_epi32(0x0f, 0xf0, 0x0f, 0xf0, 0x0f, 0xf0, 0x0f, 0xf0);
-    const __m256i lo = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)p));
-    const __m256i hi = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)(p + 16)));
-    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(lo, c0), mask));
-    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(lo, c1), mask));
-    q[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(lo, c2), mask));
-    q[3] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(lo, c3), mask));
-    q[4] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(hi, c0), mask));
-    q[5] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(hi, c1), mask));
-    q[6] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(hi, c2), mask));
-    q[7] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_shuffle_epi8(hi, c3), mask));
-}
-
-INLINE void q8_codes(__m256 q[8], const uint8_t *p) {
-    for (int k = 0; k < 8; k++)
-        q[k] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p + 8 * k))));
-}
-
-INLINE void group_codes(__m256 q[8], const uint8_t *p, bool q4) {
-    if (q4)
-        q4_codes(q, p);
-    else
-        q8_codes(q, p);
-}
-
-/* ------------------------------------------------------------------------ q: n = 1 */
-
-typedef struct {
-    const uint8_t *codes, *scales, *biases; /* of row 0 */
-    size_t row_bytes;                       /* code bytes per row */
-    uint32_t gpr, gpr8;
-    uint8_t sf;
-    bool q4;
-} qmat;
-
-/* Codes 8k..8k+7 of a q4 group at p, as q4_codes makes them (one vpshufb + vpand + convert). */
+/* Codes 8k..8k+7 of a q4 row's codes at p (code 2j the low nibble of byte j) as floats: even
+ * lanes q, odd lanes 16·q. The 16 bytes holding them are broadcast to both 128-bit halves; the
+ * shuffle puts byte (4(k%4) + lane/2) in the low byte of each lane and the mask keeps its nibble. */
 #define Z(x) ((int32_t)(0x80808000u | (x)))
 #define CTRL(b) {Z(b), Z(b), Z(b + 1), Z(b + 1), Z(b + 2), Z(b + 2), Z(b + 3), Z(b + 3)}
 static const int32_t q4_ctrl[4][8] __attribute__((aligned(32))) = {CTRL(0), CTRL(4), CTRL(8), CTRL(12)};
@@ -201,24 +171,36 @@ INLINE __m256 q8_code8(const uint8_t *p, int k) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(p + 8 * k))));
 }
 
-/* R rows from r against one token (X its group sums): codes decoded as they stream past, 8 at
- * a time for all R rows against one vector of x; tot in registers. */
-INLINE void q_rows_1(const int R, const bool q4, const qmat *m, uint32_t r, const float *x, const float *X, float *y) {
+/* ------------------------------------------------------------------------ q: n = 1 */
+
+typedef struct {
+    const uint8_t *codes, *scales, *biases; /* of row 0 */
+    size_t row_bytes;                       /* code bytes per row */
+    size_t sbytes;                          /* bytes per scale */
+    uint32_t G, gpr, gpr8;                  /* group size, groups per row, gpr rounded up to 8 */
+    uint8_t sf;
+    bool q4;
+} qmat;
+
+/* R rows from r against one token (X its group sums), groups of G: codes decoded as they stream
+ * past, 8 at a time for all R rows against one vector of x; tot in registers. */
+INLINE void q_rows_1(const int R, const bool q4, const uint32_t G, const qmat *m, uint32_t r, const float *x,
+                     const float *X, float *y) {
     float s[RV][MAXG], b[RV][MAXG]; /* (rows, groups) scales and biases as f32 */
     const uint8_t *p[RV];
     __m256 tot[RV];
     for (int i = 0; i < R; i++) {
-        load_scales(s[i], m->scales + 2 * (size_t)(r + i) * m->gpr, m->gpr, m->sf);
-        load_scales(b[i], m->biases + 2 * (size_t)(r + i) * m->gpr, m->gpr, m->sf);
+        load_scales(s[i], m->scales + m->sbytes * (size_t)(r + i) * m->gpr, m->gpr, m->sf);
+        load_scales(b[i], m->biases + m->sbytes * (size_t)(r + i) * m->gpr, m->gpr, m->sf);
         p[i] = m->codes + (size_t)(r + i) * m->row_bytes;
         tot[i] = _mm256_setzero_ps();
     }
-    const size_t gbytes = q4 ? GROUP / 2 : GROUP;
+    const size_t gbytes = q4 ? G / 2 : G;
     for (uint32_t g = 0; g < m->gpr; g++) {
-        const float *xg = x + (size_t)g * GROUP;
+        const float *xg = x + (size_t)g * G;
         __m256 a[RV];
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; k++) {
+#pragma GCC unroll 16
+        for (int k = 0; k < (int)G / 8; k++) {
             const __m256 xv = _mm256_loadu_ps(xg + 8 * k);
             for (int i = 0; i < R; i++) {
                 const uint8_t *pg = p[i] + g * gbytes;
@@ -237,46 +219,49 @@ INLINE void q_rows_1(const int R, const bool q4, const qmat *m, uint32_t r, cons
 
 static void q_matvec(const qmat *m, uint32_t r0, uint32_t r1, const float *x, const float *X, float *y) {
     uint32_t r = r0;
-    if (m->q4) {
-        for (; r + RV <= r1; r += RV) q_rows_1(RV, true, m, r, x, X, y);
-        switch (r1 - r) {
-        case 3: q_rows_1(3, true, m, r, x, X, y); break;
-        case 2: q_rows_1(2, true, m, r, x, X, y); break;
-        case 1: q_rows_1(1, true, m, r, x, X, y); break;
-        }
-    } else {
-        for (; r + RV <= r1; r += RV) q_rows_1(RV, false, m, r, x, X, y);
-        switch (r1 - r) {
-        case 3: q_rows_1(3, false, m, r, x, X, y); break;
-        case 2: q_rows_1(2, false, m, r, x, X, y); break;
-        case 1: q_rows_1(1, false, m, r, x, X, y); break;
-        }
+#define ROWS(q4, G)                                                                  \
+    do {                                                                             \
+        for (; r + RV <= r1; r += RV) q_rows_1(RV, q4, G, m, r, x, X, y);            \
+        switch (r1 - r) {                                                            \
+        case 3: q_rows_1(3, q4, G, m, r, x, X, y); break;                            \
+        case 2: q_rows_1(2, q4, G, m, r, x, X, y); break;                            \
+        case 1: q_rows_1(1, q4, G, m, r, x, X, y); break;                            \
+        }                                                                            \
+    } while (0)
+    switch (m->G + m->q4) {
+    case 32: ROWS(false, 32); break;
+    case 33: ROWS(true, 32); break;
+    case 64: ROWS(false, 64); break;
+    case 65: ROWS(true, 64); break;
+    case 128: ROWS(false, 128); break;
+    case 129: ROWS(true, 128); break;
     }
+#undef ROWS
 }
 
 /* ----------------------------------------------------------------------- q: n ≥ 2 */
 
-/* R rows × T tokens over ng groups. qf: the decoded codes, row i at qf + i·CBG·GROUP; s[i]: row
+/* R rows × T tokens over ng groups of G. qf: the decoded codes, row i at qf + i·CB; s[i]: row
  * i's scales from this block's first group; xt[j]: token j at this block's first column;
  * tot[j][i]: the running tot of (row i, token j). */
-INLINE void q_block(const int R, const int T, const float *qf, const float *const *s, const float *const *xt,
-                    uint32_t ng, __m256 (*tot)[RB]) {
+INLINE void q_block(const int R, const int T, const uint32_t G, const float *qf, const float *const *s,
+                    const float *const *xt, uint32_t ng, __m256 (*tot)[RB]) {
     for (uint32_t g = 0; g < ng; g++) {
         __m256 a[RB][TB];
-        const float *qg = qf + (size_t)g * GROUP;
+        const float *qg = qf + (size_t)g * G;
         {
             __m256 qv[RB];
-            for (int i = 0; i < R; i++) qv[i] = _mm256_loadu_ps(qg + (size_t)i * CBG * GROUP);
+            for (int i = 0; i < R; i++) qv[i] = _mm256_loadu_ps(qg + (size_t)i * CB);
             for (int j = 0; j < T; j++) {
-                __m256 xv = _mm256_loadu_ps(xt[j] + (size_t)g * GROUP);
+                __m256 xv = _mm256_loadu_ps(xt[j] + (size_t)g * G);
                 for (int i = 0; i < R; i++) a[i][j] = _mm256_mul_ps(qv[i], xv);
             }
         }
-        for (int k = 1; k < 8; k++) {
+        for (int k = 1; k < (int)G / 8; k++) {
             __m256 qv[RB];
-            for (int i = 0; i < R; i++) qv[i] = _mm256_loadu_ps(qg + (size_t)i * CBG * GROUP + 8 * k);
+            for (int i = 0; i < R; i++) qv[i] = _mm256_loadu_ps(qg + (size_t)i * CB + 8 * k);
             for (int j = 0; j < T; j++) {
-                __m256 xv = _mm256_loadu_ps(xt[j] + (size_t)g * GROUP + 8 * k);
+                __m256 xv = _mm256_loadu_ps(xt[j] + (size_t)g * G + 8 * k);
                 for (int i = 0; i < R; i++) a[i][j] = _mm256_fmadd_ps(qv[i], xv, a[i][j]);
             }
         }
@@ -287,11 +272,13 @@ INLINE void q_block(const int R, const int T, const float *qf, const float *cons
     }
 }
 
-static void q_block_any(int R, int T, const float *qf, const float *const *s, const float *const *xt, uint32_t ng,
-                        __m256 (*tot)[RB]) {
-    switch (R * 8 + T) {
-#define CASE(r, t) \
-    case r * 8 + t: q_block(r, t, qf, s, xt, ng, tot); break;
+static void q_block_any(int R, int T, uint32_t G, const float *qf, const float *const *s, const float *const *xt,
+                        uint32_t ng, __m256 (*tot)[RB]) {
+    switch ((int)(G / 32) * 64 + R * 8 + T) {
+#define CASE(r, t)                                                                   \
+    case 64 + r * 8 + t: q_block(r, t, 32, qf, s, xt, ng, tot); break;               \
+    case 128 + r * 8 + t: q_block(r, t, 64, qf, s, xt, ng, tot); break;              \
+    case 256 + r * 8 + t: q_block(r, t, 128, qf, s, xt, ng, tot); break;
         CASE(3, 4) CASE(3, 3) CASE(3, 2) CASE(3, 1)
         CASE(2, 4) CASE(2, 3) CASE(2, 2) CASE(2, 1)
         CASE(1, 4) CASE(1, 3) CASE(1, 2) CASE(1, 1)
@@ -307,20 +294,22 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
     m.scales = w + W->scales_off;
     m.biases = w + W->biases_off;
     m.row_bytes = m.q4 ? W->cols / 2 : W->cols;
-    m.gpr = W->cols / GROUP;
-    m.gpr8 = (m.gpr + 7) & ~7u;
     m.sf = W->scale_format;
-    const size_t gbytes = m.q4 ? GROUP / 2 : GROUP;
+    m.sbytes = scale_bytes(m.sf);
+    m.G = W->group;
+    m.gpr = W->cols / m.G;
+    m.gpr8 = (m.gpr + 7) & ~7u;
+    const uint32_t G = m.G, cols = W->cols;
     const __m256 lf = _mm256_setr_ps(1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f, 1.0f, 0.0625f);
 
     float X[TT][MAXG];             /* (tile tokens, groups) group sums of x */
     float sb[RB][MAXG], bb[RB][MAXG]; /* (block rows, groups) scales, biases */
-    float qf[RB][CBG * GROUP];     /* (block rows, block columns) decoded codes */
+    float qf[RB][CB];              /* (block rows, block columns) decoded codes */
     __m256 tot[TT][RB];            /* (tile tokens, block rows) running scaled sums */
 
     for (uint32_t t0 = 0; t0 < n; t0 += TT) {
         const uint32_t nt = n - t0 < TT ? n - t0 : TT;
-        for (uint32_t t = 0; t < nt; t++) group_sums(X[t], x + (size_t)(t0 + t) * ldx, m.gpr);
+        for (uint32_t t = 0; t < nt; t++) group_sums(X[t], x + (size_t)(t0 + t) * ldx, m.gpr, G);
         float *yt = y + (size_t)t0 * ldy;
         if (nt == 1) {
             q_matvec(&m, r0, r1, x + (size_t)t0 * ldx, X[0], yt);
@@ -329,27 +318,25 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
         for (uint32_t r = r0; r < r1; r += RB) {
             const uint32_t nr = r1 - r < RB ? r1 - r : RB;
             for (uint32_t i = 0; i < nr; i++) {
-                load_scales(sb[i], m.scales + 2 * (size_t)(r + i) * m.gpr, m.gpr, m.sf);
-                load_scales(bb[i], m.biases + 2 * (size_t)(r + i) * m.gpr, m.gpr, m.sf);
+                load_scales(sb[i], m.scales + m.sbytes * (size_t)(r + i) * m.gpr, m.gpr, m.sf);
+                load_scales(bb[i], m.biases + m.sbytes * (size_t)(r + i) * m.gpr, m.gpr, m.sf);
             }
             for (uint32_t t = 0; t < nt; t++)
                 for (uint32_t i = 0; i < RB; i++) tot[t][i] = _mm256_setzero_ps();
-            for (uint32_t g0 = 0; g0 < m.gpr; g0 += CBG) {
-                const uint32_t ng = m.gpr - g0 < CBG ? m.gpr - g0 : CBG;
+            for (uint32_t c0 = 0; c0 < cols; c0 += CB) {
+                const uint32_t nc = cols - c0 < CB ? cols - c0 : CB; /* a multiple of G */
                 for (uint32_t i = 0; i < nr; i++) {
-                    const uint8_t *p = m.codes + (size_t)(r + i) * m.row_bytes + (size_t)g0 * gbytes;
-                    for (uint32_t g = 0; g < ng; g++) {
-                        __m256 q[8];
-                        group_codes(q, p + g * gbytes, m.q4);
-                        for (int k = 0; k < 8; k++) _mm256_storeu_ps(qf[i] + g * GROUP + 8 * k, q[k]);
-                    }
+                    const uint8_t *p = m.codes + (size_t)(r + i) * m.row_bytes + (m.q4 ? c0 / 2 : c0);
+                    for (uint32_t c = 0; c < nc; c += 32) /* 32 codes: 16 bytes (q4) or 32 (q8) */
+                        for (int k = 0; k < 4; k++)
+                            _mm256_storeu_ps(qf[i] + c + 8 * k, m.q4 ? q4_code8(p + c / 2, k) : q8_code8(p + c, k));
                 }
-                const float *s[RB] = {sb[0] + g0, sb[1] + g0, sb[2] + g0};
+                const float *s[RB] = {sb[0] + c0 / G, sb[1] + c0 / G, sb[2] + c0 / G};
                 for (uint32_t tb = 0; tb < nt; tb += TB) {
                     const uint32_t ntb = nt - tb < TB ? nt - tb : TB;
                     const float *xt[TB];
-                    for (uint32_t j = 0; j < ntb; j++) xt[j] = x + (size_t)(t0 + tb + j) * ldx + (size_t)g0 * GROUP;
-                    q_block_any((int)nr, (int)ntb, qf[0], s, xt, ng, tot + tb);
+                    for (uint32_t j = 0; j < ntb; j++) xt[j] = x + (size_t)(t0 + tb + j) * ldx + c0;
+                    q_block_any((int)nr, (int)ntb, G, qf[0], s, xt, nc / G, tot + tb);
                 }
             }
             for (uint32_t t = 0; t < nt; t++)
@@ -364,18 +351,31 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
 /* ---------------------------------------------------------- q with 8-bit activations */
 
 /* smoe_matmul_rows_qx: the arithmetic kernels.c states, on vectors. A row block's codes are first
- * unpacked into the layout of the x codes (qx_unpack); then for each (row, token), four groups at
- * a time: the integer products P_g (8 int32 lanes: lanes 0–3 from block 0, 4–7 from block 1;
- * exact, so how they are formed does not matter), two rounds of hadd to the exact block sums
- * [I_{g..g+4, 0} | I_{g..g+4, 1}], and one fma into tot with (s, s) · d.
- * The code is in kernels_avx2_qx.h, instantiated for plain AVX2 and for AVX-VNNI; the VNNI one
- * runs where the CPU has it (the same bits: see that file). */
+ * unpacked into the layout of the x codes (qx_unpack); then for each (row, token), four units of
+ * 64 columns at a time: the integer products P_u (8 int32 lanes: lanes 0–3 from block 0, 4–7 from
+ * block 1; exact, so how they are formed does not matter), two rounds of hadd to the exact block
+ * sums [I_{u..u+4, 0} | I_{u..u+4, 1}], and one fma into tot with σ · d, σ the scales of the
+ * blocks' groups laid out as the lanes (qx_sigma: one broadcast for group 64, one permute for
+ * 32 and 128). The code is in kernels_avx2_qx.h, instantiated for plain AVX2 and for AVX-VNNI;
+ * the VNNI one runs where the CPU has it (the same bits: see that file). */
 
 enum {
     QRB = 4,    /* rows of a block of the batched product (bench/RESULTS.md: 4 × 1 measured best) */
     QTB = 1,    /* tokens of a block */
     QRV = 4,    /* rows at a time of the matrix-vector product */
+    MAXU = MAXC / 64, /* units of 64 columns of the widest row */
 };
+
+/* σ of kernels.c for units [g, g+4): lane j the scale of the group holding block j/4 of unit
+ * g + j%4, from s, the row's scales by group (zero-padded to a multiple of 8, which covers every
+ * empty block). G = 64: [s_g..s_g+4 | s_g..s_g+4]; G = 32: block b of unit u is group 2u + b;
+ * G = 128: unit u is half of group u/2. */
+INLINE __m256 qx_sigma(const uint32_t G, const float *s, uint32_t g) {
+    if (G == 64) return _mm256_broadcast_ps((const __m128 *)(const void *)(s + g));
+    if (G == 32) return _mm256_permutevar8x32_ps(_mm256_loadu_ps(s + 2 * g), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+    const __m128 two = _mm_castpd_ps(_mm_load_sd((const double *)(const void *)(s + g / 2)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1));
+}
 
 #define QX(name) name##_plain
 #define QX_ATTR
@@ -397,21 +397,29 @@ enum {
 
 /* smoe_ref_qx_prepare on vectors, the same bytes: max|x| per 32 columns (order-free), codes
  * rounded by cvtps (round-half-even, as nearbyintf), packed into the layout of kernels.c, the
- * group sums in group_sums' order. A block holding an inf or a NaN goes to the scalar code. */
-bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, void *codes,
-                          float *d, float *gsum) {
-    if (cols % GROUP) return false;
+ * group sums in group_sums' order. A block holding an inf or a NaN goes to the scalar code; a
+ * last half unit (cols an odd multiple of 32) is read through a zero-padded copy, so its empty
+ * block gets d = 0 and codes 0 as the reference gives it. */
+bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
+                          void *codes, float *d, float *gsum) {
+    if (cols % 32 || !group_ok(group) || cols % group) return false;
     const bool q8 = wformat == SMOE_FMT_Q8;
-    const smoe_qx_size z = smoe_qx_sizes(cols, wformat);
-    const uint32_t gpr = cols / GROUP, gp = (gpr + 3) & ~3u;
+    const smoe_qx_size z = smoe_qx_sizes(cols, wformat, group);
+    const uint32_t nu = (cols + 63) / 64, up = (uint32_t)z.d_floats / 2; /* units, and padded to 4 */
     const float tiny = 0x1p-100f;
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), big = _mm256_set1_ps(3.4028234664e38f);
     for (uint32_t t = 0; t < n; t++) {
         const float *xt = x + (size_t)t * ldx;
         uint8_t *ct = (uint8_t *)codes + (size_t)t * z.code_bytes;
         float *dt = d + (size_t)t * z.d_floats, *st = gsum + (size_t)t * z.gsum_floats;
-        for (uint32_t g = 0; g < gpr; g++) {
-            const float *xg = xt + (size_t)g * GROUP;
+        for (uint32_t g = 0; g < nu; g++) {
+            const float *xg = xt + (size_t)g * 64;
+            float half[64]; /* a last unit of 32 columns, zero-padded */
+            if (64 * g + 64 > cols) {
+                memcpy(half, xg, 32 * sizeof(float));
+                memset(half + 32, 0, 32 * sizeof(float));
+                xg = half;
+            }
             __m256 v[8];
             for (int k = 0; k < 8; k++) v[k] = _mm256_loadu_ps(xg + 8 * k);
             __m256i q[8]; /* codes of columns 8k..8k+8 as int32 */
@@ -460,15 +468,12 @@ bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols,
                 _mm256_storeu_si256((__m256i *)(void *)(ct + 64 * (size_t)g), lo);
                 _mm256_storeu_si256((__m256i *)(void *)(ct + 64 * (size_t)g + 32), hi);
             }
-            __m256 sum = v[0];
-            for (int k = 1; k < 8; k++) sum = _mm256_add_ps(sum, v[k]);
-            st[g] = hsum8(sum);
         }
-        for (uint32_t g = gpr; g < gp; g++) {
+        for (uint32_t g = nu; g < up; g++) {
             memset(ct + (size_t)g * (q8 ? 128 : 64), 0, q8 ? 128 : 64);
             dt[8 * (g / 4) + g % 4] = dt[8 * (g / 4) + g % 4 + 4] = 0.0f;
         }
-        for (uint32_t g = gpr; g < z.gsum_floats; g++) st[g] = 0.0f;
+        group_sums(st, xt, cols / group, group); /* zero-padded to gsum_floats */
     }
     return true;
 }
@@ -639,7 +644,7 @@ bool smoe_avx2_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *
         return true;
     case SMOE_FMT_Q8:
     case SMOE_FMT_Q4:
-        if (W->cols % GROUP || W->cols / GROUP > MAXG) return false;
+        if (!group_ok(W->group) || W->cols % W->group || W->cols > MAXC) return false;
         q_matmul(W, w, x, ldx, n, y, ldy, r0, r1);
         return true;
     default:

@@ -23,7 +23,7 @@
 #endif
 
 
-/* One group's stored codes unpacked into the layout of the x codes:
+/* One unit's (64 columns') stored codes unpacked into the layout of the x codes:
  * q4 (32 bytes): c[0] = unpacklo(lo, hi) (columns 0–15 | 32–47), c[1] = unpackhi (16–31 | 48–63);
  * q8 (64 bytes): c[v] = columns 8v..8v+8 | 32+8v..32+8v+8 as int16, v < 4. */
 QX_ATTR INLINE void QX(qx_codes)(const bool q8, const uint8_t *w, __m256i c[4]) {
@@ -44,18 +44,26 @@ QX_ATTR INLINE void QX(qx_codes)(const bool q8, const uint8_t *w, __m256i c[4]) 
     c[3] = _mm256_cvtepu8_epi16(_mm_unpackhi_epi64(a1, b1));
 }
 
-/* Row `row`'s codes for groups [0, gp) unpacked (qx_codes), zeros past gpr: 64 bytes per group
- * for q4, 128 for q8. */
-QX_ATTR static void QX(qx_unpack)(uint8_t *dst, const uint8_t *row, uint32_t gpr, uint32_t gp, bool q8) {
+/* A row of `cols` columns' codes for units [0, up) unpacked (qx_codes), zeros past cols: 64
+ * bytes per unit for q4, 128 for q8. A last half unit is read through a zero-padded copy, so
+ * nothing past the row is read. */
+QX_ATTR static void QX(qx_unpack)(uint8_t *dst, const uint8_t *row, uint32_t cols, uint32_t up, bool q8) {
     const size_t wb = q8 ? 64 : 32, gb = q8 ? 128 : 64;
     const int nv = q8 ? 4 : 2;
     uint32_t g = 0;
-    for (; g < gpr; g++) {
+    for (; g < (cols + 63) / 64; g++) {
         __m256i c[4];
-        QX(qx_codes)(q8, row + wb * g, c);
+        const uint8_t *src = row + wb * g;
+        _Alignas(32) uint8_t half[64];
+        if (64 * g + 64 > cols) {
+            memcpy(half, src, wb / 2);
+            memset(half + wb / 2, 0, wb / 2);
+            src = half;
+        }
+        QX(qx_codes)(q8, src, c);
         for (int v = 0; v < nv; v++) _mm256_store_si256((__m256i *)(void *)(dst + gb * g + 32 * (size_t)v), c[v]);
     }
-    memset(dst + gb * g, 0, gb * (size_t)(gp - g));
+    memset(dst + gb * g, 0, gb * (size_t)(up - g));
 }
 
 /* P of one group from its unpacked codes c and the token's codes x at the group. */
@@ -84,36 +92,37 @@ QX_ATTR INLINE __m256i QX(qx_p_raw)(const bool q8, const uint8_t *w, const uint8
 }
 
 /* R rows against one token, codes read where they are stored (w[i]: row i's codes; wb: their
- * bytes per group), groups past gpr taken as zero; otherwise as qx_block. */
-QX_ATTR INLINE void QX(qx_rows_1)(const int R, const bool q8, const uint8_t *const *w, const float *const *s,
-                      const uint8_t *x, const float *d, uint32_t gpr, uint32_t gp, __m256 *tot) {
+ * bytes per unit), units past nu (cols / 64, a whole number here) taken as zero; otherwise as
+ * qx_block. */
+QX_ATTR INLINE void QX(qx_rows_1)(const int R, const bool q8, const uint32_t G, const uint8_t *const *w,
+                      const float *const *s, const uint8_t *x, const float *d, uint32_t nu, uint32_t up, __m256 *tot) {
     const size_t wb = q8 ? 64 : 32, xb = q8 ? 128 : 64;
     __m256 acc[4];
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
-    for (uint32_t g = 0; g < gp; g += 4) {
+    for (uint32_t g = 0; g < up; g += 4) {
         for (int i = 0; i < R; i++) {
             __m256i p[4];
             for (uint32_t k = 0; k < 4; k++)
-                p[k] = g + k < gpr ? QX(qx_p_raw)(q8, w[i] + (g + k) * wb, x + (g + k) * xb) : _mm256_setzero_si256();
+                p[k] = g + k < nu ? QX(qx_p_raw)(q8, w[i] + (g + k) * wb, x + (g + k) * xb) : _mm256_setzero_si256();
             const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-            const __m256 sd = _mm256_mul_ps(_mm256_broadcast_ps((const __m128 *)(const void *)(s[i] + g)),
-                                            _mm256_loadu_ps(d + 2 * g));
+            const __m256 sd = _mm256_mul_ps(qx_sigma(G, s[i], g), _mm256_loadu_ps(d + 2 * g));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), sd, acc[i]);
         }
     }
     for (int i = 0; i < R; i++) tot[i] = acc[i];
 }
 
-/* R rows × T tokens over gp groups (a multiple of 4): tot[i][j] += the scaled block sums.
- * w[i]: row i's unpacked codes; s[i]: its scales (zero-padded); x[j], d[j]: token j's codes
- * and block scales. */
-QX_ATTR INLINE void QX(qx_block)(const int R, const int T, const bool q8, const uint8_t *const *w, const float *const *s,
-                     const uint8_t *const *x, const float *const *d, uint32_t gp, __m256 (*tot)[QTB]) {
+/* R rows × T tokens over up units (a multiple of 4): tot[i][j] += the scaled block sums.
+ * w[i]: row i's unpacked codes; s[i]: its scales by group of G (zero-padded); x[j], d[j]: token
+ * j's codes and block scales. */
+QX_ATTR INLINE void QX(qx_block)(const int R, const int T, const bool q8, const uint32_t G, const uint8_t *const *w,
+                     const float *const *s, const uint8_t *const *x, const float *const *d, uint32_t up,
+                     __m256 (*tot)[QTB]) {
     const size_t gb = q8 ? 128 : 64; /* bytes per group, codes of both */
     __m256 acc[QRB][QTB];
     for (int i = 0; i < R; i++)
         for (int j = 0; j < T; j++) acc[i][j] = _mm256_setzero_ps();
-    for (uint32_t g = 0; g < gp; g += 4) {
+    for (uint32_t g = 0; g < up; g += 4) {
         __m256i h[QRB][QTB];
         for (int i = 0; i < R; i++)
             for (int j = 0; j < T; j++) {
@@ -123,7 +132,7 @@ QX_ATTR INLINE void QX(qx_block)(const int R, const int T, const bool q8, const 
                 h[i][j] = _mm256_hadd_epi32(a, b);
             }
         for (int i = 0; i < R; i++) {
-            const __m256 s4 = _mm256_broadcast_ps((const __m128 *)(const void *)(s[i] + g));
+            const __m256 s4 = qx_sigma(G, s[i], g);
             for (int j = 0; j < T; j++) {
                 const __m256 sd = _mm256_mul_ps(s4, _mm256_loadu_ps(d[j] + 2 * g));
                 acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h[i][j]), sd, acc[i][j]);
@@ -134,31 +143,34 @@ QX_ATTR INLINE void QX(qx_block)(const int R, const int T, const bool q8, const 
         for (int j = 0; j < T; j++) tot[i][j] = acc[i][j];
 }
 
-QX_ATTR static void QX(qx_block_any)(int R, int T, bool q8, const uint8_t *const *w, const float *const *s,
-                         const uint8_t *const *x, const float *const *d, uint32_t gp, __m256 (*tot)[QTB]) {
-    switch (R * 8 + T + (q8 ? 64 : 0)) {
-#define CASE(r, t) \
-    case r * 8 + t: QX(qx_block)(r, t, false, w, s, x, d, gp, tot); break; \
-    case 64 + r * 8 + t: QX(qx_block)(r, t, true, w, s, x, d, gp, tot); break;
-        CASE(4, 1) CASE(3, 1) CASE(2, 1) CASE(1, 1)
+QX_ATTR static void QX(qx_block_any)(int R, int T, bool q8, uint32_t G, const uint8_t *const *w, const float *const *s,
+                         const uint8_t *const *x, const float *const *d, uint32_t up, __m256 (*tot)[QTB]) {
+    switch (R * 8 + T + (q8 ? 64 : 0) + (int)G * 128) {
+#define CASE(r, t, G) \
+    case G * 128 + r * 8 + t: QX(qx_block)(r, t, false, G, w, s, x, d, up, tot); break; \
+    case G * 128 + 64 + r * 8 + t: QX(qx_block)(r, t, true, G, w, s, x, d, up, tot); break;
+#define CASES(G) CASE(4, 1, G) CASE(3, 1, G) CASE(2, 1, G) CASE(1, 1, G)
+        CASES(32) CASES(64) CASES(128)
+#undef CASES
 #undef CASE
     }
 }
 
 QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                               size_t ldy, uint32_t r0, uint32_t r1) {
-    if (W->cols % GROUP || W->cols / GROUP > MAXG) return false;
+    const uint32_t G = W->group, cols = W->cols;
+    if (!group_ok(G) || cols % G || cols > MAXC) return false;
     const bool q8 = W->format == SMOE_FMT_Q8;
-    const uint32_t gpr = W->cols / GROUP, gp = (gpr + 3) & ~3u, gpr8 = (gpr + 7) & ~7u;
-    const size_t row_bytes = q8 ? W->cols : W->cols / 2;
-    const smoe_qx_size z = smoe_qx_sizes(W->cols, W->format);
+    const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
+    const uint32_t ng = cols / G, ng8 = (ng + 7) & ~7u, up = (uint32_t)z.d_floats / 2;
+    const size_t row_bytes = q8 ? cols : cols / 2, sbytes = scale_bytes(W->scale_format);
     const uint8_t *scales = w + W->scales_off, *biases = w + W->biases_off;
 
-    _Alignas(32) uint8_t cw[QRB][MAXG * 128]; /* (block rows, groups · bytes) unpacked codes */
+    _Alignas(32) uint8_t cw[QRB][MAXU * 128]; /* (block rows, units · bytes) unpacked codes */
     float sb[QRB][MAXG], bb[QRB][MAXG];       /* (block rows, groups) scales, biases */
     __m256 tot[QRB][QTB];
 
-    if (n == 1) { /* matrix-vector: QRV rows at a time, codes read in place */
+    if (n == 1 && cols % 64 == 0) { /* matrix-vector: QRV rows at a time, codes read in place */
         float sv[QRV][MAXG], bv[QRV][MAXG]; /* (rows, groups) scales, biases */
         const uint8_t *x = X->codes;
         for (uint32_t r = r0; r < r1; r += QRV) {
@@ -169,26 +181,28 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
             for (uint32_t i = 0; i < nr; i++) {
                 wr[i] = w + (size_t)(r + i) * row_bytes;
                 sr[i] = sv[i];
-                load_scales(sv[i], scales + 2 * (size_t)(r + i) * gpr, gpr, W->scale_format);
-                load_scales(bv[i], biases + 2 * (size_t)(r + i) * gpr, gpr, W->scale_format);
+                load_scales(sv[i], scales + sbytes * (size_t)(r + i) * ng, ng, W->scale_format);
+                load_scales(bv[i], biases + sbytes * (size_t)(r + i) * ng, ng, W->scale_format);
             }
-            switch (nr * 2 + q8) {
-#define CASE(k) \
-    case k * 2: QX(qx_rows_1)(k, false, wr, sr, x, X->d, gpr, gp, acc); break; \
-    case k * 2 + 1: QX(qx_rows_1)(k, true, wr, sr, x, X->d, gpr, gp, acc); break;
-                CASE(4) CASE(3) CASE(2) CASE(1)
+            switch (nr * 2 + q8 + G * 16) {
+#define CASE(k, G) \
+    case G * 16 + k * 2: QX(qx_rows_1)(k, false, G, wr, sr, x, X->d, cols / 64, up, acc); break; \
+    case G * 16 + k * 2 + 1: QX(qx_rows_1)(k, true, G, wr, sr, x, X->d, cols / 64, up, acc); break;
+#define CASES(G) CASE(4, G) CASE(3, G) CASE(2, G) CASE(1, G)
+                CASES(32) CASES(64) CASES(128)
+#undef CASES
 #undef CASE
             }
-            for (uint32_t i = 0; i < nr; i++) y[r + i] = hsum8(acc[i]) + bias_dot(bv[i], X->gsum, gpr8);
+            for (uint32_t i = 0; i < nr; i++) y[r + i] = hsum8(acc[i]) + bias_dot(bv[i], X->gsum, ng8);
         }
         return true;
     }
     for (uint32_t r = r0; r < r1; r += QRB) {
         const uint32_t nr = r1 - r < QRB ? r1 - r : QRB;
         for (uint32_t i = 0; i < nr; i++) {
-            QX(qx_unpack)(cw[i], w + (size_t)(r + i) * row_bytes, gpr, gp, q8);
-            load_scales(sb[i], scales + 2 * (size_t)(r + i) * gpr, gpr, W->scale_format);
-            load_scales(bb[i], biases + 2 * (size_t)(r + i) * gpr, gpr, W->scale_format);
+            QX(qx_unpack)(cw[i], w + (size_t)(r + i) * row_bytes, cols, up, q8);
+            load_scales(sb[i], scales + sbytes * (size_t)(r + i) * ng, ng, W->scale_format);
+            load_scales(bb[i], biases + sbytes * (size_t)(r + i) * ng, ng, W->scale_format);
         }
         const uint8_t *wr[QRB];
         const float *sr[QRB];
@@ -204,11 +218,11 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
                 xt[j] = (const uint8_t *)X->codes + (size_t)(t + j) * z.code_bytes;
                 dt[j] = X->d + (size_t)(t + j) * z.d_floats;
             }
-            QX(qx_block_any)((int)nr, (int)nt, q8, wr, sr, xt, dt, gp, tot);
+            QX(qx_block_any)((int)nr, (int)nt, q8, G, wr, sr, xt, dt, up, tot);
             for (uint32_t i = 0; i < nr; i++)
                 for (uint32_t j = 0; j < nt; j++)
                     y[(size_t)(t + j) * ldy + r + i] =
-                        hsum8(tot[i][j]) + bias_dot(bb[i], X->gsum + (size_t)(t + j) * z.gsum_floats, gpr8);
+                        hsum8(tot[i][j]) + bias_dot(bb[i], X->gsum + (size_t)(t + j) * z.gsum_floats, ng8);
         }
     }
     return true;

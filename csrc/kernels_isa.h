@@ -38,8 +38,8 @@ const char *smoe_kernels_isa(void);
 /* The reference kernels (kernels.c), kept forever: the fast ones are tested against them. */
 void smoe_ref_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
                           size_t ldy, uint32_t r0, uint32_t r1);
-void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, void *codes,
-                         float *d, float *gsum);
+void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
+                         void *codes, float *d, float *gsum);
 void smoe_ref_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                              size_t ldy, uint32_t r0, uint32_t r1);
 void smoe_ref_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
@@ -63,8 +63,8 @@ bool smoe_avx2_matmul_rows_qx_vnni(const smoe_tensor *W, const uint8_t *w, const
 #endif
 bool smoe_avx2_qx_vnni(void);
 /* The same bytes as smoe_ref_qx_prepare; false for a shape it does not take. */
-bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, void *codes,
-                          float *d, float *gsum);
+bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
+                          void *codes, float *d, float *gsum);
 void smoe_avx2_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
 void smoe_avx2_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
                       uint32_t head_dim, float *scratch);

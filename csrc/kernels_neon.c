@@ -28,13 +28,13 @@
  *  f32, bf16:  acc = fma(w[8v..8v+8), x[8v..8v+8), acc) for v = 0, 1, … (acc starts at +0; a
  *              last partial vector is zero-padded), y = hsum8(acc).
  *
- *  q8, q4:     the affine form, per group g of 64 columns:
+ *  q8, q4:     the affine form, per group g of G columns (G = 32, 64 or 128, the tensor's):
  *                  Σ_c w_c·x_c = s_g·Σ_c q_c·x_c + b_g·Σ_c x_c
  *              so the inner loop multiplies integer codes (exact as floats) by x and the scale
  *              is applied once per group, not once per weight:
- *                  a   = q[0..8)·x[0..8);  a = fma(q[8k..8k+8), x[8k..8k+8), a)  for k = 1..7
+ *                  a   = q[0..8)·x[0..8);  a = fma(q[8k..8k+8), x[8k..8k+8), a)  for k = 1..G/8−1
  *                  tot = fma(a, s_g, tot)                        (tot starts at +0)
- *                  X_g = hsum8(x[0..8) + x[8..16) + … + x[56..64))   (adds in that order)
+ *                  X_g = hsum8(x[0..8) + x[8..16) + … + x[G−8..G))  (adds in that order)
  *                  bia = fma(b[g..g+8), X[g..g+8), bia) over groups 8 at a time, zero-padded
  *                  y   = hsum8(tot) + hsum8(bia)
  *              q4 codes come out in column order (low nibble = even column, high nibble = odd
@@ -57,14 +57,16 @@
  *  n = 1 (and a last tile of one token): RV rows at a time against one x, both halves at once,
  *  codes decoded into registers as they stream past, tot in registers — the matrix-vector
  *  product, bound by decoding and memory.
- *  n ≥ 2: tokens in tiles of TT; for each block of RB rows, each block of CBG groups (q) or FCB
+ *  n ≥ 2: tokens in tiles of TT; for each block of RB rows, each block of CB columns (q) or FCB
  *  columns (f32/bf16) is decoded once into a float buffer and fed to register blocks of RB rows
  *  × TB tokens, one half (4 lanes) at a time: 16 accumulators + 4 weights + 1 x of the 32 q
  *  registers. tot (q) and the accumulators (f32/bf16) live in a small stack array between blocks
  *  and halves. A store and a load are exact, so spilling changes nothing; every block size is a
  *  choice about reuse, never about the order of any one sum.
  *
- * Rows wider than MAXG groups (q) go to the reference kernel: a choice by shape, not by n.
+ * Rows wider than MAXC columns (q) go to the reference kernel: a choice by shape, not by n.
+ * Scales and biases may be f16, bf16 or f32: all are widened to f32 exactly before use, so the
+ * scale format changes no operation above.
  *
  * Error, against the exact sum: the q forms carry the cancellation of s·q against b, so the bound
  * is relative to M = Σ_c (|s_g·q_c| + |b_g|)·|x_c|, not to Σ|w_c·x_c|; see the tests.
@@ -83,15 +85,19 @@
 #define INLINE static inline __attribute__((always_inline))
 
 enum {
-    GROUP = 64, /* quantisation group along cols */
-    MAXG = 256, /* groups per row the q kernels take (cols ≤ 16384); wider rows: reference */
+    MAXC = 16384,     /* columns of a row the q kernels take; wider rows: reference */
+    MAXG = MAXC / 32, /* groups of such a row at most (group size 32) */
+    MAXU = MAXC / 64, /* units of 64 columns of such a row (the 8-bit-activation layout) */
     RB = 4,     /* rows of a register block (n ≥ 2) */
     TB = 4,     /* tokens of a register block: RB·TB half-accumulators + RB weights + 1 x */
     TT = 32,    /* tokens of a tile: they share one decoding of each weight block */
-    CBG = 8,    /* q groups decoded at a time (512 columns) */
+    CB = 512,   /* q columns decoded at a time (a multiple of every group size) */
     FCB = 512,  /* f32/bf16 columns per block (a multiple of 8) */
     RV = 4,     /* rows at a time in the matrix-vector kernels (n = 1) */
 };
+
+/* The group sizes the q kernels take: 32, 64, 128 (docs/vault.md). */
+INLINE bool group_ok(uint32_t G) { return G == 32 || G == 64 || G == 128; }
 
 /* ------------------------------------------------------------------------------ helpers */
 
@@ -184,8 +190,17 @@ INLINE float bf16_1(const uint8_t *p) {
     return f;
 }
 
-/* dst[g] = the ng scales (or biases) at src as f32 (exactly); zeros after, up to a multiple of 8 */
+/* bytes of one scale or bias */
+INLINE size_t scale_bytes(uint8_t sf) { return sf == SMOE_SCALE_F32 ? 4 : 2; }
+
+/* dst[g] = the ng scales (or biases; f16, bf16 or f32) at src as f32 (exactly); zeros after, up
+ * to a multiple of 8 */
 static void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf) {
+    if (sf == SMOE_SCALE_F32) {
+        memcpy(dst, src, 4 * (size_t)ng);
+        for (uint32_t g = ng; g % 8; g++) dst[g] = 0.0f;
+        return;
+    }
     for (uint32_t g = 0; g < ng; g += 8) {
         uint16x8_t h;
         if (ng - g >= 8) {
@@ -205,13 +220,13 @@ static void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf)
     }
 }
 
-/* X[g] = Σ of group g of x (the order of the essay); zeros after, up to a multiple of 8 */
-static void group_sums(float *X, const float *x, uint32_t gpr) {
+/* X[g] = Σ of group g (G columns) of x, the order of the essay; zeros after, up to a multiple of 8 */
+static void group_sums(float *X, const float *x, uint32_t gpr, uint32_t G) {
     uint32_t g = 0;
     for (; g < gpr; g++) {
-        const float *xg = x + (size_t)g * GROUP;
+        const float *xg = x + (size_t)g * G;
         f8 v = f8_load(xg);
-        for (int k = 1; k < 8; k++) v = f8_add(v, f8_load(xg + 8 * k));
+        for (uint32_t k = 1; k < G / 8; k++) v = f8_add(v, f8_load(xg + 8 * k));
         X[g] = hsum8(v);
     }
     for (; g % 8; g++) X[g] = 0.0f;
@@ -251,30 +266,31 @@ INLINE void codes16(f8 c[2], uint8x16_t b) {
 typedef struct {
     const uint8_t *codes, *scales, *biases; /* of row 0 */
     size_t row_bytes;                       /* code bytes per row */
-    uint32_t gpr, gpr8;
+    size_t sbytes;                          /* bytes per scale */
+    uint32_t G, gpr, gpr8;                  /* group size, groups per row, gpr rounded up to 8 */
     uint8_t sf;
     bool q4;
 } qmat;
 
 /* R rows from r against one token (X its group sums): codes decoded 16 at a time as they stream
  * past, for all R rows against two vectors of x; tot in registers. */
-INLINE void q_rows_1(const int R, const bool q4, const qmat *m, uint32_t r, const float *x, const float *X,
-                     float *y) {
+INLINE void q_rows_1(const int R, const bool q4, const uint32_t G, const qmat *m, uint32_t r, const float *x,
+                     const float *X, float *y) {
     float s[RV][MAXG], b[RV][MAXG]; /* (rows, groups) scales and biases as f32 */
     const uint8_t *p[RV];
     f8 tot[RV];
     for (int i = 0; i < R; i++) {
-        load_scales(s[i], m->scales + 2 * (size_t)(r + i) * m->gpr, m->gpr, m->sf);
-        load_scales(b[i], m->biases + 2 * (size_t)(r + i) * m->gpr, m->gpr, m->sf);
+        load_scales(s[i], m->scales + m->sbytes * (size_t)(r + i) * m->gpr, m->gpr, m->sf);
+        load_scales(b[i], m->biases + m->sbytes * (size_t)(r + i) * m->gpr, m->gpr, m->sf);
         p[i] = m->codes + (size_t)(r + i) * m->row_bytes;
         tot[i] = f8_zero();
     }
-    const size_t gbytes = q4 ? GROUP / 2 : GROUP;
+    const size_t gbytes = q4 ? G / 2 : G;
     for (uint32_t g = 0; g < m->gpr; g++) {
-        const float *xg = x + (size_t)g * GROUP;
+        const float *xg = x + (size_t)g * G;
         f8 a[RV];
-#pragma GCC unroll 4
-        for (int k2 = 0; k2 < 4; k2++) { /* columns 16·k2 .. 16·k2 + 16: k = 2·k2 and 2·k2 + 1 */
+#pragma GCC unroll 8
+        for (int k2 = 0; k2 < (int)G / 16; k2++) { /* columns 16·k2 .. 16·k2 + 16: k = 2·k2 and 2·k2 + 1 */
             const f8 x0 = f8_load(xg + 16 * k2), x1 = f8_load(xg + 16 * k2 + 8);
             for (int i = 0; i < R; i++) {
                 f8 q[2];
@@ -296,48 +312,51 @@ INLINE void q_rows_1(const int R, const bool q4, const qmat *m, uint32_t r, cons
 
 static void q_matvec(const qmat *m, uint32_t r0, uint32_t r1, const float *x, const float *X, float *y) {
     uint32_t r = r0;
-    if (m->q4) {
-        for (; r + RV <= r1; r += RV) q_rows_1(RV, true, m, r, x, X, y);
-        switch (r1 - r) {
-        case 3: q_rows_1(3, true, m, r, x, X, y); break;
-        case 2: q_rows_1(2, true, m, r, x, X, y); break;
-        case 1: q_rows_1(1, true, m, r, x, X, y); break;
-        }
-    } else {
-        for (; r + RV <= r1; r += RV) q_rows_1(RV, false, m, r, x, X, y);
-        switch (r1 - r) {
-        case 3: q_rows_1(3, false, m, r, x, X, y); break;
-        case 2: q_rows_1(2, false, m, r, x, X, y); break;
-        case 1: q_rows_1(1, false, m, r, x, X, y); break;
-        }
+#define ROWS(q4, G)                                                                  \
+    do {                                                                             \
+        for (; r + RV <= r1; r += RV) q_rows_1(RV, q4, G, m, r, x, X, y);            \
+        switch (r1 - r) {                                                            \
+        case 3: q_rows_1(3, q4, G, m, r, x, X, y); break;                            \
+        case 2: q_rows_1(2, q4, G, m, r, x, X, y); break;                            \
+        case 1: q_rows_1(1, q4, G, m, r, x, X, y); break;                            \
+        }                                                                            \
+    } while (0)
+    switch (m->G + m->q4) {
+    case 32: ROWS(false, 32); break;
+    case 33: ROWS(true, 32); break;
+    case 64: ROWS(false, 64); break;
+    case 65: ROWS(true, 64); break;
+    case 128: ROWS(false, 128); break;
+    case 129: ROWS(true, 128); break;
     }
+#undef ROWS
 }
 
 /* ----------------------------------------------------------------------- q: n ≥ 2 */
 
-/* R rows × T tokens over ng groups, one half (4 lanes) of each accumulator at a time. qf: the
- * decoded codes, row i at qf + i·CBG·GROUP; s[i]: row i's scales from this block's first group;
+/* R rows × T tokens over ng groups of G, one half (4 lanes) of each accumulator at a time. qf: the
+ * decoded codes, row i at qf + i·CB; s[i]: row i's scales from this block's first group;
  * xt[j]: token j at this block's first column; tot[j][i]: the running tot of (row i, token j). */
-INLINE void q_block(const int R, const int T, const float *qf, const float *const *s, const float *const *xt,
-                    uint32_t ng, float (*tot)[RB][8]) {
+INLINE void q_block(const int R, const int T, const uint32_t G, const float *qf, const float *const *s,
+                    const float *const *xt, uint32_t ng, float (*tot)[RB][8]) {
     for (uint32_t g = 0; g < ng; g++) {
-        const float *qg = qf + (size_t)g * GROUP;
+        const float *qg = qf + (size_t)g * G;
         for (int h = 0; h < 2; h++) {
             const int o = 4 * h;
             float32x4_t a[RB][TB];
             {
                 float32x4_t qv[RB];
-                for (int i = 0; i < R; i++) qv[i] = vld1q_f32(qg + (size_t)i * CBG * GROUP + o);
+                for (int i = 0; i < R; i++) qv[i] = vld1q_f32(qg + (size_t)i * CB + o);
                 for (int j = 0; j < T; j++) {
-                    const float32x4_t xv = vld1q_f32(xt[j] + (size_t)g * GROUP + o);
+                    const float32x4_t xv = vld1q_f32(xt[j] + (size_t)g * G + o);
                     for (int i = 0; i < R; i++) a[i][j] = vmulq_f32(qv[i], xv);
                 }
             }
-            for (int k = 1; k < 8; k++) {
+            for (int k = 1; k < (int)G / 8; k++) {
                 float32x4_t qv[RB];
-                for (int i = 0; i < R; i++) qv[i] = vld1q_f32(qg + (size_t)i * CBG * GROUP + 8 * k + o);
+                for (int i = 0; i < R; i++) qv[i] = vld1q_f32(qg + (size_t)i * CB + 8 * k + o);
                 for (int j = 0; j < T; j++) {
-                    const float32x4_t xv = vld1q_f32(xt[j] + (size_t)g * GROUP + 8 * k + o);
+                    const float32x4_t xv = vld1q_f32(xt[j] + (size_t)g * G + 8 * k + o);
                     for (int i = 0; i < R; i++) a[i][j] = vfmaq_f32(a[i][j], qv[i], xv);
                 }
             }
@@ -350,11 +369,13 @@ INLINE void q_block(const int R, const int T, const float *qf, const float *cons
     }
 }
 
-static void q_block_any(int R, int T, const float *qf, const float *const *s, const float *const *xt, uint32_t ng,
-                        float (*tot)[RB][8]) {
-    switch (R * 8 + T) {
-#define CASE(r, t) \
-    case r * 8 + t: q_block(r, t, qf, s, xt, ng, tot); break;
+static void q_block_any(int R, int T, uint32_t G, const float *qf, const float *const *s, const float *const *xt,
+                        uint32_t ng, float (*tot)[RB][8]) {
+    switch ((int)(G / 32) * 64 + R * 8 + T) {
+#define CASE(r, t)                                                                   \
+    case 64 + r * 8 + t: q_block(r, t, 32, qf, s, xt, ng, tot); break;               \
+    case 128 + r * 8 + t: q_block(r, t, 64, qf, s, xt, ng, tot); break;              \
+    case 256 + r * 8 + t: q_block(r, t, 128, qf, s, xt, ng, tot); break;
         CASE(4, 4) CASE(4, 3) CASE(4, 2) CASE(4, 1)
         CASE(3, 4) CASE(3, 3) CASE(3, 2) CASE(3, 1)
         CASE(2, 4) CASE(2, 3) CASE(2, 2) CASE(2, 1)
@@ -371,19 +392,21 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
     m.scales = w + W->scales_off;
     m.biases = w + W->biases_off;
     m.row_bytes = m.q4 ? W->cols / 2 : W->cols;
-    m.gpr = W->cols / GROUP;
-    m.gpr8 = (m.gpr + 7) & ~7u;
     m.sf = W->scale_format;
-    const size_t gbytes = m.q4 ? GROUP / 2 : GROUP;
+    m.sbytes = scale_bytes(m.sf);
+    m.G = W->group;
+    m.gpr = W->cols / m.G;
+    m.gpr8 = (m.gpr + 7) & ~7u;
+    const uint32_t G = m.G, cols = W->cols;
 
     float X[TT][MAXG];                /* (tile tokens, groups) group sums of x */
     float sb[RB][MAXG], bb[RB][MAXG]; /* (block rows, groups) scales, biases */
-    float qf[RB][CBG * GROUP];        /* (block rows, block columns) decoded codes */
+    float qf[RB][CB];                 /* (block rows, block columns) decoded codes */
     float tot[TT][RB][8];             /* (tile tokens, block rows, lanes) running scaled sums */
 
     for (uint32_t t0 = 0; t0 < n; t0 += TT) {
         const uint32_t nt = n - t0 < TT ? n - t0 : TT;
-        for (uint32_t t = 0; t < nt; t++) group_sums(X[t], x + (size_t)(t0 + t) * ldx, m.gpr);
+        for (uint32_t t = 0; t < nt; t++) group_sums(X[t], x + (size_t)(t0 + t) * ldx, m.gpr, G);
         float *yt = y + (size_t)t0 * ldy;
         if (nt == 1) {
             q_matvec(&m, r0, r1, x + (size_t)t0 * ldx, X[0], yt);
@@ -392,28 +415,27 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
         for (uint32_t r = r0; r < r1; r += RB) {
             const uint32_t nr = r1 - r < RB ? r1 - r : RB;
             for (uint32_t i = 0; i < nr; i++) {
-                load_scales(sb[i], m.scales + 2 * (size_t)(r + i) * m.gpr, m.gpr, m.sf);
-                load_scales(bb[i], m.biases + 2 * (size_t)(r + i) * m.gpr, m.gpr, m.sf);
+                load_scales(sb[i], m.scales + m.sbytes * (size_t)(r + i) * m.gpr, m.gpr, m.sf);
+                load_scales(bb[i], m.biases + m.sbytes * (size_t)(r + i) * m.gpr, m.gpr, m.sf);
             }
             memset(tot, 0, sizeof tot); /* +0 */
-            for (uint32_t g0 = 0; g0 < m.gpr; g0 += CBG) {
-                const uint32_t ng = m.gpr - g0 < CBG ? m.gpr - g0 : CBG;
+            for (uint32_t c0 = 0; c0 < cols; c0 += CB) {
+                const uint32_t nc = cols - c0 < CB ? cols - c0 : CB; /* a multiple of G */
                 for (uint32_t i = 0; i < nr; i++) {
-                    const uint8_t *p = m.codes + (size_t)(r + i) * m.row_bytes + (size_t)g0 * gbytes;
-                    for (uint32_t g = 0; g < ng; g++)
-                        for (int k2 = 0; k2 < 4; k2++) {
-                            f8 q[2];
-                            codes16(q, q_bytes16(p + g * gbytes, k2, m.q4));
-                            f8_store(qf[i] + g * GROUP + 16 * k2, q[0]);
-                            f8_store(qf[i] + g * GROUP + 16 * k2 + 8, q[1]);
-                        }
+                    const uint8_t *p = m.codes + (size_t)(r + i) * m.row_bytes + (m.q4 ? c0 / 2 : c0);
+                    for (uint32_t c = 0; c < nc; c += 16) { /* 16 codes: chunk c/16 of the block */
+                        f8 q[2];
+                        codes16(q, q_bytes16(p, (int)(c / 16), m.q4));
+                        f8_store(qf[i] + c, q[0]);
+                        f8_store(qf[i] + c + 8, q[1]);
+                    }
                 }
-                const float *s[RB] = {sb[0] + g0, sb[1] + g0, sb[2] + g0, sb[3] + g0};
+                const float *s[RB] = {sb[0] + c0 / G, sb[1] + c0 / G, sb[2] + c0 / G, sb[3] + c0 / G};
                 for (uint32_t tb = 0; tb < nt; tb += TB) {
                     const uint32_t ntb = nt - tb < TB ? nt - tb : TB;
                     const float *xt[TB];
-                    for (uint32_t j = 0; j < ntb; j++) xt[j] = x + (size_t)(t0 + tb + j) * ldx + (size_t)g0 * GROUP;
-                    q_block_any((int)nr, (int)ntb, qf[0], s, xt, ng, tot + tb);
+                    for (uint32_t j = 0; j < ntb; j++) xt[j] = x + (size_t)(t0 + tb + j) * ldx + c0;
+                    q_block_any((int)nr, (int)ntb, G, qf[0], s, xt, nc / G, tot + tb);
                 }
             }
             for (uint32_t t = 0; t < nt; t++)
@@ -567,7 +589,7 @@ bool smoe_neon_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *
         return true;
     case SMOE_FMT_Q8:
     case SMOE_FMT_Q4:
-        if (W->cols % GROUP || W->cols / GROUP > MAXG) return false;
+        if (!group_ok(W->group) || W->cols % W->group || W->cols > MAXC) return false;
         q_matmul(W, w, x, ldx, n, y, ldy, r0, r1);
         return true;
     default:
@@ -645,16 +667,25 @@ void smoe_neon_attend(float *out, const float *q, const float *k, const float *v
  * integer products are widened (vmull, exact) and pairwise added into int32 (vpadal), summed
  * with vaddvq (exact); the float part is the reference's, lanes 0–3 and 4–7 in two vectors. */
 
-/* q4 row codes in the layout of kernels.c (int8: columns 0–15, 32–47, 16–31, 48–63 per group);
- * q8 as int16 (columns 8v..8v+8 | 32+8v..32+8v+8 for v = 0..3), zeros past gpr. */
-static void qx_unpack_neon(uint8_t *dst, const uint8_t *row, uint32_t gpr, uint32_t gp, bool q8) {
-    for (uint32_t g = 0; g < gp; g++) {
-        if (g >= gpr) {
+/* A row of `cols` columns' codes for units [0, up) in the layout of kernels.c (q4 as int8:
+ * columns 0–15, 32–47, 16–31, 48–63 per unit of 64; q8 as int16: columns 8v..8v+8 | 32+8v..32+8v+8
+ * for v = 0..3), zeros past cols. A last half unit is read through a zero-padded copy. */
+static void qx_unpack_neon(uint8_t *dst, const uint8_t *src, uint32_t cols, uint32_t up, bool q8) {
+    const size_t wb = q8 ? 64 : 32; /* stored bytes per unit */
+    for (uint32_t g = 0; g < up; g++) {
+        if (64 * g >= cols) {
             memset(dst + (size_t)g * (q8 ? 128 : 64), 0, q8 ? 128 : 64);
             continue;
         }
+        uint8_t half[64];
+        const uint8_t *u = src + wb * g; /* the unit's stored codes */
+        if (64 * g + 64 > cols) {         /* a half unit: its second half zero */
+            memcpy(half, u, wb / 2);
+            memset(half + wb / 2, 0, wb / 2);
+            u = half;
+        }
         if (!q8) {
-            const uint8x16_t b0 = vld1q_u8(row + 32 * (size_t)g), b1 = vld1q_u8(row + 32 * (size_t)g + 16);
+            const uint8x16_t b0 = vld1q_u8(u), b1 = vld1q_u8(u + 16);
             const uint8x16_t m = vdupq_n_u8(15);
             const uint8x16_t l0 = vandq_u8(b0, m), h0 = vshrq_n_u8(b0, 4); /* columns 0–31: even, odd */
             const uint8x16_t l1 = vandq_u8(b1, m), h1 = vshrq_n_u8(b1, 4); /* columns 32–63 */
@@ -664,7 +695,7 @@ static void qx_unpack_neon(uint8_t *dst, const uint8_t *row, uint32_t gpr, uint3
             vst1q_u8(o + 32, vzip2q_u8(l0, h0)); /* 16–31 */
             vst1q_u8(o + 48, vzip2q_u8(l1, h1)); /* 48–63 */
         } else {
-            const uint8_t *p = row + 64 * (size_t)g;
+            const uint8_t *p = u;
             int16_t *o = (int16_t *)(void *)(dst + 128 * (size_t)g);
             for (int v = 0; v < 4; v++) {
                 vst1q_s16(o + 16 * v, vreinterpretq_s16_u16(vmovl_u8(vld1_u8(p + 8 * v))));
@@ -707,32 +738,39 @@ INLINE void qx_sums_neon(const uint8_t *w, const uint8_t *x, bool q8, int32_t *i
 
 bool smoe_neon_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                               size_t ldy, uint32_t r0, uint32_t r1) {
-    if (W->cols % GROUP || W->cols / GROUP > MAXG) return false;
+    const uint32_t G = W->group, cols = W->cols;
+    if (!group_ok(G) || cols % G || cols > MAXC) return false;
     const bool q8 = W->format == SMOE_FMT_Q8;
-    const uint32_t gpr = W->cols / GROUP, gp = (gpr + 3) & ~3u, gpr8 = (gpr + 7) & ~7u;
-    const size_t row_bytes = q8 ? W->cols : W->cols / 2, gb = q8 ? 128 : 64;
-    const smoe_qx_size z = smoe_qx_sizes(W->cols, W->format);
-    _Alignas(16) uint8_t cw[MAXG * 128]; /* (groups · bytes) one row's unpacked codes */
+    const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
+    const uint32_t ng = cols / G, ng8 = (ng + 7) & ~7u, up = (uint32_t)z.d_floats / 2;
+    const size_t row_bytes = q8 ? cols : cols / 2, gb = q8 ? 128 : 64, sbytes = scale_bytes(W->scale_format);
+    _Alignas(16) uint8_t cw[MAXU * 128]; /* (units · bytes) one row's unpacked codes */
     float sb[MAXG], bb[MAXG];            /* (groups) its scales and biases, zero-padded */
+    float se[2 * MAXU];                  /* (units · 2) σ of kernels.c per lane: se[8k + j] for units 4k.. */
     for (uint32_t r = r0; r < r1; r++) {
-        qx_unpack_neon(cw, w + (size_t)r * row_bytes, gpr, gp, q8);
-        load_scales(sb, w + W->scales_off + 2 * (size_t)r * gpr, gpr, W->scale_format);
-        load_scales(bb, w + W->biases_off + 2 * (size_t)r * gpr, gpr, W->scale_format);
+        qx_unpack_neon(cw, w + (size_t)r * row_bytes, cols, up, q8);
+        load_scales(sb, w + W->scales_off + sbytes * (size_t)r * ng, ng, W->scale_format);
+        load_scales(bb, w + W->biases_off + sbytes * (size_t)r * ng, ng, W->scale_format);
+        for (uint32_t k = 0; k < up; k += 4)
+            for (uint32_t j = 0; j < 8; j++) {
+                const uint32_t c0 = 64 * (k + j % 4) + 32 * (j / 4); /* the block's first column */
+                se[2 * k + j] = c0 < cols ? sb[c0 / G] : 0.0f;
+            }
         for (uint32_t t = 0; t < n; t++) {
             const uint8_t *xt = (const uint8_t *)X->codes + (size_t)t * z.code_bytes;
             const float *dt = X->d + (size_t)t * z.d_floats, *st = X->gsum + (size_t)t * z.gsum_floats;
             float32x4_t t0 = vdupq_n_f32(0.0f), t1 = vdupq_n_f32(0.0f);
-            for (uint32_t g = 0; g < gp; g += 4) {
+            for (uint32_t g = 0; g < up; g += 4) {
                 int32_t i[8]; /* [I_{g..g+4, 0} | I_{g..g+4, 1}] */
                 for (uint32_t k = 0; k < 4; k++)
                     qx_sums_neon(cw + (g + k) * gb, xt + (g + k) * gb, q8, &i[k], &i[4 + k]);
-                const float32x4_t s4 = vld1q_f32(sb + g);
-                const float32x4_t sd0 = vmulq_f32(s4, vld1q_f32(dt + 2 * g)), sd1 = vmulq_f32(s4, vld1q_f32(dt + 2 * g + 4));
+                const float32x4_t sd0 = vmulq_f32(vld1q_f32(se + 2 * g), vld1q_f32(dt + 2 * g));
+                const float32x4_t sd1 = vmulq_f32(vld1q_f32(se + 2 * g + 4), vld1q_f32(dt + 2 * g + 4));
                 t0 = vfmaq_f32(t0, vcvtq_f32_s32(vld1q_s32(i)), sd0);
                 t1 = vfmaq_f32(t1, vcvtq_f32_s32(vld1q_s32(i + 4)), sd1);
             }
             f8 tot = {t0, t1};
-            y[(size_t)t * ldy + r] = hsum8(tot) + bias_dot(bb, st, gpr8);
+            y[(size_t)t * ldy + r] = hsum8(tot) + bias_dot(bb, st, ng8);
         }
     }
     return true;

@@ -51,7 +51,7 @@ static void linear_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
     matmul(t->W, t->w, t->x, t->qx, t->n, t->y, t->ldy, r0, r1);
 }
 
-/* What the session's qx planes hold: the codes of `x` for weights of `qx.wformat`, or nothing
+/* What the session's qx planes hold: the codes of `x` for weights of `qx.wformat` and `qx.group`, or nothing
  * (x NULL). Products that share one input (q, k, v; gate, up) quantise it once. */
 typedef struct {
     const float *x;
@@ -64,9 +64,9 @@ typedef struct {
 static const smoe_qx *prepare(smoe_session *s, const smoe_tensor *W, const float *x, uint32_t n, qx_planes *pl) {
     if (s->params.float_activations || (W->format != SMOE_FMT_Q8 && W->format != SMOE_FMT_Q4))
         return NULL;
-    if (pl->x != x || pl->qx.cols != W->cols || pl->qx.wformat != W->format) {
-        smoe_qx_prepare(x, W->cols, n, W->cols, W->format, s->qx_codes, s->qx_d, s->qx_gsum);
-        *pl = (qx_planes){x, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, W->format}};
+    if (pl->x != x || pl->qx.cols != W->cols || pl->qx.wformat != W->format || pl->qx.group != W->group) {
+        smoe_qx_prepare(x, W->cols, n, W->cols, W->format, W->group, s->qx_codes, s->qx_d, s->qx_gsum);
+        *pl = (qx_planes){x, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, W->group, W->format}};
     }
     return &pl->qx;
 }

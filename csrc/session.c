@@ -157,7 +157,7 @@ smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *param
         /* the widest input of any q8/q4 product: hidden, q_dim (o_proj) or an FFN width (down) */
         uint32_t cols = H > s->q_dim ? (uint32_t)H : s->q_dim;
         cols = cols > s->ffn ? cols : s->ffn;
-        smoe_qx_size z = smoe_qx_sizes(cols, SMOE_FMT_Q8); /* q8's int16 codes are the larger */
+        smoe_qx_size z = smoe_qx_sizes(cols, SMOE_FMT_Q8, 32); /* q8's int16 codes and group 32's sums: the larger */
         s->qx_codes = plane(s, C * z.code_bytes, 1, &ok);
         s->qx_d = plane(s, C * z.d_floats, sizeof(float), &ok);
         s->qx_gsum = plane(s, C * z.gsum_floats, sizeof(float), &ok);

@@ -159,9 +159,11 @@ SMOE_API uint32_t smoe_checksum(const void *data, size_t n);
 typedef enum { SMOE_FMT_F32 = 0, SMOE_FMT_BF16 = 1, SMOE_FMT_Q8 = 2, SMOE_FMT_Q4 = 3 } smoe_format;
 typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2, SMOE_SCALE_F32 = 3 } smoe_scale_format;
 /* Dequantises a rows × cols tensor laid out as the vault stores it (data points at the
- * tensor's first byte, nbytes long) into out (rows × cols floats). Pure; for tests and tools. */
-SMOE_API smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t rows,
-                                     uint32_t cols, const void *data, size_t nbytes, float *out);
+ * tensor's first byte, nbytes long) into out (rows × cols floats). group_size: for q8/q4 the
+ * group along cols (32, 64 or 128; cols a multiple of it), 0 for f32/bf16. Pure; for tests and
+ * tools. */
+SMOE_API smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t group_size,
+                                     uint32_t rows, uint32_t cols, const void *data, size_t nbytes, float *out);
 
 /* -------------------------------------------------------------------------------- session */
 

@@ -673,21 +673,6 @@ smoe_status smoe_vault_check_unchanged(const smoe_vault *v) {
     return SMOE_OK;
 }
 
-/* TEMPORARY — delete when the kernels take every group size and f32 scales (docs/vault.md allows
- * groups of 32, 64 and 128 and f32 scales; kernels.c, kernels_avx2.c and kernels_neon.c still
- * assume groups of 64 with f16/bf16 scales). The one place that refuses what they cannot run. */
-static smoe_status refuse_unsupported_quant(const smoe_layout *L, const char *path) {
-    for (uint32_t i = 0; i < L->n_tensors + (L->cfg.num_sparse_layers ? 3u : 0u); i++) {
-        static const char *const expert_name[3] = {"gate", "up", "down"};
-        const smoe_tensor *t = i < L->n_tensors ? &L->tensors[i] : &L->expert[i - L->n_tensors];
-        const char *name = i < L->n_tensors ? L->names[i] : expert_name[i - L->n_tensors];
-        if (is_quant(t->format) && (t->group != 64 || t->scale_format == SMOE_SCALE_F32))
-            return smoe_fail(SMOE_ERR_UNSUPPORTED, "%s: tensor %s: group size %u / %s scales are not supported by this build",
-                             path, name, t->group, t->scale_format == SMOE_SCALE_F32 ? "f32" : "f16/bf16");
-    }
-    return SMOE_OK;
-}
-
 /* The whole of open once the file is open: header, tables, dense region. */
 static smoe_status load(smoe_vault *v, int fd) {
     const char *path = v->path;
@@ -735,7 +720,6 @@ static smoe_status load(smoe_vault *v, int fd) {
         return smoe_fail(SMOE_ERR_VAULT, "%s: dense region checksum mismatch (computed %08x, header says %08x)", path, crc,
                          L->dense_crc);
     for (uint32_t i = 0; i < L->n_tensors; i++) v->lay.tensors[i].data = v->dense + L->tensors[i].offset;
-    if ((rc = refuse_unsupported_quant(L, path))) return rc;
     return SMOE_OK;
 }
 
@@ -996,15 +980,15 @@ done:
 
 /* ------------------------------------------------------------------------------ dequantize */
 
-smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t rows, uint32_t cols,
-                            const void *data, size_t nbytes, float *out) {
+smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t group_size, uint32_t rows,
+                            uint32_t cols, const void *data, size_t nbytes, float *out) {
     if (!data || !out) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_dequantize: NULL argument");
     smoe_tensor t;
     if ((unsigned)format > 255 || (unsigned)scale_format > 255 ||
-        scale_format == SMOE_SCALE_F32 || /* the kernels' dequant_row reads 2-byte scales only (for now) */
-        !tensor_init(&t, (uint8_t)format, (uint8_t)scale_format, is_quant((uint8_t)format) ? 64 : 0, rows, cols))
-        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_dequantize: invalid format %d / scale format %d for %ux%u",
-                         (int)format, (int)scale_format, rows, cols);
+        !tensor_init(&t, (uint8_t)format, (uint8_t)scale_format, group_size, rows, cols))
+        return smoe_fail(SMOE_ERR_INVALID_ARG,
+                         "smoe_dequantize: invalid format %d / scale format %d / group size %u for %ux%u", (int)format,
+                         (int)scale_format, group_size, rows, cols);
     if (nbytes != t.nbytes)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_dequantize: %ux%u %s takes %llu bytes, got %zu", rows, cols,
                          format_name(t.format), (unsigned long long)t.nbytes, nbytes);

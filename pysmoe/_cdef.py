@@ -56,8 +56,8 @@ smoe_status smoe_verify_vault(const smoe_vault *vault, smoe_verify_fn fn, void *
 uint32_t smoe_checksum(const void *data, size_t n);
 typedef enum { SMOE_FMT_F32 = 0, SMOE_FMT_BF16 = 1, SMOE_FMT_Q8 = 2, SMOE_FMT_Q4 = 3 } smoe_format;
 typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2, SMOE_SCALE_F32 = 3 } smoe_scale_format;
-smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t rows,
-uint32_t cols, const void *data, size_t nbytes, float *out);
+smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t group_size,
+uint32_t rows, uint32_t cols, const void *data, size_t nbytes, float *out);
 typedef struct smoe_session smoe_session;
 typedef struct {
 uint32_t struct_size;

@@ -104,10 +104,12 @@ def checksums(out: str) -> dict:
 def test_kernels_same_bits_in_every_build(build):
     sums = {v: checksums(run(build("test_kernels", v))) for v in ("O2", "O3", "scalar", "portable")}
     # the reference kernels: one set of bits whatever the flags and the instruction set
-    assert len({s["checksum"] for s in sums.values()}) == 1, sums
-    # the dispatched kernels: one set of bits per instruction set
-    assert len({sums[v]["checksum_fast"] for v in ("O2", "O3", "scalar")}) == 1, sums
-    assert sums["portable"]["checksum_fast"] == sums["portable"]["checksum"]
+    # (twice: group 64 with f16/bf16 scales, and the other groups and f32 scales)
+    for key in ("checksum", "checksum_groups"):
+        assert len({s[key] for s in sums.values()}) == 1, sums
+        # the dispatched kernels: one set of bits per instruction set
+        assert len({sums[v][key + "_fast"] for v in ("O2", "O3", "scalar")}) == 1, sums
+        assert sums["portable"][key + "_fast"] == sums["portable"][key]
 
 
 def test_cpu_check_refuses_before_any_avx2(build):

@@ -219,7 +219,8 @@ def _c_dequantize(data: bytes, fmt: str, sd: str | None, rows: int, cols: int) -
     ffi, lib, check = _lib()
     out = np.empty((rows, cols), dtype=np.float32)
     buf = ffi.from_buffer(data)
-    check(lib.smoe_dequantize(Q.FORMAT_CODE[fmt], Q.SCALE_CODE[sd], rows, cols, buf, len(data),
+    group = 64 if fmt in ("q8", "q4") else 0  # quant.py's only group size until it takes others
+    check(lib.smoe_dequantize(Q.FORMAT_CODE[fmt], Q.SCALE_CODE[sd], group, rows, cols, buf, len(data),
                               ffi.cast("float *", ffi.from_buffer(out, require_writable=True))))
     return out
 

@@ -235,7 +235,8 @@ def test_dequantize_matches_numpy(fmt, scale):
     want = quant.dequantize(data, fmt, rows, cols, scale)
     out = np.empty((rows, cols), np.float32)
     buf = ffi.from_buffer(data)
-    check(lib.smoe_dequantize(quant.FORMAT_CODE[fmt], quant.SCALE_CODE[scale], rows, cols, buf, len(data),
+    group = 64 if fmt in ("q8", "q4") else 0
+    check(lib.smoe_dequantize(quant.FORMAT_CODE[fmt], quant.SCALE_CODE[scale], group, rows, cols, buf, len(data),
                               ffi.cast("float *", out.ctypes.data)))
     assert out.tobytes() == want.tobytes()
 
@@ -245,19 +246,25 @@ def test_dequantize_rejects_bad_arguments():
     o = ffi.cast("float *", out.ctypes.data)
     data = bytes(quant.tensor_nbytes("q4", 4, 64))
     q4, f16 = quant.FORMAT_CODE["q4"], quant.SCALE_CODE["f16"]
-    check(lib.smoe_dequantize(q4, f16, 4, 64, data, len(data), o))
+    check(lib.smoe_dequantize(q4, f16, 64, 4, 64, data, len(data), o))
     with pytest.raises(pysmoe.InvalidArgument, match="bytes"):
-        check(lib.smoe_dequantize(q4, f16, 4, 64, data, len(data) - 1, o))
+        check(lib.smoe_dequantize(q4, f16, 64, 4, 64, data, len(data) - 1, o))
     with pytest.raises(pysmoe.InvalidArgument):
-        check(lib.smoe_dequantize(q4, f16, 4, 32, data, len(data), o))  # cols % 64
+        check(lib.smoe_dequantize(q4, f16, 64, 4, 32, data, len(data), o))  # cols % group
     with pytest.raises(pysmoe.InvalidArgument):
-        check(lib.smoe_dequantize(q4, 0, 4, 64, data, len(data), o))  # q4 needs a scale format
+        check(lib.smoe_dequantize(q4, f16, 48, 4, 96, data, len(data), o))  # no such group size
     with pytest.raises(pysmoe.InvalidArgument):
-        check(lib.smoe_dequantize(0, f16, 4, 64, data, 4 * 4 * 64, o))  # f32 takes none
+        check(lib.smoe_dequantize(q4, f16, 0, 4, 64, data, len(data), o))  # q4 needs a group size
     with pytest.raises(pysmoe.InvalidArgument):
-        check(lib.smoe_dequantize(7, 0, 4, 64, data, len(data), o))
+        check(lib.smoe_dequantize(q4, 0, 64, 4, 64, data, len(data), o))  # q4 needs a scale format
     with pytest.raises(pysmoe.InvalidArgument):
-        check(lib.smoe_dequantize(q4, f16, 0, 64, data, 0, o))
+        check(lib.smoe_dequantize(0, f16, 0, 4, 64, data, 4 * 4 * 64, o))  # f32 takes none
+    with pytest.raises(pysmoe.InvalidArgument):
+        check(lib.smoe_dequantize(0, 0, 64, 4, 64, data, 4 * 4 * 64, o))  # nor a group size
+    with pytest.raises(pysmoe.InvalidArgument):
+        check(lib.smoe_dequantize(7, 0, 0, 4, 64, data, len(data), o))
+    with pytest.raises(pysmoe.InvalidArgument):
+        check(lib.smoe_dequantize(q4, f16, 64, 0, 64, data, 0, o))
 
 
 def test_checksum_reference_is_the_spec(good):

@@ -45,9 +45,11 @@ typedef struct {
     uint8_t *bytes; /* the tensor's first byte: alloc + misalign */
 } test_tensor;
 
-/* A random rows × cols tensor in the vault layout (docs/vault.md section 3), starting `misalign`
- * bytes past a 64-byte boundary (0, or 4: f32-aligned but not 16-byte aligned). */
-static test_tensor make_tensor(uint8_t format, uint8_t sf, uint32_t rows, uint32_t cols, unsigned misalign) {
+/* A random rows × cols tensor in the vault layout (docs/vault.md section 3), q8/q4 in groups of
+ * G along cols (0 for f32/bf16), starting `misalign` bytes past a 64-byte boundary (0, or 4:
+ * f32-aligned but not 16-byte aligned). */
+static test_tensor make_tensor(uint8_t format, uint8_t sf, uint32_t G, uint32_t rows, uint32_t cols,
+                               unsigned misalign) {
     test_tensor tt;
     memset(&tt, 0, sizeof tt);
     smoe_tensor *t = &tt.t;
@@ -55,6 +57,7 @@ static test_tensor make_tensor(uint8_t format, uint8_t sf, uint32_t rows, uint32
     t->scale_format = sf;
     t->rows = rows;
     t->cols = cols;
+    t->group = format >= SMOE_FMT_Q8 ? G : 0;
     const uint64_t n = (uint64_t)rows * cols;
     uint64_t codes = 0;
     switch (format) {
@@ -64,7 +67,7 @@ static test_tensor make_tensor(uint8_t format, uint8_t sf, uint32_t rows, uint32
     case SMOE_FMT_Q4: codes = align64(n / 2); break;
     }
     if (format >= SMOE_FMT_Q8) {
-        const uint64_t sbytes = align64(2 * n / 64);
+        const uint64_t sbytes = align64((sf == SMOE_SCALE_F32 ? 4 : 2) * (n / G));
         t->scales_off = codes;
         t->biases_off = codes + sbytes;
         t->nbytes = codes + 2 * sbytes;
@@ -85,7 +88,14 @@ static test_tensor make_tensor(uint8_t format, uint8_t sf, uint32_t rows, uint32
         }
     } else {
         for (uint64_t i = 0; i < codes; i++) b[i] = (uint8_t)rnd();
-        for (uint64_t g = 0; g < 2 * (n / 64); g++) {
+        const uint64_t ng = n / G;
+        for (uint64_t g = 0; g < 2 * ng; g++) {
+            uint8_t *at = b + (g < ng ? t->scales_off : t->biases_off) + (g % ng) * (sf == SMOE_SCALE_F32 ? 4 : 2);
+            if (sf == SMOE_SCALE_F32) { /* mostly ±2^-8..2^-2, some tiny (f32 subnormal) */
+                float f = rnd() % 16 == 0 ? rndf(-1, 1) * 0x1p-140f : rndf(-0.25f, 0.25f);
+                memcpy(at, &f, 4);
+                continue;
+            }
             uint16_t h;
             if (sf == SMOE_SCALE_F16) { /* mostly 2^-6..2^-2, some subnormal */
                 int e = (rnd() % 16 == 0) ? 0 : 9 + (int)(rnd() % 5);
@@ -93,7 +103,7 @@ static test_tensor make_tensor(uint8_t format, uint8_t sf, uint32_t rows, uint32
             } else {
                 h = (uint16_t)(f32_bits(rndf(-0.25f, 0.25f)) >> 16);
             }
-            memcpy(b + (g < n / 64 ? t->scales_off + 2 * g : t->biases_off + 2 * (g - n / 64)), &h, 2);
+            memcpy(at, &h, 2);
         }
     }
     return tt;
@@ -102,12 +112,17 @@ static test_tensor make_tensor(uint8_t format, uint8_t sf, uint32_t rows, uint32
 /* scale, bias and code of W[r, c] (q8/q4), decoded independently */
 static void naive_q(const smoe_tensor *t, const uint8_t *b, uint32_t r, uint32_t c, float *s, float *bias,
                     unsigned *q) {
-    const uint64_t i = (uint64_t)r * t->cols + c, g = (uint64_t)r * (t->cols / 64) + c / 64;
-    uint16_t sh, bh;
-    memcpy(&sh, b + t->scales_off + 2 * g, 2);
-    memcpy(&bh, b + t->biases_off + 2 * g, 2);
-    *s = t->scale_format == SMOE_SCALE_F16 ? naive_f16(sh) : naive_bf16(sh);
-    *bias = t->scale_format == SMOE_SCALE_F16 ? naive_f16(bh) : naive_bf16(bh);
+    const uint64_t i = (uint64_t)r * t->cols + c, g = (uint64_t)r * (t->cols / t->group) + c / t->group;
+    if (t->scale_format == SMOE_SCALE_F32) {
+        memcpy(s, b + t->scales_off + 4 * g, 4);
+        memcpy(bias, b + t->biases_off + 4 * g, 4);
+    } else {
+        uint16_t sh, bh;
+        memcpy(&sh, b + t->scales_off + 2 * g, 2);
+        memcpy(&bh, b + t->biases_off + 2 * g, 2);
+        *s = t->scale_format == SMOE_SCALE_F16 ? naive_f16(sh) : naive_bf16(sh);
+        *bias = t->scale_format == SMOE_SCALE_F16 ? naive_f16(bh) : naive_bf16(bh);
+    }
     if (t->format == SMOE_FMT_Q8) {
         *q = b[i];
     } else {
@@ -146,10 +161,14 @@ static double affine_mag(const smoe_tensor *t, const uint8_t *b, uint32_t r, uin
     return fabs((double)s * q) + fabs((double)bias);
 }
 
-static const char *fmt_name(uint8_t f, uint8_t s) {
-    static const char *names[] = {"f32", "bf16", "q8", "q4"};
+/* "q4/g32/f32" and the like */
+static const char *fmt_name_g(uint8_t f, uint8_t s, uint32_t G) {
+    static const char *names[] = {"f32", "bf16", "q8", "q4"}, *snames[] = {"", "/f16", "/bf16", "/f32"};
     static char buf[32];
-    snprintf(buf, sizeof buf, "%s%s", names[f], f >= SMOE_FMT_Q8 ? (s == SMOE_SCALE_F16 ? "/f16" : "/bf16") : "");
+    if (f >= SMOE_FMT_Q8)
+        snprintf(buf, sizeof buf, "%s/g%u%s", names[f], G, snames[s & 3]);
+    else
+        snprintf(buf, sizeof buf, "%s", names[f]);
     return buf;
 }
 

@@ -34,12 +34,15 @@
 /* FNV-1a over the bits of every kernel output: the Python driver builds this program with the
  * vector-extension and the scalar lane loops (and at -O2 and -O3) and compares the printed
  * checksums, which must be equal. */
-static uint64_t out_hash = 0xcbf29ce484222325ull;  /* the reference kernels' outputs */
-static uint64_t fast_hash = 0xcbf29ce484222325ull; /* the dispatched kernels' outputs */
+/* Two sets: [0] the tests of group 64 with f16/bf16 scales (what format 1 had: their checksums
+ * must not change), [1] the other group sizes and f32 scales (test_groups). */
+static uint64_t out_hash[2] = {0xcbf29ce484222325ull, 0xcbf29ce484222325ull};  /* the reference kernels' outputs */
+static uint64_t fast_hash[2] = {0xcbf29ce484222325ull, 0xcbf29ce484222325ull}; /* the dispatched kernels' outputs */
 static int hashing_fast;                            /* which of the two hash_floats feeds */
+static int hash_set;                                /* 0 or 1, as above */
 
 static void hash_floats(const float *v, size_t n) {
-    uint64_t *h = hashing_fast ? &fast_hash : &out_hash;
+    uint64_t *h = hashing_fast ? &fast_hash[hash_set] : &out_hash[hash_set];
     const unsigned char *b = (const unsigned char *)v;
     for (size_t i = 0; i < n * sizeof(float); i++) *h = (*h ^ b[i]) * 0x100000001b3ull;
 }
@@ -67,10 +70,10 @@ static void affine_parts(const smoe_tensor *t, const uint8_t *b, uint32_t r, uin
 
 /* fast: test the dispatched smoe_matmul_rows (and compare it with the reference kernel);
  * otherwise the reference kernel itself. */
-static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t cols, int fast) {
+static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t G, uint32_t rows, uint32_t cols, int fast) {
     const matmul_fn mm = fast ? smoe_matmul_rows : smoe_ref_matmul_rows;
     hashing_fast = fast;
-    test_tensor tt = make_tensor(format, sf, rows, cols, 0);
+    test_tensor tt = make_tensor(format, sf, G, rows, cols, 0);
     const smoe_tensor *W = &tt.t;
     const uint32_t N = 64;
     const size_t ldx = cols + 3, ldy = rows + 5;
@@ -85,7 +88,7 @@ static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t
     for (uint32_t r = 0; r < rows; r++) {
         smoe_dequant_row(W, tt.bytes, r, row);
         int bad = memcmp(row, wd + (size_t)r * cols, sizeof(float) * cols) != 0;
-        CHECK(!bad, "%s %ux%u: dequant_row(%u) differs from the naive dequantisation", fmt_name(format, sf), rows,
+        CHECK(!bad, "%s %ux%u: dequant_row(%u) differs from the naive dequantisation", fmt_name_g(format, sf, G), rows,
               cols, r);
         if (bad) break;
     }
@@ -117,13 +120,13 @@ static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t
             double tol = fast ? tol_fast : tol_ref;
             double err = fabs(y64[t * ldy + r] - ref);
             if (!(err <= tol) && !worst_reported++)
-                CHECK(err <= tol, "%s %ux%u%s: y[t=%u, r=%u] = %.9g, double ref %.9g (tol %.3g)", fmt_name(format, sf),
+                CHECK(err <= tol, "%s %ux%u%s: y[t=%u, r=%u] = %.9g, double ref %.9g (tol %.3g)", fmt_name_g(format, sf, G),
                       rows, cols, fast ? " fast" : "", t, r, y64[t * ldy + r], ref, tol);
             if (fast) {
                 double d = fabs((double)y64[t * ldy + r] - yref[(size_t)t * rows + r]);
                 if (!(d <= tol_fast + tol_ref) && !worst_reported++)
                     CHECK(d <= tol_fast + tol_ref, "%s %ux%u: fast y[t=%u, r=%u] = %.9g, reference kernel %.9g",
-                          fmt_name(format, sf), rows, cols, t, r, y64[t * ldy + r], yref[(size_t)t * rows + r]);
+                          fmt_name_g(format, sf, G), rows, cols, t, r, y64[t * ldy + r], yref[(size_t)t * rows + r]);
             }
         }
     free(amag);
@@ -158,7 +161,7 @@ static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t
             for (uint32_t r = 0; r < rows; r++)
                 if (f32_bits(y[(size_t)t * rows + r]) != f32_bits(y64[t * ldy + r])) {
                     CHECK(0, "%s %ux%u: batch %u with split rows gives other bits at t=%u r=%u: %a vs %a",
-                          fmt_name(format, sf), rows, cols, nb, t, r, y[(size_t)t * rows + r], y64[t * ldy + r]);
+                          fmt_name_g(format, sf, G), rows, cols, nb, t, r, y[(size_t)t * rows + r], y64[t * ldy + r]);
                     diff = 1;
                     break;
                 }
@@ -168,7 +171,7 @@ static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t
         for (uint32_t r = 0; r < rows; r += 5) {
             mm(W, tt.bytes, x + t * ldx, ldx, 1, y, rows, r, r + 1); /* writes y[r] only */
             CHECK(f32_bits(y[r]) == f32_bits(y64[t * ldy + r]), "%s: single (t=%u, r=%u) differs",
-                  fmt_name(format, sf), t, r);
+                  fmt_name_g(format, sf, G), t, r);
         }
 
     free(y);
@@ -180,11 +183,11 @@ static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t
     hashing_fast = 0;
 }
 
-static void test_matmul_shape(uint8_t format, uint8_t sf, uint32_t rows, uint32_t cols) {
+static void test_matmul_shape(uint8_t format, uint8_t sf, uint32_t G, uint32_t rows, uint32_t cols) {
     uint64_t seed = rng_state; /* the same tensor and x for both kernels */
-    test_matmul_case(format, sf, rows, cols, 0);
+    test_matmul_case(format, sf, G, rows, cols, 0);
     rng_state = seed;
-    test_matmul_case(format, sf, rows, cols, 1);
+    test_matmul_case(format, sf, G, rows, cols, 1);
 }
 
 static void test_matmul(void) {
@@ -192,11 +195,11 @@ static void test_matmul(void) {
         uint32_t rows, cols;
     } qshapes[] = {{1, 64}, {37, 320}, {5, 2112}, {13, 1024}, {3, 128}}, fshapes[] = {{1, 1}, {37, 333}, {6, 2101}, {9, 1024}, {2, 17}};
     for (size_t i = 0; i < sizeof qshapes / sizeof *qshapes; i++) {
-        test_matmul_shape(SMOE_FMT_F32, SMOE_SCALE_NONE, fshapes[i].rows, fshapes[i].cols);
-        test_matmul_shape(SMOE_FMT_BF16, SMOE_SCALE_NONE, fshapes[i].rows, fshapes[i].cols);
+        test_matmul_shape(SMOE_FMT_F32, SMOE_SCALE_NONE, 0, fshapes[i].rows, fshapes[i].cols);
+        test_matmul_shape(SMOE_FMT_BF16, SMOE_SCALE_NONE, 0, fshapes[i].rows, fshapes[i].cols);
         for (uint8_t sf = SMOE_SCALE_F16; sf <= SMOE_SCALE_BF16; sf++) {
-            test_matmul_shape(SMOE_FMT_Q8, sf, qshapes[i].rows, qshapes[i].cols);
-            test_matmul_shape(SMOE_FMT_Q4, sf, qshapes[i].rows, qshapes[i].cols);
+            test_matmul_shape(SMOE_FMT_Q8, sf, 64, qshapes[i].rows, qshapes[i].cols);
+            test_matmul_shape(SMOE_FMT_Q4, sf, 64, qshapes[i].rows, qshapes[i].cols);
         }
     }
     /* random shapes: rows not a multiple of any register block, f32/bf16 cols of any residue */
@@ -204,13 +207,13 @@ static void test_matmul(void) {
         uint32_t rows = 1 + (uint32_t)(rnd() % 41), fcols = 1 + (uint32_t)(rnd() % 1500);
         uint32_t qcols = 64 * (1 + (uint32_t)(rnd() % 40));
         uint8_t sf = SMOE_SCALE_F16 + (uint8_t)(rnd() % 2);
-        test_matmul_shape(SMOE_FMT_F32, SMOE_SCALE_NONE, rows, fcols);
-        test_matmul_shape(SMOE_FMT_BF16, SMOE_SCALE_NONE, rows, fcols);
-        test_matmul_shape(SMOE_FMT_Q8, sf, rows, qcols);
-        test_matmul_shape(SMOE_FMT_Q4, sf, rows, qcols);
+        test_matmul_shape(SMOE_FMT_F32, SMOE_SCALE_NONE, 0, rows, fcols);
+        test_matmul_shape(SMOE_FMT_BF16, SMOE_SCALE_NONE, 0, rows, fcols);
+        test_matmul_shape(SMOE_FMT_Q8, sf, 64, rows, qcols);
+        test_matmul_shape(SMOE_FMT_Q4, sf, 64, rows, qcols);
     }
     /* wider than the fast q kernels take (they hand it to the reference): still n-independent */
-    test_matmul_shape(SMOE_FMT_Q4, SMOE_SCALE_F16, 2, 64 * 300);
+    test_matmul_shape(SMOE_FMT_Q4, SMOE_SCALE_F16, 64, 2, 64 * 300);
 }
 
 /* Every f16 value through the q8 path (q = 1, bias = +0) against the F16C instruction (or,
@@ -223,6 +226,7 @@ static void test_f16_all(void) {
     t.scale_format = SMOE_SCALE_F16;
     t.rows = rows;
     t.cols = cols;
+    t.group = 64;
     uint64_t n = (uint64_t)rows * cols, ng = n / 64;
     t.scales_off = align64(n);
     t.biases_off = t.scales_off + align64(2 * ng);
@@ -266,7 +270,7 @@ static void test_rmsnorm(int fast) {
     for (size_t di = 0; di < sizeof dims / sizeof *dims; di++) {
         uint32_t dim = dims[di];
         for (uint8_t f = SMOE_FMT_F32; f <= SMOE_FMT_BF16; f++) {
-            test_tensor w = make_tensor(f, SMOE_SCALE_NONE, 1, dim, 0);
+            test_tensor w = make_tensor(f, SMOE_SCALE_NONE, 0, 1, dim, 0);
             float *x = malloc(sizeof(float) * dim), *out = malloc(sizeof(float) * dim);
             for (uint32_t i = 0; i < dim; i++) x[i] = rndf(-3, 3);
             const float eps = 1e-6f;
@@ -469,7 +473,7 @@ static int test_cpu_check(void) {
 /* ------------------------------------------------------------- 8-bit activations (qx) */
 
 /* The documented layout (kernels.c): where column c of a group sits among the group's codes. */
-static uint32_t doc_qx_pos(uint32_t c, int q8) {
+static uint32_t doc_qx_pos(uint32_t c, int q8) { /* c < 64: the column within its unit of 64 */
     static const uint32_t q4_chunk_at[4] = {0, 32, 16, 48}; /* columns 0–15, 32–47, 16–31, 48–63 */
     if (!q8) return q4_chunk_at[c / 16] + c % 16;
     uint32_t half = c / 32, v = (c % 32) / 8; /* vectors [8v..8v+8 | 32+8v..32+8v+8] of int16 */
@@ -479,29 +483,30 @@ static uint32_t doc_qx_pos(uint32_t c, int q8) {
 /* smoe_qx_prepare, the reference and the dispatched qx matmul: codes and scales as documented;
  * the product within a bound of the exact sum over the quantised x; the fast kernel equal to the
  * reference bit for bit; and every batch size and row split giving the same bits. */
-static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t cols) {
+static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t G, uint32_t rows, uint32_t cols) {
     const int q8 = format == SMOE_FMT_Q8;
-    test_tensor tt = make_tensor(format, sf, rows, cols, 0);
+    test_tensor tt = make_tensor(format, sf, G, rows, cols, 0);
     const smoe_tensor *W = &tt.t;
-    const uint32_t N = 40, gpr = cols / 64;
+    const uint32_t N = 40, nu = (cols + 63) / 64, ng = cols / G; /* units of 64 columns, groups */
     const size_t ldx = cols + 5, ldy = rows + 3;
     float *x = malloc(sizeof(float) * ldx * N);
     for (size_t i = 0; i < ldx * N; i++) x[i] = rndf(-1, 1) * (rnd() % 7 == 0 ? 8.0f : 1.0f);
     for (uint32_t c = 0; c < 32 && c < cols; c++) x[ldx + c] = 0.0f;  /* token 1: an all-zero block */
-    const smoe_qx_size z = smoe_qx_sizes(cols, format);
+    const smoe_qx_size z = smoe_qx_sizes(cols, format, G);
     void *codes = aligned_alloc(64, align64(z.code_bytes * N));
     float *d = malloc(sizeof(float) * z.d_floats * N), *gs = malloc(sizeof(float) * z.gsum_floats * N);
-    smoe_qx_prepare(x, ldx, N, cols, format, codes, d, gs);
-    const smoe_qx X = {codes, d, gs, cols, format};
+    smoe_qx_prepare(x, ldx, N, cols, format, G, codes, d, gs);
+    const smoe_qx X = {codes, d, gs, cols, G, format};
 
     /* the codes and scales, against the documentation */
     int bad = 0;
     for (uint32_t t = 0; t < N && !bad; t++)
-        for (uint32_t g = 0; g < gpr && !bad; g++)
+        for (uint32_t g = 0; g < nu && !bad; g++)
             for (uint32_t b = 0; b < 2; b++) {
                 const float *xb = x + t * ldx + 64 * g + 32 * b;
                 float m = 0;
-                for (int c = 0; c < 32; c++) m = fabsf(xb[c]) > m ? fabsf(xb[c]) : m;
+                if (64 * g + 32 * b < cols) /* else an empty block: d = 0, codes 0 */
+                    for (int c = 0; c < 32; c++) m = fabsf(xb[c]) > m ? fabsf(xb[c]) : m;
                 const float db = d[t * z.d_floats + 8 * (g / 4) + g % 4 + 4 * b];
                 if (db != m / 127.0f) {
                     CHECK(0, "qx %ux%u: d[t=%u, g=%u, b=%u] = %a, want %a", rows, cols, t, g, b, db, m / 127.0f);
@@ -512,7 +517,7 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint3
                     const uint32_t at = 64 * g + doc_qx_pos(32 * b + c, q8);
                     const int code = q8 ? ((const int16_t *)codes)[t * z.code_bytes / 2 + at]
                                         : ((const int8_t *)codes)[t * z.code_bytes + at];
-                    const float want = m > 0 ? nearbyintf(xb[c] * (127.0f / m)) : 0.0f;
+                    const float want = m > 0 ? nearbyintf(xb[c] * (127.0f / m)) : 0.0f; /* xb read only if m > 0 */
                     if (code != (int)want || code < -127 || code > 127) {
                         CHECK(0, "qx %ux%u: code (t=%u, col %u) = %d, want %d", rows, cols, t, 64 * g + 32 * b + c,
                               code, (int)want);
@@ -545,9 +550,9 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint3
                 qerr += fabs(sg * q) * db * 0.5;
                 bmag += fabs(bias * x[t * ldx + c]);
             }
-            for (uint32_t g = 0; g < gpr; g++) {
+            for (uint32_t g = 0; g < ng; g++) {
                 double sg, q, bias;
-                affine_parts(W, tt.bytes, r, 64 * g, &sg, &q, &bias);
+                affine_parts(W, tt.bytes, r, G * g, &sg, &q, &bias);
                 kern += bias * gs[t * z.gsum_floats + g];
                 mag += fabs(bias * gs[t * z.gsum_floats + g]);
             }
@@ -556,12 +561,12 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint3
             const double y = yr[t * ldy + r];
             if (!(fabs(y - kern) <= tol_k) && !reported++)
                 CHECK(0, "qx %s %ux%u: y[t=%u, r=%u] = %.9g, exact sum of its terms %.9g (tol %.3g)",
-                      fmt_name(format, sf), rows, cols, t, r, y, kern, tol_k);
+                      fmt_name_g(format, sf, G), rows, cols, t, r, y, kern, tol_k);
             if (!(fabs(y - full) <= tol_q) && !reported++)
-                CHECK(0, "qx %s %ux%u: y[t=%u, r=%u] = %.9g, float-x dot %.9g (tol %.3g)", fmt_name(format, sf), rows,
+                CHECK(0, "qx %s %ux%u: y[t=%u, r=%u] = %.9g, float-x dot %.9g (tol %.3g)", fmt_name_g(format, sf, G), rows,
                       cols, t, r, y, full, tol_q);
             if (f32_bits(yr[t * ldy + r]) != f32_bits(yf[t * ldy + r]) && !reported++)
-                CHECK(0, "qx %s %ux%u: dispatched y[t=%u, r=%u] = %a, reference %a", fmt_name(format, sf), rows, cols,
+                CHECK(0, "qx %s %ux%u: dispatched y[t=%u, r=%u] = %a, reference %a", fmt_name_g(format, sf, G), rows, cols,
                       t, r, yf[t * ldy + r], yr[t * ldy + r]);
         }
 #if SMOE_HAVE_AVX2
@@ -579,7 +584,7 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint3
             for (uint32_t r = 0; r < rows; r++)
                 if (f32_bits(yi[t * ldy + r]) != f32_bits(yr[t * ldy + r])) {
                     CHECK(0, "qx %s %ux%u: the %s instance gives y[t=%u, r=%u] = %a, reference %a",
-                          fmt_name(format, sf), rows, cols, vnni ? "VNNI" : "plain AVX2", t, r, yi[t * ldy + r],
+                          fmt_name_g(format, sf, G), rows, cols, vnni ? "VNNI" : "plain AVX2", t, r, yi[t * ldy + r],
                           yr[t * ldy + r]);
                     t = N;
                     break;
@@ -603,7 +608,7 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint3
         for (uint32_t t0 = 0; t0 < N; t0 += batch_sizes[bi]) {
             const uint32_t nt = N - t0 < batch_sizes[bi] ? N - t0 : batch_sizes[bi];
             const smoe_qx Xt = {(const uint8_t *)codes + t0 * z.code_bytes, d + t0 * z.d_floats,
-                                gs + t0 * z.gsum_floats, cols, format};
+                                gs + t0 * z.gsum_floats, cols, G, format};
             uint32_t cut = (uint32_t)(rnd() % (rows + 1)), cut2 = (uint32_t)(rnd() % (rows + 1));
             if (cut2 < cut) { uint32_t tmp = cut; cut = cut2; cut2 = tmp; }
             smoe_matmul_rows_qx(W, tt.bytes, &Xt, nt, y + (size_t)t0 * rows, rows, 0, cut);
@@ -613,7 +618,7 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint3
         for (uint32_t t = 0; t < N; t++)
             for (uint32_t r = 0; r < rows; r++)
                 if (f32_bits(y[(size_t)t * rows + r]) != f32_bits(yf[t * ldy + r])) {
-                    CHECK(0, "qx %s %ux%u: batch %u with split rows differs at t=%u r=%u", fmt_name(format, sf),
+                    CHECK(0, "qx %s %ux%u: batch %u with split rows differs at t=%u r=%u", fmt_name_g(format, sf, G),
                           rows, cols, batch_sizes[bi], t, r);
                     t = N;
                     break;
@@ -623,7 +628,7 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint3
     /* a non-finite x gives a non-finite y (never a silent finite one) */
     x[2 * ldx + 5] = INFINITY;
     x[3 * ldx + cols - 1] = NAN;
-    smoe_qx_prepare(x, ldx, N, cols, format, codes, d, gs);
+    smoe_qx_prepare(x, ldx, N, cols, format, G, codes, d, gs);
     smoe_matmul_rows_qx(W, tt.bytes, &X, 4, y, rows, 0, rows);
     for (uint32_t r = 0; r < rows; r++) {
         CHECK(!isfinite(y[2 * rows + r]) || naive_w(W, tt.bytes, r, 5) == 0.0f, "qx: inf in x, finite y[r=%u]", r);
@@ -642,10 +647,9 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t rows, uint3
 
 /* The dispatched smoe_qx_prepare (AVX2 where built) against the reference: the same bytes, with
  * zeros, tiny values, infinities and NaNs in some blocks. */
-static void test_qx_prepare_same_bytes(void) {
-    const uint32_t colss[] = {64, 192, 320, 2048, 4160};
+static void test_qx_prepare_same_bytes(uint32_t G, const uint32_t *colss, size_t ncols) {
     const uint8_t fmts[] = {SMOE_FMT_Q4, SMOE_FMT_Q8};
-    for (size_t ci = 0; ci < sizeof colss / sizeof *colss; ci++)
+    for (size_t ci = 0; ci < ncols; ci++)
         for (size_t fi = 0; fi < 2; fi++) {
             const uint32_t cols = colss[ci], n = 9;
             const size_t ldx = cols + 7;
@@ -658,7 +662,7 @@ static void test_qx_prepare_same_bytes(void) {
             x[5 * ldx + 40 % cols] = NAN;
             x[5 * ldx + 41 % cols] = INFINITY;
             x[6 * ldx + 7] = -0.0f;
-            const smoe_qx_size z = smoe_qx_sizes(cols, fmts[fi]);
+            const smoe_qx_size z = smoe_qx_sizes(cols, fmts[fi], G);
             uint8_t *c1 = malloc(z.code_bytes * n), *c2 = malloc(z.code_bytes * n);
             float *d1 = malloc(sizeof(float) * z.d_floats * n), *d2 = malloc(sizeof(float) * z.d_floats * n);
             float *s1 = malloc(sizeof(float) * z.gsum_floats * n), *s2 = malloc(sizeof(float) * z.gsum_floats * n);
@@ -668,12 +672,25 @@ static void test_qx_prepare_same_bytes(void) {
             memset(d2, 0xaa, sizeof(float) * z.d_floats * n);
             memset(s1, 0x55, sizeof(float) * z.gsum_floats * n);
             memset(s2, 0xaa, sizeof(float) * z.gsum_floats * n);
-            smoe_ref_qx_prepare(x, ldx, n, cols, fmts[fi], c1, d1, s1);
-            smoe_qx_prepare(x, ldx, n, cols, fmts[fi], c2, d2, s2);
+            smoe_ref_qx_prepare(x, ldx, n, cols, fmts[fi], G, c1, d1, s1);
+            smoe_qx_prepare(x, ldx, n, cols, fmts[fi], G, c2, d2, s2);
             CHECK(memcmp(c1, c2, z.code_bytes * n) == 0, "qx_prepare %s cols %u: codes differ from the reference",
-                  fmt_name(fmts[fi], SMOE_SCALE_F16), cols);
-            CHECK(memcmp(d1, d2, sizeof(float) * z.d_floats * n) == 0, "qx_prepare cols %u: d differs", cols);
-            CHECK(memcmp(s1, s2, sizeof(float) * z.gsum_floats * n) == 0, "qx_prepare cols %u: sums differ", cols);
+                  fmt_name_g(fmts[fi], SMOE_SCALE_F16, G), cols);
+            CHECK(memcmp(d1, d2, sizeof(float) * z.d_floats * n) == 0, "qx_prepare G %u cols %u: d differs", G, cols);
+            CHECK(memcmp(s1, s2, sizeof(float) * z.gsum_floats * n) == 0, "qx_prepare G %u cols %u: sums differ", G,
+                  cols);
+            /* the group sums, against a double sum (f32 rounding of ≤ 128 terms) */
+            for (uint32_t t = 0; t < n; t++)
+                for (uint32_t g = 0; g < cols / G; g++) {
+                    double e = 0, m = 0;
+                    for (uint32_t c = 0; c < G; c++) {
+                        e += x[t * ldx + g * G + c];
+                        m += fabs(x[t * ldx + g * G + c]);
+                    }
+                    const float got = s1[t * z.gsum_floats + g];
+                    if (isfinite(e) && !(fabs(got - e) <= G * 0x1p-24 * m))
+                        CHECK(0, "qx_prepare G %u: gsum[t=%u, g=%u] = %.9g, double %.9g", G, t, g, got, e);
+                }
             free(x);
             free(c1);
             free(c2);
@@ -689,11 +706,38 @@ static void test_matmul_qx(void) {
         uint32_t rows, cols;
     } shapes[] = {{1, 64}, {37, 320}, {5, 2112}, {13, 1024}, {3, 128}, {4, 448}};
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++) {
-        test_matmul_qx_case(SMOE_FMT_Q4, SMOE_SCALE_F16, shapes[i].rows, shapes[i].cols);
-        test_matmul_qx_case(SMOE_FMT_Q8, SMOE_SCALE_BF16, shapes[i].rows, shapes[i].cols);
+        test_matmul_qx_case(SMOE_FMT_Q4, SMOE_SCALE_F16, 64, shapes[i].rows, shapes[i].cols);
+        test_matmul_qx_case(SMOE_FMT_Q8, SMOE_SCALE_BF16, 64, shapes[i].rows, shapes[i].cols);
     }
-    test_matmul_qx_case(SMOE_FMT_Q4, SMOE_SCALE_BF16, 9, 768);
-    test_matmul_qx_case(SMOE_FMT_Q8, SMOE_SCALE_F16, 9, 768);
+    test_matmul_qx_case(SMOE_FMT_Q4, SMOE_SCALE_BF16, 64, 9, 768);
+    test_matmul_qx_case(SMOE_FMT_Q8, SMOE_SCALE_F16, 64, 9, 768);
+}
+
+/* Every (format, scale format, group) that format 1 did not have — groups of 32 and 128, f32
+ * scales with any group — through the float-activation and the 8-bit-activation products: each
+ * against double sums and the reference, n- and row-split independent, on misaligned shapes
+ * (one group; an odd number of groups, so cols = 32·odd for group 32; rows not a multiple of
+ * any register block). Hashed into their own checksums. */
+static void test_groups(void) {
+    static const uint32_t groups[] = {32, 64, 128};
+    static const uint8_t sfs[] = {SMOE_SCALE_F16, SMOE_SCALE_BF16, SMOE_SCALE_F32};
+    for (size_t gi = 0; gi < 3; gi++)
+        for (size_t si = 0; si < 3; si++) {
+            const uint32_t G = groups[gi];
+            const uint8_t sf = sfs[si];
+            if (G == 64 && sf != SMOE_SCALE_F32) continue; /* test_matmul and test_matmul_qx */
+            const uint32_t shapes[][2] = {{1, G}, {5, 3 * G}, {13, 11 * G}, {6, 1024}};
+            for (size_t i = 0; i < 4; i++)
+                for (uint8_t f = SMOE_FMT_Q8; f <= SMOE_FMT_Q4; f++) {
+                    test_matmul_shape(f, sf, G, shapes[i][0], shapes[i][1]);
+                    test_matmul_qx_case(f, sf, G, shapes[i][0], shapes[i][1]);
+                }
+        }
+    /* wider than the fast kernels take, group 32: the reference, still n-independent */
+    test_matmul_shape(SMOE_FMT_Q8, SMOE_SCALE_F32, 32, 2, 32 * 513);
+    static const uint32_t cols32[] = {32, 96, 160, 2080, 4128}, cols128[] = {128, 384, 2176};
+    test_qx_prepare_same_bytes(32, cols32, 5);
+    test_qx_prepare_same_bytes(128, cols128, 3);
 }
 
 int main(int argc, char **argv) {
@@ -705,7 +749,10 @@ int main(int argc, char **argv) {
     test_f16_all();
     test_matmul();
     test_matmul_qx();
-    test_qx_prepare_same_bytes();
+    {
+        static const uint32_t cols64[] = {64, 192, 320, 2048, 4160};
+        test_qx_prepare_same_bytes(64, cols64, 5);
+    }
     for (int fast = 0; fast < 2; fast++) { /* the same inputs for both: the hashes must be comparable */
         uint64_t seed = rng_state;
         test_rmsnorm(fast);
@@ -721,13 +768,19 @@ int main(int argc, char **argv) {
     hashing_fast = 0;
     test_topk();
     test_swiglu_axpy();
+    hash_set = 1;
+    test_groups();
+    hashing_fast = 0;
+    hash_set = 0;
     if (failures) {
         fprintf(stderr, "test_kernels: %d failure(s)\n", failures);
         return 1;
     }
     printf("isa %s\n", smoe_kernels_isa());
-    printf("checksum %016llx\n", (unsigned long long)out_hash);
-    printf("checksum_fast %016llx\n", (unsigned long long)fast_hash);
+    printf("checksum %016llx\n", (unsigned long long)out_hash[0]);
+    printf("checksum_fast %016llx\n", (unsigned long long)fast_hash[0]);
+    printf("checksum_groups %016llx\n", (unsigned long long)out_hash[1]);
+    printf("checksum_groups_fast %016llx\n", (unsigned long long)fast_hash[1]);
     printf("test_kernels: ok\n");
     return 0;
 }

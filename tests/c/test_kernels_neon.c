@@ -44,17 +44,20 @@ static void hash_floats(const float *v, size_t n) {
 static void neon_mm(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
                     size_t ldy, uint32_t r0, uint32_t r1) {
     bool took = smoe_neon_matmul_rows(W, w, x, ldx, n, y, ldy, r0, r1);
-    CHECK(took, "smoe_neon_matmul_rows refused %s %ux%u", fmt_name(W->format, W->scale_format), W->rows, W->cols);
+    CHECK(took, "smoe_neon_matmul_rows refused %s %ux%u", fmt_name_g(W->format, W->scale_format, W->group), W->rows,
+          W->cols);
 }
 
 /* N = 65 tokens: two full tiles of 32 and a last tile of one token (the matrix-vector path
  * inside a batch), so the batched and the single-token kernels both meet every output. */
 enum { N = 65 };
 
-static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t rows, uint32_t cols, unsigned misalign) {
-    test_tensor tt = make_tensor(format, sf, rows, cols, misalign);
+static void test_matmul_case(uint8_t format, uint8_t sf, uint32_t G, uint32_t rows, uint32_t cols,
+                             unsigned misalign) {
+    test_tensor tt = make_tensor(format, sf, G, rows, cols, misalign);
     const smoe_tensor *W = &tt.t;
-    const char *name = fmt_name(format, sf);
+    char name[32];
+    snprintf(name, sizeof name, "%s", fmt_name_g(format, sf, G));
     const size_t ldx = cols + 3, ldy = rows + 5;
     float *x = malloc(sizeof(float) * ldx * N);
     for (size_t i = 0; i < ldx * N; i++) x[i] = rndf(-1, 1);
@@ -161,28 +164,45 @@ static void test_matmul(void) {
       qshapes[] = {{1, 64}, {3, 128}, {5, 448}, {37, 320}, {13, 512}, {6, 576}, {4, 1024}, {5, 2112}};
     for (size_t i = 0; i < sizeof fshapes / sizeof *fshapes; i++)
         for (uint8_t f = SMOE_FMT_F32; f <= SMOE_FMT_BF16; f++)
-            test_matmul_case(f, SMOE_SCALE_NONE, fshapes[i].rows, fshapes[i].cols, (unsigned)(i % 2) * 4);
+            test_matmul_case(f, SMOE_SCALE_NONE, 0, fshapes[i].rows, fshapes[i].cols, (unsigned)(i % 2) * 4);
     for (size_t i = 0; i < sizeof qshapes / sizeof *qshapes; i++)
         for (uint8_t f = SMOE_FMT_Q8; f <= SMOE_FMT_Q4; f++)
             for (uint8_t sf = SMOE_SCALE_F16; sf <= SMOE_SCALE_BF16; sf++)
-                test_matmul_case(f, sf, qshapes[i].rows, qshapes[i].cols, (unsigned)(i % 2) * 4);
+                test_matmul_case(f, sf, 64, qshapes[i].rows, qshapes[i].cols, (unsigned)(i % 2) * 4);
     for (int trial = 0; trial < 6; trial++) {
         const uint32_t rows = 1 + (uint32_t)(rnd() % 23), fcols = 1 + (uint32_t)(rnd() % 1100);
         const uint32_t qcols = 64 * (1 + (uint32_t)(rnd() % 24));
         const uint8_t sf = SMOE_SCALE_F16 + (uint8_t)(rnd() % 2);
-        test_matmul_case(SMOE_FMT_F32, SMOE_SCALE_NONE, rows, fcols, 0);
-        test_matmul_case(SMOE_FMT_BF16, SMOE_SCALE_NONE, rows, fcols, 4);
-        test_matmul_case(SMOE_FMT_Q8, sf, rows, qcols, 4);
-        test_matmul_case(SMOE_FMT_Q4, sf, rows, qcols, 0);
+        test_matmul_case(SMOE_FMT_F32, SMOE_SCALE_NONE, 0, rows, fcols, 0);
+        test_matmul_case(SMOE_FMT_BF16, SMOE_SCALE_NONE, 0, rows, fcols, 4);
+        test_matmul_case(SMOE_FMT_Q8, sf, 64, rows, qcols, 4);
+        test_matmul_case(SMOE_FMT_Q4, sf, 64, rows, qcols, 0);
     }
     /* the widest q rows the NEON kernels take (256 groups), and one group more: refused (the
      * reference runs it; the choice is by shape) */
-    test_matmul_case(SMOE_FMT_Q4, SMOE_SCALE_BF16, 2, 64 * 256, 0);
-    test_tensor wide = make_tensor(SMOE_FMT_Q8, SMOE_SCALE_F16, 1, 64 * 257, 0);
+    test_matmul_case(SMOE_FMT_Q4, SMOE_SCALE_BF16, 64, 2, 64 * 256, 0);
+    test_tensor wide = make_tensor(SMOE_FMT_Q8, SMOE_SCALE_F16, 64, 1, 64 * 257, 0);
     float *x = calloc(64 * 257, sizeof(float)), y = 0;
     CHECK(!smoe_neon_matmul_rows(&wide.t, wide.bytes, x, 0, 1, &y, 0, 0, 1), "q rows of 257 groups were taken");
     free(x);
     free(wide.alloc);
+}
+
+/* Groups of 32 and 128 and f32 scales (any group): one group, an odd number of groups (cols =
+ * 32·odd for group 32), across the 512-column blocks, the widest rows taken. */
+static void test_matmul_groups(void) {
+    static const uint32_t groups[] = {32, 64, 128};
+    static const uint8_t sfs[] = {SMOE_SCALE_F16, SMOE_SCALE_BF16, SMOE_SCALE_F32};
+    for (size_t gi = 0; gi < 3; gi++)
+        for (size_t si = 0; si < 3; si++) {
+            const uint32_t G = groups[gi];
+            if (G == 64 && sfs[si] != SMOE_SCALE_F32) continue; /* test_matmul */
+            const uint32_t shapes[][2] = {{1, G}, {5, 3 * G}, {13, 11 * G}, {6, 1024}};
+            for (size_t i = 0; i < 4; i++)
+                for (uint8_t f = SMOE_FMT_Q8; f <= SMOE_FMT_Q4; f++)
+                    test_matmul_case(f, sfs[si], G, shapes[i][0], shapes[i][1], (unsigned)(i % 2) * 4);
+        }
+    test_matmul_case(SMOE_FMT_Q4, SMOE_SCALE_F32, 32, 2, 16384, 0);
 }
 
 /* Every f16 bit pattern as a q8 scale through the NEON kernels (one group per row, code 1, bias
@@ -196,6 +216,7 @@ static void test_f16_scales(void) {
     t.scale_format = SMOE_SCALE_F16;
     t.rows = rows;
     t.cols = cols;
+    t.group = 64;
     const uint64_t n = (uint64_t)rows * cols;
     t.scales_off = align64(n);
     t.biases_off = t.scales_off + align64(2 * rows);
@@ -237,7 +258,7 @@ static void test_rmsnorm(void) {
     for (size_t di = 0; di < sizeof dims / sizeof *dims; di++) {
         const uint32_t dim = dims[di];
         for (uint8_t f = SMOE_FMT_F32; f <= SMOE_FMT_BF16; f++) {
-            test_tensor w = make_tensor(f, SMOE_SCALE_NONE, 1, dim, (unsigned)(di % 2) * 4);
+            test_tensor w = make_tensor(f, SMOE_SCALE_NONE, 0, 1, dim, (unsigned)(di % 2) * 4);
             float *x = malloc(sizeof(float) * dim), *out = malloc(sizeof(float) * dim);
             float *ref = malloc(sizeof(float) * dim), *disp = malloc(sizeof(float) * dim);
             for (uint32_t i = 0; i < dim; i++) x[i] = rndf(-3, 3);
@@ -311,6 +332,7 @@ static void test_attend(void) {
 int main(void) {
     CHECK(strcmp(smoe_kernels_isa(), "neon") == 0, "smoe_kernels_isa() = %s", smoe_kernels_isa());
     test_matmul();
+    test_matmul_groups();
     test_f16_scales();
     test_rmsnorm();
     test_attend();
