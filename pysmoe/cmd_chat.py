@@ -83,7 +83,7 @@ class Conversation:
     def reply(self, text: str) -> Iterator:
         """Send a user message; yields GenerationResponse records of the reply. Close the
         iterator (contextlib.closing) if you stop early: that is what records the reply."""
-        from .generate import stream_generate
+        from .generate import interruptible, stream_generate
         user = {"role": "user", "content": text}
         ids = self._fit(user)
         n = len(self.fed)
@@ -95,16 +95,16 @@ class Conversation:
         todo = self.fed + ids[n:]  # what the session will have fed, in order, as far as it gets
         reply = []
         try:
-            for r in stream_generate(self.session, ids[n:], self.max_tokens, **self.sampling):
+            for r in interruptible(self.session, stream_generate(self.session, ids[n:], self.max_tokens,
+                                                                 **self.sampling)):
                 todo.append(r.token)
                 reply.append(r.text)
                 yield r
         finally:
             # Interrupted (Ctrl-C, an error) or not, the KV holds the first `position` ids of
             # todo: prompt ids are fed in order, and each generated id is fed before the next
-            # one is sampled. TODO(cancel): once Session.cancel() exists (pysmoe/engine.py), the
-            # SIGINT handler should call it so a long prefill stops within a layer instead of at
-            # the next chunk boundary; this bookkeeping stays as it is.
+            # one is sampled (interruptible keeps the worker in lockstep with this loop, and a
+            # Ctrl-C cancels the call in flight, which rewinds).
             self.fed = todo[:self.session.position]
             if reply:
                 self.turns.append({"role": "assistant", "content": "".join(reply)})

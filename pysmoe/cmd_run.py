@@ -141,7 +141,7 @@ def read_prompt(args) -> str | list[int] | None:
 
 
 def run(args) -> int:
-    from .generate import stream_generate
+    from .generate import interruptible, stream_generate
     prompt = read_prompt(args)
     if prompt is None:
         print("pysmoe run: error: no prompt: give --prompt TEXT, --ids 1,2,3, or pipe text on stdin",
@@ -150,8 +150,9 @@ def run(args) -> int:
     vault, session = open_session(args)
     with vault, session:
         last, n_prompt, ids, text = None, None, [], []
-        for r in stream_generate(session, prompt, args.max_tokens, chat=args.chat,
-                                 chat_template_kwargs=args.chat_template_kwargs, **sampling_kwargs(args)):
+        for r in interruptible(session, stream_generate(session, prompt, args.max_tokens, chat=args.chat,
+                                                        chat_template_kwargs=args.chat_template_kwargs,
+                                                        **sampling_kwargs(args))):
             last, n_prompt = r, r.prompt_tokens
             ids.append(r.token)
             text.append(r.text)

@@ -6,7 +6,7 @@ import time
 from typing import Iterator, Sequence
 
 from .engine import Session, _stop_ids
-from .errors import InvalidArgument
+from .errors import Cancelled, InvalidArgument
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,3 +88,61 @@ def _responses(session: Session, tok, ids: list[int], gen: Iterator[int], max_to
 def generate(session: Session, prompt: str | Sequence[int], max_tokens: int = 64, **kwargs) -> str:
     """The whole generated text (needs a tokenizer)."""
     return "".join(r.text for r in stream_generate(session, prompt, max_tokens, **kwargs))
+
+
+def interruptible(session: Session, items: Iterator):
+    """Iterate items on a worker thread and yield them here, so that Ctrl-C stops a long call in
+    libsmoe within a layer: Python runs a signal handler only between bytecodes, so a main thread
+    inside a prefill would see KeyboardInterrupt only when the whole chunk returned. Here the main
+    thread waits on a queue instead; on KeyboardInterrupt it calls session.cancel(), waits for the
+    worker (whose method then fails with Cancelled and rewinds, docs/binding.md) and re-raises
+    KeyboardInterrupt; a Ctrl-C that comes between two items is thrown into items as Cancelled, so
+    a Session method rewinds either way. The worker advances items only when asked for the next
+    one (lockstep), so stopping early leaves the session exactly where a plain loop would.
+    Exceptions of the worker are raised here."""
+    import queue
+    import threading
+
+    ask: queue.Queue = queue.Queue()
+    got: queue.Queue = queue.Queue()
+    done = object()
+
+    def work():
+        it = iter(items)
+        while (cmd := ask.get()) == "next":
+            try:
+                got.put((next(it, done), None))
+            except BaseException as e:  # handed to the main thread, which raises it
+                got.put((None, e))
+                return
+        try:  # "close": the caller stopped early; "abort": it failed, so the method rewinds too
+            if cmd == "abort" and hasattr(it, "throw"):
+                it.throw(Cancelled("interrupted"))
+            elif hasattr(it, "close"):
+                it.close()
+        except BaseException:  # the main thread is already leaving, with its own exception if any
+            pass
+
+    worker = threading.Thread(target=work, name="pysmoe-generate", daemon=True)
+    worker.start()
+    end = "close"
+    try:
+        while True:
+            ask.put("next")
+            item, err = got.get()
+            if err is not None:
+                end = "done"
+                raise err
+            if item is done:
+                return
+            yield item
+    except GeneratorExit:  # the caller stopped early: not a failure, nothing to cancel
+        raise
+    except BaseException:  # KeyboardInterrupt (or another error here): stop the call in flight
+        if end != "done":
+            end = "abort"
+            session.cancel()
+        raise
+    finally:
+        ask.put(end)
+        worker.join()
