@@ -105,7 +105,7 @@ def _pysmoe_worker_main(args) -> int:
         req = json.loads(line)
         if req["op"] == "quit":
             break
-        rec = pysmoe_run(s, np.array(req["ids"], dtype=np.int32), req.get("decode", 0))
+        rec = pysmoe_run(s, np.array(req["ids"], dtype=np.int32), req.get("decode", 0), req.get("decode_max_s"))
         st = s.stats()
         rec.update(direct_io=st["direct_io"], resident_bytes=st["resident_bytes"], bytes_read=st["bytes_read"],
                    vm_hwm_bytes=_vm_hwm())
@@ -164,7 +164,10 @@ def _worker_main(args) -> int:
             ttft = time.perf_counter() - t0
             toks = [tok]
             t1 = time.perf_counter()
+            limit = req.get("decode_max_s")
             for _ in range(req.get("decode", 0)):
+                if limit and toks[1:] and time.perf_counter() - t1 > limit:
+                    break
                 llm.eval([tok])
                 tok = int(np.argmax(last_logits()))
                 toks.append(tok)
@@ -378,7 +381,9 @@ def drop_caches():
 
 # ================================================================== pysmoe side
 
-def pysmoe_run(session, ids, n_decode):
+def pysmoe_run(session, ids, n_decode, max_s=None):
+    """Prefill ids (TTFT up to the first token's argmax), then up to n_decode greedy steps (fewer
+    if max_s seconds of decode have passed: the record's tokens say how many)."""
     session.reset()
     t0 = time.perf_counter()
     logits = session.prefill(ids)
@@ -387,12 +392,17 @@ def pysmoe_run(session, ids, n_decode):
     toks = [tok]
     t1 = time.perf_counter()
     for _ in range(n_decode):
+        if max_s and toks[1:] and time.perf_counter() - t1 > max_s:
+            break
         tok = int(np.argmax(session.decode(tok)))
         toks.append(tok)
     return {"ttft_s": ttft, "decode_s": time.perf_counter() - t1, "tokens": toks}
 
 
 def _tps(rec, n):
+    """Decode tokens/s of one run: the steps it made (n, or fewer when --decode-max-s cut it)."""
+    if "tokens" in rec:
+        n = len(rec["tokens"]) - 1
     return n / rec["decode_s"] if n and rec.get("decode_s") else None
 
 
@@ -699,7 +709,7 @@ class Readahead:
 
 # ================================================================== cold mode
 
-def cold_run(limit, start, ids, n_decode, tag):
+def cold_run(limit, start, ids, n_decode, tag, decode_max_s=None):
     """One cold run: a fresh memory cgroup limited to `limit`, a fresh worker (start(procs_file))
     that joins it before it loads anything, the prompt and the decode; the cgroup's peak and OOM
     kills recorded; the group removed. A worker that dies (OOM) gives a record with an error."""
@@ -708,7 +718,7 @@ def cold_run(limit, start, ids, n_decode, tag):
         try:
             w = start(cg.procs_file)
             try:
-                rec = w.call(op="run", ids=ids.tolist(), decode=n_decode)
+                rec = w.call(op="run", ids=ids.tolist(), decode=n_decode, decode_max_s=decode_max_s)
                 rec["load_s"] = w.load_s
             finally:
                 w.close()
@@ -794,12 +804,13 @@ def mode_cold(vault, gguf, args, log):
 
     def pysmoe_at(limit, ids, tag):
         return cold_run(limit, lambda procs: PysmoeWorker(vault, cache, args.threads, args.ctx, cgroup_procs=procs,
-                                                          verbose=args.verbose), ids, args.decode_tokens, tag)
+                                                          verbose=args.verbose), ids, args.decode_tokens, tag,
+                        args.decode_max_s)
 
     def llama_at(policy, threads, ids, tag):
         return cold_run(budget, lambda procs: LlamaWorker(gguf, threads, args.ctx, policy=policy, cgroup_procs=procs,
                                                           no_repack=not args.repack_cold, verbose=args.verbose),
-                        ids, args.decode_tokens, tag)
+                        ids, args.decode_tokens, tag, args.decode_max_s)
 
     longest = make_prompt(vocab, max(args.prompt_lengths), args.seed)
 
@@ -988,6 +999,9 @@ def main(argv=None) -> int:
                          "spinning for a while at barriers; passive; active), alternated; its best is compared")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--decode-max-s", type=float, default=None,
+                    help="cold mode: stop a run's decode after this many seconds (at least one step; tokens/s over "
+                         "the steps made) -- llama.cpp under a budget can take minutes for 16 tokens")
     ap.add_argument("--cache-frac", type=float, default=0.1, help="pysmoe cache for the cold mode, of the expert bytes")
     ap.add_argument("--readahead-kb", default="128,8192", type=lambda s: [int(x) for x in s.split(",") if x],
                     help="cold mode: the block-device read_ahead_kb values to run at (the disk holding the vault and "
@@ -1053,7 +1067,7 @@ def main(argv=None) -> int:
            "vault": str(args.vault), "vault_info": vault_info, "gguf": str(args.gguf), "argv": sys.argv,
            "threads": args.threads, "repeats": args.repeats, "decode_tokens": args.decode_tokens,
            "prompt_lengths": args.prompt_lengths, "ctx": args.ctx, "cache_frac": args.cache_frac,
-           "readahead_kb": args.readahead_kb, "pysmoe_limit": args.pysmoe_limit,
+           "readahead_kb": args.readahead_kb, "decode_max_s": args.decode_max_s, "pysmoe_limit": args.pysmoe_limit,
            "warm_blocks": args.blocks, "loadavg_start": list(os.getloadavg()), "cpus": os.cpu_count(),
            "cpu_model": _cpu_model(), "pysmoe_activations": "q8", "pysmoe_kernels": _pysmoe_kernels(),
            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
