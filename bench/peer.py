@@ -974,6 +974,10 @@ def table(res) -> str:
            "|---|---|---|---|---|---|---|"]
     for mode, rr in [("warm", m)] + [(f"cold ra={ra}", x) for ra, x in (c.get("by_readahead_kb") or {}).items()]:
         for n, r in _rows(rr):
+            if r["pysmoe"]["errors"]:   # pysmoe killed in some run (its cgroup limit too small)
+                var.append(f"| {mode} | {n} | (pysmoe) | {_f(r['pysmoe']['ttft_s'])} | "
+                           f"{_f(r['pysmoe']['load_plus_ttft_s'])} | {_f(r['pysmoe']['decode_tps'], '{:.2f}')} | "
+                           f"{len(r['pysmoe']['errors'])} |")
             for name, v in r["llama.cpp_variants"].items():
                 var.append(f"| {mode} | {n} | {name} | {_f(v['ttft_s'])} | {_f(v['load_plus_ttft_s'])} | "
                            f"{_f(v['decode_tps'], '{:.2f}')} | {len(v['errors'])} |")
