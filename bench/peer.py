@@ -861,6 +861,9 @@ def mode_cold(vault, gguf, args, log):
                     tgt["vm_hwm_mib"] = max((r.get("vm_hwm_bytes") or 0) for r in runs[c]) / MiB
                     tgt["oom_kills"] = sum(r.get("oom_kills") or 0 for r in runs[c])
                 log(_line(f"cold ra={ra}", n, res_ra[n]))
+                out["by_readahead_kb"][str(ra)] = res_ra
+                if getattr(args, "save_partial", None):   # a long run that dies keeps what it measured
+                    args.save_partial("cold", out)
         finally:
             if ctxm:
                 ctxm.__exit__(None, None, None)
@@ -1081,6 +1084,11 @@ def main(argv=None) -> int:
     except ImportError:
         log("llama-cpp-python is not installed (pip install llama-cpp-python): nothing to compare against")
         return 2
+    def save_partial(mode, part):
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(dict(res, **{mode: part}, partial=True), indent=1,
+                                                          default=str) + "\n")
+    args.save_partial = save_partial
     old_term = signal.signal(signal.SIGTERM, _sigterm)
     try:
         for m in modes:
