@@ -3,25 +3,31 @@
 
     .venv/bin/python scripts/export_gguf.py VAULT OUT.gguf
     .venv/bin/python bench/peer.py VAULT --gguf OUT.gguf [--prompt-lengths 8,45] [--threads 2] \
-        [--repeats 3] [--decode-tokens 16] [--modes check,warm,cold] [--blocks] [--cache-frac 0.1] [--json OUT]
+        [--llama-threads 1,2] [--omp-policies default,passive] [--repeats 3] [--decode-tokens 16] \
+        [--modes check,warm,cold] [--blocks] [--cache-frac 0.1] [--readahead-kb 128,8192] [--json OUT]
 
-llama.cpp runs through llama-cpp-python in a child process of this one (a worker speaking JSON
-lines on stdin/stdout), pysmoe in this process; the two take turns, run by run, and every
-figure is a median of --repeats runs. Modes (bench/peer.md says why each is set up as it is):
+llama.cpp runs through llama-cpp-python in child processes of this one (workers speaking JSON
+lines on stdin/stdout), one per OpenMP wait policy (--omp-policies: libgomp's default, which spins
+at barriers before it sleeps, and PASSIVE), each at every --llama-threads count; pysmoe runs in
+this process (warm) or in a child worker (cold). All contenders take turns, run by run (rotated
+each repeat); every figure is a median of --repeats runs, and llama.cpp's figure is that of its
+fastest variant for that figure (named in the table and JSON). Modes (bench/peer.md says why each
+is set up as it is):
 
 check  llama.cpp's logits against pysmoe's for every position of the longest prompt (argmax
        agreement, correlation): both engines run the same model, up to Q4_0 vs q4.
 warm   everything in memory: pysmoe with a cache that holds every expert, warmed; llama.cpp with
        the model loaded (mmap, its default CPU repacking) and warmed by the same prompt. Needs
-       memory for the model twice; --blocks runs it NOT alternated, one engine at a time (all
-       pysmoe repeats, then all llama.cpp repeats, page cache dropped before each block), for a
-       model that does not fit twice.
+       memory for the model 1 + len(policies) times; --blocks runs it NOT alternated, one engine
+       at a time (page cache dropped before each block), for a model that does not fit.
 cold   the model does not fit: budget = pysmoe's stats()["resident_bytes"] with a cache of
-       --cache-frac of the expert bytes. pysmoe: a fresh open_vault + session with that cache,
-       Direct I/O. llama.cpp: a fresh worker that moves itself into a memory cgroup limited to
-       the budget before it loads anything. Page cache dropped (sync; echo 3 >
-       /proc/sys/vm/drop_caches) before each. Needs root and a cgroup memory controller; skipped
-       with a message otherwise.
+       --cache-frac of the expert bytes. Each run is a fresh worker that joins a fresh memory
+       cgroup before it loads anything: llama.cpp's limited to the budget; pysmoe's to the
+       smallest limit it survives, searched up from the same budget and reported (--pysmoe-limit).
+       Page cache dropped (sync; echo 3 > /proc/sys/vm/drop_caches) before each run. Run at each
+       --readahead-kb value set on the disk that holds the vault and GGUF (restored afterwards);
+       the first is the headline. The headline figure is load + TTFT. Needs root and a cgroup
+       memory controller; skipped with a message otherwise.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import argparse
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
@@ -59,13 +66,59 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-# ================================================================== llama.cpp worker (child)
+# ================================================================== workers (children)
+
+def _vm_hwm():
+    """This process's peak resident set (VmHWM), bytes."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _join_cgroup(procs):
+    with open(procs, "w") as f:
+        f.write(str(os.getpid()))
+
+
+def _pysmoe_worker_main(args) -> int:
+    """Runs in the child: join the cgroup first, then open the vault and a session with a cache of
+    --cache-bytes (timed as load), then serve one or more runs. The cold mode's pysmoe side."""
+    if args.cgroup_procs:
+        _join_cgroup(args.cgroup_procs)
+    t0 = time.perf_counter()
+    from pysmoe import open_vault
+    v = open_vault(args.vault)
+    s = v.session(cache_bytes=args.cache_bytes, threads=args.threads, context=args.ctx)
+    s.clear_cache()
+    load_s = time.perf_counter() - t0
+
+    def reply(obj):
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    reply({"ready": True, "load_s": load_s})
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req["op"] == "quit":
+            break
+        rec = pysmoe_run(s, np.array(req["ids"], dtype=np.int32), req.get("decode", 0), req.get("decode_max_s"))
+        st = s.stats()
+        rec.update(direct_io=st["direct_io"], resident_bytes=st["resident_bytes"], bytes_read=st["bytes_read"],
+                   vm_hwm_bytes=_vm_hwm())
+        reply(rec)
+    s.close()
+    v.close()
+    return 0
+
 
 def _worker_main(args) -> int:
     """Runs in the child: optionally join a cgroup first, load the GGUF, then serve requests."""
     if args.cgroup_procs:
-        with open(args.cgroup_procs, "w") as f:
-            f.write(str(os.getpid()))
+        _join_cgroup(args.cgroup_procs)
     t0 = time.perf_counter()
     import llama_cpp
     import llama_cpp.llama as llama_mod
@@ -82,6 +135,7 @@ def _worker_main(args) -> int:
     load_s = time.perf_counter() - t0
     n_vocab = llm.n_vocab()
     ctx = llm._ctx.ctx
+    threads = args.threads
     out = sys.stdout
 
     def last_logits():
@@ -100,6 +154,9 @@ def _worker_main(args) -> int:
             break
         if op == "run":
             ids = [int(i) for i in req["ids"]]
+            if req.get("threads") and req["threads"] != threads:
+                threads = int(req["threads"])
+                llama_cpp.llama_set_n_threads(ctx, threads, threads)
             llm.reset()
             t0 = time.perf_counter()
             llm.eval(ids)
@@ -107,12 +164,15 @@ def _worker_main(args) -> int:
             ttft = time.perf_counter() - t0
             toks = [tok]
             t1 = time.perf_counter()
+            limit = req.get("decode_max_s")
             for _ in range(req.get("decode", 0)):
+                if limit and toks[1:] and time.perf_counter() - t1 > limit:
+                    break
                 llm.eval([tok])
                 tok = int(np.argmax(last_logits()))
                 toks.append(tok)
             dec = time.perf_counter() - t1
-            reply({"ttft_s": ttft, "decode_s": dec, "tokens": toks})
+            reply({"ttft_s": ttft, "decode_s": dec, "tokens": toks, "threads": threads, "vm_hwm_bytes": _vm_hwm()})
         elif op == "logits":  # every position's logits (needs logits_all), saved to a .npy
             ids = [int(i) for i in req["ids"]]
             llm.reset()
@@ -122,11 +182,80 @@ def _worker_main(args) -> int:
     return 0
 
 
-class LlamaWorker:
-    """A llama.cpp child process (see _worker_main)."""
+OMP_POLICIES = ("default", "passive", "active")
 
-    def __init__(self, gguf, threads, ctx, *, cgroup_procs=None, no_repack=False, logits_all=False, verbose=False,
-                 omp_active=False):
+
+def omp_env(policy: str) -> dict:
+    """The environment of a llama.cpp worker under one libgomp wait policy: "default" leaves
+    OMP_WAIT_POLICY unset (libgomp then spins at each barrier for a while before it sleeps),
+    "passive" and "active" set it."""
+    env = dict(os.environ)
+    env.pop("OMP_WAIT_POLICY", None)
+    if policy != "default":
+        env["OMP_WAIT_POLICY"] = policy.upper()
+    return env
+
+
+class Worker:
+    """A child process of this script speaking JSON lines on stdin/stdout; its first line is
+    {"ready": true, "load_s": ...}."""
+
+    what = "worker"
+
+    def __init__(self, cmd, env=None, verbose=False):
+        self.t_spawn = time.perf_counter()
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                  stderr=None if verbose else subprocess.DEVNULL)
+        try:
+            hello = self._read()
+        except BaseException:
+            self.close()
+            raise
+        self.load_s = hello["load_s"]
+        self.spawn_to_ready_s = time.perf_counter() - self.t_spawn
+
+    def _read(self):
+        line = self.p.stdout.readline()
+        if not line:
+            rc = self.p.wait()
+            raise WorkerDied(f"{self.what} worker died (exit {rc}{', killed: OOM?' if rc in (-9, 137) else ''})", rc)
+        return json.loads(line)
+
+    def call(self, **req):
+        try:
+            self.p.stdin.write(json.dumps(req) + "\n")
+            self.p.stdin.flush()
+        except BrokenPipeError:
+            pass
+        return self._read()
+
+    def close(self):
+        if self.p.poll() is None:
+            try:
+                self.p.stdin.write('{"op": "quit"}\n')
+                self.p.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                self.p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+
+
+class WorkerDied(RuntimeError):
+    def __init__(self, msg, rc):
+        super().__init__(msg)
+        self.rc = rc
+
+
+class LlamaWorker(Worker):
+    """A llama.cpp child process (see _worker_main) under one OpenMP wait policy (omp_env)."""
+
+    what = "llama.cpp"
+
+    def __init__(self, gguf, threads, ctx, *, policy="passive", cgroup_procs=None, no_repack=False, logits_all=False,
+                 verbose=False):
         cmd = [sys.executable, __file__, "--_worker", "--gguf", str(gguf), "--threads", str(threads),
                "--ctx", str(ctx)]
         if cgroup_procs:
@@ -137,44 +266,22 @@ class LlamaWorker:
             cmd.append("--logits-all")
         if verbose:
             cmd.append("--verbose")
-        self.t_spawn = time.perf_counter()
-        env = dict(os.environ)
-        if not omp_active:
-            # llama.cpp's CPU backend runs its threads under OpenMP; libgomp's default wait policy
-            # spins at every barrier, and on a machine with more runnable threads than cores (a
-            # shared one) a descheduled thread stalls the spinning one: measured on mini, 2.7 s
-            # against 0.4 s TTFT at 8 tokens. PASSIVE is llama.cpp at its best here.
-            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                  stderr=None if verbose else subprocess.DEVNULL)
-        hello = self._read()
-        self.load_s = hello["load_s"]
-        self.spawn_to_ready_s = time.perf_counter() - self.t_spawn
+        self.policy = policy
+        super().__init__(cmd, env=omp_env(policy), verbose=verbose)
 
-    def _read(self):
-        line = self.p.stdout.readline()
-        if not line:
-            rc = self.p.wait()
-            raise RuntimeError(f"llama.cpp worker died (exit {rc}{', killed: OOM?' if rc in (-9, 137) else ''})")
-        return json.loads(line)
 
-    def call(self, **req):
-        self.p.stdin.write(json.dumps(req) + "\n")
-        self.p.stdin.flush()
-        return self._read()
+class PysmoeWorker(Worker):
+    """A pysmoe child process (see _pysmoe_worker_main): joins the cgroup before it imports pysmoe
+    or opens the vault, as the llama.cpp worker does before it loads the GGUF."""
 
-    def close(self):
-        if self.p.poll() is None:
-            try:
-                self.p.stdin.write('{"op": "quit"}\n')
-                self.p.stdin.flush()
-            except BrokenPipeError:
-                pass
-            try:
-                self.p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
+    what = "pysmoe"
+
+    def __init__(self, vault, cache_bytes, threads, ctx, *, cgroup_procs=None, verbose=False):
+        cmd = [sys.executable, __file__, "--gguf", "-", "--_pysmoe-worker", str(vault), "--cache-bytes",
+               str(int(cache_bytes)), "--threads", str(threads), "--ctx", str(ctx)]
+        if cgroup_procs:
+            cmd += ["--cgroup-procs", str(cgroup_procs)]
+        super().__init__(cmd, verbose=verbose)
 
 
 # ================================================================== memory cgroup
@@ -274,7 +381,9 @@ def drop_caches():
 
 # ================================================================== pysmoe side
 
-def pysmoe_run(session, ids, n_decode):
+def pysmoe_run(session, ids, n_decode, max_s=None):
+    """Prefill ids (TTFT up to the first token's argmax), then up to n_decode greedy steps (fewer
+    if max_s seconds of decode have passed: the record's tokens say how many)."""
     session.reset()
     t0 = time.perf_counter()
     logits = session.prefill(ids)
@@ -283,12 +392,17 @@ def pysmoe_run(session, ids, n_decode):
     toks = [tok]
     t1 = time.perf_counter()
     for _ in range(n_decode):
+        if max_s and toks[1:] and time.perf_counter() - t1 > max_s:
+            break
         tok = int(np.argmax(session.decode(tok)))
         toks.append(tok)
     return {"ttft_s": ttft, "decode_s": time.perf_counter() - t1, "tokens": toks}
 
 
 def _tps(rec, n):
+    """Decode tokens/s of one run: the steps it made (n, or fewer when --decode-max-s cut it)."""
+    if "tokens" in rec:
+        n = len(rec["tokens"]) - 1
     return n / rec["decode_s"] if n and rec.get("decode_s") else None
 
 
@@ -303,7 +417,7 @@ def mode_check(vault, gguf, args, log):
                    context=args.ctx) as s:
         ours = np.stack([s.decode(int(t)) for t in ids])   # logits after each position
     v.close()
-    w = LlamaWorker(gguf, args.threads, args.ctx, logits_all=True, omp_active=args.omp_active)
+    w = LlamaWorker(gguf, args.threads, args.ctx, logits_all=True, policy=args.omp_policies[0])
     try:
         tmp = pathlib.Path(args.tmp) / f"peer-logits-{os.getpid()}.npy"
         w.call(op="logits", ids=[int(i) for i in ids], out=str(tmp))
@@ -322,6 +436,20 @@ def mode_check(vault, gguf, args, log):
     log(f"check: {n} positions, argmax agreement {agree:.0%}, correlation median {res['corr_median']:.4f} "
         f"(min {res['corr_min']:.4f}), top-5 overlap {res['top5_overlap']:.0%}, relative L2 {rel:.3f}")
     return res
+
+
+def vname(policy: str, threads: int) -> str:
+    """A llama.cpp variant's name in the records: its wait policy and thread count."""
+    return f"{policy} t{threads}"
+
+
+def llama_variants(args) -> list[tuple[str, int]]:
+    return [(p, t) for p in args.omp_policies for t in args.llama_threads]
+
+
+def _rotated(xs, r):
+    k = r % len(xs)
+    return xs[k:] + xs[:k]
 
 
 class PysmoeWarm:
@@ -343,11 +471,11 @@ class PysmoeWarm:
         self.decode = args.decode_tokens
         pysmoe_run(self.s, warm_ids, 0)
 
-    def prepare(self, ids):
+    def prepare(self, ids, threads=None):
         pysmoe_run(self.s, ids, self.decode)
         self.s.reset_stats()
 
-    def run(self, ids):
+    def run(self, ids, threads=None):
         return pysmoe_run(self.s, ids, self.decode)
 
     def extra(self) -> dict:
@@ -359,21 +487,22 @@ class PysmoeWarm:
 
 
 class LlamaWarm:
-    """llama.cpp with the model loaded (mmap, its default CPU repacking unless --no-repack-warm),
-    warmed the same way."""
+    """llama.cpp under one OpenMP wait policy with the model loaded (mmap, its default CPU
+    repacking unless --no-repack-warm), warmed the same way; each run may ask for a thread count
+    (llama_set_n_threads), so one worker serves every --llama-threads setting."""
     name = "llama.cpp"
 
-    def __init__(self, gguf, args, warm_ids):
-        self.w = LlamaWorker(gguf, args.threads, args.ctx, no_repack=args.no_repack_warm, omp_active=args.omp_active)
+    def __init__(self, gguf, args, warm_ids, policy):
+        self.w = LlamaWorker(gguf, args.llama_threads[0], args.ctx, no_repack=args.no_repack_warm, policy=policy)
         self.load_s = self.w.load_s
         self.decode = args.decode_tokens
         self.w.call(op="run", ids=warm_ids.tolist(), decode=0)
 
-    def prepare(self, ids):
-        self.w.call(op="run", ids=ids.tolist(), decode=self.decode)
+    def prepare(self, ids, threads=None):
+        self.w.call(op="run", ids=ids.tolist(), decode=self.decode, threads=threads)
 
-    def run(self, ids):
-        return self.w.call(op="run", ids=ids.tolist(), decode=self.decode)
+    def run(self, ids, threads=None):
+        return self.w.call(op="run", ids=ids.tolist(), decode=self.decode, threads=threads)
 
     def extra(self) -> dict:
         return {}
@@ -398,8 +527,8 @@ MEM_MARGIN = 3 << 29   # left free beside an engine holding a whole model: Pytho
 
 def warm_needs(vault, gguf) -> dict:
     """Bytes each engine holds with the whole model in memory: pysmoe its dense weights and a cache
-    of every expert; llama.cpp about its GGUF (the experts repacked into anonymous memory, the rest
-    mapped)."""
+    of every expert; one llama.cpp worker about its GGUF (the experts repacked into anonymous
+    memory, the rest mapped)."""
     from pysmoe import open_vault
     with open_vault(vault) as v:
         pysmoe_b = v.dense_bytes + v.expert_bytes
@@ -407,16 +536,18 @@ def warm_needs(vault, gguf) -> dict:
 
 
 def mode_warm(vault, gguf, args, log):
-    """Everything in memory, both engines open at once, runs alternated (needs room for the model
-    twice; --blocks otherwise)."""
+    """Everything in memory, pysmoe and one llama.cpp worker per wait policy open at once, runs
+    alternated (rotated) run by run (needs room for the model 1 + len(policies) times; --blocks
+    otherwise)."""
     from pysmoe import open_vault
     need = warm_needs(vault, gguf)
     avail = _mem_available()
-    total = sum(need.values()) + MEM_MARGIN
+    total = need["pysmoe"] + len(args.omp_policies) * need["llama.cpp"] + MEM_MARGIN
     if avail is not None and total > avail:
-        why = (f"both engines holding the model at once need about {total / MiB:,.0f} MiB (pysmoe "
-               f"{need['pysmoe'] / MiB:,.0f}, llama.cpp {need['llama.cpp'] / MiB:,.0f}, margin {MEM_MARGIN / MiB:,.0f}) "
-               f"and {avail / MiB:,.0f} MiB are available: run it with --blocks")
+        why = (f"pysmoe and {len(args.omp_policies)} llama.cpp workers (one per wait policy) holding the model at once "
+               f"need about {total / MiB:,.0f} MiB (pysmoe {need['pysmoe'] / MiB:,.0f}, llama.cpp "
+               f"{need['llama.cpp'] / MiB:,.0f} each, margin {MEM_MARGIN / MiB:,.0f}) and {avail / MiB:,.0f} MiB are "
+               f"available: run it with --blocks")
         log(f"warm: SKIPPED: {why}")
         return {"skipped": why, "alternated": True}
     with open_vault(vault) as v:
@@ -424,25 +555,26 @@ def mode_warm(vault, gguf, args, log):
     warm_ids = make_prompt(vocab, min(args.ctx - args.decode_tokens - 2, 256), args.seed + 1)
     engines = {}
     out = {"alternated": True}
+    contenders = [("pysmoe", "pysmoe", None)] + [(vname(p, t), p, t) for p, t in llama_variants(args)]
     try:
         # warm-up: a longer prompt pulls (nearly) every expert into pysmoe's cache and llama.cpp's
         # page cache / repacked buffers; then each timed prompt once more, untimed.
         engines["pysmoe"] = PysmoeWarm(vault, args, warm_ids)
-        engines["llama.cpp"] = LlamaWarm(gguf, args, warm_ids)
-        log(f"warm: llama.cpp loaded in {engines['llama.cpp'].load_s:.2f} s; pysmoe cache "
-            f"{engines['pysmoe'].cache / MiB:,.0f} MiB (every expert)")
+        for pol in args.omp_policies:
+            engines[pol] = LlamaWarm(gguf, args, warm_ids, pol)
+            log(f"warm: llama.cpp ({pol}) loaded in {engines[pol].load_s:.2f} s")
+        log(f"warm: pysmoe cache {engines['pysmoe'].cache / MiB:,.0f} MiB (every expert); contenders, rotated run by "
+            f"run: {', '.join(c for c, _, _ in contenders)}")
         for n in args.prompt_lengths:
             ids = make_prompt(vocab, n, args.seed)
-            for e in engines.values():
-                e.prepare(ids)
-            runs = {"pysmoe": [], "llama.cpp": []}
+            for _, e, t in contenders:
+                engines[e].prepare(ids, t)
+            runs = {c: [] for c, _, _ in contenders}
             for r in range(args.repeats):
-                order = ["pysmoe", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "pysmoe"]
-                for who in order:
-                    runs[who].append(engines[who].run(ids))
+                for c, e, t in _rotated(contenders, r):
+                    runs[c].append(dict(engines[e].run(ids, t), load_s=engines[e].load_s))
             out[n] = _summary(runs, n, args.decode_tokens)
-            for who, e in engines.items():
-                out[n][who].update(e.extra(), load_s=e.load_s)
+            out[n]["pysmoe"].update(engines["pysmoe"].extra())
             log(_line("warm", n, out[n]))
     finally:
         for e in engines.values():
@@ -451,25 +583,29 @@ def mode_warm(vault, gguf, args, log):
 
 
 def mode_warm_blocks(vault, gguf, args, log):
-    """Everything in memory, one engine at a time: all of pysmoe's repeats, then all of llama.cpp's,
-    each engine opened once and closed before the other opens, the page cache dropped before each
-    block. For a model that does not fit in memory twice (the full a3b: an 18 GB vault and an 18 GB
-    GGUF on a 24 GB machine). NOT alternated: the two blocks run minutes apart, so a change in the
+    """Everything in memory, one engine at a time: all of pysmoe's repeats, then all of each
+    llama.cpp wait policy's (its thread settings alternated within the block), each engine opened
+    once and closed before the next opens, the page cache dropped before each block. For a model
+    that does not fit in memory twice (the full a3b: an 18 GB vault and an 18 GB GGUF on a 24 GB
+    machine). NOT alternated between engines: the blocks run minutes apart, so a change in the
     machine's load between them moves the ratio; each block's load average is recorded."""
     from pysmoe import open_vault
     with open_vault(vault) as v:
         vocab = v.config["vocab_size"]
     warm_ids = make_prompt(vocab, min(args.ctx - args.decode_tokens - 2, 256), args.seed + 1)
     need = warm_needs(vault, gguf)
-    runs = {n: {"pysmoe": [], "llama.cpp": []} for n in args.prompt_lengths}
-    extra = {n: {"pysmoe": {}, "llama.cpp": {}} for n in args.prompt_lengths}
+    block_list = [("pysmoe", None, [("pysmoe", None)])] + [
+        (f"llama.cpp {p}", p, [(vname(p, t), t) for t in args.llama_threads]) for p in args.omp_policies]
+    runs = {n: {c: [] for _, _, cs in block_list for c, _ in cs} for n in args.prompt_lengths}
+    extra = {n: {} for n in args.prompt_lengths}
     blocks = {}
-    log("warm in blocks: NOT alternated (all pysmoe repeats, then all llama.cpp repeats, one engine in memory at "
-        f"a time{'' if args.no_drop_caches else ', the page cache dropped before each'}): the machine's load may "
-        "differ between the blocks")
-    for who in ("pysmoe", "llama.cpp"):
+    log("warm in blocks: NOT alternated (all pysmoe repeats, then all llama.cpp repeats of each wait policy, one engine "
+        f"in memory at a time{'' if args.no_drop_caches else ', the page cache dropped before each'}): the machine's "
+        "load may differ between the blocks")
+    for who, policy, cs in block_list:
+        kind = "pysmoe" if policy is None else "llama.cpp"
         info = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "dropped_caches": False, "skipped": None,
-                "need_bytes": need[who]}
+                "need_bytes": need[kind]}
         if not args.no_drop_caches:
             try:
                 drop_caches()
@@ -479,38 +615,162 @@ def mode_warm_blocks(vault, gguf, args, log):
         avail = _mem_available()
         info["mem_available_bytes"] = avail
         info["loadavg_before"] = list(os.getloadavg())
-        if avail is not None and need[who] + MEM_MARGIN > avail:
-            info["skipped"] = (f"{who} holding the model needs about {(need[who] + MEM_MARGIN) / MiB:,.0f} MiB "
+        if avail is not None and need[kind] + MEM_MARGIN > avail:
+            info["skipped"] = (f"{who} holding the model needs about {(need[kind] + MEM_MARGIN) / MiB:,.0f} MiB "
                                f"(with a {MEM_MARGIN / MiB:,.0f} MiB margin), {avail / MiB:,.0f} MiB available")
             log(f"warm {who} block: SKIPPED: {info['skipped']}")
             blocks[who] = info
             continue
         t0 = time.perf_counter()
-        e = PysmoeWarm(vault, args, warm_ids) if who == "pysmoe" else LlamaWarm(gguf, args, warm_ids)
+        e = PysmoeWarm(vault, args, warm_ids) if policy is None else LlamaWarm(gguf, args, warm_ids, policy)
         info["load_s"] = e.load_s
         try:
             for n in args.prompt_lengths:
                 ids = make_prompt(vocab, n, args.seed)
-                e.prepare(ids)
+                for _, t in cs:
+                    e.prepare(ids, t)
                 for r in range(args.repeats):
-                    runs[n][who].append(e.run(ids))
-                extra[n][who] = e.extra()
-                t = _median([x["ttft_s"] for x in runs[n][who]])
-                log(f"warm {who} block n={n}: TTFT {_f(t)} s")
+                    for c, t in _rotated(cs, r):
+                        runs[n][c].append(dict(e.run(ids, t), load_s=e.load_s))
+                if policy is None:
+                    extra[n] = e.extra()
+                for c, _ in cs:
+                    log(f"warm {c} block n={n}: TTFT {_f(_median([x['ttft_s'] for x in runs[n][c]]))} s")
         finally:
             e.close()
         info["seconds"] = time.perf_counter() - t0
         info["loadavg_after"] = list(os.getloadavg())
         blocks[who] = info
     out = {"alternated": False, "blocks": blocks,
-           "note": "not alternated: all pysmoe repeats, then all llama.cpp repeats, one engine in memory at a time "
-                   "(the model does not fit twice); ratios are of medians taken in different blocks"}
+           "note": "not alternated: all pysmoe repeats, then all llama.cpp repeats of each wait policy, one engine in "
+                   "memory at a time (the model does not fit twice); ratios are of medians taken in different blocks"}
     for n in args.prompt_lengths:
         out[n] = _summary(runs[n], n, args.decode_tokens)
-        for who in ("pysmoe", "llama.cpp"):
-            out[n][who].update(extra[n][who], load_s=blocks[who].get("load_s"))
+        out[n]["pysmoe"].update(extra[n])
         log(_line("warm (blocks)", n, out[n]))
     return out
+
+
+# ================================================================== block-device readahead
+
+def readahead_queues(paths) -> list[str]:
+    """The read_ahead_kb files of the whole disks that hold these files: the file's st_dev is
+    MAJ:MIN, /sys/dev/block/MAJ:MIN links to its block device, and a partition's (it has a
+    `partition` file) queue is its parent disk's."""
+    out = []
+    for path in paths:
+        st = os.stat(path)
+        dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+        sysdir = os.path.realpath(f"/sys/dev/block/{dev}")
+        if not os.path.isdir(sysdir):
+            raise OSError(f"{path}: device {dev} is not a block device (/sys/dev/block/{dev} missing)")
+        if os.path.exists(os.path.join(sysdir, "partition")):
+            sysdir = os.path.dirname(sysdir)
+        q = os.path.join(sysdir, "queue", "read_ahead_kb")
+        if not os.path.exists(q):
+            raise OSError(f"{path}: no {q}")
+        if q not in out:
+            out.append(q)
+    return out
+
+
+class Readahead:
+    """Sets read_ahead_kb on the given queues for a `with` block and ALWAYS puts the original
+    values back on the way out (an exception, Ctrl-C, or SIGTERM: main turns it into SystemExit).
+    The setting is the disk's, machine-wide, for as long as the block runs."""
+
+    def __init__(self, queues, kb):
+        self.queues, self.kb, self.orig = list(queues), kb, {}
+
+    def __enter__(self):
+        for q in self.queues:
+            self.orig[q] = int(open(q).read())
+        try:
+            for q in self.queues:
+                with open(q, "w") as f:
+                    f.write(str(self.kb))
+        except BaseException:
+            self.restore()
+            raise
+        return self
+
+    def restore(self):
+        for q, v in self.orig.items():
+            try:
+                with open(q, "w") as f:
+                    f.write(str(v))
+            except OSError as e:
+                print(f"peer.py: could not restore {q} to {v}: {e}", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        self.restore()
+        return False
+
+
+# ================================================================== cold mode
+
+def cold_run(limit, start, ids, n_decode, tag, decode_max_s=None):
+    """One cold run: a fresh memory cgroup limited to `limit`, a fresh worker (start(procs_file))
+    that joins it before it loads anything, the prompt and the decode; the cgroup's peak and OOM
+    kills recorded; the group removed. A worker that dies (OOM) gives a record with an error."""
+    cg = MemCgroup(limit, name=f"smoe-peer-{os.getpid()}-{tag}")
+    try:
+        try:
+            w = start(cg.procs_file)
+            try:
+                rec = w.call(op="run", ids=ids.tolist(), decode=n_decode, decode_max_s=decode_max_s)
+                rec["load_s"] = w.load_s
+            finally:
+                w.close()
+        except WorkerDied as e:
+            rec = {"error": str(e), "ttft_s": None, "decode_s": None}
+        rec["limit_bytes"] = limit
+        rec["cgroup_peak_bytes"] = cg.peak()
+        rec["oom_kills"] = cg.oom_kills() or 0
+    finally:
+        cg.remove()
+    return rec
+
+
+def find_pysmoe_limit(budget, run_at, log, resolution=8 * MiB):
+    """The smallest cgroup limit (to `resolution`) at which pysmoe's worker survives one run of the
+    longest prompt and the decode, starting at `budget` (its own resident_bytes): first the budget,
+    then budget + 16, 32, 64, ... MiB until a run survives, then bisection. Also one run under a
+    generous limit (2 × budget + 1 GiB) for the cgroup's unconstrained peak. Returns a dict."""
+    trials = []
+
+    def trial(limit):
+        rec = run_at(limit)
+        ok = rec.get("error") is None
+        trials.append({"limit_bytes": limit, "survived": ok, "cgroup_peak_bytes": rec.get("cgroup_peak_bytes"),
+                       "vm_hwm_bytes": rec.get("vm_hwm_bytes"), "oom_kills": rec.get("oom_kills")})
+        log(f"cold: pysmoe at a cgroup limit of {limit / MiB:,.1f} MiB (budget + {(limit - budget) / MiB:,.1f}): "
+            f"{'ran' if ok else 'killed (' + str(rec.get('error')) + ')'}, cgroup peak "
+            f"{_f((rec.get('cgroup_peak_bytes') or 0) / MiB, '{:,.1f}')} MiB, VmHWM "
+            f"{_f((rec.get('vm_hwm_bytes') or 0) / MiB, '{:,.1f}')} MiB")
+        return ok
+
+    free = trial(2 * budget + (1 << 30))
+    unconstrained = trials[-1]
+    found = None
+    if trial(budget):
+        found = budget
+    else:
+        lo, step = budget, 16 * MiB
+        while step <= 4 << 30:
+            if trial(budget + step):
+                found = budget + step
+                break
+            lo, step = budget + step, step * 2
+        while found is not None and found - lo > resolution:
+            mid = (lo + found) // 2 // MiB * MiB
+            if trial(mid):
+                found = mid
+            else:
+                lo = mid
+    return {"budget_bytes": budget, "limit_bytes": found, "extra_bytes": None if found is None else found - budget,
+            "unconstrained_peak_bytes": unconstrained["cgroup_peak_bytes"] if free else None,
+            "unconstrained_vm_hwm_bytes": unconstrained["vm_hwm_bytes"] if free else None, "trials": trials}
 
 
 def mode_cold(vault, gguf, args, log):
@@ -528,72 +788,130 @@ def mode_cold(vault, gguf, args, log):
     log(f"cold: budget {budget / MiB:,.1f} MiB = pysmoe resident_bytes with a {cache / MiB:,.1f} MiB cache "
         f"({args.cache_frac:.0%} of experts); {budget / gguf_bytes:.0%} of the {gguf_bytes / MiB:,.0f} MiB GGUF")
     try:
-        cg = MemCgroup(budget)
+        MemCgroup(budget, name=f"smoe-peer-{os.getpid()}-probe").remove()
     except (OSError, PermissionError) as e:
         log(f"cold: SKIPPED: {e}")
         return {"skipped": str(e), **info}
-    info["cgroup"] = {"version": cg.version, "path": cg.path}
-    out = {"info": info}
     try:
-        for n in args.prompt_lengths:
-            ids = make_prompt(vocab, n, args.seed)
-            runs = {"pysmoe": [], "llama.cpp": []}
-            for r in range(args.repeats):
-                order = ["pysmoe", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "pysmoe"]
-                for who in order:
-                    drop_caches()
-                    if who == "pysmoe":
-                        t0 = time.perf_counter()
-                        vv = open_vault(vault)
-                        ss = vv.session(cache_bytes=cache, threads=args.threads, context=args.ctx)
-                        ss.clear_cache()
-                        open_s = time.perf_counter() - t0
-                        rec = pysmoe_run(ss, ids, args.decode_tokens)
-                        st = ss.stats()
-                        rec.update(load_s=open_s, direct_io=st["direct_io"], resident_bytes=st["resident_bytes"],
-                                   bytes_read=st["bytes_read"])
-                        ss.close()
-                        vv.close()
-                    else:
-                        cg.reset_peak()
-                        kills = cg.oom_kills() or 0
-                        try:
-                            w = LlamaWorker(gguf, args.threads, args.ctx, cgroup_procs=cg.procs_file,
-                                            no_repack=not args.repack_cold, omp_active=args.omp_active)
-                            try:
-                                rec = w.call(op="run", ids=ids.tolist(), decode=args.decode_tokens)
-                                rec["load_s"] = w.load_s
-                            finally:
-                                w.close()
-                        except RuntimeError as e:
-                            rec = {"error": str(e), "ttft_s": None, "decode_s": None}
-                        rec["cgroup_peak_bytes"] = cg.peak()
-                        rec["oom_kills"] = (cg.oom_kills() or 0) - kills
-                    runs[who].append(rec)
-            out[n] = _summary(runs, n, args.decode_tokens)
-            out[n]["pysmoe"]["direct_io"] = all(r.get("direct_io") for r in runs["pysmoe"])
-            out[n]["llama.cpp"]["cgroup_peak_mib"] = max((r.get("cgroup_peak_bytes") or 0) for r in runs["llama.cpp"]) / MiB
-            out[n]["llama.cpp"]["errors"] = [r["error"] for r in runs["llama.cpp"] if "error" in r]
-            log(_line("cold", n, out[n]))
-    finally:
-        cg.remove()
+        queues = readahead_queues([vault, gguf])
+        ras = list(args.readahead_kb)
+        info["readahead_queues"] = {q: int(open(q).read()) for q in queues}
+    except OSError as e:
+        queues, ras = [], [None]
+        info["readahead_note"] = f"readahead left as it is: {e}"
+        log(f"cold: {info['readahead_note']}")
+    cold_llama = [(p, t) for p, t in llama_variants(args)]
+
+    def pysmoe_at(limit, ids, tag):
+        return cold_run(limit, lambda procs: PysmoeWorker(vault, cache, args.threads, args.ctx, cgroup_procs=procs,
+                                                          verbose=args.verbose), ids, args.decode_tokens, tag,
+                        args.decode_max_s)
+
+    def llama_at(policy, threads, ids, tag):
+        return cold_run(budget, lambda procs: LlamaWorker(gguf, threads, args.ctx, policy=policy, cgroup_procs=procs,
+                                                          no_repack=not args.repack_cold, verbose=args.verbose),
+                        ids, args.decode_tokens, tag, args.decode_max_s)
+
+    longest = make_prompt(vocab, max(args.prompt_lengths), args.seed)
+
+    def calib_run(limit):
+        drop_caches()
+        return pysmoe_at(limit, longest, "calib")
+
+    # pysmoe in its own cgroup: at its own budget, or at the smallest limit it survives (reported).
+    if args.pysmoe_limit == "find":
+        fit = find_pysmoe_limit(budget, calib_run, log)
+        if fit["limit_bytes"] is None:
+            log("cold: SKIPPED: pysmoe did not survive a limit of its budget + 4 GiB")
+            return {"skipped": "pysmoe killed at every cgroup limit tried", "pysmoe_fit": fit, **info}
+    else:
+        fit = {"budget_bytes": budget, "limit_bytes": budget, "extra_bytes": 0, "trials": [], "note": "not searched"}
+    info["pysmoe_fit"] = fit
+    plimit = fit["limit_bytes"]
+    log(f"cold: pysmoe runs in a cgroup of {plimit / MiB:,.1f} MiB (its budget + {fit['extra_bytes'] / MiB:,.1f} MiB), "
+        f"llama.cpp in one of {budget / MiB:,.1f} MiB")
+    contenders = ["pysmoe"] + [vname(p, t) for p, t in cold_llama]
+    out = {"info": info, "headline_readahead_kb": ras[0], "by_readahead_kb": {}}
+    for ra in ras:
+        res_ra = {}
+        ctxm = Readahead(queues, ra) if ra is not None else None
+        if ctxm:
+            ctxm.__enter__()
+        try:
+            log(f"cold: read_ahead_kb = {ra if ra is not None else 'unchanged'}")
+            for n in args.prompt_lengths:
+                ids = make_prompt(vocab, n, args.seed)
+                runs = {c: [] for c in contenders}
+                for r in range(args.repeats):
+                    for c in _rotated(contenders, r):
+                        drop_caches()
+                        if c == "pysmoe":
+                            rec = pysmoe_at(plimit, ids, "pysmoe")
+                        else:
+                            p, t = c.split(" t")
+                            rec = llama_at(p, int(t), ids, c.replace(" ", "-"))
+                        runs[c].append(rec)
+                res_ra[n] = _summary(runs, n, args.decode_tokens)
+                ps = res_ra[n]["pysmoe"]
+                ps["direct_io"] = all(r.get("direct_io") for r in runs["pysmoe"] if "error" not in r)
+                ps["limit_mib"] = plimit / MiB
+                for c in contenders:
+                    tgt = ps if c == "pysmoe" else res_ra[n]["llama.cpp_variants"][c]
+                    tgt["cgroup_peak_mib"] = max((r.get("cgroup_peak_bytes") or 0) for r in runs[c]) / MiB
+                    tgt["vm_hwm_mib"] = max((r.get("vm_hwm_bytes") or 0) for r in runs[c]) / MiB
+                    tgt["oom_kills"] = sum(r.get("oom_kills") or 0 for r in runs[c])
+                log(_line(f"cold ra={ra}", n, res_ra[n]))
+                out["by_readahead_kb"][str(ra)] = res_ra
+                if getattr(args, "save_partial", None):   # a long run that dies keeps what it measured
+                    args.save_partial("cold", out)
+        finally:
+            if ctxm:
+                ctxm.__exit__(None, None, None)
+        out["by_readahead_kb"][str(ra)] = res_ra
+    out.update(out["by_readahead_kb"][str(ras[0])])   # cold[n]: the headline readahead (plot.py reads these)
     return out
 
 
+# ================================================================== summaries and tables
+
+def _stats(rs, n, n_decode):
+    ok = [r for r in rs if r.get("ttft_s") is not None]
+    t = _median([r["ttft_s"] for r in ok])
+    lt = [r["load_s"] + r["ttft_s"] for r in ok if r.get("load_s") is not None]
+    return {"ttft_s": t, "ttft_all_s": [r["ttft_s"] for r in ok], "prefill_tps": n / t if t else None,
+            "decode_tps": _median([_tps(r, n_decode) for r in ok if r.get("decode_s") is not None]),
+            "decode_all_tps": [_tps(r, n_decode) for r in ok if r.get("decode_s") is not None],
+            "load_s": _median([r.get("load_s") for r in ok]), "load_plus_ttft_s": _median(lt),
+            "first_tokens": ok[0].get("tokens", [])[:8] if ok else [],
+            "errors": [r["error"] for r in rs if "error" in r]}
+
+
 def _summary(runs, n, n_decode):
-    res = {}
-    for who, rs in runs.items():
-        res[who] = {"ttft_s": _median([r["ttft_s"] for r in rs]),
-                    "ttft_all_s": [r["ttft_s"] for r in rs],
-                    "prefill_tps": (n / _median([r["ttft_s"] for r in rs])) if _median([r["ttft_s"] for r in rs]) else None,
-                    "decode_tps": _median([_tps(r, n_decode) for r in rs if r.get("decode_s") is not None]),
-                    "load_s": _median([r.get("load_s") for r in rs]),
-                    "first_tokens": rs[0].get("tokens", [])[:8] if rs else []}
-    a, b = res["pysmoe"]["ttft_s"], res["llama.cpp"]["ttft_s"]
-    res["ttft_ratio_llama_over_pysmoe"] = (b / a) if a and b else None
-    a, b = res["pysmoe"]["decode_tps"], res["llama.cpp"]["decode_tps"]
-    res["decode_ratio_pysmoe_over_llama"] = (a / b) if a and b else None
-    return res
+    """Medians per contender; "llama.cpp" is the best llama.cpp variant for each figure (lowest
+    TTFT, lowest load + TTFT, highest decode tok/s), with the variant that set it (`*_by`)."""
+    per = {c: _stats(rs, n, n_decode) for c, rs in runs.items()}
+    p = per.pop("pysmoe")
+
+    def best(key, pick):
+        cands = [(v[key], c) for c, v in per.items() if v[key] is not None]
+        return pick(cands) if cands else (None, None)
+
+    t, t_by = best("ttft_s", min)
+    d, d_by = best("decode_tps", max)
+    lt, lt_by = best("load_plus_ttft_s", min)
+    l = {"ttft_s": t, "ttft_by": t_by, "ttft_all_s": per[t_by]["ttft_all_s"] if t_by else [],
+         "prefill_tps": n / t if t else None, "decode_tps": d, "decode_by": d_by,
+         "load_s": per[lt_by]["load_s"] if lt_by else None, "load_plus_ttft_s": lt, "load_plus_ttft_by": lt_by,
+         "first_tokens": per[t_by]["first_tokens"] if t_by else [],
+         "errors": [e for v in per.values() for e in v["errors"]]}
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    return {"pysmoe": p, "llama.cpp": l, "llama.cpp_variants": per,
+            "ttft_ratio_llama_over_pysmoe": ratio(t, p["ttft_s"]),
+            "load_ttft_ratio_llama_over_pysmoe": ratio(lt, p["load_plus_ttft_s"]),
+            "decode_ratio_pysmoe_over_llama": ratio(p["decode_tps"], d)}
 
 
 def _f(x, fmt="{:.3f}"):
@@ -602,27 +920,77 @@ def _f(x, fmt="{:.3f}"):
 
 def _line(mode, n, r):
     p, l = r["pysmoe"], r["llama.cpp"]
-    return (f"{mode} n={n}: TTFT pysmoe {_f(p['ttft_s'])} s, llama.cpp {_f(l['ttft_s'])} s "
-            f"(llama/pysmoe {_f(r['ttft_ratio_llama_over_pysmoe'], '{:.2f}')}×); decode pysmoe "
-            f"{_f(p['decode_tps'], '{:.2f}')} tok/s, llama.cpp {_f(l['decode_tps'], '{:.2f}')} tok/s")
+    return (f"{mode} n={n}: TTFT pysmoe {_f(p['ttft_s'])} s, llama.cpp {_f(l['ttft_s'])} s [{l['ttft_by']}] "
+            f"(llama/pysmoe {_f(r['ttft_ratio_llama_over_pysmoe'], '{:.2f}')}×); load+TTFT pysmoe "
+            f"{_f(p['load_plus_ttft_s'])} s, llama.cpp {_f(l['load_plus_ttft_s'])} s [{l['load_plus_ttft_by']}]; "
+            f"decode pysmoe {_f(p['decode_tps'], '{:.2f}')} tok/s, llama.cpp {_f(l['decode_tps'], '{:.2f}')} tok/s "
+            f"[{l['decode_by']}]")
+
+
+def _rows(m):
+    return [(n, r) for n, r in m.items() if isinstance(r, dict) and "ttft_ratio_llama_over_pysmoe" in r]
 
 
 def table(res) -> str:
-    rows = ["| mode | prompt | pysmoe TTFT s | llama.cpp TTFT s | llama/pysmoe TTFT | pysmoe prefill tok/s | "
-            "llama.cpp prefill tok/s | pysmoe decode tok/s | llama.cpp decode tok/s | load s (pysmoe / llama.cpp) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
-    for mode in ("warm", "cold"):
-        m = res.get(mode) or {}
-        label = "warm (blocks, not alternated)" if mode == "warm" and m.get("alternated") is False else mode
-        for n, r in m.items():
-            if not isinstance(r, dict) or "ttft_ratio_llama_over_pysmoe" not in r:
-                continue
+    """Markdown: the warm table, the cold table (every readahead), and each llama.cpp variant's
+    medians. llama.cpp's figures are its best variant's, named in brackets."""
+    out = []
+    m = res.get("warm") or {}
+    if _rows(m):
+        label = "warm (blocks, not alternated)" if m.get("alternated") is False else "warm"
+        out += [f"{label}:", "",
+                "| prompt | pysmoe TTFT s | llama.cpp TTFT s [best] | llama/pysmoe TTFT | pysmoe prefill tok/s | "
+                "llama.cpp prefill tok/s | pysmoe decode tok/s | llama.cpp decode tok/s [best] | pysmoe/llama decode |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for n, r in _rows(m):
             p, l = r["pysmoe"], r["llama.cpp"]
-            rows.append(f"| {label} | {n} | {_f(p['ttft_s'])} | {_f(l['ttft_s'])} | "
-                        f"{_f(r['ttft_ratio_llama_over_pysmoe'], '{:.2f}')}× | {_f(p['prefill_tps'], '{:.1f}')} | "
-                        f"{_f(l['prefill_tps'], '{:.1f}')} | {_f(p['decode_tps'], '{:.2f}')} | "
-                        f"{_f(l['decode_tps'], '{:.2f}')} | {_f(p['load_s'], '{:.2f}')} / {_f(l['load_s'], '{:.2f}')} |")
-    return "\n".join(rows)
+            out.append(f"| {n} | {_f(p['ttft_s'])} | {_f(l['ttft_s'])} [{l['ttft_by']}] | "
+                       f"{_f(r['ttft_ratio_llama_over_pysmoe'], '{:.2f}')}× | {_f(p['prefill_tps'], '{:.1f}')} | "
+                       f"{_f(l['prefill_tps'], '{:.1f}')} | {_f(p['decode_tps'], '{:.2f}')} | "
+                       f"{_f(l['decode_tps'], '{:.2f}')} [{l['decode_by']}] | "
+                       f"{_f(r['decode_ratio_pysmoe_over_llama'], '{:.2f}')}× |")
+        out.append("")
+    c = res.get("cold") or {}
+    if c.get("by_readahead_kb"):
+        info = c.get("info", {})
+        fit = info.get("pysmoe_fit", {})
+        out += [f"cold (budget {info.get('budget_bytes', 0) / MiB:,.1f} MiB for llama.cpp; pysmoe's cgroup "
+                f"{_f((fit.get('limit_bytes') or 0) / MiB, '{:,.1f}')} MiB; headline readahead "
+                f"{c.get('headline_readahead_kb')} KiB):", "",
+                "| read_ahead_kb | prompt | pysmoe load+TTFT s | llama.cpp load+TTFT s [best] | llama/pysmoe load+TTFT | "
+                "pysmoe TTFT s | llama.cpp TTFT s [best] | llama/pysmoe TTFT | pysmoe decode tok/s | "
+                "llama.cpp decode tok/s [best] | pysmoe/llama decode | peak MiB pysmoe / llama.cpp |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for ra, rr in c["by_readahead_kb"].items():
+            for n, r in _rows(rr):
+                p, l = r["pysmoe"], r["llama.cpp"]
+                lpk = max((v.get("cgroup_peak_mib") or 0) for v in r["llama.cpp_variants"].values())
+                out.append(f"| {ra} | {n} | {_f(p['load_plus_ttft_s'])} | {_f(l['load_plus_ttft_s'])} "
+                           f"[{l['load_plus_ttft_by']}] | {_f(r['load_ttft_ratio_llama_over_pysmoe'], '{:.2f}')}× | "
+                           f"{_f(p['ttft_s'])} | {_f(l['ttft_s'])} [{l['ttft_by']}] | "
+                           f"{_f(r['ttft_ratio_llama_over_pysmoe'], '{:.2f}')}× | {_f(p['decode_tps'], '{:.2f}')} | "
+                           f"{_f(l['decode_tps'], '{:.2f}')} [{l['decode_by']}] | "
+                           f"{_f(r['decode_ratio_pysmoe_over_llama'], '{:.2f}')}× | "
+                           f"{_f(p.get('cgroup_peak_mib'), '{:,.0f}')} / {_f(lpk, '{:,.0f}')} |")
+        out.append("")
+    var = ["| mode | prompt | llama.cpp variant | TTFT s | load+TTFT s | decode tok/s | errors |",
+           "|---|---|---|---|---|---|---|"]
+    for mode, rr in [("warm", m)] + [(f"cold ra={ra}", x) for ra, x in (c.get("by_readahead_kb") or {}).items()]:
+        for n, r in _rows(rr):
+            if r["pysmoe"]["errors"]:   # pysmoe killed in some run (its cgroup limit too small)
+                var.append(f"| {mode} | {n} | (pysmoe) | {_f(r['pysmoe']['ttft_s'])} | "
+                           f"{_f(r['pysmoe']['load_plus_ttft_s'])} | {_f(r['pysmoe']['decode_tps'], '{:.2f}')} | "
+                           f"{len(r['pysmoe']['errors'])} |")
+            for name, v in r["llama.cpp_variants"].items():
+                var.append(f"| {mode} | {n} | {name} | {_f(v['ttft_s'])} | {_f(v['load_plus_ttft_s'])} | "
+                           f"{_f(v['decode_tps'], '{:.2f}')} | {len(v['errors'])} |")
+    if len(var) > 2:
+        out += ["llama.cpp variants (medians; the best of each column is the one compared above):", ""] + var
+    return "\n".join(out)
+
+
+def _sigterm(signum, frame):
+    raise SystemExit(128 + signum)   # so that `finally` blocks run (readahead restored, cgroups removed)
 
 
 def main(argv=None) -> int:
@@ -630,10 +998,24 @@ def main(argv=None) -> int:
     ap.add_argument("vault", nargs="?")
     ap.add_argument("--gguf", required=True, help="the same weights as a GGUF (scripts/export_gguf.py)")
     ap.add_argument("--prompt-lengths", default="8,45", type=lambda s: [int(x) for x in s.split(",") if x])
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="pysmoe's threads (and llama.cpp's unless --llama-threads)")
+    ap.add_argument("--llama-threads", default=None, type=lambda s: [int(x) for x in s.split(",") if x],
+                    help="llama.cpp thread counts to try, e.g. 1,2 (default: --threads); its best is compared")
+    ap.add_argument("--omp-policies", default="default,passive", type=lambda s: [x for x in s.split(",") if x],
+                    help="llama.cpp under each of these libgomp wait policies (default: OMP_WAIT_POLICY unset, "
+                         "spinning for a while at barriers; passive; active), alternated; its best is compared")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=16)
+    ap.add_argument("--decode-max-s", type=float, default=None,
+                    help="cold mode: stop a run's decode after this many seconds (at least one step; tokens/s over "
+                         "the steps made) -- llama.cpp under a budget can take minutes for 16 tokens")
     ap.add_argument("--cache-frac", type=float, default=0.1, help="pysmoe cache for the cold mode, of the expert bytes")
+    ap.add_argument("--readahead-kb", default="128,8192", type=lambda s: [int(x) for x in s.split(",") if x],
+                    help="cold mode: the block-device read_ahead_kb values to run at (the disk holding the vault and "
+                         "GGUF; restored afterwards); the first is the headline")
+    ap.add_argument("--pysmoe-limit", choices=("find", "budget"), default="find",
+                    help="cold mode: pysmoe's cgroup limit: the smallest it survives, searched up from its budget "
+                         "(find), or exactly its budget (budget; a kill is then recorded as an error)")
     ap.add_argument("--ctx", type=int, default=None,
                     help="context of both engines (sizes pysmoe's KV and llama.cpp's; default: 512, or the longest "
                          "prompt + decode tokens + 2 when that is more)")
@@ -647,24 +1029,33 @@ def main(argv=None) -> int:
     ap.add_argument("--no-repack-warm", action="store_true", help="warm llama.cpp without its CPU weight repacking")
     ap.add_argument("--repack-cold", action="store_true",
                     help="cold llama.cpp with repacking (copies the experts to anonymous memory: OOM in the cgroup)")
-    ap.add_argument("--omp-active", action="store_true",
-                    help="leave libgomp's spinning wait policy (default: OMP_WAIT_POLICY=PASSIVE for llama.cpp)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tmp", default="/tmp")
     ap.add_argument("--json", default=None)
     # worker side
     ap.add_argument("--_worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--_pysmoe-worker", dest="pysmoe_worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cache-bytes", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--cgroup-procs", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--no-repack", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--logits-all", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--verbose", action="store_true", help="llama.cpp's log on stderr")
+    ap.add_argument("--verbose", action="store_true", help="the workers' logs on stderr")
     args = ap.parse_args(argv)
     if args._worker:
         return _worker_main(args)
+    if args.pysmoe_worker:
+        args.vault = args.pysmoe_worker
+        return _pysmoe_worker_main(args)
     if not args.vault:
         ap.error("VAULT is required")
     if args.ctx is None:
         args.ctx = max(512, max(args.prompt_lengths) + args.decode_tokens + 2)
+    args.llama_threads = args.llama_threads or [args.threads]
+    bad = [p for p in args.omp_policies if p not in OMP_POLICIES]
+    if bad or not args.omp_policies:
+        ap.error(f"--omp-policies: choose from {','.join(OMP_POLICIES)}")
+    if not args.readahead_kb:
+        ap.error("--readahead-kb: at least one value")
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -679,12 +1070,13 @@ def main(argv=None) -> int:
                       "experts": v.config["num_experts"], "top_k": v.config["num_experts_per_tok"],
                       "hidden_size": v.config["hidden_size"], "blob_bytes": v.blob_bytes,
                       "expert_bytes": v.expert_bytes, "dense_bytes": v.dense_bytes}
-    res = {"omp_wait_policy": "active (default)" if args.omp_active else os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+    res = {"omp_policies": args.omp_policies, "llama_threads": args.llama_threads,
            "vault": str(args.vault), "vault_info": vault_info, "gguf": str(args.gguf), "argv": sys.argv,
            "threads": args.threads, "repeats": args.repeats, "decode_tokens": args.decode_tokens,
            "prompt_lengths": args.prompt_lengths, "ctx": args.ctx, "cache_frac": args.cache_frac,
-           "warm_blocks": args.blocks, "loadavg_start": list(os.getloadavg()),
-           "pysmoe_activations": "q8", "pysmoe_kernels": _pysmoe_kernels(),
+           "readahead_kb": args.readahead_kb, "decode_max_s": args.decode_max_s, "pysmoe_limit": args.pysmoe_limit,
+           "warm_blocks": args.blocks, "loadavg_start": list(os.getloadavg()), "cpus": os.cpu_count(),
+           "cpu_model": _cpu_model(), "pysmoe_activations": "q8", "pysmoe_kernels": _pysmoe_kernels(),
            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
         import llama_cpp
@@ -692,21 +1084,41 @@ def main(argv=None) -> int:
     except ImportError:
         log("llama-cpp-python is not installed (pip install llama-cpp-python): nothing to compare against")
         return 2
-    for m in modes:
-        fn = {"check": mode_check, "warm": mode_warm_blocks if args.blocks else mode_warm, "cold": mode_cold}[m]
-        res[m] = fn(args.vault, args.gguf, args, log)
-        res[f"loadavg_after_{m}"] = list(os.getloadavg())
-        if args.json:  # after each mode, so that a long run that dies leaves what it measured
-            pathlib.Path(args.json).write_text(json.dumps(dict(res, partial=True), indent=1, default=str) + "\n")
+    def save_partial(mode, part):
+        if args.json:
+            pathlib.Path(args.json).write_text(json.dumps(dict(res, **{mode: part}, partial=True), indent=1,
+                                                          default=str) + "\n")
+    args.save_partial = save_partial
+    old_term = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        for m in modes:
+            fn = {"check": mode_check, "warm": mode_warm_blocks if args.blocks else mode_warm, "cold": mode_cold}[m]
+            res[m] = fn(args.vault, args.gguf, args, log)
+            res[f"loadavg_after_{m}"] = list(os.getloadavg())
+            if args.json:  # after each mode, so that a long run that dies leaves what it measured
+                pathlib.Path(args.json).write_text(json.dumps(dict(res, partial=True), indent=1, default=str) + "\n")
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
     res["loadavg_end"] = list(os.getloadavg())
     print(table(res))
     if (res.get("warm") or {}).get("alternated") is False:
         print("warm ran in blocks, NOT alternated (--blocks): all pysmoe repeats, then all llama.cpp repeats, one "
               "engine in memory at a time; the load average of each block is in the JSON (warm.blocks).")
-    print(f"load average: start {res['loadavg_start']}, end {res['loadavg_end']} ({os.cpu_count()} CPUs)")
+    print(f"load average: start {res['loadavg_start']}, end {res['loadavg_end']} ({os.cpu_count()} CPUs, "
+          f"{res['cpu_model']})")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(dict(res, partial=False), indent=1, default=str) + "\n")
     return 0
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 if __name__ == "__main__":

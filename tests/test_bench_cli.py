@@ -212,12 +212,16 @@ def test_peer_warm_blocks_and_plot(sparse_vault, bench_record, tmp_path, capsys)
     res = json.loads(out.read_text())
     assert res["warm_blocks"] is True and res["vault_info"]["layers"] >= 1 and res["partial"] is False
     warm = res["warm"]
-    assert warm["alternated"] is False and set(warm["blocks"]) == {"pysmoe", "llama.cpp"}
+    # one block per engine: pysmoe, then llama.cpp under each default wait policy
+    assert warm["alternated"] is False and set(warm["blocks"]) == {"pysmoe", "llama.cpp default", "llama.cpp passive"}
+    assert res["omp_policies"] == ["default", "passive"] and res["readahead_kb"] == [128, 8192]
     for b in warm["blocks"].values():
         assert b["skipped"] is None and b["dropped_caches"] is False and b["seconds"] > 0
     for n in ("1", "4"):
         for who in ("pysmoe", "llama.cpp"):
             assert len(warm[n][who]["ttft_all_s"]) == 2 and warm[n][who]["ttft_s"] > 0
+        assert set(warm[n]["llama.cpp_variants"]) == {"default t1", "passive t1"}
+        assert warm[n]["llama.cpp"]["ttft_by"] in warm[n]["llama.cpp_variants"]
         assert warm[n]["pysmoe"]["cache_misses_timed"] == 0
         assert warm[n]["ttft_ratio_llama_over_pysmoe"] > 0
     if importlib.util.find_spec("matplotlib") is None:
@@ -244,6 +248,21 @@ def test_peer_warm_blocks_and_plot(sparse_vault, bench_record, tmp_path, capsys)
     assert any(l.startswith("llama.cpp, cold, memory cgroup 1 MiB") for l in labels) and warnings == []
     assert plot.main([str(bench_record), "--peer", str(out), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "tiny-ttft.png").exists()
+
+
+def test_peer_compares_the_best_llama_variant_of_each_figure():
+    # llama.cpp's figure is its fastest variant's for that figure (not one variant for all of them)
+    peer = _load("peer")
+    runs = {"pysmoe": [{"ttft_s": 1.0, "decode_s": 1.0, "load_s": 1.0}] * 3,
+            "default t2": [{"ttft_s": t, "decode_s": 4.0, "load_s": 3.0} for t in (0.5, 0.6, 9.0)],
+            "passive t2": [{"ttft_s": 0.8, "decode_s": d, "load_s": 0.5} for d in (2.0, 2.0, 1.0)],
+            "passive t1": [{"error": "killed", "ttft_s": None, "decode_s": None}]}
+    r = peer._summary(runs, 10, 4)
+    l = r["llama.cpp"]
+    assert (l["ttft_s"], l["ttft_by"]) == (0.6, "default t2") and r["ttft_ratio_llama_over_pysmoe"] == 0.6
+    assert (l["decode_tps"], l["decode_by"]) == (2.0, "passive t2") and r["decode_ratio_pysmoe_over_llama"] == 2.0
+    assert (l["load_plus_ttft_s"], l["load_plus_ttft_by"]) == (1.3, "passive t2")
+    assert r["load_ttft_ratio_llama_over_pysmoe"] == 1.3 / 2.0 and l["errors"] == ["killed"]
 
 
 def test_bench_prompt_ids(tiny_vault, tmp_path, capsys):
