@@ -5,6 +5,7 @@ binding does the same per method (Busy) and makes close() cancel and wait for a 
 cancel() stops a running prefill between layers (Cancelled), the position where it was.
 """
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -132,6 +133,8 @@ def long_prefill_in_thread(s, ids):
     t = threading.Thread(target=work)
     t.start()
     started.wait()
+    while t.is_alive() and not s._lock.locked():  # until prefill holds the session (or is over)
+        time.sleep(0.0005)
     return t, outcome
 
 
