@@ -512,14 +512,8 @@ class LlamaWarm:
 
 
 def _mem_available():
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    from pysmoe.memory import available_memory
+    return available_memory()
 
 
 MEM_MARGIN = 3 << 29   # left free beside an engine holding a whole model: Python, KV, the rest of the machine
