@@ -7,7 +7,7 @@ import sys
 
 DEMO_PRESET = "tiny"
 DEMO_SEED = 0
-DEMO_VERSION = 1  # bump when the synth output for the demo changes
+DEMO_VERSION = 2  # bump when the synth output or the vault format changes (2: vault format 2)
 
 
 def demo_vault_path() -> pathlib.Path:
