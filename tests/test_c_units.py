@@ -68,7 +68,7 @@ def build(tmp_path_factory):
             sources = sorted(CSRC.glob("*.c")) if whole else LIB_SOURCES
             cmd = ["gcc", *FLAGS, *isa, *BUILDS[variant], str(ROOT / "tests" / "c" / f"{program}.c"),
                    *map(str, sources), "-lm", "-o", str(exe)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
+            r = subprocess.run(cmd, capture_output=True, text=True, env=_no_preload())
             assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
             built[key] = exe
         return built[key]
@@ -76,10 +76,14 @@ def build(tmp_path_factory):
     return make
 
 
+def _no_preload() -> dict:
+    """The environment without what `make asan` preloads: the C test programs carry their own
+    sanitizer runtimes, and gcc under a preloaded ASan runtime runs many times slower."""
+    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+
+
 def run(exe: Path, *args: str, timeout: float = 300) -> str:
-    # The C test programs carry their own sanitizer runtimes: drop what `make asan` preloads.
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    r = subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=timeout, env=_no_preload())
     assert r.returncode == 0, f"{exe.name} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
     return r.stdout
 
