@@ -3,6 +3,8 @@
 #   make run     build everything, make the demo vault (first time), generate from it
 #   make test    build everything and run the test suite
 #   make lib     only libsmoe (build/libsmoe.so, copied into pysmoe/ for the binding)
+#   make install PREFIX=/usr/local [DESTDIR=...]   libsmoe (versioned, with its soname links), smoe.h
+#                and smoe.pc for pkg-config; `make uninstall` with the same variables removes them
 #   make asan    the test suite against a libsmoe built with AddressSanitizer + UBSan
 #   make fuzz    mutate a tiny vault's header and tables under ASan/UBSan (tests/c/fuzz_vault.c), then
 #                its blob payloads through the engine, then the Python reader (tests/fuzz_vaultio.py)
@@ -32,12 +34,33 @@ endif
 CFLAGS  += $(CFLAGS_BASE) $(OPT) $(ISA_FLAGS)
 LDLIBS  := -lm -pthread
 
+# The shared object's version is ABI.MINOR.PATCH: its first number (the soname's) is
+# SMOE_ABI_VERSION, so a program linked against one ABI never loads another; MINOR.PATCH are the
+# release's (SMOE_VERSION_STRING). Both are read from smoe.h, the one place they are set.
+ABI     := $(shell sed -n 's/^.define SMOE_ABI_VERSION \([0-9][0-9]*\).*/\1/p' csrc/smoe.h)
+RELEASE := $(shell sed -n 's/^.define SMOE_VERSION_STRING "\([0-9.]*\)".*/\1/p' csrc/smoe.h)
+SOVERSION := $(ABI).$(word 2,$(subst ., ,$(RELEASE))).$(word 3,$(subst ., ,$(RELEASE)))
+
+PREFIX     ?= /usr/local
+LIBDIR     ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
+
+# LIBNAME is what -lsmoe finds (a link); LIBSONAME what a linked program asks the loader for
+# (a link); LIBREAL the file itself.
 ifeq ($(UNAME),Darwin)
-  LIBNAME := libsmoe.dylib
-  SHARED  := -dynamiclib -install_name @rpath/$(LIBNAME)
+  LIBNAME   := libsmoe.dylib
+  LIBSONAME := libsmoe.$(ABI).dylib
+  LIBREAL   := $(LIBSONAME)
+  SHARED     = -dynamiclib -install_name $(1)/$(LIBSONAME) \
+               -compatibility_version $(ABI) -current_version $(SOVERSION)
+  BUILD_ID  := @rpath
 else
-  LIBNAME := libsmoe.so
-  SHARED  := -shared -Wl,-soname,$(LIBNAME)
+  LIBNAME   := libsmoe.so
+  LIBSONAME := libsmoe.so.$(ABI)
+  LIBREAL   := libsmoe.so.$(SOVERSION)
+  SHARED     = -shared -Wl,-soname,$(LIBSONAME)
+  BUILD_ID  :=
 endif
 
 SRCS    := $(sort $(wildcard csrc/*.c))
@@ -47,7 +70,7 @@ OBJS    := $(patsubst csrc/%.c,$(BUILD)/%.o,$(SRCS))
 LIB     := $(BUILD)/$(LIBNAME)
 EXAMPLE := $(BUILD)/smoe_generate
 
-.PHONY: all lib examples venv venv-test run test asan clean format fuzz neon-check
+.PHONY: all lib examples venv venv-test run test asan clean format fuzz neon-check install uninstall
 
 all: lib examples
 
@@ -59,8 +82,16 @@ $(BUILD)/%.o: csrc/%.c $(HDRS) | $(BUILD)
 $(BUILD):
 	mkdir -p $(BUILD)
 
-$(LIB): $(OBJS)
-	$(CC) $(CFLAGS) $(SHARED) -o $@ $(OBJS) $(LDLIBS)
+$(BUILD)/$(LIBREAL): $(OBJS)
+	$(CC) $(CFLAGS) $(call SHARED,$(BUILD_ID)) -o $@ $(OBJS) $(LDLIBS)
+
+ifneq ($(LIBSONAME),$(LIBREAL))
+$(BUILD)/$(LIBSONAME): $(BUILD)/$(LIBREAL)
+	ln -sf $(LIBREAL) $@
+endif
+
+$(LIB): $(BUILD)/$(LIBSONAME)
+	ln -sf $(LIBSONAME) $@
 
 # Copy, then rename: a running process keeps the old file's pages (cp would rewrite them under it).
 pysmoe/$(LIBNAME): $(LIB)
@@ -72,6 +103,34 @@ examples: $(EXAMPLE)
 EXAMPLE_CFLAGS ?= -O2
 $(EXAMPLE): examples/generate.c csrc/smoe.h $(LIB)
 	$(CC) -std=c11 -Wall -Wextra $(EXAMPLE_CFLAGS) -Icsrc $< -L$(BUILD) -lsmoe -Wl,-rpath,'$$ORIGIN' -o $@
+
+# --- Installing. On macOS the library is linked again with its install_name (the absolute path
+# where it will live, DESTDIR left out) rather than patched with install_name_tool, which would
+# invalidate its signature; on Linux the built file is installed as it is (no rpath in it).
+# Run ldconfig after installing into a system directory; a staged DESTDIR install does not.
+ifeq ($(UNAME),Darwin)
+INSTALL_LIB := $(BUILD)/install/$(LIBREAL)
+$(INSTALL_LIB): $(OBJS)
+	mkdir -p $(BUILD)/install
+	$(CC) $(CFLAGS) $(call SHARED,$(LIBDIR)) -o $@ $(OBJS) $(LDLIBS)
+.PHONY: $(INSTALL_LIB)
+else
+INSTALL_LIB := $(BUILD)/$(LIBREAL)
+endif
+
+install: $(INSTALL_LIB) csrc/smoe.h smoe.pc.in
+	install -d $(DESTDIR)$(LIBDIR) $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(PKGCONFIGDIR)
+	install -m 755 $(INSTALL_LIB) $(DESTDIR)$(LIBDIR)/$(LIBREAL)
+	$(if $(filter-out $(LIBREAL),$(LIBSONAME)),ln -sf $(LIBREAL) $(DESTDIR)$(LIBDIR)/$(LIBSONAME))
+	ln -sf $(LIBSONAME) $(DESTDIR)$(LIBDIR)/$(LIBNAME)
+	install -m 644 csrc/smoe.h $(DESTDIR)$(INCLUDEDIR)/smoe.h
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@LIBDIR@|$(LIBDIR)|' -e 's|@INCLUDEDIR@|$(INCLUDEDIR)|' \
+	    -e 's|@VERSION@|$(RELEASE)|' smoe.pc.in > $(DESTDIR)$(PKGCONFIGDIR)/smoe.pc
+	chmod 644 $(DESTDIR)$(PKGCONFIGDIR)/smoe.pc
+
+uninstall:
+	rm -f $(DESTDIR)$(LIBDIR)/$(LIBREAL) $(DESTDIR)$(LIBDIR)/$(LIBSONAME) $(DESTDIR)$(LIBDIR)/$(LIBNAME) \
+	      $(DESTDIR)$(INCLUDEDIR)/smoe.h $(DESTDIR)$(PKGCONFIGDIR)/smoe.pc
 
 # --- Python environment: created here, so a fresh machine needs only python3 and a compiler.
 $(VENV)/.stamp-base: pyproject.toml
