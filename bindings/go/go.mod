@@ -1,0 +1,3 @@
+module smoe
+
+go 1.19
