@@ -62,8 +62,21 @@ extern "C" {
 #define SMOE_API __attribute__((visibility("default")))
 #endif
 
-/* Bump SMOE_ABI_VERSION whenever a function's signature, a struct's layout or an enum value
- * changes; bindings refuse a library whose smoe_abi_version() differs from what they expect. */
+/* What may change between releases. SMOE_ABI_VERSION is the library's binary contract: bindings
+ * refuse a library whose smoe_abi_version() differs from what they were built for, and it is the
+ * first number of the shared object's version and its soname (libsmoe.so.ABI, libsmoe.ABI.dylib;
+ * the Makefile reads it from here), so a program linked against one ABI never loads another.
+ *   Bump it when a function is removed or its signature changes, when a struct's layout changes in
+ *   any way (a field added, removed, retyped or moved; this includes appending to the structs that
+ *   smoe_session_default_params and smoe_sampler_default_params return by value, whose size the
+ *   caller's stack frame fixes), or when an enum value's number or meaning changes.
+ *   No bump for: a new function; a new enum value (a new smoe_status code); or, for a struct that
+ *   starts with struct_size and is only passed by pointer, the growth that struct_size makes
+ *   compatible: a caller built against an older header passes its smaller struct_size, the
+ *   library reads (params) or fills (config, counters) that prefix and keeps its defaults for the
+ *   rest. Such growth still bumps SMOE_VERSION_STRING's MINOR.
+ * SMOE_VERSION_STRING is the release, MAJOR.MINOR.PATCH; its MINOR.PATCH end the shared object's
+ * version (libsmoe.so.ABI.MINOR.PATCH). */
 #define SMOE_ABI_VERSION 2
 #define SMOE_VERSION_STRING "0.1.0"
 
