@@ -47,7 +47,7 @@ INCLUDEDIR ?= $(PREFIX)/include
 PKGCONFIGDIR ?= $(LIBDIR)/pkgconfig
 
 # LIBNAME is what -lsmoe finds (a link); LIBSONAME what a linked program asks the loader for
-# (a link); LIBREAL the file itself.
+# (a link); LIBREAL the file itself. HERE: an rpath entry meaning "beside the executable".
 ifeq ($(UNAME),Darwin)
   LIBNAME   := libsmoe.dylib
   LIBSONAME := libsmoe.$(ABI).dylib
@@ -55,12 +55,14 @@ ifeq ($(UNAME),Darwin)
   SHARED     = -dynamiclib -install_name $(1)/$(LIBSONAME) \
                -compatibility_version $(ABI) -current_version $(SOVERSION)
   BUILD_ID  := @rpath
+  HERE      := @loader_path
 else
   LIBNAME   := libsmoe.so
   LIBSONAME := libsmoe.so.$(ABI)
   LIBREAL   := libsmoe.so.$(SOVERSION)
   SHARED     = -shared -Wl,-soname,$(LIBSONAME)
   BUILD_ID  :=
+  HERE      := $$ORIGIN
 endif
 
 SRCS    := $(sort $(wildcard csrc/*.c))
@@ -102,7 +104,7 @@ examples: $(EXAMPLE)
 # The example links only libsmoe (rpath next to itself).
 EXAMPLE_CFLAGS ?= -O2
 $(EXAMPLE): examples/generate.c csrc/smoe.h $(LIB)
-	$(CC) -std=c11 -Wall -Wextra $(EXAMPLE_CFLAGS) -Icsrc $< -L$(BUILD) -lsmoe -Wl,-rpath,'$$ORIGIN' -o $@
+	$(CC) -std=c11 -Wall -Wextra $(EXAMPLE_CFLAGS) -Icsrc $< -L$(BUILD) -lsmoe -Wl,-rpath,'$(HERE)' -o $@
 
 # --- Installing. On macOS the library is linked again with its install_name (the absolute path
 # where it will live, DESTDIR left out) rather than patched with install_name_tool, which would
