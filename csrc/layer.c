@@ -311,6 +311,10 @@ static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *
         if (st != SMOE_OK)
             break;
         if (np == 0) {
+            /* No slot of ours is pending: the slots are held by reads a cancelled or failed
+             * call left in flight. Wait for one to land, then acquire again. */
+            if (smoe_streamer_settle(s->streamer))
+                continue;
             st = smoe_fail(SMOE_ERR_INTERNAL, "layer %u: no streamer slot could be acquired", l);
             break;
         }

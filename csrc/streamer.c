@@ -719,6 +719,28 @@ void smoe_streamer_release(smoe_streamer *s, int slot) {
     }
 }
 
+/* An unpinned slot not loading can be taken; an unpinned loading one (a read a cancelled or
+ * failed call left in flight) will become one. */
+static bool takeable_or_none_pending(const smoe_streamer *s, const void *arg) {
+    (void)arg;
+    bool pending = false;
+    for (uint32_t i = 0; i < s->p.n_slots; i++) {
+        const slot_t *sl = &s->slots[i];
+        if (sl->pins) continue;
+        if (state_of(sl) != SLOT_LOADING) return true;
+        pending = true;
+    }
+    return !pending;
+}
+
+bool smoe_streamer_settle(smoe_streamer *s) {
+    if (!s) return false;
+    wait_until(s, takeable_or_none_pending, NULL);
+    for (uint32_t i = 0; i < s->p.n_slots; i++)
+        if (!s->slots[i].pins && state_of(&s->slots[i]) != SLOT_LOADING) return true;
+    return false;
+}
+
 void smoe_streamer_clear(smoe_streamer *s) {
     if (!s) return;
     wait_until(s, none_loading, NULL);

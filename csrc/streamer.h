@@ -64,6 +64,11 @@ const uint8_t *smoe_streamer_data(const smoe_streamer *s, int slot); /* blob_byt
 /* Unpins. A failed slot becomes empty (so a later acquire reads again). */
 void smoe_streamer_release(smoe_streamer *s, int slot);
 
+/* Waits until a slot can be taken by smoe_streamer_acquire when none can now only because
+ * unpinned slots are still loading (reads that a cancelled or failed call released in flight).
+ * Returns true when an acquire can now succeed, false when every slot is pinned. */
+bool smoe_streamer_settle(smoe_streamer *s);
+
 /* Drops every retained blob; no slot may be pinned (a pinned one is left alone). Waits for
  * reads in flight. */
 void smoe_streamer_clear(smoe_streamer *s);
