@@ -242,7 +242,10 @@ class Scheduler:
             try:
                 all_logits = self._decode_batch([j.session for j in jobs], tokens)
             except SmoeError as e:
-                for j in jobs:
+                # Nothing advanced: fail the job at fault (the others go again next turn), or
+                # every job when the fault is the batch's (a failed read).
+                at = getattr(e, "session_index", None)
+                for j in (jobs if at is None else [jobs[at]]):
                     self._fail(j, e)
                 return
             results = list(zip(jobs, all_logits))
