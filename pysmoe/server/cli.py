@@ -88,3 +88,46 @@ def run(args) -> int:
         pool.close()
         vault.close()
     return 0
+
+
+class Background:
+    """A server of parsed arguments running on threads of this process (tests, benchmarks):
+    `with Background(args) as bg: ... bg.port ...`. args.port 0 picks a free port."""
+
+    def __init__(self, args, log=None):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        from .app import build_app
+
+        self.vault, self.pool, self.sched, self.server = open_server(args, log=log or open(os.devnull, "w"))
+        self.sched.start()
+        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+        sock.bind((args.host, args.port))
+        self.host, self.port = args.host, sock.getsockname()[1]
+        self.uv = uvicorn.Server(uvicorn.Config(build_app(self.server), log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, name="pysmoe-http",
+                                       daemon=True)
+        self.thread.start()
+        while not self.uv.started and self.thread.is_alive():
+            time.sleep(0.01)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def close(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join()
+        self.sched.stop()
+        self.pool.close()
+        self.vault.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

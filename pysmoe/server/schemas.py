@@ -49,6 +49,7 @@ class GenerationRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False            # vLLM's extension: generate through end-of-sequence ids
     messages: list[dict] | None = None  # chat
     tools: list[dict] | None = None     # chat, rendered through the template
     template_kwargs: dict = dataclasses.field(default_factory=dict)
@@ -152,7 +153,7 @@ def _common(body: dict, kind: str, max_tokens_limit: int) -> dict:
         repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, low_open=True)),
     )
     return dict(model=model, max_tokens=max_tokens, sampling=sampling, stop=_stop(body), stream=stream,
-                include_usage=include_usage)
+                include_usage=include_usage, ignore_eos=_bool(body, "ignore_eos", False))
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")

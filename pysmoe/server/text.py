@@ -20,7 +20,7 @@ class TextState:
     def __init__(self, req: GenerationRequest, tokenizer):
         self.req = req
         self.tok = tokenizer
-        self.eos = frozenset(tokenizer.eos_ids if tokenizer is not None else ())
+        self.eos = frozenset(tokenizer.eos_ids if tokenizer is not None and not req.ignore_eos else ())
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0

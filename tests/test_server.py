@@ -1,0 +1,240 @@
+"""python -m pysmoe serve, driven over loopback by the official openai client (and raw HTTP for
+what the client will not send): a real uvicorn on a free port, the tiny vault."""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import http.client
+import json
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+
+from pysmoe.server.cli import Background  # noqa: E402
+
+MAX_BATCH = 8
+CONTEXT = 512
+
+
+def _args(vault, **over):
+    base = dict(vault=str(vault), host="127.0.0.1", port=0, api_key=None, model_name="tiny", max_batch=MAX_BATCH,
+                batching=True, cache_mb=16, kv_mb=None, threads=1, chunk=16, context=CONTEXT,
+                max_tokens_limit=256, max_request_kb=64, buffered=False)
+    base.update(over)
+    return argparse.Namespace(**base)
+
+
+class Running(Background):
+    """A served vault plus an openai client and raw HTTP."""
+
+    def __init__(self, vault, **over):
+        super().__init__(_args(vault, **over))
+        self.client = openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0)
+
+    def raw(self, method: str, path: str, body=None, headers=None):
+        """(status, parsed JSON) of one plain HTTP request."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        payload = r.read()
+        conn.close()
+        return r.status, json.loads(payload) if payload else None
+
+    def wait_idle(self):
+        """Until no job runs or waits (a guard against a hang, not a timing: a minute)."""
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            load = self.raw("GET", "/health")[1]
+            if load["running"] == 0 and load["queued"] == 0:
+                return load
+            time.sleep(0.02)
+        raise AssertionError(f"the server still has jobs: {load}")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_vault):
+    s = Running(tiny_vault)
+    yield s
+    s.close()
+
+
+def _ids(served, text):
+    return served.vault.tokenizer.encode(text)
+
+
+def _alone(served, prompt_ids, n):
+    """Greedy ids of prompt_ids from a fresh session of the vault, no server involved."""
+    tok = served.vault.tokenizer
+    with served.vault.session(cache_bytes=1 << 24, threads=1) as s:
+        return list(s.generate(prompt_ids, max_tokens=n, temperature=0.0, stop=tok.eos_ids))
+
+
+# ---------------------------------------------------------------------------- basics
+def test_models_and_health(served):
+    models = served.client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    status, body = served.raw("GET", "/health")
+    assert status == 200 and body["status"] == "ok" and body["max_batch"] == MAX_BATCH
+
+
+def test_completion_matches_the_engine_alone(served):
+    prompt = _ids(served, "The quick brown fox")
+    want = _alone(served, prompt, 12)
+    r = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+    tok = served.vault.tokenizer
+    assert r.usage.prompt_tokens == len(prompt)
+    assert r.usage.completion_tokens == len(want)
+    assert r.choices[0].text == tok.decode([t for t in want if t not in tok.eos_ids])
+    assert r.choices[0].finish_reason == ("stop" if want[-1] in tok.eos_ids else "length")
+
+
+def test_chat_streamed_equals_not_streamed(served):
+    msgs = [{"role": "user", "content": "Say something about rivers."}]
+    full = served.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0)
+    chunks = list(served.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0,
+                                                        stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_completion_streamed(served):
+    prompt = "Once upon a time"
+    full = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+    parts = list(served.client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                                                  stream=True))
+    assert "".join(p.choices[0].text for p in parts) == full.choices[0].text
+    assert parts[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_stop_string(served):
+    prompt = "In the beginning"
+    text = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0).choices[0].text
+    stop = text[5:9]
+    assert len(stop) == 4 and stop not in text[:8]
+    r = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0, stop=[stop])
+    assert r.choices[0].text == text[:text.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    streamed = list(served.client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
+                                                      stop=stop, stream=True))
+    assert "".join(p.choices[0].text for p in streamed) == r.choices[0].text
+
+
+def test_tools_are_rendered_into_the_prompt(served):
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather of a city",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "city": {"type": "string"}}}}}]
+    plain = served.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, temperature=0)
+    with_tools = served.client.chat.completions.create(model="tiny", messages=msgs, tools=tools, max_tokens=1,
+                                                       temperature=0)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+# ---------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("path, body, status", [
+    ("/v1/chat/completions", b"{not json", 400),
+    ("/v1/chat/completions", {"model": "tiny"}, 422),
+    ("/v1/chat/completions", {"messages": "hi"}, 422),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 422),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, 422),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 422),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("/v1/completions", {"prompt": [1, 2, 10 ** 6]}, 400),
+    ("/v1/completions", {"prompt": [1, -2]}, 400),
+    ("/v1/completions", {"prompt": list(range(1, 200)) * 3}, 400),  # over the context of 512
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400),
+    ("/v1/completions", {"prompt": 5}, 422),
+    ("/v1/completions", {"prompt": "x" * 70000}, 413),
+    ("/v1/nothing", {"prompt": "x"}, 404),
+])
+def test_errors_are_openai_shaped_and_the_server_goes_on(served, path, body, status):
+    got, payload = served.raw("POST", path, body)
+    assert got == status
+    assert set(payload["error"]) == {"message", "type", "param", "code"} and payload["error"]["message"]
+    ok = served.client.completions.create(model="tiny", prompt="still there?", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_context_error_through_the_client(served):
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client.completions.create(model="tiny", prompt=[5] * CONTEXT, max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded"
+
+
+def test_api_key(served):
+    served.server.api_key = "sekrit"
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            served.client.models.list()
+        status, body = served.raw("POST", "/v1/completions", {"prompt": "hi"})
+        assert status == 401 and body["error"]["type"] == "authentication_error"
+        assert served.raw("GET", "/metrics")[0] == 401
+        assert served.raw("GET", "/health")[0] == 200
+        keyed = openai.OpenAI(base_url=served.client.base_url, api_key="sekrit", max_retries=0)
+        assert keyed.completions.create(model="tiny", prompt="hi", max_tokens=1).usage.completion_tokens == 1
+    finally:
+        served.server.api_key = None
+
+
+# ---------------------------------------------------------------------------- concurrency
+def test_eight_concurrent_greedy_requests_get_their_alone_tokens(served):
+    prompts = [_ids(served, f"Request number {i} asks about {word}") for i, word in
+               enumerate(["cats", "the sea", "mountains", "bread", "rain", "engines", "music", "stars"])]
+    want = [_alone(served, p, 16) for p in prompts]
+    tok = served.vault.tokenizer
+    before = served.raw("GET", "/metrics")[1]["batch_sizes"]
+
+    def ask(p):
+        return served.client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        got = list(ex.map(ask, prompts))
+    for w, r in zip(want, got):
+        assert r.usage.completion_tokens == len(w)
+        assert r.choices[0].text == tok.decode([t for t in w if t not in tok.eos_ids])
+    after = served.raw("GET", "/metrics")[1]["batch_sizes"]
+    batched = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert any(int(k) > 1 and v > 0 for k, v in batched.items()), "no decode step ran more than one request"
+
+
+def test_disconnect_mid_stream_frees_the_slot(served):
+    served.wait_idle()
+    cancelled = served.raw("GET", "/metrics")[1]["requests"].get("cancelled", 0)
+    stream = served.client.completions.create(model="tiny", prompt="Tell a long story", max_tokens=250,
+                                              temperature=0.8, seed=1, stream=True)
+    it = iter(stream)
+    next(it), next(it)
+    assert served.raw("GET", "/health")[1]["running"] == 1
+    stream.close()
+    served.wait_idle()
+    metrics = served.raw("GET", "/metrics")[1]
+    assert metrics["requests"].get("cancelled", 0) == cancelled + 1
+
+
+def test_second_turn_reuses_the_first_turns_kv(served):
+    msgs = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Name a colour and a fruit and an animal, please."}]
+    first = served.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    reused_before = served.raw("GET", "/metrics")[1]["prompt_tokens_reused"]
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And another one?"}]
+    second = served.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens
+    assert served.raw("GET", "/metrics")[1]["prompt_tokens_reused"] - reused_before == cached
