@@ -28,15 +28,16 @@ from starlette.routing import Route
 
 from ..errors import BadToken, ContextFull, InvalidArgument, SmoeError
 from .scheduler import Job, Scheduler
+from ..textgen import render_chat
 from .schemas import APIError, GenerationRequest, parse_chat, parse_completion
+from .text import RequestText
 
 
 class Server:
     """What the routes need: the scheduler, the tokenizer, the limits."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, *, model: str, vocab_size: int, context: int,
-                 api_key: str | None = None, max_request_bytes: int = 1 << 20, max_tokens_limit: int = 4096,
-                 text_factory=None):
+                 api_key: str | None = None, max_request_bytes: int = 1 << 20, max_tokens_limit: int = 4096):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model = model
@@ -45,7 +46,6 @@ class Server:
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.max_tokens_limit = max_tokens_limit
-        self.text_factory = text_factory
         self.created = int(time.time())
 
     # ------------------------------------------------------------------ request plumbing
@@ -73,16 +73,18 @@ class Server:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
-    def prompt_ids(self, req: GenerationRequest) -> list[int]:
+    def prompt(self, req: GenerationRequest) -> tuple[list[int], bool]:
+        """The prompt's ids and whether it leaves the model inside a <think> block."""
         tok = self.tokenizer
+        starts_in_reasoning = False
         if req.kind == "chat":
             if tok is None:
                 raise APIError(400, "this vault has no tokenizer: use /v1/completions with token ids")
             try:
-                ids = tok.apply_chat_template(req.messages, add_generation_prompt=True, tools=req.tools,
-                                              **req.template_kwargs)
-            except Exception as e:  # a template error (raise_exception, a bad message shape) is the caller's
-                raise APIError(400, f"the chat template failed on these messages: {e}", param="messages") from None
+                p = render_chat(tok, req.messages, tools=req.tools, chat_template_kwargs=req.template_kwargs)
+            except InvalidArgument as e:
+                raise APIError(400, str(e), param="messages") from None
+            ids, starts_in_reasoning = p.ids, p.starts_in_reasoning
         elif isinstance(req.prompt, str):
             if tok is None:
                 raise APIError(400, "this vault has no tokenizer: send the prompt as token ids", param="prompt")
@@ -99,19 +101,19 @@ class Server:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context is {self.context} "
                                 "(prompt and at least one generated token)", param="messages" if req.kind == "chat"
                            else "prompt", code="context_length_exceeded")
-        return ids
+        return ids, starts_in_reasoning
 
     # ------------------------------------------------------------------ generation
     async def generate(self, request: Request, req: GenerationRequest):
-        ids = self.prompt_ids(req)
+        ids, starts_in_reasoning = self.prompt(req)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
         def emit(kind, payload):  # engine thread → this request's queue
             loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
 
-        text = self.text_factory(req, self.tokenizer)
-        job = Job(ids, req.max_tokens, text, emit)
+        text = RequestText(req, self.tokenizer, ids, context=self.context, starts_in_reasoning=starts_in_reasoning)
+        job = Job(ids, text, emit)
         self.scheduler.submit(job)
         return job, text, events
 

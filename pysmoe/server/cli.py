@@ -45,7 +45,6 @@ def open_server(args, log=sys.stderr):
     from ..sessionpool import SessionPool
     from .app import Server
     from .scheduler import Scheduler
-    from .text import TextState
 
     vault = open_vault(args.vault or ensure_demo_vault())
     if args.cache_mb is None:
@@ -62,7 +61,7 @@ def open_server(args, log=sys.stderr):
     model = args.model_name or vault.path.name
     server = Server(sched, vault.tokenizer, model=model, vocab_size=vault.config["vocab_size"], context=context,
                     api_key=args.api_key, max_request_bytes=args.max_request_kb * 1024,
-                    max_tokens_limit=args.max_tokens_limit, text_factory=TextState)
+                    max_tokens_limit=args.max_tokens_limit)
     return vault, pool, sched, server
 
 

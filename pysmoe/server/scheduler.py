@@ -35,16 +35,16 @@ log = logging.getLogger("pysmoe.server")
 
 
 class Job:
-    """One request inside the scheduler. emit(kind, payload) is called from the engine thread:
-    ("token", delta) per generated token, then ("done", (finish_reason, usage)) or
+    """One request inside the scheduler. text: its server.text.RequestText (sampling, stop
+    strings, the parser; it decides when the job ends). emit(kind, payload) is called from the
+    engine thread: ("token", textgen Step) per generated token with something to show, then ("done", (finish_reason, usage)) or
     ("error", exception) exactly once."""
 
     _ids = itertools.count(1)
 
-    def __init__(self, prompt_ids: list[int], max_tokens: int | None, text, emit: Callable):
+    def __init__(self, prompt_ids: list[int], text, emit: Callable):
         self.id = next(self._ids)
         self.prompt_ids = list(prompt_ids)
-        self.max_tokens = max_tokens
         self.text = text
         self.emit = emit
         self.cancelled = False
@@ -266,20 +266,19 @@ class Scheduler:
 
     def _emit_token(self, job: Job, logits) -> None:
         """Sample the next id from logits, hand its text to the client, decide whether the job ends."""
-        token = job.text.sample(logits)
+        step = job.text.step(logits)
         job.generated += 1
         self.metrics_data.completion_tokens += 1
-        finish = job.text.push(token)
+        finish = step.finish_reason
+        if job.text.shows(step):
+            job.emit("token", step)
+        if finish is None and len(job.fed) + 1 > self.context:  # no room to feed the id just sampled
+            last = job.text.finish("length")
+            if job.text.shows(last):
+                job.emit("token", last)
+            finish = last.finish_reason
         if finish is None:
-            if job.max_tokens is not None and job.generated >= job.max_tokens:
-                finish = "length"
-            elif len(job.fed) + 1 > self.context:  # no room to feed the token just sampled
-                finish = "length"
-        delta = job.text.delta(final=finish is not None)
-        if delta is not None:
-            job.emit("token", delta)
-        if finish is None:
-            job.next_token = token
+            job.next_token = step.token
         else:
             self._finish(job, finish)
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..textgen import InvalidParam, SamplingParams
+
 
 class APIError(Exception):
     """An error answered with an OpenAI-style body."""
@@ -25,28 +27,10 @@ class APIError(Exception):
 
 
 @dataclasses.dataclass
-class Sampling:
-    """What the sampler applies to each step's logits (OpenAI's names; top_k 0 and
-    repetition_penalty 1 are off)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: bool = False
-    top_logprobs: int = 0
-
-
-@dataclasses.dataclass
 class GenerationRequest:
     kind: str                       # "chat" or "completion"
     model: str
-    max_tokens: int | None          # None: up to the context
-    sampling: Sampling
-    stop: list[str]
+    sampling: SamplingParams        # textgen's: max_tokens (None: up to the context), stop strings, logprobs
     stream: bool
     include_usage: bool
     ignore_eos: bool = False            # vLLM's extension: generate through end-of-sequence ids
@@ -133,27 +117,32 @@ def _common(body: dict, kind: str, max_tokens_limit: int) -> dict:
         max_tokens = _number(body, name, None, 1, max_tokens_limit, integer=True)
         if max_tokens is not None:
             break
-    if max_tokens is None and kind == "completion":
-        max_tokens = min(16, max_tokens_limit)  # OpenAI's default for completions
+    if max_tokens is None:  # OpenAI's default for completions; for chat, the server's limit (and the context)
+        max_tokens = min(16, max_tokens_limit) if kind == "completion" else max_tokens_limit
     stream = _bool(body, "stream", False)
     options = _object(body, "stream_options") or {}
     if options and not stream:
         raise APIError(400, "stream_options is only allowed with stream = true", param="stream_options")
     include_usage = _bool(options, "include_usage", False)
-    seed = _number(body, "seed", None, -2 ** 63, 2 ** 64 - 1, integer=True)
-    top_k = _number(body, "top_k", 0, -1, integer=True)
-    sampling = Sampling(
+    fields = dict(
         temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
         top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)),
-        top_k=max(top_k, 0),  # -1 (vLLM's "off") and 0 both mean off
+        top_k=_number(body, "top_k", 0, -1, integer=True),  # -1 (vLLM's "off") and 0 both mean off
         min_p=float(_number(body, "min_p", 0.0, 0.0, 1.0)),
-        seed=None if seed is None else seed % 2 ** 64,
+        seed=_number(body, "seed", None, -2 ** 63, 2 ** 64 - 1, integer=True),
         presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
         frequency_penalty=float(_number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
         repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, low_open=True)),
-    )
-    return dict(model=model, max_tokens=max_tokens, sampling=sampling, stop=_stop(body), stream=stream,
-                include_usage=include_usage, ignore_eos=_bool(body, "ignore_eos", False))
+        max_tokens=max_tokens, stop=_stop(body))
+    return dict(model=model, sampling=fields, stream=stream, include_usage=include_usage,
+                ignore_eos=_bool(body, "ignore_eos", False))
+
+
+def _sampling(fields: dict, **more) -> SamplingParams:
+    try:
+        return SamplingParams(**fields, **more)
+    except InvalidParam as e:
+        raise APIError(400, str(e), param=e.param, code="invalid_value") from None
 
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -248,7 +237,7 @@ def parse_chat(body, max_tokens_limit: int) -> GenerationRequest:
     top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
     if top and not logprobs:
         raise APIError(400, "top_logprobs needs logprobs = true", param="top_logprobs")
-    common["sampling"].logprobs, common["sampling"].top_logprobs = logprobs, top
+    common["sampling"] = _sampling(common["sampling"], logprobs=logprobs, top_logprobs=top)
     kwargs = _object(body, "chat_template_kwargs") or {}
     return GenerationRequest(kind="chat", messages=messages, tools=tools, template_kwargs=kwargs, **common)
 
@@ -279,6 +268,5 @@ def parse_completion(body, max_tokens_limit: int) -> GenerationRequest:
     if body.get("suffix") is not None:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
     top = _number(body, "logprobs", None, 0, 20, integer=True)
-    if top is not None:
-        common["sampling"].logprobs, common["sampling"].top_logprobs = True, top
+    common["sampling"] = _sampling(common["sampling"], logprobs=top is not None, top_logprobs=top or 0)
     return GenerationRequest(kind="completion", prompt=prompt, **common)

@@ -1,63 +1,66 @@
-"""A request's text side, as the scheduler and the routes see it.
+"""A request's text side, as the scheduler and the routes see it: pysmoe.textgen's Generation
+(sampling, stop strings, detokenisation, Qwen3's reasoning and tool calls — shared with run and
+chat) plus the shapes of OpenAI's choices.
 
-    sample(logits) -> id         the next id (the request's sampling parameters)
-    push(id) -> finish | None    take a generated id; "stop" at an end-of-sequence id or a stop string
-    delta(final) -> payload      what the client has not seen yet (None: nothing new)
-    chunk(payload, finish)       an OpenAI streaming choice
+    step(logits) -> Step         sample the next id and take it (Step.finish_reason ends the job)
+    finish(reason) -> Step       end now (the context is full), flushing held-back text
+    chunk(step, finish)          an OpenAI streaming choice (step None: the closing chunk)
     message(finish)              the OpenAI non-streamed choice
-
-The generation logic itself lives in pysmoe.textgen (shared with run and chat); this module only
-shapes its output into OpenAI's choices.
 """
 from __future__ import annotations
 
-import numpy as np
-
+from ..textgen import Generation, Step
 from .schemas import GenerationRequest
 
 
-class TextState:
-    def __init__(self, req: GenerationRequest, tokenizer):
-        self.req = req
-        self.tok = tokenizer
-        self.eos = frozenset(tokenizer.eos_ids if tokenizer is not None and not req.ignore_eos else ())
-        self.ids: list[int] = []
-        self.text = ""
-        self.sent = 0
-        s = req.sampling
-        self.rng = np.random.default_rng(s.seed)
+class RequestText:
+    def __init__(self, req: GenerationRequest, tokenizer, prompt_ids: list[int], *, context: int,
+                 starts_in_reasoning: bool = False):
+        self.req, self.tok = req, tokenizer
+        self.chat = req.kind == "chat"
+        self.gen = Generation(tokenizer, req.sampling, prompt_ids, chat=self.chat, tools=bool(req.tools),
+                              starts_in_reasoning=starts_in_reasoning, eos_ids=() if req.ignore_eos else None,
+                              room=context - len(prompt_ids) + 1)
+        self.logprobs: list = []   # every token's TokenLogprob, for the non-streamed answer
+        self.offset = 0            # completions' text_offset
 
-    def sample(self, logits: np.ndarray) -> int:
-        s = self.req.sampling
-        if s.temperature == 0:
-            return int(np.argmax(logits))
-        z = logits.astype(np.float64) / s.temperature
-        p = np.exp(z - z.max())
-        p /= p.sum()
-        return int(self.rng.choice(len(p), p=p))
+    def step(self, logits) -> Step:
+        step = self.gen.step(logits)
+        self.logprobs.extend(step.logprobs)
+        return step
 
-    def push(self, token: int) -> str | None:
-        if token in self.eos:
-            return "stop"
-        self.ids.append(token)
-        if self.tok is not None:
-            full = self.tok.decode(self.ids)
-            if not full.endswith("\ufffd"):
-                self.text = full
-        return None
+    def finish(self, reason: str) -> Step:
+        return self.gen.finish(reason)
 
-    def delta(self, final: bool):
-        new = self.text[self.sent:]
-        self.sent = len(self.text)
-        return {"content": new} if new else None
+    @staticmethod
+    def shows(step: Step) -> bool:
+        """Whether a step has anything to send before the closing chunk."""
+        return bool(step.delta) or bool(step.logprobs)
 
-    def chunk(self, payload, finish: str | None) -> dict:
-        if self.req.kind == "chat":
-            return {"index": 0, "delta": payload or {}, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": (payload or {}).get("content", ""), "logprobs": None, "finish_reason": finish}
+    def _logprobs(self, entries):
+        if not self.req.sampling.logprobs or not entries:
+            return None
+        if self.chat:
+            return {"content": [e.to_openai(self.tok) for e in entries]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            d = e.to_openai(self.tok)
+            out["tokens"].append(d["token"])
+            out["token_logprobs"].append(d["logprob"])
+            out["top_logprobs"].append({t["token"]: t["logprob"] for t in d["top_logprobs"]})
+            out["text_offset"].append(self.offset)
+            self.offset += len(d["token"])
+        return out
+
+    def chunk(self, step: Step | None, finish: str | None) -> dict:
+        lp = self._logprobs(step.logprobs) if step is not None else None
+        if self.chat:
+            return {"index": 0, "delta": step.chat_delta() if step is not None else {}, "logprobs": lp,
+                    "finish_reason": finish}
+        return {"index": 0, "text": step.text if step is not None else "", "logprobs": lp, "finish_reason": finish}
 
     def message(self, finish: str) -> dict:
-        if self.req.kind == "chat":
-            return {"index": 0, "message": {"role": "assistant", "content": self.text}, "logprobs": None,
-                    "finish_reason": finish}
-        return {"index": 0, "text": self.text, "logprobs": None, "finish_reason": finish}
+        lp = self._logprobs(self.logprobs)
+        if self.chat:
+            return {"index": 0, "message": self.gen.message(), "logprobs": lp, "finish_reason": finish}
+        return {"index": 0, "text": self.gen.text, "logprobs": lp, "finish_reason": finish}
