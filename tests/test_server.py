@@ -131,15 +131,82 @@ def test_stop_string(served):
     assert "".join(p.choices[0].text for p in streamed) == r.choices[0].text
 
 
-def test_tools_are_rendered_into_the_prompt(served):
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather of a city",
+                                          "parameters": {"type": "object", "properties": {
+                                              "city": {"type": "string"}}}}}]
+SCRIPT = ('<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n'
+          '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def served_qwen3(tiny_vault, tmp_path_factory):
+    """The tiny vault under Qwen3's chat template (tools, thinking)."""
+    import pathlib
+    import shutil
+    d = tmp_path_factory.mktemp("qwen3_tiny")
+    for f in pathlib.Path(tiny_vault).iterdir():
+        (d / f.name).symlink_to(f)
+    shutil.copy(pathlib.Path(__file__).parent / "data" / "qwen3_chat_template.jinja", d / "chat_template.jinja")
+    s = Running(d, max_batch=2)
+    yield s
+    s.close()
+
+
+def _scripted(monkeypatch, served, text):
+    """The model 'says' text then an end-of-sequence id: each engine step's sampling is replaced
+    by the next id of text (the engine still runs every step; only the choice is forced)."""
+    from pysmoe.server.text import RequestText
+    tok = served.vault.tokenizer
+    ids = tok.encode(text) + [tok.eos_ids[0]]
+
+    def step(self, logits):
+        return self.gen.push(ids[min(len(self.gen.tokens), len(ids) - 1)])
+
+    monkeypatch.setattr(RequestText, "step", step)
+
+
+def test_tools_are_rendered_into_the_prompt(served_qwen3):
     msgs = [{"role": "user", "content": "weather in Paris?"}]
-    tools = [{"type": "function", "function": {"name": "get_weather", "description": "the weather of a city",
-                                               "parameters": {"type": "object", "properties": {
-                                                   "city": {"type": "string"}}}}}]
-    plain = served.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, temperature=0)
-    with_tools = served.client.chat.completions.create(model="tiny", messages=msgs, tools=tools, max_tokens=1,
-                                                       temperature=0)
-    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
+    c = served_qwen3.client
+    plain = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, temperature=0)
+    with_tools = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=1, temperature=0)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens + 20
+
+
+def test_tool_calls_and_reasoning(served_qwen3, monkeypatch):
+    _scripted(monkeypatch, served_qwen3, SCRIPT)
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    c = served_qwen3.client
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=100, temperature=0)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert m.model_extra["reasoning_content"] == "The user wants weather."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == \
+        [("get_weather", {"city": "Paris"})]
+    assert not m.content
+
+    calls, reasoning, finish = {}, "", None
+    for ch in c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=100, temperature=0,
+                                        stream=True):
+        d = ch.choices[0].delta
+        reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+        for t in d.tool_calls or []:
+            entry = calls.setdefault(t.index, {"name": "", "arguments": ""})
+            entry["name"] += t.function.name or ""
+            entry["arguments"] += t.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    assert reasoning == "The user wants weather."
+    assert [(e["name"], json.loads(e["arguments"])) for e in calls.values()] == [("get_weather", {"city": "Paris"})]
+    assert finish == "tool_calls"
+
+
+def test_enable_thinking_kwarg_reaches_the_template(served_qwen3):
+    msgs = [{"role": "user", "content": "hi"}]
+    c = served_qwen3.client
+    on = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, temperature=0)
+    off = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, temperature=0,
+                                    extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage.prompt_tokens > on.usage.prompt_tokens  # the empty <think></think> block
 
 
 # ---------------------------------------------------------------------------- errors

@@ -93,7 +93,9 @@ class Scheduler:
     def __init__(self, pool, *, max_batch: int, context: int, chunk: int = 256, batching: bool = True,
                  decode_batch=None):
         self.pool = pool
-        self.max_batch = max_batch
+        # Never more jobs than the pool has sessions (its KV budget may allow fewer): acquire()
+        # would wait for a release that only this thread can make.
+        self.max_batch = min(max_batch, getattr(pool, "max_sessions", max_batch))
         self.context = context
         self.chunk = chunk
         self.batching = batching
@@ -331,4 +333,18 @@ class Scheduler:
             "ttft_s": {"median": _quantile(m.ttft_s, 0.5), "p95": _quantile(m.ttft_s, 0.95)},
             "request_tokens_per_s": {"median": _quantile(m.tps, 0.5), "p95": _quantile(m.tps, 0.95)},
             "pool": self.pool.stats(),
+            "engine": self._engine_stats(),
         }
+
+    def _engine_stats(self) -> dict:
+        """The shared retention cache's counters (every session of the pool reports the same)."""
+        sessions = self.pool.sessions
+        if not sessions:
+            return {}
+        st = sessions[0].stats()
+        uses = st["cache_hits"] + st["cache_misses"]
+        keys = ("blob_reads", "bytes_read", "cache_hits", "cache_misses", "io_wait_s", "cache_bytes", "direct_io",
+                "batch_steps", "batch_tokens", "batch_blob_reads")
+        return {**{k: st[k] for k in keys if k in st}, "cache_hit_rate": st["cache_hits"] / uses if uses else None,
+                "blob_reads_per_completion_token": (st["blob_reads"] / self.metrics_data.completion_tokens
+                                                    if self.metrics_data.completion_tokens else None)}
