@@ -305,3 +305,97 @@ def test_second_turn_reuses_the_first_turns_kv(served):
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= first.usage.prompt_tokens
     assert served.raw("GET", "/metrics")[1]["prompt_tokens_reused"] - reused_before == cached
+
+
+def test_a_disconnect_during_prefill_frees_the_slot(served):
+    served.wait_idle()
+    cancelled = served.raw("GET", "/metrics")[1]["requests"].get("cancelled", 0)
+    long = [{"role": "user", "content": "word " * 200}]
+    stream = served.client.chat.completions.create(model="tiny", messages=long, max_tokens=5, stream=True)
+    next(iter(stream))  # the role chunk comes before the prompt is prefilled
+    stream.close()
+    served.wait_idle()
+    assert served.raw("GET", "/metrics")[1]["requests"].get("cancelled", 0) == cancelled + 1
+
+
+# ---------------------------------------------------------------------------- the scheduler alone
+def _job(tok, ids, max_tokens, events, context=CONTEXT):
+    from pysmoe.server.scheduler import Job
+    from pysmoe.server.schemas import parse_completion
+    from pysmoe.server.text import RequestText
+    req = parse_completion({"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}, 256)
+    return Job(ids, RequestText(req, tok, ids, context=context), lambda kind, payload: events.append((kind, payload)))
+
+
+def _until(cond):
+    deadline = time.monotonic() + 60
+    while not cond():
+        assert time.monotonic() < deadline, "the scheduler did not get there"
+        time.sleep(0.005)
+
+
+def test_long_prompt_is_prefilled_between_decode_steps(tiny_vault):
+    """While a long prompt is prefilled chunk by chunk, the running request keeps decoding: a
+    decode step after each of the newcomer's chunks."""
+    from pysmoe import open_vault
+    from pysmoe.server.scheduler import Scheduler
+    from pysmoe.sessionpool import SessionPool
+    with open_vault(tiny_vault) as v, SessionPool(v, max_sessions=2, cache_bytes=1 << 24, threads=1, chunk=16) as pool:
+        sched = Scheduler(pool, max_batch=2, context=CONTEXT, chunk=16)
+        first, second = [], []
+        a = _job(v.tokenizer, [5, 6, 7], 200, first)
+        b = _job(v.tokenizer, list(range(10, 310)), 3, second)
+        seen = []
+        real_decode = sched._decode
+
+        def record(jobs):
+            seen.append((len(jobs), len(b.pending)))
+            real_decode(jobs)
+
+        sched._decode = record
+        sched.start()
+        try:
+            sched.submit(a)
+            _until(lambda: len(first) >= 2)  # a is decoding
+            sched.submit(b)
+            _until(lambda: b.finished and a.finished)
+        finally:
+            sched.stop()
+    assert second[-1][0] == "done" and first[-1] == ("done", ("length", a.usage()))
+    during = [p for n, p in seen if 0 < p < 300]
+    assert during == [300 - 16 * k for k in range(1, 19)]  # one decode step after each chunk
+    assert any(n == 2 for n, p in seen)  # then both decode together
+
+
+def test_cancel_during_prefill_stops_at_the_next_chunk(tiny_vault):
+    from pysmoe import open_vault
+    from pysmoe.server.scheduler import Scheduler
+    from pysmoe.sessionpool import SessionPool
+    with open_vault(tiny_vault) as v, SessionPool(v, max_sessions=1, cache_bytes=1 << 24, threads=1, chunk=16) as pool:
+        sched = Scheduler(pool, max_batch=1, context=CONTEXT, chunk=16)
+        events = []
+        job = _job(v.tokenizer, list(range(10, 410)), 5, events)
+        real = pool.acquire
+
+        def acquire(ids):
+            session, reused = real(ids)
+            prefill = session.prefill
+
+            def one_chunk_then_cancel(part):
+                out = prefill(part)
+                sched.cancel(job)  # as the HTTP side does when the client goes away
+                return out
+            session.prefill = one_chunk_then_cancel
+            return session, reused
+
+        pool.acquire = acquire
+        sched.start()
+        try:
+            sched.submit(job)
+            _until(lambda: job.finished and job.session is None)
+        finally:
+            sched.stop()
+        assert events == []  # no token, no "done": a cancelled job says nothing
+        assert len(job.fed) == 16 and job.generated == 0
+        st = pool.stats()
+        assert st["busy"] == 0 and st["cached_tokens"] == 16  # released with what its KV holds
