@@ -38,7 +38,7 @@ class Job:
     """One request inside the scheduler. text: its server.text.RequestText (sampling, stop
     strings, the parser; it decides when the job ends). emit(kind, payload) is called from the
     engine thread: ("token", textgen Step) per generated token with something to show, then ("done", (finish_reason, usage)) or
-    ("error", exception) exactly once."""
+    ("error", exception) exactly once (a cancelled job's reason is "cancelled")."""
 
     _ids = itertools.count(1)
 
@@ -290,10 +290,9 @@ class Scheduler:
         job.finished = True
         m = self.metrics_data
         m.requests[reason] += 1
-        if reason != "cancelled":
-            if job.t_first is not None and job.generated > 1:
-                m.tps.append((job.generated - 1) / max(time.perf_counter() - job.t_first, 1e-9))
-            job.emit("done", (reason, job.usage()))
+        if reason != "cancelled" and job.t_first is not None and job.generated > 1:
+            m.tps.append((job.generated - 1) / max(time.perf_counter() - job.t_first, 1e-9))
+        job.emit("done", (reason, job.usage()))  # cancelled too: a handler may still be waiting
 
     def _fail(self, job: Job, error: Exception) -> None:
         log.warning("request %d failed: %s: %s", job.id, type(error).__name__, error)

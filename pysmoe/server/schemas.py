@@ -1,7 +1,7 @@
 """OpenAI request bodies → GenerationRequest, checked field by field; OpenAI-style errors.
 
 Status codes: 400 for a body that is not JSON, a value out of range, an unsupported option
-(n > 1, echo, best_of > 1, a response_format other than text), a prompt over the context or a
+(n > 1, echo, best_of > 1, suffix, logit_bias, a response_format other than text), a prompt over the context or a
 token id outside the vocabulary; 422 for a field of the wrong type or a missing required field;
 413 for a body over the size limit; 401 without the API key. Every error body is OpenAI's:
 {"error": {"message", "type", "param", "code"}}. Fields this server does not know are ignored
@@ -119,6 +119,8 @@ def _common(body: dict, kind: str, max_tokens_limit: int) -> dict:
             break
     if max_tokens is None:  # OpenAI's default for completions; for chat, the server's limit (and the context)
         max_tokens = min(16, max_tokens_limit) if kind == "completion" else max_tokens_limit
+    if body.get("logit_bias"):
+        raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_value")
     stream = _bool(body, "stream", False)
     options = _object(body, "stream_options") or {}
     if options and not stream:
