@@ -417,3 +417,24 @@ def test_cancel_during_prefill_stops_at_the_next_chunk(tiny_vault):
         assert len(job.fed) == 16 and job.generated == 0
         st = pool.stats()
         assert st["busy"] == 0 and st["cached_tokens"] == 16  # released with what its KV holds
+
+
+def test_the_serve_command(tiny_vault):
+    """python -m pysmoe serve in its own process: says where it listens, answers, stops on SIGINT."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-m", "pysmoe", "serve", "--vault", str(tiny_vault), "--port", "0",
+                          "--cache-mb", "8", "--max-batch", "2", "--api-key", "k"],
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stderr.readline()
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        assert m, line
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{m.group(1)}/v1", api_key="k", max_retries=0)
+        r = client.completions.create(model="x", prompt="hello", max_tokens=3, temperature=0)
+        assert r.usage.completion_tokens >= 1
+    finally:
+        p.send_signal(signal.SIGINT)
+        assert p.wait(60) in (0, 130)

@@ -65,6 +65,14 @@ def open_server(args, log=sys.stderr):
     return vault, pool, sched, server
 
 
+def _bind(host: str, port: int):
+    import socket
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def run(args) -> int:
     try:
         import uvicorn
@@ -76,12 +84,20 @@ def run(args) -> int:
     if not 0 <= args.port <= 65535:
         print(f"pysmoe serve: error: --port {args.port} is out of range", file=sys.stderr)
         return 2
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"pysmoe serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
     vault, pool, sched, server = open_server(args)
     sched.start()
     try:
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
             print(f"pysmoe serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
-        uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning")
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"pysmoe serve: {server.model} on http://{host}:{sock.getsockname()[1]}/v1 "
+              f"(max batch {sched.max_batch}, context {server.context}); Ctrl-C stops", file=sys.stderr, flush=True)
+        uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning")).run(sockets=[sock])
     finally:
         sched.stop()
         pool.close()
@@ -94,7 +110,6 @@ class Background:
     `with Background(args) as bg: ... bg.port ...`. args.port 0 picks a free port."""
 
     def __init__(self, args, log=None):
-        import socket
         import threading
         import time
 
@@ -104,8 +119,7 @@ class Background:
 
         self.vault, self.pool, self.sched, self.server = open_server(args, log=log or open(os.devnull, "w"))
         self.sched.start()
-        sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-        sock.bind((args.host, args.port))
+        sock = _bind(args.host, args.port)
         self.host, self.port = args.host, sock.getsockname()[1]
         self.uv = uvicorn.Server(uvicorn.Config(build_app(self.server), log_level="warning"))
         self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, name="pysmoe-http",
