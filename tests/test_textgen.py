@@ -35,7 +35,7 @@ def splits(text: str, cuts: list[int]) -> list[str]:
 # ---------------------------------------------------------------------------------- params
 
 @pytest.mark.parametrize("field,value", [
-    ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+    ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("seed", -1),
     ("min_p", 2.0), ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0),
     ("max_tokens", 0), ("max_tokens", 1.5), ("stop", [""]), ("stop", [1]), ("stop", 5), ("stop", ["x"] * 17),
     ("stop_token_ids", [-1]), ("logprobs", 1), ("top_logprobs", 21), ("seed", "1"), ("temperature", True),
@@ -52,8 +52,8 @@ def test_top_logprobs_needs_logprobs():
 
 
 def test_params_normalise():
-    p = SamplingParams(stop="END", top_k=-1, seed=None)
-    assert p.stop == ("END",) and p.top_k == 0 and isinstance(p.seed, int)
+    p = SamplingParams(stop="END", seed=None)
+    assert p.stop == ("END",) and isinstance(p.seed, int) and p.seed >= 0
 
 
 # ---------------------------------------------------------------------------------- sampler
