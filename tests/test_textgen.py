@@ -334,3 +334,81 @@ def test_generation_chat_streams_reasoning_and_tool_calls(tok):
     assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"q": "é"}
     assert "".join(c.get("reasoning_content", "") for c in chunks) == "hm"
     assert sum(len(c.get("tool_calls", [])) for c in chunks) == 2
+
+
+# ---------------------------------------------------------------------------------- on the engine
+
+@settings(deadline=None, max_examples=8)
+@given(ids=st.lists(st.integers(1, 500), min_size=1, max_size=40), penalty=st.sampled_from([1.0, 1.3, 0.8]))
+def test_greedy_stream_generate_matches_the_c_sampler(tiny_vault, ids, penalty):
+    import pysmoe
+    from pysmoe.generate import stream_generate
+    with pysmoe.open_vault(tiny_vault) as v, v.session(cache_bytes=1 << 22) as s:
+        want = list(s.generate(ids, max_tokens=12, repetition_penalty=penalty, stop=()))
+        s.reset()
+        got = [r.token for r in stream_generate(s, ids, 12, repetition_penalty=penalty, stop=())]
+    assert got == want
+
+
+def test_chat_turns_penalise_what_the_c_sampler_would(tiny_vault):
+    import pysmoe
+    from pysmoe.cmd_chat import Conversation
+    with pysmoe.open_vault(tiny_vault) as v, v.session(cache_bytes=1 << 22) as s:
+        conv = Conversation(s, v.tokenizer, max_tokens=1, repetition_penalty=1.5)
+        list(conv.reply("hello"))
+        conv.max_tokens = 8
+        got = [r.token for r in conv.reply("and then?")]
+        assert conv.kept > 0
+        ids = render_chat(v.tokenizer, conv.turns[:-1]).ids
+        s.reset()
+        assert got == list(s.generate(ids, max_tokens=8, repetition_penalty=1.5, stop=v.tokenizer.eos_ids))
+
+
+def test_stop_strings_and_seeds_through_stream_generate(tiny_vault):
+    import pysmoe
+    from pysmoe.errors import Cancelled
+    from pysmoe.generate import stream_generate
+    with pysmoe.open_vault(tiny_vault) as v, v.session(cache_bytes=1 << 22) as s:
+        ids = v.tokenizer.encode("once upon a time")
+        recs = list(stream_generate(s, ids, 40, stop=()))
+        text = "".join(r.text for r in recs)
+        pieces = [v.tokenizer.decode([r.token]) for r in recs]
+        # a stop string across a token boundary: the end of one token's text and the start of the next
+        j = next(j for j in range(1, len(pieces)) if pieces[j - 1] and pieces[j])
+        before = "".join(pieces[:j - 1])
+        stop = pieces[j - 1][-1] + pieces[j][0]
+        s.reset()
+        got = list(stream_generate(s, ids, 40, stop=(), stop_strings=[stop]))
+        assert "".join(r.text for r in got) == text[:text.find(stop)] and got[-1].finish_reason == "stop"
+        assert text.find(stop) <= len(before) + len(pieces[j - 1]) - 1
+        # sampling: the same seed gives the same ids
+        runs = []
+        for seed in (5, 5, 6):
+            s.reset()
+            runs.append([r.token for r in stream_generate(s, ids, 16, temperature=1.0, top_p=0.95, seed=seed,
+                                                          presence_penalty=0.5, stop=())])
+        assert runs[0] == runs[1] != runs[2]
+        # a failure while generating rewinds to before the prompt, as Session.generate does
+        s.reset()
+        s.prefill([3, 4])
+        it = stream_generate(s, ids, 16, stop=())
+        next(it), next(it)
+        with pytest.raises(Cancelled):
+            it.throw(Cancelled("test"))
+        assert s.position == 2
+
+
+def test_cli_stop_and_penalties(tiny_vault):
+    import subprocess
+    import sys
+    base = [sys.executable, "-m", "pysmoe", "run", "--vault", str(tiny_vault), "--prompt", "the cat", "--max-tokens",
+            "30", "--json", "--cache-mb", "1"]
+    full = json.loads(subprocess.run(base, capture_output=True, text=True, timeout=300, check=True).stdout)
+    stop = full["text"][5:8]
+    out = subprocess.run([*base, "--stop", stop, "--stop", "NEVER IN THIS TEXT", "--presence-penalty", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rec = json.loads(out.stdout)
+    assert rec["text"] == full["text"][:full["text"].find(stop)] and rec["finish_reason"] == "stop"
+    out = subprocess.run([*base, "--frequency-penalty", "3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "--frequency-penalty" in out.stderr
