@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pysmoe.textgen import (Detokenizer, Generation, InvalidParam, MessageDelta, Qwen3Parser, Sampler,
+from pysmoe.textgen import (Detokenizer, completion_logprobs, Generation, InvalidParam, MessageDelta, Qwen3Parser, Sampler,
                             SamplingParams, StopMatcher, first_stop, render_chat, token_bytes, token_logprobs)
 from pysmoe.tokenizer import Tokenizer, build_synthetic_tokenizer
 
@@ -319,6 +319,26 @@ def test_parser_streamed_equals_whole(parts, cuts, tools, starts):
             c["arguments"] += t.arguments
     assert [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
             for _, c in sorted(calls.items())] == wmsg.get("tool_calls", [])
+
+
+def test_logprobs_entries(tok):
+    ids = tok.encode("héllo wörld")
+    g = Generation(tok, SamplingParams(temperature=0, max_tokens=50, logprobs=True, top_logprobs=2), [1], eos_ids=())
+    entries = []
+    for i in ids:
+        logits = np.full(tok.vocab_size, -5.0, dtype=np.float32)
+        logits[i], logits[7] = 3.0, 2.0
+        assert g.sample(logits) == i
+        entries += g.push(i).logprobs
+    g.sample(np.zeros(tok.vocab_size, dtype=np.float32))
+    assert g.push(5).logprobs == []       # not the id sampled: no logprobs to give
+    chat = [e.to_openai(tok) for e in entries]
+    assert [c["top_logprobs"][0]["token"] for c in chat] == [c["token"] for c in chat]
+    assert all(c["top_logprobs"][0]["logprob"] == c["logprob"] > c["top_logprobs"][1]["logprob"] for c in chat)
+    assert b"".join(bytes(c["bytes"]) for c in chat) == "héllo wörld".encode()
+    legacy = completion_logprobs(tok, entries)
+    assert legacy["tokens"] == [c["token"] for c in chat] and legacy["text_offset"][0] == 0
+    assert legacy["token_logprobs"] == [c["logprob"] for c in chat]
 
 
 def test_generation_chat_streams_reasoning_and_tool_calls(tok):

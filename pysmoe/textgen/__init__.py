@@ -18,6 +18,8 @@ Public names
                    (TokenLogprob list; .to_openai(tokenizer) gives a logprobs.content entry),
                    finish_reason (None, "stop", "length" or "tool_calls"); chat_delta() gives
                    the OpenAI chunk's `delta` dict, text the completions chunk's text.
+  completion_logprobs  (tokenizer, [TokenLogprob], text_offset) -> a /v1/completions choice's
+                   legacy logprobs object (tokens, token_logprobs, top_logprobs, text_offset).
   Detokenizer, StopMatcher, Qwen3Parser   the stages, usable alone.
   token_text       (tokenizer, id) -> (text, bytes) as OpenAI's logprobs entries spell a token.
 
@@ -46,10 +48,10 @@ For /v1/completions: Generation(tok, params, ids) (chat False): step.text is the
 """
 from .chat import ChatPrompt, normalize_messages, render_chat, token_bytes, token_text
 from .qwen3 import MessageDelta, Qwen3Parser, ToolCallDelta, parse_tool_call
-from .request import Generation, Step, TokenLogprob
+from .request import Generation, Step, TokenLogprob, completion_logprobs
 from .sampling import InvalidParam, Sampled, Sampler, SamplingParams, token_logprobs
 from .text import Detokenizer, StopMatcher, first_stop
 
 __all__ = ["SamplingParams", "InvalidParam", "Sampler", "Sampled", "token_logprobs", "render_chat", "ChatPrompt",
-           "normalize_messages", "token_text", "token_bytes", "Generation", "Step", "TokenLogprob", "MessageDelta",
+           "normalize_messages", "token_text", "token_bytes", "Generation", "Step", "TokenLogprob", "completion_logprobs", "MessageDelta",
            "ToolCallDelta", "Qwen3Parser", "parse_tool_call", "Detokenizer", "StopMatcher", "first_stop"]
