@@ -62,6 +62,10 @@ def stream_generate(session: Session, prompt: str | Sequence[int], max_tokens: i
     ids = _as_ids(session, prompt, chat, chat_template_kwargs)
     arr = session._ids(ids)
     max_tokens = _int_arg("max_tokens", max_tokens, 0)
+    # the rules of Session.generate (top_k ≥ 0, seed ≥ 0); SamplingParams also takes the OpenAI
+    # server's spellings (top_k −1, negative seeds)
+    session._sampler_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            repetition_penalty=repetition_penalty, seed=seed)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, seed=seed, max_tokens=max(max_tokens, 1),

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pysmoe.textgen import (Detokenizer, completion_logprobs, Generation, InvalidParam, MessageDelta, Qwen3Parser, Sampler,
-                            SamplingParams, StopMatcher, first_stop, render_chat, token_bytes, token_logprobs)
+from pysmoe.textgen import (Detokenizer, Generation, InvalidParam, MessageDelta, Qwen3Parser, Sampler, SamplingParams,
+                            StopMatcher, completion_logprobs, first_stop, render_chat, token_bytes, token_logprobs)
 from pysmoe.tokenizer import Tokenizer, build_synthetic_tokenizer
 
 QWEN3_TEMPLATE = (pathlib.Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
@@ -35,7 +35,8 @@ def splits(text: str, cuts: list[int]) -> list[str]:
 # ---------------------------------------------------------------------------------- params
 
 @pytest.mark.parametrize("field,value", [
-    ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1), ("seed", -1),
+    ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+    ("seed", -2 ** 63 - 1), ("seed", 2 ** 64),
     ("min_p", 2.0), ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0),
     ("max_tokens", 0), ("max_tokens", 1.5), ("stop", [""]), ("stop", [1]), ("stop", 5), ("stop", ["x"] * 17),
     ("stop_token_ids", [-1]), ("logprobs", 1), ("top_logprobs", 21), ("seed", "1"), ("temperature", True),
@@ -52,8 +53,10 @@ def test_top_logprobs_needs_logprobs():
 
 
 def test_params_normalise():
-    p = SamplingParams(stop="END", seed=None)
-    assert p.stop == ("END",) and isinstance(p.seed, int) and p.seed >= 0
+    p = SamplingParams(stop="END", seed=None, top_k=-1)
+    assert p.stop == ("END",) and isinstance(p.seed, int) and p.seed >= 0 and p.top_k == 0
+    assert Sampler(SamplingParams(seed=-1)).choose(_logits(1)) == Sampler(SamplingParams(seed=2 ** 64 - 1)).choose(
+        _logits(1))
 
 
 # ---------------------------------------------------------------------------------- sampler

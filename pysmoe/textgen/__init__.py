@@ -53,5 +53,6 @@ from .sampling import InvalidParam, Sampled, Sampler, SamplingParams, token_logp
 from .text import Detokenizer, StopMatcher, first_stop
 
 __all__ = ["SamplingParams", "InvalidParam", "Sampler", "Sampled", "token_logprobs", "render_chat", "ChatPrompt",
-           "normalize_messages", "token_text", "token_bytes", "Generation", "Step", "TokenLogprob", "completion_logprobs", "MessageDelta",
-           "ToolCallDelta", "Qwen3Parser", "parse_tool_call", "Detokenizer", "StopMatcher", "first_stop"]
+           "normalize_messages", "token_text", "token_bytes", "Generation", "Step", "TokenLogprob",
+           "completion_logprobs", "MessageDelta", "ToolCallDelta", "Qwen3Parser", "parse_tool_call", "Detokenizer",
+           "StopMatcher", "first_stop"]

@@ -78,7 +78,7 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0                      # 0: off (vLLM's -1 is refused: a server maps it to 0)
+    top_k: int = 0                      # 0 (or -1, vLLM's spelling, stored as 0): off
     min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -95,20 +95,22 @@ class SamplingParams:
         s = object.__setattr__
         s(self, "temperature", _real("temperature", self.temperature, 0.0, math.inf))
         s(self, "top_p", _real("top_p", self.top_p, 0.0, 1.0, low_open=True))
-        s(self, "top_k", _int("top_k", self.top_k, 0, 2 ** 32 - 1))
+        s(self, "top_k", max(0, _int("top_k", self.top_k, -1, 2 ** 32 - 1)))
         s(self, "min_p", _real("min_p", self.min_p, 0.0, 1.0))
         s(self, "presence_penalty", _real("presence_penalty", self.presence_penalty, -2.0, 2.0))
         s(self, "frequency_penalty", _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
         s(self, "repetition_penalty", _real("repetition_penalty", self.repetition_penalty, 0.0, math.inf,
                                             low_open=True))
         s(self, "repetition_window", _int("repetition_window", self.repetition_window, 0, 2 ** 32 - 1))
-        s(self, "seed", secrets.randbits(63) if self.seed is None else _int("seed", self.seed, 0, 2 ** 64 - 1))
+        seed = secrets.randbits(63) if self.seed is None else self.seed
+        s(self, "seed", _int("seed", seed, -(2 ** 63), 2 ** 64 - 1))
         if self.max_tokens is not None:
             s(self, "max_tokens", _int("max_tokens", self.max_tokens, 1))
         s(self, "stop", _stop_strings(self.stop))
         s(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
         if not isinstance(self.logprobs, bool):
-            raise InvalidParam("logprobs", f"Invalid type for 'logprobs': expected a boolean, but got {self.logprobs!r}.")
+            raise InvalidParam("logprobs", f"Invalid type for 'logprobs': expected a boolean, "
+                                           f"but got {self.logprobs!r}.")
         s(self, "top_logprobs", _int("top_logprobs", 0 if self.top_logprobs is None else self.top_logprobs, 0,
                                      MAX_TOP_LOGPROBS))
         if self.top_logprobs and not self.logprobs:
@@ -186,7 +188,8 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, history: Iterable[int] = ()):
         self.p = params
-        self.rng = np.random.Generator(np.random.PCG64(params.seed))
+        # a negative seed (the server takes int64 ones) counts as its two's complement
+        self.rng = np.random.Generator(np.random.PCG64(params.seed % 2 ** 64))
         w = params.repetition_window
         self.history: list[int] = list(history)[-w:] if w else []
         self.counts: dict[int, int] = {}    # generated id → how many times
