@@ -149,6 +149,17 @@ def test_detokenizer_holds_a_split_character(tok):
     assert d.push(ids[-1]) == "語"
 
 
+def test_parser_tags_survive_even_when_marked_special():
+    from tokenizers import AddedToken
+    t = Tokenizer(build_synthetic_tokenizer(1000))
+    t._tok.add_special_tokens([AddedToken("<think>", special=True), AddedToken("</think>", special=True)])
+    t.vocab_size = t._tok.get_vocab_size(with_added_tokens=True)
+    ids = t.encode("<think>hm</think>ok<|im_end|>")
+    assert t.decode(ids) == "hmok"    # what plain skip_special_tokens would show
+    d = Detokenizer(t)
+    assert "".join(d.push(i) for i in ids) + d.flush() == "<think>hm</think>ok"
+
+
 def test_token_bytes(tok):
     ids = tok.encode("héllo 語")
     assert b"".join(token_bytes(tok, i) for i in ids) == "héllo 語".encode()
