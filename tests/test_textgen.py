@@ -446,3 +446,24 @@ def test_cli_stop_and_penalties(tiny_vault):
     assert rec["text"] == full["text"][:full["text"].find(stop)] and rec["finish_reason"] == "stop"
     out = subprocess.run([*base, "--frequency-penalty", "3"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "--frequency-penalty" in out.stderr
+
+
+def test_ctrl_c_in_stream_generate_rewinds_to_before_the_prompt(tiny_vault):
+    import os
+    import signal
+    import threading
+
+    import pysmoe
+    from pysmoe.generate import interruptible, stream_generate
+    ids = [int(i) for i in np.random.default_rng(0).integers(1, 500, 3000)]
+    with pysmoe.open_vault(tiny_vault) as v, v.session(context=4096, prefill="token-serial") as s, v.session() as ref:
+        s.prefill([5, 6, 7])
+        timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            for _ in interruptible(s, stream_generate(s, ids, 1000, stop=())):
+                pass
+        timer.join()
+        assert s.position == 3
+        ref.prefill([5, 6, 7])
+        assert np.array_equal(s.decode(9), ref.decode(9))
