@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pysmoe.textgen import (Detokenizer, Generation, InvalidParam, MessageDelta, Qwen3Parser, Sampler,
-                            SamplingParams, StopMatcher, first_stop, render_chat, token_bytes, token_logprobs)
+from pysmoe.textgen import (Detokenizer, Generation, InvalidParam, MessageDelta, Qwen3Parser, Sampler, SamplingParams,
+                            StopMatcher, completion_logprobs, first_stop, render_chat, token_bytes, token_logprobs)
 from pysmoe.tokenizer import Tokenizer, build_synthetic_tokenizer
 
 QWEN3_TEMPLATE = (pathlib.Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
@@ -36,6 +36,7 @@ def splits(text: str, cuts: list[int]) -> list[str]:
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
+    ("seed", -2 ** 63 - 1), ("seed", 2 ** 64),
     ("min_p", 2.0), ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0),
     ("max_tokens", 0), ("max_tokens", 1.5), ("stop", [""]), ("stop", [1]), ("stop", 5), ("stop", ["x"] * 17),
     ("stop_token_ids", [-1]), ("logprobs", 1), ("top_logprobs", 21), ("seed", "1"), ("temperature", True),
@@ -52,8 +53,10 @@ def test_top_logprobs_needs_logprobs():
 
 
 def test_params_normalise():
-    p = SamplingParams(stop="END", top_k=-1, seed=None)
-    assert p.stop == ("END",) and p.top_k == 0 and isinstance(p.seed, int)
+    p = SamplingParams(stop="END", seed=None, top_k=-1)
+    assert p.stop == ("END",) and isinstance(p.seed, int) and p.seed >= 0 and p.top_k == 0
+    assert Sampler(SamplingParams(seed=-1)).choose(_logits(1)) == Sampler(SamplingParams(seed=2 ** 64 - 1)).choose(
+        _logits(1))
 
 
 # ---------------------------------------------------------------------------------- sampler
@@ -115,7 +118,7 @@ def test_logprobs_are_the_models():
     s = Sampler(SamplingParams(temperature=0.5, top_k=3, seed=1, logprobs=True, top_logprobs=4))
     r = s.sample(logits)
     lp = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
-    assert r.logprob == pytest.approx(lp[r.token], abs=1e-9)
+    assert r.logprob == pytest.approx(lp[r.token], abs=1e-6)
     assert [i for i, _ in r.top] == list(np.argsort(-lp, kind="stable")[:4])
     assert token_logprobs(logits, 0, 0)[1] == ()
 
@@ -144,6 +147,17 @@ def test_detokenizer_holds_a_split_character(tok):
     d = Detokenizer(tok)
     assert [d.push(i) for i in ids[:-1]] == [""] * (len(ids) - 1)
     assert d.push(ids[-1]) == "語"
+
+
+def test_parser_tags_survive_even_when_marked_special():
+    from tokenizers import AddedToken
+    t = Tokenizer(build_synthetic_tokenizer(1000))
+    t._tok.add_special_tokens([AddedToken("<think>", special=True), AddedToken("</think>", special=True)])
+    t.vocab_size = t._tok.get_vocab_size(with_added_tokens=True)
+    ids = t.encode("<think>hm</think>ok<|im_end|>")
+    assert t.decode(ids) == "hmok"    # what plain skip_special_tokens would show
+    d = Detokenizer(t)
+    assert "".join(d.push(i) for i in ids) + d.flush() == "<think>hm</think>ok"
 
 
 def test_token_bytes(tok):
@@ -321,6 +335,26 @@ def test_parser_streamed_equals_whole(parts, cuts, tools, starts):
             for _, c in sorted(calls.items())] == wmsg.get("tool_calls", [])
 
 
+def test_logprobs_entries(tok):
+    ids = tok.encode("héllo wörld")
+    g = Generation(tok, SamplingParams(temperature=0, max_tokens=50, logprobs=True, top_logprobs=2), [1], eos_ids=())
+    entries = []
+    for i in ids:
+        logits = np.full(tok.vocab_size, -5.0, dtype=np.float32)
+        logits[i], logits[7] = 3.0, 2.0
+        assert g.sample(logits) == i
+        entries += g.push(i).logprobs
+    g.sample(np.zeros(tok.vocab_size, dtype=np.float32))
+    assert g.push(5).logprobs == []       # not the id sampled: no logprobs to give
+    chat = [e.to_openai(tok) for e in entries]
+    assert [c["top_logprobs"][0]["token"] for c in chat] == [c["token"] for c in chat]
+    assert all(c["top_logprobs"][0]["logprob"] == c["logprob"] > c["top_logprobs"][1]["logprob"] for c in chat)
+    assert b"".join(bytes(c["bytes"]) for c in chat) == "héllo wörld".encode()
+    legacy = completion_logprobs(tok, entries)
+    assert legacy["tokens"] == [c["token"] for c in chat] and legacy["text_offset"][0] == 0
+    assert legacy["token_logprobs"] == [c["logprob"] for c in chat]
+
+
 def test_generation_chat_streams_reasoning_and_tool_calls(tok):
     text = '<think>\nhm\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {"q": "é"}}\n</tool_call>'
     g = Generation(tok, SamplingParams(max_tokens=500, logprobs=True), [1], chat=True, tools=True)
@@ -334,3 +368,102 @@ def test_generation_chat_streams_reasoning_and_tool_calls(tok):
     assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"q": "é"}
     assert "".join(c.get("reasoning_content", "") for c in chunks) == "hm"
     assert sum(len(c.get("tool_calls", [])) for c in chunks) == 2
+
+
+# ---------------------------------------------------------------------------------- on the engine
+
+@settings(deadline=None, max_examples=8)
+@given(ids=st.lists(st.integers(1, 500), min_size=1, max_size=40), penalty=st.sampled_from([1.0, 1.3, 0.8]))
+def test_greedy_stream_generate_matches_the_c_sampler(tiny_vault, ids, penalty):
+    import pysmoe
+    from pysmoe.generate import stream_generate
+    with pysmoe.open_vault(tiny_vault) as v, v.session(cache_bytes=1 << 22) as s:
+        want = list(s.generate(ids, max_tokens=12, repetition_penalty=penalty, stop=()))
+        s.reset()
+        got = [r.token for r in stream_generate(s, ids, 12, repetition_penalty=penalty, stop=())]
+    assert got == want
+
+
+def test_chat_turns_penalise_what_the_c_sampler_would(tiny_vault):
+    import pysmoe
+    from pysmoe.cmd_chat import Conversation
+    with pysmoe.open_vault(tiny_vault) as v, v.session(cache_bytes=1 << 22) as s:
+        conv = Conversation(s, v.tokenizer, max_tokens=1, repetition_penalty=1.5)
+        list(conv.reply("hello"))
+        conv.max_tokens = 8
+        got = [r.token for r in conv.reply("and then?")]
+        assert conv.kept > 0
+        ids = render_chat(v.tokenizer, conv.turns[:-1]).ids
+        s.reset()
+        assert got == list(s.generate(ids, max_tokens=8, repetition_penalty=1.5, stop=v.tokenizer.eos_ids))
+
+
+def test_stop_strings_and_seeds_through_stream_generate(tiny_vault):
+    import pysmoe
+    from pysmoe.errors import Cancelled
+    from pysmoe.generate import stream_generate
+    with pysmoe.open_vault(tiny_vault) as v, v.session(cache_bytes=1 << 22) as s:
+        ids = v.tokenizer.encode("once upon a time")
+        recs = list(stream_generate(s, ids, 40, stop=()))
+        text = "".join(r.text for r in recs)
+        pieces = [v.tokenizer.decode([r.token]) for r in recs]
+        # a stop string across a token boundary: the end of one token's text and the start of the next
+        j = next(j for j in range(1, len(pieces)) if pieces[j - 1] and pieces[j])
+        before = "".join(pieces[:j - 1])
+        stop = pieces[j - 1][-1] + pieces[j][0]
+        s.reset()
+        got = list(stream_generate(s, ids, 40, stop=(), stop_strings=[stop]))
+        assert "".join(r.text for r in got) == text[:text.find(stop)] and got[-1].finish_reason == "stop"
+        assert text.find(stop) <= len(before) + len(pieces[j - 1]) - 1
+        # sampling: the same seed gives the same ids
+        runs = []
+        for seed in (5, 5, 6):
+            s.reset()
+            runs.append([r.token for r in stream_generate(s, ids, 16, temperature=1.0, top_p=0.95, seed=seed,
+                                                          presence_penalty=0.5, stop=())])
+        assert runs[0] == runs[1] != runs[2]
+        # a failure while generating rewinds to before the prompt, as Session.generate does
+        s.reset()
+        s.prefill([3, 4])
+        it = stream_generate(s, ids, 16, stop=())
+        next(it), next(it)
+        with pytest.raises(Cancelled):
+            it.throw(Cancelled("test"))
+        assert s.position == 2
+
+
+def test_cli_stop_and_penalties(tiny_vault):
+    import subprocess
+    import sys
+    base = [sys.executable, "-m", "pysmoe", "run", "--vault", str(tiny_vault), "--prompt", "the cat", "--max-tokens",
+            "30", "--json", "--cache-mb", "1"]
+    full = json.loads(subprocess.run(base, capture_output=True, text=True, timeout=300, check=True).stdout)
+    stop = full["text"][5:8]
+    out = subprocess.run([*base, "--stop", stop, "--stop", "NEVER IN THIS TEXT", "--presence-penalty", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rec = json.loads(out.stdout)
+    assert rec["text"] == full["text"][:full["text"].find(stop)] and rec["finish_reason"] == "stop"
+    out = subprocess.run([*base, "--frequency-penalty", "3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "--frequency-penalty" in out.stderr
+
+
+def test_ctrl_c_in_stream_generate_rewinds_to_before_the_prompt(tiny_vault):
+    import os
+    import signal
+    import threading
+
+    import pysmoe
+    from pysmoe.generate import interruptible, stream_generate
+    ids = [int(i) for i in np.random.default_rng(0).integers(1, 500, 3000)]
+    with pysmoe.open_vault(tiny_vault) as v, v.session(context=4096, prefill="token-serial") as s, v.session() as ref:
+        s.prefill([5, 6, 7])
+        timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            for _ in interruptible(s, stream_generate(s, ids, 1000, stop=())):
+                pass
+        timer.join()
+        assert s.position == 3
+        ref.prefill([5, 6, 7])
+        assert np.array_equal(s.decode(9), ref.decode(9))

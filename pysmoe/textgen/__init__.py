@@ -18,6 +18,8 @@ Public names
                    (TokenLogprob list; .to_openai(tokenizer) gives a logprobs.content entry),
                    finish_reason (None, "stop", "length" or "tool_calls"); chat_delta() gives
                    the OpenAI chunk's `delta` dict, text the completions chunk's text.
+  completion_logprobs  (tokenizer, [TokenLogprob], text_offset) -> a /v1/completions choice's
+                   legacy logprobs object (tokens, token_logprobs, top_logprobs, text_offset).
   Detokenizer, StopMatcher, Qwen3Parser   the stages, usable alone.
   token_text       (tokenizer, id) -> (text, bytes) as OpenAI's logprobs entries spell a token.
 
@@ -43,13 +45,24 @@ When the client goes away or the context fills, gen.finish("length") (or any rea
 what was held back. A token whose text ended the request (a stop id or stop string) still counts
 in usage but is never fed: the session's position is prompt + completion_tokens − 1.
 For /v1/completions: Generation(tok, params, ids) (chat False): step.text is the new text.
+
+Semantics worth knowing
+  - Stop strings are matched in the model's raw text, before the Qwen3 parser: a stop string can
+    end a request inside its reasoning (as vLLM does). Text that might begin a stop string is
+    held back; the matched string and everything after it are never sent.
+  - A tool call is sent when its `</tool_call>` arrives (two deltas: index/id/type/name, then the
+    arguments), not while the model is still writing its JSON: that is what lets malformed JSON
+    fall back to content identically whether streamed or not.
+  - Logprobs are the model's (log-softmax of the raw logits), not of the sampling distribution.
+  - finish_reason "tool_calls" replaces "stop" when the message has tool calls.
 """
 from .chat import ChatPrompt, normalize_messages, render_chat, token_bytes, token_text
 from .qwen3 import MessageDelta, Qwen3Parser, ToolCallDelta, parse_tool_call
-from .request import Generation, Step, TokenLogprob
+from .request import Generation, Step, TokenLogprob, completion_logprobs
 from .sampling import InvalidParam, Sampled, Sampler, SamplingParams, token_logprobs
 from .text import Detokenizer, StopMatcher, first_stop
 
 __all__ = ["SamplingParams", "InvalidParam", "Sampler", "Sampled", "token_logprobs", "render_chat", "ChatPrompt",
-           "normalize_messages", "token_text", "token_bytes", "Generation", "Step", "TokenLogprob", "MessageDelta",
-           "ToolCallDelta", "Qwen3Parser", "parse_tool_call", "Detokenizer", "StopMatcher", "first_stop"]
+           "normalize_messages", "token_text", "token_bytes", "Generation", "Step", "TokenLogprob",
+           "completion_logprobs", "MessageDelta", "ToolCallDelta", "Qwen3Parser", "parse_tool_call", "Detokenizer",
+           "StopMatcher", "first_stop"]

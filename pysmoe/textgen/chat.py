@@ -48,7 +48,8 @@ def _text_of(content, where: str) -> str:
 
 def _tool_call(call, where: str) -> dict:
     if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise InvalidArgument(f"{where}: a tool call is {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
+        raise InvalidArgument(f"{where}: a tool call is "
+                              "{'id', 'type': 'function', 'function': {'name', 'arguments'}}")
     fn = dict(call["function"])
     args = fn.get("arguments")
     if isinstance(args, str):

@@ -29,6 +29,22 @@ class TokenLogprob:
         return {**one(self.token, self.logprob), "top_logprobs": [one(i, lp) for i, lp in self.top]}
 
 
+def completion_logprobs(tokenizer, entries: list[TokenLogprob], text_offset: int = 0) -> dict:
+    """The `logprobs` object of a /v1/completions choice for these tokens (legacy shape:
+    tokens, token_logprobs, top_logprobs as {token: logprob}, text_offset). text_offset: where
+    the first token's text starts in the completion."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    at = text_offset
+    for e in entries:
+        text = token_text(tokenizer, e.token)[0]
+        out["tokens"].append(text)
+        out["token_logprobs"].append(e.logprob)
+        out["top_logprobs"].append({token_text(tokenizer, i)[0]: lp for i, lp in e.top})
+        out["text_offset"].append(at)
+        at += len(text)
+    return out
+
+
 @dataclasses.dataclass
 class Step:
     """What one token changed: the text to send (delta.content for completions and chat;

@@ -78,7 +78,7 @@ class SamplingParams:
 
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0                      # 0 (or -1, vLLM's spelling): off
+    top_k: int = 0                      # 0 (or -1, vLLM's spelling, stored as 0): off
     min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
@@ -95,22 +95,22 @@ class SamplingParams:
         s = object.__setattr__
         s(self, "temperature", _real("temperature", self.temperature, 0.0, math.inf))
         s(self, "top_p", _real("top_p", self.top_p, 0.0, 1.0, low_open=True))
-        top_k = _int("top_k", self.top_k, -1, 2 ** 31 - 1)
-        s(self, "top_k", max(top_k, 0))
+        s(self, "top_k", max(0, _int("top_k", self.top_k, -1, 2 ** 32 - 1)))
         s(self, "min_p", _real("min_p", self.min_p, 0.0, 1.0))
         s(self, "presence_penalty", _real("presence_penalty", self.presence_penalty, -2.0, 2.0))
         s(self, "frequency_penalty", _real("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
         s(self, "repetition_penalty", _real("repetition_penalty", self.repetition_penalty, 0.0, math.inf,
                                             low_open=True))
         s(self, "repetition_window", _int("repetition_window", self.repetition_window, 0, 2 ** 32 - 1))
-        s(self, "seed", secrets.randbits(63) if self.seed is None else _int("seed", self.seed, -(2 ** 63),
-                                                                                 2 ** 64 - 1))
+        seed = secrets.randbits(63) if self.seed is None else self.seed
+        s(self, "seed", _int("seed", seed, -(2 ** 63), 2 ** 64 - 1))
         if self.max_tokens is not None:
             s(self, "max_tokens", _int("max_tokens", self.max_tokens, 1))
         s(self, "stop", _stop_strings(self.stop))
         s(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
         if not isinstance(self.logprobs, bool):
-            raise InvalidParam("logprobs", f"Invalid type for 'logprobs': expected a boolean, but got {self.logprobs!r}.")
+            raise InvalidParam("logprobs", f"Invalid type for 'logprobs': expected a boolean, "
+                                           f"but got {self.logprobs!r}.")
         s(self, "top_logprobs", _int("top_logprobs", 0 if self.top_logprobs is None else self.top_logprobs, 0,
                                      MAX_TOP_LOGPROBS))
         if self.top_logprobs and not self.logprobs:
@@ -172,12 +172,13 @@ def _rank(v: np.ndarray, ids: np.ndarray) -> np.ndarray:
     return ids[np.lexsort((ids, -v[ids]))]
 
 
-def _log_softmax(v: np.ndarray) -> np.ndarray:
-    x = v.astype(np.float64)
-    m = x.max()
-    if not np.isfinite(m):  # all −inf (or +inf present): no distribution worth the name
-        return np.where(x == m, 0.0, -np.inf)
-    return x - (m + np.log(np.exp(x - m).sum()))
+def _best(v: np.ndarray, k: int) -> np.ndarray:
+    """The k best ids of v (all if k ≥ len), best first, ties by lower id."""
+    if k >= v.size:
+        return _rank(v, np.arange(v.size))
+    part = np.argpartition(-v, k - 1)[:k]
+    # argpartition breaks ties at the k-th value arbitrarily: take every id tied with it
+    return _rank(v, np.flatnonzero(v >= v[part].min()))[:k]
 
 
 class Sampler:
@@ -187,6 +188,7 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, history: Iterable[int] = ()):
         self.p = params
+        # a negative seed (the server takes int64 ones) counts as its two's complement
         self.rng = np.random.Generator(np.random.PCG64(params.seed % 2 ** 64))
         w = params.repetition_window
         self.history: list[int] = list(history)[-w:] if w else []
@@ -225,36 +227,40 @@ class Sampler:
             return best
         with np.errstate(over="ignore"):
             v = v / np.float32(p.temperature)
-        m = float(v[best])
-        if m == math.inf:  # a temperature so small that it overflowed: as sample.c, the argmax
+        m = v[best]
+        if m == np.inf:  # a temperature so small that it overflowed: as sample.c, the argmax
             return best
-        vocab = v.size
-        if 0 < p.top_k < vocab:
-            part = np.argpartition(-v, p.top_k - 1)[:p.top_k]
-            # argpartition breaks ties at the k-th value arbitrarily: take every id tied with it,
-            # then keep the k best in (value, lower id) order
-            kth = v[part].min()
-            cand = _rank(v, np.flatnonzero(v >= kth))[:p.top_k]
+        # weights exp(v − m) ≤ 1, in float32 (exact enough to draw from), summed in float64
+        w = np.exp(v - m)
+        if 0 < p.top_k < v.size:
+            cand = _best(v, p.top_k)
+            z = float(w[cand].sum(dtype=np.float64))   # top-k first: the softmax is over the k
         elif p.top_p < 1.0 or p.min_p > 0.0:
-            cand = _rank(v, np.flatnonzero(v > -np.inf))
-        else:
-            cand = None  # the whole vocabulary in id order: no ranking needed
-        if cand is None:
-            w = np.exp(v.astype(np.float64) - m)
-            ids = None
-        else:
-            w = np.exp(v[cand].astype(np.float64) - m)
-            keep = w.size
-            if p.top_p < 1.0 or p.min_p > 0.0:
-                prob = w / w.sum()
-                if p.top_p < 1.0:
-                    keep = min(keep, int(np.searchsorted(np.cumsum(prob), p.top_p, side="left")) + 1)
-                if p.min_p > 0.0:
-                    keep = min(keep, max(1, int(np.count_nonzero(prob >= p.min_p * prob[0]))))
-            w, ids = w[:keep], cand[:keep]
-        cum = np.cumsum(w)
-        j = min(int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right")), w.size - 1)
-        return j if ids is None else int(ids[j])
+            z = float(w.sum(dtype=np.float64))
+            cand = self._prefix(v, w, z)
+        else:  # the whole vocabulary in id order: no ranking needed
+            cum = np.cumsum(w, dtype=np.float64)
+            return min(int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right")), v.size - 1)
+        wc = w[cand].astype(np.float64)
+        keep = wc.size
+        if p.top_p < 1.0:
+            keep = min(keep, int(np.searchsorted(np.cumsum(wc) / z, p.top_p, side="left")) + 1)
+        if p.min_p > 0.0:  # p ≥ min_p · p_max ⇔ w ≥ min_p · w_max, and the best has w = 1
+            keep = min(keep, max(1, int(np.count_nonzero(wc >= p.min_p * wc[0]))))
+        cum = np.cumsum(wc[:keep])
+        j = min(int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right")), keep - 1)
+        return int(cand[j])
+
+    def _prefix(self, v: np.ndarray, w: np.ndarray, z: float) -> np.ndarray:
+        """The best ids, ranked, enough of them to hold the top-p and min-p cuts: sorting all
+        151,936 ids of Qwen3 costs tens of ms, the few hundred that matter almost nothing."""
+        p, k = self.p, 256
+        while True:
+            cand = _best(v, k)
+            if cand.size == v.size or (p.top_p < 1.0 and w[cand].sum(dtype=np.float64) >= p.top_p * z) or (
+                    p.min_p > 0.0 and w[cand[-1]] < p.min_p):
+                return cand
+            k *= 8
 
     def sample(self, logits, logprobs: bool | None = None, top_logprobs: int | None = None) -> Sampled:
         """choose() plus, when the params (or the arguments) ask, the model's logprobs."""
@@ -268,15 +274,19 @@ class Sampler:
 
 def token_logprobs(logits, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
     """The model's logprob of token and its n likeliest ids with theirs (ties by lower id)."""
-    lp = _log_softmax(_clean(logits))
-    top: tuple = ()
-    if n > 0:
-        n = min(n, lp.size)
-        part = np.argpartition(-lp, n - 1)[:n]
-        kth = lp[part].min()
-        best = _rank(lp, np.flatnonzero(lp >= kth))[:n]
-        top = tuple((int(i), float(lp[i])) for i in best)
-    return float(lp[token]), top
+    v = _clean(logits)
+    m = float(v.max())
+    if not math.isfinite(m):  # all −inf (or some +inf): no distribution worth the name
+        lse = m
+    else:
+        lse = m + math.log(float(np.exp(v - np.float32(m)).sum(dtype=np.float64)))
+
+    def lp(i):
+        x = float(v[i])
+        return 0.0 if x == lse else x - lse
+
+    top = tuple((int(i), lp(i)) for i in _best(v, n)) if n > 0 else ()
+    return lp(token), top
 
 
 def check_ids_in_vocab(ids: Sequence[int], vocab: int, name: str = "stop_token_ids") -> None:

@@ -16,19 +16,25 @@ the whole text cut at its earliest stop-string occurrence.
 from __future__ import annotations
 
 
+# Tags an output parser reads: kept even where a checkpoint marks them special tokens.
+KEEP_TAGS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>"})
+
+
 class Detokenizer:
     """push(id) → the new text; flush() → what is still held (a character the ids never
-    completed, as U+FFFD) at the end."""
+    completed, as U+FFFD) at the end. Special tokens (<|im_end|>) show no text, except the
+    tags of KEEP_TAGS, which the Qwen3 parser needs to see."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tok = tokenizer
         self.skip = skip_special_tokens
+        self.hidden = frozenset(_special_ids(tokenizer)) if skip_special_tokens else frozenset()
         self.ids: list[int] = []
         self.prefix = 0     # window start: ids[:prefix] are shown and end at a character boundary
         self.read = 0       # ids[prefix:read] decode to the text already shown from the window
 
     def _decode(self, ids) -> str:
-        return self.tok.decode(ids, skip_special_tokens=self.skip)
+        return self.tok.decode([i for i in ids if i not in self.hidden], skip_special_tokens=False)
 
     def push(self, token: int) -> str:
         self.ids.append(int(token))
@@ -45,6 +51,13 @@ class Detokenizer:
         new = full[len(shown):] if full.startswith(shown) else full
         self.prefix, self.read = self.read, len(self.ids)
         return new
+
+
+def _special_ids(tokenizer) -> list[int]:
+    hf = getattr(tokenizer, "_tok", None)
+    if hf is None:
+        return []
+    return [int(i) for i, t in hf.get_added_tokens_decoder().items() if t.special and t.content not in KEEP_TAGS]
 
 
 def _held_suffix(text: str, stops) -> int:
