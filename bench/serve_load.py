@@ -165,6 +165,7 @@ def plot(record: dict, out: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     runs = record["runs"]
+    done = sorted({r["streams"] for r in runs})
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
     style = {"batched": ("C0", "o"), "interleaved": ("C1", "s"), "serial": ("C2", "^")}
     for mode in record["modes"]:
@@ -182,8 +183,8 @@ def plot(record: dict, out: pathlib.Path) -> None:
     titles = ["aggregate decode tokens/s", "TTFT (s)", "inter-token latency (s)", "blob reads per generated token"]
     for ax, title in zip(axes, titles):
         ax.set_xscale("log", base=2)
-        ax.set_xticks(record["streams"])
-        ax.set_xticklabels([str(s) for s in record["streams"]])
+        ax.set_xticks(done)
+        ax.set_xticklabels([str(s) for s in done])
         ax.set_xlabel("concurrent streams")
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)
@@ -211,7 +212,11 @@ def main(argv=None) -> int:
     ap.add_argument("--turn-prompt-tokens", type=int, default=256)
     ap.add_argument("--json", type=pathlib.Path)
     ap.add_argument("--plot", type=pathlib.Path)
+    ap.add_argument("--replot", action="store_true", help="only plot the --json record (an interrupted run's too)")
     args = ap.parse_args(argv)
+    if args.replot:
+        plot(json.loads(args.json.read_text()), args.plot)
+        return 0
     streams = [int(s) for s in args.streams.split(",")]
     modes = args.modes.split(",")
     from pysmoe import open_vault
