@@ -23,7 +23,8 @@ the gap between consecutive chunks as the client receives them.
 Per run: aggregate decode tokens/s = Σ (tokens − 1) / (last chunk − first first-token) over the
 run's streams; TTFT = request sent → first chunk with a token; ITL = gaps between a stream's
 token chunks (pooled over the streams); blob reads per generated token = the shared cache's
-blob reads over the run (prefill included) / tokens generated, from the server's /metrics.
+blob reads over the run (prefill included) / tokens generated, and the decode steps' reads alone
+per token they decoded (the first token of each stream comes from its prefill), from /metrics.
 
 --turns also measures prefix reuse: two turns on a fresh batched server (first: a
 --turn-prompt-tokens ids prompt and an 8-token answer; second: the first prompt plus 8 new ids —
@@ -130,6 +131,7 @@ def one_run(vault, mode, streams, args, cache_mb, vocab) -> dict:
         "ttft_median_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95),
         "itl_median_s": pct(itl, 50), "itl_p95_s": pct(itl, 95),
         "blob_reads": eng.get("blob_reads"), "blob_reads_per_token": eng["blob_reads"] / tokens if tokens else None,
+        "decode_blob_reads_per_token": m.get("blob_reads_per_decode_token"),
         "cache_hit_rate": eng.get("cache_hit_rate"), "mean_batch_size": m.get("mean_batch_size"),
         "batch_blob_reads": eng.get("batch_blob_reads"), "batch_tokens": eng.get("batch_tokens"),
         "finish": sorted({r["finish"] for r in res}),
@@ -179,8 +181,12 @@ def plot(record: dict, out: pathlib.Path) -> None:
         axes[1].plot(x, [r["ttft_p95_s"] for r in rs], marker=mk, color=c, ls="--", mfc="none", label=f"{mode} p95")
         axes[2].plot(x, [r["itl_median_s"] for r in rs], marker=mk, color=c, label=f"{mode} median")
         axes[2].plot(x, [r["itl_p95_s"] for r in rs], marker=mk, color=c, ls="--", mfc="none", label=f"{mode} p95")
-        axes[3].plot(x, [r["blob_reads_per_token"] for r in rs], marker=mk, color=c, label=mode)
-    titles = ["aggregate decode tokens/s", "TTFT (s)", "inter-token latency (s)", "blob reads per generated token"]
+        key = "decode_blob_reads_per_token" if all(r.get("decode_blob_reads_per_token") for r in rs) \
+            else "blob_reads_per_token"
+        axes[3].plot(x, [r[key] for r in rs], marker=mk, color=c, label=mode)
+    decode_only = all(r.get("decode_blob_reads_per_token") for r in runs)
+    titles = ["aggregate decode tokens/s", "TTFT (s)", "inter-token latency (s)",
+              "blob reads per decoded token" if decode_only else "blob reads per generated token (prefill incl.)"]
     for ax, title in zip(axes, titles):
         ax.set_xscale("log", base=2)
         ax.set_xticks(done)
@@ -232,7 +238,7 @@ def main(argv=None) -> int:
     print(f"{record['vault_name']}: cache {cache_mb:.0f} MiB ({args.cache_frac:.0%}), {cpu}, load {record['load_before']}",
           file=sys.stderr)
     print(f"{'streams':>7} {'mode':<12} {'dec tok/s':>9} {'TTFT med':>9} {'TTFT p95':>9} {'ITL med':>8} {'ITL p95':>8} "
-          f"{'reads/tok':>9} {'hit':>5} {'batch':>5} {'wall s':>7}")
+          f"{'reads/tok':>9} {'dec r/tok':>9} {'hit':>5} {'batch':>5} {'wall s':>7}")
     for n in streams:
         for mode in modes:
             r = one_run(args.vault, mode, n, args, cache_mb, vocab)
@@ -240,6 +246,7 @@ def main(argv=None) -> int:
             record["runs"].append(r)
             print(f"{n:>7} {mode:<12} {r['decode_tps']:>9.2f} {r['ttft_median_s']:>9.3f} {r['ttft_p95_s']:>9.3f} "
                   f"{r['itl_median_s']:>8.3f} {r['itl_p95_s']:>8.3f} {r['blob_reads_per_token']:>9.1f} "
+                  f"{r['decode_blob_reads_per_token'] or 0:>9.1f} "
                   f"{r['cache_hit_rate'] or 0:>5.0%} {r['mean_batch_size'] or 0:>5.1f} {r['wall_s']:>7.1f}",
                   flush=True)
             if args.json:

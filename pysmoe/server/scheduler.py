@@ -75,6 +75,8 @@ class Metrics:
         self.completion_tokens = 0
         self.decode_steps = 0
         self.decode_s = 0.0
+        self.decode_blob_reads = 0                 # blobs read by decode steps (the shared cache's counter)
+        self.prefill_blob_reads = 0
         self.prefill_tokens = 0
         self.prefill_s = 0.0
         self.batch_sizes = collections.Counter()   # decode step size → steps
@@ -213,6 +215,7 @@ class Scheduler:
 
     def _prefill_chunk(self, job: Job) -> None:
         part = job.pending[:self.chunk]
+        reads = self._blob_reads()
         t = time.perf_counter()
         self._prefilling = job
         try:
@@ -227,6 +230,7 @@ class Scheduler:
             return
         finally:
             self._prefilling = None
+            self.metrics_data.prefill_blob_reads += self._blob_reads() - reads
         m = self.metrics_data
         m.prefill_tokens += len(part)
         m.prefill_s += time.perf_counter() - t
@@ -237,7 +241,13 @@ class Scheduler:
             m.ttft_s.append(job.t_first - job.t_submit)
             self._emit_token(job, logits)
 
+    def _blob_reads(self) -> int:
+        """The shared cache's blob reads so far (every session of the pool reports the same)."""
+        sessions = self.pool.sessions
+        return sessions[0].stats()["blob_reads"] if sessions else 0
+
     def _decode(self, jobs: list[Job]) -> None:
+        reads = self._blob_reads()
         t = time.perf_counter()
         tokens = [j.next_token for j in jobs]
         if self.batching and len(jobs) > 1:
@@ -261,6 +271,7 @@ class Scheduler:
         m = self.metrics_data
         m.decode_steps += 1
         m.decode_s += time.perf_counter() - t
+        m.decode_blob_reads += self._blob_reads() - reads
         m.batch_sizes[len(jobs)] += 1
         for j, logits in results:
             j.fed.append(j.next_token)
@@ -327,6 +338,10 @@ class Scheduler:
             "decode_tokens_per_s": (sum(k * v for k, v in m.batch_sizes.items()) / m.decode_s
                                     if m.decode_s else None),
             "decode_steps": m.decode_steps,
+            "decode_tokens": sum(k * v for k, v in m.batch_sizes.items()),
+            "decode_blob_reads": m.decode_blob_reads, "prefill_blob_reads": m.prefill_blob_reads,
+            "blob_reads_per_decode_token": (m.decode_blob_reads / sum(k * v for k, v in m.batch_sizes.items())
+                                            if m.batch_sizes else None),
             "batch_sizes": {str(k): v for k, v in sorted(m.batch_sizes.items())},
             "mean_batch_size": (sum(k * v for k, v in m.batch_sizes.items()) / steps) if steps else None,
             "ttft_s": {"median": _quantile(m.ttft_s, 0.5), "p95": _quantile(m.ttft_s, 0.95)},
