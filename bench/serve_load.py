@@ -223,7 +223,7 @@ def main(argv=None) -> int:
     if args.replot:
         plot(json.loads(args.json.read_text()), args.plot)
         return 0
-    streams = [int(s) for s in args.streams.split(",")]
+    streams = [int(s) for s in args.streams.split(",") if s]  # --streams "": only --turns
     modes = args.modes.split(",")
     from pysmoe import open_vault
     with open_vault(args.vault) as v:
