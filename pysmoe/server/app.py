@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import BadToken, ContextFull, InvalidArgument, SmoeError
+from ..errors import BadToken, ContextFull, InvalidArgument
 from .scheduler import Job, Scheduler
 from ..textgen import render_chat
 from .schemas import APIError, GenerationRequest, parse_chat, parse_completion
@@ -110,7 +110,10 @@ class Server:
         events: asyncio.Queue = asyncio.Queue()
 
         def emit(kind, payload):  # engine thread → this request's queue
-            loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+            except RuntimeError:  # the event loop is gone (shutting down): nobody is listening
+                pass
 
         text = RequestText(req, self.tokenizer, ids, context=self.context, starts_in_reasoning=starts_in_reasoning)
         job = Job(ids, text, emit)
@@ -122,8 +125,6 @@ class Server:
             return e
         if isinstance(e, (BadToken, ContextFull, InvalidArgument)):
             return APIError(400, str(e))
-        if isinstance(e, SmoeError):
-            return APIError(500, f"{type(e).__name__}: {e}", type="server_error")
         return APIError(500, f"{type(e).__name__}: {e}", type="server_error")
 
 
@@ -172,7 +173,7 @@ def build_app(server: Server) -> Starlette:
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
         head = {"id": rid, "object": obj + (".chunk" if req.stream and kind == "chat" else ""),
-                "created": created, "model": req.model or server.model}
+                "created": created, "model": server.model}
         if req.stream:
             return StreamingResponse(_stream(server, job, text, events, head, req),
                                      media_type="text/event-stream",

@@ -278,6 +278,13 @@ class Scheduler:
             self._emit_token(j, logits)
 
     def _emit_token(self, job: Job, logits) -> None:
+        try:
+            self._next_token(job, logits)
+        except Exception as e:  # a bug in one request's text side must not stop the engine thread
+            log.exception("request %d: generating its next token failed", job.id)
+            self._fail(job, e)
+
+    def _next_token(self, job: Job, logits) -> None:
         """Sample the next id from logits, hand its text to the client, decide whether the job ends."""
         step = job.text.step(logits)
         job.generated += 1
