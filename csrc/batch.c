@@ -127,8 +127,11 @@ static smoe_status decode_batch(smoe_session *const *ss, const int32_t *ids, uin
             smoe_attention_block(ss[i], l, ss[i]->pos, 1);
         shuttle(ss, n, li, false);
         uint32_t used;
-        if ((st = smoe_ffn_block(lead, l, n, &used)) != SMOE_OK)
+        if ((st = smoe_ffn_block(lead, l, n, &used)) != SMOE_OK) {
+            if (st == SMOE_ERR_CANCELLED) /* the lead's cancel, seen while its blobs arrived */
+                *failed = (int32_t)li;
             return st;
+        }
         if (lead->lay->layers[l].sparse)
             move_expert_counts(ss, n, li, l);
         shuttle(ss, n, li, true);

@@ -284,7 +284,8 @@ typedef struct {
     uint64_t cache_misses;    /* expert uses that needed a read */
     double io_wait_s;         /* seconds compute waited for blobs */
     double prefill_s;         /* seconds inside smoe_prefill_chunk */
-    double decode_s;          /* seconds inside smoe_decode_step */
+    double decode_s;          /* seconds inside smoe_decode_step (and smoe_decode_batch: each member
+                                 counts the whole step, as it does the token in tokens_decoded) */
     uint64_t tokens_prefilled;
     uint64_t tokens_decoded;
     uint64_t resident_bytes;  /* dense + cache + kv + planes */
