@@ -75,15 +75,17 @@ def stream_generate(session: Session, prompt: str | Sequence[int], max_tokens: i
     session._check_room(len(arr))
     if max_tokens == 0:
         return iter(())
-    start_pos = session.position
-    gen = Generation(tok, params, ids, eos_ids=stop_ids, room=session.context - start_pos - len(ids) + 1,
-                     history=[*(history or ()), *ids])
-    return _responses(session, gen, arr, max_tokens, start_pos, time.perf_counter())
+
+    def new_generation(start_pos: int):
+        return Generation(tok, params, ids, eos_ids=stop_ids, room=session.context - start_pos - len(ids) + 1,
+                          history=[*(history or ()), *ids])
+    return _responses(session, new_generation, arr, max_tokens, time.perf_counter())
 
 
-def _responses(session: Session, gen, arr, max_tokens: int, start_pos: int,
-               start: float) -> Iterator[GenerationResponse]:
+def _responses(session: Session, new_generation, arr, max_tokens: int, start: float) -> Iterator[GenerationResponse]:
     first = None
+    start_pos = session.position  # where the work starts: the session may have moved since the call
+    gen = new_generation(start_pos)
     try:
         logits = session.prefill(arr)
         while True:
