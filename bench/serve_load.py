@@ -39,7 +39,6 @@ import http.client
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import time

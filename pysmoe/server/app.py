@@ -27,8 +27,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import BadToken, ContextFull, InvalidArgument
-from .scheduler import Job, Scheduler
 from ..textgen import render_chat
+from .scheduler import Job, Scheduler
 from .schemas import APIError, GenerationRequest, parse_chat, parse_completion
 from .text import RequestText
 
