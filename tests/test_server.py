@@ -118,6 +118,21 @@ def test_completion_streamed(served):
     assert parts[-1].choices[0].finish_reason == full.choices[0].finish_reason
 
 
+def test_logprobs(served):
+    r = served.client.completions.create(model="tiny", prompt="Once upon", max_tokens=6, temperature=0, logprobs=2,
+                                         extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens == 6
+    assert all(len(t) == 2 and max(t.values()) >= v for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert "".join(lp.tokens) == r.choices[0].text
+    c = served.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                              temperature=0, logprobs=True, top_logprobs=3,
+                                              extra_body={"ignore_eos": True})
+    entries = c.choices[0].logprobs.content
+    assert len(entries) == 4 and all(len(e.top_logprobs) == 3 for e in entries)
+    assert all(e.logprob == e.top_logprobs[0].logprob for e in entries)  # greedy: the likeliest
+
+
 def test_stop_string(served):
     prompt = "In the beginning"
     text = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0).choices[0].text

@@ -9,7 +9,7 @@ chat) plus the shapes of OpenAI's choices.
 """
 from __future__ import annotations
 
-from ..textgen import Generation, Step
+from ..textgen import Generation, Step, completion_logprobs
 from .schemas import GenerationRequest
 
 
@@ -42,14 +42,8 @@ class RequestText:
             return None
         if self.chat:
             return {"content": [e.to_openai(self.tok) for e in entries]}
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for e in entries:
-            d = e.to_openai(self.tok)
-            out["tokens"].append(d["token"])
-            out["token_logprobs"].append(d["logprob"])
-            out["top_logprobs"].append({t["token"]: t["logprob"] for t in d["top_logprobs"]})
-            out["text_offset"].append(self.offset)
-            self.offset += len(d["token"])
+        out = completion_logprobs(self.tok, entries, self.offset)
+        self.offset = out["text_offset"][-1] + len(out["tokens"][-1])
         return out
 
     def chunk(self, step: Step | None, finish: str | None) -> dict:
