@@ -56,5 +56,8 @@ smoe_status smoe_decode_step(smoe_session *s, int32_t id, float *logits, int32_t
     smoe_status st = smoe_session_enter(s, "smoe_decode_step");
     if (st != SMOE_OK)
         return st;
-    return smoe_session_leave(s, decode(s, id, logits, next_id));
+    smoe_share_lock(s);
+    st = decode(s, id, logits, next_id);
+    smoe_share_unlock(s);
+    return smoe_session_leave(s, st);
 }

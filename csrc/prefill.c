@@ -45,5 +45,8 @@ smoe_status smoe_prefill_chunk(smoe_session *s, const int32_t *ids, uint32_t n) 
     smoe_status st = smoe_session_enter(s, "smoe_prefill_chunk");
     if (st != SMOE_OK)
         return st;
-    return smoe_session_leave(s, prefill(s, ids, n));
+    smoe_share_lock(s);
+    st = prefill(s, ids, n);
+    smoe_share_unlock(s);
+    return smoe_session_leave(s, st);
 }

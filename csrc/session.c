@@ -53,11 +53,20 @@ static smoe_status read_params(const smoe_session_params *in, smoe_session_param
     return SMOE_OK;
 }
 
+/* Lets go of one session's hold on a share; the last one frees it. */
+static void share_drop(smoe_share *sh) {
+    if (!sh || atomic_fetch_sub(&sh->refs, 1) != 1)
+        return;
+    smoe_streamer_free(sh->streamer);
+    smoe_pool_free(sh->pool);
+    pthread_mutex_destroy(&sh->mu);
+    smoe_free(sh);
+}
+
 void smoe_session_free(smoe_session *s) {
     if (!s)
         return;
-    smoe_streamer_free(s->streamer);
-    smoe_pool_free(s->pool);
+    share_drop(s->share);
     void *bufs[] = {s->k_cache, s->v_cache, s->rope_cos, s->rope_sin, s->history, s->x, s->xn, s->q, s->att,
                     s->scores, s->router, s->topk_idx, s->topk_w, s->slot_out, s->xg, s->hg, s->h, s->yg,
                     s->qx_codes, s->qx_d, s->qx_gsum,
@@ -93,7 +102,10 @@ static void build_rope(smoe_session *s) {
     }
 }
 
-smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *params, smoe_session **out) {
+/* A new session of vault; with sibling, holding sibling's share (whose params then stand for
+ * threads, io_threads, cache_bytes, direct_io and verify_blobs) instead of making its own. */
+static smoe_status session_new(smoe_vault *vault, const smoe_session_params *params, smoe_session *sibling,
+                               smoe_session **out) {
     smoe_status isa = smoe_cpu_check(); /* first: before any code that may use AVX2 (cpu.c) */
     if (isa != SMOE_OK) {
         if (out) *out = NULL;
@@ -109,6 +121,13 @@ smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *param
     if (st != SMOE_OK)
         return st;
     const smoe_config *c = &vault->lay.cfg;
+    if (sibling) {
+        p.threads = sibling->params.threads;
+        p.io_threads = sibling->params.io_threads;
+        p.cache_bytes = sibling->params.cache_bytes;
+        p.direct_io = sibling->params.direct_io;
+        p.verify_blobs = sibling->params.verify_blobs;
+    }
     if (p.context == 0 || p.chunk == 0 || p.threads == 0 || p.io_threads == 0)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "context, chunk, threads and io_threads must be at least 1");
     if (p.context > c->max_position_embeddings)
@@ -180,10 +199,33 @@ smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *param
     }
     build_rope(s);
 
-    if ((st = smoe_pool_new(p.threads, &s->pool)) != SMOE_OK) {
+    if (sibling) {
+        atomic_fetch_add(&sibling->share->refs, 1);
+        s->share = sibling->share;
+        s->pool = s->share->pool;
+        s->streamer = s->share->streamer;
+        smoe_sampler_params sdef = smoe_sampler_default_params();
+        smoe_sampler_init(&s->sampler, &sdef);
+        *out = s;
+        return SMOE_OK;
+    }
+    s->share = smoe_alloc(sizeof *s->share, 64);
+    if (!s->share) {
+        smoe_session_free(s);
+        return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the session");
+    }
+    if (pthread_mutex_init(&s->share->mu, NULL) != 0) {
+        smoe_free(s->share);
+        s->share = NULL;
+        smoe_session_free(s);
+        return smoe_fail(SMOE_ERR_NOMEM, "could not create the session's lock");
+    }
+    atomic_init(&s->share->refs, 1);
+    if ((st = smoe_pool_new(p.threads, &s->share->pool)) != SMOE_OK) {
         smoe_session_free(s);
         return st;
     }
+    s->pool = s->share->pool;
 
     if (c->num_sparse_layers > 0) {
         /* The budget in whole blobs; never fewer than one token's experts of one layer, never
@@ -214,15 +256,29 @@ smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *param
             .direct_io = p.direct_io,
             .verify = p.verify_blobs,
         };
-        if ((st = smoe_streamer_new(&sp, &s->streamer)) != SMOE_OK) {
+        if ((st = smoe_streamer_new(&sp, &s->share->streamer)) != SMOE_OK) {
             smoe_session_free(s);
             return st;
         }
+        s->streamer = s->share->streamer;
     }
     smoe_sampler_params sdef = smoe_sampler_default_params();
     smoe_sampler_init(&s->sampler, &sdef);
     *out = s;
     return SMOE_OK;
+}
+
+smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *params, smoe_session **out) {
+    return session_new(vault, params, NULL, out);
+}
+
+smoe_status smoe_session_new_shared(smoe_session *sibling, const smoe_session_params *params, smoe_session **out) {
+    if (!sibling) {
+        if (out)
+            *out = NULL;
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_new_shared: sibling is NULL");
+    }
+    return session_new(sibling->vault, params, sibling, out);
 }
 
 smoe_status smoe_session_reset(smoe_session *s) {
@@ -327,6 +383,10 @@ static smoe_status stats_claimed(const smoe_session *s, smoe_counters *out) {
     c.plane_bytes = s->plane_bytes;
     c.resident_bytes = c.dense_bytes + c.cache_bytes + c.kv_bytes + c.plane_bytes;
     c.num_layers = s->cfg.num_hidden_layers;
+    c.cache_sharers = atomic_load(&s->share->refs);
+    c.batch_steps = s->share->batch_steps;
+    c.batch_tokens = s->share->batch_tokens;
+    c.batch_blob_reads = s->share->batch_blob_reads;
     memcpy(out, &c, out->struct_size);
     return SMOE_OK;
 }
@@ -354,6 +414,7 @@ static smoe_status stats_reset_claimed(smoe_session *s) {
         return smoe_fail(SMOE_ERR_INVALID_ARG, "session is NULL");
     if (s->streamer)
         smoe_streamer_reset_stats(s->streamer);
+    s->share->batch_steps = s->share->batch_tokens = s->share->batch_blob_reads = 0;
     s->prefill_s = s->decode_s = 0;
     s->tokens_prefilled = s->tokens_decoded = 0;
     memset(s->expert_counts, 0, (size_t)s->cfg.num_hidden_layers * s->cfg.num_experts * sizeof(uint64_t));
@@ -384,7 +445,10 @@ smoe_status smoe_stats(const smoe_session *s, smoe_counters *out) {
     smoe_status st = smoe_session_enter(s, "smoe_stats");
     if (st != SMOE_OK)
         return st;
-    return smoe_session_leave(s, stats_claimed(s, out));
+    smoe_share_lock(s);
+    st = stats_claimed(s, out);
+    smoe_share_unlock(s);
+    return smoe_session_leave(s, st);
 }
 
 smoe_status smoe_stats_union_sizes(const smoe_session *s, uint32_t *out, uint32_t cap) {
@@ -411,7 +475,10 @@ smoe_status smoe_stats_reset(smoe_session *s) {
     smoe_status st = smoe_session_enter(s, "smoe_stats_reset");
     if (st != SMOE_OK)
         return st;
-    return smoe_session_leave(s, stats_reset_claimed(s));
+    smoe_share_lock(s);
+    st = stats_reset_claimed(s);
+    smoe_share_unlock(s);
+    return smoe_session_leave(s, st);
 }
 
 smoe_status smoe_cache_clear(smoe_session *s) {
@@ -420,5 +487,8 @@ smoe_status smoe_cache_clear(smoe_session *s) {
     smoe_status st = smoe_session_enter(s, "smoe_cache_clear");
     if (st != SMOE_OK)
         return st;
-    return smoe_session_leave(s, cache_clear_claimed(s));
+    smoe_share_lock(s);
+    st = cache_clear_claimed(s);
+    smoe_share_unlock(s);
+    return smoe_session_leave(s, st);
 }

@@ -14,15 +14,31 @@
 #include "streamer.h"
 #include "vault.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
+
+/* The worker pool and streamer (retention cache) of one or more sessions. smoe_session_new makes
+ * one per session; smoe_session_new_shared makes the new session hold its sibling's, counted in
+ * refs, so they are freed with the last session that holds them, in whatever order sessions are
+ * freed. Their compute side is single-threaded (pool.h, streamer.h): every call that runs the
+ * pool or touches the streamer holds mu (smoe_share_lock), so sessions of one share run such
+ * calls one at a time, in whatever threads. */
+typedef struct {
+    _Atomic uint32_t refs;
+    pthread_mutex_t mu;
+    smoe_pool *pool;
+    smoe_streamer *streamer; /* NULL when the model has no sparse layer */
+    uint64_t batch_steps, batch_tokens, batch_blob_reads; /* smoe_decode_batch: calls, tokens, reads */
+} smoe_share;
 
 struct smoe_session {
     smoe_vault *vault;
     const smoe_layout *lay;
     smoe_config cfg;
     smoe_session_params params;
-    smoe_pool *pool;
-    smoe_streamer *streamer; /* NULL when the model has no sparse layer */
+    smoe_share *share;       /* pool and streamer, maybe shared with other sessions */
+    smoe_pool *pool;         /* share->pool */
+    smoe_streamer *streamer; /* share->streamer: NULL when the model has no sparse layer */
     smoe_sampler sampler;
 
     uint32_t pos;    /* tokens in the KV cache; stored with set_pos (smoe_session_position loads it) */
@@ -117,6 +133,10 @@ static inline smoe_status smoe_session_check_cancel(const smoe_session *s, uint3
 
 /* The position a finished call leaves, published for smoe_session_position's atomic load. */
 static inline void smoe_session_set_pos(smoe_session *s, uint32_t pos) { __atomic_store_n(&s->pos, pos, __ATOMIC_RELEASE); }
+
+/* Holds the session's share for a call that runs the pool or the streamer (smoe_share). */
+static inline void smoe_share_lock(const smoe_session *s) { pthread_mutex_lock(&s->share->mu); }
+static inline void smoe_share_unlock(const smoe_session *s) { pthread_mutex_unlock(&s->share->mu); }
 
 /* Checks ids and room for n more tokens; SMOE_OK or an error with a message. */
 smoe_status smoe_check_tokens(const smoe_session *s, const int32_t *ids, uint32_t n);

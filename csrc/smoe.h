@@ -43,7 +43,8 @@
  *   - smoe_session_free and smoe_close_vault must not run while a call runs on the session (or a
  *     session of the vault): that is undefined behaviour. Cancel, let the call return, then free.
  *     The Python binding enforces this (Session.close() cancels and waits).
- *   - Different sessions, of one vault or of several, may run calls at the same time.
+ *   - Different sessions, of one vault or of several, may run calls at the same time; sessions
+ *     sharing one cache (smoe_session_new_shared) take turns for the calls that use it.
  */
 #ifndef SMOE_H
 #define SMOE_H
@@ -222,6 +223,39 @@ SMOE_API smoe_status smoe_session_rewind(smoe_session *session, uint32_t positio
  * message, for signal safety) for NULL. */
 SMOE_API smoe_status smoe_session_cancel(smoe_session *session);
 
+/* ------------------------------------------------------------ sessions that share a cache */
+
+/* A new session of sibling's vault that reads experts through sibling's retention cache
+ * (streamer) and runs on its worker pool: params.threads, io_threads, cache_bytes, direct_io and
+ * verify_blobs are ignored (sibling's hold); context, chunk and float_activations are the new
+ * session's own, as are its KV cache, planes and sampler. Sharing is transitive (a share is the
+ * set of sessions made from one another) and counted: sessions of a share may be freed in any
+ * order, the cache and pool going with the last one. The vault must outlive them all.
+ * Sessions of one share run the calls that use the pool or the cache (prefill, decode, batch,
+ * smoe_stats*, smoe_cache_clear) one at a time: such a call waits until a sibling's returns.
+ * Each session still refuses concurrent calls on itself with SMOE_ERR_BUSY. On failure *out is
+ * NULL and sibling is unchanged. */
+SMOE_API smoe_status smoe_session_new_shared(smoe_session *sibling, const smoe_session_params *params,
+                                             smoe_session **out);
+
+/* One decode step of n sessions in one layer-major pass: appends ids[i] to sessions[i] at its
+ * own position and writes its next-token logits to logits + i·vocab_size and/or a sampled id
+ * (its own sampler) to next_ids[i] (either array may be NULL). Per layer, each session's
+ * attention runs on its own KV cache; the layer's union of their experts is read once and
+ * applied to every session routed to it. Each session's logits, sampled id, KV rows and
+ * position are bit-identical to those of smoe_decode_step(sessions[i], ids[i], ...) alone, for
+ * any batch composition and order.
+ * Requires: 1 ≤ n ≤ the largest chunk among the sessions; distinct sessions of one share
+ * (smoe_session_new_shared) with the same float_activations. Claims every session as any call
+ * does (Threading): smoe_session_cancel on any of them stops the whole step (SMOE_ERR_CANCELLED).
+ * On failure no session advanced (positions, histories, samplers, counters unchanged; KV rows
+ * past each position are garbage, rewritten next time), and *failed (if not NULL) is the index
+ * of the session at fault — the one that was BUSY, cancelled, given a bad id, full
+ * (CONTEXT_FULL), broken, NULL, a duplicate, outside the share — or −1 when the failure is the
+ * batch's (a read that failed, n out of range). *failed is −1 on success. */
+SMOE_API smoe_status smoe_decode_batch(smoe_session *const *sessions, const int32_t *ids, uint32_t n, float *logits,
+                                       int32_t *next_ids, int32_t *failed);
+
 /* Layer-major prefill of n tokens (1 ≤ n ≤ params.chunk) at the current position. Produces no
  * logits: feed the prompt's last token through smoe_decode_step.
  * On failure the position is where it was before the call (KV rows past it are garbage and
@@ -263,7 +297,8 @@ typedef struct {
     uint64_t cache_misses;    /* expert uses that needed a read */
     double io_wait_s;         /* seconds compute waited for blobs */
     double prefill_s;         /* seconds inside smoe_prefill_chunk */
-    double decode_s;          /* seconds inside smoe_decode_step */
+    double decode_s;          /* seconds inside smoe_decode_step (and smoe_decode_batch: each member
+                                 counts the whole step, as it does the token in tokens_decoded) */
     uint64_t tokens_prefilled;
     uint64_t tokens_decoded;
     uint64_t resident_bytes;  /* dense + cache + kv + planes */
@@ -274,9 +309,18 @@ typedef struct {
     uint32_t cache_slots;
     uint32_t num_layers;      /* entries smoe_stats_union_sizes fills */
     bool direct_io;           /* reads bypass the page cache */
+    /* The cache and its counters above (blob_reads .. io_wait_s, cache_bytes, cache_slots) belong
+     * to the share of sessions made with smoe_session_new_shared: every sharer reports the same
+     * values, and resident_bytes counts the cache (like the dense weights) in full. The memory
+     * of a share is dense_bytes + cache_bytes + Σ over its sessions of (kv_bytes + plane_bytes). */
+    uint32_t cache_sharers;     /* sessions holding this cache now (1: not shared) */
+    uint64_t batch_steps;       /* smoe_decode_batch calls that succeeded on the share */
+    uint64_t batch_tokens;      /* tokens they decoded (Σ n) */
+    uint64_t batch_blob_reads;  /* blobs they read: batch_blob_reads / batch_tokens = reads per token */
 } smoe_counters;
 
 SMOE_API smoe_status smoe_stats(const smoe_session *session, smoe_counters *out);
+/* (smoe_stats_reset and smoe_cache_clear act on the share's cache and counters: on every sharer.) */
 /* Per layer, the number of distinct experts the last smoe_prefill_chunk used (0 for dense
  * layers). out has room for cap entries; fills min(cap, num_layers). */
 SMOE_API smoe_status smoe_stats_union_sizes(const smoe_session *session, uint32_t *out, uint32_t cap);

@@ -78,6 +78,10 @@ smoe_status smoe_session_reset(smoe_session *session);
 uint32_t smoe_session_position(const smoe_session *session);
 smoe_status smoe_session_rewind(smoe_session *session, uint32_t position);
 smoe_status smoe_session_cancel(smoe_session *session);
+smoe_status smoe_session_new_shared(smoe_session *sibling, const smoe_session_params *params,
+smoe_session **out);
+smoe_status smoe_decode_batch(smoe_session *const *sessions, const int32_t *ids, uint32_t n, float *logits,
+int32_t *next_ids, int32_t *failed);
 smoe_status smoe_prefill_chunk(smoe_session *session, const int32_t *ids, uint32_t n);
 typedef struct {
 uint32_t struct_size;
@@ -114,6 +118,10 @@ uint64_t plane_bytes;
 uint32_t cache_slots;
 uint32_t num_layers;
 bool direct_io;
+uint32_t cache_sharers;
+uint64_t batch_steps;
+uint64_t batch_tokens;
+uint64_t batch_blob_reads;
 } smoe_counters;
 smoe_status smoe_stats(const smoe_session *session, smoe_counters *out);
 smoe_status smoe_stats_union_sizes(const smoe_session *session, uint32_t *out, uint32_t cap);

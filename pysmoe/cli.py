@@ -1,4 +1,4 @@
-"""python -m pysmoe run|chat|synth|convert|info|verify|bench
+"""python -m pysmoe run|chat|serve|synth|convert|info|verify|bench
 
 Each subcommand lives in its own module with add_parser(subparsers) and run(args); modules are
 imported only for the command that runs, except for their (light) parser definitions."""
@@ -12,6 +12,7 @@ import sys
 COMMANDS = {
     "run": ("pysmoe.cmd_run", "generate from a prompt (no --vault: the built-in demo vault)"),
     "chat": ("pysmoe.cmd_chat", "interactive chat with the vault's chat template"),
+    "serve": ("pysmoe.server.cli", "an OpenAI-compatible HTTP server (chat, completions, streaming)"),
     "synth": ("pysmoe.synthesis", "make a random vault of a preset shape"),
     "convert": ("pysmoe.convert", "import an MLX or Hugging Face Qwen3-MoE checkpoint into a vault"),
     "info": ("pysmoe.cmd_vault", "show a vault's config, sizes and formats"),

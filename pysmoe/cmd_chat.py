@@ -67,10 +67,11 @@ class Conversation:
     def _fit(self, user: dict) -> list[int]:
         """The rendering of the conversation plus user, dropping the oldest turns (never the
         system prompt) until it leaves room for max_tokens of reply."""
+        from .textgen import render_chat
         self.dropped = 0
         room = self.session.context - self.max_tokens
         while True:
-            ids = self.tok.apply_chat_template(self.messages([user]), **self.template_kwargs)
+            ids = render_chat(self.tok, self.messages([user]), chat_template_kwargs=self.template_kwargs).ids
             if len(ids) <= room:
                 return ids
             if not self.turns:
@@ -96,7 +97,7 @@ class Conversation:
         reply = []
         try:
             for r in interruptible(self.session, stream_generate(self.session, ids[n:], self.max_tokens,
-                                                                 **self.sampling)):
+                                                                 history=self.fed, **self.sampling)):
                 todo.append(r.token)
                 reply.append(r.text)
                 yield r

@@ -5,8 +5,8 @@ import argparse
 import json
 import sys
 
-from .argtypes import (mebibytes, nonneg_float, nonneg_int, positive_float, positive_int, probability,
-                       seed)
+from .argtypes import (float_range, mebibytes, nonneg_float, nonneg_int, positive_float, positive_int,
+                       probability, seed)
 
 
 def add_session_args(p: argparse.ArgumentParser) -> None:
@@ -35,6 +35,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="drop tokens below min-p times the likeliest's probability; 0: off")
     p.add_argument("--repetition-penalty", type=positive_float, default=1.0,
                    help="divide the logits of recent tokens by this; 1: off")
+    p.add_argument("--presence-penalty", type=float_range(-2.0, 2.0), default=0.0,
+                   help="subtract this from the logit of every token already generated (OpenAI's); 0: off")
+    p.add_argument("--frequency-penalty", type=float_range(-2.0, 2.0), default=0.0,
+                   help="subtract this times its count from the logit of each generated token (OpenAI's); 0: off")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop when the text contains TEXT (not shown; matched across tokens); repeatable")
     p.add_argument("--seed", type=seed, default=0, help="sampler seed (same seed, same ids)")
 
 
@@ -97,7 +103,8 @@ def open_session(args):
 
 def sampling_kwargs(args) -> dict:
     return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                repetition_penalty=args.repetition_penalty, seed=args.seed)
+                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, stop_strings=args.stop, seed=args.seed)
 
 
 def summary(session, last, prompt_tokens: int) -> dict:

@@ -30,7 +30,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from ._ffi import check, ffi, lib
-from .errors import BadToken, Busy, Cancelled, ContextFull, InvalidArgument, VaultError
+from .errors import BadToken, Busy, Cancelled, ContextFull, InvalidArgument, SmoeError, VaultError
 
 PREFILL_PATHS = ("layer-major", "token-serial")
 ACTIVATIONS = ("q8", "f32")
@@ -179,10 +179,11 @@ class Vault:
 
     def session(self, cache_bytes: int = 0, threads: int | None = None, chunk: int | None = None,
                 prefill: str = "layer-major", context: int = 4096, io_threads: int = 4,
-                direct_io: bool = True, verify_blobs: bool = True, activations: str = "q8") -> "Session":
+                direct_io: bool = True, verify_blobs: bool = True, activations: str = "q8",
+                share_cache: "Session | None" = None) -> "Session":
         return Session(self, cache_bytes=cache_bytes, threads=threads, chunk=chunk, prefill=prefill,
                        context=context, io_threads=io_threads, direct_io=direct_io, verify_blobs=verify_blobs,
-                       activations=activations)
+                       activations=activations, share_cache=share_cache)
 
     def close(self) -> None:
         """Close the vault; safe twice. Sessions still open keep it alive until they close."""
@@ -214,10 +215,20 @@ class Session:
     dequantised weights exactly (slower; what the numpy reference computes). Both prefill paths
     agree bit for bit either way.
 
+    share_cache: an open Session of the same vault whose retention cache (streamer) and worker
+    pool this one reads experts through (smoe_session_new_shared), so that decode_batch can
+    advance them together. cache_bytes must then be 0 and threads None or the other's: the cache,
+    threads, io_threads, direct_io and verify_blobs are the shared ones. Sessions sharing a cache
+    may be closed in any order (the library counts its holders); they take turns for the calls
+    that use it (a call waits while a sibling's runs, in whatever thread), and stats() shows the
+    shared cache's counters on each (with `cache_sharers`; the memory of the set is dense_bytes +
+    cache_bytes + the sum of each one's kv_bytes + plane_bytes).
+
     One method runs at a time (the module's docstring says what happens otherwise)."""
 
     def __init__(self, vault: Vault, *, cache_bytes=0, threads=None, chunk=None, prefill="layer-major",
-                 context=4096, io_threads=4, direct_io=True, verify_blobs=True, activations="q8"):
+                 context=4096, io_threads=4, direct_io=True, verify_blobs=True, activations="q8",
+                 share_cache: "Session | None" = None):
         if prefill not in PREFILL_PATHS:
             raise InvalidArgument(f"prefill must be one of {PREFILL_PATHS}, not {prefill!r}")
         if activations not in ACTIVATIONS:
@@ -241,7 +252,22 @@ class Session:
         p.float_activations = int(activations == "f32")
         params = ffi.new("smoe_session_params *", p)
         out = ffi.new("smoe_session **")
-        check(lib.smoe_session_new(vault.handle, params, out))
+        if share_cache is None:
+            check(lib.smoe_session_new(vault.handle, params, out))
+        else:
+            if not isinstance(share_cache, Session) or share_cache.vault is not vault:
+                raise InvalidArgument("share_cache must be a Session of the same Vault object, "
+                                      f"not {share_cache!r}")
+            if cache_bytes != 0:
+                raise InvalidArgument("cache_bytes must be 0 with share_cache: the cache is the shared session's "
+                                      f"({share_cache.cache_bytes} bytes asked there)")
+            if threads is not None and threads != share_cache.threads:
+                raise InvalidArgument(f"threads must be None with share_cache (the shared pool has "
+                                      f"{share_cache.threads}), not {threads}")
+            with share_cache._hlock:  # not closed under us
+                check(lib.smoe_session_new_shared(share_cache.handle, params, out))
+            p.threads = share_cache.threads
+            cache_bytes = share_cache.cache_bytes
         self._h = ffi.gc(out[0], lib.smoe_session_free)
         self._lock = threading.Lock()    # held by the thread inside a method (others get Busy)
         self._owner = None               # that thread's id
@@ -254,6 +280,7 @@ class Session:
         self.chunk = int(p.chunk)
         self.context = min(context, vault.config["max_position_embeddings"])
         self.threads = int(p.threads)
+        self.cache_bytes = cache_bytes  # the budget asked (of the shared session, with share_cache)
         self._vocab = vault.config["vocab_size"]
         self._union = [0] * vault.config["num_hidden_layers"]
         self._sampler = None
@@ -491,6 +518,8 @@ class Session:
             "cache_bytes": int(c.cache_bytes), "kv_bytes": int(c.kv_bytes), "plane_bytes": int(c.plane_bytes),
             "cache_slots": int(c.cache_slots), "direct_io": bool(c.direct_io),
             "union_sizes": list(self._union),
+            "cache_sharers": int(c.cache_sharers), "batch_steps": int(c.batch_steps),
+            "batch_tokens": int(c.batch_tokens), "batch_blob_reads": int(c.batch_blob_reads),
         }
 
     def kv(self, layer: int, start: int = 0, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -512,4 +541,64 @@ class Session:
         return f"Session(position={self.position if self._h is not None else 'closed'}, prefill={self.prefill_path!r})"
 
 
-__all__ = ["open_vault", "Vault", "Session", "PREFILL_PATHS"]
+def decode_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> list[np.ndarray]:
+    """Advance sessions[i] by tokens[i], all in one layer-major pass (smoe_decode_batch): per
+    layer the union of their experts is read once and applied to every session routed to it.
+    Returns each session's float32 logits, bit-identical to sessions[i].decode(tokens[i]) alone
+    (logits, KV and position), whatever the batch and its order.
+
+    The sessions must be distinct, open, idle and share one cache (Vault.session(share_cache=...)).
+    On any error nothing advanced, and the exception (InvalidArgument, BadToken, ContextFull,
+    Busy, Cancelled, ...) carries `session_index`: the position in `sessions` of the session at
+    fault, or None when the failure is the whole batch's (a failed read, say)."""
+    sessions = list(sessions)
+    try:
+        tokens = [int(t) if isinstance(t, (int, np.integer)) and not isinstance(t, bool) else None for t in tokens]
+    except TypeError:
+        raise InvalidArgument(f"tokens must be a sequence of token ids, not {tokens!r}") from None
+    if not sessions or len(sessions) != len(tokens):
+        raise InvalidArgument(f"decode_batch needs one token per session and at least one session "
+                              f"({len(sessions)} sessions, {len(tokens)} tokens)")
+
+    def fail(cls, i, message):
+        e = cls(message)
+        e.session_index = i
+        return e
+
+    seen = {}
+    for i, (s, t) in enumerate(zip(sessions, tokens)):
+        if not isinstance(s, Session):
+            raise fail(InvalidArgument, i, f"sessions[{i}] is not a Session: {s!r}")
+        if id(s) in seen:
+            raise fail(InvalidArgument, i, f"sessions[{i}] is sessions[{seen[id(s)]}] again")
+        seen[id(s)] = i
+        if s._h is None:
+            raise fail(InvalidArgument, i, f"sessions[{i}] is closed")
+        if t is None or not (0 <= t < s._vocab):
+            raise fail(BadToken, i, f"tokens[{i}] = {tokens[i]!r} is not a token id in [0, {s._vocab})")
+    vocab = sessions[0]._vocab
+    logits = np.empty((len(sessions), vocab), dtype=np.float32)
+    ids = np.asarray(tokens, dtype=np.int32)
+    failed = ffi.new("int32_t *", -1)
+    with contextlib.ExitStack() as stack:
+        for i, s in enumerate(sessions):
+            try:
+                stack.enter_context(s._claim())
+            except SmoeError as e:
+                e.session_index = i
+                raise
+        for i, s in enumerate(sessions):
+            if s._cancelled:
+                raise fail(Cancelled, i, f"sessions[{i}] was cancelled (Session.cancel)")
+        handles = ffi.new("smoe_session *[]", [s._h for s in sessions])
+        rc = lib.smoe_decode_batch(handles, ffi.cast("int32_t *", ffi.from_buffer(ids)), len(sessions),
+                                   ffi.cast("float *", ffi.from_buffer(logits)), ffi.NULL, failed)
+        try:
+            check(rc)
+        except SmoeError as e:
+            e.session_index = None if failed[0] < 0 else int(failed[0])
+            raise
+    return list(logits)
+
+
+__all__ = ["open_vault", "Vault", "Session", "PREFILL_PATHS", "decode_batch"]

@@ -1,18 +1,24 @@
-"""Text in, tokens out: stream_generate() yields one small record per generated token."""
+"""Text in, tokens out: stream_generate() yields one small record per generated token.
+
+It is built on pysmoe.textgen, the code the server shares: the numpy sampler (greedy picks what
+the C sampler picks), the incremental detokenizer, stop strings matched across token boundaries,
+presence/frequency/repetition penalties. Session.generate, the lower level, keeps the C sampler.
+"""
 from __future__ import annotations
 
 import dataclasses
 import time
 from typing import Iterator, Sequence
 
-from .engine import Session, _stop_ids
+from .engine import Session, _int_arg, _stop_ids
 from .errors import Cancelled, InvalidArgument
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerationResponse:
     token: int
-    text: str                  # the new text this token completes ("" while a character is partial)
+    text: str                  # the new text this token completes ("" while a character is partial
+                               # or text may be the start of a stop string)
     prompt_tokens: int
     generation_tokens: int     # generated so far, this one included
     prompt_tps: float          # prompt tokens per second of time to first token
@@ -27,7 +33,8 @@ def _as_ids(session: Session, prompt, chat: bool, template_kwargs: dict | None =
         if tok is None:
             raise InvalidArgument("this vault has no tokenizer.json: pass token ids instead of text")
         if chat:
-            return tok.apply_chat_template([{"role": "user", "content": prompt}], **(template_kwargs or {}))
+            from .textgen import render_chat
+            return render_chat(tok, [{"role": "user", "content": prompt}], chat_template_kwargs=template_kwargs).ids
         return tok.encode(prompt)
     try:
         return [int(i) for i in prompt]
@@ -38,51 +45,76 @@ def _as_ids(session: Session, prompt, chat: bool, template_kwargs: dict | None =
 def stream_generate(session: Session, prompt: str | Sequence[int], max_tokens: int = 64, *,
                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
                     repetition_penalty: float = 1.0, seed: int = 0, chat: bool = False,
-                    stop: Sequence[int] | None = None,
-                    chat_template_kwargs: dict | None = None) -> Iterator[GenerationResponse]:
+                    stop: Sequence[int] | None = None, stop_strings: Sequence[str] | str | None = None,
+                    presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                    chat_template_kwargs: dict | None = None,
+                    history: Sequence[int] | None = None) -> Iterator[GenerationResponse]:
     """Generate from a prompt (text, or ids) and yield a GenerationResponse per token. Every
-    argument is checked here, before anything is fed (Session.generate says what a failure
-    leaves). chat_template_kwargs: variables of the chat template (Qwen3: {"enable_thinking": False})."""
+    argument is checked here, before anything is fed. stop: ids that end generation (default:
+    the tokenizer's end-of-sequence ids); stop_strings: texts that end it, matched across token
+    boundaries and never shown. chat_template_kwargs: variables of the chat template (Qwen3:
+    {"enable_thinking": False}). history: the ids the session already holds before the prompt
+    (chat passes them), so that the repetition penalty sees what the C sampler would.
+
+    If the iteration raises (Cancelled included), the position goes back to where it was before
+    the prompt; closing the iterator early keeps what was fed (as Session.generate)."""
+    from .textgen import Generation, SamplingParams
     ids = _as_ids(session, prompt, chat, chat_template_kwargs)
+    arr = session._ids(ids)
+    max_tokens = _int_arg("max_tokens", max_tokens, 0)
+    # the rules of Session.generate (top_k ≥ 0, seed ≥ 0); SamplingParams also takes the OpenAI
+    # server's spellings (top_k −1, negative seeds)
+    session._sampler_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            repetition_penalty=repetition_penalty, seed=seed)
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, seed=seed, max_tokens=max(max_tokens, 1),
+                            stop=stop_strings)
     tok = session.vault.tokenizer
-    if stop is None:
-        stop = tok.eos_ids if tok is not None else ()
-    stop = _stop_ids(stop)
-    start = time.perf_counter()
-    gen = session.generate(ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed, top_k=top_k,
-                           min_p=min_p, repetition_penalty=repetition_penalty, stop=stop)
-    return _responses(session, tok, ids, gen, max_tokens, stop, start)
+    stop_ids = _stop_ids(tok.eos_ids if stop is None and tok is not None else stop)
+    session._check_room(len(arr))
+    if max_tokens == 0:
+        return iter(())
+
+    def new_generation(start_pos: int):
+        return Generation(tok, params, ids, eos_ids=stop_ids, room=session.context - start_pos - len(ids) + 1,
+                          history=[*(history or ()), *ids])
+    return _responses(session, new_generation, arr, max_tokens, time.perf_counter())
 
 
-def _responses(session: Session, tok, ids: list[int], gen: Iterator[int], max_tokens: int, stop: frozenset,
-               start: float) -> Iterator[GenerationResponse]:
+def _responses(session: Session, new_generation, arr, max_tokens: int, start: float) -> Iterator[GenerationResponse]:
     first = None
-    out: list[int] = []
-    emitted = ""
-    for token in gen:
-        now = time.perf_counter()
-        if first is None:
-            first = now
-        out.append(token)
-        text = ""
-        if tok is not None:
-            full = tok.decode(out)
-            # Hold back a trailing replacement character: the next token may complete it.
-            if not full.endswith("\ufffd"):
-                text, emitted = full[len(emitted):], full
-        finish = None
-        if token in stop:
-            finish = "stop"
-        elif len(out) == max_tokens:
-            finish = "length"
-        elif session.position >= session.context:
-            finish = "context"
-        ttft = first - start
-        yield GenerationResponse(
-            token=token, text=text, prompt_tokens=len(ids), generation_tokens=len(out),
-            prompt_tps=len(ids) / ttft if ttft > 0 else float("inf"),
-            generation_tps=(len(out) - 1) / (now - first) if now > first else 0.0,
-            ttft_s=ttft, finish_reason=finish)
+    start_pos = session.position  # where the work starts: the session may have moved since the call
+    gen = new_generation(start_pos)
+    try:
+        logits = session.prefill(arr)
+        while True:
+            step = gen.step(logits)
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            n = len(gen.tokens)
+            finish = step.finish_reason
+            if finish == "length" and n < max_tokens:
+                finish = "context"
+            ttft = first - start
+            yield GenerationResponse(
+                token=step.token, text=step.text, prompt_tokens=len(arr), generation_tokens=n,
+                prompt_tps=len(arr) / ttft if ttft > 0 else float("inf"),
+                generation_tps=(n - 1) / (now - first) if now > first else 0.0,
+                ttft_s=ttft, finish_reason=finish)
+            if finish is not None:
+                return
+            logits = session.decode(step.token)
+    except GeneratorExit:  # closed early: keep what was fed
+        raise
+    except BaseException:
+        try:
+            if session.position > start_pos:
+                session.rewind(start_pos)
+        except Exception:  # a closed or busy session: nothing to rewind or not ours to touch
+            pass
+        raise
 
 
 def generate(session: Session, prompt: str | Sequence[int], max_tokens: int = 64, **kwargs) -> str:

@@ -1,0 +1,146 @@
+"""python -m pysmoe serve: an OpenAI-compatible server over one vault (starlette + uvicorn)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..argtypes import mebibytes, positive_int
+
+
+def add_parser(p: argparse.ArgumentParser, name: str) -> None:
+    p.add_argument("--vault", help="vault directory (default: the built-in demo vault, made on first use)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port (0: any free port, printed at start)")
+    p.add_argument("--api-key", default=os.environ.get("PYSMOE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $PYSMOE_API_KEY)")
+    p.add_argument("--model-name", default=None, help="the model id /v1/models reports (default: the vault's name)")
+    p.add_argument("--max-batch", type=positive_int, default=8,
+                   help="requests decoding at once (one session each); more wait in a queue")
+    p.add_argument("--no-batching", dest="batching", action="store_false",
+                   help="advance running requests one Session.decode after another instead of one "
+                        "decode_batch pass (the benchmark's baseline)")
+    p.add_argument("--cache-mb", type=mebibytes, default=None,
+                   help="retention cache budget in MiB, shared by all requests (default: chosen from "
+                        "available memory and the vault, printed at start)")
+    p.add_argument("--kv-mb", type=mebibytes, default=None,
+                   help="KV cache budget in MiB over all sessions, kept ones included (default: the pool's)")
+    p.add_argument("--threads", type=positive_int, default=None, help="compute threads (default: all cores)")
+    p.add_argument("--chunk", type=positive_int, default=256,
+                   help="prompt tokens prefilled per scheduler step, between decode steps of the running requests")
+    p.add_argument("--context", type=positive_int, default=4096,
+                   help="KV length per request in tokens (capped by the model's max_position_embeddings)")
+    p.add_argument("--max-tokens-limit", type=positive_int, default=4096,
+                   help="the largest max_tokens a request may ask for")
+    p.add_argument("--max-request-kb", type=positive_int, default=1024, help="the largest request body in KiB (413 over it)")
+    p.add_argument("--buffered", action="store_true", help="buffered reads instead of Direct I/O")
+
+
+def open_server(args, log=sys.stderr):
+    """Vault, pool, scheduler and Server of the parsed arguments (the scheduler not started)."""
+    from ..demo import ensure_demo_vault
+    from ..engine import open_vault
+    from ..memory import choose_cache
+    from ..sessionpool import SessionPool
+    from .app import Server
+    from .scheduler import Scheduler
+
+    vault = open_vault(args.vault or ensure_demo_vault())
+    if args.cache_mb is None:
+        choice = choose_cache(vault, args.context, args.chunk)
+        cache_bytes = choice.bytes
+        print(f"pysmoe serve: {choice.describe()}", file=log)
+    else:
+        cache_bytes = int(args.cache_mb * (1 << 20))
+    kv = None if args.kv_mb is None else int(args.kv_mb * (1 << 20))
+    pool = SessionPool(vault, max_sessions=args.max_batch, cache_bytes=cache_bytes, threads=args.threads,
+                       kv_budget_bytes=kv, context=args.context, chunk=args.chunk, direct_io=not args.buffered)
+    context = min(args.context, vault.config["max_position_embeddings"])
+    sched = Scheduler(pool, max_batch=args.max_batch, context=context, chunk=args.chunk, batching=args.batching)
+    model = args.model_name or vault.path.name
+    server = Server(sched, vault.tokenizer, model=model, vocab_size=vault.config["vocab_size"], context=context,
+                    api_key=args.api_key, max_request_bytes=args.max_request_kb * 1024,
+                    max_tokens_limit=args.max_tokens_limit)
+    return vault, pool, sched, server
+
+
+def _bind(host: str, port: int):
+    import socket
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def run(args) -> int:
+    try:
+        import uvicorn
+
+        from .app import build_app
+    except ImportError as e:
+        print(f"pysmoe serve: needs the 'serve' extra (pip install 'pysmoe[serve]'): {e}", file=sys.stderr)
+        return 2
+    if not 0 <= args.port <= 65535:
+        print(f"pysmoe serve: error: --port {args.port} is out of range", file=sys.stderr)
+        return 2
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"pysmoe serve: error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    vault, pool, sched, server = open_server(args)
+    sched.start()
+    try:
+        if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+            print(f"pysmoe serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"pysmoe serve: {server.model} on http://{host}:{sock.getsockname()[1]}/v1 "
+              f"(max batch {sched.max_batch}, context {server.context}); Ctrl-C stops", file=sys.stderr, flush=True)
+        uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning")).run(sockets=[sock])
+    finally:
+        sched.stop()
+        pool.close()
+        vault.close()
+    return 0
+
+
+class Background:
+    """A server of parsed arguments running on threads of this process (tests, benchmarks):
+    `with Background(args) as bg: ... bg.port ...`. args.port 0 picks a free port."""
+
+    def __init__(self, args, log=None):
+        import threading
+        import time
+
+        import uvicorn
+
+        from .app import build_app
+
+        self.vault, self.pool, self.sched, self.server = open_server(args, log=log or open(os.devnull, "w"))
+        self.sched.start()
+        sock = _bind(args.host, args.port)
+        self.host, self.port = args.host, sock.getsockname()[1]
+        self.uv = uvicorn.Server(uvicorn.Config(build_app(self.server), log_level="warning"))
+        self.thread = threading.Thread(target=self.uv.run, kwargs={"sockets": [sock]}, name="pysmoe-http",
+                                       daemon=True)
+        self.thread.start()
+        while not self.uv.started and self.thread.is_alive():
+            time.sleep(0.01)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    def close(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join()
+        self.sched.stop()
+        self.pool.close()
+        self.vault.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,371 @@
+"""The engine thread: continuous batching of requests over a SessionPool.
+
+One thread owns every session (a session is single-threaded, design.md); HTTP handlers hand it
+Jobs and receive events through a callback. Each turn of its loop:
+
+  1. admits queued jobs while fewer than max_batch run: pool.acquire(prompt) gives a session whose
+     KV already holds the longest cached prefix of the prompt (prefix reuse);
+  2. prefills ONE chunk (at most `chunk` tokens) of the oldest job still prefilling, so a long
+     new prompt costs the running streams one chunk's time per token, not the whole prompt's;
+  3. advances every decoding job by one token: with batching, one pysmoe.decode_batch call (one
+     layer-major pass, each layer's union of experts read once, bit-identical to each session
+     decoding alone); without (batching=False, the benchmark's baseline), one Session.decode per
+     job in turn, i.e. interleaved token by token;
+  4. finishes jobs (stop, length, cancelled, error): pool.release(session, ids in its KV) keeps
+     the KV for a later request with the same prefix.
+
+A cancelled job (its client went away) leaves at the next turn; one that is prefilling is
+stopped inside libsmoe by Session.cancel (within a layer) and its KV rewinds to the last whole
+chunk. The text side of a job (sampling, stop strings, detokenisation, the output parser) is
+its `text` object, which runs here too so a stop decision takes effect before the next step.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from typing import Callable
+
+from ..errors import Cancelled, SmoeError
+
+log = logging.getLogger("pysmoe.server")
+
+
+class Job:
+    """One request inside the scheduler. text: its server.text.RequestText (sampling, stop
+    strings, the parser; it decides when the job ends). emit(kind, payload) is called from the
+    engine thread: ("token", textgen Step) per generated token with something to show, then ("done", (finish_reason, usage)) or
+    ("error", exception) exactly once (a cancelled job's reason is "cancelled")."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, prompt_ids: list[int], text, emit: Callable):
+        self.id = next(self._ids)
+        self.prompt_ids = list(prompt_ids)
+        self.text = text
+        self.emit = emit
+        self.cancelled = False
+        self.session = None
+        self.reused = 0           # prompt tokens whose KV came from the pool
+        self.fed: list[int] = []  # ids in the session's KV
+        self.pending: list[int] = []
+        self.next_token: int | None = None
+        self.generated = 0
+        self.finished = False
+        self.t_submit = time.perf_counter()
+        self.t_first: float | None = None
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": self.generated,
+                "total_tokens": len(self.prompt_ids) + self.generated,
+                "prompt_tokens_details": {"cached_tokens": self.reused}}
+
+
+class Metrics:
+    """Counters of the scheduler; read through Scheduler.metrics()."""
+
+    def __init__(self):
+        self.started = time.time()
+        self.requests = collections.Counter()      # by outcome: admitted, stop, length, cancelled, error
+        self.prompt_tokens = 0
+        self.prompt_tokens_reused = 0
+        self.completion_tokens = 0
+        self.decode_steps = 0
+        self.decode_s = 0.0
+        self.decode_blob_reads = 0                 # blobs read by decode steps (the shared cache's counter)
+        self.prefill_blob_reads = 0
+        self.prefill_tokens = 0
+        self.prefill_s = 0.0
+        self.batch_sizes = collections.Counter()   # decode step size → steps
+        self.ttft_s = collections.deque(maxlen=1000)
+        self.tps = collections.deque(maxlen=1000)  # per finished request: tokens/s after the first
+
+
+def _quantile(values, q: float) -> float | None:
+    v = sorted(values)
+    if not v:
+        return None
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+class Scheduler:
+    def __init__(self, pool, *, max_batch: int, context: int, chunk: int = 256, batching: bool = True,
+                 decode_batch=None):
+        self.pool = pool
+        # Never more jobs than the pool has sessions (its KV budget may allow fewer): acquire()
+        # would wait for a release that only this thread can make.
+        self.max_batch = min(max_batch, getattr(pool, "max_sessions", max_batch))
+        self.context = context
+        self.chunk = chunk
+        self.batching = batching
+        if decode_batch is None:
+            from .. import decode_batch
+        self._decode_batch = decode_batch
+        self._cv = threading.Condition()
+        self._queue: collections.deque[Job] = collections.deque()
+        self._calls: collections.deque = collections.deque()
+        self._active: list[Job] = []
+        self._prefilling: Job | None = None
+        self._stopping = False
+        self.metrics_data = Metrics()
+        self._thread = threading.Thread(target=self._loop, name="pysmoe-scheduler", daemon=True)
+
+    # ------------------------------------------------------------------ other threads
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        if self._prefilling is not None:
+            self._prefilling.session.cancel()
+        self._thread.join()
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            self._queue.append(job)
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job (its client went away): it leaves at the next turn, a running prefill
+        within a layer. Safe from any thread, any number of times."""
+        with self._cv:
+            job.cancelled = True
+            if job in self._queue:
+                self._queue.remove(job)
+                self._finish(job, "cancelled")
+            self._cv.notify()
+        running = self._prefilling
+        if running is job and job.session is not None:
+            job.session.cancel()
+
+    def call(self, fn) -> concurrent.futures.Future:
+        """Run fn() on the engine thread between two steps (sessions are single-threaded)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    @property
+    def load(self) -> dict:
+        with self._cv:
+            return {"running": len(self._active), "queued": len(self._queue), "max_batch": self.max_batch}
+
+    def metrics(self) -> dict:
+        """A snapshot of the counters plus the pool's and the engine's I/O figures (computed on
+        the engine thread)."""
+        return self.call(self._metrics).result()
+
+    # ------------------------------------------------------------------ the engine thread
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stopping or self._queue or self._active or self._calls):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                calls, self._calls = list(self._calls), collections.deque()
+                admit = []
+                while self._queue and len(self._active) + len(admit) < self.max_batch:
+                    admit.append(self._queue.popleft())
+            for fn, fut in calls:
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # handed to the caller
+                    fut.set_exception(e)
+            for job in admit:
+                self._admit(job)
+            self._reap()
+            pre = next((j for j in self._active if j.pending), None)
+            if pre is not None:
+                self._prefill_chunk(pre)
+            ready = [j for j in self._active if not j.pending and not j.finished and not j.cancelled]
+            if ready:
+                self._decode(ready)
+            self._reap()
+        for job in list(self._active) + list(self._queue):
+            self._finish(job, "cancelled")
+
+    def _admit(self, job: Job) -> None:
+        m = self.metrics_data
+        m.requests["admitted"] += 1
+        if job.cancelled:
+            self._finish(job, "cancelled")
+            return
+        try:
+            session, reused = self.pool.acquire(job.prompt_ids)
+        except SmoeError as e:
+            self._fail(job, e)
+            return
+        # At least the last prompt id is fed again: its logits start the generation.
+        reused = min(reused, len(job.prompt_ids) - 1)
+        if session.position > reused:
+            session.rewind(reused)
+        job.session, job.reused = session, reused
+        job.fed = job.prompt_ids[:reused]
+        job.pending = job.prompt_ids[reused:]
+        m.prompt_tokens += len(job.prompt_ids)
+        m.prompt_tokens_reused += reused
+        self._active.append(job)
+
+    def _prefill_chunk(self, job: Job) -> None:
+        part = job.pending[:self.chunk]
+        reads = self._blob_reads()
+        t = time.perf_counter()
+        self._prefilling = job
+        try:
+            if job.cancelled:
+                raise Cancelled("cancelled before the chunk")
+            logits = job.session.prefill(part)
+        except Cancelled:
+            job.cancelled = True
+            return
+        except SmoeError as e:
+            self._fail(job, e)
+            return
+        finally:
+            self._prefilling = None
+            self.metrics_data.prefill_blob_reads += self._blob_reads() - reads
+        m = self.metrics_data
+        m.prefill_tokens += len(part)
+        m.prefill_s += time.perf_counter() - t
+        job.fed.extend(part)
+        del job.pending[:len(part)]
+        if not job.pending:
+            job.t_first = time.perf_counter()
+            m.ttft_s.append(job.t_first - job.t_submit)
+            self._emit_token(job, logits)
+
+    def _blob_reads(self) -> int:
+        """The shared cache's blob reads so far (every session of the pool reports the same)."""
+        sessions = self.pool.sessions
+        return sessions[0].stats()["blob_reads"] if sessions else 0
+
+    def _decode(self, jobs: list[Job]) -> None:
+        reads = self._blob_reads()
+        t = time.perf_counter()
+        tokens = [j.next_token for j in jobs]
+        if self.batching and len(jobs) > 1:
+            try:
+                all_logits = self._decode_batch([j.session for j in jobs], tokens)
+            except SmoeError as e:
+                # Nothing advanced: fail the job at fault (the others go again next turn), or
+                # every job when the fault is the batch's (a failed read).
+                at = getattr(e, "session_index", None)
+                for j in (jobs if at is None else [jobs[at]]):
+                    self._fail(j, e)
+                return
+            results = list(zip(jobs, all_logits))
+        else:
+            results = []
+            for j, tok in zip(jobs, tokens):
+                try:
+                    results.append((j, j.session.decode(tok)))
+                except SmoeError as e:
+                    self._fail(j, e)
+        m = self.metrics_data
+        m.decode_steps += 1
+        m.decode_s += time.perf_counter() - t
+        m.decode_blob_reads += self._blob_reads() - reads
+        m.batch_sizes[len(jobs)] += 1
+        for j, logits in results:
+            j.fed.append(j.next_token)
+            self._emit_token(j, logits)
+
+    def _emit_token(self, job: Job, logits) -> None:
+        try:
+            self._next_token(job, logits)
+        except Exception as e:  # a bug in one request's text side must not stop the engine thread
+            log.exception("request %d: generating its next token failed", job.id)
+            self._fail(job, e)
+
+    def _next_token(self, job: Job, logits) -> None:
+        """Sample the next id from logits, hand its text to the client, decide whether the job ends."""
+        step = job.text.step(logits)
+        job.generated += 1
+        self.metrics_data.completion_tokens += 1
+        finish = step.finish_reason
+        if job.text.shows(step):
+            job.emit("token", step)
+        if finish is None and len(job.fed) + 1 > self.context:  # no room to feed the id just sampled
+            last = job.text.finish("length")
+            if job.text.shows(last):
+                job.emit("token", last)
+            finish = last.finish_reason
+        if finish is None:
+            job.next_token = step.token
+        else:
+            self._finish(job, finish)
+
+    def _finish(self, job: Job, reason: str) -> None:
+        if job.finished:
+            return
+        job.finished = True
+        m = self.metrics_data
+        m.requests[reason] += 1
+        if reason != "cancelled" and job.t_first is not None and job.generated > 1:
+            m.tps.append((job.generated - 1) / max(time.perf_counter() - job.t_first, 1e-9))
+        job.emit("done", (reason, job.usage()))  # cancelled too: a handler may still be waiting
+
+    def _fail(self, job: Job, error: Exception) -> None:
+        log.warning("request %d failed: %s: %s", job.id, type(error).__name__, error)
+        job.finished = True
+        self.metrics_data.requests["error"] += 1
+        job.emit("error", error)
+
+    def _reap(self) -> None:
+        keep = []
+        for job in self._active:
+            if job.cancelled and not job.finished:
+                self._finish(job, "cancelled")
+            if job.finished:
+                if job.session is not None:
+                    self.pool.release(job.session, job.fed)
+                    job.session = None
+            else:
+                keep.append(job)
+        self._active = keep
+
+    def _metrics(self) -> dict:
+        m = self.metrics_data
+        steps = sum(m.batch_sizes.values())
+        return {
+            "uptime_s": time.time() - m.started,
+            "requests": dict(m.requests),
+            "running": len(self._active), "queued": len(self._queue), "max_batch": self.max_batch,
+            "batching": self.batching,
+            "prompt_tokens": m.prompt_tokens, "prompt_tokens_reused": m.prompt_tokens_reused,
+            "completion_tokens": m.completion_tokens,
+            "prefill_tokens_per_s": m.prefill_tokens / m.prefill_s if m.prefill_s else None,
+            "decode_tokens_per_s": (sum(k * v for k, v in m.batch_sizes.items()) / m.decode_s
+                                    if m.decode_s else None),
+            "decode_steps": m.decode_steps,
+            "decode_tokens": sum(k * v for k, v in m.batch_sizes.items()),
+            "decode_blob_reads": m.decode_blob_reads, "prefill_blob_reads": m.prefill_blob_reads,
+            "blob_reads_per_decode_token": (m.decode_blob_reads / sum(k * v for k, v in m.batch_sizes.items())
+                                            if m.batch_sizes else None),
+            "batch_sizes": {str(k): v for k, v in sorted(m.batch_sizes.items())},
+            "mean_batch_size": (sum(k * v for k, v in m.batch_sizes.items()) / steps) if steps else None,
+            "ttft_s": {"median": _quantile(m.ttft_s, 0.5), "p95": _quantile(m.ttft_s, 0.95)},
+            "request_tokens_per_s": {"median": _quantile(m.tps, 0.5), "p95": _quantile(m.tps, 0.95)},
+            "pool": self.pool.stats(),
+            "engine": self._engine_stats(),
+        }
+
+    def _engine_stats(self) -> dict:
+        """The shared retention cache's counters (every session of the pool reports the same)."""
+        sessions = self.pool.sessions
+        if not sessions:
+            return {}
+        st = sessions[0].stats()
+        uses = st["cache_hits"] + st["cache_misses"]
+        keys = ("blob_reads", "bytes_read", "cache_hits", "cache_misses", "io_wait_s", "cache_bytes", "direct_io",
+                "batch_steps", "batch_tokens", "batch_blob_reads")
+        return {**{k: st[k] for k in keys if k in st}, "cache_hit_rate": st["cache_hits"] / uses if uses else None,
+                "blob_reads_per_completion_token": (st["blob_reads"] / self.metrics_data.completion_tokens
+                                                    if self.metrics_data.completion_tokens else None)}

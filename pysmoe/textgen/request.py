@@ -1,0 +1,187 @@
+"""Generation: the state of one request, token by token (see the package docstring for the loop).
+
+Each generated id goes, in order, through: stop ids (the id ends the request and shows no text)
+→ Detokenizer → StopMatcher (stop strings, across token boundaries) → the output parser (Qwen3's
+reasoning and tool calls, for chat; none for completions) → a Step carrying the delta to send.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+from .chat import token_text
+from .qwen3 import MessageDelta, Qwen3Parser
+from .sampling import Sampled, Sampler, SamplingParams
+from .text import Detokenizer, StopMatcher
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+    def to_openai(self, tokenizer) -> dict:
+        """An entry of a chat completion's logprobs.content."""
+        def one(i, lp):
+            text, b = token_text(tokenizer, i)
+            return {"token": text, "logprob": lp, "bytes": b}
+        return {**one(self.token, self.logprob), "top_logprobs": [one(i, lp) for i, lp in self.top]}
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprob], text_offset: int = 0) -> dict:
+    """The `logprobs` object of a /v1/completions choice for these tokens (legacy shape:
+    tokens, token_logprobs, top_logprobs as {token: logprob}, text_offset). text_offset: where
+    the first token's text starts in the completion."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    at = text_offset
+    for e in entries:
+        text = token_text(tokenizer, e.token)[0]
+        out["tokens"].append(text)
+        out["token_logprobs"].append(e.logprob)
+        out["top_logprobs"].append({token_text(tokenizer, i)[0]: lp for i, lp in e.top})
+        out["text_offset"].append(at)
+        at += len(text)
+    return out
+
+
+@dataclasses.dataclass
+class Step:
+    """What one token changed: the text to send (delta.content for completions and chat;
+    delta.reasoning and delta.tool_calls for chat), the token's logprobs when asked, and
+    finish_reason once the request is over ("stop", "length" or "tool_calls")."""
+
+    token: int | None
+    delta: MessageDelta
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        """For a completions request: the new text (there is no parser there)."""
+        return self.delta.content
+
+    def chat_delta(self) -> dict:
+        """OpenAI's `delta` of a chat.completion.chunk (may be empty, {})."""
+        d: dict = {}
+        if self.delta.reasoning:
+            d["reasoning_content"] = self.delta.reasoning
+        if self.delta.content:
+            d["content"] = self.delta.content
+        if self.delta.tool_calls:
+            d["tool_calls"] = [t.to_openai() for t in self.delta.tool_calls]
+        return d
+
+
+class Generation:
+    """One request's generation state.
+
+    tokenizer: the vault's (pysmoe.tokenizer.Tokenizer); params: SamplingParams; prompt_ids:
+    what will be fed before the first generated id. chat: parse Qwen3's reasoning (and tool
+    calls when tools is true) out of the text; starts_in_reasoning: the prompt left the model
+    inside <think> (ChatPrompt.starts_in_reasoning). eos_ids: ids that end generation besides
+    params.stop_token_ids (default: the tokenizer's). room: the most ids the context can still
+    take after the prompt (session.context − position after the prompt + 1; None: unbounded).
+    history: the ids the repetition penalty looks back over (default: prompt_ids)."""
+
+    def __init__(self, tokenizer, params: SamplingParams, prompt_ids: Sequence[int], *, chat: bool = False,
+                 tools: bool = False, starts_in_reasoning: bool = False, eos_ids: Iterable[int] | None = None,
+                 room: int | None = None, history: Iterable[int] | None = None):
+        self.tok, self.params = tokenizer, params
+        self.prompt_tokens = len(prompt_ids)
+        eos = tokenizer.eos_ids if eos_ids is None and tokenizer is not None else (eos_ids or ())
+        self.stop_ids = frozenset(eos) | frozenset(params.stop_token_ids)
+        limit = params.max_tokens
+        if room is not None:
+            limit = room if limit is None else min(limit, room)
+        self.limit = limit
+        self.sampler = Sampler(params, prompt_ids if history is None else history)
+        self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.stops = StopMatcher(params.stop)
+        self.parser = Qwen3Parser(reasoning=True, tools=tools, starts_in_reasoning=starts_in_reasoning) if chat \
+            else None
+        self.tokens: list[int] = []
+        self.text = ""               # what was shown, for completions (stop strings removed)
+        self.finish_reason: str | None = None
+        self._pending: Sampled | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def usage(self) -> dict:
+        n = len(self.tokens)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
+
+    def sample(self, logits) -> int:
+        """The next id from the engine's logits (after the prompt or the last id fed)."""
+        if self.done:
+            raise RuntimeError("this generation has finished")
+        self._pending = self.sampler.sample(logits)
+        return self._pending.token
+
+    def push(self, token: int) -> Step:
+        """Take a generated id (normally the one sample() returned); the Step to send. After a
+        Step with finish_reason set, the caller stops feeding this request."""
+        if self.done:
+            raise RuntimeError("this generation has finished")
+        token = int(token)
+        s, self._pending = self._pending, None
+        lps = [TokenLogprob(token, s.logprob, s.top)] if s is not None and s.token == token and s.logprob is not None \
+            else []
+        self.tokens.append(token)
+        self.sampler.observe(token)
+        delta = MessageDelta()
+        if token in self.stop_ids:
+            return self._finish(delta, "stop", lps, token)
+        text = self.detok.push(token) if self.detok is not None else ""
+        shown, stopped = self.stops.push(text)
+        self._show(delta, shown)
+        if stopped:
+            return self._finish(delta, "stop", lps, token, flush=False)
+        if self.limit is not None and len(self.tokens) >= self.limit:
+            return self._finish(delta, "length", lps, token)
+        return Step(token, delta, lps)
+
+    def step(self, logits) -> Step:
+        """sample() and push() in one."""
+        return self.push(self.sample(logits))
+
+    def finish(self, reason: str = "length") -> Step:
+        """End the request now (context full, the client went away, ...): the held text is flushed."""
+        if self.done:
+            return Step(None, MessageDelta(), [], self.finish_reason)
+        return self._finish(MessageDelta(), reason, [], None)
+
+    def _show(self, delta: MessageDelta, text: str) -> None:
+        if not text:
+            return
+        self.text += text
+        if self.parser is None:
+            delta.content += text
+        else:
+            delta.extend(self.parser.feed(text))
+
+    def _finish(self, delta: MessageDelta, reason: str, lps, token, flush: bool = True) -> Step:
+        if flush:
+            shown, stopped = self.stops.push(self.detok.flush() if self.detok is not None else "")
+            self._show(delta, shown)
+            if not stopped:
+                shown, stopped = self.stops.flush()
+                self._show(delta, shown)
+            if stopped:
+                reason = "stop"
+        if self.parser is not None:
+            delta.extend(self.parser.finish())
+            if self.parser.tool_calls and reason == "stop":
+                reason = "tool_calls"
+        self.finish_reason = reason
+        return Step(token, delta, lps, reason)
+
+    def message(self) -> dict:
+        """The whole assistant message (chat), OpenAI's shape: role, content, and
+        reasoning_content / tool_calls when there are any."""
+        if self.parser is None:
+            return {"role": "assistant", "content": self.text}
+        return self.parser.message()
