@@ -1,6 +1,6 @@
 # pysmoe — build the C engine, set up Python, run the demo and the tests.
 #
-#   make run     build everything, make the demo vault (first time), generate from it
+#   make run     build everything, generate from the shipped demo model (pysmoe/data/demo)
 #   make test    build everything and run the test suite
 #   make lib     only libsmoe (build/libsmoe.so, copied into pysmoe/ for the binding)
 #   make install PREFIX=/usr/local [DESTDIR=...]   libsmoe (versioned, with its soname links), smoe.h

@@ -11,7 +11,7 @@ from .argtypes import (float_range, mebibytes, nonneg_float, nonneg_int, positiv
 
 def add_session_args(p: argparse.ArgumentParser) -> None:
     """Options shared by run and chat."""
-    p.add_argument("--vault", help="vault directory (default: the built-in demo vault, made on first use)")
+    p.add_argument("--vault", help="vault directory (default: the built-in demo vault, a small trained model)")
     p.add_argument("--cache-mb", type=mebibytes, default=None,
                    help="retention cache budget in MiB; 0: only the slots one step needs (default: chosen "
                         "from available memory and the vault, printed at start; see pysmoe/memory.py)")
