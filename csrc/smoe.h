@@ -183,6 +183,9 @@ typedef struct {
     bool direct_io;        /* O_DIRECT / F_NOCACHE; falls back to buffered reads, logged (default true) */
     bool verify_blobs;     /* check each blob's checksum every time it is read from disk (default
                               true); a mismatch is SMOE_ERR_IO naming layer, expert and offset */
+    uint64_t coalesce_bytes; /* largest read request (default 16 MiB): blobs of a layer's union that
+                                lie next to each other in vault.bin are read as one request of up to
+                                this many bytes (docs/streamer.md); below two blobs, one read each */
 } smoe_session_params;
 
 SMOE_API smoe_session_params smoe_session_default_params(void);
@@ -261,6 +264,7 @@ typedef struct {
     uint32_t cache_slots;
     uint32_t num_layers;      /* entries smoe_stats_union_sizes fills */
     bool direct_io;           /* reads bypass the page cache */
+    uint64_t read_requests;   /* read requests issued: a coalesced run of blobs counts once */
 } smoe_counters;
 
 SMOE_API smoe_status smoe_stats(const smoe_session *session, smoe_counters *out);

@@ -69,6 +69,7 @@ uint32_t float_activations;
 uint64_t cache_bytes;
 bool direct_io;
 bool verify_blobs;
+uint64_t coalesce_bytes;
 } smoe_session_params;
 smoe_session_params smoe_session_default_params(void);
 smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *params,
@@ -114,6 +115,7 @@ uint64_t plane_bytes;
 uint32_t cache_slots;
 uint32_t num_layers;
 bool direct_io;
+uint64_t read_requests;
 } smoe_counters;
 smoe_status smoe_stats(const smoe_session *session, smoe_counters *out);
 smoe_status smoe_stats_union_sizes(const smoe_session *session, uint32_t *out, uint32_t cap);
