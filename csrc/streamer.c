@@ -5,9 +5,11 @@
  * The session's compute thread routes tokens and, the moment an expert enters a layer's union,
  * calls smoe_streamer_acquire(layer, expert). If the blob is retained (read earlier, or being
  * read now) that is a hit: the slot is pinned and returned. Otherwise it is a miss: a victim slot
- * is chosen, re-keyed, marked LOADING, and its index is pushed onto the request ring. One of
- * io_threads I/O threads pops it and does one pread() of the whole blob into the slot's buffer,
- * then publishes READY (or FAILED) with a store-release. Compute later calls
+ * is chosen, re-keyed, marked LOADING, and its index is pushed onto the request ring (with
+ * coalescing on, held until smoe_streamer_submit, which queues runs of adjacent blobs as one
+ * request each: see "coalesced reads" below). One of io_threads I/O threads pops it and does one
+ * pread() of the whole blob into the slot's buffer (one preadv() into the slots of a run), then
+ * publishes READY (or FAILED) with a store-release. Compute later calls
  * smoe_streamer_wait(slot) (or wait_any over a set, to consume blobs in the order they land),
  * reads the weights where pread put them, and releases the slot. Nothing is copied; nothing is
  * read that was not acquired (no speculation, no readahead).

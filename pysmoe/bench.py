@@ -9,8 +9,12 @@ What it measures, all in one run (bench/README.md says more):
   loudly when O_DIRECT was not in force), for each prefill path; bytes and blob reads per run.
 - The I/O floor: the bytes of the prompt's exact union (every (layer, expert) its exact routing
   needs, read once: the blob reads of a prefill into an empty cache that can hold every expert)
-  divided by this disk's Direct I/O bandwidth, measured by a plain parallel pread loop over the
-  same vault file, at the blob size and with ``io_threads`` readers (the engine's queue depth).
+  divided by the best Direct I/O rate this disk gave in the same run: the maximum over a sweep of
+  read patterns over that union (blob reads in offset order, runs of adjacent blobs up to the
+  engine's coalesce size and up to 64 MiB, 4/16/64 MiB reads over each layer's span; queue depths
+  1 to 32; each read first and then again, since these virtual disks cache on the host), a
+  random-blob probe at ``io_threads`` readers, and the engine's own cold runs (bytes read / TTFT).
+  The last makes TTFT / floor ≥ 1 by construction; the table says which pattern set the floor.
 - The compute floor: the same prefill on a session whose cache holds every expert, warmed by one
   run, then timed (the timed runs must show no miss; the table says when they do).
 - TTFT / max(I/O floor, compute floor), the number we steer by, and layer-major / token-serial.
