@@ -64,7 +64,7 @@ extern "C" {
 
 /* Bump SMOE_ABI_VERSION whenever a function's signature, a struct's layout or an enum value
  * changes; bindings refuse a library whose smoe_abi_version() differs from what they expect. */
-#define SMOE_ABI_VERSION 2
+#define SMOE_ABI_VERSION 3
 #define SMOE_VERSION_STRING "0.1.0"
 
 typedef enum {
