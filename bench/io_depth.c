@@ -3,13 +3,19 @@
  *   cc -std=c11 -O2 -pthread -D_GNU_SOURCE -Icsrc bench/io_depth.c csrc/streamer.c csrc/util.c \
  *      -o build/io_depth
  *   build/io_depth FILE [GiB=2.5] [reps=7]
+ *   build/io_depth FILE GiB reps union     (coalescing: see below)
  *
  * Makes FILE (GiB of non-zero data, so every read reaches the disk; kept if already that size),
  * then for blobs of 2.5 MiB and 10 MiB reads through the streamer with O_DIRECT at io_threads =
  * 1, 2, 4, 8: each "layer" acquires 8 random distinct blobs (top-8, all missing: the cache is
  * cleared per layer), waits for them and releases them, as a decode step does. The depths are
  * alternated inside each repetition (rotating which goes first) and the median GB/s per depth
- * printed, with the spread. Every read is a miss, so this measures the disk, not the cache. */
+ * printed, with the spread. Every read is a miss, so this measures the disk, not the cache.
+ *
+ * With a fourth argument, coalesced reads instead: blobs of 2.5 MiB in "layers" of 128 (a3b's
+ * expert count), each layer acquiring `union` random distinct experts of a random layer at once
+ * (as a prefill chunk's union), then waiting for them all; io_threads 4; coalesce_bytes 0 (one
+ * read per blob) against 16 MiB (runs of adjacent blobs as one preadv), alternated. */
 #include "streamer.h"
 
 #include <fcntl.h>
@@ -50,15 +56,23 @@ static int make_file(const char *path, uint64_t bytes) {
     return 0;
 }
 
-/* GB/s for `layers` layers of 8 blobs of blob_bytes at io_threads = depth. */
-static double trial(const char *path, uint64_t file_bytes, uint64_t blob_bytes, uint32_t depth, uint32_t layers) {
+/* GB/s for `layers` layers of `union` blobs of blob_bytes (out of runs of 128 neighbours when
+ * union > 8, anywhere in the file otherwise) at io_threads = depth. */
+static double trial(const char *path, uint64_t file_bytes, uint64_t blob_bytes, uint32_t depth, uint32_t layers,
+                    uint32_t n_union, uint64_t coalesce) {
     uint32_t n_blobs = (uint32_t)((file_bytes - SMOE_PAGE) / blob_bytes), E = n_blobs;
     uint64_t *off = malloc(sizeof *off * n_blobs);
     uint32_t *crc = calloc(n_blobs, sizeof *crc);
     for (uint32_t i = 0; i < n_blobs; i++) off[i] = SMOE_PAGE + (uint64_t)i * blob_bytes;
-    smoe_streamer_params p = {.path = path, .blob_bytes = blob_bytes, .blob_offset = off, .blob_crc = crc,
-                              .n_layers = 1, .n_experts = E, .n_sparse_layers = 1, .n_slots = 8,
-                              .io_threads = depth, .direct_io = true};
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) {
+        perror(path);
+        exit(1);
+    }
+    smoe_streamer_params p = {.path = path, .fd = fd, .blob_bytes = blob_bytes, .blob_offset = off,
+                              .blob_crc = crc, .n_layers = 1, .n_experts = E, .n_sparse_layers = 1,
+                              .n_slots = n_union, .io_threads = depth, .direct_io = true,
+                              .coalesce_bytes = coalesce};
     smoe_streamer *s;
     if (smoe_streamer_new(&p, &s) != SMOE_OK) {
         fprintf(stderr, "%s\n", smoe_last_error());
@@ -69,18 +83,20 @@ static double trial(const char *path, uint64_t file_bytes, uint64_t blob_bytes, 
     if (!x.direct_io) fprintf(stderr, "warning: no O_DIRECT on %s\n", path);
     double t0 = smoe_now();
     for (uint32_t l = 0; l < layers; l++) {
-        int slots[8];
-        uint32_t want[8];
-        for (int j = 0; j < 8; j++) {
+        int slots[128];
+        uint32_t want[128];
+        uint32_t span = n_union > 8 && E >= 128 ? 128 : E, base = span < E ? (uint32_t)(next() % (E / 128)) * 128 : 0;
+        for (uint32_t j = 0; j < n_union; j++) {
             bool dup;
             do {
-                want[j] = (uint32_t)(next() % E);
+                want[j] = base + (uint32_t)(next() % span);
                 dup = false;
-                for (int i = 0; i < j; i++) dup |= want[i] == want[j];
+                for (uint32_t i = 0; i < j; i++) dup |= want[i] == want[j];
             } while (dup);
             slots[j] = smoe_streamer_acquire(s, 0, want[j]);
         }
-        for (int j = 0; j < 8; j++) {
+        smoe_streamer_submit(s);
+        for (uint32_t j = 0; j < n_union; j++) {
             if (smoe_streamer_wait(s, slots[j]) != SMOE_OK) {
                 fprintf(stderr, "%s\n", smoe_last_error());
                 exit(1);
@@ -92,6 +108,7 @@ static double trial(const char *path, uint64_t file_bytes, uint64_t blob_bytes, 
     double dt = smoe_now() - t0;
     smoe_streamer_get_stats(s, &x);
     smoe_streamer_free(s);
+    close(fd);
     free(off);
     free(crc);
     return (double)x.bytes_read / dt / 1e9;
@@ -109,6 +126,28 @@ int main(int argc, char **argv) {
         perror(argv[1]);
         return 1;
     }
+    if (argc > 4) { /* coalesced reads, off against on */
+        uint32_t n_union = (uint32_t)atoi(argv[4]);
+        if (n_union < 1 || n_union > 128) {
+            fprintf(stderr, "union: 1 to 128\n");
+            return 2;
+        }
+        uint64_t blob = 160 * SMOE_PAGE;
+        uint32_t layers = (uint32_t)((1024ull << 20) / (n_union * blob)) + 1; /* ~1 GiB per trial */
+        double r[2][64];
+        for (int rep = 0; rep < reps && rep < 64; rep++)
+            for (int k = 0; k < 2; k++) {
+                int c = (k + rep) % 2;
+                r[c][rep] = trial(argv[1], file_bytes, blob, 4, layers, n_union, c ? 16u << 20 : 0);
+            }
+        printf("blob 2.5 MiB, union %u of 128 per layer, io_threads 4, %d reps, O_DIRECT:\n", n_union, reps);
+        for (int c = 0; c < 2; c++) {
+            qsort(r[c], (size_t)reps, sizeof(double), cmp);
+            printf("  coalesce %s: median %.2f GB/s (min %.2f, max %.2f)\n", c ? "16 MiB" : "off   ", r[c][reps / 2],
+                   r[c][0], r[c][reps - 1]);
+        }
+        return 0;
+    }
     static const uint32_t depths[] = {1, 2, 4, 8};
     static const uint64_t sizes[] = {160 * SMOE_PAGE, 640 * SMOE_PAGE}; /* 2.5 MiB, 10 MiB */
     for (int si = 0; si < 2; si++) {
@@ -117,7 +156,7 @@ int main(int argc, char **argv) {
         for (int rep = 0; rep < reps && rep < 64; rep++)
             for (int k = 0; k < 4; k++) {
                 int d = (k + rep) % 4;
-                r[d][rep] = trial(argv[1], file_bytes, sizes[si], depths[d], layers);
+                r[d][rep] = trial(argv[1], file_bytes, sizes[si], depths[d], layers, 8, 0);
             }
         printf("blob %.1f MiB, %d reps, 8 blobs per layer, O_DIRECT:\n", (double)sizes[si] / (1 << 20), reps);
         for (int d = 0; d < 4; d++) {

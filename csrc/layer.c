@@ -288,6 +288,7 @@ static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *
         }
     }
     *union_size = n_union;
+    smoe_streamer_submit(s->streamer); /* the reads acquired above, coalesced where adjacent */
 
     /* Compute experts as their blobs arrive; acquire the rest as slots are released. The union
      * positions [0, next_acquire) not yet computed are the pending ones. */
@@ -310,6 +311,7 @@ static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *
         }
         if (st != SMOE_OK)
             break;
+        smoe_streamer_submit(s->streamer);
         if (np == 0) {
             /* No slot of ours is pending: the slots are held by reads a cancelled or failed
              * call left in flight. Wait for one to land, then acquire again. */

@@ -22,6 +22,7 @@ smoe_session_params smoe_session_default_params(void) {
     p.cache_bytes = 0;
     p.direct_io = true;
     p.verify_blobs = true; /* bench/RESULTS.md "Per-read blob checksums": cheap next to the read */
+    p.coalesce_bytes = 16u << 20; /* bench/RESULTS.md "Coalesced reads" */
     return p;
 }
 
@@ -255,6 +256,7 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
             .io_threads = p.io_threads,
             .direct_io = p.direct_io,
             .verify = p.verify_blobs,
+            .coalesce_bytes = p.coalesce_bytes,
         };
         if ((st = smoe_streamer_new(&sp, &s->share->streamer)) != SMOE_OK) {
             smoe_session_free(s);
@@ -371,6 +373,7 @@ static smoe_status stats_claimed(const smoe_session *s, smoe_counters *out) {
         c.cache_misses = ss.misses;
         c.io_wait_s = ss.io_wait_s;
         c.direct_io = ss.direct_io;
+        c.read_requests = ss.read_requests;
         c.cache_bytes = smoe_streamer_slot_bytes(s->streamer);
         c.cache_slots = (uint32_t)(c.cache_bytes / s->lay->blob_bytes);
     }

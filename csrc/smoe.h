@@ -78,7 +78,7 @@ extern "C" {
  *   rest. Such growth still bumps SMOE_VERSION_STRING's MINOR.
  * SMOE_VERSION_STRING is the release, MAJOR.MINOR.PATCH; its MINOR.PATCH end the shared object's
  * version (libsmoe.so.ABI.MINOR.PATCH). */
-#define SMOE_ABI_VERSION 2
+#define SMOE_ABI_VERSION 3
 #define SMOE_VERSION_STRING "0.1.0"
 
 typedef enum {
@@ -197,6 +197,9 @@ typedef struct {
     bool direct_io;        /* O_DIRECT / F_NOCACHE; falls back to buffered reads, logged (default true) */
     bool verify_blobs;     /* check each blob's checksum every time it is read from disk (default
                               true); a mismatch is SMOE_ERR_IO naming layer, expert and offset */
+    uint64_t coalesce_bytes; /* largest read request (default 16 MiB): blobs of a layer's union that
+                                lie next to each other in vault.bin are read as one request of up to
+                                this many bytes (docs/streamer.md); below two blobs, one read each */
 } smoe_session_params;
 
 SMOE_API smoe_session_params smoe_session_default_params(void);
@@ -317,6 +320,7 @@ typedef struct {
     uint64_t batch_steps;       /* smoe_decode_batch calls that succeeded on the share */
     uint64_t batch_tokens;      /* tokens they decoded (Σ n) */
     uint64_t batch_blob_reads;  /* blobs they read: batch_blob_reads / batch_tokens = reads per token */
+    uint64_t read_requests;   /* read requests issued: a coalesced run of blobs counts once */
 } smoe_counters;
 
 SMOE_API smoe_status smoe_stats(const smoe_session *session, smoe_counters *out);

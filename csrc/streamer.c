@@ -5,9 +5,11 @@
  * The session's compute thread routes tokens and, the moment an expert enters a layer's union,
  * calls smoe_streamer_acquire(layer, expert). If the blob is retained (read earlier, or being
  * read now) that is a hit: the slot is pinned and returned. Otherwise it is a miss: a victim slot
- * is chosen, re-keyed, marked LOADING, and its index is pushed onto the request ring. One of
- * io_threads I/O threads pops it and does one pread() of the whole blob into the slot's buffer,
- * then publishes READY (or FAILED) with a store-release. Compute later calls
+ * is chosen, re-keyed, marked LOADING, and its index is pushed onto the request ring (with
+ * coalescing on, held until smoe_streamer_submit, which queues runs of adjacent blobs as one
+ * request each: see "coalesced reads" below). One of io_threads I/O threads pops it and does one
+ * pread() of the whole blob into the slot's buffer (one preadv() into the slots of a run), then
+ * publishes READY (or FAILED) with a store-release. Compute later calls
  * smoe_streamer_wait(slot) (or wait_any over a set, to consume blobs in the order they land),
  * reads the weights where pread put them, and releases the slot. Nothing is copied; nothing is
  * read that was not acquired (no speculation, no readahead).
@@ -100,6 +102,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #if defined(__linux__) && !defined(SMOE_NO_FUTEX)
@@ -123,6 +126,7 @@ enum { SLOT_EMPTY = 0, SLOT_LOADING = 1, SLOT_READY = 2, SLOT_FAILED = 3 };
 enum { ERR_NONE = 0, ERR_ERRNO, ERR_SHORT, ERR_CRC };
 
 #define SPIN_ITERS 2000 /* ~10–50 µs of polling before sleeping: a blob read takes milliseconds */
+#define MAX_RUN 64       /* blobs in one coalesced read: its iovecs live on the I/O thread's stack */
 
 typedef struct {
     _Atomic uint32_t state;
@@ -130,6 +134,7 @@ typedef struct {
     uint32_t layer, expert;
     uint64_t offset;
     uint32_t crc;
+    int32_t next; /* the next slot of the same coalesced read, −1 for the last (or a lone read) */
     /* Outcome, written by the I/O thread before its store-release of state. */
     int err_kind, err_no;
     uint64_t got; /* bytes read before a short read */
@@ -160,6 +165,11 @@ struct smoe_streamer {
     uint32_t quota;
     uint64_t clock;
 
+    /* Coalescing (compute thread only): misses held until submit, then read in offset order. */
+    uint32_t max_run;  /* blobs per read request; 1 = every miss is read alone at acquire */
+    uint32_t *held;    /* (n_slots) LOADING slots not yet queued */
+    uint32_t n_held;
+
     int fd_direct, fd_buffered; /* fd_direct is −1 without direct I/O */
     _Atomic bool use_direct;
     _Atomic bool warned;
@@ -175,7 +185,7 @@ struct smoe_streamer {
     pthread_t *threads;
     uint32_t n_threads; /* started */
 
-    uint64_t blob_reads, bytes_read, hits, misses;
+    uint64_t blob_reads, bytes_read, read_requests, hits, misses;
     double io_wait_s;
 };
 
@@ -274,6 +284,31 @@ static void fall_back_to_buffered(smoe_streamer *s, int err) {
     }
 }
 
+/* preadv until every iovec is full, the file ends or a read fails (EINTR is retried); iov is
+ * consumed. Returns the bytes read, or −1 with errno. */
+static int64_t preadv_full(int fd, struct iovec *iov, int n, uint64_t off) {
+    uint64_t done = 0;
+    while (n > 0) {
+        ssize_t r = preadv(fd, iov, n, (off_t)(off + done));
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (r == 0) break;
+        done += (uint64_t)r;
+        while (n > 0 && (size_t)r >= iov->iov_len) {
+            r -= (ssize_t)iov->iov_len;
+            iov++;
+            n--;
+        }
+        if (n > 0) {
+            iov->iov_base = (uint8_t *)iov->iov_base + r;
+            iov->iov_len -= (size_t)r;
+        }
+    }
+    return (int64_t)done;
+}
+
 #ifdef SMOE_STREAMER_TEST_HOOKS
 /* Tests only: 1 = the O_DIRECT open fails with EINVAL, 2 = every O_DIRECT read does. */
 int smoe_streamer_test_fail_direct;
@@ -284,38 +319,76 @@ static int64_t pread_direct(int fd, uint8_t *buf, uint64_t len, uint64_t off) {
     }
     return smoe_pread_full(fd, buf, len, off);
 }
+static int64_t preadv_direct(int fd, struct iovec *iov, int n, uint64_t off) {
+    if (smoe_streamer_test_fail_direct == 2) {
+        errno = EINVAL;
+        return -1;
+    }
+    return preadv_full(fd, iov, n, off);
+}
 #else
 #define pread_direct smoe_pread_full
+#define preadv_direct preadv_full
 #endif
 
-/* Reads a whole range, with O_DIRECT when in force; falls back on EINVAL. */
-static int64_t read_range(smoe_streamer *s, uint8_t *buf, uint64_t len, uint64_t off) {
+/* Reads the slots of one request, run[0..k) (their blobs adjacent in the file, run[0] first),
+ * with O_DIRECT when in force; falls back on EINVAL. One blob is one pread (the fault shim in
+ * tests/c wraps both calls); several are one preadv straight into their slots. */
+static int64_t read_run(smoe_streamer *s, slot_t *const *run, uint32_t k) {
+    uint64_t n = s->p.blob_bytes, off = run[0]->offset;
+    if (k == 1) {
+        if (atomic_load_explicit(&s->use_direct, memory_order_relaxed)) {
+            int64_t r = pread_direct(s->fd_direct, run[0]->data, n, off);
+            if (r >= 0 || errno != EINVAL) return r;
+            fall_back_to_buffered(s, errno);
+        }
+        return smoe_pread_full(s->fd_buffered, run[0]->data, n, off);
+    }
+    struct iovec iov[MAX_RUN];
+    for (uint32_t i = 0; i < k; i++) iov[i] = (struct iovec){run[i]->data, (size_t)n};
     if (atomic_load_explicit(&s->use_direct, memory_order_relaxed)) {
-        int64_t r = pread_direct(s->fd_direct, buf, len, off);
+        int64_t r = preadv_direct(s->fd_direct, iov, (int)k, off);
         if (r >= 0 || errno != EINVAL) return r;
         fall_back_to_buffered(s, errno);
+        for (uint32_t i = 0; i < k; i++) iov[i] = (struct iovec){run[i]->data, (size_t)n};
     }
-    return smoe_pread_full(s->fd_buffered, buf, len, off);
+    return preadv_full(s->fd_buffered, iov, (int)k, off);
 }
 
-static void do_read(smoe_streamer *s, slot_t *sl) {
-    uint64_t n = s->p.blob_bytes;
-    int64_t r = read_range(s, sl->data, n, sl->offset);
-    uint32_t state = SLOT_READY;
-    sl->err_kind = ERR_NONE;
-    if (r < 0) {
-        sl->err_kind = ERR_ERRNO;
-        sl->err_no = errno;
-        state = SLOT_FAILED;
-    } else if ((uint64_t)r < n) {
-        sl->err_kind = ERR_SHORT;
-        sl->got = (uint64_t)r;
-        state = SLOT_FAILED;
-    } else if (s->p.verify && smoe_checksum(sl->data, n) != sl->crc) {
-        sl->err_kind = ERR_CRC;
-        state = SLOT_FAILED;
+/* Does the request whose first slot is head: reads its run, then settles every blob of it on
+ * its own (a failed request fails each blob; a short one fails those it did not cover; each
+ * blob's checksum is checked apart), so errors still name one layer and expert. */
+static void do_read(smoe_streamer *s, slot_t *head) {
+    slot_t *run[MAX_RUN];
+    run[0] = head;
+    uint32_t k = 1;
+    while (k < MAX_RUN && run[k - 1]->next >= 0) {
+        run[k] = &s->slots[run[k - 1]->next];
+        k++;
     }
-    atomic_store_explicit(&sl->state, state, memory_order_release);
+    uint64_t n = s->p.blob_bytes;
+    int64_t r = read_run(s, run, k);
+    int err = errno;
+    for (uint32_t i = 0; i < k; i++) {
+        slot_t *sl = run[i];
+        uint64_t before = (uint64_t)i * n;
+        uint64_t got = r > 0 && (uint64_t)r > before ? (uint64_t)r - before : 0;
+        uint32_t state = SLOT_READY;
+        sl->err_kind = ERR_NONE;
+        if (r < 0) {
+            sl->err_kind = ERR_ERRNO;
+            sl->err_no = err;
+            state = SLOT_FAILED;
+        } else if (got < n) {
+            sl->err_kind = ERR_SHORT;
+            sl->got = got;
+            state = SLOT_FAILED;
+        } else if (s->p.verify && smoe_checksum(sl->data, n) != sl->crc) {
+            sl->err_kind = ERR_CRC;
+            state = SLOT_FAILED;
+        }
+        atomic_store_explicit(&sl->state, state, memory_order_release);
+    }
     waitword_bump(&s->completed, INT_MAX);
 }
 
@@ -352,6 +425,7 @@ static void stop_threads(smoe_streamer *s) {
 
 void smoe_streamer_free(smoe_streamer *s) {
     if (!s) return;
+    if (s->held) smoe_streamer_submit(s); /* no slot is left LOADING behind the joined threads */
     stop_threads(s);
     if (s->fd_direct >= 0) close(s->fd_direct);
     if (s->fd_buffered >= 0) close(s->fd_buffered);
@@ -361,6 +435,7 @@ void smoe_streamer_free(smoe_streamer *s) {
     waitword_destroy(&s->queued);
     smoe_free(s->threads);
     smoe_free((void *)s->ring);
+    smoe_free(s->held);
     smoe_free(s->layer_use);
     smoe_free(s->layer_count);
     smoe_free(s->index);
@@ -476,6 +551,8 @@ smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out
         return smoe_fail(SMOE_ERR_NOMEM, "streamer: cannot create a condition variable");
     }
     s->quota = p->n_sparse_layers ? p->n_slots / p->n_sparse_layers : 0;
+    uint64_t run = p->coalesce_bytes / p->blob_bytes;
+    s->max_run = run < 1 ? 1 : run > MAX_RUN ? MAX_RUN : (uint32_t)run;
 
     uint32_t cap = 1;
     while (cap < p->n_slots) cap <<= 1;
@@ -486,7 +563,8 @@ smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out
     s->layer_use = smoe_alloc((size_t)p->n_layers * sizeof *s->layer_use, 64);
     s->ring = smoe_alloc((size_t)cap * sizeof *s->ring, 64);
     s->threads = smoe_alloc((size_t)p->io_threads * sizeof *s->threads, 64);
-    if (!s->slots || !s->index || !s->layer_count || !s->layer_use || !s->ring || !s->threads) {
+    s->held = smoe_alloc((size_t)p->n_slots * sizeof *s->held, 64);
+    if (!s->slots || !s->index || !s->layer_count || !s->layer_use || !s->ring || !s->threads || !s->held) {
         smoe_streamer_free(s);
         return smoe_fail(SMOE_ERR_NOMEM, "streamer: out of memory");
     }
@@ -496,6 +574,7 @@ smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out
         slot_t *sl = &s->slots[i];
         atomic_init(&sl->state, SLOT_EMPTY);
         sl->key = -1;
+        sl->next = -1;
         sl->data = smoe_alloc((size_t)p->blob_bytes, SMOE_PAGE);
         if (!sl->data) {
             smoe_streamer_free(s);
@@ -576,6 +655,8 @@ static int pick_victim(smoe_streamer *s, uint32_t layer) {
     return best;
 }
 
+static void issue_read(smoe_streamer *s, uint32_t v);
+
 int smoe_streamer_acquire(smoe_streamer *s, uint32_t layer, uint32_t expert) {
     if (!s || layer >= s->p.n_layers || expert >= s->p.n_experts) {
         smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: no blob (%u,%u)", layer, expert);
@@ -616,13 +697,62 @@ int smoe_streamer_acquire(smoe_streamer *s, uint32_t layer, uint32_t expert) {
     s->misses++;
     s->blob_reads++;
     s->bytes_read += s->p.blob_bytes;
-    ring_push(s, (uint32_t)v); /* its store-release publishes the request fields */
+    issue_read(s, (uint32_t)v);
     return v;
+}
+
+/* ------------------------------------------------------------------------- coalesced reads
+ *
+ * Blobs of one layer lie in vault.bin in expert order, back to back (docs/vault.md), so a
+ * layer's union is mostly runs of neighbours. With coalescing on (max_run ≥ 2) a miss is not
+ * queued at once: submit (called by the layer after routing, and by every wait) sorts the held
+ * slots by offset and queues one request per run of adjacent blobs, at most max_run long. The
+ * run is chained through the slots' next fields; the I/O thread reads it with one preadv into
+ * the slots where they are (they need not be neighbours in memory) and settles each blob on its
+ * own. Only acquired blobs are in a run, so no byte is read that routing did not ask for. Which
+ * slot a miss takes (the retention policy) is untouched: this is only when and how the read is
+ * issued. */
+
+static void issue_read(smoe_streamer *s, uint32_t v) {
+    if (s->max_run > 1) {
+        s->held[s->n_held++] = v; /* at most one entry per LOADING slot: never overflows */
+        return;
+    }
+    s->slots[v].next = -1;
+    s->read_requests++;
+    ring_push(s, v); /* its store-release publishes the request fields */
+}
+
+void smoe_streamer_submit(smoe_streamer *s) {
+    if (!s || s->n_held == 0) return;
+    uint32_t *h = s->held, n = s->n_held;
+    /* Shell sort by offset: in place and allocation-free; n is about a layer's union. */
+    static const uint32_t gaps[] = {701, 301, 132, 57, 23, 10, 4, 1};
+    for (uint32_t g = 0; g < sizeof gaps / sizeof *gaps; g++)
+        for (uint32_t i = gaps[g]; i < n; i++) {
+            uint32_t v = h[i], j = i;
+            for (; j >= gaps[g] && s->slots[h[j - gaps[g]]].offset > s->slots[v].offset; j -= gaps[g])
+                h[j] = h[j - gaps[g]];
+            h[j] = v;
+        }
+    for (uint32_t i = 0; i < n;) {
+        uint32_t j = i + 1;
+        while (j < n && j - i < s->max_run && s->slots[h[j]].offset == s->slots[h[j - 1]].offset + s->p.blob_bytes) {
+            s->slots[h[j - 1]].next = (int32_t)h[j];
+            j++;
+        }
+        s->slots[h[j - 1]].next = -1;
+        s->read_requests++;
+        ring_push(s, h[i]);
+        i = j;
+    }
+    s->n_held = 0;
 }
 
 /* Sleeps (after a short spin) until done(s, arg) holds; done is re-checked after every
  * completion. Adds the time to io_wait_s. */
 static void wait_until(smoe_streamer *s, bool (*done)(const smoe_streamer *, const void *), const void *arg) {
+    smoe_streamer_submit(s); /* a held read would otherwise never finish */
     if (done(s, arg)) return;
     double t0 = smoe_now();
     for (int i = 0; i < SPIN_ITERS && !done(s, arg); i++) cpu_relax();
@@ -756,6 +886,7 @@ void smoe_streamer_get_stats(const smoe_streamer *s, smoe_streamer_stats *out) {
     if (!s || !out) return;
     out->blob_reads = s->blob_reads;
     out->bytes_read = s->bytes_read;
+    out->read_requests = s->read_requests;
     out->hits = s->hits;
     out->misses = s->misses;
     out->io_wait_s = s->io_wait_s;
@@ -764,7 +895,7 @@ void smoe_streamer_get_stats(const smoe_streamer *s, smoe_streamer_stats *out) {
 
 void smoe_streamer_reset_stats(smoe_streamer *s) {
     if (!s) return;
-    s->blob_reads = s->bytes_read = s->hits = s->misses = 0;
+    s->blob_reads = s->bytes_read = s->read_requests = s->hits = s->misses = 0;
     s->io_wait_s = 0;
 }
 

@@ -27,10 +27,15 @@ typedef struct {
     uint32_t io_threads;         /* ≥ 1 */
     bool direct_io;              /* try O_DIRECT / F_NOCACHE, fall back (logged) */
     bool verify;                 /* check smoe_checksum of every blob read, in the I/O thread */
+    uint64_t coalesce_bytes;     /* largest read request. ≥ 2 blobs: a miss is held until
+                                    smoe_streamer_submit (or the next wait), and held blobs that lie
+                                    next to each other in the file are read with one preadv into
+                                    their slots; < 2 blobs: each miss is read alone at acquire */
 } smoe_streamer_params;
 
 typedef struct {
     uint64_t blob_reads, bytes_read; /* counted when a read is issued (a failed read counts) */
+    uint64_t read_requests;          /* reads issued (a coalesced run of blobs is one) */
     uint64_t hits, misses;           /* one of the two per successful acquire */
     double io_wait_s;                /* seconds wait / wait_any / clear spent on loading slots */
     bool direct_io;                  /* in force (false after a logged fallback) */
@@ -47,6 +52,12 @@ void smoe_streamer_free(smoe_streamer *s); /* waits for reads in flight */
  * pinned key again pins it twice. A key whose read failed is read again (a miss). */
 int smoe_streamer_acquire(smoe_streamer *s, uint32_t layer, uint32_t expert);
 
+/* Issues the reads that acquire held (coalescing on): sorted by file offset, runs of adjacent
+ * blobs as one request each. wait, wait_any, clear and free call it first, so a caller that
+ * never calls it still gets every read; calling it as soon as a batch of acquires is done starts
+ * the disk sooner. No-op when nothing is held. */
+void smoe_streamer_submit(smoe_streamer *s);
+
 /* Waits for slot's read. SMOE_OK when its bytes are ready; SMOE_ERR_IO (message names the
  * layer, expert and offset) when the read failed, came back short or did not match its
  * checksum (the slot then empties on release, so a later acquire reads it again). Time spent
@@ -58,7 +69,8 @@ smoe_status smoe_streamer_wait(smoe_streamer *s, int slot);
  * smoe_streamer_wait on the slot it names (which then returns at once). */
 uint32_t smoe_streamer_wait_any(smoe_streamer *s, const int *slots, uint32_t n);
 
-bool smoe_streamer_ready(const smoe_streamer *s, int slot); /* no longer loading */
+bool smoe_streamer_ready(const smoe_streamer *s, int slot); /* no longer loading (a held read is
+                                                               still loading: submit first) */
 const uint8_t *smoe_streamer_data(const smoe_streamer *s, int slot); /* blob_bytes, 16 KiB aligned */
 
 /* Unpins. A failed slot becomes empty (so a later acquire reads again). */

@@ -1,7 +1,7 @@
 """The C declarations the binding uses: generated from csrc/smoe.h by scripts/gen_cdef.py."""
 
 CDEF = """
-#define SMOE_ABI_VERSION 2
+#define SMOE_ABI_VERSION 3
 typedef enum {
 SMOE_OK = 0,
 SMOE_ERR_INVALID_ARG = -1,
@@ -69,6 +69,7 @@ uint32_t float_activations;
 uint64_t cache_bytes;
 bool direct_io;
 bool verify_blobs;
+uint64_t coalesce_bytes;
 } smoe_session_params;
 smoe_session_params smoe_session_default_params(void);
 smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *params,
@@ -122,6 +123,7 @@ uint32_t cache_sharers;
 uint64_t batch_steps;
 uint64_t batch_tokens;
 uint64_t batch_blob_reads;
+uint64_t read_requests;
 } smoe_counters;
 smoe_status smoe_stats(const smoe_session *session, smoe_counters *out);
 smoe_status smoe_stats_union_sizes(const smoe_session *session, uint32_t *out, uint32_t cap);

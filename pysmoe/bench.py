@@ -9,8 +9,12 @@ What it measures, all in one run (bench/README.md says more):
   loudly when O_DIRECT was not in force), for each prefill path; bytes and blob reads per run.
 - The I/O floor: the bytes of the prompt's exact union (every (layer, expert) its exact routing
   needs, read once: the blob reads of a prefill into an empty cache that can hold every expert)
-  divided by this disk's Direct I/O bandwidth, measured by a plain parallel pread loop over the
-  same vault file, at the blob size and with ``io_threads`` readers (the engine's queue depth).
+  divided by the best Direct I/O rate this disk gave in the same run: the maximum over a sweep of
+  read patterns over that union (blob reads in offset order, runs of adjacent blobs up to the
+  engine's coalesce size and up to 64 MiB, 4/16/64 MiB reads over each layer's span; queue depths
+  1 to 32; each read first and then again, since these virtual disks cache on the host), a
+  random-blob probe at ``io_threads`` readers, and the engine's own cold runs (bytes read / TTFT).
+  The last makes TTFT / floor ≥ 1 by construction; the table says which pattern set the floor.
 - The compute floor: the same prefill on a session whose cache holds every expert, warmed by one
   run, then timed (the timed runs must show no miss; the table says when they do).
 - TTFT / max(I/O floor, compute floor), the number we steer by, and layer-major / token-serial.
@@ -110,6 +114,12 @@ def add_parser(p: argparse.ArgumentParser, name: str = "bench") -> None:
                    help="cache of the resident session in MiB (default: every expert's bytes)")
     p.add_argument("--probe-mb", type=positive_float, default=1024,
                    help="at most this many MiB per bandwidth probe (default 1024)")
+    p.add_argument("--floor-mb", type=mebibytes, default=FLOOR_BYTES / MiB,
+                   help="MiB per pattern of the I/O floor sweep, each read twice (default 256; 0: no sweep, the floor "
+                        "then comes from the random-blob probe and the engine's own runs)")
+    p.add_argument("--coalesce-mb", type=mebibytes, default=None,
+                   help="largest read request of the engine's cold sessions in MiB (default: the library's, 16; "
+                        "0: one read per blob)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the prompt ids and the probe's blob choice")
     p.add_argument("--verify-blobs", choices=("on", "off", "both"), default="on",
                    help="check each blob's checksum as it is read (the engine's default, on); both: every cold "
@@ -204,6 +214,8 @@ class DirectReader:
             self.blob_bytes = int(vf.header.blob_bytes)
             self.offsets = np.array([int(o) for i, o in enumerate(vf.blob_offsets) if vf.sparse[i // E]],
                                     dtype=np.int64)
+            self.blob_offsets = [int(o) for o in vf.blob_offsets]  # (layers × experts), 0 = no blob
+            self.n_experts = int(E)
             self.path = pathlib.Path(vf.path)
         finally:
             vf.close()
@@ -270,6 +282,46 @@ class DirectReader:
         return {"seconds": dt, "bytes": total, "blobs": n_blobs, "gbps": total / dt / 1e9,
                 "direct_io": self.direct_io}
 
+    def read_requests(self, reqs, depth: int) -> dict:
+        """Reads reqs, a list of (offset, size) with both multiples of 16 KiB, in order, with `depth`
+        threads each reading into its own page-aligned buffer; returns seconds, bytes, GB/s."""
+        import concurrent.futures as cf
+        import itertools
+        import mmap
+        size = max(n for _, n in reqs)
+        bufs = [mmap.mmap(-1, size) for _ in range(depth)]
+        counter = itertools.count()
+
+        def worker(k: int) -> int:
+            done = 0
+            with memoryview(bufs[k]) as mv:
+                while True:
+                    i = next(counter)
+                    if i >= len(reqs):
+                        return done
+                    off, n = reqs[i]
+                    with mv[:n] as part:
+                        got = os.preadv(self.fd, [part], off)
+                    if got != n:
+                        raise OSError(f"short read at {off}: {got} of {n} bytes")
+                    done += got
+
+        try:
+            with cf.ThreadPoolExecutor(depth, thread_name_prefix="floor-probe") as pool:
+                t0 = time.perf_counter()
+                total = sum(f.result() for f in [pool.submit(worker, k) for k in range(depth)])
+                dt = time.perf_counter() - t0
+        except OSError as e:
+            if self.direct_io and e.errno == 22:  # EINVAL: O_DIRECT refused by the file system
+                self._direct_failed()
+                return self.read_requests(reqs, depth)
+            raise
+        finally:
+            for b in bufs:
+                b.close()
+        return {"seconds": dt, "bytes": total, "requests": len(reqs), "gbps": total / dt / 1e9,
+                "direct_io": self.direct_io}
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
@@ -283,6 +335,95 @@ class DirectReader:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# --------------------------------------------------------------------------- the floor sweep
+#
+# The I/O floor is the union's bytes over the best rate this disk gives for them, measured in the
+# same run. "Best" is a maximum over read patterns of the union's own blobs (taken a sample of
+# layers at a time, each pattern on layers the sweep has not read yet, then the same requests
+# again: the virtual disks here cache on the host, so a repeat can be faster than a first touch)
+# and over the engine's own cold runs, counted as bytes read / TTFT. That last term makes the
+# floor a floor by construction: union bytes / (the run's bytes / its TTFT) ≤ its TTFT, because a
+# run reads at least the union, so no cold run can come in under it; the engine's read pattern
+# (runs of adjacent blobs up to its coalesce size, io_threads in flight) is in the sweep too.
+
+FLOOR_DEPTHS = (1, 4, 8, 16, 32)
+FLOOR_BYTES = 256 * MiB  # per pattern and pass: 24 patterns × 2 passes ≈ 12 GiB read per prompt length
+FLOOR_SPANS = ((4, (1, 4, 16, 32)), (16, (1, 4, 16, 32)), (64, (1, 4, 8)))  # MiB, depths (≤ 512 MiB in flight)
+
+
+def floor_patterns(io_threads: int, coalesce_bytes: int, blob_bytes: int) -> list[tuple]:
+    """(name, kind, request bytes, depth) of every pattern the sweep reads: the union's blobs one
+    by one in offset order, its runs of adjacent blobs (up to the engine's coalesce size, and up to
+    64 MiB), and reads of 4, 16 and 64 MiB over each layer's span of blobs (first to last union
+    blob: these read blobs between union members too; only their rate is used)."""
+    depths = sorted(set(FLOOR_DEPTHS) | {io_threads})
+    pats = [(f"blob reads by offset, depth {d}", "blobs", blob_bytes, d) for d in depths]
+    runs = sorted({max(coalesce_bytes, blob_bytes), 64 * MiB})
+    for r in runs:
+        pats += [(f"runs of adjacent blobs up to {r / MiB:.0f} MiB, depth {d}", "runs", r, d) for d in depths
+                 if r * d <= 512 * MiB or d == io_threads]
+    for mib, ds in FLOOR_SPANS:
+        pats += [(f"{mib} MiB reads over the union's span, depth {d}", "span", mib * MiB, d) for d in ds]
+    return pats
+
+
+def _floor_requests(kind: str, size: int, layers: list, blob_bytes: int, budget: int):
+    """Requests of one pattern over layers (each a sorted list of union blob offsets), until
+    budget bytes; returns (requests, layers used)."""
+    reqs, total = [], 0
+    for used, offs in enumerate(layers, 1):
+        if kind == "blobs":
+            chunks = [(o, blob_bytes) for o in offs]
+        elif kind == "runs":
+            chunks, per = [], max(1, size // blob_bytes)
+            for o in offs:
+                if chunks and o == chunks[-1][0] + chunks[-1][1] and chunks[-1][1] < per * blob_bytes:
+                    chunks[-1] = (chunks[-1][0], chunks[-1][1] + blob_bytes)
+                else:
+                    chunks.append((o, blob_bytes))
+        else:
+            lo, hi = offs[0], offs[-1] + blob_bytes
+            chunks = [(o, min(size, hi - o)) for o in range(lo, hi, size)]
+        for c in chunks:
+            reqs.append(c)
+            total += c[1]
+            if total >= budget:
+                return reqs, used
+    return reqs, len(layers)
+
+
+def floor_sweep(reader: DirectReader, layers: list, blob_bytes: int, io_threads: int, coalesce_bytes: int,
+                budget: int, log=None) -> list[dict]:
+    """Every floor pattern on a sample of at most budget bytes of the union, read twice."""
+    out, cursor = [], 0
+    for name, kind, size, depth in floor_patterns(io_threads, coalesce_bytes, blob_bytes):
+        rotated = layers[cursor:] + layers[:cursor]
+        reqs, used = _floor_requests(kind, size, rotated, blob_bytes, budget)
+        cursor = (cursor + used) % max(len(layers), 1)
+        first = reader.read_requests(reqs, depth)
+        again = reader.read_requests(reqs, depth)
+        out.append({"pattern": name, "kind": kind, "request_bytes": size, "depth": depth, "first": first,
+                    "repeat": again})
+        if log:
+            log(f"    floor sweep: {name:<52s} {first['gbps']:.2f} GB/s first, {again['gbps']:.2f} repeat")
+    return out
+
+
+def floor_rates(probe: list, sweep: list, cold_runs: dict, io_threads: int) -> list[tuple]:
+    """(GB/s, what) of every rate the I/O floor may take: the random-blob probe's, the sweep's
+    first touches and repeats, and each cold run's bytes read / TTFT."""
+    rates = [(x["gbps"], f"random blob reads, depth {io_threads} (first touch)") for x in probe]
+    for p in sweep:
+        rates.append((p["first"]["gbps"], f"{p['pattern']} (first touch)"))
+        rates.append((p["repeat"]["gbps"], f"{p['pattern']} (repeat)"))
+    for path, runs in cold_runs.items():
+        for i, x in enumerate(runs):
+            if x["ttft_s"] > 0 and x["bytes_read"]:
+                rates.append((x["bytes_read"] / x["ttft_s"] / 1e9, f"the engine's own cold {path} run {i + 1} "
+                                                                      f"(bytes read / TTFT)"))
+    return rates
 
 
 # ------------------------------------------------------------------------------- the runs
@@ -332,8 +473,9 @@ class Bench:
 
     def __init__(self, vault_path, *, cache_bytes=None, cache_frac=0.1, threads=None, chunk=None, io_threads=4,
                  context=4096, resident=True, resident_bytes=None, probe_bytes=1 << 30, seed=0, log=None,
-                 prompt_ids=None, verify_blobs="on"):
+                 prompt_ids=None, verify_blobs="on", coalesce_bytes=None, floor_bytes=FLOOR_BYTES):
         from .engine import open_vault
+        from ._ffi import lib
         self.vault = open_vault(vault_path)
         self.log = log or (lambda msg: None)
         v = self.vault
@@ -346,7 +488,11 @@ class Bench:
         self.seed = seed
         self.prompt_ids = prompt_ids
         kw = dict(threads=threads, chunk=chunk, io_threads=io_threads, context=context, direct_io=True,
-                  verify_blobs=verify_blobs != "off")
+                  verify_blobs=verify_blobs != "off", coalesce_bytes=coalesce_bytes)
+        self.coalesce_bytes = int(lib.smoe_session_default_params().coalesce_bytes if coalesce_bytes is None
+                                  else coalesce_bytes)
+        self.probe_bytes = int(probe_bytes)
+        self.floor_bytes = int(floor_bytes)
         self.cold = v.session(cache_bytes=self.cache_bytes, **kw)
         # --verify-blobs both: the same cold session unchecked, to time both in one repeat
         self.cold_unchecked = (v.session(cache_bytes=self.cache_bytes, **dict(kw, verify_blobs=False))
@@ -443,6 +589,31 @@ class Bench:
         s.reset_stats()
         return self._timed_prefill(s, path, ids)
 
+    def union_offsets(self, session) -> list[list[int]]:
+        """Per sparse layer, the sorted file offsets of the blobs the session's tokens since its
+        last reset_stats routed to (after a cold run: that prompt's exact union)."""
+        from ._ffi import check, ffi, lib
+        E = self.probe.n_experts
+        counts = ffi.new("uint64_t[]", E)
+        layers = []
+        for layer in range(self.vault.config["num_hidden_layers"]):
+            check(lib.smoe_stats_expert_counts(session.handle, layer, counts, E))
+            offs = sorted(self.probe.blob_offsets[layer * E + e] for e in range(E)
+                          if counts[e] and self.probe.blob_offsets[layer * E + e])
+            if offs:
+                layers.append(offs)
+        return layers
+
+    def floor_sweep(self, session) -> list[dict]:
+        """The floor sweep over the union of the prompt session last ran cold."""
+        if self.floor_bytes <= 0:
+            return []
+        layers = self.union_offsets(session)
+        if not layers:
+            return []
+        return floor_sweep(self.probe, layers, self.blob_bytes, self.io_threads, self.coalesce_bytes,
+                           max(self.floor_bytes, self.blob_bytes), log=self.log)
+
     def io_probe(self, n_blobs: int, rep: int) -> dict:
         return self.probe.read(min(max(n_blobs, 8 * self.io_threads), self.probe_blobs_max), seed=self.seed * 7919 + rep)
 
@@ -487,7 +658,8 @@ def _vault_info(v) -> dict:
 def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cache_frac=0.1, chunk=None, threads=None,
               io_threads=4, decode_tokens=16, decode_prompt=8, serial_max_len=None, resident=True,
               resident_bytes=None, probe_bytes=1 << 30, seed=0, context=None, log=None, checkpoint=None,
-              ttft=True, decode_budgets=None, budget_prompt=64, prompt_ids=None, verify_blobs="on") -> dict:
+              ttft=True, decode_budgets=None, budget_prompt=64, prompt_ids=None, verify_blobs="on",
+              coalesce_bytes=None, floor_bytes=FLOOR_BYTES) -> dict:
     """Run the benchmark; returns a dict of the raw runs and the medians (what --json writes).
     checkpoint(partial_result), if given, is called after each prompt length and each repeat of
     the budget curve (so a run that dies leaves what it measured).
@@ -509,7 +681,7 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
     if ttft:
         _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_frac, chunk, threads, io_threads,
                   decode_tokens, decode_prompt, serial_max_len, resident, resident_bytes, probe_bytes, seed, context,
-                  log, checkpoint, prompt_ids, verify_blobs)
+                  log, checkpoint, prompt_ids, verify_blobs, coalesce_bytes, floor_bytes)
     if decode_budgets:
         from .engine import open_vault
         with open_vault(vault_path) as v:
@@ -546,11 +718,12 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
 
 def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_frac, chunk, threads, io_threads,
               decode_tokens, decode_prompt, serial_max_len, resident, resident_bytes, probe_bytes, seed, context,
-              log, checkpoint, prompt_ids=None, verify_blobs="on") -> None:
+              log, checkpoint, prompt_ids=None, verify_blobs="on", coalesce_bytes=None, floor_bytes=FLOOR_BYTES) -> None:
     """The TTFT table and the two-point decode, into result."""
     with Bench(vault_path, cache_bytes=cache_bytes, cache_frac=cache_frac, threads=threads, chunk=chunk,
                io_threads=io_threads, context=context, resident=resident, resident_bytes=resident_bytes,
-               probe_bytes=probe_bytes, seed=seed, log=log, prompt_ids=prompt_ids, verify_blobs=verify_blobs) as b:
+               probe_bytes=probe_bytes, seed=seed, log=log, prompt_ids=prompt_ids, verify_blobs=verify_blobs,
+               coalesce_bytes=coalesce_bytes, floor_bytes=floor_bytes) as b:
         v = b.vault
         result["vault"] = _vault_info(v)
         result["settings"] = {"cache_bytes": b.cache_bytes, "cache_frac": b.cache_bytes / max(v.expert_bytes, 1),
@@ -558,7 +731,8 @@ def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_fr
                               "io_threads": io_threads, "repeats": repeats, "paths": paths, "lengths": lengths,
                               "decode_tokens": decode_tokens, "decode_prompt": decode_prompt,
                               "serial_max_len": serial_max_len, "seed": seed, "probe_direct_io": b.probe.direct_io,
-                              "activations": b.cold.activations, "verify_blobs": verify_blobs}
+                              "activations": b.cold.activations, "verify_blobs": verify_blobs,
+                              "coalesce_bytes": b.coalesce_bytes, "floor_bytes": b.floor_bytes}
         rows = []
         for n in lengths:
             cell_paths = [p for p in paths if p != "token-serial" or serial_max_len is None or n <= serial_max_len]
@@ -585,10 +759,13 @@ def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_fr
                     what = f"{kind} {p}" if p else "pread probe"
                     fig = f"{rec['gbps']:.2f} GB/s" if kind == "probe" else f"{rec['ttft_s']:.3f} s"
                     log(f"  {n:5d} tokens  rep {r + 1}/{repeats}  {what:<24s} {fig}")
+            # after the cold runs, b.cold's routing counts are this prompt's: sweep its union
+            sweep = b.floor_sweep(b.cold) if cell_paths else []
             rows.append(_summarise_length(n, exact, runs, cell_paths, v.blob_bytes, b.resident is not None,
                                           resident_full=b.resident_full,
                                           max_union=min(v.num_sparse_layers * v.config["num_experts"],
-                                                        n * v.config["num_experts_per_tok"] * v.num_sparse_layers)))
+                                                        n * v.config["num_experts_per_tok"] * v.num_sparse_layers),
+                                          sweep=sweep, io_threads=io_threads))
             if b.cold_unchecked is not None:
                 rows[-1]["checksum_cost"] = _checksum_cost(runs, cell_paths)
             checkpoint(dict(result, ttft=rows, partial=True, warnings=list(b.warnings), loadavg_now=loadavg()))
@@ -775,9 +952,16 @@ def _checksum_cost(runs, paths) -> dict:
     return out
 
 
-def _summarise_length(n, exact, runs, paths, blob_bytes, has_resident, resident_full=True, max_union=None) -> dict:
+def _summarise_length(n, exact, runs, paths, blob_bytes, has_resident, resident_full=True, max_union=None,
+                      sweep=(), io_threads=4) -> dict:
     probe = runs["probe"]
-    gbps = _median([x["gbps"] for x in probe])
+    # The best rate of the run, over the probe, the sweep and the engine's own cold runs (see
+    # "the floor sweep"): the floor divides the union by it, so no cold run can beat the floor.
+    rates = floor_rates(probe, list(sweep), {p: runs[f"cold:{p}"] for p in paths}, io_threads)
+    best = max(rates) if rates else (None, None)
+    gbps = best[0]
+    firsts = [r for r in rates if r[1].endswith("(first touch)")]
+    repeats_ = [r for r in rates if r[1].endswith("(repeat)")]
     union_source = "cold prefill into a cache holding every expert"
     if exact is not None and not resident_full:
         # The resident cache could not hold every expert: its cold run may have read some twice.
@@ -787,31 +971,32 @@ def _summarise_length(n, exact, runs, paths, blob_bytes, has_resident, resident_
         exact = min([exact] + [x["blob_reads"] for p in paths for x in runs[f"cold:{p}"]]
                     + ([max_union] if max_union else []))
     exact_bytes = exact * blob_bytes if exact is not None else None
-    # per repeat: I/O floor from that repeat's own bandwidth
-    if exact_bytes is not None:
-        io_floor_reps = [exact_bytes / (x["gbps"] * 1e9) for x in probe]
-    elif "layer-major" in paths:
-        # No resident session: the layer-major cold run's own reads stand in for the union (an upper
-        # bound: the budget can make it read an expert twice, and the last token's reads add in).
+    if exact_bytes is None and "layer-major" in paths:
+        # No resident session: the fewest blob reads of a layer-major cold run stand in for the union
+        # (an upper bound: the budget can make it read an expert twice, and the last token's reads add
+        # in; still ≤ every cold run's reads, so the floor stays below every run).
         union_source = "blob reads of the layer-major cold run (no resident session; upper bound)"
-        io_floor_reps = [x["blob_reads"] * blob_bytes / (y["gbps"] * 1e9)
-                         for x, y in zip(runs["cold:layer-major"], probe)]
-        exact = _median([x["blob_reads"] for x in runs["cold:layer-major"]])
+        exact = min(x["blob_reads"] for x in runs["cold:layer-major"])
         exact_bytes = exact * blob_bytes
-    else:
-        io_floor_reps = []
-    io_floor = _median(io_floor_reps) if io_floor_reps else None
+    io_floor = exact_bytes / (gbps * 1e9) if exact_bytes is not None and gbps else None
+    io_floor_reps = [io_floor] * max(len(runs[f"cold:{p}"]) for p in paths) if io_floor is not None else []
     row = {"prompt_tokens": n, "exact_union_blobs": exact, "exact_union_bytes": exact_bytes,
            "union_source": union_source,
-           "disk_gbps": gbps, "disk_gbps_spread": _spread([x["gbps"] for x in probe]), "io_floor_s": io_floor,
-           "paths": {}, "runs": runs}
+           "disk_gbps": gbps, "disk_gbps_spread": _spread([r[0] for r in rates]), "io_floor_s": io_floor,
+           "io_floor_set_by": best[1],
+           "best_first_touch": {"gbps": max(firsts)[0], "pattern": max(firsts)[1]} if firsts else None,
+           "best_repeat": {"gbps": max(repeats_)[0], "pattern": max(repeats_)[1]} if repeats_ else None,
+           "floor_sweep": list(sweep), "paths": {}, "runs": runs}
     comp_reps = None
     if has_resident:
         # per repeat: the fastest resident path is the compute floor. A resident run that missed the
         # cache (its cache cut to fit in memory) counts its time net of the seconds it waited on I/O.
         per_path = [[x["ttft_s"] - (x["io_wait_s"] if x["cache_misses"] else 0.0) for x in runs[f"resident:{p}"]]
                     for p in paths]
-        comp_reps = [min(vals) for vals in zip(*per_path)]
+        # A cold run computes the same thing, so none of its TTFTs can be below the compute floor
+        # either: the floor is capped by the fastest cold run.
+        fastest_cold = min(x["ttft_s"] for p in paths for x in runs[f"cold:{p}"])
+        comp_reps = [min(min(vals), fastest_cold) for vals in zip(*per_path)]
         row["compute_floor_s"] = _median(comp_reps)
         row["compute_floor_misses"] = max(x["cache_misses"] for p in paths for x in runs[f"resident:{p}"])
     else:
@@ -891,9 +1076,10 @@ def format_table(res: dict) -> str:
     out.append("")
     if res["ttft"]:
         out.append("TTFT: wall time of Session.prefill (cold: reset, clear_cache, reset_stats). union: blobs the "
-                   "prompt's exact routing needs, once each. I/O floor: union bytes / disk GB/s (parallel O_DIRECT "
-                   "pread, io_threads readers, blob-sized reads). compute floor: the fastest path with every expert "
-                   "resident. /floor: TTFT / max(I/O floor, compute floor). LM/TS: layer-major / token-serial TTFT.")
+                   "prompt's exact routing needs, once each. I/O floor: union bytes / the best disk GB/s of the run "
+                   "(above). compute floor: the fastest path with every expert resident (capped by the fastest cold "
+                   "run). /floor: TTFT / max(I/O floor, compute floor), never below 1. LM/TS: layer-major / "
+                   "token-serial TTFT.")
         out.append("Overlap: io_wait = seconds compute waited on blobs still loading (part of TTFT); wait/TTFT = "
                    "io_wait / TTFT; wait/I/O fl. = io_wait / I/O floor, target <= 1 (reads overlap compute instead "
                    "of adding to it); busy = TTFT - io_wait, compute's own time; busy/comp. = busy / compute floor "
@@ -947,6 +1133,18 @@ def _ttft_tables(res: dict) -> list[str]:
                    + (f"  (resident runs missed up to {miss} blobs: compute floor net of their io_wait)"
                       if miss else "")
                    + ("  (union: upper bound)" if "upper bound" in row.get("union_source", "") else ""))
+    out.append("")
+    out.append("I/O floor: union bytes / the best rate of this run, over the floor sweep (first touch and repeat), "
+               "the random-blob probe and the engine's own cold runs (bytes read / TTFT, so no run can beat it):")
+    for row in res["ttft"]:
+        ft, rp = row.get("best_first_touch"), row.get("best_repeat")
+        out.append(f"{row['prompt_tokens']:>6} tokens: {_f(row['disk_gbps'], '{:.2f}')} GB/s, set by "
+                   f"{row.get('io_floor_set_by') or '—'}")
+        if ft or rp:
+            out.append(f"{'':>6}   best first touch {_f(ft and ft['gbps'], '{:.2f}')} GB/s"
+                       + (f" ({ft['pattern'].replace(' (first touch)', '')})" if ft else "")
+                       + f"; best repeat {_f(rp and rp['gbps'], '{:.2f}')} GB/s"
+                       + (f" ({rp['pattern'].replace(' (repeat)', '')})" if rp else ""))
     out.append("")
     out.append(f"overlap, cold runs (cache {100 * s['cache_frac']:.1f}%): how TTFT splits into waiting on I/O and "
                f"computing")
@@ -1055,6 +1253,8 @@ def run(args) -> int:
                     probe_bytes=int(args.probe_mb * MiB), seed=args.seed, context=args.context, log=log,
                     ttft=not args.no_ttft, decode_budgets=args.decode_budgets, budget_prompt=args.budget_prompt,
                     prompt_ids=prompt_ids, verify_blobs=args.verify_blobs,
+                    coalesce_bytes=int(args.coalesce_mb * MiB) if args.coalesce_mb is not None else None,
+                    floor_bytes=int(args.floor_mb * MiB),
                     checkpoint=(lambda partial: _write_json(args.json, partial)) if args.json else None)
     print(format_table(res))
     if not res["direct_io_everywhere"]:

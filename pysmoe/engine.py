@@ -180,10 +180,10 @@ class Vault:
     def session(self, cache_bytes: int = 0, threads: int | None = None, chunk: int | None = None,
                 prefill: str = "layer-major", context: int = 4096, io_threads: int = 4,
                 direct_io: bool = True, verify_blobs: bool = True, activations: str = "q8",
-                share_cache: "Session | None" = None) -> "Session":
+                share_cache: "Session | None" = None, coalesce_bytes: int | None = None) -> "Session":
         return Session(self, cache_bytes=cache_bytes, threads=threads, chunk=chunk, prefill=prefill,
                        context=context, io_threads=io_threads, direct_io=direct_io, verify_blobs=verify_blobs,
-                       activations=activations, share_cache=share_cache)
+                       activations=activations, share_cache=share_cache, coalesce_bytes=coalesce_bytes)
 
     def close(self) -> None:
         """Close the vault; safe twice. Sessions still open keep it alive until they close."""
@@ -224,11 +224,15 @@ class Session:
     shared cache's counters on each (with `cache_sharers`; the memory of the set is dense_bytes +
     cache_bytes + the sum of each one's kv_bytes + plane_bytes).
 
+    coalesce_bytes: the largest read request; blobs of a layer's union that lie next to each other
+    in vault.bin are read as one request up to this size (None: the library's default, 16 MiB;
+    0: one read per blob). Changes only how reads are issued, never what is read.
+
     One method runs at a time (the module's docstring says what happens otherwise)."""
 
     def __init__(self, vault: Vault, *, cache_bytes=0, threads=None, chunk=None, prefill="layer-major",
                  context=4096, io_threads=4, direct_io=True, verify_blobs=True, activations="q8",
-                 share_cache: "Session | None" = None):
+                 share_cache: "Session | None" = None, coalesce_bytes=None):
         if prefill not in PREFILL_PATHS:
             raise InvalidArgument(f"prefill must be one of {PREFILL_PATHS}, not {prefill!r}")
         if activations not in ACTIVATIONS:
@@ -238,6 +242,7 @@ class Session:
         context = _int_arg("context", context, 1, U32)
         io_threads = _int_arg("io_threads", io_threads, 1, U32)
         threads = None if threads is None else _int_arg("threads", threads, 1, U32)
+        coalesce_bytes = None if coalesce_bytes is None else _int_arg("coalesce_bytes", coalesce_bytes, 0, U64)
         self.vault = vault  # strong reference: the vault outlives the session
         p = lib.smoe_session_default_params()
         p.cache_bytes = cache_bytes
@@ -250,6 +255,8 @@ class Session:
         p.direct_io = bool(direct_io)
         p.verify_blobs = bool(verify_blobs)
         p.float_activations = int(activations == "f32")
+        if coalesce_bytes is not None:
+            p.coalesce_bytes = coalesce_bytes
         params = ffi.new("smoe_session_params *", p)
         out = ffi.new("smoe_session **")
         if share_cache is None:
@@ -517,7 +524,7 @@ class Session:
             "resident_bytes": int(c.resident_bytes), "dense_bytes": int(c.dense_bytes),
             "cache_bytes": int(c.cache_bytes), "kv_bytes": int(c.kv_bytes), "plane_bytes": int(c.plane_bytes),
             "cache_slots": int(c.cache_slots), "direct_io": bool(c.direct_io),
-            "union_sizes": list(self._union),
+            "read_requests": int(c.read_requests), "union_sizes": list(self._union),
             "cache_sharers": int(c.cache_sharers), "batch_steps": int(c.batch_steps),
             "batch_tokens": int(c.batch_tokens), "batch_blob_reads": int(c.batch_blob_reads),
         }

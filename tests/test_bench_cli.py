@@ -301,3 +301,53 @@ def test_bench_verify_blobs_both(tiny_vault, capsys):
     assert len(c["ratios"]) == 2 and c["ratio"] > 0 and res["settings"]["verify_blobs"] == "both"
     from pysmoe.bench import format_table
     assert "checked / unchecked" in format_table(res)
+
+
+def _slow_disk(monkeypatch):
+    """A probe and sweep that report a disk far slower than the engine's runs: the floor must then
+    come from the engine's own runs, never sit above them."""
+    real_read, real_requests = DirectReader.read, DirectReader.read_requests
+
+    def slow(rec):
+        return dict(rec, seconds=rec["seconds"] + 1e6, gbps=rec["bytes"] / (rec["seconds"] + 1e6) / 1e9)
+
+    monkeypatch.setattr(DirectReader, "read", lambda self, *a, **k: slow(real_read(self, *a, **k)))
+    monkeypatch.setattr(DirectReader, "read_requests", lambda self, *a, **k: slow(real_requests(self, *a, **k)))
+
+
+@pytest.mark.parametrize("slow_disk", [False, True])
+def test_io_floor_is_a_floor(tiny_vault, monkeypatch, slow_disk):
+    if slow_disk:
+        _slow_disk(monkeypatch)
+    res = run_bench(tiny_vault, [1, 6], repeats=2, threads=1, chunk=4, decode_tokens=0, io_threads=2)
+    s = res["settings"]
+    for row in res["ttft"]:
+        # The sweep holds the engine's own pattern: runs of adjacent blobs up to its coalesce size,
+        # io_threads reads in flight, over this prompt's union.
+        engine = [p for p in row["floor_sweep"] if p["kind"] == "runs" and p["depth"] == s["io_threads"]
+                  and p["request_bytes"] == max(s["coalesce_bytes"], res["vault"]["blob_bytes"])]
+        assert engine and engine[0]["first"]["bytes"] > 0 and engine[0]["repeat"]["bytes"] > 0
+        assert {p["kind"] for p in row["floor_sweep"]} == {"blobs", "runs", "span"}
+        assert {p["depth"] for p in row["floor_sweep"]} >= {1, 32}
+        assert row["best_first_touch"] and row["best_repeat"]
+        # By construction no cold run comes in under the floor.
+        for p, pr in row["paths"].items():
+            for x in row["runs"][f"cold:{p}"]:
+                assert row["io_floor_s"] <= x["ttft_s"]
+            assert pr["ttft_over_floor"] >= 1
+        if slow_disk:
+            assert row["io_floor_set_by"].startswith("the engine's own cold")
+
+
+def test_floor_requests_patterns():
+    from pysmoe.bench import _floor_requests
+    B = 1 << 14
+    layer = [10 * B, 11 * B, 12 * B, 14 * B, 15 * B]
+    reqs, used = _floor_requests("runs", 2 * B, [layer], B, 1 << 40)
+    assert reqs == [(10 * B, 2 * B), (12 * B, B), (14 * B, 2 * B)] and used == 1
+    reqs, _ = _floor_requests("blobs", B, [layer], B, 1 << 40)
+    assert reqs == [(o, B) for o in layer]
+    reqs, _ = _floor_requests("span", 4 * B, [layer], B, 1 << 40)
+    assert reqs == [(10 * B, 4 * B), (14 * B, 2 * B)]  # first to last union blob, nothing past it
+    reqs, used = _floor_requests("blobs", B, [layer, layer], B, 3 * B)
+    assert len(reqs) == 3 and used == 1  # stops at the budget

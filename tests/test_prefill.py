@@ -116,6 +116,45 @@ def test_a_cold_chunk_reads_exactly_its_unions(tiny_vault_f32, n):
     assert stats["cache_hits"] == 0
 
 
+def _runs(experts, max_run):
+    """Read requests for one layer's union when adjacent blobs (consecutive expert ids: the vault
+    lays a layer's blobs out in expert order) are read together, at most max_run at a time."""
+    runs, prev, length = 0, None, 0
+    for e in sorted(experts):
+        if prev is not None and e == prev + 1 and length < max_run:
+            length += 1
+        else:
+            runs, length = runs + 1, 1
+        prev = e
+    return runs
+
+
+@pytest.mark.parametrize("max_run", [2, 3, 64])
+def test_coalesced_reads_read_the_same_blobs_in_fewer_requests(tiny_vault, max_run):
+    vault = pysmoe.open_vault(tiny_vault)
+    ids = [int(i) for i in np.random.default_rng(7).integers(0, vault.config["vocab_size"], size=24)]
+    from pysmoe._ffi import check
+    out = {}
+    for coalesce in (0, max_run * vault.blob_bytes):
+        with vault.session(cache_bytes=vault.expert_bytes, chunk=len(ids), coalesce_bytes=coalesce) as s:
+            logits = s.prefill(ids)
+            out[coalesce] = (logits, s.stats())
+    (l0, s0), (l1, s1) = out[0], out[max_run * vault.blob_bytes]
+    assert np.array_equal(l0, l1)
+    assert s0["blob_reads"] == s1["blob_reads"] and s0["bytes_read"] == s1["bytes_read"]
+    assert s0["read_requests"] == s0["blob_reads"]
+    assert s1["read_requests"] < s1["blob_reads"]
+    # A chunk alone (no decode step after it): one request per run of each layer's union.
+    with vault.session(cache_bytes=vault.expert_bytes, chunk=len(ids),
+                       coalesce_bytes=max_run * vault.blob_bytes) as s:
+        arr = np.asarray(ids[:-1], dtype=np.int32)
+        check(lib.smoe_prefill_chunk(s.handle, ffi.cast("int32_t *", ffi.from_buffer(arr)), len(arr)))
+        st = s.stats()
+    want = [np.unique(r).tolist() for r in ReferenceModel(tiny_vault).routing(ids[:-1]) if r is not None]
+    assert st["blob_reads"] == sum(len(u) for u in want)
+    assert st["read_requests"] == sum(_runs(u, max_run) for u in want) < st["blob_reads"]
+
+
 def test_union_sizes_in_stats_and_cli(tiny_vault):
     vault = pysmoe.open_vault(tiny_vault)
     ids = list(range(1, 41))

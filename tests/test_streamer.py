@@ -26,7 +26,7 @@ BUILDS = {
     "asan": ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
 }
 SANITIZED = {"tsan", "asan"}
-TESTS = ["basic", "script", "topk_pool", "quota", "truncate", "verify", "pinned", "direct", "stress", "settle"]
+TESTS = ["basic", "script", "topk_pool", "quota", "truncate", "verify", "pinned", "direct", "stress", "settle", "coalesce"]
 
 
 @pytest.fixture(scope="module")

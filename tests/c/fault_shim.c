@@ -1,9 +1,9 @@
-/* fault_shim.c — an LD_PRELOAD library that makes pread() fail on demand. Tests only.
+/* fault_shim.c — an LD_PRELOAD library that makes pread() and preadv() fail on demand. Tests only.
  *
- * It wraps pread (and pread64) for the whole process. Reads shorter than min_bytes pass
- * through untouched, so only expert blob reads (one pread of a whole blob, see streamer.c) are
- * candidates when min_bytes is the vault's blob size; the header probe and the dense region are
- * never touched. A candidate read fails
+ * It wraps pread, pread64, preadv and preadv64 for the whole process. Reads shorter than
+ * min_bytes pass through untouched, so only expert blob reads (one pread of a whole blob, or one
+ * preadv of a run of adjacent blobs, see streamer.c) are candidates when min_bytes is the vault's
+ * blob size; the header probe and the dense region are never touched. A candidate read fails
  *   - at random, with probability rate_ppm / 10^6, with a kind drawn from the enabled kinds;
  *   - or, after smoe_fault_fail_nth(n, kind), as the n-th candidate read from then on.
  * Kinds:
@@ -25,6 +25,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 enum { FAULT_EIO = 1, FAULT_SHORT = 2, FAULT_FLIP = 4 };
@@ -141,4 +142,80 @@ ssize_t pread64(int fd, void *buf, size_t n, off_t off) {
         atomic_store(&real, f);
     }
     return faulty(f, fd, buf, n, off);
+}
+
+/* preadv: the same faults over the whole request (a short one keeps a 4 KiB-aligned prefix of
+ * it; a flip lands in any of its buffers). */
+typedef ssize_t (*preadv_fn)(int, const struct iovec *, int, off_t);
+
+static ssize_t faulty_v(preadv_fn real, int fd, const struct iovec *iov, int cnt, off_t off) {
+    if (fd == eof_fd && off == eof_at) {
+        eof_fd = -1;
+        return 0;
+    }
+    size_t n = 0;
+    for (int i = 0; i < cnt; i++)
+        n += iov[i].iov_len;
+    if (n < atomic_load(&min_bytes) || cnt > 1024)
+        return real(fd, iov, cnt, off);
+    uint64_t r;
+    switch (draw(&r)) {
+    case FAULT_EIO:
+        atomic_fetch_add(&injected[0], 1);
+        errno = EIO;
+        return -1;
+    case FAULT_SHORT: {
+        size_t k = (size_t)((r >> 20) % (n / 4096 ? n / 4096 : 1)) * 4096;
+        atomic_fetch_add(&injected[1], 1);
+        if (k == 0)
+            return 0;
+        struct iovec part[1024];
+        int m = 0;
+        for (size_t left = k; left > 0 && m < cnt; m++) {
+            part[m] = iov[m];
+            if (part[m].iov_len > left)
+                part[m].iov_len = left;
+            left -= part[m].iov_len;
+        }
+        ssize_t got = real(fd, part, m, off);
+        if (got == (ssize_t)k) {
+            eof_fd = fd;
+            eof_at = off + (off_t)k;
+        }
+        return got;
+    }
+    case FAULT_FLIP: {
+        ssize_t got = real(fd, iov, cnt, off);
+        if (got > 0) {
+            uint64_t at = (r >> 8) % (uint64_t)got;
+            int i = 0;
+            while (at >= iov[i].iov_len)
+                at -= iov[i++].iov_len;
+            ((uint8_t *)iov[i].iov_base)[at] ^= (uint8_t)(1u << (r & 7));
+            atomic_fetch_add(&injected[2], 1);
+        }
+        return got;
+    }
+    }
+    return real(fd, iov, cnt, off);
+}
+
+ssize_t preadv(int fd, const struct iovec *iov, int cnt, off_t off) {
+    static _Atomic(preadv_fn) real;
+    preadv_fn f = atomic_load(&real);
+    if (!f) {
+        f = (preadv_fn)dlsym(RTLD_NEXT, "preadv");
+        atomic_store(&real, f);
+    }
+    return faulty_v(f, fd, iov, cnt, off);
+}
+
+ssize_t preadv64(int fd, const struct iovec *iov, int cnt, off_t off) {
+    static _Atomic(preadv_fn) real;
+    preadv_fn f = atomic_load(&real);
+    if (!f) {
+        f = (preadv_fn)dlsym(RTLD_NEXT, "preadv64");
+        atomic_store(&real, f);
+    }
+    return faulty_v(f, fd, iov, cnt, off);
 }

@@ -65,6 +65,8 @@ static uint32_t rndn(uint32_t n) { return (uint32_t)(rnd() % n); }
 
 static bool is_sparse(uint32_t dense_mask, uint32_t l) { return !(dense_mask >> l & 1u); }
 
+static bool key_order; /* make_file lays blobs out in key order, as the vault writer does */
+
 /* Writes dir/name with L × E blobs; layers in dense_mask get none. */
 static void make_file(vfile *f, const char *dir, const char *name, uint32_t L, uint32_t E, uint64_t blob_bytes,
                       uint32_t dense_mask) {
@@ -78,7 +80,7 @@ static void make_file(vfile *f, const char *dir, const char *name, uint32_t L, u
     uint32_t n = 0, *order = malloc(sizeof *order * L * E);
     for (uint32_t k = 0; k < L * E; k++)
         if (is_sparse(dense_mask, k / E)) order[n++] = k;
-    for (uint32_t i = n; i > 1; i--) { /* Fisher–Yates: file order unrelated to key order */
+    for (uint32_t i = key_order ? 0 : n; i > 1; i--) { /* Fisher–Yates: file order unrelated to key order */
         uint32_t j = rndn(i), t = order[i - 1];
         order[i - 1] = order[j];
         order[j] = t;
@@ -692,10 +694,13 @@ static void t_direct(void) {
 /* Random acquires, releases and waits; freeing with reads in flight. */
 static void t_stress(void) {
     vfile f;
+    key_order = true; /* so that coalescing (on with 4 and 8 I/O threads) finds neighbours */
     make_file(&f, workdir, "stress.bin", 4, 16, SMOE_PAGE, 0);
+    key_order = false;
     static const uint32_t threads[] = {1, 2, 4, 8};
     for (int ti = 0; ti < 4; ti++) {
         smoe_streamer_params p = params(&f, 4, 6, threads[ti], ti & 1);
+        p.coalesce_bytes = ti >= 2 ? 3 * f.blob_bytes : 0;
         smoe_streamer *s = open_streamer(&p);
         int held[12];
         uint32_t key[12], n = 0;
@@ -782,10 +787,114 @@ static void t_settle(void) {
     free_file(&f);
 }
 
+/* Coalescing: misses held until submit, adjacent blobs read as one request of at most
+ * max_run blobs, each blob still settled (and failed) on its own. */
+static void wait_ok(smoe_streamer *s, vfile *f, int slot, uint32_t l, uint32_t e) {
+    smoe_status st = smoe_streamer_wait(s, slot);
+    CHECK(st == SMOE_OK, "wait(%u,%u): %d %s", l, e, st, smoe_last_error());
+    CHECK(blob_ok(f, smoe_streamer_data(s, slot), l, e), "bytes of (%u,%u) wrong", l, e);
+}
+
+static void t_coalesce_one(bool direct) {
+    vfile f;
+    key_order = true;
+    make_file(&f, workdir, "coalesce.bin", 2, 16, 2 * SMOE_PAGE, 0);
+    key_order = false;
+    smoe_streamer_params p = params(&f, 2, 32, 2, direct);
+    p.verify = true;
+    p.coalesce_bytes = 4 * f.blob_bytes + 1; /* runs of at most 4 blobs */
+    smoe_streamer *s = open_streamer(&p);
+
+    /* Routing order; sorted: 0 | 3 4 5 6 | 9 | 12 13 14 15 → 4 requests for 10 blobs. */
+    const uint32_t ex[] = {5, 3, 4, 9, 6, 12, 13, 14, 15, 0};
+    int slot[10];
+    for (int i = 0; i < 10; i++) {
+        slot[i] = smoe_streamer_acquire(s, 1, ex[i]);
+        CHECK(slot[i] >= 0, "acquire");
+    }
+    usleep(20000);
+    CHECK(!smoe_streamer_ready(s, slot[0]), "held until submit: nothing was read");
+    CHECK(stats(s).read_requests == 0, "nothing issued before submit");
+    smoe_streamer_submit(s);
+    for (int i = 9; i >= 0; i--) wait_ok(s, &f, slot[i], 1, ex[i]);
+    smoe_streamer_stats x = stats(s);
+    CHECK(x.blob_reads == 10 && x.misses == 10 && x.bytes_read == 10 * f.blob_bytes, "blob accounting: %llu",
+          (unsigned long long)x.blob_reads);
+    CHECK(x.read_requests == 4, "read requests %llu, want 4", (unsigned long long)x.read_requests);
+    for (int i = 0; i < 10; i++) smoe_streamer_release(s, slot[i]);
+    /* Retained ones are hits and read nothing; the held ones go out at the next wait, unasked. */
+    int a = smoe_streamer_acquire(s, 1, 4), b = smoe_streamer_acquire(s, 1, 7), c = smoe_streamer_acquire(s, 1, 8);
+    wait_ok(s, &f, c, 1, 8);
+    wait_ok(s, &f, b, 1, 7);
+    wait_ok(s, &f, a, 1, 4);
+    x = stats(s);
+    CHECK(x.hits == 1 && x.blob_reads == 12 && x.read_requests == 5, "7 and 8 in one request: %llu",
+          (unsigned long long)x.read_requests);
+    smoe_streamer_release(s, a);
+    smoe_streamer_release(s, b);
+    smoe_streamer_release(s, c);
+    smoe_streamer_clear(s);
+
+    /* A corrupt blob inside a run fails alone, by name; its neighbours are fine. */
+    int fd = open(f.path, O_RDWR);
+    uint8_t byte;
+    uint32_t bad = 1 * 16 + 4;
+    CHECK(pread(fd, &byte, 1, (off_t)(f.off[bad] + 999)) == 1, "read");
+    byte ^= 0x01;
+    CHECK(pwrite(fd, &byte, 1, (off_t)(f.off[bad] + 999)) == 1, "write");
+    for (int i = 0; i < 4; i++) slot[i] = smoe_streamer_acquire(s, 1, 3 + (uint32_t)i);
+    for (int i = 0; i < 4; i++) {
+        if (i == 1) {
+            CHECK(smoe_streamer_wait(s, slot[i]) == SMOE_ERR_IO, "the corrupt blob fails");
+            CHECK(strstr(smoe_last_error(), "blob (1,4) checksum mismatch"), "message: %s", smoe_last_error());
+        } else {
+            wait_ok(s, &f, slot[i], 1, 3 + (uint32_t)i);
+        }
+        smoe_streamer_release(s, slot[i]);
+    }
+    byte ^= 0x01;
+    CHECK(pwrite(fd, &byte, 1, (off_t)(f.off[bad] + 999)) == 1, "write");
+    close(fd);
+    use(s, &f, 1, 4); /* read again, now intact */
+    smoe_streamer_clear(s);
+
+    /* A short read part way through a run: the blobs it covered are fine, the rest name
+     * themselves as short. The file ends one page into blob (1,14). */
+    CHECK(truncate(f.path, (off_t)(f.off[1 * 16 + 14] + SMOE_PAGE)) == 0, "truncate");
+    for (int i = 0; i < 4; i++) slot[i] = smoe_streamer_acquire(s, 1, 12 + (uint32_t)i);
+    wait_ok(s, &f, slot[0], 1, 12);
+    wait_ok(s, &f, slot[1], 1, 13);
+    for (int i = 2; i < 4; i++) {
+        CHECK(smoe_streamer_wait(s, slot[i]) == SMOE_ERR_IO, "short");
+        char want[64];
+        snprintf(want, sizeof want, "short read of blob (1,%d)", 12 + i);
+        CHECK(strstr(smoe_last_error(), want), "message: %s", smoe_last_error());
+    }
+    for (int i = 0; i < 4; i++) smoe_streamer_release(s, slot[i]);
+
+    /* Freed with reads still held: they are issued and finished, nothing leaks or hangs. */
+    for (uint32_t e = 0; e < 12; e++) (void)smoe_streamer_acquire(s, 0, e);
+    smoe_streamer_free(s);
+
+    /* Off (coalesce_bytes < 2 blobs): one request per blob, issued at acquire. */
+    p.coalesce_bytes = f.blob_bytes;
+    s = open_streamer(&p);
+    for (uint32_t e = 0; e < 4; e++) use(s, &f, 0, e);
+    CHECK(stats(s).read_requests == 4, "one request per blob");
+    smoe_streamer_free(s);
+    free_file(&f);
+}
+
+static void t_coalesce(void) {
+    t_coalesce_one(true);
+    t_coalesce_one(false);
+}
+
 static const struct {
     const char *name;
     void (*fn)(void);
 } tests[] = {
+    {"coalesce", t_coalesce},
     {"basic", t_basic},     {"script", t_script}, {"topk_pool", t_topk_pool}, {"quota", t_quota},
     {"truncate", t_truncate}, {"verify", t_verify}, {"pinned", t_pinned}, {"direct", t_direct},       {"stress", t_stress}, {"settle", t_settle},
 };
