@@ -159,6 +159,7 @@ struct smoe_streamer {
     uint64_t *layer_use;   /* (n_layers) clock at the layer's last acquire */
     uint32_t quota;
     uint64_t clock;
+    smoe_retention ret; /* the within-layer victim order (retention.c) */
 
     int fd_direct, fd_buffered; /* fd_direct is −1 without direct I/O */
     _Atomic bool use_direct;
@@ -361,6 +362,7 @@ void smoe_streamer_free(smoe_streamer *s) {
     waitword_destroy(&s->queued);
     smoe_free(s->threads);
     smoe_free((void *)s->ring);
+    smoe_retention_free(&s->ret);
     smoe_free(s->layer_use);
     smoe_free(s->layer_count);
     smoe_free(s->index);
@@ -486,7 +488,8 @@ smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out
     s->layer_use = smoe_alloc((size_t)p->n_layers * sizeof *s->layer_use, 64);
     s->ring = smoe_alloc((size_t)cap * sizeof *s->ring, 64);
     s->threads = smoe_alloc((size_t)p->io_threads * sizeof *s->threads, 64);
-    if (!s->slots || !s->index || !s->layer_count || !s->layer_use || !s->ring || !s->threads) {
+    if (!s->slots || !s->index || !s->layer_count || !s->layer_use || !s->ring || !s->threads ||
+        !smoe_retention_init(&s->ret, p->retention, p->half_life, p->n_layers, p->n_experts)) {
         smoe_streamer_free(s);
         return smoe_fail(SMOE_ERR_NOMEM, "streamer: out of memory");
     }
@@ -565,7 +568,8 @@ static int pick_victim(smoe_streamer *s, uint32_t layer) {
         else if (excess != best_excess) better = excess > best_excess;
         else if (other != best_other) better = other;
         else if (layer_use != best_layer_use) better = layer_use > best_layer_use;
-        else better = sl->stamp < s->slots[best].stamp;
+        else better = smoe_retention_before(&s->ret, (uint32_t)sl->key, sl->stamp, (uint32_t)s->slots[best].key,
+                                            s->slots[best].stamp);
         if (better) {
             best = (int)i;
             best_excess = excess;
@@ -586,6 +590,7 @@ int smoe_streamer_acquire(smoe_streamer *s, uint32_t layer, uint32_t expert) {
         smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: layer %u has no expert blobs", layer);
         return -2;
     }
+    smoe_retention_used(&s->ret, layer, key);
     int32_t idx = s->index[key];
     if (idx >= 0) {
         slot_t *sl = &s->slots[idx];

@@ -8,6 +8,7 @@
 #define SMOE_STREAMER_H
 
 #include "internal.h"
+#include "retention.h"
 
 typedef struct smoe_streamer smoe_streamer;
 
@@ -27,6 +28,8 @@ typedef struct {
     uint32_t io_threads;         /* ≥ 1 */
     bool direct_io;              /* try O_DIRECT / F_NOCACHE, fall back (logged) */
     bool verify;                 /* check smoe_checksum of every blob read, in the I/O thread */
+    smoe_retain_kind retention;  /* within-layer victim order; 0: SMOE_RETENTION or LRFU (retention.h) */
+    double half_life;            /* LRFU's, in visits of a layer; ≤ 0: SMOE_RETAIN_HALF_LIFE */
 } smoe_streamer_params;
 
 typedef struct {
