@@ -6,7 +6,7 @@
  * token's experts: plain LFU, and a hot set pinned from the prompt's routing statistics, lose
  * hits to today's per-layer LRU at 10 % and 25 %. What gains is a little frequency on top of
  * recency: each blob's score is its uses, each worth 2^(−v/H) after v further visits of its
- * layer (H = SMOE_RETAIN_HALF_LIFE = 2 visits, a decode token being one visit); the victim is
+ * layer (H = SMOE_RETAIN_HALF_LIFE = 4 visits, a decode token being one visit); the victim is
  * the smallest score, ties to the least recent. A blob used by the last token and by one a few
  * tokens earlier outlives one used once by the last token alone; a blob from a burst long ago
  * decays below both. The gain is largest when the budget is tightest (5 %), where the quota is

@@ -16,7 +16,7 @@ typedef enum {
     SMOE_RETAIN_LRFU = 2,    /* smallest use count decayed with a half-life of layer visits first */
 } smoe_retain_kind;
 
-#define SMOE_RETAIN_HALF_LIFE 2.0 /* visits of the layer (decode: tokens); bench/RESULTS.md */
+#define SMOE_RETAIN_HALF_LIFE 4.0 /* visits of the layer (decode: tokens); bench/RESULTS.md */
 
 typedef struct {
     smoe_retain_kind kind;

@@ -52,7 +52,9 @@
  *         visit may still ask for;
  *      c. then the layer used most recently: in a cycle that layer is needed again furthest in
  *         the future (Belady), whereas the least recently used layer is the next one visited;
- *      d. within the layer, the least recently used slot.
+ *      d. within the layer, the order of retention.c (smoe_retention_before): by default LRFU,
+ *         the smallest use count decayed per visit of the layer, then the least recently used;
+ *         SMOE_RETENTION=lru gives the least recently used alone (the policy before LRFU).
  * Each layer thus keeps about its quota of blobs across the cycle, and those score hits on the
  * next token when routing repeats (adjacent tokens share about half their experts); a layer
  * that grows past its quota (a prefill union) gives back its own oldest blobs first.
