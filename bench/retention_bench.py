@@ -1,6 +1,6 @@
 """Decode tokens/s under a cache budget, retention policy against policy, on a recorded trace.
 
-    python bench/retention_bench.py VAULT TRACE.npz [--budgets 5,10,25] [--policies lru,lrfu]
+    PYTHONPATH=. python bench/retention_bench.py VAULT TRACE.npz [--budgets 5,10,25] [--policies lru,lrfu]
         [--prompt 64] [--decode 32] [--repeats 2] [--json OUT]
 
 Each run is a fresh session (Direct I/O, the cache the budget gives: bench.budget_slots) made
@@ -9,7 +9,8 @@ then decodes the next `decode` ids of the trace one by one (teacher-forced, so e
 routes exactly as the trace did and the simulator's replay is the same sequence), timed. Within
 a repeat, every (budget, policy) pair runs once, policies alternating inside each budget and the
 order rotating per repeat. Medians over repeats. The logits of every run are compared with the
-first run's at the same step: the policy must not change a bit.
+first run's at the same step: the policy must not change a bit. PYTHONPATH=. so that this
+checkout's pysmoe (and libsmoe) is the one imported, not the venv's install.
 """
 from __future__ import annotations
 

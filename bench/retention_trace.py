@@ -1,6 +1,9 @@
 """Record a routing trace from the engine: the experts every token uses at every layer.
 
-    python bench/retention_trace.py VAULT OUT.npz [--tokens 512] [--seed 0] [--cache-gib 4]
+    PYTHONPATH=. python bench/retention_trace.py VAULT OUT.npz [--tokens 512] [--seed 0] [--cache-gib 4]
+
+(PYTHONPATH=.: a script's own directory comes first on sys.path, so without it `import pysmoe`
+finds the venv's install, not this checkout.)
 
 The engine decodes token by token (token-serial, the path decode takes) text it samples itself
 at temperature 0.8 (the temperature `synth --routing realistic` calibrates its topic stay
