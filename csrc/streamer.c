@@ -54,7 +54,9 @@
  *         visit may still ask for;
  *      c. then the layer used most recently: in a cycle that layer is needed again furthest in
  *         the future (Belady), whereas the least recently used layer is the next one visited;
- *      d. within the layer, the least recently used slot.
+ *      d. within the layer, the order of retention.c (smoe_retention_before): by default LRFU,
+ *         the smallest use count decayed per visit of the layer, then the least recently used;
+ *         SMOE_RETENTION=lru gives the least recently used alone (the policy before LRFU).
  * Each layer thus keeps about its quota of blobs across the cycle, and those score hits on the
  * next token when routing repeats (adjacent tokens share about half their experts); a layer
  * that grows past its quota (a prefill union) gives back its own oldest blobs first.
@@ -164,6 +166,7 @@ struct smoe_streamer {
     uint64_t *layer_use;   /* (n_layers) clock at the layer's last acquire */
     uint32_t quota;
     uint64_t clock;
+    smoe_retention ret; /* the within-layer victim order (retention.c) */
 
     /* Coalescing (compute thread only): misses held until submit, then read in offset order. */
     uint32_t max_run;  /* blobs per read request; 1 = every miss is read alone at acquire */
@@ -436,6 +439,7 @@ void smoe_streamer_free(smoe_streamer *s) {
     smoe_free(s->threads);
     smoe_free((void *)s->ring);
     smoe_free(s->held);
+    smoe_retention_free(&s->ret);
     smoe_free(s->layer_use);
     smoe_free(s->layer_count);
     smoe_free(s->index);
@@ -564,7 +568,8 @@ smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out
     s->ring = smoe_alloc((size_t)cap * sizeof *s->ring, 64);
     s->threads = smoe_alloc((size_t)p->io_threads * sizeof *s->threads, 64);
     s->held = smoe_alloc((size_t)p->n_slots * sizeof *s->held, 64);
-    if (!s->slots || !s->index || !s->layer_count || !s->layer_use || !s->ring || !s->threads || !s->held) {
+    if (!s->slots || !s->index || !s->layer_count || !s->layer_use || !s->ring || !s->threads || !s->held ||
+        !smoe_retention_init(&s->ret, p->retention, p->half_life, p->n_layers, p->n_experts)) {
         smoe_streamer_free(s);
         return smoe_fail(SMOE_ERR_NOMEM, "streamer: out of memory");
     }
@@ -644,7 +649,8 @@ static int pick_victim(smoe_streamer *s, uint32_t layer) {
         else if (excess != best_excess) better = excess > best_excess;
         else if (other != best_other) better = other;
         else if (layer_use != best_layer_use) better = layer_use > best_layer_use;
-        else better = sl->stamp < s->slots[best].stamp;
+        else better = smoe_retention_before(&s->ret, (uint32_t)sl->key, sl->stamp, (uint32_t)s->slots[best].key,
+                                            s->slots[best].stamp);
         if (better) {
             best = (int)i;
             best_excess = excess;
@@ -667,6 +673,7 @@ int smoe_streamer_acquire(smoe_streamer *s, uint32_t layer, uint32_t expert) {
         smoe_fail(SMOE_ERR_INVALID_ARG, "streamer: layer %u has no expert blobs", layer);
         return -2;
     }
+    smoe_retention_used(&s->ret, layer, key);
     int32_t idx = s->index[key];
     if (idx >= 0) {
         slot_t *sl = &s->slots[idx];

@@ -8,6 +8,7 @@
 #define SMOE_STREAMER_H
 
 #include "internal.h"
+#include "retention.h"
 
 typedef struct smoe_streamer smoe_streamer;
 
@@ -31,6 +32,8 @@ typedef struct {
                                     smoe_streamer_submit (or the next wait), and held blobs that lie
                                     next to each other in the file are read with one preadv into
                                     their slots; < 2 blobs: each miss is read alone at acquire */
+    smoe_retain_kind retention;  /* within-layer victim order; 0: SMOE_RETENTION or LRFU (retention.h) */
+    double half_life;            /* LRFU's, in visits of a layer; ≤ 0: SMOE_RETAIN_HALF_LIFE */
 } smoe_streamer_params;
 
 typedef struct {

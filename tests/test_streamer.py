@@ -1,6 +1,6 @@
 """The streamer (csrc/streamer.c) through its C test, tests/c/test_streamer.c.
 
-The C test is compiled here with gcc, against csrc/streamer.c and csrc/util.c only, and run
+The C test is compiled here with gcc, against csrc/streamer.c, csrc/retention.c and csrc/util.c only, and run
 once per test name so that a failure names what broke. Its files go under build-tests/ in the
 repository: /work's disk takes O_DIRECT, which is part of what is tested. Besides the -O2
 build: the condition-variable build other OSes get, ThreadSanitizer, and AddressSanitizer +
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "csrc" / "streamer.c", ROOT / "csrc" / "util.c", ROOT / "tests" / "c" / "test_streamer.c"]
+SOURCES = [ROOT / "csrc" / "streamer.c", ROOT / "csrc" / "retention.c", ROOT / "csrc" / "util.c",
+           ROOT / "tests" / "c" / "test_streamer.c"]
 FLAGS = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread", "-ffp-contract=off", "-D_GNU_SOURCE",
          "-DSMOE_STREAMER_TEST_HOOKS", f"-I{ROOT / 'csrc'}"]
 BUILDS = {
@@ -26,7 +27,7 @@ BUILDS = {
     "asan": ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
 }
 SANITIZED = {"tsan", "asan"}
-TESTS = ["basic", "script", "topk_pool", "quota", "truncate", "verify", "pinned", "direct", "stress", "settle", "coalesce"]
+TESTS = ["basic", "script", "topk_pool", "quota", "retain", "truncate", "verify", "pinned", "direct", "stress", "settle", "coalesce"]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def binaries(tmp_path_factory):
     def build(name):
         if name not in built:
             exe = out / f"test_streamer_{name}"
-            cmd = ["gcc", *FLAGS, *BUILDS[name], *map(str, SOURCES), "-o", str(exe)]
+            cmd = ["gcc", *FLAGS, *BUILDS[name], *map(str, SOURCES), "-o", str(exe), "-lm"]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0 and name in SANITIZED and ("cannot find" in r.stderr or "unsupported" in r.stderr):
                 built[name] = None  # a link failure: no sanitizer runtime here

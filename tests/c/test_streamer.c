@@ -12,6 +12,7 @@
 #include "streamer.h"
 
 #include <fcntl.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -127,6 +128,7 @@ static smoe_streamer_params params(const vfile *f, uint32_t n_sparse, uint32_t n
     p.n_slots = n_slots;
     p.io_threads = io_threads;
     p.direct_io = direct;
+    p.retention = SMOE_RETAIN_LRU; /* what the model below does unless model_set_lrfu */
     return p;
 }
 
@@ -180,6 +182,11 @@ typedef struct {
     uint32_t count[64];
     uint64_t layer_use[64];
     uint64_t hits, misses;
+    /* LRFU (retention.c): decayed uses per key on each layer's visit clock */
+    bool lrfu;
+    double decay;
+    uint32_t last_layer, visit[64], seen[64 * 64];
+    double score[64 * 64];
 } model;
 
 static void model_init(model *m, uint32_t n_slots, uint32_t E, uint32_t n_sparse, bool global_lru) {
@@ -189,6 +196,16 @@ static void model_init(model *m, uint32_t n_slots, uint32_t E, uint32_t n_sparse
     m->quota = n_sparse ? n_slots / n_sparse : 0;
     m->global_lru = global_lru;
     for (uint32_t i = 0; i < n_slots; i++) m->key[i] = -1;
+    m->last_layer = UINT32_MAX;
+}
+
+static void model_set_lrfu(model *m, double half_life) {
+    m->lrfu = true;
+    m->decay = pow(2.0, -1.0 / half_life);
+}
+
+static double model_score(const model *m, int32_t key) {
+    return m->score[key] * pow(m->decay, (double)(m->visit[(uint32_t)key / m->E] - m->seen[key]));
 }
 
 /* Victim order, best first: most over quota; another layer before the requesting one; the
@@ -200,12 +217,24 @@ static bool model_better(const model *m, uint32_t l, uint32_t i, uint32_t j) {
         if (xi != xj) return xi > xj;
         if ((li != l) != (lj != l)) return li != l;
         if (m->layer_use[li] != m->layer_use[lj]) return m->layer_use[li] > m->layer_use[lj];
+        if (m->lrfu) {
+            double si = model_score(m, m->key[i]), sj = model_score(m, m->key[j]);
+            if (si != sj) return si < sj;
+        }
     }
     return m->stamp[i] < m->stamp[j];
 }
 
 static int model_acquire(model *m, uint32_t l, uint32_t e) {
     int32_t key = (int32_t)(l * m->E + e);
+    if (m->lrfu) {
+        if (l != m->last_layer) {
+            m->visit[l]++;
+            m->last_layer = l;
+        }
+        m->score[key] = model_score(m, key) + 1.0;
+        m->seen[key] = m->visit[l];
+    }
     for (uint32_t i = 0; i < m->n_slots; i++)
         if (m->key[i] == key) {
             m->pins[i]++;
@@ -478,6 +507,64 @@ static void t_quota(void) {
         printf("quota case %zu (%u layers, %u slots, k %u): hit rate %.3f (global LRU %.3f)\n", c, cases[c].L,
                cases[c].n_slots, cases[c].k, (double)x.hits / (double)(x.hits + x.misses),
                (double)lru.hits / (double)(lru.hits + lru.misses));
+        smoe_streamer_free(s);
+        free_file(&f);
+    }
+}
+
+/* LRFU (retention.c): slot for slot against the model on the quota's random traces, bytes
+ * exact, nothing read that was not asked for; and a scripted trace where it keeps the blob
+ * used three times that LRU gives up. */
+static void t_retain(void) {
+    static const struct {
+        uint32_t L, E, n_slots, k, tokens;
+        double half_life;
+    } cases[] = {
+        {8, 32, 20, 4, 60, 4}, {8, 32, 12, 4, 60, 2}, {8, 32, 40, 4, 60, 1}, {4, 16, 9, 3, 80, 8},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        vfile f;
+        make_file(&f, workdir, "retain.bin", cases[c].L, cases[c].E, SMOE_PAGE, 0);
+        smoe_streamer_params p = params(&f, cases[c].L, cases[c].n_slots, 4, true);
+        p.retention = SMOE_RETAIN_LRFU;
+        p.half_life = cases[c].half_life;
+        smoe_streamer *s = open_streamer(&p);
+        model q, lru;
+        model_init(&q, cases[c].n_slots, cases[c].E, cases[c].L, false);
+        model_set_lrfu(&q, cases[c].half_life);
+        model_init(&lru, cases[c].n_slots, cases[c].E, cases[c].L, false);
+        cycle(s, &f, &q, &lru, cases[c].tokens, cases[c].k, 1);
+        smoe_streamer_stats x = stats(s);
+        CHECK(x.hits == q.hits && x.misses == q.misses && x.blob_reads == q.misses, "case %zu matches the model", c);
+        printf("lrfu case %zu (%u layers, %u slots, k %u, half-life %g): hit rate %.3f (quota LRU %.3f)\n", c,
+               cases[c].L, cases[c].n_slots, cases[c].k, cases[c].half_life,
+               (double)x.hits / (double)(x.hits + x.misses), (double)lru.hits / (double)(lru.hits + lru.misses));
+        smoe_streamer_free(s);
+        free_file(&f);
+    }
+
+    /* 2 sparse layers, 3 slots (quota 1); layer 1 always asks for expert 0, layer 0 for
+     * A A A B C A (A = 1, B = 2, C = 3). At C layer 0 is over quota and gives up A (LRU: used
+     * longest ago) or B (LRFU: A's three uses outweigh B's one), so the last A hits only under
+     * LRFU. */
+    static const uint32_t script[] = {1, 1, 1, 2, 3, 1};
+    for (int kind = SMOE_RETAIN_LRU; kind <= SMOE_RETAIN_LRFU; kind++) {
+        vfile f;
+        make_file(&f, workdir, "retain2.bin", 2, 8, SMOE_PAGE, 0);
+        smoe_streamer_params p = params(&f, 2, 3, 2, true);
+        p.retention = (smoe_retain_kind)kind;
+        p.half_life = 4;
+        smoe_streamer *s = open_streamer(&p);
+        for (size_t i = 0; i < sizeof script / sizeof *script; i++) {
+            CHECK(use(s, &f, 0, script[i]) >= 0, "acquire layer 0");
+            CHECK(use(s, &f, 1, 0) >= 0, "acquire layer 1");
+        }
+        smoe_streamer_stats x = stats(s);
+        uint64_t want_hits = kind == SMOE_RETAIN_LRFU ? 8 : 7;
+        CHECK(x.hits == want_hits && x.misses == 12 - want_hits && x.blob_reads == x.misses,
+              "%s: hits %llu misses %llu reads %llu (want %llu hits)", kind == SMOE_RETAIN_LRFU ? "lrfu" : "lru",
+              (unsigned long long)x.hits, (unsigned long long)x.misses, (unsigned long long)x.blob_reads,
+              (unsigned long long)want_hits);
         smoe_streamer_free(s);
         free_file(&f);
     }
@@ -895,7 +982,7 @@ static const struct {
     void (*fn)(void);
 } tests[] = {
     {"coalesce", t_coalesce},
-    {"basic", t_basic},     {"script", t_script}, {"topk_pool", t_topk_pool}, {"quota", t_quota},
+    {"basic", t_basic},     {"script", t_script}, {"topk_pool", t_topk_pool}, {"quota", t_quota}, {"retain", t_retain},
     {"truncate", t_truncate}, {"verify", t_verify}, {"pinned", t_pinned}, {"direct", t_direct},       {"stress", t_stress}, {"settle", t_settle},
 };
 
