@@ -15,7 +15,7 @@ from .errors import (BadToken, Busy, Cancelled, ContextFull, InternalError, Inva
 __version__ = "0.1.0"
 
 _LAZY = {
-    "open_vault": "engine", "Vault": "engine", "Session": "engine",
+    "open_vault": "engine", "Vault": "engine", "Session": "engine", "KV_DTYPES": "engine",
     "stream_generate": "generate", "generate": "generate", "GenerationResponse": "generate",
     "synth": "synthesis", "PRESETS": "synthesis",
     "convert": "converter",
