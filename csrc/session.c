@@ -136,8 +136,11 @@ smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *param
     bool ok = true;
     size_t kv = L * p.context * s->kv_dim;
     s->kv_elem = smoe_kv_elem_bytes(p.kv_dtype);
-    s->k_cache = smoe_alloc(kv * s->kv_elem, 64);
-    s->v_cache = smoe_alloc(kv * s->kv_elem, 64);
+    /* Not zeroed: attention and smoe_session_read_kv read only rows below the position, which
+     * were written first; so the OS maps the cache's pages as positions fill (for a large
+     * cache, which malloc takes from mmap), not all at creation. */
+    s->k_cache = smoe_alloc_untouched(kv * s->kv_elem, 64);
+    s->v_cache = smoe_alloc_untouched(kv * s->kv_elem, 64);
     ok = s->k_cache && s->v_cache;
     s->kv_bytes = 2 * kv * s->kv_elem;
     if (p.kv_dtype != SMOE_KV_F32) {

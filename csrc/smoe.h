@@ -177,8 +177,10 @@ typedef enum { SMOE_KV_F32 = 0, SMOE_KV_BF16 = 1, SMOE_KV_F16 = 2 } smoe_kv_dtyp
 typedef struct {
     uint32_t struct_size;
     uint32_t context;      /* KV cache length in tokens (default 4096, capped by the model's); the
-                              cache for all of it is allocated by smoe_session_new: 2 · layers ·
-                              context · kv_heads · head_dim elements of kv_dtype */
+                              cache for all of it is reserved by smoe_session_new (2 · layers ·
+                              context · kv_heads · head_dim elements of kv_dtype, kv_bytes in
+                              smoe_counters) but not written, so on Linux and macOS its pages
+                              become resident as positions fill */
     uint32_t chunk;        /* largest n for smoe_prefill_chunk (default 256) */
     uint32_t threads;      /* compute threads including the caller (default: online cores) */
     uint32_t io_threads;   /* blob reads in flight (default 4) */
