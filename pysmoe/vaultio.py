@@ -784,7 +784,7 @@ def info(path) -> str:
                  f"dense      {_size(h.dense_bytes)} in {h.n_tensors} tensors (resident)",
                  f"blobs      {n_sparse * E} x {_size(h.blob_bytes)} = {_size(n_sparse * E * h.blob_bytes)}",
                  f"kv cache   {_size(kv_per_token * 4)} per token in f32, {_size(kv_per_token * 2)} in bf16/f16 "
-                 f"(a session allocates its whole context: 4,096 tokens = {_size(kv_per_token * 4 * 4096)} in f32)"]
+                 f"(a session reserves its whole context: 4,096 tokens = {_size(kv_per_token * 4 * 4096)} in f32)"]
         def fmt(t: Tensor) -> str:  # q4/g64/bf16, f32
             return t.format + (f"/g{t.group}/{t.scale_format}" if quant.is_quantized(t.format) else "")
 
