@@ -24,6 +24,9 @@ void smoe_log(int level, const char *fmt, ...) SMOE_PRINTF(2, 3);
 
 /* Zeroed, aligned allocation (align a power of two ≥ sizeof(void*)); NULL on failure. */
 void *smoe_alloc(size_t bytes, size_t align);
+/* The same, not zeroed: for buffers never read before they are written (the KV cache), whose
+ * pages the OS then maps only as they are first written. Freed with smoe_free. */
+void *smoe_alloc_untouched(size_t bytes, size_t align);
 void smoe_free(void *p);
 
 double smoe_now(void); /* monotonic seconds */

@@ -524,20 +524,88 @@ void smoe_softmax(float *x, uint32_t n) {
     for (uint32_t i = 0; i < n; i++) x[i] = x[i] / sum;
 }
 
-void smoe_ref_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
-                     uint32_t head_dim, float *scratch) {
+/* ------------------------------------------------------------------------------ KV cache */
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    const uint32_t x = f32_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* NaN, quieted */
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* float → IEEE half, nearest-even, the bits F16C's vcvtps2ph (imm 0) gives for every input */
+static inline uint16_t f32_to_f16(float f) {
+    const uint32_t x = f32_bits(f), ax = x & 0x7fffffffu;
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu)); /* NaN, quieted */
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* ≥ 65520 rounds to inf */
+    if (ax >= 0x38800000u) {                                  /* a normal half: ≥ 2^-14 */
+        const uint32_t m = ax - 0x38000000u;                  /* exponent rebiased (127 → 15) */
+        return (uint16_t)(sign | ((m + 0xfffu + ((m >> 13) & 1u)) >> 13));
+    }
+    const uint32_t e = ax >> 23;
+    if (e < 102) return sign; /* < 2^-25: rounds to zero */
+    /* a subnormal half: the value in units of 2^-24 is mant · 2^(e−126), rounded */
+    const uint32_t mant = (ax & 0x7fffffu) | 0x800000u, sh = 126 - e; /* 14 ≤ sh ≤ 24 */
+    uint32_t q = mant >> sh;
+    const uint32_t rem = mant & ((1u << sh) - 1), halfway = 1u << (sh - 1);
+    if (rem > halfway || (rem == halfway && (q & 1u))) q++;
+    return (uint16_t)(sign | q);
+}
+
+size_t smoe_kv_elem_bytes(uint32_t kv_dtype) { return kv_dtype == SMOE_KV_F32 ? 4 : 2; }
+
+void smoe_kv_store(void *dst, const float *src, size_t n, uint32_t kv_dtype) {
+    if (kv_dtype == SMOE_KV_F32) {
+        memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    uint16_t *d = dst;
+    if (kv_dtype == SMOE_KV_BF16)
+        for (size_t i = 0; i < n; i++) d[i] = f32_to_bf16(src[i]);
+    else
+        for (size_t i = 0; i < n; i++) d[i] = f32_to_f16(src[i]);
+}
+
+/* element i of a KV row of kv_dtype, as f32 (exactly) */
+static inline float kv_get(const void *row, size_t i, uint32_t kv_dtype) {
+    if (kv_dtype == SMOE_KV_F32) return ((const float *)row)[i];
+    const uint16_t h = ((const uint16_t *)row)[i];
+    return kv_dtype == SMOE_KV_BF16 ? bf16_to_f32(h) : f16_to_f32(h);
+}
+
+void smoe_kv_load(float *dst, const void *src, size_t n, uint32_t kv_dtype) {
+    for (size_t i = 0; i < n; i++) dst[i] = kv_get(src, i, kv_dtype);
+}
+
+/* Σ q[c]·k[c] exactly as the AVX2 and NEON dot8 computes it (kernels.h, smoe_attend). */
+static float attend_dot8(const float *q, const void *k, uint32_t kv_dtype, uint32_t n) {
+    float a[8] = {0};
+    for (uint32_t c = 0; c < n; c += 8)
+        for (uint32_t j = 0; j < 8; j++) {
+            const bool in = c + j < n;
+            a[j] = fmaf(in ? q[c + j] : 0.0f, in ? kv_get(k, c + j, kv_dtype) : 0.0f, a[j]);
+        }
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+void smoe_ref_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
+                     uint32_t head_dim, uint32_t kv_dtype, float *scratch) {
     /* head_dim ** -0.5 as transformers computes it (in double), then rounded to float */
     const float scale = (float)(1.0 / sqrt((double)head_dim));
-    for (uint32_t p = 0; p < n_pos; p++) scratch[p] = dot16(q, k + p * stride, head_dim) * scale;
+    const size_t eb = smoe_kv_elem_bytes(kv_dtype);
+    for (uint32_t p = 0; p < n_pos; p++)
+        scratch[p] = attend_dot8(q, (const uint8_t *)k + p * stride * eb, kv_dtype, head_dim) * scale;
     smoe_softmax(scratch, n_pos);
     for (uint32_t d = 0; d < head_dim; d++) out[d] = 0.0f;
     for (uint32_t p = 0; p < n_pos; p++) {
-        const float a = scratch[p];
-        const float *vp = v + p * stride; /* (head_dim) */
-        for (uint32_t d = 0; d < head_dim; d++) {
-            float av = a * vp[d];
-            out[d] += av;
-        }
+        const void *vp = (const uint8_t *)v + p * stride * eb; /* (head_dim) */
+        for (uint32_t d = 0; d < head_dim; d++) out[d] = fmaf(scratch[p], kv_get(vp, d, kv_dtype), out[d]);
     }
 }
 
@@ -637,13 +705,13 @@ void smoe_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_
 #endif
 }
 
-void smoe_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
-                 uint32_t head_dim, float *scratch) {
+void smoe_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
+                 uint32_t head_dim, uint32_t kv_dtype, float *scratch) {
 #if SMOE_HAVE_AVX2
-    smoe_avx2_attend(out, q, k, v, stride, n_pos, head_dim, scratch);
+    smoe_avx2_attend(out, q, k, v, stride, n_pos, head_dim, kv_dtype, scratch);
 #elif SMOE_HAVE_NEON
-    smoe_neon_attend(out, q, k, v, stride, n_pos, head_dim, scratch);
+    smoe_neon_attend(out, q, k, v, stride, n_pos, head_dim, kv_dtype, scratch);
 #else
-    smoe_ref_attend(out, q, k, v, stride, n_pos, head_dim, scratch);
+    smoe_ref_attend(out, q, k, v, stride, n_pos, head_dim, kv_dtype, scratch);
 #endif
 }

@@ -63,10 +63,27 @@ void smoe_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_
 void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, const float *cos, const float *sin);
 
 /* One query head against positions [0, n_pos) of the cache: out = softmax(q·K/√d) · V.
- * k, v point at position 0 of this KV head; consecutive positions are `stride` floats apart.
- * scratch: n_pos floats. */
-void smoe_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
-                 uint32_t head_dim, float *scratch);
+ * k, v point at position 0 of this KV head, elements of kv_dtype (smoe_kv_dtype, widened to f32
+ * exactly as they are read); consecutive positions are `stride` elements apart. scratch: n_pos
+ * floats. Every implementation (portable, AVX2, NEON) computes the same bits:
+ *     scratch[p] = hsum8(acc) · (1/√d), acc = fma(q[8v..8v+8), k_p[8v..8v+8), acc) for v = 0, 1, …
+ *                  (8 lanes from +0, a last partial vector zero-padded; hsum8 the tree
+ *                  ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)))
+ *     smoe_softmax(scratch)
+ *     out[d] = fma(scratch[p], v_p[d], out[d]) for p = 0, 1, … in order, from +0. */
+void smoe_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
+                 uint32_t head_dim, uint32_t kv_dtype, float *scratch);
+
+/* Bytes of one KV element of kv_dtype (4, 2 or 2). */
+size_t smoe_kv_elem_bytes(uint32_t kv_dtype);
+
+/* dst[i] = src[i] rounded to kv_dtype (nearest, ties to even; f16 overflows to ±inf; a NaN stays a
+ * quiet NaN with the top bits of its payload, as F16C's vcvtps2ph gives), i < n. One portable
+ * implementation serves every build, so the stored bits never depend on the instruction set. */
+void smoe_kv_store(void *dst, const float *src, size_t n, uint32_t kv_dtype);
+
+/* dst[i] = src[i] of kv_dtype widened to f32 (exact), i < n. */
+void smoe_kv_load(float *dst, const void *src, size_t n, uint32_t kv_dtype);
 
 /* In-place softmax over n floats (f32, max-subtracted). */
 void smoe_softmax(float *x, uint32_t n);

@@ -683,10 +683,45 @@ void smoe_avx2_rmsnorm(float *out, const float *x, const smoe_tensor *weight, ui
     }
 }
 
-void smoe_avx2_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
-                      uint32_t head_dim, float *scratch) {
+/* 8 KV elements of type dt from element i of row, as f32 (exactly) */
+INLINE __m256 kv8(const void *row, size_t i, const uint32_t dt) {
+    if (dt == SMOE_KV_F32) return _mm256_loadu_ps((const float *)row + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)(const void *)((const uint16_t *)row + i));
+    if (dt == SMOE_KV_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+/* the m < 8 elements of type dt from element i of row, zero-padded */
+INLINE __m256 kv8_tail(const void *row, size_t i, uint32_t m, const uint32_t dt) {
+    if (dt == SMOE_KV_F32) return _mm256_maskload_ps((const float *)row + i, tail_mask(m));
+    uint16_t buf[8] = {0};
+    memcpy(buf, (const uint16_t *)row + i, m * sizeof(uint16_t));
+    return kv8(buf, 0, dt);
+}
+
+INLINE float kv1(const void *row, size_t i, const uint32_t dt) {
+    if (dt == SMOE_KV_F32) return ((const float *)row)[i];
+    const uint16_t h = ((const uint16_t *)row)[i];
+    if (dt == SMOE_KV_BF16) return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128((int)((uint32_t)h << 16))));
+    return _cvtsh_ss(h);
+}
+
+/* smoe_attend for KV elements of type dt (a constant after inlining): the order of kernels.h */
+INLINE void attend_t(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
+                     uint32_t head_dim, float *scratch, const uint32_t dt) {
     const float scale = (float)(1.0 / sqrt((double)head_dim));
-    for (uint32_t p = 0; p < n_pos; p++) scratch[p] = dot8(q, k + p * stride, head_dim) * scale;
+    const size_t eb = dt == SMOE_KV_F32 ? 4 : 2;
+    for (uint32_t p = 0; p < n_pos; p++) {
+        const void *kp = (const uint8_t *)k + p * stride * eb;
+        __m256 acc = _mm256_setzero_ps();
+        uint32_t c = 0;
+        for (; c + 8 <= head_dim; c += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), kv8(kp, c, dt), acc);
+        if (c < head_dim) {
+            const uint32_t m = head_dim - c;
+            acc = _mm256_fmadd_ps(_mm256_maskload_ps(q + c, tail_mask(m)), kv8_tail(kp, c, m, dt), acc);
+        }
+        scratch[p] = hsum8(acc) * scale;
+    }
     smoe_softmax(scratch, n_pos);
     /* out[d] = Σ_p a_p·v_p[d] in position order, 64 dimensions at a time in registers */
     uint32_t d0 = 0;
@@ -695,16 +730,26 @@ void smoe_avx2_attend(float *out, const float *q, const float *k, const float *v
         for (int j = 0; j < 8; j++) o[j] = _mm256_setzero_ps();
         for (uint32_t p = 0; p < n_pos; p++) {
             const __m256 a = _mm256_broadcast_ss(scratch + p);
-            const float *vp = v + p * stride + d0;
-            for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(a, _mm256_loadu_ps(vp + 8 * j), o[j]);
+            const void *vp = (const uint8_t *)v + p * stride * eb;
+            for (int j = 0; j < 8; j++) o[j] = _mm256_fmadd_ps(a, kv8(vp, d0 + 8 * (size_t)j, dt), o[j]);
         }
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(out + d0 + 8 * j, o[j]);
     }
     for (uint32_t d = d0; d < head_dim; d++) {
         float o = 0.0f;
-        for (uint32_t p = 0; p < n_pos; p++) o = fmaf(scratch[p], v[p * stride + d], o);
+        for (uint32_t p = 0; p < n_pos; p++) o = fmaf(scratch[p], kv1((const uint8_t *)v + p * stride * eb, d, dt), o);
         out[d] = o;
     }
+}
+
+void smoe_avx2_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
+                      uint32_t head_dim, uint32_t kv_dtype, float *scratch) {
+    if (kv_dtype == SMOE_KV_BF16)
+        attend_t(out, q, k, v, stride, n_pos, head_dim, scratch, SMOE_KV_BF16);
+    else if (kv_dtype == SMOE_KV_F16)
+        attend_t(out, q, k, v, stride, n_pos, head_dim, scratch, SMOE_KV_F16);
+    else
+        attend_t(out, q, k, v, stride, n_pos, head_dim, scratch, SMOE_KV_F32);
 }
 
 #endif /* SMOE_HAVE_AVX2 */

@@ -629,10 +629,46 @@ void smoe_neon_rmsnorm(float *out, const float *x, const smoe_tensor *weight, ui
     }
 }
 
-void smoe_neon_attend(float *out, const float *q, const float *k, const float *v, size_t stride, uint32_t n_pos,
-                      uint32_t head_dim, float *scratch) {
+/* 4 KV elements of type dt from element i of row, as f32 (exactly) */
+INLINE float32x4_t kv4(const void *row, size_t i, const uint32_t dt) {
+    if (dt == SMOE_KV_F32) return vld1q_f32((const float *)row + i);
+    const uint16x4_t h = vld1_u16((const uint16_t *)row + i);
+    if (dt == SMOE_KV_BF16) return vreinterpretq_f32_u32(vshll_n_u16(h, 16));
+    return vcvt_f32_f16(vreinterpret_f16_u16(h));
+}
+
+INLINE f8 kv8(const void *row, size_t i, const uint32_t dt) {
+    f8 r = {kv4(row, i, dt), kv4(row, i + 4, dt)};
+    return r;
+}
+
+/* the m < 8 elements of type dt from element i of row, zero-padded */
+INLINE f8 kv8_tail(const void *row, size_t i, uint32_t m, const uint32_t dt) {
+    if (dt == SMOE_KV_F32) return x_load_tail((const float *)row + i, m);
+    uint16_t buf[8] = {0};
+    memcpy(buf, (const uint16_t *)row + i, m * sizeof(uint16_t));
+    return kv8(buf, 0, dt);
+}
+
+INLINE float kv1(const void *row, size_t i, const uint32_t dt) {
+    if (dt == SMOE_KV_F32) return ((const float *)row)[i];
+    uint16_t b[4] = {((const uint16_t *)row)[i], 0, 0, 0};
+    return vgetq_lane_f32(kv4(b, 0, dt), 0);
+}
+
+/* smoe_attend for KV elements of type dt (a constant after inlining): the order of kernels.h */
+INLINE void attend_t(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
+                     uint32_t head_dim, float *scratch, const uint32_t dt) {
     const float scale = (float)(1.0 / sqrt((double)head_dim));
-    for (uint32_t p = 0; p < n_pos; p++) scratch[p] = dot8(q, k + p * stride, head_dim) * scale;
+    const size_t eb = dt == SMOE_KV_F32 ? 4 : 2;
+    for (uint32_t p = 0; p < n_pos; p++) {
+        const void *kp = (const uint8_t *)k + p * stride * eb;
+        f8 acc = f8_zero();
+        uint32_t c = 0;
+        for (; c + 8 <= head_dim; c += 8) acc = f8_fma(acc, f8_load(q + c), kv8(kp, c, dt));
+        if (c < head_dim) acc = f8_fma(acc, x_load_tail(q + c, head_dim - c), kv8_tail(kp, c, head_dim - c, dt));
+        scratch[p] = hsum8(acc) * scale;
+    }
     smoe_softmax(scratch, n_pos);
     /* out[d] = Σ_p a_p·v_p[d] as one fma chain in position order from +0, 64 dimensions at a time
      * in registers, then 4, then 1 */
@@ -642,21 +678,32 @@ void smoe_neon_attend(float *out, const float *q, const float *k, const float *v
         for (int j = 0; j < 16; j++) o[j] = vdupq_n_f32(0.0f);
         for (uint32_t p = 0; p < n_pos; p++) {
             const float a = scratch[p];
-            const float *vp = v + p * stride + d0;
-            for (int j = 0; j < 16; j++) o[j] = vfmaq_n_f32(o[j], vld1q_f32(vp + 4 * j), a);
+            const void *vp = (const uint8_t *)v + p * stride * eb;
+            for (int j = 0; j < 16; j++) o[j] = vfmaq_n_f32(o[j], kv4(vp, d0 + 4 * (size_t)j, dt), a);
         }
         for (int j = 0; j < 16; j++) vst1q_f32(out + d0 + 4 * j, o[j]);
     }
     for (; d0 + 4 <= head_dim; d0 += 4) {
         float32x4_t o = vdupq_n_f32(0.0f);
-        for (uint32_t p = 0; p < n_pos; p++) o = vfmaq_n_f32(o, vld1q_f32(v + p * stride + d0), scratch[p]);
+        for (uint32_t p = 0; p < n_pos; p++)
+            o = vfmaq_n_f32(o, kv4((const uint8_t *)v + p * stride * eb, d0, dt), scratch[p]);
         vst1q_f32(out + d0, o);
     }
     for (uint32_t d = d0; d < head_dim; d++) {
         float o = 0.0f;
-        for (uint32_t p = 0; p < n_pos; p++) o = fmaf(scratch[p], v[p * stride + d], o);
+        for (uint32_t p = 0; p < n_pos; p++) o = fmaf(scratch[p], kv1((const uint8_t *)v + p * stride * eb, d, dt), o);
         out[d] = o;
     }
+}
+
+void smoe_neon_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
+                      uint32_t head_dim, uint32_t kv_dtype, float *scratch) {
+    if (kv_dtype == SMOE_KV_BF16)
+        attend_t(out, q, k, v, stride, n_pos, head_dim, scratch, SMOE_KV_BF16);
+    else if (kv_dtype == SMOE_KV_F16)
+        attend_t(out, q, k, v, stride, n_pos, head_dim, scratch, SMOE_KV_F16);
+    else
+        attend_t(out, q, k, v, stride, n_pos, head_dim, scratch, SMOE_KV_F32);
 }
 
 

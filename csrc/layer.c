@@ -166,13 +166,14 @@ static void attend_items(void *ctx, uint32_t i0, uint32_t i1, uint32_t worker) {
     const smoe_config *c = &s->cfg;
     uint32_t heads = c->num_attention_heads, hd = c->head_dim;
     uint32_t group = heads / c->num_key_value_heads;
-    const float *kl = s->k_cache + (size_t)t->l * s->params.context * s->kv_dim;
-    const float *vl = s->v_cache + (size_t)t->l * s->params.context * s->kv_dim;
+    const uint8_t *kl = smoe_kv_row(s, s->k_cache, t->l, 0), *vl = smoe_kv_row(s, s->v_cache, t->l, 0);
+    const size_t head_bytes = (size_t)hd * s->kv_elem;
     float *scratch = s->scores + (size_t)worker * s->params.context;
     for (uint32_t i = i0; i < i1; i++) {
         uint32_t tok = i / heads, h = i % heads, kvh = h / group;
         smoe_attend(s->att + (size_t)tok * s->q_dim + (size_t)h * hd, s->q + (size_t)tok * s->q_dim + (size_t)h * hd,
-                    kl + (size_t)kvh * hd, vl + (size_t)kvh * hd, s->kv_dim, t->pos0 + tok + 1, hd, scratch);
+                    kl + kvh * head_bytes, vl + kvh * head_bytes, s->kv_dim, t->pos0 + tok + 1, hd,
+                    s->params.kv_dtype, scratch);
     }
 }
 
@@ -185,9 +186,12 @@ void smoe_attention_block(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n
     for (uint32_t t = 0; t < n; t++)
         smoe_rmsnorm(s->xn + (size_t)t * H, s->x + (size_t)t * H, L->input_norm, H, eps);
 
-    /* K and V land straight in the cache rows of their positions. */
-    float *krows = s->k_cache + ((size_t)l * s->params.context + pos0) * s->kv_dim;
-    float *vrows = s->v_cache + ((size_t)l * s->params.context + pos0) * s->kv_dim;
+    /* K and V in f32 land straight in the cache rows of their positions; other types are
+     * computed in the k_new/v_new planes and rounded into the cache below, before attention, so
+     * every token (its own position included) attends over the stored values on both paths. */
+    const bool f32 = s->params.kv_dtype == SMOE_KV_F32;
+    float *krows = f32 ? smoe_kv_row(s, s->k_cache, l, pos0) : s->k_new;
+    float *vrows = f32 ? smoe_kv_row(s, s->v_cache, l, pos0) : s->v_new;
     qx_planes pl = {0}; /* q, k and v share one quantisation of xn when their formats agree */
     linear_with(s, L->q, L->q->data, s->xn, n, s->q, &pl);
     linear_with(s, L->k, L->k->data, s->xn, n, krows, &pl);
@@ -203,6 +207,11 @@ void smoe_attention_block(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n
             smoe_rmsnorm(kt + (size_t)h * hd, kt + (size_t)h * hd, L->k_norm, hd, eps);
         smoe_rope(qt, c->num_attention_heads, hd, cs, sn);
         smoe_rope(kt, c->num_key_value_heads, hd, cs, sn);
+    }
+
+    if (!f32) {
+        smoe_kv_store(smoe_kv_row(s, s->k_cache, l, pos0), krows, (size_t)n * s->kv_dim, s->params.kv_dtype);
+        smoe_kv_store(smoe_kv_row(s, s->v_cache, l, pos0), vrows, (size_t)n * s->kv_dim, s->params.kv_dtype);
     }
 
     attend_task at = {s, l, pos0};

@@ -68,7 +68,7 @@ void smoe_session_free(smoe_session *s) {
     if (!s)
         return;
     share_drop(s->share);
-    void *bufs[] = {s->k_cache, s->v_cache, s->rope_cos, s->rope_sin, s->history, s->x, s->xn, s->q, s->att,
+    void *bufs[] = {s->k_cache, s->v_cache, s->k_new, s->v_new, s->rope_cos, s->rope_sin, s->history, s->x, s->xn, s->q, s->att,
                     s->scores, s->router, s->topk_idx, s->topk_w, s->slot_out, s->xg, s->hg, s->h, s->yg,
                     s->qx_codes, s->qx_d, s->qx_gsum,
                     s->logits, s->sample_f, s->sample_i, s->exp_count, s->exp_rows, s->union_list,
@@ -131,6 +131,8 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
     }
     if (p.context == 0 || p.chunk == 0 || p.threads == 0 || p.io_threads == 0)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "context, chunk, threads and io_threads must be at least 1");
+    if (p.kv_dtype > SMOE_KV_F16)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "kv_dtype %u is not a smoe_kv_dtype (0 f32, 1 bf16, 2 f16)", p.kv_dtype);
     if (p.context > c->max_position_embeddings)
         p.context = c->max_position_embeddings;
     if (p.chunk > 65536 || p.threads > 256 || p.io_threads > 256)
@@ -153,10 +155,18 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
     size_t C = p.chunk, H = c->hidden_size, E = c->num_experts, K = c->num_experts_per_tok, L = c->num_hidden_layers;
     bool ok = true;
     size_t kv = L * p.context * s->kv_dim;
-    s->k_cache = smoe_alloc(kv * sizeof(float), 64);
-    s->v_cache = smoe_alloc(kv * sizeof(float), 64);
+    s->kv_elem = smoe_kv_elem_bytes(p.kv_dtype);
+    /* Not zeroed: attention and smoe_session_read_kv read only rows below the position, which
+     * were written first; so the OS maps the cache's pages as positions fill (for a large
+     * cache, which malloc takes from mmap), not all at creation. */
+    s->k_cache = smoe_alloc_untouched(kv * s->kv_elem, 64);
+    s->v_cache = smoe_alloc_untouched(kv * s->kv_elem, 64);
     ok = s->k_cache && s->v_cache;
-    s->kv_bytes = 2 * kv * sizeof(float);
+    s->kv_bytes = 2 * kv * s->kv_elem;
+    if (p.kv_dtype != SMOE_KV_F32) {
+        s->k_new = plane(s, C * s->kv_dim, sizeof(float), &ok);
+        s->v_new = plane(s, C * s->kv_dim, sizeof(float), &ok);
+    }
     s->rope_cos = plane(s, (size_t)p.context * (c->head_dim / 2), sizeof(float), &ok);
     s->rope_sin = plane(s, (size_t)p.context * (c->head_dim / 2), sizeof(float), &ok);
     s->history = plane(s, p.context, sizeof(int32_t), &ok);
@@ -347,11 +357,11 @@ static smoe_status session_read_kv_claimed(const smoe_session *s, uint32_t layer
     if (layer >= s->cfg.num_hidden_layers || (uint64_t)start + n > s->pos)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "KV rows [%u, %u) of layer %u: the cache holds %u positions of %u layers",
                          start, start + n, layer, s->pos, s->cfg.num_hidden_layers);
-    size_t off = ((size_t)layer * s->params.context + start) * s->kv_dim, len = (size_t)n * s->kv_dim * sizeof(float);
+    size_t len = (size_t)n * s->kv_dim;
     if (k)
-        memcpy(k, s->k_cache + off, len);
+        smoe_kv_load(k, smoe_kv_row(s, s->k_cache, layer, start), len, s->params.kv_dtype);
     if (v)
-        memcpy(v, s->v_cache + off, len);
+        smoe_kv_load(v, smoe_kv_row(s, s->v_cache, layer, start), len, s->params.kv_dtype);
     return SMOE_OK;
 }
 

@@ -50,7 +50,10 @@ struct smoe_session {
     uint32_t ffn;    /* max(intermediate_size, moe_intermediate_size) */
 
     /* KV cache and positions */
-    float *k_cache, *v_cache; /* (layers, context, kv_dim) K after norm and RoPE */
+    void *k_cache, *v_cache; /* (layers, context, kv_dim) of params.kv_dtype; K after norm and RoPE */
+    size_t kv_elem;          /* bytes per element of params.kv_dtype */
+    float *k_new, *v_new;    /* (chunk, kv_dim) K and V of the tokens being appended, in f32 before
+                                they are rounded into the cache; NULL for f32 (they go straight in) */
     float *rope_cos, *rope_sin; /* (context, head_dim/2) */
     int32_t *history;         /* (context) ids at each position */
 
@@ -93,6 +96,11 @@ struct smoe_session {
 
 /* y (n, W.rows) = x (n, W.cols) · Wᵀ, rows split over the worker pool. */
 void smoe_linear(smoe_session *s, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n, float *y);
+
+/* Row pos of layer l in a KV cache (k_cache or v_cache). */
+static inline void *smoe_kv_row(const smoe_session *s, void *cache, uint32_t l, uint32_t pos) {
+    return (uint8_t *)cache + ((size_t)l * s->params.context + pos) * s->kv_dim * s->kv_elem;
+}
 
 /* x rows [0, n) ← embedding rows of ids. */
 void smoe_embed(smoe_session *s, const int32_t *ids, uint32_t n);

@@ -183,9 +183,18 @@ SMOE_API smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale
 
 typedef struct smoe_session smoe_session;
 
+/* Element type of the KV cache (smoe_session_params.kv_dtype). K and V are computed in f32 and
+ * rounded to nearest-even when they are stored; attention reads them widened back to f32
+ * (exactly), so both prefill paths agree bit for bit for each type. */
+typedef enum { SMOE_KV_F32 = 0, SMOE_KV_BF16 = 1, SMOE_KV_F16 = 2 } smoe_kv_dtype;
+
 typedef struct {
     uint32_t struct_size;
-    uint32_t context;      /* KV cache length in tokens (default 4096, capped by the model's) */
+    uint32_t context;      /* KV cache length in tokens (default 4096, capped by the model's); the
+                              cache for all of it is reserved by smoe_session_new (2 · layers ·
+                              context · kv_heads · head_dim elements of kv_dtype, kv_bytes in
+                              smoe_counters) but not written, so on Linux and macOS its pages
+                              become resident as positions fill */
     uint32_t chunk;        /* largest n for smoe_prefill_chunk (default 256) */
     uint32_t threads;      /* compute threads including the caller (default: online cores) */
     uint32_t io_threads;   /* blob reads in flight (default 4) */
@@ -200,6 +209,8 @@ typedef struct {
     uint64_t coalesce_bytes; /* largest read request (default 16 MiB): blobs of a layer's union that
                                 lie next to each other in vault.bin are read as one request of up to
                                 this many bytes (docs/streamer.md); below two blobs, one read each */
+    uint32_t kv_dtype;     /* smoe_kv_dtype of the KV cache (default SMOE_KV_F32; bench/RESULTS.md
+                              "KV cache in bf16 and f16" has its cost and speed) */
 } smoe_session_params;
 
 SMOE_API smoe_session_params smoe_session_default_params(void);
@@ -287,7 +298,8 @@ SMOE_API smoe_status smoe_session_set_sampler(smoe_session *session, const smoe_
 SMOE_API smoe_status smoe_decode_step(smoe_session *session, int32_t id, float *logits, int32_t *next_id);
 
 /* Copies the K and V rows of layer for positions [start, start + n) (each n × kv_heads·head_dim
- * floats, post-RoPE K) into k and v (either may be NULL). For tests and tools. */
+ * floats, post-RoPE K) into k and v (either may be NULL), widened exactly to f32 from the
+ * session's kv_dtype. For tests and tools. */
 SMOE_API smoe_status smoe_session_read_kv(const smoe_session *session, uint32_t layer, uint32_t start,
                                           uint32_t n, float *k, float *v);
 
@@ -307,7 +319,7 @@ typedef struct {
     uint64_t resident_bytes;  /* dense + cache + kv + planes */
     uint64_t dense_bytes;
     uint64_t cache_bytes;     /* bytes of expert slots */
-    uint64_t kv_bytes;
+    uint64_t kv_bytes;        /* the K and V cache for the whole context, in kv_dtype */
     uint64_t plane_bytes;
     uint32_t cache_slots;
     uint32_t num_layers;      /* entries smoe_stats_union_sizes fills */

@@ -88,6 +88,15 @@ void *smoe_alloc(size_t bytes, size_t align) {
     return p;
 }
 
+void *smoe_alloc_untouched(size_t bytes, size_t align) {
+    if (align < sizeof(void *)) align = sizeof(void *);
+    if (align & (align - 1)) return NULL;
+    if (bytes == 0) bytes = 1;
+    void *p = NULL;
+    if (posix_memalign(&p, align, bytes) != 0) return NULL;
+    return p;
+}
+
 void smoe_free(void *p) { free(p); }
 
 double smoe_now(void) {

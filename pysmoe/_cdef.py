@@ -59,6 +59,7 @@ typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2, SMO
 smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t group_size,
 uint32_t rows, uint32_t cols, const void *data, size_t nbytes, float *out);
 typedef struct smoe_session smoe_session;
+typedef enum { SMOE_KV_F32 = 0, SMOE_KV_BF16 = 1, SMOE_KV_F16 = 2 } smoe_kv_dtype;
 typedef struct {
 uint32_t struct_size;
 uint32_t context;
@@ -70,6 +71,7 @@ uint64_t cache_bytes;
 bool direct_io;
 bool verify_blobs;
 uint64_t coalesce_bytes;
+uint32_t kv_dtype;
 } smoe_session_params;
 smoe_session_params smoe_session_default_params(void);
 smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *params,

@@ -132,6 +132,8 @@ def add_parser(p: argparse.ArgumentParser, name: str = "bench") -> None:
                         "r.coherent_prompt('VAULT', 1024))\"")
     p.add_argument("--context", type=positive_int, default=None, help="KV length (default: the longest prompt, decode prompt + decode tokens, or budget prompt + "
                         "decode tokens, whichever is most, + 1)")
+    p.add_argument("--kv-dtype", choices=("f32", "bf16", "f16"), default=None,
+                   help="KV cache element type of every session (default: the library's)")
     p.add_argument("--strict", action="store_true", help="exit 3 if any cold run or probe lacked Direct I/O")
     p.add_argument("--json", metavar="OUT", help="write every run and the medians to this JSON file")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -473,7 +475,8 @@ class Bench:
 
     def __init__(self, vault_path, *, cache_bytes=None, cache_frac=0.1, threads=None, chunk=None, io_threads=4,
                  context=4096, resident=True, resident_bytes=None, probe_bytes=1 << 30, seed=0, log=None,
-                 prompt_ids=None, verify_blobs="on", coalesce_bytes=None, floor_bytes=FLOOR_BYTES):
+                 prompt_ids=None, verify_blobs="on", coalesce_bytes=None, floor_bytes=FLOOR_BYTES,
+                 kv_dtype=None):
         from .engine import open_vault
         from ._ffi import lib
         self.vault = open_vault(vault_path)
@@ -488,7 +491,8 @@ class Bench:
         self.seed = seed
         self.prompt_ids = prompt_ids
         kw = dict(threads=threads, chunk=chunk, io_threads=io_threads, context=context, direct_io=True,
-                  verify_blobs=verify_blobs != "off", coalesce_bytes=coalesce_bytes)
+                  verify_blobs=verify_blobs != "off", coalesce_bytes=coalesce_bytes,
+                  kv_dtype=kv_dtype)
         self.coalesce_bytes = int(lib.smoe_session_default_params().coalesce_bytes if coalesce_bytes is None
                                   else coalesce_bytes)
         self.probe_bytes = int(probe_bytes)
@@ -554,7 +558,7 @@ class Bench:
         return {"ttft_s": dt, "blob_reads": st["blob_reads"], "bytes_read": st["bytes_read"],
                 "cache_hits": st["cache_hits"], "cache_misses": st["cache_misses"], "io_wait_s": st["io_wait_s"],
                 "direct_io": st["direct_io"], "union_sum": sum(st["union_sizes"]),
-                "resident_bytes": st["resident_bytes"]}
+                "resident_bytes": st["resident_bytes"], "kv_bytes": st["kv_bytes"]}
 
     def cold_ttft(self, path: str, n: int, checked: bool = True) -> dict:
         s = self.cold if checked else self.cold_unchecked
@@ -659,7 +663,7 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
               io_threads=4, decode_tokens=16, decode_prompt=8, serial_max_len=None, resident=True,
               resident_bytes=None, probe_bytes=1 << 30, seed=0, context=None, log=None, checkpoint=None,
               ttft=True, decode_budgets=None, budget_prompt=64, prompt_ids=None, verify_blobs="on",
-              coalesce_bytes=None, floor_bytes=FLOOR_BYTES) -> dict:
+              coalesce_bytes=None, floor_bytes=FLOOR_BYTES, kv_dtype=None) -> dict:
     """Run the benchmark; returns a dict of the raw runs and the medians (what --json writes).
     checkpoint(partial_result), if given, is called after each prompt length and each repeat of
     the budget curve (so a run that dies leaves what it measured).
@@ -681,7 +685,7 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
     if ttft:
         _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_frac, chunk, threads, io_threads,
                   decode_tokens, decode_prompt, serial_max_len, resident, resident_bytes, probe_bytes, seed, context,
-                  log, checkpoint, prompt_ids, verify_blobs, coalesce_bytes, floor_bytes)
+                  log, checkpoint, prompt_ids, verify_blobs, coalesce_bytes, floor_bytes, kv_dtype)
     if decode_budgets:
         from .engine import open_vault
         with open_vault(vault_path) as v:
@@ -695,7 +699,7 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
             result["decode_budgets"] = decode_budget_curve(
                 v, decode_budgets, repeats=repeats, threads=threads, chunk=chunk, io_threads=io_threads,
                 context=context, prompt_len=budget_prompt, n_tokens=decode_tokens, seed=seed, log=log,
-                prompt_ids=prompt_ids,
+                prompt_ids=prompt_ids, kv_dtype=kv_dtype,
                 checkpoint=lambda curve: checkpoint(dict(result, decode_budgets=curve, partial=True,
                                                          loadavg_now=loadavg())))
             if not ttft:
@@ -718,12 +722,13 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
 
 def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_frac, chunk, threads, io_threads,
               decode_tokens, decode_prompt, serial_max_len, resident, resident_bytes, probe_bytes, seed, context,
-              log, checkpoint, prompt_ids=None, verify_blobs="on", coalesce_bytes=None, floor_bytes=FLOOR_BYTES) -> None:
+              log, checkpoint, prompt_ids=None, verify_blobs="on", coalesce_bytes=None, floor_bytes=FLOOR_BYTES,
+              kv_dtype=None) -> None:
     """The TTFT table and the two-point decode, into result."""
     with Bench(vault_path, cache_bytes=cache_bytes, cache_frac=cache_frac, threads=threads, chunk=chunk,
                io_threads=io_threads, context=context, resident=resident, resident_bytes=resident_bytes,
                probe_bytes=probe_bytes, seed=seed, log=log, prompt_ids=prompt_ids, verify_blobs=verify_blobs,
-               coalesce_bytes=coalesce_bytes, floor_bytes=floor_bytes) as b:
+               coalesce_bytes=coalesce_bytes, floor_bytes=floor_bytes, kv_dtype=kv_dtype) as b:
         v = b.vault
         result["vault"] = _vault_info(v)
         result["settings"] = {"cache_bytes": b.cache_bytes, "cache_frac": b.cache_bytes / max(v.expert_bytes, 1),
@@ -732,7 +737,8 @@ def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_fr
                               "decode_tokens": decode_tokens, "decode_prompt": decode_prompt,
                               "serial_max_len": serial_max_len, "seed": seed, "probe_direct_io": b.probe.direct_io,
                               "activations": b.cold.activations, "verify_blobs": verify_blobs,
-                              "coalesce_bytes": b.coalesce_bytes, "floor_bytes": b.floor_bytes}
+                              "coalesce_bytes": b.coalesce_bytes, "floor_bytes": b.floor_bytes,
+                              "kv_dtype": b.cold.kv_dtype}
         rows = []
         for n in lengths:
             cell_paths = [p for p in paths if p != "token-serial" or serial_max_len is None or n <= serial_max_len]
@@ -803,7 +809,7 @@ def budget_slots(v, pct: float) -> int:
     return max(v.config["num_experts_per_tok"], min(total, want))
 
 
-def budget_decode_run(v, pct, ids, n_tokens, *, threads, chunk, io_threads, context) -> dict:
+def budget_decode_run(v, pct, ids, n_tokens, *, threads, chunk, io_threads, context, kv_dtype=None) -> dict:
     """A fresh session with a cache of pct % of the expert bytes (Direct I/O): prefill ids
     layer-major (the cache fills as far as its budget lets), then time n_tokens greedy decode
     steps. Counters are those of the decode steps alone."""
@@ -811,7 +817,7 @@ def budget_decode_run(v, pct, ids, n_tokens, *, threads, chunk, io_threads, cont
     t0 = time.perf_counter()
     cache = budget_slots(v, pct) * v.blob_bytes
     with v.session(cache_bytes=cache, threads=threads, chunk=chunk, io_threads=io_threads, context=context,
-                   direct_io=True) as s:
+                   direct_io=True, kv_dtype=kv_dtype) as s:
         open_s = time.perf_counter() - t0
         s.prefill_path = "layer-major"
         t0 = time.perf_counter()
@@ -829,7 +835,7 @@ def budget_decode_run(v, pct, ids, n_tokens, *, threads, chunk, io_threads, cont
         st = s.stats()
         uses = st["cache_hits"] + st["cache_misses"]
         return {"budget_pct": pct, "cache_bytes": st["cache_bytes"], "cache_slots": st["cache_slots"],
-                "resident_bytes": st["resident_bytes"], "open_s": open_s, **pre,
+                "resident_bytes": st["resident_bytes"], "kv_bytes": st["kv_bytes"], "open_s": open_s, **pre,
                 "seconds": dt, "tokens": n_tokens, "tps": n_tokens / dt if dt > 0 else None,
                 "blob_reads": st["blob_reads"], "bytes_read": st["bytes_read"], "cache_hits": st["cache_hits"],
                 "cache_misses": st["cache_misses"], "hit_rate": st["cache_hits"] / uses if uses else None,
@@ -850,7 +856,8 @@ def _budget_room(v, pct) -> str | None:
 
 
 def decode_budget_curve(v, budgets_pct, *, repeats=3, threads=None, chunk=None, io_threads=4, context=None,
-                        prompt_len=64, n_tokens=16, seed=0, log=None, checkpoint=None, prompt_ids=None) -> dict:
+                        prompt_len=64, n_tokens=16, seed=0, log=None, checkpoint=None, prompt_ids=None,
+                        kv_dtype=None) -> dict:
     """Decode tokens/s against the cache budget. For each budget (percent of the expert bytes; 100
     holds every expert) a fresh session with that cache prefills the same prompt, then decodes
     n_tokens greedy tokens (budget_decode_run). Inside each repeat the budgets alternate in an
@@ -903,6 +910,7 @@ def decode_budget_curve(v, budgets_pct, *, repeats=3, threads=None, chunk=None, 
                 log(f"  decode at {b:g}% SKIPPED: {why}")
             else:
                 rec = budget_decode_run(v, b, ids, n_tokens, threads=threads, chunk=chunk, io_threads=io_threads,
+                                        kv_dtype=kv_dtype,
                                         context=context)
                 rep.append(rec)
                 log(f"  decode at {b:5g}% ({rec['cache_bytes'] / MiB:,.0f} MiB)  rep {r + 1}/{repeats}  "
@@ -1252,7 +1260,7 @@ def run(args) -> int:
                     resident_bytes=int(args.resident_mb * MiB) if args.resident_mb is not None else None,
                     probe_bytes=int(args.probe_mb * MiB), seed=args.seed, context=args.context, log=log,
                     ttft=not args.no_ttft, decode_budgets=args.decode_budgets, budget_prompt=args.budget_prompt,
-                    prompt_ids=prompt_ids, verify_blobs=args.verify_blobs,
+                    prompt_ids=prompt_ids, verify_blobs=args.verify_blobs, kv_dtype=args.kv_dtype,
                     coalesce_bytes=int(args.coalesce_mb * MiB) if args.coalesce_mb is not None else None,
                     floor_bytes=int(args.floor_mb * MiB),
                     checkpoint=(lambda partial: _write_json(args.json, partial)) if args.json else None)

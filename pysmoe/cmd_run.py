@@ -23,6 +23,9 @@ def add_session_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache length in tokens (capped by the model's max_position_embeddings)")
     p.add_argument("--prefill", choices=("layer-major", "token-serial"), default="layer-major",
                    help="how prompts are fed: layer-major chunks or one token at a time (same result)")
+    p.add_argument("--kv-dtype", choices=("f32", "bf16", "f16"), default=None,
+                   help="KV cache element type (default: the library's, f32); bf16/f16 halve its memory "
+                        "(bench/RESULTS.md, \"KV cache in bf16 and f16\")")
     p.add_argument("--buffered", action="store_true", help="buffered reads instead of Direct I/O")
 
 
@@ -87,14 +90,14 @@ def open_session(args):
     vault = open_vault(args.vault or ensure_demo_vault())
     try:
         if args.cache_mb is None:
-            choice = choose_cache(vault, args.context, args.chunk or 256)
+            choice = choose_cache(vault, args.context, args.chunk or 256, kv_dtype=args.kv_dtype)
             cache_bytes = choice.bytes
             print(f"pysmoe: {choice.describe()}", file=sys.stderr)
         else:
             cache_bytes = int(args.cache_mb * (1 << 20))
         session = vault.session(cache_bytes=cache_bytes, threads=args.threads, chunk=args.chunk,
                                 prefill=args.prefill, context=args.context, io_threads=args.io_threads,
-                                direct_io=not args.buffered)
+                                direct_io=not args.buffered, kv_dtype=args.kv_dtype)
     except BaseException:
         vault.close()
         raise
@@ -118,7 +121,7 @@ def summary(session, last, prompt_tokens: int) -> dict:
         "finish_reason": last.finish_reason if last else None,
         "prefill": session.prefill_path,
         **{k: st[k] for k in ("blob_reads", "bytes_read", "cache_hits", "cache_misses", "io_wait_s", "resident_bytes",
-                              "direct_io", "union_sizes")},
+                              "kv_bytes", "kv_dtype", "direct_io", "union_sizes")},
     }
 
 
@@ -129,7 +132,7 @@ def print_summary(rec: dict, out=sys.stderr) -> None:
           f"({rec['finish_reason']})", file=out)
     print(f"I/O: {rec['blob_reads']} blob reads, {rec['bytes_read'] / mb:.1f} MiB, hits {rec['cache_hits']}, misses "
           f"{rec['cache_misses']}, waited {rec['io_wait_s']:.3f} s, direct I/O {'on' if rec['direct_io'] else 'OFF'}; "
-          f"resident {rec['resident_bytes'] / mb:.1f} MiB", file=out)
+          f"resident {rec['resident_bytes'] / mb:.1f} MiB (KV {rec['kv_bytes'] / mb:.1f} MiB {rec['kv_dtype']})", file=out)
     u = rec["union_sizes"]
     if any(u):
         print(f"prefill union per layer: {' '.join(map(str, u))} (Σ {sum(u)})", file=out)

@@ -34,6 +34,7 @@ from .errors import BadToken, Busy, Cancelled, ContextFull, InvalidArgument, Smo
 
 PREFILL_PATHS = ("layer-major", "token-serial")
 ACTIVATIONS = ("q8", "f32")
+KV_DTYPES = ("f32", "bf16", "f16")  # smoe_kv_dtype's values, in order
 
 
 U32, U64 = 2**32 - 1, 2**64 - 1
@@ -180,10 +181,12 @@ class Vault:
     def session(self, cache_bytes: int = 0, threads: int | None = None, chunk: int | None = None,
                 prefill: str = "layer-major", context: int = 4096, io_threads: int = 4,
                 direct_io: bool = True, verify_blobs: bool = True, activations: str = "q8",
-                share_cache: "Session | None" = None, coalesce_bytes: int | None = None) -> "Session":
+                share_cache: "Session | None" = None, coalesce_bytes: int | None = None,
+                kv_dtype: str | None = None) -> "Session":
         return Session(self, cache_bytes=cache_bytes, threads=threads, chunk=chunk, prefill=prefill,
                        context=context, io_threads=io_threads, direct_io=direct_io, verify_blobs=verify_blobs,
-                       activations=activations, share_cache=share_cache, coalesce_bytes=coalesce_bytes)
+                       activations=activations, share_cache=share_cache, coalesce_bytes=coalesce_bytes,
+                       kv_dtype=kv_dtype)
 
     def close(self) -> None:
         """Close the vault; safe twice. Sessions still open keep it alive until they close."""
@@ -228,15 +231,22 @@ class Session:
     in vault.bin are read as one request up to this size (None: the library's default, 16 MiB;
     0: one read per blob). Changes only how reads are issued, never what is read.
 
+    kv_dtype: the KV cache's element type, "f32", "bf16" or "f16" (None: the library's default,
+    smoe_session_default_params). K and V are rounded to it as they are stored and read back
+    widened, so both prefill paths still agree bit for bit; bf16/f16 halve the KV memory
+    (stats()["kv_bytes"]). bench/RESULTS.md "KV cache in bf16 and f16" has the cost and speed.
+
     One method runs at a time (the module's docstring says what happens otherwise)."""
 
     def __init__(self, vault: Vault, *, cache_bytes=0, threads=None, chunk=None, prefill="layer-major",
                  context=4096, io_threads=4, direct_io=True, verify_blobs=True, activations="q8",
-                 share_cache: "Session | None" = None, coalesce_bytes=None):
+                 share_cache: "Session | None" = None, coalesce_bytes=None, kv_dtype=None):
         if prefill not in PREFILL_PATHS:
             raise InvalidArgument(f"prefill must be one of {PREFILL_PATHS}, not {prefill!r}")
         if activations not in ACTIVATIONS:
             raise InvalidArgument(f"activations must be one of {ACTIVATIONS}, not {activations!r}")
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise InvalidArgument(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
         cache_bytes = _int_arg("cache_bytes", cache_bytes, 0, U64)
         chunk = None if chunk is None else _int_arg("chunk", chunk, 1, U32)
         context = _int_arg("context", context, 1, U32)
@@ -257,6 +267,8 @@ class Session:
         p.float_activations = int(activations == "f32")
         if coalesce_bytes is not None:
             p.coalesce_bytes = coalesce_bytes
+        if kv_dtype is not None:
+            p.kv_dtype = KV_DTYPES.index(kv_dtype)
         params = ffi.new("smoe_session_params *", p)
         out = ffi.new("smoe_session **")
         if share_cache is None:
@@ -284,6 +296,7 @@ class Session:
         vault._sessions.add(self)
         self.prefill_path = prefill
         self.activations = activations
+        self.kv_dtype = KV_DTYPES[p.kv_dtype]
         self.chunk = int(p.chunk)
         self.context = min(context, vault.config["max_position_embeddings"])
         self.threads = int(p.threads)
@@ -523,14 +536,15 @@ class Session:
             "tokens_prefilled": int(c.tokens_prefilled), "tokens_decoded": int(c.tokens_decoded),
             "resident_bytes": int(c.resident_bytes), "dense_bytes": int(c.dense_bytes),
             "cache_bytes": int(c.cache_bytes), "kv_bytes": int(c.kv_bytes), "plane_bytes": int(c.plane_bytes),
-            "cache_slots": int(c.cache_slots), "direct_io": bool(c.direct_io),
+            "cache_slots": int(c.cache_slots), "direct_io": bool(c.direct_io), "kv_dtype": self.kv_dtype,
             "read_requests": int(c.read_requests), "union_sizes": list(self._union),
             "cache_sharers": int(c.cache_sharers), "batch_steps": int(c.batch_steps),
             "batch_tokens": int(c.batch_tokens), "batch_blob_reads": int(c.batch_blob_reads),
         }
 
     def kv(self, layer: int, start: int = 0, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """K (after norm and RoPE) and V rows of a layer for positions [start, start + n)."""
+        """K (after norm and RoPE) and V rows of a layer for positions [start, start + n), as
+        float32 arrays holding exactly the stored values (bf16/f16 widened)."""
         layer = _int_arg("layer", layer, 0, U32)
         start = _int_arg("start", start, 0, U32)
         with self._claim():
@@ -608,4 +622,4 @@ def decode_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> list[np.
     return list(logits)
 
 
-__all__ = ["open_vault", "Vault", "Session", "PREFILL_PATHS", "decode_batch"]
+__all__ = ["open_vault", "Vault", "Session", "PREFILL_PATHS", "KV_DTYPES", "decode_batch"]

@@ -34,16 +34,29 @@ def available_memory() -> int | None:
         return None
 
 
-def kv_bytes(config: dict, context: int) -> int:
-    """The session's K and V caches (f32, every layer), as smoe_session_new allocates them."""
+KV_ELEM_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+
+
+def default_kv_dtype() -> str:
+    """The KV element type a session gets when kv_dtype is not given (the library's default)."""
+    from ._ffi import lib
+    from .engine import KV_DTYPES
+    return KV_DTYPES[lib.smoe_session_default_params().kv_dtype]
+
+
+def kv_bytes(config: dict, context: int, kv_dtype: str | None = None) -> int:
+    """The session's K and V caches (every layer, the whole context, in kv_dtype: None for the
+    library's default), as smoe_session_new allocates them (stats()["kv_bytes"])."""
     kv_dim = config["num_key_value_heads"] * config["head_dim"]
-    return 2 * config["num_hidden_layers"] * context * kv_dim * 4
+    return 2 * config["num_hidden_layers"] * context * kv_dim * KV_ELEM_BYTES[kv_dtype or default_kv_dtype()]
 
 
 def plane_bytes(config: dict, context: int, chunk: int = 256) -> int:
-    """An upper estimate of the session's activation planes and RoPE tables."""
+    """An upper estimate of the session's activation planes and RoPE tables (with the f32 rows
+    that bf16/f16 K and V are computed in before they are rounded into the cache)."""
     width = (4 * config["hidden_size"] + config["num_attention_heads"] * config["head_dim"]
-             + 2 * max(config["intermediate_size"], config["moe_intermediate_size"]) + config["num_experts"])
+             + 2 * max(config["intermediate_size"], config["moe_intermediate_size"]) + config["num_experts"]
+             + config["num_key_value_heads"] * config["head_dim"])
     return 4 * (2 * chunk * width + context * config["head_dim"])
 
 
@@ -61,9 +74,11 @@ class CacheChoice:
                 f"{self.all_experts / mib:,.0f} MiB; --cache-mb to change)")
 
 
-def choose_cache(vault, context: int, chunk: int = 256, available: int | None = None) -> CacheChoice:
+def choose_cache(vault, context: int, chunk: int = 256, available: int | None = None,
+                 kv_dtype: str | None = None) -> CacheChoice:
     """The default cache budget for a session of `context` tokens over an open vault (see the
-    module's docstring). available: bytes of free memory (default: measured now)."""
+    module's docstring). available: bytes of free memory (default: measured now); kv_dtype: the
+    session's KV element type (None: the library's default)."""
     cfg = vault.config
     context = min(context, cfg["max_position_embeddings"])
     blob = vault.blob_bytes
@@ -74,7 +89,7 @@ def choose_cache(vault, context: int, chunk: int = 256, available: int | None = 
     if available is None:
         want = one_token
     else:
-        spare = available - kv_bytes(cfg, context) - plane_bytes(cfg, context, chunk)
+        spare = available - kv_bytes(cfg, context, kv_dtype) - plane_bytes(cfg, context, chunk)
         want = max(one_token, int(FRACTION * spare))
     want = min(want, all_experts)
     if blob:
@@ -82,6 +97,6 @@ def choose_cache(vault, context: int, chunk: int = 256, available: int | None = 
     return CacheChoice(bytes=max(want, 0), available=available, all_experts=all_experts, one_token=one_token)
 
 
-def default_cache_bytes(vault, context: int, chunk: int = 256) -> int:
+def default_cache_bytes(vault, context: int, chunk: int = 256, kv_dtype: str | None = None) -> int:
     """The default retention cache budget in bytes (choose_cache(...).bytes)."""
-    return choose_cache(vault, context, chunk).bytes
+    return choose_cache(vault, context, chunk, kv_dtype=kv_dtype).bytes

@@ -771,6 +771,7 @@ def info(path) -> str:
         cfg, h = v.config, v.header
         n_sparse = sum(v.sparse)
         E = v.binary_config["num_experts"]
+        kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]  # elements
         lines = [f"vault      {v.dir}",
                  f"model      {cfg.get('model_type', 'qwen3_moe')}: {cfg['num_hidden_layers']} layers "
                  f"({n_sparse} sparse), hidden {cfg['hidden_size']}, vocab {cfg['vocab_size']}",
@@ -781,7 +782,9 @@ def info(path) -> str:
                  f"{' (renormalised)' if cfg['norm_topk_prob'] else ''}; dense MLP {cfg['intermediate_size']}",
                  f"file       {_size(h.file_size)} ({h.file_size} bytes)",
                  f"dense      {_size(h.dense_bytes)} in {h.n_tensors} tensors (resident)",
-                 f"blobs      {n_sparse * E} x {_size(h.blob_bytes)} = {_size(n_sparse * E * h.blob_bytes)}"]
+                 f"blobs      {n_sparse * E} x {_size(h.blob_bytes)} = {_size(n_sparse * E * h.blob_bytes)}",
+                 f"kv cache   {_size(kv_per_token * 4)} per token in f32, {_size(kv_per_token * 2)} in bf16/f16 "
+                 f"(a session reserves its whole context: 4,096 tokens = {_size(kv_per_token * 4 * 4096)} in f32)"]
         def fmt(t: Tensor) -> str:  # q4/g64/bf16, f32
             return t.format + (f"/g{t.group}/{t.scale_format}" if quant.is_quantized(t.format) else "")
 

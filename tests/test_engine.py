@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 import pysmoe
+import pysmoe.memory
+from pysmoe._ffi import ffi, lib
 from pysmoe.reference import ReferenceModel
 
 from conftest import ALL_F32
@@ -164,6 +166,21 @@ def test_cache_budget_is_respected_and_hits_counted(tiny_vault):
         st = s.stats()
         assert st["cache_bytes"] <= small
         assert st["resident_bytes"] == st["dense_bytes"] + st["cache_bytes"] + st["kv_bytes"] + st["plane_bytes"]
+        assert st["kv_bytes"] == pysmoe.memory.kv_bytes(vault.config, s.context)  # the library's default type
+
+
+def test_kv_dtype_parameter(tiny_vault):
+    vault = pysmoe.open_vault(tiny_vault)
+    for name in pysmoe.KV_DTYPES:
+        with vault.session(context=64, kv_dtype=name) as s:
+            assert s.kv_dtype == name and s.stats()["kv_dtype"] == name
+            assert s.stats()["kv_bytes"] == pysmoe.memory.kv_bytes(vault.config, 64, name)
+    with pytest.raises(pysmoe.InvalidArgument):
+        vault.session(kv_dtype="f8")
+    p = lib.smoe_session_default_params()
+    p.kv_dtype = 3
+    out = ffi.new("smoe_session **")
+    assert lib.smoe_session_new(vault.handle, ffi.new("smoe_session_params *", p), out) == pysmoe.InvalidArgument.code
 
 
 def test_bad_input_is_an_error_and_the_session_survives(tiny_vault):

@@ -54,10 +54,60 @@ def test_layer_major_is_bit_identical_to_token_serial(tiny_vault, data):
     chunk = data.draw(st.integers(1, 128), label="chunk")
     threads = data.draw(st.integers(1, 3), label="threads")
     budget = data.draw(st.sampled_from(sorted(budgets(vault))), label="budget")
-    serial = run_path(vault, ids, "token-serial", threads=threads, cache_bytes=budgets(vault)[budget])
+    kv_dtype = data.draw(st.sampled_from(pysmoe.KV_DTYPES), label="kv_dtype")
+    serial = run_path(vault, ids, "token-serial", threads=threads, cache_bytes=budgets(vault)[budget],
+                      kv_dtype=kv_dtype)
     batched = run_path(vault, ids, "layer-major", threads=threads, chunk=chunk,
-                       cache_bytes=budgets(vault)[budget])
+                       cache_bytes=budgets(vault)[budget], kv_dtype=kv_dtype)
     assert_identical(serial, batched)
+    assert_kv_of_dtype(serial[2], kv_dtype)
+
+
+def assert_kv_of_dtype(kv, kv_dtype):
+    """Every K and V value Session.kv() returns is a value of kv_dtype (widened exactly)."""
+    for k, v in kv:
+        for a in (k, v):
+            if kv_dtype == "bf16":
+                assert not np.any(a.view(np.uint32) & 0xFFFF), "a bf16 KV value with low bits set"
+            elif kv_dtype == "f16":
+                assert np.array_equal(a.astype(np.float16).astype(np.float32).view(np.uint32), a.view(np.uint32))
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "f16"])
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_prompt_lengths_around_the_chunk_with_16_bit_kv(tiny_vault, chunk, kv_dtype):
+    vault = pysmoe.open_vault(tiny_vault)
+    rng = np.random.default_rng(chunk)
+    for n in sorted({1, 2, chunk, chunk + 1, chunk + 2, 2 * chunk + 1}):
+        ids = [int(i) for i in rng.integers(0, vault.config["vocab_size"], size=n)]
+        assert_identical(run_path(vault, ids, "token-serial", threads=2, kv_dtype=kv_dtype),
+                         run_path(vault, ids, "layer-major", threads=2, chunk=chunk, kv_dtype=kv_dtype))
+
+
+def to_bf16(a):
+    """f32 → bf16 (nearest, ties to even) widened back, in numpy: independent of the C rounding."""
+    u = a.astype(np.float32).view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+    return r.view(np.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bf16", "f16"])
+def test_16_bit_kv_is_f32_kv_rounded(tiny_vault_f32, kv_dtype):
+    """Layer 0's K and V do not depend on earlier attention, so a 16-bit session stores exactly
+    the f32 session's values rounded to nearest-even; later layers differ (they see rounded KV),
+    by little: the logits stay close to f32's. KV memory halves."""
+    vault = pysmoe.open_vault(tiny_vault_f32)
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, vault.config["vocab_size"], size=40)]
+    l32, _, kv32, st32 = run_path(vault, ids, "layer-major", chunk=16, kv_dtype="f32")
+    l16, _, kv16, st16 = run_path(vault, ids, "layer-major", chunk=16, kv_dtype=kv_dtype)
+    rnd = to_bf16 if kv_dtype == "bf16" else (lambda a: a.astype(np.float16).astype(np.float32))
+    for a32, a16 in zip(kv32[0], kv16[0]):
+        assert np.array_equal(rnd(a32).view(np.uint32), a16.view(np.uint32))
+    assert not np.array_equal(kv32[1][0], kv16[1][0])  # the rounding is visible further up
+    tol = 0.05 * float(np.max(np.abs(l32)))
+    assert np.max(np.abs(l16 - l32)) < tol
+    assert st16["kv_bytes"] * 2 == st32["kv_bytes"] and st16["kv_dtype"] == kv_dtype
+    assert st16["resident_bytes"] == st16["dense_bytes"] + st16["cache_bytes"] + st16["kv_bytes"] + st16["plane_bytes"]
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16, 64])
@@ -194,9 +244,9 @@ def noalloc_exe(tmp_path_factory):
 @pytest.mark.skipif(not os.path.exists("/lib/x86_64-linux-gnu/libc.so.6") and
                     not os.path.exists("/lib/aarch64-linux-gnu/libc.so.6"), reason="the shim needs glibc")
 @pytest.mark.skipif("LD_PRELOAD" in os.environ, reason="a preloaded allocator (ASan) replaces the shim")
-@pytest.mark.parametrize("budget,chunk", [(0, 7), (1 << 30, 64), (0, 1)])
-def test_no_heap_allocation_in_prefill_or_decode(noalloc_exe, tiny_vault, budget, chunk):
-    out = subprocess.run([str(noalloc_exe), str(tiny_vault), str(budget), str(chunk), "100", "8"],
+@pytest.mark.parametrize("budget,chunk,kv_dtype", [(0, 7, 0), (1 << 30, 64, 0), (0, 1, 0), (0, 7, 1), (1 << 30, 64, 2)])
+def test_no_heap_allocation_in_prefill_or_decode(noalloc_exe, tiny_vault, budget, chunk, kv_dtype):
+    out = subprocess.run([str(noalloc_exe), str(tiny_vault), str(budget), str(chunk), "100", "8", str(kv_dtype)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "heap calls during prefill + decode: 0" in out.stdout

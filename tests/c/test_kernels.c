@@ -14,6 +14,8 @@
  *           M = Σ_c (|s·q_c| + |b|)·|x_c| for q8/q4, whose affine form (s·Σq·x + b·Σx) cancels
  *           s·q against b only after rounding; and |y_fast − y_reference| within the sum of the two;
  *   rmsnorm, attend, softmax, swiglu (both): relative 1e-5 of the magnitude involved;
+ *   attend, reference against dispatched: exact (bits), for every KV type; KV rounding: exact
+ *           against a naive search (and vcvtps2ph where the build has F16C);
  *   dequantisation, n- and split-independence (both), topk order: exact (bits).
  */
 #include "kernels_isa.h"
@@ -342,42 +344,146 @@ static void test_softmax(void) {
           big[2]);
 }
 
-static void test_attend(int fast) {
-    void (*attend)(float *, const float *, const float *, const float *, size_t, uint32_t, uint32_t, float *) =
-        fast ? smoe_attend : smoe_ref_attend;
-    hashing_fast = fast;
-    const uint32_t stride = 4 * 128 + 8;
-    const uint32_t npos[] = {1, 2, 17, 300, 5, 9};
-    const uint32_t hds[] = {128, 128, 128, 128, 64, 100};
-    for (size_t pi = 0; pi < sizeof npos / sizeof *npos; pi++) {
-        uint32_t n = npos[pi], hd = hds[pi];
-        float *k = malloc(sizeof(float) * stride * n), *v = malloc(sizeof(float) * stride * n);
-        float q[128], out[128], *scratch = malloc(sizeof(float) * n);
-        for (size_t i = 0; i < (size_t)stride * n; i++) {
-            k[i] = rndf(-1, 1);
-            v[i] = rndf(-1, 1);
-        }
-        for (uint32_t i = 0; i < hd; i++) q[i] = rndf(-2, 2);
-        attend(out, q, k, v, stride, n, hd, scratch);
-        hash_floats(out, hd);
-        double *s = malloc(sizeof(double) * n), m = -INFINITY, z = 0;
-        for (uint32_t p = 0; p < n; p++) {
-            double d = 0;
-            for (uint32_t i = 0; i < hd; i++) d += (double)q[i] * k[(size_t)p * stride + i];
-            s[p] = d / sqrt(hd);
-            if (s[p] > m) m = s[p];
-        }
-        for (uint32_t p = 0; p < n; p++) z += s[p] = exp(s[p] - m);
-        for (uint32_t i = 0; i < hd; i++) {
-            double ref = 0;
-            for (uint32_t p = 0; p < n; p++) ref += s[p] / z * v[(size_t)p * stride + i];
-            CHECK(fabs(out[i] - ref) <= 1e-5, "attend n_pos %u [%u]: %g vs %g", n, i, out[i], ref);
-        }
-        free(s);
-        free(k);
-        free(v);
-        free(scratch);
+/* The nearest of the two candidates lo < hi (their values vlo < vhi) to x, ties to the even code. */
+static uint16_t nearest(double x, uint16_t lo, double vlo, uint16_t hi, double vhi) {
+    double dl = x - vlo, dh = vhi - x;
+    return dl < dh ? lo : dh < dl ? hi : (lo & 1) ? hi : lo;
+}
+
+/* f32 → f16 by search over the finite halves (ordered by their bits), independent of kernels.c */
+static uint16_t naive_to_f16(float f) {
+    uint16_t sign = (f32_bits(f) >> 16) & 0x8000;
+    if (isnan(f)) return 0; /* not used */
+    double x = fabs((double)f);
+    if (x >= 65520.0) return sign | 0x7c00;
+    uint16_t lo = 0, hi = 0x7bff;
+    while (hi - lo > 1) { /* naive_f16(lo) ≤ x < naive_f16(hi) */
+        uint16_t mid = (uint16_t)((lo + hi) / 2);
+        if (naive_f16(mid) <= x) lo = mid; else hi = mid;
     }
+    if (x >= naive_f16(0x7bff)) lo = hi = 0x7bff;
+    if (lo == hi || x == naive_f16(lo)) return sign | lo;
+    return sign | nearest(x, lo, naive_f16(lo), hi, naive_f16(hi));
+}
+
+static uint16_t naive_to_bf16(float f) {
+    uint32_t u = f32_bits(f);
+    uint16_t t = (uint16_t)(u >> 16);                /* truncation: toward zero */
+    if ((u & 0xffff) == 0) return t;
+    double x = fabs((double)f), vlo = fabs((double)naive_bf16(t)), vhi = fabs((double)naive_bf16((uint16_t)(t + 1)));
+    if ((t & 0x7fff) == 0x7f7f) vhi = ldexp(1.0, 128); /* above the largest finite: inf, at 2^128 */
+    return nearest(x, t, vlo, (uint16_t)(t + 1), vhi);
+}
+
+/* smoe_kv_store against the naive roundings (and F16C's vcvtps2ph where the build has it), on a
+ * sweep of every exponent and random bits, the halfway cases, the edges and NaN; and the
+ * widening smoe_kv_load back. */
+static void test_kv_store(void) {
+    enum { N = 1 << 20 };
+    float *x = malloc(sizeof(float) * N), *back = malloc(sizeof(float) * N);
+    uint16_t *h = malloc(2 * N), *b = malloc(2 * N);
+    for (uint32_t i = 0; i < N; i++) {
+        uint32_t u = (uint32_t)(rnd() >> 32);
+        if (i % 4 == 1) u = (u & 0xffff0000u) | 0x8000u;         /* a bf16 halfway */
+        if (i % 4 == 2) u = (u & 0xffffe000u) | 0x1000u;         /* an f16-normal halfway */
+        if (i % 8 == 3) u = (u & 0x807fffffu) | ((100u + i % 48) << 23); /* the f16 range's exponents */
+        memcpy(&x[i], &u, 4);
+    }
+    const float edges[] = {0.0f, -0.0f, 65504.0f, 65519.99f, 65520.0f, -65520.0f, 0x1p-14f, 0x1p-24f, 0x1p-25f,
+                           0x1.000002p-25f, 0x1.8p-24f, 0x1.ffcp-15f, 0x1.ffep-15f, INFINITY, -INFINITY, 3.3895314e38f,
+                           0x1.fffffep127f, 1e-40f};
+    memcpy(x, edges, sizeof edges);
+    smoe_kv_store(h, x, N, SMOE_KV_F16);
+    smoe_kv_store(b, x, N, SMOE_KV_BF16);
+    int bad = 0;
+    for (uint32_t i = 0; i < N && bad < 5; i++) {
+        if (isnan(x[i])) {
+            uint32_t u = f32_bits(x[i]);
+            uint16_t wh = (uint16_t)(((u >> 16) & 0x8000u) | 0x7e00u | ((u >> 13) & 0x3ffu));
+            uint16_t wb = (uint16_t)((u >> 16) | 0x40u);
+            if (h[i] != wh || b[i] != wb) CHECK(bad++ < 0, "NaN %08x → f16 %04x, bf16 %04x", u, h[i], b[i]);
+            continue;
+        }
+        uint16_t wh = naive_to_f16(x[i]), wb = naive_to_bf16(x[i]);
+        if (h[i] != wh) CHECK(bad++ < 0, "%a → f16 %04x, expected %04x", x[i], h[i], wh);
+        if (b[i] != wb) CHECK(bad++ < 0, "%a → bf16 %04x, expected %04x", x[i], b[i], wb);
+#if defined(__F16C__)
+        uint16_t hw = (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(x[i]), 0), 0);
+        if (h[i] != hw) CHECK(bad++ < 0, "%a → f16 %04x, vcvtps2ph %04x", x[i], h[i], hw);
+#endif
+    }
+    for (uint32_t i = 0; i < N; i++) { /* NaNs included: vcvtps2ph's, on hardware that has it */
+#if defined(__F16C__)
+        uint16_t hw = (uint16_t)_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(x[i]), 0), 0);
+        if (h[i] != hw && bad++ < 5) CHECK(0, "%08x → f16 %04x, vcvtps2ph %04x", f32_bits(x[i]), h[i], hw);
+#endif
+    }
+    smoe_kv_load(back, h, N, SMOE_KV_F16);
+    for (uint32_t i = 0; i < N && bad < 5; i++) {
+        double w = naive_f16(h[i]);
+        if (!(isnan(w) ? isnan(back[i]) : (double)back[i] == w)) CHECK(bad++ < 0, "f16 %04x widened to %a", h[i], back[i]);
+    }
+    smoe_kv_load(back, b, N, SMOE_KV_BF16);
+    for (uint32_t i = 0; i < N && bad < 5; i++)
+        if (f32_bits(back[i]) != (uint32_t)b[i] << 16) CHECK(bad++ < 0, "bf16 %04x widened to %a", b[i], back[i]);
+    smoe_kv_store(back, x, 5, SMOE_KV_F32);
+    CHECK(memcmp(back, x, 5 * sizeof(float)) == 0, "f32 store is not a copy");
+    free(x);
+    free(back);
+    free(h);
+    free(b);
+}
+
+/* The reference and the dispatched attention on KV of each type: the same bits (kernels.h), and
+ * within 1e-5 of softmax(q·K/√d)·V in double on the stored (rounded) values. */
+static void test_attend(void) {
+    const uint32_t stride = 4 * 128 + 8;
+    const uint32_t npos[] = {1, 2, 17, 300, 5, 9, 40, 3};
+    const uint32_t hds[] = {128, 128, 128, 128, 64, 100, 68, 3};
+    for (uint32_t dt = SMOE_KV_F32; dt <= SMOE_KV_F16; dt++)
+        for (size_t pi = 0; pi < sizeof npos / sizeof *npos; pi++) {
+            uint32_t n = npos[pi], hd = hds[pi];
+            size_t eb = smoe_kv_elem_bytes(dt), cnt = (size_t)stride * n;
+            float *kf = malloc(sizeof(float) * cnt), *vf = malloc(sizeof(float) * cnt);
+            void *k = malloc(eb * cnt), *v = malloc(eb * cnt);
+            float q[128], out[128], fast[128], *scratch = malloc(sizeof(float) * n);
+            for (size_t i = 0; i < cnt; i++) {
+                kf[i] = rndf(-1, 1);
+                vf[i] = rndf(-1, 1);
+            }
+            smoe_kv_store(k, kf, cnt, dt);
+            smoe_kv_store(v, vf, cnt, dt);
+            smoe_kv_load(kf, k, cnt, dt); /* the values attention sees */
+            smoe_kv_load(vf, v, cnt, dt);
+            for (uint32_t i = 0; i < hd; i++) q[i] = rndf(-2, 2);
+            smoe_ref_attend(out, q, k, v, stride, n, hd, dt, scratch);
+            hashing_fast = 0;
+            hash_floats(out, hd);
+            smoe_attend(fast, q, k, v, stride, n, hd, dt, scratch);
+            hashing_fast = 1;
+            hash_floats(fast, hd);
+            CHECK(memcmp(out, fast, sizeof(float) * hd) == 0, "attend kv_dtype %u n_pos %u hd %u: %s differs from the reference",
+                  dt, n, hd, smoe_kernels_isa());
+            double *s = malloc(sizeof(double) * n), m = -INFINITY, z = 0;
+            for (uint32_t p = 0; p < n; p++) {
+                double d = 0;
+                for (uint32_t i = 0; i < hd; i++) d += (double)q[i] * kf[(size_t)p * stride + i];
+                s[p] = d / sqrt(hd);
+                if (s[p] > m) m = s[p];
+            }
+            for (uint32_t p = 0; p < n; p++) z += s[p] = exp(s[p] - m);
+            for (uint32_t i = 0; i < hd; i++) {
+                double ref = 0;
+                for (uint32_t p = 0; p < n; p++) ref += s[p] / z * vf[(size_t)p * stride + i];
+                CHECK(fabs(out[i] - ref) <= 1e-5, "attend kv_dtype %u n_pos %u [%u]: %g vs %g", dt, n, i, out[i], ref);
+            }
+            free(s);
+            free(kf);
+            free(vf);
+            free(k);
+            free(v);
+            free(scratch);
+        }
 }
 
 static void test_topk(void) {
@@ -760,11 +866,8 @@ int main(int argc, char **argv) {
     }
     test_rope();
     test_softmax();
-    for (int fast = 0; fast < 2; fast++) {
-        uint64_t seed = rng_state;
-        test_attend(fast);
-        if (!fast) rng_state = seed;
-    }
+    test_attend();
+    test_kv_store();
     hashing_fast = 0;
     test_topk();
     test_swiglu_axpy();

@@ -15,6 +15,7 @@
  *           against b only after rounding); and |y − y_reference| within that plus the reference
  *           kernel's own bound 4·(cols/16 + 4)·u·Σ|w·x|;
  *   rmsnorm, attend: relative 1e-5 of the magnitude involved, as for every other kernel;
+ *   attend against the reference: exact (bits), for every KV type (kernels.h);
  *   n- and split-independence, the dispatch, rmsnorm in place, every f16 scale: exact (bits).
  */
 #include "kernels_isa.h"
@@ -293,40 +294,50 @@ static void test_attend(void) {
     const uint32_t stride = 4 * 128 + 8;
     const uint32_t npos[] = {1, 2, 17, 300, 5, 9, 40, 3};
     const uint32_t hds[] = {128, 128, 128, 128, 64, 100, 68, 3};
-    for (size_t pi = 0; pi < sizeof npos / sizeof *npos; pi++) {
-        const uint32_t n = npos[pi], hd = hds[pi];
-        float *k = malloc(sizeof(float) * stride * n), *v = malloc(sizeof(float) * stride * n);
-        float q[128], out[128], ref[128], disp[128], *scratch = malloc(sizeof(float) * n);
-        for (size_t i = 0; i < (size_t)stride * n; i++) {
-            k[i] = rndf(-1, 1);
-            v[i] = rndf(-1, 1);
+    for (uint32_t dt = SMOE_KV_F32; dt <= SMOE_KV_F16; dt++)
+        for (size_t pi = 0; pi < sizeof npos / sizeof *npos; pi++) {
+            const uint32_t n = npos[pi], hd = hds[pi];
+            const size_t eb = smoe_kv_elem_bytes(dt), cnt = (size_t)stride * n;
+            float *kf = malloc(sizeof(float) * cnt), *vf = malloc(sizeof(float) * cnt);
+            void *k = malloc(eb * cnt), *v = malloc(eb * cnt);
+            float q[128], out[128], ref[128], disp[128], *scratch = malloc(sizeof(float) * n);
+            for (size_t i = 0; i < cnt; i++) {
+                kf[i] = rndf(-1, 1);
+                vf[i] = rndf(-1, 1);
+            }
+            smoe_kv_store(k, kf, cnt, dt);
+            smoe_kv_store(v, vf, cnt, dt);
+            smoe_kv_load(kf, k, cnt, dt);
+            smoe_kv_load(vf, v, cnt, dt);
+            for (uint32_t i = 0; i < hd; i++) q[i] = rndf(-2, 2);
+            smoe_neon_attend(out, q, k, v, stride, n, hd, dt, scratch);
+            hash_floats(out, hd);
+            smoe_ref_attend(ref, q, k, v, stride, n, hd, dt, scratch);
+            smoe_attend(disp, q, k, v, stride, n, hd, dt, scratch);
+            double *s = malloc(sizeof(double) * n), m = -INFINITY, z = 0;
+            for (uint32_t p = 0; p < n; p++) {
+                double d = 0;
+                for (uint32_t i = 0; i < hd; i++) d += (double)q[i] * kf[(size_t)p * stride + i];
+                s[p] = d / sqrt(hd);
+                if (s[p] > m) m = s[p];
+            }
+            for (uint32_t p = 0; p < n; p++) z += s[p] = exp(s[p] - m);
+            for (uint32_t i = 0; i < hd; i++) {
+                double want = 0;
+                for (uint32_t p = 0; p < n; p++) want += s[p] / z * vf[(size_t)p * stride + i];
+                CHECK(fabs(out[i] - want) <= 1e-5, "attend kv_dtype %u n_pos %u hd %u [%u]: %g vs %g", dt, n, hd, i,
+                      out[i], want);
+            }
+            CHECK(memcmp(ref, out, sizeof(float) * hd) == 0, "attend kv_dtype %u n_pos %u hd %u: NEON differs from the reference",
+                  dt, n, hd);
+            CHECK(memcmp(disp, out, sizeof(float) * hd) == 0, "smoe_attend is not the NEON kernel (n_pos %u)", n);
+            free(s);
+            free(kf);
+            free(vf);
+            free(k);
+            free(v);
+            free(scratch);
         }
-        for (uint32_t i = 0; i < hd; i++) q[i] = rndf(-2, 2);
-        smoe_neon_attend(out, q, k, v, stride, n, hd, scratch);
-        hash_floats(out, hd);
-        smoe_ref_attend(ref, q, k, v, stride, n, hd, scratch);
-        smoe_attend(disp, q, k, v, stride, n, hd, scratch);
-        double *s = malloc(sizeof(double) * n), m = -INFINITY, z = 0;
-        for (uint32_t p = 0; p < n; p++) {
-            double d = 0;
-            for (uint32_t i = 0; i < hd; i++) d += (double)q[i] * k[(size_t)p * stride + i];
-            s[p] = d / sqrt(hd);
-            if (s[p] > m) m = s[p];
-        }
-        for (uint32_t p = 0; p < n; p++) z += s[p] = exp(s[p] - m);
-        for (uint32_t i = 0; i < hd; i++) {
-            double want = 0;
-            for (uint32_t p = 0; p < n; p++) want += s[p] / z * v[(size_t)p * stride + i];
-            CHECK(fabs(out[i] - want) <= 1e-5, "attend n_pos %u hd %u [%u]: %g vs %g", n, hd, i, out[i], want);
-            CHECK(fabs(out[i] - ref[i]) <= 2e-5, "attend n_pos %u hd %u [%u]: %g, reference %g", n, hd, i, out[i],
-                  ref[i]);
-        }
-        CHECK(memcmp(disp, out, sizeof(float) * hd) == 0, "smoe_attend is not the NEON kernel (n_pos %u)", n);
-        free(s);
-        free(k);
-        free(v);
-        free(scratch);
-    }
 }
 
 int main(void) {

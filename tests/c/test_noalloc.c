@@ -50,8 +50,8 @@ static int fail(const char *what, smoe_status st) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 6) {
-        fprintf(stderr, "usage: %s VAULT CACHE_BYTES CHUNK N_PROMPT N_DECODE\n", argv[0]);
+    if (argc != 6 && argc != 7) {
+        fprintf(stderr, "usage: %s VAULT CACHE_BYTES CHUNK N_PROMPT N_DECODE [KV_DTYPE]\n", argv[0]);
         return 2;
     }
     smoe_vault *v;
@@ -64,6 +64,8 @@ int main(int argc, char **argv) {
     p.cache_bytes = strtoull(argv[2], NULL, 10);
     p.chunk = (uint32_t)atoi(argv[3]);
     p.threads = 2;
+    if (argc == 7)
+        p.kv_dtype = (uint32_t)atoi(argv[6]);
     smoe_session *s;
     atomic_store(&armed, 1); /* session creation allocates: the shim must see libsmoe's calls */
     if ((st = smoe_session_new(v, &p, &s)))
