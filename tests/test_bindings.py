@@ -5,6 +5,7 @@ the layer-major path is bit-identical for any) and want the same f32 bits. Each 
 so, where its toolchain is missing; .ci/run installs both."""
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import re
@@ -80,8 +81,10 @@ def test_go_binding_logits_match_python(tiny_vault, expected):
         pytest.skip("go not found: the Go binding's test did not run (apt-get install golang-go)")
     need_built_lib()
     env = toolchain_env(tiny_vault, expected)
-    # offline, the build cache kept under build/
-    env.update(GOPROXY="off", GOFLAGS="-mod=mod", GOCACHE=str(ROOT / "build" / "go-cache"), CGO_ENABLED="1")
+    # offline, the build cache kept under build/, one per smoe.h: go does not hash a header cgo
+    # includes from outside the package, so a cache from an older header would be reused
+    header = hashlib.sha256((ROOT / "csrc" / "smoe.h").read_bytes()).hexdigest()[:12]
+    env.update(GOPROXY="off", GOFLAGS="-mod=mod", GOCACHE=str(ROOT / "build" / f"go-cache-{header}"), CGO_ENABLED="1")
     out = subprocess.run(["go", "test", "-v", "-count=1", "./..."], cwd=ROOT / "bindings" / "go",
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
