@@ -203,8 +203,6 @@ class DirectReader:
     size and queue depth."""
 
     def __init__(self, vault_dir, io_threads: int = 4):
-        import concurrent.futures as cf
-        import mmap
         import pathlib
 
         import numpy as np
@@ -239,8 +237,6 @@ class DirectReader:
                     self.direct_io = True
             except OSError:
                 pass
-        self._bufs = [mmap.mmap(-1, max(self.blob_bytes, 1)) for _ in range(self.io_threads)]
-        self._pool = cf.ThreadPoolExecutor(self.io_threads, thread_name_prefix="pread-probe")
         self._calls = 0
 
     def _direct_failed(self):
@@ -250,39 +246,15 @@ class DirectReader:
         self.direct_io = False
 
     def read(self, n_blobs: int, seed: int = 0) -> dict:
-        """Read n_blobs distinct random blobs; returns seconds, bytes, GB/s."""
-        import itertools
-
+        """Read n_blobs distinct random blobs, io_threads in flight; returns seconds, bytes, GB/s."""
         import numpy as np
         n_blobs = max(1, min(int(n_blobs), len(self.offsets)))
         rng = np.random.default_rng([seed, self._calls])
         self._calls += 1
         offs = self.offsets[rng.choice(len(self.offsets), n_blobs, replace=False)].tolist()
-        counter = itertools.count()
-        size = self.blob_bytes
-
-        def worker(k: int) -> int:
-            buf, done = self._bufs[k], 0
-            while True:
-                i = next(counter)
-                if i >= n_blobs:
-                    return done
-                got = os.preadv(self.fd, [buf], offs[i])
-                if got != size:
-                    raise OSError(f"short read of a blob at {offs[i]}: {got} of {size} bytes")
-                done += got
-
-        try:
-            t0 = time.perf_counter()
-            total = sum(f.result() for f in [self._pool.submit(worker, k) for k in range(self.io_threads)])
-            dt = time.perf_counter() - t0
-        except OSError as e:
-            if self.direct_io and e.errno == 22:  # EINVAL: O_DIRECT refused by the file system
-                self._direct_failed()
-                return self.read(n_blobs, seed)
-            raise
-        return {"seconds": dt, "bytes": total, "blobs": n_blobs, "gbps": total / dt / 1e9,
-                "direct_io": self.direct_io}
+        r = self.read_requests([(o, self.blob_bytes) for o in offs], self.io_threads)
+        del r["requests"]
+        return {**r, "blobs": n_blobs}
 
     def read_requests(self, reqs, depth: int) -> dict:
         """Reads reqs, a list of (offset, size) with both multiples of 16 KiB, in order, with `depth`
@@ -325,12 +297,9 @@ class DirectReader:
                 "direct_io": self.direct_io}
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
+        if self.fd is not None:
             os.close(self.fd)
-            for b in self._bufs:
-                b.close()
+            self.fd = None
 
     def __enter__(self):
         return self
