@@ -86,69 +86,21 @@ static uint32_t draw(uint64_t *r) {
 }
 
 typedef ssize_t (*pread_fn)(int, void *, size_t, off_t);
-
-static ssize_t faulty(pread_fn real, int fd, void *buf, size_t n, off_t off) {
-    if (fd == eof_fd && off == eof_at) {
-        eof_fd = -1;
-        return 0;
-    }
-    if (n < atomic_load(&min_bytes))
-        return real(fd, buf, n, off);
-    uint64_t r;
-    switch (draw(&r)) {
-    case FAULT_EIO:
-        atomic_fetch_add(&injected[0], 1);
-        errno = EIO;
-        return -1;
-    case FAULT_SHORT: {
-        size_t k = (size_t)((r >> 20) % (n / 4096 ? n / 4096 : 1)) * 4096;
-        atomic_fetch_add(&injected[1], 1);
-        if (k == 0)
-            return 0;
-        ssize_t got = real(fd, buf, k, off);
-        if (got == (ssize_t)k) {
-            eof_fd = fd;
-            eof_at = off + (off_t)k;
-        }
-        return got;
-    }
-    case FAULT_FLIP: {
-        ssize_t got = real(fd, buf, n, off);
-        if (got > 0) {
-            ((uint8_t *)buf)[(r >> 8) % (uint64_t)got] ^= (uint8_t)(1u << (r & 7));
-            atomic_fetch_add(&injected[2], 1);
-        }
-        return got;
-    }
-    }
-    return real(fd, buf, n, off);
-}
-
-ssize_t pread(int fd, void *buf, size_t n, off_t off) {
-    static _Atomic(pread_fn) real;
-    pread_fn f = atomic_load(&real);
-    if (!f) {
-        f = (pread_fn)dlsym(RTLD_NEXT, "pread");
-        atomic_store(&real, f);
-    }
-    return faulty(f, fd, buf, n, off);
-}
-
-ssize_t pread64(int fd, void *buf, size_t n, off_t off) {
-    static _Atomic(pread_fn) real;
-    pread_fn f = atomic_load(&real);
-    if (!f) {
-        f = (pread_fn)dlsym(RTLD_NEXT, "pread64");
-        atomic_store(&real, f);
-    }
-    return faulty(f, fd, buf, n, off);
-}
-
-/* preadv: the same faults over the whole request (a short one keeps a 4 KiB-aligned prefix of
- * it; a flip lands in any of its buffers). */
 typedef ssize_t (*preadv_fn)(int, const struct iovec *, int, off_t);
 
-static ssize_t faulty_v(preadv_fn real, int fd, const struct iovec *iov, int cnt, off_t off) {
+/* The next reader down: preadv, or pread (then the request is one buffer). */
+typedef struct {
+    pread_fn p;
+    preadv_fn v;
+} real_fn;
+
+static ssize_t call_real(real_fn f, int fd, const struct iovec *iov, int cnt, off_t off) {
+    return f.v ? f.v(fd, iov, cnt, off) : f.p(fd, iov[0].iov_base, iov[0].iov_len, off);
+}
+
+/* The faults over a whole request (a short one keeps a 4 KiB-aligned prefix of it; a flip lands
+ * in any of its buffers). */
+static ssize_t faulty(real_fn real, int fd, const struct iovec *iov, int cnt, off_t off) {
     if (fd == eof_fd && off == eof_at) {
         eof_fd = -1;
         return 0;
@@ -157,7 +109,7 @@ static ssize_t faulty_v(preadv_fn real, int fd, const struct iovec *iov, int cnt
     for (int i = 0; i < cnt; i++)
         n += iov[i].iov_len;
     if (n < atomic_load(&min_bytes) || cnt > 1024)
-        return real(fd, iov, cnt, off);
+        return call_real(real, fd, iov, cnt, off);
     uint64_t r;
     switch (draw(&r)) {
     case FAULT_EIO:
@@ -177,7 +129,7 @@ static ssize_t faulty_v(preadv_fn real, int fd, const struct iovec *iov, int cnt
                 part[m].iov_len = left;
             left -= part[m].iov_len;
         }
-        ssize_t got = real(fd, part, m, off);
+        ssize_t got = call_real(real, fd, part, m, off);
         if (got == (ssize_t)k) {
             eof_fd = fd;
             eof_at = off + (off_t)k;
@@ -185,7 +137,7 @@ static ssize_t faulty_v(preadv_fn real, int fd, const struct iovec *iov, int cnt
         return got;
     }
     case FAULT_FLIP: {
-        ssize_t got = real(fd, iov, cnt, off);
+        ssize_t got = call_real(real, fd, iov, cnt, off);
         if (got > 0) {
             uint64_t at = (r >> 8) % (uint64_t)got;
             int i = 0;
@@ -197,7 +149,27 @@ static ssize_t faulty_v(preadv_fn real, int fd, const struct iovec *iov, int cnt
         return got;
     }
     }
-    return real(fd, iov, cnt, off);
+    return call_real(real, fd, iov, cnt, off);
+}
+
+static ssize_t faulty_pread(const char *name, _Atomic(pread_fn) *real, int fd, void *buf, size_t n, off_t off) {
+    pread_fn f = atomic_load(real);
+    if (!f) {
+        f = (pread_fn)dlsym(RTLD_NEXT, name);
+        atomic_store(real, f);
+    }
+    struct iovec one = {.iov_base = buf, .iov_len = n};
+    return faulty((real_fn){.p = f}, fd, &one, 1, off);
+}
+
+ssize_t pread(int fd, void *buf, size_t n, off_t off) {
+    static _Atomic(pread_fn) real;
+    return faulty_pread("pread", &real, fd, buf, n, off);
+}
+
+ssize_t pread64(int fd, void *buf, size_t n, off_t off) {
+    static _Atomic(pread_fn) real;
+    return faulty_pread("pread64", &real, fd, buf, n, off);
 }
 
 ssize_t preadv(int fd, const struct iovec *iov, int cnt, off_t off) {
@@ -207,7 +179,7 @@ ssize_t preadv(int fd, const struct iovec *iov, int cnt, off_t off) {
         f = (preadv_fn)dlsym(RTLD_NEXT, "preadv");
         atomic_store(&real, f);
     }
-    return faulty_v(f, fd, iov, cnt, off);
+    return faulty((real_fn){.v = f}, fd, iov, cnt, off);
 }
 
 ssize_t preadv64(int fd, const struct iovec *iov, int cnt, off_t off) {
@@ -217,5 +189,5 @@ ssize_t preadv64(int fd, const struct iovec *iov, int cnt, off_t off) {
         f = (preadv_fn)dlsym(RTLD_NEXT, "preadv64");
         atomic_store(&real, f);
     }
-    return faulty_v(f, fd, iov, cnt, off);
+    return faulty((real_fn){.v = f}, fd, iov, cnt, off);
 }
