@@ -21,6 +21,7 @@
  * down. When the streamer has no free slot, compute drains a ready expert and retries.
  */
 #include "session.h"
+#include "prof.h"
 
 #include <math.h>
 #include <string.h>
@@ -66,6 +67,7 @@ static const smoe_qx *prepare(smoe_session *s, const smoe_tensor *W, const float
         return NULL;
     if (pl->x != x || pl->qx.cols != W->cols || pl->qx.wformat != W->format || pl->qx.group != W->group) {
         smoe_qx_prepare(x, W->cols, n, W->cols, W->format, W->group, s->qx_codes, s->qx_d, s->qx_gsum);
+        SMOE_PROF_LAP(SMOE_P_QX);
         *pl = (qx_planes){x, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, W->group, W->format}};
     }
     return &pl->qx;
@@ -74,15 +76,18 @@ static const smoe_qx *prepare(smoe_session *s, const smoe_tensor *W, const float
 /* Row grain keeps each thread's rows a multiple of 16: splits never cut a cache line of y. */
 enum { ROW_GRAIN = 16 };
 
-static void linear_with(smoe_session *s, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n, float *y,
-                        qx_planes *pl) {
+static void linear_with(smoe_session *s, int stage, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n,
+                        float *y, qx_planes *pl) {
+    (void)stage; /* the profiler's (prof.h) */
     linear_task t = {W, w, x, prepare(s, W, x, n, pl), n, y, W->rows};
     smoe_pool_run(s->pool, linear_rows, &t, W->rows, ROW_GRAIN);
+    SMOE_PROF_LAP(stage);
 }
 
-void smoe_linear(smoe_session *s, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n, float *y) {
+void smoe_linear(smoe_session *s, int stage, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n,
+                 float *y) {
     qx_planes pl = {0};
-    linear_with(s, W, w, x, n, y, &pl);
+    linear_with(s, stage, W, w, x, n, y, &pl);
 }
 
 /* Gate and up of one expert (or dense MLP) in one dispatch: rows [0, I) are gate, [I, 2I) up;
@@ -126,9 +131,11 @@ static void swiglu_mlp(smoe_session *s, const smoe_tensor *gate, const uint8_t *
         t.qu = prepare(s, up, x, n, &pl);
         smoe_pool_run(s->pool, gate_up_rows, &t, 2 * I, ROW_GRAIN);
     }
+    SMOE_PROF_LAP(SMOE_P_GATE_UP);
     for (uint32_t i = 0; i < n; i++)
         smoe_swiglu(s->h + (size_t)i * I, s->hg + (size_t)i * 2 * I, s->hg + (size_t)i * 2 * I + I, I);
-    smoe_linear(s, down, wd, s->h, n, out);
+    SMOE_PROF_LAP(SMOE_P_SWIGLU);
+    smoe_linear(s, SMOE_P_DOWN, down, wd, s->h, n, out);
 }
 
 /* --------------------------------------------------------------------------------- embedding */
@@ -185,6 +192,7 @@ void smoe_attention_block(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n
 
     for (uint32_t t = 0; t < n; t++)
         smoe_rmsnorm(s->xn + (size_t)t * H, s->x + (size_t)t * H, L->input_norm, H, eps);
+    SMOE_PROF_LAP(SMOE_P_NORM);
 
     /* K and V in f32 land straight in the cache rows of their positions; other types are
      * computed in the k_new/v_new planes and rounded into the cache below, before attention, so
@@ -193,9 +201,9 @@ void smoe_attention_block(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n
     float *krows = f32 ? smoe_kv_row(s, s->k_cache, l, pos0) : s->k_new;
     float *vrows = f32 ? smoe_kv_row(s, s->v_cache, l, pos0) : s->v_new;
     qx_planes pl = {0}; /* q, k and v share one quantisation of xn when their formats agree */
-    linear_with(s, L->q, L->q->data, s->xn, n, s->q, &pl);
-    linear_with(s, L->k, L->k->data, s->xn, n, krows, &pl);
-    linear_with(s, L->v, L->v->data, s->xn, n, vrows, &pl);
+    linear_with(s, SMOE_P_QKV, L->q, L->q->data, s->xn, n, s->q, &pl);
+    linear_with(s, SMOE_P_QKV, L->k, L->k->data, s->xn, n, krows, &pl);
+    linear_with(s, SMOE_P_QKV, L->v, L->v->data, s->xn, n, vrows, &pl);
 
     for (uint32_t t = 0; t < n; t++) {
         const float *cs = s->rope_cos + (size_t)(pos0 + t) * half;
@@ -214,12 +222,16 @@ void smoe_attention_block(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n
         smoe_kv_store(smoe_kv_row(s, s->v_cache, l, pos0), vrows, (size_t)n * s->kv_dim, s->params.kv_dtype);
     }
 
+    SMOE_PROF_LAP(SMOE_P_QKNORM);
+
     attend_task at = {s, l, pos0};
     smoe_pool_run(s->pool, attend_items, &at, n * c->num_attention_heads, 1);
+    SMOE_PROF_LAP(SMOE_P_ATTEND);
 
-    smoe_linear(s, L->o, L->o->data, s->att, n, s->xn);
+    smoe_linear(s, SMOE_P_O, L->o, L->o->data, s->att, n, s->xn);
     for (size_t i = 0; i < (size_t)n * H; i++)
         s->x[i] += s->xn[i];
+    SMOE_PROF_LAP(SMOE_P_O);
 }
 
 /* ---------------------------------------------------------------------------------------- FFN */
@@ -232,10 +244,12 @@ static void run_expert(smoe_session *s, uint32_t e, const uint8_t *blob) {
     const uint32_t *rows = s->exp_rows + (size_t)e * s->params.chunk;
     for (uint32_t j = 0; j < m; j++)
         memcpy(s->xg + (size_t)j * H, s->xn + (size_t)(rows[j] / K) * H, H * sizeof(float));
+    SMOE_PROF_LAP(SMOE_P_GATHER);
     const smoe_tensor *g = &lay->expert[0], *u = &lay->expert[1], *d = &lay->expert[2];
     swiglu_mlp(s, g, blob + g->offset, u, blob + u->offset, d, blob + d->offset, s->xg, m, s->yg);
     for (uint32_t j = 0; j < m; j++)
         memcpy(s->slot_out + (size_t)rows[j] * H, s->yg + (size_t)j * H, H * sizeof(float));
+    SMOE_PROF_LAP(SMOE_P_GATHER);
 }
 
 /* Releases every slot the union still pins (after a failure). */
@@ -258,6 +272,7 @@ static smoe_status drain_one(smoe_session *s, uint32_t *pending, uint32_t *np, i
     smoe_status st = smoe_streamer_wait(s->streamer, slot);
     if (st != SMOE_OK)
         return st;
+    SMOE_PROF_LAP(SMOE_P_GATHER);
     run_expert(s, (uint32_t)s->union_list[u], smoe_streamer_data(s->streamer, slot));
     smoe_streamer_release(s->streamer, slot);
     s->union_slot[u] = -1;
@@ -270,7 +285,7 @@ static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *
     const smoe_layer_weights *L = &s->lay->layers[l];
     uint32_t E = c->num_experts, K = c->num_experts_per_tok, H = c->hidden_size;
 
-    smoe_linear(s, L->router, L->router->data, s->xn, n, s->router);
+    smoe_linear(s, SMOE_P_ROUTER, L->router, L->router->data, s->xn, n, s->router);
 
     /* Route in token order; fire each expert's read when it first enters the union. */
     memset(s->exp_count, 0, E * sizeof(uint32_t));
@@ -298,6 +313,7 @@ static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *
     }
     *union_size = n_union;
     smoe_streamer_submit(s->streamer); /* the reads acquired above, coalesced where adjacent */
+    SMOE_PROF_LAP(SMOE_P_ROUTE);
 
     /* Compute experts as their blobs arrive; acquire the rest as slots are released. The union
      * positions [0, next_acquire) not yet computed are the pending ones. */
@@ -348,6 +364,7 @@ static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *
         for (uint32_t i = 0; i < H; i++)
             xt[i] += acc[i];
     }
+    SMOE_PROF_LAP(SMOE_P_COMBINE);
     return SMOE_OK;
 }
 
@@ -356,6 +373,7 @@ smoe_status smoe_ffn_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *un
     uint32_t H = s->cfg.hidden_size;
     for (uint32_t t = 0; t < n; t++)
         smoe_rmsnorm(s->xn + (size_t)t * H, s->x + (size_t)t * H, L->post_norm, H, s->cfg.rms_norm_eps);
+    SMOE_PROF_LAP(SMOE_P_NORM);
     if (L->sparse)
         return moe_block(s, l, n, union_size);
     *union_size = 0;
@@ -363,5 +381,6 @@ smoe_status smoe_ffn_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *un
                n, s->yg);
     for (size_t i = 0; i < (size_t)n * H; i++)
         s->x[i] += s->yg[i];
+    SMOE_PROF_LAP(SMOE_P_COMBINE);
     return SMOE_OK;
 }
