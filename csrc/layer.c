@@ -52,6 +52,40 @@ static void linear_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
     matmul(t->W, t->w, t->x, t->qx, t->n, t->y, t->ldy, r0, r1);
 }
 
+/* Several products in one pool run: part i is W[i] on its own input (f32 x[i] or codes qx[i]) into
+ * y[i], its rows numbered after the previous parts' in the run's items. Which thread computes a
+ * row never changes its value (kernels.h), so one run gives each part the bits it would get alone,
+ * with one wake-up and one barrier instead of one per product. */
+enum { MAX_PARTS = 128 };
+
+typedef struct {
+    const smoe_tensor *W;
+    const uint8_t *w;
+    const float *x;
+    smoe_qx qx;     /* x as codes when has_qx */
+    bool has_qx;
+    float *y;
+    uint32_t first; /* its first item in the run */
+} product_part;
+
+typedef struct {
+    const product_part *parts;
+    uint32_t n_parts;
+} parts_task;
+
+static void parts_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
+    (void)worker;
+    const parts_task *t = ctx;
+    uint32_t i = 0;
+    while (i + 1 < t->n_parts && t->parts[i + 1].first <= r0) i++;
+    for (; i < t->n_parts && r0 < r1; i++) {
+        const product_part *p = &t->parts[i];
+        const uint32_t end = p->first + p->W->rows, e = r1 < end ? r1 : end;
+        if (r0 < e) matmul(p->W, p->w, p->x, p->has_qx ? &p->qx : NULL, 1, p->y, p->W->rows, r0 - p->first, e - p->first);
+        r0 = e;
+    }
+}
+
 /* What the session's qx planes hold: the codes of `x` for weights of `qx.wformat` and `qx.group`, or nothing
  * (x NULL). Products that share one input (q, k, v; gate, up) quantise it once. */
 typedef struct {
@@ -71,6 +105,11 @@ static const smoe_qx *prepare(smoe_session *s, const smoe_tensor *W, const float
         *pl = (qx_planes){x, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, W->group, W->format}};
     }
     return &pl->qx;
+}
+
+/* True when a and b take the same input codes (or both f32 inputs), so one prepare serves both. */
+static bool same_codes(const smoe_tensor *a, const smoe_tensor *b) {
+    return a->format == b->format && a->group == b->group && a->cols == b->cols;
 }
 
 /* Row grain keeps each thread's rows a multiple of 16: splits never cut a cache line of y. */
@@ -201,9 +240,21 @@ void smoe_attention_block(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n
     float *krows = f32 ? smoe_kv_row(s, s->k_cache, l, pos0) : s->k_new;
     float *vrows = f32 ? smoe_kv_row(s, s->v_cache, l, pos0) : s->v_new;
     qx_planes pl = {0}; /* q, k and v share one quantisation of xn when their formats agree */
-    linear_with(s, SMOE_P_QKV, L->q, L->q->data, s->xn, n, s->q, &pl);
-    linear_with(s, SMOE_P_QKV, L->k, L->k->data, s->xn, n, krows, &pl);
-    linear_with(s, SMOE_P_QKV, L->v, L->v->data, s->xn, n, vrows, &pl);
+    if (n == 1 && same_codes(L->q, L->k) && same_codes(L->q, L->v)) {
+        /* one token: the three products in one pool run */
+        const smoe_qx *qx = prepare(s, L->q, s->xn, 1, &pl);
+        product_part parts[3] = {{L->q, L->q->data, s->xn, {0}, qx != NULL, s->q, 0},
+                                 {L->k, L->k->data, s->xn, {0}, qx != NULL, krows, L->q->rows},
+                                 {L->v, L->v->data, s->xn, {0}, qx != NULL, vrows, L->q->rows + L->k->rows}};
+        for (int i = 0; qx && i < 3; i++) parts[i].qx = *qx;
+        parts_task t = {parts, 3};
+        smoe_pool_run(s->pool, parts_rows, &t, L->q->rows + L->k->rows + L->v->rows, ROW_GRAIN);
+        SMOE_PROF_LAP(SMOE_P_QKV);
+    } else {
+        linear_with(s, SMOE_P_QKV, L->q, L->q->data, s->xn, n, s->q, &pl);
+        linear_with(s, SMOE_P_QKV, L->k, L->k->data, s->xn, n, krows, &pl);
+        linear_with(s, SMOE_P_QKV, L->v, L->v->data, s->xn, n, vrows, &pl);
+    }
 
     for (uint32_t t = 0; t < n; t++) {
         const float *cs = s->rope_cos + (size_t)(pos0 + t) * half;
@@ -252,6 +303,60 @@ static void run_expert(smoe_session *s, uint32_t e, const uint8_t *blob) {
     SMOE_PROF_LAP(SMOE_P_GATHER);
 }
 
+/* One token (decode): its K experts, every blob acquired, in two pool runs: gate and up of all K
+ * on the token's codes, then down of all K, each on its own silu(gate)·up row (the K rows
+ * quantised as K tokens: per row, the codes a one-row call gives). Each expert output lands in its
+ * (token 0, slot) row of slot_out, as run_expert puts it. Slots stay pinned; the caller releases. */
+static smoe_status run_experts_one_token(smoe_session *s, uint32_t n_union) {
+    const smoe_layout *lay = s->lay;
+    const smoe_tensor *g = &lay->expert[0], *u = &lay->expert[1], *d = &lay->expert[2];
+    const uint32_t H = s->cfg.hidden_size, I = g->rows;
+    product_part parts[MAX_PARTS];
+    const uint8_t *blob[MAX_PARTS / 2];
+    for (uint32_t k = 0; k < n_union; k++) {
+        smoe_status st = smoe_streamer_wait(s->streamer, s->union_slot[k]);
+        if (st != SMOE_OK) return st;
+        blob[k] = smoe_streamer_data(s->streamer, s->union_slot[k]);
+    }
+    SMOE_PROF_LAP(SMOE_P_GATHER);
+
+    qx_planes pl = {0};
+    const smoe_qx *qx = prepare(s, g, s->xn, 1, &pl);
+    for (uint32_t k = 0; k < n_union; k++) {
+        float *hk = s->hg + (size_t)k * 2 * I;
+        parts[2 * k] = (product_part){g, blob[k] + g->offset, s->xn, {0}, qx != NULL, hk, 2 * k * I};
+        parts[2 * k + 1] = (product_part){u, blob[k] + u->offset, s->xn, {0}, qx != NULL, hk + I, (2 * k + 1) * I};
+        if (qx) parts[2 * k].qx = parts[2 * k + 1].qx = *qx;
+    }
+    parts_task t = {parts, 2 * n_union};
+    smoe_pool_run(s->pool, parts_rows, &t, 2 * n_union * I, ROW_GRAIN);
+    SMOE_PROF_LAP(SMOE_P_GATE_UP);
+
+    for (uint32_t k = 0; k < n_union; k++)
+        smoe_swiglu(s->h + (size_t)k * I, s->hg + (size_t)k * 2 * I, s->hg + (size_t)k * 2 * I + I, I);
+    SMOE_PROF_LAP(SMOE_P_SWIGLU);
+
+    const bool codes = !s->params.float_activations && (d->format == SMOE_FMT_Q8 || d->format == SMOE_FMT_Q4);
+    smoe_qx_size z = {0};
+    if (codes) {
+        z = smoe_qx_sizes(I, d->format, d->group);
+        smoe_qx_prepare(s->h, I, n_union, I, d->format, d->group, s->qx_codes, s->qx_d, s->qx_gsum);
+        SMOE_PROF_LAP(SMOE_P_QX);
+    }
+    for (uint32_t k = 0; k < n_union; k++) {
+        const uint32_t e = (uint32_t)s->union_list[k], slot = s->exp_rows[(size_t)e * s->params.chunk];
+        parts[k] = (product_part){d, blob[k] + d->offset, s->h + (size_t)k * I, {0}, codes,
+                                  s->slot_out + (size_t)slot * H, k * H};
+        if (codes)
+            parts[k].qx = (smoe_qx){(const uint8_t *)s->qx_codes + k * z.code_bytes, s->qx_d + k * z.d_floats,
+                                    s->qx_gsum + k * z.gsum_floats, I, d->group, d->format};
+    }
+    t.n_parts = n_union;
+    smoe_pool_run(s->pool, parts_rows, &t, n_union * H, ROW_GRAIN);
+    SMOE_PROF_LAP(SMOE_P_DOWN);
+    return SMOE_OK;
+}
+
 /* Releases every slot the union still pins (after a failure). */
 static void release_union(smoe_session *s, uint32_t n_union) {
     for (uint32_t u = 0; u < n_union; u++)
@@ -278,6 +383,47 @@ static smoe_status drain_one(smoe_session *s, uint32_t *pending, uint32_t *np, i
     s->union_slot[u] = -1;
     pending[i] = pending[--*np];
     return SMOE_OK;
+}
+
+/* Computes the union's experts as their blobs arrive, acquiring the rest as slots are released;
+ * union positions [0, next_acquire) hold a slot already. On failure every slot is released. */
+static smoe_status run_union(smoe_session *s, uint32_t l, uint32_t n_union, uint32_t next_acquire) {
+    smoe_status st = SMOE_OK;
+    /* the union positions [0, next_acquire) not yet computed are the pending ones */
+    uint32_t *pending = s->pending;
+    int *slots = s->pending_slots;
+    uint32_t np = 0;
+    for (uint32_t u = 0; u < next_acquire; u++)
+        pending[np++] = u;
+    while (np > 0 || next_acquire < n_union) {
+        while (next_acquire < n_union) {
+            int slot = smoe_streamer_acquire(s->streamer, l, (uint32_t)s->union_list[next_acquire]);
+            if (slot < 0) {
+                if (slot < -1) /* a key the streamer refuses: its message is already set */
+                    st = SMOE_ERR_INTERNAL;
+                break;
+            }
+            s->union_slot[next_acquire] = slot;
+            pending[np++] = next_acquire++;
+        }
+        if (st != SMOE_OK)
+            break;
+        smoe_streamer_submit(s->streamer);
+        if (np == 0) {
+            /* No slot of ours is pending: the slots are held by reads a cancelled or failed
+             * call left in flight. Wait for one to land, then acquire again. */
+            if (smoe_streamer_settle(s->streamer))
+                continue;
+            st = smoe_fail(SMOE_ERR_INTERNAL, "layer %u: no streamer slot could be acquired", l);
+            break;
+        }
+        /* a cancel need not wait for the rest of a layer's reads */
+        if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK || (st = drain_one(s, pending, &np, slots)) != SMOE_OK)
+            break;
+    }
+    if (st != SMOE_OK)
+        release_union(s, n_union);
+    return st;
 }
 
 static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size) {
@@ -315,44 +461,18 @@ static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *
     smoe_streamer_submit(s->streamer); /* the reads acquired above, coalesced where adjacent */
     SMOE_PROF_LAP(SMOE_P_ROUTE);
 
-    /* Compute experts as their blobs arrive; acquire the rest as slots are released. The union
-     * positions [0, next_acquire) not yet computed are the pending ones. */
-    uint32_t *pending = s->pending;
-    int *slots = s->pending_slots;
-    uint32_t np = 0;
-    for (uint32_t u = 0; u < next_acquire; u++)
-        pending[np++] = u;
-    smoe_status st = SMOE_OK;
-    while (np > 0 || next_acquire < n_union) {
-        while (next_acquire < n_union) {
-            int slot = smoe_streamer_acquire(s->streamer, l, (uint32_t)s->union_list[next_acquire]);
-            if (slot < 0) {
-                if (slot < -1) /* a key the streamer refuses: its message is already set */
-                    st = SMOE_ERR_INTERNAL;
-                break;
-            }
-            s->union_slot[next_acquire] = slot;
-            pending[np++] = next_acquire++;
-        }
-        if (st != SMOE_OK)
-            break;
-        smoe_streamer_submit(s->streamer);
-        if (np == 0) {
-            /* No slot of ours is pending: the slots are held by reads a cancelled or failed
-             * call left in flight. Wait for one to land, then acquire again. */
-            if (smoe_streamer_settle(s->streamer))
-                continue;
-            st = smoe_fail(SMOE_ERR_INTERNAL, "layer %u: no streamer slot could be acquired", l);
-            break;
-        }
-        /* a cancel need not wait for the rest of a layer's reads */
-        if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK || (st = drain_one(s, pending, &np, slots)) != SMOE_OK)
-            break;
-    }
-    if (st != SMOE_OK) {
+    const smoe_tensor *eg = &s->lay->expert[0], *eu = &s->lay->expert[1];
+    smoe_status st;
+    if (n == 1 && next_acquire == n_union && n_union <= s->params.chunk && 2 * n_union <= MAX_PARTS &&
+        same_codes(eg, eu)) {
+        /* one token, every expert's slot held: two pool runs for all of them */
+        st = run_experts_one_token(s, n_union);
         release_union(s, n_union);
-        return st;
+    } else {
+        st = run_union(s, l, n_union, next_acquire);
     }
+    if (st != SMOE_OK)
+        return st;
 
     /* Weighted sum in top-k slot order, then the residual. */
     for (uint32_t t = 0; t < n; t++) {
