@@ -10,7 +10,9 @@
  * Warms the cache with every expert (a 256-token prefill, then more until a pass reads
  * nothing), then per repeat: reset, prefill PROMPT−1 tokens layer-major (timed per stage), decode
  * DECODE tokens (timed per stage). Prints the per-stage table of the median repeat of each (by
- * wall time) and the cache misses of the timed runs (0 means every expert was resident). */
+ * wall time) and the cache misses of the timed runs (0 means every expert was resident).
+ * SMOE_PROF_CPU=1 in the environment: the stages in the caller's thread CPU time (meaningful with
+ * THREADS=1 on a shared machine: what each stage costs, whatever else runs). */
 #include "prof.h"
 #include "smoe.h"
 
@@ -51,8 +53,8 @@ static void print(const char *title, profile *runs, int repeats, uint32_t units,
     const profile *p = &runs[repeats / 2];
     double lapped = 0;
     for (int i = 0; i < SMOE_P_LAPPED; i++) lapped += p->s[i];
-    printf("\n%s: median of %d by wall, %.3f s wall (%.2f ms per %s; walls:", title, repeats, p->wall,
-           1e3 * p->wall / units, unit);
+    printf("\n%s: median of %d by %s, %.3f s (%.2f ms per %s; walls:", title, repeats,
+           smoe_prof_cpu ? "thread CPU time" : "wall", p->wall, 1e3 * p->wall / units, unit);
     for (int r = 0; r < repeats; r++) printf(" %.3f", runs[r].wall);
     printf(")\n| stage | ms per %s | share | calls per %s |\n|---|---|---|---|\n", unit, unit);
     for (int i = 0; i < SMOE_P_LAPPED; i++)
@@ -73,6 +75,8 @@ int main(int argc, char **argv) {
     const uint32_t prompt = argc > 3 ? (uint32_t)atoi(argv[3]) : 45;
     const uint32_t decode = argc > 4 ? (uint32_t)atoi(argv[4]) : 32;
     const int repeats = argc > 5 ? atoi(argv[5]) : 3;
+    const char *cpu = getenv("SMOE_PROF_CPU");
+    smoe_prof_cpu = cpu && *cpu && strcmp(cpu, "0") != 0;
     smoe_vault *v = NULL;
     smoe_status st = smoe_open_vault(argv[1], &v);
     if (st != SMOE_OK) return die("open", st);
@@ -116,15 +120,15 @@ int main(int argc, char **argv) {
     for (int r = 0; r < repeats; r++) {
         smoe_session_reset(s);
         prof_reset();
-        double t0 = smoe_now();
+        double t0 = smoe_prof_now();
         if (prompt > 1 && (st = smoe_prefill_chunk(s, ids, prompt - 1)) != SMOE_OK) return die("prefill", st);
-        prof_take(&pre[r], smoe_now() - t0);
+        prof_take(&pre[r], smoe_prof_now() - t0);
         int32_t next = ids[prompt - 1];
         prof_reset();
-        t0 = smoe_now();
+        t0 = smoe_prof_now();
         for (uint32_t i = 0; i < decode; i++)
             if ((st = smoe_decode_step(s, next, NULL, &next)) != SMOE_OK) return die("decode", st);
-        prof_take(&dec[r], smoe_now() - t0);
+        prof_take(&dec[r], smoe_prof_now() - t0);
     }
     smoe_stats(s, &c);
     printf("timed runs: cache misses %llu, hits %llu\n", (unsigned long long)c.cache_misses,

@@ -278,6 +278,17 @@ void smoe_pool_run(smoe_pool *pool, smoe_task_fn fn, void *ctx, uint32_t n, uint
 }
 
 #if SMOE_PROFILE
+#include <time.h>
+
+int smoe_prof_cpu;
+
+double smoe_prof_now(void) {
+    if (!smoe_prof_cpu) return smoe_now();
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
 double smoe_prof_s[SMOE_P_COUNT];
 uint64_t smoe_prof_n[SMOE_P_COUNT];
 double smoe_prof_mark;

@@ -40,16 +40,20 @@ extern double smoe_prof_s[SMOE_P_COUNT];
 extern uint64_t smoe_prof_n[SMOE_P_COUNT];
 extern double smoe_prof_mark;
 extern const char *const smoe_prof_names[SMOE_P_COUNT];
-#define SMOE_PROF_START() (smoe_prof_mark = smoe_now())
+/* the clock: monotonic seconds, or the calling thread's CPU seconds when smoe_prof_cpu is set (with
+ * one thread, what the work cost whatever else the machine runs) */
+extern int smoe_prof_cpu;
+double smoe_prof_now(void);
+#define SMOE_PROF_START() (smoe_prof_mark = smoe_prof_now())
 #define SMOE_PROF_LAP(stage)                                                                                      \
     do {                                                                                                          \
-        const double now_ = smoe_now();                                                                           \
+        const double now_ = smoe_prof_now();                                                                           \
         smoe_prof_s[stage] += now_ - smoe_prof_mark;                                                              \
         smoe_prof_n[stage]++;                                                                                     \
         smoe_prof_mark = now_;                                                                                    \
     } while (0)
 #define SMOE_PROF_ADD(stage, seconds) (smoe_prof_s[stage] += (seconds), smoe_prof_n[stage]++)
-#define SMOE_PROF_NOW() smoe_now()
+#define SMOE_PROF_NOW() smoe_prof_now()
 #else
 #define SMOE_PROF_START() ((void)0)
 #define SMOE_PROF_LAP(stage) ((void)0)
