@@ -18,7 +18,11 @@
  * it first enters the layer's union (smoe_streamer_acquire), so the disk works while later
  * tokens still route. Then each union expert, as its blob arrives, is applied to all the tokens
  * routed to it: their rows are gathered, gate and up run as one product over the blob, then
- * down. When the streamer has no free slot, compute drains a ready expert and retries.
+ * down. When the streamer has no free slot, compute drains a ready expert and retries. One
+ * token (decode) whose K slots were all acquired instead waits for its K blobs and runs two pool
+ * runs: gate and up of all K experts, then down of all K (run_experts_one_token) — the same
+ * products, so the same bits, with 2 wake-ups and barriers per layer instead of 2K. q, k and v
+ * of one token likewise share one run.
  */
 #include "session.h"
 #include "prof.h"
