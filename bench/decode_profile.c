@@ -16,6 +16,10 @@
 #include "prof.h"
 #include "smoe.h"
 
+#if !SMOE_PROFILE
+#error "build with -DSMOE_PROFILE=1 (the command above)"
+#endif
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
