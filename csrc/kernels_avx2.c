@@ -361,8 +361,8 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
  *
  * The matrix-vector product (n = 1, decode) reads its codes in place and prefetches the same
  * bytes of the rows QX_AHEAD further on as it goes (bench/RESULTS.md, "Resident decode and short
- * prefill on AVX2": ×1.5 on a3b-shaped decode; the hardware prefetcher alone loses the short rows
- * of expert matrices); for q4 it takes x in the order of the nibbles (qx_nibble_order) so the codes
+ * prefill on AVX2": ×1.5 on a3b-shaped decode; with the hardware prefetcher alone, four
+ * interleaved row streams read well below the memory's bandwidth, long rows and short alike); for q4 it takes x in the order of the nibbles (qx_nibble_order) so the codes
  * need no unpacking. The plain batched q4 product sums the four units' int16 products in int16
  * (hadd_epi16, no overflow) before one widening madd (qx_h4_s16). None of this changes an integer,
  * so none changes a bit. */
