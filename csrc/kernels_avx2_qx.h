@@ -232,6 +232,7 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
     if (n == 1 && cols % 64 == 0) { /* matrix-vector: QRV rows at a time, codes read in place */
         float sv[QRV][MAXG], bv[QRV][MAXG]; /* (rows, groups) scales, biases */
         const uint8_t *x = X->codes;
+        const size_t ahead = QX_AHEAD * row_bytes;
         if (!q8) {
             for (uint32_t g = 0; g < cols / 64; g++) QX(qx_nibble_order)(x + 64 * (size_t)g, cw[0] + 64 * (size_t)g);
             x = cw[0]; /* the unpacked-codes buffer is free in this branch */
@@ -249,8 +250,8 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
             }
             switch (nr * 2 + q8 + G * 16) {
 #define CASE(k, G) \
-    case G * 16 + k * 2: QX(qx_rows_1)(k, false, G, wr, sr, x, X->d, cols / 64, up, QX_AHEAD * row_bytes, acc); break; \
-    case G * 16 + k * 2 + 1: QX(qx_rows_1)(k, true, G, wr, sr, x, X->d, cols / 64, up, QX_AHEAD * row_bytes, acc); break;
+    case G * 16 + k * 2: QX(qx_rows_1)(k, false, G, wr, sr, x, X->d, cols / 64, up, ahead, acc); break; \
+    case G * 16 + k * 2 + 1: QX(qx_rows_1)(k, true, G, wr, sr, x, X->d, cols / 64, up, ahead, acc); break;
 #define CASES(G) CASE(4, G) CASE(3, G) CASE(2, G) CASE(1, G)
                 CASES(32) CASES(64) CASES(128)
 #undef CASES

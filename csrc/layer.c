@@ -20,9 +20,9 @@
  * routed to it: their rows are gathered, gate and up run as one product over the blob, then
  * down. When the streamer has no free slot, compute drains a ready expert and retries. One
  * token (decode) whose K slots were all acquired instead waits for its K blobs and runs two pool
- * runs: gate and up of all K experts, then down of all K (run_experts_one_token) — the same
- * products, so the same bits, with 2 wake-ups and barriers per layer instead of 2K. q, k and v
- * of one token likewise share one run.
+ * runs: gate and up of all K experts, then down of all K (run_single_experts) — the same products,
+ * so the same bits, with 2 wake-ups and barriers per layer instead of 2K; a prefill does the same
+ * for its experts that one token chose whose blobs are in. q, k and v of one token share one run.
  */
 #include "session.h"
 #include "prof.h"
@@ -85,7 +85,8 @@ static void parts_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
     for (; i < t->n_parts && r0 < r1; i++) {
         const product_part *p = &t->parts[i];
         const uint32_t end = p->first + p->W->rows, e = r1 < end ? r1 : end;
-        if (r0 < e) matmul(p->W, p->w, p->x, p->has_qx ? &p->qx : NULL, 1, p->y, p->W->rows, r0 - p->first, e - p->first);
+        if (r0 < e)
+            matmul(p->W, p->w, p->x, p->has_qx ? &p->qx : NULL, 1, p->y, p->W->rows, r0 - p->first, e - p->first);
         r0 = e;
     }
 }
@@ -307,57 +308,70 @@ static void run_expert(smoe_session *s, uint32_t e, const uint8_t *blob) {
     SMOE_PROF_LAP(SMOE_P_GATHER);
 }
 
-/* One token (decode): its K experts, every blob acquired, in two pool runs: gate and up of all K
- * on the token's codes, then down of all K, each on its own silu(gate)·up row (the K rows
- * quantised as K tokens: per row, the codes a one-row call gives). Each expert output lands in its
- * (token 0, slot) row of slot_out, as run_expert puts it. Slots stay pinned; the caller releases. */
-static smoe_status run_experts_one_token(smoe_session *s, uint32_t n_union) {
+/* Experts routed exactly one (token, slot) each (every expert of a decode step; the one-token
+ * experts of a short prefill) in two pool runs: gate and up of all of them, each on its token's
+ * codes, then down of all, each on its own silu(gate)·up row (those rows quantised as tokens: per
+ * row, the codes a one-row call gives). u[0..m): their union positions, slots held, m ≤ chunk and
+ * 2m ≤ MAX_PARTS. Each output lands in its (token, slot) row of slot_out as run_expert puts it, by
+ * the same kernel calls on the same inputs: the same bits. Their slots are released. */
+static smoe_status run_single_experts(smoe_session *s, uint32_t n, const uint32_t *u, uint32_t m) {
     const smoe_layout *lay = s->lay;
-    const smoe_tensor *g = &lay->expert[0], *u = &lay->expert[1], *d = &lay->expert[2];
-    const uint32_t H = s->cfg.hidden_size, I = g->rows;
+    const smoe_tensor *g = &lay->expert[0], *up = &lay->expert[1], *d = &lay->expert[2];
+    const uint32_t H = s->cfg.hidden_size, K = s->cfg.num_experts_per_tok, I = g->rows;
     product_part parts[MAX_PARTS];
     const uint8_t *blob[MAX_PARTS / 2];
-    for (uint32_t k = 0; k < n_union; k++) {
-        smoe_status st = smoe_streamer_wait(s->streamer, s->union_slot[k]);
+    uint32_t row[MAX_PARTS / 2]; /* t·K + slot of each expert's one routed (token, slot) */
+    for (uint32_t k = 0; k < m; k++) {
+        smoe_status st = smoe_streamer_wait(s->streamer, s->union_slot[u[k]]);
         if (st != SMOE_OK) return st;
-        blob[k] = smoe_streamer_data(s->streamer, s->union_slot[k]);
+        blob[k] = smoe_streamer_data(s->streamer, s->union_slot[u[k]]);
+        row[k] = s->exp_rows[(size_t)s->union_list[u[k]] * s->params.chunk];
     }
     SMOE_PROF_LAP(SMOE_P_GATHER);
 
-    qx_planes pl = {0};
-    const smoe_qx *qx = prepare(s, g, s->xn, 1, &pl);
-    for (uint32_t k = 0; k < n_union; k++) {
-        float *hk = s->hg + (size_t)k * 2 * I;
-        parts[2 * k] = (product_part){g, blob[k] + g->offset, s->xn, {0}, qx != NULL, hk, 2 * k * I};
-        parts[2 * k + 1] = (product_part){u, blob[k] + u->offset, s->xn, {0}, qx != NULL, hk + I, (2 * k + 1) * I};
-        if (qx) parts[2 * k].qx = parts[2 * k + 1].qx = *qx;
+    const bool codes = !s->params.float_activations && (g->format == SMOE_FMT_Q8 || g->format == SMOE_FMT_Q4);
+    smoe_qx_size z = {0};
+    if (codes) {
+        z = smoe_qx_sizes(H, g->format, g->group);
+        smoe_qx_prepare(s->xn, H, n, H, g->format, g->group, s->qx_codes, s->qx_d, s->qx_gsum);
+        SMOE_PROF_LAP(SMOE_P_QX);
     }
-    parts_task t = {parts, 2 * n_union};
-    smoe_pool_run(s->pool, parts_rows, &t, 2 * n_union * I, ROW_GRAIN);
+    for (uint32_t k = 0; k < m; k++) {
+        const uint32_t t = row[k] / K;
+        float *hk = s->hg + (size_t)k * 2 * I;
+        const smoe_qx qx = {(const uint8_t *)s->qx_codes + t * z.code_bytes, s->qx_d + t * z.d_floats,
+                            s->qx_gsum + t * z.gsum_floats, H, g->group, g->format};
+        parts[2 * k] = (product_part){g, blob[k] + g->offset, s->xn + (size_t)t * H, qx, codes, hk, 2 * k * I};
+        parts[2 * k + 1] =
+            (product_part){up, blob[k] + up->offset, s->xn + (size_t)t * H, qx, codes, hk + I, (2 * k + 1) * I};
+    }
+    parts_task task = {parts, 2 * m};
+    smoe_pool_run(s->pool, parts_rows, &task, 2 * m * I, ROW_GRAIN);
     SMOE_PROF_LAP(SMOE_P_GATE_UP);
 
-    for (uint32_t k = 0; k < n_union; k++)
+    for (uint32_t k = 0; k < m; k++)
         smoe_swiglu(s->h + (size_t)k * I, s->hg + (size_t)k * 2 * I, s->hg + (size_t)k * 2 * I + I, I);
     SMOE_PROF_LAP(SMOE_P_SWIGLU);
 
-    const bool codes = !s->params.float_activations && (d->format == SMOE_FMT_Q8 || d->format == SMOE_FMT_Q4);
-    smoe_qx_size z = {0};
-    if (codes) {
+    const bool dcodes = !s->params.float_activations && (d->format == SMOE_FMT_Q8 || d->format == SMOE_FMT_Q4);
+    if (dcodes) {
         z = smoe_qx_sizes(I, d->format, d->group);
-        smoe_qx_prepare(s->h, I, n_union, I, d->format, d->group, s->qx_codes, s->qx_d, s->qx_gsum);
+        smoe_qx_prepare(s->h, I, m, I, d->format, d->group, s->qx_codes, s->qx_d, s->qx_gsum);
         SMOE_PROF_LAP(SMOE_P_QX);
     }
-    for (uint32_t k = 0; k < n_union; k++) {
-        const uint32_t e = (uint32_t)s->union_list[k], slot = s->exp_rows[(size_t)e * s->params.chunk];
-        parts[k] = (product_part){d, blob[k] + d->offset, s->h + (size_t)k * I, {0}, codes,
-                                  s->slot_out + (size_t)slot * H, k * H};
-        if (codes)
-            parts[k].qx = (smoe_qx){(const uint8_t *)s->qx_codes + k * z.code_bytes, s->qx_d + k * z.d_floats,
-                                    s->qx_gsum + k * z.gsum_floats, I, d->group, d->format};
+    for (uint32_t k = 0; k < m; k++) {
+        const smoe_qx qx = {(const uint8_t *)s->qx_codes + k * z.code_bytes, s->qx_d + k * z.d_floats,
+                            s->qx_gsum + k * z.gsum_floats, I, d->group, d->format};
+        parts[k] = (product_part){d, blob[k] + d->offset, s->h + (size_t)k * I, qx, dcodes,
+                                  s->slot_out + (size_t)row[k] * H, k * H};
     }
-    t.n_parts = n_union;
-    smoe_pool_run(s->pool, parts_rows, &t, n_union * H, ROW_GRAIN);
+    task.n_parts = m;
+    smoe_pool_run(s->pool, parts_rows, &task, m * H, ROW_GRAIN);
     SMOE_PROF_LAP(SMOE_P_DOWN);
+    for (uint32_t k = 0; k < m; k++) {
+        smoe_streamer_release(s->streamer, s->union_slot[u[k]]);
+        s->union_slot[u[k]] = -1;
+    }
     return SMOE_OK;
 }
 
@@ -390,7 +404,8 @@ static smoe_status drain_one(smoe_session *s, uint32_t *pending, uint32_t *np, i
 }
 
 /* Computes the union's experts as their blobs arrive, acquiring the rest as slots are released;
- * union positions [0, next_acquire) hold a slot already. On failure every slot is released. */
+ * union positions [0, next_acquire) hold a slot already unless computed (slot −1). On failure
+ * every slot is released. */
 static smoe_status run_union(smoe_session *s, uint32_t l, uint32_t n_union, uint32_t next_acquire) {
     smoe_status st = SMOE_OK;
     /* the union positions [0, next_acquire) not yet computed are the pending ones */
@@ -398,7 +413,8 @@ static smoe_status run_union(smoe_session *s, uint32_t l, uint32_t n_union, uint
     int *slots = s->pending_slots;
     uint32_t np = 0;
     for (uint32_t u = 0; u < next_acquire; u++)
-        pending[np++] = u;
+        if (s->union_slot[u] >= 0)
+            pending[np++] = u;
     while (np > 0 || next_acquire < n_union) {
         while (next_acquire < n_union) {
             int slot = smoe_streamer_acquire(s->streamer, l, (uint32_t)s->union_list[next_acquire]);
@@ -466,16 +482,28 @@ static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *
     SMOE_PROF_LAP(SMOE_P_ROUTE);
 
     const smoe_tensor *eg = &s->lay->expert[0], *eu = &s->lay->expert[1];
-    smoe_status st;
-    if (n == 1 && next_acquire == n_union && n_union <= s->params.chunk && 2 * n_union <= MAX_PARTS &&
-        same_codes(eg, eu)) {
-        /* one token, every expert's slot held: two pool runs for all of them */
-        st = run_experts_one_token(s, n_union);
-        release_union(s, n_union);
-    } else {
-        st = run_union(s, l, n_union, next_acquire);
+    smoe_status st = SMOE_OK;
+    if (next_acquire == n_union && same_codes(eg, eu)) {
+        /* every slot held: the experts with one routed (token, slot), two pool runs per batch; in a
+         * prefill only those whose blob is in already (resident), so reads in flight still
+         * overlap the other experts' compute in arrival order */
+        const uint32_t cap = s->params.chunk < MAX_PARTS / 2 ? s->params.chunk : MAX_PARTS / 2;
+        uint32_t *single = s->pending, m = 0; /* scratch until run_union */
+        for (uint32_t u = 0; u < n_union && st == SMOE_OK; u++) {
+            const bool in = n == 1 || smoe_streamer_ready(s->streamer, s->union_slot[u]);
+            if (s->exp_count[s->union_list[u]] == 1 && in)
+                single[m++] = u;
+            if (m == cap || (m > 0 && u + 1 == n_union)) {
+                st = run_single_experts(s, n, single, m);
+                m = 0;
+            }
+        }
+        if (st != SMOE_OK) {
+            release_union(s, n_union);
+            return st;
+        }
     }
-    if (st != SMOE_OK)
+    if ((st = run_union(s, l, n_union, next_acquire)) != SMOE_OK)
         return st;
 
     /* Weighted sum in top-k slot order, then the residual. */
