@@ -23,6 +23,7 @@
  * Nothing is committed (position, history, sampler, counters) until every session's logits
  * passed their check: a failure leaves every session of the batch where it was. */
 #include "session.h"
+#include "prof.h"
 
 #include <math.h>
 #include <string.h>
@@ -139,7 +140,7 @@ static smoe_status decode_batch(smoe_session *const *ss, const int32_t *ids, uin
     for (uint32_t i = 0; i < n; i++) {
         smoe_session *s = ss[i];
         smoe_rmsnorm(s->xn, s->x, s->lay->final_norm, c->hidden_size, c->rms_norm_eps);
-        smoe_linear(s, s->lay->lm_head, s->lay->lm_head->data, s->xn, 1, s->logits);
+        smoe_linear(s, SMOE_P_LM_HEAD, s->lay->lm_head, s->lay->lm_head->data, s->xn, 1, s->logits);
         if (!any_finite(s->logits, c->vocab_size)) {
             *failed = (int32_t)i;
             return smoe_fail(SMOE_ERR_VAULT, "decode of session %u at position %u: every logit is NaN or infinite "

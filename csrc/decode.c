@@ -3,6 +3,7 @@
  * The prompt's last token also comes through here (after smoe_prefill_chunk has walked the
  * rest), so sampling lives in one place. */
 #include "session.h"
+#include "prof.h"
 
 #include <math.h>
 #include <string.h>
@@ -18,10 +19,12 @@ static smoe_status decode(smoe_session *s, int32_t id, float *logits, int32_t *n
     if (st != SMOE_OK)
         return st;
     double t0 = smoe_now();
+    SMOE_PROF_START();
     const smoe_config *c = &s->cfg;
     uint32_t pos = s->pos;
 
     smoe_embed(s, &id, 1);
+    SMOE_PROF_LAP(SMOE_P_EMBED);
     for (uint32_t l = 0; l < c->num_hidden_layers; l++) {
         /* position unchanged on failure: row pos of the KV cache is rewritten next time */
         uint32_t used;
@@ -32,7 +35,8 @@ static smoe_status decode(smoe_session *s, int32_t id, float *logits, int32_t *n
             return st;
     }
     smoe_rmsnorm(s->xn, s->x, s->lay->final_norm, c->hidden_size, c->rms_norm_eps);
-    smoe_linear(s, s->lay->lm_head, s->lay->lm_head->data, s->xn, 1, s->logits);
+    SMOE_PROF_LAP(SMOE_P_NORM);
+    smoe_linear(s, SMOE_P_LM_HEAD, s->lay->lm_head, s->lay->lm_head->data, s->xn, 1, s->logits);
     /* Logits with no finite value (NaN or infinite scales in the vault, say) would make greedy
      * sampling return id 0 on every step, without a word: refuse them instead. */
     if (!any_finite(s->logits, c->vocab_size))
@@ -47,6 +51,7 @@ static smoe_status decode(smoe_session *s, int32_t id, float *logits, int32_t *n
         *next_id = smoe_sample(&s->sampler, s->logits, c->vocab_size, s->history, s->pos, s->sample_f, s->sample_i);
     s->tokens_decoded++;
     s->decode_s += smoe_now() - t0;
+    SMOE_PROF_LAP(SMOE_P_SAMPLE);
     return SMOE_OK;
 }
 

@@ -357,7 +357,15 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
  * sums [I_{u..u+4, 0} | I_{u..u+4, 1}], and one fma into tot with σ · d, σ the scales of the
  * blocks' groups laid out as the lanes (qx_sigma: one broadcast for group 64, one permute for
  * 32 and 128). The code is in kernels_avx2_qx.h, instantiated for plain AVX2 and for AVX-VNNI;
- * the VNNI one runs where the CPU has it (the same bits: see that file). */
+ * the VNNI one runs where the CPU has it (the same bits: see that file).
+ *
+ * The matrix-vector product (n = 1, decode) reads its codes in place and prefetches the same
+ * bytes of the rows QX_AHEAD further on as it goes (bench/RESULTS.md, "Resident decode and short
+ * prefill on AVX2": ×1.5 on a3b-shaped decode; with the hardware prefetcher alone, four
+ * interleaved row streams read well below the memory's bandwidth, long rows and short alike); for q4 it takes x in the order of the nibbles (qx_nibble_order) so the codes
+ * need no unpacking. The plain batched q4 product sums the four units' int16 products in int16
+ * (hadd_epi16, no overflow) before one widening madd (qx_h4_s16). None of this changes an integer,
+ * so none changes a bit. */
 
 enum {
     QRB = 4,    /* rows of a block of the batched product (bench/RESULTS.md: 4 × 1 measured best) */
@@ -365,6 +373,10 @@ enum {
     QRV = 4,    /* rows at a time of the matrix-vector product */
     MAXU = MAXC / 64, /* units of 64 columns of the widest row */
 };
+
+#ifndef QX_AHEAD
+#define QX_AHEAD 4 /* rows ahead the matrix-vector product prefetches its weights */
+#endif
 
 /* σ of kernels.c for units [g, g+4): lane j the scale of the group holding block j/4 of unit
  * g + j%4, from s, the row's scales by group (zero-padded to a multiple of 8, which covers every

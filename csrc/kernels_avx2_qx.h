@@ -91,19 +91,64 @@ QX_ATTR INLINE __m256i QX(qx_p_raw)(const bool q8, const uint8_t *w, const uint8
     return QX(qx_dot)(q8, c, x);
 }
 
+/* The token's q4 codes of one unit (64 bytes, the layout of kernels.c) rearranged for qx_p_q4:
+ * [even columns of block 0 | of block 1] then [odd columns of block 0 | of block 1], the order of
+ * a q4 unit's low and high nibbles. Done once per call; the integer sums do not change. */
+QX_ATTR INLINE void QX(qx_nibble_order)(const uint8_t *x, uint8_t *out) {
+    const __m256i ctrl = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12,
+                                          14, 1, 3, 5, 7, 9, 11, 13, 15);
+    /* x0: columns 0–15 | 32–47, x1: 16–31 | 48–63; each 128-bit half to [even 8 | odd 8] */
+    const __m256i s0 = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(const void *)x), ctrl);
+    const __m256i s1 = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(const void *)(x + 32)), ctrl);
+    _mm256_storeu_si256((__m256i *)(void *)out, _mm256_unpacklo_epi64(s0, s1));
+    _mm256_storeu_si256((__m256i *)(void *)(out + 32), _mm256_unpackhi_epi64(s0, s1));
+}
+
+/* P of one q4 unit straight from its stored codes, x in nibble order (qx_nibble_order): the low
+ * nibbles meet the even columns, the high the odd, each 128-bit half one 32-column block as in
+ * qx_p. No unpacking: the same integers as qx_p_raw, two shuffles fewer. */
+QX_ATTR INLINE __m256i QX(qx_p_q4)(const uint8_t *w, const uint8_t *x) {
+    const __m256i m = _mm256_set1_epi8(0x0f);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)w);
+    const __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+    return QX_U8S8(lo, _mm256_loadu_si256((const __m256i *)(const void *)x), hi,
+                   _mm256_loadu_si256((const __m256i *)(const void *)(x + 32)));
+}
+
+#if !QX_VNNI
+/* The q4 int16 products of one unit, before widening: lane k of each 128-bit half the sum of 4 of
+ * its block's code products (|·| ≤ 4·15·127 = 7620). */
+QX_ATTR INLINE __m256i QX(qx_s16)(const __m256i c0, const __m256i x0, const __m256i c1, const __m256i x1) {
+    return _mm256_add_epi16(_mm256_maddubs_epi16(c0, x0), _mm256_maddubs_epi16(c1, x1));
+}
+
+/* [I_{0,0} .. I_{3,0} | I_{0,1} .. I_{3,1}] (unit k, block b) from four units' qx_s16: pairs, then
+ * quads of lanes summed in int16 (≤ 30480, no overflow), then one madd to the int32 block sums.
+ * The same exact integers as madd-then-hadd_epi32 with one multiply instead of four. */
+QX_ATTR INLINE __m256i QX(qx_h4_s16)(const __m256i s0, const __m256i s1, const __m256i s2, const __m256i s3) {
+    const __m256i q = _mm256_hadd_epi16(_mm256_hadd_epi16(s0, s1), _mm256_hadd_epi16(s2, s3));
+    return _mm256_madd_epi16(q, _mm256_set1_epi16(1));
+}
+#endif
+
 /* R rows against one token, codes read where they are stored (w[i]: row i's codes; wb: their
  * bytes per unit), units past nu (cols / 64, a whole number here) taken as zero; otherwise as
- * qx_block. */
+ * qx_block. For q4, x is in nibble order (qx_nibble_order). */
 QX_ATTR INLINE void QX(qx_rows_1)(const int R, const bool q8, const uint32_t G, const uint8_t *const *w,
-                      const float *const *s, const uint8_t *x, const float *d, uint32_t nu, uint32_t up, __m256 *tot) {
+                      const float *const *s, const uint8_t *x, const float *d, uint32_t nu, uint32_t up, size_t ahead,
+                      __m256 *tot) {
     const size_t wb = q8 ? 64 : 32, xb = q8 ? 128 : 64;
     __m256 acc[4];
     for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
     for (uint32_t g = 0; g < up; g += 4) {
         for (int i = 0; i < R; i++) {
+            /* the same bytes of the next block's rows: a prefetch never faults, past the end included */
+            for (size_t b = 0; b < 4 * wb; b += 64) _mm_prefetch((const char *)w[i] + ahead + g * wb + b, _MM_HINT_T0);
             __m256i p[4];
             for (uint32_t k = 0; k < 4; k++)
-                p[k] = g + k < nu ? QX(qx_p_raw)(q8, w[i] + (g + k) * wb, x + (g + k) * xb) : _mm256_setzero_si256();
+                p[k] = g + k >= nu ? _mm256_setzero_si256()
+                       : q8        ? QX(qx_p_raw)(q8, w[i] + (g + k) * wb, x + (g + k) * xb)
+                                   : QX(qx_p_q4)(w[i] + (g + k) * wb, x + (g + k) * xb);
             const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
             const __m256 sd = _mm256_mul_ps(qx_sigma(G, s[i], g), _mm256_loadu_ps(d + 2 * g));
             acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), sd, acc[i]);
@@ -127,6 +172,20 @@ QX_ATTR INLINE void QX(qx_block)(const int R, const int T, const bool q8, const 
         for (int i = 0; i < R; i++)
             for (int j = 0; j < T; j++) {
                 const uint8_t *wi = w[i] + g * gb, *xj = x[j] + g * gb;
+#if !QX_VNNI
+                if (!q8) {
+                    __m256i p[4];
+                    for (int k = 0; k < 4; k++) {
+#define LDA(o) _mm256_load_si256((const __m256i *)(const void *)(wi + k * gb + (o)))
+#define LDU(o) _mm256_loadu_si256((const __m256i *)(const void *)(xj + k * gb + (o)))
+                        p[k] = QX(qx_s16)(LDA(0), LDU(0), LDA(32), LDU(32));
+#undef LDA
+#undef LDU
+                    }
+                    h[i][j] = QX(qx_h4_s16)(p[0], p[1], p[2], p[3]);
+                    continue;
+                }
+#endif
                 const __m256i a = _mm256_hadd_epi32(QX(qx_p)(q8, wi, xj), QX(qx_p)(q8, wi + gb, xj + gb));
                 const __m256i b = _mm256_hadd_epi32(QX(qx_p)(q8, wi + 2 * gb, xj + 2 * gb), QX(qx_p)(q8, wi + 3 * gb, xj + 3 * gb));
                 h[i][j] = _mm256_hadd_epi32(a, b);
@@ -173,6 +232,11 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
     if (n == 1 && cols % 64 == 0) { /* matrix-vector: QRV rows at a time, codes read in place */
         float sv[QRV][MAXG], bv[QRV][MAXG]; /* (rows, groups) scales, biases */
         const uint8_t *x = X->codes;
+        const size_t ahead = QX_AHEAD * row_bytes;
+        if (!q8) {
+            for (uint32_t g = 0; g < cols / 64; g++) QX(qx_nibble_order)(x + 64 * (size_t)g, cw[0] + 64 * (size_t)g);
+            x = cw[0]; /* the unpacked-codes buffer is free in this branch */
+        }
         for (uint32_t r = r0; r < r1; r += QRV) {
             const uint32_t nr = r1 - r < QRV ? r1 - r : QRV;
             const uint8_t *wr[QRV];
@@ -186,8 +250,8 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
             }
             switch (nr * 2 + q8 + G * 16) {
 #define CASE(k, G) \
-    case G * 16 + k * 2: QX(qx_rows_1)(k, false, G, wr, sr, x, X->d, cols / 64, up, acc); break; \
-    case G * 16 + k * 2 + 1: QX(qx_rows_1)(k, true, G, wr, sr, x, X->d, cols / 64, up, acc); break;
+    case G * 16 + k * 2: QX(qx_rows_1)(k, false, G, wr, sr, x, X->d, cols / 64, up, ahead, acc); break; \
+    case G * 16 + k * 2 + 1: QX(qx_rows_1)(k, true, G, wr, sr, x, X->d, cols / 64, up, ahead, acc); break;
 #define CASES(G) CASE(4, G) CASE(3, G) CASE(2, G) CASE(1, G)
                 CASES(32) CASES(64) CASES(128)
 #undef CASES

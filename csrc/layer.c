@@ -18,9 +18,14 @@
  * it first enters the layer's union (smoe_streamer_acquire), so the disk works while later
  * tokens still route. Then each union expert, as its blob arrives, is applied to all the tokens
  * routed to it: their rows are gathered, gate and up run as one product over the blob, then
- * down. When the streamer has no free slot, compute drains a ready expert and retries.
+ * down. When the streamer has no free slot, compute drains a ready expert and retries. One
+ * token (decode) whose K slots were all acquired instead waits for its K blobs and runs two pool
+ * runs: gate and up of all K experts, then down of all K (run_single_experts) — the same products,
+ * so the same bits, with 2 wake-ups and barriers per layer instead of 2K; a prefill does the same
+ * for its experts that one token chose whose blobs are in. q, k and v of one token share one run.
  */
 #include "session.h"
+#include "prof.h"
 
 #include <math.h>
 #include <string.h>
@@ -51,6 +56,41 @@ static void linear_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
     matmul(t->W, t->w, t->x, t->qx, t->n, t->y, t->ldy, r0, r1);
 }
 
+/* Several products in one pool run: part i is W[i] on its own input (f32 x[i] or codes qx[i]) into
+ * y[i], its rows numbered after the previous parts' in the run's items. Which thread computes a
+ * row never changes its value (kernels.h), so one run gives each part the bits it would get alone,
+ * with one wake-up and one barrier instead of one per product. */
+enum { MAX_PARTS = 128 };
+
+typedef struct {
+    const smoe_tensor *W;
+    const uint8_t *w;
+    const float *x;
+    smoe_qx qx;     /* x as codes when has_qx */
+    bool has_qx;
+    float *y;
+    uint32_t first; /* its first item in the run */
+} product_part;
+
+typedef struct {
+    const product_part *parts;
+    uint32_t n_parts;
+} parts_task;
+
+static void parts_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
+    (void)worker;
+    const parts_task *t = ctx;
+    uint32_t i = 0;
+    while (i + 1 < t->n_parts && t->parts[i + 1].first <= r0) i++;
+    for (; i < t->n_parts && r0 < r1; i++) {
+        const product_part *p = &t->parts[i];
+        const uint32_t end = p->first + p->W->rows, e = r1 < end ? r1 : end;
+        if (r0 < e)
+            matmul(p->W, p->w, p->x, p->has_qx ? &p->qx : NULL, 1, p->y, p->W->rows, r0 - p->first, e - p->first);
+        r0 = e;
+    }
+}
+
 /* What the session's qx planes hold: the codes of `x` for weights of `qx.wformat` and `qx.group`, or nothing
  * (x NULL). Products that share one input (q, k, v; gate, up) quantise it once. */
 typedef struct {
@@ -66,23 +106,32 @@ static const smoe_qx *prepare(smoe_session *s, const smoe_tensor *W, const float
         return NULL;
     if (pl->x != x || pl->qx.cols != W->cols || pl->qx.wformat != W->format || pl->qx.group != W->group) {
         smoe_qx_prepare(x, W->cols, n, W->cols, W->format, W->group, s->qx_codes, s->qx_d, s->qx_gsum);
+        SMOE_PROF_LAP(SMOE_P_QX);
         *pl = (qx_planes){x, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, W->group, W->format}};
     }
     return &pl->qx;
 }
 
+/* True when a and b take the same input codes (or both f32 inputs), so one prepare serves both. */
+static bool same_codes(const smoe_tensor *a, const smoe_tensor *b) {
+    return a->format == b->format && a->group == b->group && a->cols == b->cols;
+}
+
 /* Row grain keeps each thread's rows a multiple of 16: splits never cut a cache line of y. */
 enum { ROW_GRAIN = 16 };
 
-static void linear_with(smoe_session *s, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n, float *y,
-                        qx_planes *pl) {
+static void linear_with(smoe_session *s, int stage, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n,
+                        float *y, qx_planes *pl) {
+    (void)stage; /* the profiler's (prof.h) */
     linear_task t = {W, w, x, prepare(s, W, x, n, pl), n, y, W->rows};
     smoe_pool_run(s->pool, linear_rows, &t, W->rows, ROW_GRAIN);
+    SMOE_PROF_LAP(stage);
 }
 
-void smoe_linear(smoe_session *s, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n, float *y) {
+void smoe_linear(smoe_session *s, int stage, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n,
+                 float *y) {
     qx_planes pl = {0};
-    linear_with(s, W, w, x, n, y, &pl);
+    linear_with(s, stage, W, w, x, n, y, &pl);
 }
 
 /* Gate and up of one expert (or dense MLP) in one dispatch: rows [0, I) are gate, [I, 2I) up;
@@ -126,9 +175,11 @@ static void swiglu_mlp(smoe_session *s, const smoe_tensor *gate, const uint8_t *
         t.qu = prepare(s, up, x, n, &pl);
         smoe_pool_run(s->pool, gate_up_rows, &t, 2 * I, ROW_GRAIN);
     }
+    SMOE_PROF_LAP(SMOE_P_GATE_UP);
     for (uint32_t i = 0; i < n; i++)
         smoe_swiglu(s->h + (size_t)i * I, s->hg + (size_t)i * 2 * I, s->hg + (size_t)i * 2 * I + I, I);
-    smoe_linear(s, down, wd, s->h, n, out);
+    SMOE_PROF_LAP(SMOE_P_SWIGLU);
+    smoe_linear(s, SMOE_P_DOWN, down, wd, s->h, n, out);
 }
 
 /* --------------------------------------------------------------------------------- embedding */
@@ -185,6 +236,7 @@ void smoe_attention_block(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n
 
     for (uint32_t t = 0; t < n; t++)
         smoe_rmsnorm(s->xn + (size_t)t * H, s->x + (size_t)t * H, L->input_norm, H, eps);
+    SMOE_PROF_LAP(SMOE_P_NORM);
 
     /* K and V in f32 land straight in the cache rows of their positions; other types are
      * computed in the k_new/v_new planes and rounded into the cache below, before attention, so
@@ -193,9 +245,21 @@ void smoe_attention_block(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n
     float *krows = f32 ? smoe_kv_row(s, s->k_cache, l, pos0) : s->k_new;
     float *vrows = f32 ? smoe_kv_row(s, s->v_cache, l, pos0) : s->v_new;
     qx_planes pl = {0}; /* q, k and v share one quantisation of xn when their formats agree */
-    linear_with(s, L->q, L->q->data, s->xn, n, s->q, &pl);
-    linear_with(s, L->k, L->k->data, s->xn, n, krows, &pl);
-    linear_with(s, L->v, L->v->data, s->xn, n, vrows, &pl);
+    if (n == 1 && same_codes(L->q, L->k) && same_codes(L->q, L->v)) {
+        /* one token: the three products in one pool run */
+        const smoe_qx *qx = prepare(s, L->q, s->xn, 1, &pl);
+        product_part parts[3] = {{L->q, L->q->data, s->xn, {0}, qx != NULL, s->q, 0},
+                                 {L->k, L->k->data, s->xn, {0}, qx != NULL, krows, L->q->rows},
+                                 {L->v, L->v->data, s->xn, {0}, qx != NULL, vrows, L->q->rows + L->k->rows}};
+        for (int i = 0; qx && i < 3; i++) parts[i].qx = *qx;
+        parts_task t = {parts, 3};
+        smoe_pool_run(s->pool, parts_rows, &t, L->q->rows + L->k->rows + L->v->rows, ROW_GRAIN);
+        SMOE_PROF_LAP(SMOE_P_QKV);
+    } else {
+        linear_with(s, SMOE_P_QKV, L->q, L->q->data, s->xn, n, s->q, &pl);
+        linear_with(s, SMOE_P_QKV, L->k, L->k->data, s->xn, n, krows, &pl);
+        linear_with(s, SMOE_P_QKV, L->v, L->v->data, s->xn, n, vrows, &pl);
+    }
 
     for (uint32_t t = 0; t < n; t++) {
         const float *cs = s->rope_cos + (size_t)(pos0 + t) * half;
@@ -214,12 +278,16 @@ void smoe_attention_block(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n
         smoe_kv_store(smoe_kv_row(s, s->v_cache, l, pos0), vrows, (size_t)n * s->kv_dim, s->params.kv_dtype);
     }
 
+    SMOE_PROF_LAP(SMOE_P_QKNORM);
+
     attend_task at = {s, l, pos0};
     smoe_pool_run(s->pool, attend_items, &at, n * c->num_attention_heads, 1);
+    SMOE_PROF_LAP(SMOE_P_ATTEND);
 
-    smoe_linear(s, L->o, L->o->data, s->att, n, s->xn);
+    smoe_linear(s, SMOE_P_O, L->o, L->o->data, s->att, n, s->xn);
     for (size_t i = 0; i < (size_t)n * H; i++)
         s->x[i] += s->xn[i];
+    SMOE_PROF_LAP(SMOE_P_O);
 }
 
 /* ---------------------------------------------------------------------------------------- FFN */
@@ -232,10 +300,79 @@ static void run_expert(smoe_session *s, uint32_t e, const uint8_t *blob) {
     const uint32_t *rows = s->exp_rows + (size_t)e * s->params.chunk;
     for (uint32_t j = 0; j < m; j++)
         memcpy(s->xg + (size_t)j * H, s->xn + (size_t)(rows[j] / K) * H, H * sizeof(float));
+    SMOE_PROF_LAP(SMOE_P_GATHER);
     const smoe_tensor *g = &lay->expert[0], *u = &lay->expert[1], *d = &lay->expert[2];
     swiglu_mlp(s, g, blob + g->offset, u, blob + u->offset, d, blob + d->offset, s->xg, m, s->yg);
     for (uint32_t j = 0; j < m; j++)
         memcpy(s->slot_out + (size_t)rows[j] * H, s->yg + (size_t)j * H, H * sizeof(float));
+    SMOE_PROF_LAP(SMOE_P_GATHER);
+}
+
+/* Experts routed exactly one (token, slot) each (every expert of a decode step; the one-token
+ * experts of a short prefill) in two pool runs: gate and up of all of them, each on its token's
+ * codes, then down of all, each on its own silu(gate)·up row (those rows quantised as tokens: per
+ * row, the codes a one-row call gives). u[0..m): their union positions, slots held, m ≤ chunk and
+ * 2m ≤ MAX_PARTS. Each output lands in its (token, slot) row of slot_out as run_expert puts it, by
+ * the same kernel calls on the same inputs: the same bits. Their slots are released. */
+static smoe_status run_single_experts(smoe_session *s, uint32_t n, const uint32_t *u, uint32_t m) {
+    const smoe_layout *lay = s->lay;
+    const smoe_tensor *g = &lay->expert[0], *up = &lay->expert[1], *d = &lay->expert[2];
+    const uint32_t H = s->cfg.hidden_size, K = s->cfg.num_experts_per_tok, I = g->rows;
+    product_part parts[MAX_PARTS];
+    const uint8_t *blob[MAX_PARTS / 2];
+    uint32_t row[MAX_PARTS / 2]; /* t·K + slot of each expert's one routed (token, slot) */
+    for (uint32_t k = 0; k < m; k++) {
+        smoe_status st = smoe_streamer_wait(s->streamer, s->union_slot[u[k]]);
+        if (st != SMOE_OK) return st;
+        blob[k] = smoe_streamer_data(s->streamer, s->union_slot[u[k]]);
+        row[k] = s->exp_rows[(size_t)s->union_list[u[k]] * s->params.chunk];
+    }
+    SMOE_PROF_LAP(SMOE_P_GATHER);
+
+    const bool codes = !s->params.float_activations && (g->format == SMOE_FMT_Q8 || g->format == SMOE_FMT_Q4);
+    smoe_qx_size z = {0};
+    if (codes) {
+        z = smoe_qx_sizes(H, g->format, g->group);
+        smoe_qx_prepare(s->xn, H, n, H, g->format, g->group, s->qx_codes, s->qx_d, s->qx_gsum);
+        SMOE_PROF_LAP(SMOE_P_QX);
+    }
+    for (uint32_t k = 0; k < m; k++) {
+        const uint32_t t = row[k] / K;
+        float *hk = s->hg + (size_t)k * 2 * I;
+        const smoe_qx qx = {(const uint8_t *)s->qx_codes + t * z.code_bytes, s->qx_d + t * z.d_floats,
+                            s->qx_gsum + t * z.gsum_floats, H, g->group, g->format};
+        parts[2 * k] = (product_part){g, blob[k] + g->offset, s->xn + (size_t)t * H, qx, codes, hk, 2 * k * I};
+        parts[2 * k + 1] =
+            (product_part){up, blob[k] + up->offset, s->xn + (size_t)t * H, qx, codes, hk + I, (2 * k + 1) * I};
+    }
+    parts_task task = {parts, 2 * m};
+    smoe_pool_run(s->pool, parts_rows, &task, 2 * m * I, ROW_GRAIN);
+    SMOE_PROF_LAP(SMOE_P_GATE_UP);
+
+    for (uint32_t k = 0; k < m; k++)
+        smoe_swiglu(s->h + (size_t)k * I, s->hg + (size_t)k * 2 * I, s->hg + (size_t)k * 2 * I + I, I);
+    SMOE_PROF_LAP(SMOE_P_SWIGLU);
+
+    const bool dcodes = !s->params.float_activations && (d->format == SMOE_FMT_Q8 || d->format == SMOE_FMT_Q4);
+    if (dcodes) {
+        z = smoe_qx_sizes(I, d->format, d->group);
+        smoe_qx_prepare(s->h, I, m, I, d->format, d->group, s->qx_codes, s->qx_d, s->qx_gsum);
+        SMOE_PROF_LAP(SMOE_P_QX);
+    }
+    for (uint32_t k = 0; k < m; k++) {
+        const smoe_qx qx = {(const uint8_t *)s->qx_codes + k * z.code_bytes, s->qx_d + k * z.d_floats,
+                            s->qx_gsum + k * z.gsum_floats, I, d->group, d->format};
+        parts[k] = (product_part){d, blob[k] + d->offset, s->h + (size_t)k * I, qx, dcodes,
+                                  s->slot_out + (size_t)row[k] * H, k * H};
+    }
+    task.n_parts = m;
+    smoe_pool_run(s->pool, parts_rows, &task, m * H, ROW_GRAIN);
+    SMOE_PROF_LAP(SMOE_P_DOWN);
+    for (uint32_t k = 0; k < m; k++) {
+        smoe_streamer_release(s->streamer, s->union_slot[u[k]]);
+        s->union_slot[u[k]] = -1;
+    }
+    return SMOE_OK;
 }
 
 /* Releases every slot the union still pins (after a failure). */
@@ -258,6 +395,7 @@ static smoe_status drain_one(smoe_session *s, uint32_t *pending, uint32_t *np, i
     smoe_status st = smoe_streamer_wait(s->streamer, slot);
     if (st != SMOE_OK)
         return st;
+    SMOE_PROF_LAP(SMOE_P_GATHER);
     run_expert(s, (uint32_t)s->union_list[u], smoe_streamer_data(s->streamer, slot));
     smoe_streamer_release(s->streamer, slot);
     s->union_slot[u] = -1;
@@ -265,12 +403,55 @@ static smoe_status drain_one(smoe_session *s, uint32_t *pending, uint32_t *np, i
     return SMOE_OK;
 }
 
+/* Computes the union's experts as their blobs arrive, acquiring the rest as slots are released;
+ * union positions [0, next_acquire) hold a slot already unless computed (slot −1). On failure
+ * every slot is released. */
+static smoe_status run_union(smoe_session *s, uint32_t l, uint32_t n_union, uint32_t next_acquire) {
+    smoe_status st = SMOE_OK;
+    /* the union positions [0, next_acquire) not yet computed are the pending ones */
+    uint32_t *pending = s->pending;
+    int *slots = s->pending_slots;
+    uint32_t np = 0;
+    for (uint32_t u = 0; u < next_acquire; u++)
+        if (s->union_slot[u] >= 0)
+            pending[np++] = u;
+    while (np > 0 || next_acquire < n_union) {
+        while (next_acquire < n_union) {
+            int slot = smoe_streamer_acquire(s->streamer, l, (uint32_t)s->union_list[next_acquire]);
+            if (slot < 0) {
+                if (slot < -1) /* a key the streamer refuses: its message is already set */
+                    st = SMOE_ERR_INTERNAL;
+                break;
+            }
+            s->union_slot[next_acquire] = slot;
+            pending[np++] = next_acquire++;
+        }
+        if (st != SMOE_OK)
+            break;
+        smoe_streamer_submit(s->streamer);
+        if (np == 0) {
+            /* No slot of ours is pending: the slots are held by reads a cancelled or failed
+             * call left in flight. Wait for one to land, then acquire again. */
+            if (smoe_streamer_settle(s->streamer))
+                continue;
+            st = smoe_fail(SMOE_ERR_INTERNAL, "layer %u: no streamer slot could be acquired", l);
+            break;
+        }
+        /* a cancel need not wait for the rest of a layer's reads */
+        if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK || (st = drain_one(s, pending, &np, slots)) != SMOE_OK)
+            break;
+    }
+    if (st != SMOE_OK)
+        release_union(s, n_union);
+    return st;
+}
+
 static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size) {
     const smoe_config *c = &s->cfg;
     const smoe_layer_weights *L = &s->lay->layers[l];
     uint32_t E = c->num_experts, K = c->num_experts_per_tok, H = c->hidden_size;
 
-    smoe_linear(s, L->router, L->router->data, s->xn, n, s->router);
+    smoe_linear(s, SMOE_P_ROUTER, L->router, L->router->data, s->xn, n, s->router);
 
     /* Route in token order; fire each expert's read when it first enters the union. */
     memset(s->exp_count, 0, E * sizeof(uint32_t));
@@ -298,45 +479,32 @@ static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *
     }
     *union_size = n_union;
     smoe_streamer_submit(s->streamer); /* the reads acquired above, coalesced where adjacent */
+    SMOE_PROF_LAP(SMOE_P_ROUTE);
 
-    /* Compute experts as their blobs arrive; acquire the rest as slots are released. The union
-     * positions [0, next_acquire) not yet computed are the pending ones. */
-    uint32_t *pending = s->pending;
-    int *slots = s->pending_slots;
-    uint32_t np = 0;
-    for (uint32_t u = 0; u < next_acquire; u++)
-        pending[np++] = u;
+    const smoe_tensor *eg = &s->lay->expert[0], *eu = &s->lay->expert[1];
     smoe_status st = SMOE_OK;
-    while (np > 0 || next_acquire < n_union) {
-        while (next_acquire < n_union) {
-            int slot = smoe_streamer_acquire(s->streamer, l, (uint32_t)s->union_list[next_acquire]);
-            if (slot < 0) {
-                if (slot < -1) /* a key the streamer refuses: its message is already set */
-                    st = SMOE_ERR_INTERNAL;
-                break;
+    if (next_acquire == n_union && same_codes(eg, eu)) {
+        /* every slot held: the experts with one routed (token, slot), two pool runs per batch; in a
+         * prefill only those whose blob is in already (resident), so reads in flight still
+         * overlap the other experts' compute in arrival order */
+        const uint32_t cap = s->params.chunk < MAX_PARTS / 2 ? s->params.chunk : MAX_PARTS / 2;
+        uint32_t *single = s->pending, m = 0; /* scratch until run_union */
+        for (uint32_t u = 0; u < n_union && st == SMOE_OK; u++) {
+            const bool in = n == 1 || smoe_streamer_ready(s->streamer, s->union_slot[u]);
+            if (s->exp_count[s->union_list[u]] == 1 && in)
+                single[m++] = u;
+            if (m == cap || (m > 0 && u + 1 == n_union)) {
+                st = run_single_experts(s, n, single, m);
+                m = 0;
             }
-            s->union_slot[next_acquire] = slot;
-            pending[np++] = next_acquire++;
         }
-        if (st != SMOE_OK)
-            break;
-        smoe_streamer_submit(s->streamer);
-        if (np == 0) {
-            /* No slot of ours is pending: the slots are held by reads a cancelled or failed
-             * call left in flight. Wait for one to land, then acquire again. */
-            if (smoe_streamer_settle(s->streamer))
-                continue;
-            st = smoe_fail(SMOE_ERR_INTERNAL, "layer %u: no streamer slot could be acquired", l);
-            break;
+        if (st != SMOE_OK) {
+            release_union(s, n_union);
+            return st;
         }
-        /* a cancel need not wait for the rest of a layer's reads */
-        if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK || (st = drain_one(s, pending, &np, slots)) != SMOE_OK)
-            break;
     }
-    if (st != SMOE_OK) {
-        release_union(s, n_union);
+    if ((st = run_union(s, l, n_union, next_acquire)) != SMOE_OK)
         return st;
-    }
 
     /* Weighted sum in top-k slot order, then the residual. */
     for (uint32_t t = 0; t < n; t++) {
@@ -348,6 +516,7 @@ static smoe_status moe_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *
         for (uint32_t i = 0; i < H; i++)
             xt[i] += acc[i];
     }
+    SMOE_PROF_LAP(SMOE_P_COMBINE);
     return SMOE_OK;
 }
 
@@ -356,6 +525,7 @@ smoe_status smoe_ffn_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *un
     uint32_t H = s->cfg.hidden_size;
     for (uint32_t t = 0; t < n; t++)
         smoe_rmsnorm(s->xn + (size_t)t * H, s->x + (size_t)t * H, L->post_norm, H, s->cfg.rms_norm_eps);
+    SMOE_PROF_LAP(SMOE_P_NORM);
     if (L->sparse)
         return moe_block(s, l, n, union_size);
     *union_size = 0;
@@ -363,5 +533,6 @@ smoe_status smoe_ffn_block(smoe_session *s, uint32_t l, uint32_t n, uint32_t *un
                n, s->yg);
     for (size_t i = 0; i < (size_t)n * H; i++)
         s->x[i] += s->yg[i];
+    SMOE_PROF_LAP(SMOE_P_COMBINE);
     return SMOE_OK;
 }

@@ -22,6 +22,7 @@
  * and no system call when nobody sleeps.
  */
 #include "pool.h"
+#include "prof.h"
 
 #include <pthread.h>
 #include <sched.h>
@@ -263,6 +264,8 @@ void smoe_pool_run(smoe_pool *pool, smoe_task_fn fn, void *ctx, uint32_t n, uint
     run_range(pool, 0);
     for (uint32_t w = 1; w < pool->threads; w++)
         if (claim_and_run(pool, w)) atomic_fetch_sub(&pool->pending, 1);
+    const double wait0 = SMOE_PROF_NOW();
+    (void)wait0;
     uint32_t left, rounds = 0;
     while ((left = atomic_load_explicit(&pool->pending, memory_order_acquire)) != 0) {
         if (spin(&rounds)) continue;
@@ -270,4 +273,27 @@ void smoe_pool_run(smoe_pool *pool, smoe_task_fn fn, void *ctx, uint32_t n, uint
         if ((left = atomic_load(&pool->pending)) != 0) word_wait(pool, &pool->pending, left);
         atomic_store(&pool->caller_sleeping, 0);
     }
+    SMOE_PROF_ADD(SMOE_P_POOL_WAIT, SMOE_PROF_NOW() - wait0);
+    SMOE_PROF_ADD(SMOE_P_POOL_RUNS, 0.0);
 }
+
+#if SMOE_PROFILE
+#include <time.h>
+
+int smoe_prof_cpu;
+
+double smoe_prof_now(void) {
+    if (!smoe_prof_cpu) return smoe_now();
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+double smoe_prof_s[SMOE_P_COUNT];
+uint64_t smoe_prof_n[SMOE_P_COUNT];
+double smoe_prof_mark;
+const char *const smoe_prof_names[SMOE_P_COUNT] = {
+    "embed", "norm", "qx_prepare", "q,k,v products", "q/k norm, rope", "attention", "o_proj + residual",
+    "router product", "routing", "gather/scatter, streamer", "expert gate+up", "swiglu", "expert down",
+    "top-k combine", "lm_head", "logits, sampling", "(pool wait, nested)", "(pool runs, count)"};
+#endif

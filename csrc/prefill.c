@@ -11,6 +11,7 @@
  * a read fires the moment an expert first enters the union. The result is bit-identical to
  * feeding the same tokens one at a time through smoe_decode_step (session.h says why). */
 #include "session.h"
+#include "prof.h"
 
 static smoe_status prefill(smoe_session *s, const int32_t *ids, uint32_t n) {
     if (n == 0 || n > s->params.chunk)
@@ -20,9 +21,11 @@ static smoe_status prefill(smoe_session *s, const int32_t *ids, uint32_t n) {
     if (st != SMOE_OK)
         return st;
     double t0 = smoe_now();
+    SMOE_PROF_START();
     uint32_t pos = s->pos;
 
     smoe_embed(s, ids, n);
+    SMOE_PROF_LAP(SMOE_P_EMBED);
     for (uint32_t l = 0; l < s->cfg.num_hidden_layers; l++) {
         /* position unchanged on failure: the chunk's KV rows are rewritten next time */
         if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK)

@@ -94,8 +94,10 @@ struct smoe_session {
     uint64_t plane_bytes, kv_bytes;
 };
 
-/* y (n, W.rows) = x (n, W.cols) · Wᵀ, rows split over the worker pool. */
-void smoe_linear(smoe_session *s, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n, float *y);
+/* y (n, W.rows) = x (n, W.cols) · Wᵀ, rows split over the worker pool. stage: the smoe_prof_stage
+ * its time counts in when the profiler is compiled in (prof.h). */
+void smoe_linear(smoe_session *s, int stage, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n,
+                 float *y);
 
 /* Row pos of layer l in a KV cache (k_cache or v_cache). */
 static inline void *smoe_kv_row(const smoe_session *s, void *cache, uint32_t l, uint32_t pos) {
