@@ -11,11 +11,14 @@
  * of a prefill chunk's tokens routed to one expert). One and two threads, each thread its half of
  * the rows, each calling the product K times per rep (K sized so that a rep lasts ~20 ms); the
  * figure is the median of REPS reps, wall clock. x is prepared once, outside the timing (both
- * instances read the same codes). The outputs of the two are compared bit for bit too.
+ * instances read the same codes). The outputs of the two are compared bit for bit too. "read
+ * only": the same weight bytes merely read (256-bit loads, summed), timed alongside: a product
+ * that takes about that long is bound by reading its weights.
  */
 #include "cpu.h"
 #include "kernels_isa.h"
 
+#include <immintrin.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,6 +62,26 @@ static void *work_main(void *p) {
     work *w = p;
     for (int i = 0; i < w->calls; i++) w->fn(w->W, w->W->data, w->X, w->n, w->y, w->W->rows, w->r0, w->r1);
     return NULL;
+}
+
+/* A stand-in for a product that only reads: the same rows' bytes (codes, scales, biases) summed
+ * with 256-bit loads — what n = 1 would cost if it were bound by reading alone. */
+static bool read_only(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                      uint32_t r0, uint32_t r1) {
+    (void)X;
+    (void)n;
+    (void)ldy;
+    const size_t rb = W->format == SMOE_FMT_Q4 ? W->cols / 2 : W->cols, sb = (size_t)W->cols / W->group * 2;
+    __m256i acc = _mm256_setzero_si256();
+    for (size_t i = (size_t)r0 * rb; i < (size_t)r1 * rb; i += 32)
+        acc = _mm256_add_epi64(acc, _mm256_loadu_si256((const __m256i *)(const void *)(w + i)));
+    for (int part = 0; part < 2; part++) {
+        const uint8_t *s = w + (part ? W->biases_off : W->scales_off);
+        for (size_t i = (size_t)r0 * sb; i + 32 <= (size_t)r1 * sb; i += 32)
+            acc = _mm256_add_epi64(acc, _mm256_loadu_si256((const __m256i *)(const void *)(s + i)));
+    }
+    y[r0] = (float)_mm256_extract_epi64(acc, 0);
+    return true;
 }
 
 /* seconds per call with `threads` threads */
@@ -115,7 +138,7 @@ int main(int argc, char **argv) {
     const char *n2 = smoe_avx2_qx_vnni() ? "avx2+avx-vnni" : "avx2";
     printf("format %s, group %u, f16 scales; contenders %s and %s; median of %d reps, wall clock\n",
            format == SMOE_FMT_Q4 ? "q4" : "q8", G, n2, n512, REPS);
-    printf("%-6s %-14s %-7s %12s %12s %8s\n", "n", "shape", "threads", n2, n512, "speedup");
+    printf("%-6s %-14s %-7s %12s %12s %8s %12s\n", "n", "shape", "threads", n2, n512, "speedup", "read only");
     const uint32_t ns[3] = {1, 8, 64};
     for (int si = 0; si < 3; si++) {
         const uint32_t n = ns[si], rows = n == 1 ? 32768 : 768, cols = 2048;
@@ -139,7 +162,7 @@ int main(int argc, char **argv) {
             const double probe = time_calls(f2, &W, &X, n, y2, threads, 1);
             int calls = (int)(0.02 / probe);
             if (calls < 1) calls = 1;
-            double t2[REPS], t5[REPS];
+            double t2[REPS], t5[REPS], tr[REPS];
             for (int r = 0; r < REPS; r++) {
                 if (r % 2 == 0) {
                     t2[r] = time_calls(f2, &W, &X, n, y2, threads, calls);
@@ -148,13 +171,15 @@ int main(int argc, char **argv) {
                     t5[r] = time_calls(f512, &W, &X, n, y5, threads, calls);
                     t2[r] = time_calls(f2, &W, &X, n, y2, threads, calls);
                 }
+                tr[r] = time_calls(read_only, &W, &X, n, y2, threads, calls);
             }
             qsort(t2, REPS, sizeof *t2, cmp_double);
             qsort(t5, REPS, sizeof *t5, cmp_double);
+            qsort(tr, REPS, sizeof *tr, cmp_double);
             char shape[32];
             snprintf(shape, sizeof shape, "%ux%u", rows, cols);
-            printf("%-6u %-14s %-7d %9.1f us %9.1f us %7.2fx\n", n, shape, threads, t2[REPS / 2] * 1e6,
-                   t5[REPS / 2] * 1e6, t2[REPS / 2] / t5[REPS / 2]);
+            printf("%-6u %-14s %-7d %9.1f us %9.1f us %7.2fx %9.1f us\n", n, shape, threads, t2[REPS / 2] * 1e6,
+                   t5[REPS / 2] * 1e6, t2[REPS / 2] / t5[REPS / 2], tr[REPS / 2] * 1e6);
         }
         free(x);
         free(codes);
