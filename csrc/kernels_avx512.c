@@ -67,9 +67,10 @@ enum {
     MAXC = 16384,       /* columns of a row these kernels take, as the AVX2 ones */
     MAXU = MAXC / 64,   /* units of 64 columns of such a row */
     MAXG = MAXC / 32,   /* its groups at most (group size 32) */
-    SPAD = 16,          /* zero floats after a row's scales: σ is loaded 16 at a time */
+    SPAD = 16,          /* zero floats after a row's scales: σ is loaded 16 at a time (and 16 more of room) */
     XBYTES = 64 * 1024, /* a tile's re-laid codes: 64 bytes per unit and token */
     TB = 4,             /* tokens of a register block */
+    PF = 2,             /* row pairs ahead whose codes are prefetched (0: none) */
 };
 
 INLINE bool group_ok(uint32_t G) { return G == 32 || G == 64 || G == 128; }
@@ -93,8 +94,8 @@ INLINE float bias_dot(const float *b, const float *X, uint32_t ng8) {
 }
 
 /* dst = the ng scales (or biases; f16, bf16 or f32) at src as f32, exactly; zeros after, up to
- * `upto` floats */
-A512 static void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf, uint32_t upto) {
+ * `upto` floats at least (the next multiple of 16: dst has room) */
+INLINE void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf, uint32_t upto) {
     uint32_t g = 0;
     if (sf == SMOE_SCALE_F32) {
         memcpy(dst, src, 4 * (size_t)ng);
@@ -107,7 +108,7 @@ A512 static void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_
                                               : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
         _mm512_mask_storeu_ps(dst + g, m, f);
     }
-    memset(dst + ng, 0, sizeof(float) * (upto - ng));
+    for (uint32_t z = ng; z < upto; z += 16) _mm512_storeu_ps(dst + z, _mm512_setzero_ps());
 }
 
 /* One token's codes, `up` units in the reference layout (kernels.c) at src, into this file's

@@ -33,6 +33,7 @@ EMU __m512 emu_loadu_ps(const float *p) {
     memcpy(&r, p, 64);
     return r;
 }
+EMU void emu_storeu_ps(float *p, __m512 v) { memcpy(p, &v, 64); }
 EMU __m512i emu_maskz_loadu_epi8(uint64_t k, const void *p) {
     uint8_t r[64];
     for (int i = 0; i < 64; i++) r[i] = (k >> i & 1) ? ((const uint8_t *)p)[i] : 0;
@@ -268,6 +269,7 @@ EMU __m512 emu_cvtepi32_ps(__m512i va) {
 #undef _mm512_load_si512
 #undef _mm512_store_si512
 #undef _mm512_loadu_ps
+#undef _mm512_storeu_ps
 #undef _mm512_maskz_loadu_epi8
 #undef _mm256_maskz_loadu_epi16
 #undef _mm512_mask_storeu_ps
@@ -312,6 +314,7 @@ EMU __m512 emu_cvtepi32_ps(__m512i va) {
 #define _mm512_load_si512 emu_loadu_si512
 #define _mm512_store_si512 emu_store_si512
 #define _mm512_loadu_ps emu_loadu_ps
+#define _mm512_storeu_ps emu_storeu_ps
 #define _mm512_maskz_loadu_epi8 emu_maskz_loadu_epi8
 #define _mm256_maskz_loadu_epi16 emu_maskz_loadu_epi16_256
 #define _mm512_mask_storeu_ps emu_mask_storeu_ps
