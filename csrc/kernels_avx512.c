@@ -70,7 +70,6 @@ enum {
     SPAD = 16,          /* zero floats after a row's scales: σ is loaded 16 at a time (and 16 more of room) */
     XBYTES = 64 * 1024, /* a tile's re-laid codes: 64 bytes per unit and token */
     TB = 4,             /* tokens of a register block */
-    PF = 2,             /* row pairs ahead whose codes are prefetched (0: none) */
 };
 
 INLINE bool group_ok(uint32_t G) { return G == 32 || G == 64 || G == 128; }

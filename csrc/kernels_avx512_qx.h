@@ -26,21 +26,14 @@
 
 /* T tokens × rows w0 and w1 (rb bytes each) over ngr groups of 4 units: tot[j] += the scaled
  * block sums of token j, both rows, in red4's lane order. sc[k]: σ of group k (sigma2); xs[j],
- * dc[j]: token j's re-laid codes and its d in red4's order, per group. pf: NULL, or two rows
- * whose codes to prefetch group by group along with these (a later row pair's). */
+ * dc[j]: token j's re-laid codes and its d in red4's order, per group. */
 QX_INLINE void QX(qx_block)(const int T, const bool q8, const uint8_t *w0, const uint8_t *w1, size_t rb,
                                  const __m512 *sc, const uint8_t *const *xs, const __m512 *const *dc, uint32_t ngr,
-                                 const uint8_t *pf, __m512 *tot) {
+                                 __m512 *tot) {
     const __m512i m = _mm512_set1_epi8(0x0f);
-    const size_t step = q8 ? 256 : 128; /* bytes of a row per group */
     __m512 acc[TB];
     for (int j = 0; j < T; j++) acc[j] = _mm512_setzero_ps();
     for (uint32_t k = 0; k < ngr; k++) {
-        if (pf)
-            for (size_t o = 0; o < step; o += 64) {
-                _mm_prefetch((const char *)(pf + step * k + o), _MM_HINT_T0);
-                _mm_prefetch((const char *)(pf + rb + step * k + o), _MM_HINT_T0);
-            }
         __m512i a[4], b[4]; /* rows 0 and 1: q4 (lo, hi) of pairs 2k, 2k + 1; q8 units 4k .. 4k + 3 */
         if (!q8) {
             for (int p = 0; p < 2; p++) {
@@ -79,11 +72,11 @@ QX_INLINE void QX(qx_block)(const int T, const bool q8, const uint8_t *w0, const
 
 QX_ATTR static void QX(qx_block_any)(int T, bool q8, const uint8_t *w0, const uint8_t *w1, size_t rb,
                                      const __m512 *sc, const uint8_t *const *xs, const __m512 *const *dc,
-                                     uint32_t ngr, const uint8_t *pf, __m512 *tot) {
+                                     uint32_t ngr, __m512 *tot) {
     switch (T * 2 + q8) {
 #define CASE(t)                                                                                                        \
-    case t * 2: QX(qx_block)(t, false, w0, w1, rb, sc, xs, dc, ngr, pf, tot); break;                                   \
-    case t * 2 + 1: QX(qx_block)(t, true, w0, w1, rb, sc, xs, dc, ngr, pf, tot); break;
+    case t * 2: QX(qx_block)(t, false, w0, w1, rb, sc, xs, dc, ngr, tot); break;                                       \
+    case t * 2 + 1: QX(qx_block)(t, true, w0, w1, rb, sc, xs, dc, ngr, tot); break;
         CASE(4) CASE(3) CASE(2) CASE(1)
 #undef CASE
     }
@@ -131,10 +124,7 @@ QX_ATTR bool QX(smoe_avx512_matmul_rows_qx)(const smoe_tensor *W, const uint8_t 
                     xs[j] = xbuf + (size_t)(t + j) * 64 * up;
                     dc[j] = dbuf + (size_t)(t + j) * ngr;
                 }
-                /* the first token block streams the rows: it asks for those of PF pairs ahead */
-                const uint8_t *pf = PF && t == 0 && r + 2 * PF + 1 < r1 ? w + (size_t)(r + 2 * PF) * rb : NULL;
-                QX(qx_block_any)((int)nb, q8, w + (size_t)rr[0] * rb, w + (size_t)rr[1] * rb, rb, sc, xs, dc, ngr, pf,
-                                 tot);
+                QX(qx_block_any)((int)nb, q8, w + (size_t)rr[0] * rb, w + (size_t)rr[1] * rb, rb, sc, xs, dc, ngr, tot);
                 for (uint32_t j = 0; j < nb; j++) {
                     const size_t tj = t0 + t + j;
                     const float *gs = X->gsum + tj * z.gsum_floats;
