@@ -11,12 +11,22 @@
  *
  * The check is a few loads of the compiler runtime's CPU model: cheap, and not on any hot path.
  *
+ * The AVX-512 kernels (kernels_avx512.c) are optional: smoe_cpu_avx512 below says whether this
+ * CPU and OS run them, and kernels.c asks it before each 8-bit-activation product.
+ *
  * An AArch64 build needs no check: its NEON kernels use only what ARMv8.0-A makes mandatory
  * (Advanced SIMD with float FMA and half-precision conversion), so smoe_cpu_check is SMOE_OK. */
 #include "cpu.h"
 
 #include "internal.h"
 #include "kernels_isa.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#if SMOE_HAVE_AVX512
+#include <cpuid.h>
+#endif
 
 #if SMOE_HAVE_AVX2 && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
@@ -45,6 +55,45 @@ smoe_status smoe_cpu_check(void) {
                                                "rebuild with make PORTABLE=1");
 #endif
     return SMOE_OK;
+}
+
+/* The AVX-512 half: cpuid leaf 7 for the features, and XCR0 for the OS's part — without bits 5–7
+ * (opmask, the upper halves of ZMM0–15, ZMM16–31) set, a kernel's first AVX-512 instruction
+ * would fault, whatever cpuid says. */
+unsigned smoe_cpu_avx512_hw(void) {
+#if defined(SMOE_AVX512_EMULATE) /* tests/c/avx512_emu.h: every instance runs, emulated */
+    return SMOE_CPU_AVX512 | SMOE_CPU_AVX512VNNI;
+#elif SMOE_HAVE_AVX512
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE: xgetbv works */
+    if (__get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    const unsigned f = b >> 16 & 1, bw = b >> 30 & 1, vl = b >> 31 & 1, vnni = c >> 11 & 1;
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    (void)hi;
+    if (!(f && bw && vl) || (lo & 0xe6u) != 0xe6u) return 0; /* + SSE (1) and AVX (2) state */
+    return SMOE_CPU_AVX512 | (vnni ? SMOE_CPU_AVX512VNNI : 0);
+#else
+    return 0;
+#endif
+}
+
+static bool env_set(const char *name) {
+    const char *v = getenv(name);
+    return v && *v && strcmp(v, "0") != 0;
+}
+
+static _Atomic int avx512_use = -1;
+
+unsigned smoe_cpu_avx512(void) {
+    int use = atomic_load_explicit(&avx512_use, memory_order_relaxed);
+    if (use < 0) {
+        use = env_set("SMOE_NO_AVX512") ? 0 : (int)smoe_cpu_avx512_hw();
+        if (env_set("SMOE_NO_VNNI")) use &= ~SMOE_CPU_AVX512VNNI;
+        atomic_store_explicit(&avx512_use, use, memory_order_relaxed);
+    }
+    return (unsigned)use;
 }
 
 #if SMOE_HAVE_AVX2 && defined(__GNUC__) && !defined(__clang__)

@@ -8,6 +8,16 @@
  * first thing by smoe_open_vault and smoe_session_new, before any code that may use AVX2. */
 smoe_status smoe_cpu_check(void);
 
+/* What of AVX-512 the kernels may use here: SMOE_CPU_AVX512 where cpuid has AVX-512 F, BW and VL
+ * and the OS saves the mask and ZMM registers (XCR0, by xgetbv), plus SMOE_CPU_AVX512VNNI where
+ * cpuid also has AVX512-VNNI; 0 elsewhere and in builds without kernels_avx512.c. The
+ * environment can only take away: SMOE_NO_AVX512=1 gives 0, SMOE_NO_VNNI=1 drops the VNNI bit.
+ * Read once and cached; cheap enough to call per product. smoe_cpu_avx512_hw: the same without
+ * the environment (for the tests). */
+enum { SMOE_CPU_AVX512 = 1, SMOE_CPU_AVX512VNNI = 2 };
+unsigned smoe_cpu_avx512(void);
+unsigned smoe_cpu_avx512_hw(void);
+
 #ifdef SMOE_CPU_TEST_HOOKS
 extern int smoe_cpu_test_lacks_isa; /* tests only: 1 = pretend the CPU lacks what the build needs */
 #endif

@@ -46,9 +46,14 @@
  * Dispatch. The functions of kernels.h at the end of this file pick, at build time, the AVX2
  * kernels of kernels_avx2.c or the NEON kernels of kernels_neon.c (which keep the same rule with
  * their own, stated, order and are tested against these within a tolerance) or these reference
- * kernels, which keep their own names (smoe_ref_*) in every build. See kernels_isa.h.
+ * kernels, which keep their own names (smoe_ref_*) in every build. See kernels_isa.h. On x86-64
+ * the 8-bit-activation product then picks, at run time, an instance with these bits exactly:
+ * AVX512-VNNI, AVX-512 (F + BW), AVX-VNNI or plain AVX2, the first this CPU has (cpu.h,
+ * smoe_cpu_avx512; kernels_avx512.c, kernels_avx2_qx.h), unless SMOE_NO_AVX512=1 / SMOE_NO_VNNI=1.
  */
 #include "kernels_isa.h"
+
+#include "cpu.h"
 
 #include <math.h>
 #include <string.h>
@@ -662,6 +667,9 @@ const char *smoe_kernels_isa(void) { return SMOE_HAVE_AVX2 ? "avx2" : SMOE_HAVE_
 
 const char *smoe_kernels(void) {
 #if SMOE_HAVE_AVX2
+    const unsigned a512 = smoe_cpu_avx512();
+    if (a512 & SMOE_CPU_AVX512VNNI) return "avx2+avx512vnni";
+    if (a512 & SMOE_CPU_AVX512) return "avx2+avx512";
     if (smoe_avx2_qx_vnni()) return "avx2+avx-vnni";
 #endif
     return smoe_kernels_isa();
@@ -688,6 +696,13 @@ void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint
 void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                          uint32_t r0, uint32_t r1) {
 #if SMOE_HAVE_AVX2
+#if SMOE_HAVE_AVX512
+    const unsigned a512 = smoe_cpu_avx512();
+    if ((a512 & SMOE_CPU_AVX512VNNI) ? smoe_avx512_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1)
+        : (a512 & SMOE_CPU_AVX512)   ? smoe_avx512_matmul_rows_qx_bw(W, w, X, n, y, ldy, r0, r1)
+                                     : false)
+        return;
+#endif
     if (smoe_avx2_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1)) return;
 #elif SMOE_HAVE_NEON
     if (smoe_neon_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1)) return;

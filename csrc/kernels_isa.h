@@ -4,7 +4,8 @@
  * The public names (kernels.h) pick one implementation per build: the AVX2 + FMA + F16C kernels
  * when the compiler targets them (the Makefile passes -mavx2 -mfma -mf16c on x86-64 unless
  * PORTABLE=1), the NEON kernels on AArch64 (unless PORTABLE=1), the reference kernels otherwise.
- * The choice is made at build time, never at run time, so one build always runs one arithmetic;
+ * The choice is made at build time, never at run time, so one build always runs one arithmetic
+ * (faster instances of one kernel picked at run time — AVX-VNNI, AVX-512 — give the same bits);
  * cpu.c refuses (SMOE_ERR_UNSUPPORTED) to open a vault on a CPU that cannot run what the build
  * chose (an x86-64 CPU without AVX2; every AArch64 CPU has NEON). */
 #ifndef SMOE_KERNELS_ISA_H
@@ -23,6 +24,15 @@
 #define SMOE_HAVE_AVXVNNI 1
 #else
 #define SMOE_HAVE_AVXVNNI 0
+#endif
+
+/* AVX-512 (F + BW + VL, and AVX512-VNNI) instances of the 8-bit-activation products, picked at
+ * run time (kernels_avx512.c, the only file with AVX-512 code; GCC ≥ 8, Clang ≥ 8) */
+#if SMOE_HAVE_AVX2 && defined(__x86_64__) &&                                                                          \
+    ((defined(__clang__) && __clang_major__ >= 8) || (!defined(__clang__) && __GNUC__ >= 8))
+#define SMOE_HAVE_AVX512 1
+#else
+#define SMOE_HAVE_AVX512 0
 #endif
 
 /* AArch64 Advanced SIMD is part of every arm64 CPU: no flag, no runtime check (kernels_neon.c). */
@@ -68,6 +78,16 @@ bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols,
 void smoe_avx2_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
 void smoe_avx2_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
                       uint32_t head_dim, uint32_t kv_dtype, float *scratch);
+#endif
+
+#if SMOE_HAVE_AVX512
+/* kernels_avx512.c: smoe_matmul_rows_qx with the reference's bits, false for a shape it does not
+ * take (then the AVX2 kernel runs). Only for a CPU where smoe_cpu_avx512() (cpu.h) says so: _bw
+ * needs SMOE_CPU_AVX512, _vnni also SMOE_CPU_AVX512VNNI. */
+bool smoe_avx512_matmul_rows_qx_bw(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                                   size_t ldy, uint32_t r0, uint32_t r1);
+bool smoe_avx512_matmul_rows_qx_vnni(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                                     size_t ldy, uint32_t r0, uint32_t r1);
 #endif
 
 #if SMOE_HAVE_NEON

@@ -100,7 +100,9 @@ SMOE_API const char *smoe_status_str(smoe_status status);
 /* Message of the last failure on this thread; "" if none. Valid until the next failing call. */
 SMOE_API const char *smoe_last_error(void);
 SMOE_API const char *smoe_version(void);
-/* The kernels this build runs on this CPU: "avx2+avx-vnni", "avx2", "neon" or "portable". */
+/* The kernels this build runs on this CPU: "avx2+avx512vnni", "avx2+avx512", "avx2+avx-vnni",
+ * "avx2", "neon" or "portable" (the part after "+": the 8-bit-activation products' instance,
+ * picked at run time; SMOE_NO_AVX512=1 and SMOE_NO_VNNI=1 in the environment take it away). */
 SMOE_API const char *smoe_kernels(void);
 SMOE_API int smoe_abi_version(void);
 

@@ -44,7 +44,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
 FLAGS="-std=c11 -Wall -Wextra -Werror -pthread -ffp-contract=off -D_GNU_SOURCE -Icsrc"
-KSRC="csrc/kernels.c csrc/kernels_neon.c csrc/kernels_avx2.c csrc/cpu.c csrc/pool.c csrc/sample.c csrc/util.c"
+KSRC="csrc/kernels.c csrc/kernels_neon.c csrc/kernels_avx2.c csrc/kernels_avx512.c csrc/cpu.c csrc/pool.c csrc/sample.c csrc/util.c"
 
 step() { printf '\n== %s\n' "$*"; }
 fail() { echo "neon-check FAILED: $*" >&2; exit 1; }

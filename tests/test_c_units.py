@@ -2,13 +2,15 @@
 
 tests/c/test_kernels.c, tests/c/test_kernels_neon.c, tests/c/test_pool_sample.c and
 tests/c/test_checksum.c and tests/c/test_threads.c (with the whole engine, as test_paths.c) are compiled
-here with gcc against the csrc files they need (kernels.c, kernels_avx2.c, kernels_neon.c, cpu.c,
+here with gcc against the csrc files they need (kernels.c, kernels_avx2.c, kernels_avx512.c, kernels_neon.c, cpu.c,
 pool.c, sample.c, util.c) with the engine's flags, and run. Builds:
 
     O2, O3        the engine's flags; the vector-extension lane loops; on x86-64 the AVX2 kernels,
                   on arm64 the NEON ones (test_kernels_neon has nothing to test elsewhere; `make
                   neon-check` runs it for arm64 under qemu)
     scalar        -DSMOE_KERNELS_SCALAR: the plain-C lane loops, which must give the same bits
+    avx512emu     kernels_avx512.c on plain-C stand-ins for its intrinsics (tests/c/avx512_emu.h),
+                  dispatched as on a CPU with AVX512-VNNI: its logic, bit for bit, on any x86-64
     portable      what `make PORTABLE=1` compiles: -DSMOE_PORTABLE, no -mavx2 (the reference
                   kernels are then the dispatched ones)
     nofutex       -DSMOE_NO_FUTEX: the pool's condition-variable path (what macOS runs)
@@ -31,8 +33,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
-LIB_SOURCES = [CSRC / name for name in ("kernels.c", "kernels_avx2.c", "kernels_neon.c", "cpu.c", "pool.c", "sample.c",
-                                        "util.c")]
+LIB_SOURCES = [CSRC / name for name in ("kernels.c", "kernels_avx2.c", "kernels_avx512.c", "kernels_neon.c", "cpu.c",
+                                        "pool.c", "sample.c", "util.c")]
 FLAGS = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread", "-ffp-contract=off", "-D_GNU_SOURCE", f"-I{CSRC}"]
 X86 = platform.machine() in ("x86_64", "AMD64")
 ARM64 = platform.machine() in ("aarch64", "arm64")
@@ -46,6 +48,9 @@ BUILDS = {
     "cpuhook": ["-O2", "-DSMOE_CPU_TEST_HOOKS"],
     "nofutex": ["-O2", "-DSMOE_NO_FUTEX"],
     "nohwcrc": ["-O2", "-DSMOE_NO_HW_CRC"],
+    # kernels_avx512.c on tests/c/avx512_emu.h's plain-C intrinsics, dispatched as if the CPU had
+    # AVX-512 + VNNI: its logic checked bit for bit where the CPU lacks AVX-512 (x86-64 only)
+    "avx512emu": ["-O2", "-DSMOE_AVX512_EMULATE", "-Wno-psabi", f"-I{ROOT / 'tests' / 'c'}"],
     "asan": ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
     "tsan": ["-O1", "-g", "-fsanitize=thread"],
 }
@@ -88,11 +93,36 @@ def run(exe: Path, *args: str, timeout: float = 300) -> str:
     return r.stdout
 
 
+def _cpu_flags() -> set:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 @pytest.mark.parametrize("variant", ["O2", "O3", "scalar", "portable", "asan"])
 def test_kernels(build, variant):
     out = run(build("test_kernels", variant))
     assert "test_kernels: ok" in out
     assert f"isa {ISA if variant != 'portable' else 'portable'}" in out
+    if X86 and variant != "portable":
+        # every qx instance the CPU runs was checked bit for bit; one it lacks says it was skipped
+        # (Linux lists the AVX-512 flags only where the OS enables the ZMM state)
+        flags = _cpu_flags()
+        has512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
+        for name, present in (("avx2", True), ("avx-vnni", "avx_vnni" in flags), ("avx512", has512),
+                              ("avx512vnni", has512 and "avx512_vnni" in flags)):
+            assert f"qx instance {name}: {'checked' if present else 'skipped'}" in out, out
+
+
+@pytest.mark.skipif(not X86, reason="the AVX-512 kernels are x86-64's")
+def test_kernels_avx512_logic_emulated(build):
+    out = run(build("test_kernels", "avx512emu"))
+    assert "test_kernels: ok" in out
+    assert "qx instance avx512: checked" in out and "qx instance avx512vnni: checked" in out, out
 
 
 @pytest.mark.parametrize("variant", ["O2", "O3", "asan"])
@@ -106,13 +136,14 @@ def checksums(out: str) -> dict:
 
 
 def test_kernels_same_bits_in_every_build(build):
-    sums = {v: checksums(run(build("test_kernels", v))) for v in ("O2", "O3", "scalar", "portable")}
+    variants = ("O2", "O3", "scalar", "portable") + (("avx512emu",) if X86 else ())
+    sums = {v: checksums(run(build("test_kernels", v))) for v in variants}
     # the reference kernels: one set of bits whatever the flags and the instruction set
     # (twice: group 64 with f16/bf16 scales, and the other groups and f32 scales)
     for key in ("checksum", "checksum_groups"):
         assert len({s[key] for s in sums.values()}) == 1, sums
         # the dispatched kernels: one set of bits per instruction set
-        assert len({sums[v][key + "_fast"] for v in ("O2", "O3", "scalar")}) == 1, sums
+        assert len({sums[v][key + "_fast"] for v in set(variants) - {"portable"}}) == 1, sums
         assert sums["portable"][key + "_fast"] == sums["portable"][key]
 
 

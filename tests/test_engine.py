@@ -3,6 +3,7 @@ behaviour on bad input."""
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 
@@ -103,6 +104,40 @@ def test_vnni_and_plain_avx2_give_the_same_bits(tiny_vault):
         assert r.returncode == 0, r.stderr
         outs.append(r.stdout)
     assert outs[0] and outs[0] == outs[1]
+
+
+_KERNELS_SCRIPT = """
+import sys, pysmoe
+from pysmoe._ffi import ffi, lib
+sys.stdout.write(ffi.string(lib.smoe_kernels()).decode())
+"""
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split(":", 1)[1].split()
+    except (OSError, StopIteration):
+        return False
+    return {"avx512f", "avx512bw", "avx512vl"} <= set(flags)
+
+
+def test_avx512_and_avx2_give_the_same_bits(tiny_vault):
+    # SMOE_NO_AVX512=1 turns the AVX-512 instances of the 8-bit-activation products off; where the
+    # CPU has AVX-512 the default runs them. Same integer sums, same float order: same logits.
+    # smoe_kernels() says which ran.
+    import sys
+    outs, kernels = [], []
+    for flag in ("1", "0"):
+        env = dict(os.environ, SMOE_NO_AVX512=flag)
+        for script, into in ((_LOGITS_SCRIPT, outs), (_KERNELS_SCRIPT, kernels)):
+            r = subprocess.run([sys.executable, "-c", script, str(tiny_vault)], capture_output=True, text=True,
+                               timeout=120, env=env)
+            assert r.returncode == 0, r.stderr
+            into.append(r.stdout)
+    assert outs[0] and outs[0] == outs[1]
+    assert "avx512" not in kernels[0]
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert ("avx512" in kernels[1]) == _cpu_has_avx512(), kernels
 
 
 def test_bad_activations_refused(tiny_vault):

@@ -19,8 +19,8 @@
  *   dequantisation, n- and split-independence (both), topk order: exact (bits).
  */
 #include "kernels_isa.h"
-#ifdef SMOE_CPU_TEST_HOOKS
 #include "cpu.h"
+#ifdef SMOE_CPU_TEST_HOOKS
 #include "smoe.h"
 #endif
 
@@ -846,6 +846,102 @@ static void test_groups(void) {
     test_qx_prepare_same_bytes(128, cols128, 3);
 }
 
+/* Every instance of the 8-bit-activation product that this build has and this CPU runs — AVX2
+ * plain and AVX-VNNI (kernels_avx2_qx.h), AVX-512 F+BW and AVX512-VNNI (kernels_avx512_qx.h) —
+ * against the reference, bit for bit: q4 and q8, groups 32, 64 and 128, f16/bf16/f32 scales, row
+ * counts that are no multiple of any block, cols ending in a half unit or a partial pair of
+ * units, every n from 1 to 70 on the small shapes (and some n on the wide ones), whole and split
+ * row ranges. Prints which instances it checked and which it skipped and why (the Python
+ * driver checks that a CPU with AVX-512 did check those). */
+typedef bool (*qx_instance)(const smoe_tensor *, const uint8_t *, const smoe_qx *, uint32_t, float *, size_t, uint32_t,
+                            uint32_t);
+
+static void test_qx_instances(void) {
+    struct {
+        const char *name;
+        qx_instance fn;
+        const char *lacks; /* NULL: present and checked; else why not */
+    } inst[4] = {{"avx2", NULL, "not built"}, {"avx-vnni", NULL, "not built"}, {"avx512", NULL, "not built"},
+                 {"avx512vnni", NULL, "not built"}};
+#if SMOE_HAVE_AVX2
+    inst[0].fn = smoe_avx2_matmul_rows_qx_plain;
+    inst[0].lacks = NULL;
+#if SMOE_HAVE_AVXVNNI
+    inst[1].fn = smoe_avx2_matmul_rows_qx_vnni;
+    inst[1].lacks = __builtin_cpu_supports("avxvnni") ? NULL : "CPU lacks AVX-VNNI";
+#endif
+#endif
+#if SMOE_HAVE_AVX512
+    const unsigned hw = smoe_cpu_avx512_hw();
+    inst[2].fn = smoe_avx512_matmul_rows_qx_bw;
+    inst[2].lacks = (hw & SMOE_CPU_AVX512) ? NULL : "CPU or OS lacks AVX-512 F/BW/VL";
+    inst[3].fn = smoe_avx512_matmul_rows_qx_vnni;
+    inst[3].lacks = (hw & SMOE_CPU_AVX512VNNI) ? NULL : "CPU or OS lacks AVX512-VNNI";
+#endif
+    int any = 0;
+    for (int i = 0; i < 4; i++) any |= inst[i].lacks == NULL;
+    static const uint8_t sfs[3] = {SMOE_SCALE_F16, SMOE_SCALE_BF16, SMOE_SCALE_F32};
+    static const struct {
+        uint32_t G, rows, cols;
+        int sweep; /* every n in 1..70, else n in {1, 2, 5, 17, 70} */
+    } shapes[] = {{32, 1, 32, 1},    {32, 13, 96, 1},  {32, 7, 160, 1},   {32, 3, 2080, 0},  {64, 5, 64, 1},
+                  {64, 13, 192, 1},  {64, 9, 448, 1},  {64, 37, 2112, 0}, {128, 3, 128, 1},  {128, 11, 384, 1},
+                  {128, 5, 2176, 0}, {64, 3, 16384, 0}};
+    enum { NMAX = 70 };
+    size_t cases = 0;
+    for (size_t si = 0; si < sizeof shapes / sizeof *shapes && any; si++)
+        for (uint8_t f = SMOE_FMT_Q8; f <= SMOE_FMT_Q4; f++) {
+            const uint32_t G = shapes[si].G, rows = shapes[si].rows, cols = shapes[si].cols;
+            const uint8_t sf = sfs[(si + f) % 3];
+            test_tensor tt = make_tensor(f, sf, G, rows, cols, 0);
+            const size_t ldy = rows + 1;
+            const smoe_qx_size z = smoe_qx_sizes(cols, f, G);
+            float *x = malloc(sizeof(float) * cols * NMAX), *d = malloc(sizeof(float) * z.d_floats * NMAX);
+            float *gs = malloc(sizeof(float) * z.gsum_floats * NMAX);
+            float *yr = malloc(sizeof(float) * ldy * NMAX), *yi = malloc(sizeof(float) * ldy * NMAX);
+            void *codes = aligned_alloc(64, align64(z.code_bytes * NMAX));
+            for (size_t i = 0; i < (size_t)cols * NMAX; i++) x[i] = rndf(-1, 1) * (rnd() % 5 == 0 ? 30.0f : 1.0f);
+            smoe_qx_prepare(x, cols, NMAX, cols, f, G, codes, d, gs);
+            const smoe_qx X = {codes, d, gs, cols, G, f};
+            smoe_ref_matmul_rows_qx(&tt.t, tt.bytes, &X, NMAX, yr, ldy, 0, rows);
+            for (uint32_t n = 1; n <= NMAX; n++) {
+                if (!shapes[si].sweep && n != 1 && n != 2 && n != 5 && n != 17 && n != NMAX) continue;
+                for (int i = 0; i < 4; i++) {
+                    if (inst[i].lacks) continue;
+                    for (size_t k = 0; k < ldy * n; k++) yi[k] = NAN;
+                    const uint32_t cut = n % (rows + 1);
+                    bool ok = inst[i].fn(&tt.t, tt.bytes, &X, n, yi, ldy, 0, cut);
+                    ok = inst[i].fn(&tt.t, tt.bytes, &X, n, yi, ldy, cut, rows) && ok;
+                    CHECK(ok, "qx instance %s refused %ux%u G %u", inst[i].name, rows, cols, G);
+                    cases++;
+                    for (uint32_t t = 0; t < n && ok; t++) {
+                        for (uint32_t r = 0; r < rows; r++)
+                            if (f32_bits(yi[t * ldy + r]) != f32_bits(yr[t * ldy + r])) {
+                                CHECK(0, "qx instance %s, %s %ux%u, n %u: y[t=%u, r=%u] = %a, reference %a", inst[i].name,
+                                      fmt_name_g(f, sf, G), rows, cols, n, t, r, yi[t * ldy + r], yr[t * ldy + r]);
+                                ok = false;
+                                break;
+                            }
+                        CHECK(isnan(yi[t * ldy + rows]), "qx instance %s wrote into the stride padding", inst[i].name);
+                    }
+                }
+            }
+            free(x);
+            free(d);
+            free(gs);
+            free(yr);
+            free(yi);
+            free(codes);
+            free(tt.alloc);
+        }
+    /* one line per instance: checked, or skipped and why */
+    for (int i = 0; i < 4; i++)
+        if (inst[i].lacks)
+            printf("qx instance %s: skipped (%s)\n", inst[i].name, inst[i].lacks);
+        else
+            printf("qx instance %s: checked (%zu calls, bits equal to the reference)\n", inst[i].name, cases);
+}
+
 int main(int argc, char **argv) {
 #ifdef SMOE_CPU_TEST_HOOKS
     if (argc > 1 && strcmp(argv[1], "cpu") == 0) return test_cpu_check();
@@ -855,6 +951,11 @@ int main(int argc, char **argv) {
     test_f16_all();
     test_matmul();
     test_matmul_qx();
+    {
+        const uint64_t seed = rng_state; /* its own draws: the checksums below stay what they were */
+        test_qx_instances();
+        rng_state = seed;
+    }
     {
         static const uint32_t cols64[] = {64, 192, 320, 2048, 4160};
         test_qx_prepare_same_bytes(64, cols64, 5);

@@ -1,0 +1,194 @@
+/* bench/qx_isa.c — the 8-bit-activation product (smoe_matmul_rows_qx) instance by instance: AVX2
+ * (its AVX-VNNI instance where the CPU has it, else the plain one) against AVX-512 (its VNNI
+ * instance where the CPU has AVX512-VNNI, else F+BW), on the same inputs, alternated rep by rep.
+ *
+ *   cc -O3 -std=c11 -ffp-contract=off -D_GNU_SOURCE -mavx2 -mfma -mf16c -Icsrc bench/qx_isa.c \
+ *       csrc/kernels.c csrc/kernels_avx2.c csrc/kernels_avx512.c csrc/cpu.c -lm -pthread -o build/qx_isa
+ *   build/qx_isa [q4|q8 [group]]      (default q4, group 64)
+ *
+ * Shapes: n = 1 on 32768 × 2048 (32 MiB of q4 codes: the weights stream from memory, as decode
+ * reads its experts), n = 8 and n = 64 on 768 × 2048 (an a3b expert's gate; the batched product
+ * of a prefill chunk's tokens routed to one expert). One and two threads, each thread its half of
+ * the rows, each calling the product K times per rep (K sized so that a rep lasts ~20 ms); the
+ * figure is the median of REPS reps, wall clock. x is prepared once, outside the timing (both
+ * instances read the same codes). The outputs of the two are compared bit for bit too. "read
+ * only": the same weight bytes merely read (256-bit loads, summed), timed alongside: a product
+ * that takes about that long is bound by reading its weights.
+ */
+#include "cpu.h"
+#include "kernels_isa.h"
+
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+enum { REPS = 9 };
+
+typedef bool (*qx_fn)(const smoe_tensor *, const uint8_t *, const smoe_qx *, uint32_t, float *, size_t, uint32_t,
+                      uint32_t);
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+
+typedef struct {
+    qx_fn fn;
+    const smoe_tensor *W;
+    const smoe_qx *X;
+    uint32_t n, r0, r1;
+    float *y;
+    int calls;
+} work;
+
+static void *work_main(void *p) {
+    work *w = p;
+    for (int i = 0; i < w->calls; i++) w->fn(w->W, w->W->data, w->X, w->n, w->y, w->W->rows, w->r0, w->r1);
+    return NULL;
+}
+
+/* A stand-in for a product that only reads: the same rows' bytes (codes, scales, biases) summed
+ * with 256-bit loads — what n = 1 would cost if it were bound by reading alone. */
+static bool read_only(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                      uint32_t r0, uint32_t r1) {
+    (void)X;
+    (void)n;
+    (void)ldy;
+    const size_t rb = W->format == SMOE_FMT_Q4 ? W->cols / 2 : W->cols, sb = (size_t)W->cols / W->group * 2;
+    __m256i acc = _mm256_setzero_si256();
+    for (size_t i = (size_t)r0 * rb; i < (size_t)r1 * rb; i += 32)
+        acc = _mm256_add_epi64(acc, _mm256_loadu_si256((const __m256i *)(const void *)(w + i)));
+    for (int part = 0; part < 2; part++) {
+        const uint8_t *s = w + (part ? W->biases_off : W->scales_off);
+        for (size_t i = (size_t)r0 * sb; i + 32 <= (size_t)r1 * sb; i += 32)
+            acc = _mm256_add_epi64(acc, _mm256_loadu_si256((const __m256i *)(const void *)(s + i)));
+    }
+    y[r0] = (float)_mm256_extract_epi64(acc, 0);
+    return true;
+}
+
+/* seconds per call with `threads` threads */
+static double time_calls(qx_fn fn, const smoe_tensor *W, const smoe_qx *X, uint32_t n, float *y, int threads,
+                         int calls) {
+    work w[2];
+    pthread_t tid;
+    const uint32_t half = W->rows / 2 / 16 * 16;
+    for (int i = 0; i < threads; i++)
+        w[i] = (work){fn, W, X, n, threads == 1 ? 0 : i == 0 ? 0 : half, threads == 1 || i == 1 ? W->rows : half, y,
+                      calls};
+    const double t = now();
+    if (threads == 2) pthread_create(&tid, NULL, work_main, &w[1]);
+    work_main(&w[0]);
+    if (threads == 2) pthread_join(tid, NULL);
+    return (now() - t) / calls;
+}
+
+static smoe_tensor make_q(uint8_t format, uint32_t G, uint32_t rows, uint32_t cols, void **alloc) {
+    smoe_tensor t;
+    memset(&t, 0, sizeof t);
+    t.format = format;
+    t.scale_format = SMOE_SCALE_F16;
+    t.rows = rows;
+    t.cols = cols;
+    t.group = G;
+    const size_t codes = (size_t)rows * cols / (format == SMOE_FMT_Q4 ? 2 : 1), sb = (size_t)rows * (cols / G) * 2;
+    t.scales_off = codes;
+    t.biases_off = codes + sb;
+    t.nbytes = codes + 2 * sb;
+    uint8_t *b = aligned_alloc(64, (t.nbytes + 63) / 64 * 64);
+    for (size_t i = 0; i < codes; i++) b[i] = (uint8_t)rnd();
+    for (size_t i = 0; i < 2 * sb; i += 2) { /* f16 in ±2^-6..2^-2 */
+        const uint16_t h = (uint16_t)((rnd() & 1) << 15 | (9 + rnd() % 5) << 10 | (rnd() & 1023));
+        memcpy(b + codes + i, &h, 2);
+    }
+    t.data = b;
+    *alloc = b;
+    return t;
+}
+
+int main(int argc, char **argv) {
+    const uint8_t format = argc > 1 && strcmp(argv[1], "q8") == 0 ? SMOE_FMT_Q8 : SMOE_FMT_Q4;
+    const uint32_t G = argc > 2 ? (uint32_t)atoi(argv[2]) : 64;
+    const unsigned a512 = smoe_cpu_avx512_hw();
+    if (!(a512 & SMOE_CPU_AVX512)) {
+        printf("this CPU (or OS) has no AVX-512: nothing to compare\n");
+        return 0;
+    }
+#if SMOE_HAVE_AVX512
+    const qx_fn f512 = (a512 & SMOE_CPU_AVX512VNNI) ? smoe_avx512_matmul_rows_qx_vnni : smoe_avx512_matmul_rows_qx_bw;
+    const char *n512 = (a512 & SMOE_CPU_AVX512VNNI) ? "avx512vnni" : "avx512";
+    const qx_fn f2 = smoe_avx2_matmul_rows_qx; /* its own choice: AVX-VNNI where present */
+    const char *n2 = smoe_avx2_qx_vnni() ? "avx2+avx-vnni" : "avx2";
+    printf("format %s, group %u, f16 scales; contenders %s and %s; median of %d reps, wall clock\n",
+           format == SMOE_FMT_Q4 ? "q4" : "q8", G, n2, n512, REPS);
+    printf("%-6s %-14s %-7s %12s %12s %8s %12s\n", "n", "shape", "threads", n2, n512, "speedup", "read only");
+    const uint32_t ns[3] = {1, 8, 64};
+    for (int si = 0; si < 3; si++) {
+        const uint32_t n = ns[si], rows = n == 1 ? 32768 : 768, cols = 2048;
+        void *alloc;
+        smoe_tensor W = make_q(format, G, rows, cols, &alloc);
+        const smoe_qx_size z = smoe_qx_sizes(cols, format, G);
+        float *x = malloc(sizeof(float) * cols * n);
+        for (size_t i = 0; i < (size_t)cols * n; i++) x[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
+        void *codes = aligned_alloc(64, (z.code_bytes * n + 63) / 64 * 64);
+        float *d = malloc(sizeof(float) * z.d_floats * n), *gs = malloc(sizeof(float) * z.gsum_floats * n);
+        smoe_qx_prepare(x, cols, n, cols, format, G, codes, d, gs);
+        const smoe_qx X = {codes, d, gs, cols, G, format};
+        float *y2 = malloc(sizeof(float) * rows * n), *y5 = malloc(sizeof(float) * rows * n);
+        f2(&W, W.data, &X, n, y2, rows, 0, rows);
+        f512(&W, W.data, &X, n, y5, rows, 0, rows);
+        if (memcmp(y2, y5, sizeof(float) * rows * n) != 0) {
+            printf("n %u: the two instances' outputs differ\n", n);
+            return 1;
+        }
+        for (int threads = 1; threads <= 2; threads++) {
+            const double probe = time_calls(f2, &W, &X, n, y2, threads, 1);
+            int calls = (int)(0.02 / probe);
+            if (calls < 1) calls = 1;
+            double t2[REPS], t5[REPS], tr[REPS];
+            for (int r = 0; r < REPS; r++) {
+                if (r % 2 == 0) {
+                    t2[r] = time_calls(f2, &W, &X, n, y2, threads, calls);
+                    t5[r] = time_calls(f512, &W, &X, n, y5, threads, calls);
+                } else {
+                    t5[r] = time_calls(f512, &W, &X, n, y5, threads, calls);
+                    t2[r] = time_calls(f2, &W, &X, n, y2, threads, calls);
+                }
+                tr[r] = time_calls(read_only, &W, &X, n, y2, threads, calls);
+            }
+            qsort(t2, REPS, sizeof *t2, cmp_double);
+            qsort(t5, REPS, sizeof *t5, cmp_double);
+            qsort(tr, REPS, sizeof *tr, cmp_double);
+            char shape[32];
+            snprintf(shape, sizeof shape, "%ux%u", rows, cols);
+            printf("%-6u %-14s %-7d %9.1f us %9.1f us %7.2fx %9.1f us\n", n, shape, threads, t2[REPS / 2] * 1e6,
+                   t5[REPS / 2] * 1e6, t2[REPS / 2] / t5[REPS / 2], tr[REPS / 2] * 1e6);
+        }
+        free(x);
+        free(codes);
+        free(d);
+        free(gs);
+        free(y2);
+        free(y5);
+        free(alloc);
+    }
+#endif
+    return 0;
+}

@@ -1,0 +1,144 @@
+/* kernels_avx512_qx.h — the 8-bit-activation products of kernels_avx512.c, included there twice:
+ * for AVX-512 F + BW (QX_VNNI 0) and for AVX512-VNNI (QX_VNNI 1), chosen at run time. They
+ * differ only in how the exact integer sums are formed (vpmaddubsw + vpmaddwd, or vpdpbusd);
+ * the integers are the same, so the results are the same bits.
+ *
+ * Before including: QX(name) (the instance's name for name), QX_ATTR (its target attribute),
+ * QX_INLINE (static inline always_inline QX_ATTR), QX_VNNI. No include guard, on purpose. */
+
+#if QX_VNNI
+/* q4: Σ over 8 columns per int32 lane of the low nibbles lo·(even codes) and high nibbles hi·(odd codes) */
+#define QX_Q4(lo, xe, hi, xo) _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xe), hi, xo)
+/* q8: Σ over 4 columns per int32 lane of w·x */
+#define QX_Q8(w, x) _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x)
+#else
+#define QX_Q4(lo, xe, hi, xo)                                                                                          \
+    _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(lo, xe), _mm512_maddubs_epi16(hi, xo)),                    \
+                      _mm512_set1_epi16(1))
+/* the low and high nibbles apart (|15·127·2| fits int16; 255·127·2 would saturate), the high
+ * ones' pair sums weighted 16 */
+#define QX_Q8(w, x)                                                                                                    \
+    _mm512_add_epi32(                                                                                                  \
+        _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(w, _mm512_set1_epi8(0x0f)), x), _mm512_set1_epi16(1)),  \
+        _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(0x0f)), x),   \
+                          _mm512_set1_epi16(16)))
+#endif
+
+/* T tokens × rows w0 and w1 (rb bytes each) over ngr groups of 4 units: tot[j] += the scaled
+ * block sums of token j, both rows, in red4's lane order. sc[k]: σ of group k (sigma2); xs[j],
+ * dc[j]: token j's re-laid codes and its d in red4's order, per group. */
+QX_INLINE void QX(qx_block)(const int T, const bool q8, const uint8_t *w0, const uint8_t *w1, size_t rb,
+                                 const __m512 *sc, const uint8_t *const *xs, const __m512 *const *dc, uint32_t ngr,
+                                 __m512 *tot) {
+    const __m512i m = _mm512_set1_epi8(0x0f);
+    __m512 acc[TB];
+    for (int j = 0; j < T; j++) acc[j] = _mm512_setzero_ps();
+    for (uint32_t k = 0; k < ngr; k++) {
+        __m512i a[4], b[4]; /* rows 0 and 1: q4 (lo, hi) of pairs 2k, 2k + 1; q8 units 4k .. 4k + 3 */
+        if (!q8) {
+            for (int p = 0; p < 2; p++) {
+                const __m512i v0 = load_w(w0, 128 * (size_t)k + 64 * (size_t)p, rb);
+                const __m512i v1 = load_w(w1, 128 * (size_t)k + 64 * (size_t)p, rb);
+                a[2 * p] = _mm512_and_si512(v0, m);
+                a[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v0, 4), m);
+                b[2 * p] = _mm512_and_si512(v1, m);
+                b[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v1, 4), m);
+            }
+        } else {
+            for (int u = 0; u < 4; u++) {
+                a[u] = load_w(w0, 256 * (size_t)k + 64 * (size_t)u, rb);
+                b[u] = load_w(w1, 256 * (size_t)k + 64 * (size_t)u, rb);
+            }
+        }
+        const __m512 s = sc[k];
+        for (int j = 0; j < T; j++) {
+            const uint8_t *x = xs[j] + 256 * (size_t)k;
+#define LDX(o) _mm512_load_si512(x + (o))
+            __m512i c;
+            if (!q8) {
+                c = red4(QX_Q4(a[0], LDX(0), a[1], LDX(64)), QX_Q4(a[2], LDX(128), a[3], LDX(192)),
+                         QX_Q4(b[0], LDX(0), b[1], LDX(64)), QX_Q4(b[2], LDX(128), b[3], LDX(192)));
+            } else {
+                const __m512i x0 = LDX(0), x1 = LDX(64), x2 = LDX(128), x3 = LDX(192);
+                c = red4(fold(QX_Q8(a[0], x0), QX_Q8(a[1], x1)), fold(QX_Q8(a[2], x2), QX_Q8(a[3], x3)),
+                         fold(QX_Q8(b[0], x0), QX_Q8(b[1], x1)), fold(QX_Q8(b[2], x2), QX_Q8(b[3], x3)));
+            }
+#undef LDX
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(s, dc[j][k]), acc[j]);
+        }
+    }
+    for (int j = 0; j < T; j++) tot[j] = acc[j];
+}
+
+QX_ATTR static void QX(qx_block_any)(int T, bool q8, const uint8_t *w0, const uint8_t *w1, size_t rb,
+                                     const __m512 *sc, const uint8_t *const *xs, const __m512 *const *dc,
+                                     uint32_t ngr, __m512 *tot) {
+    switch (T * 2 + q8) {
+#define CASE(t)                                                                                                        \
+    case t * 2: QX(qx_block)(t, false, w0, w1, rb, sc, xs, dc, ngr, tot); break;                                       \
+    case t * 2 + 1: QX(qx_block)(t, true, w0, w1, rb, sc, xs, dc, ngr, tot); break;
+        CASE(4) CASE(3) CASE(2) CASE(1)
+#undef CASE
+    }
+}
+
+QX_ATTR bool QX(smoe_avx512_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n,
+                                            float *y, size_t ldy, uint32_t r0, uint32_t r1) {
+    const uint32_t G = W->group, cols = W->cols;
+    if (!group_ok(G) || cols % G || cols > MAXC) return false;
+    const bool q8 = W->format == SMOE_FMT_Q8;
+    const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
+    const uint32_t ng = cols / G, ng8 = (ng + 7) & ~7u, up = (uint32_t)z.d_floats / 2, ngr = up / 4;
+    const uint32_t upto = 2 * up + SPAD; /* scales read by sigma2 at most, any G */
+    const size_t rb = q8 ? cols : cols / 2, sbytes = sf_bytes(W->scale_format);
+    const uint8_t *scales = w + W->scales_off, *biases = w + W->biases_off;
+    const uint32_t tile = XBYTES / (64 * up); /* tokens whose codes fit xbuf: ≥ 4 */
+
+    _Alignas(64) uint8_t xbuf[XBYTES];   /* (tile tokens, up units · 64) re-laid codes */
+    __m512 dbuf[XBYTES / 256];           /* (tile tokens, groups) d in red4's order */
+    __m512 sc[MAXU / 4];                 /* (groups) σ of the row pair */
+    float sb[2][MAXG + 2 * SPAD], bb[2][MAXG + 2 * SPAD]; /* (rows, groups) scales, biases */
+    const __m512i cmap = _mm512_load_si512(cmap_lanes), cinv = _mm512_load_si512(cinv_lanes);
+
+    for (uint32_t t0 = 0; t0 < n; t0 += tile) {
+        const uint32_t nt = n - t0 < tile ? n - t0 : tile;
+        for (uint32_t t = 0; t < nt; t++) {
+            relayout(xbuf + (size_t)t * 64 * up, (const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes, up, q8);
+            const float *d = X->d + (size_t)(t0 + t) * z.d_floats;
+            for (uint32_t k = 0; k < ngr; k++)
+                dbuf[t * ngr + k] = _mm512_permutexvar_ps(cmap, _mm512_castps256_ps512(_mm256_loadu_ps(d + 8 * k)));
+        }
+        for (uint32_t r = r0; r < r1; r += 2) {
+            const uint32_t rr[2] = {r, r + 1 < r1 ? r + 1 : r}; /* an odd last row: twice */
+            for (int i = 0; i < 2; i++) {
+                load_scales(sb[i], scales + sbytes * (size_t)rr[i] * ng, ng, W->scale_format, upto);
+                load_scales(bb[i], biases + sbytes * (size_t)rr[i] * ng, ng, W->scale_format, ng8);
+            }
+            for (uint32_t k = 0; k < ngr; k++) sc[k] = sigma2(G, sb[0], sb[1], 4 * k);
+            for (uint32_t t = 0; t < nt; t += TB) {
+                const uint32_t nb = nt - t < TB ? nt - t : TB;
+                const uint8_t *xs[TB];
+                const __m512 *dc[TB];
+                __m512 tot[TB];
+                for (uint32_t j = 0; j < nb; j++) {
+                    xs[j] = xbuf + (size_t)(t + j) * 64 * up;
+                    dc[j] = dbuf + (size_t)(t + j) * ngr;
+                }
+                QX(qx_block_any)((int)nb, q8, w + (size_t)rr[0] * rb, w + (size_t)rr[1] * rb, rb, sc, xs, dc, ngr, tot);
+                for (uint32_t j = 0; j < nb; j++) {
+                    const size_t tj = t0 + t + j;
+                    const float *gs = X->gsum + tj * z.gsum_floats;
+                    const __m512 f = _mm512_permutexvar_ps(cinv, tot[j]);
+                    y[tj * ldy + rr[0]] = hsum8(_mm512_castps512_ps256(f)) + bias_dot(bb[0], gs, ng8);
+                    if (rr[1] != rr[0])
+                        y[tj * ldy + rr[1]] = hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1))) +
+                                              bias_dot(bb[1], gs, ng8);
+                }
+            }
+        }
+    }
+    return true;
+}
+
+#undef QX_Q4
+#undef QX_Q8
