@@ -91,6 +91,20 @@ def timed_decode(s, first, n):
     return n / (time.perf_counter() - t0)
 
 
+def profile(s, v):
+    import torch
+    from torch.profiler import ProfilerActivity, profile as prof
+    p = prompts(v, 45, 1, 3)[0]
+    _, first = timed_prefill(s, p)
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+        timed_decode(s, first, 8)
+    print("decode x8\n" + pr.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+        timed_prefill(s, prompts(v, 256, 1, 4)[0])
+        torch.cuda.synchronize()
+    print("prefill 256\n" + pr.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("vault")
@@ -100,6 +114,7 @@ def main():
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: resident,budget")
+    ap.add_argument("--profile", action="store_true", help="kernel times of decode and a 256-token prefill (torch.profiler)")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     longest = max(lengths)
@@ -139,6 +154,8 @@ def main():
             res["hbm_floor_tps"] = lim["hbm_Bps"] / touched
             out["resident"] = res
             print("resident", json.dumps(res), flush=True)
+            if a.profile:
+                profile(s, v)
 
     if "budget" not in skip:
         gpu = int(a.budget * experts)

@@ -40,12 +40,17 @@ typedef struct {
     float *k, *v, *cos, *sin;
     float *x, *xn, *q, *att, *router, *topk_w, *slot_out, *xg, *hg, *h, *logits;
     int32_t *topk_idx, *ids;
+    /* A layer's index arrays, one block uploaded with one copy: per union position its first row,
+     * row count and VRAM blob (ustart, ucount, wtab), the launch order (items), and each gathered
+     * row's t·K + slot (rows, last, so that only the part in use is copied). */
+    uint8_t *idx, *h_idx;
+    size_t idx_rows_off, idx_bytes;
     uint32_t *rows, *ustart, *ucount, *items;
     const uint8_t **wtab;
-    /* pinned staging for what the host sends and gets back */
-    int32_t *h_topk, *h_ids;
     uint32_t *h_rows, *h_ustart, *h_ucount, *h_items;
     const uint8_t **h_wtab;
+    /* pinned staging for what the host sends and gets back */
+    int32_t *h_topk, *h_ids;
     uint32_t *h_vslot; /* (experts) VRAM slot of each union position */
     int *h_sslot;      /* (experts) streamer slot of each miss, −1 before acquire */
     /* VRAM expert cache */
@@ -154,10 +159,9 @@ static void cuda_free(smoe_session *s) {
         for (uint32_t i = 0; i < c->n_sslots; i++) smoe_cu_event_free(c->sslot_ev[i]);
     for (int i = 0; i < RING; i++) smoe_cu_event_free(c->ring[i]);
     void *dbufs[] = {c->dense, c->k, c->v, c->cos, c->sin, c->x, c->xn, c->q, c->att, c->router, c->topk_w,
-                     c->slot_out, c->xg, c->hg, c->h, c->logits, c->topk_idx, c->ids, c->rows, c->ustart,
-                     c->ucount, c->items, (void *)c->wtab, c->vcache};
+                     c->slot_out, c->xg, c->hg, c->h, c->logits, c->topk_idx, c->ids, c->idx, c->vcache};
     for (size_t i = 0; i < sizeof dbufs / sizeof dbufs[0]; i++) smoe_cu_free(dbufs[i]);
-    void *hbufs[] = {c->h_topk, c->h_ids, c->h_rows, c->h_ustart, c->h_ucount, c->h_items, (void *)c->h_wtab};
+    void *hbufs[] = {c->h_topk, c->h_ids, c->h_idx};
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++) smoe_cu_host_free(hbufs[i]);
     smoe_cu_stream_free(c->cs);
     smoe_cu_stream_free(c->us);
@@ -229,6 +233,8 @@ static smoe_status cuda_init(smoe_session *s) {
                          s->params.context, smoe_cu_attention_max_positions() - 8);
     smoe_status st = check_layout(s);
     if (st != SMOE_OK) return st;
+    if (cf->num_experts > 1024)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %u experts; the routing kernel takes up to 1024", cf->num_experts);
     cuda_state *c = calloc(1, sizeof *c);
     if (!c) return smoe_fail(SMOE_ERR_NOMEM, "cuda: out of memory");
     s->backend_state = c;
@@ -246,19 +252,26 @@ static smoe_status cuda_init(smoe_session *s) {
         {&c->x, C * H * 4}, {&c->xn, C * H * 4}, {&c->q, C * s->q_dim * 4}, {&c->att, C * s->q_dim * 4},
         {&c->router, C * E * 4}, {&c->topk_w, C * K * 4}, {&c->slot_out, C * K * H * 4}, {&c->xg, C * K * H * 4},
         {&c->hg, C * K * 2 * ffn * 4}, {&c->h, C * K * ffn * 4}, {&c->logits, (size_t)cf->vocab_size * 4},
-        {&c->topk_idx, C * K * 4}, {&c->ids, C * 4}, {&c->rows, C * K * 4}, {&c->ustart, E * 4},
-        {&c->ucount, E * 4}, {&c->items, E * 4}, {&c->wtab, E * sizeof(void *)},
+        {&c->topk_idx, C * K * 4}, {&c->ids, C * 4}, {&c->idx, 0},
     };
+    c->idx_rows_off = smoe_align_up(12 * E, 8) + E * sizeof(void *);
+    c->idx_bytes = c->idx_rows_off + C * K * 4;
+    planes[sizeof planes / sizeof planes[0] - 1].bytes = c->idx_bytes;
     for (size_t i = 0; i < sizeof planes / sizeof planes[0]; i++)
         if ((st = dalloc(s, planes[i].pp, planes[i].bytes)) != SMOE_OK) return st;
     CU(smoe_cu_upload(c->cos, s->rope_cos, s->params.context * half * 4, c->cs));
     CU(smoe_cu_upload(c->sin, s->rope_sin, s->params.context * half * 4, c->cs));
     struct { void *pp; size_t bytes; } pinned[] = {
-        {&c->h_topk, C * K * 4}, {&c->h_ids, C * 4}, {&c->h_rows, C * K * 4}, {&c->h_ustart, E * 4},
-        {&c->h_ucount, E * 4}, {&c->h_items, E * 4}, {&c->h_wtab, E * sizeof(void *)},
+        {&c->h_topk, C * K * 4}, {&c->h_ids, C * 4}, {&c->h_idx, c->idx_bytes},
     };
     for (size_t i = 0; i < sizeof pinned / sizeof pinned[0]; i++)
         CU(smoe_cu_host_alloc((void **)pinned[i].pp, pinned[i].bytes));
+    size_t wtab_off = smoe_align_up(12 * E, 8);
+    c->ustart = (uint32_t *)c->idx, c->h_ustart = (uint32_t *)c->h_idx;
+    c->ucount = c->ustart + E, c->h_ucount = c->h_ustart + E;
+    c->items = c->ucount + E, c->h_items = c->h_ucount + E;
+    c->wtab = (const uint8_t **)(c->idx + wtab_off), c->h_wtab = (const uint8_t **)(c->h_idx + wtab_off);
+    c->rows = (uint32_t *)(c->idx + c->idx_rows_off), c->h_rows = (uint32_t *)(c->h_idx + c->idx_rows_off);
     c->h_vslot = calloc(E, sizeof *c->h_vslot);
     c->h_sslot = calloc(E, sizeof *c->h_sslot);
     if (!c->h_vslot || !c->h_sslot) return smoe_fail(SMOE_ERR_NOMEM, "cuda: out of memory");
@@ -446,11 +459,7 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
     for (uint32_t u = 0; u < nu; u++) c->h_wtab[u] = c->vcache + (size_t)c->h_vslot[u] * c->blob_bytes;
     c->hits += n_hit;
     c->misses += n_miss;
-    CU(smoe_cu_upload(c->rows, c->h_rows, (size_t)off * 4, c->cs));
-    CU(smoe_cu_upload(c->ustart, c->h_ustart, (size_t)nu * 4, c->cs));
-    CU(smoe_cu_upload(c->ucount, c->h_ucount, (size_t)nu * 4, c->cs));
-    CU(smoe_cu_upload(c->items, c->h_items, (size_t)nu * 4, c->cs));
-    CU(smoe_cu_upload((void *)c->wtab, c->h_wtab, (size_t)nu * sizeof(void *), c->cs));
+    CU(smoe_cu_upload(c->idx, c->h_idx, c->idx_rows_off + (size_t)off * 4, c->cs));
     CU(smoe_cu_gather(c->cs, c->xg, c->xn, c->rows, K, off, H));
 
     /* Fire every miss's read (as far as the host cache's slots allow) before the first wait. */

@@ -19,7 +19,7 @@
  *     butterfly), scaled by 1/√d; softmax with the max (exact in any order), exp, per-thread sums
  *     over p ≡ i (mod 128) in order and a fixed tree; each weight divided by the sum; then
  *     out[d] = fma(weight_p, v_p[d], out[d]) over p = 0, 1, … by one thread.
- *   routing, per token, one thread: softmax, top-k and renormalisation in index / slot order.
+ *   routing, per token, one warp (k_route says its order).
  *   the experts' weighted sum, per element: acc = 0; acc += w_k·y_k (product rounded, then the
  *     add) for k = 0 .. K−1; then x += acc — the CPU's order (layer.c).
  * The values differ from the CPU kernels' (another summation order, fma), within the tolerance
@@ -383,39 +383,64 @@ extern "C" int smoe_cu_add(smoe_cu_stream st, float *x, const float *y, size_t c
     return (int)cudaGetLastError();
 }
 
+/* One warp per token: lane l holds experts l, l + 32, …; the max and the top-k picks are exact in
+ * any order (ties: the lower index), the softmax's sum is each lane's in index order and then the
+ * butterfly, the renormalisation's in slot order. */
 __global__ void k_route(float *logits, uint32_t n, uint32_t E, uint32_t K, int renorm, int32_t *idx, float *w) {
-    const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+    const uint32_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
     if (t >= n) return;
     float *p = logits + (size_t)t * E;
-    float m = p[0];
-    for (uint32_t i = 1; i < E; i++) m = fmaxf(m, p[i]);
+    float m = -INFINITY;
+    for (uint32_t i = lane; i < E; i += 32) m = fmaxf(m, p[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     float sum = 0.0f;
-    for (uint32_t i = 0; i < E; i++) {
-        p[i] = expf(__fsub_rn(p[i], m));
-        sum = __fadd_rn(sum, p[i]);
+    for (uint32_t i = lane; i < E; i += 32) {
+        const float e = expf(__fsub_rn(p[i], m));
+        p[i] = e;
+        sum = __fadd_rn(sum, e);
     }
-    for (uint32_t i = 0; i < E; i++) p[i] = __fdiv_rn(p[i], sum);
+    sum = warp_sum(sum);
+    for (uint32_t i = lane; i < E; i += 32) p[i] = __fdiv_rn(p[i], sum);
+    __syncwarp();
+    uint32_t taken = 0; /* bit j: expert lane + 32j was picked */
     int32_t *it = idx + (size_t)t * K;
-    float *wt = w + (size_t)t * K, tot = 0.0f;
+    float *wt = w + (size_t)t * K;
     for (uint32_t k = 0; k < K; k++) {
-        int32_t best = -1;
-        for (uint32_t i = 0; i < E; i++) {
-            bool taken = false;
-            for (uint32_t j = 0; j < k; j++) taken |= it[j] == (int32_t)i;
-            if (!taken && (best < 0 || p[i] > p[best])) best = (int32_t)i;
+        float bv = -INFINITY;
+        int32_t bi = -1;
+        for (uint32_t i = lane, j = 0; i < E; i += 32, j++)
+            if (!(taken >> j & 1u) && (bi < 0 || p[i] > bv)) {
+                bv = p[i];
+                bi = (int32_t)i;
+            }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
+                bv = ov;
+                bi = oi;
+            }
         }
-        it[k] = best;
-        wt[k] = p[best];
-        tot = __fadd_rn(tot, wt[k]);
+        if (bi >= 0 && (uint32_t)bi % 32 == lane) taken |= 1u << (bi / 32);
+        if (lane == 0) {
+            it[k] = bi;
+            wt[k] = bv;
+        }
     }
-    if (renorm)
+    if (lane == 0 && renorm) {
+        float tot = 0.0f;
+        for (uint32_t k = 0; k < K; k++) tot = __fadd_rn(tot, wt[k]);
         for (uint32_t k = 0; k < K; k++) wt[k] = __fdiv_rn(wt[k], tot);
+    }
 }
 
 extern "C" int smoe_cu_route(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, uint32_t K, int renorm,
                              int32_t *idx, float *w) {
     if (n == 0) return 0;
-    k_route<<<(n + 63) / 64, 64, 0, (cudaStream_t)st>>>((float *)logits, n, E, K, renorm, idx, w);
+    if (E > 32 * 32) return (int)cudaErrorInvalidValue;
+    k_route<<<(n + 3) / 4, 128, 0, (cudaStream_t)st>>>((float *)logits, n, E, K, renorm, idx, w);
     return (int)cudaGetLastError();
 }
 
