@@ -201,12 +201,96 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe
     }
 }
 
+/* The same products for many tokens: each warp takes RT rows, each block TT2 tokens, and the
+ * tokens' columns pass through shared memory 256 at a time (32 words: one per lane), so one load of
+ * x feeds RT rows and one dequantised word TT2 tokens. Lane l still takes words l, l + 32, … in
+ * order with the same fma chain and the same butterfly: every element has the bits k_matmul gives
+ * it, whichever kernel a launch picks. */
+enum { RT = 4, TT2 = 16, CHUNK = 256, TILED_MIN = 16 };
+
+template <int FMT>
+__global__ void __launch_bounds__(MM_WARPS * 32) k_matmul_tiled(smoe_cu_tensor T, smoe_cu_rows R,
+                                                                const float *__restrict__ x, size_t ldx,
+                                                                float *__restrict__ y, size_t ldy) {
+    __shared__ float4 xs[TT2][CHUNK / 4];
+    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const uint32_t r0 = (blockIdx.x * MM_WARPS + warp) * RT;
+    const uint8_t *w;
+    uint32_t start, count;
+    if (R.items) {
+        const uint32_t u = R.items[blockIdx.y];
+        w = R.wtab[u] + R.woff;
+        start = R.start[u];
+        count = R.count[u];
+    } else {
+        w = R.w;
+        start = 0;
+        count = R.n;
+    }
+    const uint32_t t0 = blockIdx.z * TT2;
+    if (t0 >= count) return; /* the whole block */
+    const uint32_t nt = min((uint32_t)TT2, count - t0), nw = T.cols / 8;
+    float acc[RT][TT2];
+#pragma unroll
+    for (int i = 0; i < RT; i++)
+#pragma unroll
+        for (int t = 0; t < TT2; t++) acc[i][t] = 0.0f;
+    for (uint32_t c0 = 0; c0 < T.cols; c0 += CHUNK) {
+        __syncthreads();
+        for (uint32_t i = threadIdx.x; i < TT2 * (CHUNK / 4); i += MM_WARPS * 32) {
+            const uint32_t t = i / (CHUNK / 4), q = i % (CHUNK / 4);
+            float4 val = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (t < nt && c0 + 4 * q < T.cols)
+                val = *reinterpret_cast<const float4 *>(x + (size_t)(start + t0 + t) * ldx + c0 + 4 * q);
+            xs[t][q] = val;
+        }
+        __syncthreads();
+        const uint32_t wi = c0 / 8 + lane;
+        if (wi >= nw) continue;
+#pragma unroll
+        for (int i = 0; i < RT; i++) {
+            if (r0 + i >= T.rows) break;
+            float v[8];
+            deq8<FMT>(w, T, r0 + i, wi, v);
+#pragma unroll
+            for (int t = 0; t < TT2; t++) {
+                const float4 a = xs[t][2 * lane], b = xs[t][2 * lane + 1];
+                float s = acc[i][t];
+                s = fmaf(v[0], a.x, s); s = fmaf(v[1], a.y, s); s = fmaf(v[2], a.z, s); s = fmaf(v[3], a.w, s);
+                s = fmaf(v[4], b.x, s); s = fmaf(v[5], b.y, s); s = fmaf(v[6], b.z, s); s = fmaf(v[7], b.w, s);
+                acc[i][t] = s;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < RT; i++)
+#pragma unroll
+        for (int t = 0; t < TT2; t++) {
+            const float sum = warp_sum(acc[i][t]);
+            if (lane == 0 && (uint32_t)t < nt && r0 + i < T.rows) {
+                const uint32_t j = start + t0 + t;
+                const uint32_t out = R.yrow ? R.yrow[j] : j;
+                y[(size_t)out * ldy + r0 + i] = sum;
+            }
+        }
+}
+
 extern "C" int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const smoe_cu_rows *R, const float *x,
                               size_t ldx, float *y, size_t ldy) {
     const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
     if (items == 0 || m == 0) return 0;
     dim3 grid((T->rows + MM_WARPS - 1) / MM_WARPS, items, (m + MM_TZ - 1) / MM_TZ);
     cudaStream_t s = (cudaStream_t)st;
+    if (m >= TILED_MIN) {
+        dim3 g2((T->rows + MM_WARPS * RT - 1) / (MM_WARPS * RT), items, (m + TT2 - 1) / TT2);
+        switch (T->format) {
+        case FMT_F32: k_matmul_tiled<FMT_F32><<<g2, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
+        case FMT_BF16: k_matmul_tiled<FMT_BF16><<<g2, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
+        case FMT_Q8: k_matmul_tiled<FMT_Q8><<<g2, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
+        default: k_matmul_tiled<FMT_Q4><<<g2, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
+        }
+        return (int)cudaGetLastError();
+    }
     switch (T->format) {
     case FMT_F32: k_matmul<FMT_F32><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
     case FMT_BF16: k_matmul<FMT_BF16><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
