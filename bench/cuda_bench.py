@@ -8,6 +8,8 @@
 2. resident: every expert in VRAM (warmed until a prefill uploads nothing): prefill tokens/s at each
    length (a fresh prompt per repeat, median) and decode tokens/s, against the HBM floor (bytes of
    weights one token touches / measured HBM bandwidth);
+4. cold: TTFT at 45 tokens from the disk (page cache dropped, empty caches), against the disk floor
+   (bytes read / O_DIRECT bandwidth of vault.bin measured just before);
 3. budget: a VRAM expert cache of `budget` × the experts, the rest in the host cache (pinned, warm):
    TTFT at 45 and the longest length and decode tokens/s, against the host-to-device floor (bytes
    uploaded in the run / pinned bandwidth), and layer-major against token-serial at 45 tokens.
@@ -62,6 +64,41 @@ def limits():
     return {"hbm_Bps": hbm, "h2d_Bps": h2d, "gpu": torch.cuda.get_device_name()}
 
 
+def disk_bandwidth(path, total=4 << 30, req=16 << 20, threads=8) -> float:
+    """O_DIRECT reads of vault.bin's last `total` bytes, `threads` requests in flight."""
+    import mmap
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+    f = os.path.join(path, "vault.bin")
+    size = os.path.getsize(f)
+    total = min(total, size // req * req)
+    first = (size - total) // req * req
+    fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+    bufs = [mmap.mmap(-1, req) for _ in range(threads)]
+
+    def read(i):
+        done = 0
+        for off in range(first + i * req, first + total, threads * req):
+            done += os.preadv(fd, [bufs[i]], off)
+        return done
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        got = sum(ex.map(read, range(threads)))
+    dt = time.perf_counter() - t0
+    os.close(fd)
+    return got / dt
+
+
+def drop_page_cache() -> bool:
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
 def touched_bytes(path, v) -> int:
     """Bytes of weights one token reads: every dense tensor but the embedding (one row of it), and
     top-k blobs per sparse layer."""
@@ -114,6 +151,7 @@ def main():
     ap.add_argument("--budget", type=float, default=0.1)
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: resident,budget")
+    ap.add_argument("--cold-repeats", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="kernel times of decode and a 256-token prefill (torch.profiler)")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -199,6 +237,20 @@ def main():
         for s in ls.values():
             s.close()
         print("budget", json.dumps(bud), flush=True)
+    if "cold" not in skip:
+        gpu = int(a.budget * experts)
+        cold = {"disk_Bps": disk_bandwidth(a.vault), "dropped_page_cache": drop_page_cache(), "runs": []}
+        for i, p in enumerate(prompts(v, 45, a.cold_repeats, 77)):
+            drop_page_cache()
+            with v.session(device="cuda", gpu_cache_bytes=gpu, chunk=longest, context=ctx,
+                           cache_bytes=int(a.budget * experts), io_threads=8) as s:
+                t, _ = timed_prefill(s, p)
+                st = s.stats()
+                cold["runs"].append({"ttft_s": t, "bytes_read": st["bytes_read"],
+                                     "floor_s": st["bytes_read"] / cold["disk_Bps"], "direct_io": st["direct_io"]})
+            print("cold", json.dumps(cold["runs"][-1]), flush=True)
+        out["cold45"] = cold
+        print("cold", json.dumps(cold), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -148,6 +148,18 @@ __device__ __forceinline__ void deq8(const uint8_t *w, const smoe_cu_tensor &T, 
 
 /* --------------------------------------------------------------------------- matmul */
 
+/* s + w·x over one word's 8 columns, in column order: the one chain every product uses. */
+__device__ __forceinline__ float chain8(float s, const float v[8], const float4 a, const float4 b) {
+    s = fmaf(v[0], a.x, s); s = fmaf(v[1], a.y, s); s = fmaf(v[2], a.z, s); s = fmaf(v[3], a.w, s);
+    s = fmaf(v[4], b.x, s); s = fmaf(v[5], b.y, s); s = fmaf(v[6], b.z, s); s = fmaf(v[7], b.w, s);
+    return s;
+}
+
+__device__ __forceinline__ float dot8(float s, const float v[8], const float *x) {
+    const float4 *xp = reinterpret_cast<const float4 *>(x);
+    return chain8(s, v, xp[0], xp[1]);
+}
+
 template <int FMT>
 __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe_cu_rows R, const float *__restrict__ x,
                                                           size_t ldx, float *__restrict__ y, size_t ldy) {
@@ -174,20 +186,24 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe
         float acc[MM_TT];
 #pragma unroll
         for (int t = 0; t < MM_TT; t++) acc[t] = 0.0f;
-        for (uint32_t wi = lane; wi < nw; wi += 32) {
+        uint32_t wi = lane;
+        /* 4 words in flight (their loads issued together), applied in word order */
+        for (; wi + 96 < nw; wi += 128) {
+            float v[4][8];
+#pragma unroll
+            for (int q = 0; q < 4; q++) deq8<FMT>(w, T, r, wi + 32 * q, v[q]);
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+#pragma unroll
+                for (int t = 0; t < MM_TT; t++)
+                    if ((uint32_t)t < nt) acc[t] = dot8(acc[t], v[q], x + (size_t)(start + tb + t) * ldx + 8 * (size_t)(wi + 32 * q));
+        }
+        for (; wi < nw; wi += 32) {
             float v[8];
             deq8<FMT>(w, T, r, wi, v);
 #pragma unroll
-            for (int t = 0; t < MM_TT; t++) {
-                if ((uint32_t)t < nt) {
-                    const float4 *xp = reinterpret_cast<const float4 *>(x + (size_t)(start + tb + t) * ldx + 8 * (size_t)wi);
-                    const float4 a = xp[0], b = xp[1];
-                    float s = acc[t];
-                    s = fmaf(v[0], a.x, s); s = fmaf(v[1], a.y, s); s = fmaf(v[2], a.z, s); s = fmaf(v[3], a.w, s);
-                    s = fmaf(v[4], b.x, s); s = fmaf(v[5], b.y, s); s = fmaf(v[6], b.z, s); s = fmaf(v[7], b.w, s);
-                    acc[t] = s;
-                }
-            }
+            for (int t = 0; t < MM_TT; t++)
+                if ((uint32_t)t < nt) acc[t] = dot8(acc[t], v, x + (size_t)(start + tb + t) * ldx + 8 * (size_t)wi);
         }
 #pragma unroll
         for (int t = 0; t < MM_TT; t++) {
@@ -247,19 +263,20 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul_tiled(smoe_cu_tensor T
         __syncthreads();
         const uint32_t wi = c0 / 8 + lane;
         if (wi >= nw) continue;
+        float v[RT][8];
 #pragma unroll
         for (int i = 0; i < RT; i++) {
-            if (r0 + i >= T.rows) break;
-            float v[8];
-            deq8<FMT>(w, T, r0 + i, wi, v);
+            if (r0 + i < T.rows)
+                deq8<FMT>(w, T, r0 + i, wi, v[i]);
+            else
 #pragma unroll
-            for (int t = 0; t < TT2; t++) {
-                const float4 a = xs[t][2 * lane], b = xs[t][2 * lane + 1];
-                float s = acc[i][t];
-                s = fmaf(v[0], a.x, s); s = fmaf(v[1], a.y, s); s = fmaf(v[2], a.z, s); s = fmaf(v[3], a.w, s);
-                s = fmaf(v[4], b.x, s); s = fmaf(v[5], b.y, s); s = fmaf(v[6], b.z, s); s = fmaf(v[7], b.w, s);
-                acc[i][t] = s;
-            }
+                for (int k = 0; k < 8; k++) v[i][k] = 0.0f; /* a row past the end: computed, never stored */
+        }
+#pragma unroll
+        for (int t = 0; t < TT2; t++) {
+            const float4 a = xs[t][2 * lane], b = xs[t][2 * lane + 1];
+#pragma unroll
+            for (int i = 0; i < RT; i++) acc[i][t] = chain8(acc[i][t], v[i], a, b);
         }
     }
 #pragma unroll
@@ -399,6 +416,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const flo
     for (uint32_t p = warp; p < n_pos; p += nwarps) {
         const float *kp = kb + (size_t)p * kv_dim;
         float part = 0.0f;
+#pragma unroll 4
         for (uint32_t d = lane; d < hd; d += 32) part = fmaf(sq[d], kp[d], part);
         part = warp_sum(part);
         if (lane == 0) sc[p] = __fmul_rn(part, scale);
@@ -432,6 +450,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const flo
     float *o = att + ((size_t)t * heads + h) * hd;
     for (uint32_t d = tid; d < hd; d += ATT_THREADS) {
         float acc = 0.0f;
+#pragma unroll 8
         for (uint32_t p = 0; p < n_pos; p++) acc = fmaf(sc[p], vb[(size_t)p * kv_dim + d], acc);
         o[d] = acc;
     }
