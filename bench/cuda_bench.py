@@ -8,11 +8,12 @@
 2. resident: every expert in VRAM (warmed until a prefill uploads nothing): prefill tokens/s at each
    length (a fresh prompt per repeat, median) and decode tokens/s, against the HBM floor (bytes of
    weights one token touches / measured HBM bandwidth);
-4. cold: TTFT at 45 tokens from the disk (page cache dropped, empty caches), against the disk floor
-   (bytes read / O_DIRECT bandwidth of vault.bin measured just before);
 3. budget: a VRAM expert cache of `budget` × the experts, the rest in the host cache (pinned, warm):
    TTFT at 45 and the longest length and decode tokens/s, against the host-to-device floor (bytes
-   uploaded in the run / pinned bandwidth), and layer-major against token-serial at 45 tokens.
+   uploaded in the run / pinned bandwidth), and layer-major against token-serial at 45 tokens
+   (each session's host cache warmed by the same layer-major prefills);
+4. cold: TTFT at 45 tokens from the disk (page cache dropped, empty caches), against the disk floor
+   (bytes read / O_DIRECT bandwidth of vault.bin measured just before).
 Medians of --repeats runs; the contenders of 3. alternate within each repeat."""
 from __future__ import annotations
 
@@ -201,8 +202,11 @@ def main():
         ls = {}
         for path in ("layer-major", "token-serial"):
             ls[path] = v.session(device="cuda", gpu_cache_bytes=gpu, prefill=path, **common)
-        for p in prompts(v, longest, 2, 5):  # the host cache warm: every expert those prompts touch is in RAM
-            timed_prefill(ls["layer-major"], p)
+        for s in ls.values():  # each host cache warm: every expert those prompts touch is in RAM
+            path, s.prefill_path = s.prefill_path, "layer-major"
+            for p in prompts(v, longest, 2, 5):
+                timed_prefill(s, p)
+            s.prefill_path = path
         bud = {"gpu_cache_bytes": gpu, "ttft": {}, "floor_s": {}, "uploaded_bytes": {}}
         for n in sorted({45, longest}):
             paths = ("layer-major", "token-serial") if n == 45 else ("layer-major",)
