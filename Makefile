@@ -122,8 +122,11 @@ $(LIB): $(BUILD)/$(LIBSONAME)
 	ln -sf $(LIBSONAME) $@
 
 # Copy, then rename: a running process keeps the old file's pages (cp would rewrite them under it).
+# Compared rather than dated, so that `make lib` after `make CUDA=1 lib` (or back) puts that
+# build's library in place even when the other one's copy is newer.
+.PHONY: pysmoe/$(LIBNAME)
 pysmoe/$(LIBNAME): $(LIB)
-	cp $(LIB) $@.tmp && mv -f $@.tmp $@
+	cmp -s $(LIB) $@ || { cp $(LIB) $@.tmp && mv -f $@.tmp $@; }
 
 examples: $(EXAMPLE)
 

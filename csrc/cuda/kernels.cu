@@ -17,7 +17,7 @@
  *   RMSNorm: thread i of 256 sums x_c² for c ≡ i (mod 256) in order, then a fixed tree.
  *   attention, per (token, head): score p by a warp (lanes over head dims d ≡ l mod 32, then the
  *     butterfly), scaled by 1/√d; softmax with the max (exact in any order), exp, per-thread sums
- *     over p ≡ i (mod 128) in order and a fixed tree; each weight divided by the sum; then
+ *     over p ≡ i (mod 256) in order and a fixed tree; each weight divided by the sum; then
  *     out[d] = fma(weight_p, v_p[d], out[d]) over p = 0, 1, … by one thread.
  *   routing, per token, one warp (k_route says its order).
  *   the experts' weighted sum, per element: acc = 0; acc += w_k·y_k (product rounded, then the
@@ -32,7 +32,7 @@
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8 = 2, FMT_Q4 = 3 };
 enum { SC_F16 = 1, SC_BF16 = 2, SC_F32 = 3 };
-enum { MM_WARPS = 8, MM_TT = 8, MM_TZ = 64, ATT_THREADS = 128, ATT_SMEM = 200 * 1024 };
+enum { MM_WARPS = 8, MM_TT = 8, MM_TZ = 64, ATT_THREADS = 256, ATT_SMEM = 200 * 1024 };
 
 /* ------------------------------------------------------------------ allocator and uploads */
 
@@ -128,7 +128,8 @@ __device__ __forceinline__ void deq8(const uint8_t *w, const smoe_cu_tensor &T, 
             v[2 * j + 1] = __uint_as_float(u[j] & 0xffff0000u);
         }
     } else {
-        const uint32_t ng = T.cols / T.group, g = 8 * wi / T.group;
+        const uint32_t gs = __ffs(T.group) - 1; /* groups are 32, 64 or 128: shifts, not divisions */
+        const uint32_t ng = T.cols >> gs, g = (8 * wi) >> gs;
         const float s = ld_scale(T.scale_format, w + T.scales_off, (size_t)r * ng + g);
         const float b = ld_scale(T.scale_format, w + T.biases_off, (size_t)r * ng + g);
         if (FMT == FMT_Q8) {
