@@ -99,27 +99,8 @@ static const uint8_t *dev(const smoe_session *s, const smoe_tensor *T) {
 static smoe_status linear(smoe_session *s, const smoe_tensor *T, const float *x, size_t ldx, uint32_t n, float *y,
                           size_t ldy) {
     smoe_cu_tensor d = desc(T);
-    smoe_cu_rows R = {.n = n};
-    CU(smoe_cu_matmul(ST(s)->cs, &d, dev(s, T), 0, &R, x, ldx, y, ldy));
-    return SMOE_OK;
-}
-
-/* Products of one input by 2 or 3 dense matrices: one launch when they share format and width
- * (smoe_cu_matmul_parts), else one each. */
-static smoe_status linear_parts(smoe_session *s, uint32_t np, const smoe_tensor *const *T, const float *x, size_t ldx,
-                                uint32_t n, float *const *y, const size_t *ldy) {
-    smoe_cu_part parts[3];
-    bool same = true;
-    for (uint32_t i = 0; i < np; i++) {
-        parts[i] = (smoe_cu_part){desc(T[i]), dev(s, T[i]), 0, y[i], ldy[i]};
-        same = same && T[i]->format == T[0]->format && T[i]->cols == T[0]->cols;
-    }
-    smoe_cu_rows R = {.n = n};
-    if (same) {
-        CU(smoe_cu_matmul_parts(ST(s)->cs, np, parts, &R, x, ldx));
-        return SMOE_OK;
-    }
-    for (uint32_t i = 0; i < np; i++) CU(smoe_cu_matmul_parts(ST(s)->cs, 1, parts + i, &R, x, ldx));
+    smoe_cu_rows R = {.w = dev(s, T), .n = n};
+    CU(smoe_cu_matmul(ST(s)->cs, &d, &R, x, ldx, y, ldy));
     return SMOE_OK;
 }
 
@@ -359,11 +340,10 @@ static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, ui
     smoe_status st;
     float *kl = c->k + (size_t)l * s->params.context * s->kv_dim, *vl = c->v + (size_t)l * s->params.context * s->kv_dim;
     float *krows = kl + (size_t)pos0 * s->kv_dim, *vrows = vl + (size_t)pos0 * s->kv_dim;
-    const smoe_tensor *qkv[3] = {L->q, L->k, L->v};
-    float *ys[3] = {c->q, krows, vrows};
-    size_t lds[3] = {s->q_dim, s->kv_dim, s->kv_dim};
     if ((st = norm(s, c->xn, c->x, n, H, L->input_norm)) != SMOE_OK ||
-        (st = linear_parts(s, 3, qkv, c->xn, H, n, ys, lds)) != SMOE_OK ||
+        (st = linear(s, L->q, c->xn, H, n, c->q, s->q_dim)) != SMOE_OK ||
+        (st = linear(s, L->k, c->xn, H, n, krows, s->kv_dim)) != SMOE_OK ||
+        (st = linear(s, L->v, c->xn, H, n, vrows, s->kv_dim)) != SMOE_OK ||
         (st = norm(s, c->q, c->q, n * cf->num_attention_heads, hd, L->q_norm)) != SMOE_OK ||
         (st = norm(s, krows, krows, n * cf->num_key_value_heads, hd, L->k_norm)) != SMOE_OK)
         return st;
@@ -381,17 +361,17 @@ static smoe_status run_experts(smoe_session *s, uint32_t first, uint32_t count, 
     cuda_state *c = ST(s);
     const smoe_layout *lay = s->lay;
     uint32_t H = s->cfg.hidden_size, I = lay->expert[0].rows;
-    smoe_cu_part gu[2] = {{desc(&lay->expert[0]), NULL, lay->expert[0].offset, c->hg, 2 * (size_t)I},
-                          {desc(&lay->expert[1]), NULL, lay->expert[1].offset, c->hg + I, 2 * (size_t)I}};
-    smoe_cu_tensor d = desc(&lay->expert[2]);
+    smoe_cu_tensor g = desc(&lay->expert[0]), u = desc(&lay->expert[1]), d = desc(&lay->expert[2]);
     smoe_cu_rows R = {.wtab = c->wtab, .items = c->items + first, .start = c->ustart, .count = c->ucount,
                       .n_items = count, .max_count = max_rows};
-    bool same = lay->expert[0].format == lay->expert[1].format; /* one width: both read hidden */
-    CU(smoe_cu_matmul_parts(c->cs, same ? 2 : 1, gu, &R, c->xg, H));
-    if (!same) CU(smoe_cu_matmul_parts(c->cs, 1, gu + 1, &R, c->xg, H));
+    R.woff = lay->expert[0].offset;
+    CU(smoe_cu_matmul(c->cs, &g, &R, c->xg, H, c->hg, 2 * (size_t)I));
+    R.woff = lay->expert[1].offset;
+    CU(smoe_cu_matmul(c->cs, &u, &R, c->xg, H, c->hg + I, 2 * (size_t)I));
     CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, &R));
+    R.woff = lay->expert[2].offset;
     R.yrow = c->rows;
-    CU(smoe_cu_matmul(c->cs, &d, NULL, lay->expert[2].offset, &R, c->h, I, c->slot_out, H));
+    CU(smoe_cu_matmul(c->cs, &d, &R, c->h, I, c->slot_out, H));
     *done = ring_event(c);
     CU(smoe_cu_event_record(*done, c->cs));
     return SMOE_OK;
@@ -561,10 +541,8 @@ static smoe_status cuda_ffn(smoe_session *s, uint32_t l, uint32_t n, uint32_t *u
     *union_size = 0;
     uint32_t I = L->mlp_gate->rows;
     smoe_cu_rows R = {.n = n};
-    const smoe_tensor *gu[2] = {L->mlp_gate, L->mlp_up};
-    float *ys[2] = {c->hg, c->hg + I};
-    size_t lds[2] = {2 * (size_t)I, 2 * (size_t)I};
-    if ((st = linear_parts(s, 2, gu, c->xn, H, n, ys, lds)) != SMOE_OK)
+    if ((st = linear(s, L->mlp_gate, c->xn, H, n, c->hg, 2 * (size_t)I)) != SMOE_OK ||
+        (st = linear(s, L->mlp_up, c->xn, H, n, c->hg + I, 2 * (size_t)I)) != SMOE_OK)
         return st;
     CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, &R));
     if ((st = linear(s, L->mlp_down, c->h, I, n, c->xg, H)) != SMOE_OK) return st;

@@ -28,26 +28,18 @@ typedef struct {
     uint64_t scales_off, biases_off; /* from the tensor's first byte (q8/q4) */
 } smoe_cu_tensor;
 
-/* Which rows of x one matrix product covers. Dense (items NULL): rows [0, n) of x and y. Grouped
- * (experts): item i of [0, n_items) is union position u = items[i], whose blob in VRAM is wtab[u]
- * and which multiplies rows [start[u], start[u] + count[u]) of x; y row j of those goes to
- * yrow[j] when yrow is not NULL. All arrays in device memory. */
+/* Which weights and rows one matrix product covers. Dense: w is the tensor, rows [0, n) of x and y.
+ * Grouped (experts): item i of [0, n_items) is union position u = items[i], whose tensor starts
+ * at wtab[u] + woff and which multiplies rows [start[u], start[u] + count[u]) of x; y row j of
+ * those goes to yrow[j] when yrow is not NULL. All arrays in device memory. */
 typedef struct {
+    const uint8_t *w;             /* dense */
     uint32_t n;                   /* dense: tokens */
     const uint8_t *const *wtab;   /* grouped: per union position, the blob in VRAM */
+    uint64_t woff;
     const uint32_t *items, *start, *count, *yrow;
     uint32_t n_items, max_count;  /* launches cover max_count rows per item */
 } smoe_cu_rows;
-
-/* One matrix of a product: its layout, its weights (dense: w, the tensor's address; grouped: woff,
- * its offset in the blob) and where its outputs go (y, rows ldy floats apart). */
-typedef struct {
-    smoe_cu_tensor T;
-    const uint8_t *w;
-    uint64_t woff;
-    float *y;
-    size_t ldy;
-} smoe_cu_part;
 
 const char *smoe_cu_error_string(int err);
 int smoe_cu_device(int ordinal, char *name, size_t cap, int *sm_major, int *sm_minor, size_t *free_bytes,
@@ -75,13 +67,8 @@ int smoe_cu_last_error(void); /* and clears it */
 
 /* Kernels, all enqueued on st. */
 /* y (rows of R, T.rows) = x · Wᵀ; x rows ldx floats apart, y rows ldy. */
-int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const uint8_t *w, uint64_t woff,
-                   const smoe_cu_rows *R, const float *x, size_t ldx, float *y, size_t ldy);
-/* The same for up to 3 matrices of one format and width that multiply the same x (q, k and v; gate
- * and up), in one launch where each one's rows are a multiple of 4; each element's bits are those
- * smoe_cu_matmul gives it. */
-int smoe_cu_matmul_parts(smoe_cu_stream st, uint32_t n_parts, const smoe_cu_part *parts, const smoe_cu_rows *R,
-                         const float *x, size_t ldx);
+int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const smoe_cu_rows *R, const float *x, size_t ldx,
+                   float *y, size_t ldy);
 /* x[t] ← row ids[t] of the embedding tensor, dequantised; ids in device memory. */
 int smoe_cu_embed(smoe_cu_stream st, const smoe_cu_tensor *T, const uint8_t *w, const int32_t *ids, uint32_t n,
                   float *x);

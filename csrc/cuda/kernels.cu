@@ -30,8 +30,6 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <string.h>
-
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8 = 2, FMT_Q4 = 3 };
 enum { SC_F16 = 1, SC_BF16 = 2, SC_F32 = 3 };
 enum { MM_WARPS = 8, MM_TT = 8, MM_TZ = 64, ATT_THREADS = 256, ATT_SMEM = 200 * 1024 };
@@ -163,48 +161,24 @@ __device__ __forceinline__ float dot8(float s, const float v[8], const float *x)
     return chain8(s, v, xp[0], xp[1]);
 }
 
-/* Up to 3 matrices of one input in one launch (q, k, v; gate, up): their rows one after the other. */
-typedef struct {
-    smoe_cu_tensor T[3];
-    const uint8_t *w[3]; /* dense: the tensor; grouped: its offset in the blob, as a pointer's worth */
-    float *y[3];
-    size_t ldy[3];
-    uint32_t end[3];     /* cumulative rows */
-    uint32_t n;
-} mm_parts;
-
-/* Which part global row rg is in, its row there, and where its weights start. */
-__device__ __forceinline__ uint32_t part_of(const mm_parts &P, uint32_t rg, uint32_t *r) {
-    const uint32_t p = rg < P.end[0] ? 0 : rg < P.end[1] ? 1 : 2;
-    *r = rg - (p ? P.end[p - 1] : 0);
-    return p;
-}
-
-__device__ __forceinline__ const uint8_t *weights_of(const mm_parts &P, uint32_t p, const smoe_cu_rows &R,
-                                                     uint32_t *start, uint32_t *count) {
+template <int FMT>
+__global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe_cu_rows R, const float *__restrict__ x,
+                                                          size_t ldx, float *__restrict__ y, size_t ldy) {
+    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const uint32_t r = blockIdx.x * MM_WARPS + warp;
+    if (r >= T.rows) return;
+    const uint8_t *w;
+    uint32_t start, count;
     if (R.items) {
         const uint32_t u = R.items[blockIdx.y];
-        *start = R.start[u];
-        *count = R.count[u];
-        return R.wtab[u] + (uintptr_t)P.w[p];
+        w = R.wtab[u] + R.woff;
+        start = R.start[u];
+        count = R.count[u];
+    } else {
+        w = R.w;
+        start = 0;
+        count = R.n;
     }
-    *start = 0;
-    *count = R.n;
-    return P.w[p];
-}
-
-template <int FMT>
-__global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(mm_parts P, smoe_cu_rows R, const float *__restrict__ x,
-                                                          size_t ldx) {
-    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const uint32_t rg = blockIdx.x * MM_WARPS + warp;
-    if (rg >= P.end[P.n - 1]) return;
-    uint32_t r, start, count;
-    const uint32_t p = part_of(P, rg, &r);
-    const smoe_cu_tensor &T = P.T[p];
-    float *__restrict__ y = P.y[p];
-    const size_t ldy = P.ldy[p];
-    const uint8_t *w = weights_of(P, p, R, &start, &count);
     const uint32_t t0 = blockIdx.z * MM_TZ;
     if (t0 >= count) return;
     const uint32_t t1 = min(count, t0 + (uint32_t)MM_TZ), nw = T.cols / 8;
@@ -252,24 +226,27 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(mm_parts P, smoe_cu_ro
 enum { RT = 4, TT2 = 16, CHUNK = 256, TILED_MIN = 16 };
 
 template <int FMT>
-__global__ void __launch_bounds__(MM_WARPS * 32) k_matmul_tiled(mm_parts P, smoe_cu_rows R,
-                                                                const float *__restrict__ x, size_t ldx) {
+__global__ void __launch_bounds__(MM_WARPS * 32) k_matmul_tiled(smoe_cu_tensor T, smoe_cu_rows R,
+                                                                const float *__restrict__ x, size_t ldx,
+                                                                float *__restrict__ y, size_t ldy) {
     __shared__ float4 xs[TT2][CHUNK / 4];
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    /* every part's rows are a multiple of RT (smoe_cu_matmul_parts), so a warp's rows share a part;
-     * a warp past the last row still loads its share of x */
-    const uint32_t rg0 = (blockIdx.x * MM_WARPS + warp) * RT, live = rg0 < P.end[P.n - 1];
-    uint32_t r0, start, count;
-    const uint32_t p = live ? part_of(P, rg0, &r0) : 0;
-    if (!live) r0 = P.T[0].rows;
-    const smoe_cu_tensor &T = P.T[p];
-    float *__restrict__ y = P.y[p];
-    const size_t ldy = P.ldy[p];
-    const uint8_t *w = weights_of(P, p, R, &start, &count);
+    const uint32_t r0 = (blockIdx.x * MM_WARPS + warp) * RT;
+    const uint8_t *w;
+    uint32_t start, count;
+    if (R.items) {
+        const uint32_t u = R.items[blockIdx.y];
+        w = R.wtab[u] + R.woff;
+        start = R.start[u];
+        count = R.count[u];
+    } else {
+        w = R.w;
+        start = 0;
+        count = R.n;
+    }
     const uint32_t t0 = blockIdx.z * TT2;
     if (t0 >= count) return; /* the whole block */
     const uint32_t nt = min((uint32_t)TT2, count - t0), nw = T.cols / 8;
-    (void)live;
     float acc[RT][TT2];
 #pragma unroll
     for (int i = 0; i < RT; i++)
@@ -316,61 +293,29 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul_tiled(mm_parts P, smoe
         }
 }
 
-extern "C" int smoe_cu_matmul_parts(smoe_cu_stream st, uint32_t n_parts, const smoe_cu_part *parts,
-                                    const smoe_cu_rows *R, const float *x, size_t ldx) {
+extern "C" int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const smoe_cu_rows *R, const float *x,
+                              size_t ldx, float *y, size_t ldy) {
     const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
-    if (items == 0 || m == 0 || n_parts == 0) return 0;
-    if (n_parts > 3) return (int)cudaErrorInvalidValue;
-    mm_parts P;
-    memset(&P, 0, sizeof P);
-    P.n = n_parts;
-    uint32_t rows = 0;
-    bool even = true;
-    for (uint32_t i = 0; i < n_parts; i++) {
-        const smoe_cu_part &q = parts[i];
-        if (q.T.format != parts[0].T.format || q.T.cols != parts[0].T.cols) return (int)cudaErrorInvalidValue;
-        P.T[i] = q.T;
-        P.w[i] = R->items ? (const uint8_t *)(uintptr_t)q.woff : q.w;
-        P.y[i] = q.y;
-        P.ldy[i] = q.ldy;
-        rows += q.T.rows;
-        P.end[i] = rows;
-        even = even && q.T.rows % RT == 0;
-    }
-    for (uint32_t i = n_parts; i < 3; i++) P.end[i] = rows;
+    if (items == 0 || m == 0) return 0;
+    dim3 grid((T->rows + MM_WARPS - 1) / MM_WARPS, items, (m + MM_TZ - 1) / MM_TZ);
     cudaStream_t s = (cudaStream_t)st;
-    const int fmt = parts[0].T.format;
-    if (m >= TILED_MIN && (even || n_parts == 1)) {
-        dim3 g2((rows + MM_WARPS * RT - 1) / (MM_WARPS * RT), items, (m + TT2 - 1) / TT2);
-        switch (fmt) {
-        case FMT_F32: k_matmul_tiled<FMT_F32><<<g2, MM_WARPS * 32, 0, s>>>(P, *R, x, ldx); break;
-        case FMT_BF16: k_matmul_tiled<FMT_BF16><<<g2, MM_WARPS * 32, 0, s>>>(P, *R, x, ldx); break;
-        case FMT_Q8: k_matmul_tiled<FMT_Q8><<<g2, MM_WARPS * 32, 0, s>>>(P, *R, x, ldx); break;
-        default: k_matmul_tiled<FMT_Q4><<<g2, MM_WARPS * 32, 0, s>>>(P, *R, x, ldx); break;
+    if (m >= TILED_MIN) {
+        dim3 g2((T->rows + MM_WARPS * RT - 1) / (MM_WARPS * RT), items, (m + TT2 - 1) / TT2);
+        switch (T->format) {
+        case FMT_F32: k_matmul_tiled<FMT_F32><<<g2, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
+        case FMT_BF16: k_matmul_tiled<FMT_BF16><<<g2, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
+        case FMT_Q8: k_matmul_tiled<FMT_Q8><<<g2, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
+        default: k_matmul_tiled<FMT_Q4><<<g2, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
         }
         return (int)cudaGetLastError();
     }
-    if (m >= TILED_MIN) { /* parts that a warp's RT rows could straddle: one launch each */
-        for (uint32_t i = 0; i < n_parts; i++) {
-            int e = smoe_cu_matmul_parts(st, 1, parts + i, R, x, ldx);
-            if (e) return e;
-        }
-        return 0;
-    }
-    dim3 grid((rows + MM_WARPS - 1) / MM_WARPS, items, (m + MM_TZ - 1) / MM_TZ);
-    switch (fmt) {
-    case FMT_F32: k_matmul<FMT_F32><<<grid, MM_WARPS * 32, 0, s>>>(P, *R, x, ldx); break;
-    case FMT_BF16: k_matmul<FMT_BF16><<<grid, MM_WARPS * 32, 0, s>>>(P, *R, x, ldx); break;
-    case FMT_Q8: k_matmul<FMT_Q8><<<grid, MM_WARPS * 32, 0, s>>>(P, *R, x, ldx); break;
-    default: k_matmul<FMT_Q4><<<grid, MM_WARPS * 32, 0, s>>>(P, *R, x, ldx); break;
+    switch (T->format) {
+    case FMT_F32: k_matmul<FMT_F32><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
+    case FMT_BF16: k_matmul<FMT_BF16><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
+    case FMT_Q8: k_matmul<FMT_Q8><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
+    default: k_matmul<FMT_Q4><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
     }
     return (int)cudaGetLastError();
-}
-
-extern "C" int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const uint8_t *w, uint64_t woff,
-                              const smoe_cu_rows *R, const float *x, size_t ldx, float *y, size_t ldy) {
-    smoe_cu_part p = {*T, w, woff, y, ldy};
-    return smoe_cu_matmul_parts(st, 1, &p, R, x, ldx);
 }
 
 /* --------------------------------------------------------------------------- embedding */
