@@ -208,8 +208,9 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe
         }
 #pragma unroll
         for (int t = 0; t < MM_TT; t++) {
+            if ((uint32_t)t >= nt) break; /* nt is the warp's: the shuffles below stay converged */
             const float sum = warp_sum(acc[t]);
-            if ((uint32_t)t < nt && lane == 0) {
+            if (lane == 0) {
                 const uint32_t j = start + tb + t;
                 const uint32_t out = R.yrow ? R.yrow[j] : j;
                 y[(size_t)out * ldy + r] = sum;
@@ -284,8 +285,9 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul_tiled(smoe_cu_tensor T
     for (int i = 0; i < RT; i++)
 #pragma unroll
         for (int t = 0; t < TT2; t++) {
+            if ((uint32_t)t >= nt || r0 + i >= T.rows) break; /* the block's and the warp's: converged */
             const float sum = warp_sum(acc[i][t]);
-            if (lane == 0 && (uint32_t)t < nt && r0 + i < T.rows) {
+            if (lane == 0) {
                 const uint32_t j = start + t0 + t;
                 const uint32_t out = R.yrow ? R.yrow[j] : j;
                 y[(size_t)out * ldy + r0 + i] = sum;
