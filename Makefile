@@ -11,6 +11,8 @@
 #   make neon-check  the C tests cross-built for aarch64 (NEON kernels), run under qemu-aarch64;
 #                skipped with a message where the tools are missing (scripts/neon_check.sh)
 #   make PORTABLE=1 ...   no instruction-set-specific kernels
+#   make CUDA=1 lib       libsmoe with the CUDA backend too (csrc/cuda/, nvcc; builds in build-cuda/
+#                and copies that library into pysmoe/); the default build needs no nvcc
 
 PYTHON  ?= python3
 VENV    ?= .venv
@@ -33,6 +35,19 @@ else
 endif
 CFLAGS  += $(CFLAGS_BASE) $(OPT) $(ISA_FLAGS)
 LDLIBS  := -lm -pthread
+
+# The CUDA backend (csrc/cuda/, README "GPU (CUDA)"): machine code for sm_90 (H100/H200) plus
+# compute_90 PTX, which the driver compiles for newer GPUs; the CUDA runtime linked statically, so
+# the library needs only the driver at run time. CUDA_ARCH adds or replaces targets.
+ifeq ($(CUDA),1)
+  BUILD     ?= build-cuda
+  NVCC      ?= nvcc
+  CUDA_HOME ?= /usr/local/cuda
+  CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+  NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-fvisibility=hidden,-Wall,-Wextra
+  CFLAGS    += -DSMOE_CUDA=1
+  LDLIBS    += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/lib -lcudart_static -lstdc++ -ldl -lrt
+endif
 
 # The shared object's version is ABI.MINOR.PATCH: its first number (the soname's) is
 # SMOE_ABI_VERSION, so a program linked against one ABI never loads another; MINOR.PATCH are the
@@ -69,6 +84,9 @@ SRCS    := $(sort $(wildcard csrc/*.c))
 HDRS    := $(wildcard csrc/*.h)
 BUILD   ?= build
 OBJS    := $(patsubst csrc/%.c,$(BUILD)/%.o,$(SRCS))
+ifeq ($(CUDA),1)
+  OBJS    += $(BUILD)/cuda/backend_cuda.o $(BUILD)/cuda/kernels.o
+endif
 LIB     := $(BUILD)/$(LIBNAME)
 EXAMPLE := $(BUILD)/smoe_generate
 
@@ -84,6 +102,14 @@ $(BUILD)/%.o: csrc/%.c $(HDRS) | $(BUILD)
 $(BUILD):
 	mkdir -p $(BUILD)
 
+$(BUILD)/cuda/backend_cuda.o: csrc/cuda/backend_cuda.c csrc/cuda/cuda_ops.h $(HDRS)
+	mkdir -p $(BUILD)/cuda
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(BUILD)/cuda/kernels.o: csrc/cuda/kernels.cu csrc/cuda/cuda_ops.h
+	mkdir -p $(BUILD)/cuda
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
+
 $(BUILD)/$(LIBREAL): $(OBJS)
 	$(CC) $(CFLAGS) $(call SHARED,$(BUILD_ID)) -o $@ $(OBJS) $(LDLIBS)
 
@@ -96,8 +122,11 @@ $(LIB): $(BUILD)/$(LIBSONAME)
 	ln -sf $(LIBSONAME) $@
 
 # Copy, then rename: a running process keeps the old file's pages (cp would rewrite them under it).
+# Compared rather than dated, so that `make lib` after `make CUDA=1 lib` (or back) puts that
+# build's library in place even when the other one's copy is newer.
+.PHONY: pysmoe/$(LIBNAME)
 pysmoe/$(LIBNAME): $(LIB)
-	cp $(LIB) $@.tmp && mv -f $@.tmp $@
+	cmp -s $(LIB) $@ || { cp $(LIB) $@.tmp && mv -f $@.tmp $@; }
 
 examples: $(EXAMPLE)
 
@@ -183,4 +212,4 @@ neon-check:
 	OUT=$(BUILD)/neon-check PY=$(PY) sh scripts/neon_check.sh
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD) pysmoe/libsmoe.so pysmoe/libsmoe.dylib
+	rm -rf $(BUILD) build-cuda $(ASAN_BUILD) pysmoe/libsmoe.so pysmoe/libsmoe.dylib

@@ -46,6 +46,9 @@ static smoe_status check_batch(smoe_session *const *ss, const int32_t *ids, uint
             return smoe_fail(SMOE_ERR_INVALID_ARG,
                              "smoe_decode_batch: session %u does not share session 0's cache (smoe_session_new_shared)",
                              i);
+        if (ss[i]->backend != &smoe_backend_cpu)
+            return smoe_fail(SMOE_ERR_UNSUPPORTED, "smoe_decode_batch: session %u runs on %s; batches run on the CPU",
+                             i, ss[i]->backend->name);
         if (ss[i]->params.float_activations != ss[0]->params.float_activations)
             return smoe_fail(SMOE_ERR_INVALID_ARG,
                              "smoe_decode_batch: session %u's float_activations differs from session 0's", i);

@@ -23,20 +23,19 @@ static smoe_status decode(smoe_session *s, int32_t id, float *logits, int32_t *n
     const smoe_config *c = &s->cfg;
     uint32_t pos = s->pos;
 
-    smoe_embed(s, &id, 1);
-    SMOE_PROF_LAP(SMOE_P_EMBED);
+    const smoe_backend *be = s->backend;
+    if ((st = be->embed(s, &id, 1)) != SMOE_OK)
+        return st;
     for (uint32_t l = 0; l < c->num_hidden_layers; l++) {
         /* position unchanged on failure: row pos of the KV cache is rewritten next time */
         uint32_t used;
         if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK)
             return st;
-        smoe_attention_block(s, l, pos, 1);
-        if ((st = smoe_ffn_block(s, l, 1, &used)) != SMOE_OK)
+        if ((st = be->attention(s, l, pos, 1)) != SMOE_OK || (st = be->ffn(s, l, 1, &used)) != SMOE_OK)
             return st;
     }
-    smoe_rmsnorm(s->xn, s->x, s->lay->final_norm, c->hidden_size, c->rms_norm_eps);
-    SMOE_PROF_LAP(SMOE_P_NORM);
-    smoe_linear(s, SMOE_P_LM_HEAD, s->lay->lm_head, s->lay->lm_head->data, s->xn, 1, s->logits);
+    if ((st = be->logits(s)) != SMOE_OK)
+        return st;
     /* Logits with no finite value (NaN or infinite scales in the vault, say) would make greedy
      * sampling return id 0 on every step, without a word: refuse them instead. */
     if (!any_finite(s->logits, c->vocab_size))

@@ -24,14 +24,14 @@ static smoe_status prefill(smoe_session *s, const int32_t *ids, uint32_t n) {
     SMOE_PROF_START();
     uint32_t pos = s->pos;
 
-    smoe_embed(s, ids, n);
-    SMOE_PROF_LAP(SMOE_P_EMBED);
+    const smoe_backend *be = s->backend;
+    if ((st = be->embed(s, ids, n)) != SMOE_OK)
+        return st;
     for (uint32_t l = 0; l < s->cfg.num_hidden_layers; l++) {
         /* position unchanged on failure: the chunk's KV rows are rewritten next time */
         if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK)
             return st;
-        smoe_attention_block(s, l, pos, n);
-        if ((st = smoe_ffn_block(s, l, n, &s->union_sizes[l])) != SMOE_OK)
+        if ((st = be->attention(s, l, pos, n)) != SMOE_OK || (st = be->ffn(s, l, n, &s->union_sizes[l])) != SMOE_OK)
             return st;
     }
     for (uint32_t i = 0; i < n; i++)

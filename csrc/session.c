@@ -67,6 +67,8 @@ static void share_drop(smoe_share *sh) {
 void smoe_session_free(smoe_session *s) {
     if (!s)
         return;
+    if (s->backend)
+        s->backend->free(s); /* first: it may hold the streamer's slots pinned */
     share_drop(s->share);
     void *bufs[] = {s->k_cache, s->v_cache, s->k_new, s->v_new, s->rope_cos, s->rope_sin, s->history, s->x, s->xn, s->q, s->att,
                     s->scores, s->router, s->topk_idx, s->topk_w, s->slot_out, s->xg, s->hg, s->h, s->yg,
@@ -138,6 +140,11 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
     if (p.chunk > 65536 || p.threads > 256 || p.io_threads > 256)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "chunk ≤ 65536, threads ≤ 256 and io_threads ≤ 256 (got %u, %u, %u)",
                          p.chunk, p.threads, p.io_threads);
+    const smoe_backend *backend;
+    if ((st = smoe_backend_for(p.device, &backend)) != SMOE_OK)
+        return st;
+    if (sibling && (backend != &smoe_backend_cpu || sibling->backend != &smoe_backend_cpu))
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "smoe_session_new_shared: only CPU sessions share a cache");
 
     smoe_session *s = smoe_alloc(sizeof *s, 64);
     if (!s)
@@ -217,6 +224,7 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
         s->streamer = s->share->streamer;
         smoe_sampler_params sdef = smoe_sampler_default_params();
         smoe_sampler_init(&s->sampler, &sdef);
+        s->backend = backend;
         *out = s;
         return SMOE_OK;
     }
@@ -276,6 +284,11 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
     }
     smoe_sampler_params sdef = smoe_sampler_default_params();
     smoe_sampler_init(&s->sampler, &sdef);
+    s->backend = backend;
+    if ((st = backend->init(s)) != SMOE_OK) {
+        smoe_session_free(s);
+        return st;
+    }
     *out = s;
     return SMOE_OK;
 }
@@ -357,12 +370,7 @@ static smoe_status session_read_kv_claimed(const smoe_session *s, uint32_t layer
     if (layer >= s->cfg.num_hidden_layers || (uint64_t)start + n > s->pos)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "KV rows [%u, %u) of layer %u: the cache holds %u positions of %u layers",
                          start, start + n, layer, s->pos, s->cfg.num_hidden_layers);
-    size_t len = (size_t)n * s->kv_dim;
-    if (k)
-        smoe_kv_load(k, smoe_kv_row(s, s->k_cache, layer, start), len, s->params.kv_dtype);
-    if (v)
-        smoe_kv_load(v, smoe_kv_row(s, s->v_cache, layer, start), len, s->params.kv_dtype);
-    return SMOE_OK;
+    return s->backend->read_kv(s, layer, start, n, k, v);
 }
 
 static smoe_status stats_claimed(const smoe_session *s, smoe_counters *out) {
@@ -439,6 +447,7 @@ static smoe_status cache_clear_claimed(smoe_session *s) {
         return smoe_fail(SMOE_ERR_INVALID_ARG, "session is NULL");
     if (s->streamer)
         smoe_streamer_clear(s->streamer);
+    s->backend->cache_clear(s);
     return SMOE_OK;
 }
 
@@ -504,4 +513,31 @@ smoe_status smoe_cache_clear(smoe_session *s) {
     st = cache_clear_claimed(s);
     smoe_share_unlock(s);
     return smoe_session_leave(s, st);
+}
+
+smoe_status smoe_device_stats(const smoe_session *s, smoe_device_counters *out) {
+    if (!s || !out)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_device_stats: NULL argument");
+    if (out->struct_size < offsetof(smoe_device_counters, uploads) || out->struct_size > sizeof *out)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_device_counters.struct_size %u is not a known size",
+                         out->struct_size);
+    smoe_status st = smoe_session_enter(s, "smoe_device_stats");
+    if (st != SMOE_OK)
+        return st;
+    smoe_device_counters c;
+    memset(&c, 0, sizeof c);
+    c.device = s->params.device;
+    if (s->backend->device_stats)
+        s->backend->device_stats(s, &c);
+    c.struct_size = out->struct_size;
+    memcpy(out, &c, out->struct_size);
+    return smoe_session_leave(s, SMOE_OK);
+}
+
+const char *smoe_session_backend(const smoe_session *s) {
+    if (!s) {
+        smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_backend: session is NULL");
+        return "";
+    }
+    return s->backend->describe(s);
 }

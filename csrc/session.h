@@ -8,6 +8,7 @@
 #ifndef SMOE_SESSION_H
 #define SMOE_SESSION_H
 
+#include "backend.h"
 #include "kernels.h"
 #include "pool.h"
 #include "sample.h"
@@ -40,6 +41,8 @@ struct smoe_session {
     smoe_pool *pool;         /* share->pool */
     smoe_streamer *streamer; /* share->streamer: NULL when the model has no sparse layer */
     smoe_sampler sampler;
+    const smoe_backend *backend; /* the device that runs the layers (backend.h) */
+    void *backend_state;         /* the backend's own, made by backend->init */
 
     uint32_t pos;    /* tokens in the KV cache; stored with set_pos (smoe_session_position loads it) */
     bool broken;

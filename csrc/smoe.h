@@ -78,7 +78,7 @@ extern "C" {
  *   rest. Such growth still bumps SMOE_VERSION_STRING's MINOR.
  * SMOE_VERSION_STRING is the release, MAJOR.MINOR.PATCH; its MINOR.PATCH end the shared object's
  * version (libsmoe.so.ABI.MINOR.PATCH). */
-#define SMOE_ABI_VERSION 3
+#define SMOE_ABI_VERSION 4
 #define SMOE_VERSION_STRING "0.1.0"
 
 typedef enum {
@@ -102,7 +102,9 @@ SMOE_API const char *smoe_last_error(void);
 SMOE_API const char *smoe_version(void);
 /* The kernels this build runs on this CPU: "avx2+avx512vnni", "avx2+avx512", "avx2+avx-vnni",
  * "avx2", "neon" or "portable" (the part after "+": the 8-bit-activation products' instance,
- * picked at run time; SMOE_NO_AVX512=1 and SMOE_NO_VNNI=1 in the environment take it away). */
+ * picked at run time; SMOE_NO_AVX512=1 and SMOE_NO_VNNI=1 in the environment take it away). A
+ * session on another device (smoe_session_params.device) says what it runs on with
+ * smoe_session_backend. */
 SMOE_API const char *smoe_kernels(void);
 SMOE_API int smoe_abi_version(void);
 
@@ -213,7 +215,24 @@ typedef struct {
                                 this many bytes (docs/streamer.md); below two blobs, one read each */
     uint32_t kv_dtype;     /* smoe_kv_dtype of the KV cache (default SMOE_KV_F32; bench/RESULTS.md
                               "KV cache in bf16 and f16" has its cost and speed) */
+    uint32_t device;       /* smoe_device that runs the layers (default SMOE_DEVICE_CPU) */
+    uint64_t gpu_cache_bytes; /* SMOE_DEVICE_CUDA: budget of the experts retained in VRAM (default 0:
+                                 a few blobs, enough to stream); the dense weights, the KV cache and
+                                 the planes come on top. Ignored on the CPU. */
 } smoe_session_params;
+
+/* Where a session runs its layers (smoe_session_params.device).
+ *   SMOE_DEVICE_CPU   the kernels of smoe_kernels() on the session's threads.
+ *   SMOE_DEVICE_CUDA  an NVIDIA GPU (the first one), in a library built with `make CUDA=1`; other
+ *                     builds answer SMOE_ERR_UNSUPPORTED. Dense weights, KV cache and activations
+ *                     live in VRAM; experts are retained in VRAM (gpu_cache_bytes), behind it in
+ *                     the host retention cache (cache_bytes, pinned) and behind that on disk. Its
+ *                     products multiply f32 activations by the dequantised weights (the arithmetic
+ *                     of float_activations = 1, in the GPU's own summation order), so its logits
+ *                     agree with the CPU's within a tolerance, not bit for bit; its layer-major
+ *                     and token-serial paths agree bit for bit with each other. Requires kv_dtype
+ *                     SMOE_KV_F32; not for smoe_session_new_shared or smoe_decode_batch. */
+typedef enum { SMOE_DEVICE_CPU = 0, SMOE_DEVICE_CUDA = 1 } smoe_device;
 
 SMOE_API smoe_session_params smoe_session_default_params(void);
 
@@ -338,6 +357,24 @@ typedef struct {
 } smoe_counters;
 
 SMOE_API smoe_status smoe_stats(const smoe_session *session, smoe_counters *out);
+
+/* What the session's device did (zeros on the CPU, whose tiers smoe_counters describes). */
+typedef struct {
+    uint32_t struct_size;
+    uint32_t device;          /* smoe_device */
+    uint64_t uploads;         /* expert blobs copied host → device */
+    uint64_t upload_bytes;
+    uint64_t vram_hits;       /* expert uses served by the VRAM cache */
+    uint64_t vram_misses;     /* expert uses that needed an upload */
+    uint64_t vram_cache_bytes; /* the VRAM expert cache (whole blobs of gpu_cache_bytes) */
+    uint64_t vram_other_bytes; /* dense weights, KV cache, planes in VRAM */
+    uint32_t vram_slots;
+} smoe_device_counters;
+
+SMOE_API smoe_status smoe_device_stats(const smoe_session *session, smoe_device_counters *out);
+/* One line naming the session's device and kernels, e.g. "cpu: avx2" or
+ * "cuda: NVIDIA H200 (sm_90), 10 GiB expert cache". Valid while the session lives. */
+SMOE_API const char *smoe_session_backend(const smoe_session *session);
 /* (smoe_stats_reset and smoe_cache_clear act on the share's cache and counters: on every sharer.) */
 /* Per layer, the number of distinct experts the last smoe_prefill_chunk used (0 for dense
  * layers). out has room for cap entries; fills min(cap, num_layers). */

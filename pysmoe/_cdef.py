@@ -1,7 +1,7 @@
 """The C declarations the binding uses: generated from csrc/smoe.h by scripts/gen_cdef.py."""
 
 CDEF = """
-#define SMOE_ABI_VERSION 3
+#define SMOE_ABI_VERSION 4
 typedef enum {
 SMOE_OK = 0,
 SMOE_ERR_INVALID_ARG = -1,
@@ -72,7 +72,10 @@ bool direct_io;
 bool verify_blobs;
 uint64_t coalesce_bytes;
 uint32_t kv_dtype;
+uint32_t device;
+uint64_t gpu_cache_bytes;
 } smoe_session_params;
+typedef enum { SMOE_DEVICE_CPU = 0, SMOE_DEVICE_CUDA = 1 } smoe_device;
 smoe_session_params smoe_session_default_params(void);
 smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *params,
 smoe_session **out);
@@ -128,6 +131,19 @@ uint64_t batch_blob_reads;
 uint64_t read_requests;
 } smoe_counters;
 smoe_status smoe_stats(const smoe_session *session, smoe_counters *out);
+typedef struct {
+uint32_t struct_size;
+uint32_t device;
+uint64_t uploads;
+uint64_t upload_bytes;
+uint64_t vram_hits;
+uint64_t vram_misses;
+uint64_t vram_cache_bytes;
+uint64_t vram_other_bytes;
+uint32_t vram_slots;
+} smoe_device_counters;
+smoe_status smoe_device_stats(const smoe_session *session, smoe_device_counters *out);
+const char *smoe_session_backend(const smoe_session *session);
 smoe_status smoe_stats_union_sizes(const smoe_session *session, uint32_t *out, uint32_t cap);
 smoe_status smoe_stats_expert_counts(const smoe_session *session, uint32_t layer, uint64_t *counts,
 uint32_t cap);

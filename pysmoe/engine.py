@@ -35,6 +35,7 @@ from .errors import BadToken, Busy, Cancelled, ContextFull, InvalidArgument, Smo
 PREFILL_PATHS = ("layer-major", "token-serial")
 ACTIVATIONS = ("q8", "f32")
 KV_DTYPES = ("f32", "bf16", "f16")  # smoe_kv_dtype's values, in order
+DEVICES = ("cpu", "cuda")  # smoe_device's values, in order
 
 
 U32, U64 = 2**32 - 1, 2**64 - 1
@@ -182,11 +183,11 @@ class Vault:
                 prefill: str = "layer-major", context: int = 4096, io_threads: int = 4,
                 direct_io: bool = True, verify_blobs: bool = True, activations: str = "q8",
                 share_cache: "Session | None" = None, coalesce_bytes: int | None = None,
-                kv_dtype: str | None = None) -> "Session":
+                kv_dtype: str | None = None, device: str = "cpu", gpu_cache_bytes: int = 0) -> "Session":
         return Session(self, cache_bytes=cache_bytes, threads=threads, chunk=chunk, prefill=prefill,
                        context=context, io_threads=io_threads, direct_io=direct_io, verify_blobs=verify_blobs,
                        activations=activations, share_cache=share_cache, coalesce_bytes=coalesce_bytes,
-                       kv_dtype=kv_dtype)
+                       kv_dtype=kv_dtype, device=device, gpu_cache_bytes=gpu_cache_bytes)
 
     def close(self) -> None:
         """Close the vault; safe twice. Sessions still open keep it alive until they close."""
@@ -236,17 +237,27 @@ class Session:
     widened, so both prefill paths still agree bit for bit; bf16/f16 halve the KV memory
     (stats()["kv_bytes"]). bench/RESULTS.md "KV cache in bf16 and f16" has the cost and speed.
 
+    device: "cpu" (default) or "cuda": the layers run on the first NVIDIA GPU (a libsmoe built with
+    `make CUDA=1`; otherwise pysmoe.Unsupported). gpu_cache_bytes is then the budget of experts
+    kept in VRAM, with cache_bytes the host cache behind it. The GPU multiplies f32 activations by
+    the dequantised weights whatever `activations` says; its logits agree with the CPU's within a
+    tolerance (README, "GPU (CUDA)"), its two prefill paths bit for bit. `backend` names the device.
+
     One method runs at a time (the module's docstring says what happens otherwise)."""
 
     def __init__(self, vault: Vault, *, cache_bytes=0, threads=None, chunk=None, prefill="layer-major",
                  context=4096, io_threads=4, direct_io=True, verify_blobs=True, activations="q8",
-                 share_cache: "Session | None" = None, coalesce_bytes=None, kv_dtype=None):
+                 share_cache: "Session | None" = None, coalesce_bytes=None, kv_dtype=None, device="cpu",
+                 gpu_cache_bytes=0):
         if prefill not in PREFILL_PATHS:
             raise InvalidArgument(f"prefill must be one of {PREFILL_PATHS}, not {prefill!r}")
         if activations not in ACTIVATIONS:
             raise InvalidArgument(f"activations must be one of {ACTIVATIONS}, not {activations!r}")
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise InvalidArgument(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
+        if device not in DEVICES:
+            raise InvalidArgument(f"device must be one of {DEVICES}, not {device!r}")
+        gpu_cache_bytes = _int_arg("gpu_cache_bytes", gpu_cache_bytes, 0, U64)
         cache_bytes = _int_arg("cache_bytes", cache_bytes, 0, U64)
         chunk = None if chunk is None else _int_arg("chunk", chunk, 1, U32)
         context = _int_arg("context", context, 1, U32)
@@ -269,6 +280,8 @@ class Session:
             p.coalesce_bytes = coalesce_bytes
         if kv_dtype is not None:
             p.kv_dtype = KV_DTYPES.index(kv_dtype)
+        p.device = DEVICES.index(device)
+        p.gpu_cache_bytes = gpu_cache_bytes
         params = ffi.new("smoe_session_params *", p)
         out = ffi.new("smoe_session **")
         if share_cache is None:
@@ -297,6 +310,9 @@ class Session:
         self.prefill_path = prefill
         self.activations = activations
         self.kv_dtype = KV_DTYPES[p.kv_dtype]
+        self.device = device
+        self.gpu_cache_bytes = gpu_cache_bytes
+        self.backend = ffi.string(lib.smoe_session_backend(self._h)).decode()
         self.chunk = int(p.chunk)
         self.context = min(context, vault.config["max_position_embeddings"])
         self.threads = int(p.threads)
@@ -541,6 +557,18 @@ class Session:
             "cache_sharers": int(c.cache_sharers), "batch_steps": int(c.batch_steps),
             "batch_tokens": int(c.batch_tokens), "batch_blob_reads": int(c.batch_blob_reads),
         }
+
+    def device_stats(self) -> dict:
+        """The device's counters (smoe_device_stats): expert uploads host → VRAM, VRAM cache hits and
+        misses, VRAM in use. All zero for device="cpu"."""
+        c = ffi.new("smoe_device_counters *")
+        c.struct_size = ffi.sizeof("smoe_device_counters")
+        with self._claim():
+            self._call(lib.smoe_device_stats, c)
+        return {"device": DEVICES[c.device], "uploads": int(c.uploads), "upload_bytes": int(c.upload_bytes),
+                "vram_hits": int(c.vram_hits), "vram_misses": int(c.vram_misses),
+                "vram_cache_bytes": int(c.vram_cache_bytes), "vram_other_bytes": int(c.vram_other_bytes),
+                "vram_slots": int(c.vram_slots)}
 
     def kv(self, layer: int, start: int = 0, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """K (after norm and RoPE) and V rows of a layer for positions [start, start + n), as

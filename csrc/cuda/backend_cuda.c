@@ -1,0 +1,607 @@
+/* backend_cuda.c — the CUDA backend (backend.h): the session side of cuda_ops.h.
+ *
+ * What lives where:
+ *   VRAM   the dense region (uploaded once at init, the vault's own bytes), the KV cache in f32
+ *          for the whole context, the activation planes for `chunk` tokens, the RoPE tables (the
+ *          host's, copied) and the expert cache: gpu_cache_bytes / blob_bytes whole blobs (at least
+ *          MIN_VSLOTS), evicted least recently used.
+ *   host   the streamer's retention cache (cache_bytes), its slots pinned with cudaHostRegister
+ *          so uploads are asynchronous DMA; behind it the disk, read with Direct I/O.
+ *
+ * One layer's FFN for n tokens (layer-major: the chunk; token-serial: n = 1):
+ *   1. norm, router product and top-k on the GPU; the top-k ids come back to the host (n·K ints:
+ *      the only synchronisation of the layer);
+ *   2. the union in order of first appearance, exactly as layer.c forms it, and per union expert
+ *      its rows (t·K + slot);
+ *   3. the experts already in VRAM run at once, all of them in one launch per product;
+ *   4. each expert that is not: its blob from the streamer (a host hit, or a read from disk that
+ *      was fired for every missing expert before the first wait), an asynchronous copy into a VRAM
+ *      slot on the upload stream, and its products on the compute stream once the copy's event
+ *      fired — so copies overlap the products of the experts before them. A VRAM slot is reused
+ *      only after the compute stream passed the last product that read it (an event the upload
+ *      stream waits on), never by host waits;
+ *   5. the weighted sum in slot order and the residual.
+ * Nothing is uploaded that the routing did not ask for, and each union expert once per layer.
+ * The products of an expert are the same kernels whichever launch runs them (cuda_ops.h), so
+ * layer-major and token-serial agree bit for bit. */
+#include "../session.h"
+#include "cuda_ops.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { MIN_VSLOTS = 2, RING = 64 };
+
+typedef struct {
+    smoe_cu_stream cs, us; /* compute, upload */
+    char line[200];
+    uint8_t *dense;
+    float *k, *v, *cos, *sin;
+    float *x, *xn, *q, *att, *router, *topk_w, *slot_out, *xg, *hg, *h, *logits;
+    int32_t *topk_idx, *ids;
+    /* A layer's index arrays, one block uploaded with one copy: per union position its first row,
+     * row count and VRAM blob (ustart, ucount, wtab), the launch order (items), and each gathered
+     * row's t·K + slot (rows, last, so that only the part in use is copied). */
+    uint8_t *idx, *h_idx;
+    size_t idx_rows_off, idx_bytes;
+    uint32_t *rows, *ustart, *ucount, *items;
+    const uint8_t **wtab;
+    uint32_t *h_rows, *h_ustart, *h_ucount, *h_items;
+    const uint8_t **h_wtab;
+    /* pinned staging for what the host sends and gets back */
+    int32_t *h_topk, *h_ids;
+    uint32_t *h_vslot; /* (experts) VRAM slot of each union position */
+    int *h_sslot;      /* (experts) streamer slot of each miss, −1 before acquire */
+    /* VRAM expert cache */
+    uint8_t *vcache;
+    uint64_t blob_bytes;
+    uint32_t n_vslots;
+    int32_t *vslot_of;   /* (layers × experts) */
+    int64_t *vslot_key;  /* (n_vslots) −1: empty */
+    uint32_t *prev, *next; /* LRU list over slots, sentinel n_vslots; head = least recent */
+    smoe_cu_event *vslot_ev; /* (n_vslots) the event after the last product that read it, or NULL */
+    smoe_cu_event ring[RING];
+    uint32_t ring_next;
+    /* streamer slots */
+    uint32_t n_sslots;
+    bool *registered;
+    smoe_cu_event *sslot_ev; /* (n_sslots) after the upload from that slot */
+    int *held;               /* streamer slots whose upload was enqueued, not yet released */
+    uint32_t n_held;
+    /* counters */
+    uint64_t uploads, upload_bytes, hits, misses, other_bytes;
+} cuda_state;
+
+#define ST(s) ((cuda_state *)(s)->backend_state)
+
+static smoe_status cu_fail(smoe_session *s, int err, const char *what) {
+    s->broken = true;
+    return smoe_fail(SMOE_ERR_INTERNAL, "cuda: %s: %s (the session must be reset)", what, smoe_cu_error_string(err));
+}
+
+#define CU(call)                                                                                                       \
+    do {                                                                                                               \
+        int e_ = (call);                                                                                               \
+        if (e_ != 0) return cu_fail(s, e_, #call);                                                                      \
+    } while (0)
+
+static smoe_cu_tensor desc(const smoe_tensor *T) {
+    smoe_cu_tensor d = {T->format, T->scale_format, T->rows, T->cols, T->group, T->scales_off, T->biases_off};
+    return d;
+}
+
+/* The device address of a dense tensor. */
+static const uint8_t *dev(const smoe_session *s, const smoe_tensor *T) {
+    return ST(s)->dense + (T->data - s->vault->dense);
+}
+
+static smoe_status linear(smoe_session *s, const smoe_tensor *T, const float *x, size_t ldx, uint32_t n, float *y,
+                          size_t ldy) {
+    smoe_cu_tensor d = desc(T);
+    smoe_cu_rows R = {.w = dev(s, T), .n = n};
+    CU(smoe_cu_matmul(ST(s)->cs, &d, &R, x, ldx, y, ldy));
+    return SMOE_OK;
+}
+
+static smoe_status norm(smoe_session *s, float *out, const float *x, uint32_t rows, uint32_t dim,
+                        const smoe_tensor *w) {
+    CU(smoe_cu_rmsnorm(ST(s)->cs, out, x, rows, dim, dim, dev(s, w), w->format, s->cfg.rms_norm_eps));
+    return SMOE_OK;
+}
+
+static smoe_cu_event ring_event(cuda_state *c) {
+    smoe_cu_event ev = c->ring[c->ring_next];
+    c->ring_next = (c->ring_next + 1) % RING;
+    return ev;
+}
+
+/* ------------------------------------------------------------------------- LRU of VRAM slots */
+
+static void lru_unlink(cuda_state *c, uint32_t i) {
+    c->next[c->prev[i]] = c->next[i];
+    c->prev[c->next[i]] = c->prev[i];
+}
+
+static void lru_push_tail(cuda_state *c, uint32_t i) { /* most recent */
+    uint32_t S = c->n_vslots;
+    c->prev[i] = c->prev[S];
+    c->next[i] = S;
+    c->next[c->prev[S]] = i;
+    c->prev[S] = i;
+}
+
+static void vram_forget_all(smoe_session *s) {
+    cuda_state *c = ST(s);
+    size_t keys = (size_t)s->cfg.num_hidden_layers * s->cfg.num_experts;
+    for (size_t i = 0; i < keys; i++) c->vslot_of[i] = -1;
+    uint32_t S = c->n_vslots;
+    c->prev[S] = c->next[S] = S;
+    for (uint32_t i = 0; i < S; i++) {
+        c->vslot_key[i] = -1;
+        c->vslot_ev[i] = NULL;
+        lru_push_tail(c, i);
+    }
+}
+
+/* ------------------------------------------------------------------------------ life cycle */
+
+static void cuda_free(smoe_session *s) {
+    cuda_state *c = ST(s);
+    if (!c) return;
+    if (c->cs) smoe_cu_stream_sync(c->cs);
+    if (c->us) smoe_cu_stream_sync(c->us);
+    for (uint32_t i = 0; i < c->n_held; i++) smoe_streamer_release(s->streamer, c->held[i]);
+    if (c->registered)
+        for (uint32_t i = 0; i < c->n_sslots; i++)
+            if (c->registered[i]) smoe_cu_host_unregister((void *)smoe_streamer_data(s->streamer, (int)i));
+    if (c->sslot_ev)
+        for (uint32_t i = 0; i < c->n_sslots; i++) smoe_cu_event_free(c->sslot_ev[i]);
+    for (int i = 0; i < RING; i++) smoe_cu_event_free(c->ring[i]);
+    void *dbufs[] = {c->dense, c->k, c->v, c->cos, c->sin, c->x, c->xn, c->q, c->att, c->router, c->topk_w,
+                     c->slot_out, c->xg, c->hg, c->h, c->logits, c->topk_idx, c->ids, c->idx, c->vcache};
+    for (size_t i = 0; i < sizeof dbufs / sizeof dbufs[0]; i++) smoe_cu_free(dbufs[i]);
+    void *hbufs[] = {c->h_topk, c->h_ids, c->h_idx};
+    for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++) smoe_cu_host_free(hbufs[i]);
+    smoe_cu_stream_free(c->cs);
+    smoe_cu_stream_free(c->us);
+    void *bufs[] = {c->h_vslot, c->h_sslot, c->vslot_of, c->vslot_key, c->prev, c->next, (void *)c->vslot_ev,
+                    c->registered, (void *)c->sslot_ev, c->held};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
+    free(c);
+    s->backend_state = NULL;
+}
+
+/* Every dense matrix the kernels read 8 columns at a time from 16-byte aligned rows. */
+static smoe_status check_tensor(const smoe_session *s, const smoe_tensor *T, const char *what) {
+    if (!T) return SMOE_OK;
+    uint64_t at = T->data ? (uint64_t)(T->data - s->vault->dense) : T->offset;
+    if (T->cols % 8 != 0 || at % 16 != 0)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s (%u × %u at offset %llu) is not a multiple of 8 columns "
+                                               "at a 16-byte boundary", what, T->rows, T->cols, (unsigned long long)at);
+    return SMOE_OK;
+}
+
+static smoe_status check_norm(const smoe_tensor *T, const char *what) {
+    if (T->format != SMOE_FMT_F32 && T->format != SMOE_FMT_BF16)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s is stored as format %u; norms must be f32 or bf16", what,
+                         T->format);
+    return SMOE_OK;
+}
+
+static smoe_status check_layout(const smoe_session *s) {
+    const smoe_layout *lay = s->lay;
+    smoe_status st;
+    if ((st = check_tensor(s, lay->embed, "the embedding")) != SMOE_OK ||
+        (st = check_tensor(s, lay->lm_head, "lm_head")) != SMOE_OK ||
+        (st = check_norm(lay->final_norm, "the final norm")) != SMOE_OK)
+        return st;
+    for (uint32_t l = 0; l < s->cfg.num_hidden_layers; l++) {
+        const smoe_layer_weights *L = &lay->layers[l];
+        const smoe_tensor *mats[] = {L->q, L->k, L->v, L->o, L->router, L->mlp_gate, L->mlp_up, L->mlp_down};
+        for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++)
+            if ((st = check_tensor(s, mats[i], "a layer's matrix")) != SMOE_OK) return st;
+        const smoe_tensor *norms[] = {L->input_norm, L->post_norm, L->q_norm, L->k_norm};
+        for (size_t i = 0; i < 4; i++)
+            if ((st = check_norm(norms[i], "a layer's norm")) != SMOE_OK) return st;
+    }
+    if (s->cfg.num_sparse_layers > 0)
+        for (int i = 0; i < 3; i++)
+            if ((st = check_tensor(s, &lay->expert[i], "an expert matrix")) != SMOE_OK) return st;
+    return SMOE_OK;
+}
+
+static smoe_status dalloc(smoe_session *s, void *pp, size_t bytes) {
+    CU(smoe_cu_alloc((void **)pp, bytes));
+    ST(s)->other_bytes += bytes;
+    return SMOE_OK;
+}
+
+static smoe_status cuda_init(smoe_session *s) {
+    const smoe_config *cf = &s->cfg;
+    if (s->params.kv_dtype != SMOE_KV_F32)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: the KV cache in VRAM is f32 only (kv_dtype %u asked)",
+                         s->params.kv_dtype);
+    char name[128];
+    int major = 0, minor = 0;
+    size_t free_b = 0, total_b = 0;
+    int err = smoe_cu_device(0, name, sizeof name, &major, &minor, &free_b, &total_b);
+    if (err != 0)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: no usable GPU (%s)", smoe_cu_error_string(err));
+    if (s->params.context + 8 > (uint32_t)smoe_cu_attention_max_positions())
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: a context of %u is more than the attention kernel holds (%d)",
+                         s->params.context, smoe_cu_attention_max_positions() - 8);
+    smoe_status st = check_layout(s);
+    if (st != SMOE_OK) return st;
+    if (cf->num_experts > 1024)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %u experts; the routing kernel takes up to 1024", cf->num_experts);
+    cuda_state *c = calloc(1, sizeof *c);
+    if (!c) return smoe_fail(SMOE_ERR_NOMEM, "cuda: out of memory");
+    s->backend_state = c;
+    CU(smoe_cu_stream_new(&c->cs));
+    CU(smoe_cu_stream_new(&c->us));
+    for (int i = 0; i < RING; i++) CU(smoe_cu_event_new(&c->ring[i]));
+
+    size_t C = s->params.chunk, H = cf->hidden_size, E = cf->num_experts, K = cf->num_experts_per_tok;
+    size_t L = cf->num_hidden_layers, half = cf->head_dim / 2, ffn = s->ffn;
+    size_t kv = L * s->params.context * s->kv_dim;
+    if ((st = dalloc(s, &c->dense, s->lay->dense_bytes)) != SMOE_OK) return st;
+    CU(smoe_cu_upload(c->dense, s->vault->dense, s->lay->dense_bytes, c->cs));
+    struct { void *pp; size_t bytes; } planes[] = {
+        {&c->k, kv * 4}, {&c->v, kv * 4}, {&c->cos, s->params.context * half * 4}, {&c->sin, s->params.context * half * 4},
+        {&c->x, C * H * 4}, {&c->xn, C * H * 4}, {&c->q, C * s->q_dim * 4}, {&c->att, C * s->q_dim * 4},
+        {&c->router, C * E * 4}, {&c->topk_w, C * K * 4}, {&c->slot_out, C * K * H * 4}, {&c->xg, C * K * H * 4},
+        {&c->hg, C * K * 2 * ffn * 4}, {&c->h, C * K * ffn * 4}, {&c->logits, (size_t)cf->vocab_size * 4},
+        {&c->topk_idx, C * K * 4}, {&c->ids, C * 4}, {&c->idx, 0},
+    };
+    c->idx_rows_off = smoe_align_up(12 * E, 8) + E * sizeof(void *);
+    c->idx_bytes = c->idx_rows_off + C * K * 4;
+    planes[sizeof planes / sizeof planes[0] - 1].bytes = c->idx_bytes;
+    for (size_t i = 0; i < sizeof planes / sizeof planes[0]; i++)
+        if ((st = dalloc(s, planes[i].pp, planes[i].bytes)) != SMOE_OK) return st;
+    CU(smoe_cu_upload(c->cos, s->rope_cos, s->params.context * half * 4, c->cs));
+    CU(smoe_cu_upload(c->sin, s->rope_sin, s->params.context * half * 4, c->cs));
+    struct { void *pp; size_t bytes; } pinned[] = {
+        {&c->h_topk, C * K * 4}, {&c->h_ids, C * 4}, {&c->h_idx, c->idx_bytes},
+    };
+    for (size_t i = 0; i < sizeof pinned / sizeof pinned[0]; i++)
+        CU(smoe_cu_host_alloc((void **)pinned[i].pp, pinned[i].bytes));
+    size_t wtab_off = smoe_align_up(12 * E, 8);
+    c->ustart = (uint32_t *)c->idx, c->h_ustart = (uint32_t *)c->h_idx;
+    c->ucount = c->ustart + E, c->h_ucount = c->h_ustart + E;
+    c->items = c->ucount + E, c->h_items = c->h_ucount + E;
+    c->wtab = (const uint8_t **)(c->idx + wtab_off), c->h_wtab = (const uint8_t **)(c->h_idx + wtab_off);
+    c->rows = (uint32_t *)(c->idx + c->idx_rows_off), c->h_rows = (uint32_t *)(c->h_idx + c->idx_rows_off);
+    c->h_vslot = calloc(E, sizeof *c->h_vslot);
+    c->h_sslot = calloc(E, sizeof *c->h_sslot);
+    if (!c->h_vslot || !c->h_sslot) return smoe_fail(SMOE_ERR_NOMEM, "cuda: out of memory");
+
+    if (s->streamer) {
+        c->blob_bytes = s->lay->blob_bytes;
+        uint64_t total = (uint64_t)cf->num_sparse_layers * E;
+        uint64_t n = s->params.gpu_cache_bytes / c->blob_bytes;
+        if (n < MIN_VSLOTS) n = MIN_VSLOTS;
+        if (n > total) n = total;
+        c->n_vslots = (uint32_t)n;
+        CU(smoe_cu_alloc((void **)&c->vcache, n * c->blob_bytes));
+        c->vslot_of = malloc(L * E * sizeof *c->vslot_of);
+        c->vslot_key = malloc(n * sizeof *c->vslot_key);
+        c->prev = malloc((n + 1) * sizeof *c->prev);
+        c->next = malloc((n + 1) * sizeof *c->next);
+        c->vslot_ev = calloc(n, sizeof *c->vslot_ev);
+        c->n_sslots = (uint32_t)(smoe_streamer_slot_bytes(s->streamer) / c->blob_bytes);
+        c->registered = calloc(c->n_sslots, sizeof *c->registered);
+        c->sslot_ev = calloc(c->n_sslots, sizeof *c->sslot_ev);
+        c->held = calloc(c->n_sslots, sizeof *c->held);
+        if (!c->vslot_of || !c->vslot_key || !c->prev || !c->next || !c->vslot_ev || !c->registered || !c->sslot_ev ||
+            !c->held)
+            return smoe_fail(SMOE_ERR_NOMEM, "cuda: out of memory");
+        vram_forget_all(s);
+        /* Pinned host slots make the uploads asynchronous DMA; where pinning fails (a locked-memory
+         * limit), the copies still work, staged by the driver. SMOE_CUDA_PIN=0 skips it. */
+        const char *pin = getenv("SMOE_CUDA_PIN");
+        uint32_t pinned_n = 0;
+        for (uint32_t i = 0; i < c->n_sslots; i++) {
+            CU(smoe_cu_event_new(&c->sslot_ev[i]));
+            if (!(pin && pin[0] == '0')) {
+                c->registered[i] = smoe_cu_host_register((void *)smoe_streamer_data(s->streamer, (int)i),
+                                                         c->blob_bytes) == 0;
+                pinned_n += c->registered[i];
+            }
+        }
+        smoe_cu_last_error(); /* a failed registration is not an error of the next launch */
+        if (pinned_n < c->n_sslots)
+            smoe_log(SMOE_LOG_WARN, "cuda: %u of %u host cache slots pinned", pinned_n, c->n_sslots);
+    }
+    CU(smoe_cu_stream_sync(c->cs));
+    snprintf(c->line, sizeof c->line, "cuda: %s (sm_%d%d), %u expert slots in VRAM (%.2f GiB), %s pinned", name, major,
+             minor, c->n_vslots, (double)c->n_vslots * (double)c->blob_bytes / (1u << 30),
+             c->n_sslots ? "host cache" : "no host cache");
+    return SMOE_OK;
+}
+
+/* ------------------------------------------------------------------------------ the blocks */
+
+static smoe_status cuda_embed(smoe_session *s, const int32_t *ids, uint32_t n) {
+    cuda_state *c = ST(s);
+    CU(smoe_cu_stream_sync(c->cs)); /* the staging buffer's last copy is done */
+    memcpy(c->h_ids, ids, n * sizeof *ids);
+    CU(smoe_cu_upload(c->ids, c->h_ids, n * sizeof *ids, c->cs));
+    smoe_cu_tensor d = desc(s->lay->embed);
+    CU(smoe_cu_embed(c->cs, &d, dev(s, s->lay->embed), c->ids, n, c->x));
+    return SMOE_OK;
+}
+
+static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n) {
+    cuda_state *c = ST(s);
+    const smoe_config *cf = &s->cfg;
+    const smoe_layer_weights *L = &s->lay->layers[l];
+    uint32_t H = cf->hidden_size, hd = cf->head_dim;
+    smoe_status st;
+    float *kl = c->k + (size_t)l * s->params.context * s->kv_dim, *vl = c->v + (size_t)l * s->params.context * s->kv_dim;
+    float *krows = kl + (size_t)pos0 * s->kv_dim, *vrows = vl + (size_t)pos0 * s->kv_dim;
+    if ((st = norm(s, c->xn, c->x, n, H, L->input_norm)) != SMOE_OK ||
+        (st = linear(s, L->q, c->xn, H, n, c->q, s->q_dim)) != SMOE_OK ||
+        (st = linear(s, L->k, c->xn, H, n, krows, s->kv_dim)) != SMOE_OK ||
+        (st = linear(s, L->v, c->xn, H, n, vrows, s->kv_dim)) != SMOE_OK ||
+        (st = norm(s, c->q, c->q, n * cf->num_attention_heads, hd, L->q_norm)) != SMOE_OK ||
+        (st = norm(s, krows, krows, n * cf->num_key_value_heads, hd, L->k_norm)) != SMOE_OK)
+        return st;
+    CU(smoe_cu_rope(c->cs, c->q, n, cf->num_attention_heads, hd, s->q_dim, c->cos, c->sin, pos0));
+    CU(smoe_cu_rope(c->cs, krows, n, cf->num_key_value_heads, hd, s->kv_dim, c->cos, c->sin, pos0));
+    CU(smoe_cu_attention(c->cs, c->att, c->q, kl, vl, n, cf->num_attention_heads, cf->num_key_value_heads, hd, pos0));
+    if ((st = linear(s, L->o, c->att, s->q_dim, n, c->xn, H)) != SMOE_OK) return st;
+    CU(smoe_cu_add(c->cs, c->x, c->xn, (size_t)n * H));
+    return SMOE_OK;
+}
+
+/* gate, up, SwiGLU and down of the union positions in items[first .. first + count) (device
+ * array), max_rows the most rows any of them has; then the event that says their slots are free. */
+static smoe_status run_experts(smoe_session *s, uint32_t first, uint32_t count, uint32_t max_rows, smoe_cu_event *done) {
+    cuda_state *c = ST(s);
+    const smoe_layout *lay = s->lay;
+    uint32_t H = s->cfg.hidden_size, I = lay->expert[0].rows;
+    smoe_cu_tensor g = desc(&lay->expert[0]), u = desc(&lay->expert[1]), d = desc(&lay->expert[2]);
+    smoe_cu_rows R = {.wtab = c->wtab, .items = c->items + first, .start = c->ustart, .count = c->ucount,
+                      .n_items = count, .max_count = max_rows};
+    R.woff = lay->expert[0].offset;
+    CU(smoe_cu_matmul(c->cs, &g, &R, c->xg, H, c->hg, 2 * (size_t)I));
+    R.woff = lay->expert[1].offset;
+    CU(smoe_cu_matmul(c->cs, &u, &R, c->xg, H, c->hg + I, 2 * (size_t)I));
+    CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, &R));
+    R.woff = lay->expert[2].offset;
+    R.yrow = c->rows;
+    CU(smoe_cu_matmul(c->cs, &d, &R, c->h, I, c->slot_out, H));
+    *done = ring_event(c);
+    CU(smoe_cu_event_record(*done, c->cs));
+    return SMOE_OK;
+}
+
+/* Releases the streamer slots whose uploads were enqueued (waiting for the copies), and, after a
+ * failure, the misses [from, n_miss) that were acquired but not uploaded, whose VRAM slots then
+ * hold nothing. */
+static void release_held(smoe_session *s) {
+    cuda_state *c = ST(s);
+    for (uint32_t i = 0; i < c->n_held; i++) {
+        smoe_cu_event_sync(c->sslot_ev[c->held[i]]);
+        smoe_streamer_release(s->streamer, c->held[i]);
+    }
+    c->n_held = 0;
+}
+
+static void abandon(smoe_session *s, uint32_t l, const uint32_t *miss, uint32_t from, uint32_t n_miss) {
+    cuda_state *c = ST(s);
+    release_held(s);
+    for (uint32_t i = from; i < n_miss; i++) {
+        uint32_t u = miss[i], vs = c->h_vslot[u];
+        if (c->h_sslot[u] >= 0) smoe_streamer_release(s->streamer, c->h_sslot[u]);
+        c->h_sslot[u] = -1;
+        c->vslot_of[(size_t)l * s->cfg.num_experts + (uint32_t)s->union_list[u]] = -1;
+        c->vslot_key[vs] = -1;
+    }
+}
+
+static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size) {
+    cuda_state *c = ST(s);
+    const smoe_config *cf = &s->cfg;
+    const smoe_layer_weights *L = &s->lay->layers[l];
+    uint32_t E = cf->num_experts, K = cf->num_experts_per_tok, H = cf->hidden_size;
+    smoe_status st;
+    if ((st = linear(s, L->router, c->xn, H, n, c->router, E)) != SMOE_OK) return st;
+    CU(smoe_cu_route(c->cs, c->router, n, E, K, cf->norm_topk_prob, c->topk_idx, c->topk_w));
+    CU(smoe_cu_download(c->h_topk, c->topk_idx, (size_t)n * K * 4, c->cs));
+    CU(smoe_cu_stream_sync(c->cs));
+
+    /* The union in order of first appearance (layer.c's), and each expert's rows. */
+    memset(s->exp_count, 0, E * sizeof(uint32_t));
+    uint32_t nu = 0;
+    for (uint32_t t = 0; t < n; t++)
+        for (uint32_t k = 0; k < K; k++) {
+            int32_t e = c->h_topk[(size_t)t * K + k];
+            if (e < 0 || (uint32_t)e >= E) return cu_fail(s, 0, "routing gave an expert out of range");
+            s->expert_counts[(size_t)l * E + (uint32_t)e]++;
+            if (s->exp_count[e] == 0) s->union_list[nu++] = e;
+            s->exp_rows[(size_t)e * s->params.chunk + s->exp_count[e]++] = t * K + k;
+        }
+    *union_size = nu;
+    uint32_t off = 0, n_hit = 0, n_miss = 0, max_hit = 0;
+    uint32_t *miss = s->pending; /* (experts) union positions that need an upload */
+    for (uint32_t u = 0; u < nu; u++) {
+        uint32_t e = (uint32_t)s->union_list[u], m = s->exp_count[e];
+        c->h_ustart[u] = off;
+        c->h_ucount[u] = m;
+        memcpy(c->h_rows + off, s->exp_rows + (size_t)e * s->params.chunk, m * sizeof(uint32_t));
+        off += m;
+        int32_t vs = c->vslot_of[(size_t)l * E + e];
+        if (vs >= 0) {
+            c->h_items[n_hit++] = u;
+            max_hit = m > max_hit ? m : max_hit;
+            c->h_vslot[u] = (uint32_t)vs;
+            lru_unlink(c, (uint32_t)vs);
+            lru_push_tail(c, (uint32_t)vs);
+        } else {
+            miss[n_miss++] = u;
+        }
+    }
+    /* Misses take the least recently used slots, in union order; a slot taken twice in this layer is
+     * reused only after the product that read it (events, below). */
+    for (uint32_t i = 0; i < n_miss; i++) {
+        uint32_t u = miss[i], e = (uint32_t)s->union_list[u], vs = c->next[c->n_vslots];
+        if (c->vslot_key[vs] >= 0) c->vslot_of[c->vslot_key[vs]] = -1;
+        c->vslot_key[vs] = (int64_t)l * E + e;
+        c->vslot_of[(size_t)l * E + e] = (int32_t)vs;
+        lru_unlink(c, vs);
+        lru_push_tail(c, vs);
+        c->h_vslot[u] = vs;
+        c->h_items[n_hit + i] = u;
+        c->h_sslot[u] = -1;
+    }
+    for (uint32_t u = 0; u < nu; u++) c->h_wtab[u] = c->vcache + (size_t)c->h_vslot[u] * c->blob_bytes;
+    c->hits += n_hit;
+    c->misses += n_miss;
+    CU(smoe_cu_upload(c->idx, c->h_idx, c->idx_rows_off + (size_t)off * 4, c->cs));
+    CU(smoe_cu_gather(c->cs, c->xg, c->xn, c->rows, K, off, H));
+
+    /* Fire every miss's read (as far as the host cache's slots allow) before the first wait. */
+    uint32_t acquired = 0;
+    for (; acquired < n_miss; acquired++) {
+        int slot = smoe_streamer_acquire(s->streamer, l, (uint32_t)s->union_list[miss[acquired]]);
+        if (slot < 0) break;
+        c->h_sslot[miss[acquired]] = slot;
+    }
+    smoe_streamer_submit(s->streamer);
+
+    if (n_hit > 0) {
+        smoe_cu_event done;
+        if ((st = run_experts(s, 0, n_hit, max_hit, &done)) != SMOE_OK) {
+            abandon(s, l, miss, 0, n_miss);
+            return st;
+        }
+        for (uint32_t i = 0; i < n_hit; i++) c->vslot_ev[c->h_vslot[c->h_items[i]]] = done;
+    }
+
+    for (uint32_t i = 0; i < n_miss; i++) {
+        uint32_t u = miss[i], vs = c->h_vslot[u];
+        if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK) {
+            abandon(s, l, miss, i, n_miss);
+            return st;
+        }
+        while (c->h_sslot[u] < 0) { /* no host slot was free at the first pass: free some, acquire again */
+            if (c->n_held > 0) {
+                release_held(s);
+            } else if (!smoe_streamer_settle(s->streamer)) {
+                abandon(s, l, miss, i, n_miss);
+                return smoe_fail(SMOE_ERR_INTERNAL, "cuda: layer %u: no host cache slot could be acquired", l);
+            }
+            for (; acquired < n_miss; acquired++) {
+                int slot = smoe_streamer_acquire(s->streamer, l, (uint32_t)s->union_list[miss[acquired]]);
+                if (slot < 0) break;
+                c->h_sslot[miss[acquired]] = slot;
+            }
+            smoe_streamer_submit(s->streamer);
+        }
+        int slot = c->h_sslot[u];
+        if ((st = smoe_streamer_wait(s->streamer, slot)) != SMOE_OK) {
+            abandon(s, l, miss, i, n_miss);
+            return st;
+        }
+        int e1 = 0;
+        if (c->vslot_ev[vs]) e1 = smoe_cu_stream_wait(c->us, c->vslot_ev[vs]);
+        if (!e1) e1 = smoe_cu_upload(c->vcache + (size_t)vs * c->blob_bytes, smoe_streamer_data(s->streamer, slot),
+                                     c->blob_bytes, c->us);
+        if (!e1) e1 = smoe_cu_event_record(c->sslot_ev[slot], c->us);
+        if (!e1) e1 = smoe_cu_stream_wait(c->cs, c->sslot_ev[slot]);
+        if (e1) {
+            abandon(s, l, miss, i, n_miss);
+            return cu_fail(s, e1, "expert upload");
+        }
+        c->held[c->n_held++] = slot;
+        c->h_sslot[u] = -1;
+        c->uploads++;
+        c->upload_bytes += c->blob_bytes;
+        smoe_cu_event done;
+        if ((st = run_experts(s, n_hit + i, 1, c->h_ucount[u], &done)) != SMOE_OK) {
+            abandon(s, l, miss, i + 1, n_miss);
+            return st;
+        }
+        c->vslot_ev[vs] = done;
+    }
+    CU(smoe_cu_moe_sum(c->cs, c->x, c->slot_out, c->topk_w, n, K, H));
+    release_held(s);
+    return SMOE_OK;
+}
+
+static smoe_status cuda_ffn(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size) {
+    cuda_state *c = ST(s);
+    const smoe_layer_weights *L = &s->lay->layers[l];
+    uint32_t H = s->cfg.hidden_size;
+    smoe_status st;
+    if ((st = norm(s, c->xn, c->x, n, H, L->post_norm)) != SMOE_OK) return st;
+    if (L->sparse) return moe(s, l, n, union_size);
+    *union_size = 0;
+    uint32_t I = L->mlp_gate->rows;
+    smoe_cu_rows R = {.n = n};
+    if ((st = linear(s, L->mlp_gate, c->xn, H, n, c->hg, 2 * (size_t)I)) != SMOE_OK ||
+        (st = linear(s, L->mlp_up, c->xn, H, n, c->hg + I, 2 * (size_t)I)) != SMOE_OK)
+        return st;
+    CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, &R));
+    if ((st = linear(s, L->mlp_down, c->h, I, n, c->xg, H)) != SMOE_OK) return st;
+    CU(smoe_cu_add(c->cs, c->x, c->xg, (size_t)n * H));
+    return SMOE_OK;
+}
+
+static smoe_status cuda_logits(smoe_session *s) {
+    cuda_state *c = ST(s);
+    smoe_status st;
+    uint32_t H = s->cfg.hidden_size;
+    if ((st = norm(s, c->xn, c->x, 1, H, s->lay->final_norm)) != SMOE_OK ||
+        (st = linear(s, s->lay->lm_head, c->xn, H, 1, c->logits, s->cfg.vocab_size)) != SMOE_OK)
+        return st;
+    CU(smoe_cu_download(s->logits, c->logits, (size_t)s->cfg.vocab_size * 4, c->cs));
+    CU(smoe_cu_stream_sync(c->cs));
+    return SMOE_OK;
+}
+
+static smoe_status cuda_read_kv(const smoe_session *cs, uint32_t layer, uint32_t start, uint32_t n, float *k, float *v) {
+    smoe_session *s = (smoe_session *)cs; /* cu_fail marks it broken */
+    cuda_state *c = ST(s);
+    size_t at = ((size_t)layer * s->params.context + start) * s->kv_dim, len = (size_t)n * s->kv_dim * 4;
+    if (k) CU(smoe_cu_download(k, c->k + at, len, c->cs));
+    if (v) CU(smoe_cu_download(v, c->v + at, len, c->cs));
+    CU(smoe_cu_stream_sync(c->cs));
+    return SMOE_OK;
+}
+
+static void cuda_cache_clear(smoe_session *s) {
+    cuda_state *c = ST(s);
+    smoe_cu_stream_sync(c->cs);
+    smoe_cu_stream_sync(c->us);
+    if (c->n_vslots) vram_forget_all(s);
+}
+
+static const char *cuda_describe(const smoe_session *s) { return ST(s)->line; }
+
+static void cuda_device_stats(const smoe_session *s, smoe_device_counters *out) {
+    const cuda_state *c = ST(s);
+    out->uploads = c->uploads;
+    out->upload_bytes = c->upload_bytes;
+    out->vram_hits = c->hits;
+    out->vram_misses = c->misses;
+    out->vram_cache_bytes = (uint64_t)c->n_vslots * c->blob_bytes;
+    out->vram_other_bytes = c->other_bytes;
+    out->vram_slots = c->n_vslots;
+}
+
+const smoe_backend smoe_backend_cuda = {
+    .name = "cuda",
+    .init = cuda_init,
+    .free = cuda_free,
+    .embed = cuda_embed,
+    .attention = cuda_attention,
+    .ffn = cuda_ffn,
+    .logits = cuda_logits,
+    .read_kv = cuda_read_kv,
+    .cache_clear = cuda_cache_clear,
+    .describe = cuda_describe,
+    .device_stats = cuda_device_stats,
+};

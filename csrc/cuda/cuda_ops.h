@@ -1,0 +1,105 @@
+/* cuda_ops.h — the CUDA backend's device side: its kernels, its device allocator and its upload
+ * path, behind plain C functions (kernels.cu implements them; backend_cuda.c drives them).
+ *
+ * Nothing here knows a session: arguments are device pointers, shapes and streams. Every kernel
+ * computes each output element in one fixed order that depends on that element's own shape only,
+ * never on the number of tokens n, on which launch (a group of experts or one) computed it, or on
+ * stream timing. That is what keeps layer-major and token-serial bit-identical on the GPU, as
+ * kernels.h's rule does on the CPU (the orders are stated in kernels.cu).
+ *
+ * Every function returns 0 or a CUDA error code (cudaError_t as int); smoe_cu_error_string names it. */
+#ifndef SMOE_CUDA_OPS_H
+#define SMOE_CUDA_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef void *smoe_cu_stream; /* cudaStream_t */
+typedef void *smoe_cu_event;  /* cudaEvent_t */
+
+/* A weight tensor's layout (smoe_tensor's numbers; vault.h), without its address. */
+typedef struct {
+    uint8_t format, scale_format; /* smoe_format, smoe_scale_format */
+    uint32_t rows, cols, group;
+    uint64_t scales_off, biases_off; /* from the tensor's first byte (q8/q4) */
+} smoe_cu_tensor;
+
+/* Which weights and rows one matrix product covers. Dense: w is the tensor, rows [0, n) of x and y.
+ * Grouped (experts): item i of [0, n_items) is union position u = items[i], whose tensor starts
+ * at wtab[u] + woff and which multiplies rows [start[u], start[u] + count[u]) of x; y row j of
+ * those goes to yrow[j] when yrow is not NULL. All arrays in device memory. */
+typedef struct {
+    const uint8_t *w;             /* dense */
+    uint32_t n;                   /* dense: tokens */
+    const uint8_t *const *wtab;   /* grouped: per union position, the blob in VRAM */
+    uint64_t woff;
+    const uint32_t *items, *start, *count, *yrow;
+    uint32_t n_items, max_count;  /* launches cover max_count rows per item */
+} smoe_cu_rows;
+
+const char *smoe_cu_error_string(int err);
+int smoe_cu_device(int ordinal, char *name, size_t cap, int *sm_major, int *sm_minor, size_t *free_bytes,
+                   size_t *total_bytes);
+
+/* The device allocator and upload path. */
+int smoe_cu_alloc(void **p, size_t bytes);
+void smoe_cu_free(void *p);
+int smoe_cu_host_alloc(void **p, size_t bytes); /* pinned */
+void smoe_cu_host_free(void *p);
+int smoe_cu_host_register(void *p, size_t bytes); /* pins existing host memory (the streamer's slots) */
+void smoe_cu_host_unregister(void *p);
+int smoe_cu_upload(void *dst, const void *src, size_t bytes, smoe_cu_stream st);   /* async */
+int smoe_cu_download(void *dst, const void *src, size_t bytes, smoe_cu_stream st); /* async */
+int smoe_cu_memset(void *dst, int v, size_t bytes, smoe_cu_stream st);
+int smoe_cu_stream_new(smoe_cu_stream *st);
+void smoe_cu_stream_free(smoe_cu_stream st);
+int smoe_cu_stream_sync(smoe_cu_stream st);
+int smoe_cu_event_new(smoe_cu_event *ev);
+void smoe_cu_event_free(smoe_cu_event ev);
+int smoe_cu_event_record(smoe_cu_event ev, smoe_cu_stream st);
+int smoe_cu_event_sync(smoe_cu_event ev);
+int smoe_cu_stream_wait(smoe_cu_stream st, smoe_cu_event ev);
+int smoe_cu_last_error(void); /* and clears it */
+
+/* Kernels, all enqueued on st. */
+/* y (rows of R, T.rows) = x · Wᵀ; x rows ldx floats apart, y rows ldy. */
+int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const smoe_cu_rows *R, const float *x, size_t ldx,
+                   float *y, size_t ldy);
+/* x[t] ← row ids[t] of the embedding tensor, dequantised; ids in device memory. */
+int smoe_cu_embed(smoe_cu_stream st, const smoe_cu_tensor *T, const uint8_t *w, const int32_t *ids, uint32_t n,
+                  float *x);
+/* out rows [0, rows) = rmsnorm(x rows) · weight (f32 or bf16, dim entries); rows ld floats apart. */
+int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim, size_t ld,
+                    const uint8_t *weight, uint8_t weight_format, float eps);
+/* Rotate-half RoPE on n tokens × heads vectors of hd (rows ld floats apart per token), token t at
+ * position pos0 + t; cos/sin (context, hd/2). */
+int smoe_cu_rope(smoe_cu_stream st, float *x, uint32_t n, uint32_t heads, uint32_t hd, size_t ld, const float *cos,
+                 const float *sin, uint32_t pos0);
+/* att (n, heads·hd) = causal attention of q (n, heads·hd) over k/v (positions, kv_dim) of one
+ * layer: token t sees positions [0, pos0 + t]. */
+int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const float *k, const float *v, uint32_t n,
+                      uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0);
+int smoe_cu_attention_max_positions(void); /* positions one launch can attend over */
+/* x[i] += y[i], i < count */
+int smoe_cu_add(smoe_cu_stream st, float *x, const float *y, size_t count);
+/* Per token: softmax over E router logits, top-k (ties: lower index), renormalised when renorm. */
+int smoe_cu_route(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, uint32_t K, int renorm,
+                  int32_t *idx, float *w);
+/* xg row j = xn row rows[j] / K, j < total (hidden floats each). */
+int smoe_cu_gather(smoe_cu_stream st, float *xg, const float *xn, const uint32_t *rows, uint32_t K, uint32_t total,
+                   uint32_t hidden);
+/* For the rows of items (as smoe_cu_rows) or rows [0, n) when items is NULL: h row = silu(gate) · up
+ * with hg rows (2I) holding gate then up. */
+int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R);
+/* x[t] += Σ_k w[t,k] · y[t·K + k] in slot order, t < n. */
+int smoe_cu_moe_sum(smoe_cu_stream st, float *x, const float *y, const float *w, uint32_t n, uint32_t K,
+                    uint32_t hidden);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,162 @@
+"""The CUDA backend (device="cuda"): what a build without it answers, and on a GPU, that its two
+prefill paths agree bit for bit, that it agrees with the CPU within a stated tolerance, and that its
+expert tiers upload exactly what routing asked for.
+
+CI has no GPU: the GPU tests skip there (the library is built without CUDA, or no device is found);
+they ran on the H200 machine (bench/RESULTS.md, "CUDA backend")."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+import pysmoe
+from pysmoe import InvalidArgument, Unsupported
+
+from conftest import ALL_F32
+
+# GPU logits against the CPU's with activations="f32" (the same arithmetic in another summation
+# order, with fma): max |Δ| ≤ ATOL + RTOL · max |logit|.
+ATOL, RTOL = 1e-3, 1e-3
+
+
+def _cuda_session(vault, **kw):
+    try:
+        return vault.session(device="cuda", **kw)
+    except Unsupported as e:
+        pytest.skip(f"no CUDA here: {e}")
+
+
+@pytest.fixture(scope="module")
+def mini_vault(make_vault):
+    return make_vault("mini_cuda", preset="mini", seed=0, layers=4)
+
+
+def _cuda_available(path) -> bool:
+    with pysmoe.open_vault(path) as v:
+        try:
+            v.session(device="cuda").close()
+            return True
+        except Unsupported:
+            return False
+
+
+def test_cuda_device_is_refused_clearly_without_a_gpu(tiny_vault):
+    if _cuda_available(tiny_vault):
+        pytest.skip("this machine has a GPU and a CUDA build")
+    with pysmoe.open_vault(tiny_vault) as v:
+        with pytest.raises(Unsupported, match="built without CUDA|no usable GPU"):
+            v.session(device="cuda")
+        with v.session() as s:  # the refusal left nothing behind: a CPU session still works
+            assert s.backend.startswith("cpu: ")
+            assert s.device_stats()["uploads"] == 0
+
+
+def test_device_argument_is_checked(tiny_vault):
+    with pysmoe.open_vault(tiny_vault) as v:
+        with pytest.raises(InvalidArgument, match="device"):
+            v.session(device="gpu")
+        with pytest.raises(InvalidArgument, match="gpu_cache_bytes"):
+            v.session(gpu_cache_bytes=-1)
+
+
+def _greedy(s, prompt, n):
+    logits = s.prefill(prompt)
+    ids = [int(np.argmax(logits))]
+    first = logits.copy()
+    for _ in range(n - 1):
+        ids.append(int(np.argmax(s.decode(ids[-1]))))
+    return first, ids
+
+
+@pytest.mark.parametrize("which", ["tiny", "tiny_f32", "mini"])
+def test_gpu_agrees_with_the_cpu(which, tiny_vault, tiny_vault_f32, mini_vault):
+    path = {"tiny": tiny_vault, "tiny_f32": tiny_vault_f32, "mini": mini_vault}[which]
+    rng = np.random.default_rng(1)
+    with pysmoe.open_vault(path) as v:
+        prompt = rng.integers(0, v.config["vocab_size"], 37).tolist()
+        with _cuda_session(v, chunk=16, gpu_cache_bytes=1 << 30) as g:
+            assert g.backend.startswith("cuda: ")
+            gl, gids = _greedy(g, prompt, 12)
+        with v.session(chunk=16, activations="f32") as c:
+            cl, cids = _greedy(c, prompt, 12)
+    err = float(np.max(np.abs(gl - cl)))
+    assert err <= ATOL + RTOL * float(np.max(np.abs(cl))), err
+    assert gids == cids
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(1, 70), chunk=st.sampled_from([1, 3, 16, 64]), budget=st.sampled_from([0, 6, 1 << 40]),
+       seed=st.integers(0, 2**31 - 1))
+def test_layer_major_and_token_serial_are_bit_identical_on_the_gpu(tiny_vault, n, chunk, budget, seed):
+    prompt = np.random.default_rng(seed).integers(0, 512, n).tolist()
+    with pysmoe.open_vault(tiny_vault) as v:
+        blob = v.blob_bytes
+        gpu_bytes = budget * blob if budget < 1 << 30 else budget
+        with _cuda_session(v, chunk=chunk, gpu_cache_bytes=gpu_bytes, prefill="layer-major") as a:
+            la = a.prefill(prompt)
+            ka, va = a.kv(1)
+            da = [a.decode(int(np.argmax(la)))]
+        with _cuda_session(v, chunk=chunk, gpu_cache_bytes=1 << 40, prefill="token-serial") as b:
+            lb = b.prefill(prompt)
+            kb, vb = b.kv(1)
+            db = [b.decode(int(np.argmax(lb)))]
+    assert la.tobytes() == lb.tobytes()
+    assert ka.tobytes() == kb.tobytes() and va.tobytes() == vb.tobytes()
+    assert da[0].tobytes() == db[0].tobytes()
+
+
+def test_a_chunk_uploads_each_union_expert_once(mini_vault):
+    rng = np.random.default_rng(3)
+    with pysmoe.open_vault(mini_vault) as v:
+        prompt = rng.integers(0, v.config["vocab_size"], 45).tolist()
+        with _cuda_session(v, chunk=64, gpu_cache_bytes=1 << 40, cache_bytes=1 << 30) as s:
+            s.prefill(prompt)
+            unions = s.stats()["union_sizes"]
+            d = s.device_stats()
+            # the prompt's first 44 tokens went layer-major (the union per layer), the last one
+            # token-serial: its experts were all in the chunk's union or uploaded now
+            assert d["vram_misses"] == d["uploads"] >= sum(unions) > 0
+            assert d["uploads"] <= sum(unions) + 8 * v.config["num_hidden_layers"]
+            assert d["upload_bytes"] == d["uploads"] * v.blob_bytes
+            before = d["uploads"]
+            s.reset()
+            s.prefill(prompt)  # every expert is in VRAM now: nothing more is uploaded
+            assert s.device_stats()["uploads"] == before
+
+
+def test_a_small_vram_budget_gives_the_same_bits(mini_vault):
+    rng = np.random.default_rng(4)
+    with pysmoe.open_vault(mini_vault) as v:
+        prompt = rng.integers(0, v.config["vocab_size"], 50).tolist()
+        blob = v.blob_bytes
+        outs = []
+        for gpu in (1 << 40, 10 * blob, 0):
+            with _cuda_session(v, chunk=32, gpu_cache_bytes=gpu, cache_bytes=20 * blob) as s:
+                first, ids = _greedy(s, prompt, 6)
+                outs.append((first.tobytes(), ids))
+                if gpu == 0:
+                    assert s.device_stats()["vram_slots"] == 2
+    assert outs[0] == outs[1] == outs[2]
+
+
+def test_reset_rewind_and_cache_clear_on_the_gpu(tiny_vault):
+    prompt = list(range(1, 30))
+    with pysmoe.open_vault(tiny_vault) as v:
+        with _cuda_session(v, chunk=8, gpu_cache_bytes=1 << 30) as s:
+            a = s.prefill(prompt)
+            s.rewind(10)
+            b = s.prefill(prompt[10:])
+            s.clear_cache()
+            s.reset()
+            c = s.prefill(prompt)
+    assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+def test_gpu_sessions_do_not_share_or_batch(tiny_vault):
+    with pysmoe.open_vault(tiny_vault) as v:
+        with _cuda_session(v) as s:
+            with pytest.raises(Unsupported):
+                v.session(share_cache=s)
+            with pytest.raises(Unsupported):
+                v.session(device="cuda", kv_dtype="bf16")
