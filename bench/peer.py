@@ -100,7 +100,7 @@ def _pysmoe_worker_main(args) -> int:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    reply({"ready": True, "load_s": load_s})
+    reply({"ready": True, "load_s": load_s, "kernels": _pysmoe_kernels()})
     for line in sys.stdin:
         req = json.loads(line)
         if req["op"] == "quit":
@@ -212,6 +212,7 @@ class Worker:
             self.close()
             raise
         self.load_s = hello["load_s"]
+        self.hello = hello
         self.spawn_to_ready_s = time.perf_counter() - self.t_spawn
 
     def _read(self):
@@ -276,12 +277,12 @@ class PysmoeWorker(Worker):
 
     what = "pysmoe"
 
-    def __init__(self, vault, cache_bytes, threads, ctx, *, cgroup_procs=None, verbose=False):
+    def __init__(self, vault, cache_bytes, threads, ctx, *, cgroup_procs=None, env=None, verbose=False):
         cmd = [sys.executable, __file__, "--gguf", "-", "--_pysmoe-worker", str(vault), "--cache-bytes",
                str(int(cache_bytes)), "--threads", str(threads), "--ctx", str(ctx)]
         if cgroup_procs:
             cmd += ["--cgroup-procs", str(cgroup_procs)]
-        super().__init__(cmd, verbose=verbose)
+        super().__init__(cmd, env=env, verbose=verbose)
 
 
 # ================================================================== memory cgroup
@@ -486,6 +487,37 @@ class PysmoeWarm:
         self.v.close()
 
 
+class PysmoeWarmAvx2:
+    """pysmoe held to its AVX2 kernels (SMOE_NO_AVX512=1: the kernel choice is read once per
+    process, so this one is a child worker), every expert in memory, warmed as PysmoeWarm: the
+    AVX-512 kernels' gain measured in the same run as llama.cpp (--pysmoe-avx2)."""
+    name = "pysmoe avx2"
+
+    def __init__(self, vault, args, warm_ids):
+        from pysmoe import open_vault
+        with open_vault(vault) as v:
+            cache = v.expert_bytes + v.blob_bytes * v.num_sparse_layers
+        self.w = PysmoeWorker(vault, cache, args.threads, args.ctx, env=dict(os.environ, SMOE_NO_AVX512="1"),
+                              verbose=args.verbose)
+        self.load_s = self.w.load_s
+        self.kernels = self.w.hello.get("kernels")
+        self.decode = args.decode_tokens
+        self.w.call(op="run", ids=warm_ids.tolist(), decode=0)
+
+    def prepare(self, ids, threads=None):
+        self.w.call(op="run", ids=ids.tolist(), decode=self.decode)
+
+    def run(self, ids, threads=None):
+        r = self.w.call(op="run", ids=ids.tolist(), decode=self.decode)
+        return {k: r[k] for k in ("ttft_s", "decode_s", "tokens")}
+
+    def extra(self) -> dict:
+        return {"kernels": self.kernels}
+
+    def close(self):
+        self.w.close()
+
+
 class LlamaWarm:
     """llama.cpp under one OpenMP wait policy with the model loaded (mmap, its default CPU
     repacking unless --no-repack-warm), warmed the same way; each run may ask for a thread count
@@ -536,9 +568,9 @@ def mode_warm(vault, gguf, args, log):
     from pysmoe import open_vault
     need = warm_needs(vault, gguf)
     avail = _mem_available()
-    total = need["pysmoe"] + len(args.omp_policies) * need["llama.cpp"] + MEM_MARGIN
+    total = (1 + args.pysmoe_avx2) * need["pysmoe"] + len(args.omp_policies) * need["llama.cpp"] + MEM_MARGIN
     if avail is not None and total > avail:
-        why = (f"pysmoe and {len(args.omp_policies)} llama.cpp workers (one per wait policy) holding the model at once "
+        why = (f"{1 + args.pysmoe_avx2} pysmoe and {len(args.omp_policies)} llama.cpp workers (one per wait policy) holding the model at once "
                f"need about {total / MiB:,.0f} MiB (pysmoe {need['pysmoe'] / MiB:,.0f}, llama.cpp "
                f"{need['llama.cpp'] / MiB:,.0f} each, margin {MEM_MARGIN / MiB:,.0f}) and {avail / MiB:,.0f} MiB are "
                f"available: run it with --blocks")
@@ -548,12 +580,18 @@ def mode_warm(vault, gguf, args, log):
         vocab = v.config["vocab_size"]
     warm_ids = make_prompt(vocab, min(args.ctx - args.decode_tokens - 2, 256), args.seed + 1)
     engines = {}
-    out = {"alternated": True}
+    out = {"alternated": True, "pysmoe_kernels": _pysmoe_kernels()}
     contenders = [("pysmoe", "pysmoe", None)] + [(vname(p, t), p, t) for p, t in llama_variants(args)]
+    if args.pysmoe_avx2:
+        contenders.insert(1, (PysmoeWarmAvx2.name, PysmoeWarmAvx2.name, None))
     try:
         # warm-up: a longer prompt pulls (nearly) every expert into pysmoe's cache and llama.cpp's
         # page cache / repacked buffers; then each timed prompt once more, untimed.
         engines["pysmoe"] = PysmoeWarm(vault, args, warm_ids)
+        if args.pysmoe_avx2:
+            engines[PysmoeWarmAvx2.name] = PysmoeWarmAvx2(vault, args, warm_ids)
+            log(f"warm: pysmoe {_pysmoe_kernels()} in this process, {PysmoeWarmAvx2.name} "
+                f"({engines[PysmoeWarmAvx2.name].kernels}) in a child")
         for pol in args.omp_policies:
             engines[pol] = LlamaWarm(gguf, args, warm_ids, pol)
             log(f"warm: llama.cpp ({pol}) loaded in {engines[pol].load_s:.2f} s")
@@ -569,6 +607,8 @@ def mode_warm(vault, gguf, args, log):
                     runs[c].append(dict(engines[e].run(ids, t), load_s=engines[e].load_s))
             out[n] = _summary(runs, n, args.decode_tokens)
             out[n]["pysmoe"].update(engines["pysmoe"].extra())
+            if args.pysmoe_avx2:
+                out[n]["pysmoe_avx2"].update(engines[PysmoeWarmAvx2.name].extra())
             log(_line("warm", n, out[n]))
     finally:
         for e in engines.values():
@@ -885,6 +925,7 @@ def _summary(runs, n, n_decode):
     TTFT, lowest load + TTFT, highest decode tok/s), with the variant that set it (`*_by`)."""
     per = {c: _stats(rs, n, n_decode) for c, rs in runs.items()}
     p = per.pop("pysmoe")
+    p2 = per.pop(PysmoeWarmAvx2.name, None)
 
     def best(key, pick):
         cands = [(v[key], c) for c, v in per.items() if v[key] is not None]
@@ -902,10 +943,17 @@ def _summary(runs, n, n_decode):
     def ratio(a, b):
         return a / b if a and b else None
 
-    return {"pysmoe": p, "llama.cpp": l, "llama.cpp_variants": per,
-            "ttft_ratio_llama_over_pysmoe": ratio(t, p["ttft_s"]),
-            "load_ttft_ratio_llama_over_pysmoe": ratio(lt, p["load_plus_ttft_s"]),
-            "decode_ratio_pysmoe_over_llama": ratio(p["decode_tps"], d)}
+    out = {"pysmoe": p, "llama.cpp": l, "llama.cpp_variants": per,
+           "ttft_ratio_llama_over_pysmoe": ratio(t, p["ttft_s"]),
+           "load_ttft_ratio_llama_over_pysmoe": ratio(lt, p["load_plus_ttft_s"]),
+           "decode_ratio_pysmoe_over_llama": ratio(p["decode_tps"], d)}
+    if p2 is not None:   # the same pysmoe on its AVX2 kernels (--pysmoe-avx2)
+        out["pysmoe_avx2"] = p2
+        out["avx2_ttft_ratio_llama_over_pysmoe"] = ratio(t, p2["ttft_s"])
+        out["avx2_decode_ratio_pysmoe_over_llama"] = ratio(p2["decode_tps"], d)
+        out["ttft_ratio_avx2_over_default"] = ratio(p2["ttft_s"], p["ttft_s"])
+        out["decode_ratio_default_over_avx2"] = ratio(p["decode_tps"], p2["decode_tps"])
+    return out
 
 
 def _f(x, fmt="{:.3f}"):
@@ -944,6 +992,20 @@ def table(res) -> str:
                        f"{_f(l['decode_tps'], '{:.2f}')} [{l['decode_by']}] | "
                        f"{_f(r['decode_ratio_pysmoe_over_llama'], '{:.2f}')}× |")
         out.append("")
+        if any("pysmoe_avx2" in r for _, r in _rows(m)):
+            out += [f"pysmoe's own kernels ({m.get('pysmoe_kernels')}) against its AVX2 ones (SMOE_NO_AVX512=1), "
+                    "same run:", "",
+                    "| prompt | TTFT s own / avx2 | avx2/own TTFT | decode tok/s own / avx2 | own/avx2 decode | "
+                    "llama/pysmoe-avx2 TTFT | pysmoe-avx2/llama decode |", "|---|---|---|---|---|---|---|"]
+            for n, r in _rows(m):
+                p, a = r["pysmoe"], r.get("pysmoe_avx2")
+                if a:
+                    out.append(f"| {n} | {_f(p['ttft_s'])} / {_f(a['ttft_s'])} | "
+                               f"{_f(r['ttft_ratio_avx2_over_default'], '{:.2f}')}× | {_f(p['decode_tps'], '{:.2f}')} / "
+                               f"{_f(a['decode_tps'], '{:.2f}')} | {_f(r['decode_ratio_default_over_avx2'], '{:.2f}')}× | "
+                               f"{_f(r['avx2_ttft_ratio_llama_over_pysmoe'], '{:.2f}')}× | "
+                               f"{_f(r['avx2_decode_ratio_pysmoe_over_llama'], '{:.2f}')}× |")
+            out.append("")
     c = res.get("cold") or {}
     if c.get("by_readahead_kb"):
         info = c.get("info", {})
@@ -1020,6 +1082,9 @@ def main(argv=None) -> int:
                          "does not fit in memory twice)")
     ap.add_argument("--no-drop-caches", action="store_true",
                     help="--blocks without dropping the page cache between blocks (tests; small models)")
+    ap.add_argument("--pysmoe-avx2", action="store_true",
+                    help="warm mode (alternated): pysmoe on its AVX2 kernels (SMOE_NO_AVX512=1, a child worker) as "
+                         "one more contender, to measure the AVX-512 kernels' gain in the same run")
     ap.add_argument("--no-repack-warm", action="store_true", help="warm llama.cpp without its CPU weight repacking")
     ap.add_argument("--repack-cold", action="store_true",
                     help="cold llama.cpp with repacking (copies the experts to anonymous memory: OOM in the cgroup)")
@@ -1050,6 +1115,8 @@ def main(argv=None) -> int:
         ap.error(f"--omp-policies: choose from {','.join(OMP_POLICIES)}")
     if not args.readahead_kb:
         ap.error("--readahead-kb: at least one value")
+    if args.pysmoe_avx2 and args.blocks:
+        ap.error("--pysmoe-avx2 runs only in the alternated warm mode (not with --blocks)")
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
@@ -1106,13 +1173,24 @@ def main(argv=None) -> int:
 
 
 def _cpu_model() -> str | None:
+    """The CPU's name with its family and model numbers ("AMD EPYC" alone names several
+    generations: family 25 is Zen 3/4, 26 Zen 5) and whether it has AVX-512 (F) and AVX512-VNNI."""
+    info = {}
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            k, _, v = line.partition(":")
+            k = k.strip()
+            if k in ("model name", "cpu family", "model", "flags") and k not in info:
+                info[k] = v.strip()
+            if len(info) == 4:
+                break
     except OSError:
         pass
-    return None
+    if "model name" not in info:
+        return None
+    flags = info.get("flags", "").split()
+    isa = ", ".join(f for f in ("avx512f", "avx512_vnni") if f in flags) or "no AVX-512"
+    return f"{info['model name']} (family {info.get('cpu family', '?')}, model {info.get('model', '?')}; {isa})"
 
 
 if __name__ == "__main__":

@@ -250,6 +250,30 @@ def test_peer_warm_blocks_and_plot(sparse_vault, bench_record, tmp_path, capsys)
     assert (tmp_path / "tiny-ttft.png").exists()
 
 
+def test_peer_warm_alternated_with_pysmoe_avx2(sparse_vault, tmp_path, capsys):
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    import pathlib
+    import subprocess
+    import sys
+    gguf = tmp_path / "tiny.gguf"
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "export_gguf.py"
+    subprocess.run([sys.executable, str(script), str(sparse_vault), str(gguf)], check=True, capture_output=True)
+    peer = _load("peer")
+    out = tmp_path / "peer.json"
+    assert peer.main([str(sparse_vault), "--gguf", str(gguf), "--modes", "warm", "--pysmoe-avx2",
+                      "--omp-policies", "passive", "--prompt-lengths", "3", "--repeats", "2", "--decode-tokens", "2",
+                      "--threads", "1", "--json", str(out)]) == 0
+    assert "against its AVX2 ones" in capsys.readouterr().out
+    warm = json.loads(out.read_text())["warm"]
+    r = warm["3"]
+    assert warm["alternated"] is True and set(r["llama.cpp_variants"]) == {"passive t1"}
+    assert r["pysmoe_avx2"]["kernels"].startswith("avx2") and "avx512" not in r["pysmoe_avx2"]["kernels"]
+    # the kernels give the same bits, so the same greedy tokens
+    assert r["pysmoe_avx2"]["first_tokens"] == r["pysmoe"]["first_tokens"] and len(r["pysmoe"]["first_tokens"]) == 3
+    assert r["ttft_ratio_avx2_over_default"] > 0 and len(r["pysmoe_avx2"]["ttft_all_s"]) == 2
+
+
 def test_peer_compares_the_best_llama_variant_of_each_figure():
     # llama.cpp's figure is its fastest variant's for that figure (not one variant for all of them)
     peer = _load("peer")
@@ -263,6 +287,21 @@ def test_peer_compares_the_best_llama_variant_of_each_figure():
     assert (l["decode_tps"], l["decode_by"]) == (2.0, "passive t2") and r["decode_ratio_pysmoe_over_llama"] == 2.0
     assert (l["load_plus_ttft_s"], l["load_plus_ttft_by"]) == (1.3, "passive t2")
     assert r["load_ttft_ratio_llama_over_pysmoe"] == 1.3 / 2.0 and l["errors"] == ["killed"]
+
+
+def test_peer_keeps_pysmoe_avx2_apart_from_llama_variants():
+    # --pysmoe-avx2: pysmoe on its AVX2 kernels is a second pysmoe figure, never "the best llama.cpp"
+    peer = _load("peer")
+    runs = {"pysmoe": [{"ttft_s": 1.0, "decode_s": 1.0, "load_s": 1.0}] * 3,
+            "pysmoe avx2": [{"ttft_s": 0.25, "decode_s": 0.5, "load_s": 1.0}] * 3,
+            "default t2": [{"ttft_s": 0.5, "decode_s": 2.0, "load_s": 3.0}] * 3}
+    r = peer._summary(runs, 10, 4)
+    assert set(r["llama.cpp_variants"]) == {"default t2"} and r["llama.cpp"]["ttft_by"] == "default t2"
+    assert r["pysmoe_avx2"]["ttft_s"] == 0.25 and r["ttft_ratio_avx2_over_default"] == 0.25
+    assert r["decode_ratio_default_over_avx2"] == 0.5 and r["avx2_ttft_ratio_llama_over_pysmoe"] == 2.0
+    assert r["avx2_decode_ratio_pysmoe_over_llama"] == 4.0 and r["decode_ratio_pysmoe_over_llama"] == 2.0
+    table = peer.table({"warm": {"alternated": True, "pysmoe_kernels": "avx2+avx512vnni", 10: r}})
+    assert "against its AVX2 ones" in table and "| 10 | 1.000 / 0.250 | 0.25× | 4.00 / 8.00 | 0.50× |" in table
 
 
 def test_bench_prompt_ids(tiny_vault, tmp_path, capsys):
