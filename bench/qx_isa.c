@@ -3,11 +3,11 @@
  * instance where the CPU has AVX512-VNNI, else F+BW), on the same inputs, alternated rep by rep.
  *
  *   cc -O3 -std=c11 -ffp-contract=off -D_GNU_SOURCE -mavx2 -mfma -mf16c -Icsrc bench/qx_isa.c \
- *       csrc/kernels.c csrc/kernels_avx2.c csrc/kernels_avx512.c csrc/cpu.c -lm -pthread -o build/qx_isa
+ *       csrc/kernels.c csrc/kernels_avx2.c csrc/kernels_avx512.c csrc/cpu.c csrc/util.c -lm -pthread -o build/qx_isa
  *   build/qx_isa [q4|q8 [group]]      (default q4, group 64)
  *
  * Shapes: n = 1 on 32768 × 2048 (32 MiB of q4 codes: the weights stream from memory, as decode
- * reads its experts), n = 8 and n = 64 on 768 × 2048 (an a3b expert's gate; the batched product
+ * reads its experts), n = 2, 4, 8 and 64 on 768 × 2048 (an a3b expert's gate; the batched product
  * of a prefill chunk's tokens routed to one expert). One and two threads, each thread its half of
  * the rows, each calling the product K times per rep (K sized so that a rep lasts ~20 ms); the
  * figure is the median of REPS reps, wall clock. x is prepared once, outside the timing (both
@@ -139,8 +139,8 @@ int main(int argc, char **argv) {
     printf("format %s, group %u, f16 scales; contenders %s and %s; median of %d reps, wall clock\n",
            format == SMOE_FMT_Q4 ? "q4" : "q8", G, n2, n512, REPS);
     printf("%-6s %-14s %-7s %12s %12s %8s %12s\n", "n", "shape", "threads", n2, n512, "speedup", "read only");
-    const uint32_t ns[3] = {1, 8, 64};
-    for (int si = 0; si < 3; si++) {
+    const uint32_t ns[] = {1, 2, 4, 8, 64};
+    for (size_t si = 0; si < sizeof ns / sizeof ns[0]; si++) {
         const uint32_t n = ns[si], rows = n == 1 ? 32768 : 768, cols = 2048;
         void *alloc;
         smoe_tensor W = make_q(format, G, rows, cols, &alloc);

@@ -49,7 +49,10 @@
  * kernels, which keep their own names (smoe_ref_*) in every build. See kernels_isa.h. On x86-64
  * the 8-bit-activation product then picks, at run time, an instance with these bits exactly:
  * AVX512-VNNI, AVX-512 (F + BW), AVX-VNNI or plain AVX2, the first this CPU has (cpu.h,
- * smoe_cpu_avx512; kernels_avx512.c, kernels_avx2_qx.h), unless SMOE_NO_AVX512=1 / SMOE_NO_VNNI=1.
+ * smoe_cpu_avx512; kernels_avx512.c, kernels_avx2_qx.h), unless SMOE_NO_AVX512=1 / SMOE_NO_VNNI=1 —
+ * except one token (n = 1, decode's products), which always takes the AVX2 instance: its
+ * matrix-vector product prefetches the rows ahead and streams the weights at 2.1-2.3x the AVX-512
+ * instance's speed on one core of AMD Zen 5 (bench/qx_isa.c; bench/RESULTS.md, "AVX-512 on Zen 5").
  */
 #include "kernels_isa.h"
 
@@ -697,7 +700,7 @@ void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *
                          uint32_t r0, uint32_t r1) {
 #if SMOE_HAVE_AVX2
 #if SMOE_HAVE_AVX512
-    const unsigned a512 = smoe_cpu_avx512();
+    const unsigned a512 = n > 1 ? smoe_cpu_avx512() : 0; /* n = 1: AVX2's prefetching matvec (above) */
     if ((a512 & SMOE_CPU_AVX512VNNI) ? smoe_avx512_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1)
         : (a512 & SMOE_CPU_AVX512)   ? smoe_avx512_matmul_rows_qx_bw(W, w, X, n, y, ldy, r0, r1)
                                      : false)
