@@ -133,6 +133,33 @@ def test_logprobs(served):
     assert all(e.logprob == e.top_logprobs[0].logprob for e in entries)  # greedy: the likeliest
 
 
+def test_sampling_parameters_reach_the_sampler(served):
+    # Over HTTP, every sampling field means what it means in the library: the same request gives the
+    # text that pysmoe.generate gives with the same arguments (the one sampler of pysmoe.textgen).
+    from pysmoe.generate import stream_generate
+    prompt = _ids(served, "Once upon a time")
+    greedy = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+    # a cut that keeps only the likeliest token is greedy whatever the temperature
+    for cut in ({"top_p": 1e-9}, {"extra_body": {"top_k": 1}}, {"extra_body": {"min_p": 1.0}}):
+        r = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.5, seed=3, **cut)
+        assert r.choices[0].text == greedy, cut
+    kw = dict(temperature=1.0, top_p=0.9, seed=11, presence_penalty=0.7, frequency_penalty=1.3)
+    extra = {"top_k": 40, "min_p": 0.01}
+    texts = [served.client.completions.create(model="tiny", prompt=prompt, max_tokens=10, extra_body=extra,
+                                              **kw).choices[0].text for _ in range(2)]
+    with served.vault.session(cache_bytes=1 << 24, threads=1) as s:
+        want = "".join(r.text for r in stream_generate(s, prompt, 10, **kw, **extra))
+    assert texts == [want, want]
+    # a different seed samples differently (the seed reaches the sampler, not only the cache key)
+    others = {served.client.completions.create(model="tiny", prompt=prompt, max_tokens=10, extra_body=extra,
+                                               **dict(kw, seed=k)).choices[0].text for k in range(12, 16)}
+    assert others - {want}
+    # max_completion_tokens (the chat API's newer spelling) caps a chat reply
+    c = served.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert c.usage.completion_tokens == 3 and c.choices[0].finish_reason == "length"
+
+
 def test_stop_string(served):
     prompt = "In the beginning"
     text = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0).choices[0].text
