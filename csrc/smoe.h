@@ -199,7 +199,8 @@ typedef struct {
                               context · kv_heads · head_dim elements of kv_dtype, kv_bytes in
                               smoe_counters) but not written, so on Linux and macOS its pages
                               become resident as positions fill */
-    uint32_t chunk;        /* largest n for smoe_prefill_chunk (default 256) */
+    uint32_t chunk;        /* largest n for smoe_prefill_chunk (default 256; with a cache smaller than
+                            * the experts a larger chunk reads less: pysmoe picks 1024 then) */
     uint32_t threads;      /* compute threads including the caller (default: online cores) */
     uint32_t io_threads;   /* blob reads in flight (default 4) */
     uint32_t float_activations; /* 0 (default): the inputs of q8/q4 matrices are quantised to 8 bits

@@ -18,7 +18,8 @@ def add_session_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive_int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--io-threads", type=positive_int, default=4, help="blob reads in flight")
     p.add_argument("--chunk", type=positive_int, default=None,
-                   help="layer-major prefill chunk in tokens (default: the library's, 256)")
+                   help="layer-major prefill chunk in tokens (default: 256 when the cache holds every expert, "
+                        "else 1024)")
     p.add_argument("--context", type=positive_int, default=4096,
                    help="KV cache length in tokens (capped by the model's max_position_embeddings)")
     p.add_argument("--prefill", choices=("layer-major", "token-serial"), default="layer-major",
@@ -86,11 +87,11 @@ def _id_list(text: str) -> list[int]:
 def open_session(args):
     from .demo import ensure_demo_vault
     from .engine import open_vault
-    from .memory import choose_cache
+    from .memory import BUDGET_CHUNK, choose_cache
     vault = open_vault(args.vault or ensure_demo_vault())
     try:
         if args.cache_mb is None:
-            choice = choose_cache(vault, args.context, args.chunk or 256, kv_dtype=args.kv_dtype)
+            choice = choose_cache(vault, args.context, args.chunk or BUDGET_CHUNK, kv_dtype=args.kv_dtype)
             cache_bytes = choice.bytes
             print(f"pysmoe: {choice.describe()}", file=sys.stderr)
         else:

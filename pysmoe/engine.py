@@ -228,6 +228,12 @@ class Session:
     shared cache's counters on each (with `cache_sharers`; the memory of the set is dense_bytes +
     cache_bytes + the sum of each one's kv_bytes + plane_bytes).
 
+    chunk: the most prompt tokens one layer-major pass takes. None: 256 when cache_bytes holds every
+    expert (the fastest then), else 1,024 (at most the context) when its larger activation planes
+    cost at most a quarter of cache_bytes: with a smaller cache each chunk reads its layer's union
+    again, so fewer, larger chunks read less (memory.default_chunk; on a GPU the library's
+    default, 256). Results are the same bits for any chunk.
+
     coalesce_bytes: the largest read request; blobs of a layer's union that lie next to each other
     in vault.bin are read as one request up to this size (None: the library's default, 16 MiB;
     0: one read per blob). Changes only how reads are issued, never what is read.
@@ -269,7 +275,11 @@ class Session:
         p.cache_bytes = cache_bytes
         if threads is not None:
             p.threads = threads
-        if chunk is not None:  # None: the library's default (smoe_session_default_params)
+        if chunk is None and device == "cpu":  # memory.default_chunk: 256 if every expert fits, else 1024
+            from .memory import default_chunk
+            budget = share_cache.cache_bytes if isinstance(share_cache, Session) else cache_bytes
+            chunk = default_chunk(vault, budget, min(context, vault.config["max_position_embeddings"]))
+        if chunk is not None:  # None (on a GPU): the library's default (smoe_session_default_params)
             p.chunk = chunk
         p.context = context
         p.io_threads = io_threads

@@ -51,6 +51,28 @@ def kv_bytes(config: dict, context: int, kv_dtype: str | None = None) -> int:
     return 2 * config["num_hidden_layers"] * context * kv_dim * KV_ELEM_BYTES[kv_dtype or default_kv_dtype()]
 
 
+# The layer-major chunk a CPU session gets when none is given (default_chunk). Every expert in
+# the cache: prefill is compute-bound and 256 is the fastest chunk (larger ones cost 6-11 % more
+# compute). A smaller cache: each chunk reads its layer's union again, so a 1,024-token prompt in
+# one chunk of 1,024 reads a quarter of what four chunks of 256 read (full a3b, 10 % cache: 24.9
+# against 32.6 s). bench/RESULTS.md, "The default chunk on a quiet machine".
+RESIDENT_CHUNK = 256
+BUDGET_CHUNK = 1024
+
+
+def default_chunk(vault, cache_bytes: int, context: int) -> int:
+    """The chunk for a session whose cache budget is cache_bytes over this vault: RESIDENT_CHUNK
+    when the cache holds every expert; else BUDGET_CHUNK (at most the context) when the larger
+    chunk's extra activation planes take at most a quarter of the cache budget (on a3b 160 MiB,
+    against 1.5 GiB at 10 %), so that a small budget is not spent on planes instead of experts;
+    else RESIDENT_CHUNK."""
+    big = min(BUDGET_CHUNK, context)
+    if cache_bytes >= vault.expert_bytes or big <= RESIDENT_CHUNK:
+        return RESIDENT_CHUNK
+    extra = plane_bytes(vault.config, context, big) - plane_bytes(vault.config, context, RESIDENT_CHUNK)
+    return big if 4 * extra <= cache_bytes else RESIDENT_CHUNK
+
+
 def plane_bytes(config: dict, context: int, chunk: int = 256) -> int:
     """An upper estimate of the session's activation planes and RoPE tables (with the f32 rows
     that bf16/f16 K and V are computed in before they are rounded into the cache)."""

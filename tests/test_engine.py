@@ -330,7 +330,7 @@ def test_c_example_matches_python(tiny_vault):
     if not os.path.exists(exe):
         pytest.fail(f"{exe} is missing: `make examples` builds it")
     vault = pysmoe.open_vault(tiny_vault)
-    ids = ids_for(vault, 300)  # more than one chunk of the default 256
+    ids = ids_for(vault, 300)  # two chunks in C (its default 256), one in Python (1024 under a small cache)
     with vault.session() as s:
         want = list(s.generate(ids, max_tokens=12))
     out = subprocess.run([exe, str(tiny_vault), "12", *map(str, ids)], capture_output=True, text=True, timeout=120)
