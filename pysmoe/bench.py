@@ -90,7 +90,9 @@ def add_parser(p: argparse.ArgumentParser, name: str = "bench") -> None:
     p.add_argument("--paths", type=_path_list, default=list(PATHS),
                    help="prefill paths to time, comma-separated (default layer-major,token-serial)")
     p.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; each figure is their median (default 3)")
-    p.add_argument("--chunk", type=positive_int, default=None, help="layer-major chunk in tokens (default: the library's)")
+    p.add_argument("--chunk", type=positive_int, default=None,
+                   help="layer-major chunk in tokens (default: each session's, pysmoe.memory.default_chunk: 256 "
+                        "for the resident runs, 1,024 under the cache budget)")
     p.add_argument("--threads", type=positive_int, default=None, help="compute threads (default: all cores)")
     p.add_argument("--io-threads", type=positive_int, default=4, help="blob reads in flight, engine and probe (default 4)")
     p.add_argument("--decode-tokens", type=nonneg_int, default=16, help="tokens decoded per decode run (0: no decode runs)")
