@@ -192,16 +192,24 @@ def test_plot_budget_curve_and_ttft(bench_record, tmp_path):
         assert (tmp_path / name).stat().st_size > 1000
 
 
-def test_peer_warm_blocks_and_plot(sparse_vault, bench_record, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def sparse_gguf(sparse_vault, tmp_path_factory):
+    """The sparse vault exported for llama.cpp (scripts/export_gguf.py); the peer tests skip
+    without llama-cpp-python and gguf."""
     pytest.importorskip("llama_cpp")
     pytest.importorskip("gguf")
-    import importlib.util
     import pathlib
     import subprocess
     import sys
-    gguf = tmp_path / "tiny.gguf"
+    gguf = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
     script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "export_gguf.py"
     subprocess.run([sys.executable, str(script), str(sparse_vault), str(gguf)], check=True, capture_output=True)
+    return gguf
+
+
+def test_peer_warm_blocks_and_plot(sparse_vault, sparse_gguf, bench_record, tmp_path, capsys):
+    import importlib.util
+    gguf = sparse_gguf
     peer = _load("peer")
     out = tmp_path / "peer.json"
     # No page-cache drop from the test suite: it is machine-wide.
@@ -250,15 +258,8 @@ def test_peer_warm_blocks_and_plot(sparse_vault, bench_record, tmp_path, capsys)
     assert (tmp_path / "tiny-ttft.png").exists()
 
 
-def test_peer_warm_alternated_with_pysmoe_avx2(sparse_vault, tmp_path, capsys):
-    pytest.importorskip("llama_cpp")
-    pytest.importorskip("gguf")
-    import pathlib
-    import subprocess
-    import sys
-    gguf = tmp_path / "tiny.gguf"
-    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "export_gguf.py"
-    subprocess.run([sys.executable, str(script), str(sparse_vault), str(gguf)], check=True, capture_output=True)
+def test_peer_warm_alternated_with_pysmoe_avx2(sparse_vault, sparse_gguf, tmp_path, capsys):
+    gguf = sparse_gguf
     peer = _load("peer")
     out = tmp_path / "peer.json"
     assert peer.main([str(sparse_vault), "--gguf", str(gguf), "--modes", "warm", "--pysmoe-avx2",
