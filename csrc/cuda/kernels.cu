@@ -161,6 +161,23 @@ __device__ __forceinline__ float dot8(float s, const float v[8], const float *x)
     return chain8(s, v, xp[0], xp[1]);
 }
 
+/* The matrix and the tokens a block of a product launch works on: with an item list (one launch
+ * over several experts), item blockIdx.y's expert weights and its run of token rows; else the one
+ * matrix and every token. */
+__device__ __forceinline__ void launch_item(const smoe_cu_rows &R, const uint8_t **w, uint32_t *start,
+                                            uint32_t *count) {
+    if (R.items) {
+        const uint32_t u = R.items[blockIdx.y];
+        *w = R.wtab[u] + R.woff;
+        *start = R.start[u];
+        *count = R.count[u];
+    } else {
+        *w = R.w;
+        *start = 0;
+        *count = R.n;
+    }
+}
+
 template <int FMT>
 __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe_cu_rows R, const float *__restrict__ x,
                                                           size_t ldx, float *__restrict__ y, size_t ldy) {
@@ -169,16 +186,7 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe
     if (r >= T.rows) return;
     const uint8_t *w;
     uint32_t start, count;
-    if (R.items) {
-        const uint32_t u = R.items[blockIdx.y];
-        w = R.wtab[u] + R.woff;
-        start = R.start[u];
-        count = R.count[u];
-    } else {
-        w = R.w;
-        start = 0;
-        count = R.n;
-    }
+    launch_item(R, &w, &start, &count);
     const uint32_t t0 = blockIdx.z * MM_TZ;
     if (t0 >= count) return;
     const uint32_t t1 = min(count, t0 + (uint32_t)MM_TZ), nw = T.cols / 8;
@@ -235,16 +243,7 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul_tiled(smoe_cu_tensor T
     const uint32_t r0 = (blockIdx.x * MM_WARPS + warp) * RT;
     const uint8_t *w;
     uint32_t start, count;
-    if (R.items) {
-        const uint32_t u = R.items[blockIdx.y];
-        w = R.wtab[u] + R.woff;
-        start = R.start[u];
-        count = R.count[u];
-    } else {
-        w = R.w;
-        start = 0;
-        count = R.n;
-    }
+    launch_item(R, &w, &start, &count);
     const uint32_t t0 = blockIdx.z * TT2;
     if (t0 >= count) return; /* the whole block */
     const uint32_t nt = min((uint32_t)TT2, count - t0), nw = T.cols / 8;
