@@ -370,7 +370,9 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
 enum {
     QRB = 4,    /* rows of a block of the batched product (bench/RESULTS.md: 4 × 1 measured best) */
     QTB = 1,    /* tokens of a block */
-    QRV = 4,    /* rows at a time of the matrix-vector product */
+    QRV = 1,    /* rows at a time of the matrix-vector product: one sequential stream (four
+                 * interleaved rows read 16-25 % slower from DRAM and L3 alike on Zen 5:
+                 * bench/RESULTS.md, "One row at a time") */
     MAXU = MAXC / 64, /* units of 64 columns of the widest row */
 };
 

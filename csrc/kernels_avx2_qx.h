@@ -241,7 +241,7 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
             const uint32_t nr = r1 - r < QRV ? r1 - r : QRV;
             const uint8_t *wr[QRV];
             const float *sr[QRV];
-            __m256 acc[QRV];
+            __m256 acc[QRV] = {_mm256_setzero_ps()}; /* set by the case below (the switch covers every G taken) */
             for (uint32_t i = 0; i < nr; i++) {
                 wr[i] = w + (size_t)(r + i) * row_bytes;
                 sr[i] = sv[i];
@@ -252,7 +252,7 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
 #define CASE(k, G) \
     case G * 16 + k * 2: QX(qx_rows_1)(k, false, G, wr, sr, x, X->d, cols / 64, up, ahead, acc); break; \
     case G * 16 + k * 2 + 1: QX(qx_rows_1)(k, true, G, wr, sr, x, X->d, cols / 64, up, ahead, acc); break;
-#define CASES(G) CASE(4, G) CASE(3, G) CASE(2, G) CASE(1, G)
+#define CASES(G) CASE(1, G) /* nr ≤ QRV = 1 (kernels_avx2.c says why one row at a time) */
                 CASES(32) CASES(64) CASES(128)
 #undef CASES
 #undef CASE
