@@ -359,8 +359,10 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
  * 32 and 128). The code is in kernels_avx2_qx.h, instantiated for plain AVX2 and for AVX-VNNI;
  * the VNNI one runs where the CPU has it (the same bits: see that file).
  *
- * The matrix-vector product (n = 1, decode) reads its codes in place and prefetches the same
- * bytes of the rows QX_AHEAD further on as it goes (bench/RESULTS.md, "Resident decode and short
+ * The matrix-vector product (n = 1, decode) takes one row at a time, one sequential stream (four
+ * interleaved rows read 16-25 % slower from DRAM and L3 alike on Zen 5: bench/RESULTS.md, "One
+ * row at a time"), reads its codes in place and prefetches the same bytes of the rows QX_AHEAD
+ * further on as it goes (bench/RESULTS.md, "Resident decode and short
  * prefill on AVX2": ×1.5 on a3b-shaped decode; with the hardware prefetcher alone, four
  * interleaved row streams read well below the memory's bandwidth, long rows and short alike); for q4 it takes x in the order of the nibbles (qx_nibble_order) so the codes
  * need no unpacking. The plain batched q4 product sums the four units' int16 products in int16
@@ -370,9 +372,6 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
 enum {
     QRB = 4,    /* rows of a block of the batched product (bench/RESULTS.md: 4 × 1 measured best) */
     QTB = 1,    /* tokens of a block */
-    QRV = 1,    /* rows at a time of the matrix-vector product: one sequential stream (four
-                 * interleaved rows read 16-25 % slower from DRAM and L3 alike on Zen 5:
-                 * bench/RESULTS.md, "One row at a time") */
     MAXU = MAXC / 64, /* units of 64 columns of the widest row */
 };
 

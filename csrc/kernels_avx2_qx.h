@@ -131,30 +131,26 @@ QX_ATTR INLINE __m256i QX(qx_h4_s16)(const __m256i s0, const __m256i s1, const _
 }
 #endif
 
-/* R rows against one token, codes read where they are stored (w[i]: row i's codes; wb: their
+/* One row against one token, its codes read where they are stored (w: the row's codes; wb: their
  * bytes per unit), units past nu (cols / 64, a whole number here) taken as zero; otherwise as
  * qx_block. For q4, x is in nibble order (qx_nibble_order). */
-QX_ATTR INLINE void QX(qx_rows_1)(const int R, const bool q8, const uint32_t G, const uint8_t *const *w,
-                      const float *const *s, const uint8_t *x, const float *d, uint32_t nu, uint32_t up, size_t ahead,
-                      __m256 *tot) {
+QX_ATTR INLINE __m256 QX(qx_row_1)(const bool q8, const uint32_t G, const uint8_t *w, const float *s, const uint8_t *x,
+                                  const float *d, uint32_t nu, uint32_t up, size_t ahead) {
     const size_t wb = q8 ? 64 : 32, xb = q8 ? 128 : 64;
-    __m256 acc[4];
-    for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_ps();
+    __m256 acc = _mm256_setzero_ps();
     for (uint32_t g = 0; g < up; g += 4) {
-        for (int i = 0; i < R; i++) {
-            /* the same bytes of the next block's rows: a prefetch never faults, past the end included */
-            for (size_t b = 0; b < 4 * wb; b += 64) _mm_prefetch((const char *)w[i] + ahead + g * wb + b, _MM_HINT_T0);
-            __m256i p[4];
-            for (uint32_t k = 0; k < 4; k++)
-                p[k] = g + k >= nu ? _mm256_setzero_si256()
-                       : q8        ? QX(qx_p_raw)(q8, w[i] + (g + k) * wb, x + (g + k) * xb)
-                                   : QX(qx_p_q4)(w[i] + (g + k) * wb, x + (g + k) * xb);
-            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-            const __m256 sd = _mm256_mul_ps(qx_sigma(G, s[i], g), _mm256_loadu_ps(d + 2 * g));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), sd, acc[i]);
-        }
+        /* the same bytes of a later row: a prefetch never faults, past the end included */
+        for (size_t b = 0; b < 4 * wb; b += 64) _mm_prefetch((const char *)w + ahead + g * wb + b, _MM_HINT_T0);
+        __m256i p[4];
+        for (uint32_t k = 0; k < 4; k++)
+            p[k] = g + k >= nu ? _mm256_setzero_si256()
+                   : q8        ? QX(qx_p_raw)(q8, w + (g + k) * wb, x + (g + k) * xb)
+                               : QX(qx_p_q4)(w + (g + k) * wb, x + (g + k) * xb);
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        const __m256 sd = _mm256_mul_ps(qx_sigma(G, s, g), _mm256_loadu_ps(d + 2 * g));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), sd, acc);
     }
-    for (int i = 0; i < R; i++) tot[i] = acc[i];
+    return acc;
 }
 
 /* R rows × T tokens over up units (a multiple of 4): tot[i][j] += the scaled block sums.
@@ -229,35 +225,27 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
     float sb[QRB][MAXG], bb[QRB][MAXG];       /* (block rows, groups) scales, biases */
     __m256 tot[QRB][QTB];
 
-    if (n == 1 && cols % 64 == 0) { /* matrix-vector: QRV rows at a time, codes read in place */
-        float sv[QRV][MAXG], bv[QRV][MAXG]; /* (rows, groups) scales, biases */
+    if (n == 1 && cols % 64 == 0) { /* matrix-vector: a row at a time, codes read in place */
+        float sv[MAXG], bv[MAXG]; /* the row's scales, biases by group */
         const uint8_t *x = X->codes;
         const size_t ahead = QX_AHEAD * row_bytes;
         if (!q8) {
             for (uint32_t g = 0; g < cols / 64; g++) QX(qx_nibble_order)(x + 64 * (size_t)g, cw[0] + 64 * (size_t)g);
             x = cw[0]; /* the unpacked-codes buffer is free in this branch */
         }
-        for (uint32_t r = r0; r < r1; r += QRV) {
-            const uint32_t nr = r1 - r < QRV ? r1 - r : QRV;
-            const uint8_t *wr[QRV];
-            const float *sr[QRV];
-            __m256 acc[QRV] = {_mm256_setzero_ps()}; /* set by the case below (the switch covers every G taken) */
-            for (uint32_t i = 0; i < nr; i++) {
-                wr[i] = w + (size_t)(r + i) * row_bytes;
-                sr[i] = sv[i];
-                load_scales(sv[i], scales + sbytes * (size_t)(r + i) * ng, ng, W->scale_format);
-                load_scales(bv[i], biases + sbytes * (size_t)(r + i) * ng, ng, W->scale_format);
-            }
-            switch (nr * 2 + q8 + G * 16) {
-#define CASE(k, G) \
-    case G * 16 + k * 2: QX(qx_rows_1)(k, false, G, wr, sr, x, X->d, cols / 64, up, ahead, acc); break; \
-    case G * 16 + k * 2 + 1: QX(qx_rows_1)(k, true, G, wr, sr, x, X->d, cols / 64, up, ahead, acc); break;
-#define CASES(G) CASE(1, G) /* nr ≤ QRV = 1 (kernels_avx2.c says why one row at a time) */
-                CASES(32) CASES(64) CASES(128)
-#undef CASES
+        for (uint32_t r = r0; r < r1; r++) { /* one row at a time: kernels_avx2.c says why */
+            const uint8_t *wr = w + (size_t)r * row_bytes;
+            __m256 acc = _mm256_setzero_ps(); /* set by the case below (the switch covers every G taken) */
+            load_scales(sv, scales + sbytes * (size_t)r * ng, ng, W->scale_format);
+            load_scales(bv, biases + sbytes * (size_t)r * ng, ng, W->scale_format);
+            switch (q8 + G * 16) { /* q8 and G constant in each instance of the row product */
+#define CASE(G) \
+    case G * 16: acc = QX(qx_row_1)(false, G, wr, sv, x, X->d, cols / 64, up, ahead); break; \
+    case G * 16 + 1: acc = QX(qx_row_1)(true, G, wr, sv, x, X->d, cols / 64, up, ahead); break;
+                CASE(32) CASE(64) CASE(128)
 #undef CASE
             }
-            for (uint32_t i = 0; i < nr; i++) y[r + i] = hsum8(acc[i]) + bias_dot(bv[i], X->gsum, ng8);
+            y[r] = hsum8(acc) + bias_dot(bv, X->gsum, ng8);
         }
         return true;
     }
