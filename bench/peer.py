@@ -409,12 +409,18 @@ def _tps(rec, n):
 
 # ================================================================== modes
 
+def every_expert_bytes(v) -> int:
+    """A cache budget that holds every expert of open vault v (one blob per layer of slack for the
+    slots a step holds while it reads)."""
+    return v.expert_bytes + v.blob_bytes * v.num_sparse_layers
+
+
 def mode_check(vault, gguf, args, log):
     from pysmoe import open_vault
     n = max(args.prompt_lengths)
     v = open_vault(vault)
     ids = make_prompt(v.config["vocab_size"], n, args.seed)
-    with v.session(cache_bytes=v.expert_bytes + v.blob_bytes * v.num_sparse_layers, threads=args.threads,
+    with v.session(cache_bytes=every_expert_bytes(v), threads=args.threads,
                    context=args.ctx) as s:
         ours = np.stack([s.decode(int(t)) for t in ids])   # logits after each position
     v.close()
@@ -462,7 +468,7 @@ class PysmoeWarm:
         from pysmoe import open_vault
         t0 = time.perf_counter()
         self.v = open_vault(vault)
-        self.cache = self.v.expert_bytes + self.v.blob_bytes * self.v.num_sparse_layers
+        self.cache = every_expert_bytes(self.v)
         try:
             self.s = self.v.session(cache_bytes=self.cache, threads=args.threads, context=args.ctx)
         except BaseException:
@@ -496,7 +502,7 @@ class PysmoeWarmAvx2:
     def __init__(self, vault, args, warm_ids):
         from pysmoe import open_vault
         with open_vault(vault) as v:
-            cache = v.expert_bytes + v.blob_bytes * v.num_sparse_layers
+            cache = every_expert_bytes(v)
         self.w = PysmoeWorker(vault, cache, args.threads, args.ctx, env=dict(os.environ, SMOE_NO_AVX512="1"),
                               verbose=args.verbose)
         self.load_s = self.w.load_s
