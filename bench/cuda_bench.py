@@ -129,7 +129,7 @@ def timed_decode(s, first, n):
     return n / (time.perf_counter() - t0)
 
 
-def profile(s, v):
+def profile(s, v, n):
     import torch
     from torch.profiler import ProfilerActivity, profile as prof
     p = prompts(v, 45, 1, 3)[0]
@@ -138,9 +138,9 @@ def profile(s, v):
         timed_decode(s, first, 8)
     print("decode x8\n" + pr.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
-        timed_prefill(s, prompts(v, 256, 1, 4)[0])
+        timed_prefill(s, prompts(v, n, 1, 4)[0])
         torch.cuda.synchronize()
-    print("prefill 256\n" + pr.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+    print(f"prefill {n}\n" + pr.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
 
 
 def main():
@@ -153,7 +153,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: resident,budget")
     ap.add_argument("--cold-repeats", type=int, default=1)
-    ap.add_argument("--profile", action="store_true", help="kernel times of decode and a 256-token prefill (torch.profiler)")
+    ap.add_argument("--profile", type=int, nargs="?", const=256, default=0, metavar="N",
+                    help="kernel times of 8 decode steps and an N-token prefill (torch.profiler)")
     a = ap.parse_args()
     lengths = [int(x) for x in a.lengths.split(",")]
     longest = max(lengths)
@@ -194,7 +195,7 @@ def main():
             out["resident"] = res
             print("resident", json.dumps(res), flush=True)
             if a.profile:
-                profile(s, v)
+                profile(s, v, a.profile)
 
     if "budget" not in skip:
         gpu = int(a.budget * experts)

@@ -39,6 +39,10 @@ typedef struct {
     uint8_t *dense;
     float *k, *v, *cos, *sin;
     float *x, *xn, *q, *att, *router, *topk_w, *slot_out, *xg, *hg, *h, *logits;
+    /* the f16 rows the tensor-core products read (cuda_ops.h, smoe_cu_act): of xn or att (a16),
+     * of the gathered rows (g16) and of the SwiGLU output (h16), each with its row scales */
+    void *a16, *g16, *h16;
+    float *ae, *ge, *he;
     int32_t *topk_idx, *ids;
     /* A layer's index arrays, one block uploaded with one copy: per union position its first row,
      * row count and VRAM blob (ustart, ucount, wtab), the launch order (items), and each gathered
@@ -96,12 +100,39 @@ static const uint8_t *dev(const smoe_session *s, const smoe_tensor *T) {
     return ST(s)->dense + (T->data - s->vault->dense);
 }
 
-static smoe_status linear(smoe_session *s, const smoe_tensor *T, const float *x, size_t ldx, uint32_t n, float *y,
+static bool tensor_cores(const smoe_tensor *T) {
+    smoe_cu_tensor d = desc(T);
+    return smoe_cu_tensor_cores(&d) != 0;
+}
+
+/* The activation x (rows of R, ldx floats apart, cols columns) as the products with T read it: its
+ * f16 rows are prepared into x16/xe when T runs on the tensor cores. */
+static smoe_status act(smoe_session *s, const smoe_tensor *T, const float *x, size_t ldx, uint32_t cols,
+                       const smoe_cu_rows *R, void *x16, float *xe, smoe_cu_act *a) {
+    *a = (smoe_cu_act){.x = x, .ldx = ldx};
+    if (!tensor_cores(T)) return SMOE_OK;
+    CU(smoe_cu_prep(ST(s)->cs, x, ldx, cols, R, x16, xe));
+    a->x16 = x16;
+    a->xe = xe;
+    return SMOE_OK;
+}
+
+static smoe_status linear(smoe_session *s, const smoe_tensor *T, const smoe_cu_act *a, uint32_t n, float *y,
                           size_t ldy) {
     smoe_cu_tensor d = desc(T);
     smoe_cu_rows R = {.w = dev(s, T), .n = n};
-    CU(smoe_cu_matmul(ST(s)->cs, &d, &R, x, ldx, y, ldy));
+    CU(smoe_cu_matmul(ST(s)->cs, &d, &R, a, y, ldy));
     return SMOE_OK;
+}
+
+/* x rows [0, n) (ld floats apart, cols columns) into the a16 plane when T needs them, then y = x · Tᵀ. */
+static smoe_status linear_x(smoe_session *s, const smoe_tensor *T, const float *x, size_t ld, uint32_t cols,
+                            uint32_t n, float *y, size_t ldy) {
+    cuda_state *c = ST(s);
+    smoe_cu_rows R = {.n = n};
+    smoe_cu_act a;
+    smoe_status st = act(s, T, x, ld, cols, &R, c->a16, c->ae, &a);
+    return st != SMOE_OK ? st : linear(s, T, &a, n, y, ldy);
 }
 
 static smoe_status norm(smoe_session *s, float *out, const float *x, uint32_t rows, uint32_t dim,
@@ -159,7 +190,8 @@ static void cuda_free(smoe_session *s) {
         for (uint32_t i = 0; i < c->n_sslots; i++) smoe_cu_event_free(c->sslot_ev[i]);
     for (int i = 0; i < RING; i++) smoe_cu_event_free(c->ring[i]);
     void *dbufs[] = {c->dense, c->k, c->v, c->cos, c->sin, c->x, c->xn, c->q, c->att, c->router, c->topk_w,
-                     c->slot_out, c->xg, c->hg, c->h, c->logits, c->topk_idx, c->ids, c->idx, c->vcache};
+                     c->slot_out, c->xg, c->hg, c->h, c->logits, c->topk_idx, c->ids, c->idx, c->vcache,
+                     c->a16, c->g16, c->h16, c->ae, c->ge, c->he};
     for (size_t i = 0; i < sizeof dbufs / sizeof dbufs[0]; i++) smoe_cu_free(dbufs[i]);
     void *hbufs[] = {c->h_topk, c->h_ids, c->h_idx};
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++) smoe_cu_host_free(hbufs[i]);
@@ -228,9 +260,10 @@ static smoe_status cuda_init(smoe_session *s) {
     int err = smoe_cu_device(0, name, sizeof name, &major, &minor, &free_b, &total_b);
     if (err != 0)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: no usable GPU (%s)", smoe_cu_error_string(err));
-    if (s->params.context + 8 > (uint32_t)smoe_cu_attention_max_positions())
+    int max_pos = smoe_cu_attention_max_positions(cf->head_dim);
+    if (s->params.context + 8 > (uint32_t)max_pos)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: a context of %u is more than the attention kernel holds (%d)",
-                         s->params.context, smoe_cu_attention_max_positions() - 8);
+                         s->params.context, max_pos - 8);
     smoe_status st = check_layout(s);
     if (st != SMOE_OK) return st;
     if (cf->num_experts > 1024)
@@ -252,7 +285,9 @@ static smoe_status cuda_init(smoe_session *s) {
         {&c->x, C * H * 4}, {&c->xn, C * H * 4}, {&c->q, C * s->q_dim * 4}, {&c->att, C * s->q_dim * 4},
         {&c->router, C * E * 4}, {&c->topk_w, C * K * 4}, {&c->slot_out, C * K * H * 4}, {&c->xg, C * K * H * 4},
         {&c->hg, C * K * 2 * ffn * 4}, {&c->h, C * K * ffn * 4}, {&c->logits, (size_t)cf->vocab_size * 4},
-        {&c->topk_idx, C * K * 4}, {&c->ids, C * 4}, {&c->idx, 0},
+        {&c->topk_idx, C * K * 4}, {&c->ids, C * 4},
+        {&c->a16, C * (H > s->q_dim ? H : s->q_dim) * 2}, {&c->ae, C * 4}, {&c->g16, C * K * H * 2},
+        {&c->ge, C * K * 4}, {&c->h16, C * K * ffn * 2}, {&c->he, C * K * 4}, {&c->idx, 0},
     };
     c->idx_rows_off = smoe_align_up(12 * E, 8) + E * sizeof(void *);
     c->idx_bytes = c->idx_rows_off + C * K * 4;
@@ -340,17 +375,22 @@ static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, ui
     smoe_status st;
     float *kl = c->k + (size_t)l * s->params.context * s->kv_dim, *vl = c->v + (size_t)l * s->params.context * s->kv_dim;
     float *krows = kl + (size_t)pos0 * s->kv_dim, *vrows = vl + (size_t)pos0 * s->kv_dim;
-    if ((st = norm(s, c->xn, c->x, n, H, L->input_norm)) != SMOE_OK ||
-        (st = linear(s, L->q, c->xn, H, n, c->q, s->q_dim)) != SMOE_OK ||
-        (st = linear(s, L->k, c->xn, H, n, krows, s->kv_dim)) != SMOE_OK ||
-        (st = linear(s, L->v, c->xn, H, n, vrows, s->kv_dim)) != SMOE_OK ||
+    smoe_cu_rows R = {.n = n};
+    smoe_cu_act a;
+    if ((st = norm(s, c->xn, c->x, n, H, L->input_norm)) != SMOE_OK) return st;
+    /* q, k and v read the same rows: prepared once, for whichever of them needs it */
+    const smoe_tensor *tc = tensor_cores(L->q) ? L->q : tensor_cores(L->k) ? L->k : L->v;
+    if ((st = act(s, tc, c->xn, H, H, &R, c->a16, c->ae, &a)) != SMOE_OK ||
+        (st = linear(s, L->q, &a, n, c->q, s->q_dim)) != SMOE_OK ||
+        (st = linear(s, L->k, &a, n, krows, s->kv_dim)) != SMOE_OK ||
+        (st = linear(s, L->v, &a, n, vrows, s->kv_dim)) != SMOE_OK ||
         (st = norm(s, c->q, c->q, n * cf->num_attention_heads, hd, L->q_norm)) != SMOE_OK ||
         (st = norm(s, krows, krows, n * cf->num_key_value_heads, hd, L->k_norm)) != SMOE_OK)
         return st;
     CU(smoe_cu_rope(c->cs, c->q, n, cf->num_attention_heads, hd, s->q_dim, c->cos, c->sin, pos0));
     CU(smoe_cu_rope(c->cs, krows, n, cf->num_key_value_heads, hd, s->kv_dim, c->cos, c->sin, pos0));
     CU(smoe_cu_attention(c->cs, c->att, c->q, kl, vl, n, cf->num_attention_heads, cf->num_key_value_heads, hd, pos0));
-    if ((st = linear(s, L->o, c->att, s->q_dim, n, c->xn, H)) != SMOE_OK) return st;
+    if ((st = linear_x(s, L->o, c->att, s->q_dim, s->q_dim, n, c->xn, H)) != SMOE_OK) return st;
     CU(smoe_cu_add(c->cs, c->x, c->xn, (size_t)n * H));
     return SMOE_OK;
 }
@@ -364,14 +404,18 @@ static smoe_status run_experts(smoe_session *s, uint32_t first, uint32_t count, 
     smoe_cu_tensor g = desc(&lay->expert[0]), u = desc(&lay->expert[1]), d = desc(&lay->expert[2]);
     smoe_cu_rows R = {.wtab = c->wtab, .items = c->items + first, .start = c->ustart, .count = c->ucount,
                       .n_items = count, .max_count = max_rows};
+    smoe_cu_act xg = {.x = c->xg, .ldx = H, .x16 = c->g16, .xe = c->ge}; /* moe() prepared the f16 rows */
     R.woff = lay->expert[0].offset;
-    CU(smoe_cu_matmul(c->cs, &g, &R, c->xg, H, c->hg, 2 * (size_t)I));
+    CU(smoe_cu_matmul(c->cs, &g, &R, &xg, c->hg, 2 * (size_t)I));
     R.woff = lay->expert[1].offset;
-    CU(smoe_cu_matmul(c->cs, &u, &R, c->xg, H, c->hg + I, 2 * (size_t)I));
+    CU(smoe_cu_matmul(c->cs, &u, &R, &xg, c->hg + I, 2 * (size_t)I));
     CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, &R));
+    smoe_cu_act h;
+    smoe_status st = act(s, &lay->expert[2], c->h, I, I, &R, c->h16, c->he, &h);
+    if (st != SMOE_OK) return st;
     R.woff = lay->expert[2].offset;
     R.yrow = c->rows;
-    CU(smoe_cu_matmul(c->cs, &d, &R, c->h, I, c->slot_out, H));
+    CU(smoe_cu_matmul(c->cs, &d, &R, &h, c->slot_out, H));
     *done = ring_event(c);
     CU(smoe_cu_event_record(*done, c->cs));
     return SMOE_OK;
@@ -407,7 +451,7 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
     const smoe_layer_weights *L = &s->lay->layers[l];
     uint32_t E = cf->num_experts, K = cf->num_experts_per_tok, H = cf->hidden_size;
     smoe_status st;
-    if ((st = linear(s, L->router, c->xn, H, n, c->router, E)) != SMOE_OK) return st;
+    if ((st = linear_x(s, L->router, c->xn, H, H, n, c->router, E)) != SMOE_OK) return st;
     CU(smoe_cu_route(c->cs, c->router, n, E, K, cf->norm_topk_prob, c->topk_idx, c->topk_w));
     CU(smoe_cu_download(c->h_topk, c->topk_idx, (size_t)n * K * 4, c->cs));
     CU(smoe_cu_stream_sync(c->cs));
@@ -461,6 +505,10 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
     c->misses += n_miss;
     CU(smoe_cu_upload(c->idx, c->h_idx, c->idx_rows_off + (size_t)off * 4, c->cs));
     CU(smoe_cu_gather(c->cs, c->xg, c->xn, c->rows, K, off, H));
+    if (tensor_cores(&s->lay->expert[0]) || tensor_cores(&s->lay->expert[1])) {
+        smoe_cu_rows Rg = {.n = off};
+        CU(smoe_cu_prep(c->cs, c->xg, H, H, &Rg, c->g16, c->ge));
+    }
 
     /* Fire every miss's read (as far as the host cache's slots allow) before the first wait. */
     uint32_t acquired = 0;
@@ -541,11 +589,16 @@ static smoe_status cuda_ffn(smoe_session *s, uint32_t l, uint32_t n, uint32_t *u
     *union_size = 0;
     uint32_t I = L->mlp_gate->rows;
     smoe_cu_rows R = {.n = n};
-    if ((st = linear(s, L->mlp_gate, c->xn, H, n, c->hg, 2 * (size_t)I)) != SMOE_OK ||
-        (st = linear(s, L->mlp_up, c->xn, H, n, c->hg + I, 2 * (size_t)I)) != SMOE_OK)
+    smoe_cu_act a;
+    const smoe_tensor *tc = tensor_cores(L->mlp_gate) ? L->mlp_gate : L->mlp_up;
+    if ((st = act(s, tc, c->xn, H, H, &R, c->a16, c->ae, &a)) != SMOE_OK ||
+        (st = linear(s, L->mlp_gate, &a, n, c->hg, 2 * (size_t)I)) != SMOE_OK ||
+        (st = linear(s, L->mlp_up, &a, n, c->hg + I, 2 * (size_t)I)) != SMOE_OK)
         return st;
     CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, &R));
-    if ((st = linear(s, L->mlp_down, c->h, I, n, c->xg, H)) != SMOE_OK) return st;
+    if ((st = act(s, L->mlp_down, c->h, I, I, &R, c->h16, c->he, &a)) != SMOE_OK ||
+        (st = linear(s, L->mlp_down, &a, n, c->xg, H)) != SMOE_OK)
+        return st;
     CU(smoe_cu_add(c->cs, c->x, c->xg, (size_t)n * H));
     return SMOE_OK;
 }
@@ -555,7 +608,7 @@ static smoe_status cuda_logits(smoe_session *s) {
     smoe_status st;
     uint32_t H = s->cfg.hidden_size;
     if ((st = norm(s, c->xn, c->x, 1, H, s->lay->final_norm)) != SMOE_OK ||
-        (st = linear(s, s->lay->lm_head, c->xn, H, 1, c->logits, s->cfg.vocab_size)) != SMOE_OK)
+        (st = linear_x(s, s->lay->lm_head, c->xn, H, H, 1, c->logits, s->cfg.vocab_size)) != SMOE_OK)
         return st;
     CU(smoe_cu_download(s->logits, c->logits, (size_t)s->cfg.vocab_size * 4, c->cs));
     CU(smoe_cu_stream_sync(c->cs));

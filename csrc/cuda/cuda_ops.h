@@ -65,10 +65,26 @@ int smoe_cu_event_sync(smoe_cu_event ev);
 int smoe_cu_stream_wait(smoe_cu_stream st, smoe_cu_event ev);
 int smoe_cu_last_error(void); /* and clears it */
 
+/* An activation as the products read it: f32 rows ldx floats apart and, for the products that run
+ * on the tensor cores, the same rows as smoe_cu_prep wrote them (f16, cols apart, and per row the
+ * power of two that undoes its scaling). Row indices are the products' (those of smoe_cu_rows). */
+typedef struct {
+    const float *x;
+    size_t ldx;
+    const void *x16;
+    const float *xe;
+} smoe_cu_act;
+
 /* Kernels, all enqueued on st. */
-/* y (rows of R, T.rows) = x · Wᵀ; x rows ldx floats apart, y rows ldy. */
-int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const smoe_cu_rows *R, const float *x, size_t ldx,
-                   float *y, size_t ldy);
+/* 1 when products with T run on the tensor cores (q4 or q8, columns a multiple of 64): they read
+ * the activation's f16 rows, which must then have been prepared. A function of T's shape alone. */
+int smoe_cu_tensor_cores(const smoe_cu_tensor *T);
+/* The f16 rows of x (rows of R; ldx floats apart) for products with cols columns. */
+int smoe_cu_prep(smoe_cu_stream st, const float *x, size_t ldx, uint32_t cols, const smoe_cu_rows *R, void *x16,
+                 float *xe);
+/* y (rows of R, T.rows) = x · Wᵀ, y rows ldy floats apart. */
+int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe_cu_act *a, float *y,
+                   size_t ldy);
 /* x[t] ← row ids[t] of the embedding tensor, dequantised; ids in device memory. */
 int smoe_cu_embed(smoe_cu_stream st, const smoe_cu_tensor *T, const uint8_t *w, const int32_t *ids, uint32_t n,
                   float *x);
@@ -83,7 +99,7 @@ int smoe_cu_rope(smoe_cu_stream st, float *x, uint32_t n, uint32_t heads, uint32
  * layer: token t sees positions [0, pos0 + t]. */
 int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const float *k, const float *v, uint32_t n,
                       uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0);
-int smoe_cu_attention_max_positions(void); /* positions one launch can attend over */
+int smoe_cu_attention_max_positions(uint32_t hd); /* positions one launch can attend over */
 /* x[i] += y[i], i < count */
 int smoe_cu_add(smoe_cu_stream st, float *x, const float *y, size_t count);
 /* Per token: softmax over E router logits, top-k (ties: lower index), renormalised when renorm. */

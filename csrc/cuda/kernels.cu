@@ -29,6 +29,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <stdlib.h>
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8 = 2, FMT_Q4 = 3 };
 enum { SC_F16 = 1, SC_BF16 = 2, SC_F32 = 3 };
@@ -294,12 +295,411 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul_tiled(smoe_cu_tensor T
         }
 }
 
-extern "C" int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const smoe_cu_rows *R, const float *x,
-                              size_t ldx, float *y, size_t ldy) {
+/* ------------------------------------------------------------ tensor-core products (q4, q8) */
+
+/* Products with a q4 or q8 tensor whose columns are a multiple of 64 run on the tensor cores
+ * (mma.sync m16n8k16, f16 inputs, f32 accumulation), for every n: decode, a chunk and each
+ * streamed expert take kernels with the same per-element order, so the GPU's two paths stay
+ * bit-identical. The activation is read as f16 rows that k_prep scaled by a power of two per row
+ * (its largest |x| to [2^14, 2^15): no overflow, 11 significant bits for every row, the scale
+ * undone exactly on the output), its columns permuted within each 8 to 0 4 1 5 2 6 3 7 so that
+ * a half2 of them meets a half2 of codes as one bit operation pulls them out of a q4 word. A
+ * weight is dequantised to f16 as fma(scale, q, bias) in one rounding (q exact: 1024 + q from
+ * the bits, less 1024).
+ *
+ * The order. The columns go in k-blocks of 64; in a k-block, lane t of a quad (lane = 4g + t)
+ * holds the 16 columns 16t … 16t + 15 of its rows and tokens, and k-step s (0–3) feeds the mma
+ * the columns 16t + 8(s >> 1) + {p, p + 4, p + 1, p + 5} with p = 2(s & 1) (the mma's k
+ * positions 2t, 2t + 1, 2t + 8, 2t + 9). The k-blocks go in `ranges` equal runs (8, 4, 2 or 1:
+ * a function of the width alone); run r's sum P_r is one accumulator chained from 0 through its
+ * k-blocks and k-steps in order, and an element is (((P_0 + P_1) + P_2) + …) in f32. Which warp,
+ * tile, kernel or launch computes an element changes none of that. */
+enum { TC_MAXW = 8, TB_WARPS = 4, TB_STAGES = 3, TB_LDS = 72 };
+
+__device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t *>(&h); }
+__device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<__half2 *>(&u); }
+
+/* Two codes placed as 0x6400 | code in each half: fma(scale, q, bias) in f16. */
+__device__ __forceinline__ uint32_t deq2(uint32_t magic, __half2 s, __half2 b) {
+    const __half2 q = __hsub2(bits_h2(magic), __float2half2_rn(1024.0f));
+    return h2_bits(__hfma2(q, s, b));
+}
+
+/* Codes p and p + 4 of a q4 word (8 codes, low nibble first): one lop3. */
+__device__ __forceinline__ uint32_t q4_pair(uint32_t v, int p) { return ((v >> (4 * p)) & 0x000f000fu) | 0x64006400u; }
+
+/* Codes p and p + 4 of 8 q8 codes held in words a (codes 0–3) and b (4–7). */
+__device__ __forceinline__ uint32_t q8_pair(uint32_t a, uint32_t b, int p) {
+    return __byte_perm(__byte_perm(a, b, p | (p + 4) << 4), 0x64u, 0x4140u);
+}
+
+/* A k-block's weights for one lane of a tile of MT·16 rows: the words of its rows (q4: .x .y),
+ * and their scales and biases in f16. */
+template <int MT>
+struct TcA {
+    uint4 wq[MT][2];
+    __half2 s2[MT][2], b2[MT][2];
+};
+
+template <int FMT, int MT>
+__device__ __forceinline__ void tc_load_a(TcA<MT> &f, const smoe_cu_tensor &T, const uint8_t *const (&wrow)[MT][2],
+                                          const size_t (&srow)[MT][2], const uint8_t *sc, const uint8_t *bs,
+                                          uint32_t kb, uint32_t gs, uint32_t t) {
+    const uint32_t gi = (64 * kb + 16 * t) >> gs;
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (FMT == FMT_Q4) {
+                const uint2 v = __ldg(reinterpret_cast<const uint2 *>(wrow[i][h] + 32 * (size_t)kb));
+                f.wq[i][h] = make_uint4(v.x, v.y, 0u, 0u);
+            } else {
+                f.wq[i][h] = __ldg(reinterpret_cast<const uint4 *>(wrow[i][h] + 64 * (size_t)kb));
+            }
+            f.s2[i][h] = __float2half2_rn(ld_scale(T.scale_format, sc, srow[i][h] + gi));
+            f.b2[i][h] = __float2half2_rn(ld_scale(T.scale_format, bs, srow[i][h] + gi));
+        }
+}
+
+/* The A fragments of k-step s. */
+template <int FMT, int MT>
+__device__ __forceinline__ void tc_a(const TcA<MT> &f, int s, uint32_t (&a)[MT][4]) {
+    const int p = 2 * (s & 1);
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            uint32_t lo, hi;
+            if (FMT == FMT_Q4) {
+                const uint32_t v = s < 2 ? f.wq[i][h].x : f.wq[i][h].y;
+                lo = q4_pair(v, p);
+                hi = q4_pair(v, p + 1);
+            } else {
+                const uint32_t va = s < 2 ? f.wq[i][h].x : f.wq[i][h].z, vb = s < 2 ? f.wq[i][h].y : f.wq[i][h].w;
+                lo = q8_pair(va, vb, p);
+                hi = q8_pair(va, vb, p + 1);
+            }
+            a[i][h] = deq2(lo, f.s2[i][h], f.b2[i][h]);
+            a[i][2 + h] = deq2(hi, f.s2[i][h], f.b2[i][h]);
+        }
+}
+
+/* Two k-steps (2h, 2h + 1) with one lane's 8 activations of each n-tile in xb. */
+template <int FMT, int MT, int NT>
+__device__ __forceinline__ void tc_half(const TcA<MT> &f, int h, const uint4 (&xb)[NT], float (&acc)[MT][NT][4]) {
+#pragma unroll
+    for (int ss = 0; ss < 2; ss++) {
+        uint32_t a[MT][4];
+        tc_a<FMT, MT>(f, 2 * h + ss, a);
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int i = 0; i < MT; i++) mma16816(acc[i][j], a[i], ss ? xb[j].z : xb[j].x, ss ? xb[j].w : xb[j].y);
+    }
+}
+
+/* The lane's rows (clamped: a row past the end is computed, never stored) and their scale rows. */
+template <int FMT, int MT>
+__device__ __forceinline__ void tc_rows(const smoe_cu_tensor &T, const uint8_t *w, uint32_t r0, uint32_t g, uint32_t t,
+                                        const uint8_t *(&wrow)[MT][2], size_t (&srow)[MT][2]) {
+    const size_t rowbytes = FMT == FMT_Q4 ? T.cols / 2 : T.cols;
+    const uint32_t ng = T.cols >> (__ffs(T.group) - 1);
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const uint32_t r = min(r0 + 16 * i + g + 8 * h, T.rows - 1);
+            wrow[i][h] = w + (size_t)r * rowbytes + (FMT == FMT_Q4 ? 8 : 16) * t;
+            srow[i][h] = (size_t)r * ng;
+        }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void tc_store(const float (&acc)[MT][NT][4], const smoe_cu_tensor &T, const smoe_cu_rows &R,
+                                         uint32_t r0, uint32_t t0, uint32_t start, uint32_t count, uint32_t g,
+                                         uint32_t t, const float *xe, float *y, size_t ldy) {
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const uint32_t r = r0 + 16 * i + g + 8 * (e >> 1), tk = t0 + 8 * j + 2 * t + (e & 1);
+                if (r < T.rows && tk < count) {
+                    const uint32_t jj = start + tk, out = R.yrow ? R.yrow[jj] : jj;
+                    y[(size_t)out * ldy + r] = __fmul_rn(acc[i][j][e], xe[jj]);
+                }
+            }
+}
+
+template <int MT, int NT>
+__device__ __forceinline__ void tc_zero(float (&acc)[MT][NT][4]) {
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
+}
+
+/* Few tokens (decode, small experts): a block is `ranges` warps on one tile, warp r computing P_r
+ * (its k-blocks loaded U at a time, then applied), warp 0 adding the others' in order. */
+template <int FMT, int MT, int NT, int U>
+__global__ void __launch_bounds__(TC_MAXW * 32) k_tc(smoe_cu_tensor T, smoe_cu_rows R, const __half *__restrict__ x16,
+                                                     const float *__restrict__ xe, float *__restrict__ y, size_t ldy,
+                                                     uint32_t ranges) {
+    __shared__ float part[TC_MAXW - 1][MT * NT * 4][32];
+    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const uint8_t *w;
+    uint32_t start, count;
+    launch_item(R, &w, &start, &count);
+    const uint32_t t0 = blockIdx.z * (NT * 8), r0 = blockIdx.x * (MT * 16);
+    if (t0 >= count || r0 >= T.rows) return; /* the whole block */
+    const uint32_t cols = T.cols, nkb = cols / 64, gs = __ffs(T.group) - 1;
+    const uint8_t *sc = w + T.scales_off, *bs = w + T.biases_off;
+    const uint8_t *wrow[MT][2];
+    size_t srow[MT][2];
+    tc_rows<FMT, MT>(T, w, r0, g, t, wrow, srow);
+    const __half *xr[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) xr[j] = x16 + (size_t)(start + min(t0 + 8 * j + g, count - 1)) * cols + 16 * t;
+    float acc[MT][NT][4];
+    tc_zero(acc);
+    const uint32_t kb0 = warp * nkb / ranges, kb1 = (warp + 1) * nkb / ranges;
+    for (uint32_t kb = kb0; kb < kb1; kb += U) {
+        TcA<MT> fa[U];
+        uint4 xb[U][2][NT];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (kb + u < kb1) {
+                tc_load_a<FMT, MT>(fa[u], T, wrow, srow, sc, bs, kb + u, gs, t);
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+                        xb[u][h][j] = __ldg(reinterpret_cast<const uint4 *>(xr[j] + 64 * (size_t)(kb + u) + 8 * h));
+            }
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (kb + u < kb1) {
+                tc_half<FMT, MT, NT>(fa[u], 0, xb[u][0], acc);
+                tc_half<FMT, MT, NT>(fa[u], 1, xb[u][1], acc);
+            }
+    }
+    if (ranges > 1) {
+        if (warp > 0)
+#pragma unroll
+            for (int i = 0; i < MT; i++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) part[warp - 1][(i * NT + j) * 4 + e][lane] = acc[i][j][e];
+        __syncthreads();
+        if (warp > 0) return;
+        for (uint32_t r = 1; r < ranges; r++)
+#pragma unroll
+            for (int i = 0; i < MT; i++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++)
+                        acc[i][j][e] = __fadd_rn(acc[i][j][e], part[r - 1][(i * NT + j) * 4 + e][lane]);
+    }
+    tc_store(acc, T, R, r0, t0, start, count, g, t, xe, y, ldy);
+}
+
+__device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+/* Many tokens (prefill): a block is 4 warps on 4 row tiles of the same NT·8 tokens, whose
+ * activations pass through shared memory (cp.async, TB_STAGES k-blocks in flight) for all four;
+ * each warp runs the ranges one after another, its weights loaded one k-block ahead. */
+template <int FMT, int MT, int NT>
+__global__ void __launch_bounds__(TB_WARPS * 32) k_tcb(smoe_cu_tensor T, smoe_cu_rows R, const __half *__restrict__ x16,
+                                                       const float *__restrict__ xe, float *__restrict__ y, size_t ldy,
+                                                       uint32_t ranges) {
+    __shared__ __align__(16) __half Bs[TB_STAGES][NT * 8][TB_LDS];
+    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const uint8_t *w;
+    uint32_t start, count;
+    launch_item(R, &w, &start, &count);
+    const uint32_t t0 = blockIdx.z * (NT * 8), rb = blockIdx.x * (TB_WARPS * MT * 16), r0 = rb + warp * (MT * 16);
+    if (t0 >= count || rb >= T.rows) return; /* the whole block */
+    const uint32_t cols = T.cols, nkb = cols / 64, gs = __ffs(T.group) - 1;
+    const uint8_t *sc = w + T.scales_off, *bs = w + T.biases_off;
+    const uint8_t *wrow[MT][2];
+    size_t srow[MT][2];
+    tc_rows<FMT, MT>(T, w, min(r0, T.rows - 1), g, t, wrow, srow);
+    auto issue = [&](uint32_t kb) {
+        const int stage = kb % TB_STAGES;
+        for (uint32_t c = threadIdx.x; c < NT * 8 * 8; c += TB_WARPS * 32) {
+            const uint32_t tok = c >> 3, part = c & 7;
+            cp_async16(&Bs[stage][tok][8 * part],
+                       x16 + (size_t)(start + min(t0 + tok, count - 1)) * cols + 64 * (size_t)kb + 8 * part);
+        }
+    };
+#pragma unroll
+    for (int st = 0; st < TB_STAGES - 1; st++) {
+        if ((uint32_t)st < nkb) issue(st);
+        cp_commit();
+    }
+    float acc[MT][NT][4], tot[MT][NT][4];
+    tc_zero(acc);
+    tc_zero(tot);
+    uint32_t r = 0, kend = nkb / ranges;
+    TcA<MT> cur, nxt;
+    tc_load_a<FMT, MT>(cur, T, wrow, srow, sc, bs, 0, gs, t);
+    for (uint32_t kb = 0; kb < nkb; kb++) {
+        cp_wait<TB_STAGES - 2>();
+        __syncthreads();
+        if (kb + TB_STAGES - 1 < nkb) issue(kb + TB_STAGES - 1);
+        cp_commit();
+        if (kb + 1 < nkb) tc_load_a<FMT, MT>(nxt, T, wrow, srow, sc, bs, kb + 1, gs, t);
+        const int stage = kb % TB_STAGES;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            uint4 xb[NT];
+#pragma unroll
+            for (int j = 0; j < NT; j++) xb[j] = *reinterpret_cast<const uint4 *>(&Bs[stage][8 * j + g][16 * t + 8 * h]);
+            tc_half<FMT, MT, NT>(cur, h, xb, acc);
+        }
+        cur = nxt;
+        if (kb + 1 == kend) { /* the end of range r: tot = P_0, then tot + P_r */
+#pragma unroll
+            for (int i = 0; i < MT; i++)
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        tot[i][j][e] = r == 0 ? acc[i][j][e] : __fadd_rn(tot[i][j][e], acc[i][j][e]);
+                        acc[i][j][e] = 0.0f;
+                    }
+            r++;
+            kend = (r + 1) * nkb / ranges;
+        }
+    }
+    tc_store(tot, T, R, r0, t0, start, count, g, t, xe, y, ldy);
+}
+
+/* SMOE_CUDA_TC=0 or SMOE_CUDA_FLASH=0 (read once per process) turn the tensor-core products or the
+ * tensor-core attention off, for comparisons: the older kernels, in their own fixed orders. */
+static bool env_on(const char *name) {
+    const char *v = getenv(name);
+    return !(v && v[0] == '0');
+}
+
+extern "C" int smoe_cu_tensor_cores(const smoe_cu_tensor *T) {
+    static const bool on = env_on("SMOE_CUDA_TC");
+    return on && (T->format == FMT_Q4 || T->format == FMT_Q8) && T->cols % 64 == 0 && T->group >= 16;
+}
+
+/* Rows of x (those of R, as the products take them) to f16, each scaled by the power of two that
+ * puts its largest |x| in [2^14, 2^15); xe holds the factor that undoes it. One block a row; the
+ * maximum is exact in any order. */
+__global__ void k_prep(const float *x, size_t ldx, uint32_t cols, smoe_cu_rows R, __half *x16, float *xe) {
+    __shared__ float red[256];
+    uint32_t start, count;
+    if (R.items) {
+        const uint32_t u = R.items[blockIdx.y];
+        start = R.start[u];
+        count = R.count[u];
+    } else {
+        start = 0;
+        count = R.n;
+    }
+    if (blockIdx.x >= count) return;
+    const size_t row = start + blockIdx.x;
+    const float *xr = x + row * ldx;
+    float m = 0.0f;
+    for (uint32_t c = threadIdx.x; c < cols; c += 256) m = fmaxf(m, fabsf(xr[c]));
+    red[threadIdx.x] = m;
+    __syncthreads();
+    for (int k = 128; k > 0; k >>= 1) {
+        if (threadIdx.x < (unsigned)k) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + k]);
+        __syncthreads();
+    }
+    m = red[0];
+    int ex = 0;
+    if (m > 0.0f && m <= 3.0e38f) frexpf(m, &ex);
+    const int e = max(ex - 15, -100);
+    const float down = ldexpf(1.0f, -e);
+    __half *o = x16 + row * cols;
+    /* within each 8 columns, the order 0 4 1 5 2 6 3 7 (k_tc's order) */
+    for (uint32_t c = threadIdx.x; c < cols; c += 256)
+        o[c] = __float2half_rn(__fmul_rn(xr[(c & ~7u) | (c & 7u) >> 1 | (c & 1u) << 2], down));
+    if (threadIdx.x == 0) xe[row] = ldexpf(1.0f, e);
+}
+
+extern "C" int smoe_cu_prep(smoe_cu_stream st, const float *x, size_t ldx, uint32_t cols, const smoe_cu_rows *R,
+                            void *x16, float *xe) {
     const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
     if (items == 0 || m == 0) return 0;
-    dim3 grid((T->rows + MM_WARPS - 1) / MM_WARPS, items, (m + MM_TZ - 1) / MM_TZ);
+    k_prep<<<dim3(m, items), 256, 0, (cudaStream_t)st>>>(x, ldx, cols, *R, (__half *)x16, xe);
+    return (int)cudaGetLastError();
+}
+
+/* The ranges of a tensor's k-blocks (k_tc's order): a function of its width alone. */
+static uint32_t tc_ranges(uint32_t cols) {
+    const uint32_t nkb = cols / 64;
+    return nkb % 8 == 0 ? 8 : nkb % 4 == 0 ? 4 : nkb % 2 == 0 ? 2 : 1;
+}
+
+template <int FMT>
+static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe_cu_act *a, float *y, size_t ldy,
+                      uint32_t items, uint32_t m, cudaStream_t s) {
+    const __half *x16 = (const __half *)a->x16;
+    const uint32_t ranges = tc_ranges(T->cols);
+    /* Tiles change no bits (only the ranges do), so they follow n. SMOE_CUDA_TILE (for comparisons)
+     * picks the many-token tile: 0 = 32 rows × 64 tokens a warp, 1 = 32 × 32, 2 = 64 × 32. */
+    static const int big = getenv("SMOE_CUDA_TILE") ? atoi(getenv("SMOE_CUDA_TILE")) : 0;
+#define TC_SMALL(MT, NT, U)                                                                                            \
+    k_tc<FMT, MT, NT, U><<<dim3((T->rows + 16 * MT - 1) / (16 * MT), items, (m + 8 * NT - 1) / (8 * NT)), 32 * ranges, \
+                           0, s>>>(*T, *R, x16, a->xe, y, ldy, ranges)
+#define TC_BIG(MT, NT)                                                                                                 \
+    k_tcb<FMT, MT, NT><<<dim3((T->rows + TB_WARPS * 16 * MT - 1) / (TB_WARPS * 16 * MT), items,                        \
+                              (m + 8 * NT - 1) / (8 * NT)),                                                            \
+                         TB_WARPS * 32, 0, s>>>(*T, *R, x16, a->xe, y, ldy, ranges)
+    if (m <= 8)
+        TC_SMALL(1, 1, 4);
+    else if (m <= 16)
+        TC_SMALL(1, 2, 4);
+    else if (m <= 32 || big == 1)
+        TC_BIG(2, 4);
+    else if (big == 2)
+        TC_BIG(4, 4);
+    else
+        TC_BIG(2, 8);
+#undef TC_SMALL
+#undef TC_BIG
+}
+
+extern "C" int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe_cu_act *a,
+                              float *y, size_t ldy) {
+    const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
+    if (items == 0 || m == 0) return 0;
     cudaStream_t s = (cudaStream_t)st;
+    if (smoe_cu_tensor_cores(T)) {
+        if (!a->x16 || !a->xe) return (int)cudaErrorInvalidValue;
+        if (T->format == FMT_Q4)
+            launch_tc<FMT_Q4>(T, R, a, y, ldy, items, m, s);
+        else
+            launch_tc<FMT_Q8>(T, R, a, y, ldy, items, m, s);
+        return (int)cudaGetLastError();
+    }
+    const float *x = a->x;
+    const size_t ldx = a->ldx;
+    dim3 grid((T->rows + MM_WARPS - 1) / MM_WARPS, items, (m + MM_TZ - 1) / MM_TZ);
     if (m >= TILED_MIN) {
         dim3 g2((T->rows + MM_WARPS * RT - 1) / (MM_WARPS * RT), items, (m + TT2 - 1) / TT2);
         switch (T->format) {
@@ -458,20 +858,185 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const flo
     }
 }
 
-extern "C" int smoe_cu_attention_max_positions(void) { return ATT_SMEM / 4 - 512; }
+/* Attention on the tensor cores for head sizes 32, 64 and 128 (flash attention's order, with tiles
+ * of positions fixed from position 0). A block takes one KV head and 64 rows (token, head of the
+ * group); a warp 16 of them. Per tile of 64 positions: K and V (f32 in VRAM) to f16 in shared
+ * memory; S = Q·Kᵀ by mma (q to f16; the f32 sum scaled by 1/√d), masked past each row's position;
+ * the row's running max m over the tiles so far (exact in any order), corr = exp(m_old − m_new),
+ * p = exp(s − m_new); the lane's partial sum l = l·corr, then + p over its columns in order; O =
+ * O·corr + P·V by mma (p to f16). At the end l is the quad's sum (xor 1, then 2) and the output
+ * O / l. A row's tiles are 0, 1, … up to its own position's, whichever rows share its block: a tile
+ * wholly past its position changes none of its bits (corr = 1, p = 0). */
+enum { FA_WARPS = 4, FA_BN = 64 };
+
+__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) { return h2_bits(__floats2half2_rn(lo, hi)); }
+
+template <int HD>
+__global__ void __launch_bounds__(FA_WARPS * 32) k_flash(float *__restrict__ att, const float *__restrict__ q,
+                                                         const float *__restrict__ k, const float *__restrict__ v,
+                                                         uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t pos0) {
+    constexpr int KS = HD / 16, ND = HD / 8, NP = FA_BN / 8, LDK = HD + 8, LDV = FA_BN + 8;
+    __shared__ __align__(16) __half Ks[FA_BN * LDK];
+    __shared__ __align__(16) __half Vt[HD * LDV];
+    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const uint32_t gq = heads / kv_heads, kvh = blockIdx.x, kv_dim = kv_heads * HD, nrows = n * gq;
+    const uint32_t R0 = blockIdx.y * (FA_WARPS * 16), Rw = R0 + warp * 16;
+    const uint32_t last = pos0 + min(R0 + FA_WARPS * 16 - 1, nrows - 1) / gq, ntiles = last / FA_BN + 1;
+    const bool active = Rw < nrows;
+    uint32_t tok[2], head[2], qpos[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const uint32_t r = min(Rw + g + 8 * h, nrows - 1);
+        tok[h] = r / gq;
+        head[h] = kvh * gq + r % gq;
+        qpos[h] = pos0 + tok[h];
+    }
+    uint32_t qa[KS][4];
+#pragma unroll
+    for (int kd = 0; kd < KS; kd++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const float *qr = q + ((size_t)tok[h] * heads + head[h]) * HD + 16 * kd + 2 * t;
+            qa[kd][h] = pack_h2(qr[0], qr[1]);
+            qa[kd][2 + h] = pack_h2(qr[8], qr[9]);
+        }
+    float o[ND][4];
+#pragma unroll
+    for (int d = 0; d < ND; d++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) o[d][e] = 0.0f;
+    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.0f, 0.0f};
+    const float scale = (float)(1.0 / sqrt((double)HD));
+    for (uint32_t tile = 0; tile < ntiles; tile++) {
+        const uint32_t p0 = tile * FA_BN;
+        __syncthreads();
+        /* K row by row (coalesced); V transposed, position fastest (conflict-free stores) */
+        for (uint32_t i = threadIdx.x; i < FA_BN * (HD / 4); i += FA_WARPS * 32) {
+            const uint32_t p = i / (HD / 4), d = 4 * (i % (HD / 4));
+            float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (p0 + p <= last) kk = *reinterpret_cast<const float4 *>(k + (size_t)(p0 + p) * kv_dim + (size_t)kvh * HD + d);
+            *reinterpret_cast<__half2 *>(Ks + p * LDK + d) = __floats2half2_rn(kk.x, kk.y);
+            *reinterpret_cast<__half2 *>(Ks + p * LDK + d + 2) = __floats2half2_rn(kk.z, kk.w);
+        }
+        for (uint32_t i = threadIdx.x; i < FA_BN * (HD / 4); i += FA_WARPS * 32) {
+            const uint32_t p = i % FA_BN, d = 4 * (i / FA_BN);
+            float4 vv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            if (p0 + p <= last) vv = *reinterpret_cast<const float4 *>(v + (size_t)(p0 + p) * kv_dim + (size_t)kvh * HD + d);
+            Vt[(d + 0) * LDV + p] = __float2half_rn(vv.x);
+            Vt[(d + 1) * LDV + p] = __float2half_rn(vv.y);
+            Vt[(d + 2) * LDV + p] = __float2half_rn(vv.z);
+            Vt[(d + 3) * LDV + p] = __float2half_rn(vv.w);
+        }
+        __syncthreads();
+        if (!active) continue;
+        float sa[NP][4];
+#pragma unroll
+        for (int np = 0; np < NP; np++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) sa[np][e] = 0.0f;
+#pragma unroll
+        for (int kd = 0; kd < KS; kd++)
+#pragma unroll
+            for (int np = 0; np < NP; np++) {
+                const __half *kr = Ks + (np * 8 + g) * LDK + 16 * kd + 2 * t;
+                mma16816(sa[np], qa[kd], *reinterpret_cast<const uint32_t *>(kr),
+                         *reinterpret_cast<const uint32_t *>(kr + 8));
+            }
+        float mx[2] = {mrow[0], mrow[1]};
+#pragma unroll
+        for (int np = 0; np < NP; np++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int h = e >> 1;
+                const uint32_t pos = p0 + np * 8 + 2 * t + (e & 1);
+                const float sv = pos <= qpos[h] ? __fmul_rn(sa[np][e], scale) : -INFINITY;
+                sa[np][e] = sv;
+                mx[h] = fmaxf(mx[h], sv);
+            }
+        float corr[2];
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+            corr[h] = expf(__fsub_rn(mrow[h], mx[h]));
+            mrow[h] = mx[h];
+            lrow[h] = __fmul_rn(lrow[h], corr[h]);
+        }
+        uint32_t pa[FA_BN / 16][4];
+#pragma unroll
+        for (int np = 0; np < NP; np++) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; e++) {
+                const int h = e >> 1;
+                p[e] = expf(__fsub_rn(sa[np][e], mrow[h]));
+                lrow[h] = __fadd_rn(lrow[h], p[e]);
+            }
+            pa[np / 2][2 * (np & 1)] = pack_h2(p[0], p[1]);
+            pa[np / 2][2 * (np & 1) + 1] = pack_h2(p[2], p[3]);
+        }
+#pragma unroll
+        for (int d = 0; d < ND; d++) {
+            o[d][0] = __fmul_rn(o[d][0], corr[0]);
+            o[d][1] = __fmul_rn(o[d][1], corr[0]);
+            o[d][2] = __fmul_rn(o[d][2], corr[1]);
+            o[d][3] = __fmul_rn(o[d][3], corr[1]);
+        }
+#pragma unroll
+        for (int kk = 0; kk < FA_BN / 16; kk++)
+#pragma unroll
+            for (int d = 0; d < ND; d++) {
+                const __half *vr = Vt + (d * 8 + g) * LDV + 16 * kk + 2 * t;
+                mma16816(o[d], pa[kk], *reinterpret_cast<const uint32_t *>(vr),
+                         *reinterpret_cast<const uint32_t *>(vr + 8));
+            }
+    }
+    if (!active) return;
+    float l[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        l[h] = __fadd_rn(lrow[h], __shfl_xor_sync(0xffffffffu, lrow[h], 1));
+        l[h] = __fadd_rn(l[h], __shfl_xor_sync(0xffffffffu, l[h], 2));
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        if (Rw + g + 8 * h >= nrows) continue;
+        float *orow = att + ((size_t)tok[h] * heads + head[h]) * HD + 2 * t;
+#pragma unroll
+        for (int d = 0; d < ND; d++) {
+            orow[8 * d] = __fdiv_rn(o[d][2 * h], l[h]);
+            orow[8 * d + 1] = __fdiv_rn(o[d][2 * h + 1], l[h]);
+        }
+    }
+}
+
+static bool flash_head(uint32_t hd) {
+    static const bool on = env_on("SMOE_CUDA_FLASH");
+    return on && (hd == 32 || hd == 64 || hd == 128);
+}
+
+extern "C" int smoe_cu_attention_max_positions(uint32_t hd) { return flash_head(hd) ? 1 << 30 : ATT_SMEM / 4 - 512; }
 
 extern "C" int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const float *k, const float *v,
                                  uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0) {
+    if (n == 0) return 0;
+    cudaStream_t s = (cudaStream_t)st;
+    if (flash_head(hd)) {
+        dim3 grid(kv_heads, (n * (heads / kv_heads) + FA_WARPS * 16 - 1) / (FA_WARPS * 16));
+        if (hd == 32) k_flash<32><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, pos0);
+        else if (hd == 64) k_flash<64><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, pos0);
+        else k_flash<128><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, pos0);
+        return (int)cudaGetLastError();
+    }
     static int configured;
     if (!configured) {
         cudaError_t e = cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM);
         if (e != cudaSuccess) return (int)e;
         configured = 1;
     }
-    if (n == 0) return 0;
     size_t smem = (size_t)(hd + pos0 + n) * sizeof(float);
     dim3 grid(heads, n);
-    k_attention<<<grid, ATT_THREADS, smem, (cudaStream_t)st>>>(att, q, k, v, heads, kv_heads, hd, pos0);
+    k_attention<<<grid, ATT_THREADS, smem, s>>>(att, q, k, v, heads, kv_heads, hd, pos0);
     return (int)cudaGetLastError();
 }
 
