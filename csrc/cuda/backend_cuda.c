@@ -16,8 +16,9 @@
  *   3. the experts already in VRAM run at once, all of them in one launch per product;
  *   4. each expert that is not: its blob from the streamer (a host hit, or a read from disk that
  *      was fired for every missing expert before the first wait), an asynchronous copy into a VRAM
- *      slot on the upload stream, and its products on the compute stream once the copy's event
- *      fired — so copies overlap the products of the experts before them. A VRAM slot is reused
+ *      slot on the upload stream, and the products of up to MISS_BATCH such experts in one launch
+ *      on the compute stream once their copies are done — so copies overlap the products of the
+ *      experts before them. A VRAM slot is reused
  *      only after the compute stream passed the last product that read it (an event the upload
  *      stream waits on), never by host waits;
  *   5. the weighted sum in slot order and the residual.
@@ -31,7 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { MIN_VSLOTS = 2, RING = 64 };
+enum { MIN_VSLOTS = 2, RING = 64, MISS_BATCH = 8 };
 
 typedef struct {
     smoe_cu_stream cs, us; /* compute, upload */
@@ -528,6 +529,7 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
         for (uint32_t i = 0; i < n_hit; i++) c->vslot_ev[c->h_vslot[c->h_items[i]]] = done;
     }
 
+    uint32_t batch0 = 0, batch_rows = 0; /* the misses [batch0, i) uploaded, their products not yet enqueued */
     for (uint32_t i = 0; i < n_miss; i++) {
         uint32_t u = miss[i], vs = c->h_vslot[u];
         if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK) {
@@ -558,7 +560,6 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
         if (!e1) e1 = smoe_cu_upload(c->vcache + (size_t)vs * c->blob_bytes, smoe_streamer_data(s->streamer, slot),
                                      c->blob_bytes, c->us);
         if (!e1) e1 = smoe_cu_event_record(c->sslot_ev[slot], c->us);
-        if (!e1) e1 = smoe_cu_stream_wait(c->cs, c->sslot_ev[slot]);
         if (e1) {
             abandon(s, l, miss, i, n_miss);
             return cu_fail(s, e1, "expert upload");
@@ -567,12 +568,23 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
         c->h_sslot[u] = -1;
         c->uploads++;
         c->upload_bytes += c->blob_bytes;
+        batch_rows = c->h_ucount[u] > batch_rows ? c->h_ucount[u] : batch_rows;
+        /* The products of up to MISS_BATCH uploaded experts go in one launch, once the last of their
+         * copies is done (the upload stream runs in order). Consecutive misses take distinct slots
+         * (LRU, at most n_vslots apart), so no slot of a batch is uploaded twice before its products. */
+        if (i + 1 - batch0 < MISS_BATCH && i + 1 - batch0 < c->n_vslots && i + 1 < n_miss) continue;
+        if ((e1 = smoe_cu_stream_wait(c->cs, c->sslot_ev[slot])) != 0) {
+            abandon(s, l, miss, i + 1, n_miss);
+            return cu_fail(s, e1, "expert upload");
+        }
         smoe_cu_event done;
-        if ((st = run_experts(s, n_hit + i, 1, c->h_ucount[u], &done)) != SMOE_OK) {
+        if ((st = run_experts(s, n_hit + batch0, i + 1 - batch0, batch_rows, &done)) != SMOE_OK) {
             abandon(s, l, miss, i + 1, n_miss);
             return st;
         }
-        c->vslot_ev[vs] = done;
+        for (uint32_t j = batch0; j <= i; j++) c->vslot_ev[c->h_vslot[miss[j]]] = done;
+        batch0 = i + 1;
+        batch_rows = 0;
     }
     CU(smoe_cu_moe_sum(c->cs, c->x, c->slot_out, c->topk_w, n, K, H));
     release_held(s);

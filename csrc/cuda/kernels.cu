@@ -314,7 +314,7 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul_tiled(smoe_cu_tensor T
  * a function of the width alone); run r's sum P_r is one accumulator chained from 0 through its
  * k-blocks and k-steps in order, and an element is (((P_0 + P_1) + P_2) + …) in f32. Which warp,
  * tile, kernel or launch computes an element changes none of that. */
-enum { TC_MAXW = 8, TB_WARPS = 4, TB_STAGES = 3, TB_LDS = 72 };
+enum { TC_MAXW = 8, TB_WARPS = 4, TB_STAGES = 4, TB_LDS = 72 };
 
 __device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -346,6 +346,19 @@ struct TcA {
     uint4 wq[MT][2];
     __half2 s2[MT][2], b2[MT][2];
 };
+
+template <int MT>
+__device__ __forceinline__ void tc_load_s(TcA<MT> &f, const smoe_cu_tensor &T, const size_t (&srow)[MT][2],
+                                          const uint8_t *sc, const uint8_t *bs, uint32_t kb, uint32_t gs, uint32_t t) {
+    const uint32_t gi = (64 * kb + 16 * t) >> gs;
+#pragma unroll
+    for (int i = 0; i < MT; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            f.s2[i][h] = __float2half2_rn(ld_scale(T.scale_format, sc, srow[i][h] + gi));
+            f.b2[i][h] = __float2half2_rn(ld_scale(T.scale_format, bs, srow[i][h] + gi));
+        }
+}
 
 template <int FMT, int MT>
 __device__ __forceinline__ void tc_load_a(TcA<MT> &f, const smoe_cu_tensor &T, const uint8_t *const (&wrow)[MT][2],
@@ -522,31 +535,47 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-/* Many tokens (prefill): a block is 4 warps on 4 row tiles of the same NT·8 tokens, whose
- * activations pass through shared memory (cp.async, TB_STAGES k-blocks in flight) for all four;
- * each warp runs the ranges one after another, its weights loaded one k-block ahead. */
+/* Many tokens (prefill): a block is 4 warps on 4 row tiles of the same NT·8 tokens. The tokens'
+ * activations and the block's weight words pass through shared memory (cp.async, TB_STAGES
+ * k-blocks in flight), the scales one k-block ahead in registers; each warp runs the ranges one
+ * after another. Shared memory per stage: NT·8 activation rows of TB_LDS halves, then the weight
+ * rows (q4: 32 bytes a k-block, q8: 64; 16 of padding). */
+template <int FMT>
+__host__ __device__ constexpr int tb_arow() { return FMT == FMT_Q4 ? 48 : 80; }
+template <int FMT, int MT, int NT>
+__host__ __device__ constexpr int tb_stage_bytes() { return NT * 8 * TB_LDS * 2 + TB_WARPS * MT * 16 * tb_arow<FMT>(); }
+
 template <int FMT, int MT, int NT>
 __global__ void __launch_bounds__(TB_WARPS * 32) k_tcb(smoe_cu_tensor T, smoe_cu_rows R, const __half *__restrict__ x16,
                                                        const float *__restrict__ xe, float *__restrict__ y, size_t ldy,
                                                        uint32_t ranges) {
-    __shared__ __align__(16) __half Bs[TB_STAGES][NT * 8][TB_LDS];
+    extern __shared__ __align__(16) uint8_t sm_tcb[];
+    constexpr int SB = tb_stage_bytes<FMT, MT, NT>(), AROW = tb_arow<FMT>(), ABYTES = FMT == FMT_Q4 ? 32 : 64;
+    constexpr int BROWS = NT * 8, AROWS = TB_WARPS * MT * 16;
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const uint8_t *w;
     uint32_t start, count;
     launch_item(R, &w, &start, &count);
-    const uint32_t t0 = blockIdx.z * (NT * 8), rb = blockIdx.x * (TB_WARPS * MT * 16), r0 = rb + warp * (MT * 16);
+    const uint32_t t0 = blockIdx.z * (NT * 8), rb = blockIdx.x * AROWS, r0 = rb + warp * (MT * 16);
     if (t0 >= count || rb >= T.rows) return; /* the whole block */
     const uint32_t cols = T.cols, nkb = cols / 64, gs = __ffs(T.group) - 1;
+    const size_t rowbytes = FMT == FMT_Q4 ? cols / 2 : cols;
     const uint8_t *sc = w + T.scales_off, *bs = w + T.biases_off;
     const uint8_t *wrow[MT][2];
     size_t srow[MT][2];
     tc_rows<FMT, MT>(T, w, min(r0, T.rows - 1), g, t, wrow, srow);
     auto issue = [&](uint32_t kb) {
-        const int stage = kb % TB_STAGES;
-        for (uint32_t c = threadIdx.x; c < NT * 8 * 8; c += TB_WARPS * 32) {
+        uint8_t *st = sm_tcb + (kb % TB_STAGES) * SB;
+        for (uint32_t c = threadIdx.x; c < BROWS * 8; c += TB_WARPS * 32) {
             const uint32_t tok = c >> 3, part = c & 7;
-            cp_async16(&Bs[stage][tok][8 * part],
+            cp_async16(st + tok * (TB_LDS * 2) + 16 * part,
                        x16 + (size_t)(start + min(t0 + tok, count - 1)) * cols + 64 * (size_t)kb + 8 * part);
+        }
+        uint8_t *sa = st + BROWS * TB_LDS * 2;
+        for (uint32_t c = threadIdx.x; c < AROWS * (ABYTES / 16); c += TB_WARPS * 32) {
+            const uint32_t row = c / (ABYTES / 16), part = c % (ABYTES / 16);
+            cp_async16(sa + row * AROW + 16 * part,
+                       w + (size_t)min(rb + row, T.rows - 1) * rowbytes + (size_t)ABYTES * kb + 16 * part);
         }
     };
 #pragma unroll
@@ -558,20 +587,33 @@ __global__ void __launch_bounds__(TB_WARPS * 32) k_tcb(smoe_cu_tensor T, smoe_cu
     tc_zero(acc);
     tc_zero(tot);
     uint32_t r = 0, kend = nkb / ranges;
-    TcA<MT> cur, nxt;
-    tc_load_a<FMT, MT>(cur, T, wrow, srow, sc, bs, 0, gs, t);
+    TcA<MT> cur, nxt; /* scales and biases here; the words come from shared memory */
+    tc_load_s<MT>(cur, T, srow, sc, bs, 0, gs, t);
     for (uint32_t kb = 0; kb < nkb; kb++) {
         cp_wait<TB_STAGES - 2>();
         __syncthreads();
         if (kb + TB_STAGES - 1 < nkb) issue(kb + TB_STAGES - 1);
         cp_commit();
-        if (kb + 1 < nkb) tc_load_a<FMT, MT>(nxt, T, wrow, srow, sc, bs, kb + 1, gs, t);
-        const int stage = kb % TB_STAGES;
+        if (kb + 1 < nkb) tc_load_s<MT>(nxt, T, srow, sc, bs, kb + 1, gs, t);
+        const uint8_t *st = sm_tcb + (kb % TB_STAGES) * SB, *sa = st + BROWS * TB_LDS * 2;
+#pragma unroll
+        for (int i = 0; i < MT; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *p = sa + (warp * MT * 16 + 16 * i + g + 8 * h) * AROW + (ABYTES / 4) * t;
+                if (FMT == FMT_Q4) {
+                    const uint2 v = *reinterpret_cast<const uint2 *>(p);
+                    cur.wq[i][h] = make_uint4(v.x, v.y, 0u, 0u);
+                } else {
+                    cur.wq[i][h] = *reinterpret_cast<const uint4 *>(p);
+                }
+            }
 #pragma unroll
         for (int h = 0; h < 2; h++) {
             uint4 xb[NT];
 #pragma unroll
-            for (int j = 0; j < NT; j++) xb[j] = *reinterpret_cast<const uint4 *>(&Bs[stage][8 * j + g][16 * t + 8 * h]);
+            for (int j = 0; j < NT; j++)
+                xb[j] = *reinterpret_cast<const uint4 *>(st + ((8 * j + g) * TB_LDS + 16 * t + 8 * h) * 2);
             tc_half<FMT, MT, NT>(cur, h, xb, acc);
         }
         cur = nxt;
@@ -667,9 +709,17 @@ static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe
     k_tc<FMT, MT, NT, U><<<dim3((T->rows + 16 * MT - 1) / (16 * MT), items, (m + 8 * NT - 1) / (8 * NT)), 32 * ranges, \
                            0, s>>>(*T, *R, x16, a->xe, y, ldy, ranges)
 #define TC_BIG(MT, NT)                                                                                                 \
-    k_tcb<FMT, MT, NT><<<dim3((T->rows + TB_WARPS * 16 * MT - 1) / (TB_WARPS * 16 * MT), items,                        \
-                              (m + 8 * NT - 1) / (8 * NT)),                                                            \
-                         TB_WARPS * 32, 0, s>>>(*T, *R, x16, a->xe, y, ldy, ranges)
+    do {                                                                                                               \
+        constexpr int smem = TB_STAGES * tb_stage_bytes<FMT, MT, NT>();                                                \
+        static bool configured;                                                                                        \
+        if (!configured) {                                                                                             \
+            cudaFuncSetAttribute(k_tcb<FMT, MT, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);               \
+            configured = true;                                                                                         \
+        }                                                                                                              \
+        k_tcb<FMT, MT, NT><<<dim3((T->rows + TB_WARPS * 16 * MT - 1) / (TB_WARPS * 16 * MT), items,                    \
+                                  (m + 8 * NT - 1) / (8 * NT)),                                                        \
+                             TB_WARPS * 32, smem, s>>>(*T, *R, x16, a->xe, y, ldy, ranges);                             \
+    } while (0)
     if (m <= 8)
         TC_SMALL(1, 1, 4);
     else if (m <= 16)
