@@ -452,7 +452,14 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
     const smoe_layer_weights *L = &s->lay->layers[l];
     uint32_t E = cf->num_experts, K = cf->num_experts_per_tok, H = cf->hidden_size;
     smoe_status st;
-    if ((st = linear_x(s, L->router, c->xn, H, H, n, c->router, E)) != SMOE_OK) return st;
+    /* xn's f16 rows, for the router if it needs them and for the experts' gathered rows */
+    bool tc_experts = tensor_cores(&s->lay->expert[0]) || tensor_cores(&s->lay->expert[1]);
+    smoe_cu_rows Rn = {.n = n};
+    smoe_cu_act a;
+    const smoe_tensor *first = tensor_cores(&s->lay->expert[0]) ? &s->lay->expert[0] : &s->lay->expert[1];
+    if ((st = act(s, tc_experts ? first : L->router, c->xn, H, H, &Rn, c->a16, c->ae, &a)) != SMOE_OK) return st;
+    if (!tensor_cores(L->router)) a.x16 = NULL, a.xe = NULL;
+    if ((st = linear(s, L->router, &a, n, c->router, E)) != SMOE_OK) return st;
     CU(smoe_cu_route(c->cs, c->router, n, E, K, cf->norm_topk_prob, c->topk_idx, c->topk_w));
     CU(smoe_cu_download(c->h_topk, c->topk_idx, (size_t)n * K * 4, c->cs));
     CU(smoe_cu_stream_sync(c->cs));
@@ -505,11 +512,10 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
     c->hits += n_hit;
     c->misses += n_miss;
     CU(smoe_cu_upload(c->idx, c->h_idx, c->idx_rows_off + (size_t)off * 4, c->cs));
-    CU(smoe_cu_gather(c->cs, c->xg, c->xn, c->rows, K, off, H));
-    if (tensor_cores(&s->lay->expert[0]) || tensor_cores(&s->lay->expert[1])) {
-        smoe_cu_rows Rg = {.n = off};
-        CU(smoe_cu_prep(c->cs, c->xg, H, H, &Rg, c->g16, c->ge));
-    }
+    if (tc_experts)
+        CU(smoe_cu_gather16(c->cs, c->g16, c->ge, c->a16, c->ae, c->rows, K, off, H));
+    if (!tensor_cores(&s->lay->expert[0]) || !tensor_cores(&s->lay->expert[1]))
+        CU(smoe_cu_gather(c->cs, c->xg, c->xn, c->rows, K, off, H));
 
     /* Fire every miss's read (as far as the host cache's slots allow) before the first wait. */
     uint32_t acquired = 0;

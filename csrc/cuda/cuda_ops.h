@@ -108,6 +108,9 @@ int smoe_cu_route(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E
 /* xg row j = xn row rows[j] / K, j < total (hidden floats each). */
 int smoe_cu_gather(smoe_cu_stream st, float *xg, const float *xn, const uint32_t *rows, uint32_t K, uint32_t total,
                    uint32_t hidden);
+/* The same for f16 rows prepared by smoe_cu_prep (cols a multiple of 8) and their scales. */
+int smoe_cu_gather16(smoe_cu_stream st, void *g16, float *ge, const void *a16, const float *ae, const uint32_t *rows,
+                     uint32_t K, uint32_t total, uint32_t cols);
 /* For the rows of items (as smoe_cu_rows) or rows [0, n) when items is NULL: h row = silu(gate) · up
  * with hg rows (2I) holding gate then up. */
 int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R);

@@ -1169,6 +1169,23 @@ __global__ void k_gather(float *xg, const float *xn, const uint32_t *rows, uint3
     for (uint32_t c = threadIdx.x; c < hidden; c += blockDim.x) xg[(size_t)j * hidden + c] = xn[(size_t)src * hidden + c];
 }
 
+/* The same for rows prepared by k_prep: f16 rows (cols halves) and their scales. */
+__global__ void k_gather16(__half *g16, float *ge, const __half *a16, const float *ae, const uint32_t *rows, uint32_t K,
+                           uint32_t cols) {
+    const uint32_t j = blockIdx.x, src = rows[j] / K;
+    const uint4 *in = reinterpret_cast<const uint4 *>(a16 + (size_t)src * cols);
+    uint4 *out = reinterpret_cast<uint4 *>(g16 + (size_t)j * cols);
+    for (uint32_t c = threadIdx.x; c < cols / 8; c += blockDim.x) out[c] = in[c];
+    if (threadIdx.x == 0) ge[j] = ae[src];
+}
+
+extern "C" int smoe_cu_gather16(smoe_cu_stream st, void *g16, float *ge, const void *a16, const float *ae,
+                                const uint32_t *rows, uint32_t K, uint32_t total, uint32_t cols) {
+    if (total == 0) return 0;
+    k_gather16<<<total, 128, 0, (cudaStream_t)st>>>((__half *)g16, ge, (const __half *)a16, ae, rows, K, cols);
+    return (int)cudaGetLastError();
+}
+
 extern "C" int smoe_cu_gather(smoe_cu_stream st, float *xg, const float *xn, const uint32_t *rows, uint32_t K,
                               uint32_t total, uint32_t hidden) {
     if (total == 0) return 0;
