@@ -404,16 +404,21 @@ __device__ __forceinline__ void tc_a(const TcA<MT> &f, int s, uint32_t (&a)[MT][
 }
 
 /* Two k-steps (2h, 2h + 1) with one lane's 8 activations of each n-tile in xb. */
+/* Only the first nj n-tiles hold tokens (the last tile of an expert is often short): the others
+ * are skipped, never stored. */
 template <int FMT, int MT, int NT>
-__device__ __forceinline__ void tc_half(const TcA<MT> &f, int h, const uint4 (&xb)[NT], float (&acc)[MT][NT][4]) {
+__device__ __forceinline__ void tc_half(const TcA<MT> &f, int h, const uint4 (&xb)[NT], float (&acc)[MT][NT][4],
+                                        uint32_t nj) {
 #pragma unroll
     for (int ss = 0; ss < 2; ss++) {
         uint32_t a[MT][4];
         tc_a<FMT, MT>(f, 2 * h + ss, a);
 #pragma unroll
         for (int j = 0; j < NT; j++)
+            if ((uint32_t)j < nj)
 #pragma unroll
-            for (int i = 0; i < MT; i++) mma16816(acc[i][j], a[i], ss ? xb[j].z : xb[j].x, ss ? xb[j].w : xb[j].y);
+                for (int i = 0; i < MT; i++)
+                    mma16816(acc[i][j], a[i], ss ? xb[j].z : xb[j].x, ss ? xb[j].w : xb[j].y);
     }
 }
 
@@ -501,8 +506,8 @@ __global__ void __launch_bounds__(TC_MAXW * 32) k_tc(smoe_cu_tensor T, smoe_cu_r
 #pragma unroll
         for (int u = 0; u < U; u++)
             if (kb + u < kb1) {
-                tc_half<FMT, MT, NT>(fa[u], 0, xb[u][0], acc);
-                tc_half<FMT, MT, NT>(fa[u], 1, xb[u][1], acc);
+                tc_half<FMT, MT, NT>(fa[u], 0, xb[u][0], acc, NT);
+                tc_half<FMT, MT, NT>(fa[u], 1, xb[u][1], acc, NT);
             }
     }
     if (ranges > 1) {
@@ -558,7 +563,7 @@ __global__ void __launch_bounds__(TB_WARPS * 32) k_tcb(smoe_cu_tensor T, smoe_cu
     launch_item(R, &w, &start, &count);
     const uint32_t t0 = blockIdx.z * (NT * 8), rb = blockIdx.x * AROWS, r0 = rb + warp * (MT * 16);
     if (t0 >= count || rb >= T.rows) return; /* the whole block */
-    const uint32_t cols = T.cols, nkb = cols / 64, gs = __ffs(T.group) - 1;
+    const uint32_t cols = T.cols, nkb = cols / 64, gs = __ffs(T.group) - 1, nj = min((uint32_t)NT, (count - t0 + 7) / 8);
     const size_t rowbytes = FMT == FMT_Q4 ? cols / 2 : cols;
     const uint8_t *sc = w + T.scales_off, *bs = w + T.biases_off;
     const uint8_t *wrow[MT][2];
@@ -614,7 +619,7 @@ __global__ void __launch_bounds__(TB_WARPS * 32) k_tcb(smoe_cu_tensor T, smoe_cu
 #pragma unroll
             for (int j = 0; j < NT; j++)
                 xb[j] = *reinterpret_cast<const uint4 *>(st + ((8 * j + g) * TB_LDS + 16 * t + 8 * h) * 2);
-            tc_half<FMT, MT, NT>(cur, h, xb, acc);
+            tc_half<FMT, MT, NT>(cur, h, xb, acc, nj);
         }
         cur = nxt;
         if (kb + 1 == kend) { /* the end of range r: tot = P_0, then tot + P_r */
