@@ -162,21 +162,25 @@ __device__ __forceinline__ float dot8(float s, const float v[8], const float *x)
     return chain8(s, v, xp[0], xp[1]);
 }
 
+/* The token rows a block works on: item blockIdx.y's run with an item list, else rows [0, n). */
+__device__ __forceinline__ void item_rows(const smoe_cu_rows &R, uint32_t *start, uint32_t *count) {
+    if (R.items) {
+        const uint32_t u = R.items[blockIdx.y];
+        *start = R.start[u];
+        *count = R.count[u];
+    } else {
+        *start = 0;
+        *count = R.n;
+    }
+}
+
 /* The matrix and the tokens a block of a product launch works on: with an item list (one launch
  * over several experts), item blockIdx.y's expert weights and its run of token rows; else the one
  * matrix and every token. */
 __device__ __forceinline__ void launch_item(const smoe_cu_rows &R, const uint8_t **w, uint32_t *start,
                                             uint32_t *count) {
-    if (R.items) {
-        const uint32_t u = R.items[blockIdx.y];
-        *w = R.wtab[u] + R.woff;
-        *start = R.start[u];
-        *count = R.count[u];
-    } else {
-        *w = R.w;
-        *start = 0;
-        *count = R.n;
-    }
+    item_rows(R, start, count);
+    *w = R.items ? R.wtab[R.items[blockIdx.y]] + R.woff : R.w;
 }
 
 template <int FMT>
@@ -657,14 +661,7 @@ extern "C" int smoe_cu_tensor_cores(const smoe_cu_tensor *T) {
 __global__ void k_prep(const float *x, size_t ldx, uint32_t cols, smoe_cu_rows R, __half *x16, float *xe) {
     __shared__ float red[256];
     uint32_t start, count;
-    if (R.items) {
-        const uint32_t u = R.items[blockIdx.y];
-        start = R.start[u];
-        count = R.count[u];
-    } else {
-        start = 0;
-        count = R.n;
-    }
+    item_rows(R, &start, &count);
     if (blockIdx.x >= count) return;
     const size_t row = start + blockIdx.x;
     const float *xr = x + row * ldx;
@@ -1200,14 +1197,7 @@ extern "C" int smoe_cu_gather(smoe_cu_stream st, float *xg, const float *xn, con
 
 __global__ void k_swiglu(float *h, const float *hg, uint32_t I, smoe_cu_rows R) {
     uint32_t start, count;
-    if (R.items) {
-        const uint32_t u = R.items[blockIdx.y];
-        start = R.start[u];
-        count = R.count[u];
-    } else {
-        start = 0;
-        count = R.n;
-    }
+    item_rows(R, &start, &count);
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)count * I) return;
     const size_t j = start + i / I, c = i % I;
