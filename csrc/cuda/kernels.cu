@@ -675,7 +675,7 @@ __global__ void k_prep(const float *x, size_t ldx, uint32_t cols, smoe_cu_rows R
     }
     m = red[0];
     int ex = 0;
-    if (m > 0.0f && isfinite(m)) frexpf(m, &ex); /* else (0, or a row with inf/NaN: garbage in, out) unscaled */
+    if (m > 0.0f && isfinite(m)) frexpf(m, &ex); /* else 0, or a row holding inf/NaN (its outputs are not finite anyway) */
     const int e = max(ex - 15, -100);
     const float down = ldexpf(1.0f, -e);
     __half *o = x16 + row * cols;
