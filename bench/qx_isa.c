@@ -16,6 +16,7 @@
  * that takes about that long is bound by reading its weights.
  */
 #include "cpu.h"
+#include "internal.h"
 #include "kernels_isa.h"
 
 #include <immintrin.h>
@@ -23,18 +24,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 enum { REPS = 9 };
 
 typedef bool (*qx_fn)(const smoe_tensor *, const uint8_t *, const smoe_qx *, uint32_t, float *, size_t, uint32_t,
                       uint32_t);
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -93,11 +87,11 @@ static double time_calls(qx_fn fn, const smoe_tensor *W, const smoe_qx *X, uint3
     for (int i = 0; i < threads; i++)
         w[i] = (work){fn, W, X, n, threads == 1 ? 0 : i == 0 ? 0 : half, threads == 1 || i == 1 ? W->rows : half, y,
                       calls};
-    const double t = now();
+    const double t = smoe_now();
     if (threads == 2) pthread_create(&tid, NULL, work_main, &w[1]);
     work_main(&w[0]);
     if (threads == 2) pthread_join(tid, NULL);
-    return (now() - t) / calls;
+    return (smoe_now() - t) / calls;
 }
 
 static smoe_tensor make_q(uint8_t format, uint32_t G, uint32_t rows, uint32_t cols, void **alloc) {
