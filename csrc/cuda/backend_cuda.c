@@ -106,12 +106,13 @@ static bool tensor_cores(const smoe_tensor *T) {
     return smoe_cu_tensor_cores(&d) != 0;
 }
 
-/* The activation x (rows of R, ldx floats apart, cols columns) as the products with T read it: its
- * f16 rows are prepared into x16/xe when T runs on the tensor cores. */
-static smoe_status act(smoe_session *s, const smoe_tensor *T, const float *x, size_t ldx, uint32_t cols,
-                       const smoe_cu_rows *R, void *x16, float *xe, smoe_cu_act *a) {
+/* The activation x (rows of R, ldx floats apart, cols columns) as products read it: its f16 rows
+ * are prepared into x16/xe when `need` (some product that reads it runs on the tensor cores; the
+ * others read the f32 rows whatever a holds). */
+static smoe_status act(smoe_session *s, bool need, const float *x, size_t ldx, uint32_t cols, const smoe_cu_rows *R,
+                       void *x16, float *xe, smoe_cu_act *a) {
     *a = (smoe_cu_act){.x = x, .ldx = ldx};
-    if (!tensor_cores(T)) return SMOE_OK;
+    if (!need) return SMOE_OK;
     CU(smoe_cu_prep(ST(s)->cs, x, ldx, cols, R, x16, xe));
     a->x16 = x16;
     a->xe = xe;
@@ -132,7 +133,7 @@ static smoe_status linear_x(smoe_session *s, const smoe_tensor *T, const float *
     cuda_state *c = ST(s);
     smoe_cu_rows R = {.n = n};
     smoe_cu_act a;
-    smoe_status st = act(s, T, x, ld, cols, &R, c->a16, c->ae, &a);
+    smoe_status st = act(s, tensor_cores(T), x, ld, cols, &R, c->a16, c->ae, &a);
     return st != SMOE_OK ? st : linear(s, T, &a, n, y, ldy);
 }
 
@@ -380,8 +381,8 @@ static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, ui
     smoe_cu_act a;
     if ((st = norm(s, c->xn, c->x, n, H, L->input_norm)) != SMOE_OK) return st;
     /* q, k and v read the same rows: prepared once, for whichever of them needs it */
-    const smoe_tensor *tc = tensor_cores(L->q) ? L->q : tensor_cores(L->k) ? L->k : L->v;
-    if ((st = act(s, tc, c->xn, H, H, &R, c->a16, c->ae, &a)) != SMOE_OK ||
+    bool need = tensor_cores(L->q) || tensor_cores(L->k) || tensor_cores(L->v);
+    if ((st = act(s, need, c->xn, H, H, &R, c->a16, c->ae, &a)) != SMOE_OK ||
         (st = linear(s, L->q, &a, n, c->q, s->q_dim)) != SMOE_OK ||
         (st = linear(s, L->k, &a, n, krows, s->kv_dim)) != SMOE_OK ||
         (st = linear(s, L->v, &a, n, vrows, s->kv_dim)) != SMOE_OK ||
@@ -412,7 +413,7 @@ static smoe_status run_experts(smoe_session *s, uint32_t first, uint32_t count, 
     CU(smoe_cu_matmul(c->cs, &u, &R, &xg, c->hg + I, 2 * (size_t)I));
     CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, &R));
     smoe_cu_act h;
-    smoe_status st = act(s, &lay->expert[2], c->h, I, I, &R, c->h16, c->he, &h);
+    smoe_status st = act(s, tensor_cores(&lay->expert[2]), c->h, I, I, &R, c->h16, c->he, &h);
     if (st != SMOE_OK) return st;
     R.woff = lay->expert[2].offset;
     R.yrow = c->rows;
@@ -456,10 +457,9 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
     bool tc_experts = tensor_cores(&s->lay->expert[0]) || tensor_cores(&s->lay->expert[1]);
     smoe_cu_rows Rn = {.n = n};
     smoe_cu_act a;
-    const smoe_tensor *first = tensor_cores(&s->lay->expert[0]) ? &s->lay->expert[0] : &s->lay->expert[1];
-    if ((st = act(s, tc_experts ? first : L->router, c->xn, H, H, &Rn, c->a16, c->ae, &a)) != SMOE_OK) return st;
-    if (!tensor_cores(L->router)) a.x16 = NULL, a.xe = NULL;
-    if ((st = linear(s, L->router, &a, n, c->router, E)) != SMOE_OK) return st;
+    if ((st = act(s, tc_experts || tensor_cores(L->router), c->xn, H, H, &Rn, c->a16, c->ae, &a)) != SMOE_OK ||
+        (st = linear(s, L->router, &a, n, c->router, E)) != SMOE_OK)
+        return st;
     CU(smoe_cu_route(c->cs, c->router, n, E, K, cf->norm_topk_prob, c->topk_idx, c->topk_w));
     CU(smoe_cu_download(c->h_topk, c->topk_idx, (size_t)n * K * 4, c->cs));
     CU(smoe_cu_stream_sync(c->cs));
@@ -608,13 +608,13 @@ static smoe_status cuda_ffn(smoe_session *s, uint32_t l, uint32_t n, uint32_t *u
     uint32_t I = L->mlp_gate->rows;
     smoe_cu_rows R = {.n = n};
     smoe_cu_act a;
-    const smoe_tensor *tc = tensor_cores(L->mlp_gate) ? L->mlp_gate : L->mlp_up;
-    if ((st = act(s, tc, c->xn, H, H, &R, c->a16, c->ae, &a)) != SMOE_OK ||
+    bool need = tensor_cores(L->mlp_gate) || tensor_cores(L->mlp_up);
+    if ((st = act(s, need, c->xn, H, H, &R, c->a16, c->ae, &a)) != SMOE_OK ||
         (st = linear(s, L->mlp_gate, &a, n, c->hg, 2 * (size_t)I)) != SMOE_OK ||
         (st = linear(s, L->mlp_up, &a, n, c->hg + I, 2 * (size_t)I)) != SMOE_OK)
         return st;
     CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, &R));
-    if ((st = act(s, L->mlp_down, c->h, I, I, &R, c->h16, c->he, &a)) != SMOE_OK ||
+    if ((st = act(s, tensor_cores(L->mlp_down), c->h, I, I, &R, c->h16, c->he, &a)) != SMOE_OK ||
         (st = linear(s, L->mlp_down, &a, n, c->xg, H)) != SMOE_OK)
         return st;
     CU(smoe_cu_add(c->cs, c->x, c->xg, (size_t)n * H));

@@ -368,7 +368,6 @@ template <int FMT, int MT>
 __device__ __forceinline__ void tc_load_a(TcA<MT> &f, const smoe_cu_tensor &T, const uint8_t *const (&wrow)[MT][2],
                                           const size_t (&srow)[MT][2], const uint8_t *sc, const uint8_t *bs,
                                           uint32_t kb, uint32_t gs, uint32_t t) {
-    const uint32_t gi = (64 * kb + 16 * t) >> gs;
 #pragma unroll
     for (int i = 0; i < MT; i++)
 #pragma unroll
@@ -379,9 +378,8 @@ __device__ __forceinline__ void tc_load_a(TcA<MT> &f, const smoe_cu_tensor &T, c
             } else {
                 f.wq[i][h] = __ldg(reinterpret_cast<const uint4 *>(wrow[i][h] + 64 * (size_t)kb));
             }
-            f.s2[i][h] = __float2half2_rn(ld_scale(T.scale_format, sc, srow[i][h] + gi));
-            f.b2[i][h] = __float2half2_rn(ld_scale(T.scale_format, bs, srow[i][h] + gi));
         }
+    tc_load_s<MT>(f, T, srow, sc, bs, kb, gs, t);
 }
 
 /* The A fragments of k-step s. */
@@ -736,6 +734,19 @@ static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe
 #undef TC_BIG
 }
 
+/* The products on the FP32 cores: k_matmul_tiled from TILED_MIN tokens on, k_matmul below. */
+template <int FMT>
+static void launch_fp32(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe_cu_act *a, float *y, size_t ldy,
+                        uint32_t items, uint32_t m, cudaStream_t s) {
+    if (m >= TILED_MIN) {
+        dim3 grid((T->rows + MM_WARPS * RT - 1) / (MM_WARPS * RT), items, (m + TT2 - 1) / TT2);
+        k_matmul_tiled<FMT><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, a->x, a->ldx, y, ldy);
+    } else {
+        dim3 grid((T->rows + MM_WARPS - 1) / MM_WARPS, items, (m + MM_TZ - 1) / MM_TZ);
+        k_matmul<FMT><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, a->x, a->ldx, y, ldy);
+    }
+}
+
 extern "C" int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe_cu_act *a,
                               float *y, size_t ldy) {
     const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
@@ -749,24 +760,11 @@ extern "C" int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const 
             launch_tc<FMT_Q8>(T, R, a, y, ldy, items, m, s);
         return (int)cudaGetLastError();
     }
-    const float *x = a->x;
-    const size_t ldx = a->ldx;
-    dim3 grid((T->rows + MM_WARPS - 1) / MM_WARPS, items, (m + MM_TZ - 1) / MM_TZ);
-    if (m >= TILED_MIN) {
-        dim3 g2((T->rows + MM_WARPS * RT - 1) / (MM_WARPS * RT), items, (m + TT2 - 1) / TT2);
-        switch (T->format) {
-        case FMT_F32: k_matmul_tiled<FMT_F32><<<g2, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
-        case FMT_BF16: k_matmul_tiled<FMT_BF16><<<g2, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
-        case FMT_Q8: k_matmul_tiled<FMT_Q8><<<g2, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
-        default: k_matmul_tiled<FMT_Q4><<<g2, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
-        }
-        return (int)cudaGetLastError();
-    }
     switch (T->format) {
-    case FMT_F32: k_matmul<FMT_F32><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
-    case FMT_BF16: k_matmul<FMT_BF16><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
-    case FMT_Q8: k_matmul<FMT_Q8><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
-    default: k_matmul<FMT_Q4><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, x, ldx, y, ldy); break;
+    case FMT_F32: launch_fp32<FMT_F32>(T, R, a, y, ldy, items, m, s); break;
+    case FMT_BF16: launch_fp32<FMT_BF16>(T, R, a, y, ldy, items, m, s); break;
+    case FMT_Q8: launch_fp32<FMT_Q8>(T, R, a, y, ldy, items, m, s); break;
+    default: launch_fp32<FMT_Q4>(T, R, a, y, ldy, items, m, s); break;
     }
     return (int)cudaGetLastError();
 }
