@@ -136,11 +136,11 @@ def profile(s, v, n):
     _, first = timed_prefill(s, p)
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
         timed_decode(s, first, 8)
-    print("decode x8\n" + pr.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+    print("decode x8\n" + pr.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
         timed_prefill(s, prompts(v, n, 1, 4)[0])
         torch.cuda.synchronize()
-    print(f"prefill {n}\n" + pr.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+    print(f"prefill {n}\n" + pr.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
 
 
 def main():
