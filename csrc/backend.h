@@ -35,6 +35,10 @@ typedef struct smoe_backend {
     smoe_status (*ffn)(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size);
     /* s->logits (host, vocab floats) ← lm_head(final_norm(x row 0)). */
     smoe_status (*logits)(smoe_session *s);
+    /* The end of a pass (a prefill chunk; a decode step after its logits): waits for the device and
+     * reports what the pass's layers left for later — their expert counts, and their union sizes
+     * into union_sizes (layers entries) when not NULL. NULL: nothing is ever deferred. */
+    smoe_status (*settle)(smoe_session *s, uint32_t *union_sizes);
     /* KV rows of layer [start, start + n) widened to f32 into k, v (either may be NULL). */
     smoe_status (*read_kv)(const smoe_session *s, uint32_t layer, uint32_t start, uint32_t n, float *k, float *v);
     /* Drops the device's own retained experts (the streamer's are dropped by the caller). */

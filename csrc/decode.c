@@ -34,7 +34,7 @@ static smoe_status decode(smoe_session *s, int32_t id, float *logits, int32_t *n
         if ((st = be->attention(s, l, pos, 1)) != SMOE_OK || (st = be->ffn(s, l, 1, &used)) != SMOE_OK)
             return st;
     }
-    if ((st = be->logits(s)) != SMOE_OK)
+    if ((st = be->logits(s)) != SMOE_OK || (be->settle && (st = be->settle(s, NULL)) != SMOE_OK))
         return st;
     /* Logits with no finite value (NaN or infinite scales in the vault, say) would make greedy
      * sampling return id 0 on every step, without a word: refuse them instead. */

@@ -34,6 +34,8 @@ static smoe_status prefill(smoe_session *s, const int32_t *ids, uint32_t n) {
         if ((st = be->attention(s, l, pos, n)) != SMOE_OK || (st = be->ffn(s, l, n, &s->union_sizes[l])) != SMOE_OK)
             return st;
     }
+    if (be->settle && (st = be->settle(s, s->union_sizes)) != SMOE_OK)
+        return st;
     for (uint32_t i = 0; i < n; i++)
         s->history[pos + i] = ids[i];
     smoe_session_set_pos(s, pos + n);

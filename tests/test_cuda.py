@@ -127,6 +127,48 @@ def test_bit_identity_on_mini_with_every_range_count(mini_vault, n):
     assert da.tobytes() == db.tobytes()
 
 
+def _expert_counts(s, layers: int, experts: int) -> list[list[int]]:
+    from pysmoe._ffi import check, ffi, lib
+    counts = ffi.new("uint64_t[]", experts)
+    out = []
+    for layer in range(layers):
+        check(lib.smoe_stats_expert_counts(s.handle, layer, counts, experts))
+        out.append(list(counts))
+    return out
+
+
+def test_the_device_union_gives_the_same_bits_and_statistics(mini_vault, monkeypatch):
+    """Once every expert of a layer is in VRAM (a cache that holds them all), the layer's union is
+    formed on the GPU and nothing waits for the host: the same logits, greedy ids, union sizes and
+    expert counts as the host path (SMOE_CUDA_DEVICE_UNION=0), prefill and decode."""
+    rng = np.random.default_rng(5)
+    warm = rng.integers(0, 32000, 120).tolist()
+    prompts = [rng.integers(0, 32000, n).tolist() for n in (1, 7, 45, 70, 130)]
+
+    def run(device_union: bool):
+        monkeypatch.setenv("SMOE_CUDA_DEVICE_UNION", "1" if device_union else "0")
+        out = []
+        with pysmoe.open_vault(mini_vault) as v:
+            L, E = v.config["num_hidden_layers"], v.config["num_experts"]
+            with _cuda_session(v, chunk=64, gpu_cache_bytes=1 << 40) as s:
+                s.prefill(warm)  # 120 tokens × 8 picks over 64 experts: every expert of every layer
+                assert all(c > 0 for row in _expert_counts(s, L, E) for c in row)
+                for p in prompts:
+                    s.reset()
+                    s.reset_stats()
+                    first, ids = _greedy(s, p, 4)
+                    out.append((first.tobytes(), ids, s.stats()["union_sizes"], _expert_counts(s, L, E),
+                                s.device_stats()["vram_hits"], s.device_stats()["uploads"]))
+        return out
+
+    on, off = run(True), run(False)
+    for a, b in zip(on, off):
+        assert a[0] == b[0] and a[1] == b[1]
+        assert a[2] == b[2] and a[3] == b[3]
+        assert a[5] == b[5]  # nothing uploaded after the warm prompt, either way
+    assert on[-1][4] == off[-1][4]  # hits: one per union expert a layer, counted either way
+
+
 def test_a_chunk_uploads_each_union_expert_once(mini_vault):
     rng = np.random.default_rng(3)
     with pysmoe.open_vault(mini_vault) as v:

@@ -22,6 +22,10 @@
  *      only after the compute stream passed the last product that read it (an event the upload
  *      stream waits on), never by host waits;
  *   5. the weighted sum in slot order and the residual.
+ * When the VRAM cache holds every expert of the model and every expert of layer l is in it (after
+ * the first passes have uploaded them), steps 1–4 need no host: the union and its row lists are
+ * formed on the GPU (smoe_cu_union) and the layer never waits; its statistics (expert counts, union
+ * size, hits) come back once per pass, in cuda_settle. SMOE_CUDA_DEVICE_UNION=0 turns that off.
  * Nothing is uploaded that the routing did not ask for, and each union expert once per layer.
  * The products of an expert are the same kernels whichever launch runs them (cuda_ops.h), so
  * layer-major and token-serial agree bit for bit. */
@@ -76,6 +80,15 @@ typedef struct {
     uint32_t n_held;
     /* counters */
     uint64_t uploads, upload_bytes, hits, misses, other_bytes;
+    /* The union on the device (the file's comment): per layer whether all its experts are in VRAM
+     * (only kept when the cache holds every expert), their blobs' addresses (d_vtab, staged in
+     * h_vtab), the lists smoe_cu_union writes, and the statistics it keeps until cuda_settle. */
+    bool device_union;
+    bool *complete, *pending; /* (layers) */
+    const uint8_t **d_vtab, **h_vtab, **d_wtab; /* (layers × experts), (layers × experts), (experts) */
+    uint32_t *d_start, *d_count, *d_items, n_items_cap;
+    uint32_t *d_counts, *d_used, *d_bad, *h_counts, *h_used, *h_bad; /* (layers × experts), (layers), 1 */
+    uint32_t n_pending;
 } cuda_state;
 
 #define ST(s) ((cuda_state *)(s)->backend_state)
@@ -168,6 +181,7 @@ static void vram_forget_all(smoe_session *s) {
     cuda_state *c = ST(s);
     size_t keys = (size_t)s->cfg.num_hidden_layers * s->cfg.num_experts;
     for (size_t i = 0; i < keys; i++) c->vslot_of[i] = -1;
+    if (c->complete) memset(c->complete, 0, s->cfg.num_hidden_layers * sizeof *c->complete);
     uint32_t S = c->n_vslots;
     c->prev[S] = c->next[S] = S;
     for (uint32_t i = 0; i < S; i++) {
@@ -193,14 +207,15 @@ static void cuda_free(smoe_session *s) {
     for (int i = 0; i < RING; i++) smoe_cu_event_free(c->ring[i]);
     void *dbufs[] = {c->dense, c->k, c->v, c->cos, c->sin, c->x, c->xn, c->q, c->att, c->router, c->topk_w,
                      c->slot_out, c->xg, c->hg, c->h, c->logits, c->topk_idx, c->ids, c->idx, c->vcache,
-                     c->a16, c->g16, c->h16, c->ae, c->ge, c->he};
+                     c->a16, c->g16, c->h16, c->ae, c->ge, c->he, (void *)c->d_vtab, (void *)c->d_wtab,
+                     c->d_start, c->d_count, c->d_items, c->d_counts, c->d_used, c->d_bad};
     for (size_t i = 0; i < sizeof dbufs / sizeof dbufs[0]; i++) smoe_cu_free(dbufs[i]);
-    void *hbufs[] = {c->h_topk, c->h_ids, c->h_idx};
+    void *hbufs[] = {c->h_topk, c->h_ids, c->h_idx, (void *)c->h_vtab, c->h_counts, c->h_used, c->h_bad};
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++) smoe_cu_host_free(hbufs[i]);
     smoe_cu_stream_free(c->cs);
     smoe_cu_stream_free(c->us);
     void *bufs[] = {c->h_vslot, c->h_sslot, c->vslot_of, c->vslot_key, c->prev, c->next, (void *)c->vslot_ev,
-                    c->registered, (void *)c->sslot_ev, c->held};
+                    c->registered, (void *)c->sslot_ev, c->held, c->complete, c->pending};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++) free(bufs[i]);
     free(c);
     s->backend_state = NULL;
@@ -248,6 +263,35 @@ static smoe_status check_layout(const smoe_session *s) {
 static smoe_status dalloc(smoe_session *s, void *pp, size_t bytes) {
     CU(smoe_cu_alloc((void **)pp, bytes));
     ST(s)->other_bytes += bytes;
+    return SMOE_OK;
+}
+
+/* The device union's state (cuda_state), when the VRAM cache holds every expert. */
+static smoe_status device_union_init(smoe_session *s) {
+    cuda_state *c = ST(s);
+    smoe_status st;
+    size_t L = s->cfg.num_hidden_layers, E = s->cfg.num_experts, K = s->cfg.num_experts_per_tok, C = s->params.chunk;
+    c->n_items_cap = 0;
+    for (uint32_t n = 1; n <= C; n++) { /* the bound is not monotone in n (the tile follows n below 64) */
+        uint32_t b = smoe_cu_union_items(n * (uint32_t)K, (uint32_t)E, n < 64 ? n : 64);
+        c->n_items_cap = b > c->n_items_cap ? b : c->n_items_cap;
+    }
+    struct { void *pp; size_t bytes; } planes[] = {
+        {&c->d_vtab, L * E * sizeof(void *)}, {&c->d_wtab, E * sizeof(void *)}, {&c->d_start, E * 4},
+        {&c->d_count, E * 4}, {&c->d_items, c->n_items_cap * 4}, {&c->d_counts, L * E * 4}, {&c->d_used, L * 4},
+        {&c->d_bad, 4},
+    };
+    for (size_t i = 0; i < sizeof planes / sizeof planes[0]; i++)
+        if ((st = dalloc(s, planes[i].pp, planes[i].bytes)) != SMOE_OK) return st;
+    CU(smoe_cu_memset(c->d_counts, 0, L * E * 4, c->cs));
+    CU(smoe_cu_memset(c->d_bad, 0, 4, c->cs));
+    CU(smoe_cu_host_alloc((void **)&c->h_vtab, L * E * sizeof(void *)));
+    CU(smoe_cu_host_alloc((void **)&c->h_counts, L * E * 4));
+    CU(smoe_cu_host_alloc((void **)&c->h_used, L * 4));
+    CU(smoe_cu_host_alloc((void **)&c->h_bad, 4));
+    c->complete = calloc(L, sizeof *c->complete);
+    c->pending = calloc(L, sizeof *c->pending);
+    if (!c->complete || !c->pending) return smoe_fail(SMOE_ERR_NOMEM, "cuda: out of memory");
     return SMOE_OK;
 }
 
@@ -333,6 +377,9 @@ static smoe_status cuda_init(smoe_session *s) {
         if (!c->vslot_of || !c->vslot_key || !c->prev || !c->next || !c->vslot_ev || !c->registered || !c->sslot_ev ||
             !c->held)
             return smoe_fail(SMOE_ERR_NOMEM, "cuda: out of memory");
+        const char *du = getenv("SMOE_CUDA_DEVICE_UNION");
+        c->device_union = n == total && !(du && du[0] == '0');
+        if (c->device_union && (st = device_union_init(s)) != SMOE_OK) return st;
         vram_forget_all(s);
         /* Pinned host slots make the uploads asynchronous DMA; where pinning fails (a locked-memory
          * limit), the copies still work, staged by the driver. SMOE_CUDA_PIN=0 skips it. */
@@ -351,9 +398,9 @@ static smoe_status cuda_init(smoe_session *s) {
             smoe_log(SMOE_LOG_WARN, "cuda: %u of %u host cache slots pinned", pinned_n, c->n_sslots);
     }
     CU(smoe_cu_stream_sync(c->cs));
-    snprintf(c->line, sizeof c->line, "cuda: %s (sm_%d%d), %u expert slots in VRAM (%.2f GiB), %s pinned", name, major,
-             minor, c->n_vslots, (double)c->n_vslots * (double)c->blob_bytes / (1u << 30),
-             c->n_sslots ? "host cache" : "no host cache");
+    snprintf(c->line, sizeof c->line, "cuda: %s (sm_%d%d), %u expert slots in VRAM (%.2f GiB)%s, %s pinned", name,
+             major, minor, c->n_vslots, (double)c->n_vslots * (double)c->blob_bytes / (1u << 30),
+             c->device_union ? ": all of them, unions on the GPU" : "", c->n_sslots ? "host cache" : "no host cache");
     return SMOE_OK;
 }
 
@@ -397,15 +444,32 @@ static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, ui
     return SMOE_OK;
 }
 
-/* gate, up, SwiGLU and down of the union positions in items[first .. first + count) (device
- * array), max_rows the most rows any of them has; then the event that says their slots are free. */
-static smoe_status run_experts(smoe_session *s, uint32_t first, uint32_t count, uint32_t max_rows, smoe_cu_event *done) {
+/* The gathered rows of the union's experts, rows [0, total) of t·K + slot in c->rows: f16 rows
+ * from xn's (prepared once) for tensor-core products, f32 rows for the others. */
+static smoe_status gather_rows(smoe_session *s, uint32_t total) {
+    cuda_state *c = ST(s);
+    const smoe_layout *lay = s->lay;
+    uint32_t K = s->cfg.num_experts_per_tok, H = s->cfg.hidden_size;
+    bool tg = tensor_cores(&lay->expert[0]), tu = tensor_cores(&lay->expert[1]);
+    if (tg || tu) CU(smoe_cu_gather16(c->cs, c->g16, c->ge, c->a16, c->ae, c->rows, K, total, H));
+    if (!tg || !tu) CU(smoe_cu_gather(c->cs, c->xg, c->xn, c->rows, K, total, H));
+    return SMOE_OK;
+}
+
+/* The host path's lists: union positions items[first .. first + count), max_rows the most rows any
+ * of them has. */
+static smoe_cu_rows host_items(const cuda_state *c, uint32_t first, uint32_t count, uint32_t max_rows) {
+    return (smoe_cu_rows){.wtab = c->wtab, .items = c->items + first, .start = c->ustart, .count = c->ucount,
+                          .n_items = count, .max_count = max_rows};
+}
+
+/* gate, up, SwiGLU and down of the items of R; then the event that says their slots are free. */
+static smoe_status run_experts(smoe_session *s, const smoe_cu_rows *items, smoe_cu_event *done) {
     cuda_state *c = ST(s);
     const smoe_layout *lay = s->lay;
     uint32_t H = s->cfg.hidden_size, I = lay->expert[0].rows;
     smoe_cu_tensor g = desc(&lay->expert[0]), u = desc(&lay->expert[1]), d = desc(&lay->expert[2]);
-    smoe_cu_rows R = {.wtab = c->wtab, .items = c->items + first, .start = c->ustart, .count = c->ucount,
-                      .n_items = count, .max_count = max_rows};
+    smoe_cu_rows R = *items;
     smoe_cu_act xg = {.x = c->xg, .ldx = H, .x16 = c->g16, .xe = c->ge}; /* moe() prepared the f16 rows */
     R.woff = lay->expert[0].offset;
     CU(smoe_cu_matmul(c->cs, &g, &R, &xg, c->hg, 2 * (size_t)I));
@@ -447,6 +511,41 @@ static void abandon(smoe_session *s, uint32_t l, const uint32_t *miss, uint32_t 
     }
 }
 
+/* The union and its lists on the GPU for a layer whose experts are all in VRAM: no host round trip
+ * (the file's comment). Same products, same bits as moe()'s host path: only the order of the union
+ * and the tiles differ, and neither changes an element's reduction. */
+static smoe_status moe_on_device(smoe_session *s, uint32_t l, uint32_t n) {
+    cuda_state *c = ST(s);
+    const smoe_config *cf = &s->cfg;
+    uint32_t E = cf->num_experts, K = cf->num_experts_per_tok, H = cf->hidden_size, nk = n * K;
+    uint32_t tile = n < 64 ? n : 64, n_items = smoe_cu_union_items(nk, E, tile);
+    CU(smoe_cu_union(c->cs, c->topk_idx, nk, E, tile, n_items, c->d_vtab + (size_t)l * E, c->d_wtab, c->d_start,
+                     c->d_count, c->d_items, c->rows, c->d_counts + (size_t)l * E, c->d_used + l, c->d_bad));
+    if (!c->pending[l]) c->pending[l] = true, c->n_pending++;
+    smoe_cu_rows R = {.wtab = c->d_wtab, .items = c->d_items, .start = c->d_start, .count = c->d_count,
+                      .n_items = n_items, .max_count = tile, .tile = tile};
+    smoe_cu_event done;
+    smoe_status st;
+    if ((st = gather_rows(s, nk)) != SMOE_OK || (st = run_experts(s, &R, &done)) != SMOE_OK) return st;
+    CU(smoe_cu_moe_sum(c->cs, c->x, c->slot_out, c->topk_w, n, K, H));
+    return SMOE_OK;
+}
+
+/* After the host path ran layer l: when the cache holds every expert and now all of l's, l's blob
+ * addresses go up once and its next passes take moe_on_device. */
+static smoe_status note_complete(smoe_session *s, uint32_t l) {
+    cuda_state *c = ST(s);
+    uint32_t E = s->cfg.num_experts;
+    if (!c->device_union || c->complete[l]) return SMOE_OK;
+    for (uint32_t e = 0; e < E; e++)
+        if (c->vslot_of[(size_t)l * E + e] < 0) return SMOE_OK;
+    const uint8_t **h = c->h_vtab + (size_t)l * E;
+    for (uint32_t e = 0; e < E; e++) h[e] = c->vcache + (size_t)c->vslot_of[(size_t)l * E + e] * c->blob_bytes;
+    CU(smoe_cu_upload(c->d_vtab + (size_t)l * E, h, E * sizeof *h, c->cs));
+    c->complete[l] = true;
+    return SMOE_OK;
+}
+
 static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size) {
     cuda_state *c = ST(s);
     const smoe_config *cf = &s->cfg;
@@ -461,6 +560,10 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
         (st = linear(s, L->router, &a, n, c->router, E)) != SMOE_OK)
         return st;
     CU(smoe_cu_route(c->cs, c->router, n, E, K, cf->norm_topk_prob, c->topk_idx, c->topk_w));
+    if (c->device_union && c->complete[l]) {
+        *union_size = 0; /* cuda_settle writes it */
+        return moe_on_device(s, l, n);
+    }
     CU(smoe_cu_download(c->h_topk, c->topk_idx, (size_t)n * K * 4, c->cs));
     CU(smoe_cu_stream_sync(c->cs));
 
@@ -499,7 +602,10 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
      * reused only after the product that read it (events, below). */
     for (uint32_t i = 0; i < n_miss; i++) {
         uint32_t u = miss[i], e = (uint32_t)s->union_list[u], vs = c->next[c->n_vslots];
-        if (c->vslot_key[vs] >= 0) c->vslot_of[c->vslot_key[vs]] = -1;
+        if (c->vslot_key[vs] >= 0) {
+            c->vslot_of[c->vslot_key[vs]] = -1;
+            if (c->complete) c->complete[c->vslot_key[vs] / E] = false;
+        }
         c->vslot_key[vs] = (int64_t)l * E + e;
         c->vslot_of[(size_t)l * E + e] = (int32_t)vs;
         lru_unlink(c, vs);
@@ -512,10 +618,7 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
     c->hits += n_hit;
     c->misses += n_miss;
     CU(smoe_cu_upload(c->idx, c->h_idx, c->idx_rows_off + (size_t)off * 4, c->cs));
-    if (tc_experts)
-        CU(smoe_cu_gather16(c->cs, c->g16, c->ge, c->a16, c->ae, c->rows, K, off, H));
-    if (!tensor_cores(&s->lay->expert[0]) || !tensor_cores(&s->lay->expert[1]))
-        CU(smoe_cu_gather(c->cs, c->xg, c->xn, c->rows, K, off, H));
+    if ((st = gather_rows(s, off)) != SMOE_OK) return st;
 
     /* Fire every miss's read (as far as the host cache's slots allow) before the first wait. */
     uint32_t acquired = 0;
@@ -528,7 +631,8 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
 
     if (n_hit > 0) {
         smoe_cu_event done;
-        if ((st = run_experts(s, 0, n_hit, max_hit, &done)) != SMOE_OK) {
+        smoe_cu_rows R = host_items(c, 0, n_hit, max_hit);
+        if ((st = run_experts(s, &R, &done)) != SMOE_OK) {
             abandon(s, l, miss, 0, n_miss);
             return st;
         }
@@ -584,7 +688,8 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
             return cu_fail(s, e1, "expert upload");
         }
         smoe_cu_event done;
-        if ((st = run_experts(s, n_hit + batch0, i + 1 - batch0, batch_rows, &done)) != SMOE_OK) {
+        smoe_cu_rows R = host_items(c, n_hit + batch0, i + 1 - batch0, batch_rows);
+        if ((st = run_experts(s, &R, &done)) != SMOE_OK) {
             abandon(s, l, miss, i + 1, n_miss);
             return st;
         }
@@ -594,7 +699,7 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
     }
     CU(smoe_cu_moe_sum(c->cs, c->x, c->slot_out, c->topk_w, n, K, H));
     release_held(s);
-    return SMOE_OK;
+    return note_complete(s, l);
 }
 
 static smoe_status cuda_ffn(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size) {
@@ -630,6 +735,31 @@ static smoe_status cuda_logits(smoe_session *s) {
         return st;
     CU(smoe_cu_download(s->logits, c->logits, (size_t)s->cfg.vocab_size * 4, c->cs));
     CU(smoe_cu_stream_sync(c->cs));
+    return SMOE_OK;
+}
+
+/* The end of a pass: waits for the GPU and brings back what the device unions kept (backend.h). */
+static smoe_status cuda_settle(smoe_session *s, uint32_t *union_sizes) {
+    cuda_state *c = ST(s);
+    uint32_t L = s->cfg.num_hidden_layers, E = s->cfg.num_experts;
+    if (c->n_pending == 0) {
+        CU(smoe_cu_stream_sync(c->cs));
+        return SMOE_OK;
+    }
+    CU(smoe_cu_download(c->h_counts, c->d_counts, (size_t)L * E * 4, c->cs));
+    CU(smoe_cu_download(c->h_used, c->d_used, (size_t)L * 4, c->cs));
+    CU(smoe_cu_download(c->h_bad, c->d_bad, 4, c->cs));
+    CU(smoe_cu_memset(c->d_counts, 0, (size_t)L * E * 4, c->cs));
+    CU(smoe_cu_stream_sync(c->cs));
+    for (uint32_t l = 0; l < L; l++) {
+        if (!c->pending[l]) continue;
+        c->pending[l] = false;
+        for (uint32_t e = 0; e < E; e++) s->expert_counts[(size_t)l * E + e] += c->h_counts[(size_t)l * E + e];
+        c->hits += c->h_used[l];
+        if (union_sizes) union_sizes[l] = c->h_used[l];
+    }
+    c->n_pending = 0;
+    if (*c->h_bad) return cu_fail(s, 0, "routing gave an expert out of range");
     return SMOE_OK;
 }
 
@@ -671,6 +801,7 @@ const smoe_backend smoe_backend_cuda = {
     .attention = cuda_attention,
     .ffn = cuda_ffn,
     .logits = cuda_logits,
+    .settle = cuda_settle,
     .read_kv = cuda_read_kv,
     .cache_clear = cuda_cache_clear,
     .describe = cuda_describe,

@@ -31,7 +31,11 @@ typedef struct {
 /* Which weights and rows one matrix product covers. Dense: w is the tensor, rows [0, n) of x and y.
  * Grouped (experts): item i of [0, n_items) is union position u = items[i], whose tensor starts
  * at wtab[u] + woff and which multiplies rows [start[u], start[u] + count[u]) of x; y row j of
- * those goes to yrow[j] when yrow is not NULL. All arrays in device memory. */
+ * those goes to yrow[j] when yrow is not NULL. All arrays in device memory.
+ * Tiled (tile > 0; the lists smoe_cu_union makes): items[i] is u << 16 | j, the rows
+ * [start[u] + j·tile, start[u] + min((j + 1)·tile, count[u])), or SMOE_CU_NO_ITEM (no rows); a launch
+ * then covers n_items items of at most max_count = tile rows, n_items a bound the host knows. */
+#define SMOE_CU_NO_ITEM 0xFFFFFFFFu
 typedef struct {
     const uint8_t *w;             /* dense */
     uint32_t n;                   /* dense: tokens */
@@ -39,6 +43,7 @@ typedef struct {
     uint64_t woff;
     const uint32_t *items, *start, *count, *yrow;
     uint32_t n_items, max_count;  /* launches cover max_count rows per item */
+    uint32_t tile;                /* 0, or tiled item lists (above) */
 } smoe_cu_rows;
 
 const char *smoe_cu_error_string(int err);
@@ -114,6 +119,18 @@ int smoe_cu_gather16(smoe_cu_stream st, void *g16, float *ge, const void *a16, c
 /* For the rows of items (as smoe_cu_rows) or rows [0, n) when items is NULL: h row = silu(gate) · up
  * with hg rows (2I) holding gate then up. */
 int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R);
+/* A layer's union formed on the device, for a layer whose every expert is in VRAM (no host round
+ * trip): from the top-k ids idx (nk = n·K of them), per expert e the rows of the tokens routed to it
+ * (rows[start[e] ..], each t·K + slot in increasing order; count[e] of them, 0 when unused),
+ * wtab[e] = vtab[e], and the tiled item list (smoe_cu_rows) of tile rows in expert order, padded
+ * with SMOE_CU_NO_ITEM to n_items (which must bound the tiles: smoe_cu_union_items). Adds each
+ * count to counts[e] and writes the number of experts used to *used; an id outside [0, E) sets *bad
+ * (and counts as expert 0). E ≤ 1024; start and count hold E entries. */
+int smoe_cu_union(smoe_cu_stream st, const int32_t *idx, uint32_t nk, uint32_t E, uint32_t tile, uint32_t n_items,
+                  const uint8_t *const *vtab, const uint8_t **wtab, uint32_t *start, uint32_t *count, uint32_t *items,
+                  uint32_t *rows, uint32_t *counts, uint32_t *used, uint32_t *bad);
+/* The most tiles of `tile` rows nk routed rows over E experts can need. */
+uint32_t smoe_cu_union_items(uint32_t nk, uint32_t E, uint32_t tile);
 /* x[t] += Σ_k w[t,k] · y[t·K + k] in slot order, t < n. */
 int smoe_cu_moe_sum(smoe_cu_stream st, float *x, const float *y, const float *w, uint32_t n, uint32_t K,
                     uint32_t hidden);

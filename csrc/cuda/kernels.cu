@@ -162,16 +162,24 @@ __device__ __forceinline__ float dot8(float s, const float v[8], const float *x)
     return chain8(s, v, xp[0], xp[1]);
 }
 
-/* The token rows a block works on: item blockIdx.y's run with an item list, else rows [0, n). */
-__device__ __forceinline__ void item_rows(const smoe_cu_rows &R, uint32_t *start, uint32_t *count) {
-    if (R.items) {
-        const uint32_t u = R.items[blockIdx.y];
-        *start = R.start[u];
-        *count = R.count[u];
-    } else {
-        *start = 0;
-        *count = R.n;
+/* The token rows a block works on: item blockIdx.y's run with an item list (a tile of it when
+ * tiled), else rows [0, n); returns the item's union position. */
+__device__ __forceinline__ uint32_t item_rows(const smoe_cu_rows &R, uint32_t *start, uint32_t *count) {
+    *start = 0;
+    *count = R.n;
+    if (!R.items) return 0;
+    const uint32_t v = R.items[blockIdx.y];
+    if (!R.tile) {
+        *start = R.start[v];
+        *count = R.count[v];
+        return v;
     }
+    *count = 0;
+    if (v == SMOE_CU_NO_ITEM) return 0;
+    const uint32_t u = v >> 16, j0 = (v & 0xFFFFu) * R.tile;
+    *start = R.start[u] + j0;
+    *count = min(R.tile, R.count[u] - j0);
+    return u;
 }
 
 /* The matrix and the tokens a block of a product launch works on: with an item list (one launch
@@ -179,8 +187,8 @@ __device__ __forceinline__ void item_rows(const smoe_cu_rows &R, uint32_t *start
  * matrix and every token. */
 __device__ __forceinline__ void launch_item(const smoe_cu_rows &R, const uint8_t **w, uint32_t *start,
                                             uint32_t *count) {
-    item_rows(R, start, count);
-    *w = R.items ? R.wtab[R.items[blockIdx.y]] + R.woff : R.w;
+    const uint32_t u = item_rows(R, start, count);
+    *w = !R.items ? R.w : *count ? R.wtab[u] + R.woff : nullptr;
 }
 
 template <int FMT>
@@ -1209,6 +1217,82 @@ extern "C" int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint
     if (items == 0 || m == 0) return 0;
     dim3 grid((unsigned)(((size_t)m * I + 255) / 256), items);
     k_swiglu<<<grid, 256, 0, (cudaStream_t)st>>>(h, hg, I, *R);
+    return (int)cudaGetLastError();
+}
+
+enum { UNION_THREADS = 256 };
+
+/* One block. Counts per expert (shared atomics: a count is order-free), the starts and tile
+ * starts in expert order (thread 0), then each row placed by warp 0 walking the ids in order, 32 at
+ * a time: lanes holding the same expert take consecutive places by lane, so an expert's rows are in
+ * increasing t·K + slot whatever the timing. */
+__global__ void __launch_bounds__(UNION_THREADS) k_union(const int32_t *idx, uint32_t nk, uint32_t E, uint32_t tile,
+                                                         uint32_t n_items, const uint8_t *const *vtab,
+                                                         const uint8_t **wtab, uint32_t *start, uint32_t *count,
+                                                         uint32_t *items, uint32_t *rows, uint32_t *counts,
+                                                         uint32_t *used, uint32_t *bad) {
+    __shared__ uint32_t cnt[1024], base[1024], tbase[1024], n_tiles;
+    const uint32_t tid = threadIdx.x;
+    for (uint32_t e = tid; e < E; e += UNION_THREADS) cnt[e] = 0;
+    __syncthreads();
+    for (uint32_t i = tid; i < nk; i += UNION_THREADS) {
+        int32_t e = idx[i];
+        if (e < 0 || (uint32_t)e >= E) {
+            atomicOr(bad, 1u);
+            e = 0;
+        }
+        atomicAdd(&cnt[e], 1u);
+    }
+    __syncthreads();
+    if (tid == 0) {
+        uint32_t r = 0, t = 0, u = 0;
+        for (uint32_t e = 0; e < E; e++) {
+            base[e] = r;
+            tbase[e] = t;
+            r += cnt[e];
+            t += (cnt[e] + tile - 1) / tile;
+            u += cnt[e] > 0;
+        }
+        n_tiles = t;
+        *used = u;
+    }
+    __syncthreads();
+    for (uint32_t e = tid; e < E; e += UNION_THREADS) {
+        start[e] = base[e];
+        count[e] = cnt[e];
+        wtab[e] = vtab[e];
+        counts[e] += cnt[e];
+        for (uint32_t j = 0; j * tile < cnt[e]; j++) items[tbase[e] + j] = e << 16 | j;
+    }
+    for (uint32_t i = n_tiles + tid; i < n_items; i += UNION_THREADS) items[i] = SMOE_CU_NO_ITEM;
+    __syncthreads(); /* every start read before warp 0 moves them */
+    if (tid >= 32) return;
+    for (uint32_t i0 = 0; i0 < nk; i0 += 32) {
+        const uint32_t i = i0 + tid;
+        int32_t e = i < nk ? idx[i] : -1;
+        if (i < nk && (e < 0 || (uint32_t)e >= E)) e = 0;
+        const uint32_t peers = __match_any_sync(0xFFFFFFFFu, e);
+        if (i < nk) rows[base[e] + __popc(peers & ((1u << tid) - 1u))] = i;
+        __syncwarp();
+        if (i < nk && tid == (uint32_t)__ffs(peers) - 1) base[e] += __popc(peers);
+        __syncwarp();
+    }
+}
+
+extern "C" uint32_t smoe_cu_union_items(uint32_t nk, uint32_t E, uint32_t tile) {
+    /* Σ ⌈c_e / tile⌉ ≤ Σ (c_e + tile − 1) / tile over the experts used, at most min(E, nk) of them */
+    const uint64_t used = nk < E ? nk : E;
+    return (uint32_t)(((uint64_t)nk + (uint64_t)(tile - 1) * used) / tile);
+}
+
+extern "C" int smoe_cu_union(smoe_cu_stream st, const int32_t *idx, uint32_t nk, uint32_t E, uint32_t tile,
+                             uint32_t n_items, const uint8_t *const *vtab, const uint8_t **wtab, uint32_t *start,
+                             uint32_t *count, uint32_t *items, uint32_t *rows, uint32_t *counts, uint32_t *used,
+                             uint32_t *bad) {
+    if (E == 0 || E > 1024 || tile == 0 || tile > 0xFFFFu || n_items < smoe_cu_union_items(nk, E, tile))
+        return (int)cudaErrorInvalidValue;
+    k_union<<<1, UNION_THREADS, 0, (cudaStream_t)st>>>(idx, nk, E, tile, n_items, vtab, wtab, start, count, items,
+                                                       rows, counts, used, bad);
     return (int)cudaGetLastError();
 }
 
