@@ -40,7 +40,7 @@ enum { MIN_VSLOTS = 2, RING = 64, MISS_BATCH = 8 };
 
 typedef struct {
     smoe_cu_stream cs, us; /* compute, upload */
-    char line[200];
+    char line[320];
     uint8_t *dense;
     float *k, *v, *cos, *sin;
     float *x, *xn, *q, *att, *router, *topk_w, *slot_out, *xg, *hg, *h, *logits;
