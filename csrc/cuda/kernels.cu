@@ -1296,19 +1296,19 @@ extern "C" int smoe_cu_union(smoe_cu_stream st, const int32_t *idx, uint32_t nk,
     return (int)cudaGetLastError();
 }
 
+/* One thread an element (block (t, column chunk)): one token's sum is spread over the GPU. */
 __global__ void k_moe_sum(float *x, const float *y, const float *w, uint32_t K, uint32_t hidden) {
-    const uint32_t t = blockIdx.x;
-    for (uint32_t c = threadIdx.x; c < hidden; c += blockDim.x) {
-        float acc = 0.0f;
-        for (uint32_t k = 0; k < K; k++)
-            acc = __fadd_rn(acc, __fmul_rn(w[(size_t)t * K + k], y[((size_t)t * K + k) * hidden + c]));
-        x[(size_t)t * hidden + c] = __fadd_rn(x[(size_t)t * hidden + c], acc);
-    }
+    const uint32_t t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= hidden) return;
+    float acc = 0.0f;
+    for (uint32_t k = 0; k < K; k++)
+        acc = __fadd_rn(acc, __fmul_rn(w[(size_t)t * K + k], y[((size_t)t * K + k) * hidden + c]));
+    x[(size_t)t * hidden + c] = __fadd_rn(x[(size_t)t * hidden + c], acc);
 }
 
 extern "C" int smoe_cu_moe_sum(smoe_cu_stream st, float *x, const float *y, const float *w, uint32_t n, uint32_t K,
                                uint32_t hidden) {
     if (n == 0) return 0;
-    k_moe_sum<<<n, 256, 0, (cudaStream_t)st>>>(x, y, w, K, hidden);
+    k_moe_sum<<<dim3(n, (hidden + 127) / 128), 128, 0, (cudaStream_t)st>>>(x, y, w, K, hidden);
     return (int)cudaGetLastError();
 }
