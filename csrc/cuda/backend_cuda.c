@@ -32,6 +32,7 @@
 #include "../session.h"
 #include "cuda_ops.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -266,14 +267,24 @@ static smoe_status dalloc(smoe_session *s, void *pp, size_t bytes) {
     return SMOE_OK;
 }
 
+/* The rows of a device union's tiles for n tokens: the tile the host path's kernel choice would take
+ * for the largest expert of a uniform routing (mean m = n·K/E rows, largest about m + 3√m + 1), a
+ * power of two from 8 to 64 and at most n. Bigger experts take several tiles; tiles change no bits. */
+static uint32_t union_tile(uint32_t n, uint32_t K, uint32_t E) {
+    double m = (double)n * K / E, want = m + 3.0 * sqrt(m) + 1.0;
+    uint32_t t = 8;
+    while (t < want && t < 64) t *= 2;
+    return t < n ? t : n;
+}
+
 /* The device union's state (cuda_state), when the VRAM cache holds every expert. */
 static smoe_status device_union_init(smoe_session *s) {
     cuda_state *c = ST(s);
     smoe_status st;
     size_t L = s->cfg.num_hidden_layers, E = s->cfg.num_experts, K = s->cfg.num_experts_per_tok, C = s->params.chunk;
     c->n_items_cap = 0;
-    for (uint32_t n = 1; n <= C; n++) { /* the bound is not monotone in n (the tile follows n below 64) */
-        uint32_t b = smoe_cu_union_items(n * (uint32_t)K, (uint32_t)E, n < 64 ? n : 64);
+    for (uint32_t n = 1; n <= C; n++) { /* the bound is not monotone in n (the tile follows n) */
+        uint32_t b = smoe_cu_union_items(n * (uint32_t)K, (uint32_t)E, union_tile(n, (uint32_t)K, (uint32_t)E));
         c->n_items_cap = b > c->n_items_cap ? b : c->n_items_cap;
     }
     struct { void *pp; size_t bytes; } planes[] = {
@@ -518,7 +529,7 @@ static smoe_status moe_on_device(smoe_session *s, uint32_t l, uint32_t n) {
     cuda_state *c = ST(s);
     const smoe_config *cf = &s->cfg;
     uint32_t E = cf->num_experts, K = cf->num_experts_per_tok, H = cf->hidden_size, nk = n * K;
-    uint32_t tile = n < 64 ? n : 64, n_items = smoe_cu_union_items(nk, E, tile);
+    uint32_t tile = union_tile(n, K, E), n_items = smoe_cu_union_items(nk, E, tile);
     CU(smoe_cu_union(c->cs, c->topk_idx, nk, E, tile, n_items, c->d_vtab + (size_t)l * E, c->d_wtab, c->d_start,
                      c->d_count, c->d_items, c->rows, c->d_counts + (size_t)l * E, c->d_used + l, c->d_bad));
     if (!c->pending[l]) c->pending[l] = true, c->n_pending++;

@@ -1220,28 +1220,50 @@ extern "C" int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint
     return (int)cudaGetLastError();
 }
 
-enum { UNION_THREADS = 256 };
+enum { UNION_WARPS = 8 };
 
-/* One block. Counts per expert (shared atomics: a count is order-free), the starts and tile
- * starts in expert order (thread 0), then each row placed by warp 0 walking the ids in order, 32 at
- * a time: lanes holding the same expert take consecutive places by lane, so an expert's rows are in
- * increasing t·K + slot whatever the timing. */
-__global__ void __launch_bounds__(UNION_THREADS) k_union(const int32_t *idx, uint32_t nk, uint32_t E, uint32_t tile,
-                                                         uint32_t n_items, const uint8_t *const *vtab,
-                                                         const uint8_t **wtab, uint32_t *start, uint32_t *count,
-                                                         uint32_t *items, uint32_t *rows, uint32_t *counts,
-                                                         uint32_t *used, uint32_t *bad) {
-    __shared__ uint32_t cnt[1024], base[1024], tbase[1024], n_tiles;
-    const uint32_t tid = threadIdx.x;
-    for (uint32_t e = tid; e < E; e += UNION_THREADS) cnt[e] = 0;
-    __syncthreads();
-    for (uint32_t i = tid; i < nk; i += UNION_THREADS) {
-        int32_t e = idx[i];
-        if (e < 0 || (uint32_t)e >= E) {
+/* A warp's walk over its segment of the ids, 32 at a time: lanes holding the same expert are peers
+ * (match_any); the lowest is the leader. Returns the lane's rank among its peers. */
+__device__ __forceinline__ uint32_t union_peers(int32_t e, uint32_t lane, uint32_t *peers) {
+    *peers = __match_any_sync(0xFFFFFFFFu, e);
+    return __popc(*peers & ((1u << lane) - 1u));
+}
+
+/* One block of UNION_WARPS warps, warp w owning the ids [w·seg, (w + 1)·seg). Per warp and expert
+ * the count (wc), per expert the sum and, in warp order, where each warp's rows begin; the starts
+ * and tile starts in expert order (thread 0); then each warp places its rows, peers by lane. An
+ * expert's rows are so in increasing t·K + slot, whatever the timing. */
+__global__ void __launch_bounds__(UNION_WARPS * 32) k_union(const int32_t *idx, uint32_t nk, uint32_t E, uint32_t tile,
+                                                            uint32_t n_items, const uint8_t *const *vtab,
+                                                            const uint8_t **wtab, uint32_t *start, uint32_t *count,
+                                                            uint32_t *items, uint32_t *rows, uint32_t *counts,
+                                                            uint32_t *used, uint32_t *bad) {
+    __shared__ uint32_t wc[UNION_WARPS][1024], cnt[1024], base[1024], tbase[1024], n_tiles;
+    const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const uint32_t seg = (nk + UNION_WARPS * 32 - 1) / (UNION_WARPS * 32) * 32, i0 = warp * seg;
+    const uint32_t i1 = min(nk, i0 + seg);
+    for (uint32_t e = lane; e < E; e += 32) wc[warp][e] = 0;
+    __syncwarp();
+    for (uint32_t i = i0 + lane; i - lane < i1; i += 32) {
+        int32_t e = i < i1 ? idx[i] : -1;
+        if (i < i1 && (e < 0 || (uint32_t)e >= E)) {
             atomicOr(bad, 1u);
             e = 0;
         }
-        atomicAdd(&cnt[e], 1u);
+        uint32_t peers;
+        union_peers(e, lane, &peers);
+        if (i < i1 && lane == (uint32_t)__ffs(peers) - 1) wc[warp][e] += __popc(peers);
+        __syncwarp();
+    }
+    __syncthreads();
+    for (uint32_t e = tid; e < E; e += UNION_WARPS * 32) {
+        uint32_t c = 0;
+        for (uint32_t w = 0; w < UNION_WARPS; w++) {
+            const uint32_t v = wc[w][e];
+            wc[w][e] = c;
+            c += v;
+        }
+        cnt[e] = c;
     }
     __syncthreads();
     if (tid == 0) {
@@ -1257,24 +1279,22 @@ __global__ void __launch_bounds__(UNION_THREADS) k_union(const int32_t *idx, uin
         *used = u;
     }
     __syncthreads();
-    for (uint32_t e = tid; e < E; e += UNION_THREADS) {
+    for (uint32_t e = tid; e < E; e += UNION_WARPS * 32) {
         start[e] = base[e];
         count[e] = cnt[e];
         wtab[e] = vtab[e];
         counts[e] += cnt[e];
         for (uint32_t j = 0; j * tile < cnt[e]; j++) items[tbase[e] + j] = e << 16 | j;
     }
-    for (uint32_t i = n_tiles + tid; i < n_items; i += UNION_THREADS) items[i] = SMOE_CU_NO_ITEM;
-    __syncthreads(); /* every start read before warp 0 moves them */
-    if (tid >= 32) return;
-    for (uint32_t i0 = 0; i0 < nk; i0 += 32) {
-        const uint32_t i = i0 + tid;
-        int32_t e = i < nk ? idx[i] : -1;
-        if (i < nk && (e < 0 || (uint32_t)e >= E)) e = 0;
-        const uint32_t peers = __match_any_sync(0xFFFFFFFFu, e);
-        if (i < nk) rows[base[e] + __popc(peers & ((1u << tid) - 1u))] = i;
+    for (uint32_t i = n_tiles + tid; i < n_items; i += UNION_WARPS * 32) items[i] = SMOE_CU_NO_ITEM;
+    for (uint32_t i = i0 + lane; i - lane < i1; i += 32) {
+        int32_t e = i < i1 ? idx[i] : -1;
+        if (i < i1 && (e < 0 || (uint32_t)e >= E)) e = 0;
+        uint32_t peers;
+        const uint32_t rank = union_peers(e, lane, &peers);
+        if (i < i1) rows[base[e] + wc[warp][e] + rank] = i;
         __syncwarp();
-        if (i < nk && tid == (uint32_t)__ffs(peers) - 1) base[e] += __popc(peers);
+        if (i < i1 && lane == (uint32_t)__ffs(peers) - 1) wc[warp][e] += __popc(peers);
         __syncwarp();
     }
 }
@@ -1291,7 +1311,7 @@ extern "C" int smoe_cu_union(smoe_cu_stream st, const int32_t *idx, uint32_t nk,
                              uint32_t *bad) {
     if (E == 0 || E > 1024 || tile == 0 || tile > 0xFFFFu || n_items < smoe_cu_union_items(nk, E, tile))
         return (int)cudaErrorInvalidValue;
-    k_union<<<1, UNION_THREADS, 0, (cudaStream_t)st>>>(idx, nk, E, tile, n_items, vtab, wtab, start, count, items,
+    k_union<<<1, UNION_WARPS * 32, 0, (cudaStream_t)st>>>(idx, nk, E, tile, n_items, vtab, wtab, start, count, items,
                                                        rows, counts, used, bad);
     return (int)cudaGetLastError();
 }
