@@ -28,7 +28,7 @@ typedef struct smoe_backend {
      * the upload of what stays resident. On failure the session is freed (free runs). */
     smoe_status (*init)(smoe_session *s);
     void (*free)(smoe_session *s); /* of what init made; safe after a failed init */
-    /* x rows [0, n) ← embedding rows of ids (host array). */
+    /* x rows [0, n) ← embedding rows of ids (host array): a pass's start, at position s->pos. */
     smoe_status (*embed)(smoe_session *s, const int32_t *ids, uint32_t n);
     /* session.h's blocks (smoe_attention_block, smoe_ffn_block), on this device. */
     smoe_status (*attention)(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n);
@@ -39,6 +39,10 @@ typedef struct smoe_backend {
      * reports what the pass's layers left for later — their expert counts, and their union sizes
      * into union_sizes (layers entries) when not NULL. NULL: nothing is ever deferred. */
     smoe_status (*settle)(smoe_session *s, uint32_t *union_sizes);
+    /* A whole decode step of id at s->pos, embedding to s->logits, when the backend runs it in one
+     * go (*ran true; settle still follows); *ran false: it did nothing, the caller walks the layers.
+     * NULL: always the walk. */
+    smoe_status (*decode_step)(smoe_session *s, int32_t id, bool *ran);
     /* KV rows of layer [start, start + n) widened to f32 into k, v (either may be NULL). */
     smoe_status (*read_kv)(const smoe_session *s, uint32_t layer, uint32_t start, uint32_t n, float *k, float *v);
     /* Drops the device's own retained experts (the streamer's are dropped by the caller). */

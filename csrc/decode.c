@@ -24,17 +24,27 @@ static smoe_status decode(smoe_session *s, int32_t id, float *logits, int32_t *n
     uint32_t pos = s->pos;
 
     const smoe_backend *be = s->backend;
-    if ((st = be->embed(s, &id, 1)) != SMOE_OK)
-        return st;
-    for (uint32_t l = 0; l < c->num_hidden_layers; l++) {
-        /* position unchanged on failure: row pos of the KV cache is rewritten next time */
-        uint32_t used;
-        if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK)
-            return st;
-        if ((st = be->attention(s, l, pos, 1)) != SMOE_OK || (st = be->ffn(s, l, 1, &used)) != SMOE_OK)
+    bool ran = false;
+    /* a backend that runs the whole step at once (a recorded graph) is asked before layer 0 */
+    if (be->decode_step) {
+        if ((st = smoe_session_check_cancel(s, 0)) != SMOE_OK || (st = be->decode_step(s, id, &ran)) != SMOE_OK)
             return st;
     }
-    if ((st = be->logits(s)) != SMOE_OK || (be->settle && (st = be->settle(s, NULL)) != SMOE_OK))
+    if (!ran) {
+        if ((st = be->embed(s, &id, 1)) != SMOE_OK)
+            return st;
+        for (uint32_t l = 0; l < c->num_hidden_layers; l++) {
+            /* position unchanged on failure: row pos of the KV cache is rewritten next time */
+            uint32_t used;
+            if ((st = smoe_session_check_cancel(s, l)) != SMOE_OK)
+                return st;
+            if ((st = be->attention(s, l, pos, 1)) != SMOE_OK || (st = be->ffn(s, l, 1, &used)) != SMOE_OK)
+                return st;
+        }
+        if ((st = be->logits(s)) != SMOE_OK)
+            return st;
+    }
+    if (be->settle && (st = be->settle(s, NULL)) != SMOE_OK)
         return st;
     /* Logits with no finite value (NaN or infinite scales in the vault, say) would make greedy
      * sampling return id 0 on every step, without a word: refuse them instead. */

@@ -139,14 +139,17 @@ def _expert_counts(s, layers: int, experts: int) -> list[list[int]]:
 
 def test_the_device_union_gives_the_same_bits_and_statistics(mini_vault, monkeypatch):
     """Once every expert of a layer is in VRAM (a cache that holds them all), the layer's union is
-    formed on the GPU and nothing waits for the host: the same logits, greedy ids, union sizes and
-    expert counts as the host path (SMOE_CUDA_DEVICE_UNION=0), prefill and decode."""
+    formed on the GPU and nothing waits for the host, and once every layer's is, a decode step is
+    recorded once and replayed: the same logits, greedy ids, union sizes and expert counts as the
+    host path (SMOE_CUDA_DEVICE_UNION=0) and as the walk without the recording (SMOE_CUDA_GRAPH=0),
+    prefill and decode."""
     rng = np.random.default_rng(5)
     warm = rng.integers(0, 32000, 120).tolist()
     prompts = [rng.integers(0, 32000, n).tolist() for n in (1, 7, 45, 70, 130)]
 
-    def run(device_union: bool):
+    def run(device_union: bool, graph: bool = True):
         monkeypatch.setenv("SMOE_CUDA_DEVICE_UNION", "1" if device_union else "0")
+        monkeypatch.setenv("SMOE_CUDA_GRAPH", "1" if graph else "0")
         out = []
         with pysmoe.open_vault(mini_vault) as v:
             L, E = v.config["num_hidden_layers"], v.config["num_experts"]
@@ -161,7 +164,8 @@ def test_the_device_union_gives_the_same_bits_and_statistics(mini_vault, monkeyp
                                 s.device_stats()["vram_hits"], s.device_stats()["uploads"]))
         return out
 
-    on, off = run(True), run(False)
+    on, off, walk = run(True), run(False), run(True, graph=False)
+    assert on == walk
     for a, b in zip(on, off):
         assert a[0] == b[0] and a[1] == b[1]
         assert a[2] == b[2] and a[3] == b[3]

@@ -49,7 +49,11 @@ typedef struct {
      * of the gathered rows (g16) and of the SwiGLU output (h16), each with its row scales */
     void *a16, *g16, *h16;
     float *ae, *ge, *he;
-    int32_t *topk_idx, *ids;
+    int32_t *topk_idx;
+    /* a pass's first position, then its ids (pass[1 ..]): one upload a pass; the kernels read the
+     * position from here, so that a recorded decode step replays at any position */
+    int32_t *pass, *h_pass;
+    float *ks, *vs; /* the pass's new K and V rows, normalised and rotated here, then stored at pos */
     /* A layer's index arrays, one block uploaded with one copy: per union position its first row,
      * row count and VRAM blob (ustart, ucount, wtab), the launch order (items), and each gathered
      * row's t·K + slot (rows, last, so that only the part in use is copied). */
@@ -60,7 +64,7 @@ typedef struct {
     uint32_t *h_rows, *h_ustart, *h_ucount, *h_items;
     const uint8_t **h_wtab;
     /* pinned staging for what the host sends and gets back */
-    int32_t *h_topk, *h_ids;
+    int32_t *h_topk;
     uint32_t *h_vslot; /* (experts) VRAM slot of each union position */
     int *h_sslot;      /* (experts) streamer slot of each miss, −1 before acquire */
     /* VRAM expert cache */
@@ -89,7 +93,11 @@ typedef struct {
     const uint8_t **d_vtab, **h_vtab, **d_wtab; /* (layers × experts), (layers × experts), (experts) */
     uint32_t *d_start, *d_count, *d_items, n_items_cap;
     uint32_t *d_counts, *d_used, *d_bad, *h_counts, *h_used, *h_bad; /* (layers × experts), (layers), 1 */
-    uint32_t n_pending;
+    uint32_t n_pending, n_complete;
+    /* A whole decode step recorded once every sparse layer is complete (cuda_decode_step), dropped
+     * when one stops being; SMOE_CUDA_GRAPH=0 never records. */
+    bool graphs;
+    smoe_cu_graph graph;
 } cuda_state;
 
 #define ST(s) ((cuda_state *)(s)->backend_state)
@@ -183,6 +191,9 @@ static void vram_forget_all(smoe_session *s) {
     size_t keys = (size_t)s->cfg.num_hidden_layers * s->cfg.num_experts;
     for (size_t i = 0; i < keys; i++) c->vslot_of[i] = -1;
     if (c->complete) memset(c->complete, 0, s->cfg.num_hidden_layers * sizeof *c->complete);
+    c->n_complete = 0;
+    smoe_cu_graph_free(c->graph);
+    c->graph = NULL;
     uint32_t S = c->n_vslots;
     c->prev[S] = c->next[S] = S;
     for (uint32_t i = 0; i < S; i++) {
@@ -207,11 +218,13 @@ static void cuda_free(smoe_session *s) {
         for (uint32_t i = 0; i < c->n_sslots; i++) smoe_cu_event_free(c->sslot_ev[i]);
     for (int i = 0; i < RING; i++) smoe_cu_event_free(c->ring[i]);
     void *dbufs[] = {c->dense, c->k, c->v, c->cos, c->sin, c->x, c->xn, c->q, c->att, c->router, c->topk_w,
-                     c->slot_out, c->xg, c->hg, c->h, c->logits, c->topk_idx, c->ids, c->idx, c->vcache,
+                     c->slot_out, c->xg, c->hg, c->h, c->logits, c->topk_idx, c->pass, c->idx, c->vcache,
+                     c->ks, c->vs,
                      c->a16, c->g16, c->h16, c->ae, c->ge, c->he, (void *)c->d_vtab, (void *)c->d_wtab,
                      c->d_start, c->d_count, c->d_items, c->d_counts, c->d_used, c->d_bad};
     for (size_t i = 0; i < sizeof dbufs / sizeof dbufs[0]; i++) smoe_cu_free(dbufs[i]);
-    void *hbufs[] = {c->h_topk, c->h_ids, c->h_idx, (void *)c->h_vtab, c->h_counts, c->h_used, c->h_bad};
+    smoe_cu_graph_free(c->graph);
+    void *hbufs[] = {c->h_topk, c->h_pass, c->h_idx, (void *)c->h_vtab, c->h_counts, c->h_used, c->h_bad};
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++) smoe_cu_host_free(hbufs[i]);
     smoe_cu_stream_free(c->cs);
     smoe_cu_stream_free(c->us);
@@ -342,7 +355,7 @@ static smoe_status cuda_init(smoe_session *s) {
         {&c->x, C * H * 4}, {&c->xn, C * H * 4}, {&c->q, C * s->q_dim * 4}, {&c->att, C * s->q_dim * 4},
         {&c->router, C * E * 4}, {&c->topk_w, C * K * 4}, {&c->slot_out, C * K * H * 4}, {&c->xg, C * K * H * 4},
         {&c->hg, C * K * 2 * ffn * 4}, {&c->h, C * K * ffn * 4}, {&c->logits, (size_t)cf->vocab_size * 4},
-        {&c->topk_idx, C * K * 4}, {&c->ids, C * 4},
+        {&c->topk_idx, C * K * 4}, {&c->pass, (C + 1) * 4}, {&c->ks, C * s->kv_dim * 4}, {&c->vs, C * s->kv_dim * 4},
         {&c->a16, C * (H > s->q_dim ? H : s->q_dim) * 2}, {&c->ae, C * 4}, {&c->g16, C * K * H * 2},
         {&c->ge, C * K * 4}, {&c->h16, C * K * ffn * 2}, {&c->he, C * K * 4}, {&c->idx, 0},
     };
@@ -354,7 +367,7 @@ static smoe_status cuda_init(smoe_session *s) {
     CU(smoe_cu_upload(c->cos, s->rope_cos, s->params.context * half * 4, c->cs));
     CU(smoe_cu_upload(c->sin, s->rope_sin, s->params.context * half * 4, c->cs));
     struct { void *pp; size_t bytes; } pinned[] = {
-        {&c->h_topk, C * K * 4}, {&c->h_ids, C * 4}, {&c->h_idx, c->idx_bytes},
+        {&c->h_topk, C * K * 4}, {&c->h_pass, (C + 1) * 4}, {&c->h_idx, c->idx_bytes},
     };
     for (size_t i = 0; i < sizeof pinned / sizeof pinned[0]; i++)
         CU(smoe_cu_host_alloc((void **)pinned[i].pp, pinned[i].bytes));
@@ -391,6 +404,8 @@ static smoe_status cuda_init(smoe_session *s) {
         const char *du = getenv("SMOE_CUDA_DEVICE_UNION");
         c->device_union = n == total && !(du && du[0] == '0');
         if (c->device_union && (st = device_union_init(s)) != SMOE_OK) return st;
+        const char *gr = getenv("SMOE_CUDA_GRAPH");
+        c->graphs = c->device_union && smoe_cu_attention_fixed(cf->head_dim) && !(gr && gr[0] == '0');
         vram_forget_all(s);
         /* Pinned host slots make the uploads asynchronous DMA; where pinning fails (a locked-memory
          * limit), the copies still work, staged by the driver. SMOE_CUDA_PIN=0 skips it. */
@@ -417,14 +432,26 @@ static smoe_status cuda_init(smoe_session *s) {
 
 /* ------------------------------------------------------------------------------ the blocks */
 
-static smoe_status cuda_embed(smoe_session *s, const int32_t *ids, uint32_t n) {
+/* The pass's position (s->pos) and ids up to the GPU. */
+static smoe_status stage_pass(smoe_session *s, const int32_t *ids, uint32_t n) {
     cuda_state *c = ST(s);
     CU(smoe_cu_stream_sync(c->cs)); /* the staging buffer's last copy is done */
-    memcpy(c->h_ids, ids, n * sizeof *ids);
-    CU(smoe_cu_upload(c->ids, c->h_ids, n * sizeof *ids, c->cs));
-    smoe_cu_tensor d = desc(s->lay->embed);
-    CU(smoe_cu_embed(c->cs, &d, dev(s, s->lay->embed), c->ids, n, c->x));
+    c->h_pass[0] = (int32_t)s->pos;
+    memcpy(c->h_pass + 1, ids, n * sizeof *ids);
+    CU(smoe_cu_upload(c->pass, c->h_pass, (n + 1) * sizeof *ids, c->cs));
     return SMOE_OK;
+}
+
+static smoe_status embed_rows(smoe_session *s, uint32_t n) {
+    cuda_state *c = ST(s);
+    smoe_cu_tensor d = desc(s->lay->embed);
+    CU(smoe_cu_embed(c->cs, &d, dev(s, s->lay->embed), c->pass + 1, n, c->x));
+    return SMOE_OK;
+}
+
+static smoe_status cuda_embed(smoe_session *s, const int32_t *ids, uint32_t n) {
+    smoe_status st = stage_pass(s, ids, n);
+    return st != SMOE_OK ? st : embed_rows(s, n);
 }
 
 static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n) {
@@ -434,7 +461,7 @@ static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, ui
     uint32_t H = cf->hidden_size, hd = cf->head_dim;
     smoe_status st;
     float *kl = c->k + (size_t)l * s->params.context * s->kv_dim, *vl = c->v + (size_t)l * s->params.context * s->kv_dim;
-    float *krows = kl + (size_t)pos0 * s->kv_dim, *vrows = vl + (size_t)pos0 * s->kv_dim;
+    const uint32_t *dpos = (const uint32_t *)c->pass;
     smoe_cu_rows R = {.n = n};
     smoe_cu_act a;
     if ((st = norm(s, c->xn, c->x, n, H, L->input_norm)) != SMOE_OK) return st;
@@ -442,14 +469,16 @@ static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, ui
     bool need = tensor_cores(L->q) || tensor_cores(L->k) || tensor_cores(L->v);
     if ((st = act(s, need, c->xn, H, H, &R, c->a16, c->ae, &a)) != SMOE_OK ||
         (st = linear(s, L->q, &a, n, c->q, s->q_dim)) != SMOE_OK ||
-        (st = linear(s, L->k, &a, n, krows, s->kv_dim)) != SMOE_OK ||
-        (st = linear(s, L->v, &a, n, vrows, s->kv_dim)) != SMOE_OK ||
+        (st = linear(s, L->k, &a, n, c->ks, s->kv_dim)) != SMOE_OK ||
+        (st = linear(s, L->v, &a, n, c->vs, s->kv_dim)) != SMOE_OK ||
         (st = norm(s, c->q, c->q, n * cf->num_attention_heads, hd, L->q_norm)) != SMOE_OK ||
-        (st = norm(s, krows, krows, n * cf->num_key_value_heads, hd, L->k_norm)) != SMOE_OK)
+        (st = norm(s, c->ks, c->ks, n * cf->num_key_value_heads, hd, L->k_norm)) != SMOE_OK)
         return st;
-    CU(smoe_cu_rope(c->cs, c->q, n, cf->num_attention_heads, hd, s->q_dim, c->cos, c->sin, pos0));
-    CU(smoe_cu_rope(c->cs, krows, n, cf->num_key_value_heads, hd, s->kv_dim, c->cos, c->sin, pos0));
-    CU(smoe_cu_attention(c->cs, c->att, c->q, kl, vl, n, cf->num_attention_heads, cf->num_key_value_heads, hd, pos0));
+    CU(smoe_cu_rope(c->cs, c->q, n, cf->num_attention_heads, hd, s->q_dim, c->cos, c->sin, dpos));
+    CU(smoe_cu_rope(c->cs, c->ks, n, cf->num_key_value_heads, hd, s->kv_dim, c->cos, c->sin, dpos));
+    CU(smoe_cu_kv_store(c->cs, kl, vl, c->ks, c->vs, n, s->kv_dim, dpos));
+    CU(smoe_cu_attention(c->cs, c->att, c->q, kl, vl, n, cf->num_attention_heads, cf->num_key_value_heads, hd, pos0,
+                         dpos));
     if ((st = linear_x(s, L->o, c->att, s->q_dim, s->q_dim, n, c->xn, H)) != SMOE_OK) return st;
     CU(smoe_cu_add(c->cs, c->x, c->xn, (size_t)n * H));
     return SMOE_OK;
@@ -554,6 +583,7 @@ static smoe_status note_complete(smoe_session *s, uint32_t l) {
     for (uint32_t e = 0; e < E; e++) h[e] = c->vcache + (size_t)c->vslot_of[(size_t)l * E + e] * c->blob_bytes;
     CU(smoe_cu_upload(c->d_vtab + (size_t)l * E, h, E * sizeof *h, c->cs));
     c->complete[l] = true;
+    c->n_complete++;
     return SMOE_OK;
 }
 
@@ -615,7 +645,13 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
         uint32_t u = miss[i], e = (uint32_t)s->union_list[u], vs = c->next[c->n_vslots];
         if (c->vslot_key[vs] >= 0) {
             c->vslot_of[c->vslot_key[vs]] = -1;
-            if (c->complete) c->complete[c->vslot_key[vs] / E] = false;
+            uint32_t el = (uint32_t)(c->vslot_key[vs] / E);
+            if (c->complete && c->complete[el]) {
+                c->complete[el] = false;
+                c->n_complete--;
+                smoe_cu_graph_free(c->graph);
+                c->graph = NULL;
+            }
         }
         c->vslot_key[vs] = (int64_t)l * E + e;
         c->vslot_of[(size_t)l * E + e] = (int32_t)vs;
@@ -737,16 +773,60 @@ static smoe_status cuda_ffn(smoe_session *s, uint32_t l, uint32_t n, uint32_t *u
     return SMOE_OK;
 }
 
-static smoe_status cuda_logits(smoe_session *s) {
+static smoe_status logits_row(smoe_session *s) {
     cuda_state *c = ST(s);
     smoe_status st;
     uint32_t H = s->cfg.hidden_size;
     if ((st = norm(s, c->xn, c->x, 1, H, s->lay->final_norm)) != SMOE_OK ||
         (st = linear_x(s, s->lay->lm_head, c->xn, H, H, 1, c->logits, s->cfg.vocab_size)) != SMOE_OK)
         return st;
+    return SMOE_OK;
+}
+
+static smoe_status logits_back(smoe_session *s) {
+    cuda_state *c = ST(s);
     CU(smoe_cu_download(s->logits, c->logits, (size_t)s->cfg.vocab_size * 4, c->cs));
     CU(smoe_cu_stream_sync(c->cs));
     return SMOE_OK;
+}
+
+static smoe_status cuda_logits(smoe_session *s) {
+    smoe_status st = logits_row(s);
+    return st != SMOE_OK ? st : logits_back(s);
+}
+
+/* One decode step's kernels, embedding to logits row, as decode.c would enqueue them. */
+static smoe_status step_kernels(smoe_session *s) {
+    smoe_status st = embed_rows(s, 1);
+    for (uint32_t l = 0; st == SMOE_OK && l < s->cfg.num_hidden_layers; l++) {
+        uint32_t used;
+        if ((st = cuda_attention(s, l, s->pos, 1)) == SMOE_OK) st = cuda_ffn(s, l, 1, &used);
+    }
+    return st != SMOE_OK ? st : logits_row(s);
+}
+
+/* Once every sparse layer's experts are all in VRAM, a decode step's launches are the same at every
+ * position (the position is read on the GPU, the unions are formed there): the first such step
+ * records them, each later one replays the recording, so the host launches one graph instead of
+ * some 25 kernels a layer. The bits are those of the per-layer walk (the same kernels). */
+static smoe_status cuda_decode_step(smoe_session *s, int32_t id, bool *ran) {
+    cuda_state *c = ST(s);
+    *ran = false;
+    if (!c->graphs || c->n_complete < s->cfg.num_sparse_layers) return SMOE_OK;
+    *ran = true;
+    smoe_status st = stage_pass(s, &id, 1);
+    if (st != SMOE_OK) return st;
+    if (!c->graph) {
+        CU(smoe_cu_capture_begin(c->cs));
+        st = step_kernels(s);
+        int e = smoe_cu_capture_end(c->cs, st == SMOE_OK, &c->graph);
+        if (st != SMOE_OK) return st;
+        if (e) return cu_fail(s, e, "recording a decode step");
+    }
+    CU(smoe_cu_graph_launch(c->graph, c->cs));
+    for (uint32_t l = 0; l < s->cfg.num_hidden_layers; l++)
+        if (s->lay->layers[l].sparse && !c->pending[l]) c->pending[l] = true, c->n_pending++;
+    return logits_back(s);
 }
 
 /* The end of a pass: waits for the GPU and brings back what the device unions kept (backend.h). */
@@ -812,6 +892,7 @@ const smoe_backend smoe_backend_cuda = {
     .attention = cuda_attention,
     .ffn = cuda_ffn,
     .logits = cuda_logits,
+    .decode_step = cuda_decode_step,
     .settle = cuda_settle,
     .read_kv = cuda_read_kv,
     .cache_clear = cuda_cache_clear,

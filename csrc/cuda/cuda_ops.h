@@ -20,6 +20,7 @@ extern "C" {
 
 typedef void *smoe_cu_stream; /* cudaStream_t */
 typedef void *smoe_cu_event;  /* cudaEvent_t */
+typedef void *smoe_cu_graph;  /* cudaGraphExec_t */
 
 /* A weight tensor's layout (smoe_tensor's numbers; vault.h), without its address. */
 typedef struct {
@@ -69,6 +70,12 @@ int smoe_cu_event_record(smoe_cu_event ev, smoe_cu_stream st);
 int smoe_cu_event_sync(smoe_cu_event ev);
 int smoe_cu_stream_wait(smoe_cu_stream st, smoe_cu_event ev);
 int smoe_cu_last_error(void); /* and clears it */
+/* Recording what is enqueued on st (this thread's calls only) and replaying it: capture_end
+ * instantiates the recording into *out when keep (else drops it; *out NULL). */
+int smoe_cu_capture_begin(smoe_cu_stream st);
+int smoe_cu_capture_end(smoe_cu_stream st, int keep, smoe_cu_graph *out);
+int smoe_cu_graph_launch(smoe_cu_graph g, smoe_cu_stream st);
+void smoe_cu_graph_free(smoe_cu_graph g);
 
 /* An activation as the products read it: f32 rows ldx floats apart and, for the products that run
  * on the tensor cores, the same rows as smoe_cu_prep wrote them (f16, cols apart, and per row the
@@ -97,13 +104,20 @@ int smoe_cu_embed(smoe_cu_stream st, const smoe_cu_tensor *T, const uint8_t *w, 
 int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim, size_t ld,
                     const uint8_t *weight, uint8_t weight_format, float eps);
 /* Rotate-half RoPE on n tokens × heads vectors of hd (rows ld floats apart per token), token t at
- * position pos0 + t; cos/sin (context, hd/2). */
+ * position *pos0 + t (pos0 in device memory, so that a recorded launch serves any position);
+ * cos/sin (context, hd/2). */
 int smoe_cu_rope(smoe_cu_stream st, float *x, uint32_t n, uint32_t heads, uint32_t hd, size_t ld, const float *cos,
-                 const float *sin, uint32_t pos0);
+                 const float *sin, const uint32_t *pos0);
+/* KV cache rows [*pos0, *pos0 + n) of one layer (kv_dim floats each) ← the rows of ks and vs. */
+int smoe_cu_kv_store(smoe_cu_stream st, float *k, float *v, const float *ks, const float *vs, uint32_t n,
+                     uint32_t kv_dim, const uint32_t *pos0);
 /* att (n, heads·hd) = causal attention of q (n, heads·hd) over k/v (positions, kv_dim) of one
- * layer: token t sees positions [0, pos0 + t]. */
+ * layer: token t sees positions [0, pos0 + t]; dpos holds pos0 in device memory too. */
 int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const float *k, const float *v, uint32_t n,
-                      uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0);
+                      uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0, const uint32_t *dpos);
+/* 1 when an attention launch for head size hd reads its position from dpos alone (its shape does
+ * not follow pos0), so that it can be recorded once and replayed at any position. */
+int smoe_cu_attention_fixed(uint32_t hd);
 int smoe_cu_attention_max_positions(uint32_t hd); /* positions one launch can attend over */
 /* x[i] += y[i], i < count */
 int smoe_cu_add(smoe_cu_stream st, float *x, const float *y, size_t count);

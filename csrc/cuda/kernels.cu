@@ -80,6 +80,29 @@ extern "C" int smoe_cu_stream_new(smoe_cu_stream *st) {
     return (int)e;
 }
 extern "C" void smoe_cu_stream_free(smoe_cu_stream st) { if (st) cudaStreamDestroy((cudaStream_t)st); }
+
+extern "C" int smoe_cu_capture_begin(smoe_cu_stream st) {
+    return (int)cudaStreamBeginCapture((cudaStream_t)st, cudaStreamCaptureModeThreadLocal);
+}
+
+extern "C" int smoe_cu_capture_end(smoe_cu_stream st, int keep, smoe_cu_graph *out) {
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture((cudaStream_t)st, &g);
+    *out = NULL;
+    if (e == cudaSuccess && keep) {
+        cudaGraphExec_t x;
+        e = cudaGraphInstantiate(&x, g, 0);
+        if (e == cudaSuccess) *out = (void *)x;
+    }
+    if (g) cudaGraphDestroy(g);
+    return (int)e;
+}
+
+extern "C" int smoe_cu_graph_launch(smoe_cu_graph g, smoe_cu_stream st) {
+    return (int)cudaGraphLaunch((cudaGraphExec_t)g, (cudaStream_t)st);
+}
+
+extern "C" void smoe_cu_graph_free(smoe_cu_graph g) { if (g) cudaGraphExecDestroy((cudaGraphExec_t)g); }
 extern "C" int smoe_cu_stream_sync(smoe_cu_stream st) { return (int)cudaStreamSynchronize((cudaStream_t)st); }
 extern "C" int smoe_cu_event_new(smoe_cu_event *ev) {
     cudaEvent_t e;
@@ -838,8 +861,8 @@ extern "C" int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, ui
 /* -------------------------------------------------------------------------------- RoPE */
 
 __global__ void k_rope(float *x, uint32_t n, uint32_t heads, uint32_t hd, size_t ld, const float *cs, const float *sn,
-                       uint32_t pos0) {
-    const uint32_t half = hd / 2;
+                       const uint32_t *dpos) {
+    const uint32_t half = hd / 2, pos0 = *dpos;
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)n * heads * half) return;
     const uint32_t k = (uint32_t)(i % half), h = (uint32_t)(i / half % heads), t = (uint32_t)(i / half / heads);
@@ -851,10 +874,27 @@ __global__ void k_rope(float *x, uint32_t n, uint32_t heads, uint32_t hd, size_t
 }
 
 extern "C" int smoe_cu_rope(smoe_cu_stream st, float *x, uint32_t n, uint32_t heads, uint32_t hd, size_t ld,
-                            const float *cos, const float *sin, uint32_t pos0) {
+                            const float *cos, const float *sin, const uint32_t *pos0) {
     size_t total = (size_t)n * heads * (hd / 2);
     if (total == 0) return 0;
     k_rope<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)st>>>(x, n, heads, hd, ld, cos, sin, pos0);
+    return (int)cudaGetLastError();
+}
+
+__global__ void k_kv_store(float *k, float *v, const float *ks, const float *vs, size_t count, uint32_t kv_dim,
+                           const uint32_t *pos0) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    const size_t at = (size_t)*pos0 * kv_dim + i;
+    k[at] = ks[i];
+    v[at] = vs[i];
+}
+
+extern "C" int smoe_cu_kv_store(smoe_cu_stream st, float *k, float *v, const float *ks, const float *vs, uint32_t n,
+                                uint32_t kv_dim, const uint32_t *pos0) {
+    const size_t count = (size_t)n * kv_dim;
+    if (count == 0) return 0;
+    k_kv_store<<<(unsigned)((count + 255) / 256), 256, 0, (cudaStream_t)st>>>(k, v, ks, vs, count, kv_dim, pos0);
     return (int)cudaGetLastError();
 }
 
@@ -932,7 +972,9 @@ __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) { return h2_bits
 template <int HD>
 __global__ void __launch_bounds__(FA_WARPS * 32) k_flash(float *__restrict__ att, const float *__restrict__ q,
                                                          const float *__restrict__ k, const float *__restrict__ v,
-                                                         uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t pos0) {
+                                                         uint32_t n, uint32_t heads, uint32_t kv_heads,
+                                                         const uint32_t *dpos) {
+    const uint32_t pos0 = *dpos;
     constexpr int KS = HD / 16, ND = HD / 8, NP = FA_BN / 8, LDK = HD + 8, LDV = FA_BN + 8;
     __shared__ __align__(16) __half Ks[FA_BN * LDK];
     __shared__ __align__(16) __half Vt[HD * LDV];
@@ -1075,15 +1117,18 @@ static bool flash_head(uint32_t hd) {
 
 extern "C" int smoe_cu_attention_max_positions(uint32_t hd) { return flash_head(hd) ? 1 << 30 : ATT_SMEM / 4 - 512; }
 
+extern "C" int smoe_cu_attention_fixed(uint32_t hd) { return flash_head(hd); }
+
 extern "C" int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const float *k, const float *v,
-                                 uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0) {
+                                 uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0,
+                                 const uint32_t *dpos) {
     if (n == 0) return 0;
     cudaStream_t s = (cudaStream_t)st;
     if (flash_head(hd)) {
         dim3 grid(kv_heads, (n * (heads / kv_heads) + FA_WARPS * 16 - 1) / (FA_WARPS * 16));
-        if (hd == 32) k_flash<32><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, pos0);
-        else if (hd == 64) k_flash<64><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, pos0);
-        else k_flash<128><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, pos0);
+        if (hd == 32) k_flash<32><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos);
+        else if (hd == 64) k_flash<64><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos);
+        else k_flash<128><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos);
         return (int)cudaGetLastError();
     }
     static int configured;
