@@ -228,11 +228,14 @@ typedef struct {
  *                     builds answer SMOE_ERR_UNSUPPORTED. Dense weights, KV cache and activations
  *                     live in VRAM; experts are retained in VRAM (gpu_cache_bytes), behind it in
  *                     the host retention cache (cache_bytes, pinned) and behind that on disk. Its
- *                     products multiply f32 activations by the dequantised weights (the arithmetic
- *                     of float_activations = 1, in the GPU's own summation order), so its logits
- *                     agree with the CPU's within a tolerance, not bit for bit; its layer-major
- *                     and token-serial paths agree bit for bit with each other. Requires kv_dtype
- *                     SMOE_KV_F32; not for smoe_session_new_shared or smoe_decode_batch. */
+ *                     q4/q8 products run on the tensor cores (weights dequantised to f16,
+ *                     activations rounded to f16 after a power-of-two scale per row, f32 sums in
+ *                     the GPU's own order; float_activations is ignored), so its logits agree
+ *                     with the CPU's within a tolerance, not bit for bit; its layer-major and
+ *                     token-serial paths agree bit for bit with each other, for each kv_dtype
+ *                     (attention for head sizes 32, 64 and 128 takes K and V as f16, so there an
+ *                     f16 cache gives the same logits as an f32 one at half the VRAM). Not for
+ *                     smoe_session_new_shared or smoe_decode_batch. */
 typedef enum { SMOE_DEVICE_CPU = 0, SMOE_DEVICE_CUDA = 1 } smoe_device;
 
 SMOE_API smoe_session_params smoe_session_default_params(void);

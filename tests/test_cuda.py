@@ -225,5 +225,37 @@ def test_gpu_sessions_do_not_share_or_batch(tiny_vault):
         with _cuda_session(v) as s:
             with pytest.raises(Unsupported):
                 v.session(share_cache=s)
-            with pytest.raises(Unsupported):
-                v.session(device="cuda", kv_dtype="bf16")
+
+
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+    """f32 → bf16 → f32, to nearest even (the values are finite)."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16
+    return u.astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("n", [7, 45])
+def test_kv_cache_in_f16_and_bf16_on_the_gpu(mini_vault, n):
+    """The GPU stores K and V rounded to nearest even in the session's kv_dtype: what read_kv gives
+    back is exactly the f32 session's rows rounded. Flash attention (mini's head size, 64) takes K
+    and V as f16 anyway, so an f16 cache gives the f32 cache's logits bit for bit; bf16 changes
+    them, but both prefill paths still agree bit for bit."""
+    prompt = np.random.default_rng(n).integers(0, 32000, n).tolist()
+    out = {}
+    with pysmoe.open_vault(mini_vault) as v:
+        for dt, path in (("f32", "layer-major"), ("f16", "layer-major"), ("bf16", "layer-major"),
+                         ("bf16", "token-serial")):
+            with _cuda_session(v, chunk=64, gpu_cache_bytes=1 << 30, kv_dtype=dt, prefill=path) as s:
+                assert s.kv_dtype == dt
+                first, ids = _greedy(s, prompt, 4)
+                out[dt, path] = (first, ids, [s.kv(layer) for layer in (0, 3)])
+    f32, f16, bf16 = out["f32", "layer-major"], out["f16", "layer-major"], out["bf16", "layer-major"]
+    for (k32, v32), (k16, v16) in zip(f32[2], f16[2]):  # the f16 session computes what the f32 one does
+        assert k16.tobytes() == k32.astype(np.float16).astype(np.float32).tobytes()
+        assert v16.tobytes() == v32.astype(np.float16).astype(np.float32).tobytes()
+    (k32, v32), (kb, vb) = f32[2][0], bf16[2][0]  # layer 0's rows come before any attention
+    assert kb.tobytes() == _round_bf16(k32).tobytes() and vb.tobytes() == _round_bf16(v32).tobytes()
+    assert f16[0].tobytes() == f32[0].tobytes() and f16[1] == f32[1]
+    serial = out["bf16", "token-serial"]
+    assert serial[0].tobytes() == bf16[0].tobytes() and serial[1] == bf16[1]
+    assert all(a.tobytes() == b.tobytes() for kv_a, kv_b in zip(serial[2], bf16[2]) for a, b in zip(kv_a, kv_b))

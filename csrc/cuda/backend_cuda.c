@@ -43,7 +43,8 @@ typedef struct {
     smoe_cu_stream cs, us; /* compute, upload */
     char line[320];
     uint8_t *dense;
-    float *k, *v, *cos, *sin;
+    uint8_t *k, *v; /* the KV cache, elements of the session's kv_dtype */
+    float *cos, *sin;
     float *x, *xn, *q, *att, *router, *topk_w, *slot_out, *xg, *hg, *h, *logits;
     /* the f16 rows the tensor-core products read (cuda_ops.h, smoe_cu_act): of xn or att (a16),
      * of the gathered rows (g16) and of the SwiGLU output (h16), each with its row scales */
@@ -322,9 +323,6 @@ static smoe_status device_union_init(smoe_session *s) {
 
 static smoe_status cuda_init(smoe_session *s) {
     const smoe_config *cf = &s->cfg;
-    if (s->params.kv_dtype != SMOE_KV_F32)
-        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: the KV cache in VRAM is f32 only (kv_dtype %u asked)",
-                         s->params.kv_dtype);
     char name[128];
     int major = 0, minor = 0;
     size_t free_b = 0, total_b = 0;
@@ -352,7 +350,7 @@ static smoe_status cuda_init(smoe_session *s) {
     if ((st = dalloc(s, &c->dense, s->lay->dense_bytes)) != SMOE_OK) return st;
     CU(smoe_cu_upload(c->dense, s->vault->dense, s->lay->dense_bytes, c->cs));
     struct { void *pp; size_t bytes; } planes[] = {
-        {&c->k, kv * 4}, {&c->v, kv * 4}, {&c->cos, s->params.context * half * 4}, {&c->sin, s->params.context * half * 4},
+        {&c->k, kv * smoe_kv_elem_bytes(s->params.kv_dtype)}, {&c->v, kv * smoe_kv_elem_bytes(s->params.kv_dtype)}, {&c->cos, s->params.context * half * 4}, {&c->sin, s->params.context * half * 4},
         {&c->x, C * H * 4}, {&c->xn, C * H * 4}, {&c->q, C * s->q_dim * 4}, {&c->att, C * s->q_dim * 4},
         {&c->router, C * E * 4}, {&c->topk_w, C * K * 4}, {&c->slot_out, C * K * H * 4}, {&c->xg, C * K * H * 4},
         {&c->hg, C * K * 2 * ffn * 4}, {&c->h, C * K * ffn * 4}, {&c->logits, (size_t)cf->vocab_size * 4},
@@ -461,7 +459,8 @@ static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, ui
     const smoe_layer_weights *L = &s->lay->layers[l];
     uint32_t H = cf->hidden_size, hd = cf->head_dim;
     smoe_status st;
-    float *kl = c->k + (size_t)l * s->params.context * s->kv_dim, *vl = c->v + (size_t)l * s->params.context * s->kv_dim;
+    size_t layer_at = (size_t)l * s->params.context * s->kv_dim * smoe_kv_elem_bytes(s->params.kv_dtype);
+    uint8_t *kl = c->k + layer_at, *vl = c->v + layer_at;
     const uint32_t *dpos = (const uint32_t *)c->pass;
     smoe_cu_rows R = {.n = n};
     smoe_cu_act a;
@@ -477,8 +476,9 @@ static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, ui
         return st;
     CU(smoe_cu_rope(c->cs, c->q, n, cf->num_attention_heads, hd, s->q_dim, c->cos, c->sin, dpos));
     CU(smoe_cu_rope(c->cs, c->ks, n, cf->num_key_value_heads, hd, s->kv_dim, c->cos, c->sin, dpos));
-    CU(smoe_cu_kv_store(c->cs, kl, vl, c->ks, c->vs, n, s->kv_dim, dpos));
-    CU(smoe_cu_attention(c->cs, c->att, c->q, kl, vl, n, cf->num_attention_heads, cf->num_key_value_heads, hd, pos0,
+    CU(smoe_cu_kv_store(c->cs, kl, vl, s->params.kv_dtype, c->ks, c->vs, n, s->kv_dim, dpos));
+    CU(smoe_cu_attention(c->cs, c->att, c->q, kl, vl, s->params.kv_dtype, n, cf->num_attention_heads,
+                         cf->num_key_value_heads, hd, pos0,
                          dpos));
     if ((st = linear_x(s, L->o, c->att, s->q_dim, s->q_dim, n, c->xn, H)) != SMOE_OK) return st;
     CU(smoe_cu_add(c->cs, c->x, c->xn, (size_t)n * H));
@@ -858,10 +858,19 @@ static smoe_status cuda_settle(smoe_session *s, uint32_t *union_sizes) {
 static smoe_status cuda_read_kv(const smoe_session *cs, uint32_t layer, uint32_t start, uint32_t n, float *k, float *v) {
     smoe_session *s = (smoe_session *)cs; /* cu_fail marks it broken */
     cuda_state *c = ST(s);
-    size_t at = ((size_t)layer * s->params.context + start) * s->kv_dim, len = (size_t)n * s->kv_dim * 4;
-    if (k) CU(smoe_cu_download(k, c->k + at, len, c->cs));
-    if (v) CU(smoe_cu_download(v, c->v + at, len, c->cs));
+    uint32_t dt = s->params.kv_dtype;
+    size_t es = smoe_kv_elem_bytes(dt), count = (size_t)n * s->kv_dim;
+    size_t at = ((size_t)layer * s->params.context + start) * s->kv_dim * es;
+    /* the stored elements land in the front of the caller's floats, then widen in place from the
+     * last one down (element i's float never covers an element below i that is still to be read) */
+    if (k) CU(smoe_cu_download(k, c->k + at, count * es, c->cs));
+    if (v) CU(smoe_cu_download(v, c->v + at, count * es, c->cs));
     CU(smoe_cu_stream_sync(c->cs));
+    if (es != 4)
+        for (size_t i = count; i-- > 0;) {
+            if (k) smoe_kv_load(k + i, (const uint8_t *)k + i * es, 1, dt);
+            if (v) smoe_kv_load(v + i, (const uint8_t *)v + i * es, 1, dt);
+        }
     return SMOE_OK;
 }
 

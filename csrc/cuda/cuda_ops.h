@@ -108,13 +108,16 @@ int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, uint32_t rows
  * cos/sin (context, hd/2). */
 int smoe_cu_rope(smoe_cu_stream st, float *x, uint32_t n, uint32_t heads, uint32_t hd, size_t ld, const float *cos,
                  const float *sin, const uint32_t *pos0);
-/* KV cache rows [*pos0, *pos0 + n) of one layer (kv_dim floats each) ← the rows of ks and vs. */
-int smoe_cu_kv_store(smoe_cu_stream st, float *k, float *v, const float *ks, const float *vs, uint32_t n,
-                     uint32_t kv_dim, const uint32_t *pos0);
-/* att (n, heads·hd) = causal attention of q (n, heads·hd) over k/v (positions, kv_dim) of one
- * layer: token t sees positions [0, pos0 + t]; dpos holds pos0 in device memory too. */
-int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const float *k, const float *v, uint32_t n,
-                      uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0, const uint32_t *dpos);
+/* KV cache rows [*pos0, *pos0 + n) of one layer (kv_dim elements of kv_type each: smoe_kv_dtype,
+ * rounded to nearest even) ← the f32 rows of ks and vs. */
+int smoe_cu_kv_store(smoe_cu_stream st, void *k, void *v, uint32_t kv_type, const float *ks, const float *vs,
+                     uint32_t n, uint32_t kv_dim, const uint32_t *pos0);
+/* att (n, heads·hd) = causal attention of q (n, heads·hd) over k/v (positions, kv_dim elements of
+ * kv_type) of one layer: token t sees positions [0, pos0 + t]; dpos holds pos0 in device memory
+ * too. Flash attention (head sizes 32, 64, 128) rounds K and V to f16 as it loads them, so an f16
+ * cache gives it the very values an f32 one does. */
+int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const void *k, const void *v, uint32_t kv_type,
+                      uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0, const uint32_t *dpos);
 /* 1 when an attention launch for head size hd reads its position from dpos alone (its shape does
  * not follow pos0), so that it can be recorded once and replayed at any position. */
 int smoe_cu_attention_fixed(uint32_t hd);

@@ -881,26 +881,61 @@ extern "C" int smoe_cu_rope(smoe_cu_stream st, float *x, uint32_t n, uint32_t he
     return (int)cudaGetLastError();
 }
 
-__global__ void k_kv_store(float *k, float *v, const float *ks, const float *vs, size_t count, uint32_t kv_dim,
+/* The KV cache's element types (smoe_kv_dtype: 0 f32, 1 bf16, 2 f16): stored rounded to nearest
+ * even, read widened exactly, or as the f16 the tensor cores take (RN from f32 or from bf16's f32). */
+__device__ __forceinline__ float kv_f(float x) { return x; }
+__device__ __forceinline__ float kv_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float kv_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T kv_t(float x);
+template <> __device__ __forceinline__ float kv_t<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half kv_t<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 kv_t<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+/* four consecutive elements (16-byte aligned for f32, 8 for the others) as two f16 pairs */
+__device__ __forceinline__ void kv_h4(const float *p, __half2 *a, __half2 *b) {
+    const float4 x = *reinterpret_cast<const float4 *>(p);
+    *a = __floats2half2_rn(x.x, x.y);
+    *b = __floats2half2_rn(x.z, x.w);
+}
+__device__ __forceinline__ void kv_h4(const __half *p, __half2 *a, __half2 *b) {
+    const uint2 x = *reinterpret_cast<const uint2 *>(p);
+    *a = *reinterpret_cast<const __half2 *>(&x.x);
+    *b = *reinterpret_cast<const __half2 *>(&x.y);
+}
+__device__ __forceinline__ void kv_h4(const __nv_bfloat16 *p, __half2 *a, __half2 *b) {
+    const uint2 x = *reinterpret_cast<const uint2 *>(p);
+    *a = __float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&x.x)));
+    *b = __float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&x.y)));
+}
+
+template <typename T>
+__global__ void k_kv_store(T *k, T *v, const float *ks, const float *vs, size_t count, uint32_t kv_dim,
                            const uint32_t *pos0) {
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
     const size_t at = (size_t)*pos0 * kv_dim + i;
-    k[at] = ks[i];
-    v[at] = vs[i];
+    k[at] = kv_t<T>(ks[i]);
+    v[at] = kv_t<T>(vs[i]);
 }
 
-extern "C" int smoe_cu_kv_store(smoe_cu_stream st, float *k, float *v, const float *ks, const float *vs, uint32_t n,
-                                uint32_t kv_dim, const uint32_t *pos0) {
+extern "C" int smoe_cu_kv_store(smoe_cu_stream st, void *k, void *v, uint32_t kv_type, const float *ks,
+                                const float *vs, uint32_t n, uint32_t kv_dim, const uint32_t *pos0) {
     const size_t count = (size_t)n * kv_dim;
     if (count == 0) return 0;
-    k_kv_store<<<(unsigned)((count + 255) / 256), 256, 0, (cudaStream_t)st>>>(k, v, ks, vs, count, kv_dim, pos0);
+    const dim3 grid((unsigned)((count + 255) / 256));
+    cudaStream_t s = (cudaStream_t)st;
+    if (kv_type == 1)
+        k_kv_store<<<grid, 256, 0, s>>>((__nv_bfloat16 *)k, (__nv_bfloat16 *)v, ks, vs, count, kv_dim, pos0);
+    else if (kv_type == 2)
+        k_kv_store<<<grid, 256, 0, s>>>((__half *)k, (__half *)v, ks, vs, count, kv_dim, pos0);
+    else
+        k_kv_store<<<grid, 256, 0, s>>>((float *)k, (float *)v, ks, vs, count, kv_dim, pos0);
     return (int)cudaGetLastError();
 }
 
 /* --------------------------------------------------------------------------- attention */
 
-__global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const float *q, const float *k, const float *v,
+template <typename T>
+__global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const float *q, const T *k, const T *v,
                                                            uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0) {
     extern __shared__ float sm[];
     __shared__ float red[ATT_THREADS];
@@ -912,12 +947,12 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const flo
     for (uint32_t d = tid; d < hd; d += ATT_THREADS) sq[d] = qv[d];
     __syncthreads();
     const float scale = (float)(1.0 / sqrt((double)hd));
-    const float *kb = k + (size_t)kvh * hd, *vb = v + (size_t)kvh * hd;
+    const T *kb = k + (size_t)kvh * hd, *vb = v + (size_t)kvh * hd;
     for (uint32_t p = warp; p < n_pos; p += nwarps) {
-        const float *kp = kb + (size_t)p * kv_dim;
+        const T *kp = kb + (size_t)p * kv_dim;
         float part = 0.0f;
 #pragma unroll 4
-        for (uint32_t d = lane; d < hd; d += 32) part = fmaf(sq[d], kp[d], part);
+        for (uint32_t d = lane; d < hd; d += 32) part = fmaf(sq[d], kv_f(kp[d]), part);
         part = warp_sum(part);
         if (lane == 0) sc[p] = __fmul_rn(part, scale);
     }
@@ -951,7 +986,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const flo
     for (uint32_t d = tid; d < hd; d += ATT_THREADS) {
         float acc = 0.0f;
 #pragma unroll 8
-        for (uint32_t p = 0; p < n_pos; p++) acc = fmaf(sc[p], vb[(size_t)p * kv_dim + d], acc);
+        for (uint32_t p = 0; p < n_pos; p++) acc = fmaf(sc[p], kv_f(vb[(size_t)p * kv_dim + d]), acc);
         o[d] = acc;
     }
 }
@@ -969,9 +1004,9 @@ enum { FA_WARPS = 4, FA_BN = 64 };
 
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) { return h2_bits(__floats2half2_rn(lo, hi)); }
 
-template <int HD>
+template <int HD, typename T>
 __global__ void __launch_bounds__(FA_WARPS * 32) k_flash(float *__restrict__ att, const float *__restrict__ q,
-                                                         const float *__restrict__ k, const float *__restrict__ v,
+                                                         const T *__restrict__ k, const T *__restrict__ v,
                                                          uint32_t n, uint32_t heads, uint32_t kv_heads,
                                                          const uint32_t *dpos) {
     const uint32_t pos0 = *dpos;
@@ -1013,19 +1048,19 @@ __global__ void __launch_bounds__(FA_WARPS * 32) k_flash(float *__restrict__ att
         /* K row by row (coalesced); V transposed, position fastest (conflict-free stores) */
         for (uint32_t i = threadIdx.x; i < FA_BN * (HD / 4); i += FA_WARPS * 32) {
             const uint32_t p = i / (HD / 4), d = 4 * (i % (HD / 4));
-            float4 kk = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (p0 + p <= last) kk = *reinterpret_cast<const float4 *>(k + (size_t)(p0 + p) * kv_dim + (size_t)kvh * HD + d);
-            *reinterpret_cast<__half2 *>(Ks + p * LDK + d) = __floats2half2_rn(kk.x, kk.y);
-            *reinterpret_cast<__half2 *>(Ks + p * LDK + d + 2) = __floats2half2_rn(kk.z, kk.w);
+            __half2 a = __float2half2_rn(0.0f), b = a;
+            if (p0 + p <= last) kv_h4(k + (size_t)(p0 + p) * kv_dim + (size_t)kvh * HD + d, &a, &b);
+            *reinterpret_cast<__half2 *>(Ks + p * LDK + d) = a;
+            *reinterpret_cast<__half2 *>(Ks + p * LDK + d + 2) = b;
         }
         for (uint32_t i = threadIdx.x; i < FA_BN * (HD / 4); i += FA_WARPS * 32) {
             const uint32_t p = i % FA_BN, d = 4 * (i / FA_BN);
-            float4 vv = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            if (p0 + p <= last) vv = *reinterpret_cast<const float4 *>(v + (size_t)(p0 + p) * kv_dim + (size_t)kvh * HD + d);
-            Vt[(d + 0) * LDV + p] = __float2half_rn(vv.x);
-            Vt[(d + 1) * LDV + p] = __float2half_rn(vv.y);
-            Vt[(d + 2) * LDV + p] = __float2half_rn(vv.z);
-            Vt[(d + 3) * LDV + p] = __float2half_rn(vv.w);
+            __half2 a = __float2half2_rn(0.0f), b = a;
+            if (p0 + p <= last) kv_h4(v + (size_t)(p0 + p) * kv_dim + (size_t)kvh * HD + d, &a, &b);
+            Vt[(d + 0) * LDV + p] = __low2half(a);
+            Vt[(d + 1) * LDV + p] = __high2half(a);
+            Vt[(d + 2) * LDV + p] = __low2half(b);
+            Vt[(d + 3) * LDV + p] = __high2half(b);
         }
         __syncthreads();
         if (!active) continue;
@@ -1119,28 +1154,38 @@ extern "C" int smoe_cu_attention_max_positions(uint32_t hd) { return flash_head(
 
 extern "C" int smoe_cu_attention_fixed(uint32_t hd) { return flash_head(hd); }
 
-extern "C" int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const float *k, const float *v,
-                                 uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0,
-                                 const uint32_t *dpos) {
-    if (n == 0) return 0;
-    cudaStream_t s = (cudaStream_t)st;
+template <typename T>
+static int launch_attention(cudaStream_t s, float *att, const float *q, const T *k, const T *v, uint32_t n,
+                            uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0, const uint32_t *dpos) {
     if (flash_head(hd)) {
         dim3 grid(kv_heads, (n * (heads / kv_heads) + FA_WARPS * 16 - 1) / (FA_WARPS * 16));
-        if (hd == 32) k_flash<32><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos);
-        else if (hd == 64) k_flash<64><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos);
-        else k_flash<128><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos);
+        if (hd == 32) k_flash<32, T><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos);
+        else if (hd == 64) k_flash<64, T><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos);
+        else k_flash<128, T><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos);
         return (int)cudaGetLastError();
     }
     static int configured;
     if (!configured) {
-        cudaError_t e = cudaFuncSetAttribute(k_attention, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM);
+        cudaError_t e = cudaFuncSetAttribute(k_attention<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM);
         if (e != cudaSuccess) return (int)e;
         configured = 1;
     }
     size_t smem = (size_t)(hd + pos0 + n) * sizeof(float);
-    dim3 grid(heads, n);
-    k_attention<<<grid, ATT_THREADS, smem, s>>>(att, q, k, v, heads, kv_heads, hd, pos0);
+    k_attention<T><<<dim3(heads, n), ATT_THREADS, smem, s>>>(att, q, k, v, heads, kv_heads, hd, pos0);
     return (int)cudaGetLastError();
+}
+
+extern "C" int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const void *k, const void *v,
+                                 uint32_t kv_type, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd,
+                                 uint32_t pos0, const uint32_t *dpos) {
+    if (n == 0) return 0;
+    cudaStream_t s = (cudaStream_t)st;
+    if (kv_type == 1)
+        return launch_attention(s, att, q, (const __nv_bfloat16 *)k, (const __nv_bfloat16 *)v, n, heads, kv_heads, hd,
+                                pos0, dpos);
+    if (kv_type == 2)
+        return launch_attention(s, att, q, (const __half *)k, (const __half *)v, n, heads, kv_heads, hd, pos0, dpos);
+    return launch_attention(s, att, q, (const float *)k, (const float *)v, n, heads, kv_heads, hd, pos0, dpos);
 }
 
 /* ------------------------------------------------------------------------ small kernels */
