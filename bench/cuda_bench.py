@@ -153,6 +153,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: resident,budget")
     ap.add_argument("--cold-repeats", type=int, default=1)
+    ap.add_argument("--kv-dtype", default="f32", choices=["f32", "bf16", "f16"],
+                    help="the sessions' KV cache (f16: the same logits as f32 where attention is flash)")
     ap.add_argument("--profile", type=int, nargs="?", const=256, default=0, metavar="N",
                     help="kernel times of 8 decode steps and an N-token prefill (torch.profiler)")
     a = ap.parse_args()
@@ -168,7 +170,8 @@ def main():
     out["config"] = {"layers": v.config["num_hidden_layers"], "experts_bytes": experts, "blob_bytes": v.blob_bytes,
                      "touched_bytes_per_token": touched, "dense_bytes": v.dense_bytes if hasattr(v, "dense_bytes") else None}
     ctx = longest + a.decode + 8
-    common = dict(chunk=longest, context=ctx, cache_bytes=experts + v.blob_bytes, io_threads=8)
+    common = dict(chunk=longest, context=ctx, cache_bytes=experts + v.blob_bytes, io_threads=8, kv_dtype=a.kv_dtype)
+    out["config"]["kv_dtype"] = a.kv_dtype
 
     if "resident" not in skip:
         with v.session(device="cuda", gpu_cache_bytes=experts + v.blob_bytes, **common) as s:
@@ -248,7 +251,7 @@ def main():
         for i, p in enumerate(prompts(v, 45, a.cold_repeats, 77)):
             drop_page_cache()
             with v.session(device="cuda", gpu_cache_bytes=gpu, chunk=longest, context=ctx,
-                           cache_bytes=int(a.budget * experts), io_threads=8) as s:
+                           cache_bytes=int(a.budget * experts), io_threads=8, kv_dtype=a.kv_dtype) as s:
                 t, _ = timed_prefill(s, p)
                 st = s.stats()
                 cold["runs"].append({"ttft_s": t, "bytes_read": st["bytes_read"],
