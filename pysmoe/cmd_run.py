@@ -28,6 +28,12 @@ def add_session_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache element type (default: the library's, f32); bf16/f16 halve its memory "
                         "(bench/RESULTS.md, \"KV cache in bf16 and f16\")")
     p.add_argument("--buffered", action="store_true", help="buffered reads instead of Direct I/O")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the layers run: the CPU, or the first NVIDIA GPU (a library built with "
+                        "`make CUDA=1`; README, \"GPU (CUDA)\")")
+    p.add_argument("--gpu-cache-mb", type=mebibytes, default=None,
+                   help="with --device cuda: VRAM for experts in MiB (default: room for every expert, so that "
+                        "nothing streams once they are up; give less when the GPU is smaller than the experts)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -88,8 +94,15 @@ def open_session(args):
     from .demo import ensure_demo_vault
     from .engine import open_vault
     from .memory import BUDGET_CHUNK, choose_cache
+    if args.gpu_cache_mb is not None and args.device != "cuda":
+        print("pysmoe: --gpu-cache-mb does nothing without --device cuda", file=sys.stderr)
     vault = open_vault(args.vault or ensure_demo_vault())
     try:
+        gpu = {}
+        if args.device == "cuda":
+            every = vault.expert_bytes + vault.blob_bytes
+            gpu = dict(device="cuda", gpu_cache_bytes=every if args.gpu_cache_mb is None
+                       else int(args.gpu_cache_mb * (1 << 20)))
         if args.cache_mb is None:
             choice = choose_cache(vault, args.context, args.chunk or BUDGET_CHUNK, kv_dtype=args.kv_dtype)
             cache_bytes = choice.bytes
@@ -98,7 +111,9 @@ def open_session(args):
             cache_bytes = int(args.cache_mb * (1 << 20))
         session = vault.session(cache_bytes=cache_bytes, threads=args.threads, chunk=args.chunk,
                                 prefill=args.prefill, context=args.context, io_threads=args.io_threads,
-                                direct_io=not args.buffered, kv_dtype=args.kv_dtype)
+                                direct_io=not args.buffered, kv_dtype=args.kv_dtype, **gpu)
+        if gpu:
+            print(f"pysmoe: {session.backend}", file=sys.stderr)
     except BaseException:
         vault.close()
         raise

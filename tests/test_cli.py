@@ -84,6 +84,7 @@ def test_synth(tmp_path):
                                   ["run", "--chunk", "0"], ["run", "--context", "0"], ["run", "--io-threads", "0"],
                                   ["run", "--temperature", "-1"], ["run", "--top-p", "1.5"], ["run", "--min-p", "nan"],
                                   ["run", "--repetition-penalty", "0"], ["run", "--ids", "1,x"], ["run", "--ids", "-3"],
+                                  ["run", "--device", "gpu"], ["run", "--gpu-cache-mb", "-1"],
                                   ["chat", "--top-k", "-2"], ["chat", "--max-tokens", "0"],
                                   ["synth", "OUT", "--layers", "0"], ["synth", "OUT", "--seed", "-1"],
                                   ["synth", "OUT", "--overlap", "2"], ["synth", "OUT", "--overlap", "0.5"],
@@ -107,6 +108,35 @@ def test_run_needs_a_prompt(tiny_vault):
     assert out.returncode == 0, out.stderr
     with_flag = cli("run", "--vault", tiny_vault, "--max-tokens", "2", "--json", "--prompt", "hello from stdin")
     assert json.loads(out.stdout)["ids"] == json.loads(with_flag.stdout)["ids"]
+
+
+def test_device_cuda_is_refused_clearly_by_a_cpu_build(tiny_vault):
+    import pysmoe
+    with pysmoe.open_vault(tiny_vault) as v:
+        try:
+            v.session(device="cuda").close()
+            pytest.skip("this library has a usable CUDA backend")
+        except pysmoe.Unsupported:
+            pass
+    out = cli("run", "--vault", tiny_vault, "--ids", "1,2,3", "--max-tokens", "2", "--device", "cuda")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "Unsupported" in out.stderr and "CUDA" in out.stderr, out.stderr
+    out = cli("run", "--vault", tiny_vault, "--ids", "1,2,3", "--max-tokens", "2", "--json", "--gpu-cache-mb", "64")
+    assert out.returncode == 0 and "does nothing without --device cuda" in out.stderr, out.stderr
+
+
+def test_run_on_the_gpu_gives_the_python_apis_ids(tiny_vault):
+    import pysmoe
+    with pysmoe.open_vault(tiny_vault) as v:
+        try:
+            s = v.session(device="cuda", gpu_cache_bytes=v.expert_bytes + v.blob_bytes)
+        except pysmoe.Unsupported:
+            pytest.skip("no CUDA here")
+        with s:
+            want = list(s.generate([7, 8, 9], max_tokens=5))
+    out = cli("run", "--vault", tiny_vault, "--ids", "7,8,9", "--max-tokens", "5", "--json", "--device", "cuda")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ids"] == want and "cuda: " in out.stderr
 
 
 def test_default_cache_budget_is_printed_and_overridable(tiny_vault):
