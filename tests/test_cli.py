@@ -85,6 +85,7 @@ def test_synth(tmp_path):
                                   ["run", "--temperature", "-1"], ["run", "--top-p", "1.5"], ["run", "--min-p", "nan"],
                                   ["run", "--repetition-penalty", "0"], ["run", "--ids", "1,x"], ["run", "--ids", "-3"],
                                   ["run", "--device", "gpu"], ["run", "--gpu-cache-mb", "-1"],
+                                  ["serve", "--device", "cuda", "--max-batch", "4"], ["serve", "--gpu-cache-mb", "8"],
                                   ["chat", "--top-k", "-2"], ["chat", "--max-tokens", "0"],
                                   ["synth", "OUT", "--layers", "0"], ["synth", "OUT", "--seed", "-1"],
                                   ["synth", "OUT", "--overlap", "2"], ["synth", "OUT", "--overlap", "0.5"],
@@ -123,6 +124,9 @@ def test_device_cuda_is_refused_clearly_by_a_cpu_build(tiny_vault):
     assert "Unsupported" in out.stderr and "CUDA" in out.stderr, out.stderr
     out = cli("run", "--vault", tiny_vault, "--ids", "1,2,3", "--max-tokens", "2", "--json", "--gpu-cache-mb", "64")
     assert out.returncode == 0 and "does nothing without --device cuda" in out.stderr, out.stderr
+    pytest.importorskip("uvicorn")
+    out = cli("serve", "--vault", tiny_vault, "--device", "cuda", "--port", "0", timeout=60)
+    assert out.returncode == 1 and "Unsupported" in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
 def test_run_on_the_gpu_gives_the_python_apis_ids(tiny_vault):

@@ -23,7 +23,7 @@ CONTEXT = 512
 def _args(vault, **over):
     base = dict(vault=str(vault), host="127.0.0.1", port=0, api_key=None, model_name="tiny", max_batch=MAX_BATCH,
                 batching=True, cache_mb=16, kv_mb=None, threads=1, chunk=16, context=CONTEXT,
-                max_tokens_limit=256, max_request_kb=64, buffered=False)
+                max_tokens_limit=256, max_request_kb=64, buffered=False, device="cpu", gpu_cache_mb=None)
     base.update(over)
     return argparse.Namespace(**base)
 
@@ -72,6 +72,32 @@ def _alone(served, prompt_ids, n):
     tok = served.vault.tokenizer
     with served.vault.session(cache_bytes=1 << 24, threads=1) as s:
         return list(s.generate(prompt_ids, max_tokens=n, temperature=0.0, stop=tok.eos_ids))
+
+
+def test_served_from_the_gpu(tiny_vault):
+    """--device cuda: one session on the GPU (max batch 1), its greedy completions the engine's
+    own on the GPU; skipped without a CUDA build and a GPU."""
+    import pysmoe
+    with pysmoe.open_vault(tiny_vault) as v:
+        try:
+            v.session(device="cuda").close()
+        except pysmoe.Unsupported:
+            pytest.skip("no CUDA here")
+        prompt = v.tokenizer.encode("the GPU answers")
+        with v.session(device="cuda", gpu_cache_bytes=v.expert_bytes + v.blob_bytes, context=CONTEXT) as s:
+            want = list(s.generate(prompt, max_tokens=6, temperature=0.0, stop=v.tokenizer.eos_ids))
+    served = Running(tiny_vault, device="cuda", max_batch=None)
+    try:
+        status, body = served.raw("GET", "/health")
+        assert status == 200 and body["max_batch"] == 1
+        tok = served.vault.tokenizer
+        r = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.0)
+        assert r.choices[0].text == tok.decode([t for t in want if t not in tok.eos_ids])
+        for _ in range(2):  # one request at a time, the session reused with its prefix
+            again = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.0)
+            assert again.choices[0].text == r.choices[0].text
+    finally:
+        served.close()
 
 
 # ---------------------------------------------------------------------------- basics

@@ -16,8 +16,9 @@ def add_parser(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--api-key", default=os.environ.get("PYSMOE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $PYSMOE_API_KEY)")
     p.add_argument("--model-name", default=None, help="the model id /v1/models reports (default: the vault's name)")
-    p.add_argument("--max-batch", type=positive_int, default=8,
-                   help="requests decoding at once (one session each); more wait in a queue")
+    p.add_argument("--max-batch", type=positive_int, default=None,
+                   help="requests decoding at once (one session each); more wait in a queue (default 8; "
+                        "1 with --device cuda, where sessions do not share a cache yet)")
     p.add_argument("--no-batching", dest="batching", action="store_false",
                    help="advance running requests one Session.decode after another instead of one "
                         "decode_batch pass (the benchmark's baseline)")
@@ -35,6 +36,11 @@ def add_parser(p: argparse.ArgumentParser, name: str) -> None:
                    help="the largest max_tokens a request may ask for")
     p.add_argument("--max-request-kb", type=positive_int, default=1024, help="the largest request body in KiB (413 over it)")
     p.add_argument("--buffered", action="store_true", help="buffered reads instead of Direct I/O")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the layers run: the CPU, or the first NVIDIA GPU (a library built with `make "
+                        "CUDA=1`), one request at a time")
+    p.add_argument("--gpu-cache-mb", type=mebibytes, default=None,
+                   help="with --device cuda: VRAM for experts in MiB (default: room for every expert)")
 
 
 def open_server(args, log=sys.stderr):
@@ -47,6 +53,12 @@ def open_server(args, log=sys.stderr):
     from .scheduler import Scheduler
 
     vault = open_vault(args.vault or ensure_demo_vault())
+    gpu = {}
+    max_batch = args.max_batch or 8
+    if args.device == "cuda":  # one session: GPU sessions do not share a retention cache (yet)
+        max_batch = 1
+        gpu = dict(device="cuda", gpu_cache_bytes=vault.expert_bytes + vault.blob_bytes if args.gpu_cache_mb is None
+                   else int(args.gpu_cache_mb * (1 << 20)))
     if args.cache_mb is None:
         choice = choose_cache(vault, args.context, args.chunk)
         cache_bytes = choice.bytes
@@ -54,10 +66,18 @@ def open_server(args, log=sys.stderr):
     else:
         cache_bytes = int(args.cache_mb * (1 << 20))
     kv = None if args.kv_mb is None else int(args.kv_mb * (1 << 20))
-    pool = SessionPool(vault, max_sessions=args.max_batch, cache_bytes=cache_bytes, threads=args.threads,
-                       kv_budget_bytes=kv, context=args.context, chunk=args.chunk, direct_io=not args.buffered)
+    try:
+        pool = SessionPool(vault, max_sessions=max_batch, cache_bytes=cache_bytes, threads=args.threads,
+                           kv_budget_bytes=kv, context=args.context, chunk=args.chunk, direct_io=not args.buffered,
+                           **gpu)
+    except BaseException:
+        vault.close()
+        raise
+    if gpu:
+        print(f"pysmoe serve: {pool.sessions[0].backend}", file=log)
     context = min(args.context, vault.config["max_position_embeddings"])
-    sched = Scheduler(pool, max_batch=args.max_batch, context=context, chunk=args.chunk, batching=args.batching)
+    sched = Scheduler(pool, max_batch=max_batch, context=context, chunk=args.chunk,
+                      batching=args.batching and not gpu)
     model = args.model_name or vault.path.name
     server = Server(sched, vault.tokenizer, model=model, vocab_size=vault.config["vocab_size"], context=context,
                     api_key=args.api_key, max_request_bytes=args.max_request_kb * 1024,
@@ -80,6 +100,13 @@ def run(args) -> int:
         from .app import build_app
     except ImportError as e:
         print(f"pysmoe serve: needs the 'serve' extra (pip install 'pysmoe[serve]'): {e}", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and args.max_batch not in (None, 1):
+        print("pysmoe serve: error: --device cuda serves one request at a time (GPU sessions do not share a "
+              "cache yet): leave out --max-batch", file=sys.stderr)
+        return 2
+    if args.device != "cuda" and args.gpu_cache_mb is not None:
+        print("pysmoe serve: error: --gpu-cache-mb is for --device cuda", file=sys.stderr)
         return 2
     if not 0 <= args.port <= 65535:
         print(f"pysmoe serve: error: --port {args.port} is out of range", file=sys.stderr)
