@@ -153,6 +153,9 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: resident,budget")
     ap.add_argument("--cold-repeats", type=int, default=1)
+    ap.add_argument("--decode-after", default="45",
+                    help="decode measured after prompts of these lengths (comma list; the first is decode_tps): "
+                         "how decode holds up as the KV cache grows")
     ap.add_argument("--kv-dtype", default="f32", choices=["f32", "bf16", "f16"],
                     help="the sessions' KV cache (f16: the same logits as f32 where attention is flash)")
     ap.add_argument("--profile", type=int, nargs="?", const=256, default=0, metavar="N",
@@ -169,7 +172,8 @@ def main():
     touched = touched_bytes(a.vault, v)
     out["config"] = {"layers": v.config["num_hidden_layers"], "experts_bytes": experts, "blob_bytes": v.blob_bytes,
                      "touched_bytes_per_token": touched, "dense_bytes": v.dense_bytes if hasattr(v, "dense_bytes") else None}
-    ctx = longest + a.decode + 8
+    after = [int(x) for x in a.decode_after.split(",")]
+    ctx = max(longest, *after) + a.decode + 8
     common = dict(chunk=longest, context=ctx, cache_bytes=experts + v.blob_bytes, io_threads=8, kv_dtype=a.kv_dtype)
     out["config"]["kv_dtype"] = a.kv_dtype
 
@@ -188,11 +192,15 @@ def main():
                 ts = [timed_prefill(s, p)[0] for p in prompts(v, n, a.repeats, n)]
                 res["prefill_tps"][n] = n / statistics.median(ts)
                 print("resident prefill", n, res["prefill_tps"][n], flush=True)
-            dec = []
-            for p in prompts(v, 45, a.repeats, 7):
-                _, first = timed_prefill(s, p)
-                dec.append(timed_decode(s, first, a.decode))
-            res["decode_tps"] = statistics.median(dec)
+            res["decode_tps_after"] = {}
+            for m in after:
+                dec = []
+                for p in prompts(v, m, a.repeats, 7):
+                    _, first = timed_prefill(s, p)
+                    dec.append(timed_decode(s, first, a.decode))
+                res["decode_tps_after"][m] = statistics.median(dec)
+                print("resident decode after", m, res["decode_tps_after"][m], flush=True)
+            res["decode_tps"] = res["decode_tps_after"][after[0]]
             res["uploads_during"] = s.device_stats()["uploads"] - u0
             res["hbm_floor_tps"] = lim["hbm_Bps"] / touched
             out["resident"] = res
