@@ -8,7 +8,9 @@
 # has none), writes VAULT as a GGUF (scripts/export_gguf.py: Q4_0 experts, Q8_0 dense, bench/peer.md),
 # and runs llama-bench with every layer on the GPU, flash attention off and on, micro-batches of
 # 512 and 1,024: the fastest row of each test is llama.cpp at its best. Logs and llama-bench's JSON
-# go to $OUT (default llama-out); the work tree to $LLAMA_WORK (default /tmp/llama-cuda).
+# go to $OUT (default llama-out); the work tree to $LLAMA_WORK (default /tmp/llama-cuda). Run again on
+# the same machine, it skips what is done (the build, the GGUF): a build cut short by a call's time
+# limit goes on where it stopped.
 set -o pipefail
 [ $# -ge 2 ] || { sed -n 2,12p "$0"; exit 2; }
 SRC=$1
@@ -36,8 +38,9 @@ echo "llama-bench built for sm_$ARCH in $(($(date +%s) - t0)) s"
 
 t0=$(date +%s)
 if [ ! -s "$W/model.gguf" ]; then
-    PYTHONPATH="$W/gguf-py${PYTHONPATH:+:$PYTHONPATH}" python3 scripts/export_gguf.py "$VAULT" "$W/model.gguf" \
+    PYTHONPATH="$W/gguf-py${PYTHONPATH:+:$PYTHONPATH}" python3 scripts/export_gguf.py "$VAULT" "$W/model.part.gguf" \
         --threads "$(nproc)" >"$OUT/export.log" 2>&1 || { tail -20 "$OUT/export.log"; exit 1; }
+    mv "$W/model.part.gguf" "$W/model.gguf" # whole or not at all: a call cut short starts the export again
 fi
 echo "GGUF written in $(($(date +%s) - t0)) s: $(du -h "$W/model.gguf" | cut -f1)"
 
