@@ -28,12 +28,26 @@ def add_session_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache element type (default: the library's, f32); bf16/f16 halve its memory "
                         "(bench/RESULTS.md, \"KV cache in bf16 and f16\")")
     p.add_argument("--buffered", action="store_true", help="buffered reads instead of Direct I/O")
+    add_device_args(p)
+
+
+def add_device_args(p: argparse.ArgumentParser, note: str = "") -> None:
+    """--device and --gpu-cache-mb (run, chat, serve)."""
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the layers run: the CPU, or the first NVIDIA GPU (a library built with "
-                        "`make CUDA=1`; README, \"GPU (CUDA)\")")
+                        f"`make CUDA=1`; README, \"GPU (CUDA)\"){note}")
     p.add_argument("--gpu-cache-mb", type=mebibytes, default=None,
                    help="with --device cuda: VRAM for experts in MiB (default: room for every expert, so that "
                         "nothing streams once they are up; give less when the GPU is smaller than the experts)")
+
+
+def device_kwargs(vault, args) -> dict:
+    """Vault.session's device and gpu_cache_bytes for --device and --gpu-cache-mb ({} on the CPU)."""
+    if args.device != "cuda":
+        return {}
+    every = vault.expert_bytes + vault.blob_bytes
+    return dict(device="cuda", gpu_cache_bytes=every if args.gpu_cache_mb is None
+                else int(args.gpu_cache_mb * (1 << 20)))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -98,11 +112,7 @@ def open_session(args):
         print("pysmoe: --gpu-cache-mb does nothing without --device cuda", file=sys.stderr)
     vault = open_vault(args.vault or ensure_demo_vault())
     try:
-        gpu = {}
-        if args.device == "cuda":
-            every = vault.expert_bytes + vault.blob_bytes
-            gpu = dict(device="cuda", gpu_cache_bytes=every if args.gpu_cache_mb is None
-                       else int(args.gpu_cache_mb * (1 << 20)))
+        gpu = device_kwargs(vault, args)
         if args.cache_mb is None:
             choice = choose_cache(vault, args.context, args.chunk or BUDGET_CHUNK, kv_dtype=args.kv_dtype)
             cache_bytes = choice.bytes

@@ -6,6 +6,7 @@ import os
 import sys
 
 from ..argtypes import mebibytes, positive_int
+from ..cmd_run import add_device_args, device_kwargs
 
 
 def add_parser(p: argparse.ArgumentParser, name: str) -> None:
@@ -36,11 +37,7 @@ def add_parser(p: argparse.ArgumentParser, name: str) -> None:
                    help="the largest max_tokens a request may ask for")
     p.add_argument("--max-request-kb", type=positive_int, default=1024, help="the largest request body in KiB (413 over it)")
     p.add_argument("--buffered", action="store_true", help="buffered reads instead of Direct I/O")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="where the layers run: the CPU, or the first NVIDIA GPU (a library built with `make "
-                        "CUDA=1`), one request at a time")
-    p.add_argument("--gpu-cache-mb", type=mebibytes, default=None,
-                   help="with --device cuda: VRAM for experts in MiB (default: room for every expert)")
+    add_device_args(p, note=", one request at a time")
 
 
 def open_server(args, log=sys.stderr):
@@ -53,12 +50,8 @@ def open_server(args, log=sys.stderr):
     from .scheduler import Scheduler
 
     vault = open_vault(args.vault or ensure_demo_vault())
-    gpu = {}
-    max_batch = args.max_batch or 8
-    if args.device == "cuda":  # one session: GPU sessions do not share a retention cache (yet)
-        max_batch = 1
-        gpu = dict(device="cuda", gpu_cache_bytes=vault.expert_bytes + vault.blob_bytes if args.gpu_cache_mb is None
-                   else int(args.gpu_cache_mb * (1 << 20)))
+    gpu = device_kwargs(vault, args)
+    max_batch = 1 if gpu else args.max_batch or 8  # one session: GPU sessions share no retention cache (yet)
     if args.cache_mb is None:
         choice = choose_cache(vault, args.context, args.chunk)
         cache_bytes = choice.bytes
