@@ -668,14 +668,22 @@ void smoe_axpy(float *y, float a, const float *x, uint32_t n) {
 
 const char *smoe_kernels_isa(void) { return SMOE_HAVE_AVX2 ? "avx2" : SMOE_HAVE_NEON ? "neon" : "portable"; }
 
+/* ", cuda" after the CPU's kernels in a library built with the CUDA backend (smoe.h) */
+#if SMOE_CUDA
+#define SMOE_KERNELS_DEVICES ", cuda"
+#else
+#define SMOE_KERNELS_DEVICES ""
+#endif
+
 const char *smoe_kernels(void) {
 #if SMOE_HAVE_AVX2
     const unsigned a512 = smoe_cpu_avx512();
-    if (a512 & SMOE_CPU_AVX512VNNI) return "avx2+avx512vnni";
-    if (a512 & SMOE_CPU_AVX512) return "avx2+avx512";
-    if (smoe_avx2_qx_vnni()) return "avx2+avx-vnni";
+    if (a512 & SMOE_CPU_AVX512VNNI) return "avx2+avx512vnni" SMOE_KERNELS_DEVICES;
+    if (a512 & SMOE_CPU_AVX512) return "avx2+avx512" SMOE_KERNELS_DEVICES;
+    if (smoe_avx2_qx_vnni()) return "avx2+avx-vnni" SMOE_KERNELS_DEVICES;
 #endif
-    return smoe_kernels_isa();
+    return SMOE_HAVE_AVX2 ? "avx2" SMOE_KERNELS_DEVICES
+           : SMOE_HAVE_NEON ? "neon" SMOE_KERNELS_DEVICES : "portable" SMOE_KERNELS_DEVICES;
 }
 
 void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n,

@@ -102,9 +102,10 @@ SMOE_API const char *smoe_last_error(void);
 SMOE_API const char *smoe_version(void);
 /* The kernels this build runs on this CPU: "avx2+avx512vnni", "avx2+avx512", "avx2+avx-vnni",
  * "avx2", "neon" or "portable" (the part after "+": the 8-bit-activation products' instance,
- * picked at run time; SMOE_NO_AVX512=1 and SMOE_NO_VNNI=1 in the environment take it away). A
- * session on another device (smoe_session_params.device) says what it runs on with
- * smoe_session_backend. */
+ * picked at run time; SMOE_NO_AVX512=1 and SMOE_NO_VNNI=1 in the environment take it away),
+ * followed by ", cuda" in a library built with the CUDA backend (`make CUDA=1`; whether a GPU is
+ * there shows when a session asks for one). A session on another device
+ * (smoe_session_params.device) says what it runs on with smoe_session_backend. */
 SMOE_API const char *smoe_kernels(void);
 SMOE_API int smoe_abi_version(void);
 

@@ -31,7 +31,8 @@ class _Version(argparse.Action):
         from . import __version__
         try:
             from ._ffi import ffi, lib
-            native = f"libsmoe {ffi.string(lib.smoe_version()).decode()} (ABI {lib.smoe_abi_version()})"
+            native = (f"libsmoe {ffi.string(lib.smoe_version()).decode()} (ABI {lib.smoe_abi_version()}; kernels "
+                      f"{ffi.string(lib.smoe_kernels()).decode()})")
         except (ImportError, OSError) as e:
             native = f"libsmoe unavailable ({e})"
         print(f"pysmoe {__version__}, {native}")

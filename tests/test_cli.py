@@ -169,6 +169,9 @@ def test_version():
     import pysmoe
     out = cli("--version")
     assert out.returncode == 0 and f"pysmoe {pysmoe.__version__}" in out.stdout and "libsmoe " in out.stdout
+    from pysmoe._ffi import ffi, lib
+    kernels = ffi.string(lib.smoe_kernels()).decode()
+    assert f"kernels {kernels})" in out.stdout  # ", cuda" at its end in a library built with CUDA
 
 
 def test_engine_errors_exit_1_with_message(tmp_path, tiny_vault):

@@ -43,12 +43,19 @@ def _cuda_available(path) -> bool:
             return False
 
 
+def _kernels() -> str:
+    from pysmoe._ffi import ffi, lib
+    return ffi.string(lib.smoe_kernels()).decode()
+
+
 def test_cuda_device_is_refused_clearly_without_a_gpu(tiny_vault):
     if _cuda_available(tiny_vault):
+        assert _kernels().endswith(", cuda")  # smoe_kernels() says the library has the backend
         pytest.skip("this machine has a GPU and a CUDA build")
     with pysmoe.open_vault(tiny_vault) as v:
-        with pytest.raises(Unsupported, match="built without CUDA|no usable GPU"):
+        with pytest.raises(Unsupported, match="built without CUDA|no usable GPU") as e:
             v.session(device="cuda")
+        assert _kernels().endswith(", cuda") == ("no usable GPU" in str(e.value))
         with v.session() as s:  # the refusal left nothing behind: a CPU session still works
             assert s.backend.startswith("cpu: ")
             assert s.device_stats()["uploads"] == 0
