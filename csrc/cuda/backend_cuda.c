@@ -187,14 +187,20 @@ static void lru_push_tail(cuda_state *c, uint32_t i) { /* most recent */
     c->prev[S] = i;
 }
 
+/* Layer l is no longer wholly in VRAM: its unions go back to the host, the recorded step is dropped. */
+static void uncomplete(cuda_state *c, uint32_t l) {
+    if (!c->complete || !c->complete[l]) return;
+    c->complete[l] = false;
+    c->n_complete--;
+    smoe_cu_graph_free(c->graph);
+    c->graph = NULL;
+}
+
 static void vram_forget_all(smoe_session *s) {
     cuda_state *c = ST(s);
     size_t keys = (size_t)s->cfg.num_hidden_layers * s->cfg.num_experts;
     for (size_t i = 0; i < keys; i++) c->vslot_of[i] = -1;
-    if (c->complete) memset(c->complete, 0, s->cfg.num_hidden_layers * sizeof *c->complete);
-    c->n_complete = 0;
-    smoe_cu_graph_free(c->graph);
-    c->graph = NULL;
+    for (uint32_t l = 0; l < s->cfg.num_hidden_layers; l++) uncomplete(c, l);
     uint32_t S = c->n_vslots;
     c->prev[S] = c->next[S] = S;
     for (uint32_t i = 0; i < S; i++) {
@@ -346,11 +352,11 @@ static smoe_status cuda_init(smoe_session *s) {
 
     size_t C = s->params.chunk, H = cf->hidden_size, E = cf->num_experts, K = cf->num_experts_per_tok;
     size_t L = cf->num_hidden_layers, half = cf->head_dim / 2, ffn = s->ffn;
-    size_t kv = L * s->params.context * s->kv_dim;
+    size_t kv = L * s->params.context * s->kv_dim * smoe_kv_elem_bytes(s->params.kv_dtype); /* bytes */
     if ((st = dalloc(s, &c->dense, s->lay->dense_bytes)) != SMOE_OK) return st;
     CU(smoe_cu_upload(c->dense, s->vault->dense, s->lay->dense_bytes, c->cs));
     struct { void *pp; size_t bytes; } planes[] = {
-        {&c->k, kv * smoe_kv_elem_bytes(s->params.kv_dtype)}, {&c->v, kv * smoe_kv_elem_bytes(s->params.kv_dtype)}, {&c->cos, s->params.context * half * 4}, {&c->sin, s->params.context * half * 4},
+        {&c->k, kv}, {&c->v, kv}, {&c->cos, s->params.context * half * 4}, {&c->sin, s->params.context * half * 4},
         {&c->x, C * H * 4}, {&c->xn, C * H * 4}, {&c->q, C * s->q_dim * 4}, {&c->att, C * s->q_dim * 4},
         {&c->router, C * E * 4}, {&c->topk_w, C * K * 4}, {&c->slot_out, C * K * H * 4}, {&c->xg, C * K * H * 4},
         {&c->hg, C * K * 2 * ffn * 4}, {&c->h, C * K * ffn * 4}, {&c->logits, (size_t)cf->vocab_size * 4},
@@ -478,8 +484,7 @@ static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, ui
     CU(smoe_cu_rope(c->cs, c->ks, n, cf->num_key_value_heads, hd, s->kv_dim, c->cos, c->sin, dpos));
     CU(smoe_cu_kv_store(c->cs, kl, vl, s->params.kv_dtype, c->ks, c->vs, n, s->kv_dim, dpos));
     CU(smoe_cu_attention(c->cs, c->att, c->q, kl, vl, s->params.kv_dtype, n, cf->num_attention_heads,
-                         cf->num_key_value_heads, hd, pos0,
-                         dpos));
+                         cf->num_key_value_heads, hd, pos0, dpos));
     if ((st = linear_x(s, L->o, c->att, s->q_dim, s->q_dim, n, c->xn, H)) != SMOE_OK) return st;
     CU(smoe_cu_add(c->cs, c->x, c->xn, (size_t)n * H));
     return SMOE_OK;
@@ -646,13 +651,7 @@ static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_
         uint32_t u = miss[i], e = (uint32_t)s->union_list[u], vs = c->next[c->n_vslots];
         if (c->vslot_key[vs] >= 0) {
             c->vslot_of[c->vslot_key[vs]] = -1;
-            uint32_t el = (uint32_t)(c->vslot_key[vs] / E);
-            if (c->complete && c->complete[el]) {
-                c->complete[el] = false;
-                c->n_complete--;
-                smoe_cu_graph_free(c->graph);
-                c->graph = NULL;
-            }
+            uncomplete(c, (uint32_t)(c->vslot_key[vs] / E));
         }
         c->vslot_key[vs] = (int64_t)l * E + e;
         c->vslot_of[(size_t)l * E + e] = (int32_t)vs;
