@@ -26,7 +26,8 @@ for side in this other; do
     (cd "$dir" && timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -3) |
         tee "$OUT/test-$side.log"
 done
-[ -d "$VAULT" ] || python3 -m pysmoe synth "$VAULT" --preset a3b --layers "${SMOE_AB_LAYERS:-48}" --quiet
+[ -d "$VAULT" ] || python3 -m pysmoe synth "$VAULT" --preset a3b --layers "${SMOE_AB_LAYERS:-48}" --quiet || exit 1
+touch "$VAULT.ready" # for a job waiting on the vault (scripts/llama_cuda_device.sh's export, say)
 for r in $(seq 1 "$ROUNDS"); do
     for side in this other; do
         dir=$THIS

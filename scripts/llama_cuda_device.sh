@@ -10,7 +10,8 @@
 # 512 and 1,024: the fastest row of each test is llama.cpp at its best. Logs and llama-bench's JSON
 # go to $OUT (default llama-out); the work tree to $LLAMA_WORK (default /tmp/llama-cuda). Run again on
 # the same machine, it skips what is done (the build, the GGUF): a build cut short by a call's time
-# limit goes on where it stopped.
+# limit goes on where it stopped. LLAMA_STEPS=build stops after the build, LLAMA_STEPS=build,export
+# after the export (to build while the GPU does other work, and bench later on the warm machine).
 set -o pipefail
 [ $# -ge 2 ] || { sed -n 2,12p "$0"; exit 2; }
 SRC=$1
@@ -35,6 +36,8 @@ if [ ! -x "$W/build/bin/llama-bench" ]; then
         { tail -20 "$OUT/llama-build.log"; exit 1; }
 fi
 echo "llama-bench built for sm_$ARCH in $(($(date +%s) - t0)) s"
+STEPS=${LLAMA_STEPS:-build,export,bench}
+[[ $STEPS == *export* ]] || exit 0
 
 t0=$(date +%s)
 if [ ! -s "$W/model.gguf" ]; then
@@ -43,6 +46,7 @@ if [ ! -s "$W/model.gguf" ]; then
     mv "$W/model.part.gguf" "$W/model.gguf" # whole or not at all: a call cut short starts the export again
 fi
 echo "GGUF written in $(($(date +%s) - t0)) s: $(du -h "$W/model.gguf" | cut -f1)"
+[[ $STEPS == *bench* ]] || exit 0
 
 "$W/build/bin/llama-bench" -m "$W/model.gguf" -ngl 99 -fa 0,1 -b 2048 -ub 512,1024 -p 45,256,1024 -n 32 -r 3 \
     -o json "$@" >"$OUT/llama-bench.json" 2>"$OUT/llama-bench.log" || { tail -20 "$OUT/llama-bench.log"; exit 1; }
