@@ -166,6 +166,19 @@ static smoe_status norm(smoe_session *s, float *out, const float *x, uint32_t ro
     return SMOE_OK;
 }
 
+/* out rows [0, rows) = rmsnorm(x rows) · w (dim columns, rows dim apart), and *a the activation
+ * the products read: with its f16 rows in the a16 plane, prepared in the same launch, when need. */
+static smoe_status norm_act(smoe_session *s, float *out, const float *x, uint32_t rows, uint32_t dim,
+                            const smoe_tensor *w, bool need, smoe_cu_act *a) {
+    cuda_state *c = ST(s);
+    *a = (smoe_cu_act){.x = out, .ldx = dim};
+    if (!need) return norm(s, out, x, rows, dim, w);
+    CU(smoe_cu_rmsnorm_prep(c->cs, out, x, rows, dim, dev(s, w), w->format, s->cfg.rms_norm_eps, c->a16, c->ae));
+    a->x16 = c->a16;
+    a->xe = c->ae;
+    return SMOE_OK;
+}
+
 static smoe_cu_event ring_event(cuda_state *c) {
     smoe_cu_event ev = c->ring[c->ring_next];
     c->ring_next = (c->ring_next + 1) % RING;
@@ -468,21 +481,17 @@ static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, ui
     size_t layer_at = (size_t)l * s->params.context * s->kv_dim * smoe_kv_elem_bytes(s->params.kv_dtype);
     uint8_t *kl = c->k + layer_at, *vl = c->v + layer_at;
     const uint32_t *dpos = (const uint32_t *)c->pass;
-    smoe_cu_rows R = {.n = n};
     smoe_cu_act a;
-    if ((st = norm(s, c->xn, c->x, n, H, L->input_norm)) != SMOE_OK) return st;
     /* q, k and v read the same rows: prepared once, for whichever of them needs it */
     bool need = tensor_cores(L->q) || tensor_cores(L->k) || tensor_cores(L->v);
-    if ((st = act(s, need, c->xn, H, H, &R, c->a16, c->ae, &a)) != SMOE_OK ||
+    if ((st = norm_act(s, c->xn, c->x, n, H, L->input_norm, need, &a)) != SMOE_OK ||
         (st = linear(s, L->q, &a, n, c->q, s->q_dim)) != SMOE_OK ||
         (st = linear(s, L->k, &a, n, c->ks, s->kv_dim)) != SMOE_OK ||
-        (st = linear(s, L->v, &a, n, c->vs, s->kv_dim)) != SMOE_OK ||
-        (st = norm(s, c->q, c->q, n * cf->num_attention_heads, hd, L->q_norm)) != SMOE_OK ||
-        (st = norm(s, c->ks, c->ks, n * cf->num_key_value_heads, hd, L->k_norm)) != SMOE_OK)
+        (st = linear(s, L->v, &a, n, c->vs, s->kv_dim)) != SMOE_OK)
         return st;
-    CU(smoe_cu_rope(c->cs, c->q, n, cf->num_attention_heads, hd, s->q_dim, c->cos, c->sin, dpos));
-    CU(smoe_cu_rope(c->cs, c->ks, n, cf->num_key_value_heads, hd, s->kv_dim, c->cos, c->sin, dpos));
-    CU(smoe_cu_kv_store(c->cs, kl, vl, s->params.kv_dtype, c->ks, c->vs, n, s->kv_dim, dpos));
+    CU(smoe_cu_qk_post(c->cs, c->q, c->ks, c->vs, kl, vl, s->params.kv_dtype, n, cf->num_attention_heads,
+                       cf->num_key_value_heads, hd, dev(s, L->q_norm), L->q_norm->format, dev(s, L->k_norm),
+                       L->k_norm->format, cf->rms_norm_eps, c->cos, c->sin, dpos));
     CU(smoe_cu_attention(c->cs, c->att, c->q, kl, vl, s->params.kv_dtype, n, cf->num_attention_heads,
                          cf->num_key_value_heads, hd, pos0, dpos));
     if ((st = linear_x(s, L->o, c->att, s->q_dim, s->q_dim, n, c->xn, H)) != SMOE_OK) return st;
@@ -593,19 +602,15 @@ static smoe_status note_complete(smoe_session *s, uint32_t l) {
     return SMOE_OK;
 }
 
-static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size) {
+/* a: xn as cuda_ffn prepared it (its f16 rows for the router if it needs them and for the experts'
+ * gathered rows). */
+static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, const smoe_cu_act *a, uint32_t *union_size) {
     cuda_state *c = ST(s);
     const smoe_config *cf = &s->cfg;
     const smoe_layer_weights *L = &s->lay->layers[l];
     uint32_t E = cf->num_experts, K = cf->num_experts_per_tok, H = cf->hidden_size;
     smoe_status st;
-    /* xn's f16 rows, for the router if it needs them and for the experts' gathered rows */
-    bool tc_experts = tensor_cores(&s->lay->expert[0]) || tensor_cores(&s->lay->expert[1]);
-    smoe_cu_rows Rn = {.n = n};
-    smoe_cu_act a;
-    if ((st = act(s, tc_experts || tensor_cores(L->router), c->xn, H, H, &Rn, c->a16, c->ae, &a)) != SMOE_OK ||
-        (st = linear(s, L->router, &a, n, c->router, E)) != SMOE_OK)
-        return st;
+    if ((st = linear(s, L->router, a, n, c->router, E)) != SMOE_OK) return st;
     CU(smoe_cu_route(c->cs, c->router, n, E, K, cf->norm_topk_prob, c->topk_idx, c->topk_w));
     if (c->device_union && c->complete[l]) {
         *union_size = 0; /* cuda_settle writes it */
@@ -754,14 +759,17 @@ static smoe_status cuda_ffn(smoe_session *s, uint32_t l, uint32_t n, uint32_t *u
     const smoe_layer_weights *L = &s->lay->layers[l];
     uint32_t H = s->cfg.hidden_size;
     smoe_status st;
-    if ((st = norm(s, c->xn, c->x, n, H, L->post_norm)) != SMOE_OK) return st;
-    if (L->sparse) return moe(s, l, n, union_size);
+    smoe_cu_act a;
+    if (L->sparse) {
+        bool need = tensor_cores(&s->lay->expert[0]) || tensor_cores(&s->lay->expert[1]) || tensor_cores(L->router);
+        if ((st = norm_act(s, c->xn, c->x, n, H, L->post_norm, need, &a)) != SMOE_OK) return st;
+        return moe(s, l, n, &a, union_size);
+    }
     *union_size = 0;
     uint32_t I = L->mlp_gate->rows;
     smoe_cu_rows R = {.n = n};
-    smoe_cu_act a;
     bool need = tensor_cores(L->mlp_gate) || tensor_cores(L->mlp_up);
-    if ((st = act(s, need, c->xn, H, H, &R, c->a16, c->ae, &a)) != SMOE_OK ||
+    if ((st = norm_act(s, c->xn, c->x, n, H, L->post_norm, need, &a)) != SMOE_OK ||
         (st = linear(s, L->mlp_gate, &a, n, c->hg, 2 * (size_t)I)) != SMOE_OK ||
         (st = linear(s, L->mlp_up, &a, n, c->hg + I, 2 * (size_t)I)) != SMOE_OK)
         return st;
@@ -777,8 +785,9 @@ static smoe_status logits_row(smoe_session *s) {
     cuda_state *c = ST(s);
     smoe_status st;
     uint32_t H = s->cfg.hidden_size;
-    if ((st = norm(s, c->xn, c->x, 1, H, s->lay->final_norm)) != SMOE_OK ||
-        (st = linear_x(s, s->lay->lm_head, c->xn, H, H, 1, c->logits, s->cfg.vocab_size)) != SMOE_OK)
+    smoe_cu_act a;
+    if ((st = norm_act(s, c->xn, c->x, 1, H, s->lay->final_norm, tensor_cores(s->lay->lm_head), &a)) != SMOE_OK ||
+        (st = linear(s, s->lay->lm_head, &a, 1, c->logits, s->cfg.vocab_size)) != SMOE_OK)
         return st;
     return SMOE_OK;
 }

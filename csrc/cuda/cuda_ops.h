@@ -103,15 +103,18 @@ int smoe_cu_embed(smoe_cu_stream st, const smoe_cu_tensor *T, const uint8_t *w, 
 /* out rows [0, rows) = rmsnorm(x rows) · weight (f32 or bf16, dim entries); rows ld floats apart. */
 int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim, size_t ld,
                     const uint8_t *weight, uint8_t weight_format, float eps);
-/* Rotate-half RoPE on n tokens × heads vectors of hd (rows ld floats apart per token), token t at
- * position *pos0 + t (pos0 in device memory, so that a recorded launch serves any position);
- * cos/sin (context, hd/2). */
-int smoe_cu_rope(smoe_cu_stream st, float *x, uint32_t n, uint32_t heads, uint32_t hd, size_t ld, const float *cos,
-                 const float *sin, const uint32_t *pos0);
-/* KV cache rows [*pos0, *pos0 + n) of one layer (kv_dim elements of kv_type each: smoe_kv_dtype,
- * rounded to nearest even) ← the f32 rows of ks and vs. */
-int smoe_cu_kv_store(smoe_cu_stream st, void *k, void *v, uint32_t kv_type, const float *ks, const float *vs,
-                     uint32_t n, uint32_t kv_dim, const uint32_t *pos0);
+/* rmsnorm (as smoe_cu_rmsnorm, rows dim apart) and the f16 rows of its output (as smoe_cu_prep) in
+ * one launch: the same bits as the two. */
+int smoe_cu_rmsnorm_prep(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim,
+                         const uint8_t *weight, uint8_t weight_format, float eps, void *x16, float *xe);
+/* A layer's new q (n × heads rows of hd) and K rows (ks, n × kv_heads) normalised by q_norm and
+ * k_norm and rotated for positions *pos0 + t, then K and the V rows of vs stored in the KV cache
+ * (k, v: elements of kv_type, rounded to nearest even) at those positions, in one launch. The
+ * position is read on the GPU, so that a recorded launch serves any position. */
+int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const float *vs, void *k, void *v, uint32_t kv_type,
+                    uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, const uint8_t *q_norm,
+                    uint8_t q_norm_format, const uint8_t *k_norm, uint8_t k_norm_format, float eps, const float *cos,
+                    const float *sin, const uint32_t *pos0);
 /* att (n, heads·hd) = causal attention of q (n, heads·hd) over k/v (positions, kv_dim elements of
  * kv_type) of one layer: token t sees positions [0, pos0 + t]; dpos holds pos0 in device memory
  * too. Flash attention (head sizes 32, 64, 128) rounds K and V to f16 as it loads them, so an f16

@@ -687,13 +687,29 @@ extern "C" int smoe_cu_tensor_cores(const smoe_cu_tensor *T) {
 /* Rows of x (those of R, as the products take them) to f16, each scaled by the power of two that
  * puts its largest |x| in [2^14, 2^15); xe holds the factor that undoes it. One block a row; the
  * maximum is exact in any order. */
-__global__ void k_prep(const float *x, size_t ldx, uint32_t cols, smoe_cu_rows R, __half *x16, float *xe) {
+/* One row by a block of 256 threads: the sum of squares strided by thread, then a tree. */
+__device__ __forceinline__ void rms_row(float *orow, const float *xr, uint32_t dim, const uint8_t *wt, uint8_t wfmt,
+                                        float eps) {
+    __shared__ float sh[256];
+    float s = 0.0f;
+    for (uint32_t c = threadIdx.x; c < dim; c += 256) s = __fadd_rn(s, __fmul_rn(xr[c], xr[c]));
+    sh[threadIdx.x] = s;
+    __syncthreads();
+    for (int k = 128; k > 0; k >>= 1) {
+        if (threadIdx.x < (unsigned)k) sh[threadIdx.x] = __fadd_rn(sh[threadIdx.x], sh[threadIdx.x + k]);
+        __syncthreads();
+    }
+    const float r = 1.0f / sqrtf(sh[0] / (float)dim + eps);
+    for (uint32_t c = threadIdx.x; c < dim; c += 256) {
+        const float wv = wfmt == FMT_F32 ? reinterpret_cast<const float *>(wt)[c]
+                                         : __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(wt)[c] << 16);
+        orow[c] = __fmul_rn(wv, __fmul_rn(xr[c], r));
+    }
+}
+
+/* One row's f16 form by a block of 256 threads (k_prep). */
+__device__ __forceinline__ void prep_row(const float *xr, uint32_t cols, size_t row, __half *x16, float *xe) {
     __shared__ float red[256];
-    uint32_t start, count;
-    item_rows(R, &start, &count);
-    if (blockIdx.x >= count) return;
-    const size_t row = start + blockIdx.x;
-    const float *xr = x + row * ldx;
     float m = 0.0f;
     for (uint32_t c = threadIdx.x; c < cols; c += 256) m = fmaxf(m, fabsf(xr[c]));
     red[threadIdx.x] = m;
@@ -712,6 +728,30 @@ __global__ void k_prep(const float *x, size_t ldx, uint32_t cols, smoe_cu_rows R
     for (uint32_t c = threadIdx.x; c < cols; c += 256)
         o[c] = __float2half_rn(__fmul_rn(xr[(c & ~7u) | (c & 7u) >> 1 | (c & 1u) << 2], down));
     if (threadIdx.x == 0) xe[row] = ldexpf(1.0f, e);
+}
+
+__global__ void k_prep(const float *x, size_t ldx, uint32_t cols, smoe_cu_rows R, __half *x16, float *xe) {
+    uint32_t start, count;
+    item_rows(R, &start, &count);
+    if (blockIdx.x >= count) return;
+    const size_t row = start + blockIdx.x;
+    prep_row(x + row * ldx, cols, row, x16, xe);
+}
+
+/* k_rmsnorm then k_prep on rows [0, rows) in one launch: the same arithmetic, the same bits. */
+__global__ void k_rmsnorm_prep(float *out, const float *x, uint32_t dim, const uint8_t *wt, uint8_t wfmt, float eps,
+                               __half *x16, float *xe) {
+    const size_t row = blockIdx.x;
+    rms_row(out + row * dim, x + row * dim, dim, wt, wfmt, eps);
+    __syncthreads(); /* the row's outputs, written by every thread, before any is read */
+    prep_row(out + row * dim, dim, row, x16, xe);
+}
+
+extern "C" int smoe_cu_rmsnorm_prep(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim,
+                                    const uint8_t *weight, uint8_t weight_format, float eps, void *x16, float *xe) {
+    if (rows == 0) return 0;
+    k_rmsnorm_prep<<<rows, 256, 0, (cudaStream_t)st>>>(out, x, dim, weight, weight_format, eps, (__half *)x16, xe);
+    return (int)cudaGetLastError();
 }
 
 extern "C" int smoe_cu_prep(smoe_cu_stream st, const float *x, size_t ldx, uint32_t cols, const smoe_cu_rows *R,
@@ -832,23 +872,7 @@ extern "C" int smoe_cu_embed(smoe_cu_stream st, const smoe_cu_tensor *T, const u
 /* ----------------------------------------------------------------------------- rmsnorm */
 
 __global__ void k_rmsnorm(float *out, const float *x, uint32_t dim, size_t ld, const uint8_t *wt, uint8_t wfmt, float eps) {
-    __shared__ float sh[256];
-    const float *xr = x + (size_t)blockIdx.x * ld;
-    float *orow = out + (size_t)blockIdx.x * ld;
-    float s = 0.0f;
-    for (uint32_t c = threadIdx.x; c < dim; c += 256) s = __fadd_rn(s, __fmul_rn(xr[c], xr[c]));
-    sh[threadIdx.x] = s;
-    __syncthreads();
-    for (int k = 128; k > 0; k >>= 1) {
-        if (threadIdx.x < (unsigned)k) sh[threadIdx.x] = __fadd_rn(sh[threadIdx.x], sh[threadIdx.x + k]);
-        __syncthreads();
-    }
-    const float r = 1.0f / sqrtf(sh[0] / (float)dim + eps);
-    for (uint32_t c = threadIdx.x; c < dim; c += 256) {
-        const float wv = wfmt == FMT_F32 ? reinterpret_cast<const float *>(wt)[c]
-                                         : __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(wt)[c] << 16);
-        orow[c] = __fmul_rn(wv, __fmul_rn(xr[c], r));
-    }
+    rms_row(out + (size_t)blockIdx.x * ld, x + (size_t)blockIdx.x * ld, dim, wt, wfmt, eps);
 }
 
 extern "C" int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim, size_t ld,
@@ -858,28 +882,7 @@ extern "C" int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, ui
     return (int)cudaGetLastError();
 }
 
-/* -------------------------------------------------------------------------------- RoPE */
-
-__global__ void k_rope(float *x, uint32_t n, uint32_t heads, uint32_t hd, size_t ld, const float *cs, const float *sn,
-                       const uint32_t *dpos) {
-    const uint32_t half = hd / 2, pos0 = *dpos;
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)n * heads * half) return;
-    const uint32_t k = (uint32_t)(i % half), h = (uint32_t)(i / half % heads), t = (uint32_t)(i / half / heads);
-    float *v = x + (size_t)t * ld + (size_t)h * hd;
-    const float c = cs[(size_t)(pos0 + t) * half + k], s = sn[(size_t)(pos0 + t) * half + k];
-    const float a = v[k], b = v[k + half];
-    v[k] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    v[k + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-}
-
-extern "C" int smoe_cu_rope(smoe_cu_stream st, float *x, uint32_t n, uint32_t heads, uint32_t hd, size_t ld,
-                            const float *cos, const float *sin, const uint32_t *pos0) {
-    size_t total = (size_t)n * heads * (hd / 2);
-    if (total == 0) return 0;
-    k_rope<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)st>>>(x, n, heads, hd, ld, cos, sin, pos0);
-    return (int)cudaGetLastError();
-}
+/* ----------------------------------------------------------------- QK-norm, RoPE, KV cache */
 
 /* The KV cache's element types (smoe_kv_dtype: 0 f32, 1 bf16, 2 f16): stored rounded to nearest
  * even, read widened exactly, or as the f16 the tensor cores take (RN from f32 or from bf16's f32). */
@@ -907,28 +910,54 @@ __device__ __forceinline__ void kv_h4(const __nv_bfloat16 *p, __half2 *a, __half
     *b = __float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&x.y)));
 }
 
+/* QK-norm, RoPE and the KV append of one layer in one launch: block (t, h) normalises and rotates
+ * q row h of token t, or (h ≥ heads) K row h − heads, which it then stores with its V row at
+ * position *pos0 + t (rotate-half RoPE, cos/sin tables of (context, hd/2)); rms_row is k_rmsnorm's
+ * arithmetic, so q and K are what the norm kernel would give. */
 template <typename T>
-__global__ void k_kv_store(T *k, T *v, const float *ks, const float *vs, size_t count, uint32_t kv_dim,
-                           const uint32_t *pos0) {
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= count) return;
-    const size_t at = (size_t)*pos0 * kv_dim + i;
-    k[at] = kv_t<T>(ks[i]);
-    v[at] = kv_t<T>(vs[i]);
+__global__ void k_qk_post(float *q, float *ks, const float *vs, T *kc, T *vc, uint32_t heads, uint32_t kv_heads,
+                          uint32_t hd, const uint8_t *qw, uint8_t qfmt, const uint8_t *kw, uint8_t kfmt, float eps,
+                          const float *cs, const float *sn, const uint32_t *pos0) {
+    const uint32_t per = heads + kv_heads, t = blockIdx.x / per, h = blockIdx.x % per, half = hd / 2;
+    const bool isq = h < heads;
+    float *row = isq ? q + ((size_t)t * heads + h) * hd : ks + ((size_t)t * kv_heads + (h - heads)) * hd;
+    rms_row(row, row, hd, isq ? qw : kw, isq ? qfmt : kfmt, eps);
+    __syncthreads();
+    const size_t pos = (size_t)*pos0 + t;
+    for (uint32_t k = threadIdx.x; k < half; k += blockDim.x) {
+        const float c = cs[pos * half + k], s = sn[pos * half + k];
+        const float a = row[k], b = row[k + half];
+        row[k] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        row[k + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    }
+    if (isq) return;
+    __syncthreads();
+    const uint32_t kvh = h - heads, kv_dim = kv_heads * hd;
+    const float *vr = vs + ((size_t)t * kv_heads + kvh) * hd;
+    for (uint32_t c = threadIdx.x; c < hd; c += blockDim.x) {
+        kc[pos * kv_dim + (size_t)kvh * hd + c] = kv_t<T>(row[c]);
+        vc[pos * kv_dim + (size_t)kvh * hd + c] = kv_t<T>(vr[c]);
+    }
 }
 
-extern "C" int smoe_cu_kv_store(smoe_cu_stream st, void *k, void *v, uint32_t kv_type, const float *ks,
-                                const float *vs, uint32_t n, uint32_t kv_dim, const uint32_t *pos0) {
-    const size_t count = (size_t)n * kv_dim;
-    if (count == 0) return 0;
-    const dim3 grid((unsigned)((count + 255) / 256));
+extern "C" int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const float *vs, void *k, void *v,
+                               uint32_t kv_type, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd,
+                               const uint8_t *q_norm, uint8_t q_norm_format, const uint8_t *k_norm,
+                               uint8_t k_norm_format, float eps, const float *cos, const float *sin,
+                               const uint32_t *pos0) {
+    if (n == 0) return 0;
+    const dim3 grid(n * (heads + kv_heads));
     cudaStream_t s = (cudaStream_t)st;
+#define QK_POST(T)                                                                                                     \
+    k_qk_post<T><<<grid, 256, 0, s>>>(q, ks, vs, (T *)k, (T *)v, heads, kv_heads, hd, q_norm, q_norm_format, k_norm,   \
+                                      k_norm_format, eps, cos, sin, pos0)
     if (kv_type == 1)
-        k_kv_store<<<grid, 256, 0, s>>>((__nv_bfloat16 *)k, (__nv_bfloat16 *)v, ks, vs, count, kv_dim, pos0);
+        QK_POST(__nv_bfloat16);
     else if (kv_type == 2)
-        k_kv_store<<<grid, 256, 0, s>>>((__half *)k, (__half *)v, ks, vs, count, kv_dim, pos0);
+        QK_POST(__half);
     else
-        k_kv_store<<<grid, 256, 0, s>>>((float *)k, (float *)v, ks, vs, count, kv_dim, pos0);
+        QK_POST(float);
+#undef QK_POST
     return (int)cudaGetLastError();
 }
 
@@ -1389,6 +1418,30 @@ __global__ void __launch_bounds__(UNION_WARPS * 32) k_union(const int32_t *idx, 
     }
 }
 
+/* One token (tile 1, nk = K ≤ 32 distinct ids): lane k takes slot k's expert as item k. Only the
+ * entries of the experts used are written, the only ones the items reach. */
+__global__ void k_union1(const int32_t *idx, uint32_t nk, uint32_t E, uint32_t n_items, const uint8_t *const *vtab,
+                         const uint8_t **wtab, uint32_t *start, uint32_t *count, uint32_t *items, uint32_t *rows,
+                         uint32_t *counts, uint32_t *used, uint32_t *bad) {
+    const uint32_t k = threadIdx.x;
+    if (k < nk) {
+        int32_t e = idx[k];
+        if (e < 0 || (uint32_t)e >= E) {
+            atomicOr(bad, 1u);
+            e = 0;
+        }
+        start[e] = k;
+        count[e] = 1;
+        wtab[e] = vtab[e];
+        counts[e] += 1;
+        items[k] = (uint32_t)e << 16;
+        rows[k] = k;
+    } else if (k < n_items) {
+        items[k] = SMOE_CU_NO_ITEM;
+    }
+    if (k == 0) *used = nk;
+}
+
 extern "C" uint32_t smoe_cu_union_items(uint32_t nk, uint32_t E, uint32_t tile) {
     /* Σ ⌈c_e / tile⌉ ≤ Σ (c_e + tile − 1) / tile over the experts used, at most min(E, nk) of them */
     const uint64_t used = nk < E ? nk : E;
@@ -1401,8 +1454,12 @@ extern "C" int smoe_cu_union(smoe_cu_stream st, const int32_t *idx, uint32_t nk,
                              uint32_t *bad) {
     if (E == 0 || E > 1024 || tile == 0 || tile > 0xFFFFu || n_items < smoe_cu_union_items(nk, E, tile))
         return (int)cudaErrorInvalidValue;
-    k_union<<<1, UNION_WARPS * 32, 0, (cudaStream_t)st>>>(idx, nk, E, tile, n_items, vtab, wtab, start, count, items,
-                                                       rows, counts, used, bad);
+    if (tile == 1 && nk <= 32 && n_items <= 32) /* one token: its K ids are distinct (top-k) */
+        k_union1<<<1, 32, 0, (cudaStream_t)st>>>(idx, nk, E, n_items, vtab, wtab, start, count, items, rows, counts,
+                                                used, bad);
+    else
+        k_union<<<1, UNION_WARPS * 32, 0, (cudaStream_t)st>>>(idx, nk, E, tile, n_items, vtab, wtab, start, count,
+                                                             items, rows, counts, used, bad);
     return (int)cudaGetLastError();
 }
 
