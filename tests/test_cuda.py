@@ -227,6 +227,21 @@ def test_reset_rewind_and_cache_clear_on_the_gpu(tiny_vault):
     assert a.tobytes() == b.tobytes() == c.tobytes()
 
 
+def test_a_vram_budget_that_does_not_fit_is_refused_plainly(mini_vault, monkeypatch):
+    """gpu_cache_bytes beyond the free VRAM (made small here by SMOE_CUDA_VRAM_FREE) is OutOfMemory
+    with the figures to choose a budget from, and nothing is left behind."""
+    from pysmoe import OutOfMemory
+    with pysmoe.open_vault(mini_vault) as v:
+        with _cuda_session(v, gpu_cache_bytes=v.blob_bytes * 4):
+            pass
+        monkeypatch.setenv("SMOE_CUDA_VRAM_FREE", str(64 << 20))
+        with pytest.raises(OutOfMemory, match="gpu_cache_bytes asks .* give at most"):
+            v.session(device="cuda", gpu_cache_bytes=v.expert_bytes)
+        monkeypatch.delenv("SMOE_CUDA_VRAM_FREE")
+        with _cuda_session(v, gpu_cache_bytes=v.expert_bytes) as s:
+            assert s.prefill([1, 2, 3]).shape == (v.config["vocab_size"],)
+
+
 def test_gpu_sessions_do_not_share_or_batch(tiny_vault):
     with pysmoe.open_vault(tiny_vault) as v:
         with _cuda_session(v) as s:

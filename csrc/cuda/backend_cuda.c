@@ -294,8 +294,25 @@ static smoe_status check_layout(const smoe_session *s) {
     return SMOE_OK;
 }
 
+/* VRAM free now (SMOE_CUDA_VRAM_FREE, in bytes, lowers it: for tests). */
+static size_t vram_free(void) {
+    char name[8];
+    int major, minor;
+    size_t free_b = 0, total_b = 0;
+    if (smoe_cu_device(0, name, sizeof name, &major, &minor, &free_b, &total_b) != 0) return 0;
+    const char *lim = getenv("SMOE_CUDA_VRAM_FREE");
+    if (lim && strtoull(lim, NULL, 10) < free_b) free_b = (size_t)strtoull(lim, NULL, 10);
+    return free_b;
+}
+
 static smoe_status dalloc(smoe_session *s, void *pp, size_t bytes) {
-    CU(smoe_cu_alloc((void **)pp, bytes));
+    int err = smoe_cu_alloc((void **)pp, bytes);
+    if (smoe_cu_out_of_memory(err))
+        return smoe_fail(SMOE_ERR_NOMEM, "cuda: %.1f MiB more of VRAM could not be had (%.2f GiB in use by this session, "
+                                         "%.2f GiB free): the dense weights, the KV cache (context, kv_dtype) and the "
+                                         "planes (chunk) must fit", (double)bytes / (1 << 20),
+                         (double)ST(s)->other_bytes / (1u << 30), (double)vram_free() / (1u << 30));
+    if (err) return cu_fail(s, err, "smoe_cu_alloc");
     ST(s)->other_bytes += bytes;
     return SMOE_OK;
 }
@@ -406,6 +423,15 @@ static smoe_status cuda_init(smoe_session *s) {
         if (n < MIN_VSLOTS) n = MIN_VSLOTS;
         if (n > total) n = total;
         c->n_vslots = (uint32_t)n;
+        /* the expert cache takes what gpu_cache_bytes asks, or says plainly that it does not fit
+         * (leaving 256 MiB for the runtime's own use) */
+        size_t avail = vram_free(), reserve = (size_t)256 << 20;
+        if ((size_t)n * c->blob_bytes + reserve > avail)
+            return smoe_fail(SMOE_ERR_NOMEM, "cuda: gpu_cache_bytes asks %.2f GiB of VRAM for %llu experts, but %.2f GiB "
+                                             "are free after this session's dense weights, KV cache and planes "
+                                             "(%.2f GiB): give at most %.2f GiB", (double)n * c->blob_bytes / (1u << 30),
+                             (unsigned long long)n, (double)avail / (1u << 30), (double)c->other_bytes / (1u << 30),
+                             avail > reserve ? (double)(avail - reserve) / (1u << 30) : 0.0);
         CU(smoe_cu_alloc((void **)&c->vcache, n * c->blob_bytes));
         c->vslot_of = malloc(L * E * sizeof *c->vslot_of);
         c->vslot_key = malloc(n * sizeof *c->vslot_key);

@@ -53,6 +53,7 @@ int smoe_cu_device(int ordinal, char *name, size_t cap, int *sm_major, int *sm_m
 
 /* The device allocator and upload path. */
 int smoe_cu_alloc(void **p, size_t bytes);
+int smoe_cu_out_of_memory(int err); /* 1 when err says the device had no memory left */
 void smoe_cu_free(void *p);
 int smoe_cu_host_alloc(void **p, size_t bytes); /* pinned */
 void smoe_cu_host_free(void *p);

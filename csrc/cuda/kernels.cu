@@ -59,6 +59,7 @@ extern "C" int smoe_cu_device(int ordinal, char *name, size_t cap, int *sm_major
 }
 
 extern "C" int smoe_cu_alloc(void **p, size_t bytes) { return (int)cudaMalloc(p, bytes ? bytes : 256); }
+extern "C" int smoe_cu_out_of_memory(int err) { return err == (int)cudaErrorMemoryAllocation; }
 extern "C" void smoe_cu_free(void *p) { if (p) cudaFree(p); }
 extern "C" int smoe_cu_host_alloc(void **p, size_t bytes) { return (int)cudaHostAlloc(p, bytes ? bytes : 64, cudaHostAllocDefault); }
 extern "C" void smoe_cu_host_free(void *p) { if (p) cudaFreeHost(p); }
