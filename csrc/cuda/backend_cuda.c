@@ -179,6 +179,21 @@ static smoe_status norm_act(smoe_session *s, float *out, const float *x, uint32_
     return SMOE_OK;
 }
 
+/* h (rows of R) = SwiGLU of hg's gate and up halves (I columns each), and *a the activation the
+ * down product reads: with its f16 rows in the h16 plane, prepared in the same launch, when need. */
+static smoe_status swiglu_act(smoe_session *s, bool need, uint32_t I, const smoe_cu_rows *R, smoe_cu_act *a) {
+    cuda_state *c = ST(s);
+    *a = (smoe_cu_act){.x = c->h, .ldx = I};
+    if (!need) {
+        CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, R));
+        return SMOE_OK;
+    }
+    CU(smoe_cu_swiglu_prep(c->cs, c->h, c->hg, I, R, c->h16, c->he));
+    a->x16 = c->h16;
+    a->xe = c->he;
+    return SMOE_OK;
+}
+
 static smoe_cu_event ring_event(cuda_state *c) {
     smoe_cu_event ev = c->ring[c->ring_next];
     c->ring_next = (c->ring_next + 1) % RING;
@@ -556,9 +571,8 @@ static smoe_status run_experts(smoe_session *s, const smoe_cu_rows *items, smoe_
     CU(smoe_cu_matmul(c->cs, &g, &R, &xg, c->hg, 2 * (size_t)I));
     R.woff = lay->expert[1].offset;
     CU(smoe_cu_matmul(c->cs, &u, &R, &xg, c->hg + I, 2 * (size_t)I));
-    CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, &R));
     smoe_cu_act h;
-    smoe_status st = act(s, tensor_cores(&lay->expert[2]), c->h, I, I, &R, c->h16, c->he, &h);
+    smoe_status st = swiglu_act(s, tensor_cores(&lay->expert[2]), I, &R, &h);
     if (st != SMOE_OK) return st;
     R.woff = lay->expert[2].offset;
     R.yrow = c->rows;
@@ -799,8 +813,7 @@ static smoe_status cuda_ffn(smoe_session *s, uint32_t l, uint32_t n, uint32_t *u
         (st = linear(s, L->mlp_gate, &a, n, c->hg, 2 * (size_t)I)) != SMOE_OK ||
         (st = linear(s, L->mlp_up, &a, n, c->hg + I, 2 * (size_t)I)) != SMOE_OK)
         return st;
-    CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, &R));
-    if ((st = act(s, tensor_cores(L->mlp_down), c->h, I, I, &R, c->h16, c->he, &a)) != SMOE_OK ||
+    if ((st = swiglu_act(s, tensor_cores(L->mlp_down), I, &R, &a)) != SMOE_OK ||
         (st = linear(s, L->mlp_down, &a, n, c->xg, H)) != SMOE_OK)
         return st;
     CU(smoe_cu_add(c->cs, c->x, c->xg, (size_t)n * H));

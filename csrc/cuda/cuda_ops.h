@@ -140,6 +140,9 @@ int smoe_cu_gather16(smoe_cu_stream st, void *g16, float *ge, const void *a16, c
 /* For the rows of items (as smoe_cu_rows) or rows [0, n) when items is NULL: h row = silu(gate) · up
  * with hg rows (2I) holding gate then up. */
 int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R);
+/* smoe_cu_swiglu and then smoe_cu_prep of h (I columns) in one launch: the same bits as the two. */
+int smoe_cu_swiglu_prep(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R, void *h16,
+                        float *he);
 /* A layer's union formed on the device, for a layer whose every expert is in VRAM (no host round
  * trip): from the top-k ids idx (nk = n·K of them), per expert e the rows of the tokens routed to it
  * (rows[start[e] ..], each t·K + slot in increasing order; count[e] of them, 0 when unused),

@@ -1340,6 +1340,29 @@ extern "C" int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint
     return (int)cudaGetLastError();
 }
 
+/* k_swiglu then k_prep, a row a block (grid as k_prep's): the same arithmetic, the same bits. */
+__global__ void k_swiglu_prep(float *h, const float *hg, uint32_t I, smoe_cu_rows R, __half *h16, float *he) {
+    uint32_t start, count;
+    item_rows(R, &start, &count);
+    if (blockIdx.x >= count) return;
+    const size_t j = start + blockIdx.x;
+    for (uint32_t c = threadIdx.x; c < I; c += blockDim.x) {
+        const float g = hg[j * 2 * I + c], u = hg[j * 2 * I + I + c];
+        const float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+        h[j * I + c] = __fmul_rn(silu, u);
+    }
+    __syncthreads(); /* the row, written by every thread, before any is read */
+    prep_row(h + j * I, I, j, h16, he);
+}
+
+extern "C" int smoe_cu_swiglu_prep(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R,
+                                   void *h16, float *he) {
+    const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
+    if (items == 0 || m == 0) return 0;
+    k_swiglu_prep<<<dim3(m, items), 256, 0, (cudaStream_t)st>>>(h, hg, I, *R, (__half *)h16, he);
+    return (int)cudaGetLastError();
+}
+
 enum { UNION_WARPS = 8 };
 
 /* A warp's walk over its segment of the ids, 32 at a time: lanes holding the same expert are peers
