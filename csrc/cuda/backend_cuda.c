@@ -568,9 +568,16 @@ static smoe_status run_experts(smoe_session *s, const smoe_cu_rows *items, smoe_
     smoe_cu_rows R = *items;
     smoe_cu_act xg = {.x = c->xg, .ldx = H, .x16 = c->g16, .xe = c->ge}; /* moe() prepared the f16 rows */
     R.woff = lay->expert[0].offset;
-    CU(smoe_cu_matmul(c->cs, &g, &R, &xg, c->hg, 2 * (size_t)I));
-    R.woff = lay->expert[1].offset;
-    CU(smoe_cu_matmul(c->cs, &u, &R, &xg, c->hg + I, 2 * (size_t)I));
+    if (memcmp(&g, &u, sizeof g) == 0) { /* gate and up alike: one launch for both (a pair) */
+        R.pair = 1;
+        R.woff2 = lay->expert[1].offset;
+        CU(smoe_cu_matmul(c->cs, &g, &R, &xg, c->hg, 2 * (size_t)I));
+        R.pair = 0;
+    } else {
+        CU(smoe_cu_matmul(c->cs, &g, &R, &xg, c->hg, 2 * (size_t)I));
+        R.woff = lay->expert[1].offset;
+        CU(smoe_cu_matmul(c->cs, &u, &R, &xg, c->hg + I, 2 * (size_t)I));
+    }
     smoe_cu_act h;
     smoe_status st = swiglu_act(s, tensor_cores(&lay->expert[2]), I, &R, &h);
     if (st != SMOE_OK) return st;

@@ -45,6 +45,11 @@ typedef struct {
     const uint32_t *items, *start, *count, *yrow;
     uint32_t n_items, max_count;  /* launches cover max_count rows per item */
     uint32_t tile;                /* 0, or tiled item lists (above) */
+    /* grouped: a pair launch also multiplies the tensor at wtab[u] + woff2 (the same shape and
+     * layout as the one at woff: an expert's gate and up), its outputs T.rows columns after the
+     * first's in each y row */
+    uint32_t pair;
+    uint64_t woff2;
 } smoe_cu_rows;
 
 const char *smoe_cu_error_string(int err);

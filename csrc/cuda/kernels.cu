@@ -208,22 +208,28 @@ __device__ __forceinline__ uint32_t item_rows(const smoe_cu_rows &R, uint32_t *s
 
 /* The matrix and the tokens a block of a product launch works on: with an item list (one launch
  * over several experts), item blockIdx.y's expert weights and its run of token rows; else the one
- * matrix and every token. */
-__device__ __forceinline__ void launch_item(const smoe_cu_rows &R, const uint8_t **w, uint32_t *start,
-                                            uint32_t *count) {
-    const uint32_t u = item_rows(R, start, count);
-    *w = !R.items ? R.w : *count ? R.wtab[u] + R.woff : nullptr;
+ * matrix and every token. *bx is the block's row block: a pair launch (R.pair) has twice the row
+ * blocks, the second half multiplying the tensor at R.woff2 into the T.rows columns after the
+ * first's (y + *ycol). */
+__device__ __forceinline__ void launch_item(const smoe_cu_rows &R, const smoe_cu_tensor &T, uint32_t *ycol,
+                                            uint32_t *bx, const uint8_t **w, uint32_t *start, uint32_t *count) {
+    const uint32_t u = item_rows(R, start, count), half = gridDim.x / 2;
+    const bool second = R.pair && blockIdx.x >= half;
+    *bx = second ? blockIdx.x - half : blockIdx.x;
+    *ycol = second ? T.rows : 0;
+    *w = !R.items ? R.w : *count ? R.wtab[u] + (second ? R.woff2 : R.woff) : nullptr;
 }
 
 template <int FMT>
 __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe_cu_rows R, const float *__restrict__ x,
                                                           size_t ldx, float *__restrict__ y, size_t ldy) {
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const uint32_t r = blockIdx.x * MM_WARPS + warp;
-    if (r >= T.rows) return;
     const uint8_t *w;
-    uint32_t start, count;
-    launch_item(R, &w, &start, &count);
+    uint32_t start, count, bx, ycol;
+    launch_item(R, T, &ycol, &bx, &w, &start, &count);
+    y += ycol;
+    const uint32_t r = bx * MM_WARPS + warp;
+    if (r >= T.rows) return;
     const uint32_t t0 = blockIdx.z * MM_TZ;
     if (t0 >= count) return;
     const uint32_t t1 = min(count, t0 + (uint32_t)MM_TZ), nw = T.cols / 8;
@@ -277,10 +283,11 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul_tiled(smoe_cu_tensor T
                                                                 float *__restrict__ y, size_t ldy) {
     __shared__ float4 xs[TT2][CHUNK / 4];
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const uint32_t r0 = (blockIdx.x * MM_WARPS + warp) * RT;
     const uint8_t *w;
-    uint32_t start, count;
-    launch_item(R, &w, &start, &count);
+    uint32_t start, count, bx, ycol;
+    launch_item(R, T, &ycol, &bx, &w, &start, &count);
+    y += ycol;
+    const uint32_t r0 = (bx * MM_WARPS + warp) * RT;
     const uint32_t t0 = blockIdx.z * TT2;
     if (t0 >= count) return; /* the whole block */
     const uint32_t nt = min((uint32_t)TT2, count - t0), nw = T.cols / 8;
@@ -509,9 +516,10 @@ __global__ void __launch_bounds__(TC_MAXW * 32) k_tc(smoe_cu_tensor T, smoe_cu_r
     __shared__ float part[TC_MAXW - 1][MT * NT * 4][32];
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const uint8_t *w;
-    uint32_t start, count;
-    launch_item(R, &w, &start, &count);
-    const uint32_t t0 = blockIdx.z * (NT * 8), r0 = blockIdx.x * (MT * 16);
+    uint32_t start, count, bx, ycol;
+    launch_item(R, T, &ycol, &bx, &w, &start, &count);
+    y += ycol;
+    const uint32_t t0 = blockIdx.z * (NT * 8), r0 = bx * (MT * 16);
     if (t0 >= count || r0 >= T.rows) return; /* the whole block */
     const uint32_t cols = T.cols, nkb = cols / 64, gs = __ffs(T.group) - 1;
     const uint8_t *sc = w + T.scales_off, *bs = w + T.biases_off;
@@ -593,9 +601,10 @@ __global__ void __launch_bounds__(TB_WARPS * 32) k_tcb(smoe_cu_tensor T, smoe_cu
     constexpr int BROWS = NT * 8, AROWS = TB_WARPS * MT * 16;
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const uint8_t *w;
-    uint32_t start, count;
-    launch_item(R, &w, &start, &count);
-    const uint32_t t0 = blockIdx.z * (NT * 8), rb = blockIdx.x * AROWS, r0 = rb + warp * (MT * 16);
+    uint32_t start, count, bx, ycol;
+    launch_item(R, T, &ycol, &bx, &w, &start, &count);
+    y += ycol;
+    const uint32_t t0 = blockIdx.z * (NT * 8), rb = bx * AROWS, r0 = rb + warp * (MT * 16);
     if (t0 >= count || rb >= T.rows) return; /* the whole block */
     const uint32_t cols = T.cols, nkb = cols / 64, gs = __ffs(T.group) - 1, nj = min((uint32_t)NT, (count - t0 + 7) / 8);
     const size_t rowbytes = FMT == FMT_Q4 ? cols / 2 : cols;
@@ -777,8 +786,10 @@ static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe
     /* Tiles change no bits (only the ranges do), so they follow n. SMOE_CUDA_TILE (for comparisons)
      * picks the many-token tile: 0 = 32 rows × 64 tokens a warp, 1 = 32 × 32, 2 = 64 × 32. */
     static const int big = getenv("SMOE_CUDA_TILE") ? atoi(getenv("SMOE_CUDA_TILE")) : 0;
+    const uint32_t px = R->pair ? 2 : 1; /* a pair launch: twice the row blocks (launch_item) */
 #define TC_SMALL(MT, NT, U)                                                                                            \
-    k_tc<FMT, MT, NT, U><<<dim3((T->rows + 16 * MT - 1) / (16 * MT), items, (m + 8 * NT - 1) / (8 * NT)), 32 * ranges, \
+    k_tc<FMT, MT, NT, U><<<dim3(px * ((T->rows + 16 * MT - 1) / (16 * MT)), items, (m + 8 * NT - 1) / (8 * NT)),      \
+                           32 * ranges,                                                                            \
                            0, s>>>(*T, *R, x16, a->xe, y, ldy, ranges)
 #define TC_BIG(MT, NT)                                                                                                 \
     do {                                                                                                               \
@@ -788,7 +799,7 @@ static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe
             cudaFuncSetAttribute(k_tcb<FMT, MT, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);               \
             configured = true;                                                                                         \
         }                                                                                                              \
-        k_tcb<FMT, MT, NT><<<dim3((T->rows + TB_WARPS * 16 * MT - 1) / (TB_WARPS * 16 * MT), items,                    \
+        k_tcb<FMT, MT, NT><<<dim3(px * ((T->rows + TB_WARPS * 16 * MT - 1) / (TB_WARPS * 16 * MT)), items,             \
                                   (m + 8 * NT - 1) / (8 * NT)),                                                        \
                              TB_WARPS * 32, smem, s>>>(*T, *R, x16, a->xe, y, ldy, ranges);                             \
     } while (0)
@@ -810,11 +821,12 @@ static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe
 template <int FMT>
 static void launch_fp32(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe_cu_act *a, float *y, size_t ldy,
                         uint32_t items, uint32_t m, cudaStream_t s) {
+    const uint32_t px = R->pair ? 2 : 1; /* a pair launch: twice the row blocks (launch_item) */
     if (m >= TILED_MIN) {
-        dim3 grid((T->rows + MM_WARPS * RT - 1) / (MM_WARPS * RT), items, (m + TT2 - 1) / TT2);
+        dim3 grid(px * ((T->rows + MM_WARPS * RT - 1) / (MM_WARPS * RT)), items, (m + TT2 - 1) / TT2);
         k_matmul_tiled<FMT><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, a->x, a->ldx, y, ldy);
     } else {
-        dim3 grid((T->rows + MM_WARPS - 1) / MM_WARPS, items, (m + MM_TZ - 1) / MM_TZ);
+        dim3 grid(px * ((T->rows + MM_WARPS - 1) / MM_WARPS), items, (m + MM_TZ - 1) / MM_TZ);
         k_matmul<FMT><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, a->x, a->ldx, y, ldy);
     }
 }
