@@ -242,6 +242,24 @@ def test_a_vram_budget_that_does_not_fit_is_refused_plainly(mini_vault, monkeypa
             assert s.prefill([1, 2, 3]).shape == (v.config["vocab_size"],)
 
 
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3),
+                                    dict(temperature=0.7, top_k=20, top_p=0.8, seed=3),
+                                    dict(temperature=1.0, top_k=50, min_p=0.1, seed=7),
+                                    dict(temperature=1.3, top_k=1000, repetition_penalty=1.2, seed=11),
+                                    dict(temperature=0.9, top_p=0.9, seed=5)])  # no top-k: the host's
+def test_sampling_on_the_gpu_draws_the_hosts_ids(mini_vault, monkeypatch, params):
+    """The GPU selects the candidates (argmax, penalty, top-k) and the host draws among them with
+    the CPU's code: the same ids as the host sampler over the same logits (SMOE_CUDA_SAMPLE=0)."""
+    prompt = np.random.default_rng(9).integers(0, 32000, 40).tolist()
+    outs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("SMOE_CUDA_SAMPLE", on)
+        with pysmoe.open_vault(mini_vault) as v:
+            with _cuda_session(v, chunk=64, gpu_cache_bytes=1 << 30) as s:
+                outs.append(list(s.generate(prompt, max_tokens=24, **params)))
+    assert len(outs[0]) == 24 and outs[0] == outs[1]
+
+
 def test_gpu_sessions_do_not_share_or_batch(tiny_vault):
     with pysmoe.open_vault(tiny_vault) as v:
         with _cuda_session(v) as s:

@@ -37,7 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { MIN_VSLOTS = 2, RING = 64, MISS_BATCH = 8 };
+enum { MIN_VSLOTS = 2, RING = 64, MISS_BATCH = 8, HIST_CAP = 4096 };
 
 typedef struct {
     smoe_cu_stream cs, us; /* compute, upload */
@@ -99,6 +99,12 @@ typedef struct {
      * when one stops being; SMOE_CUDA_GRAPH=0 never records. */
     bool graphs;
     smoe_cu_graph graph;
+    /* Sampling's selection on the GPU (cuda_sample): the working logits, the penalty's window of
+     * ids and the selection, with their pinned mirrors; SMOE_CUDA_SAMPLE=0 leaves it to the host. */
+    bool gpu_sampling;
+    float *d_sv;
+    int32_t *d_hist, *h_hist;
+    smoe_cu_sample_out *d_sout, *h_sout;
 } cuda_state;
 
 #define ST(s) ((cuda_state *)(s)->backend_state)
@@ -254,12 +260,12 @@ static void cuda_free(smoe_session *s) {
     for (int i = 0; i < RING; i++) smoe_cu_event_free(c->ring[i]);
     void *dbufs[] = {c->dense, c->k, c->v, c->cos, c->sin, c->x, c->xn, c->q, c->att, c->router, c->topk_w,
                      c->slot_out, c->xg, c->hg, c->h, c->logits, c->topk_idx, c->pass, c->idx, c->vcache,
-                     c->ks, c->vs,
+                     c->ks, c->vs, c->d_sv, c->d_hist, c->d_sout,
                      c->a16, c->g16, c->h16, c->ae, c->ge, c->he, (void *)c->d_vtab, (void *)c->d_wtab,
                      c->d_start, c->d_count, c->d_items, c->d_counts, c->d_used, c->d_bad};
     for (size_t i = 0; i < sizeof dbufs / sizeof dbufs[0]; i++) smoe_cu_free(dbufs[i]);
     smoe_cu_graph_free(c->graph);
-    void *hbufs[] = {c->h_topk, c->h_pass, c->h_idx, (void *)c->h_vtab, c->h_counts, c->h_used, c->h_bad};
+    void *hbufs[] = {c->h_hist, c->h_sout, c->h_topk, c->h_pass, c->h_idx, (void *)c->h_vtab, c->h_counts, c->h_used, c->h_bad};
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++) smoe_cu_host_free(hbufs[i]);
     smoe_cu_stream_free(c->cs);
     smoe_cu_stream_free(c->us);
@@ -405,6 +411,7 @@ static smoe_status cuda_init(smoe_session *s) {
         {&c->x, C * H * 4}, {&c->xn, C * H * 4}, {&c->q, C * s->q_dim * 4}, {&c->att, C * s->q_dim * 4},
         {&c->router, C * E * 4}, {&c->topk_w, C * K * 4}, {&c->slot_out, C * K * H * 4}, {&c->xg, C * K * H * 4},
         {&c->hg, C * K * 2 * ffn * 4}, {&c->h, C * K * ffn * 4}, {&c->logits, (size_t)cf->vocab_size * 4},
+        {&c->d_sv, (size_t)cf->vocab_size * 4}, {&c->d_hist, HIST_CAP * 4}, {&c->d_sout, sizeof(smoe_cu_sample_out)},
         {&c->topk_idx, C * K * 4}, {&c->pass, (C + 1) * 4}, {&c->ks, C * s->kv_dim * 4}, {&c->vs, C * s->kv_dim * 4},
         {&c->a16, C * (H > s->q_dim ? H : s->q_dim) * 2}, {&c->ae, C * 4}, {&c->g16, C * K * H * 2},
         {&c->ge, C * K * 4}, {&c->h16, C * K * ffn * 2}, {&c->he, C * K * 4}, {&c->idx, 0},
@@ -418,6 +425,7 @@ static smoe_status cuda_init(smoe_session *s) {
     CU(smoe_cu_upload(c->sin, s->rope_sin, s->params.context * half * 4, c->cs));
     struct { void *pp; size_t bytes; } pinned[] = {
         {&c->h_topk, C * K * 4}, {&c->h_pass, (C + 1) * 4}, {&c->h_idx, c->idx_bytes},
+        {&c->h_hist, HIST_CAP * 4}, {&c->h_sout, sizeof(smoe_cu_sample_out)},
     };
     for (size_t i = 0; i < sizeof pinned / sizeof pinned[0]; i++)
         CU(smoe_cu_host_alloc((void **)pinned[i].pp, pinned[i].bytes));
@@ -427,6 +435,8 @@ static smoe_status cuda_init(smoe_session *s) {
     c->items = c->ucount + E, c->h_items = c->h_ucount + E;
     c->wtab = (const uint8_t **)(c->idx + wtab_off), c->h_wtab = (const uint8_t **)(c->h_idx + wtab_off);
     c->rows = (uint32_t *)(c->idx + c->idx_rows_off), c->h_rows = (uint32_t *)(c->h_idx + c->idx_rows_off);
+    const char *sa = getenv("SMOE_CUDA_SAMPLE");
+    c->gpu_sampling = !(sa && sa[0] == '0');
     c->h_vslot = calloc(E, sizeof *c->h_vslot);
     c->h_sslot = calloc(E, sizeof *c->h_sslot);
     if (!c->h_vslot || !c->h_sslot) return smoe_fail(SMOE_ERR_NOMEM, "cuda: out of memory");
@@ -909,6 +919,42 @@ static smoe_status cuda_settle(smoe_session *s, uint32_t *union_sizes) {
     return SMOE_OK;
 }
 
+/* The selection of smoe_sample on the GPU, the draw among the candidates on the host (sample.h):
+ * the same id as smoe_sample over the same logits. Greedy and top-k up to SAMPLE_CAP; anything
+ * else (no top-k with a temperature, a longer penalty window) is left to the host. */
+static smoe_status cuda_sample(smoe_session *s, int32_t *next_id, bool *done) {
+    cuda_state *c = ST(s);
+    const smoe_sampler_params *p = &s->sampler.p;
+    uint32_t V = s->cfg.vocab_size;
+    *done = false;
+    if (!c->gpu_sampling) return SMOE_OK;
+    if (p->temperature > 0.0f && !(p->top_k > 0 && p->top_k <= SAMPLE_CAP && p->top_k < V)) return SMOE_OK;
+    uint32_t w = 0;
+    if (p->repetition_penalty > 0.0f && p->repetition_penalty != 1.0f && p->repetition_window > 0) {
+        w = s->pos < p->repetition_window ? s->pos : p->repetition_window;
+        if (w > HIST_CAP) return SMOE_OK;
+        memcpy(c->h_hist, s->history + s->pos - w, w * sizeof *c->h_hist); /* the last step synced */
+        CU(smoe_cu_upload(c->d_hist, c->h_hist, w * sizeof *c->h_hist, c->cs));
+    }
+    CU(smoe_cu_sample_select(c->cs, c->logits, c->d_sv, V, c->d_hist, w, p->repetition_penalty, p->temperature,
+                             p->top_k, c->d_sout));
+    CU(smoe_cu_download(c->h_sout, c->d_sout, sizeof *c->h_sout, c->cs));
+    CU(smoe_cu_stream_sync(c->cs));
+    const smoe_cu_sample_out *o = c->h_sout;
+    if (o->flags == 2) return SMOE_OK;
+    *done = true;
+    if (o->flags == 1) {
+        *next_id = o->best;
+        return SMOE_OK;
+    }
+    for (uint32_t j = 0; j < o->count; j++) {
+        s->sample_f[o->ids[j]] = o->vals[j];
+        s->sample_i[j] = o->ids[j];
+    }
+    *next_id = smoe_sample_top(&s->sampler, s->sample_f, s->sample_i, o->count, o->m);
+    return SMOE_OK;
+}
+
 static smoe_status cuda_read_kv(const smoe_session *cs, uint32_t layer, uint32_t start, uint32_t n, float *k, float *v) {
     smoe_session *s = (smoe_session *)cs; /* cu_fail marks it broken */
     cuda_state *c = ST(s);
@@ -957,6 +1003,7 @@ const smoe_backend smoe_backend_cuda = {
     .ffn = cuda_ffn,
     .logits = cuda_logits,
     .decode_step = cuda_decode_step,
+    .sample = cuda_sample,
     .settle = cuda_settle,
     .read_kv = cuda_read_kv,
     .cache_clear = cuda_cache_clear,

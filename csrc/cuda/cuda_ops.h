@@ -160,6 +160,23 @@ int smoe_cu_union(smoe_cu_stream st, const int32_t *idx, uint32_t nk, uint32_t E
                   uint32_t *rows, uint32_t *counts, uint32_t *used, uint32_t *bad);
 /* The most tiles of `tile` rows nk routed rows over E experts can need. */
 uint32_t smoe_cu_union_items(uint32_t nk, uint32_t E, uint32_t tile);
+/* Sampling's selection on the GPU (sample.c's steps 1–4): the logits cleaned (NaN → −inf) into v
+ * (V floats of scratch), the repetition penalty over hist[0..n_hist) in order (each distinct id
+ * once), the argmax (first maximum) into out->best; then, unless the draw ends there (temperature
+ * ≤ 0, every logit −inf, m = max / temperature overflowing: flags 1, the draw is best), the top_k
+ * largest of v / temperature, best first (ties: the lower id), into out->vals and out->ids, and m;
+ * smoe_sample_top draws among them as smoe_sample would. top_k outside [1, SAMPLE_CAP] or not below
+ * V: flags 2, nothing selected. */
+enum { SAMPLE_CAP = 1024 };
+typedef struct {
+    int32_t best;
+    uint32_t count, flags;
+    float m;
+    float vals[SAMPLE_CAP];
+    int32_t ids[SAMPLE_CAP];
+} smoe_cu_sample_out;
+int smoe_cu_sample_select(smoe_cu_stream st, const float *logits, float *v, uint32_t V, const int32_t *hist,
+                          uint32_t n_hist, float penalty, float temperature, uint32_t top_k, smoe_cu_sample_out *out);
 /* x[t] += Σ_k w[t,k] · y[t·K + k] in slot order, t < n. */
 int smoe_cu_moe_sum(smoe_cu_stream st, float *x, const float *y, const float *w, uint32_t n, uint32_t K,
                     uint32_t hidden);
