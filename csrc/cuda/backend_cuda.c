@@ -130,6 +130,11 @@ static const uint8_t *dev(const smoe_session *s, const smoe_tensor *T) {
     return ST(s)->dense + (T->data - s->vault->dense);
 }
 
+static bool same_layout(const smoe_cu_tensor *a, const smoe_cu_tensor *b) {
+    return a->format == b->format && a->scale_format == b->scale_format && a->rows == b->rows && a->cols == b->cols &&
+           a->group == b->group && a->scales_off == b->scales_off && a->biases_off == b->biases_off;
+}
+
 static bool tensor_cores(const smoe_tensor *T) {
     smoe_cu_tensor d = desc(T);
     return smoe_cu_tensor_cores(&d) != 0;
@@ -265,7 +270,8 @@ static void cuda_free(smoe_session *s) {
                      c->d_start, c->d_count, c->d_items, c->d_counts, c->d_used, c->d_bad};
     for (size_t i = 0; i < sizeof dbufs / sizeof dbufs[0]; i++) smoe_cu_free(dbufs[i]);
     smoe_cu_graph_free(c->graph);
-    void *hbufs[] = {c->h_hist, c->h_sout, c->h_topk, c->h_pass, c->h_idx, (void *)c->h_vtab, c->h_counts, c->h_used, c->h_bad};
+    void *hbufs[] = {c->h_hist, c->h_sout, c->h_topk, c->h_pass, c->h_idx,
+                     (void *)c->h_vtab, c->h_counts, c->h_used, c->h_bad};
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++) smoe_cu_host_free(hbufs[i]);
     smoe_cu_stream_free(c->cs);
     smoe_cu_stream_free(c->us);
@@ -328,11 +334,13 @@ static size_t vram_free(void) {
 
 static smoe_status dalloc(smoe_session *s, void *pp, size_t bytes) {
     int err = smoe_cu_alloc((void **)pp, bytes);
-    if (smoe_cu_out_of_memory(err))
+    if (smoe_cu_out_of_memory(err)) {
+        smoe_cu_last_error(); /* not an error of the next launch */
         return smoe_fail(SMOE_ERR_NOMEM, "cuda: %.1f MiB more of VRAM could not be had (%.2f GiB in use by this session, "
                                          "%.2f GiB free): the dense weights, the KV cache (context, kv_dtype) and the "
                                          "planes (chunk) must fit", (double)bytes / (1 << 20),
                          (double)ST(s)->other_bytes / (1u << 30), (double)vram_free() / (1u << 30));
+    }
     if (err) return cu_fail(s, err, "smoe_cu_alloc");
     ST(s)->other_bytes += bytes;
     return SMOE_OK;
@@ -578,7 +586,7 @@ static smoe_status run_experts(smoe_session *s, const smoe_cu_rows *items, smoe_
     smoe_cu_rows R = *items;
     smoe_cu_act xg = {.x = c->xg, .ldx = H, .x16 = c->g16, .xe = c->ge}; /* moe() prepared the f16 rows */
     R.woff = lay->expert[0].offset;
-    if (memcmp(&g, &u, sizeof g) == 0) { /* gate and up alike: one launch for both (a pair) */
+    if (same_layout(&g, &u)) { /* gate and up alike: one launch for both (a pair) */
         R.pair = 1;
         R.woff2 = lay->expert[1].offset;
         CU(smoe_cu_matmul(c->cs, &g, &R, &xg, c->hg, 2 * (size_t)I));
