@@ -115,6 +115,25 @@ def test_layer_major_and_token_serial_are_bit_identical_on_the_gpu(tiny_vault, n
     assert da[0].tobytes() == db[0].tobytes()
 
 
+def test_long_prompts_attend_in_splits_with_the_same_bits(tiny_vault):
+    """Flash attention takes positions in splits of 512 merged in order: 700 positions take two.
+    Token-serial steps (their splits side by side, then combined) and layer-major chunks (the
+    splits in turn) give the same bits, and the result stays within the CPU's tolerance."""
+    prompt = np.random.default_rng(12).integers(0, 512, 700).tolist()
+    with pysmoe.open_vault(tiny_vault) as v:
+        runs = []
+        for path in ("layer-major", "token-serial"):
+            with _cuda_session(v, chunk=256, context=2048, gpu_cache_bytes=1 << 30, prefill=path) as s:
+                first, ids = _greedy(s, prompt, 4)
+                runs.append((first, ids, s.kv(1)))
+        with v.session(chunk=256, context=2048, activations="f32") as c:
+            want = c.prefill(prompt)
+    (la, ia, (ka, va)), (lb, ib, (kb, vb)) = runs
+    assert la.tobytes() == lb.tobytes() and ia == ib
+    assert ka.tobytes() == kb.tobytes() and va.tobytes() == vb.tobytes()
+    assert np.max(np.abs(la - want)) <= ATOL + RTOL * np.max(np.abs(want))
+
+
 @pytest.mark.parametrize("n", [7, 45, 70])
 def test_bit_identity_on_mini_with_every_range_count(mini_vault, n):
     """mini's widths (1,024 and 512 columns) split the tensor-core products' k-blocks into 8 ranges and

@@ -105,6 +105,7 @@ typedef struct {
     float *d_sv;
     int32_t *d_hist, *h_hist;
     smoe_cu_sample_out *d_sout, *h_sout;
+    float *fa_part; /* flash attention's splits side by side (smoe_cu_attention_part_floats) */
 } cuda_state;
 
 #define ST(s) ((cuda_state *)(s)->backend_state)
@@ -265,7 +266,7 @@ static void cuda_free(smoe_session *s) {
     for (int i = 0; i < RING; i++) smoe_cu_event_free(c->ring[i]);
     void *dbufs[] = {c->dense, c->k, c->v, c->cos, c->sin, c->x, c->xn, c->q, c->att, c->router, c->topk_w,
                      c->slot_out, c->xg, c->hg, c->h, c->logits, c->topk_idx, c->pass, c->idx, c->vcache,
-                     c->ks, c->vs, c->d_sv, c->d_hist, c->d_sout,
+                     c->ks, c->vs, c->d_sv, c->d_hist, c->d_sout, c->fa_part,
                      c->a16, c->g16, c->h16, c->ae, c->ge, c->he, (void *)c->d_vtab, (void *)c->d_wtab,
                      c->d_start, c->d_count, c->d_items, c->d_counts, c->d_used, c->d_bad};
     for (size_t i = 0; i < sizeof dbufs / sizeof dbufs[0]; i++) smoe_cu_free(dbufs[i]);
@@ -419,6 +420,7 @@ static smoe_status cuda_init(smoe_session *s) {
         {&c->x, C * H * 4}, {&c->xn, C * H * 4}, {&c->q, C * s->q_dim * 4}, {&c->att, C * s->q_dim * 4},
         {&c->router, C * E * 4}, {&c->topk_w, C * K * 4}, {&c->slot_out, C * K * H * 4}, {&c->xg, C * K * H * 4},
         {&c->hg, C * K * 2 * ffn * 4}, {&c->h, C * K * ffn * 4}, {&c->logits, (size_t)cf->vocab_size * 4},
+        {&c->fa_part, smoe_cu_attention_part_floats(cf->num_key_value_heads, cf->head_dim, s->params.context) * 4},
         {&c->d_sv, (size_t)cf->vocab_size * 4}, {&c->d_hist, HIST_CAP * 4}, {&c->d_sout, sizeof(smoe_cu_sample_out)},
         {&c->topk_idx, C * K * 4}, {&c->pass, (C + 1) * 4}, {&c->ks, C * s->kv_dim * 4}, {&c->vs, C * s->kv_dim * 4},
         {&c->a16, C * (H > s->q_dim ? H : s->q_dim) * 2}, {&c->ae, C * 4}, {&c->g16, C * K * H * 2},
@@ -552,7 +554,7 @@ static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, ui
                        cf->num_key_value_heads, hd, dev(s, L->q_norm), L->q_norm->format, dev(s, L->k_norm),
                        L->k_norm->format, cf->rms_norm_eps, c->cos, c->sin, dpos));
     CU(smoe_cu_attention(c->cs, c->att, c->q, kl, vl, s->params.kv_dtype, n, cf->num_attention_heads,
-                         cf->num_key_value_heads, hd, pos0, dpos));
+                         cf->num_key_value_heads, hd, pos0, dpos, c->fa_part, s->params.context));
     if ((st = linear_x(s, L->o, c->att, s->q_dim, s->q_dim, n, c->xn, H)) != SMOE_OK) return st;
     CU(smoe_cu_add(c->cs, c->x, c->xn, (size_t)n * H));
     return SMOE_OK;

@@ -126,7 +126,12 @@ int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const float *vs, voi
  * too. Flash attention (head sizes 32, 64, 128) rounds K and V to f16 as it loads them, so an f16
  * cache gives it the very values an f32 one does. */
 int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const void *k, const void *v, uint32_t kv_type,
-                      uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0, const uint32_t *dpos);
+                      uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0, const uint32_t *dpos,
+                      float *part, uint32_t context);
+/* Flash attention takes the positions in splits of 512, merged in order; with part (device, this
+ * many floats for a cache of context positions) a launch of few rows runs the splits side by
+ * side, with the same bits. 0: the head size takes no splits. */
+size_t smoe_cu_attention_part_floats(uint32_t kv_heads, uint32_t hd, uint32_t context);
 /* 1 when an attention launch for head size hd reads its position from dpos alone (its shape does
  * not follow pos0), so that it can be recorded once and replayed at any position. */
 int smoe_cu_attention_fixed(uint32_t hd);
