@@ -43,6 +43,10 @@ typedef struct smoe_backend {
      * go (*ran true; settle still follows); *ran false: it did nothing, the caller walks the layers.
      * NULL: always the walk. */
     smoe_status (*decode_step)(smoe_session *s, int32_t id, bool *ran);
+    /* The next id for the step's logits (after settle), drawn with s->sampler over s->history as
+     * smoe_sample would draw it (*done true), when the backend does the work on its device; *done
+     * false: the caller samples s->logits. NULL: the caller always does. */
+    smoe_status (*sample)(smoe_session *s, int32_t *next_id, bool *done);
     /* KV rows of layer [start, start + n) widened to f32 into k, v (either may be NULL). */
     smoe_status (*read_kv)(const smoe_session *s, uint32_t layer, uint32_t start, uint32_t n, float *k, float *v);
     /* Drops the device's own retained experts (the streamer's are dropped by the caller). */

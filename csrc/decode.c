@@ -56,8 +56,14 @@ static smoe_status decode(smoe_session *s, int32_t id, float *logits, int32_t *n
     smoe_session_set_pos(s, pos + 1);
     if (logits)
         memcpy(logits, s->logits, c->vocab_size * sizeof(float));
-    if (next_id)
-        *next_id = smoe_sample(&s->sampler, s->logits, c->vocab_size, s->history, s->pos, s->sample_f, s->sample_i);
+    if (next_id) {
+        bool done = false;
+        if (be->sample && (st = be->sample(s, next_id, &done)) != SMOE_OK)
+            return st;
+        if (!done)
+            *next_id = smoe_sample(&s->sampler, s->logits, c->vocab_size, s->history, s->pos, s->sample_f,
+                                   s->sample_i);
+    }
     s->tokens_decoded++;
     s->decode_s += smoe_now() - t0;
     SMOE_PROF_LAP(SMOE_P_SAMPLE);

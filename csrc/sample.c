@@ -138,6 +138,27 @@ static uint32_t cutoff(const float *v, const int32_t *idx, uint32_t s, float m, 
 
 /* ------------------------------------------------------------------------------- sample */
 
+/* The draw among the kept candidates idx[0..keep), best first: renormalised, one uniform double. */
+static int32_t draw(smoe_sampler *s, const float *v, const int32_t *idx, uint32_t keep, float m) {
+    double mass = 0.0;
+    for (uint32_t j = 0; j < keep; j++) mass += exp((double)v[idx[j]] - (double)m);
+    const double target = uniform(s->rng) * mass;
+    double cum = 0.0;
+    for (uint32_t j = 0; j < keep; j++) {
+        cum += exp((double)v[idx[j]] - (double)m);
+        if (target < cum) return idx[j];
+    }
+    return idx[keep - 1];
+}
+
+int32_t smoe_sample_top(smoe_sampler *s, const float *v, const int32_t *idx, uint32_t k, float m) {
+    const smoe_sampler_params *p = &s->p;
+    double z = 0.0;
+    for (uint32_t j = 0; j < k; j++) z += exp((double)v[idx[j]] - (double)m);
+    const bool cut = p->top_p < 1.0f || p->min_p > 0.0f;
+    return draw(s, v, idx, cut ? cutoff(v, idx, k, m, z, p->top_p, p->min_p) : k, m);
+}
+
 int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const int32_t *history,
                     uint32_t n_history, float *scratch, int32_t *scratch_idx) {
     if (vocab == 0) return -1;
@@ -168,13 +189,11 @@ int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const 
     const bool cut = p->top_p < 1.0f || p->min_p > 0.0f;
     const uint32_t k = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
     int32_t *idx = scratch_idx; /* (vocab) candidate ids, best first */
-    uint32_t keep;
     double z = 0.0;
 
     if (k < vocab) {
         select_top(v, vocab, k, idx);
-        for (uint32_t j = 0; j < k; j++) z += exp((double)v[idx[j]] - (double)m);
-        keep = cut ? cutoff(v, idx, k, m, z, p->top_p, p->min_p) : k;
+        return smoe_sample_top(s, v, idx, k, m);
     } else {
         for (uint32_t i = 0; i < vocab; i++) z += exp((double)v[i] - (double)m);
         if (!cut) { /* the whole vocabulary, in id order: no selection needed */
@@ -205,16 +224,6 @@ int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const 
                     break;
                 }
             }
-        keep = cutoff(v, idx, select_above(v, vocab, t, idx), m, z, p->top_p, p->min_p);
+        return draw(s, v, idx, cutoff(v, idx, select_above(v, vocab, t, idx), m, z, p->top_p, p->min_p), m);
     }
-
-    double mass = 0.0;
-    for (uint32_t j = 0; j < keep; j++) mass += exp((double)v[idx[j]] - (double)m);
-    const double target = uniform(s->rng) * mass;
-    double cum = 0.0;
-    for (uint32_t j = 0; j < keep; j++) {
-        cum += exp((double)v[idx[j]] - (double)m);
-        if (target < cum) return idx[j];
-    }
-    return idx[keep - 1];
 }

@@ -18,4 +18,10 @@ void smoe_sampler_init(smoe_sampler *s, const smoe_sampler_params *p);
 int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const int32_t *history,
                     uint32_t n_history, float *scratch, int32_t *scratch_idx);
 
+/* smoe_sample's end once top-k (k < vocab) has chosen: idx[0..k) the candidates best first, v their
+ * logits after the penalty and the temperature (indexed by id; only those k are read), m the
+ * largest. Softmax, top-p, min-p and the draw, exactly as smoe_sample does them — for a device
+ * that selected the candidates itself. */
+int32_t smoe_sample_top(smoe_sampler *s, const float *v, const int32_t *idx, uint32_t k, float m);
+
 #endif

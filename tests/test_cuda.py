@@ -115,6 +115,25 @@ def test_layer_major_and_token_serial_are_bit_identical_on_the_gpu(tiny_vault, n
     assert da[0].tobytes() == db[0].tobytes()
 
 
+def test_long_prompts_attend_in_splits_with_the_same_bits(tiny_vault):
+    """Flash attention takes positions in splits of 512 merged in order: 700 positions take two.
+    Token-serial steps (their splits side by side, then combined) and layer-major chunks (the
+    splits in turn) give the same bits, and the result stays within the CPU's tolerance."""
+    prompt = np.random.default_rng(12).integers(0, 512, 700).tolist()
+    with pysmoe.open_vault(tiny_vault) as v:
+        runs = []
+        for path in ("layer-major", "token-serial"):
+            with _cuda_session(v, chunk=256, context=2048, gpu_cache_bytes=1 << 30, prefill=path) as s:
+                first, ids = _greedy(s, prompt, 4)
+                runs.append((first, ids, s.kv(1)))
+        with v.session(chunk=256, context=2048, activations="f32") as c:
+            want = c.prefill(prompt)
+    (la, ia, (ka, va)), (lb, ib, (kb, vb)) = runs
+    assert la.tobytes() == lb.tobytes() and ia == ib
+    assert ka.tobytes() == kb.tobytes() and va.tobytes() == vb.tobytes()
+    assert np.max(np.abs(la - want)) <= ATOL + RTOL * np.max(np.abs(want))
+
+
 @pytest.mark.parametrize("n", [7, 45, 70])
 def test_bit_identity_on_mini_with_every_range_count(mini_vault, n):
     """mini's widths (1,024 and 512 columns) split the tensor-core products' k-blocks into 8 ranges and
@@ -225,6 +244,39 @@ def test_reset_rewind_and_cache_clear_on_the_gpu(tiny_vault):
             s.reset()
             c = s.prefill(prompt)
     assert a.tobytes() == b.tobytes() == c.tobytes()
+
+
+def test_a_vram_budget_that_does_not_fit_is_refused_plainly(mini_vault, monkeypatch):
+    """gpu_cache_bytes beyond the free VRAM (made small here by SMOE_CUDA_VRAM_FREE) is OutOfMemory
+    with the figures to choose a budget from, and nothing is left behind."""
+    from pysmoe import OutOfMemory
+    with pysmoe.open_vault(mini_vault) as v:
+        with _cuda_session(v, gpu_cache_bytes=v.blob_bytes * 4):
+            pass
+        monkeypatch.setenv("SMOE_CUDA_VRAM_FREE", str(64 << 20))
+        with pytest.raises(OutOfMemory, match="gpu_cache_bytes asks .* give at most"):
+            v.session(device="cuda", gpu_cache_bytes=v.expert_bytes)
+        monkeypatch.delenv("SMOE_CUDA_VRAM_FREE")
+        with _cuda_session(v, gpu_cache_bytes=v.expert_bytes) as s:
+            assert s.prefill([1, 2, 3]).shape == (v.config["vocab_size"],)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.0, repetition_penalty=1.3),
+                                    dict(temperature=0.7, top_k=20, top_p=0.8, seed=3),
+                                    dict(temperature=1.0, top_k=50, min_p=0.1, seed=7),
+                                    dict(temperature=1.3, top_k=1000, repetition_penalty=1.2, seed=11),
+                                    dict(temperature=0.9, top_p=0.9, seed=5)])  # no top-k: the host's
+def test_sampling_on_the_gpu_draws_the_hosts_ids(mini_vault, monkeypatch, params):
+    """The GPU selects the candidates (argmax, penalty, top-k) and the host draws among them with
+    the CPU's code: the same ids as the host sampler over the same logits (SMOE_CUDA_SAMPLE=0)."""
+    prompt = np.random.default_rng(9).integers(0, 32000, 40).tolist()
+    outs = []
+    for on in ("1", "0"):
+        monkeypatch.setenv("SMOE_CUDA_SAMPLE", on)
+        with pysmoe.open_vault(mini_vault) as v:
+            with _cuda_session(v, chunk=64, gpu_cache_bytes=1 << 30) as s:
+                outs.append(list(s.generate(prompt, max_tokens=24, **params)))
+    assert len(outs[0]) == 24 and outs[0] == outs[1]
 
 
 def test_gpu_sessions_do_not_share_or_batch(tiny_vault):

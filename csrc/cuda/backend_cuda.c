@@ -37,7 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { MIN_VSLOTS = 2, RING = 64, MISS_BATCH = 8 };
+enum { MIN_VSLOTS = 2, RING = 64, MISS_BATCH = 8, HIST_CAP = 4096 };
 
 typedef struct {
     smoe_cu_stream cs, us; /* compute, upload */
@@ -99,6 +99,13 @@ typedef struct {
      * when one stops being; SMOE_CUDA_GRAPH=0 never records. */
     bool graphs;
     smoe_cu_graph graph;
+    /* Sampling's selection on the GPU (cuda_sample): the working logits, the penalty's window of
+     * ids and the selection, with their pinned mirrors; SMOE_CUDA_SAMPLE=0 leaves it to the host. */
+    bool gpu_sampling;
+    float *d_sv;
+    int32_t *d_hist, *h_hist;
+    smoe_cu_sample_out *d_sout, *h_sout;
+    float *fa_part; /* flash attention's splits side by side (smoe_cu_attention_part_floats) */
 } cuda_state;
 
 #define ST(s) ((cuda_state *)(s)->backend_state)
@@ -122,6 +129,11 @@ static smoe_cu_tensor desc(const smoe_tensor *T) {
 /* The device address of a dense tensor. */
 static const uint8_t *dev(const smoe_session *s, const smoe_tensor *T) {
     return ST(s)->dense + (T->data - s->vault->dense);
+}
+
+static bool same_layout(const smoe_cu_tensor *a, const smoe_cu_tensor *b) {
+    return a->format == b->format && a->scale_format == b->scale_format && a->rows == b->rows && a->cols == b->cols &&
+           a->group == b->group && a->scales_off == b->scales_off && a->biases_off == b->biases_off;
 }
 
 static bool tensor_cores(const smoe_tensor *T) {
@@ -163,6 +175,34 @@ static smoe_status linear_x(smoe_session *s, const smoe_tensor *T, const float *
 static smoe_status norm(smoe_session *s, float *out, const float *x, uint32_t rows, uint32_t dim,
                         const smoe_tensor *w) {
     CU(smoe_cu_rmsnorm(ST(s)->cs, out, x, rows, dim, dim, dev(s, w), w->format, s->cfg.rms_norm_eps));
+    return SMOE_OK;
+}
+
+/* out rows [0, rows) = rmsnorm(x rows) · w (dim columns, rows dim apart), and *a the activation
+ * the products read: with its f16 rows in the a16 plane, prepared in the same launch, when need. */
+static smoe_status norm_act(smoe_session *s, float *out, const float *x, uint32_t rows, uint32_t dim,
+                            const smoe_tensor *w, bool need, smoe_cu_act *a) {
+    cuda_state *c = ST(s);
+    *a = (smoe_cu_act){.x = out, .ldx = dim};
+    if (!need) return norm(s, out, x, rows, dim, w);
+    CU(smoe_cu_rmsnorm_prep(c->cs, out, x, rows, dim, dev(s, w), w->format, s->cfg.rms_norm_eps, c->a16, c->ae));
+    a->x16 = c->a16;
+    a->xe = c->ae;
+    return SMOE_OK;
+}
+
+/* h (rows of R) = SwiGLU of hg's gate and up halves (I columns each), and *a the activation the
+ * down product reads: with its f16 rows in the h16 plane, prepared in the same launch, when need. */
+static smoe_status swiglu_act(smoe_session *s, bool need, uint32_t I, const smoe_cu_rows *R, smoe_cu_act *a) {
+    cuda_state *c = ST(s);
+    *a = (smoe_cu_act){.x = c->h, .ldx = I};
+    if (!need) {
+        CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, R));
+        return SMOE_OK;
+    }
+    CU(smoe_cu_swiglu_prep(c->cs, c->h, c->hg, I, R, c->h16, c->he));
+    a->x16 = c->h16;
+    a->xe = c->he;
     return SMOE_OK;
 }
 
@@ -226,12 +266,13 @@ static void cuda_free(smoe_session *s) {
     for (int i = 0; i < RING; i++) smoe_cu_event_free(c->ring[i]);
     void *dbufs[] = {c->dense, c->k, c->v, c->cos, c->sin, c->x, c->xn, c->q, c->att, c->router, c->topk_w,
                      c->slot_out, c->xg, c->hg, c->h, c->logits, c->topk_idx, c->pass, c->idx, c->vcache,
-                     c->ks, c->vs,
+                     c->ks, c->vs, c->d_sv, c->d_hist, c->d_sout, c->fa_part,
                      c->a16, c->g16, c->h16, c->ae, c->ge, c->he, (void *)c->d_vtab, (void *)c->d_wtab,
                      c->d_start, c->d_count, c->d_items, c->d_counts, c->d_used, c->d_bad};
     for (size_t i = 0; i < sizeof dbufs / sizeof dbufs[0]; i++) smoe_cu_free(dbufs[i]);
     smoe_cu_graph_free(c->graph);
-    void *hbufs[] = {c->h_topk, c->h_pass, c->h_idx, (void *)c->h_vtab, c->h_counts, c->h_used, c->h_bad};
+    void *hbufs[] = {c->h_hist, c->h_sout, c->h_topk, c->h_pass, c->h_idx,
+                     (void *)c->h_vtab, c->h_counts, c->h_used, c->h_bad};
     for (size_t i = 0; i < sizeof hbufs / sizeof hbufs[0]; i++) smoe_cu_host_free(hbufs[i]);
     smoe_cu_stream_free(c->cs);
     smoe_cu_stream_free(c->us);
@@ -281,8 +322,27 @@ static smoe_status check_layout(const smoe_session *s) {
     return SMOE_OK;
 }
 
+/* VRAM free now (SMOE_CUDA_VRAM_FREE, in bytes, lowers it: for tests). */
+static size_t vram_free(void) {
+    char name[8];
+    int major, minor;
+    size_t free_b = 0, total_b = 0;
+    if (smoe_cu_device(0, name, sizeof name, &major, &minor, &free_b, &total_b) != 0) return 0;
+    const char *lim = getenv("SMOE_CUDA_VRAM_FREE");
+    if (lim && strtoull(lim, NULL, 10) < free_b) free_b = (size_t)strtoull(lim, NULL, 10);
+    return free_b;
+}
+
 static smoe_status dalloc(smoe_session *s, void *pp, size_t bytes) {
-    CU(smoe_cu_alloc((void **)pp, bytes));
+    int err = smoe_cu_alloc((void **)pp, bytes);
+    if (smoe_cu_out_of_memory(err)) {
+        smoe_cu_last_error(); /* not an error of the next launch */
+        return smoe_fail(SMOE_ERR_NOMEM, "cuda: %.1f MiB more of VRAM could not be had (%.2f GiB in use by this session, "
+                                         "%.2f GiB free): the dense weights, the KV cache (context, kv_dtype) and the "
+                                         "planes (chunk) must fit", (double)bytes / (1 << 20),
+                         (double)ST(s)->other_bytes / (1u << 30), (double)vram_free() / (1u << 30));
+    }
+    if (err) return cu_fail(s, err, "smoe_cu_alloc");
     ST(s)->other_bytes += bytes;
     return SMOE_OK;
 }
@@ -360,6 +420,8 @@ static smoe_status cuda_init(smoe_session *s) {
         {&c->x, C * H * 4}, {&c->xn, C * H * 4}, {&c->q, C * s->q_dim * 4}, {&c->att, C * s->q_dim * 4},
         {&c->router, C * E * 4}, {&c->topk_w, C * K * 4}, {&c->slot_out, C * K * H * 4}, {&c->xg, C * K * H * 4},
         {&c->hg, C * K * 2 * ffn * 4}, {&c->h, C * K * ffn * 4}, {&c->logits, (size_t)cf->vocab_size * 4},
+        {&c->fa_part, smoe_cu_attention_part_floats(cf->num_key_value_heads, cf->head_dim, s->params.context) * 4},
+        {&c->d_sv, (size_t)cf->vocab_size * 4}, {&c->d_hist, HIST_CAP * 4}, {&c->d_sout, sizeof(smoe_cu_sample_out)},
         {&c->topk_idx, C * K * 4}, {&c->pass, (C + 1) * 4}, {&c->ks, C * s->kv_dim * 4}, {&c->vs, C * s->kv_dim * 4},
         {&c->a16, C * (H > s->q_dim ? H : s->q_dim) * 2}, {&c->ae, C * 4}, {&c->g16, C * K * H * 2},
         {&c->ge, C * K * 4}, {&c->h16, C * K * ffn * 2}, {&c->he, C * K * 4}, {&c->idx, 0},
@@ -373,6 +435,7 @@ static smoe_status cuda_init(smoe_session *s) {
     CU(smoe_cu_upload(c->sin, s->rope_sin, s->params.context * half * 4, c->cs));
     struct { void *pp; size_t bytes; } pinned[] = {
         {&c->h_topk, C * K * 4}, {&c->h_pass, (C + 1) * 4}, {&c->h_idx, c->idx_bytes},
+        {&c->h_hist, HIST_CAP * 4}, {&c->h_sout, sizeof(smoe_cu_sample_out)},
     };
     for (size_t i = 0; i < sizeof pinned / sizeof pinned[0]; i++)
         CU(smoe_cu_host_alloc((void **)pinned[i].pp, pinned[i].bytes));
@@ -382,6 +445,8 @@ static smoe_status cuda_init(smoe_session *s) {
     c->items = c->ucount + E, c->h_items = c->h_ucount + E;
     c->wtab = (const uint8_t **)(c->idx + wtab_off), c->h_wtab = (const uint8_t **)(c->h_idx + wtab_off);
     c->rows = (uint32_t *)(c->idx + c->idx_rows_off), c->h_rows = (uint32_t *)(c->h_idx + c->idx_rows_off);
+    const char *sa = getenv("SMOE_CUDA_SAMPLE");
+    c->gpu_sampling = !(sa && sa[0] == '0');
     c->h_vslot = calloc(E, sizeof *c->h_vslot);
     c->h_sslot = calloc(E, sizeof *c->h_sslot);
     if (!c->h_vslot || !c->h_sslot) return smoe_fail(SMOE_ERR_NOMEM, "cuda: out of memory");
@@ -393,6 +458,15 @@ static smoe_status cuda_init(smoe_session *s) {
         if (n < MIN_VSLOTS) n = MIN_VSLOTS;
         if (n > total) n = total;
         c->n_vslots = (uint32_t)n;
+        /* the expert cache takes what gpu_cache_bytes asks, or says plainly that it does not fit
+         * (leaving 256 MiB for the runtime's own use) */
+        size_t avail = vram_free(), reserve = (size_t)256 << 20;
+        if ((size_t)n * c->blob_bytes + reserve > avail)
+            return smoe_fail(SMOE_ERR_NOMEM, "cuda: gpu_cache_bytes asks %.2f GiB of VRAM for %llu experts, but %.2f GiB "
+                                             "are free after this session's dense weights, KV cache and planes "
+                                             "(%.2f GiB): give at most %.2f GiB", (double)n * c->blob_bytes / (1u << 30),
+                             (unsigned long long)n, (double)avail / (1u << 30), (double)c->other_bytes / (1u << 30),
+                             avail > reserve ? (double)(avail - reserve) / (1u << 30) : 0.0);
         CU(smoe_cu_alloc((void **)&c->vcache, n * c->blob_bytes));
         c->vslot_of = malloc(L * E * sizeof *c->vslot_of);
         c->vslot_key = malloc(n * sizeof *c->vslot_key);
@@ -468,23 +542,19 @@ static smoe_status cuda_attention(smoe_session *s, uint32_t l, uint32_t pos0, ui
     size_t layer_at = (size_t)l * s->params.context * s->kv_dim * smoe_kv_elem_bytes(s->params.kv_dtype);
     uint8_t *kl = c->k + layer_at, *vl = c->v + layer_at;
     const uint32_t *dpos = (const uint32_t *)c->pass;
-    smoe_cu_rows R = {.n = n};
     smoe_cu_act a;
-    if ((st = norm(s, c->xn, c->x, n, H, L->input_norm)) != SMOE_OK) return st;
     /* q, k and v read the same rows: prepared once, for whichever of them needs it */
     bool need = tensor_cores(L->q) || tensor_cores(L->k) || tensor_cores(L->v);
-    if ((st = act(s, need, c->xn, H, H, &R, c->a16, c->ae, &a)) != SMOE_OK ||
+    if ((st = norm_act(s, c->xn, c->x, n, H, L->input_norm, need, &a)) != SMOE_OK ||
         (st = linear(s, L->q, &a, n, c->q, s->q_dim)) != SMOE_OK ||
         (st = linear(s, L->k, &a, n, c->ks, s->kv_dim)) != SMOE_OK ||
-        (st = linear(s, L->v, &a, n, c->vs, s->kv_dim)) != SMOE_OK ||
-        (st = norm(s, c->q, c->q, n * cf->num_attention_heads, hd, L->q_norm)) != SMOE_OK ||
-        (st = norm(s, c->ks, c->ks, n * cf->num_key_value_heads, hd, L->k_norm)) != SMOE_OK)
+        (st = linear(s, L->v, &a, n, c->vs, s->kv_dim)) != SMOE_OK)
         return st;
-    CU(smoe_cu_rope(c->cs, c->q, n, cf->num_attention_heads, hd, s->q_dim, c->cos, c->sin, dpos));
-    CU(smoe_cu_rope(c->cs, c->ks, n, cf->num_key_value_heads, hd, s->kv_dim, c->cos, c->sin, dpos));
-    CU(smoe_cu_kv_store(c->cs, kl, vl, s->params.kv_dtype, c->ks, c->vs, n, s->kv_dim, dpos));
+    CU(smoe_cu_qk_post(c->cs, c->q, c->ks, c->vs, kl, vl, s->params.kv_dtype, n, cf->num_attention_heads,
+                       cf->num_key_value_heads, hd, dev(s, L->q_norm), L->q_norm->format, dev(s, L->k_norm),
+                       L->k_norm->format, cf->rms_norm_eps, c->cos, c->sin, dpos));
     CU(smoe_cu_attention(c->cs, c->att, c->q, kl, vl, s->params.kv_dtype, n, cf->num_attention_heads,
-                         cf->num_key_value_heads, hd, pos0, dpos));
+                         cf->num_key_value_heads, hd, pos0, dpos, c->fa_part, s->params.context));
     if ((st = linear_x(s, L->o, c->att, s->q_dim, s->q_dim, n, c->xn, H)) != SMOE_OK) return st;
     CU(smoe_cu_add(c->cs, c->x, c->xn, (size_t)n * H));
     return SMOE_OK;
@@ -518,12 +588,18 @@ static smoe_status run_experts(smoe_session *s, const smoe_cu_rows *items, smoe_
     smoe_cu_rows R = *items;
     smoe_cu_act xg = {.x = c->xg, .ldx = H, .x16 = c->g16, .xe = c->ge}; /* moe() prepared the f16 rows */
     R.woff = lay->expert[0].offset;
-    CU(smoe_cu_matmul(c->cs, &g, &R, &xg, c->hg, 2 * (size_t)I));
-    R.woff = lay->expert[1].offset;
-    CU(smoe_cu_matmul(c->cs, &u, &R, &xg, c->hg + I, 2 * (size_t)I));
-    CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, &R));
+    if (same_layout(&g, &u)) { /* gate and up alike: one launch for both (a pair) */
+        R.pair = 1;
+        R.woff2 = lay->expert[1].offset;
+        CU(smoe_cu_matmul(c->cs, &g, &R, &xg, c->hg, 2 * (size_t)I));
+        R.pair = 0;
+    } else {
+        CU(smoe_cu_matmul(c->cs, &g, &R, &xg, c->hg, 2 * (size_t)I));
+        R.woff = lay->expert[1].offset;
+        CU(smoe_cu_matmul(c->cs, &u, &R, &xg, c->hg + I, 2 * (size_t)I));
+    }
     smoe_cu_act h;
-    smoe_status st = act(s, tensor_cores(&lay->expert[2]), c->h, I, I, &R, c->h16, c->he, &h);
+    smoe_status st = swiglu_act(s, tensor_cores(&lay->expert[2]), I, &R, &h);
     if (st != SMOE_OK) return st;
     R.woff = lay->expert[2].offset;
     R.yrow = c->rows;
@@ -593,19 +669,15 @@ static smoe_status note_complete(smoe_session *s, uint32_t l) {
     return SMOE_OK;
 }
 
-static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size) {
+/* a: xn as cuda_ffn prepared it (its f16 rows for the router if it needs them and for the experts'
+ * gathered rows). */
+static smoe_status moe(smoe_session *s, uint32_t l, uint32_t n, const smoe_cu_act *a, uint32_t *union_size) {
     cuda_state *c = ST(s);
     const smoe_config *cf = &s->cfg;
     const smoe_layer_weights *L = &s->lay->layers[l];
     uint32_t E = cf->num_experts, K = cf->num_experts_per_tok, H = cf->hidden_size;
     smoe_status st;
-    /* xn's f16 rows, for the router if it needs them and for the experts' gathered rows */
-    bool tc_experts = tensor_cores(&s->lay->expert[0]) || tensor_cores(&s->lay->expert[1]);
-    smoe_cu_rows Rn = {.n = n};
-    smoe_cu_act a;
-    if ((st = act(s, tc_experts || tensor_cores(L->router), c->xn, H, H, &Rn, c->a16, c->ae, &a)) != SMOE_OK ||
-        (st = linear(s, L->router, &a, n, c->router, E)) != SMOE_OK)
-        return st;
+    if ((st = linear(s, L->router, a, n, c->router, E)) != SMOE_OK) return st;
     CU(smoe_cu_route(c->cs, c->router, n, E, K, cf->norm_topk_prob, c->topk_idx, c->topk_w));
     if (c->device_union && c->complete[l]) {
         *union_size = 0; /* cuda_settle writes it */
@@ -754,19 +826,21 @@ static smoe_status cuda_ffn(smoe_session *s, uint32_t l, uint32_t n, uint32_t *u
     const smoe_layer_weights *L = &s->lay->layers[l];
     uint32_t H = s->cfg.hidden_size;
     smoe_status st;
-    if ((st = norm(s, c->xn, c->x, n, H, L->post_norm)) != SMOE_OK) return st;
-    if (L->sparse) return moe(s, l, n, union_size);
+    smoe_cu_act a;
+    if (L->sparse) {
+        bool need = tensor_cores(&s->lay->expert[0]) || tensor_cores(&s->lay->expert[1]) || tensor_cores(L->router);
+        if ((st = norm_act(s, c->xn, c->x, n, H, L->post_norm, need, &a)) != SMOE_OK) return st;
+        return moe(s, l, n, &a, union_size);
+    }
     *union_size = 0;
     uint32_t I = L->mlp_gate->rows;
     smoe_cu_rows R = {.n = n};
-    smoe_cu_act a;
     bool need = tensor_cores(L->mlp_gate) || tensor_cores(L->mlp_up);
-    if ((st = act(s, need, c->xn, H, H, &R, c->a16, c->ae, &a)) != SMOE_OK ||
+    if ((st = norm_act(s, c->xn, c->x, n, H, L->post_norm, need, &a)) != SMOE_OK ||
         (st = linear(s, L->mlp_gate, &a, n, c->hg, 2 * (size_t)I)) != SMOE_OK ||
         (st = linear(s, L->mlp_up, &a, n, c->hg + I, 2 * (size_t)I)) != SMOE_OK)
         return st;
-    CU(smoe_cu_swiglu(c->cs, c->h, c->hg, I, &R));
-    if ((st = act(s, tensor_cores(L->mlp_down), c->h, I, I, &R, c->h16, c->he, &a)) != SMOE_OK ||
+    if ((st = swiglu_act(s, tensor_cores(L->mlp_down), I, &R, &a)) != SMOE_OK ||
         (st = linear(s, L->mlp_down, &a, n, c->xg, H)) != SMOE_OK)
         return st;
     CU(smoe_cu_add(c->cs, c->x, c->xg, (size_t)n * H));
@@ -777,8 +851,9 @@ static smoe_status logits_row(smoe_session *s) {
     cuda_state *c = ST(s);
     smoe_status st;
     uint32_t H = s->cfg.hidden_size;
-    if ((st = norm(s, c->xn, c->x, 1, H, s->lay->final_norm)) != SMOE_OK ||
-        (st = linear_x(s, s->lay->lm_head, c->xn, H, H, 1, c->logits, s->cfg.vocab_size)) != SMOE_OK)
+    smoe_cu_act a;
+    if ((st = norm_act(s, c->xn, c->x, 1, H, s->lay->final_norm, tensor_cores(s->lay->lm_head), &a)) != SMOE_OK ||
+        (st = linear(s, s->lay->lm_head, &a, 1, c->logits, s->cfg.vocab_size)) != SMOE_OK)
         return st;
     return SMOE_OK;
 }
@@ -854,6 +929,42 @@ static smoe_status cuda_settle(smoe_session *s, uint32_t *union_sizes) {
     return SMOE_OK;
 }
 
+/* The selection of smoe_sample on the GPU, the draw among the candidates on the host (sample.h):
+ * the same id as smoe_sample over the same logits. Greedy and top-k up to SAMPLE_CAP; anything
+ * else (no top-k with a temperature, a longer penalty window) is left to the host. */
+static smoe_status cuda_sample(smoe_session *s, int32_t *next_id, bool *done) {
+    cuda_state *c = ST(s);
+    const smoe_sampler_params *p = &s->sampler.p;
+    uint32_t V = s->cfg.vocab_size;
+    *done = false;
+    if (!c->gpu_sampling) return SMOE_OK;
+    if (p->temperature > 0.0f && !(p->top_k > 0 && p->top_k <= SAMPLE_CAP && p->top_k < V)) return SMOE_OK;
+    uint32_t w = 0;
+    if (p->repetition_penalty > 0.0f && p->repetition_penalty != 1.0f && p->repetition_window > 0) {
+        w = s->pos < p->repetition_window ? s->pos : p->repetition_window;
+        if (w > HIST_CAP) return SMOE_OK;
+        memcpy(c->h_hist, s->history + s->pos - w, w * sizeof *c->h_hist); /* the last step synced */
+        CU(smoe_cu_upload(c->d_hist, c->h_hist, w * sizeof *c->h_hist, c->cs));
+    }
+    CU(smoe_cu_sample_select(c->cs, c->logits, c->d_sv, V, c->d_hist, w, p->repetition_penalty, p->temperature,
+                             p->top_k, c->d_sout));
+    CU(smoe_cu_download(c->h_sout, c->d_sout, sizeof *c->h_sout, c->cs));
+    CU(smoe_cu_stream_sync(c->cs));
+    const smoe_cu_sample_out *o = c->h_sout;
+    if (o->flags == 2) return SMOE_OK;
+    *done = true;
+    if (o->flags == 1) {
+        *next_id = o->best;
+        return SMOE_OK;
+    }
+    for (uint32_t j = 0; j < o->count; j++) {
+        s->sample_f[o->ids[j]] = o->vals[j];
+        s->sample_i[j] = o->ids[j];
+    }
+    *next_id = smoe_sample_top(&s->sampler, s->sample_f, s->sample_i, o->count, o->m);
+    return SMOE_OK;
+}
+
 static smoe_status cuda_read_kv(const smoe_session *cs, uint32_t layer, uint32_t start, uint32_t n, float *k, float *v) {
     smoe_session *s = (smoe_session *)cs; /* cu_fail marks it broken */
     cuda_state *c = ST(s);
@@ -902,6 +1013,7 @@ const smoe_backend smoe_backend_cuda = {
     .ffn = cuda_ffn,
     .logits = cuda_logits,
     .decode_step = cuda_decode_step,
+    .sample = cuda_sample,
     .settle = cuda_settle,
     .read_kv = cuda_read_kv,
     .cache_clear = cuda_cache_clear,

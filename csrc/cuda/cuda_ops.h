@@ -45,6 +45,11 @@ typedef struct {
     const uint32_t *items, *start, *count, *yrow;
     uint32_t n_items, max_count;  /* launches cover max_count rows per item */
     uint32_t tile;                /* 0, or tiled item lists (above) */
+    /* grouped: a pair launch also multiplies the tensor at wtab[u] + woff2 (the same shape and
+     * layout as the one at woff: an expert's gate and up), its outputs T.rows columns after the
+     * first's in each y row */
+    uint32_t pair;
+    uint64_t woff2;
 } smoe_cu_rows;
 
 const char *smoe_cu_error_string(int err);
@@ -53,6 +58,7 @@ int smoe_cu_device(int ordinal, char *name, size_t cap, int *sm_major, int *sm_m
 
 /* The device allocator and upload path. */
 int smoe_cu_alloc(void **p, size_t bytes);
+int smoe_cu_out_of_memory(int err); /* 1 when err says the device had no memory left */
 void smoe_cu_free(void *p);
 int smoe_cu_host_alloc(void **p, size_t bytes); /* pinned */
 void smoe_cu_host_free(void *p);
@@ -103,21 +109,29 @@ int smoe_cu_embed(smoe_cu_stream st, const smoe_cu_tensor *T, const uint8_t *w, 
 /* out rows [0, rows) = rmsnorm(x rows) · weight (f32 or bf16, dim entries); rows ld floats apart. */
 int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim, size_t ld,
                     const uint8_t *weight, uint8_t weight_format, float eps);
-/* Rotate-half RoPE on n tokens × heads vectors of hd (rows ld floats apart per token), token t at
- * position *pos0 + t (pos0 in device memory, so that a recorded launch serves any position);
- * cos/sin (context, hd/2). */
-int smoe_cu_rope(smoe_cu_stream st, float *x, uint32_t n, uint32_t heads, uint32_t hd, size_t ld, const float *cos,
-                 const float *sin, const uint32_t *pos0);
-/* KV cache rows [*pos0, *pos0 + n) of one layer (kv_dim elements of kv_type each: smoe_kv_dtype,
- * rounded to nearest even) ← the f32 rows of ks and vs. */
-int smoe_cu_kv_store(smoe_cu_stream st, void *k, void *v, uint32_t kv_type, const float *ks, const float *vs,
-                     uint32_t n, uint32_t kv_dim, const uint32_t *pos0);
+/* rmsnorm (as smoe_cu_rmsnorm, rows dim apart) and the f16 rows of its output (as smoe_cu_prep) in
+ * one launch: the same bits as the two. */
+int smoe_cu_rmsnorm_prep(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim,
+                         const uint8_t *weight, uint8_t weight_format, float eps, void *x16, float *xe);
+/* A layer's new q (n × heads rows of hd) and K rows (ks, n × kv_heads) normalised by q_norm and
+ * k_norm and rotated for positions *pos0 + t, then K and the V rows of vs stored in the KV cache
+ * (k, v: elements of kv_type, rounded to nearest even) at those positions, in one launch. The
+ * position is read on the GPU, so that a recorded launch serves any position. */
+int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const float *vs, void *k, void *v, uint32_t kv_type,
+                    uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, const uint8_t *q_norm,
+                    uint8_t q_norm_format, const uint8_t *k_norm, uint8_t k_norm_format, float eps, const float *cos,
+                    const float *sin, const uint32_t *pos0);
 /* att (n, heads·hd) = causal attention of q (n, heads·hd) over k/v (positions, kv_dim elements of
  * kv_type) of one layer: token t sees positions [0, pos0 + t]; dpos holds pos0 in device memory
  * too. Flash attention (head sizes 32, 64, 128) rounds K and V to f16 as it loads them, so an f16
  * cache gives it the very values an f32 one does. */
 int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const void *k, const void *v, uint32_t kv_type,
-                      uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0, const uint32_t *dpos);
+                      uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0, const uint32_t *dpos,
+                      float *part, uint32_t context);
+/* Flash attention takes the positions in splits of 512, merged in order; with part (device, this
+ * many floats for a cache of context positions) a launch of few rows runs the splits side by
+ * side, with the same bits. 0: the head size takes no splits. */
+size_t smoe_cu_attention_part_floats(uint32_t kv_heads, uint32_t hd, uint32_t context);
 /* 1 when an attention launch for head size hd reads its position from dpos alone (its shape does
  * not follow pos0), so that it can be recorded once and replayed at any position. */
 int smoe_cu_attention_fixed(uint32_t hd);
@@ -136,6 +150,9 @@ int smoe_cu_gather16(smoe_cu_stream st, void *g16, float *ge, const void *a16, c
 /* For the rows of items (as smoe_cu_rows) or rows [0, n) when items is NULL: h row = silu(gate) · up
  * with hg rows (2I) holding gate then up. */
 int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R);
+/* smoe_cu_swiglu and then smoe_cu_prep of h (I columns) in one launch: the same bits as the two. */
+int smoe_cu_swiglu_prep(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R, void *h16,
+                        float *he);
 /* A layer's union formed on the device, for a layer whose every expert is in VRAM (no host round
  * trip): from the top-k ids idx (nk = n·K of them), per expert e the rows of the tokens routed to it
  * (rows[start[e] ..], each t·K + slot in increasing order; count[e] of them, 0 when unused),
@@ -148,6 +165,23 @@ int smoe_cu_union(smoe_cu_stream st, const int32_t *idx, uint32_t nk, uint32_t E
                   uint32_t *rows, uint32_t *counts, uint32_t *used, uint32_t *bad);
 /* The most tiles of `tile` rows nk routed rows over E experts can need. */
 uint32_t smoe_cu_union_items(uint32_t nk, uint32_t E, uint32_t tile);
+/* Sampling's selection on the GPU (sample.c's steps 1–4): the logits cleaned (NaN → −inf) into v
+ * (V floats of scratch), the repetition penalty over hist[0..n_hist) in order (each distinct id
+ * once), the argmax (first maximum) into out->best; then, unless the draw ends there (temperature
+ * ≤ 0, every logit −inf, m = max / temperature overflowing: flags 1, the draw is best), the top_k
+ * largest of v / temperature, best first (ties: the lower id), into out->vals and out->ids, and m;
+ * smoe_sample_top draws among them as smoe_sample would. top_k outside [1, SAMPLE_CAP] or not below
+ * V: flags 2, nothing selected. */
+enum { SAMPLE_CAP = 1024 };
+typedef struct {
+    int32_t best;
+    uint32_t count, flags;
+    float m;
+    float vals[SAMPLE_CAP];
+    int32_t ids[SAMPLE_CAP];
+} smoe_cu_sample_out;
+int smoe_cu_sample_select(smoe_cu_stream st, const float *logits, float *v, uint32_t V, const int32_t *hist,
+                          uint32_t n_hist, float penalty, float temperature, uint32_t top_k, smoe_cu_sample_out *out);
 /* x[t] += Σ_k w[t,k] · y[t·K + k] in slot order, t < n. */
 int smoe_cu_moe_sum(smoe_cu_stream st, float *x, const float *y, const float *w, uint32_t n, uint32_t K,
                     uint32_t hidden);

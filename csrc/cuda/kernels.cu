@@ -33,7 +33,7 @@
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8 = 2, FMT_Q4 = 3 };
 enum { SC_F16 = 1, SC_BF16 = 2, SC_F32 = 3 };
-enum { MM_WARPS = 8, MM_TT = 8, MM_TZ = 64, ATT_THREADS = 256, ATT_SMEM = 200 * 1024 };
+enum { MM_WARPS = 8, MM_TT = 8, MM_TZ = 64, ATT_THREADS = 256, ATT_SMEM = 200 * 1024, SAMP_THREADS = 1024 };
 
 /* ------------------------------------------------------------------ allocator and uploads */
 
@@ -59,6 +59,7 @@ extern "C" int smoe_cu_device(int ordinal, char *name, size_t cap, int *sm_major
 }
 
 extern "C" int smoe_cu_alloc(void **p, size_t bytes) { return (int)cudaMalloc(p, bytes ? bytes : 256); }
+extern "C" int smoe_cu_out_of_memory(int err) { return err == (int)cudaErrorMemoryAllocation; }
 extern "C" void smoe_cu_free(void *p) { if (p) cudaFree(p); }
 extern "C" int smoe_cu_host_alloc(void **p, size_t bytes) { return (int)cudaHostAlloc(p, bytes ? bytes : 64, cudaHostAllocDefault); }
 extern "C" void smoe_cu_host_free(void *p) { if (p) cudaFreeHost(p); }
@@ -207,22 +208,28 @@ __device__ __forceinline__ uint32_t item_rows(const smoe_cu_rows &R, uint32_t *s
 
 /* The matrix and the tokens a block of a product launch works on: with an item list (one launch
  * over several experts), item blockIdx.y's expert weights and its run of token rows; else the one
- * matrix and every token. */
-__device__ __forceinline__ void launch_item(const smoe_cu_rows &R, const uint8_t **w, uint32_t *start,
-                                            uint32_t *count) {
-    const uint32_t u = item_rows(R, start, count);
-    *w = !R.items ? R.w : *count ? R.wtab[u] + R.woff : nullptr;
+ * matrix and every token. *bx is the block's row block: a pair launch (R.pair) has twice the row
+ * blocks, the second half multiplying the tensor at R.woff2 into the T.rows columns after the
+ * first's (y + *ycol). */
+__device__ __forceinline__ void launch_item(const smoe_cu_rows &R, const smoe_cu_tensor &T, uint32_t *ycol,
+                                            uint32_t *bx, const uint8_t **w, uint32_t *start, uint32_t *count) {
+    const uint32_t u = item_rows(R, start, count), half = gridDim.x / 2;
+    const bool second = R.pair && blockIdx.x >= half;
+    *bx = second ? blockIdx.x - half : blockIdx.x;
+    *ycol = second ? T.rows : 0;
+    *w = !R.items ? R.w : *count ? R.wtab[u] + (second ? R.woff2 : R.woff) : nullptr;
 }
 
 template <int FMT>
 __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe_cu_rows R, const float *__restrict__ x,
                                                           size_t ldx, float *__restrict__ y, size_t ldy) {
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const uint32_t r = blockIdx.x * MM_WARPS + warp;
-    if (r >= T.rows) return;
     const uint8_t *w;
-    uint32_t start, count;
-    launch_item(R, &w, &start, &count);
+    uint32_t start, count, bx, ycol;
+    launch_item(R, T, &ycol, &bx, &w, &start, &count);
+    y += ycol;
+    const uint32_t r = bx * MM_WARPS + warp;
+    if (r >= T.rows) return;
     const uint32_t t0 = blockIdx.z * MM_TZ;
     if (t0 >= count) return;
     const uint32_t t1 = min(count, t0 + (uint32_t)MM_TZ), nw = T.cols / 8;
@@ -276,10 +283,11 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul_tiled(smoe_cu_tensor T
                                                                 float *__restrict__ y, size_t ldy) {
     __shared__ float4 xs[TT2][CHUNK / 4];
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const uint32_t r0 = (blockIdx.x * MM_WARPS + warp) * RT;
     const uint8_t *w;
-    uint32_t start, count;
-    launch_item(R, &w, &start, &count);
+    uint32_t start, count, bx, ycol;
+    launch_item(R, T, &ycol, &bx, &w, &start, &count);
+    y += ycol;
+    const uint32_t r0 = (bx * MM_WARPS + warp) * RT;
     const uint32_t t0 = blockIdx.z * TT2;
     if (t0 >= count) return; /* the whole block */
     const uint32_t nt = min((uint32_t)TT2, count - t0), nw = T.cols / 8;
@@ -508,9 +516,10 @@ __global__ void __launch_bounds__(TC_MAXW * 32) k_tc(smoe_cu_tensor T, smoe_cu_r
     __shared__ float part[TC_MAXW - 1][MT * NT * 4][32];
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const uint8_t *w;
-    uint32_t start, count;
-    launch_item(R, &w, &start, &count);
-    const uint32_t t0 = blockIdx.z * (NT * 8), r0 = blockIdx.x * (MT * 16);
+    uint32_t start, count, bx, ycol;
+    launch_item(R, T, &ycol, &bx, &w, &start, &count);
+    y += ycol;
+    const uint32_t t0 = blockIdx.z * (NT * 8), r0 = bx * (MT * 16);
     if (t0 >= count || r0 >= T.rows) return; /* the whole block */
     const uint32_t cols = T.cols, nkb = cols / 64, gs = __ffs(T.group) - 1;
     const uint8_t *sc = w + T.scales_off, *bs = w + T.biases_off;
@@ -592,9 +601,10 @@ __global__ void __launch_bounds__(TB_WARPS * 32) k_tcb(smoe_cu_tensor T, smoe_cu
     constexpr int BROWS = NT * 8, AROWS = TB_WARPS * MT * 16;
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const uint8_t *w;
-    uint32_t start, count;
-    launch_item(R, &w, &start, &count);
-    const uint32_t t0 = blockIdx.z * (NT * 8), rb = blockIdx.x * AROWS, r0 = rb + warp * (MT * 16);
+    uint32_t start, count, bx, ycol;
+    launch_item(R, T, &ycol, &bx, &w, &start, &count);
+    y += ycol;
+    const uint32_t t0 = blockIdx.z * (NT * 8), rb = bx * AROWS, r0 = rb + warp * (MT * 16);
     if (t0 >= count || rb >= T.rows) return; /* the whole block */
     const uint32_t cols = T.cols, nkb = cols / 64, gs = __ffs(T.group) - 1, nj = min((uint32_t)NT, (count - t0 + 7) / 8);
     const size_t rowbytes = FMT == FMT_Q4 ? cols / 2 : cols;
@@ -687,13 +697,29 @@ extern "C" int smoe_cu_tensor_cores(const smoe_cu_tensor *T) {
 /* Rows of x (those of R, as the products take them) to f16, each scaled by the power of two that
  * puts its largest |x| in [2^14, 2^15); xe holds the factor that undoes it. One block a row; the
  * maximum is exact in any order. */
-__global__ void k_prep(const float *x, size_t ldx, uint32_t cols, smoe_cu_rows R, __half *x16, float *xe) {
+/* One row by a block of 256 threads: the sum of squares strided by thread, then a tree. */
+__device__ __forceinline__ void rms_row(float *orow, const float *xr, uint32_t dim, const uint8_t *wt, uint8_t wfmt,
+                                        float eps) {
+    __shared__ float sh[256];
+    float s = 0.0f;
+    for (uint32_t c = threadIdx.x; c < dim; c += 256) s = __fadd_rn(s, __fmul_rn(xr[c], xr[c]));
+    sh[threadIdx.x] = s;
+    __syncthreads();
+    for (int k = 128; k > 0; k >>= 1) {
+        if (threadIdx.x < (unsigned)k) sh[threadIdx.x] = __fadd_rn(sh[threadIdx.x], sh[threadIdx.x + k]);
+        __syncthreads();
+    }
+    const float r = 1.0f / sqrtf(sh[0] / (float)dim + eps);
+    for (uint32_t c = threadIdx.x; c < dim; c += 256) {
+        const float wv = wfmt == FMT_F32 ? reinterpret_cast<const float *>(wt)[c]
+                                         : __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(wt)[c] << 16);
+        orow[c] = __fmul_rn(wv, __fmul_rn(xr[c], r));
+    }
+}
+
+/* One row's f16 form by a block of 256 threads (k_prep). */
+__device__ __forceinline__ void prep_row(const float *xr, uint32_t cols, size_t row, __half *x16, float *xe) {
     __shared__ float red[256];
-    uint32_t start, count;
-    item_rows(R, &start, &count);
-    if (blockIdx.x >= count) return;
-    const size_t row = start + blockIdx.x;
-    const float *xr = x + row * ldx;
     float m = 0.0f;
     for (uint32_t c = threadIdx.x; c < cols; c += 256) m = fmaxf(m, fabsf(xr[c]));
     red[threadIdx.x] = m;
@@ -712,6 +738,30 @@ __global__ void k_prep(const float *x, size_t ldx, uint32_t cols, smoe_cu_rows R
     for (uint32_t c = threadIdx.x; c < cols; c += 256)
         o[c] = __float2half_rn(__fmul_rn(xr[(c & ~7u) | (c & 7u) >> 1 | (c & 1u) << 2], down));
     if (threadIdx.x == 0) xe[row] = ldexpf(1.0f, e);
+}
+
+__global__ void k_prep(const float *x, size_t ldx, uint32_t cols, smoe_cu_rows R, __half *x16, float *xe) {
+    uint32_t start, count;
+    item_rows(R, &start, &count);
+    if (blockIdx.x >= count) return;
+    const size_t row = start + blockIdx.x;
+    prep_row(x + row * ldx, cols, row, x16, xe);
+}
+
+/* k_rmsnorm then k_prep on rows [0, rows) in one launch: the same arithmetic, the same bits. */
+__global__ void k_rmsnorm_prep(float *out, const float *x, uint32_t dim, const uint8_t *wt, uint8_t wfmt, float eps,
+                               __half *x16, float *xe) {
+    const size_t row = blockIdx.x;
+    rms_row(out + row * dim, x + row * dim, dim, wt, wfmt, eps);
+    __syncthreads(); /* the row's outputs, written by every thread, before any is read */
+    prep_row(out + row * dim, dim, row, x16, xe);
+}
+
+extern "C" int smoe_cu_rmsnorm_prep(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim,
+                                    const uint8_t *weight, uint8_t weight_format, float eps, void *x16, float *xe) {
+    if (rows == 0) return 0;
+    k_rmsnorm_prep<<<rows, 256, 0, (cudaStream_t)st>>>(out, x, dim, weight, weight_format, eps, (__half *)x16, xe);
+    return (int)cudaGetLastError();
 }
 
 extern "C" int smoe_cu_prep(smoe_cu_stream st, const float *x, size_t ldx, uint32_t cols, const smoe_cu_rows *R,
@@ -736,8 +786,10 @@ static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe
     /* Tiles change no bits (only the ranges do), so they follow n. SMOE_CUDA_TILE (for comparisons)
      * picks the many-token tile: 0 = 32 rows × 64 tokens a warp, 1 = 32 × 32, 2 = 64 × 32. */
     static const int big = getenv("SMOE_CUDA_TILE") ? atoi(getenv("SMOE_CUDA_TILE")) : 0;
+    const uint32_t px = R->pair ? 2 : 1; /* a pair launch: twice the row blocks (launch_item) */
 #define TC_SMALL(MT, NT, U)                                                                                            \
-    k_tc<FMT, MT, NT, U><<<dim3((T->rows + 16 * MT - 1) / (16 * MT), items, (m + 8 * NT - 1) / (8 * NT)), 32 * ranges, \
+    k_tc<FMT, MT, NT, U><<<dim3(px * ((T->rows + 16 * MT - 1) / (16 * MT)), items, (m + 8 * NT - 1) / (8 * NT)),      \
+                           32 * ranges,                                                                            \
                            0, s>>>(*T, *R, x16, a->xe, y, ldy, ranges)
 #define TC_BIG(MT, NT)                                                                                                 \
     do {                                                                                                               \
@@ -747,7 +799,7 @@ static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe
             cudaFuncSetAttribute(k_tcb<FMT, MT, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);               \
             configured = true;                                                                                         \
         }                                                                                                              \
-        k_tcb<FMT, MT, NT><<<dim3((T->rows + TB_WARPS * 16 * MT - 1) / (TB_WARPS * 16 * MT), items,                    \
+        k_tcb<FMT, MT, NT><<<dim3(px * ((T->rows + TB_WARPS * 16 * MT - 1) / (TB_WARPS * 16 * MT)), items,             \
                                   (m + 8 * NT - 1) / (8 * NT)),                                                        \
                              TB_WARPS * 32, smem, s>>>(*T, *R, x16, a->xe, y, ldy, ranges);                             \
     } while (0)
@@ -769,11 +821,12 @@ static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe
 template <int FMT>
 static void launch_fp32(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe_cu_act *a, float *y, size_t ldy,
                         uint32_t items, uint32_t m, cudaStream_t s) {
+    const uint32_t px = R->pair ? 2 : 1; /* a pair launch: twice the row blocks (launch_item) */
     if (m >= TILED_MIN) {
-        dim3 grid((T->rows + MM_WARPS * RT - 1) / (MM_WARPS * RT), items, (m + TT2 - 1) / TT2);
+        dim3 grid(px * ((T->rows + MM_WARPS * RT - 1) / (MM_WARPS * RT)), items, (m + TT2 - 1) / TT2);
         k_matmul_tiled<FMT><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, a->x, a->ldx, y, ldy);
     } else {
-        dim3 grid((T->rows + MM_WARPS - 1) / MM_WARPS, items, (m + MM_TZ - 1) / MM_TZ);
+        dim3 grid(px * ((T->rows + MM_WARPS - 1) / MM_WARPS), items, (m + MM_TZ - 1) / MM_TZ);
         k_matmul<FMT><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, a->x, a->ldx, y, ldy);
     }
 }
@@ -797,6 +850,183 @@ extern "C" int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const 
     case FMT_Q8: launch_fp32<FMT_Q8>(T, R, a, y, ldy, items, m, s); break;
     default: launch_fp32<FMT_Q4>(T, R, a, y, ldy, items, m, s); break;
     }
+    return (int)cudaGetLastError();
+}
+
+/* --------------------------------------------------------------------------- sampling */
+
+/* The ids and (penalised, tempered) logits smoe_sample's top-k would pick, chosen on the GPU, so
+ * that only the candidates come back (sample.h: smoe_sample_top draws among them on the host). */
+
+__global__ void k_samp_clean(const float *logits, float *v, uint32_t V) {
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < V) {
+        const float x = logits[i];
+        v[i] = x != x ? -INFINITY : x;
+    }
+}
+
+/* sample.c's repetition penalty, one thread in history order: each distinct id once. */
+__global__ void k_samp_penalty(const float *logits, float *v, uint32_t V, const int32_t *hist, uint32_t n,
+                               float pen) {
+    for (uint32_t h = 0; h < n; h++) {
+        const int32_t id = hist[h];
+        if (id < 0 || (uint32_t)id >= V) continue;
+        const float x = logits[id], c = x != x ? -INFINITY : x;
+        if (v[id] != c) continue;
+        v[id] = v[id] > 0.0f ? __fdiv_rn(v[id], pen) : __fmul_rn(v[id], pen);
+    }
+}
+
+/* a float's order as an unsigned key */
+__device__ __forceinline__ uint32_t fkey(float f) {
+    const uint32_t u = __float_as_uint(f);
+    return (u & 0x80000000u) ? ~u : u | 0x80000000u;
+}
+
+/* (a, ia) ranks before (b, ib): larger value, or equal and lower id (sample.c's order) */
+__device__ __forceinline__ bool samp_better(float a, int32_t ia, float b, int32_t ib) {
+    return a > b || (a == b && ia < ib);
+}
+
+/* One block of SAMP_THREADS. The argmax (first maximum, as sample.c's); then, unless that ends it
+ * (greedy, all −inf, an overflowing temperature: flags 1), the k largest of v / temperature by a
+ * radix select on their keys (4 passes of 8 bits), gathered in id order (ties: the lower ids), and
+ * sorted best first by a bitonic sort. */
+__global__ void __launch_bounds__(SAMP_THREADS) k_samp_select(const float *v, uint32_t V, float temp, uint32_t k,
+                                                              smoe_cu_sample_out *out) {
+    __shared__ float sv[SAMPLE_CAP];
+    __shared__ int32_t si[SAMPLE_CAP];
+    __shared__ uint32_t hist[256];
+    __shared__ unsigned long long scan[SAMP_THREADS];
+    __shared__ float rv[SAMP_THREADS / 32];
+    __shared__ int32_t ri[SAMP_THREADS / 32];
+    __shared__ uint32_t s_prefix, s_left;
+    const uint32_t tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+    float bv = -INFINITY;
+    int32_t bi = 0x7FFFFFFF;
+    for (uint32_t i = tid; i < V; i += SAMP_THREADS)
+        if (samp_better(v[i], (int32_t)i, bv, bi)) bv = v[i], bi = (int32_t)i;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xFFFFFFFFu, bv, o);
+        const int32_t oi = __shfl_xor_sync(0xFFFFFFFFu, bi, o);
+        if (samp_better(ov, oi, bv, bi)) bv = ov, bi = oi;
+    }
+    if (lane == 0) rv[warp] = bv, ri[warp] = bi;
+    __syncthreads();
+    if (tid == 0) {
+        for (uint32_t w = 1; w < SAMP_THREADS / 32; w++)
+            if (samp_better(rv[w], ri[w], rv[0], ri[0])) rv[0] = rv[w], ri[0] = ri[w];
+        out->best = ri[0];
+        out->count = 0;
+        out->flags = 0;
+        const float m = temp > 0.0f && rv[0] != -INFINITY ? __fdiv_rn(rv[0], temp) : 0.0f;
+        out->m = m;
+        if (!(temp > 0.0f) || rv[0] == -INFINITY || m == INFINITY)
+            out->flags = 1; /* the draw is the argmax */
+        else if (k == 0 || k > SAMPLE_CAP || k >= V)
+            out->flags = 2; /* not for this kernel: the host samples */
+    }
+    __syncthreads();
+    if (out->flags) return;
+
+    /* the k-th largest key: digit by digit from the top, counting the elements above first */
+    uint32_t prefix = 0, mask = 0;
+    if (tid == 0) s_left = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (uint32_t d = tid; d < 256; d += SAMP_THREADS) hist[d] = 0;
+        __syncthreads();
+        for (uint32_t i0 = 0; i0 < V; i0 += SAMP_THREADS) {
+            const uint32_t i = i0 + tid;
+            const uint32_t key = i < V ? fkey(__fdiv_rn(v[i], temp)) : 0;
+            const bool in = i < V && (key & mask) == prefix;
+            const uint32_t d = in ? (key >> shift) & 255u : 256u;
+            const uint32_t peers = __match_any_sync(0xFFFFFFFFu, d);
+            if (in && lane == (uint32_t)__ffs(peers) - 1) atomicAdd(&hist[d], (uint32_t)__popc(peers));
+        }
+        __syncthreads();
+        if (tid == 0) {
+            uint32_t left = s_left, d = 255;
+            for (;; d--) {
+                if (left <= hist[d] || d == 0) break;
+                left -= hist[d];
+            }
+            s_left = left;
+            s_prefix = prefix | d << shift;
+        }
+        __syncthreads();
+        prefix = s_prefix;
+        mask |= 255u << shift;
+    }
+    const uint32_t T = prefix, ties = s_left; /* take every key above T and the first `ties` equal to it */
+
+    /* gathered in id order: thread tid owns ids [tid·chunk, (tid + 1)·chunk) */
+    const uint32_t chunk = (V + SAMP_THREADS - 1) / SAMP_THREADS, c0 = min(V, tid * chunk), c1 = min(V, c0 + chunk);
+    uint32_t gt = 0, eq = 0;
+    for (uint32_t i = c0; i < c1; i++) {
+        const uint32_t key = fkey(__fdiv_rn(v[i], temp));
+        gt += key > T;
+        eq += key == T;
+    }
+    /* inclusive scans of gt and eq, packed in 64 bits (each total < 2^32) */
+    scan[tid] = (unsigned long long)gt << 32 | eq;
+    __syncthreads();
+    for (uint32_t o = 1; o < SAMP_THREADS; o <<= 1) {
+        const unsigned long long x = tid >= o ? scan[tid - o] : 0;
+        __syncthreads();
+        scan[tid] += x;
+        __syncthreads();
+    }
+    const unsigned long long incl = scan[tid];
+    const uint32_t total_gt = (uint32_t)(scan[SAMP_THREADS - 1] >> 32);
+    uint32_t pg = (uint32_t)(incl >> 32) - gt, pe = (uint32_t)incl - eq;
+    for (uint32_t i = c0; i < c1; i++) {
+        const float x = __fdiv_rn(v[i], temp);
+        const uint32_t key = fkey(x);
+        if (key > T) {
+            sv[pg] = x, si[pg] = (int32_t)i, pg++;
+        } else if (key == T) {
+            if (pe < ties) sv[total_gt + pe] = x, si[total_gt + pe] = (int32_t)i;
+            pe++;
+        }
+    }
+    __syncthreads();
+    /* best first: bitonic sort of the next power of two, padded after every candidate */
+    uint32_t n2 = 1;
+    while (n2 < k) n2 <<= 1;
+    for (uint32_t j = k + tid; j < n2; j += SAMP_THREADS) sv[j] = -INFINITY, si[j] = 0x7FFFFFFF;
+    __syncthreads();
+    for (uint32_t size = 2; size <= n2; size <<= 1)
+        for (uint32_t stride = size >> 1; stride > 0; stride >>= 1) {
+            for (uint32_t j = tid; j < n2; j += SAMP_THREADS) {
+                const uint32_t o = j ^ stride;
+                if (o > j) {
+                    const bool first = (j & size) == 0; /* this run best first, the other worst first */
+                    const bool swap = first ? samp_better(sv[o], si[o], sv[j], si[j])
+                                            : samp_better(sv[j], si[j], sv[o], si[o]);
+                    if (swap) {
+                        const float tv = sv[j];
+                        const int32_t ti = si[j];
+                        sv[j] = sv[o], si[j] = si[o];
+                        sv[o] = tv, si[o] = ti;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    for (uint32_t j = tid; j < k; j += SAMP_THREADS) out->vals[j] = sv[j], out->ids[j] = si[j];
+    if (tid == 0) out->count = k;
+}
+
+extern "C" int smoe_cu_sample_select(smoe_cu_stream st, const float *logits, float *v, uint32_t V,
+                                     const int32_t *hist, uint32_t n_hist, float penalty, float temperature,
+                                     uint32_t top_k, smoe_cu_sample_out *out) {
+    if (V == 0) return (int)cudaErrorInvalidValue;
+    cudaStream_t s = (cudaStream_t)st;
+    k_samp_clean<<<(V + 255) / 256, 256, 0, s>>>(logits, v, V);
+    if (n_hist > 0) k_samp_penalty<<<1, 1, 0, s>>>(logits, v, V, hist, n_hist, penalty);
+    k_samp_select<<<1, SAMP_THREADS, 0, s>>>(v, V, temperature, top_k, out);
     return (int)cudaGetLastError();
 }
 
@@ -832,23 +1062,7 @@ extern "C" int smoe_cu_embed(smoe_cu_stream st, const smoe_cu_tensor *T, const u
 /* ----------------------------------------------------------------------------- rmsnorm */
 
 __global__ void k_rmsnorm(float *out, const float *x, uint32_t dim, size_t ld, const uint8_t *wt, uint8_t wfmt, float eps) {
-    __shared__ float sh[256];
-    const float *xr = x + (size_t)blockIdx.x * ld;
-    float *orow = out + (size_t)blockIdx.x * ld;
-    float s = 0.0f;
-    for (uint32_t c = threadIdx.x; c < dim; c += 256) s = __fadd_rn(s, __fmul_rn(xr[c], xr[c]));
-    sh[threadIdx.x] = s;
-    __syncthreads();
-    for (int k = 128; k > 0; k >>= 1) {
-        if (threadIdx.x < (unsigned)k) sh[threadIdx.x] = __fadd_rn(sh[threadIdx.x], sh[threadIdx.x + k]);
-        __syncthreads();
-    }
-    const float r = 1.0f / sqrtf(sh[0] / (float)dim + eps);
-    for (uint32_t c = threadIdx.x; c < dim; c += 256) {
-        const float wv = wfmt == FMT_F32 ? reinterpret_cast<const float *>(wt)[c]
-                                         : __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(wt)[c] << 16);
-        orow[c] = __fmul_rn(wv, __fmul_rn(xr[c], r));
-    }
+    rms_row(out + (size_t)blockIdx.x * ld, x + (size_t)blockIdx.x * ld, dim, wt, wfmt, eps);
 }
 
 extern "C" int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim, size_t ld,
@@ -858,28 +1072,7 @@ extern "C" int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, ui
     return (int)cudaGetLastError();
 }
 
-/* -------------------------------------------------------------------------------- RoPE */
-
-__global__ void k_rope(float *x, uint32_t n, uint32_t heads, uint32_t hd, size_t ld, const float *cs, const float *sn,
-                       const uint32_t *dpos) {
-    const uint32_t half = hd / 2, pos0 = *dpos;
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)n * heads * half) return;
-    const uint32_t k = (uint32_t)(i % half), h = (uint32_t)(i / half % heads), t = (uint32_t)(i / half / heads);
-    float *v = x + (size_t)t * ld + (size_t)h * hd;
-    const float c = cs[(size_t)(pos0 + t) * half + k], s = sn[(size_t)(pos0 + t) * half + k];
-    const float a = v[k], b = v[k + half];
-    v[k] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    v[k + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-}
-
-extern "C" int smoe_cu_rope(smoe_cu_stream st, float *x, uint32_t n, uint32_t heads, uint32_t hd, size_t ld,
-                            const float *cos, const float *sin, const uint32_t *pos0) {
-    size_t total = (size_t)n * heads * (hd / 2);
-    if (total == 0) return 0;
-    k_rope<<<(unsigned)((total + 255) / 256), 256, 0, (cudaStream_t)st>>>(x, n, heads, hd, ld, cos, sin, pos0);
-    return (int)cudaGetLastError();
-}
+/* ----------------------------------------------------------------- QK-norm, RoPE, KV cache */
 
 /* The KV cache's element types (smoe_kv_dtype: 0 f32, 1 bf16, 2 f16): stored rounded to nearest
  * even, read widened exactly, or as the f16 the tensor cores take (RN from f32 or from bf16's f32). */
@@ -907,28 +1100,54 @@ __device__ __forceinline__ void kv_h4(const __nv_bfloat16 *p, __half2 *a, __half
     *b = __float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&x.y)));
 }
 
+/* QK-norm, RoPE and the KV append of one layer in one launch: block (t, h) normalises and rotates
+ * q row h of token t, or (h ≥ heads) K row h − heads, which it then stores with its V row at
+ * position *pos0 + t (rotate-half RoPE, cos/sin tables of (context, hd/2)); rms_row is k_rmsnorm's
+ * arithmetic, so q and K are what the norm kernel would give. */
 template <typename T>
-__global__ void k_kv_store(T *k, T *v, const float *ks, const float *vs, size_t count, uint32_t kv_dim,
-                           const uint32_t *pos0) {
-    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= count) return;
-    const size_t at = (size_t)*pos0 * kv_dim + i;
-    k[at] = kv_t<T>(ks[i]);
-    v[at] = kv_t<T>(vs[i]);
+__global__ void k_qk_post(float *q, float *ks, const float *vs, T *kc, T *vc, uint32_t heads, uint32_t kv_heads,
+                          uint32_t hd, const uint8_t *qw, uint8_t qfmt, const uint8_t *kw, uint8_t kfmt, float eps,
+                          const float *cs, const float *sn, const uint32_t *pos0) {
+    const uint32_t per = heads + kv_heads, t = blockIdx.x / per, h = blockIdx.x % per, half = hd / 2;
+    const bool isq = h < heads;
+    float *row = isq ? q + ((size_t)t * heads + h) * hd : ks + ((size_t)t * kv_heads + (h - heads)) * hd;
+    rms_row(row, row, hd, isq ? qw : kw, isq ? qfmt : kfmt, eps);
+    __syncthreads();
+    const size_t pos = (size_t)*pos0 + t;
+    for (uint32_t k = threadIdx.x; k < half; k += blockDim.x) {
+        const float c = cs[pos * half + k], s = sn[pos * half + k];
+        const float a = row[k], b = row[k + half];
+        row[k] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        row[k + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    }
+    if (isq) return;
+    __syncthreads();
+    const uint32_t kvh = h - heads, kv_dim = kv_heads * hd;
+    const float *vr = vs + ((size_t)t * kv_heads + kvh) * hd;
+    for (uint32_t c = threadIdx.x; c < hd; c += blockDim.x) {
+        kc[pos * kv_dim + (size_t)kvh * hd + c] = kv_t<T>(row[c]);
+        vc[pos * kv_dim + (size_t)kvh * hd + c] = kv_t<T>(vr[c]);
+    }
 }
 
-extern "C" int smoe_cu_kv_store(smoe_cu_stream st, void *k, void *v, uint32_t kv_type, const float *ks,
-                                const float *vs, uint32_t n, uint32_t kv_dim, const uint32_t *pos0) {
-    const size_t count = (size_t)n * kv_dim;
-    if (count == 0) return 0;
-    const dim3 grid((unsigned)((count + 255) / 256));
+extern "C" int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const float *vs, void *k, void *v,
+                               uint32_t kv_type, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd,
+                               const uint8_t *q_norm, uint8_t q_norm_format, const uint8_t *k_norm,
+                               uint8_t k_norm_format, float eps, const float *cos, const float *sin,
+                               const uint32_t *pos0) {
+    if (n == 0) return 0;
+    const dim3 grid(n * (heads + kv_heads));
     cudaStream_t s = (cudaStream_t)st;
+#define QK_POST(T)                                                                                                     \
+    k_qk_post<T><<<grid, 256, 0, s>>>(q, ks, vs, (T *)k, (T *)v, heads, kv_heads, hd, q_norm, q_norm_format, k_norm,   \
+                                      k_norm_format, eps, cos, sin, pos0)
     if (kv_type == 1)
-        k_kv_store<<<grid, 256, 0, s>>>((__nv_bfloat16 *)k, (__nv_bfloat16 *)v, ks, vs, count, kv_dim, pos0);
+        QK_POST(__nv_bfloat16);
     else if (kv_type == 2)
-        k_kv_store<<<grid, 256, 0, s>>>((__half *)k, (__half *)v, ks, vs, count, kv_dim, pos0);
+        QK_POST(__half);
     else
-        k_kv_store<<<grid, 256, 0, s>>>((float *)k, (float *)v, ks, vs, count, kv_dim, pos0);
+        QK_POST(float);
+#undef QK_POST
     return (int)cudaGetLastError();
 }
 
@@ -1000,15 +1219,31 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const flo
  * O·corr + P·V by mma (p to f16). At the end l is the quad's sum (xor 1, then 2) and the output
  * O / l. A row's tiles are 0, 1, … up to its own position's, whichever rows share its block: a tile
  * wholly past its position changes none of its bits (corr = 1, p = 0). */
-enum { FA_WARPS = 4, FA_BN = 64 };
+enum { FA_WARPS = 4, FA_BN = 64, FA_SPLIT = 8 /* tiles a split */ };
 
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) { return h2_bits(__floats2half2_rn(lo, hi)); }
 
-template <int HD, typename T>
+/* The merge of a split's (m, l, o) into a row's running (M, L, O), in split order: the one
+ * arithmetic of k_flash's sequential form and of k_flash_combine. */
+__device__ __forceinline__ void fa_scales(float M, float m, float *Mn, float *a, float *b) {
+    *Mn = fmaxf(M, m);
+    *a = expf(__fsub_rn(M, *Mn)); /* 0 while M is −inf */
+    *b = expf(__fsub_rn(m, *Mn));
+}
+__device__ __forceinline__ float fa_mix(float X, float a, float x, float b) {
+    return __fadd_rn(__fmul_rn(X, a), __fmul_rn(x, b));
+}
+
+/* Positions go in splits of FA_SPLIT tiles, each an online softmax from scratch, the splits then
+ * merged in order (fa_scales, fa_mix): so a row's bits do not depend on how many rows share its
+ * block. PAR: split blockIdx.z only, its (m, l, o) to part (k_flash_combine merges them), for few
+ * rows over many positions (decode); else every split in turn, O kept in shared memory. */
+template <int HD, typename T, bool PAR>
 __global__ void __launch_bounds__(FA_WARPS * 32) k_flash(float *__restrict__ att, const float *__restrict__ q,
                                                          const T *__restrict__ k, const T *__restrict__ v,
                                                          uint32_t n, uint32_t heads, uint32_t kv_heads,
-                                                         const uint32_t *dpos) {
+                                                         const uint32_t *dpos, float *__restrict__ part) {
+    extern __shared__ float Os[]; /* (!PAR) per thread its 2 · HD / 4 output elements, [i · 128 + tid] */
     const uint32_t pos0 = *dpos;
     constexpr int KS = HD / 16, ND = HD / 8, NP = FA_BN / 8, LDK = HD + 8, LDV = FA_BN + 8;
     __shared__ __align__(16) __half Ks[FA_BN * LDK];
@@ -1035,114 +1270,177 @@ __global__ void __launch_bounds__(FA_WARPS * 32) k_flash(float *__restrict__ att
             qa[kd][h] = pack_h2(qr[0], qr[1]);
             qa[kd][2 + h] = pack_h2(qr[8], qr[9]);
         }
-    float o[ND][4];
-#pragma unroll
-    for (int d = 0; d < ND; d++)
-#pragma unroll
-        for (int e = 0; e < 4; e++) o[d][e] = 0.0f;
-    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.0f, 0.0f};
     const float scale = (float)(1.0 / sqrt((double)HD));
-    for (uint32_t tile = 0; tile < ntiles; tile++) {
-        const uint32_t p0 = tile * FA_BN;
-        __syncthreads();
-        /* K row by row (coalesced); V transposed, position fastest (conflict-free stores) */
-        for (uint32_t i = threadIdx.x; i < FA_BN * (HD / 4); i += FA_WARPS * 32) {
-            const uint32_t p = i / (HD / 4), d = 4 * (i % (HD / 4));
-            __half2 a = __float2half2_rn(0.0f), b = a;
-            if (p0 + p <= last) kv_h4(k + (size_t)(p0 + p) * kv_dim + (size_t)kvh * HD + d, &a, &b);
-            *reinterpret_cast<__half2 *>(Ks + p * LDK + d) = a;
-            *reinterpret_cast<__half2 *>(Ks + p * LDK + d + 2) = b;
-        }
-        for (uint32_t i = threadIdx.x; i < FA_BN * (HD / 4); i += FA_WARPS * 32) {
-            const uint32_t p = i % FA_BN, d = 4 * (i / FA_BN);
-            __half2 a = __float2half2_rn(0.0f), b = a;
-            if (p0 + p <= last) kv_h4(v + (size_t)(p0 + p) * kv_dim + (size_t)kvh * HD + d, &a, &b);
-            Vt[(d + 0) * LDV + p] = __low2half(a);
-            Vt[(d + 1) * LDV + p] = __high2half(a);
-            Vt[(d + 2) * LDV + p] = __low2half(b);
-            Vt[(d + 3) * LDV + p] = __high2half(b);
-        }
-        __syncthreads();
-        if (!active) continue;
-        float sa[NP][4];
+    const uint32_t nsplit = (ntiles + FA_SPLIT - 1) / FA_SPLIT;
+    uint32_t z0 = 0, z1 = nsplit;
+    if constexpr (PAR) {
+        z0 = blockIdx.z, z1 = z0 + 1;
+        if (z0 >= nsplit) return; /* past this block's rows (the whole block) */
+    } else {
 #pragma unroll
-        for (int np = 0; np < NP; np++)
+        for (int i = 0; i < ND * 4; i++) Os[i * FA_WARPS * 32 + threadIdx.x] = 0.0f;
+    }
+    float Mrun[2] = {-INFINITY, -INFINITY}, Lrun[2] = {0.0f, 0.0f};
+    float o[ND][4];
+    for (uint32_t z = z0; z < z1; z++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) sa[np][e] = 0.0f;
+        for (int d = 0; d < ND; d++)
 #pragma unroll
-        for (int kd = 0; kd < KS; kd++)
+            for (int e = 0; e < 4; e++) o[d][e] = 0.0f;
+        float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.0f, 0.0f};
+        for (uint32_t tile = z * FA_SPLIT; tile < min(ntiles, (z + 1) * FA_SPLIT); tile++) {
+            const uint32_t p0 = tile * FA_BN;
+            __syncthreads();
+            /* K row by row (coalesced); V transposed, position fastest (conflict-free stores) */
+            for (uint32_t i = threadIdx.x; i < FA_BN * (HD / 4); i += FA_WARPS * 32) {
+                const uint32_t p = i / (HD / 4), d = 4 * (i % (HD / 4));
+                __half2 a = __float2half2_rn(0.0f), b = a;
+                if (p0 + p <= last) kv_h4(k + (size_t)(p0 + p) * kv_dim + (size_t)kvh * HD + d, &a, &b);
+                *reinterpret_cast<__half2 *>(Ks + p * LDK + d) = a;
+                *reinterpret_cast<__half2 *>(Ks + p * LDK + d + 2) = b;
+            }
+            for (uint32_t i = threadIdx.x; i < FA_BN * (HD / 4); i += FA_WARPS * 32) {
+                const uint32_t p = i % FA_BN, d = 4 * (i / FA_BN);
+                __half2 a = __float2half2_rn(0.0f), b = a;
+                if (p0 + p <= last) kv_h4(v + (size_t)(p0 + p) * kv_dim + (size_t)kvh * HD + d, &a, &b);
+                Vt[(d + 0) * LDV + p] = __low2half(a);
+                Vt[(d + 1) * LDV + p] = __high2half(a);
+                Vt[(d + 2) * LDV + p] = __low2half(b);
+                Vt[(d + 3) * LDV + p] = __high2half(b);
+            }
+            __syncthreads();
+            if (!active) continue;
+            float sa[NP][4];
+#pragma unroll
+            for (int np = 0; np < NP; np++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) sa[np][e] = 0.0f;
+#pragma unroll
+            for (int kd = 0; kd < KS; kd++)
+#pragma unroll
+                for (int np = 0; np < NP; np++) {
+                    const __half *kr = Ks + (np * 8 + g) * LDK + 16 * kd + 2 * t;
+                    mma16816(sa[np], qa[kd], *reinterpret_cast<const uint32_t *>(kr),
+                             *reinterpret_cast<const uint32_t *>(kr + 8));
+                }
+            float mx[2] = {mrow[0], mrow[1]};
+#pragma unroll
+            for (int np = 0; np < NP; np++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int h = e >> 1;
+                    const uint32_t pos = p0 + np * 8 + 2 * t + (e & 1);
+                    const float sv = pos <= qpos[h] ? __fmul_rn(sa[np][e], scale) : -INFINITY;
+                    sa[np][e] = sv;
+                    mx[h] = fmaxf(mx[h], sv);
+                }
+            float corr[2];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+                mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+                corr[h] = mx[h] == -INFINITY ? 1.0f : expf(__fsub_rn(mrow[h], mx[h])); /* a row with no position yet */
+                mrow[h] = mx[h];
+                lrow[h] = __fmul_rn(lrow[h], corr[h]);
+            }
+            uint32_t pa[FA_BN / 16][4];
 #pragma unroll
             for (int np = 0; np < NP; np++) {
-                const __half *kr = Ks + (np * 8 + g) * LDK + 16 * kd + 2 * t;
-                mma16816(sa[np], qa[kd], *reinterpret_cast<const uint32_t *>(kr),
-                         *reinterpret_cast<const uint32_t *>(kr + 8));
+                float p[4];
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const int h = e >> 1;
+                    p[e] = mrow[h] == -INFINITY ? 0.0f : expf(__fsub_rn(sa[np][e], mrow[h]));
+                    lrow[h] = __fadd_rn(lrow[h], p[e]);
+                }
+                pa[np / 2][2 * (np & 1)] = pack_h2(p[0], p[1]);
+                pa[np / 2][2 * (np & 1) + 1] = pack_h2(p[2], p[3]);
             }
-        float mx[2] = {mrow[0], mrow[1]};
-#pragma unroll
-        for (int np = 0; np < NP; np++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int h = e >> 1;
-                const uint32_t pos = p0 + np * 8 + 2 * t + (e & 1);
-                const float sv = pos <= qpos[h] ? __fmul_rn(sa[np][e], scale) : -INFINITY;
-                sa[np][e] = sv;
-                mx[h] = fmaxf(mx[h], sv);
-            }
-        float corr[2];
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-            corr[h] = expf(__fsub_rn(mrow[h], mx[h]));
-            mrow[h] = mx[h];
-            lrow[h] = __fmul_rn(lrow[h], corr[h]);
-        }
-        uint32_t pa[FA_BN / 16][4];
-#pragma unroll
-        for (int np = 0; np < NP; np++) {
-            float p[4];
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                const int h = e >> 1;
-                p[e] = expf(__fsub_rn(sa[np][e], mrow[h]));
-                lrow[h] = __fadd_rn(lrow[h], p[e]);
-            }
-            pa[np / 2][2 * (np & 1)] = pack_h2(p[0], p[1]);
-            pa[np / 2][2 * (np & 1) + 1] = pack_h2(p[2], p[3]);
-        }
-#pragma unroll
-        for (int d = 0; d < ND; d++) {
-            o[d][0] = __fmul_rn(o[d][0], corr[0]);
-            o[d][1] = __fmul_rn(o[d][1], corr[0]);
-            o[d][2] = __fmul_rn(o[d][2], corr[1]);
-            o[d][3] = __fmul_rn(o[d][3], corr[1]);
-        }
-#pragma unroll
-        for (int kk = 0; kk < FA_BN / 16; kk++)
 #pragma unroll
             for (int d = 0; d < ND; d++) {
-                const __half *vr = Vt + (d * 8 + g) * LDV + 16 * kk + 2 * t;
-                mma16816(o[d], pa[kk], *reinterpret_cast<const uint32_t *>(vr),
-                         *reinterpret_cast<const uint32_t *>(vr + 8));
+                o[d][0] = __fmul_rn(o[d][0], corr[0]);
+                o[d][1] = __fmul_rn(o[d][1], corr[0]);
+                o[d][2] = __fmul_rn(o[d][2], corr[1]);
+                o[d][3] = __fmul_rn(o[d][3], corr[1]);
             }
-    }
-    if (!active) return;
-    float l[2];
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        l[h] = __fadd_rn(lrow[h], __shfl_xor_sync(0xffffffffu, lrow[h], 1));
-        l[h] = __fadd_rn(l[h], __shfl_xor_sync(0xffffffffu, l[h], 2));
-    }
+            for (int kk = 0; kk < FA_BN / 16; kk++)
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-        if (Rw + g + 8 * h >= nrows) continue;
-        float *orow = att + ((size_t)tok[h] * heads + head[h]) * HD + 2 * t;
+                for (int d = 0; d < ND; d++) {
+                    const __half *vr = Vt + (d * 8 + g) * LDV + 16 * kk + 2 * t;
+                    mma16816(o[d], pa[kk], *reinterpret_cast<const uint32_t *>(vr),
+                             *reinterpret_cast<const uint32_t *>(vr + 8));
+                }
+        }
+        /* the split's (m, l, o): to part (PAR), or merged into (M, L, O) */
+        float l[2];
 #pragma unroll
-        for (int d = 0; d < ND; d++) {
-            orow[8 * d] = __fdiv_rn(o[d][2 * h], l[h]);
-            orow[8 * d + 1] = __fdiv_rn(o[d][2 * h + 1], l[h]);
+        for (int h = 0; h < 2; h++) {
+            l[h] = __fadd_rn(lrow[h], __shfl_xor_sync(0xffffffffu, lrow[h], 1));
+            l[h] = __fadd_rn(l[h], __shfl_xor_sync(0xffffffffu, l[h], 2));
+        }
+        if (!active) continue;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if constexpr (PAR) {
+                if (Rw + g + 8 * h >= nrows) continue;
+                /* part: per (kv head, row of the block's 64, split) m, l and the HD outputs */
+                float *pr = part + (((size_t)kvh * (FA_WARPS * 16) + warp * 16 + g + 8 * h) * gridDim.z + z) * (HD + 2);
+                if (t == 0) pr[0] = mrow[h], pr[1] = l[h];
+#pragma unroll
+                for (int d = 0; d < ND; d++) {
+                    pr[2 + 8 * d + 2 * t] = o[d][2 * h];
+                    pr[3 + 8 * d + 2 * t] = o[d][2 * h + 1];
+                }
+            } else if (mrow[h] != -INFINITY) {
+                float Mn, a, b;
+                fa_scales(Mrun[h], mrow[h], &Mn, &a, &b);
+                Lrun[h] = fa_mix(Lrun[h], a, l[h], b);
+#pragma unroll
+                for (int d = 0; d < ND; d++)
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float *O = Os + ((d * 2 + h) * 2 + e) * FA_WARPS * 32 + threadIdx.x;
+                        *O = fa_mix(*O, a, o[d][2 * h + e], b);
+                    }
+                Mrun[h] = Mn;
+            }
         }
     }
+    if constexpr (!PAR) {
+        if (!active) return;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (Rw + g + 8 * h >= nrows) continue;
+            float *orow = att + ((size_t)tok[h] * heads + head[h]) * HD + 2 * t;
+#pragma unroll
+            for (int d = 0; d < ND; d++) {
+                orow[8 * d] = __fdiv_rn(Os[((d * 2 + h) * 2) * FA_WARPS * 32 + threadIdx.x], Lrun[h]);
+                orow[8 * d + 1] = __fdiv_rn(Os[((d * 2 + h) * 2 + 1) * FA_WARPS * 32 + threadIdx.x], Lrun[h]);
+            }
+        }
+    }
+}
+
+/* k_flash<PAR>'s splits merged in order for each row (a block a row of (token, head), a thread a
+ * column): the arithmetic of the sequential form, so the same bits. */
+template <int HD>
+__global__ void k_flash_combine(float *__restrict__ att, const float *__restrict__ part, uint32_t n, uint32_t heads,
+                                uint32_t kv_heads, uint32_t zmax, const uint32_t *dpos) {
+    const uint32_t gq = heads / kv_heads, r = blockIdx.x, tk = r / gq, hh = r % gq, c = threadIdx.x;
+    (void)n;
+    const uint32_t kvh = blockIdx.y, qpos = *dpos + tk, nsplit = qpos / (FA_BN * FA_SPLIT) + 1;
+    const float *pr = part + ((size_t)kvh * (FA_WARPS * 16) + r) * zmax * (HD + 2);
+    float M = -INFINITY, L = 0.0f, O = 0.0f;
+    for (uint32_t z = 0; z < nsplit; z++, pr += HD + 2) {
+        if (pr[0] == -INFINITY) continue;
+        float Mn, a, b;
+        fa_scales(M, pr[0], &Mn, &a, &b);
+        L = fa_mix(L, a, pr[1], b);
+        O = fa_mix(O, a, pr[2 + c], b);
+        M = Mn;
+    }
+    att[((size_t)tk * heads + kvh * gq + hh) * HD + c] = __fdiv_rn(O, L);
 }
 
 static bool flash_head(uint32_t hd) {
@@ -1154,15 +1452,37 @@ extern "C" int smoe_cu_attention_max_positions(uint32_t hd) { return flash_head(
 
 extern "C" int smoe_cu_attention_fixed(uint32_t hd) { return flash_head(hd); }
 
+template <int HD, typename T>
+static int launch_flash(cudaStream_t s, float *att, const float *q, const T *k, const T *v, uint32_t n,
+                        uint32_t heads, uint32_t kv_heads, const uint32_t *dpos, float *part, uint32_t zmax) {
+    const uint32_t rows = n * (heads / kv_heads);
+    /* few rows over a long cache: the splits side by side (a combine launch more; not worth it below 4) */
+    if (part && zmax >= 4 && rows <= FA_WARPS * 16) {
+        k_flash<HD, T, true><<<dim3(kv_heads, 1, zmax), FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos,
+                                                                              part);
+        k_flash_combine<HD><<<dim3(rows, kv_heads), HD, 0, s>>>(att, part, n, heads, kv_heads, zmax, dpos);
+        return (int)cudaGetLastError();
+    }
+    constexpr int smem = HD / 8 * 4 * FA_WARPS * 32 * sizeof(float);
+    static bool configured;
+    if (!configured) {
+        cudaError_t e = cudaFuncSetAttribute(k_flash<HD, T, false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+        if (e != cudaSuccess) return (int)e;
+        configured = true;
+    }
+    k_flash<HD, T, false><<<dim3(kv_heads, (rows + FA_WARPS * 16 - 1) / (FA_WARPS * 16)), FA_WARPS * 32, smem, s>>>(
+        att, q, k, v, n, heads, kv_heads, dpos, nullptr);
+    return (int)cudaGetLastError();
+}
+
 template <typename T>
 static int launch_attention(cudaStream_t s, float *att, const float *q, const T *k, const T *v, uint32_t n,
-                            uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0, const uint32_t *dpos) {
+                            uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0, const uint32_t *dpos,
+                            float *part, uint32_t zmax) {
     if (flash_head(hd)) {
-        dim3 grid(kv_heads, (n * (heads / kv_heads) + FA_WARPS * 16 - 1) / (FA_WARPS * 16));
-        if (hd == 32) k_flash<32, T><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos);
-        else if (hd == 64) k_flash<64, T><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos);
-        else k_flash<128, T><<<grid, FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos);
-        return (int)cudaGetLastError();
+        if (hd == 32) return launch_flash<32, T>(s, att, q, k, v, n, heads, kv_heads, dpos, part, zmax);
+        if (hd == 64) return launch_flash<64, T>(s, att, q, k, v, n, heads, kv_heads, dpos, part, zmax);
+        return launch_flash<128, T>(s, att, q, k, v, n, heads, kv_heads, dpos, part, zmax);
     }
     static int configured;
     if (!configured) {
@@ -1175,17 +1495,26 @@ static int launch_attention(cudaStream_t s, float *att, const float *q, const T 
     return (int)cudaGetLastError();
 }
 
+extern "C" size_t smoe_cu_attention_part_floats(uint32_t kv_heads, uint32_t hd, uint32_t context) {
+    if (!flash_head(hd)) return 0;
+    const uint32_t zmax = (context + FA_BN * FA_SPLIT - 1) / (FA_BN * FA_SPLIT);
+    return (size_t)kv_heads * FA_WARPS * 16 * zmax * (hd + 2);
+}
+
 extern "C" int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const void *k, const void *v,
                                  uint32_t kv_type, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd,
-                                 uint32_t pos0, const uint32_t *dpos) {
+                                 uint32_t pos0, const uint32_t *dpos, float *part, uint32_t context) {
     if (n == 0) return 0;
     cudaStream_t s = (cudaStream_t)st;
+    const uint32_t zmax = (context + FA_BN * FA_SPLIT - 1) / (FA_BN * FA_SPLIT);
     if (kv_type == 1)
         return launch_attention(s, att, q, (const __nv_bfloat16 *)k, (const __nv_bfloat16 *)v, n, heads, kv_heads, hd,
-                                pos0, dpos);
+                                pos0, dpos, part, zmax);
     if (kv_type == 2)
-        return launch_attention(s, att, q, (const __half *)k, (const __half *)v, n, heads, kv_heads, hd, pos0, dpos);
-    return launch_attention(s, att, q, (const float *)k, (const float *)v, n, heads, kv_heads, hd, pos0, dpos);
+        return launch_attention(s, att, q, (const __half *)k, (const __half *)v, n, heads, kv_heads, hd, pos0, dpos,
+                                part, zmax);
+    return launch_attention(s, att, q, (const float *)k, (const float *)v, n, heads, kv_heads, hd, pos0, dpos, part,
+                            zmax);
 }
 
 /* ------------------------------------------------------------------------ small kernels */
@@ -1310,6 +1639,29 @@ extern "C" int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint
     return (int)cudaGetLastError();
 }
 
+/* k_swiglu then k_prep, a row a block (grid as k_prep's): the same arithmetic, the same bits. */
+__global__ void k_swiglu_prep(float *h, const float *hg, uint32_t I, smoe_cu_rows R, __half *h16, float *he) {
+    uint32_t start, count;
+    item_rows(R, &start, &count);
+    if (blockIdx.x >= count) return;
+    const size_t j = start + blockIdx.x;
+    for (uint32_t c = threadIdx.x; c < I; c += blockDim.x) {
+        const float g = hg[j * 2 * I + c], u = hg[j * 2 * I + I + c];
+        const float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+        h[j * I + c] = __fmul_rn(silu, u);
+    }
+    __syncthreads(); /* the row, written by every thread, before any is read */
+    prep_row(h + j * I, I, j, h16, he);
+}
+
+extern "C" int smoe_cu_swiglu_prep(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R,
+                                   void *h16, float *he) {
+    const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
+    if (items == 0 || m == 0) return 0;
+    k_swiglu_prep<<<dim3(m, items), 256, 0, (cudaStream_t)st>>>(h, hg, I, *R, (__half *)h16, he);
+    return (int)cudaGetLastError();
+}
+
 enum { UNION_WARPS = 8 };
 
 /* A warp's walk over its segment of the ids, 32 at a time: lanes holding the same expert are peers
@@ -1389,6 +1741,30 @@ __global__ void __launch_bounds__(UNION_WARPS * 32) k_union(const int32_t *idx, 
     }
 }
 
+/* One token (tile 1, nk = K ≤ 32 distinct ids): lane k takes slot k's expert as item k. Only the
+ * entries of the experts used are written, the only ones the items reach. */
+__global__ void k_union1(const int32_t *idx, uint32_t nk, uint32_t E, uint32_t n_items, const uint8_t *const *vtab,
+                         const uint8_t **wtab, uint32_t *start, uint32_t *count, uint32_t *items, uint32_t *rows,
+                         uint32_t *counts, uint32_t *used, uint32_t *bad) {
+    const uint32_t k = threadIdx.x;
+    if (k < nk) {
+        int32_t e = idx[k];
+        if (e < 0 || (uint32_t)e >= E) {
+            atomicOr(bad, 1u);
+            e = 0;
+        }
+        start[e] = k;
+        count[e] = 1;
+        wtab[e] = vtab[e];
+        counts[e] += 1;
+        items[k] = (uint32_t)e << 16;
+        rows[k] = k;
+    } else if (k < n_items) {
+        items[k] = SMOE_CU_NO_ITEM;
+    }
+    if (k == 0) *used = nk;
+}
+
 extern "C" uint32_t smoe_cu_union_items(uint32_t nk, uint32_t E, uint32_t tile) {
     /* Σ ⌈c_e / tile⌉ ≤ Σ (c_e + tile − 1) / tile over the experts used, at most min(E, nk) of them */
     const uint64_t used = nk < E ? nk : E;
@@ -1401,8 +1777,12 @@ extern "C" int smoe_cu_union(smoe_cu_stream st, const int32_t *idx, uint32_t nk,
                              uint32_t *bad) {
     if (E == 0 || E > 1024 || tile == 0 || tile > 0xFFFFu || n_items < smoe_cu_union_items(nk, E, tile))
         return (int)cudaErrorInvalidValue;
-    k_union<<<1, UNION_WARPS * 32, 0, (cudaStream_t)st>>>(idx, nk, E, tile, n_items, vtab, wtab, start, count, items,
-                                                       rows, counts, used, bad);
+    if (tile == 1 && nk <= 32 && n_items <= 32) /* one token: its K ids are distinct (top-k) */
+        k_union1<<<1, 32, 0, (cudaStream_t)st>>>(idx, nk, E, n_items, vtab, wtab, start, count, items, rows, counts,
+                                                used, bad);
+    else
+        k_union<<<1, UNION_WARPS * 32, 0, (cudaStream_t)st>>>(idx, nk, E, tile, n_items, vtab, wtab, start, count,
+                                                             items, rows, counts, used, bad);
     return (int)cudaGetLastError();
 }
 
