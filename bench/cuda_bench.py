@@ -129,14 +129,14 @@ def timed_decode(s, first, n):
     return n / (time.perf_counter() - t0)
 
 
-def profile(s, v, n):
+def profile(s, v, n, after=45):
     import torch
     from torch.profiler import ProfilerActivity, profile as prof
-    p = prompts(v, 45, 1, 3)[0]
+    p = prompts(v, after, 1, 3)[0]
     _, first = timed_prefill(s, p)
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
         timed_decode(s, first, 8)
-    print("decode x8\n" + pr.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
+    print(f"decode x8 after {after}\n" + pr.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
         timed_prefill(s, prompts(v, n, 1, 4)[0])
         torch.cuda.synchronize()
@@ -158,6 +158,8 @@ def main():
                          "how decode holds up as the KV cache grows")
     ap.add_argument("--kv-dtype", default="f32", choices=["f32", "bf16", "f16"],
                     help="the sessions' KV cache (f16: the same logits as f32 where attention is flash)")
+    ap.add_argument("--profile-after", type=int, default=45,
+                    help="the prompt length before --profile's decode steps (at most the sessions' context)")
     ap.add_argument("--profile", type=int, nargs="?", const=256, default=0, metavar="N",
                     help="kernel times of 8 decode steps and an N-token prefill (torch.profiler)")
     a = ap.parse_args()
@@ -176,6 +178,9 @@ def main():
     ctx = max(longest, *after) + a.decode + 8
     common = dict(chunk=longest, context=ctx, cache_bytes=experts + v.blob_bytes, io_threads=8, kv_dtype=a.kv_dtype)
     out["config"]["kv_dtype"] = a.kv_dtype
+    from pysmoe._ffi import LIB_PATH
+    out["config"]["library"] = str(LIB_PATH)
+    print("library", out["config"]["library"], flush=True)
 
     if "resident" not in skip:
         with v.session(device="cuda", gpu_cache_bytes=experts + v.blob_bytes, **common) as s:
@@ -206,7 +211,7 @@ def main():
             out["resident"] = res
             print("resident", json.dumps(res), flush=True)
             if a.profile:
-                profile(s, v, a.profile)
+                profile(s, v, a.profile, a.profile_after)
 
     if "budget" not in skip:
         gpu = int(a.budget * experts)

@@ -33,7 +33,9 @@ for r in $(seq 1 "$ROUNDS"); do
         dir=$THIS
         [ $side = other ] && dir=$OTHER
         echo "== $side, round $r"
-        PYTHONPATH=$dir python3 "$THIS/bench/cuda_bench.py" "$VAULT" --skip budget --cold-repeats 0 \
-            --json "$OUT/ab-$side-$r.json" "$@" 2>&1 | grep -E "^resident|rror|Traceback"
+        # run from $dir: the bench puts "." first on sys.path (before PYTHONPATH), so each side must
+        # start in its own checkout to load its own pysmoe and libsmoe (the line "library" says which)
+        (cd "$dir" && python3 "$THIS/bench/cuda_bench.py" "$VAULT" --skip budget --cold-repeats 0 \
+            --json "$OUT/ab-$side-$r.json" "$@" 2>&1) | grep -E "^library|^resident|rror|Traceback"
     done
 done
