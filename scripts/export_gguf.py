@@ -28,8 +28,9 @@ What llama.cpp cannot express, and so is refused: dense-MLP layers (`mlp_only_la
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import json
+import multiprocessing as mp
+import multiprocessing.connection as mpc
 import os
 import pathlib
 import sys
@@ -259,6 +260,61 @@ def add_metadata(w, cfg: dict, tok: dict, expert_type: str, name: str) -> None:
     w.add_add_bos_token(False)
 
 
+def _encode_experts(v, layer: int, experts, typ: str, conn) -> None:
+    """A worker's share of a layer: (expert, [gate, up, down] encoded) for each of experts, then
+    None; ("error", text) if anything fails."""
+    try:
+        for e in experts:
+            conn.send((e, [encode(x, typ) for x in v.expert(layer, e)]))
+        conn.send(None)
+    except BaseException as ex:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(("error", f"{type(ex).__name__}: {ex}"))
+    finally:
+        conn.close()
+
+
+def encode_layer(v, layer: int, typ: str, procs: int) -> list[np.ndarray]:
+    """A layer's expert tensors (gate, up, down), each stacked over the experts and encoded. The
+    requantisation is numpy work that holds the GIL for much of its time, so it is spread over
+    forked processes (procs of them; each reads the vault's memory map itself), not threads."""
+    E = v.config["num_experts"]
+    enc: list = [None] * E
+    if procs <= 1 or "fork" not in mp.get_all_start_methods():
+        for e in range(E):
+            enc[e] = [encode(x, typ) for x in v.expert(layer, e)]
+    else:
+        ctx, workers, conns = mp.get_context("fork"), [], []
+        try:
+            for i in range(min(procs, E)):
+                recv, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_encode_experts, args=(v, layer, range(i, E, procs), typ, send), daemon=True)
+                p.start()
+                send.close()
+                workers.append(p)
+                conns.append(recv)
+            live = list(conns)
+            while live:
+                for c in mpc.wait(live):
+                    try:
+                        msg = c.recv()
+                    except EOFError:
+                        raise RuntimeError(f"a requantisation worker of layer {layer} died") from None
+                    if msg is None:
+                        live.remove(c)
+                    elif msg[0] == "error":
+                        raise RuntimeError(f"requantising layer {layer}: {msg[1]}")
+                    else:
+                        enc[msg[0]] = msg[1]
+        finally:
+            for p in workers:
+                if p.is_alive():
+                    p.terminate()
+                p.join()
+            for c in conns:
+                c.close()
+    return [np.stack([enc[e][p] for e in range(E)]) for p in range(3)]
+
+
 def export(vault_path, out_path, expert_type: str = "q4_0", dense_type: str = "q8_0",
            force: bool = False, threads: int | None = None, progress: bool = True) -> pathlib.Path:
     """Write vault_path's weights to out_path as a qwen3moe GGUF; returns out_path."""
@@ -274,8 +330,7 @@ def export(vault_path, out_path, expert_type: str = "q4_0", dense_type: str = "q
         print("warning:", w_, file=sys.stderr)
     tok = tokenizer_fields(v.dir, cfg["vocab_size"])
     items = plan(v, expert_type, dense_type)
-    E = cfg["num_experts"]
-    threads = threads or min(4, os.cpu_count() or 1)
+    threads = threads or os.cpu_count() or 1
 
     tmp = out_path.with_name(out_path.name + ".part")
     w = gguf.GGUFWriter(tmp, ARCH)
@@ -289,7 +344,6 @@ def export(vault_path, out_path, expert_type: str = "q4_0", dense_type: str = "q
     w.write_ti_data_to_file()
 
     t0, done, total = time.monotonic(), 0, len(items)
-    pool = cf.ThreadPoolExecutor(threads)
     try:
         layer_cache: dict = {}
         for gname, src, typ, shape in items:
@@ -302,11 +356,7 @@ def export(vault_path, out_path, expert_type: str = "q4_0", dense_type: str = "q
                 _, l, part = src
                 if l not in layer_cache:  # all three parts of a layer's experts at once
                     layer_cache.clear()
-
-                    def one(e, l=l):
-                        return [encode(x, typ) for x in v.expert(l, e)]
-                    enc = list(pool.map(one, range(E)))
-                    layer_cache[l] = [np.stack([enc[e][p] for e in range(E)]) for p in range(3)]
+                    layer_cache[l] = encode_layer(v, l, typ, threads)
                 data = layer_cache[l][part]
             w.write_tensor_data(np.ascontiguousarray(data))
             done += 1
@@ -319,8 +369,6 @@ def export(vault_path, out_path, expert_type: str = "q4_0", dense_type: str = "q
         w.close()
         tmp.unlink(missing_ok=True)
         raise
-    finally:
-        pool.shutdown()
     w.close()
     os.replace(tmp, out_path)
     v.close()
@@ -335,7 +383,8 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", default="q4_0", choices=EXPERT_TYPES, help="expert weight type (default q4_0)")
     ap.add_argument("--dense", default="q8_0", choices=DENSE_TYPES,
                     help="attention/embedding/lm_head type (default q8_0); norms and router are always f32")
-    ap.add_argument("--threads", type=int, default=None, help="requantisation threads (default min(4, cores))")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="requantisation processes (default: one a core; 1 = none, in this process)")
     ap.add_argument("--force", action="store_true", help="write even if llama.cpp will renormalise top-k differently")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)

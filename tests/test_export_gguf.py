@@ -116,3 +116,31 @@ def test_refuses_unnormalised_topk(make_vault, tmp_path):
         exp.export(vault, tmp_path / "x.gguf", progress=False)
     exp.export(vault, tmp_path / "x.gguf", force=True, progress=False)
     assert (tmp_path / "x.gguf").exists()
+
+
+def test_processes_write_the_same_bytes(make_vault, tmp_path):
+    """The requantisation spread over forked processes writes the very file one process writes."""
+    vault = make_vault("tiny_sparse", preset="tiny", seed=0, overrides={"mlp_only_layers": []})
+    exp = _exporter()
+    one = exp.export(vault, tmp_path / "one.gguf", threads=1, progress=False)
+    three = exp.export(vault, tmp_path / "three.gguf", threads=3, progress=False)
+    assert one.read_bytes() == three.read_bytes()
+
+
+def test_a_failing_worker_fails_the_export(make_vault, tmp_path, monkeypatch):
+    """An error in a worker process reaches the caller, and no GGUF (whole or partial) is left."""
+    vault = make_vault("tiny_sparse", preset="tiny", seed=0, overrides={"mlp_only_layers": []})
+    exp = _exporter()
+    real, calls = exp.encode, {"n": 0}
+
+    def encode(w, typ):  # the third expert tensor a worker encodes fails (each fork counts its own)
+        if typ == "q4_0":
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise ValueError("injected")
+        return real(w, typ)
+
+    monkeypatch.setattr(exp, "encode", encode)
+    with pytest.raises(RuntimeError, match="injected"):
+        exp.export(vault, tmp_path / "x.gguf", threads=2, progress=False)
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.part").exists()
