@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import multiprocessing.connection as mpc
 import os
 import pathlib
 import sys
@@ -43,6 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pysmoe.vaultio import read_vault  # noqa: E402
+from pysmoe.workers import fork_map  # noqa: E402
 
 ARCH = "qwen3moe"
 EXPERT_TYPES = ("q4_0", "q4_1", "q8_0", "f16", "f32")
@@ -260,58 +259,14 @@ def add_metadata(w, cfg: dict, tok: dict, expert_type: str, name: str) -> None:
     w.add_add_bos_token(False)
 
 
-def _encode_experts(v, layer: int, experts, typ: str, conn) -> None:
-    """A worker's share of a layer: (expert, [gate, up, down] encoded) for each of experts, then
-    None; ("error", text) if anything fails."""
-    try:
-        for e in experts:
-            conn.send((e, [encode(x, typ) for x in v.expert(layer, e)]))
-        conn.send(None)
-    except BaseException as ex:  # noqa: BLE001 - reported to the parent, which raises
-        conn.send(("error", f"{type(ex).__name__}: {ex}"))
-    finally:
-        conn.close()
-
-
 def encode_layer(v, layer: int, typ: str, procs: int) -> list[np.ndarray]:
-    """A layer's expert tensors (gate, up, down), each stacked over the experts and encoded. The
-    requantisation is numpy work that holds the GIL for much of its time, so it is spread over
-    forked processes (procs of them; each reads the vault's memory map itself), not threads."""
+    """A layer's expert tensors (gate, up, down), each stacked over the experts and encoded, the
+    requantisation spread over `procs` forked processes (pysmoe.workers: gguf's numpy code holds
+    the GIL, so threads ran at one core's rate)."""
     E = v.config["num_experts"]
     enc: list = [None] * E
-    if procs <= 1 or "fork" not in mp.get_all_start_methods():
-        for e in range(E):
-            enc[e] = [encode(x, typ) for x in v.expert(layer, e)]
-    else:
-        ctx, workers, conns = mp.get_context("fork"), [], []
-        try:
-            for i in range(min(procs, E)):
-                recv, send = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_encode_experts, args=(v, layer, range(i, E, procs), typ, send), daemon=True)
-                p.start()
-                send.close()
-                workers.append(p)
-                conns.append(recv)
-            live = list(conns)
-            while live:
-                for c in mpc.wait(live):
-                    try:
-                        msg = c.recv()
-                    except EOFError:
-                        raise RuntimeError(f"a requantisation worker of layer {layer} died") from None
-                    if msg is None:
-                        live.remove(c)
-                    elif msg[0] == "error":
-                        raise RuntimeError(f"requantising layer {layer}: {msg[1]}")
-                    else:
-                        enc[msg[0]] = msg[1]
-        finally:
-            for p in workers:
-                if p.is_alive():
-                    p.terminate()
-                p.join()
-            for c in conns:
-                c.close()
+    for e, parts in fork_map(lambda e: [encode(x, typ) for x in v.expert(layer, e)], range(E), procs):
+        enc[e] = parts
     return [np.stack([enc[e][p] for e in range(E)]) for p in range(3)]
 
 

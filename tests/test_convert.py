@@ -258,3 +258,42 @@ def test_converts_without_torch_or_safetensors(tmp_path, monkeypatch):
     v = read_vault(convert_quiet(src, tmp_path / "v", experts="f32", dense="f32"))
     q = want["model.layers.0.self_attn.q_proj.weight"]
     assert np.array_equal(v.tensor("layers.0.q_proj"), torch_bf16_round(q))
+
+
+def test_processes_write_the_same_vault(tmp_path):
+    """Experts quantised by several forked processes give the vault one process gives, byte for byte."""
+    src = write_checkpoint(tmp_path / "hf", dtype=torch.bfloat16)
+    one = convert_quiet(src, tmp_path / "one", jobs=1)
+    three = convert_quiet(src, tmp_path / "three", jobs=3)
+    names = sorted(p.name for p in one.iterdir())
+    assert names == sorted(p.name for p in three.iterdir())
+    for name in names:
+        if name != "source.json":
+            assert (one / name).read_bytes() == (three / name).read_bytes(), name
+
+
+def test_a_failing_read_in_a_worker_fails_the_conversion(tmp_path, monkeypatch):
+    """An error in a worker process reaches the caller as itself, and no vault is left behind."""
+    from pysmoe.convert import hf
+
+    src = write_checkpoint(tmp_path / "hf", dtype=torch.bfloat16)
+    real, calls = hf.read, {"n": 0}
+
+    def read(ckpt, s):  # the fifth expert matrix a worker reads fails (each fork counts its own)
+        if ".experts." in s.name:
+            calls["n"] += 1
+            if calls["n"] == 5:
+                raise OSError("injected read error")
+        return real(ckpt, s)
+
+    monkeypatch.setattr(hf, "read", read)
+    with pytest.raises(OSError, match="injected read error"):
+        convert_quiet(src, tmp_path / "v", jobs=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing staged is left
+
+
+@pytest.mark.parametrize("jobs", [0, -1, 1.5, True])
+def test_jobs_must_be_a_positive_count(tmp_path, jobs):
+    src = write_checkpoint(tmp_path / "hf")
+    with pytest.raises(ConvertError, match="jobs"):
+        convert_quiet(src, tmp_path / "v", jobs=jobs)

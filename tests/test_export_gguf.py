@@ -141,6 +141,6 @@ def test_a_failing_worker_fails_the_export(make_vault, tmp_path, monkeypatch):
         return real(w, typ)
 
     monkeypatch.setattr(exp, "encode", encode)
-    with pytest.raises(RuntimeError, match="injected"):
+    with pytest.raises(ValueError, match="injected"):
         exp.export(vault, tmp_path / "x.gguf", threads=2, progress=False)
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.part").exists()

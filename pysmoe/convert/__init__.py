@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
@@ -68,7 +69,7 @@ def _target(out: Path, force: bool):
 
 
 def convert(src, out_dir, experts: str | None = None, dense=None, scale_dtype: str | None = None,
-            group: int = quant.GROUP, progress: bool = True, force: bool = False) -> Path:
+            group: int = quant.GROUP, progress: bool = True, force: bool = False, jobs: int | None = None) -> Path:
     """Convert the checkpoint in src (MLX or Hugging Face, see `detect`) into a vault at out_dir.
 
     experts: expert format (q4, q8, bf16, f32); for an HF checkpoint default q4; for MLX only
@@ -76,12 +77,16 @@ def convert(src, out_dir, experts: str | None = None, dense=None, scale_dtype: s
     writer's defaults for HF; as stored for MLX), one format for every dense matrix, or {role:
     format} with roles embed, lm_head, attention, router, mlp, norms. scale_dtype: f16, bf16 or
     f32 for the q4/q8 tensors made here; default the checkpoint's dtype (as MLX does). group:
-    their group size (32, 64, 128). Raises ConvertError before writing anything when the
-    checkpoint cannot be converted."""
+    their group size (32, 64, 128). jobs: processes that quantise a float checkpoint's experts
+    (default one a core; 1 = this process alone); the vault's bytes do not depend on it. Raises
+    ConvertError before writing anything when the checkpoint cannot be converted."""
     from ..progress import Progress
     from ..vaultio import VaultWriter
 
     src, out_dir = Path(src).expanduser(), Path(out_dir).expanduser()
+    if jobs is not None and (not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1):
+        raise ConvertError(f"jobs must be a positive number of processes, not {jobs!r}")
+    jobs = jobs or os.cpu_count() or 1
     kind = detect(src)
     try:
         ckpt = Checkpoint(src)
@@ -97,7 +102,7 @@ def convert(src, out_dir, experts: str | None = None, dense=None, scale_dtype: s
             with VaultWriter(target, job.config, formats=job.formats, scale_dtype=job.scale_dtype,
                              group=group) as writer:
                 with Progress(job.total, "convert", unit="B", enabled=progress) as bar:
-                    job.write(writer, bar)
+                    job.write(writer, bar, jobs)
             _side_files(src, target)
             (target / SOURCE_FILE).write_text(json.dumps(job.source(), indent=2) + "\n")
     return out_dir
@@ -138,7 +143,8 @@ class _HfJob:
         self.total = sum(s.nbytes for s in self.plan.dense.values())
         self.total += sum(s.nbytes for parts in self.plan.experts.values() for s in parts.values())
 
-    def write(self, writer, bar) -> None:
+    def write(self, writer, bar, jobs: int = 1) -> None:
+        from ..workers import fork_map
         from .hf import read
 
         for name, s in self.plan.dense.items():
@@ -152,10 +158,17 @@ class _HfJob:
             else:
                 writer.add_dense(name, read(self.ckpt, s))
             bar.update(s.nbytes)
-        for (layer, e), parts in self.plan.experts.items():
-            gate, up, down = (read(self.ckpt, parts[k]) for k in ("gate", "up", "down"))
-            writer.add_expert(layer, e, gate, up, down)
-            del gate, up, down
+        # Each expert read and quantised by one of `jobs` forked processes (numpy holds the GIL,
+        # so threads would not help: pysmoe.workers), written here as its blob arrives.
+        experts = list(self.plan.experts.items())
+
+        def pack(item):
+            _, parts = item
+            return writer.pack_expert(*(read(self.ckpt, parts[k]) for k in ("gate", "up", "down")))
+
+        for i, blob in fork_map(pack, experts, jobs):
+            (layer, e), parts = experts[i]
+            writer.add_expert_raw(layer, e, blob)
             bar.update(sum(s.nbytes for s in parts.values()))
 
     def source(self) -> dict:
@@ -216,7 +229,7 @@ class _MlxJob:
         self._per_expert = self.total - sum(e.nbytes for e in p.dense.values())
         self._per_expert //= max(1, E * len(p.sparse))
 
-    def write(self, writer, bar) -> None:
+    def write(self, writer, bar, jobs: int = 1) -> None:  # copies: bound by the disk, not the cores
         from . import mlx
 
         p = self.plan
@@ -272,7 +285,7 @@ def add_parser(p, name: str = "convert") -> None:
                      "mlx-community; quantised tensors copied as stored) or a Hugging Face "
                      "Qwen3-MoE checkpoint of floats (quantised with MLX's quantiser). No torch needed.")
     p.add_argument("src", metavar="SRC", help="checkpoint directory (config.json, *.safetensors)")
-    from ..argtypes import vault_out
+    from ..argtypes import positive_int, vault_out
     p.add_argument("out", metavar="OUT", type=vault_out, help="vault directory to write (empty or new, unless --force)")
     p.add_argument("--experts", choices=FORMATS, help="expert format (default: q4 for a float checkpoint; "
                    "as stored for MLX)")
@@ -284,6 +297,8 @@ def add_parser(p, name: str = "convert") -> None:
                    help="dtype of the scales and biases of q4/q8 tensors made here (default: the checkpoint's)")
     p.add_argument("--group-size", dest="group", type=int, choices=quant.GROUPS, default=quant.GROUP,
                    help="group size of q4/q8 tensors made here (default 64)")
+    p.add_argument("--jobs", type=positive_int, default=None,
+                   help="processes that quantise a float checkpoint's experts (default: one a core)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT (only once the new vault is complete)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
@@ -294,5 +309,5 @@ def run(args) -> int:
         if getattr(args, role):
             dense[role] = getattr(args, role)
     convert(args.src, args.out, experts=args.experts, dense=dense or None, scale_dtype=args.scale_dtype,
-            group=args.group, progress=args.progress, force=args.force)
+            group=args.group, progress=args.progress, force=args.force, jobs=args.jobs)
     return 0

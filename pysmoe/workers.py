@@ -1,0 +1,85 @@
+"""Numpy work spread over forked processes, for the converters.
+
+Quantising in numpy holds the GIL for much of its time, so threads gain little (14 threads of
+scripts/export_gguf.py requantised 41 M weights/s on a 16-core machine, about one core's rate);
+processes do not share that lock. `fork_map` forks its workers, so `fn` and what it reads (an open checkpoint, a vault's
+memory map, a writer's layout) are inherited as they are: nothing but the items' results is
+pickled. Off Linux (see can_fork) or when one worker is asked for, it runs in this process.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+
+class WorkerError(RuntimeError):
+    """A worker died, or fn raised an exception that could not be sent back (the message names
+    the item and the exception); one that can is raised as it is."""
+
+
+def can_fork() -> bool:
+    """Linux only: macOS has fork, but its system libraries (Accelerate, which numpy may use) are
+    not safe in a forked child, which is why Python spawns there by default."""
+    return sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods()
+
+
+def _work(fn, items, share, conn) -> None:
+    i = None
+    try:
+        for i in share:
+            conn.send((i, fn(items[i])))
+        conn.send(None)
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent, which raises
+        try:  # the exception itself, so that the caller sees the type it would see in-process
+            conn.send(("error", exc))
+        except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
+            conn.send(("error", f"item {i}: {type(exc).__name__}: {exc}"))
+    finally:
+        conn.close()
+
+
+def fork_map(fn: Callable[[Any], Any], items: Sequence, procs: int) -> Iterator[tuple[int, Any]]:
+    """(i, fn(items[i])) for every item, in the order they are done: by `procs` forked workers
+    (worker k takes items k, k + procs, ... in turn), or in this process, in order, when procs <= 1
+    or the platform cannot fork. A worker's exception ends the whole map, raised here; the workers
+    left are stopped when the map ends, early or not."""
+    n = len(items)
+    if procs <= 1 or n <= 1 or not can_fork():
+        for i in range(n):
+            yield i, fn(items[i])
+        return
+    ctx = mp.get_context("fork")
+    workers, conns = [], []
+    try:
+        for k in range(min(procs, n)):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_work, args=(fn, items, range(k, n, procs), send), daemon=True)
+            p.start()
+            send.close()
+            workers.append(p)
+            conns.append(recv)
+        live = list(conns)
+        while live:
+            for c in mpc.wait(live):
+                try:
+                    msg = c.recv()
+                except EOFError:
+                    raise WorkerError("a worker process died") from None
+                if msg is None:
+                    live.remove(c)
+                elif msg[0] == "error":
+                    if isinstance(msg[1], BaseException):
+                        raise msg[1]
+                    raise WorkerError(msg[1])
+                else:
+                    yield msg
+    finally:
+        for p in workers:
+            if p.is_alive():
+                p.terminate()
+            p.join()
+        for c in conns:
+            c.close()
