@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection as mpc
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -18,6 +19,15 @@ from typing import Any
 class WorkerError(RuntimeError):
     """A worker died, or fn raised an exception that could not be sent back (the message names
     the item and the exception); one that can is raised as it is."""
+
+
+def default_procs() -> int:
+    """The cores this process may run on (its CPU affinity, which a container or taskset narrows;
+    os.cpu_count() counts the machine's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def can_fork() -> bool:

@@ -41,7 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pysmoe.vaultio import read_vault  # noqa: E402
-from pysmoe.workers import fork_map  # noqa: E402
+from pysmoe.workers import default_procs, fork_map  # noqa: E402
 
 ARCH = "qwen3moe"
 EXPERT_TYPES = ("q4_0", "q4_1", "q8_0", "f16", "f32")
@@ -285,7 +285,7 @@ def export(vault_path, out_path, expert_type: str = "q4_0", dense_type: str = "q
         print("warning:", w_, file=sys.stderr)
     tok = tokenizer_fields(v.dir, cfg["vocab_size"])
     items = plan(v, expert_type, dense_type)
-    threads = threads or os.cpu_count() or 1
+    threads = threads or default_procs()
 
     tmp = out_path.with_name(out_path.name + ".part")
     w = gguf.GGUFWriter(tmp, ARCH)

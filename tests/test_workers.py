@@ -54,3 +54,9 @@ def test_stopping_early_leaves_no_worker():
     next(it)
     it.close()
     assert mp.active_children() == []
+
+
+def test_default_procs_counts_the_cores_this_process_may_use():
+    from pysmoe.workers import default_procs
+    want = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert default_procs() == want >= 1

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from contextlib import ExitStack, contextmanager
 from dataclasses import replace
@@ -86,7 +85,9 @@ def convert(src, out_dir, experts: str | None = None, dense=None, scale_dtype: s
     src, out_dir = Path(src).expanduser(), Path(out_dir).expanduser()
     if jobs is not None and (not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1):
         raise ConvertError(f"jobs must be a positive number of processes, not {jobs!r}")
-    jobs = jobs or os.cpu_count() or 1
+    if jobs is None:
+        from ..workers import default_procs
+        jobs = default_procs()
     kind = detect(src)
     try:
         ckpt = Checkpoint(src)
