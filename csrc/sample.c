@@ -153,10 +153,10 @@ static int32_t draw(smoe_sampler *s, const float *v, const int32_t *idx, uint32_
 
 int32_t smoe_sample_top(smoe_sampler *s, const float *v, const int32_t *idx, uint32_t k, float m) {
     const smoe_sampler_params *p = &s->p;
-    double z = 0.0;
+    if (!(p->top_p < 1.0f || p->min_p > 0.0f)) return draw(s, v, idx, k, m);
+    double z = 0.0; /* the softmax's sum, for the cut */
     for (uint32_t j = 0; j < k; j++) z += exp((double)v[idx[j]] - (double)m);
-    const bool cut = p->top_p < 1.0f || p->min_p > 0.0f;
-    return draw(s, v, idx, cut ? cutoff(v, idx, k, m, z, p->top_p, p->min_p) : k, m);
+    return draw(s, v, idx, cutoff(v, idx, k, m, z, p->top_p, p->min_p), m);
 }
 
 int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const int32_t *history,
@@ -189,12 +189,12 @@ int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const 
     const bool cut = p->top_p < 1.0f || p->min_p > 0.0f;
     const uint32_t k = p->top_k > 0 && p->top_k < vocab ? p->top_k : vocab;
     int32_t *idx = scratch_idx; /* (vocab) candidate ids, best first */
-    double z = 0.0;
 
     if (k < vocab) {
         select_top(v, vocab, k, idx);
         return smoe_sample_top(s, v, idx, k, m);
     } else {
+        double z = 0.0;
         for (uint32_t i = 0; i < vocab; i++) z += exp((double)v[i] - (double)m);
         if (!cut) { /* the whole vocabulary, in id order: no selection needed */
             const double target = uniform(s->rng) * z;

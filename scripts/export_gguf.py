@@ -40,6 +40,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from pysmoe.argtypes import positive_int  # noqa: E402
 from pysmoe.vaultio import read_vault  # noqa: E402
 from pysmoe.workers import default_procs, fork_map  # noqa: E402
 
@@ -338,8 +339,9 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", default="q4_0", choices=EXPERT_TYPES, help="expert weight type (default q4_0)")
     ap.add_argument("--dense", default="q8_0", choices=DENSE_TYPES,
                     help="attention/embedding/lm_head type (default q8_0); norms and router are always f32")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="requantisation processes (default: one a core; 1 = none, in this process)")
+    ap.add_argument("--jobs", "--threads", dest="threads", type=positive_int, default=None,
+                    help="requantisation processes (default: one per core this process may use; 1 = this "
+                         "process alone; --threads is the older name)")
     ap.add_argument("--force", action="store_true", help="write even if llama.cpp will renormalise top-k differently")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)

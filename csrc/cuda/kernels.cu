@@ -694,9 +694,6 @@ extern "C" int smoe_cu_tensor_cores(const smoe_cu_tensor *T) {
     return on && (T->format == FMT_Q4 || T->format == FMT_Q8) && T->cols % 64 == 0 && T->group >= 16;
 }
 
-/* Rows of x (those of R, as the products take them) to f16, each scaled by the power of two that
- * puts its largest |x| in [2^14, 2^15); xe holds the factor that undoes it. One block a row; the
- * maximum is exact in any order. */
 /* One row by a block of 256 threads: the sum of squares strided by thread, then a tree. */
 __device__ __forceinline__ void rms_row(float *orow, const float *xr, uint32_t dim, const uint8_t *wt, uint8_t wfmt,
                                         float eps) {
@@ -717,7 +714,9 @@ __device__ __forceinline__ void rms_row(float *orow, const float *xr, uint32_t d
     }
 }
 
-/* One row's f16 form by a block of 256 threads (k_prep). */
+/* One row to f16 by a block of 256 threads (k_prep: the rows of R, as the products take them),
+ * scaled by the power of two that puts its largest |x| in [2^14, 2^15); xe holds the factor that
+ * undoes it. The maximum is exact in any order. */
 __device__ __forceinline__ void prep_row(const float *xr, uint32_t cols, size_t row, __half *x16, float *xe) {
     __shared__ float red[256];
     float m = 0.0f;
