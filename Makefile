@@ -24,7 +24,7 @@ CC      ?= cc
 # -ffp-contract=off: no silent a*b+c fusion, so each reduction's rounding is what the source
 # says, the same in the batched and single-token kernels and in numpy's dequantisation.
 CFLAGS_BASE := -std=c11 -Wall -Wextra -fPIC -pthread -ffp-contract=off -fvisibility=hidden \
-               -D_GNU_SOURCE -D_DARWIN_C_SOURCE
+               -D_GNU_SOURCE -D_DARWIN_C_SOURCE -DSMOE_BUILD -Icsrc
 OPT     ?= -O3 -g
 ifeq ($(PORTABLE),1)
   ISA_FLAGS := -DSMOE_PORTABLE=1
@@ -80,12 +80,16 @@ else
   HERE      := $$ORIGIN
 endif
 
-SRCS    := $(sort $(wildcard csrc/*.c))
-HDRS    := $(wildcard csrc/*.h)
+# The library's C files: the vault, the streamer and the seam at the top of csrc/, the engine above
+# the seam (csrc/engine/), the CPU backend below it (csrc/cpu/); csrc/cuda/ with CUDA=1.
+SRCS    := $(sort $(wildcard csrc/*.c csrc/engine/*.c csrc/cpu/*.c))
+HDRS    := $(wildcard csrc/*.h csrc/engine/*.h csrc/cpu/*.h)
 BUILD   ?= build
 OBJS    := $(patsubst csrc/%.c,$(BUILD)/%.o,$(SRCS))
 ifeq ($(CUDA),1)
-  OBJS    += $(BUILD)/cuda/backend_cuda.o $(BUILD)/cuda/kernels.o
+  CUDA_SRCS := $(sort $(wildcard csrc/cuda/*.c))
+  CUDA_CU   := $(sort $(wildcard csrc/cuda/*.cu))
+  OBJS    += $(patsubst csrc/%.c,$(BUILD)/%.o,$(CUDA_SRCS)) $(patsubst csrc/%.cu,$(BUILD)/%.cu.o,$(CUDA_CU))
 endif
 LIB     := $(BUILD)/$(LIBNAME)
 EXAMPLE := $(BUILD)/smoe_generate
@@ -96,18 +100,15 @@ all: lib examples
 
 lib: $(LIB) pysmoe/$(LIBNAME)
 
-$(BUILD)/%.o: csrc/%.c $(HDRS) | $(BUILD)
+$(BUILD)/%.o: csrc/%.c $(HDRS) $(wildcard csrc/cuda/*.h) | $(BUILD)
+	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
 
 $(BUILD):
 	mkdir -p $(BUILD)
 
-$(BUILD)/cuda/backend_cuda.o: csrc/cuda/backend_cuda.c csrc/cuda/cuda_ops.h $(HDRS)
-	mkdir -p $(BUILD)/cuda
-	$(CC) $(CFLAGS) -c $< -o $@
-
-$(BUILD)/cuda/kernels.o: csrc/cuda/kernels.cu csrc/cuda/cuda_ops.h
-	mkdir -p $(BUILD)/cuda
+$(BUILD)/cuda/%.cu.o: csrc/cuda/%.cu $(wildcard csrc/cuda/*.h csrc/cuda/*.cuh)
+	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
 $(BUILD)/$(LIBREAL): $(OBJS)

@@ -110,7 +110,7 @@ int main(int argc, char **argv) {
         smoe_stats(s, &c);
         uint64_t before = c.blob_reads;
         smoe_session_reset(s);
-        if ((st = smoe_prefill_chunk(s, ids + 37 * pass, 256)) != SMOE_OK) return die("warm", st);
+        if ((st = smoe_prefill_chunk(s, ids + 37 * pass, 256, NULL, NULL)) != SMOE_OK) return die("warm", st);
         smoe_stats(s, &c);
         if (c.blob_reads == before && pass > 0) break;
     }
@@ -125,7 +125,7 @@ int main(int argc, char **argv) {
         smoe_session_reset(s);
         prof_reset();
         double t0 = smoe_prof_now();
-        if (prompt > 1 && (st = smoe_prefill_chunk(s, ids, prompt - 1)) != SMOE_OK) return die("prefill", st);
+        if (prompt > 1 && (st = smoe_prefill_chunk(s, ids, prompt - 1, NULL, NULL)) != SMOE_OK) return die("prefill", st);
         prof_take(&pre[r], smoe_prof_now() - t0);
         int32_t next = ids[prompt - 1];
         prof_reset();

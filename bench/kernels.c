@@ -18,7 +18,7 @@
  * (codes + scales + biases) read once per call. One thread is timed by its CPU time (the machine
  * is shared); more threads by the wall clock.
  */
-#include "kernels_isa.h"
+#include "cpu/kernels_isa.h"
 
 #include <math.h>
 #include <pthread.h>

@@ -11,7 +11,7 @@
  * layout of a session's cache (kv_heads · head_dim elements per position), the types alternating
  * run by run; the median of 15 repeats, as µs per token-layer and the KV bytes it read. Defaults:
  * mini's attention (4 KV heads of 64, 4 query heads each) at 1024 positions. */
-#include "kernels_isa.h"
+#include "cpu/kernels_isa.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -15,9 +15,9 @@
  * only": the same weight bytes merely read (256-bit loads, summed), timed alongside: a product
  * that takes about that long is bound by reading its weights.
  */
-#include "cpu.h"
+#include "cpu/cpu.h"
 #include "internal.h"
-#include "kernels_isa.h"
+#include "cpu/kernels_isa.h"
 
 #include <immintrin.h>
 #include <pthread.h>

@@ -1,66 +1,193 @@
-/* backend.h — the seam between the engine's loops and the device that runs a layer's math.
+/* backend.h — the seam: what the engine (engine/) asks of a device, and nothing more.
  *
- * prefill.c, decode.c and batch.c walk tokens and layers; everything they ask of a device goes
- * through a session's backend: embed the ids, run a layer's attention block and FFN block over
- * rows [0, n), make the logits. A backend is a set of kernels, a device allocator and an upload
- * path, with its own state per session (session->backend_state):
+ * The engine owns every decision of a pass: which layers run and in what order (engine/layer.c's
+ * recipe), the MoE step (engine/moe.c: routing's ids, each layer's union in order of first
+ * appearance, acquiring each union expert through the tiers — disk → the host retention cache
+ * (streamer.h) → this device's expert cache — running the experts as their weights arrive,
+ * combining in top-k order), batching several sessions, sampling, counters. A backend supplies
+ * buffers, uploads and the ops below, on planes of its own (smoe_plane), and knows nothing of
+ * sessions, shares, the streamer's policy or the sampler:
  *
- *   cpu   (backend_cpu.c) the kernels of kernels.h on the worker pool, planes in host memory;
- *         the expert tiers are the streamer's (host retention cache, then the disk).
- *   cuda  (cuda/backend_cuda.c, built by `make CUDA=1`) dense weights, KV cache and planes in
- *         VRAM; experts in a VRAM retention cache (gpu_cache_bytes), then the streamer's host
- *         cache (pinned), then the disk.
+ *   cpu   (cpu/backend.c) the kernels of cpu/kernels.h on a worker pool, planes in host memory;
+ *         no device tier: experts run from the host retention cache's slots.
+ *   cuda  (cuda/, built by `make CUDA=1`) dense weights (once per share), KV cache and planes in
+ *         VRAM; a VRAM expert cache as the device tier, filled from pinned host slots.
  *
- * A backend keeps layer-major and token-serial bit-identical on its own device (each output
- * element reduced in one order that does not depend on n); two backends need not agree bit for
- * bit with each other. Adding one (metal/) means one more table like these and one more case in
- * smoe_backend_for: nothing above this header changes. */
+ * Two kinds of state. A *share* (share_new) is what sessions made with smoe_session_new_shared
+ * hold together: the device itself, its dense weights, its expert cache, its worker pool or
+ * streams. A *session* state (session_new) is one session's planes and KV cache; it points at its
+ * share. Sessions of one share run their calls one at a time (the engine holds the share's lock),
+ * so a backend needs no lock of its own.
+ *
+ * The rule that keeps the two prefill paths bit-identical: every op computes each output element
+ * in one order that depends on that element's own shape, never on n (the rows of the pass), on
+ * which call of `experts` ran an expert, on the rows' owners, or on threads and stream timing. The
+ * engine relies on it; two backends need not agree bit for bit with each other.
+ *
+ * Every op returns a status; a failure with SMOE_ERR_SESSION_BROKEN-level consequences (a device
+ * that failed) is reported as such by the backend's own message and the engine marks the session
+ * broken when an op says so through smoe_be_broken. Ops never allocate once a session exists.
+ *
+ * Adding a backend means one more table like cpu/backend.c's and one more case in
+ * smoe_backend_for (engine/backend.c): nothing above this header changes. */
 #ifndef SMOE_BACKEND_H
 #define SMOE_BACKEND_H
 
-#include "internal.h"
+#include "streamer.h"
+#include "vault.h"
 
-typedef struct smoe_session smoe_session;
+/* The planes the recipe names; each holds rows for `chunk` tokens of a session. */
+typedef enum {
+    SMOE_PL_X,   /* (chunk, hidden) the residual stream */
+    SMOE_PL_XN,  /* (chunk, hidden) the normed input of the current block */
+    SMOE_PL_Q,   /* (chunk, heads·head_dim) queries */
+    SMOE_PL_K,   /* (chunk, kv_heads·head_dim) the pass's new K rows, before they are stored */
+    SMOE_PL_V,   /* (chunk, kv_heads·head_dim) its new V rows */
+    SMOE_PL_ATT, /* (chunk, heads·head_dim) attention output, heads concatenated */
+    SMOE_PL_Y,   /* (chunk, hidden) a block's output, before the residual add */
+} smoe_plane;
+
+/* One product of `project`: out rows = in rows · Wᵀ. */
+typedef struct {
+    const smoe_tensor *W;
+    smoe_plane out;
+} smoe_proj;
+
+/* A layer's union as the engine formed it, for `experts`. */
+typedef struct {
+    uint32_t l;                      /* the layer */
+    uint32_t n;                      /* rows of the pass */
+    uint32_t size;                   /* union positions */
+    const int32_t *expert;           /* (size) the expert at each position, in order of first appearance */
+    const uint32_t *start, *count;   /* (size) position u's rows are rows[start[u] .. start[u] + count[u]) */
+    const uint32_t *rows;            /* (n·K) t·K + slot, grouped by position, increasing within one */
+    const void *const *w;            /* (size) each position's weights as the backend reads them: a host
+                                        blob (no device tier) or the handle of the device tier's slot;
+                                        valid for the positions handed to `experts` */
+} smoe_union;
+
+/* Sampling's candidates, chosen on the device (`select`): the draw among them is the engine's. */
+enum { SMOE_SELECT_CAP = 1024 };
+typedef struct {
+    uint32_t count;                  /* 0: the draw ends at best (greedy and the like) */
+    int32_t best;
+    float m;                         /* the largest value of v */
+    const int32_t *ids;              /* (count) best first */
+    const float *vals;               /* (count) their values after the penalty and temperature */
+} smoe_candidates;
+
+typedef struct {
+    const smoe_layout *lay;          /* weights; dense ones in host memory (tensor->data) */
+    const uint8_t *dense;            /* the vault's dense region (lay->dense_bytes) */
+    uint32_t threads;                /* compute threads (cpu) */
+    uint64_t device_cache_bytes;     /* the device tier's budget (cuda: gpu_cache_bytes) */
+    smoe_streamer *streamer;         /* the host tier, whose slots a device may pin; NULL without experts */
+} smoe_be_share_params;
+
+typedef struct {
+    uint32_t context, chunk;
+    smoe_kv_dtype kv_dtype;
+    bool float_activations;
+    const float *rope_cos, *rope_sin; /* (context, head_dim/2), the engine's, valid while the session lives */
+} smoe_be_session_params;
+
+enum { SMOE_LOGIT_ROWS = 8 }; /* rows one `logits` call computes at most */
 
 typedef struct smoe_backend {
     const char *name; /* "cpu", "cuda" */
-    /* After the session's host planes, streamer and pool exist: the device's own allocations and
-     * the upload of what stays resident. On failure the session is freed (free runs). */
-    smoe_status (*init)(smoe_session *s);
-    void (*free)(smoe_session *s); /* of what init made; safe after a failed init */
-    /* x rows [0, n) ← embedding rows of ids (host array): a pass's start, at position s->pos. */
-    smoe_status (*embed)(smoe_session *s, const int32_t *ids, uint32_t n);
-    /* session.h's blocks (smoe_attention_block, smoe_ffn_block), on this device. */
-    smoe_status (*attention)(smoe_session *s, uint32_t l, uint32_t pos0, uint32_t n);
-    smoe_status (*ffn)(smoe_session *s, uint32_t l, uint32_t n, uint32_t *union_size);
-    /* s->logits (host, vocab floats) ← lm_head(final_norm(x row 0)). */
-    smoe_status (*logits)(smoe_session *s);
-    /* The end of a pass (a prefill chunk; a decode step after its logits): waits for the device and
-     * reports what the pass's layers left for later — their expert counts, and their union sizes
-     * into union_sizes (layers entries) when not NULL. NULL: nothing is ever deferred. */
-    smoe_status (*settle)(smoe_session *s, uint32_t *union_sizes);
-    /* A whole decode step of id at s->pos, embedding to s->logits, when the backend runs it in one
-     * go (*ran true; settle still follows); *ran false: it did nothing, the caller walks the layers.
-     * NULL: always the walk. */
-    smoe_status (*decode_step)(smoe_session *s, int32_t id, bool *ran);
-    /* The next id for the step's logits (after settle), drawn with s->sampler over s->history as
-     * smoe_sample would draw it (*done true), when the backend does the work on its device; *done
-     * false: the caller samples s->logits. NULL: the caller always does. */
-    smoe_status (*sample)(smoe_session *s, int32_t *next_id, bool *done);
+
+    /* ------------------------------------------------------------------------------ buffers */
+    smoe_status (*share_new)(const smoe_be_share_params *p, void **out);
+    void (*share_free)(void *share);
+    /* A session's planes and KV cache; *bytes: what it allocated in host memory (planes) and on the
+     * device, for smoe_counters. */
+    smoe_status (*session_new)(void *share, const smoe_be_session_params *p, void **out, uint64_t *plane_bytes,
+                               uint64_t *kv_bytes);
+    void (*session_free)(void *b); /* safe on what a failed session_new left (NULL too) */
+
+    /* ------------------------------------------------------------------------ a pass's ops */
+    /* The pass's ids (host array) and its first position, for embed, qk_rope and attend. */
+    smoe_status (*stage)(void *b, const int32_t *ids, uint32_t n, uint32_t pos0);
+    smoe_status (*embed)(void *b, uint32_t n); /* X rows [0, n) ← embedding rows of the staged ids */
+    /* dst rows = rmsnorm(src rows) · w (1 × hidden). */
+    smoe_status (*norm)(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *w, uint32_t n);
+    /* Each out[i].out rows = src rows · out[i].Wᵀ: several products of one input in one go. */
+    smoe_status (*project)(void *b, smoe_plane src, const smoe_proj *out, uint32_t n_out, uint32_t n);
+    /* Per head: Q rows normed by q_norm and K rows by k_norm (1 × head_dim each), both rotated for
+     * positions pos0 + t; then K and V rows stored in layer l's cache at those positions (rounded
+     * to the cache's type). */
+    smoe_status (*qk_rope)(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n);
+    /* ATT rows = causal attention of Q over layer l's cache: row t sees positions [0, pos0 + t]. */
+    smoe_status (*attend)(void *b, uint32_t l, uint32_t n);
+    smoe_status (*add)(void *b, smoe_plane dst, smoe_plane src, uint32_t n); /* dst += src (hidden) */
+    /* dst rows = down(silu(gate(src)) · up(src)): a dense MLP. */
+    smoe_status (*mlp)(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *gate, const smoe_tensor *up,
+                       const smoe_tensor *down, uint32_t n);
+    /* XN rows through the router: softmax over the experts in f32, the top K (ties: lower index),
+     * renormalised when renorm; ids (n·K, host) ← the chosen experts, best first per row; their
+     * weights stay on the device for combine. */
+    smoe_status (*route)(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids);
+    /* Before the first `experts` call of a union (NULL: nothing to do). */
+    smoe_status (*experts_begin)(void *b, const smoe_union *u);
+    /* The union positions items[0..m): each expert's FFN (the vault's expert gate, up, down) over
+     * the XN rows routed to it, each output into its (t·K + slot) row of the routed outputs. Without
+     * a device tier the op is done with u->w's host blobs when it returns. */
+    smoe_status (*experts)(void *b, const smoe_union *u, const uint32_t *items, uint32_t m);
+    /* X rows += Σ_k weight[t, k] · routed output (t·K + k), in slot order. */
+    smoe_status (*combine)(void *b, uint32_t K, uint32_t n);
+    /* The logits plane's rows [0, m) ← head(rmsnorm(X rows[i]) · norm), m ≤ SMOE_LOGIT_ROWS. */
+    smoe_status (*logits)(void *b, const smoe_tensor *norm, const smoe_tensor *head, const uint32_t *rows,
+                          uint32_t m);
+    /* Those m rows (m × vocab) where the host can read them, until the next op. */
+    smoe_status (*logits_read)(void *b, uint32_t m, const float **out);
+    /* X row dst_row of dst ← X row src_row of src: two sessions of one share (batching). */
+    smoe_status (*copy_row)(void *dst, uint32_t dst_row, void *src, uint32_t src_row);
+
+    /* ----------------------------- the device tier: an expert cache in front of the host's */
+    /* All NULL for a backend whose experts run from host memory. Handles are the backend's. */
+    const void *(*tier_lookup)(void *b, uint32_t l, uint32_t e); /* retained: its handle (a use); NULL: a miss */
+    const void *(*tier_claim)(void *b, uint32_t l, uint32_t e);  /* a slot for a miss (evicting), its handle */
+    /* The host blob (from host slot `slot`) into the claimed slot, asynchronously; `experts` on that
+     * position waits for it. The host slot may be released only after tier_sync. */
+    smoe_status (*tier_fill)(void *b, const void *handle, const uint8_t *blob, int slot);
+    smoe_status (*tier_sync)(void *b);                    /* every fill enqueued so far is done */
+    void (*tier_drop)(void *b, const void *handle);       /* a claimed slot that was never filled */
+    uint32_t (*tier_batch)(void *b);                      /* most fills one `experts` call may wait on */
+    void (*tier_clear)(void *b);                          /* forget every retained expert */
+
+    /* ---------------------- the MoE step on the device alone (NULL: the engine's walk always) */
+    /* True when the device tier holds every expert of layer l, so moe_resident can run it. */
+    bool (*tier_resident)(void *b, uint32_t l);
+    /* route, union, experts and combine of layer l on the device, no host round trip; the routed
+     * ids stay on the device until pass_end. Same bits as the engine's walk of the same layer. */
+    smoe_status (*moe_resident)(void *b, uint32_t l, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n);
+    /* The end of a pass: waits for the device; routed (layers × n·K, host), when not NULL, gets the
+     * ids of the layers that moe_resident ran in this pass (the other layers' entries untouched). */
+    smoe_status (*pass_end)(void *b, uint32_t n, int32_t *routed);
+
+    /* --------------------------- a recorded decode step (NULL: never recorded): the backend says
+     * whether the walk that follows would run without the host (every sparse layer resident) */
+    smoe_status (*replay)(void *b, bool *ran);            /* the recorded step, if any and still valid */
+    smoe_status (*record_begin)(void *b, bool *recording);
+    smoe_status (*record_end)(void *b, bool keep);
+
+    /* ----------------------------------------------------------------------------- the rest */
+    /* Sampling's selection on the device over logits row 0 (NULL, or *done false: the engine
+     * selects on the host): the cleaning, the repetition penalty over window[0..w) and the top
+     * candidates as the engine's sampler (engine/sample.h) would choose them. */
+    smoe_status (*select)(void *b, const smoe_sampler_params *p, const int32_t *window, uint32_t w,
+                          smoe_candidates *out, bool *done);
     /* KV rows of layer [start, start + n) widened to f32 into k, v (either may be NULL). */
-    smoe_status (*read_kv)(const smoe_session *s, uint32_t layer, uint32_t start, uint32_t n, float *k, float *v);
-    /* Drops the device's own retained experts (the streamer's are dropped by the caller). */
-    void (*cache_clear)(smoe_session *s);
-    /* One line on the device and its kernels, for smoe_session_backend. */
-    const char *(*describe)(const smoe_session *s);
-    /* The device's counters (smoe_device_stats); NULL: none (all zero). */
-    void (*device_stats)(const smoe_session *s, smoe_device_counters *out);
+    smoe_status (*read_kv)(void *b, uint32_t layer, uint32_t start, uint32_t n, float *k, float *v);
+    const char *(*describe)(void *b);                     /* one line: the device and its kernels */
+    void (*device_stats)(void *b, smoe_device_counters *out); /* NULL: all zero */
+    /* True once an op failed in a way that leaves the device's state unknown (the session must be
+     * reset). NULL: never. */
+    bool (*broken)(void *b);
 } smoe_backend;
 
-extern const smoe_backend smoe_backend_cpu;
-
-/* The backend for smoe_session_params.device (smoe_device) into *out; SMOE_ERR_UNSUPPORTED (this
- * build has none) or SMOE_ERR_INVALID_ARG (no such device), with a message, and *out NULL. */
-smoe_status smoe_backend_for(uint32_t device, const smoe_backend **out);
+/* The backend for a smoe_device into *out; SMOE_ERR_UNSUPPORTED (this build has none) or
+ * SMOE_ERR_INVALID_ARG (no such device), with a message, and *out NULL. (engine/backend.c) */
+smoe_status smoe_backend_for(smoe_device device, const smoe_backend **out);
 
 #endif

@@ -57,10 +57,19 @@
 extern "C" {
 #endif
 
+/* SMOE_API marks the library's exported calls. The library's own build defines SMOE_BUILD (the
+ * Makefile does): its symbols are exported (the rest is hidden, -fvisibility=hidden); a program
+ * that includes this header to use the library leaves it undefined (and, on Windows, imports). */
 #if defined(_WIN32)
+#if defined(SMOE_BUILD)
 #define SMOE_API __declspec(dllexport)
 #else
+#define SMOE_API __declspec(dllimport)
+#endif
+#elif defined(SMOE_BUILD)
 #define SMOE_API __attribute__((visibility("default")))
+#else
+#define SMOE_API
 #endif
 
 /* What may change between releases. SMOE_ABI_VERSION is the library's binary contract: bindings
@@ -78,7 +87,7 @@ extern "C" {
  *   rest. Such growth still bumps SMOE_VERSION_STRING's MINOR.
  * SMOE_VERSION_STRING is the release, MAJOR.MINOR.PATCH; its MINOR.PATCH end the shared object's
  * version (libsmoe.so.ABI.MINOR.PATCH). */
-#define SMOE_ABI_VERSION 4
+#define SMOE_ABI_VERSION 5
 #define SMOE_VERSION_STRING "0.1.0"
 
 typedef enum {
@@ -177,12 +186,7 @@ SMOE_API uint32_t smoe_checksum(const void *data, size_t n);
 /* Tensor formats (docs/vault.md section 3). */
 typedef enum { SMOE_FMT_F32 = 0, SMOE_FMT_BF16 = 1, SMOE_FMT_Q8 = 2, SMOE_FMT_Q4 = 3 } smoe_format;
 typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2, SMOE_SCALE_F32 = 3 } smoe_scale_format;
-/* Dequantises a rows × cols tensor laid out as the vault stores it (data points at the
- * tensor's first byte, nbytes long) into out (rows × cols floats). group_size: for q8/q4 the
- * group along cols (32, 64 or 128; cols a multiple of it), 0 for f32/bf16. Pure; for tests and
- * tools. */
-SMOE_API smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t group_size,
-                                     uint32_t rows, uint32_t cols, const void *data, size_t nbytes, float *out);
+/* (smoe_dequantize, for tests and tools, is in smoe_testing.h.) */
 
 /* -------------------------------------------------------------------------------- session */
 
@@ -193,6 +197,21 @@ typedef struct smoe_session smoe_session;
  * (exactly), so both prefill paths agree bit for bit for each type. */
 typedef enum { SMOE_KV_F32 = 0, SMOE_KV_BF16 = 1, SMOE_KV_F16 = 2 } smoe_kv_dtype;
 
+/* Where a session runs its layers (smoe_session_params.device).
+ *   SMOE_DEVICE_CPU   the kernels of smoe_kernels() on the session's threads.
+ *   SMOE_DEVICE_CUDA  an NVIDIA GPU (the first one), in a library built with `make CUDA=1`; other
+ *                     builds answer SMOE_ERR_UNSUPPORTED. Dense weights (once per share), KV cache
+ *                     and activations live in VRAM; experts are retained in VRAM (gpu_cache_bytes),
+ *                     behind it in the host retention cache (cache_bytes, pinned) and behind that on
+ *                     disk. Its q4/q8 products run on the tensor cores (weights dequantised to f16,
+ *                     activations rounded to f16 after a power-of-two scale per row, f32 sums in the
+ *                     GPU's own order; float_activations is ignored), so its logits agree with the
+ *                     CPU's within a tolerance, not bit for bit; its layer-major, token-serial and
+ *                     batched paths agree bit for bit with each other, for each kv_dtype
+ *                     (attention for head sizes 32, 64 and 128 takes K and V as f16, so there an f16
+ *                     cache gives the same logits as an f32 one at half the VRAM). */
+typedef enum { SMOE_DEVICE_CPU = 0, SMOE_DEVICE_CUDA = 1 } smoe_device;
+
 typedef struct {
     uint32_t struct_size;
     uint32_t context;      /* KV cache length in tokens (default 4096, capped by the model's); the
@@ -200,44 +219,30 @@ typedef struct {
                               context · kv_heads · head_dim elements of kv_dtype, kv_bytes in
                               smoe_counters) but not written, so on Linux and macOS its pages
                               become resident as positions fill */
-    uint32_t chunk;        /* largest n for smoe_prefill_chunk (default 256; with a cache smaller than
-                            * the experts a larger chunk reads less: pysmoe picks 1024 then) */
+    uint32_t chunk;        /* largest n for smoe_prefill_chunk, and the most sessions one
+                              smoe_decode_batch takes with this one as its largest (default 256; with
+                              a cache smaller than the experts a larger chunk reads less: pysmoe
+                              picks 1024 then) */
     uint32_t threads;      /* compute threads including the caller (default: online cores) */
     uint32_t io_threads;   /* blob reads in flight (default 4) */
-    uint32_t float_activations; /* 0 (default): the inputs of q8/q4 matrices are quantised to 8 bits
-                                   per 32 values, as llama.cpp does (kernels.h); 1: they stay f32 and
-                                   the dequantised weights multiply them exactly (slower). Either way
-                                   both prefill paths agree bit for bit. */
+    smoe_kv_dtype kv_dtype; /* of the KV cache (default SMOE_KV_F32; bench/RESULTS.md "KV cache in
+                               bf16 and f16" has its cost and speed) */
+    smoe_device device;    /* that runs the layers (default SMOE_DEVICE_CPU) */
     uint64_t cache_bytes;  /* retention cache budget; 0 = only the slots one step needs */
-    bool direct_io;        /* O_DIRECT / F_NOCACHE; falls back to buffered reads, logged (default true) */
-    bool verify_blobs;     /* check each blob's checksum every time it is read from disk (default
-                              true); a mismatch is SMOE_ERR_IO naming layer, expert and offset */
     uint64_t coalesce_bytes; /* largest read request (default 16 MiB): blobs of a layer's union that
                                 lie next to each other in vault.bin are read as one request of up to
                                 this many bytes (docs/streamer.md); below two blobs, one read each */
-    uint32_t kv_dtype;     /* smoe_kv_dtype of the KV cache (default SMOE_KV_F32; bench/RESULTS.md
-                              "KV cache in bf16 and f16" has its cost and speed) */
-    uint32_t device;       /* smoe_device that runs the layers (default SMOE_DEVICE_CPU) */
     uint64_t gpu_cache_bytes; /* SMOE_DEVICE_CUDA: budget of the experts retained in VRAM (default 0:
                                  a few blobs, enough to stream); the dense weights, the KV cache and
                                  the planes come on top. Ignored on the CPU. */
+    bool direct_io;        /* O_DIRECT / F_NOCACHE; falls back to buffered reads, logged (default true) */
+    bool verify_blobs;     /* check each blob's checksum every time it is read from disk (default
+                              true); a mismatch is SMOE_ERR_IO naming layer, expert and offset */
+    bool float_activations; /* false (default): the inputs of q8/q4 matrices are quantised to 8 bits
+                               per 32 values, as llama.cpp does; true: they stay f32 and the
+                               dequantised weights multiply them exactly (slower). Either way both
+                               prefill paths agree bit for bit. */
 } smoe_session_params;
-
-/* Where a session runs its layers (smoe_session_params.device).
- *   SMOE_DEVICE_CPU   the kernels of smoe_kernels() on the session's threads.
- *   SMOE_DEVICE_CUDA  an NVIDIA GPU (the first one), in a library built with `make CUDA=1`; other
- *                     builds answer SMOE_ERR_UNSUPPORTED. Dense weights, KV cache and activations
- *                     live in VRAM; experts are retained in VRAM (gpu_cache_bytes), behind it in
- *                     the host retention cache (cache_bytes, pinned) and behind that on disk. Its
- *                     q4/q8 products run on the tensor cores (weights dequantised to f16,
- *                     activations rounded to f16 after a power-of-two scale per row, f32 sums in
- *                     the GPU's own order; float_activations is ignored), so its logits agree
- *                     with the CPU's within a tolerance, not bit for bit; its layer-major and
- *                     token-serial paths agree bit for bit with each other, for each kv_dtype
- *                     (attention for head sizes 32, 64 and 128 takes K and V as f16, so there an
- *                     f16 cache gives the same logits as an f32 one at half the VRAM). Not for
- *                     smoe_session_new_shared or smoe_decode_batch. */
-typedef enum { SMOE_DEVICE_CPU = 0, SMOE_DEVICE_CUDA = 1 } smoe_device;
 
 SMOE_API smoe_session_params smoe_session_default_params(void);
 
@@ -265,16 +270,17 @@ SMOE_API smoe_status smoe_session_cancel(smoe_session *session);
 
 /* ------------------------------------------------------------ sessions that share a cache */
 
-/* A new session of sibling's vault that reads experts through sibling's retention cache
- * (streamer) and runs on its worker pool: params.threads, io_threads, cache_bytes, direct_io and
- * verify_blobs are ignored (sibling's hold); context, chunk and float_activations are the new
- * session's own, as are its KV cache, planes and sampler. Sharing is transitive (a share is the
- * set of sessions made from one another) and counted: sessions of a share may be freed in any
- * order, the cache and pool going with the last one. The vault must outlive them all.
- * Sessions of one share run the calls that use the pool or the cache (prefill, decode, batch,
- * smoe_stats*, smoe_cache_clear) one at a time: such a call waits until a sibling's returns.
- * Each session still refuses concurrent calls on itself with SMOE_ERR_BUSY. On failure *out is
- * NULL and sibling is unchanged. */
+/* A new session of sibling's vault, on sibling's device, that reads experts through sibling's
+ * retention caches (the host's, and the device's on a GPU) and runs on its worker pool or GPU
+ * streams, with its dense weights: params.threads, io_threads, cache_bytes, coalesce_bytes,
+ * direct_io, verify_blobs, device and gpu_cache_bytes are ignored (sibling's hold); context,
+ * chunk, kv_dtype and float_activations are the new session's own, as are its KV cache, planes
+ * and sampler. Sharing is transitive (a share is the set of sessions made from one another) and
+ * counted: sessions of a share may be freed in any order, the caches going with the last one. The
+ * vault must outlive them all. Sessions of one share run the calls that use the device or the
+ * caches (prefill, decode, batch, smoe_stats*, smoe_cache_clear) one at a time: such a call waits
+ * until a sibling's returns. Each session still refuses concurrent calls on itself with
+ * SMOE_ERR_BUSY. On failure *out is NULL and sibling is unchanged. */
 SMOE_API smoe_status smoe_session_new_shared(smoe_session *sibling, const smoe_session_params *params,
                                              smoe_session **out);
 
@@ -284,7 +290,7 @@ SMOE_API smoe_status smoe_session_new_shared(smoe_session *sibling, const smoe_s
  * attention runs on its own KV cache; the layer's union of their experts is read once and
  * applied to every session routed to it. Each session's logits, sampled id, KV rows and
  * position are bit-identical to those of smoe_decode_step(sessions[i], ids[i], ...) alone, for
- * any batch composition and order.
+ * any batch composition and order, on either device.
  * Requires: 1 ≤ n ≤ the largest chunk among the sessions; distinct sessions of one share
  * (smoe_session_new_shared) with the same float_activations. Claims every session as any call
  * does (Threading): smoe_session_cancel on any of them stops the whole step (SMOE_ERR_CANCELLED).
@@ -296,26 +302,25 @@ SMOE_API smoe_status smoe_session_new_shared(smoe_session *sibling, const smoe_s
 SMOE_API smoe_status smoe_decode_batch(smoe_session *const *sessions, const int32_t *ids, uint32_t n, float *logits,
                                        int32_t *next_ids, int32_t *failed);
 
-/* Layer-major prefill of n tokens (1 ≤ n ≤ params.chunk) at the current position. Produces no
- * logits: feed the prompt's last token through smoe_decode_step.
- * On failure the position is where it was before the call (KV rows past it are garbage and
- * will be overwritten); the session stays usable unless SMOE_ERR_SESSION_BROKEN is returned. */
-SMOE_API smoe_status smoe_prefill_chunk(smoe_session *session, const int32_t *ids, uint32_t n);
+/* ------------------------------------------------------------------------ prefill and decode */
 
-typedef struct {
-    uint32_t struct_size;
-    float temperature;        /* 0 = greedy (default 0) */
-    uint32_t top_k;           /* 0 = off */
-    float top_p;              /* 1 = off */
-    float min_p;              /* 0 = off */
-    float repetition_penalty; /* 1 = off; applied over the last repetition_window tokens */
-    uint32_t repetition_window;
-    uint64_t seed;
-} smoe_sampler_params;
-
-SMOE_API smoe_sampler_params smoe_sampler_default_params(void);
-/* Sets the sampler and reseeds its generator: the same seed gives the same ids. */
-SMOE_API smoe_status smoe_session_set_sampler(smoe_session *session, const smoe_sampler_params *params);
+/* Layer-major prefill of n tokens (1 ≤ n ≤ params.chunk) at the current position: per layer the
+ * whole chunk routes, each expert of its union is read once and applied to every token routed to
+ * it. logits (vocab_size floats, may be NULL) gets the next-token logits after the chunk's last
+ * token, and next_id (may be NULL) an id sampled from them with the session's sampler — the same
+ * values, bit for bit, that feeding the n tokens one at a time through smoe_decode_step gives.
+ * With both NULL no logits are computed: a prompt fed in pieces asks for them on its last piece
+ * only and reads no more blobs than one call over the same chunks.
+ * On failure the position is where it was before the call (KV rows past it are garbage and will
+ * be overwritten); the session stays usable unless SMOE_ERR_SESSION_BROKEN is returned. */
+SMOE_API smoe_status smoe_prefill_chunk(smoe_session *session, const int32_t *ids, uint32_t n, float *logits,
+                                        int32_t *next_id);
+/* smoe_prefill_chunk that also hands back the logits after chosen tokens of the chunk (an
+ * echo's log-probabilities): rows[0..n_rows) are indices into ids, strictly increasing, and
+ * logits (n_rows × vocab_size floats) gets, for each, the logits that follow that token. next_id
+ * (may be NULL) is sampled after the last token, whether or not n − 1 is among rows. */
+SMOE_API smoe_status smoe_prefill_rows(smoe_session *session, const int32_t *ids, uint32_t n, const uint32_t *rows,
+                                       uint32_t n_rows, float *logits, int32_t *next_id);
 
 /* Token-serial step: appends id at the current position, runs every layer, and writes the
  * next-token logits (vocab_size floats) to logits and/or a sampled id to next_id (either may
@@ -323,66 +328,102 @@ SMOE_API smoe_status smoe_session_set_sampler(smoe_session *session, const smoe_
  * finite value (NaN or infinite weights) are SMOE_ERR_VAULT, not a sampled id 0. */
 SMOE_API smoe_status smoe_decode_step(smoe_session *session, int32_t id, float *logits, int32_t *next_id);
 
-/* Copies the K and V rows of layer for positions [start, start + n) (each n × kv_heads·head_dim
- * floats, post-RoPE K) into k and v (either may be NULL), widened exactly to f32 from the
- * session's kv_dtype. For tests and tools. */
-SMOE_API smoe_status smoe_session_read_kv(const smoe_session *session, uint32_t layer, uint32_t start,
-                                          uint32_t n, float *k, float *v);
+/* ---------------------------------------------------------------------------------- sampler */
+
+/* The one sampler: what smoe_decode_step, smoe_prefill_chunk and smoe_decode_batch draw with,
+ * and what pysmoe's generate, run, chat and server use. In Hugging Face's order: the repetition
+ * penalty (over the last repetition_window ids of the session's history, each distinct id once:
+ * a logit > 0 divided by it, any other multiplied), the presence and frequency penalties
+ * (OpenAI's: logit −= frequency_penalty · count + presence_penalty · (count > 0), count = times
+ * the id was drawn since smoe_session_set_sampler), temperature 0 → argmax (lowest id on ties),
+ * then logits / temperature, top-k, softmax in double, top-p, min-p, and one draw from
+ * xoroshiro128+ seeded by splitmix64(seed). The same seed, settings and logits give the same ids. */
+typedef struct {
+    uint32_t struct_size;
+    float temperature;        /* 0 = greedy (default 0) */
+    uint32_t top_k;           /* 0 = off */
+    float top_p;              /* 1 = off */
+    float min_p;              /* 0 = off */
+    float repetition_penalty; /* 1 = off; applied over the last repetition_window tokens (default 64) */
+    uint32_t repetition_window;
+    float presence_penalty;   /* 0 = off; −2 to 2 */
+    float frequency_penalty;  /* 0 = off; −2 to 2 */
+    uint64_t seed;
+} smoe_sampler_params;
+
+SMOE_API smoe_sampler_params smoe_sampler_default_params(void);
+/* Sets the sampler, reseeds its generator and forgets the counts of the presence and frequency
+ * penalties: the same seed gives the same ids. */
+SMOE_API smoe_status smoe_session_set_sampler(smoe_session *session, const smoe_sampler_params *params);
+
+/* The model's log-probabilities: log-softmax of logits (vocab floats; NaN counts as −inf) in
+ * double, whatever the sampler's settings. *token_lp (may be NULL) ← token's, and top_ids /
+ * top_lps (top_n entries each, may be NULL when top_n is 0) ← the top_n likeliest ids and theirs,
+ * best first, ties by lower id. top_n ≤ SMOE_TOP_LOGPROBS. Pure; never allocates. */
+#define SMOE_TOP_LOGPROBS 64
+SMOE_API smoe_status smoe_logprobs(const float *logits, uint32_t vocab, int32_t token, uint32_t top_n,
+                                   double *token_lp, int32_t *top_ids, double *top_lps);
+
+/* ------------------------------------------------------------------------------- counters */
 
 typedef struct {
     uint32_t struct_size;
+    /* the session */
     uint32_t position;
-    uint64_t blob_reads;      /* blobs read from disk */
-    uint64_t bytes_read;
-    uint64_t cache_hits;      /* expert uses served by the retention cache */
-    uint64_t cache_misses;    /* expert uses that needed a read */
-    double io_wait_s;         /* seconds compute waited for blobs */
-    double prefill_s;         /* seconds inside smoe_prefill_chunk */
-    double decode_s;          /* seconds inside smoe_decode_step (and smoe_decode_batch: each member
-                                 counts the whole step, as it does the token in tokens_decoded) */
+    uint32_t num_layers;        /* entries smoe_stats_union_sizes fills */
     uint64_t tokens_prefilled;
     uint64_t tokens_decoded;
-    uint64_t resident_bytes;  /* dense + cache + kv + planes */
+    double prefill_s;           /* seconds inside smoe_prefill_chunk / smoe_prefill_rows */
+    double decode_s;            /* seconds inside smoe_decode_step (and smoe_decode_batch: each member
+                                   counts the whole step, as it does the token in tokens_decoded) */
+    /* memory: resident_bytes = dense + cache + kv + planes */
+    uint64_t resident_bytes;
     uint64_t dense_bytes;
-    uint64_t cache_bytes;     /* bytes of expert slots */
-    uint64_t kv_bytes;        /* the K and V cache for the whole context, in kv_dtype */
+    uint64_t cache_bytes;       /* bytes of the host cache's expert slots */
+    uint64_t kv_bytes;          /* the K and V cache for the whole context, in kv_dtype */
     uint64_t plane_bytes;
+    /* The host retention cache and its reads belong to the share of sessions made with
+     * smoe_session_new_shared: every sharer reports the same values, and resident_bytes counts the
+     * cache (like the dense weights) in full. The memory of a share is dense_bytes + cache_bytes +
+     * Σ over its sessions of (kv_bytes + plane_bytes). */
     uint32_t cache_slots;
-    uint32_t num_layers;      /* entries smoe_stats_union_sizes fills */
-    bool direct_io;           /* reads bypass the page cache */
-    /* The cache and its counters above (blob_reads .. io_wait_s, cache_bytes, cache_slots) belong
-     * to the share of sessions made with smoe_session_new_shared: every sharer reports the same
-     * values, and resident_bytes counts the cache (like the dense weights) in full. The memory
-     * of a share is dense_bytes + cache_bytes + Σ over its sessions of (kv_bytes + plane_bytes). */
     uint32_t cache_sharers;     /* sessions holding this cache now (1: not shared) */
-    uint64_t batch_steps;       /* smoe_decode_batch calls that succeeded on the share */
+    uint64_t blob_reads;        /* blobs read from disk */
+    uint64_t bytes_read;
+    uint64_t read_requests;     /* read requests issued: a coalesced run of blobs counts once */
+    uint64_t cache_hits;        /* expert uses served by the retention cache */
+    uint64_t cache_misses;      /* expert uses that needed a read */
+    double io_wait_s;           /* seconds compute waited for blobs */
+    /* batches on the share */
+    uint64_t batch_steps;       /* smoe_decode_batch calls that succeeded */
     uint64_t batch_tokens;      /* tokens they decoded (Σ n) */
     uint64_t batch_blob_reads;  /* blobs they read: batch_blob_reads / batch_tokens = reads per token */
-    uint64_t read_requests;   /* read requests issued: a coalesced run of blobs counts once */
+    bool direct_io;             /* reads bypass the page cache */
 } smoe_counters;
 
 SMOE_API smoe_status smoe_stats(const smoe_session *session, smoe_counters *out);
 
-/* What the session's device did (zeros on the CPU, whose tiers smoe_counters describes). */
+/* What the session's device did (zeros on the CPU, whose tiers smoe_counters describes). On a
+ * GPU the expert cache is the share's, like the host's. */
 typedef struct {
     uint32_t struct_size;
-    uint32_t device;          /* smoe_device */
-    uint64_t uploads;         /* expert blobs copied host → device */
-    uint64_t upload_bytes;
-    uint64_t vram_hits;       /* expert uses served by the VRAM cache */
-    uint64_t vram_misses;     /* expert uses that needed an upload */
-    uint64_t vram_cache_bytes; /* the VRAM expert cache (whole blobs of gpu_cache_bytes) */
-    uint64_t vram_other_bytes; /* dense weights, KV cache, planes in VRAM */
+    smoe_device device;
     uint32_t vram_slots;
+    uint64_t uploads;           /* expert blobs copied host → device */
+    uint64_t upload_bytes;
+    uint64_t vram_hits;         /* expert uses served by the VRAM cache */
+    uint64_t vram_misses;       /* expert uses that needed an upload */
+    uint64_t vram_cache_bytes;  /* the VRAM expert cache (whole blobs of gpu_cache_bytes) */
+    uint64_t vram_other_bytes;  /* dense weights, KV cache, planes in VRAM */
 } smoe_device_counters;
 
 SMOE_API smoe_status smoe_device_stats(const smoe_session *session, smoe_device_counters *out);
 /* One line naming the session's device and kernels, e.g. "cpu: avx2" or
  * "cuda: NVIDIA H200 (sm_90), 10 GiB expert cache". Valid while the session lives. */
 SMOE_API const char *smoe_session_backend(const smoe_session *session);
-/* (smoe_stats_reset and smoe_cache_clear act on the share's cache and counters: on every sharer.) */
-/* Per layer, the number of distinct experts the last smoe_prefill_chunk used (0 for dense
- * layers). out has room for cap entries; fills min(cap, num_layers). */
+/* (smoe_stats_reset and smoe_cache_clear act on the share's caches and counters: on every sharer.) */
+/* Per layer, the number of distinct experts the last prefill call used (0 for dense layers). out
+ * has room for cap entries; fills min(cap, num_layers). */
 SMOE_API smoe_status smoe_stats_union_sizes(const smoe_session *session, uint32_t *out, uint32_t cap);
 /* Per expert of layer, how many tokens had it among their top-k since the session was made or
  * smoe_stats_reset last ran (prefill chunks and decode steps alike). Fills
@@ -391,8 +432,26 @@ SMOE_API smoe_status smoe_stats_expert_counts(const smoe_session *session, uint3
                                               uint32_t cap);
 /* Zeroes the counters (not the cache). */
 SMOE_API smoe_status smoe_stats_reset(smoe_session *session);
-/* Drops every retained blob, so the next step starts cold. */
+/* Drops every retained blob (host and device), so the next step starts cold. */
 SMOE_API smoe_status smoe_cache_clear(smoe_session *session);
+
+/* ---------------------------------------------------------------------------- environment
+ *
+ * What the library reads from the environment: each only takes away or narrows, for measuring
+ * and testing; none is needed to run a model.
+ *   SMOE_NO_AVX512=1           the CPU kernels do not use AVX-512 (smoe_kernels says which run)
+ *   SMOE_NO_VNNI=1             nor AVX-VNNI / AVX512-VNNI
+ *   SMOE_RETENTION=lru|lrfu|lrfu:H  the host cache's victim order within a layer (default lrfu,
+ *                              H its half-life in visits of a layer; docs/streamer.md)
+ *   SMOE_CUDA_DEVICE_UNION=0   a GPU never forms a layer's union itself (every layer's routed
+ *                              ids come to the host)
+ *   SMOE_CUDA_GRAPH=0          a GPU never records a decode step
+ *   SMOE_CUDA_SAMPLE=0         a GPU leaves sampling's selection to the host
+ *   SMOE_CUDA_PIN=0            a GPU does not pin the host cache's slots
+ *   SMOE_CUDA_TC=0             a GPU's q4/q8 products do not use the tensor cores
+ *   SMOE_CUDA_FLASH=0          a GPU's attention does not use them (flash attention off)
+ *   SMOE_CUDA_TILE=0|1|2       the many-token tensor-core products' tile (a tuning experiment)
+ *   SMOE_CUDA_VRAM_FREE=BYTES  a GPU sees at most this much free VRAM (to test OutOfMemory) */
 
 #ifdef __cplusplus
 }

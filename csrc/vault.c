@@ -31,9 +31,10 @@
  * non-regular vault.bin is refused before any read, opened O_NONBLOCK so a FIFO cannot block.
  */
 #include "vault.h"
-#include "cpu.h"
+#include "smoe_testing.h"
+#include "cpu/cpu.h"
 
-#include "kernels.h"
+#include "cpu/kernels.h"
 
 #include <errno.h>
 #include <fcntl.h>

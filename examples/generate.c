@@ -62,18 +62,18 @@ int main(int argc, char **argv) {
         return fail("smoe_session_new", st);
     }
 
+    /* The prompt in layer-major chunks; the last one samples the first new id. */
     int rc = 0;
-    for (uint32_t start = 0; start + 1 < n && rc == 0; start += params.chunk) {
-        uint32_t len = n - 1 - start < params.chunk ? n - 1 - start : params.chunk;
-        if ((st = smoe_prefill_chunk(session, ids + start, len)) != SMOE_OK)
+    int32_t next = -1;
+    for (uint32_t start = 0; start < n && rc == 0; start += params.chunk) {
+        uint32_t len = n - start < params.chunk ? n - start : params.chunk;
+        if ((st = smoe_prefill_chunk(session, ids + start, len, NULL, start + len == n ? &next : NULL)) != SMOE_OK)
             rc = fail("smoe_prefill_chunk", st);
     }
-    int32_t next = ids[n - 1];
     for (long i = 0; i < max_tokens && rc == 0; i++) {
-        if ((st = smoe_decode_step(session, next, NULL, &next)) != SMOE_OK)
+        printf(i ? " %d" : "%d", next);
+        if (i + 1 < max_tokens && (st = smoe_decode_step(session, next, NULL, &next)) != SMOE_OK)
             rc = fail("smoe_decode_step", st);
-        else
-            printf(i ? " %d" : "%d", next);
     }
     printf("\n");
 

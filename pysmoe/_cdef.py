@@ -1,7 +1,7 @@
-"""The C declarations the binding uses: generated from csrc/smoe.h by scripts/gen_cdef.py."""
+"""The C declarations the binding uses: generated from csrc/smoe.h and csrc/smoe_testing.h by scripts/gen_cdef.py."""
 
 CDEF = """
-#define SMOE_ABI_VERSION 4
+#define SMOE_ABI_VERSION 5
 typedef enum {
 SMOE_OK = 0,
 SMOE_ERR_INVALID_ARG = -1,
@@ -56,26 +56,24 @@ smoe_status smoe_verify_vault(const smoe_vault *vault, smoe_verify_fn fn, void *
 uint32_t smoe_checksum(const void *data, size_t n);
 typedef enum { SMOE_FMT_F32 = 0, SMOE_FMT_BF16 = 1, SMOE_FMT_Q8 = 2, SMOE_FMT_Q4 = 3 } smoe_format;
 typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2, SMOE_SCALE_F32 = 3 } smoe_scale_format;
-smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t group_size,
-uint32_t rows, uint32_t cols, const void *data, size_t nbytes, float *out);
 typedef struct smoe_session smoe_session;
 typedef enum { SMOE_KV_F32 = 0, SMOE_KV_BF16 = 1, SMOE_KV_F16 = 2 } smoe_kv_dtype;
+typedef enum { SMOE_DEVICE_CPU = 0, SMOE_DEVICE_CUDA = 1 } smoe_device;
 typedef struct {
 uint32_t struct_size;
 uint32_t context;
 uint32_t chunk;
 uint32_t threads;
 uint32_t io_threads;
-uint32_t float_activations;
+smoe_kv_dtype kv_dtype;
+smoe_device device;
 uint64_t cache_bytes;
+uint64_t coalesce_bytes;
+uint64_t gpu_cache_bytes;
 bool direct_io;
 bool verify_blobs;
-uint64_t coalesce_bytes;
-uint32_t kv_dtype;
-uint32_t device;
-uint64_t gpu_cache_bytes;
+bool float_activations;
 } smoe_session_params;
-typedef enum { SMOE_DEVICE_CPU = 0, SMOE_DEVICE_CUDA = 1 } smoe_device;
 smoe_session_params smoe_session_default_params(void);
 smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *params,
 smoe_session **out);
@@ -88,7 +86,11 @@ smoe_status smoe_session_new_shared(smoe_session *sibling, const smoe_session_pa
 smoe_session **out);
 smoe_status smoe_decode_batch(smoe_session *const *sessions, const int32_t *ids, uint32_t n, float *logits,
 int32_t *next_ids, int32_t *failed);
-smoe_status smoe_prefill_chunk(smoe_session *session, const int32_t *ids, uint32_t n);
+smoe_status smoe_prefill_chunk(smoe_session *session, const int32_t *ids, uint32_t n, float *logits,
+int32_t *next_id);
+smoe_status smoe_prefill_rows(smoe_session *session, const int32_t *ids, uint32_t n, const uint32_t *rows,
+uint32_t n_rows, float *logits, int32_t *next_id);
+smoe_status smoe_decode_step(smoe_session *session, int32_t id, float *logits, int32_t *next_id);
 typedef struct {
 uint32_t struct_size;
 float temperature;
@@ -97,50 +99,51 @@ float top_p;
 float min_p;
 float repetition_penalty;
 uint32_t repetition_window;
+float presence_penalty;
+float frequency_penalty;
 uint64_t seed;
 } smoe_sampler_params;
 smoe_sampler_params smoe_sampler_default_params(void);
 smoe_status smoe_session_set_sampler(smoe_session *session, const smoe_sampler_params *params);
-smoe_status smoe_decode_step(smoe_session *session, int32_t id, float *logits, int32_t *next_id);
-smoe_status smoe_session_read_kv(const smoe_session *session, uint32_t layer, uint32_t start,
-uint32_t n, float *k, float *v);
+smoe_status smoe_logprobs(const float *logits, uint32_t vocab, int32_t token, uint32_t top_n,
+double *token_lp, int32_t *top_ids, double *top_lps);
 typedef struct {
 uint32_t struct_size;
 uint32_t position;
-uint64_t blob_reads;
-uint64_t bytes_read;
-uint64_t cache_hits;
-uint64_t cache_misses;
-double io_wait_s;
-double prefill_s;
-double decode_s;
+uint32_t num_layers;
 uint64_t tokens_prefilled;
 uint64_t tokens_decoded;
+double prefill_s;
+double decode_s;
 uint64_t resident_bytes;
 uint64_t dense_bytes;
 uint64_t cache_bytes;
 uint64_t kv_bytes;
 uint64_t plane_bytes;
 uint32_t cache_slots;
-uint32_t num_layers;
-bool direct_io;
 uint32_t cache_sharers;
+uint64_t blob_reads;
+uint64_t bytes_read;
+uint64_t read_requests;
+uint64_t cache_hits;
+uint64_t cache_misses;
+double io_wait_s;
 uint64_t batch_steps;
 uint64_t batch_tokens;
 uint64_t batch_blob_reads;
-uint64_t read_requests;
+bool direct_io;
 } smoe_counters;
 smoe_status smoe_stats(const smoe_session *session, smoe_counters *out);
 typedef struct {
 uint32_t struct_size;
-uint32_t device;
+smoe_device device;
+uint32_t vram_slots;
 uint64_t uploads;
 uint64_t upload_bytes;
 uint64_t vram_hits;
 uint64_t vram_misses;
 uint64_t vram_cache_bytes;
 uint64_t vram_other_bytes;
-uint32_t vram_slots;
 } smoe_device_counters;
 smoe_status smoe_device_stats(const smoe_session *session, smoe_device_counters *out);
 const char *smoe_session_backend(const smoe_session *session);
@@ -149,4 +152,8 @@ smoe_status smoe_stats_expert_counts(const smoe_session *session, uint32_t layer
 uint32_t cap);
 smoe_status smoe_stats_reset(smoe_session *session);
 smoe_status smoe_cache_clear(smoe_session *session);
+smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, uint32_t group_size,
+uint32_t rows, uint32_t cols, const void *data, size_t nbytes, float *out);
+smoe_status smoe_session_read_kv(const smoe_session *session, uint32_t layer, uint32_t start,
+uint32_t n, float *k, float *v);
 """

@@ -285,7 +285,7 @@ class Session:
         p.io_threads = io_threads
         p.direct_io = bool(direct_io)
         p.verify_blobs = bool(verify_blobs)
-        p.float_activations = int(activations == "f32")
+        p.float_activations = activations == "f32"
         if coalesce_bytes is not None:
             p.coalesce_bytes = coalesce_bytes
         if kv_dtype is not None:
@@ -449,7 +449,7 @@ class Session:
     # ------------------------------------------------------------------ the two calls
     @staticmethod
     def _sampler_params(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                        repetition_window=64, seed=0):
+                        repetition_window=64, seed=0, presence_penalty=0.0, frequency_penalty=0.0):
         """The smoe_sampler_params of these values, each checked for type and range (libsmoe
         checks the real-valued ones again)."""
         sp = ffi.new("smoe_sampler_params *", lib.smoe_sampler_default_params())
@@ -457,69 +457,133 @@ class Session:
         sp.top_p = _real_arg("top_p", top_p)
         sp.min_p = _real_arg("min_p", min_p)
         sp.repetition_penalty = _real_arg("repetition_penalty", repetition_penalty)
+        sp.presence_penalty = _real_arg("presence_penalty", presence_penalty)
+        sp.frequency_penalty = _real_arg("frequency_penalty", frequency_penalty)
         sp.top_k = _int_arg("top_k", top_k, 0, U32)
         sp.repetition_window = _int_arg("repetition_window", repetition_window, 0, U32)
         sp.seed = _int_arg("seed", seed, 0, U64)
-        if not (sp.temperature >= 0 and 0 < sp.top_p <= 1 and 0 <= sp.min_p <= 1 and sp.repetition_penalty > 0):
-            raise InvalidArgument("sampler: temperature ≥ 0, 0 < top_p ≤ 1, 0 ≤ min_p ≤ 1, repetition_penalty > 0 "
-                                  f"(got {temperature!r}, {top_p!r}, {min_p!r}, {repetition_penalty!r})")
+        if not (sp.temperature >= 0 and 0 < sp.top_p <= 1 and 0 <= sp.min_p <= 1 and sp.repetition_penalty > 0
+                and -2 <= sp.presence_penalty <= 2 and -2 <= sp.frequency_penalty <= 2):
+            raise InvalidArgument("sampler: temperature ≥ 0, 0 < top_p ≤ 1, 0 ≤ min_p ≤ 1, repetition_penalty > 0, "
+                                  "presence_penalty and frequency_penalty in [-2, 2] "
+                                  f"(got {temperature!r}, {top_p!r}, {min_p!r}, {repetition_penalty!r}, "
+                                  f"{presence_penalty!r}, {frequency_penalty!r})")
         return sp
 
     def set_sampler(self, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                    repetition_window=64, seed=0) -> None:
-        sp = self._sampler_params(temperature, top_k, top_p, min_p, repetition_penalty, repetition_window, seed)
+                    repetition_window=64, seed=0, presence_penalty=0.0, frequency_penalty=0.0) -> None:
+        """The session's sampler (the C one: smoe.h, "sampler"), used by decode_step's sampled id,
+        generate, and the ids prefill(..., sample=True) and decode_batch hand back. Reseeds it and
+        forgets the counts of the presence and frequency penalties."""
+        sp = self._sampler_params(temperature, top_k, top_p, min_p, repetition_penalty, repetition_window, seed,
+                                  presence_penalty, frequency_penalty)
         with self._claim():
             self._call(lib.smoe_session_set_sampler, sp)
 
-    def _step(self, token: int, want_logits=True):
+    def _step(self, token: int, want_logits=True, want_id=True):
         logits = np.empty(self._vocab, dtype=np.float32) if want_logits else None
-        nxt = ffi.new("int32_t *")
+        nxt = ffi.new("int32_t *") if want_id else ffi.NULL
         lp = ffi.cast("float *", ffi.from_buffer(logits)) if want_logits else ffi.NULL
         self._call(lib.smoe_decode_step, int(token), lp, nxt)
-        return logits, int(nxt[0])
+        return logits, int(nxt[0]) if want_id else None
 
-    def _feed(self, ids: np.ndarray) -> None:
-        """Everything but the last id, by the session's prefill path."""
+    def _feed(self, ids: np.ndarray, want_logits=True, want_id=False, rows=None):
+        """All of ids by the session's prefill path; returns (logits after the last id or None, an id
+        sampled after it or None, the logits after ids[rows] when rows is given: rows then end at the
+        last id if want_logits). Layer-major chunks hand back the last position's logits themselves:
+        no token-serial pass."""
         n_layers = len(self._union)
         union = [0] * n_layers
+        echo = None if rows is None else np.empty((len(rows), self._vocab), dtype=np.float32)
+        logits = np.empty(self._vocab, dtype=np.float32) if want_logits else None
+        nxt = ffi.new("int32_t *") if want_id else ffi.NULL
         if self.prefill_path == "token-serial":
-            for t in ids:
-                self._call(lib.smoe_decode_step, int(t), ffi.NULL, ffi.NULL)
+            want = set() if rows is None else {int(r): i for i, r in enumerate(rows)}
+            for j, t in enumerate(ids):
+                last = j + 1 == len(ids)
+                if last or j in want:
+                    row = np.empty(self._vocab, dtype=np.float32)
+                    self._call(lib.smoe_decode_step, int(t), ffi.cast("float *", ffi.from_buffer(row)),
+                               nxt if last else ffi.NULL)
+                    if j in want:
+                        echo[want[j]] = row
+                    if last and want_logits:
+                        logits[:] = row
+                else:
+                    self._call(lib.smoe_decode_step, int(t), ffi.NULL, ffi.NULL)
         else:
             sizes = ffi.new("uint32_t[]", n_layers)
+            rows = np.asarray([] if rows is None else rows, dtype=np.uint32)
             for start in range(0, len(ids), self.chunk):
                 part = ids[start:start + self.chunk]
-                self._call(lib.smoe_prefill_chunk, ffi.cast("int32_t *", ffi.from_buffer(part)), len(part))
+                last = start + self.chunk >= len(ids)
+                mine = np.flatnonzero((rows >= start) & (rows < start + len(part)))
+                lp = ffi.cast("float *", ffi.from_buffer(logits)) if last and want_logits else ffi.NULL
+                nid = nxt if last else ffi.NULL
+                if len(mine):
+                    local = np.ascontiguousarray(rows[mine] - start, dtype=np.uint32)
+                    out = np.empty((len(mine), self._vocab), dtype=np.float32)
+                    self._call(lib.smoe_prefill_rows, ffi.cast("int32_t *", ffi.from_buffer(part)), len(part),
+                               ffi.cast("uint32_t *", ffi.from_buffer(local)), len(local),
+                               ffi.cast("float *", ffi.from_buffer(out)), nid)
+                    echo[mine] = out
+                    if lp != ffi.NULL:  # rows end at the last id when its logits are wanted (prefill_logits)
+                        logits[:] = out[-1]
+                else:
+                    self._call(lib.smoe_prefill_chunk, ffi.cast("int32_t *", ffi.from_buffer(part)), len(part), lp,
+                               nid)
                 self._call(lib.smoe_stats_union_sizes, sizes, n_layers)
                 union = [u + int(sizes[i]) for i, u in enumerate(union)]
-        self._union = union
+            self._union = union
+        return logits, (int(nxt[0]) if want_id else None), echo
 
     def _check_room(self, n: int) -> None:
         if self.position + n > self.context:
             raise ContextFull(f"{n} more tokens would pass the context of {self.context} (position {self.position})")
 
-    def prefill(self, ids: Sequence[int]) -> np.ndarray:
+    def prefill(self, ids: Sequence[int], want_logits: bool = True) -> np.ndarray | None:
         """Feed a prompt; returns the logits (float32, vocab) that follow its last id.
 
-        All ids but the last go through the session's prefill path (layer-major chunks by
-        default); the last through the token-serial step. On any exception the position is
-        where it was before the call."""
+        The ids go through the session's prefill path: layer-major chunks by default, the last of
+        which hands back the logits (bit for bit those of feeding every id token-serially).
+        want_logits=False feeds the ids and computes no logits: a prompt fed in pieces asks for
+        them with its last piece only. On any exception the position is where it was before."""
         arr = self._ids(ids)
         with self._claim():
             self._check_room(len(arr))
-            self._feed(arr[:-1])
-            logits, _ = self._step(arr[-1])
+            logits, _, _ = self._feed(arr, want_logits=want_logits)
         return logits
+
+    def prefill_logits(self, ids: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+        """Feed ids as prefill() does and return the logits (len(rows), vocab) that follow each id
+        ids[r], r in rows (strictly increasing indices into ids): an echo's log-probabilities
+        without a token-serial pass."""
+        arr = self._ids(ids)
+        try:
+            r = np.asarray(rows, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(f"rows must be a sequence of indices into ids ({e})") from None
+        if r.size and (r[0] < 0 or r[-1] >= len(arr) or np.any(np.diff(r) <= 0)):
+            raise InvalidArgument(f"rows must increase strictly and lie in [0, {len(arr)}), not {list(r[:8])}...")
+        if r.size and r[-1] != len(arr) - 1:
+            rr = np.append(r, len(arr) - 1)
+        else:
+            rr = r
+        with self._claim():
+            self._check_room(len(arr))
+            _, _, echo = self._feed(arr, want_logits=False, rows=rr)
+        return echo[:len(r)]
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one id; returns the logits that follow it."""
         self._ids([token])
         with self._claim():
-            return self._step(token)[0]
+            return self._step(token, want_id=False)[0]
 
     def generate(self, ids: Sequence[int], max_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 stop: Sequence[int] = ()) -> Iterator[int]:
+                 stop: Sequence[int] = (), presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0) -> Iterator[int]:
         """Prefill ids, then yield up to max_tokens sampled ids (stops early at an id in stop or
         when the context is full). Every argument is checked here, before anything is fed; the
         work happens as the iterator is consumed. If it raises (Cancelled included), the
@@ -527,7 +591,8 @@ class Session:
         arr = self._ids(ids)
         max_tokens = _int_arg("max_tokens", max_tokens, 0)
         sp = self._sampler_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                  repetition_penalty=repetition_penalty, seed=seed)
+                                  repetition_penalty=repetition_penalty, seed=seed,
+                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty)
         stop = _stop_ids(stop)
         self._check_room(len(arr))
         return self._generate(arr, max_tokens, sp, stop)
@@ -538,8 +603,7 @@ class Session:
             if max_tokens == 0:
                 return
             self._check_room(len(arr))
-            self._feed(arr[:-1])
-            _, nxt = self._step(arr[-1], want_logits=False)
+            _, nxt, _ = self._feed(arr, want_logits=False, want_id=True)
         for i in range(max_tokens):
             yield nxt
             if nxt in stop or i + 1 == max_tokens or self.position >= self.context:

@@ -180,7 +180,7 @@ def _engine_pass(s, ids, chunk: int, n_layers: int, want_counts: bool):
         part = arr[start:start + chunk]
         if fn is not None:
             check(lib.smoe_stats_reset(s.handle))
-        check(lib.smoe_prefill_chunk(s.handle, ffi.cast("int32_t *", ffi.from_buffer(part)), len(part)))
+        check(lib.smoe_prefill_chunk(s.handle, ffi.cast("int32_t *", ffi.from_buffer(part)), len(part), ffi.NULL, ffi.NULL))
         check(lib.smoe_stats_union_sizes(s.handle, sizes, n_layers))
         unions.append([int(sizes[i]) for i in range(n_layers)])
         if fn is not None:

@@ -1,4 +1,4 @@
-"""Print the cffi cdef that pysmoe/_cdef.py holds, derived from csrc/smoe.h.
+"""Print the cffi cdef that pysmoe/_cdef.py holds, derived from csrc/smoe.h and csrc/smoe_testing.h.
 
     python scripts/gen_cdef.py > pysmoe/_cdef.py
 
@@ -30,9 +30,16 @@ def cdef_from_header(text: str) -> str:
 
 
 def render(text: str) -> str:
-    return ('"""The C declarations the binding uses: generated from csrc/smoe.h by scripts/gen_cdef.py."""\n\n'
+    return ('"""The C declarations the binding uses: generated from csrc/smoe.h and csrc/smoe_testing.h by scripts/gen_cdef.py."""\n\n'
             f'CDEF = """\n{cdef_from_header(text)}"""\n')
 
 
+HEADERS = ("smoe.h", "smoe_testing.h")  # the ABI, then the calls for tests and tools
+
+
+def header_text() -> str:
+    return "\n".join((ROOT / "csrc" / h).read_text() for h in HEADERS)
+
+
 if __name__ == "__main__":
-    sys.stdout.write(render((ROOT / "csrc" / "smoe.h").read_text()))
+    sys.stdout.write(render(header_text()))

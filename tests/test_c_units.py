@@ -2,8 +2,8 @@
 
 tests/c/test_kernels.c, tests/c/test_kernels_neon.c, tests/c/test_pool_sample.c and
 tests/c/test_checksum.c and tests/c/test_threads.c (with the whole engine, as test_paths.c) are compiled
-here with gcc against the csrc files they need (kernels.c, kernels_avx2.c, kernels_avx512.c, kernels_neon.c, cpu.c,
-pool.c, sample.c, util.c) with the engine's flags, and run. Builds:
+here with gcc against the csrc files they need (csrc/cpu's kernels, cpu.c and pool.c, csrc/engine/sample.c,
+csrc/util.c) with the engine's flags, and run. Builds:
 
     O2, O3        the engine's flags; the vector-extension lane loops; on x86-64 the AVX2 kernels,
                   on arm64 the NEON ones (test_kernels_neon has nothing to test elsewhere; `make
@@ -33,8 +33,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 CSRC = ROOT / "csrc"
-LIB_SOURCES = [CSRC / name for name in ("kernels.c", "kernels_avx2.c", "kernels_avx512.c", "kernels_neon.c", "cpu.c",
-                                        "pool.c", "sample.c", "util.c")]
+LIB_SOURCES = [CSRC / name for name in ("cpu/kernels.c", "cpu/kernels_ref.c", "cpu/kernels_avx2.c",
+                                        "cpu/kernels_avx512.c", "cpu/kernels_neon.c", "cpu/cpu.c", "cpu/pool.c",
+                                        "engine/sample.c", "util.c")]
+# the whole library as the Makefile builds it without CUDA: csrc/, csrc/engine/, csrc/cpu/
+ALL_SOURCES = sorted(p for d in ("", "engine", "cpu") for p in (CSRC / d).glob("*.c"))
 FLAGS = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread", "-ffp-contract=off", "-D_GNU_SOURCE", f"-I{CSRC}"]
 X86 = platform.machine() in ("x86_64", "AMD64")
 ARM64 = platform.machine() in ("aarch64", "arm64")
@@ -70,7 +73,7 @@ def build(tmp_path_factory):
             isa = [] if variant == "portable" else ISA_FLAGS
             # the CPU-check build and test_paths link the whole engine (smoe_open_vault etc.)
             whole = variant == "cpuhook" or program in ("test_paths", "test_threads")
-            sources = sorted(CSRC.glob("*.c")) if whole else LIB_SOURCES
+            sources = ALL_SOURCES if whole else LIB_SOURCES
             cmd = ["gcc", *FLAGS, *isa, *BUILDS[variant], str(ROOT / "tests" / "c" / f"{program}.c"),
                    *map(str, sources), "-lm", "-o", str(exe)]
             r = subprocess.run(cmd, capture_output=True, text=True, env=_no_preload())

@@ -244,7 +244,7 @@ def test_bad_input_is_an_error_and_the_session_survives(tiny_vault):
 def test_null_handles_and_bad_params_from_c():
     from pysmoe._ffi import ffi, lib
     assert lib.smoe_decode_step(ffi.NULL, 1, ffi.NULL, ffi.NULL) == pysmoe.InvalidArgument.code
-    assert lib.smoe_prefill_chunk(ffi.NULL, ffi.NULL, 0) == pysmoe.InvalidArgument.code
+    assert lib.smoe_prefill_chunk(ffi.NULL, ffi.NULL, 0, ffi.NULL, ffi.NULL) == pysmoe.InvalidArgument.code
     assert lib.smoe_session_new(ffi.NULL, ffi.NULL, ffi.NULL) == pysmoe.InvalidArgument.code
     lib.smoe_session_free(ffi.NULL)
     lib.smoe_close_vault(ffi.NULL)

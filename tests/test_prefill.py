@@ -139,7 +139,7 @@ def chunk_reads(vault, ids, chunk=None, budget=0):
     L, E = vault.config["num_hidden_layers"], vault.config["num_experts"]
     with vault.session(cache_bytes=budget, chunk=chunk or len(ids)) as s:
         arr = np.asarray(ids, dtype=np.int32)
-        check(lib.smoe_prefill_chunk(s.handle, ffi.cast("int32_t *", ffi.from_buffer(arr)), len(arr)))
+        check(lib.smoe_prefill_chunk(s.handle, ffi.cast("int32_t *", ffi.from_buffer(arr)), len(arr), ffi.NULL, ffi.NULL))
         sizes = ffi.new("uint32_t[]", L)
         check(lib.smoe_stats_union_sizes(s.handle, sizes, L))
         counts = ffi.new("uint64_t[]", E)
@@ -198,7 +198,7 @@ def test_coalesced_reads_read_the_same_blobs_in_fewer_requests(tiny_vault, max_r
     with vault.session(cache_bytes=vault.expert_bytes, chunk=len(ids),
                        coalesce_bytes=max_run * vault.blob_bytes) as s:
         arr = np.asarray(ids[:-1], dtype=np.int32)
-        check(lib.smoe_prefill_chunk(s.handle, ffi.cast("int32_t *", ffi.from_buffer(arr)), len(arr)))
+        check(lib.smoe_prefill_chunk(s.handle, ffi.cast("int32_t *", ffi.from_buffer(arr)), len(arr), ffi.NULL, ffi.NULL))
         st = s.stats()
     want = [np.unique(r).tolist() for r in ReferenceModel(tiny_vault).routing(ids[:-1]) if r is not None]
     assert st["blob_reads"] == sum(len(u) for u in want)

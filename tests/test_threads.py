@@ -100,7 +100,7 @@ def test_concurrent_c_calls_on_one_session_are_refused(tiny_vault):
     def hammer(i):
         p = ffi.cast("int32_t *", ffi.from_buffer(ids))
         for _ in range(60):
-            rc = lib.smoe_prefill_chunk(h, p, len(ids)) if i % 2 == 0 else lib.smoe_cache_clear(h)
+            rc = lib.smoe_prefill_chunk(h, p, len(ids), ffi.NULL, ffi.NULL) if i % 2 == 0 else lib.smoe_cache_clear(h)
             with lock:
                 codes.append((i % 2, rc))
             if rc == lib.SMOE_ERR_CONTEXT_FULL:

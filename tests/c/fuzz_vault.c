@@ -124,7 +124,7 @@ static int fuzz_blobs(const char *vault_bin, long iters) {
         p.verify_blobs = it % 2 == 0;
         smoe_session *s;
         if (smoe_session_new(v, &p, &s) != SMOE_OK) return fprintf(stderr, "%s\n", smoe_last_error()), 1;
-        smoe_status st = smoe_prefill_chunk(s, ids, 23);
+        smoe_status st = smoe_prefill_chunk(s, ids, 23, NULL, NULL);
         if (st == SMOE_OK) st = smoe_decode_step(s, ids[23], NULL, NULL);
         uint64_t routed, *counts = calloc(E, sizeof *counts);
         smoe_stats_expert_counts(s, key / E, counts, E);

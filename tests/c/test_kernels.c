@@ -18,8 +18,8 @@
  *           against a naive search (and vcvtps2ph where the build has F16C);
  *   dequantisation, n- and split-independence (both), topk order: exact (bits).
  */
-#include "kernels_isa.h"
-#include "cpu.h"
+#include "cpu/kernels_isa.h"
+#include "cpu/cpu.h"
 #ifdef SMOE_CPU_TEST_HOOKS
 #include "smoe.h"
 #endif

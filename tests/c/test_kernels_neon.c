@@ -18,7 +18,7 @@
  *   attend against the reference: exact (bits), for every KV type (kernels.h);
  *   n- and split-independence, the dispatch, rmsnorm in place, every f16 scale: exact (bits).
  */
-#include "kernels_isa.h"
+#include "cpu/kernels_isa.h"
 
 #include <math.h>
 #include <stdio.h>

@@ -94,7 +94,7 @@ int main(int argc, char **argv) {
     atomic_store(&armed, 1);
     for (int start = 0; start < n_prompt; start += (int)p.chunk) {
         int len = n_prompt - start < (int)p.chunk ? n_prompt - start : (int)p.chunk;
-        if ((st = smoe_prefill_chunk(s, ids + start, (uint32_t)len)))
+        if ((st = smoe_prefill_chunk(s, ids + start, (uint32_t)len, NULL, NULL)))
             return fail("prefill", st);
     }
     int32_t next = 1;

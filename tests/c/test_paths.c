@@ -14,6 +14,7 @@
  * no Python on the target: `make neon-check` runs it, linked statically for AArch64, under
  * qemu-aarch64, so the NEON kernels are checked inside the engine and not only one by one. */
 #include "smoe.h"
+#include "smoe_testing.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -51,7 +52,7 @@ static int run_prompt(smoe_vault *vault, const int32_t *ids, uint32_t n, uint32_
     int rc = 0;
     for (uint32_t i = 0; i + 1 < n && rc == 0;) {
         uint32_t len = chunk == 0 ? 0 : (n - 1 - i < chunk ? n - 1 - i : chunk);
-        st = len ? smoe_prefill_chunk(s, ids + i, len) : smoe_decode_step(s, ids[i], NULL, NULL);
+        st = len ? smoe_prefill_chunk(s, ids + i, len, NULL, NULL) : smoe_decode_step(s, ids[i], NULL, NULL);
         i += len ? len : 1;
         if (st != SMOE_OK) rc = 1;
     }

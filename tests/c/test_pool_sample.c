@@ -3,8 +3,8 @@
  * Built and run by tests/test_c_units.py; exits non-zero if any check failed. Frequencies are
  * checked within 0.015 absolute over 20,000 draws (about 4.7 standard deviations at p = 0.3).
  */
-#include "pool.h"
-#include "sample.h"
+#include "cpu/pool.h"
+#include "engine/sample.h"
 
 #include <math.h>
 #include <stdatomic.h>
@@ -154,7 +154,7 @@ static int32_t sample1(const smoe_sampler_params *p, const float *logits, uint32
                        uint32_t nh) {
     static float scratch[200000];
     static int32_t sidx[200000];
-    smoe_sampler s;
+    smoe_sampler s = {0};
     smoe_sampler_init(&s, p);
     return smoe_sample(&s, logits, vocab, hist, nh, scratch, sidx);
 }
@@ -166,7 +166,7 @@ static void check_freq(const char *what, const smoe_sampler_params *p, const flo
     static float scratch[64];
     static int32_t sidx[64];
     uint32_t count[64] = {0};
-    smoe_sampler s;
+    smoe_sampler s = {0};
     smoe_sampler_init(&s, p);
     for (int d = 0; d < DRAWS; d++) {
         int32_t id = smoe_sample(&s, logits, vocab, NULL, 0, scratch, sidx);
@@ -212,7 +212,7 @@ static void test_sampler(void) {
     static int32_t sidx[V];
     int32_t a[200], b[200], c[200];
     smoe_sampler_params pt = params(1.0f, 0, 1.0f, 0.0f, 42);
-    smoe_sampler sa, sb, sc;
+    smoe_sampler sa = {0}, sb = {0}, sc = {0};
     smoe_sampler_init(&sa, &pt);
     smoe_sampler_init(&sb, &pt);
     pt.seed = 43;
@@ -311,7 +311,7 @@ static void test_sampler(void) {
             cum += exp(big[bi] - m) / zb;
         }
         smoe_sampler_params bp = params(1.0f, 0, 0.5f, 0.0f, 13);
-        smoe_sampler s;
+        smoe_sampler s = {0};
         smoe_sampler_init(&s, &bp);
         static float bscratch[BIG];
         static int32_t bidx[BIG];

@@ -12,6 +12,7 @@
  * Prints "test_threads: ok" (tests/test_c_units.py builds and runs it, also under ASan).
  */
 #include "smoe.h"
+#include "smoe_testing.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -50,7 +51,7 @@ static smoe_session *new_session(uint32_t chunk) {
 static void *prefiller(void *arg) {
     (void)arg;
     for (int i = 0; i < ROUNDS; i++) {
-        smoe_status st = smoe_prefill_chunk(shared, ids, CHUNK);
+        smoe_status st = smoe_prefill_chunk(shared, ids, CHUNK, NULL, NULL);
         CHECK(st == SMOE_OK || st == SMOE_ERR_BUSY, "prefill returned %d", st);
         atomic_fetch_add(st == SMOE_OK ? &ok_calls : &busy_calls, 1);
     }
@@ -105,7 +106,7 @@ static void test_busy(void) {
     CHECK(smoe_session_position(shared) == (uint32_t)ok * CHUNK, "position %u after %d chunks",
           smoe_session_position(shared), ok);
     smoe_session *ref = new_session(CHUNK);
-    for (int i = 0; i < ok; i++) CHECK(smoe_prefill_chunk(ref, ids, CHUNK) == SMOE_OK, "ref");
+    for (int i = 0; i < ok; i++) CHECK(smoe_prefill_chunk(ref, ids, CHUNK, NULL, NULL) == SMOE_OK, "ref");
     kv_equal(shared, ref, (uint32_t)ok * CHUNK);
     smoe_session_free(ref);
     smoe_session_free(shared);
@@ -125,14 +126,14 @@ static void test_cancel(void) {
     int32_t prompt[N];
     for (int i = 0; i < N; i++) prompt[i] = (i * 37 + 11) % 256;
     smoe_session *s = new_session(N), *ref = new_session(N);
-    CHECK(smoe_prefill_chunk(s, prompt, 8) == SMOE_OK, "head");
-    CHECK(smoe_prefill_chunk(ref, prompt, 8) == SMOE_OK, "head");
+    CHECK(smoe_prefill_chunk(s, prompt, 8, NULL, NULL) == SMOE_OK, "head");
+    CHECK(smoe_prefill_chunk(ref, prompt, 8, NULL, NULL) == SMOE_OK, "head");
     int cancelled = 0;
     for (int round = 0; round < 10; round++) {
         atomic_store(&stop_cancel, 0);
         pthread_t t;
         pthread_create(&t, NULL, canceller, s);
-        smoe_status st = smoe_prefill_chunk(s, prompt, N);
+        smoe_status st = smoe_prefill_chunk(s, prompt, N, NULL, NULL);
         atomic_store(&stop_cancel, 1);
         pthread_join(t, NULL);
         CHECK(st == SMOE_OK || st == SMOE_ERR_CANCELLED, "prefill under cancel returned %d", st);
@@ -146,8 +147,8 @@ static void test_cancel(void) {
     }
     CHECK(cancelled > 0, "no prefill was cancelled");
     /* still usable, and exact */
-    CHECK(smoe_prefill_chunk(s, prompt, N) == SMOE_OK, "after cancel");
-    CHECK(smoe_prefill_chunk(ref, prompt, N) == SMOE_OK, "ref");
+    CHECK(smoe_prefill_chunk(s, prompt, N, NULL, NULL) == SMOE_OK, "after cancel");
+    CHECK(smoe_prefill_chunk(ref, prompt, N, NULL, NULL) == SMOE_OK, "ref");
     kv_equal(s, ref, 8 + N);
     /* a cancel while nothing runs is ignored */
     CHECK(smoe_session_cancel(s) == SMOE_OK, "cancel");

@@ -12,7 +12,7 @@
  *
  * What they must keep
  * -------------------
- * kernels.c's arithmetic of smoe_matmul_rows_qx exactly: the bits of the reference (and of the
+ * kernels_ref.c's arithmetic of smoe_matmul_rows_qx exactly: the bits of the reference (and of the
  * AVX2 instances) for every input. The integer block sums I are exact, so how they are formed
  * does not matter; the float part, per (row, token),
  *     tot[j] = fma((float)I_j, σ_j·d_j, tot[j])   j < 8, over the groups of 4 units in order
@@ -80,7 +80,7 @@ INLINE bool group_ok(uint32_t G) { return G == 32 || G == 64 || G == 128; }
 /* bytes of one scale or bias */
 INLINE size_t sf_bytes(uint8_t sf) { return sf == SMOE_SCALE_F32 ? 4 : 2; }
 
-/* ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), kernels.c's hsum8 */
+/* ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), kernels_ref.c's hsum8 */
 INLINE float hsum8(__m256 v) {
     __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
@@ -113,7 +113,7 @@ INLINE void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf,
     for (uint32_t z = ng; z < upto; z += 16) _mm512_storeu_ps(dst + z, _mm512_setzero_ps());
 }
 
-/* One token's codes, `up` units in the reference layout (kernels.c) at src, into this file's
+/* One token's codes, `up` units in the reference layout (kernels_ref.c) at src, into this file's
  * layout at dst (64 bytes per unit, above). */
 A512 static void relayout(uint8_t *dst, const void *src, uint32_t up, bool q8) {
     if (!q8) {
@@ -142,7 +142,7 @@ A512 static void relayout(uint8_t *dst, const void *src, uint32_t up, bool q8) {
     }
 }
 
-/* CMAP[4Q + s]: the reference lane (kernels.c's j: unit j%4 of the group, block j/4) of lane
+/* CMAP[4Q + s]: the reference lane (kernels_ref.c's j: unit j%4 of the group, block j/4) of lane
  * 4Q + s of red4's result: unit 2(s%2) + Q/2, block Q%2 */
 #define CMAP 0, 2, 0, 2, 4, 6, 4, 6, 1, 3, 1, 3, 5, 7, 5, 7
 /* its inverse: lanes [row 0's reference lanes 0..7 | row 1's] of a red4-ordered register */

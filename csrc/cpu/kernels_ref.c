@@ -1,4 +1,4 @@
-/* kernels.c — the portable reference kernels (kernels.h).
+/* kernels_ref.c — the portable reference kernels (kernels.h), and the kernels every build shares.
  *
  * The reduction-order rule
  * ------------------------
@@ -43,20 +43,8 @@
  *
  * Assumes a little-endian host (the vault is little-endian and is used in place).
  *
- * Dispatch. The functions of kernels.h at the end of this file pick, at build time, the AVX2
- * kernels of kernels_avx2.c or the NEON kernels of kernels_neon.c (which keep the same rule with
- * their own, stated, order and are tested against these within a tolerance) or these reference
- * kernels, which keep their own names (smoe_ref_*) in every build. See kernels_isa.h. On x86-64
- * the 8-bit-activation product then picks, at run time, an instance with these bits exactly:
- * AVX512-VNNI, AVX-512 (F + BW), AVX-VNNI or plain AVX2, the first this CPU has (cpu.h,
- * smoe_cpu_avx512; kernels_avx512.c, kernels_avx2_qx.h), unless SMOE_NO_AVX512=1 / SMOE_NO_VNNI=1 —
- * except one token (n = 1, decode's products), which always takes the AVX2 instance: its
- * matrix-vector product prefetches the rows ahead and streams the weights at 2.1-2.3x the AVX-512
- * instance's speed on one core of AMD Zen 5 (bench/qx_isa.c; bench/RESULTS.md, "AVX-512 on Zen 5").
  */
 #include "kernels_isa.h"
-
-#include "cpu.h"
 
 #include <math.h>
 #include <string.h>
@@ -662,82 +650,4 @@ void smoe_axpy(float *y, float a, const float *x, uint32_t n) {
         float ax = a * x[i];
         y[i] += ax;
     }
-}
-
-/* ----------------------------------------------------------------------------- dispatch */
-
-const char *smoe_kernels_isa(void) { return SMOE_HAVE_AVX2 ? "avx2" : SMOE_HAVE_NEON ? "neon" : "portable"; }
-
-/* ", cuda" after the CPU's kernels in a library built with the CUDA backend (smoe.h) */
-#if SMOE_CUDA
-#define SMOE_KERNELS_DEVICES ", cuda"
-#else
-#define SMOE_KERNELS_DEVICES ""
-#endif
-
-const char *smoe_kernels(void) {
-#if SMOE_HAVE_AVX2
-    const unsigned a512 = smoe_cpu_avx512();
-    if (a512 & SMOE_CPU_AVX512VNNI) return "avx2+avx512vnni" SMOE_KERNELS_DEVICES;
-    if (a512 & SMOE_CPU_AVX512) return "avx2+avx512" SMOE_KERNELS_DEVICES;
-    if (smoe_avx2_qx_vnni()) return "avx2+avx-vnni" SMOE_KERNELS_DEVICES;
-#endif
-    return SMOE_HAVE_AVX2 ? "avx2" SMOE_KERNELS_DEVICES
-           : SMOE_HAVE_NEON ? "neon" SMOE_KERNELS_DEVICES : "portable" SMOE_KERNELS_DEVICES;
-}
-
-void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n,
-                      float *y, size_t ldy, uint32_t r0, uint32_t r1) {
-#if SMOE_HAVE_AVX2
-    if (smoe_avx2_matmul_rows(W, w, x, ldx, n, y, ldy, r0, r1)) return;
-#elif SMOE_HAVE_NEON
-    if (smoe_neon_matmul_rows(W, w, x, ldx, n, y, ldy, r0, r1)) return;
-#endif
-    smoe_ref_matmul_rows(W, w, x, ldx, n, y, ldy, r0, r1);
-}
-
-void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
-                     void *codes, float *d, float *gsum) {
-#if SMOE_HAVE_AVX2
-    if (smoe_avx2_qx_prepare(x, ldx, n, cols, wformat, group, codes, d, gsum)) return;
-#endif
-    smoe_ref_qx_prepare(x, ldx, n, cols, wformat, group, codes, d, gsum);
-}
-
-void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
-                         uint32_t r0, uint32_t r1) {
-#if SMOE_HAVE_AVX2
-#if SMOE_HAVE_AVX512
-    const unsigned a512 = n > 1 ? smoe_cpu_avx512() : 0; /* n = 1: AVX2's prefetching matvec (above) */
-    if ((a512 & SMOE_CPU_AVX512VNNI) ? smoe_avx512_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1)
-        : (a512 & SMOE_CPU_AVX512)   ? smoe_avx512_matmul_rows_qx_bw(W, w, X, n, y, ldy, r0, r1)
-                                     : false)
-        return;
-#endif
-    if (smoe_avx2_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1)) return;
-#elif SMOE_HAVE_NEON
-    if (smoe_neon_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1)) return;
-#endif
-    smoe_ref_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1);
-}
-
-void smoe_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps) {
-#if SMOE_HAVE_AVX2
-    smoe_avx2_rmsnorm(out, x, weight, dim, eps);
-#elif SMOE_HAVE_NEON
-    smoe_neon_rmsnorm(out, x, weight, dim, eps);
-#else
-    smoe_ref_rmsnorm(out, x, weight, dim, eps);
-#endif
-}
-
-void smoe_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
-                 uint32_t head_dim, uint32_t kv_dtype, float *scratch) {
-#if SMOE_HAVE_AVX2
-    smoe_avx2_attend(out, q, k, v, stride, n_pos, head_dim, kv_dtype, scratch);
-#elif SMOE_HAVE_NEON
-    smoe_neon_attend(out, q, k, v, stride, n_pos, head_dim, kv_dtype, scratch);
-#else
-    smoe_ref_attend(out, q, k, v, stride, n_pos, head_dim, kv_dtype, scratch);
-#endif
 }

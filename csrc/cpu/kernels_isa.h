@@ -45,7 +45,7 @@
 /* Which kernels this build runs: "avx2", "neon" or "portable". */
 const char *smoe_kernels_isa(void);
 
-/* The reference kernels (kernels.c), kept forever: the fast ones are tested against them. */
+/* The reference kernels (kernels_ref.c), kept forever: the fast ones are tested against them. */
 void smoe_ref_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
                           size_t ldy, uint32_t r0, uint32_t r1);
 void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,

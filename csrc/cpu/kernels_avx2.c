@@ -2,7 +2,7 @@
  *
  * What they must keep
  * -------------------
- * The rule of kernels.c: each output element is reduced by one sequence of floating-point
+ * The rule of kernels_ref.c: each output element is reduced by one sequence of floating-point
  * operations that depends on its own shape only — never on n, on the rows [r0, r1) a thread was
  * given, or on the thread count — so the token-serial and layer-major paths agree bit for bit.
  * They need not agree with the reference kernels bit for bit (they use fused multiply-adds and
@@ -350,7 +350,7 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
 
 /* ---------------------------------------------------------- q with 8-bit activations */
 
-/* smoe_matmul_rows_qx: the arithmetic kernels.c states, on vectors. A row block's codes are first
+/* smoe_matmul_rows_qx: the arithmetic kernels_ref.c states, on vectors. A row block's codes are first
  * unpacked into the layout of the x codes (qx_unpack); then for each (row, token), four units of
  * 64 columns at a time: the integer products P_u (8 int32 lanes: lanes 0–3 from block 0, 4–7 from
  * block 1; exact, so how they are formed does not matter), two rounds of hadd to the exact block
@@ -379,7 +379,7 @@ enum {
 #define QX_AHEAD 4 /* rows ahead the matrix-vector product prefetches its weights */
 #endif
 
-/* σ of kernels.c for units [g, g+4): lane j the scale of the group holding block j/4 of unit
+/* σ of kernels_ref.c for units [g, g+4): lane j the scale of the group holding block j/4 of unit
  * g + j%4, from s, the row's scales by group (zero-padded to a multiple of 8, which covers every
  * empty block). G = 64: [s_g..s_g+4 | s_g..s_g+4]; G = 32: block b of unit u is group 2u + b;
  * G = 128: unit u is half of group u/2. */
@@ -409,7 +409,7 @@ INLINE __m256 qx_sigma(const uint32_t G, const float *s, uint32_t g) {
 #endif
 
 /* smoe_ref_qx_prepare on vectors, the same bytes: max|x| per 32 columns (order-free), codes
- * rounded by cvtps (round-half-even, as nearbyintf), packed into the layout of kernels.c, the
+ * rounded by cvtps (round-half-even, as nearbyintf), packed into the layout of kernels_ref.c, the
  * group sums in group_sums' order. A block holding an inf or a NaN goes to the scalar code; a
  * last half unit (cols an odd multiple of 32) is read through a zero-padded copy, so its empty
  * block gets d = 0 and codes 0 as the reference gives it. */

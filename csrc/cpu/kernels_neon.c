@@ -6,7 +6,7 @@
  *
  * What they must keep
  * -------------------
- * The rule of kernels.c: each output element is reduced by one sequence of floating-point
+ * The rule of kernels_ref.c: each output element is reduced by one sequence of floating-point
  * operations that depends on its own shape only — never on n, on the rows [r0, r1) a thread was
  * given, or on the thread count — so the token-serial and layer-major paths agree bit for bit.
  * They need not agree with the reference kernels bit for bit (they fuse multiply-adds and use
@@ -709,12 +709,12 @@ void smoe_neon_attend(float *out, const float *q, const void *k, const void *v, 
 
 /* ---------------------------------------------------------- q with 8-bit activations */
 
-/* smoe_matmul_rows_qx with NEON: the reference's arithmetic (kernels.c), the same bits. Each
+/* smoe_matmul_rows_qx with NEON: the reference's arithmetic (kernels_ref.c), the same bits. Each
  * row's codes are unpacked once into the layout of the x codes; per (row, token) and block the
  * integer products are widened (vmull, exact) and pairwise added into int32 (vpadal), summed
  * with vaddvq (exact); the float part is the reference's, lanes 0–3 and 4–7 in two vectors. */
 
-/* A row of `cols` columns' codes for units [0, up) in the layout of kernels.c (q4 as int8:
+/* A row of `cols` columns' codes for units [0, up) in the layout of kernels_ref.c (q4 as int8:
  * columns 0–15, 32–47, 16–31, 48–63 per unit of 64; q8 as int16: columns 8v..8v+8 | 32+8v..32+8v+8
  * for v = 0..3), zeros past cols. A last half unit is read through a zero-padded copy. */
 static void qx_unpack_neon(uint8_t *dst, const uint8_t *src, uint32_t cols, uint32_t up, bool q8) {
@@ -793,7 +793,7 @@ bool smoe_neon_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe
     const size_t row_bytes = q8 ? cols : cols / 2, gb = q8 ? 128 : 64, sbytes = scale_bytes(W->scale_format);
     _Alignas(16) uint8_t cw[MAXU * 128]; /* (units · bytes) one row's unpacked codes */
     float sb[MAXG], bb[MAXG];            /* (groups) its scales and biases, zero-padded */
-    float se[2 * MAXU];                  /* (units · 2) σ of kernels.c per lane: se[8k + j] for units 4k.. */
+    float se[2 * MAXU];                  /* (units · 2) σ of kernels_ref.c per lane: se[8k + j] for units 4k.. */
     for (uint32_t r = r0; r < r1; r++) {
         qx_unpack_neon(cw, w + (size_t)r * row_bytes, cols, up, q8);
         load_scales(sb, w + W->scales_off + sbytes * (size_t)r * ng, ng, W->scale_format);

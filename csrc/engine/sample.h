@@ -1,5 +1,5 @@
 /* sample.h — choosing the next id from logits: greedy, temperature, top-k, top-p, min-p,
- * repetition penalty; deterministic for a given seed. */
+ * repetition, presence and frequency penalties; deterministic for a given seed. */
 #ifndef SMOE_SAMPLE_H
 #define SMOE_SAMPLE_H
 
@@ -7,10 +7,17 @@
 
 typedef struct {
     smoe_sampler_params p;
-    uint64_t rng[2]; /* xoroshiro128+ state from the seed */
+    uint64_t rng[2];   /* xoroshiro128+ state from the seed */
+    uint32_t *counts;  /* (vocab) times each id was drawn since the sampler was set; the session's */
+    int32_t *drawn;    /* (vocab) the ids with a count, in order of their first draw */
+    uint32_t n_drawn;
 } smoe_sampler;
 
+/* Sets p, seeds the generator and forgets the counts (counts and drawn: vocab entries each, the
+ * caller's, zeroed before the first init). */
 void smoe_sampler_init(smoe_sampler *s, const smoe_sampler_params *p);
+/* id was drawn (or forced in its place): counted for the presence and frequency penalties. */
+void smoe_sampler_observe(smoe_sampler *s, int32_t id);
 
 /* Picks the next id. logits (vocab) are not modified. history: the ids so far (for the
  * repetition penalty). scratch: vocab floats; scratch_idx: vocab ints. Never allocates.

@@ -5,7 +5,7 @@
  * row range a thread was given, or on the thread count. Every kernel here reduces each output
  * element in one fixed order, whatever the batch.
  *
- * kernels.c holds the portable reference versions (kept forever; the fast ones are checked
+ * kernels_ref.c holds the portable reference versions (kept forever; the fast ones are checked
  * against them). */
 #ifndef SMOE_KERNELS_H
 #define SMOE_KERNELS_H
@@ -22,7 +22,7 @@ void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, si
  * round(x · 127/max|x|) in [−127, 127]; plus each weight group's float sum for the bias term.
  * Then, with I the exact integer Σ q·code over one block (q the weight's codes),
  *     y = Σ_blocks (s·d)·I + Σ_g b_g·Σ_{c∈g} x_c      (s the scale of the block's group)
- * in the fixed order kernels.c states. Integer sums are exact, so only that float order
+ * in the fixed order kernels_ref.c states. Integer sums are exact, so only that float order
  * matters, and it depends on cols and the group size only: never on n, the rows or the threads.
  *
  * smoe_qx_prepare fills the three arrays for n tokens for weights of format wfmt (q8 or q4: the
@@ -30,7 +30,7 @@ void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, si
  * sizes smoe_qx_sizes gives per token. Only gsum_floats depends on the group, and it is largest
  * for group 32, so planes sized for (cols, q8, 32) hold any product of cols or fewer columns. */
 typedef struct {
-    const void *codes;  /* (n, code_bytes) int8 (q4 weights) or int16 (q8), in the layout of kernels.c */
+    const void *codes;  /* (n, code_bytes) int8 (q4 weights) or int16 (q8), in the layout of kernels_ref.c */
     const float *d;     /* (n, d_floats) block scales, 8 per 256 columns */
     const float *gsum;  /* (n, gsum_floats) group sums, zero-padded to a multiple of 8 */
     uint32_t cols;

@@ -2,7 +2,9 @@
  *
  * The pipeline, in the order Hugging Face's logits processors apply it:
  *   1. repetition penalty over the last repetition_window ids of the history, each distinct id
- *      once: a logit > 0 is divided by the penalty, any other multiplied by it;
+ *      once: a logit > 0 is divided by the penalty, any other multiplied by it; then the
+ *      presence and frequency penalties (OpenAI's) over the ids drawn since the sampler was set:
+ *      logit −= frequency_penalty · count + presence_penalty, in double, rounded back to float;
  *   2. temperature 0 → argmax (lowest id on ties), no random draw;
  *   3. logits / temperature;
  *   4. top-k: keep the k largest (ties: lower id first);
@@ -52,6 +54,13 @@ void smoe_sampler_init(smoe_sampler *s, const smoe_sampler_params *p) {
     s->rng[0] = splitmix64(&x);
     s->rng[1] = splitmix64(&x);
     if ((s->rng[0] | s->rng[1]) == 0) s->rng[1] = 1; /* the all-zero state is a fixed point */
+    for (uint32_t i = 0; i < s->n_drawn; i++) s->counts[s->drawn[i]] = 0;
+    s->n_drawn = 0;
+}
+
+void smoe_sampler_observe(smoe_sampler *s, int32_t id) {
+    if (id < 0 || !s->counts) return;
+    if (s->counts[id]++ == 0) s->drawn[s->n_drawn++] = id;
 }
 
 /* ---------------------------------------------------------------------------- selection */
@@ -179,6 +188,12 @@ int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const 
             v[id] = v[id] > 0.0f ? v[id] / pen : v[id] * pen;
         }
     }
+    if ((p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f) && s->counts)
+        for (uint32_t i = 0; i < s->n_drawn; i++) {
+            const int32_t id = s->drawn[i];
+            if ((uint32_t)id >= vocab) continue;
+            v[id] = (float)((double)v[id] - ((double)p->frequency_penalty * s->counts[id] + (double)p->presence_penalty));
+        }
 
     const uint32_t best = argmax(v, vocab);
     if (!(p->temperature > 0.0f) || v[best] == -INFINITY) return (int32_t)best;
@@ -226,4 +241,46 @@ int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const 
             }
         return draw(s, v, idx, cutoff(v, idx, select_above(v, vocab, t, idx), m, z, p->top_p, p->min_p), m);
     }
+}
+
+/* --------------------------------------------------------------------------- logprobs */
+
+smoe_status smoe_logprobs(const float *logits, uint32_t vocab, int32_t token, uint32_t top_n, double *token_lp,
+                          int32_t *top_ids, double *top_lps) {
+    if (!logits || vocab == 0 || (top_n && (!top_ids || !top_lps)))
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_logprobs: NULL argument or an empty vocabulary");
+    if (top_n > SMOE_TOP_LOGPROBS || top_n > vocab)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_logprobs: top_n = %u, at most %u and the vocabulary (%u)", top_n,
+                         SMOE_TOP_LOGPROBS, vocab);
+    if (token_lp && (token < 0 || (uint32_t)token >= vocab))
+        return smoe_fail(SMOE_ERR_BAD_TOKEN, "smoe_logprobs: token %d is outside the vocabulary [0, %u)", token, vocab);
+    float m = -INFINITY;
+    for (uint32_t i = 0; i < vocab; i++) {
+        const float x = clean(logits[i]);
+        if (x > m) m = x;
+    }
+    /* log Σ exp: max-subtracted in double; all −inf (or a +inf) is no distribution: lse = m */
+    double lse = (double)m;
+    if (isfinite(m)) {
+        double z = 0.0;
+        for (uint32_t i = 0; i < vocab; i++) z += exp((double)clean(logits[i]) - (double)m);
+        lse = (double)m + log(z);
+    }
+#define LP(x) ((double)(x) == lse ? 0.0 : (double)(x) - lse)
+    if (token_lp) *token_lp = LP(clean(logits[token]));
+    /* the best top_n by insertion into a sorted list (larger value, then lower id first) */
+    uint32_t k = 0;
+    for (uint32_t i = 0; i < vocab && top_n; i++) {
+        const float x = clean(logits[i]);
+        if (k == top_n && !(x > clean(logits[top_ids[k - 1]]))) continue; /* ties keep the lower id */
+        uint32_t j = k < top_n ? k++ : k - 1;
+        while (j > 0 && x > clean(logits[top_ids[j - 1]])) {
+            top_ids[j] = top_ids[j - 1];
+            j--;
+        }
+        top_ids[j] = (int32_t)i;
+    }
+    for (uint32_t j = 0; j < top_n; j++) top_lps[j] = LP(clean(logits[top_ids[j]]));
+#undef LP
+    return SMOE_OK;
 }

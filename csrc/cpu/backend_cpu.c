@@ -1,0 +1,301 @@
+/* backend_cpu.c — the CPU backend (backend.h): the kernels of kernels.h on a worker pool, planes
+ * and KV cache in host memory. It has no device tier: the engine hands `experts` the host
+ * retention cache's slots, where the blobs landed.
+ *
+ * A share is the worker pool (threads, including the calling thread); a session state its planes
+ * for `chunk` rows and its KV cache. The products live in products.c; here the rest of a pass:
+ * staging, embedding, norms, RoPE and the KV cache, attention, residuals, logits. */
+#include "cpu/cpu_state.h"
+#include "prof.h"
+
+#include <stdatomic.h>
+#include <stdio.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------------------ life cycle */
+
+static smoe_status cpu_share_new(const smoe_be_share_params *p, void **out) {
+    cpu_share *sh = smoe_alloc(sizeof *sh, 64);
+    if (!sh) return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the session");
+    sh->lay = p->lay;
+    smoe_status st = smoe_pool_new(p->threads, &sh->pool);
+    if (st != SMOE_OK) {
+        smoe_free(sh);
+        return st;
+    }
+    *out = sh;
+    return SMOE_OK;
+}
+
+static void cpu_share_free(void *vsh) {
+    cpu_share *sh = vsh;
+    if (!sh) return;
+    smoe_pool_free(sh->pool);
+    smoe_free(sh);
+}
+
+static void cpu_session_free(void *b) {
+    cpu_state *c = b;
+    if (!c) return;
+    void *bufs[] = {c->ids, c->k_cache, c->v_cache, c->x, c->xn, c->q, c->k, c->v, c->att, c->yg, c->scores,
+                    c->router, c->topk_w, c->slot_out, c->xg, c->hg, c->h, c->qx_codes, c->qx_d, c->qx_gsum,
+                    c->logits};
+    for (size_t i = sizeof bufs / sizeof bufs[0]; i-- > 0;) smoe_free(bufs[i]);
+    smoe_free(c);
+}
+
+/* One plane: counted in *bytes, 64-byte aligned, zeroed. */
+static void *plane(uint64_t *bytes, size_t count, size_t elem, bool *ok) {
+    size_t n = count * elem;
+    if (n == 0) n = 64;
+    void *p = smoe_alloc(n, 64);
+    if (!p) *ok = false;
+    *bytes += n;
+    return p;
+}
+
+static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, void **out, uint64_t *plane_bytes,
+                                   uint64_t *kv_bytes) {
+    cpu_share *sh = vsh;
+    cpu_state *c = smoe_alloc(sizeof *c, 64);
+    if (!c) return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the session");
+    *out = c;
+    const smoe_config *cf = &sh->lay->cfg;
+    c->sh = sh;
+    c->pool = sh->pool;
+    c->lay = sh->lay;
+    c->cfg = cf;
+    c->context = p->context;
+    c->chunk = p->chunk;
+    c->kv_dtype = p->kv_dtype;
+    c->kv_elem = smoe_kv_elem_bytes(p->kv_dtype);
+    c->float_activations = p->float_activations;
+    c->rope_cos = p->rope_cos;
+    c->rope_sin = p->rope_sin;
+    c->q_dim = cf->num_attention_heads * cf->head_dim;
+    c->kv_dim = cf->num_key_value_heads * cf->head_dim;
+    c->ffn = cf->intermediate_size > cf->moe_intermediate_size ? cf->intermediate_size : cf->moe_intermediate_size;
+
+    const size_t C = p->chunk, H = cf->hidden_size, E = cf->num_experts, K = cf->num_experts_per_tok;
+    const size_t kv = (size_t)cf->num_hidden_layers * p->context * c->kv_dim;
+    /* Not zeroed: attention and smoe_session_read_kv read only rows below the position, which
+     * were written first; so the OS maps the cache's pages as positions fill (for a large
+     * cache, which malloc takes from mmap), not all at creation. */
+    c->k_cache = smoe_alloc_untouched(kv * c->kv_elem, 64);
+    c->v_cache = smoe_alloc_untouched(kv * c->kv_elem, 64);
+    bool ok = c->k_cache && c->v_cache;
+    *kv_bytes = 2 * kv * c->kv_elem;
+    uint64_t *pb = plane_bytes;
+    c->ids = plane(pb, C, sizeof(int32_t), &ok);
+    c->x = plane(pb, C * H, sizeof(float), &ok);
+    c->xn = plane(pb, C * H, sizeof(float), &ok);
+    c->q = plane(pb, C * c->q_dim, sizeof(float), &ok);
+    c->k = plane(pb, C * c->kv_dim, sizeof(float), &ok);
+    c->v = plane(pb, C * c->kv_dim, sizeof(float), &ok);
+    c->att = plane(pb, C * c->q_dim, sizeof(float), &ok);
+    c->yg = plane(pb, C * H, sizeof(float), &ok);
+    c->scores = plane(pb, (size_t)smoe_pool_threads(c->pool) * p->context, sizeof(float), &ok);
+    c->router = plane(pb, C * E, sizeof(float), &ok);
+    c->topk_w = plane(pb, C * K, sizeof(float), &ok);
+    c->slot_out = plane(pb, C * K * H, sizeof(float), &ok);
+    c->xg = plane(pb, C * H, sizeof(float), &ok);
+    c->hg = plane(pb, C * 2 * c->ffn, sizeof(float), &ok);
+    c->h = plane(pb, C * c->ffn, sizeof(float), &ok);
+    {
+        /* the widest input of any q8/q4 product: hidden, q_dim (o_proj) or an FFN width (down) */
+        uint32_t cols = H > c->q_dim ? (uint32_t)H : c->q_dim;
+        cols = cols > c->ffn ? cols : c->ffn;
+        smoe_qx_size z = smoe_qx_sizes(cols, SMOE_FMT_Q8, 32); /* q8's int16 codes and group 32's sums: the larger */
+        c->qx_codes = plane(pb, C * z.code_bytes, 1, &ok);
+        c->qx_d = plane(pb, C * z.d_floats, sizeof(float), &ok);
+        c->qx_gsum = plane(pb, C * z.gsum_floats, sizeof(float), &ok);
+    }
+    c->logits = plane(pb, (size_t)SMOE_LOGIT_ROWS * cf->vocab_size, sizeof(float), &ok);
+    if (!ok)
+        return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the KV cache (%llu bytes) and planes (%llu bytes)",
+                         (unsigned long long)*kv_bytes, (unsigned long long)*plane_bytes);
+    return SMOE_OK;
+}
+
+float *smoe_cpu_plane(cpu_state *c, smoe_plane p) {
+    switch (p) {
+    case SMOE_PL_X: return c->x;
+    case SMOE_PL_XN: return c->xn;
+    case SMOE_PL_Q: return c->q;
+    case SMOE_PL_K: return c->k;
+    case SMOE_PL_V: return c->v;
+    case SMOE_PL_ATT: return c->att;
+    case SMOE_PL_Y: return c->yg;
+    }
+    return NULL;
+}
+
+/* Row pos of layer l in a KV cache (k_cache or v_cache). */
+static inline void *kv_row(const cpu_state *c, void *cache, uint32_t l, uint32_t pos) {
+    return (uint8_t *)cache + ((size_t)l * c->context + pos) * c->kv_dim * c->kv_elem;
+}
+
+/* ------------------------------------------------------------------------------- a pass */
+
+static smoe_status cpu_stage(void *b, const int32_t *ids, uint32_t n, uint32_t pos0) {
+    cpu_state *c = b;
+    memcpy(c->ids, ids, n * sizeof *ids);
+    c->pos0 = pos0;
+    return SMOE_OK;
+}
+
+static smoe_status cpu_embed(void *b, uint32_t n) {
+    cpu_state *c = b;
+    const smoe_tensor *E = c->lay->embed;
+    for (uint32_t i = 0; i < n; i++)
+        smoe_dequant_row(E, E->data, (uint32_t)c->ids[i], c->x + (size_t)i * c->cfg->hidden_size);
+    return SMOE_OK;
+}
+
+static smoe_status cpu_norm(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *w, uint32_t n) {
+    cpu_state *c = b;
+    const uint32_t H = c->cfg->hidden_size;
+    float *out = smoe_cpu_plane(c, dst);
+    const float *x = smoe_cpu_plane(c, src);
+    for (uint32_t t = 0; t < n; t++)
+        smoe_rmsnorm(out + (size_t)t * H, x + (size_t)t * H, w, H, c->cfg->rms_norm_eps);
+    SMOE_PROF_LAP(SMOE_P_NORM);
+    return SMOE_OK;
+}
+
+static smoe_status cpu_add(void *b, smoe_plane dst, smoe_plane src, uint32_t n) {
+    cpu_state *c = b;
+    float *y = smoe_cpu_plane(c, dst);
+    const float *x = smoe_cpu_plane(c, src);
+    for (size_t i = 0; i < (size_t)n * c->cfg->hidden_size; i++)
+        y[i] += x[i];
+    SMOE_PROF_LAP(SMOE_P_COMBINE);
+    return SMOE_OK;
+}
+
+/* K and V rows land in the cache rounded to its type before attention, so every token (its own
+ * position included) attends over the stored values on every path. */
+static smoe_status cpu_qk_rope(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n) {
+    cpu_state *c = b;
+    const smoe_config *cf = c->cfg;
+    const uint32_t hd = cf->head_dim, half = hd / 2;
+    const float eps = cf->rms_norm_eps;
+    for (uint32_t t = 0; t < n; t++) {
+        const float *cs = c->rope_cos + (size_t)(c->pos0 + t) * half;
+        const float *sn = c->rope_sin + (size_t)(c->pos0 + t) * half;
+        float *qt = c->q + (size_t)t * c->q_dim, *kt = c->k + (size_t)t * c->kv_dim;
+        for (uint32_t h = 0; h < cf->num_attention_heads; h++)
+            smoe_rmsnorm(qt + (size_t)h * hd, qt + (size_t)h * hd, q_norm, hd, eps);
+        for (uint32_t h = 0; h < cf->num_key_value_heads; h++)
+            smoe_rmsnorm(kt + (size_t)h * hd, kt + (size_t)h * hd, k_norm, hd, eps);
+        smoe_rope(qt, cf->num_attention_heads, hd, cs, sn);
+        smoe_rope(kt, cf->num_key_value_heads, hd, cs, sn);
+    }
+    const size_t len = (size_t)n * c->kv_dim;
+    smoe_kv_store(kv_row(c, c->k_cache, l, c->pos0), c->k, len, c->kv_dtype);
+    smoe_kv_store(kv_row(c, c->v_cache, l, c->pos0), c->v, len, c->kv_dtype);
+    SMOE_PROF_LAP(SMOE_P_QKNORM);
+    return SMOE_OK;
+}
+
+typedef struct {
+    cpu_state *c;
+    uint32_t l;
+} attend_task;
+
+/* Items are (token, head) pairs; token t sees positions [0, pos0 + t]. */
+static void attend_items(void *ctx, uint32_t i0, uint32_t i1, uint32_t worker) {
+    const attend_task *t = ctx;
+    cpu_state *c = t->c;
+    const smoe_config *cf = c->cfg;
+    const uint32_t heads = cf->num_attention_heads, hd = cf->head_dim;
+    const uint32_t group = heads / cf->num_key_value_heads;
+    const uint8_t *kl = kv_row(c, c->k_cache, t->l, 0), *vl = kv_row(c, c->v_cache, t->l, 0);
+    const size_t head_bytes = (size_t)hd * c->kv_elem;
+    float *scratch = c->scores + (size_t)worker * c->context;
+    for (uint32_t i = i0; i < i1; i++) {
+        const uint32_t tok = i / heads, h = i % heads, kvh = h / group;
+        smoe_attend(c->att + (size_t)tok * c->q_dim + (size_t)h * hd, c->q + (size_t)tok * c->q_dim + (size_t)h * hd,
+                    kl + kvh * head_bytes, vl + kvh * head_bytes, c->kv_dim, c->pos0 + tok + 1, hd, c->kv_dtype,
+                    scratch);
+    }
+}
+
+static smoe_status cpu_attend(void *b, uint32_t l, uint32_t n) {
+    cpu_state *c = b;
+    attend_task at = {c, l};
+    smoe_pool_run(c->pool, attend_items, &at, n * c->cfg->num_attention_heads, 1);
+    SMOE_PROF_LAP(SMOE_P_ATTEND);
+    return SMOE_OK;
+}
+
+static smoe_status cpu_logits(void *b, const smoe_tensor *norm, const smoe_tensor *head, const uint32_t *rows,
+                              uint32_t m) {
+    cpu_state *c = b;
+    const uint32_t H = c->cfg->hidden_size;
+    for (uint32_t i = 0; i < m; i++)
+        smoe_rmsnorm(c->xn + (size_t)i * H, c->x + (size_t)rows[i] * H, norm, H, c->cfg->rms_norm_eps);
+    SMOE_PROF_LAP(SMOE_P_NORM);
+    smoe_cpu_linear(c, SMOE_P_LM_HEAD, head, head->data, c->xn, m, c->logits);
+    return SMOE_OK;
+}
+
+static smoe_status cpu_logits_read(void *b, uint32_t m, const float **out) {
+    (void)m;
+    *out = ((cpu_state *)b)->logits;
+    return SMOE_OK;
+}
+
+static smoe_status cpu_copy_row(void *dst, uint32_t dst_row, void *src, uint32_t src_row) {
+    cpu_state *d = dst, *s = src;
+    const size_t H = d->cfg->hidden_size;
+    memcpy(d->x + dst_row * H, s->x + src_row * H, H * sizeof(float));
+    return SMOE_OK;
+}
+
+/* ----------------------------------------------------------------------------------- the rest */
+
+static smoe_status cpu_read_kv(void *b, uint32_t layer, uint32_t start, uint32_t n, float *k, float *v) {
+    cpu_state *c = b;
+    const size_t len = (size_t)n * c->kv_dim;
+    if (k)
+        smoe_kv_load(k, kv_row(c, c->k_cache, layer, start), len, c->kv_dtype);
+    if (v)
+        smoe_kv_load(v, kv_row(c, c->v_cache, layer, start), len, c->kv_dtype);
+    return SMOE_OK;
+}
+
+static const char *cpu_describe(void *b) {
+    (void)b;
+    static char line[64];
+    static _Atomic int made;
+    if (!atomic_load(&made)) { /* the same text from any thread that races here */
+        snprintf(line, sizeof line, "cpu: %s", smoe_kernels());
+        atomic_store(&made, 1);
+    }
+    return line;
+}
+
+const smoe_backend smoe_backend_cpu = {
+    .name = "cpu",
+    .share_new = cpu_share_new,
+    .share_free = cpu_share_free,
+    .session_new = cpu_session_new,
+    .session_free = cpu_session_free,
+    .stage = cpu_stage,
+    .embed = cpu_embed,
+    .norm = cpu_norm,
+    .project = smoe_cpu_project,
+    .qk_rope = cpu_qk_rope,
+    .attend = cpu_attend,
+    .add = cpu_add,
+    .mlp = smoe_cpu_mlp,
+    .route = smoe_cpu_route,
+    .experts = smoe_cpu_experts,
+    .combine = smoe_cpu_combine,
+    .logits = cpu_logits,
+    .logits_read = cpu_logits_read,
+    .copy_row = cpu_copy_row,
+    .read_kv = cpu_read_kv,
+    .describe = cpu_describe,
+};

@@ -1,0 +1,69 @@
+/* cpu_state.h — the CPU backend's share and session state (backend_cpu.c, products.c). */
+#ifndef SMOE_CPU_STATE_H
+#define SMOE_CPU_STATE_H
+
+#include "backend.h"
+#include "cpu/kernels.h"
+#include "cpu/pool.h"
+
+typedef struct {
+    smoe_pool *pool;
+    const smoe_layout *lay;
+} cpu_share;
+
+typedef struct {
+    cpu_share *sh;
+    smoe_pool *pool;       /* sh->pool */
+    const smoe_layout *lay;
+    const smoe_config *cfg;
+    uint32_t context, chunk;
+    uint32_t q_dim;        /* heads · head_dim */
+    uint32_t kv_dim;       /* kv_heads · head_dim */
+    uint32_t ffn;          /* max(intermediate_size, moe_intermediate_size) */
+    smoe_kv_dtype kv_dtype;
+    size_t kv_elem;        /* bytes per element of kv_dtype */
+    bool float_activations;
+    const float *rope_cos, *rope_sin; /* (context, head_dim/2), the engine's */
+    uint32_t pos0;         /* the staged pass's first position */
+    int32_t *ids;          /* (chunk) its ids */
+
+    void *k_cache, *v_cache; /* (layers, context, kv_dim) of kv_dtype; K after norm and RoPE */
+
+    /* Activation planes: rows for `chunk` tokens */
+    float *x;        /* (chunk, hidden) residual stream: SMOE_PL_X */
+    float *xn;       /* (chunk, hidden) normed input of the current block: SMOE_PL_XN */
+    float *q;        /* (chunk, q_dim): SMOE_PL_Q */
+    float *k, *v;    /* (chunk, kv_dim) the new K and V rows: SMOE_PL_K, SMOE_PL_V */
+    float *att;      /* (chunk, q_dim) attention output, heads concatenated: SMOE_PL_ATT */
+    float *yg;       /* (chunk, hidden) a block's output (SMOE_PL_Y); in the MoE step one expert's
+                        output rows, then combine's scratch row */
+    float *scores;   /* (threads, context) attention scratch, one row per worker */
+    float *router;   /* (chunk, experts) router logits, then probabilities */
+    float *topk_w;   /* (chunk, top_k) */
+    float *slot_out; /* (chunk, top_k, hidden) each routed expert's output, summed in slot order */
+    float *xg;       /* (chunk, hidden) the rows routed to one expert, gathered */
+    float *hg;       /* (chunk, 2·ffn) gate rows then up rows of one expert / dense MLP */
+    float *h;        /* (chunk, ffn) silu(gate)·up */
+    void *qx_codes;  /* (chunk, ·) the input of the next q8/q4 product as 8-bit codes (kernels.h) */
+    float *qx_d;     /* (chunk, ·) their block scales */
+    float *qx_gsum;  /* (chunk, ·) their group sums */
+    float *logits;   /* (SMOE_LOGIT_ROWS, vocab) */
+} cpu_state;
+
+/* y (n, W.rows) = x (n, W.cols) · Wᵀ, rows split over the worker pool. stage: the smoe_prof_stage
+ * its time counts in when the profiler is compiled in (prof.h). (products.c) */
+void smoe_cpu_linear(cpu_state *c, int stage, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n,
+                     float *y);
+
+/* The plane p's rows. */
+float *smoe_cpu_plane(cpu_state *c, smoe_plane p);
+
+/* products.c's ops (backend.h) */
+smoe_status smoe_cpu_project(void *b, smoe_plane src, const smoe_proj *out, uint32_t n_out, uint32_t n);
+smoe_status smoe_cpu_mlp(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *gate, const smoe_tensor *up,
+                         const smoe_tensor *down, uint32_t n);
+smoe_status smoe_cpu_route(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids);
+smoe_status smoe_cpu_experts(void *b, const smoe_union *u, const uint32_t *items, uint32_t m);
+smoe_status smoe_cpu_combine(void *b, uint32_t K, uint32_t n);
+
+#endif

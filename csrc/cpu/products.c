@@ -1,0 +1,335 @@
+/* products.c — the CPU backend's products on the worker pool: projections, dense MLPs, the
+ * router, the experts of a union and their combination (backend.h's ops).
+ *
+ * Every product goes through smoe_matmul_rows / smoe_matmul_rows_qx, whose per-element reduction
+ * is fixed (kernels.h), over rows split between threads at multiples of 16: which thread computes
+ * a row never changes its value. So an expert's outputs are the same whichever `experts` call ran
+ * it and with whatever other experts: one routed to exactly one (token, slot) (every expert of a
+ * decode step; most of a short prefill's) goes with up to 63 others into two pool runs — gate and
+ * up of all of them, each on its own token's codes, then down of all — the same kernel calls on
+ * the same inputs as its own product would make, with 2 wake-ups and barriers instead of 2 per
+ * expert; q, k and v of one token share one run the same way. */
+#include "cpu/cpu_state.h"
+#include "prof.h"
+
+#include <math.h>
+#include <string.h>
+
+/* ------------------------------------------------------------------ matrix products on the pool */
+
+typedef struct {
+    const smoe_tensor *W;
+    const uint8_t *w;
+    const float *x;
+    const smoe_qx *qx; /* x as 8-bit codes, or NULL: multiply the f32 x */
+    uint32_t n;
+    float *y;
+    size_t ldy;
+} linear_task;
+
+static void matmul(const smoe_tensor *W, const uint8_t *w, const float *x, const smoe_qx *qx, uint32_t n, float *y,
+                   size_t ldy, uint32_t r0, uint32_t r1) {
+    if (qx)
+        smoe_matmul_rows_qx(W, w, qx, n, y, ldy, r0, r1);
+    else
+        smoe_matmul_rows(W, w, x, W->cols, n, y, ldy, r0, r1);
+}
+
+static void linear_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
+    (void)worker;
+    const linear_task *t = ctx;
+    matmul(t->W, t->w, t->x, t->qx, t->n, t->y, t->ldy, r0, r1);
+}
+
+/* Several products in one pool run: part i is W[i] on its own input (f32 x[i] or codes qx[i]) into
+ * y[i], its rows numbered after the previous parts' in the run's items. Which thread computes a
+ * row never changes its value (kernels.h), so one run gives each part the bits it would get alone,
+ * with one wake-up and one barrier instead of one per product. */
+enum { MAX_PARTS = 128 };
+
+typedef struct {
+    const smoe_tensor *W;
+    const uint8_t *w;
+    const float *x;
+    smoe_qx qx;     /* x as codes when has_qx */
+    bool has_qx;
+    float *y;
+    uint32_t first; /* its first item in the run */
+} product_part;
+
+typedef struct {
+    const product_part *parts;
+    uint32_t n_parts;
+} parts_task;
+
+static void parts_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
+    (void)worker;
+    const parts_task *t = ctx;
+    uint32_t i = 0;
+    while (i + 1 < t->n_parts && t->parts[i + 1].first <= r0) i++;
+    for (; i < t->n_parts && r0 < r1; i++) {
+        const product_part *p = &t->parts[i];
+        const uint32_t end = p->first + p->W->rows, e = r1 < end ? r1 : end;
+        if (r0 < e)
+            matmul(p->W, p->w, p->x, p->has_qx ? &p->qx : NULL, 1, p->y, p->W->rows, r0 - p->first, e - p->first);
+        r0 = e;
+    }
+}
+
+/* What the session's qx planes hold: the codes of `x` for weights of `qx.wformat` and `qx.group`, or nothing
+ * (x NULL). Products that share one input (q, k, v; gate, up) quantise it once. */
+typedef struct {
+    const float *x;
+    smoe_qx qx;
+} qx_planes;
+
+/* x (n, W.cols) as the 8-bit codes W's product takes, prepared in the session's planes unless
+ * they hold them already; NULL when W multiplies f32 inputs (f32/bf16 weights, or
+ * float_activations). */
+static const smoe_qx *prepare(cpu_state *s, const smoe_tensor *W, const float *x, uint32_t n, qx_planes *pl) {
+    if (s->float_activations || (W->format != SMOE_FMT_Q8 && W->format != SMOE_FMT_Q4))
+        return NULL;
+    if (pl->x != x || pl->qx.cols != W->cols || pl->qx.wformat != W->format || pl->qx.group != W->group) {
+        smoe_qx_prepare(x, W->cols, n, W->cols, W->format, W->group, s->qx_codes, s->qx_d, s->qx_gsum);
+        SMOE_PROF_LAP(SMOE_P_QX);
+        *pl = (qx_planes){x, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, W->group, W->format}};
+    }
+    return &pl->qx;
+}
+
+/* True when a and b take the same input codes (or both f32 inputs), so one prepare serves both. */
+static bool same_codes(const smoe_tensor *a, const smoe_tensor *b) {
+    return a->format == b->format && a->group == b->group && a->cols == b->cols;
+}
+
+/* Row grain keeps each thread's rows a multiple of 16: splits never cut a cache line of y. */
+enum { ROW_GRAIN = 16 };
+
+static void linear_with(cpu_state *s, int stage, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n,
+                        float *y, qx_planes *pl) {
+    (void)stage; /* the profiler's (prof.h) */
+    linear_task t = {W, w, x, prepare(s, W, x, n, pl), n, y, W->rows};
+    smoe_pool_run(s->pool, linear_rows, &t, W->rows, ROW_GRAIN);
+    SMOE_PROF_LAP(stage);
+}
+
+void smoe_cpu_linear(cpu_state *s, int stage, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n,
+                     float *y) {
+    qx_planes pl = {0};
+    linear_with(s, stage, W, w, x, n, y, &pl);
+}
+
+/* Gate and up of one expert (or dense MLP) in one dispatch: rows [0, I) are gate, [I, 2I) up;
+ * output hg is (n, 2I) with gate in the first I columns. */
+typedef struct {
+    const smoe_tensor *gate, *up;
+    const uint8_t *wg, *wu;
+    const float *x;
+    const smoe_qx *qg, *qu; /* x as codes for gate / up, or NULL */
+    uint32_t n;
+    float *y;
+} gate_up_task;
+
+static void gate_up_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
+    (void)worker;
+    const gate_up_task *t = ctx;
+    uint32_t I = t->gate->rows;
+    size_t ld = 2 * (size_t)I;
+    if (r0 < I)
+        matmul(t->gate, t->wg, t->x, t->qg, t->n, t->y, ld, r0, r1 < I ? r1 : I);
+    if (r1 > I)
+        matmul(t->up, t->wu, t->x, t->qu, t->n, t->y + I, ld, (r0 > I ? r0 : I) - I, r1 - I);
+}
+
+/* out (n, hidden) = down(silu(gate(x)) · up(x)) for x (n, hidden). */
+static void swiglu_mlp(cpu_state *s, const smoe_tensor *gate, const uint8_t *wg, const smoe_tensor *up,
+                       const uint8_t *wu, const smoe_tensor *down, const uint8_t *wd, const float *x, uint32_t n,
+                       float *out) {
+    uint32_t I = gate->rows;
+    qx_planes pl = {0};
+    const smoe_qx *qg = prepare(s, gate, x, n, &pl);
+    if (qg && up->format != gate->format && (up->format == SMOE_FMT_Q8 || up->format == SMOE_FMT_Q4)) {
+        /* gate and up want different codes and there is one set of planes: one after the other */
+        linear_task tg = {gate, wg, x, qg, n, s->hg, 2 * (size_t)I};
+        smoe_pool_run(s->pool, linear_rows, &tg, I, ROW_GRAIN);
+        linear_task tu = {up, wu, x, prepare(s, up, x, n, &pl), n, s->hg + I, 2 * (size_t)I};
+        smoe_pool_run(s->pool, linear_rows, &tu, I, ROW_GRAIN);
+    } else {
+        /* up takes gate's codes (the same format), or its own when gate takes none */
+        gate_up_task t = {gate, up, wg, wu, x, qg, NULL, n, s->hg};
+        t.qu = prepare(s, up, x, n, &pl);
+        smoe_pool_run(s->pool, gate_up_rows, &t, 2 * I, ROW_GRAIN);
+    }
+    SMOE_PROF_LAP(SMOE_P_GATE_UP);
+    for (uint32_t i = 0; i < n; i++)
+        smoe_swiglu(s->h + (size_t)i * I, s->hg + (size_t)i * 2 * I, s->hg + (size_t)i * 2 * I + I, I);
+    SMOE_PROF_LAP(SMOE_P_SWIGLU);
+    smoe_cpu_linear(s, SMOE_P_DOWN, down, wd, s->h, n, out);
+}
+
+/* ------------------------------------------------------------------------------ projections */
+
+smoe_status smoe_cpu_project(void *b, smoe_plane src, const smoe_proj *out, uint32_t n_out, uint32_t n) {
+    cpu_state *s = b;
+    const float *x = smoe_cpu_plane(s, src);
+    qx_planes pl = {0}; /* products of one input share one quantisation of it when their formats agree */
+    bool one_run = n == 1 && n_out > 1 && n_out <= MAX_PARTS;
+    for (uint32_t i = 1; one_run && i < n_out; i++) one_run = same_codes(out[0].W, out[i].W);
+    if (one_run) {
+        /* one token: the products in one pool run */
+        const smoe_qx *qx = prepare(s, out[0].W, x, 1, &pl);
+        product_part parts[MAX_PARTS];
+        uint32_t rows = 0;
+        for (uint32_t i = 0; i < n_out; i++) {
+            parts[i] = (product_part){out[i].W, out[i].W->data, x, {0}, qx != NULL, smoe_cpu_plane(s, out[i].out), rows};
+            if (qx) parts[i].qx = *qx;
+            rows += out[i].W->rows;
+        }
+        parts_task t = {parts, n_out};
+        smoe_pool_run(s->pool, parts_rows, &t, rows, ROW_GRAIN);
+        SMOE_PROF_LAP(SMOE_P_QKV);
+        return SMOE_OK;
+    }
+    for (uint32_t i = 0; i < n_out; i++)
+        linear_with(s, SMOE_P_QKV, out[i].W, out[i].W->data, x, n, smoe_cpu_plane(s, out[i].out), &pl);
+    return SMOE_OK;
+}
+
+smoe_status smoe_cpu_mlp(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *gate, const smoe_tensor *up,
+                         const smoe_tensor *down, uint32_t n) {
+    cpu_state *s = b;
+    swiglu_mlp(s, gate, gate->data, up, up->data, down, down->data, smoe_cpu_plane(s, src), n, smoe_cpu_plane(s, dst));
+    return SMOE_OK;
+}
+
+/* ------------------------------------------------------------------------------------ routing */
+
+smoe_status smoe_cpu_route(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids) {
+    cpu_state *s = b;
+    const uint32_t E = s->cfg->num_experts;
+    smoe_cpu_linear(s, SMOE_P_ROUTER, router, router->data, s->xn, n, s->router);
+    for (uint32_t t = 0; t < n; t++) {
+        float *p = s->router + (size_t)t * E;
+        smoe_softmax(p, E);
+        smoe_topk(p, E, K, renorm, ids + (size_t)t * K, s->topk_w + (size_t)t * K);
+    }
+    SMOE_PROF_LAP(SMOE_P_ROUTE);
+    return SMOE_OK;
+}
+
+/* ------------------------------------------------------------------------------------ experts */
+
+/* Applies union position p (weights at blob) to every (token, slot) routed to it. */
+static void run_expert(cpu_state *s, const smoe_union *un, uint32_t p, const uint8_t *blob) {
+    const smoe_layout *lay = s->lay;
+    const uint32_t H = s->cfg->hidden_size, K = s->cfg->num_experts_per_tok;
+    const uint32_t m = un->count[p];
+    const uint32_t *rows = un->rows + un->start[p];
+    for (uint32_t j = 0; j < m; j++)
+        memcpy(s->xg + (size_t)j * H, s->xn + (size_t)(rows[j] / K) * H, H * sizeof(float));
+    SMOE_PROF_LAP(SMOE_P_GATHER);
+    const smoe_tensor *g = &lay->expert[0], *u = &lay->expert[1], *d = &lay->expert[2];
+    swiglu_mlp(s, g, blob + g->offset, u, blob + u->offset, d, blob + d->offset, s->xg, m, s->yg);
+    for (uint32_t j = 0; j < m; j++)
+        memcpy(s->slot_out + (size_t)rows[j] * H, s->yg + (size_t)j * H, H * sizeof(float));
+    SMOE_PROF_LAP(SMOE_P_GATHER);
+}
+
+/* Union positions p[0..m) routed exactly one (token, slot) each, m ≤ chunk and 2m ≤ MAX_PARTS, in two
+ * pool runs: gate and up of all of them, each on its token's codes, then down of all, each on its
+ * own silu(gate)·up row (those rows quantised as tokens: per row, the codes a one-row call gives).
+ * Each output lands in its (token, slot) row of slot_out as run_expert puts it, by the same kernel
+ * calls on the same inputs: the same bits. */
+static void run_single_experts(cpu_state *s, const smoe_union *un, const uint32_t *p, uint32_t m) {
+    const smoe_layout *lay = s->lay;
+    const smoe_tensor *g = &lay->expert[0], *up = &lay->expert[1], *d = &lay->expert[2];
+    const uint32_t H = s->cfg->hidden_size, K = s->cfg->num_experts_per_tok, I = g->rows, n = un->n;
+    product_part parts[MAX_PARTS];
+    const uint8_t *blob[MAX_PARTS / 2];
+    uint32_t row[MAX_PARTS / 2]; /* t·K + slot of each expert's one routed (token, slot) */
+    for (uint32_t k = 0; k < m; k++) {
+        blob[k] = un->w[p[k]];
+        row[k] = un->rows[un->start[p[k]]];
+    }
+
+    const bool codes = !s->float_activations && (g->format == SMOE_FMT_Q8 || g->format == SMOE_FMT_Q4);
+    smoe_qx_size z = {0};
+    if (codes) {
+        z = smoe_qx_sizes(H, g->format, g->group);
+        smoe_qx_prepare(s->xn, H, n, H, g->format, g->group, s->qx_codes, s->qx_d, s->qx_gsum);
+        SMOE_PROF_LAP(SMOE_P_QX);
+    }
+    for (uint32_t k = 0; k < m; k++) {
+        const uint32_t t = row[k] / K;
+        float *hk = s->hg + (size_t)k * 2 * I;
+        const smoe_qx qx = {(const uint8_t *)s->qx_codes + t * z.code_bytes, s->qx_d + t * z.d_floats,
+                            s->qx_gsum + t * z.gsum_floats, H, g->group, g->format};
+        parts[2 * k] = (product_part){g, blob[k] + g->offset, s->xn + (size_t)t * H, qx, codes, hk, 2 * k * I};
+        parts[2 * k + 1] =
+            (product_part){up, blob[k] + up->offset, s->xn + (size_t)t * H, qx, codes, hk + I, (2 * k + 1) * I};
+    }
+    parts_task task = {parts, 2 * m};
+    smoe_pool_run(s->pool, parts_rows, &task, 2 * m * I, ROW_GRAIN);
+    SMOE_PROF_LAP(SMOE_P_GATE_UP);
+
+    for (uint32_t k = 0; k < m; k++)
+        smoe_swiglu(s->h + (size_t)k * I, s->hg + (size_t)k * 2 * I, s->hg + (size_t)k * 2 * I + I, I);
+    SMOE_PROF_LAP(SMOE_P_SWIGLU);
+
+    const bool dcodes = !s->float_activations && (d->format == SMOE_FMT_Q8 || d->format == SMOE_FMT_Q4);
+    if (dcodes) {
+        z = smoe_qx_sizes(I, d->format, d->group);
+        smoe_qx_prepare(s->h, I, m, I, d->format, d->group, s->qx_codes, s->qx_d, s->qx_gsum);
+        SMOE_PROF_LAP(SMOE_P_QX);
+    }
+    for (uint32_t k = 0; k < m; k++) {
+        const smoe_qx qx = {(const uint8_t *)s->qx_codes + k * z.code_bytes, s->qx_d + k * z.d_floats,
+                            s->qx_gsum + k * z.gsum_floats, I, d->group, d->format};
+        parts[k] = (product_part){d, blob[k] + d->offset, s->h + (size_t)k * I, qx, dcodes,
+                                  s->slot_out + (size_t)row[k] * H, k * H};
+    }
+    task.n_parts = m;
+    smoe_pool_run(s->pool, parts_rows, &task, m * H, ROW_GRAIN);
+    SMOE_PROF_LAP(SMOE_P_DOWN);
+}
+
+smoe_status smoe_cpu_experts(void *b, const smoe_union *un, const uint32_t *items, uint32_t m) {
+    cpu_state *s = b;
+    const smoe_tensor *eg = &s->lay->expert[0], *eu = &s->lay->expert[1];
+    /* the experts with one routed (token, slot), two pool runs per batch of them (when gate and up
+     * take the same codes: the one set of code planes serves both); the others one by one */
+    const uint32_t cap = s->chunk < MAX_PARTS / 2 ? s->chunk : MAX_PARTS / 2;
+    uint32_t single[MAX_PARTS / 2], ns = 0;
+    const bool batch = same_codes(eg, eu);
+    for (uint32_t i = 0; i < m; i++) {
+        const uint32_t p = items[i];
+        if (batch && un->count[p] == 1) {
+            single[ns++] = p;
+            if (ns == cap) {
+                run_single_experts(s, un, single, ns);
+                ns = 0;
+            }
+        } else {
+            run_expert(s, un, p, un->w[p]);
+        }
+    }
+    if (ns) run_single_experts(s, un, single, ns);
+    return SMOE_OK;
+}
+
+/* Weighted sum in top-k slot order, then the residual. */
+smoe_status smoe_cpu_combine(void *b, uint32_t K, uint32_t n) {
+    cpu_state *s = b;
+    const uint32_t H = s->cfg->hidden_size;
+    for (uint32_t t = 0; t < n; t++) {
+        float *acc = s->yg; /* (hidden) scratch: the expert outputs are all in slot_out now */
+        memset(acc, 0, H * sizeof(float));
+        for (uint32_t k = 0; k < K; k++)
+            smoe_axpy(acc, s->topk_w[(size_t)t * K + k], s->slot_out + ((size_t)t * K + k) * H, H);
+        float *xt = s->x + (size_t)t * H;
+        for (uint32_t i = 0; i < H; i++)
+            xt[i] += acc[i];
+    }
+    SMOE_PROF_LAP(SMOE_P_COMBINE);
+    return SMOE_OK;
+}

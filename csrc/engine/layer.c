@@ -1,0 +1,54 @@
+/* layer.c — a decoder layer as a recipe of backend ops (backend.h), the same on every device.
+ *
+ * Qwen3-MoE as transformers implements Qwen3MoeDecoderLayer:
+ *
+ *   h  = x + o_proj(attention(rope(q_norm(q_proj(rms(x)))), rope(k_norm(k_proj(rms(x)))), v_proj(rms(x))))
+ *   x' = h + ffn(rms(h))        ffn = Σ_k w_k · down(silu(gate(·)) · up(·)) over the top-k experts
+ *                                     of softmax(router(·)) (moe.c), or a dense MLP on dense layers
+ *
+ * Every op works on rows [0, n) of the session's planes and computes each row's values whatever n
+ * is, which is the whole of the bit-identity argument between the serial step (n = 1), the
+ * layer-major prefill (the chunk) and a batch (a row per session): norms, RoPE, attention and
+ * routing are per row; products reduce each element in a fixed order; a row's expert outputs are
+ * summed in top-k slot order. A model family is another recipe of these ops (and, where its math
+ * differs, a few new ones), never another copy of the engine. */
+#include "engine/engine.h"
+
+/* A backend op's status, SMOE_OK or the failure (with the session marked broken when the device
+ * says so): `TRY(be->norm(...))`. */
+#define TRY(call)                                                                                                      \
+    do {                                                                                                               \
+        smoe_status st_ = smoe_be_status(s, (call));                                                                   \
+        if (st_ != SMOE_OK) return st_;                                                                                \
+    } while (0)
+
+smoe_status smoe_layer_attention(smoe_session *s, uint32_t l, uint32_t n) {
+    const smoe_backend *be = s->backend;
+    void *b = s->be;
+    const smoe_layer_weights *L = &s->lay->layers[l];
+    const smoe_proj qkv[3] = {{L->q, SMOE_PL_Q}, {L->k, SMOE_PL_K}, {L->v, SMOE_PL_V}};
+    const smoe_proj o = {L->o, SMOE_PL_Y};
+    TRY(be->norm(b, SMOE_PL_XN, SMOE_PL_X, L->input_norm, n));
+    TRY(be->project(b, SMOE_PL_XN, qkv, 3, n));
+    TRY(be->qk_rope(b, l, L->q_norm, L->k_norm, n));
+    TRY(be->attend(b, l, n));
+    TRY(be->project(b, SMOE_PL_ATT, &o, 1, n));
+    TRY(be->add(b, SMOE_PL_X, SMOE_PL_Y, n));
+    return SMOE_OK;
+}
+
+smoe_status smoe_layer_ffn(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *owners) {
+    const smoe_backend *be = s->backend;
+    void *b = s->be;
+    const smoe_layer_weights *L = &s->lay->layers[l];
+    TRY(be->norm(b, SMOE_PL_XN, SMOE_PL_X, L->post_norm, n));
+    if (L->sparse) return smoe_moe_step(s, l, n, owners);
+    TRY(be->mlp(b, SMOE_PL_Y, SMOE_PL_XN, L->mlp_gate, L->mlp_up, L->mlp_down, n));
+    TRY(be->add(b, SMOE_PL_X, SMOE_PL_Y, n));
+    return SMOE_OK;
+}
+
+smoe_status smoe_layer(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *owners) {
+    smoe_status st = smoe_layer_attention(s, l, n);
+    return st != SMOE_OK ? st : smoe_layer_ffn(s, l, n, owners);
+}
