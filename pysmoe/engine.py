@@ -183,7 +183,7 @@ class Vault:
                 prefill: str = "layer-major", context: int = 4096, io_threads: int = 4,
                 direct_io: bool = True, verify_blobs: bool = True, activations: str = "q8",
                 share_cache: "Session | None" = None, coalesce_bytes: int | None = None,
-                kv_dtype: str | None = None, device: str = "cpu", gpu_cache_bytes: int = 0) -> "Session":
+                kv_dtype: str | None = None, device: str | None = None, gpu_cache_bytes: int = 0) -> "Session":
         return Session(self, cache_bytes=cache_bytes, threads=threads, chunk=chunk, prefill=prefill,
                        context=context, io_threads=io_threads, direct_io=direct_io, verify_blobs=verify_blobs,
                        activations=activations, share_cache=share_cache, coalesce_bytes=coalesce_bytes,
@@ -253,7 +253,7 @@ class Session:
 
     def __init__(self, vault: Vault, *, cache_bytes=0, threads=None, chunk=None, prefill="layer-major",
                  context=4096, io_threads=4, direct_io=True, verify_blobs=True, activations="q8",
-                 share_cache: "Session | None" = None, coalesce_bytes=None, kv_dtype=None, device="cpu",
+                 share_cache: "Session | None" = None, coalesce_bytes=None, kv_dtype=None, device=None,
                  gpu_cache_bytes=0):
         if prefill not in PREFILL_PATHS:
             raise InvalidArgument(f"prefill must be one of {PREFILL_PATHS}, not {prefill!r}")
@@ -261,8 +261,13 @@ class Session:
             raise InvalidArgument(f"activations must be one of {ACTIVATIONS}, not {activations!r}")
         if kv_dtype is not None and kv_dtype not in KV_DTYPES:
             raise InvalidArgument(f"kv_dtype must be one of {KV_DTYPES}, not {kv_dtype!r}")
+        if device is None:  # a share's sessions run on its device
+            device = share_cache.device if isinstance(share_cache, Session) else "cpu"
         if device not in DEVICES:
             raise InvalidArgument(f"device must be one of {DEVICES}, not {device!r}")
+        if isinstance(share_cache, Session) and device != share_cache.device:
+            raise InvalidArgument(f"device must be the shared session's ({share_cache.device!r}) with share_cache, "
+                                  f"not {device!r}")
         gpu_cache_bytes = _int_arg("gpu_cache_bytes", gpu_cache_bytes, 0, U64)
         cache_bytes = _int_arg("cache_bytes", cache_bytes, 0, U64)
         chunk = None if chunk is None else _int_arg("chunk", chunk, 1, U32)
@@ -580,6 +585,21 @@ class Session:
         with self._claim():
             return self._step(token, want_id=False)[0]
 
+    def prefill_next(self, ids: Sequence[int], want_logits: bool = True) -> tuple[np.ndarray | None, int]:
+        """prefill(ids), and the next id drawn after it by the session's sampler (set_sampler):
+        (logits or None, id). The one sampler every front end uses (smoe.h, "sampler")."""
+        arr = self._ids(ids)
+        with self._claim():
+            self._check_room(len(arr))
+            logits, nxt, _ = self._feed(arr, want_logits=want_logits, want_id=True)
+        return logits, nxt
+
+    def decode_next(self, token: int, want_logits: bool = True) -> tuple[np.ndarray | None, int]:
+        """decode(token), and the next id the session's sampler draws after it: (logits or None, id)."""
+        self._ids([token])
+        with self._claim():
+            return self._step(token, want_logits=want_logits)
+
     def generate(self, ids: Sequence[int], max_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                  seed: int = 0, top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                  stop: Sequence[int] = (), presence_penalty: float = 0.0,
@@ -664,11 +684,12 @@ class Session:
         return f"Session(position={self.position if self._h is not None else 'closed'}, prefill={self.prefill_path!r})"
 
 
-def decode_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> list[np.ndarray]:
+def decode_batch(sessions: Sequence[Session], tokens: Sequence[int], sample: bool = False):
     """Advance sessions[i] by tokens[i], all in one layer-major pass (smoe_decode_batch): per
     layer the union of their experts is read once and applied to every session routed to it.
     Returns each session's float32 logits, bit-identical to sessions[i].decode(tokens[i]) alone
-    (logits, KV and position), whatever the batch and its order.
+    (logits, KV and position), whatever the batch and its order; with sample, (logits, ids): each
+    session's next id too, drawn by its own sampler as decode_next would draw it.
 
     The sessions must be distinct, open, idle and share one cache (Vault.session(share_cache=...)).
     On any error nothing advanced, and the exception (InvalidArgument, BadToken, ContextFull,
@@ -702,6 +723,7 @@ def decode_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> list[np.
     vocab = sessions[0]._vocab
     logits = np.empty((len(sessions), vocab), dtype=np.float32)
     ids = np.asarray(tokens, dtype=np.int32)
+    nxt = np.full(len(sessions), -1, dtype=np.int32)
     failed = ffi.new("int32_t *", -1)
     with contextlib.ExitStack() as stack:
         for i, s in enumerate(sessions):
@@ -715,13 +737,32 @@ def decode_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> list[np.
                 raise fail(Cancelled, i, f"sessions[{i}] was cancelled (Session.cancel)")
         handles = ffi.new("smoe_session *[]", [s._h for s in sessions])
         rc = lib.smoe_decode_batch(handles, ffi.cast("int32_t *", ffi.from_buffer(ids)), len(sessions),
-                                   ffi.cast("float *", ffi.from_buffer(logits)), ffi.NULL, failed)
+                                   ffi.cast("float *", ffi.from_buffer(logits)),
+                                   ffi.cast("int32_t *", ffi.from_buffer(nxt)) if sample else ffi.NULL, failed)
         try:
             check(rc)
         except SmoeError as e:
             e.session_index = None if failed[0] < 0 else int(failed[0])
             raise
-    return list(logits)
+    return (list(logits), [int(i) for i in nxt]) if sample else list(logits)
 
 
-__all__ = ["open_vault", "Vault", "Session", "PREFILL_PATHS", "KV_DTYPES", "decode_batch"]
+MAX_TOP_LOGPROBS = int(lib.SMOE_TOP_LOGPROBS)
+
+
+def logprobs(logits, token: int, top_n: int = 0) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probabilities from logits (log-softmax in double; NaN counts as −inf; libsmoe's
+    smoe_logprobs): token's, and the top_n likeliest ids with theirs, best first (ties: lower id)."""
+    v = np.ascontiguousarray(logits, dtype=np.float32).reshape(-1)
+    top_n = _int_arg("top_n", top_n, 0, min(MAX_TOP_LOGPROBS, v.size))
+    token = _int_arg("token", token, 0, v.size - 1)
+    lp = ffi.new("double *")
+    ids = np.empty(max(top_n, 1), dtype=np.int32)
+    lps = np.empty(max(top_n, 1), dtype=np.float64)
+    check(lib.smoe_logprobs(ffi.cast("float *", ffi.from_buffer(v)), v.size, token, top_n, lp,
+                            ffi.cast("int32_t *", ffi.from_buffer(ids)), ffi.cast("double *", ffi.from_buffer(lps))))
+    return float(lp[0]), [(int(i), float(x)) for i, x in zip(ids[:top_n], lps[:top_n])]
+
+
+__all__ = ["open_vault", "Vault", "Session", "PREFILL_PATHS", "KV_DTYPES", "decode_batch", "logprobs",
+           "MAX_TOP_LOGPROBS"]

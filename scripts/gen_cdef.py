@@ -17,7 +17,7 @@ def cdef_from_header(text: str) -> str:
     for line in text.splitlines():
         s = line.rstrip()
         if s.startswith("#"):
-            m = re.match(r"#define (SMOE_ABI_VERSION) (\d+)$", s)
+            m = re.match(r"#define (SMOE_[A-Z_]+) (\d+)$", s)
             if m:
                 out.append(f"#define {m.group(1)} {m.group(2)}")
             continue

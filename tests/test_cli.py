@@ -85,7 +85,7 @@ def test_synth(tmp_path):
                                   ["run", "--temperature", "-1"], ["run", "--top-p", "1.5"], ["run", "--min-p", "nan"],
                                   ["run", "--repetition-penalty", "0"], ["run", "--ids", "1,x"], ["run", "--ids", "-3"],
                                   ["run", "--device", "gpu"], ["run", "--gpu-cache-mb", "-1"],
-                                  ["serve", "--device", "cuda", "--max-batch", "4"], ["serve", "--gpu-cache-mb", "8"],
+                                  ["serve", "--gpu-cache-mb", "8"],
                                   ["chat", "--top-k", "-2"], ["chat", "--max-tokens", "0"],
                                   ["synth", "OUT", "--layers", "0"], ["synth", "OUT", "--seed", "-1"],
                                   ["synth", "OUT", "--overlap", "2"], ["synth", "OUT", "--overlap", "0.5"],

@@ -250,3 +250,60 @@ def test_no_heap_allocation_in_prefill_or_decode(noalloc_exe, tiny_vault, budget
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "heap calls during prefill + decode: 0" in out.stdout
+
+
+# ------------------------------------------------------------------ the prefill contract
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_prefill_hands_back_the_logits_of_chosen_positions(tiny_vault, data):
+    """smoe_prefill_rows: the logits after chosen tokens of a layer-major prompt are bit for bit those
+    the token-serial step gives after each of them (an echo's log-probabilities, no serial pass)."""
+    vault = pysmoe.open_vault(tiny_vault)
+    V = vault.config["vocab_size"]
+    n = data.draw(st.integers(1, 60), label="prompt length")
+    ids = data.draw(st.lists(st.integers(0, V - 1), min_size=n, max_size=n), label="ids")
+    rows = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n), label="rows"))
+    chunk = data.draw(st.integers(1, 24), label="chunk")
+    with vault.session(prefill="token-serial") as s:
+        want = [s.decode(t) for t in ids]
+    with vault.session(chunk=chunk) as s:
+        got = s.prefill_logits(ids, rows)
+        assert s.position == n
+    assert got.shape == (len(rows), V)
+    for r, row in zip(rows, got):
+        assert row.tobytes() == want[r].tobytes(), f"position {r}"
+
+
+def test_prefill_rows_refuses_bad_rows(tiny_vault):
+    with pysmoe.open_vault(tiny_vault) as v, v.session(chunk=8) as s:
+        for rows in ([3, 3], [5, 2], [-1], [9]):
+            with pytest.raises(pysmoe.InvalidArgument, match="rows"):
+                s.prefill_logits(list(range(1, 10)), rows)
+        assert s.position == 0
+        arr = np.arange(1, 6, dtype=np.int32)
+        bad = np.array([2, 1], dtype=np.uint32)
+        out = np.empty((2, v.config["vocab_size"]), dtype=np.float32)
+        rc = lib.smoe_prefill_rows(s.handle, ffi.cast("int32_t *", ffi.from_buffer(arr)), 5,
+                                   ffi.cast("uint32_t *", ffi.from_buffer(bad)), 2,
+                                   ffi.cast("float *", ffi.from_buffer(out)), ffi.NULL)
+        assert rc == pysmoe.InvalidArgument.code and s.position == 0
+
+
+@pytest.mark.parametrize("piece,chunk", [(16, 16), (16, 64), (7, 7)])
+def test_a_prompt_fed_in_pieces_reads_no_more_than_one_call(tiny_vault_f32, piece, chunk):
+    """A prompt fed piece by piece, logits asked on the last piece only (what the server does), reads
+    no more blobs than one prefill of it with the same chunks (no cache: every union is read), and
+    gives the same logits bit for bit: no piece pays a token-serial pass of its own."""
+    vault = pysmoe.open_vault(tiny_vault_f32)
+    ids = [int(i) for i in np.random.default_rng(piece).integers(0, vault.config["vocab_size"], 96)]
+    with vault.session(chunk=min(piece, chunk), cache_bytes=0) as s:
+        one = s.prefill(ids)
+        one_reads = s.stats()["blob_reads"]
+    with vault.session(chunk=chunk, cache_bytes=0) as s:
+        for start in range(0, len(ids) - piece, piece):
+            assert s.prefill(ids[start:start + piece], want_logits=False) is None
+        last = s.prefill(ids[len(ids) - (len(ids) - 1) % piece - 1:])
+        reads = s.stats()["blob_reads"]
+    assert last.tobytes() == one.tobytes()
+    assert reads <= one_reads, (reads, one_reads)

@@ -75,27 +75,39 @@ def _alone(served, prompt_ids, n):
 
 
 def test_served_from_the_gpu(tiny_vault):
-    """--device cuda: one session on the GPU (max batch 1), its greedy completions the engine's
-    own on the GPU; skipped without a CUDA build and a GPU."""
+    """--device cuda: the pool's sessions share the GPU's cache and the scheduler batches their decode
+    steps (smoe_decode_batch on the GPU); each completion is the engine's own greedy one, alone or
+    with three others at once. Skipped without a CUDA build and a GPU."""
+    import concurrent.futures
     import pysmoe
     with pysmoe.open_vault(tiny_vault) as v:
         try:
             v.session(device="cuda").close()
         except pysmoe.Unsupported:
             pytest.skip("no CUDA here")
-        prompt = v.tokenizer.encode("the GPU answers")
-        with v.session(device="cuda", gpu_cache_bytes=v.expert_bytes + v.blob_bytes, context=CONTEXT) as s:
-            want = list(s.generate(prompt, max_tokens=6, temperature=0.0, stop=v.tokenizer.eos_ids))
-    served = Running(tiny_vault, device="cuda", max_batch=None)
+        prompts = [v.tokenizer.encode(f"the GPU answers {i}") for i in range(4)]
+        wants = []
+        for prompt in prompts:
+            with v.session(device="cuda", gpu_cache_bytes=v.expert_bytes + v.blob_bytes, context=CONTEXT) as s:
+                wants.append(list(s.generate(prompt, max_tokens=12, temperature=0.0, stop=v.tokenizer.eos_ids)))
+    served = Running(tiny_vault, device="cuda", max_batch=4)
     try:
         status, body = served.raw("GET", "/health")
-        assert status == 200 and body["max_batch"] == 1
+        assert status == 200 and body["max_batch"] == 4
         tok = served.vault.tokenizer
-        r = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.0)
-        assert r.choices[0].text == tok.decode([t for t in want if t not in tok.eos_ids])
-        for _ in range(2):  # one request at a time, the session reused with its prefix
-            again = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0.0)
-            assert again.choices[0].text == r.choices[0].text
+        texts = [tok.decode([t for t in want if t not in tok.eos_ids]) for want in wants]
+
+        def ask(prompt):
+            r = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0.0)
+            return r.choices[0].text
+
+        assert ask(prompts[0]) == texts[0]
+        for _ in range(2):  # four at once: batched decode steps, each its own bits
+            with concurrent.futures.ThreadPoolExecutor(4) as ex:
+                assert list(ex.map(ask, prompts)) == texts
+        status, m = served.raw("GET", "/metrics")
+        assert status == 200 and m["engine"]["batch_steps"] > 0
+        assert max(int(k) for k in m["batch_sizes"]) > 1
     finally:
         served.close()
 

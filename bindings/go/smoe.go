@@ -116,7 +116,7 @@ func (v *Vault) DefaultParams() Params {
 	p := C.smoe_session_default_params()
 	return Params{Context: uint32(p.context), Chunk: uint32(p.chunk), Threads: uint32(p.threads),
 		IOThreads: uint32(p.io_threads), CacheBytes: uint64(p.cache_bytes), DirectIO: bool(p.direct_io),
-		VerifyBlobs: bool(p.verify_blobs), FloatActivations: p.float_activations != 0}
+		VerifyBlobs: bool(p.verify_blobs), FloatActivations: bool(p.float_activations)}
 }
 
 // Session is a KV cache and the planes to run one sequence.
@@ -132,10 +132,7 @@ func (v *Vault) NewSession(params Params) (*Session, error) {
 	p.context, p.chunk, p.threads = C.uint32_t(params.Context), C.uint32_t(params.Chunk), C.uint32_t(params.Threads)
 	p.io_threads, p.cache_bytes = C.uint32_t(params.IOThreads), C.uint64_t(params.CacheBytes)
 	p.direct_io, p.verify_blobs = C.bool(params.DirectIO), C.bool(params.VerifyBlobs)
-	p.float_activations = 0
-	if params.FloatActivations {
-		p.float_activations = 1
-	}
+	p.float_activations = C.bool(params.FloatActivations)
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	s := &Session{chunk: int(params.Chunk), logits: make([]float32, v.vocab)}
@@ -154,26 +151,27 @@ func (s *Session) Close() {
 	s.raw = nil
 }
 
-// Prefill feeds ids at the current position (all but the last layer-major, in chunks; the last
-// through the token-serial step) and returns the logits after the last id.
+// Prefill feeds ids at the current position, layer-major in chunks of the session's chunk; the
+// last chunk hands back the logits after the last id (bit for bit those of feeding every id
+// through the token-serial step).
 func (s *Session) Prefill(ids []int32) ([]float32, error) {
 	if len(ids) == 0 {
 		return nil, &Error{Status: C.SMOE_ERR_INVALID_ARG, Message: "prefill of no ids"}
 	}
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	head := ids[:len(ids)-1]
-	for start := 0; start < len(head); start += s.chunk {
+	for start := 0; start < len(ids); start += s.chunk {
 		end := start + s.chunk
-		if end > len(head) {
-			end = len(head)
+		var out *C.float
+		if end >= len(ids) {
+			end = len(ids)
+			out = (*C.float)(unsafe.Pointer(&s.logits[0]))
 		}
-		if err := check(C.smoe_prefill_chunk(s.raw, (*C.int32_t)(unsafe.Pointer(&head[start])), C.uint32_t(end-start))); err != nil {
+		if err := check(C.smoe_prefill_chunk(s.raw, (*C.int32_t)(unsafe.Pointer(&ids[start])), C.uint32_t(end-start), out, nil)); err != nil {
 			return nil, err
 		}
 	}
-	logits, _, err := s.Step(ids[len(ids)-1])
-	return logits, err
+	return append([]float32(nil), s.logits...), nil
 }
 
 // Step appends id (one token-serial step) and returns the next-token logits (a new slice) and

@@ -1,5 +1,6 @@
 /* cuda_ops.h — the CUDA backend's device side: its kernels, its device allocator and its upload
- * path, behind plain C functions (kernels.cu implements them; backend_cuda.c drives them).
+ * path, behind plain C functions (the .cu files implement them, by concern: cuda_common.cuh lists
+ * them; backend_cuda.c and moe_cuda.c drive them).
  *
  * Nothing here knows a session: arguments are device pointers, shapes and streams. Every kernel
  * computes each output element in one fixed order that depends on that element's own shape only,
@@ -66,6 +67,7 @@ int smoe_cu_host_register(void *p, size_t bytes); /* pins existing host memory (
 void smoe_cu_host_unregister(void *p);
 int smoe_cu_upload(void *dst, const void *src, size_t bytes, smoe_cu_stream st);   /* async */
 int smoe_cu_download(void *dst, const void *src, size_t bytes, smoe_cu_stream st); /* async */
+int smoe_cu_copy(void *dst, const void *src, size_t bytes, smoe_cu_stream st);     /* device to device, async */
 int smoe_cu_memset(void *dst, int v, size_t bytes, smoe_cu_stream st);
 int smoe_cu_stream_new(smoe_cu_stream *st);
 void smoe_cu_stream_free(smoe_cu_stream st);

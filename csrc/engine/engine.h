@@ -54,6 +54,7 @@ typedef struct {
     int *held;             /* (experts) host slots whose device fills are not yet synced */
     int32_t *routed;       /* (layers, chunk·K) ids of the layers a device ran alone, from pass_end */
     bool *deferred;        /* (layers) which layers those are in the running pass */
+    uint32_t *sizes_out;   /* (layers) where the running pass records its union sizes, or NULL */
 } smoe_moe_state;
 
 struct smoe_session {

@@ -169,6 +169,7 @@ smoe_status smoe_moe_step(smoe_session *s, uint32_t l, uint32_t n, smoe_session 
 
     uint32_t size = 0, next = 0;
     st = form_union(s, l, n, owners, &size, &next);
+    if (m->sizes_out) m->sizes_out[l] = size;
     smoe_streamer_submit(s->streamer); /* the reads acquired above, coalesced where adjacent */
     SMOE_PROF_LAP(SMOE_P_ROUTE);
     const smoe_union un = {l, n, size, m->expert, m->start, m->count, m->rows, m->w};

@@ -215,7 +215,10 @@ static smoe_status prefill(smoe_session *s, const int32_t *ids, uint32_t n, cons
     const uint32_t pos = s->pos, V = s->cfg.vocab_size;
     if ((st = smoe_be_status(s, s->backend->stage(s->be, ids, n, pos))) != SMOE_OK)
         return st;
+    memset(s->union_sizes, 0, s->cfg.num_hidden_layers * sizeof *s->union_sizes);
+    s->moe.sizes_out = s->union_sizes;
     st = walk(s, n);
+    s->moe.sizes_out = NULL;
     if (st != SMOE_OK) {
         for (uint32_t l = 0; l < s->cfg.num_hidden_layers; l++) s->moe.deferred[l] = false;
         return st;

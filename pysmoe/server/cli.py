@@ -37,7 +37,7 @@ def add_parser(p: argparse.ArgumentParser, name: str) -> None:
                    help="the largest max_tokens a request may ask for")
     p.add_argument("--max-request-kb", type=positive_int, default=1024, help="the largest request body in KiB (413 over it)")
     p.add_argument("--buffered", action="store_true", help="buffered reads instead of Direct I/O")
-    add_device_args(p, note=", one request at a time")
+    add_device_args(p)
 
 
 def open_server(args, log=sys.stderr):
@@ -51,7 +51,7 @@ def open_server(args, log=sys.stderr):
 
     vault = open_vault(args.vault or ensure_demo_vault())
     gpu = device_kwargs(vault, args)
-    max_batch = 1 if gpu else args.max_batch or 8  # one session: GPU sessions share no retention cache (yet)
+    max_batch = args.max_batch or 8
     if args.cache_mb is None:
         choice = choose_cache(vault, args.context, args.chunk)
         cache_bytes = choice.bytes
@@ -69,8 +69,7 @@ def open_server(args, log=sys.stderr):
     if gpu:
         print(f"pysmoe serve: {pool.sessions[0].backend}", file=log)
     context = min(args.context, vault.config["max_position_embeddings"])
-    sched = Scheduler(pool, max_batch=max_batch, context=context, chunk=args.chunk,
-                      batching=args.batching and not gpu)
+    sched = Scheduler(pool, max_batch=max_batch, context=context, chunk=args.chunk, batching=args.batching)
     model = args.model_name or vault.path.name
     server = Server(sched, vault.tokenizer, model=model, vocab_size=vault.config["vocab_size"], context=context,
                     api_key=args.api_key, max_request_bytes=args.max_request_kb * 1024,
@@ -93,10 +92,6 @@ def run(args) -> int:
         from .app import build_app
     except ImportError as e:
         print(f"pysmoe serve: needs the 'serve' extra (pip install 'pysmoe[serve]'): {e}", file=sys.stderr)
-        return 2
-    if args.device == "cuda" and args.max_batch not in (None, 1):
-        print("pysmoe serve: error: --device cuda serves one request at a time (GPU sessions do not share a "
-              "cache yet): leave out --max-batch", file=sys.stderr)
         return 2
     if args.device != "cuda" and args.gpu_cache_mb is not None:
         print("pysmoe serve: error: --gpu-cache-mb is for --device cuda", file=sys.stderr)

@@ -21,7 +21,7 @@ use std::path::Path;
 use std::ptr::{self, NonNull};
 
 /// The SMOE_ABI_VERSION this crate was written for; [`Vault::open`] refuses any other library.
-pub const ABI_VERSION: i32 = 4;
+pub const ABI_VERSION: i32 = 5;
 
 /// A failed libsmoe call: its status (`smoe_status`, negative) and the library's message.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -166,16 +166,24 @@ pub struct Session<'v> {
 unsafe impl Send for Session<'_> {}
 
 impl Session<'_> {
-    /// Feeds `ids` at the current position: all but the last layer-major, in chunks of the
-    /// session's `chunk`, the last through the token-serial step. Returns the logits after the
-    /// last id. On failure the position is where the failing call found it.
+    /// Feeds `ids` at the current position, layer-major in chunks of the session's `chunk`; the
+    /// last chunk hands back the logits after the last id (bit for bit those of feeding every id
+    /// through the token-serial step). On failure the position is where the failing call found it.
     pub fn prefill(&mut self, ids: &[i32]) -> Result<Vec<f32>> {
-        let (last, head) = ids.split_last().ok_or_else(|| Error::invalid("prefill of no ids".into()))?;
-        for chunk in head.chunks(self.chunk) {
-            // SAFETY: chunk is a live slice of chunk.len() ≤ params.chunk ids.
-            check(unsafe { sys::smoe_prefill_chunk(self.raw.as_ptr(), chunk.as_ptr(), chunk.len() as u32) })?;
+        if ids.is_empty() {
+            return Err(Error::invalid("prefill of no ids".into()));
         }
-        Ok(self.step(*last)?.0)
+        let mut logits = vec![0.0f32; self.vocab];
+        let chunks = ids.chunks(self.chunk).count();
+        for (i, chunk) in ids.chunks(self.chunk).enumerate() {
+            let out = if i + 1 == chunks { logits.as_mut_ptr() } else { std::ptr::null_mut() };
+            // SAFETY: chunk is a live slice of chunk.len() ≤ params.chunk ids; out, when not null,
+            // has room for vocab_size floats.
+            check(unsafe {
+                sys::smoe_prefill_chunk(self.raw.as_ptr(), chunk.as_ptr(), chunk.len() as u32, out, std::ptr::null_mut())
+            })?;
+        }
+        Ok(logits)
     }
 
     /// One token-serial step (smoe_decode_step): appends `id`, returns the next-token logits

@@ -1,6 +1,6 @@
 //! The raw C ABI of csrc/smoe.h, written out by hand: only what the safe wrapper uses.
 //!
-//! The structs mirror the header's for SMOE_ABI_VERSION 4 (`crate::ABI_VERSION`); the wrapper
+//! The structs mirror the header's for SMOE_ABI_VERSION 5 (`crate::ABI_VERSION`); the wrapper
 //! refuses a library of another ABI before it calls anything that passes them, and
 //! tests/test_bindings.py fails when smoe.h's SMOE_ABI_VERSION and this crate's drift apart.
 #![allow(non_camel_case_types)]
@@ -55,14 +55,14 @@ pub struct smoe_session_params {
     pub chunk: u32,
     pub threads: u32,
     pub io_threads: u32,
-    pub float_activations: u32,
-    pub cache_bytes: u64,
-    pub direct_io: bool,
-    pub verify_blobs: bool,
-    pub coalesce_bytes: u64,
     pub kv_dtype: u32,
     pub device: u32,
+    pub cache_bytes: u64,
+    pub coalesce_bytes: u64,
     pub gpu_cache_bytes: u64,
+    pub direct_io: bool,
+    pub verify_blobs: bool,
+    pub float_activations: bool,
 }
 
 extern "C" {
@@ -84,7 +84,13 @@ extern "C" {
     pub fn smoe_session_free(session: *mut smoe_session);
     pub fn smoe_session_reset(session: *mut smoe_session) -> smoe_status;
     pub fn smoe_session_position(session: *const smoe_session) -> u32;
-    pub fn smoe_prefill_chunk(session: *mut smoe_session, ids: *const i32, n: u32) -> smoe_status;
+    pub fn smoe_prefill_chunk(
+        session: *mut smoe_session,
+        ids: *const i32,
+        n: u32,
+        logits: *mut f32,
+        next_id: *mut i32,
+    ) -> smoe_status;
     pub fn smoe_decode_step(session: *mut smoe_session, id: i32, logits: *mut f32, next_id: *mut i32)
         -> smoe_status;
 }

@@ -1,0 +1,204 @@
+/* moe.cu — the MoE step's kernels: routing, the union formed on the device, the experts' weighted sum (cuda_ops.h; the rule of cuda_common.cuh). */
+#include "cuda_common.cuh"
+
+/* One warp per token: lane l holds experts l, l + 32, …; the max and the top-k picks are exact in
+ * any order (ties: the lower index), the softmax's sum is each lane's in index order and then the
+ * butterfly, the renormalisation's in slot order. */
+__global__ void k_route(float *logits, uint32_t n, uint32_t E, uint32_t K, int renorm, int32_t *idx, float *w) {
+    const uint32_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
+    if (t >= n) return;
+    float *p = logits + (size_t)t * E;
+    float m = -INFINITY;
+    for (uint32_t i = lane; i < E; i += 32) m = fmaxf(m, p[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float sum = 0.0f;
+    for (uint32_t i = lane; i < E; i += 32) {
+        const float e = expf(__fsub_rn(p[i], m));
+        p[i] = e;
+        sum = __fadd_rn(sum, e);
+    }
+    sum = warp_sum(sum);
+    for (uint32_t i = lane; i < E; i += 32) p[i] = __fdiv_rn(p[i], sum);
+    __syncwarp();
+    uint32_t taken = 0; /* bit j: expert lane + 32j was picked */
+    int32_t *it = idx + (size_t)t * K;
+    float *wt = w + (size_t)t * K;
+    for (uint32_t k = 0; k < K; k++) {
+        float bv = -INFINITY;
+        int32_t bi = -1;
+        for (uint32_t i = lane, j = 0; i < E; i += 32, j++)
+            if (!(taken >> j & 1u) && (bi < 0 || p[i] > bv)) {
+                bv = p[i];
+                bi = (int32_t)i;
+            }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            const int32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) {
+                bv = ov;
+                bi = oi;
+            }
+        }
+        if (bi >= 0 && (uint32_t)bi % 32 == lane) taken |= 1u << (bi / 32);
+        if (lane == 0) {
+            it[k] = bi;
+            wt[k] = bv;
+        }
+    }
+    if (lane == 0 && renorm) {
+        float tot = 0.0f;
+        for (uint32_t k = 0; k < K; k++) tot = __fadd_rn(tot, wt[k]);
+        for (uint32_t k = 0; k < K; k++) wt[k] = __fdiv_rn(wt[k], tot);
+    }
+}
+
+extern "C" int smoe_cu_route(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, uint32_t K, int renorm,
+                             int32_t *idx, float *w) {
+    if (n == 0) return 0;
+    if (E > 32 * 32) return (int)cudaErrorInvalidValue;
+    k_route<<<(n + 3) / 4, 128, 0, (cudaStream_t)st>>>((float *)logits, n, E, K, renorm, idx, w);
+    return (int)cudaGetLastError();
+}
+
+enum { UNION_WARPS = 8 };
+
+/* A warp's walk over its segment of the ids, 32 at a time: lanes holding the same expert are peers
+ * (match_any); the lowest is the leader. Returns the lane's rank among its peers. */
+__device__ __forceinline__ uint32_t union_peers(int32_t e, uint32_t lane, uint32_t *peers) {
+    *peers = __match_any_sync(0xFFFFFFFFu, e);
+    return __popc(*peers & ((1u << lane) - 1u));
+}
+
+/* One block of UNION_WARPS warps, warp w owning the ids [w·seg, (w + 1)·seg). Per warp and expert
+ * the count (wc), per expert the sum and, in warp order, where each warp's rows begin; the starts
+ * and tile starts in expert order (thread 0); then each warp places its rows, peers by lane. An
+ * expert's rows are so in increasing t·K + slot, whatever the timing. */
+__global__ void __launch_bounds__(UNION_WARPS * 32) k_union(const int32_t *idx, uint32_t nk, uint32_t E, uint32_t tile,
+                                                            uint32_t n_items, const uint8_t *const *vtab,
+                                                            const uint8_t **wtab, uint32_t *start, uint32_t *count,
+                                                            uint32_t *items, uint32_t *rows, uint32_t *counts,
+                                                            uint32_t *used, uint32_t *bad) {
+    __shared__ uint32_t wc[UNION_WARPS][1024], cnt[1024], base[1024], tbase[1024], n_tiles;
+    const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const uint32_t seg = (nk + UNION_WARPS * 32 - 1) / (UNION_WARPS * 32) * 32, i0 = warp * seg;
+    const uint32_t i1 = min(nk, i0 + seg);
+    for (uint32_t e = lane; e < E; e += 32) wc[warp][e] = 0;
+    __syncwarp();
+    for (uint32_t i = i0 + lane; i - lane < i1; i += 32) {
+        int32_t e = i < i1 ? idx[i] : -1;
+        if (i < i1 && (e < 0 || (uint32_t)e >= E)) {
+            atomicOr(bad, 1u);
+            e = 0;
+        }
+        uint32_t peers;
+        union_peers(e, lane, &peers);
+        if (i < i1 && lane == (uint32_t)__ffs(peers) - 1) wc[warp][e] += __popc(peers);
+        __syncwarp();
+    }
+    __syncthreads();
+    for (uint32_t e = tid; e < E; e += UNION_WARPS * 32) {
+        uint32_t c = 0;
+        for (uint32_t w = 0; w < UNION_WARPS; w++) {
+            const uint32_t v = wc[w][e];
+            wc[w][e] = c;
+            c += v;
+        }
+        cnt[e] = c;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        uint32_t r = 0, t = 0, u = 0;
+        for (uint32_t e = 0; e < E; e++) {
+            base[e] = r;
+            tbase[e] = t;
+            r += cnt[e];
+            t += (cnt[e] + tile - 1) / tile;
+            u += cnt[e] > 0;
+        }
+        n_tiles = t;
+        *used = u;
+    }
+    __syncthreads();
+    for (uint32_t e = tid; e < E; e += UNION_WARPS * 32) {
+        start[e] = base[e];
+        count[e] = cnt[e];
+        wtab[e] = vtab[e];
+        counts[e] += cnt[e];
+        for (uint32_t j = 0; j * tile < cnt[e]; j++) items[tbase[e] + j] = e << 16 | j;
+    }
+    for (uint32_t i = n_tiles + tid; i < n_items; i += UNION_WARPS * 32) items[i] = SMOE_CU_NO_ITEM;
+    for (uint32_t i = i0 + lane; i - lane < i1; i += 32) {
+        int32_t e = i < i1 ? idx[i] : -1;
+        if (i < i1 && (e < 0 || (uint32_t)e >= E)) e = 0;
+        uint32_t peers;
+        const uint32_t rank = union_peers(e, lane, &peers);
+        if (i < i1) rows[base[e] + wc[warp][e] + rank] = i;
+        __syncwarp();
+        if (i < i1 && lane == (uint32_t)__ffs(peers) - 1) wc[warp][e] += __popc(peers);
+        __syncwarp();
+    }
+}
+
+/* One token (tile 1, nk = K ≤ 32 distinct ids): lane k takes slot k's expert as item k. Only the
+ * entries of the experts used are written, the only ones the items reach. */
+__global__ void k_union1(const int32_t *idx, uint32_t nk, uint32_t E, uint32_t n_items, const uint8_t *const *vtab,
+                         const uint8_t **wtab, uint32_t *start, uint32_t *count, uint32_t *items, uint32_t *rows,
+                         uint32_t *counts, uint32_t *used, uint32_t *bad) {
+    const uint32_t k = threadIdx.x;
+    if (k < nk) {
+        int32_t e = idx[k];
+        if (e < 0 || (uint32_t)e >= E) {
+            atomicOr(bad, 1u);
+            e = 0;
+        }
+        start[e] = k;
+        count[e] = 1;
+        wtab[e] = vtab[e];
+        counts[e] += 1;
+        items[k] = (uint32_t)e << 16;
+        rows[k] = k;
+    } else if (k < n_items) {
+        items[k] = SMOE_CU_NO_ITEM;
+    }
+    if (k == 0) *used = nk;
+}
+
+extern "C" uint32_t smoe_cu_union_items(uint32_t nk, uint32_t E, uint32_t tile) {
+    /* Σ ⌈c_e / tile⌉ ≤ Σ (c_e + tile − 1) / tile over the experts used, at most min(E, nk) of them */
+    const uint64_t used = nk < E ? nk : E;
+    return (uint32_t)(((uint64_t)nk + (uint64_t)(tile - 1) * used) / tile);
+}
+
+extern "C" int smoe_cu_union(smoe_cu_stream st, const int32_t *idx, uint32_t nk, uint32_t E, uint32_t tile,
+                             uint32_t n_items, const uint8_t *const *vtab, const uint8_t **wtab, uint32_t *start,
+                             uint32_t *count, uint32_t *items, uint32_t *rows, uint32_t *counts, uint32_t *used,
+                             uint32_t *bad) {
+    if (E == 0 || E > 1024 || tile == 0 || tile > 0xFFFFu || n_items < smoe_cu_union_items(nk, E, tile))
+        return (int)cudaErrorInvalidValue;
+    if (tile == 1 && nk <= 32 && n_items <= 32) /* one token: its K ids are distinct (top-k) */
+        k_union1<<<1, 32, 0, (cudaStream_t)st>>>(idx, nk, E, n_items, vtab, wtab, start, count, items, rows, counts,
+                                                used, bad);
+    else
+        k_union<<<1, UNION_WARPS * 32, 0, (cudaStream_t)st>>>(idx, nk, E, tile, n_items, vtab, wtab, start, count,
+                                                             items, rows, counts, used, bad);
+    return (int)cudaGetLastError();
+}
+
+/* One thread an element (block (t, column chunk)): one token's sum is spread over the GPU. */
+__global__ void k_moe_sum(float *x, const float *y, const float *w, uint32_t K, uint32_t hidden) {
+    const uint32_t t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= hidden) return;
+    float acc = 0.0f;
+    for (uint32_t k = 0; k < K; k++)
+        acc = __fadd_rn(acc, __fmul_rn(w[(size_t)t * K + k], y[((size_t)t * K + k) * hidden + c]));
+    x[(size_t)t * hidden + c] = __fadd_rn(x[(size_t)t * hidden + c], acc);
+}
+
+extern "C" int smoe_cu_moe_sum(smoe_cu_stream st, float *x, const float *y, const float *w, uint32_t n, uint32_t K,
+                               uint32_t hidden) {
+    if (n == 0) return 0;
+    k_moe_sum<<<dim3(n, (hidden + 127) / 128), 128, 0, (cudaStream_t)st>>>(x, y, w, K, hidden);
+    return (int)cudaGetLastError();
+}

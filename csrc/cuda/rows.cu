@@ -1,0 +1,197 @@
+/* rows.cu — the kernels that work row by row: embedding, RMSNorm (with the f16 rows of its output), QK-norm and RoPE with the KV append, residual adds, gathers, SwiGLU (cuda_ops.h; the rule of cuda_common.cuh). */
+#include "cuda_common.cuh"
+
+/* k_rmsnorm then k_prep on rows [0, rows) in one launch: the same arithmetic, the same bits. */
+__global__ void k_rmsnorm_prep(float *out, const float *x, uint32_t dim, const uint8_t *wt, uint8_t wfmt, float eps,
+                               __half *x16, float *xe) {
+    const size_t row = blockIdx.x;
+    rms_row(out + row * dim, x + row * dim, dim, wt, wfmt, eps);
+    __syncthreads(); /* the row's outputs, written by every thread, before any is read */
+    prep_row(out + row * dim, dim, row, x16, xe);
+}
+
+extern "C" int smoe_cu_rmsnorm_prep(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim,
+                                    const uint8_t *weight, uint8_t weight_format, float eps, void *x16, float *xe) {
+    if (rows == 0) return 0;
+    k_rmsnorm_prep<<<rows, 256, 0, (cudaStream_t)st>>>(out, x, dim, weight, weight_format, eps, (__half *)x16, xe);
+    return (int)cudaGetLastError();
+}
+
+/* --------------------------------------------------------------------------- embedding */
+
+__global__ void k_embed(smoe_cu_tensor T, const uint8_t *w, const int32_t *ids, float *x) {
+    const uint32_t t = blockIdx.x, r = (uint32_t)ids[t];
+    const size_t rc = (size_t)r * T.cols;
+    for (uint32_t c = threadIdx.x; c < T.cols; c += blockDim.x) {
+        float v;
+        if (T.format == FMT_F32) {
+            v = reinterpret_cast<const float *>(w)[rc + c];
+        } else if (T.format == FMT_BF16) {
+            v = __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(w)[rc + c] << 16);
+        } else {
+            const uint32_t ng = T.cols / T.group;
+            const float s = ld_scale(T.scale_format, w + T.scales_off, (size_t)r * ng + c / T.group);
+            const float b = ld_scale(T.scale_format, w + T.biases_off, (size_t)r * ng + c / T.group);
+            uint32_t code = T.format == FMT_Q8 ? w[rc + c] : (w[(rc + c) / 2] >> (4 * (c & 1))) & 15u;
+            v = __fadd_rn(__fmul_rn(s, (float)code), b);
+        }
+        x[(size_t)t * T.cols + c] = v;
+    }
+}
+
+extern "C" int smoe_cu_embed(smoe_cu_stream st, const smoe_cu_tensor *T, const uint8_t *w, const int32_t *ids,
+                             uint32_t n, float *x) {
+    if (n == 0) return 0;
+    k_embed<<<n, 256, 0, (cudaStream_t)st>>>(*T, w, ids, x);
+    return (int)cudaGetLastError();
+}
+
+/* ----------------------------------------------------------------------------- rmsnorm */
+
+__global__ void k_rmsnorm(float *out, const float *x, uint32_t dim, size_t ld, const uint8_t *wt, uint8_t wfmt, float eps) {
+    rms_row(out + (size_t)blockIdx.x * ld, x + (size_t)blockIdx.x * ld, dim, wt, wfmt, eps);
+}
+
+extern "C" int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim, size_t ld,
+                               const uint8_t *weight, uint8_t weight_format, float eps) {
+    if (rows == 0) return 0;
+    k_rmsnorm<<<rows, 256, 0, (cudaStream_t)st>>>(out, x, dim, ld, weight, weight_format, eps);
+    return (int)cudaGetLastError();
+}
+
+/* ----------------------------------------------------------------- QK-norm, RoPE, KV cache */
+
+/* QK-norm, RoPE and the KV append of one layer in one launch: block (t, h) normalises and rotates
+ * q row h of token t, or (h ≥ heads) K row h − heads, which it then stores with its V row at
+ * position *pos0 + t (rotate-half RoPE, cos/sin tables of (context, hd/2)); rms_row is k_rmsnorm's
+ * arithmetic, so q and K are what the norm kernel would give. */
+template <typename T>
+__global__ void k_qk_post(float *q, float *ks, const float *vs, T *kc, T *vc, uint32_t heads, uint32_t kv_heads,
+                          uint32_t hd, const uint8_t *qw, uint8_t qfmt, const uint8_t *kw, uint8_t kfmt, float eps,
+                          const float *cs, const float *sn, const uint32_t *pos0) {
+    const uint32_t per = heads + kv_heads, t = blockIdx.x / per, h = blockIdx.x % per, half = hd / 2;
+    const bool isq = h < heads;
+    float *row = isq ? q + ((size_t)t * heads + h) * hd : ks + ((size_t)t * kv_heads + (h - heads)) * hd;
+    rms_row(row, row, hd, isq ? qw : kw, isq ? qfmt : kfmt, eps);
+    __syncthreads();
+    const size_t pos = (size_t)*pos0 + t;
+    for (uint32_t k = threadIdx.x; k < half; k += blockDim.x) {
+        const float c = cs[pos * half + k], s = sn[pos * half + k];
+        const float a = row[k], b = row[k + half];
+        row[k] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+        row[k + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    }
+    if (isq) return;
+    __syncthreads();
+    const uint32_t kvh = h - heads, kv_dim = kv_heads * hd;
+    const float *vr = vs + ((size_t)t * kv_heads + kvh) * hd;
+    for (uint32_t c = threadIdx.x; c < hd; c += blockDim.x) {
+        kc[pos * kv_dim + (size_t)kvh * hd + c] = kv_t<T>(row[c]);
+        vc[pos * kv_dim + (size_t)kvh * hd + c] = kv_t<T>(vr[c]);
+    }
+}
+
+extern "C" int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const float *vs, void *k, void *v,
+                               uint32_t kv_type, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd,
+                               const uint8_t *q_norm, uint8_t q_norm_format, const uint8_t *k_norm,
+                               uint8_t k_norm_format, float eps, const float *cos, const float *sin,
+                               const uint32_t *pos0) {
+    if (n == 0) return 0;
+    const dim3 grid(n * (heads + kv_heads));
+    cudaStream_t s = (cudaStream_t)st;
+#define QK_POST(T)                                                                                                     \
+    k_qk_post<T><<<grid, 256, 0, s>>>(q, ks, vs, (T *)k, (T *)v, heads, kv_heads, hd, q_norm, q_norm_format, k_norm,   \
+                                      k_norm_format, eps, cos, sin, pos0)
+    if (kv_type == 1)
+        QK_POST(__nv_bfloat16);
+    else if (kv_type == 2)
+        QK_POST(__half);
+    else
+        QK_POST(float);
+#undef QK_POST
+    return (int)cudaGetLastError();
+}
+
+/* ------------------------------------------------------------------------ small kernels */
+
+__global__ void k_add(float *x, const float *y, size_t count) {
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < count) x[i] = __fadd_rn(x[i], y[i]);
+}
+
+extern "C" int smoe_cu_add(smoe_cu_stream st, float *x, const float *y, size_t count) {
+    if (count == 0) return 0;
+    k_add<<<(unsigned)((count + 255) / 256), 256, 0, (cudaStream_t)st>>>(x, y, count);
+    return (int)cudaGetLastError();
+}
+
+__global__ void k_gather(float *xg, const float *xn, const uint32_t *rows, uint32_t K, uint32_t hidden) {
+    const uint32_t j = blockIdx.x, src = rows[j] / K;
+    for (uint32_t c = threadIdx.x; c < hidden; c += blockDim.x) xg[(size_t)j * hidden + c] = xn[(size_t)src * hidden + c];
+}
+
+/* The same for rows prepared by k_prep: f16 rows (cols halves) and their scales. */
+__global__ void k_gather16(__half *g16, float *ge, const __half *a16, const float *ae, const uint32_t *rows, uint32_t K,
+                           uint32_t cols) {
+    const uint32_t j = blockIdx.x, src = rows[j] / K;
+    const uint4 *in = reinterpret_cast<const uint4 *>(a16 + (size_t)src * cols);
+    uint4 *out = reinterpret_cast<uint4 *>(g16 + (size_t)j * cols);
+    for (uint32_t c = threadIdx.x; c < cols / 8; c += blockDim.x) out[c] = in[c];
+    if (threadIdx.x == 0) ge[j] = ae[src];
+}
+
+extern "C" int smoe_cu_gather16(smoe_cu_stream st, void *g16, float *ge, const void *a16, const float *ae,
+                                const uint32_t *rows, uint32_t K, uint32_t total, uint32_t cols) {
+    if (total == 0) return 0;
+    k_gather16<<<total, 128, 0, (cudaStream_t)st>>>((__half *)g16, ge, (const __half *)a16, ae, rows, K, cols);
+    return (int)cudaGetLastError();
+}
+
+extern "C" int smoe_cu_gather(smoe_cu_stream st, float *xg, const float *xn, const uint32_t *rows, uint32_t K,
+                              uint32_t total, uint32_t hidden) {
+    if (total == 0) return 0;
+    k_gather<<<total, 256, 0, (cudaStream_t)st>>>(xg, xn, rows, K, hidden);
+    return (int)cudaGetLastError();
+}
+
+__global__ void k_swiglu(float *h, const float *hg, uint32_t I, smoe_cu_rows R) {
+    uint32_t start, count;
+    item_rows(R, &start, &count);
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)count * I) return;
+    const size_t j = start + i / I, c = i % I;
+    const float g = hg[j * 2 * I + c], u = hg[j * 2 * I + I + c];
+    const float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+    h[j * I + c] = __fmul_rn(silu, u);
+}
+
+extern "C" int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R) {
+    const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
+    if (items == 0 || m == 0) return 0;
+    dim3 grid((unsigned)(((size_t)m * I + 255) / 256), items);
+    k_swiglu<<<grid, 256, 0, (cudaStream_t)st>>>(h, hg, I, *R);
+    return (int)cudaGetLastError();
+}
+
+/* k_swiglu then k_prep, a row a block (grid as k_prep's): the same arithmetic, the same bits. */
+__global__ void k_swiglu_prep(float *h, const float *hg, uint32_t I, smoe_cu_rows R, __half *h16, float *he) {
+    uint32_t start, count;
+    item_rows(R, &start, &count);
+    if (blockIdx.x >= count) return;
+    const size_t j = start + blockIdx.x;
+    for (uint32_t c = threadIdx.x; c < I; c += blockDim.x) {
+        const float g = hg[j * 2 * I + c], u = hg[j * 2 * I + I + c];
+        const float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
+        h[j * I + c] = __fmul_rn(silu, u);
+    }
+    __syncthreads(); /* the row, written by every thread, before any is read */
+    prep_row(h + j * I, I, j, h16, he);
+}
+
+extern "C" int smoe_cu_swiglu_prep(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R,
+                                   void *h16, float *he) {
+    const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
+    if (items == 0 || m == 0) return 0;
+    k_swiglu_prep<<<dim3(m, items), 256, 0, (cudaStream_t)st>>>(h, hg, I, *R, (__half *)h16, he);
+    return (int)cudaGetLastError();
+}
