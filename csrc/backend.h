@@ -91,7 +91,7 @@ typedef struct {
     const float *rope_cos, *rope_sin; /* (context, head_dim/2), the engine's, valid while the session lives */
 } smoe_be_session_params;
 
-enum { SMOE_LOGIT_ROWS = 8 }; /* rows one `logits` call computes at most */
+enum { SMOE_LOGIT_ROWS = 16 }; /* rows one `logits` call computes at most */
 
 typedef struct smoe_backend {
     const char *name; /* "cpu", "cuda" */
@@ -106,19 +106,22 @@ typedef struct smoe_backend {
     void (*session_free)(void *b); /* safe on what a failed session_new left (NULL too) */
 
     /* ------------------------------------------------------------------------ a pass's ops */
-    /* The pass's ids (host array) and its first position, for embed, qk_rope and attend. */
+    /* The pass's ids (host array) and its first position, for embed and attend. */
     smoe_status (*stage)(void *b, const int32_t *ids, uint32_t n, uint32_t pos0);
     smoe_status (*embed)(void *b, uint32_t n); /* X rows [0, n) ← embedding rows of the staged ids */
     /* dst rows = rmsnorm(src rows) · w (1 × hidden). */
     smoe_status (*norm)(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *w, uint32_t n);
     /* Each out[i].out rows = src rows · out[i].Wᵀ: several products of one input in one go. */
     smoe_status (*project)(void *b, smoe_plane src, const smoe_proj *out, uint32_t n_out, uint32_t n);
-    /* Per head: Q rows normed by q_norm and K rows by k_norm (1 × head_dim each), both rotated for
-     * positions pos0 + t; then K and V rows stored in layer l's cache at those positions (rounded
-     * to the cache's type). */
-    smoe_status (*qk_rope)(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n);
-    /* ATT rows = causal attention of Q over layer l's cache: row t sees positions [0, pos0 + t]. */
-    smoe_status (*attend)(void *b, uint32_t l, uint32_t n);
+    /* Attention of layer l for rows [0, n): per head, the Q rows normed by q_norm and the K rows by
+     * k_norm (1 × head_dim each), both rotated (RoPE) for their positions; the K and V rows stored
+     * in the KV cache at those positions (rounded to the cache's type); then ATT rows = causal
+     * attention of Q over the cache, each row seeing the positions up to its own. members NULL: the
+     * rows are b's own pass, row t at position pos0 + t of b's cache. Else row t is the one row of
+     * session state members[t] (a batch: its cache, its staged position, its cache's type; b's
+     * planes hold every row). */
+    smoe_status (*attend)(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n,
+                          void *const *members);
     smoe_status (*add)(void *b, smoe_plane dst, smoe_plane src, uint32_t n); /* dst += src (hidden) */
     /* dst rows = down(silu(gate(src)) · up(src)): a dense MLP. */
     smoe_status (*mlp)(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *gate, const smoe_tensor *up,
@@ -140,8 +143,6 @@ typedef struct smoe_backend {
                           uint32_t m);
     /* Those m rows (m × vocab) where the host can read them, until the next op. */
     smoe_status (*logits_read)(void *b, uint32_t m, const float **out);
-    /* X row dst_row of dst ← X row src_row of src: two sessions of one share (batching). */
-    smoe_status (*copy_row)(void *dst, uint32_t dst_row, void *src, uint32_t src_row);
 
     /* ----------------------------- the device tier: an expert cache in front of the host's */
     /* All NULL for a backend whose experts run from host memory. Handles are the backend's. */
@@ -172,10 +173,10 @@ typedef struct smoe_backend {
     smoe_status (*record_end)(void *b, bool keep);
 
     /* ----------------------------------------------------------------------------- the rest */
-    /* Sampling's selection on the device over logits row 0 (NULL, or *done false: the engine
-     * selects on the host): the cleaning, the repetition penalty over window[0..w) and the top
-     * candidates as the engine's sampler (engine/sample.h) would choose them. */
-    smoe_status (*select)(void *b, const smoe_sampler_params *p, const int32_t *window, uint32_t w,
+    /* Sampling's selection on the device over row `row` of the logits plane (NULL, or *done
+     * false: the engine selects on the host): the cleaning, the repetition penalty over
+     * window[0..w) and the top candidates as the engine's sampler (engine/sample.h) would choose. */
+    smoe_status (*select)(void *b, uint32_t row, const smoe_sampler_params *p, const int32_t *window, uint32_t w,
                           smoe_candidates *out, bool *done);
     /* KV rows of layer [start, start + n) widened to f32 into k, v (either may be NULL). */
     smoe_status (*read_kv)(void *b, uint32_t layer, uint32_t start, uint32_t n, float *k, float *v);

@@ -684,12 +684,13 @@ class Session:
         return f"Session(position={self.position if self._h is not None else 'closed'}, prefill={self.prefill_path!r})"
 
 
-def decode_batch(sessions: Sequence[Session], tokens: Sequence[int], sample: bool = False):
+def decode_batch(sessions: Sequence[Session], tokens: Sequence[int], sample: bool = False, want_logits: bool = True):
     """Advance sessions[i] by tokens[i], all in one layer-major pass (smoe_decode_batch): per
     layer the union of their experts is read once and applied to every session routed to it.
     Returns each session's float32 logits, bit-identical to sessions[i].decode(tokens[i]) alone
     (logits, KV and position), whatever the batch and its order; with sample, (logits, ids): each
-    session's next id too, drawn by its own sampler as decode_next would draw it.
+    session's next id too, drawn by its own sampler as decode_next would draw it. want_logits=False
+    (with sample) copies no logits out: (None, ids).
 
     The sessions must be distinct, open, idle and share one cache (Vault.session(share_cache=...)).
     On any error nothing advanced, and the exception (InvalidArgument, BadToken, ContextFull,
@@ -721,7 +722,9 @@ def decode_batch(sessions: Sequence[Session], tokens: Sequence[int], sample: boo
         if t is None or not (0 <= t < s._vocab):
             raise fail(BadToken, i, f"tokens[{i}] = {tokens[i]!r} is not a token id in [0, {s._vocab})")
     vocab = sessions[0]._vocab
-    logits = np.empty((len(sessions), vocab), dtype=np.float32)
+    if not want_logits and not sample:
+        raise InvalidArgument("decode_batch with want_logits=False returns only the sampled ids: pass sample=True")
+    logits = np.empty((len(sessions) if want_logits else 1, vocab), dtype=np.float32)
     ids = np.asarray(tokens, dtype=np.int32)
     nxt = np.full(len(sessions), -1, dtype=np.int32)
     failed = ffi.new("int32_t *", -1)
@@ -737,14 +740,15 @@ def decode_batch(sessions: Sequence[Session], tokens: Sequence[int], sample: boo
                 raise fail(Cancelled, i, f"sessions[{i}] was cancelled (Session.cancel)")
         handles = ffi.new("smoe_session *[]", [s._h for s in sessions])
         rc = lib.smoe_decode_batch(handles, ffi.cast("int32_t *", ffi.from_buffer(ids)), len(sessions),
-                                   ffi.cast("float *", ffi.from_buffer(logits)),
+                                   ffi.cast("float *", ffi.from_buffer(logits)) if want_logits else ffi.NULL,
                                    ffi.cast("int32_t *", ffi.from_buffer(nxt)) if sample else ffi.NULL, failed)
         try:
             check(rc)
         except SmoeError as e:
             e.session_index = None if failed[0] < 0 else int(failed[0])
             raise
-    return (list(logits), [int(i) for i in nxt]) if sample else list(logits)
+    out = list(logits) if want_logits else None
+    return (out, [int(i) for i in nxt]) if sample else out
 
 
 MAX_TOP_LOGPROBS = int(lib.SMOE_TOP_LOGPROBS)

@@ -4,7 +4,7 @@
  *
  * A share is the worker pool (threads, including the calling thread); a session state its planes
  * for `chunk` rows and its KV cache. The products live in products.c; here the rest of a pass:
- * staging, embedding, norms, RoPE and the KV cache, attention, residuals, logits. */
+ * staging, embedding, norms, attention (RoPE and the KV cache with it), residuals, logits. */
 #include "cpu/cpu_state.h"
 #include "prof.h"
 
@@ -173,16 +173,53 @@ static smoe_status cpu_add(void *b, smoe_plane dst, smoe_plane src, uint32_t n) 
     return SMOE_OK;
 }
 
+/* Row t's KV owner: the pass's own state, or members[t] (a batch). */
+static inline const cpu_state *owner(const cpu_state *c, void *const *members, uint32_t t) {
+    return members ? (const cpu_state *)members[t] : c;
+}
+
+/* Row t's position: pos0 + t of a pass, or its member's staged position. */
+static inline uint32_t row_pos(const cpu_state *c, void *const *members, uint32_t t) {
+    return members ? ((const cpu_state *)members[t])->pos0 : c->pos0 + t;
+}
+
+typedef struct {
+    cpu_state *c;
+    void *const *members;
+    uint32_t l;
+} attend_task;
+
+/* Items are (token, head) pairs; token t sees positions [0, its own]. The scratch row is the KV
+ * owner's (sized for its context; sessions of one share run on one pool, one call at a time). */
+static void attend_items(void *ctx, uint32_t i0, uint32_t i1, uint32_t worker) {
+    const attend_task *t = ctx;
+    cpu_state *c = t->c;
+    const smoe_config *cf = c->cfg;
+    const uint32_t heads = cf->num_attention_heads, hd = cf->head_dim;
+    const uint32_t group = heads / cf->num_key_value_heads;
+    for (uint32_t i = i0; i < i1; i++) {
+        const uint32_t tok = i / heads, h = i % heads, kvh = h / group;
+        const cpu_state *o = owner(c, t->members, tok);
+        const uint8_t *kl = kv_row(o, o->k_cache, t->l, 0), *vl = kv_row(o, o->v_cache, t->l, 0);
+        const size_t head_bytes = (size_t)hd * o->kv_elem;
+        smoe_attend(c->att + (size_t)tok * c->q_dim + (size_t)h * hd, c->q + (size_t)tok * c->q_dim + (size_t)h * hd,
+                    kl + kvh * head_bytes, vl + kvh * head_bytes, c->kv_dim, row_pos(c, t->members, tok) + 1, hd,
+                    o->kv_dtype, o->scores + (size_t)worker * o->context);
+    }
+}
+
 /* K and V rows land in the cache rounded to its type before attention, so every token (its own
  * position included) attends over the stored values on every path. */
-static smoe_status cpu_qk_rope(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n) {
+static smoe_status cpu_attend(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n,
+                              void *const *members) {
     cpu_state *c = b;
     const smoe_config *cf = c->cfg;
     const uint32_t hd = cf->head_dim, half = hd / 2;
     const float eps = cf->rms_norm_eps;
     for (uint32_t t = 0; t < n; t++) {
-        const float *cs = c->rope_cos + (size_t)(c->pos0 + t) * half;
-        const float *sn = c->rope_sin + (size_t)(c->pos0 + t) * half;
+        const cpu_state *o = owner(c, members, t);
+        const uint32_t pos = row_pos(c, members, t);
+        const float *cs = o->rope_cos + (size_t)pos * half, *sn = o->rope_sin + (size_t)pos * half;
         float *qt = c->q + (size_t)t * c->q_dim, *kt = c->k + (size_t)t * c->kv_dim;
         for (uint32_t h = 0; h < cf->num_attention_heads; h++)
             smoe_rmsnorm(qt + (size_t)h * hd, qt + (size_t)h * hd, q_norm, hd, eps);
@@ -190,41 +227,19 @@ static smoe_status cpu_qk_rope(void *b, uint32_t l, const smoe_tensor *q_norm, c
             smoe_rmsnorm(kt + (size_t)h * hd, kt + (size_t)h * hd, k_norm, hd, eps);
         smoe_rope(qt, cf->num_attention_heads, hd, cs, sn);
         smoe_rope(kt, cf->num_key_value_heads, hd, cs, sn);
+        if (members) { /* each row into its own session's cache */
+            smoe_kv_store(kv_row(o, o->k_cache, l, pos), kt, c->kv_dim, o->kv_dtype);
+            smoe_kv_store(kv_row(o, o->v_cache, l, pos), c->v + (size_t)t * c->kv_dim, c->kv_dim, o->kv_dtype);
+        }
     }
-    const size_t len = (size_t)n * c->kv_dim;
-    smoe_kv_store(kv_row(c, c->k_cache, l, c->pos0), c->k, len, c->kv_dtype);
-    smoe_kv_store(kv_row(c, c->v_cache, l, c->pos0), c->v, len, c->kv_dtype);
+    if (!members) {
+        const size_t len = (size_t)n * c->kv_dim;
+        smoe_kv_store(kv_row(c, c->k_cache, l, c->pos0), c->k, len, c->kv_dtype);
+        smoe_kv_store(kv_row(c, c->v_cache, l, c->pos0), c->v, len, c->kv_dtype);
+    }
     SMOE_PROF_LAP(SMOE_P_QKNORM);
-    return SMOE_OK;
-}
-
-typedef struct {
-    cpu_state *c;
-    uint32_t l;
-} attend_task;
-
-/* Items are (token, head) pairs; token t sees positions [0, pos0 + t]. */
-static void attend_items(void *ctx, uint32_t i0, uint32_t i1, uint32_t worker) {
-    const attend_task *t = ctx;
-    cpu_state *c = t->c;
-    const smoe_config *cf = c->cfg;
-    const uint32_t heads = cf->num_attention_heads, hd = cf->head_dim;
-    const uint32_t group = heads / cf->num_key_value_heads;
-    const uint8_t *kl = kv_row(c, c->k_cache, t->l, 0), *vl = kv_row(c, c->v_cache, t->l, 0);
-    const size_t head_bytes = (size_t)hd * c->kv_elem;
-    float *scratch = c->scores + (size_t)worker * c->context;
-    for (uint32_t i = i0; i < i1; i++) {
-        const uint32_t tok = i / heads, h = i % heads, kvh = h / group;
-        smoe_attend(c->att + (size_t)tok * c->q_dim + (size_t)h * hd, c->q + (size_t)tok * c->q_dim + (size_t)h * hd,
-                    kl + kvh * head_bytes, vl + kvh * head_bytes, c->kv_dim, c->pos0 + tok + 1, hd, c->kv_dtype,
-                    scratch);
-    }
-}
-
-static smoe_status cpu_attend(void *b, uint32_t l, uint32_t n) {
-    cpu_state *c = b;
-    attend_task at = {c, l};
-    smoe_pool_run(c->pool, attend_items, &at, n * c->cfg->num_attention_heads, 1);
+    attend_task at = {c, members, l};
+    smoe_pool_run(c->pool, attend_items, &at, n * cf->num_attention_heads, 1);
     SMOE_PROF_LAP(SMOE_P_ATTEND);
     return SMOE_OK;
 }
@@ -243,13 +258,6 @@ static smoe_status cpu_logits(void *b, const smoe_tensor *norm, const smoe_tenso
 static smoe_status cpu_logits_read(void *b, uint32_t m, const float **out) {
     (void)m;
     *out = ((cpu_state *)b)->logits;
-    return SMOE_OK;
-}
-
-static smoe_status cpu_copy_row(void *dst, uint32_t dst_row, void *src, uint32_t src_row) {
-    cpu_state *d = dst, *s = src;
-    const size_t H = d->cfg->hidden_size;
-    memcpy(d->x + dst_row * H, s->x + src_row * H, H * sizeof(float));
     return SMOE_OK;
 }
 
@@ -286,7 +294,6 @@ const smoe_backend smoe_backend_cpu = {
     .embed = cpu_embed,
     .norm = cpu_norm,
     .project = smoe_cpu_project,
-    .qk_rope = cpu_qk_rope,
     .attend = cpu_attend,
     .add = cpu_add,
     .mlp = smoe_cpu_mlp,
@@ -295,7 +302,6 @@ const smoe_backend smoe_backend_cpu = {
     .combine = smoe_cpu_combine,
     .logits = cpu_logits,
     .logits_read = cpu_logits_read,
-    .copy_row = cpu_copy_row,
     .read_kv = cpu_read_kv,
     .describe = cpu_describe,
 };

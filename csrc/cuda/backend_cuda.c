@@ -373,27 +373,30 @@ static smoe_status cuda_project(void *b, smoe_plane src, const smoe_proj *out, u
     return SMOE_OK;
 }
 
-static smoe_status cuda_qk_rope(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n) {
+/* QK-norm, RoPE and the KV append in one launch, then attention: for the pass's own rows at once,
+ * or (a batch) each row with its own session's cache, tables and staged position. */
+static smoe_status cuda_attend(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n,
+                               void *const *members) {
     cuda_state *c = b;
     const smoe_config *cf = c->cfg;
-    const size_t layer_at = (size_t)l * c->context * c->kv_dim * c->kv_elem;
     written(c, SMOE_PL_Q);
     written(c, SMOE_PL_K);
-    CU(smoe_cu_qk_post(c->sh->cs, c->q, c->ks, c->vs, c->k + layer_at, c->v + layer_at, c->kv_dtype, n,
-                       cf->num_attention_heads, cf->num_key_value_heads, cf->head_dim, smoe_cuda_dev(c, q_norm),
-                       q_norm->format, smoe_cuda_dev(c, k_norm), k_norm->format, cf->rms_norm_eps, c->cos, c->sin,
-                       (const uint32_t *)c->pass));
-    return SMOE_OK;
-}
-
-static smoe_status cuda_attend(void *b, uint32_t l, uint32_t n) {
-    cuda_state *c = b;
-    const smoe_config *cf = c->cfg;
-    const size_t layer_at = (size_t)l * c->context * c->kv_dim * c->kv_elem;
     written(c, SMOE_PL_ATT);
-    CU(smoe_cu_attention(c->sh->cs, c->att, c->q, c->k + layer_at, c->v + layer_at, c->kv_dtype, n,
-                         cf->num_attention_heads, cf->num_key_value_heads, cf->head_dim, c->pos0,
-                         (const uint32_t *)c->pass, c->fa_part, c->context));
+    const uint32_t rows = members ? n : 1;
+    for (uint32_t t = 0; t < rows; t++) {
+        cuda_state *o = members ? members[t] : c;
+        const uint32_t m = members ? 1 : n;
+        const size_t layer_at = (size_t)l * o->context * o->kv_dim * o->kv_elem;
+        float *q = c->q + (size_t)t * c->q_dim, *att = c->att + (size_t)t * c->q_dim;
+        CU(smoe_cu_qk_post(c->sh->cs, q, c->ks + (size_t)t * c->kv_dim, c->vs + (size_t)t * c->kv_dim,
+                           o->k + layer_at, o->v + layer_at, o->kv_dtype, m, cf->num_attention_heads,
+                           cf->num_key_value_heads, cf->head_dim, smoe_cuda_dev(c, q_norm), q_norm->format,
+                           smoe_cuda_dev(c, k_norm), k_norm->format, cf->rms_norm_eps, o->cos, o->sin,
+                           (const uint32_t *)o->pass));
+        CU(smoe_cu_attention(c->sh->cs, att, q, o->k + layer_at, o->v + layer_at, o->kv_dtype, m,
+                             cf->num_attention_heads, cf->num_key_value_heads, cf->head_dim, o->pos0,
+                             (const uint32_t *)o->pass, o->fa_part, o->context));
+    }
     return SMOE_OK;
 }
 
@@ -474,20 +477,12 @@ static smoe_status cuda_logits_read(void *b, uint32_t m, const float **out) {
     return SMOE_OK;
 }
 
-static smoe_status cuda_copy_row(void *dst, uint32_t dst_row, void *src, uint32_t src_row) {
-    cuda_state *c = dst, *s = src;
-    const size_t H = c->cfg->hidden_size;
-    written(c, SMOE_PL_X);
-    CU(smoe_cu_copy(c->x + dst_row * H, s->x + src_row * H, H * sizeof(float), c->sh->cs));
-    return SMOE_OK;
-}
-
 /* ----------------------------------------------------------------------------------- the rest */
 
 /* The selection of the engine's sampler on the GPU, the draw on the host (backend.h): greedy and
  * top-k up to SAMPLE_CAP; anything else (no top-k with a temperature, a longer penalty window) is
  * left to the host. */
-static smoe_status cuda_select(void *b, const smoe_sampler_params *p, const int32_t *window, uint32_t w,
+static smoe_status cuda_select(void *b, uint32_t row, const smoe_sampler_params *p, const int32_t *window, uint32_t w,
                                smoe_candidates *out, bool *done) {
     cuda_state *c = b;
     const uint32_t V = c->cfg->vocab_size;
@@ -500,8 +495,8 @@ static smoe_status cuda_select(void *b, const smoe_sampler_params *p, const int3
         CU(smoe_cu_upload(c->d_hist, c->h_hist, w * sizeof *c->h_hist, c->sh->cs));
     }
     const float pen = w ? p->repetition_penalty : 1.0f;
-    CU(smoe_cu_sample_select(c->sh->cs, c->logits, c->d_sv, V, c->d_hist, w, pen, p->temperature, p->top_k,
-                             c->d_sout));
+    CU(smoe_cu_sample_select(c->sh->cs, c->logits + (size_t)row * V, c->d_sv, V, c->d_hist, w, pen, p->temperature,
+                             p->top_k, c->d_sout));
     CU(smoe_cu_download(c->h_sout, c->d_sout, sizeof *c->h_sout, c->sh->cs));
     CU(smoe_cu_stream_sync(c->sh->cs));
     const smoe_cu_sample_out *o = c->h_sout;
@@ -559,7 +554,6 @@ const smoe_backend smoe_backend_cuda = {
     .embed = cuda_embed,
     .norm = cuda_norm,
     .project = cuda_project,
-    .qk_rope = cuda_qk_rope,
     .attend = cuda_attend,
     .add = cuda_add,
     .mlp = cuda_mlp,
@@ -569,7 +563,6 @@ const smoe_backend smoe_backend_cuda = {
     .combine = smoe_cuda_combine,
     .logits = cuda_logits,
     .logits_read = cuda_logits_read,
-    .copy_row = cuda_copy_row,
     .tier_lookup = smoe_cuda_tier_lookup,
     .tier_claim = smoe_cuda_tier_claim,
     .tier_fill = smoe_cuda_tier_fill,

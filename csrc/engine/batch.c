@@ -1,26 +1,27 @@
 /* batch.c — one decode step of several sessions in one layer-major pass, on any backend.
  *
- * n requests decoding at once each need, per layer, their top-k experts. Stepping them one after
- * another reads up to n·k blobs per layer (and, on a GPU, launches every kernel n times); stepping
- * them together reads the layer's union of their experts once and applies each to every session
- * routed to it, as layer-major prefill does for the tokens of a chunk. The sessions share one
- * retention cache and device (smoe_session_new_shared), so "once" is once for all of them.
+ * n requests decoding at once each need, per layer, their top-k experts and every dense weight.
+ * Stepping them one after another reads up to n·k blobs and the dense weights n times per layer
+ * (and, on a GPU, launches every kernel n times); stepping them together reads the layer's union of
+ * their experts once and applies each to every session routed to it, as layer-major prefill does
+ * for the tokens of a chunk, and each dense product runs once over all of them. The sessions share
+ * one retention cache and device (smoe_session_new_shared), so "once" is once for all of them.
  *
- * Per layer:
- *   - attention runs for each session on its own planes and KV cache, at its own position
- *     (layer.c's attention block with n = 1: exactly what smoe_decode_step runs);
- *   - the sessions' residual rows are gathered into one session's planes (the "lead": the one
- *     with the largest chunk, which bounds n) by the backend's copy_row, and the FFN block runs
- *     there over n rows: the MoE step of moe.c, each row's routing counted for its own session;
- *   - the rows go back to their sessions.
- * Then each session's logits, their check and sampling, on its own planes. Every value a session
- * sees is therefore the value smoe_decode_step alone would give it (backend.h's rule: no op's
- * value for a row depends on the other rows): its logits, sampled id and KV rows are
+ * Every row lives in one session's planes, the "lead" (the one with the largest chunk, which
+ * bounds n): the embeddings, the norms and products of every layer run there over n rows, as a
+ * prefill chunk's do; only attention is per session: row t's Q, K and V go to session t's KV cache
+ * at session t's position and it attends over that cache alone (the backend's attend op with the
+ * batch's members). The FFN is the MoE step of moe.c over the n rows, each row's routing counted
+ * for its own session; the logits come out of the lead, SMOE_LOGIT_ROWS rows at a time. Every
+ * value a session sees is therefore the value smoe_decode_step alone would give it (backend.h's
+ * rule: no op's value for a row depends on the other rows): its logits, sampled id and KV rows are
  * bit-identical, whatever the batch's other members and their order.
  *
  * Nothing is committed (position, history, sampler, counters) until every session's logits
  * passed their check: a failure leaves every session of the batch where it was. */
 #include "engine/engine.h"
+
+#include <math.h>
 
 #include <string.h>
 
@@ -47,22 +48,6 @@ static smoe_status check_batch(smoe_session *const *ss, const int32_t *ids, uint
     return SMOE_OK;
 }
 
-/* Moves row 0 of every session's residual X into row i of the lead's (or back, when back). The
- * lead's own row 0 goes to row li first, before session 0's row lands on it. */
-static smoe_status shuttle(smoe_session *const *ss, uint32_t n, uint32_t li, bool back) {
-    smoe_session *lead = ss[li];
-    const smoe_backend *be = lead->backend;
-    smoe_status st = SMOE_OK;
-    if (!back && li != 0) st = be->copy_row(lead->be, li, lead->be, 0);
-    for (uint32_t i = 0; i < n && st == SMOE_OK; i++) {
-        if (i == li)
-            continue;
-        st = back ? be->copy_row(ss[i]->be, 0, lead->be, i) : be->copy_row(lead->be, i, ss[i]->be, 0);
-    }
-    if (st == SMOE_OK && back && li != 0) st = be->copy_row(lead->be, 0, lead->be, li);
-    return smoe_be_status(lead, st);
-}
-
 static smoe_status decode_batch(smoe_session *const *ss, const int32_t *ids, uint32_t n, float *logits,
                                 int32_t *next_ids, int32_t *failed) {
     smoe_status st;
@@ -76,50 +61,74 @@ static smoe_status decode_batch(smoe_session *const *ss, const int32_t *ids, uin
     }
     *failed = -1;
     smoe_session *lead = ss[li];
+    const smoe_backend *be = lead->backend;
     if (n > lead->params.chunk)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_decode_batch: %u sessions, more than the largest chunk (%u)", n,
                          lead->params.chunk);
     double t0 = smoe_now();
     const smoe_config *c = &lead->cfg;
+    const uint32_t L = c->num_hidden_layers, V = c->vocab_size;
     smoe_streamer_stats io0 = {0}, io1 = {0};
     if (lead->streamer)
         smoe_streamer_get_stats(lead->streamer, &io0);
 
+    /* every row in the lead's planes (their embeddings there); each session staged at its position */
     for (uint32_t i = 0; i < n; i++) {
         *failed = (int32_t)i;
         smoe_session *s = ss[i];
-        if ((st = smoe_be_status(s, s->backend->stage(s->be, &ids[i], 1, s->pos))) != SMOE_OK ||
-            (st = smoe_be_status(s, s->backend->embed(s->be, 1))) != SMOE_OK)
+        lead->row_be[i] = s->be;
+        if (i != li && (st = smoe_be_status(s, be->stage(s->be, &ids[i], 1, s->pos))) != SMOE_OK)
             return st;
     }
-    for (uint32_t l = 0; l < c->num_hidden_layers; l++) {
+    *failed = (int32_t)li;
+    if ((st = smoe_be_status(lead, be->stage(lead->be, ids, n, lead->pos))) != SMOE_OK ||
+        (st = smoe_be_status(lead, be->embed(lead->be, n))) != SMOE_OK)
+        return st;
+    for (uint32_t l = 0; l < L; l++) {
         /* positions unchanged on failure: each session's row pos is rewritten next time */
         for (uint32_t i = 0; i < n; i++) {
             *failed = (int32_t)i;
-            if ((st = smoe_session_check_cancel(ss[i], l)) != SMOE_OK ||
-                (st = smoe_layer_attention(ss[i], l, 1)) != SMOE_OK)
+            if ((st = smoe_session_check_cancel(ss[i], l)) != SMOE_OK)
                 goto fail;
         }
         *failed = -1;
-        if ((st = shuttle(ss, n, li, false)) != SMOE_OK)
-            goto fail;
-        if ((st = smoe_layer_ffn(lead, l, n, ss)) != SMOE_OK) {
+        if ((st = smoe_layer(lead, l, n, ss)) != SMOE_OK) {
             if (st == SMOE_ERR_CANCELLED) /* the lead's cancel, seen while its blobs arrived */
                 *failed = (int32_t)li;
             goto fail;
         }
-        if ((st = shuttle(ss, n, li, true)) != SMOE_OK)
-            goto fail;
     }
     if ((st = smoe_pass_end(lead, n, ss, NULL)) != SMOE_OK)
         return st;
-    static const uint32_t row0 = 0;
-    for (uint32_t i = 0; i < n; i++) {
-        *failed = (int32_t)i;
-        if ((st = smoe_pass_logits(ss[i], &row0, 1, ss[i]->pos, &ss[i]->last_logits)) != SMOE_OK)
+
+    /* The logits, SMOE_LOGIT_ROWS rows at a time, each checked (and copied out) before anything is
+     * committed; the sampling after the commit, from the last group still in the plane or its logits
+     * made again (the same bits). */
+    uint32_t rows[SMOE_LOGIT_ROWS];
+    const float *out = NULL;
+    uint32_t have = n; /* the first row of the group in the plane */
+    for (uint32_t g = 0; g < n; g += SMOE_LOGIT_ROWS) {
+        const uint32_t m = n - g < SMOE_LOGIT_ROWS ? n - g : SMOE_LOGIT_ROWS;
+        for (uint32_t j = 0; j < m; j++) rows[j] = g + j;
+        *failed = -1;
+        if ((st = smoe_pass_logits(lead, rows, m, 0, &out)) != SMOE_OK) {
+            if (st == SMOE_ERR_VAULT) /* name the session whose logits are not finite */
+                for (uint32_t j = 0; j < m; j++) {
+                    bool finite = false;
+                    for (uint32_t k = 0; k < V && !finite; k++) finite = isfinite(out[(size_t)j * V + k]);
+                    if (!finite) {
+                        *failed = (int32_t)(g + j);
+                        return smoe_fail(SMOE_ERR_VAULT, "decode of session %u at position %u: every logit is NaN "
+                                                         "or infinite (non-finite weights? run `pysmoe verify`)",
+                                         g + j, ss[g + j]->pos);
+                    }
+                }
             return st;
+        }
+        if (logits)
+            memcpy(logits + (size_t)g * V, out, (size_t)m * V * sizeof(float));
+        have = g;
     }
-    *failed = -1;
 
     /* Every session passed: commit them all. */
     double dt = smoe_now() - t0;
@@ -127,15 +136,24 @@ static smoe_status decode_batch(smoe_session *const *ss, const int32_t *ids, uin
         smoe_session *s = ss[i];
         s->history[s->pos] = ids[i];
         smoe_session_set_pos(s, s->pos + 1);
-        if (logits)
-            memcpy(logits + (size_t)i * c->vocab_size, s->last_logits, c->vocab_size * sizeof(float));
-        if (next_ids && (st = smoe_pass_sample(s, s->last_logits, &next_ids[i])) != SMOE_OK) {
-            *failed = (int32_t)i; /* a device's failure: the sessions before it are committed */
-            return st;
-        }
         s->tokens_decoded++;
         s->decode_s += dt;
     }
+    for (uint32_t g = 0; next_ids && g < n; g += SMOE_LOGIT_ROWS) {
+        const uint32_t m = n - g < SMOE_LOGIT_ROWS ? n - g : SMOE_LOGIT_ROWS;
+        if (g != have) {
+            for (uint32_t j = 0; j < m; j++) rows[j] = g + j;
+            if ((st = smoe_pass_logits(lead, rows, m, 0, &out)) != SMOE_OK)
+                return st;
+            have = g;
+        }
+        for (uint32_t j = 0; j < m; j++) {
+            *failed = (int32_t)(g + j); /* a device's failure: the sessions before it have their ids */
+            if ((st = smoe_pass_sample(ss[g + j], lead->be, j, out + (size_t)j * V, &next_ids[g + j])) != SMOE_OK)
+                return st;
+        }
+    }
+    *failed = -1;
     if (lead->streamer)
         smoe_streamer_get_stats(lead->streamer, &io1);
     lead->share->batch_steps++;
@@ -143,7 +161,7 @@ static smoe_status decode_batch(smoe_session *const *ss, const int32_t *ids, uin
     lead->share->batch_blob_reads += io1.blob_reads - io0.blob_reads;
     return SMOE_OK;
 fail:
-    for (uint32_t l = 0; l < c->num_hidden_layers; l++) lead->moe.deferred[l] = false;
+    for (uint32_t l = 0; l < L; l++) lead->moe.deferred[l] = false;
     return st;
 }
 

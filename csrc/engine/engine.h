@@ -75,7 +75,7 @@ struct smoe_session {
 
     int32_t *history;         /* (context) ids at each position */
     float *rope_cos, *rope_sin; /* (context, head_dim/2), given to the backend */
-    const float *last_logits; /* the last pass's logits where the host reads them (batch.c) */
+    void **row_be;            /* (chunk) a batch's sessions' backend states, row by row (batch.c) */
     float *sample_f;          /* (vocab) the sampler's scratch */
     int32_t *sample_i;        /* (vocab) */
     smoe_moe_state moe;
@@ -90,29 +90,28 @@ struct smoe_session {
 
 /* ------------------------------------------------------------------------- passes (pass.c) */
 
-/* The layers of one pass over rows [0, n) staged at position pos0 (backend stage + embed done by
- * the caller), for one session; the MoE step's routed rows count for `owners[t]` (NULL: all for s). */
-smoe_status smoe_pass_layers(smoe_session *s, uint32_t n);
 /* The pass's end: waits for the device and settles what its layers deferred (expert counts,
  * union sizes into union_sizes when not NULL); owners as for smoe_moe_step. */
 smoe_status smoe_pass_end(smoe_session *s, uint32_t n, smoe_session *const *owners, uint32_t *union_sizes);
 /* The logits of rows[0..m) (m ≤ SMOE_LOGIT_ROWS) where the host reads them, checked to hold a
  * finite value (else SMOE_ERR_VAULT naming position `at`). */
 smoe_status smoe_pass_logits(smoe_session *s, const uint32_t *rows, uint32_t m, uint32_t at, const float **out);
-/* The next id from logits (vocab floats of row 0 of the backend's logits plane): the device's
- * selection where it has one, the draw here. After the history holds the pass's ids. */
-smoe_status smoe_pass_sample(smoe_session *s, const float *logits, int32_t *next_id);
+/* s's next id from logits (vocab floats: row `row` of the logits plane of backend state b — s's own,
+ * or a batch's lead's): the device's selection where it has one, the draw here. After the history
+ * holds the pass's ids. */
+smoe_status smoe_pass_sample(smoe_session *s, void *b, uint32_t row, const float *logits, int32_t *next_id);
 /* The backend op's status, marking the session broken when the device says its state is lost. */
 smoe_status smoe_be_status(smoe_session *s, smoe_status st);
 
 /* ---------------------------------------------------------------------- layers (layer.c) */
 
 /* Layer l of the model for rows [0, n) of s's planes: the attention block (each row at its
- * staged position), then the FFN block (the MoE step or a dense MLP), residuals included. */
-smoe_status smoe_layer(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *owners);
-/* Attention alone, then the FFN alone (batch.c runs attention per session, the FFN once). */
-smoe_status smoe_layer_attention(smoe_session *s, uint32_t l, uint32_t n);
-smoe_status smoe_layer_ffn(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *owners);
+ * staged position), then the FFN block (the MoE step or a dense MLP), residuals included. rows
+ * NULL: s's own pass; else a batch whose row t is session rows[t]'s token (its KV cache, its
+ * position, its routing counts), s->row_be holding their backend states. */
+smoe_status smoe_layer(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *rows);
+smoe_status smoe_layer_attention(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *rows);
+smoe_status smoe_layer_ffn(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *rows);
 
 /* ----------------------------------------------------------------------- the MoE step (moe.c) */
 

@@ -8,9 +8,10 @@
  *
  * Every op works on rows [0, n) of the session's planes and computes each row's values whatever n
  * is, which is the whole of the bit-identity argument between the serial step (n = 1), the
- * layer-major prefill (the chunk) and a batch (a row per session): norms, RoPE, attention and
- * routing are per row; products reduce each element in a fixed order; a row's expert outputs are
- * summed in top-k slot order. A model family is another recipe of these ops (and, where its math
+ * layer-major prefill (the chunk) and a batch (row t the one token of session rows[t], every row in
+ * the batch's lead's planes, each attending over its own session's KV cache): norms, RoPE,
+ * attention and routing are per row; products reduce each element in a fixed order; a row's expert
+ * outputs are summed in top-k slot order. A model family is another recipe of these ops (and, where its math
  * differs, a few new ones), never another copy of the engine. */
 #include "engine/engine.h"
 
@@ -22,7 +23,7 @@
         if (st_ != SMOE_OK) return st_;                                                                                \
     } while (0)
 
-smoe_status smoe_layer_attention(smoe_session *s, uint32_t l, uint32_t n) {
+smoe_status smoe_layer_attention(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *rows) {
     const smoe_backend *be = s->backend;
     void *b = s->be;
     const smoe_layer_weights *L = &s->lay->layers[l];
@@ -30,25 +31,24 @@ smoe_status smoe_layer_attention(smoe_session *s, uint32_t l, uint32_t n) {
     const smoe_proj o = {L->o, SMOE_PL_Y};
     TRY(be->norm(b, SMOE_PL_XN, SMOE_PL_X, L->input_norm, n));
     TRY(be->project(b, SMOE_PL_XN, qkv, 3, n));
-    TRY(be->qk_rope(b, l, L->q_norm, L->k_norm, n));
-    TRY(be->attend(b, l, n));
+    TRY(be->attend(b, l, L->q_norm, L->k_norm, n, rows ? s->row_be : NULL));
     TRY(be->project(b, SMOE_PL_ATT, &o, 1, n));
     TRY(be->add(b, SMOE_PL_X, SMOE_PL_Y, n));
     return SMOE_OK;
 }
 
-smoe_status smoe_layer_ffn(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *owners) {
+smoe_status smoe_layer_ffn(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *rows) {
     const smoe_backend *be = s->backend;
     void *b = s->be;
     const smoe_layer_weights *L = &s->lay->layers[l];
     TRY(be->norm(b, SMOE_PL_XN, SMOE_PL_X, L->post_norm, n));
-    if (L->sparse) return smoe_moe_step(s, l, n, owners);
+    if (L->sparse) return smoe_moe_step(s, l, n, rows);
     TRY(be->mlp(b, SMOE_PL_Y, SMOE_PL_XN, L->mlp_gate, L->mlp_up, L->mlp_down, n));
     TRY(be->add(b, SMOE_PL_X, SMOE_PL_Y, n));
     return SMOE_OK;
 }
 
-smoe_status smoe_layer(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *owners) {
-    smoe_status st = smoe_layer_attention(s, l, n);
-    return st != SMOE_OK ? st : smoe_layer_ffn(s, l, n, owners);
+smoe_status smoe_layer(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *rows) {
+    smoe_status st = smoe_layer_attention(s, l, n, rows);
+    return st != SMOE_OK ? st : smoe_layer_ffn(s, l, n, rows);
 }

@@ -94,7 +94,7 @@ smoe_status smoe_pass_logits(smoe_session *s, const uint32_t *rows, uint32_t m, 
     return SMOE_OK;
 }
 
-smoe_status smoe_pass_sample(smoe_session *s, const float *logits, int32_t *next_id) {
+smoe_status smoe_pass_sample(smoe_session *s, void *b, uint32_t row, const float *logits, int32_t *next_id) {
     const smoe_backend *be = s->backend;
     smoe_sampler *sm = &s->sampler;
     const smoe_sampler_params *p = &sm->p;
@@ -106,7 +106,7 @@ smoe_status smoe_pass_sample(smoe_session *s, const float *logits, int32_t *next
         if (p->repetition_penalty > 0.0f && p->repetition_penalty != 1.0f && p->repetition_window > 0)
             w = s->pos < p->repetition_window ? s->pos : p->repetition_window;
         smoe_candidates c;
-        smoe_status st = smoe_be_status(s, be->select(s->be, p, s->history + s->pos - w, w, &c, &done));
+        smoe_status st = smoe_be_status(s, be->select(b, row, p, s->history + s->pos - w, w, &c, &done));
         if (st != SMOE_OK) return st;
         if (done) {
             if (c.count == 0) {
@@ -175,7 +175,7 @@ static smoe_status decode(smoe_session *s, int32_t id, float *logits, int32_t *n
     smoe_session_set_pos(s, pos + 1);
     if (logits)
         memcpy(logits, out, s->cfg.vocab_size * sizeof(float));
-    if (next_id && (st = smoe_pass_sample(s, out, next_id)) != SMOE_OK)
+    if (next_id && (st = smoe_pass_sample(s, s->be, 0, out, next_id)) != SMOE_OK)
         return st;
     s->tokens_decoded++;
     s->decode_s += smoe_now() - t0;
@@ -244,7 +244,7 @@ static smoe_status prefill(smoe_session *s, const int32_t *ids, uint32_t n, cons
     for (uint32_t i = 0; i < n; i++)
         s->history[pos + i] = ids[i];
     smoe_session_set_pos(s, pos + n);
-    if (next_id && (st = smoe_pass_sample(s, out, next_id)) != SMOE_OK)
+    if (next_id && (st = smoe_pass_sample(s, s->be, 0, out, next_id)) != SMOE_OK)
         return st;
     s->tokens_prefilled += n;
     s->prefill_s += smoe_now() - t0;

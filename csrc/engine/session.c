@@ -221,6 +221,7 @@ static smoe_status engine_planes(smoe_session *s) {
     m->deferred = plane(s, L, sizeof(bool), &ok);
     s->union_sizes = plane(s, L, sizeof(uint32_t), &ok);
     s->expert_counts = plane(s, L * E, sizeof(uint64_t), &ok);
+    s->row_be = plane(s, C, sizeof(void *), &ok);
     if (!ok)
         return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the session's planes (%llu bytes)",
                          (unsigned long long)s->plane_bytes);
@@ -241,7 +242,7 @@ void smoe_session_free(smoe_session *s) {
     void *bufs[] = {s->history, s->rope_cos, s->rope_sin, s->sample_f, s->sample_i, s->sampler.counts,
                     s->sampler.drawn, m->ids, m->pos_of, m->expert, m->start, m->count, m->rows, (void *)m->w,
                     m->slot, m->state, m->pending, m->pending_slots, m->batch, m->held, m->routed, m->deferred,
-                    s->union_sizes, s->expert_counts};
+                    s->union_sizes, s->expert_counts, (void *)s->row_be};
     for (size_t i = sizeof bufs / sizeof bufs[0]; i-- > 0;)
         smoe_free(bufs[i]);
     smoe_free(s);
