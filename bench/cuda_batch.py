@@ -62,6 +62,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--json")
+    ap.add_argument("--profile", type=int, default=0, metavar="B",
+                    help="after the runs, kernel times of 4 batched steps of B streams (torch.profiler)")
     args = ap.parse_args()
     streams = [int(b) for b in args.streams.split(",")]
     v = pysmoe.open_vault(args.vault)
@@ -101,6 +103,16 @@ def main() -> int:
         st = statistics.median(x["tokens_per_s"] for x in rows[(b, "serial")])
         summary.append({"streams": b, "batched": bt, "serial": st, "vs_one": bt / one if one else None})
         print(f"| {b} | {bt:.1f} | {st:.1f} | {bt / one:.2f}× |" if one else f"| {b} | {bt:.1f} | {st:.1f} | |")
+    if args.profile:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+        b = args.profile
+        run("batched", pool[:b], prompts[:b], 2, 1)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as pr:
+            run("batched", pool[:b], prompts[:b], 0, 4)
+            torch.cuda.synchronize()
+        print(f"4 steps of {b} streams (and their prefills)\n" +
+              pr.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"args": vars(args), "backend": lead.backend,
                                                        "summary": summary,

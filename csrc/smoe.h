@@ -448,6 +448,8 @@ SMOE_API smoe_status smoe_cache_clear(smoe_session *session);
  *   SMOE_CUDA_GRAPH=0          a GPU never records a decode step
  *   SMOE_CUDA_SAMPLE=0         a GPU leaves sampling's selection to the host
  *   SMOE_CUDA_PIN=0            a GPU does not pin the host cache's slots
+ *   SMOE_CUDA_ATT_STREAMS=N    a GPU batch's per-session attention on N streams side by side
+ *                              (default 4, at most 8; 0: one after another)
  *   SMOE_CUDA_TC=0             a GPU's q4/q8 products do not use the tensor cores
  *   SMOE_CUDA_FLASH=0          a GPU's attention does not use them (flash attention off)
  *   SMOE_CUDA_TILE=0|1|2       the many-token tensor-core products' tile (a tuning experiment)

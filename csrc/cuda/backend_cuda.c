@@ -146,6 +146,7 @@ static void cuda_share_free(void *vsh) {
     smoe_cuda_tier_free(sh);
     for (int i = 0; i < RING; i++) smoe_cu_event_free(sh->ring[i]);
     smoe_cu_free(sh->dense);
+    for (uint32_t i = 0; i < sh->n_as; i++) smoe_cu_stream_free(sh->as[i]);
     smoe_cu_stream_free(sh->cs);
     smoe_cu_stream_free(sh->us);
     free(sh);
@@ -179,6 +180,10 @@ static smoe_status cuda_share_new(const smoe_be_share_params *p, void **out) {
     cuda_state *c = &tmp;
     CU(smoe_cu_stream_new(&sh->cs));
     CU(smoe_cu_stream_new(&sh->us));
+    const char *as = getenv("SMOE_CUDA_ATT_STREAMS");
+    sh->n_as = as ? (uint32_t)strtoul(as, NULL, 10) : 4;
+    if (sh->n_as > ATT_STREAMS) sh->n_as = ATT_STREAMS;
+    for (uint32_t i = 0; i < sh->n_as; i++) CU(smoe_cu_stream_new(&sh->as[i]));
     for (int i = 0; i < RING; i++) CU(smoe_cu_event_new(&sh->ring[i]));
     err = smoe_cu_alloc((void **)&sh->dense, p->lay->dense_bytes);
     if (smoe_cu_out_of_memory(err)) {
@@ -383,19 +388,34 @@ static smoe_status cuda_attend(void *b, uint32_t l, const smoe_tensor *q_norm, c
     written(c, SMOE_PL_K);
     written(c, SMOE_PL_ATT);
     const uint32_t rows = members ? n : 1;
+    /* a batch's sessions side by side on the attention streams (each row its own planes' rows and
+     * its session's cache, flash splits and tables: nothing shared), joined back into cs */
+    cuda_share *sh = c->sh;
+    const uint32_t ns = members && n > 1 ? (sh->n_as < n ? sh->n_as : n) : 0;
+    if (ns) {
+        smoe_cu_event fork = smoe_cuda_ring_event(sh);
+        CU(smoe_cu_event_record(fork, sh->cs));
+        for (uint32_t i = 0; i < ns; i++) CU(smoe_cu_stream_wait(sh->as[i], fork));
+    }
     for (uint32_t t = 0; t < rows; t++) {
         cuda_state *o = members ? members[t] : c;
         const uint32_t m = members ? 1 : n;
         const size_t layer_at = (size_t)l * o->context * o->kv_dim * o->kv_elem;
         float *q = c->q + (size_t)t * c->q_dim, *att = c->att + (size_t)t * c->q_dim;
-        CU(smoe_cu_qk_post(c->sh->cs, q, c->ks + (size_t)t * c->kv_dim, c->vs + (size_t)t * c->kv_dim,
+        smoe_cu_stream st = ns ? sh->as[t % ns] : sh->cs;
+        CU(smoe_cu_qk_post(st, q, c->ks + (size_t)t * c->kv_dim, c->vs + (size_t)t * c->kv_dim,
                            o->k + layer_at, o->v + layer_at, o->kv_dtype, m, cf->num_attention_heads,
                            cf->num_key_value_heads, cf->head_dim, smoe_cuda_dev(c, q_norm), q_norm->format,
                            smoe_cuda_dev(c, k_norm), k_norm->format, cf->rms_norm_eps, o->cos, o->sin,
                            (const uint32_t *)o->pass));
-        CU(smoe_cu_attention(c->sh->cs, att, q, o->k + layer_at, o->v + layer_at, o->kv_dtype, m,
+        CU(smoe_cu_attention(st, att, q, o->k + layer_at, o->v + layer_at, o->kv_dtype, m,
                              cf->num_attention_heads, cf->num_key_value_heads, cf->head_dim, o->pos0,
                              (const uint32_t *)o->pass, o->fa_part, o->context));
+    }
+    for (uint32_t i = 0; i < ns; i++) {
+        smoe_cu_event join = smoe_cuda_ring_event(sh);
+        CU(smoe_cu_event_record(join, sh->as[i]));
+        CU(smoe_cu_stream_wait(sh->cs, join));
     }
     return SMOE_OK;
 }

@@ -18,10 +18,13 @@
 #include "backend.h"
 #include "cuda/cuda_ops.h"
 
-enum { MIN_VSLOTS = 2, RING = 64, MISS_BATCH = 8, HIST_CAP = 4096 };
+enum { MIN_VSLOTS = 2, RING = 64, MISS_BATCH = 8, HIST_CAP = 4096, ATT_STREAMS = 8 };
 
 typedef struct {
     smoe_cu_stream cs, us; /* compute, upload */
+    /* a batch's per-session attention, side by side (SMOE_CUDA_ATT_STREAMS of them, 0: on cs) */
+    smoe_cu_stream as[ATT_STREAMS];
+    uint32_t n_as;
     smoe_cu_event ring[RING];
     uint32_t ring_next;
     char name[128];
