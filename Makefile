@@ -197,16 +197,26 @@ asan: $(VENV)/.stamp-test
 	$(PY) -m pytest -q -x tests -m "not slow" -p no:cacheprovider
 
 # The parser fuzzer as its own mutation driver (gcc has no libFuzzer; the file says how to build
-# it with clang's -fsanitize=fuzzer); it goes on to blob payloads. Then the Python reader.
-FUZZ_ITERS ?= 200000
-fuzz: lib $(VENV)/.stamp-base | $(BUILD)
-	$(CC) $(CFLAGS_BASE) $(ISA_FLAGS) -g -O1 -fsanitize=address,undefined -DSTANDALONE -Icsrc \
-	      tests/c/fuzz_vault.c $(SRCS) $(LDLIBS) -o $(BUILD)/fuzz_vault
+# it with clang's -fsanitize=fuzzer); it goes on to blob payloads. Then the Python reader. Both
+# write only under FUZZ_OUT: their temporary vaults, and the input a failure died on. A UBSan
+# report stops the run, as an ASan one does. tests/test_fuzz.py builds the same driver
+# without sanitizers (its own FUZZ_DRIVER path, FUZZ_CFLAGS=-O1) for a short run in `make test`.
+FUZZ_ITERS  ?= 200000
+FUZZ_OUT    ?= $(BUILD)/fuzz
+FUZZ_DRIVER ?= $(BUILD)/fuzz_vault
+FUZZ_CFLAGS ?= -g -O1 -fsanitize=address,undefined -fno-sanitize-recover=undefined
+.PHONY: $(FUZZ_DRIVER)
+$(FUZZ_DRIVER):
+	mkdir -p $(@D)
+	$(CC) $(CFLAGS_BASE) $(ISA_FLAGS) $(FUZZ_CFLAGS) -DSTANDALONE -Icsrc \
+	      tests/c/fuzz_vault.c $(SRCS) $(LDLIBS) -o $@
+fuzz: lib $(VENV)/.stamp-base $(FUZZ_DRIVER)
+	mkdir -p $(FUZZ_OUT)
 	# a seed this library cannot open (missing, or an older vault format) is made anew
 	$(PY) -c "import pysmoe; pysmoe.open_vault('$(BUILD)/fuzz-seed').close()" 2>/dev/null || \
 	  $(PY) -m pysmoe synth $(BUILD)/fuzz-seed --preset tiny --force
-	$(BUILD)/fuzz_vault $(FUZZ_ITERS) $(BUILD)/fuzz-seed/vault.bin
-	PYTHONPATH=$(CURDIR) $(PY) tests/fuzz_vaultio.py $$(( $(FUZZ_ITERS) / 20 )) $(BUILD)/fuzz-seed
+	$(FUZZ_DRIVER) $(FUZZ_ITERS) $(FUZZ_OUT) $(BUILD)/fuzz-seed/vault.bin
+	PYTHONPATH=$(CURDIR) $(PY) tests/fuzz_vaultio.py $$(( $(FUZZ_ITERS) / 20 )) $(BUILD)/fuzz-seed $(FUZZ_OUT)
 
 # Not part of `make test`: it needs a cross compiler and qemu-user (apt), which CI does not install.
 neon-check:

@@ -3,22 +3,24 @@
  * libFuzzer (clang):
  *   clang -g -O1 -fsanitize=fuzzer,address,undefined -D_GNU_SOURCE -Icsrc tests/c/fuzz_vault.c \
  *         csrc/vault.c csrc/util.c csrc/kernels.c -lm -pthread -o build/fuzz_vault
- *   build/fuzz_vault CORPUS_DIR       (seed it with the first KiBs of a tiny vault.bin)
+ *   build/fuzz_vault -artifact_prefix=build/fuzz/ CORPUS_DIR   (seed it with the first KiBs of a
+ *   tiny vault.bin; without -artifact_prefix libFuzzer writes its crash-* files where it runs)
  *
- * Without clang, the same file is its own mutation driver (-DSTANDALONE): each vault.bin named on
- * the command line is parsed as is, then ITERS times with a few random bytes of its header and
- * tables changed, half of the time with header_crc recomputed so the edit reaches the checks
- * behind the checksum:
- *   gcc -std=c11 -g -O1 -fsanitize=address,undefined -DSTANDALONE -D_GNU_SOURCE -Icsrc \
- *       tests/c/fuzz_vault.c csrc/vault.c csrc/util.c csrc/kernels.c -lm -pthread -o /tmp/fuzz_vault
- *   /tmp/fuzz_vault 200000 some/vault/vault.bin
+ * Without clang, the same file is its own mutation driver (-DSTANDALONE; `make fuzz` builds it
+ * with ASan and UBSan against every csrc/ file, which the blob phase needs, and runs it):
+ *   fuzz_vault ITERS OUT_DIR vault.bin...
+ * Each vault.bin's header and tables (the seed, which must parse) are parsed ITERS times with a few
+ * random bytes changed, half of the time with header_crc recomputed so the edit reaches the
+ * checks behind the checksum. The input being parsed is kept in OUT_DIR/fuzz_vault-input.bin,
+ * removed when the phase ends: a driver killed by a sanitizer report, a signal or a timeout leaves
+ * the input it died on there. The mutations come from a fixed seed: a run is reproducible.
  *
- * The standalone driver then fuzzes blob payloads through the whole engine (it needs every
- * csrc/ file, as `make fuzz` links them): in a copy of the vault (VAULT.blobfuzz-XXXXXX beside
- * it, removed at the end), ITERS / 1000 times (at least 50) a few bytes of a random expert blob
- * are changed on disk, a new session prefills a fixed prompt, and the bytes are put back. With
- * verify_blobs the prefill must fail with SMOE_ERR_VAULT or SMOE_ERR_IO unless no token was
- * routed to that expert; without it, it must not crash (whatever the numbers).
+ * Then blob payloads through the whole engine: in a copy of the vault (OUT_DIR/blobfuzz-XXXXXX/,
+ * removed at the end, kept when a check fails), ITERS / 1000 times (at least 50) a few bytes of a
+ * random expert blob are changed on disk, the vault is opened, a new session prefills a fixed
+ * prompt, the vault is closed and the bytes are put back. With verify_blobs the prefill must fail
+ * with SMOE_ERR_VAULT or SMOE_ERR_IO unless no token was routed to that expert; without it, it
+ * must not crash (whatever the numbers). The driver writes nothing outside OUT_DIR.
  */
 #include "vault.h"
 
@@ -91,73 +93,147 @@ static int copy_file(const char *src, const char *dst) {
     return rc;
 }
 
-static int fuzz_blobs(const char *vault_bin, long iters) {
-    char tmpl[4096], bin[4200];
-    snprintf(tmpl, sizeof tmpl, "%s.blobfuzz-XXXXXX", vault_bin);
-    if (!mkdtemp(tmpl)) return perror(tmpl), 1;
-    snprintf(bin, sizeof bin, "%s/vault.bin", tmpl);
-    if (copy_file(vault_bin, bin) != 0) return fprintf(stderr, "cannot copy %s\n", vault_bin), 1;
-    smoe_vault *v;
-    if (smoe_open_vault(tmpl, &v) != SMOE_OK) return fprintf(stderr, "%s\n", smoe_last_error()), 1;
-    int fd = open(bin, O_RDWR);
-    if (fd < 0) return perror(bin), 1;
-    const smoe_layout *lay = &v->lay;
-    uint32_t E = lay->cfg.num_experts, n_keys = lay->cfg.num_hidden_layers * E;
+/* The blob phase. The vault is opened anew after each mutation and closed before the bytes are
+ * put back: a vault refuses new sessions once its file changed under it (size or mtime: "rewritten
+ * in place"), so each run must see the changed bytes as the file it opened, as a user would. */
+static int fuzz_blobs(const char *vault_bin, const char *out_dir, long iters) {
+    char dir[4096], bin[4200];
+    if ((size_t)snprintf(dir, sizeof dir, "%s/blobfuzz-XXXXXX", out_dir) >= sizeof dir)
+        return fprintf(stderr, "%s: path too long\n", out_dir), 1;
+    if (!mkdtemp(dir)) return perror(dir), 1;
+    snprintf(bin, sizeof bin, "%s/vault.bin", dir);
+    int rc = 1, fd = -1;
+    smoe_vault *v = NULL;
+    smoe_session *s = NULL;
+    uint64_t *blob_offset = NULL, *counts = NULL;
+    if (copy_file(vault_bin, bin) != 0) {
+        fprintf(stderr, "cannot copy %s to %s\n", vault_bin, bin);
+        goto done;
+    }
+    /* The layout, read once from the unchanged copy. */
+    if (smoe_open_vault(dir, &v) != SMOE_OK) {
+        fprintf(stderr, "%s\n", smoe_last_error());
+        goto done;
+    }
+    const smoe_config cfg = v->lay.cfg;
+    const uint32_t E = cfg.num_experts, n_keys = cfg.num_hidden_layers * E;
+    const uint64_t blob_bytes = v->lay.blob_bytes;
+    if (cfg.num_sparse_layers == 0 || blob_bytes == 0) {
+        fprintf(stderr, "%s: no sparse layer, no blobs to fuzz\n", vault_bin);
+        goto done;
+    }
+    blob_offset = malloc(n_keys * sizeof *blob_offset);
+    counts = calloc(E, sizeof *counts);
+    if (!blob_offset || !counts) {
+        fprintf(stderr, "out of memory\n");
+        goto done;
+    }
+    memcpy(blob_offset, v->lay.blob_offset, n_keys * sizeof *blob_offset);
+    smoe_close_vault(v);
+    v = NULL;
+    if ((fd = open(bin, O_RDWR)) < 0) {
+        perror(bin);
+        goto done;
+    }
     int32_t ids[24];
-    for (int i = 0; i < 24; i++) ids[i] = (int32_t)((i * 131 + 7) % lay->cfg.vocab_size);
+    for (int i = 0; i < 24; i++) ids[i] = (int32_t)((i * 131 + 7) % cfg.vocab_size);
     long caught = 0, unused = 0, unchecked = 0;
     for (long it = 0; it < iters; it++) {
         uint32_t key;
         do key = (uint32_t)(rnd() % n_keys);
-        while (lay->blob_offset[key] == 0);
+        while (blob_offset[key] == 0);
         uint64_t off[4];
         uint8_t old[4];
         int k = 1 + (int)(rnd() % 4);
         for (int j = 0; j < k; j++) {
-            off[j] = lay->blob_offset[key] + rnd() % lay->blob_bytes;
-            if (pread(fd, &old[j], 1, (off_t)off[j]) != 1) return perror("pread"), 1;
-            uint8_t b = (uint8_t)(old[j] ^ (1u + rnd() % 255)); /* always a change */
-            if (pwrite(fd, &b, 1, (off_t)off[j]) != 1) return perror("pwrite"), 1;
+            off[j] = blob_offset[key] + rnd() % blob_bytes;
+            uint8_t b;
+            if (pread(fd, &old[j], 1, (off_t)off[j]) != 1) {
+                perror("pread");
+                goto done;
+            }
+            b = (uint8_t)(old[j] ^ (1u + rnd() % 255)); /* always a change */
+            if (pwrite(fd, &b, 1, (off_t)off[j]) != 1) {
+                perror("pwrite");
+                goto done;
+            }
         }
         smoe_session_params p = smoe_session_default_params();
         p.threads = 1;
         p.verify_blobs = it % 2 == 0;
-        smoe_session *s;
-        if (smoe_session_new(v, &p, &s) != SMOE_OK) return fprintf(stderr, "%s\n", smoe_last_error()), 1;
+        if (smoe_open_vault(dir, &v) != SMOE_OK || smoe_session_new(v, &p, &s) != SMOE_OK) {
+            fprintf(stderr, "iteration %ld: %s\n", it, smoe_last_error());
+            goto done;
+        }
         smoe_status st = smoe_prefill_chunk(s, ids, 23, NULL, NULL);
         if (st == SMOE_OK) st = smoe_decode_step(s, ids[23], NULL, NULL);
-        uint64_t routed, *counts = calloc(E, sizeof *counts);
-        smoe_stats_expert_counts(s, key / E, counts, E);
-        routed = counts[key % E];
-        free(counts);
+        char why[512];
+        snprintf(why, sizeof why, "%s", st == SMOE_OK ? "" : smoe_last_error());
+        if (smoe_stats_expert_counts(s, key / E, counts, E) != SMOE_OK) {
+            fprintf(stderr, "iteration %ld: %s\n", it, smoe_last_error());
+            goto done;
+        }
+        const uint64_t routed = counts[key % E];
         if (p.verify_blobs) {
             if (st == SMOE_ERR_VAULT || st == SMOE_ERR_IO) caught++;
             else if (st == SMOE_OK && routed == 0) unused++;
-            else return fprintf(stderr, "blob (%u,%u) changed: status %d, routed %llu: %s\n", key / E, key % E, st,
-                                (unsigned long long)routed, smoe_last_error()), 1;
+            else {
+                fprintf(stderr, "iteration %ld: blob (%u,%u) changed: status %d, routed %llu: %s\n", it, key / E,
+                        key % E, st, (unsigned long long)routed, why);
+                goto done;
+            }
         } else {
             unchecked++;
         }
         smoe_session_free(s);
+        s = NULL;
+        smoe_close_vault(v);
+        v = NULL;
         for (int j = k - 1; j >= 0; j--) /* in reverse: a byte changed twice gets its first value */
-            if (pwrite(fd, &old[j], 1, (off_t)off[j]) != 1) return perror("pwrite"), 1;
+            if (pwrite(fd, &old[j], 1, (off_t)off[j]) != 1) {
+                perror("pwrite");
+                goto done;
+            }
     }
-    close(fd);
-    smoe_close_vault(v);
-    unlink(bin);
-    rmdir(tmpl);
+    rc = 0;
     printf("%s: %ld blob mutations: %ld caught by the checksum, %ld in experts nobody used, %ld unchecked runs\n",
            vault_bin, iters, caught, unused, unchecked);
+done:
+    smoe_session_free(s);
+    smoe_close_vault(v);
+    free(counts);
+    free(blob_offset);
+    if (fd >= 0) close(fd);
+    if (rc == 0) {
+        unlink(bin);
+        rmdir(dir);
+    } else {
+        fprintf(stderr, "the vault it failed on is kept in %s\n", dir);
+    }
+    return rc;
+}
+
+/* The parse phase's current input, kept in a file so that whatever kills the driver (a sanitizer
+ * report, a signal, a timeout) leaves behind the input it died on; removed when the phase ends. */
+static int keep_fd = -1;
+static size_t kept_len; /* the file's length: it is cut only when an input's length differs */
+static int keep(const uint8_t *buf, size_t len) {
+    if (len != kept_len && ftruncate(keep_fd, (off_t)len) != 0) return perror("keep"), -1;
+    kept_len = len;
+    if (pwrite(keep_fd, buf, len, 0) != (ssize_t)len) return perror("keep"), -1;
     return 0;
 }
 
 int main(int argc, char **argv) {
-    if (argc < 3) {
-        fprintf(stderr, "usage: %s ITERS vault.bin...\n", argv[0]);
+    if (argc < 4) {
+        fprintf(stderr, "usage: %s ITERS OUT_DIR vault.bin...\n", argv[0]);
         return 2;
     }
     long iters = atol(argv[1]);
-    for (int a = 2; a < argc; a++) {
+    const char *out_dir = argv[2];
+    char keep_path[4200];
+    snprintf(keep_path, sizeof keep_path, "%s/fuzz_vault-input.bin", out_dir);
+    for (int a = 3; a < argc; a++) {
         FILE *f = fopen(argv[a], "rb");
         if (!f) {
             perror(argv[a]);
@@ -175,6 +251,8 @@ int main(int argc, char **argv) {
         if (smoe_vault_parse(seed, n, claimed_size(seed, n), &lay) != SMOE_OK)
             return fprintf(stderr, "%s: seed does not parse: %s\n", argv[a], smoe_last_error()), 1;
         smoe_layout_free(&lay);
+        if ((keep_fd = open(keep_path, O_RDWR | O_CREAT | O_TRUNC, 0644)) < 0) return perror(keep_path), 1;
+        kept_len = 0;
         long ok = 0;
         for (long it = 0; it < iters; it++) {
             memcpy(buf, seed, n);
@@ -191,14 +269,17 @@ int main(int argc, char **argv) {
             }
             if (rnd() % 2) seal(buf, len);
             if (rnd() % 8 == 0) len = rnd() % (n + 1);
+            if (keep(buf, len) != 0) return 1;
             smoe_layout l2;
             if (smoe_vault_parse(buf, len, claimed_size(buf, len), &l2) == SMOE_OK) ok++, smoe_layout_free(&l2);
             LLVMFuzzerTestOneInput(buf, len);
         }
+        close(keep_fd);
+        unlink(keep_path);
         printf("%s: %ld mutations, %ld parsed\n", argv[a], iters, ok);
         free(seed);
         free(buf);
-        if (fuzz_blobs(argv[a], iters / 1000 > 50 ? iters / 1000 : 50) != 0) return 1;
+        if (fuzz_blobs(argv[a], out_dir, iters / 1000 > 50 ? iters / 1000 : 50) != 0) return 1;
     }
     return 0;
 }

@@ -1,0 +1,69 @@
+"""Short, fixed-seed runs of `make fuzz`'s two fuzzers, so that the suite runs them as they are
+(their harness, their checks) and not only their mutations: the Python reader's
+(tests/fuzz_vaultio.py), and the C driver (tests/c/fuzz_vault.c) built by the Makefile's own
+recipe without sanitizers, which make fuzz keeps. Each writes only in the directory it is given."""
+from __future__ import annotations
+
+import os
+import pathlib
+import random
+import re
+import shutil
+import struct
+import subprocess
+
+import pytest
+
+import fuzz_vaultio
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_vaultio_fuzzer_short_run(tiny_vault, tmp_path):
+    out = tmp_path / "out"
+    read = fuzz_vaultio.main(400, tiny_vault, out, seed=0)
+    assert 0 < read < 400  # some mutations read, some were refused: both ways were taken
+    assert list(out.iterdir()) == []  # its work vault removed, no crash file
+
+
+def test_vaultio_fuzzer_keeps_a_crash_in_its_out_dir(tiny_vault, tmp_path, monkeypatch, capsys):
+    """A reader raising anything but VaultError is a failure, and the input is kept in OUT_DIR."""
+    def reader(path):
+        data = (pathlib.Path(path) / "vault.bin").read_bytes()
+        return struct.unpack_from("<Q", data, len(data) - 4)  # struct.error, not a VaultError
+    monkeypatch.setattr(fuzz_vaultio, "read_vault", reader)
+    out = tmp_path / "out"
+    with pytest.raises(struct.error):
+        fuzz_vaultio.main(10, tiny_vault, out, seed=3)
+    assert [p.name for p in out.iterdir()] == ["vaultio-crash-3-0.bin"]
+    first = fuzz_vaultio.mutate((tiny_vault / "vault.bin").read_bytes(), random.Random(3))
+    assert (out / "vaultio-crash-3-0.bin").read_bytes() == first
+    assert "iteration 0: not a VaultError" in capsys.readouterr().err
+
+
+def tool_env() -> dict:
+    """Without the sanitizer runtime `make asan` preloads and the outer make's jobserver."""
+    return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+
+
+def test_c_fuzz_driver_short_run(tiny_vault, tmp_path):
+    cc = os.environ.get("CC", "cc")
+    if not shutil.which("make") or not shutil.which(cc):
+        pytest.skip(f"make or {cc} not found")
+    driver, out = tmp_path / "fuzz_vault", tmp_path / "out"
+    r = subprocess.run(["make", "-s", "--no-print-directory", f"FUZZ_DRIVER={driver}", "FUZZ_CFLAGS=-O1 -Werror",
+                        str(driver)], cwd=ROOT, capture_output=True, text=True, env=tool_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    out.mkdir()
+    vault_bin = tiny_vault / "vault.bin"
+    r = subprocess.run([str(driver), "3000", str(out), str(vault_bin)], capture_output=True, text=True,
+                       env=tool_env(), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    parsed = re.search(rf"^{re.escape(str(vault_bin))}: 3000 mutations, (\d+) parsed$", r.stdout, re.M)
+    assert parsed and 0 < int(parsed.group(1)) < 3000, r.stdout
+    blobs = re.search(r": 50 blob mutations: (\d+) caught by the checksum, (\d+) in experts nobody used, "
+                      r"(\d+) unchecked runs$", r.stdout, re.M)
+    assert blobs, r.stdout
+    caught, unused, unchecked = map(int, blobs.groups())
+    assert caught + unused == 25 and unchecked == 25 and caught > 0
+    assert list(out.iterdir()) == []  # its blob copy and kept input removed
