@@ -1169,22 +1169,6 @@ def _budget_table(c: dict) -> list[str]:
     return out
 
 
-def resummarise(res: dict) -> dict:
-    """The medians and ratios of a --json record recomputed from its raw runs (after a change to
-    how they are summarised); the runs themselves are untouched."""
-    v, s = res["vault"], res["settings"]
-    full = (s.get("resident_cache_bytes") or 0) >= v["expert_bytes"]
-    rows = []
-    for row in res["ttft"]:
-        n, runs = row["prompt_tokens"], row["runs"]
-        paths = [k.split(":", 1)[1] for k in runs if k.startswith("cold:")]
-        has_resident = any(k.startswith("resident:") for k in runs)
-        rows.append(_summarise_length(n, row["exact_union_blobs"] if has_resident else None, runs, paths,
-                                      v["blob_bytes"], has_resident, resident_full=full,
-                                      max_union=min(v["sparse_layers"] * v["experts"], n * v["top_k"] * v["sparse_layers"])))
-    return dict(res, ttft=rows)
-
-
 def _write_json(path, res: dict) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
