@@ -31,10 +31,11 @@ import numpy as np
 
 from ._ffi import check, ffi, lib
 from .errors import BadToken, Busy, Cancelled, ContextFull, InvalidArgument, SmoeError, VaultError
+from .kvdtype import KV_DTYPES
+from .staging import check_complete
 
 PREFILL_PATHS = ("layer-major", "token-serial")
 ACTIVATIONS = ("q8", "f32")
-KV_DTYPES = ("f32", "bf16", "f16")  # smoe_kv_dtype's values, in order
 DEVICES = ("cpu", "cuda")  # smoe_device's values, in order
 
 
@@ -43,8 +44,7 @@ U32, U64 = 2**32 - 1, 2**64 - 1
 
 def open_vault(path) -> "Vault":
     """Open a vault directory (docs/vault.md; `~` is expanded). Raises VaultError if it is
-    missing or corrupt, or is the leftover of an interrupted write (pysmoe.vaultdir)."""
-    from .vaultdir import check_complete
+    missing or corrupt, or is the leftover of an interrupted write (pysmoe.staging)."""
     try:
         p = pathlib.Path(os.path.expanduser(path))
     except TypeError:
