@@ -79,6 +79,20 @@ def _stop_ids(stop) -> frozenset:
     return frozenset(_int_arg("a stop id", s, -(2**31), 2**31 - 1) for s in items)
 
 
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    """value as an int in [low, high] (no upper bound when high is None), else InvalidArgument
+    naming it: the binding's check of its integer arguments (a bool or a float is refused, and a
+    value too large for the C field is an InvalidArgument, never cffi's OverflowError), for
+    front ends that check theirs the same way."""
+    return _int_arg(name, value, low, high)
+
+
+def check_stop_ids(stop) -> frozenset:
+    """The stop ids of Session.generate as a frozenset: an iterable of token ids (None: none),
+    else InvalidArgument."""
+    return _stop_ids(stop)
+
+
 def _read_vault_file(path: pathlib.Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
@@ -432,6 +446,29 @@ class Session:
         with self._claim():
             self._call(lib.smoe_stats_reset)
 
+    # ------------------------------------------------------------------ checks for front ends
+    # What prefill and generate check before anything is fed, for a caller that drives the
+    # session itself (pysmoe.generate samples in Python) and refuses the same arguments first.
+    @property
+    def closed(self) -> bool:
+        """True once close() has freed the session."""
+        return self._h is None
+
+    def check_ids(self, ids) -> np.ndarray:
+        """ids as the contiguous int32 array that prefill feeds: InvalidArgument unless a
+        non-empty 1-D sequence of integers, BadToken for an id outside the vocabulary."""
+        return self._ids(ids)
+
+    def check_room(self, n: int) -> None:
+        """ContextFull unless n more tokens fit the context after the current position."""
+        self._check_room(n)
+
+    @staticmethod
+    def check_sampler(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                      repetition_window=64, seed=0) -> None:
+        """InvalidArgument unless set_sampler (and generate) take these values: types and ranges."""
+        Session._sampler_params(temperature, top_k, top_p, min_p, repetition_penalty, repetition_window, seed)
+
     def _ids(self, ids) -> np.ndarray:
         try:
             arr = np.asarray(ids)
@@ -660,4 +697,5 @@ def decode_batch(sessions: Sequence[Session], tokens: Sequence[int]) -> list[np.
     return list(logits)
 
 
-__all__ = ["open_vault", "Vault", "Session", "PREFILL_PATHS", "KV_DTYPES", "decode_batch"]
+__all__ = ["open_vault", "Vault", "Session", "PREFILL_PATHS", "KV_DTYPES", "decode_batch", "check_int",
+           "check_stop_ids"]
