@@ -16,7 +16,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "open_vault": "engine", "Vault": "engine", "Session": "engine", "decode_batch": "engine",
-    "KV_DTYPES": "engine", "SessionPool": "sessionpool",
+    "KV_DTYPES": "engine", "SessionPool": "server.pool",
     "stream_generate": "generate", "generate": "generate", "GenerationResponse": "generate",
     "synth": "synthesis", "PRESETS": "synthesis",
     "convert": "converter",

@@ -45,7 +45,7 @@ def open_server(args, log=sys.stderr):
     from ..demo import ensure_demo_vault
     from ..engine import open_vault
     from ..memory import choose_cache
-    from ..sessionpool import SessionPool
+    from .pool import SessionPool
     from .app import Server
     from .scheduler import Scheduler
 

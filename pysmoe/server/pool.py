@@ -29,8 +29,8 @@ import threading
 import time
 from typing import Sequence
 
-from .engine import Session, Vault, check_int
-from .errors import Busy, InvalidArgument
+from ..engine import Session, Vault, check_int
+from ..errors import Busy, InvalidArgument
 
 
 class _Entry:
