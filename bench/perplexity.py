@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pysmoe.convert import convert  # noqa: E402
+from pysmoe.convert import convert_checkpoint  # noqa: E402
 from pysmoe.demo import ensure_demo_vault  # noqa: E402
 from pysmoe.perplexity import (engine_nll, heldout_windows, hf_from_vault, hf_nll,  # noqa: E402
                                llama_cpp_nll, mlx_nll, reference_nll)
@@ -87,8 +87,8 @@ def main(argv=None) -> int:
         print(f"{windows.shape[0]} windows x {windows.shape[1]} tokens; f32 model: {source}", flush=True)
         vaults = {}
         for fmt in ("f32", "bf16", "q8", "q4"):
-            vaults[fmt] = convert(hf, tmp / f"v-{fmt}", experts=fmt, dense="f32", progress=False)
-        vaults["default"] = convert(hf, tmp / "v-default", progress=False)
+            vaults[fmt] = convert_checkpoint(hf, tmp / f"v-{fmt}", experts=fmt, dense="f32", progress=False)
+        vaults["default"] = convert_checkpoint(hf, tmp / "v-default", progress=False)
 
         row("transformers f32", lambda: hf_nll(hf, windows))
         row("numpy reference, f32 vault", lambda: reference_nll(vaults["f32"], windows))
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
             for f in ("tokenizer.json", "tokenizer_config.json"):
                 shutil.copyfile(hf / f, mlx_dir / f)
             row("mlx-lm, its 4-bit conversion (f32 compute)", lambda: mlx_nll(mlx_dir, windows))
-            mv = convert(mlx_dir, tmp / "v-mlx", progress=False)
+            mv = convert_checkpoint(mlx_dir, tmp / "v-mlx", progress=False)
             for act in ("f32", "q8"):
                 row(f"pysmoe on that MLX conversion, activations {act}",
                     lambda: engine_nll(mv, windows, activations=act, threads=args.threads))

@@ -352,10 +352,10 @@ def train(args) -> None:
 def ship(args) -> None:
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root))
-    from pysmoe.convert import convert
+    from pysmoe.convert import convert_checkpoint
 
     data, hf, out = Path(args.data), Path(args.hf), Path(args.out)
-    convert(hf, out, force=True, progress=False)
+    convert_checkpoint(hf, out, force=True, progress=False)
     source = json.loads((out / "source.json").read_text())
     source["path"] = "scripts/train_demo.py train (build/demo-hf)"  # not this machine's folder
     (out / "source.json").write_text(json.dumps(source, indent=2) + "\n")

@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
 import pysmoe  # noqa: E402
-from pysmoe.convert import convert  # noqa: E402
+from pysmoe.convert import convert_checkpoint  # noqa: E402
 from pysmoe.demo import ensure_demo_vault  # noqa: E402
 from pysmoe.perplexity import engine_nll, heldout_windows, hf_from_vault, hf_nll, reference_nll  # noqa: E402
 
@@ -54,7 +54,7 @@ def windows(demo):
 def f32(demo, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quality")
     hf = hf_from_vault(demo, tmp / "hf")
-    vault = convert(hf, tmp / "f32", experts="f32", dense="f32", progress=False)
+    vault = convert_checkpoint(hf, tmp / "f32", experts="f32", dense="f32", progress=False)
     return hf, vault
 
 

@@ -34,9 +34,9 @@ from ..vaultio import TensorFormat
 
 _SCALE_OF = {"BF16": "bf16", "F16": "f16", "F32": "f32"}
 
-__all__ = ["ConvertError", "convert", "detect", "load_config", "plan", "add_parser", "run"]
+__all__ = ["ConvertError", "convert_checkpoint", "detect", "load_config", "plan", "add_parser", "run"]
 
-log = logging.getLogger("pysmoe.converter")
+log = logging.getLogger("pysmoe.convert")
 
 # Copied into the vault as they are: what the tokenizer and the chat template need.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
@@ -67,7 +67,7 @@ def _target(out: Path, force: bool):
         yield tmp
 
 
-def convert(src, out_dir, experts: str | None = None, dense=None, scale_dtype: str | None = None,
+def convert_checkpoint(src, out_dir, experts: str | None = None, dense=None, scale_dtype: str | None = None,
             group: int = quant.GROUP, progress: bool = True, force: bool = False, jobs: int | None = None) -> Path:
     """Convert the checkpoint in src (MLX or Hugging Face, see `detect`) into a vault at out_dir.
 
@@ -309,6 +309,6 @@ def run(args) -> int:
     for role in ("attention", "embed", "lm_head"):
         if getattr(args, role):
             dense[role] = getattr(args, role)
-    convert(args.src, args.out, experts=args.experts, dense=dense or None, scale_dtype=args.scale_dtype,
+    convert_checkpoint(args.src, args.out, experts=args.experts, dense=dense or None, scale_dtype=args.scale_dtype,
             group=args.group, progress=args.progress, force=args.force, jobs=args.jobs)
     return 0
