@@ -18,7 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 from safetensors.torch import save_file  # noqa: E402
 
-from pysmoe.convert import ConvertError, add_parser, convert_checkpoint, run  # noqa: E402
+from pysmoe.cli.convert import add_parser, run  # noqa: E402
+from pysmoe.convert import ConvertError, convert_checkpoint  # noqa: E402
 from pysmoe.vaultio import read_vault  # noqa: E402
 
 CONFIG = {  # the released-checkpoint spelling; layer 1 is dense

@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-from pysmoe.server.cli import Background  # noqa: E402
+from pysmoe.cli.serve import Background  # noqa: E402
 
 MAX_BATCH = 8
 CONTEXT = 512
