@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from ..bench import DEFAULT_LENGTHS, FLOOR_BYTES, PATHS, MiB
+from ..bench import DEFAULT_LENGTHS, PATHS, MiB
 from .args import mebibytes, nonneg_int, positive_float, positive_int, probability, seed
 
 
@@ -78,9 +78,6 @@ def add_parser(p: argparse.ArgumentParser, name: str = "bench") -> None:
                    help="cache of the resident session in MiB (default: every expert's bytes)")
     p.add_argument("--probe-mb", type=positive_float, default=1024,
                    help="at most this many MiB per bandwidth probe (default 1024)")
-    p.add_argument("--floor-mb", type=mebibytes, default=FLOOR_BYTES / MiB,
-                   help="MiB per pattern of the I/O floor sweep, each read twice (default 256; 0: no sweep, the floor "
-                        "then comes from the random-blob probe and the engine's own runs)")
     p.add_argument("--coalesce-mb", type=mebibytes, default=None,
                    help="largest read request of the engine's cold sessions in MiB (default: the library's, 16; "
                         "0: one read per blob)")
@@ -110,7 +107,9 @@ def _write_json(path, res: dict) -> None:
     os.replace(tmp, path)
 
 
-def run(args) -> int:
+def run(args, sweep=None) -> int:
+    """The benchmark of the parsed options; sweep: pysmoe.bench.run_bench's (bench/disk_floor.py
+    passes its floor sweep)."""
     from ..bench import format_table, load_prompt_ids, run_bench
     if args.repeats < 1:
         print("pysmoe bench: --repeats must be ≥ 1", file=sys.stderr)
@@ -157,8 +156,7 @@ def run(args) -> int:
                     ttft=not args.no_ttft, decode_budgets=args.decode_budgets, budget_prompt=args.budget_prompt,
                     prompt_ids=prompt_ids, verify_blobs=args.verify_blobs, kv_dtype=args.kv_dtype,
                     coalesce_bytes=int(args.coalesce_mb * MiB) if args.coalesce_mb is not None else None,
-                    floor_bytes=int(args.floor_mb * MiB),
-                    checkpoint=(lambda partial: _write_json(args.json, partial)) if args.json else None)
+                    sweep=sweep, checkpoint=(lambda partial: _write_json(args.json, partial)) if args.json else None)
     print(format_table(res))
     if not res["direct_io_everywhere"]:
         print("pysmoe bench: WARNING: O_DIRECT was not in force for every cold run; see the table", file=sys.stderr)
