@@ -21,7 +21,7 @@ so the data directory can be carried to a machine with a GPU that has no network
 
 `ship` converts the checkpoint with pysmoe's converter in its default formats (q4 experts, q8
 dense matrices, f32 router and norms) and adds the first HELDOUT_SHIP_BYTES of the held-out text
-(pysmoe/perplexity.py and tests/test_quality.py score it) and the training record.
+(bench/perplexity.py and tests/test_quality.py score it) and the training record.
 
 The demo shipped in pysmoe/data/demo/ was trained on one NVIDIA H200; see README.md ("The demo
 model") for the cost and the losses.

@@ -160,13 +160,8 @@ def test_bench_no_ttft_needs_budgets(tiny_vault, capsys):
 # ------------------------------------------------------------- bench/plot.py and bench/peer.py
 
 def _load(name):
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from bench_scripts import load
+    return load(name)
 
 
 @pytest.fixture(scope="module")
