@@ -94,7 +94,7 @@ endif
 LIB     := $(BUILD)/$(LIBNAME)
 EXAMPLE := $(BUILD)/smoe_generate
 
-.PHONY: all lib examples venv venv-test run test asan clean format fuzz neon-check install uninstall
+.PHONY: all lib examples venv venv-test run test asan clean fuzz neon-check install uninstall
 
 all: lib examples
 

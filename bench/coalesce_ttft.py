@@ -6,8 +6,7 @@ Per prompt length and repeat, a fresh session of each setting (coalesce_bytes 0:
 as before; and the library's default) prefills the prompt cold, in an order that alternates from
 one repeat to the next; as root, the page cache is dropped before every run (the blobs bypass it
 with O_DIRECT anyway; this also drops what the dense weights left). After the repeats the floor
-sweep of `python -m pysmoe bench` reads the prompt's union in every pattern (pysmoe/bench.py, "the
-floor sweep"), and the I/O floor is the union's bytes over the best rate seen, the engine's own runs
+sweep of bench/disk_floor.py reads the prompt's union in every pattern, and the I/O floor is the union's bytes over the best rate seen, the engine's own runs
 included (bytes read / TTFT), so no run can beat it. Prints one JSON record per run and a table;
 --json writes everything.
 """
@@ -25,8 +24,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import pysmoe  # noqa: E402
 from pysmoe._ffi import lib  # noqa: E402
-from pysmoe.bench import (FLOOR_BYTES, Bench, DirectReader, floor_rates, floor_sweep, loadavg,  # noqa: E402
-                          machine_info, make_prompt)
+from pysmoe.bench import DirectReader, floor_rates, loadavg, machine_info, make_prompt  # noqa: E402
+
+from disk_floor import FLOOR_BYTES, floor_sweep, union_offsets  # noqa: E402  (bench/, this script's folder)
 
 MiB = 1 << 20
 
@@ -76,7 +76,7 @@ def main() -> int:
                     dt = time.perf_counter() - t0
                     st = s.stats()
                     if union is None:
-                        union = Bench.union_offsets(_Shim(v, reader), s)
+                        union = union_offsets(v, s)
                 x = {"ttft_s": dt, "bytes_read": st["bytes_read"], "blob_reads": st["blob_reads"],
                      "read_requests": st["read_requests"], "io_wait_s": st["io_wait_s"],
                      "direct_io": st["direct_io"], "dropped_caches": dropped, "load": os.getloadavg()[0]}
@@ -125,13 +125,6 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump(rec, f, indent=1)
     return 0
-
-
-class _Shim:
-    """What Bench.union_offsets reads off a Bench: the vault and the reader's blob table."""
-
-    def __init__(self, vault, reader):
-        self.vault, self.probe = vault, reader
 
 
 if __name__ == "__main__":

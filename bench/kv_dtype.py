@@ -62,14 +62,14 @@ def all_logits(vault, ids, kv_dtype) -> np.ndarray:
 def accuracy(args) -> dict:
     import pysmoe
     from hf_models import hf_logits, make_hf_model
-    from pysmoe.converter import convert
+    from pysmoe.convert import convert_checkpoint
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, over in CASES.items():
             d = Path(tmp) / name
             path, model = make_hf_model(d, seed=0, max_position_embeddings=max(512, args.tokens), **over)
-            vpath = convert(path, d / "f32", experts="f32", dense="f32", progress=False)
+            vpath = convert_checkpoint(path, d / "f32", experts="f32", dense="f32", progress=False)
             with pysmoe.open_vault(vpath) as v:
                 with v.session(context=args.tokens, kv_dtype="f32") as s:  # the model's own text
                     ids = [int(np.random.default_rng(0).integers(v.config["vocab_size"]))]

@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from pysmoe.server.cli import Background  # noqa: E402
+from pysmoe.cli.serve import Background  # noqa: E402
 
 MODES = ("batched", "interleaved", "serial")
 

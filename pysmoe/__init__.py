@@ -16,10 +16,10 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "open_vault": "engine", "Vault": "engine", "Session": "engine", "decode_batch": "engine",
-    "KV_DTYPES": "engine", "logprobs": "engine", "SessionPool": "sessionpool",
+    "KV_DTYPES": "engine", "logprobs": "engine", "SessionPool": "server.pool",
     "stream_generate": "generate", "generate": "generate", "GenerationResponse": "generate",
     "synth": "synthesis", "PRESETS": "synthesis",
-    "convert": "converter",
+    "convert_checkpoint": "convert",
 }
 
 __all__ = ["SmoeError", "VaultError", "InvalidArgument", "BadToken", "ContextFull", "ReadError",
@@ -32,6 +32,6 @@ def __getattr__(name):
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value  # resolve once
         # (modules are named apart from the functions they export, synthesis.synth and
-        # converter.convert, because importing a submodule rebinds the package attribute.)
+        # convert.convert_checkpoint, because importing a submodule rebinds the package attribute.)
         return value
     raise AttributeError(f"module 'pysmoe' has no attribute {name!r}")

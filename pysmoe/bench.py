@@ -1,4 +1,5 @@
-"""python -m pysmoe bench VAULT: time to first token and decode speed, against the machine's limits.
+"""The measurements of `python -m pysmoe bench VAULT` (pysmoe/cli/bench.py): time to first token
+and decode speed, against the machine's limits.
 
     python -m pysmoe bench /work/vault --prompt-lengths 1,8,45,64,256 --cache-frac 0.1 --threads 2
 
@@ -9,12 +10,11 @@ What it measures, all in one run (bench/README.md says more):
   loudly when O_DIRECT was not in force), for each prefill path; bytes and blob reads per run.
 - The I/O floor: the bytes of the prompt's exact union (every (layer, expert) its exact routing
   needs, read once: the blob reads of a prefill into an empty cache that can hold every expert)
-  divided by the best Direct I/O rate this disk gave in the same run: the maximum over a sweep of
-  read patterns over that union (blob reads in offset order, runs of adjacent blobs up to the
-  engine's coalesce size and up to 64 MiB, 4/16/64 MiB reads over each layer's span; queue depths
-  1 to 32; each read first and then again, since these virtual disks cache on the host), a
-  random-blob probe at ``io_threads`` readers, and the engine's own cold runs (bytes read / TTFT).
-  The last makes TTFT / floor ≥ 1 by construction; the table says which pattern set the floor.
+  divided by the best Direct I/O rate this disk gave in the same run: the maximum of a
+  random-blob probe at ``io_threads`` readers and the engine's own cold runs (bytes read / TTFT).
+  The last makes TTFT / floor ≥ 1 by construction; the table says which set the floor.
+  bench/disk_floor.py runs the same benchmark with a sweep of read patterns over the union added
+  to those rates (run_bench's `sweep`), for the tightest floor this disk allows.
 - The compute floor: the same prefill on a session whose cache holds every expert, warmed by one
   run, then timed (the timed runs must show no miss; the table says when they do).
 - TTFT / max(I/O floor, compute floor), the number we steer by, and layer-major / token-serial.
@@ -35,8 +35,6 @@ vault's benchmark to one cold cache plus one resident cache.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -45,100 +43,6 @@ import time
 DEFAULT_LENGTHS = (1, 8, 45, 64, 256, 1024)
 PATHS = ("layer-major", "token-serial")
 MiB = 1 << 20
-
-
-# ------------------------------------------------------------------------------------ parser
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        out = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, not {text!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError("prompt lengths must be integers ≥ 1")
-    return out
-
-
-def _pct_list(text: str) -> list[float]:
-    try:
-        out = sorted({float(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated percentages, not {text!r}") from None
-    if not out or out[0] < 0 or out[-1] > 100:
-        raise argparse.ArgumentTypeError("budgets are percentages of the expert bytes, 0 to 100")
-    return out
-
-
-def _path_list(text: str) -> list[str]:
-    out = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in out if x not in PATHS]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"paths are a comma-separated subset of {','.join(PATHS)}")
-    return out
-
-
-def add_parser(p: argparse.ArgumentParser, name: str = "bench") -> None:
-    from .argtypes import mebibytes, nonneg_int, positive_float, positive_int, probability, seed
-    p.add_argument("vault", help="vault directory (make one with: python -m pysmoe synth DIR --preset mini)")
-    p.add_argument("--prompt-lengths", type=_int_list, default=list(DEFAULT_LENGTHS),
-                   help="prompt lengths in tokens, comma-separated (default 1,8,45,64,256,1024)")
-    budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--cache-mb", type=mebibytes, default=None, help="retention cache budget in MiB")
-    budget.add_argument("--cache-frac", type=probability, default=None,
-                        help="retention cache budget as a fraction of the expert bytes (default 0.1)")
-    p.add_argument("--paths", type=_path_list, default=list(PATHS),
-                   help="prefill paths to time, comma-separated (default layer-major,token-serial)")
-    p.add_argument("--repeats", type=positive_int, default=3, help="runs per figure; each figure is their median (default 3)")
-    p.add_argument("--chunk", type=positive_int, default=None,
-                   help="layer-major chunk in tokens (default: each session's, pysmoe.memory.default_chunk: 256 "
-                        "for the resident runs, 1,024 under the cache budget)")
-    p.add_argument("--threads", type=positive_int, default=None, help="compute threads (default: all cores)")
-    p.add_argument("--io-threads", type=positive_int, default=4, help="blob reads in flight, engine and probe (default 4)")
-    p.add_argument("--decode-tokens", type=nonneg_int, default=16, help="tokens decoded per decode run (0: no decode runs)")
-    p.add_argument("--decode-prompt", type=positive_int, default=8, help="prompt length before the decode runs (default 8)")
-    p.add_argument("--decode-budgets", type=_pct_list, default=None, metavar="PCTS",
-                   help="decode tokens/s against the cache budget: comma-separated percentages of the expert bytes "
-                        "(100: every expert), e.g. 0,5,10,25,50,100; a fresh session per run prefills "
-                        "--budget-prompt tokens, then decodes --decode-tokens; budgets that do not fit in available "
-                        "memory are skipped")
-    p.add_argument("--budget-prompt", type=positive_int, default=64,
-                   help="prompt length before each --decode-budgets run (default 64: long enough that the cache is "
-                        "as full as its budget allows when decode starts)")
-    p.add_argument("--no-ttft", action="store_true",
-                   help="skip the TTFT table and the two-point decode (with --decode-budgets: only the budget curve)")
-    p.add_argument("--serial-max-len", type=positive_int, default=None,
-                   help="time token-serial only for prompts up to this length (it reads top-k blobs per token "
-                        "per layer: slow on large vaults)")
-    p.add_argument("--no-resident", action="store_true",
-                   help="skip the compute floor and resident decode (they need memory for every expert)")
-    p.add_argument("--resident-mb", type=mebibytes, default=None,
-                   help="cache of the resident session in MiB (default: every expert's bytes)")
-    p.add_argument("--probe-mb", type=positive_float, default=1024,
-                   help="at most this many MiB per bandwidth probe (default 1024)")
-    p.add_argument("--floor-mb", type=mebibytes, default=FLOOR_BYTES / MiB,
-                   help="MiB per pattern of the I/O floor sweep, each read twice (default 256; 0: no sweep, the floor "
-                        "then comes from the random-blob probe and the engine's own runs)")
-    p.add_argument("--coalesce-mb", type=mebibytes, default=None,
-                   help="largest read request of the engine's cold sessions in MiB (default: the library's, 16; "
-                        "0: one read per blob)")
-    p.add_argument("--seed", type=seed, default=0, help="seed of the prompt ids and the probe's blob choice")
-    p.add_argument("--verify-blobs", choices=("on", "off", "both"), default="on",
-                   help="check each blob's checksum as it is read (the engine's default, on); both: every cold "
-                        "run also runs on a second, unchecked session in the same repeat, and the table gives "
-                        "the cost of checking (default on)")
-    p.add_argument("--prompt-ids", metavar="FILE", default=None,
-                   help="prompt ids (.npy, or text of integers) instead of random ones; each prompt length takes a "
-                        "prefix. For realistic-routing vaults use coherent ids sampled from the model: "
-                        "python -c \"import numpy, pysmoe.routing as r; numpy.save('ids.npy', "
-                        "r.coherent_prompt('VAULT', 1024))\"")
-    p.add_argument("--context", type=positive_int, default=None, help="KV length (default: the longest prompt, decode prompt + decode tokens, or budget prompt + "
-                        "decode tokens, whichever is most, + 1)")
-    p.add_argument("--kv-dtype", choices=("f32", "bf16", "f16"), default=None,
-                   help="KV cache element type of every session (default: the library's)")
-    p.add_argument("--strict", action="store_true", help="exit 3 if any cold run or probe lacked Direct I/O")
-    p.add_argument("--json", metavar="OUT", help="write every run and the medians to this JSON file")
-    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
 # ------------------------------------------------------------------------------- the machine
@@ -216,8 +120,6 @@ class DirectReader:
             self.blob_bytes = int(vf.header.blob_bytes)
             self.offsets = np.array([int(o) for i, o in enumerate(vf.blob_offsets) if vf.sparse[i // E]],
                                     dtype=np.int64)
-            self.blob_offsets = [int(o) for o in vf.blob_offsets]  # (layers × experts), 0 = no blob
-            self.n_experts = int(E)
             self.path = pathlib.Path(vf.path)
         finally:
             vf.close()
@@ -310,83 +212,20 @@ class DirectReader:
         self.close()
 
 
-# --------------------------------------------------------------------------- the floor sweep
+# ------------------------------------------------------------------------------ the I/O floor
 #
-# The I/O floor is the union's bytes over the best rate this disk gives for them, measured in the
-# same run. "Best" is a maximum over read patterns of the union's own blobs (taken a sample of
-# layers at a time, each pattern on layers the sweep has not read yet, then the same requests
-# again: the virtual disks here cache on the host, so a repeat can be faster than a first touch)
-# and over the engine's own cold runs, counted as bytes read / TTFT. That last term makes the
-# floor a floor by construction: union bytes / (the run's bytes / its TTFT) ≤ its TTFT, because a
-# run reads at least the union, so no cold run can come in under it; the engine's read pattern
-# (runs of adjacent blobs up to its coalesce size, io_threads in flight) is in the sweep too.
-
-FLOOR_DEPTHS = (1, 4, 8, 16, 32)
-FLOOR_BYTES = 256 * MiB  # per pattern and pass: 24 patterns × 2 passes ≈ 12 GiB read per prompt length
-FLOOR_SPANS = ((4, (1, 4, 16, 32)), (16, (1, 4, 16, 32)), (64, (1, 4, 8)))  # MiB, depths (≤ 512 MiB in flight)
-
-
-def floor_patterns(io_threads: int, coalesce_bytes: int, blob_bytes: int) -> list[tuple]:
-    """(name, kind, request bytes, depth) of every pattern the sweep reads: the union's blobs one
-    by one in offset order, its runs of adjacent blobs (up to the engine's coalesce size, and up to
-    64 MiB), and reads of 4, 16 and 64 MiB over each layer's span of blobs (first to last union
-    blob: these read blobs between union members too; only their rate is used)."""
-    depths = sorted(set(FLOOR_DEPTHS) | {io_threads})
-    pats = [(f"blob reads by offset, depth {d}", "blobs", blob_bytes, d) for d in depths]
-    runs = sorted({max(coalesce_bytes, blob_bytes), 64 * MiB})
-    for r in runs:
-        pats += [(f"runs of adjacent blobs up to {r / MiB:.0f} MiB, depth {d}", "runs", r, d) for d in depths
-                 if r * d <= 512 * MiB or d == io_threads]
-    for mib, ds in FLOOR_SPANS:
-        pats += [(f"{mib} MiB reads over the union's span, depth {d}", "span", mib * MiB, d) for d in ds]
-    return pats
-
-
-def _floor_requests(kind: str, size: int, layers: list, blob_bytes: int, budget: int):
-    """Requests of one pattern over layers (each a sorted list of union blob offsets), until
-    budget bytes; returns (requests, layers used)."""
-    reqs, total = [], 0
-    for used, offs in enumerate(layers, 1):
-        if kind == "blobs":
-            chunks = [(o, blob_bytes) for o in offs]
-        elif kind == "runs":
-            chunks, per = [], max(1, size // blob_bytes)
-            for o in offs:
-                if chunks and o == chunks[-1][0] + chunks[-1][1] and chunks[-1][1] < per * blob_bytes:
-                    chunks[-1] = (chunks[-1][0], chunks[-1][1] + blob_bytes)
-                else:
-                    chunks.append((o, blob_bytes))
-        else:
-            lo, hi = offs[0], offs[-1] + blob_bytes
-            chunks = [(o, min(size, hi - o)) for o in range(lo, hi, size)]
-        for c in chunks:
-            reqs.append(c)
-            total += c[1]
-            if total >= budget:
-                return reqs, used
-    return reqs, len(layers)
-
-
-def floor_sweep(reader: DirectReader, layers: list, blob_bytes: int, io_threads: int, coalesce_bytes: int,
-                budget: int, log=None) -> list[dict]:
-    """Every floor pattern on a sample of at most budget bytes of the union, read twice."""
-    out, cursor = [], 0
-    for name, kind, size, depth in floor_patterns(io_threads, coalesce_bytes, blob_bytes):
-        rotated = layers[cursor:] + layers[:cursor]
-        reqs, used = _floor_requests(kind, size, rotated, blob_bytes, budget)
-        cursor = (cursor + used) % max(len(layers), 1)
-        first = reader.read_requests(reqs, depth)
-        again = reader.read_requests(reqs, depth)
-        out.append({"pattern": name, "kind": kind, "request_bytes": size, "depth": depth, "first": first,
-                    "repeat": again})
-        if log:
-            log(f"    floor sweep: {name:<52s} {first['gbps']:.2f} GB/s first, {again['gbps']:.2f} repeat")
-    return out
-
+# The I/O floor is the union's bytes over the best rate this disk gives in the same run: the
+# random-blob probe's, and the engine's own cold runs counted as bytes read / TTFT. That last term
+# makes the floor a floor by construction: union bytes / (the run's bytes / its TTFT) ≤ its TTFT,
+# because a run reads at least the union, so no cold run can come in under it. run_bench's
+# `sweep` adds the rates of more read patterns over the union (bench/disk_floor.py's floor sweep:
+# every pattern read first and again, since these virtual disks cache on the host), for a floor
+# that a smarter read pattern could not beat either.
 
 def floor_rates(probe: list, sweep: list, cold_runs: dict, io_threads: int) -> list[tuple]:
     """(GB/s, what) of every rate the I/O floor may take: the random-blob probe's, the sweep's
-    first touches and repeats, and each cold run's bytes read / TTFT."""
+    first touches and repeats (if run_bench was given a sweep), and each cold run's bytes read /
+    TTFT."""
     rates = [(x["gbps"], f"random blob reads, depth {io_threads} (first touch)") for x in probe]
     for p in sweep:
         rates.append((p["first"]["gbps"], f"{p['pattern']} (first touch)"))
@@ -446,8 +285,7 @@ class Bench:
 
     def __init__(self, vault_path, *, cache_bytes=None, cache_frac=0.1, threads=None, chunk=None, io_threads=4,
                  context=4096, resident=True, resident_bytes=None, probe_bytes=1 << 30, seed=0, log=None,
-                 prompt_ids=None, verify_blobs="on", coalesce_bytes=None, floor_bytes=FLOOR_BYTES,
-                 kv_dtype=None):
+                 prompt_ids=None, verify_blobs="on", coalesce_bytes=None, kv_dtype=None):
         from .engine import open_vault
         from ._ffi import lib
         self.vault = open_vault(vault_path)
@@ -467,7 +305,6 @@ class Bench:
         self.coalesce_bytes = int(lib.smoe_session_default_params().coalesce_bytes if coalesce_bytes is None
                                   else coalesce_bytes)
         self.probe_bytes = int(probe_bytes)
-        self.floor_bytes = int(floor_bytes)
         self.cold = v.session(cache_bytes=self.cache_bytes, **kw)
         # --verify-blobs both: the same cold session unchecked, to time both in one repeat
         self.cold_unchecked = (v.session(cache_bytes=self.cache_bytes, **dict(kw, verify_blobs=False))
@@ -564,31 +401,6 @@ class Bench:
         s.reset_stats()
         return self._timed_prefill(s, path, ids)
 
-    def union_offsets(self, session) -> list[list[int]]:
-        """Per sparse layer, the sorted file offsets of the blobs the session's tokens since its
-        last reset_stats routed to (after a cold run: that prompt's exact union)."""
-        from ._ffi import check, ffi, lib
-        E = self.probe.n_experts
-        counts = ffi.new("uint64_t[]", E)
-        layers = []
-        for layer in range(self.vault.config["num_hidden_layers"]):
-            check(lib.smoe_stats_expert_counts(session.handle, layer, counts, E))
-            offs = sorted(self.probe.blob_offsets[layer * E + e] for e in range(E)
-                          if counts[e] and self.probe.blob_offsets[layer * E + e])
-            if offs:
-                layers.append(offs)
-        return layers
-
-    def floor_sweep(self, session) -> list[dict]:
-        """The floor sweep over the union of the prompt session last ran cold."""
-        if self.floor_bytes <= 0:
-            return []
-        layers = self.union_offsets(session)
-        if not layers:
-            return []
-        return floor_sweep(self.probe, layers, self.blob_bytes, self.io_threads, self.coalesce_bytes,
-                           max(self.floor_bytes, self.blob_bytes), log=self.log)
-
     def io_probe(self, n_blobs: int, rep: int) -> dict:
         return self.probe.read(min(max(n_blobs, 8 * self.io_threads), self.probe_blobs_max), seed=self.seed * 7919 + rep)
 
@@ -634,14 +446,20 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
               io_threads=4, decode_tokens=16, decode_prompt=8, serial_max_len=None, resident=True,
               resident_bytes=None, probe_bytes=1 << 30, seed=0, context=None, log=None, checkpoint=None,
               ttft=True, decode_budgets=None, budget_prompt=64, prompt_ids=None, verify_blobs="on",
-              coalesce_bytes=None, floor_bytes=FLOOR_BYTES, kv_dtype=None) -> dict:
+              coalesce_bytes=None, kv_dtype=None, sweep=None) -> dict:
     """Run the benchmark; returns a dict of the raw runs and the medians (what --json writes).
     checkpoint(partial_result), if given, is called after each prompt length and each repeat of
     the budget curve (so a run that dies leaves what it measured).
 
     ttft=False skips the TTFT table and the two-point decode (and so the resident session);
     decode_budgets (percentages of the expert bytes) adds the decode-against-budget curve, run
-    after the TTFT sessions are closed so that its largest budget has their memory."""
+    after the TTFT sessions are closed so that its largest budget has their memory.
+
+    sweep: None, or more rates for the I/O floor: called as sweep(bench, session) after each
+    prompt length's cold runs (session: the cold session, whose routing counts are that
+    prompt's), it returns pattern records {"pattern", "kind", "request_bytes", "depth", "first",
+    "repeat"}, the last two DirectReader.read_requests results; the record keeps them as the
+    row's "floor_sweep", and sweep.settings as settings["sweep"] (bench/disk_floor.py)."""
     log = log or (lambda msg: None)
     checkpoint = checkpoint or (lambda res: None)
     lengths, paths = (list(lengths) if ttft else []), list(paths)
@@ -656,7 +474,7 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
     if ttft:
         _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_frac, chunk, threads, io_threads,
                   decode_tokens, decode_prompt, serial_max_len, resident, resident_bytes, probe_bytes, seed, context,
-                  log, checkpoint, prompt_ids, verify_blobs, coalesce_bytes, floor_bytes, kv_dtype)
+                  log, checkpoint, prompt_ids, verify_blobs, coalesce_bytes, kv_dtype, sweep)
     if decode_budgets:
         from .engine import open_vault
         with open_vault(vault_path) as v:
@@ -666,7 +484,7 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
                                       "chunk": chunk, "threads": threads, "io_threads": io_threads,
                                       "repeats": repeats, "paths": [], "lengths": [], "decode_tokens": decode_tokens,
                                       "decode_prompt": None, "serial_max_len": None, "seed": seed,
-                                      "probe_direct_io": None, "activations": "q8"}
+                                      "probe_direct_io": None, "activations": "q8", "sweep": None}
             result["decode_budgets"] = decode_budget_curve(
                 v, decode_budgets, repeats=repeats, threads=threads, chunk=chunk, io_threads=io_threads,
                 context=context, prompt_len=budget_prompt, n_tokens=decode_tokens, seed=seed, log=log,
@@ -693,13 +511,13 @@ def run_bench(vault_path, lengths, paths=PATHS, repeats=3, cache_bytes=None, cac
 
 def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_frac, chunk, threads, io_threads,
               decode_tokens, decode_prompt, serial_max_len, resident, resident_bytes, probe_bytes, seed, context,
-              log, checkpoint, prompt_ids=None, verify_blobs="on", coalesce_bytes=None, floor_bytes=FLOOR_BYTES,
-              kv_dtype=None) -> None:
+              log, checkpoint, prompt_ids=None, verify_blobs="on", coalesce_bytes=None, kv_dtype=None,
+              sweep=None) -> None:
     """The TTFT table and the two-point decode, into result."""
     with Bench(vault_path, cache_bytes=cache_bytes, cache_frac=cache_frac, threads=threads, chunk=chunk,
                io_threads=io_threads, context=context, resident=resident, resident_bytes=resident_bytes,
                probe_bytes=probe_bytes, seed=seed, log=log, prompt_ids=prompt_ids, verify_blobs=verify_blobs,
-               coalesce_bytes=coalesce_bytes, floor_bytes=floor_bytes, kv_dtype=kv_dtype) as b:
+               coalesce_bytes=coalesce_bytes, kv_dtype=kv_dtype) as b:
         v = b.vault
         result["vault"] = _vault_info(v)
         result["settings"] = {"cache_bytes": b.cache_bytes, "cache_frac": b.cache_bytes / max(v.expert_bytes, 1),
@@ -708,8 +526,8 @@ def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_fr
                               "decode_tokens": decode_tokens, "decode_prompt": decode_prompt,
                               "serial_max_len": serial_max_len, "seed": seed, "probe_direct_io": b.probe.direct_io,
                               "activations": b.cold.activations, "verify_blobs": verify_blobs,
-                              "coalesce_bytes": b.coalesce_bytes, "floor_bytes": b.floor_bytes,
-                              "kv_dtype": b.cold.kv_dtype}
+                              "coalesce_bytes": b.coalesce_bytes, "kv_dtype": b.cold.kv_dtype,
+                              "sweep": None if sweep is None else sweep.settings}
         rows = []
         for n in lengths:
             cell_paths = [p for p in paths if p != "token-serial" or serial_max_len is None or n <= serial_max_len]
@@ -737,12 +555,12 @@ def _run_ttft(result, vault_path, lengths, paths, repeats, cache_bytes, cache_fr
                     fig = f"{rec['gbps']:.2f} GB/s" if kind == "probe" else f"{rec['ttft_s']:.3f} s"
                     log(f"  {n:5d} tokens  rep {r + 1}/{repeats}  {what:<24s} {fig}")
             # after the cold runs, b.cold's routing counts are this prompt's: sweep its union
-            sweep = b.floor_sweep(b.cold) if cell_paths else []
+            patterns = sweep(b, b.cold) if sweep is not None and cell_paths else []
             rows.append(_summarise_length(n, exact, runs, cell_paths, v.blob_bytes, b.resident is not None,
                                           resident_full=b.resident_full,
                                           max_union=min(v.num_sparse_layers * v.config["num_experts"],
                                                         n * v.config["num_experts_per_tok"] * v.num_sparse_layers),
-                                          sweep=sweep, io_threads=io_threads))
+                                          sweep=patterns, io_threads=io_threads))
             if b.cold_unchecked is not None:
                 rows[-1]["checksum_cost"] = _checksum_cost(runs, cell_paths)
             checkpoint(dict(result, ttft=rows, partial=True, warnings=list(b.warnings), loadavg_now=loadavg()))
@@ -934,8 +752,8 @@ def _checksum_cost(runs, paths) -> dict:
 def _summarise_length(n, exact, runs, paths, blob_bytes, has_resident, resident_full=True, max_union=None,
                       sweep=(), io_threads=4) -> dict:
     probe = runs["probe"]
-    # The best rate of the run, over the probe, the sweep and the engine's own cold runs (see
-    # "the floor sweep"): the floor divides the union by it, so no cold run can beat the floor.
+    # The best rate of the run, over the probe, the sweep (if any) and the engine's own cold runs
+    # (see "the I/O floor"): the floor divides the union by it, so no cold run can beat the floor.
     rates = floor_rates(probe, list(sweep), {p: runs[f"cold:{p}"] for p in paths}, io_threads)
     best = max(rates) if rates else (None, None)
     gbps = best[0]
@@ -1118,13 +936,15 @@ def _ttft_tables(res: dict) -> list[str]:
                       if miss else "")
                    + ("  (union: upper bound)" if "upper bound" in row.get("union_source", "") else ""))
     out.append("")
-    out.append("I/O floor: union bytes / the best rate of this run, over the floor sweep (first touch and repeat), "
-               "the random-blob probe and the engine's own cold runs (bytes read / TTFT, so no run can beat it):")
+    swept = any(row.get("floor_sweep") for row in res["ttft"])
+    out.append("I/O floor: union bytes / the best rate of this run, over "
+               + ("the floor sweep (first touch and repeat), " if swept else "")
+               + "the random-blob probe and the engine's own cold runs (bytes read / TTFT, so no run can beat it):")
     for row in res["ttft"]:
         ft, rp = row.get("best_first_touch"), row.get("best_repeat")
         out.append(f"{row['prompt_tokens']:>6} tokens: {_f(row['disk_gbps'], '{:.2f}')} GB/s, set by "
                    f"{row.get('io_floor_set_by') or '—'}")
-        if ft or rp:
+        if row.get("floor_sweep") and (ft or rp):
             out.append(f"{'':>6}   best first touch {_f(ft and ft['gbps'], '{:.2f}')} GB/s"
                        + (f" ({ft['pattern'].replace(' (first touch)', '')})" if ft else "")
                        + f"; best repeat {_f(rp and rp['gbps'], '{:.2f}')} GB/s"
@@ -1167,84 +987,3 @@ def _budget_table(c: dict) -> list[str]:
     if c.get("tokens_identical") is False:
         out.append("!!! WARNING: the greedy tokens differed between budgets (they must not) !!!")
     return out
-
-
-def resummarise(res: dict) -> dict:
-    """The medians and ratios of a --json record recomputed from its raw runs (after a change to
-    how they are summarised); the runs themselves are untouched."""
-    v, s = res["vault"], res["settings"]
-    full = (s.get("resident_cache_bytes") or 0) >= v["expert_bytes"]
-    rows = []
-    for row in res["ttft"]:
-        n, runs = row["prompt_tokens"], row["runs"]
-        paths = [k.split(":", 1)[1] for k in runs if k.startswith("cold:")]
-        has_resident = any(k.startswith("resident:") for k in runs)
-        rows.append(_summarise_length(n, row["exact_union_blobs"] if has_resident else None, runs, paths,
-                                      v["blob_bytes"], has_resident, resident_full=full,
-                                      max_union=min(v["sparse_layers"] * v["experts"], n * v["top_k"] * v["sparse_layers"])))
-    return dict(res, ttft=rows)
-
-
-def _write_json(path, res: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(tmp, path)
-
-
-def run(args) -> int:
-    if args.repeats < 1:
-        print("pysmoe bench: --repeats must be ≥ 1", file=sys.stderr)
-        return 2
-    if args.no_ttft and not args.decode_budgets:
-        print("pysmoe bench: --no-ttft leaves nothing to run without --decode-budgets", file=sys.stderr)
-        return 2
-    if args.decode_budgets and (args.decode_tokens < 1 or args.budget_prompt < 1):
-        print("pysmoe bench: --decode-budgets needs --decode-tokens ≥ 1 and --budget-prompt ≥ 1", file=sys.stderr)
-        return 2
-    prompt_ids = None
-    if args.prompt_ids:
-        from .engine import open_vault
-        with open_vault(args.vault) as v:
-            vocab = v.config["vocab_size"]
-        try:
-            prompt_ids = load_prompt_ids(args.prompt_ids, vocab)
-        except (OSError, ValueError) as e:
-            print(f"pysmoe bench: --prompt-ids: {e}", file=sys.stderr)
-            return 2
-        need = max(list(args.prompt_lengths) + [args.decode_prompt, args.budget_prompt if args.decode_budgets else 0])
-        if len(prompt_ids) < need:
-            print(f"pysmoe bench: --prompt-ids holds {len(prompt_ids)} ids, the longest prompt needs {need}",
-                  file=sys.stderr)
-            return 2
-    cache_bytes = int(args.cache_mb * MiB) if args.cache_mb is not None else None
-    cache_frac = args.cache_frac if args.cache_frac is not None else 0.1
-    log = (lambda msg: None) if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    if (not args.no_resident and not args.no_ttft) or args.decode_budgets:
-        # The resident session (and a large budget of the curve) holds every expert: on a shared
-        # machine short of memory, let the kernel's OOM killer take this benchmark rather than
-        # someone else's work.
-        try:
-            with open("/proc/self/oom_score_adj", "w") as f:
-                f.write("1000")
-        except OSError:
-            pass
-    res = run_bench(args.vault, args.prompt_lengths, paths=args.paths, repeats=args.repeats, cache_bytes=cache_bytes,
-                    cache_frac=cache_frac, chunk=args.chunk, threads=args.threads, io_threads=args.io_threads,
-                    decode_tokens=args.decode_tokens, decode_prompt=args.decode_prompt,
-                    serial_max_len=args.serial_max_len, resident=not args.no_resident,
-                    resident_bytes=int(args.resident_mb * MiB) if args.resident_mb is not None else None,
-                    probe_bytes=int(args.probe_mb * MiB), seed=args.seed, context=args.context, log=log,
-                    ttft=not args.no_ttft, decode_budgets=args.decode_budgets, budget_prompt=args.budget_prompt,
-                    prompt_ids=prompt_ids, verify_blobs=args.verify_blobs, kv_dtype=args.kv_dtype,
-                    coalesce_bytes=int(args.coalesce_mb * MiB) if args.coalesce_mb is not None else None,
-                    floor_bytes=int(args.floor_mb * MiB),
-                    checkpoint=(lambda partial: _write_json(args.json, partial)) if args.json else None)
-    print(format_table(res))
-    if not res["direct_io_everywhere"]:
-        print("pysmoe bench: WARNING: O_DIRECT was not in force for every cold run; see the table", file=sys.stderr)
-    if args.json:
-        _write_json(args.json, res)
-    if args.strict and not res["direct_io_everywhere"]:
-        return 3
-    return 0

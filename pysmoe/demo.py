@@ -6,12 +6,7 @@ import pathlib
 
 from .errors import VaultError
 
-DEMO_VERSION = 3  # bump when the shipped demo changes (3: the trained model; 2 and before: a random synth vault)
 DEMO_DIR = pathlib.Path(__file__).resolve().parent / "data" / "demo"
-
-
-def demo_vault_path() -> pathlib.Path:
-    return DEMO_DIR
 
 
 def ensure_demo_vault() -> pathlib.Path:

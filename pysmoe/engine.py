@@ -31,10 +31,11 @@ import numpy as np
 
 from ._ffi import check, ffi, lib
 from .errors import BadToken, Busy, Cancelled, ContextFull, InvalidArgument, SmoeError, VaultError
+from .kvdtype import KV_DTYPES
+from .staging import check_complete
 
 PREFILL_PATHS = ("layer-major", "token-serial")
 ACTIVATIONS = ("q8", "f32")
-KV_DTYPES = ("f32", "bf16", "f16")  # smoe_kv_dtype's values, in order
 DEVICES = ("cpu", "cuda")  # smoe_device's values, in order
 
 
@@ -43,8 +44,7 @@ U32, U64 = 2**32 - 1, 2**64 - 1
 
 def open_vault(path) -> "Vault":
     """Open a vault directory (docs/vault.md; `~` is expanded). Raises VaultError if it is
-    missing or corrupt, or is the leftover of an interrupted write (pysmoe.vaultdir)."""
-    from .vaultdir import check_complete
+    missing or corrupt, or is the leftover of an interrupted write (pysmoe.staging)."""
     try:
         p = pathlib.Path(os.path.expanduser(path))
     except TypeError:
@@ -77,6 +77,20 @@ def _stop_ids(stop) -> frozenset:
     except TypeError:
         raise InvalidArgument(f"stop must be a sequence of token ids, not {stop!r}") from None
     return frozenset(_int_arg("a stop id", s, -(2**31), 2**31 - 1) for s in items)
+
+
+def check_int(name: str, value, low: int, high: int | None = None) -> int:
+    """value as an int in [low, high] (no upper bound when high is None), else InvalidArgument
+    naming it: the binding's check of its integer arguments (a bool or a float is refused, and a
+    value too large for the C field is an InvalidArgument, never cffi's OverflowError), for
+    front ends that check theirs the same way."""
+    return _int_arg(name, value, low, high)
+
+
+def check_stop_ids(stop) -> frozenset:
+    """The stop ids of Session.generate as a frozenset: an iterable of token ids (None: none),
+    else InvalidArgument."""
+    return _stop_ids(stop)
 
 
 def _read_vault_file(path: pathlib.Path) -> str:
@@ -437,6 +451,30 @@ class Session:
         with self._claim():
             self._call(lib.smoe_stats_reset)
 
+    # ------------------------------------------------------------------ checks for front ends
+    # What prefill and generate check before anything is fed, for a caller that drives the
+    # session itself (pysmoe.generate samples in Python) and refuses the same arguments first.
+    @property
+    def closed(self) -> bool:
+        """True once close() has freed the session."""
+        return self._h is None
+
+    def check_ids(self, ids) -> np.ndarray:
+        """ids as the contiguous int32 array that prefill feeds: InvalidArgument unless a
+        non-empty 1-D sequence of integers, BadToken for an id outside the vocabulary."""
+        return self._ids(ids)
+
+    def check_room(self, n: int) -> None:
+        """ContextFull unless n more tokens fit the context after the current position."""
+        self._check_room(n)
+
+    @staticmethod
+    def check_sampler(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                      repetition_window=64, seed=0, presence_penalty=0.0, frequency_penalty=0.0) -> None:
+        """InvalidArgument unless set_sampler (and generate) take these values: types and ranges."""
+        Session._sampler_params(temperature, top_k, top_p, min_p, repetition_penalty, repetition_window, seed,
+                                presence_penalty, frequency_penalty)
+
     def _ids(self, ids) -> np.ndarray:
         try:
             arr = np.asarray(ids)
@@ -769,4 +807,4 @@ def logprobs(logits, token: int, top_n: int = 0) -> tuple[float, list[tuple[int,
 
 
 __all__ = ["open_vault", "Vault", "Session", "PREFILL_PATHS", "KV_DTYPES", "decode_batch", "logprobs",
-           "MAX_TOP_LOGPROBS"]
+           "MAX_TOP_LOGPROBS", "check_int", "check_stop_ids"]

@@ -10,7 +10,7 @@ import dataclasses
 import time
 from typing import Iterator, Sequence
 
-from .engine import Session, _int_arg, _stop_ids
+from .engine import Session, check_int, check_stop_ids
 from .errors import Cancelled, InvalidArgument
 
 
@@ -60,19 +60,19 @@ def stream_generate(session: Session, prompt: str | Sequence[int], max_tokens: i
     the prompt; closing the iterator early keeps what was fed (as Session.generate)."""
     from .textgen import Generation, SamplingParams
     ids = _as_ids(session, prompt, chat, chat_template_kwargs)
-    arr = session._ids(ids)
-    max_tokens = _int_arg("max_tokens", max_tokens, 0)
+    arr = session.check_ids(ids)
+    max_tokens = check_int("max_tokens", max_tokens, 0)
     # the rules of Session.generate (top_k ≥ 0, seed ≥ 0); SamplingParams also takes the OpenAI
     # server's spellings (top_k −1, negative seeds)
-    session._sampler_params(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                            repetition_penalty=repetition_penalty, seed=seed)
+    session.check_sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repetition_penalty=repetition_penalty, seed=seed)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, seed=seed, max_tokens=max(max_tokens, 1),
                             stop=stop_strings)
     tok = session.vault.tokenizer
-    stop_ids = _stop_ids(tok.eos_ids if stop is None and tok is not None else stop)
-    session._check_room(len(arr))
+    stop_ids = check_stop_ids(tok.eos_ids if stop is None and tok is not None else stop)
+    session.check_room(len(arr))
     if max_tokens == 0:
         return iter(())
 

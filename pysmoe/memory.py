@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .kvdtype import KV_ELEM_BYTES, default_kv_dtype
+
 FRACTION = 0.5
 
 
@@ -32,16 +34,6 @@ def available_memory() -> int | None:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
     except (ValueError, OSError, AttributeError):
         return None
-
-
-KV_ELEM_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
-
-
-def default_kv_dtype() -> str:
-    """The KV element type a session gets when kv_dtype is not given (the library's default)."""
-    from ._ffi import lib
-    from .engine import KV_DTYPES
-    return KV_DTYPES[lib.smoe_session_default_params().kv_dtype]
 
 
 def kv_bytes(config: dict, context: int, kv_dtype: str | None = None) -> int:

@@ -61,10 +61,6 @@ def is_quantized(fmt: str) -> bool:
     return fmt in _BITS
 
 
-def bits_of(fmt: str) -> int:
-    return _BITS[fmt]
-
-
 def _check_format(fmt: str, cols: int, group: int = GROUP) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"unknown tensor format {fmt!r} (one of {', '.join(FORMATS)})")

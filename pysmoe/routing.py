@@ -17,9 +17,8 @@ What is measured, per sparse layer, over a prompt of N tokens:
   (fractional at the edge: for 128 experts the top 25 plus 0.6 of the 26th). A uniform router
   gives 0.2 in the limit, more over a finite prompt (uniform_share: 0.27 for 128 experts, top-8
   over 256 tokens), and the output reports that baseline at the same N. Needs per-expert
-  counts: the engine's (smoe_stats_expert_counts, EXPERT_COUNTS_ABI) when libsmoe has them,
-  else the numpy reference computes the routing (exact, slow: fine for tiny and mini, minutes
-  for a3b; `skew="reference"|"none"`).
+  counts: the engine's (smoe_stats_expert_counts), or the numpy reference's routing (exact,
+  slow: fine for tiny and mini, minutes for a3b; `skew="reference"`), or none (`skew="none"`).
 - union45: the union size of a 45-token layer-major chunk (the seed's benchmark prompt
   length), averaged over the prompt's full 45-token chunks (engine, exact).
 
@@ -32,7 +31,6 @@ shuffled words would. Text through the vault's tokenizer works too (`ids=`).
 from __future__ import annotations
 
 import math
-import pathlib
 
 import numpy as np
 
@@ -40,17 +38,6 @@ UNION_CHUNK = 45
 TOP_FRACTION = 0.2
 DEFAULT_TOKENS = 256
 DEFAULT_TEMPERATURE = 0.8
-
-# The ABI call the engine's skew measurement would use (the lead owns csrc/smoe.h):
-EXPERT_COUNTS_ABI = """\
-smoe_status smoe_stats_expert_counts(const smoe_session *session, uint32_t layer,
-                                     uint64_t *counts, uint32_t cap);
-  Fills counts[e], e < min(cap, num_experts), with how many tokens had expert e in their top-k
-  at `layer` since the session was made or smoe_stats_reset last ran: prefill chunks and decode
-  steps alike (each token of a chunk once). A dense layer fills zeros. SMOE_ERR_INVALID_ARG for
-  layer >= num_hidden_layers or a NULL pointer. The engine increments L x E uint64 counters
-  where it routes (no allocation; routing already has the top-k ids in hand)."""
-
 
 def _open(vault):
     from .engine import Vault, open_vault
@@ -157,36 +144,29 @@ def stats_from_routes(routes, num_experts: int, top_k: int, chunk: int = UNION_C
     return out
 
 
-def _counts_fn():
-    from ._ffi import lib
-    return getattr(lib, "smoe_stats_expert_counts", None)
-
-
 def _engine_pass(s, ids, chunk: int, n_layers: int, want_counts: bool):
     """Feed ids as layer-major chunks of `chunk` tokens from position 0; per full chunk the
-    per-layer union sizes (and per-expert counts when the ABI has them)."""
+    per-layer union sizes (and, when want_counts, the per-expert counts)."""
     from ._ffi import check, ffi, lib
     s.reset()
     sizes = ffi.new("uint32_t[]", n_layers)
     unions, counts = [], None
-    fn = _counts_fn() if want_counts else None
-    if fn is not None:
+    if want_counts:
         E = s.vault.config["num_experts"]
-        ctype = ffi.typeof(fn).args[2].item.cname
-        buf = ffi.new(f"{ctype}[]", E)
+        buf = ffi.new("uint64_t[]", E)
         counts = np.zeros((n_layers, E), dtype=np.uint64)
     arr = np.ascontiguousarray(ids, dtype=np.int32)
     for start in range(0, len(arr) - chunk + 1, chunk):
         part = arr[start:start + chunk]
-        if fn is not None:
+        if want_counts:
             check(lib.smoe_stats_reset(s.handle))
         check(lib.smoe_prefill_chunk(s.handle, ffi.cast("int32_t *", ffi.from_buffer(part)), len(part), ffi.NULL, ffi.NULL))
         check(lib.smoe_stats_union_sizes(s.handle, sizes, n_layers))
         unions.append([int(sizes[i]) for i in range(n_layers)])
-        if fn is not None:
+        if want_counts:
             for layer in range(n_layers):
-                check(fn(s.handle, layer, buf, E))
-                counts[layer] += np.frombuffer(ffi.buffer(buf), dtype=np.dtype(f"u{ffi.sizeof(ctype)}"))
+                check(lib.smoe_stats_expert_counts(s.handle, layer, buf, E))
+                counts[layer] += np.frombuffer(ffi.buffer(buf), dtype=np.uint64)
     return (np.asarray(unions, dtype=np.int64).reshape(-1, n_layers),
             None if counts is None else counts.astype(np.int64))
 
@@ -196,9 +176,9 @@ def routing_stats(vault, tokens: int = DEFAULT_TOKENS, seed: int = 0, ids=None, 
                   temperature: float = DEFAULT_TEMPERATURE, chunk: int = UNION_CHUNK) -> dict:
     """Measure a vault's routing through the engine (module docstring says how).
 
-    ids: the prompt (default coherent_prompt(vault, tokens, seed, temperature)). skew: "auto"
-    (engine counts when the ABI has them, else the numpy reference when the vault is small,
-    hidden_size <= 1024, else none), "engine", "reference" or "none".
+    ids: the prompt (default coherent_prompt(vault, tokens, seed, temperature)). skew: where the
+    per-expert counts come from: "engine" (or "auto", the same), "reference" (the numpy
+    reference's routing) or "none".
     Returns {"tokens", "num_experts", "top_k", "skew_source", "uniform": {...},
     "layers": [per layer {"layer", "overlap", "top20_share", "union45"} or None if dense],
     "overall": the means over sparse layers}."""
@@ -215,9 +195,7 @@ def routing_stats(vault, tokens: int = DEFAULT_TOKENS, seed: int = 0, ids=None, 
         if ids.size < 2:
             raise ValueError("need at least 2 tokens")
         if skew == "auto":
-            skew = "engine" if _counts_fn() is not None else ("reference" if cfg["hidden_size"] <= 1024 else "none")
-        if skew == "engine" and _counts_fn() is None:
-            raise RuntimeError("this libsmoe has no smoe_stats_expert_counts; use skew='reference'")
+            skew = "engine"
         sparse = [v.layer_is_sparse(l) for l in range(L)]
         with v.session(cache_bytes=_cache_bytes(v, cache_bytes), threads=threads,
                        chunk=max(chunk, 2), context=max(len(ids) + 1, 64)) as s:
@@ -287,4 +265,4 @@ def format_stats(st: dict) -> str:
 
 
 __all__ = ["coherent_prompt", "routing_stats", "stats_from_routes", "top_share", "format_stats",
-           "uniform_expectations", "uniform_share", "EXPERT_COUNTS_ABI"]
+           "uniform_expectations", "uniform_share"]

@@ -17,16 +17,12 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-import re
 import shutil
 import tempfile
 from typing import Iterator
 
 from .errors import SmoeError, VaultError
-
-INCOMPLETE = ".incomplete-"
-REPLACED = ".replaced-"
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?:incomplete|replaced)-[A-Za-z0-9_]+$")
+from .staging import INCOMPLETE, REPLACED, leftover_of
 
 
 class TargetError(SmoeError, OSError):
@@ -35,20 +31,6 @@ class TargetError(SmoeError, OSError):
 
 class TargetExists(TargetError, FileExistsError):
     """The target directory is not empty and `force` was not given."""
-
-
-def leftover_of(path) -> str | None:
-    """The vault name a leftover staging directory was meant to become, or None."""
-    m = _LEFTOVER.match(pathlib.Path(path).name)
-    return m.group("name") if m else None
-
-
-def check_complete(path) -> None:
-    """Raise VaultError if path is a staging directory an interrupted write left behind."""
-    name = leftover_of(path)
-    if name is not None:
-        raise VaultError(f"{path}: incomplete vault (left by an interrupted write of {name!r}); "
-                         f"delete it and write the vault again")
 
 
 def check_target(target, force: bool = False) -> pathlib.Path:

@@ -40,7 +40,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pysmoe.argtypes import positive_int  # noqa: E402
+from pysmoe.cli.args import positive_int  # noqa: E402
 from pysmoe.vaultio import read_vault  # noqa: E402
 from pysmoe.workers import default_procs, fork_map  # noqa: E402
 

@@ -21,7 +21,7 @@ so the data directory can be carried to a machine with a GPU that has no network
 
 `ship` converts the checkpoint with pysmoe's converter in its default formats (q4 experts, q8
 dense matrices, f32 router and norms) and adds the first HELDOUT_SHIP_BYTES of the held-out text
-(pysmoe/perplexity.py and tests/test_quality.py score it) and the training record.
+(bench/perplexity.py and tests/test_quality.py score it) and the training record.
 
 The demo shipped in pysmoe/data/demo/ was trained on one NVIDIA H200; see README.md ("The demo
 model") for the cost and the losses.
@@ -352,10 +352,10 @@ def train(args) -> None:
 def ship(args) -> None:
     root = Path(__file__).resolve().parents[1]
     sys.path.insert(0, str(root))
-    from pysmoe.convert import convert
+    from pysmoe.convert import convert_checkpoint
 
     data, hf, out = Path(args.data), Path(args.hf), Path(args.out)
-    convert(hf, out, force=True, progress=False)
+    convert_checkpoint(hf, out, force=True, progress=False)
     source = json.loads((out / "source.json").read_text())
     source["path"] = "scripts/train_demo.py train (build/demo-hf)"  # not this machine's folder
     (out / "source.json").write_text(json.dumps(source, indent=2) + "\n")

@@ -44,7 +44,7 @@ def tiny_vault_f32(make_vault):
 def hf_vault(tmp_path_factory):
     pytest.importorskip("transformers")
     from hf_models import make_hf_model
-    from pysmoe.converter import convert
+    from pysmoe.convert import convert_checkpoint
     tmp = tmp_path_factory.mktemp("hf_e2e")
     path, model = make_hf_model(tmp, num_hidden_layers=3, mlp_only_layers=[1])
-    return convert(path, tmp / "vault", experts="f32", dense="f32", progress=False), model
+    return convert_checkpoint(path, tmp / "vault", experts="f32", dense="f32", progress=False), model

@@ -144,3 +144,31 @@ def test_open_vault_expands_the_home_directory(tiny_vault, tmp_path, monkeypatch
     assert v.path == tmp_path / "tiny"
     with v.session() as s:
         assert np.isfinite(s.prefill([1, 2])).all()
+
+
+def test_front_end_checks_refuse_what_the_session_refuses(vault):
+    # The public checks a front end that drives a session itself uses (pysmoe.generate does).
+    from pysmoe.engine import check_int, check_stop_ids
+    with vault.session(chunk=4, context=8) as s:
+        ids = s.check_ids([1, 2, 3])
+        assert ids.dtype == np.int32 and ids.tolist() == [1, 2, 3] and s.position == 0
+        with pytest.raises(pysmoe.BadToken):
+            s.check_ids([1, vault.config["vocab_size"]])
+        with pytest.raises(InvalidArgument):
+            s.check_ids([])
+        s.prefill([1, 2, 3])
+        s.check_room(5)
+        with pytest.raises(pysmoe.ContextFull):
+            s.check_room(6)
+        s.check_sampler(temperature=0.7, top_k=5, seed=1)
+        with pytest.raises(InvalidArgument):
+            s.check_sampler(top_p=0.0)
+        assert s.position == 3 and not s.closed
+    assert s.closed
+    assert check_int("n", np.int64(4), 0, 10) == 4
+    for bad in (-1, 11, 2.0, True, "4"):
+        with pytest.raises(InvalidArgument):
+            check_int("n", bad, 0, 10)
+    assert check_stop_ids(None) == frozenset() and check_stop_ids([7, 7, 8]) == {7, 8}
+    with pytest.raises(InvalidArgument):
+        check_stop_ids(5)

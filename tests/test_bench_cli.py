@@ -160,13 +160,8 @@ def test_bench_no_ttft_needs_budgets(tiny_vault, capsys):
 # ------------------------------------------------------------- bench/plot.py and bench/peer.py
 
 def _load(name):
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from bench_scripts import load
+    return load(name)
 
 
 @pytest.fixture(scope="module")
@@ -343,6 +338,8 @@ def test_bench_verify_blobs_both(tiny_vault, capsys):
     assert "checked / unchecked" in format_table(res)
 
 
+# ------------------------------------------------------------- bench/disk_floor.py: the floor sweep
+
 def _slow_disk(monkeypatch):
     """A probe and sweep that report a disk far slower than the engine's runs: the floor must then
     come from the engine's own runs, never sit above them."""
@@ -357,6 +354,7 @@ def _slow_disk(monkeypatch):
 
 @pytest.mark.parametrize("slow_disk", [False, True])
 def test_io_floor_is_a_floor(tiny_vault, monkeypatch, slow_disk):
+    run_bench = _load("disk_floor").run_bench  # pysmoe.bench's, with the floor sweep
     if slow_disk:
         _slow_disk(monkeypatch)
     res = run_bench(tiny_vault, [1, 6], repeats=2, threads=1, chunk=4, decode_tokens=0, io_threads=2)
@@ -380,7 +378,7 @@ def test_io_floor_is_a_floor(tiny_vault, monkeypatch, slow_disk):
 
 
 def test_floor_requests_patterns():
-    from pysmoe.bench import _floor_requests
+    _floor_requests = _load("disk_floor")._floor_requests
     B = 1 << 14
     layer = [10 * B, 11 * B, 12 * B, 14 * B, 15 * B]
     reqs, used = _floor_requests("runs", 2 * B, [layer], B, 1 << 40)

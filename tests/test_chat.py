@@ -12,7 +12,7 @@ import time
 import pytest
 
 import pysmoe
-from pysmoe.cmd_chat import Conversation
+from pysmoe.cli.chat import Conversation
 
 ENV = dict(os.environ, PYTHONUNBUFFERED="1")
 

@@ -18,7 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 from safetensors.torch import save_file  # noqa: E402
 
-from pysmoe.convert import ConvertError, add_parser, convert, run  # noqa: E402
+from pysmoe.cli.convert import add_parser, run  # noqa: E402
+from pysmoe.convert import ConvertError, convert_checkpoint  # noqa: E402
 from pysmoe.vaultio import read_vault  # noqa: E402
 
 CONFIG = {  # the released-checkpoint spelling; layer 1 is dense
@@ -76,7 +77,7 @@ def torch_bf16_round(a):
 
 
 def convert_quiet(src, dst, **kw):
-    return convert(src, dst, progress=False, **kw)
+    return convert_checkpoint(src, dst, progress=False, **kw)
 
 
 # ---- what converts ---------------------------------------------------------------------------
@@ -117,7 +118,7 @@ def test_tied_checkpoint_with_a_stray_lm_head_converts_with_a_warning(tmp_path, 
     tensors = checkpoint_tensors(cfg)
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     src = write_checkpoint(tmp_path / "hf", cfg, tensors)
-    with caplog.at_level(logging.WARNING, logger="pysmoe.converter"):
+    with caplog.at_level(logging.WARNING, logger="pysmoe.convert"):
         vf = read_vault(convert_quiet(src, tmp_path / "v"))
     assert "lm_head" not in vf.tensors
     assert "lm_head.weight is not used" in caplog.text
@@ -144,7 +145,7 @@ def test_cli_formats(tmp_path):
 @pytest.mark.parametrize("on", [False, True])
 def test_progress_on_and_off(tmp_path, capsys, on):
     src = write_checkpoint(tmp_path / "hf")
-    convert(src, tmp_path / "v", progress=on)
+    convert_checkpoint(src, tmp_path / "v", progress=on)
     err = capsys.readouterr().err
     assert (err != "") == on
 

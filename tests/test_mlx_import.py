@@ -15,7 +15,7 @@ mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed")
 from hf_models import make_hf_model, sample_ids, write_released_spelling, write_tokenizer  # noqa: E402
 
 import pysmoe  # noqa: E402
-from pysmoe.convert import ConvertError, convert  # noqa: E402
+from pysmoe.convert import ConvertError, convert_checkpoint  # noqa: E402
 from pysmoe.vaultio import TensorFormat, read_vault  # noqa: E402
 
 
@@ -41,10 +41,10 @@ def test_bf16_release_and_its_mlx_4bit_give_the_same_vault(bf16_release, tmp_pat
     bf16 norms) writes the very vault.bin that importing `mlx_lm convert -q` of it writes."""
     src, _ = bf16_release
     mlx_dir = _mlx(src, tmp_path / "mlx", quantize=True, q_bits=4, q_group_size=64)
-    imported = convert(mlx_dir, tmp_path / "from-mlx", progress=False)
+    imported = convert_checkpoint(mlx_dir, tmp_path / "from-mlx", progress=False)
     recipe = {"attention": "q4", "embed": "q4", "lm_head": "q4", "mlp": "q4",
               "router": TensorFormat("q8", 64, "bf16"), "norms": "bf16"}
-    made = convert(src, tmp_path / "from-hf", dense=recipe, progress=False)
+    made = convert_checkpoint(src, tmp_path / "from-hf", dense=recipe, progress=False)
     a, b = read_vault(imported), read_vault(made)
     assert {n: (t.format, t.group, t.scale_format) for n, t in a.tensors.items()} == \
            {n: (t.format, t.group, t.scale_format) for n, t in b.tensors.items()}
@@ -63,7 +63,7 @@ def test_mixed_bits_per_expert_projection(bf16_release, tmp_path):
         return True
 
     mlx_dir = _mlx(src, tmp_path / "mlx", quantize=True, q_bits=4, q_group_size=64, quant_predicate=predicate)
-    vault = convert(mlx_dir, tmp_path / "v", progress=False)
+    vault = convert_checkpoint(mlx_dir, tmp_path / "v", progress=False)
     v = read_vault(vault)
     assert [t.format for t in v.expert_tensors] == ["q4", "q4", "q8"]
     ids = sample_ids(model, 10)
@@ -85,7 +85,7 @@ def test_recipes_a_vault_cannot_hold_are_refused_before_writing(bf16_release, tm
     mlx_dir = _mlx(src, tmp_path / "mlx", quantize=True, **q)
     out = tmp_path / "v"
     with pytest.raises(ConvertError) as e:
-        convert(mlx_dir, out, progress=False)
+        convert_checkpoint(mlx_dir, out, progress=False)
     msg = str(e.value)
     assert "cannot hold" in msg and named in msg and "model.layers.0.self_attn.q_proj" in msg
     assert not out.exists() or not any(out.iterdir())
@@ -96,10 +96,10 @@ def test_unquantised_mlx_experts_can_be_quantised_on_import(bf16_release, tmp_pa
     them with MLX's quantiser, giving the codes of mlx's own 4-bit conversion."""
     src, _ = bf16_release
     plain = _mlx(src, tmp_path / "mlx", quantize=False)
-    v = read_vault(convert(plain, tmp_path / "v", progress=False))
+    v = read_vault(convert_checkpoint(plain, tmp_path / "v", progress=False))
     assert v.expert_tensors[0].format == "bf16" and v.tensors["layers.0.q_proj"].format == "bf16"
-    q4 = read_vault(convert(plain, tmp_path / "vq", experts="q4", progress=False))
-    ref = read_vault(convert(_mlx(src, tmp_path / "mlxq", quantize=True, q_bits=4, q_group_size=64),
+    q4 = read_vault(convert_checkpoint(plain, tmp_path / "vq", experts="q4", progress=False))
+    ref = read_vault(convert_checkpoint(_mlx(src, tmp_path / "mlxq", quantize=True, q_bits=4, q_group_size=64),
                              tmp_path / "vref", progress=False))
     assert q4.expert_tensors[0].scale_format == "bf16"
     assert q4.blob(0, 2).tobytes() == ref.blob(0, 2).tobytes()

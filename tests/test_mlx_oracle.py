@@ -23,7 +23,7 @@ mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed")
 from hf_models import make_hf_model, sample_ids, write_released_spelling  # noqa: E402
 
 import pysmoe  # noqa: E402
-from pysmoe.convert import convert, detect  # noqa: E402
+from pysmoe.convert import convert_checkpoint, detect  # noqa: E402
 from pysmoe.errors import Unsupported  # noqa: E402
 from pysmoe.vaultio import read_vault  # noqa: E402
 
@@ -79,7 +79,7 @@ def case(request, tmp_path_factory):
     for f in ("tokenizer.json", "tokenizer_config.json"):  # mlx_lm saves its own; keep ours
         shutil.copyfile(hf / f, mlx_dir / f)
     ids = sample_ids(model, 12)
-    vault = convert(mlx_dir, tmp / "vault", progress=False)
+    vault = convert_checkpoint(mlx_dir, tmp / "vault", progress=False)
     return dict(mlx=mlx_dir, vault=vault, ids=ids, q=q, want=_mlx_logits(mlx_dir, ids))
 
 

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 from hf_models import (hf_logits, make_hf_model, router_gap, sample_ids, set_expert,  # noqa: E402
                        sparse_layers, write_fused_checkpoint, write_released_spelling)
 
-from pysmoe.converter import convert  # noqa: E402
+from pysmoe.convert import convert_checkpoint  # noqa: E402
 from pysmoe.reference import ReferenceModel  # noqa: E402
 from pysmoe.vaultio import CONFIG_KEYS, read_vault  # noqa: E402
 
@@ -63,7 +63,7 @@ def test_router_gap_is_not_tiny(case):
 
 def test_f32_vault_matches_transformers(case):
     name, tmp, path, model, ids, _ = case
-    vault = convert(path, tmp / "f32", **F32)
+    vault = convert_checkpoint(path, tmp / "f32", **F32)
     ref = ReferenceModel(vault)
 
     want = hf_logits(model, ids)
@@ -94,7 +94,7 @@ def test_quantized_experts_match_transformers_with_dequantized_weights(case):
 
     name, tmp, path, model, ids, _ = case
     for fmt in QUANTIZED[name]:
-        vault = convert(path, tmp / fmt, experts=fmt, dense="f32", progress=False)
+        vault = convert_checkpoint(path, tmp / fmt, experts=fmt, dense="f32", progress=False)
         vf = read_vault(vault)
 
         # A copy of the transformers model carrying the dequantised experts.
@@ -128,7 +128,7 @@ def _same_vault(a, b):
 def test_checkpoint_spellings_give_identical_vaults(tmp_path):
     # default dense formats (q8) need every input width a multiple of 64
     path, model = make_hf_model(tmp_path, num_hidden_layers=3, mlp_only_layers=[1], intermediate_size=128)
-    saved = convert(path, tmp_path / "v_saved", experts="q4", progress=False)
+    saved = convert_checkpoint(path, tmp_path / "v_saved", experts="q4", progress=False)
 
     released = tmp_path / "released"
     shutil.copytree(path, released)
@@ -136,24 +136,24 @@ def test_checkpoint_spellings_give_identical_vaults(tmp_path):
     cfg = json.loads((released / "config.json").read_text())
     assert "num_experts" in cfg and "rope_theta" in cfg
     assert "num_local_experts" not in cfg and "rope_parameters" not in cfg
-    _same_vault(saved, convert(released, tmp_path / "v_released", experts="q4", progress=False))
+    _same_vault(saved, convert_checkpoint(released, tmp_path / "v_released", experts="q4", progress=False))
 
     fused = write_fused_checkpoint(model, tmp_path / "fused")
     with open(fused / "model.safetensors", "rb") as f:
         header = f.read(8 + int.from_bytes(f.read(8), "little"))
     assert b"mlp.experts.gate_up_proj" in header and b"experts.0.gate_proj" not in header
-    _same_vault(saved, convert(fused, tmp_path / "v_fused", experts="q4", progress=False))
+    _same_vault(saved, convert_checkpoint(fused, tmp_path / "v_fused", experts="q4", progress=False))
 
     sharded = write_fused_checkpoint(model, tmp_path / "sharded", shards=3)
     assert (sharded / "model.safetensors.index.json").is_file()
-    _same_vault(saved, convert(sharded, tmp_path / "v_sharded", experts="q4", progress=False))
+    _same_vault(saved, convert_checkpoint(sharded, tmp_path / "v_sharded", experts="q4", progress=False))
 
 
 def test_fused_layout_gate_rows_come_first(tmp_path):
     """The fused tensor's first I rows are gate: checked on values, not just on the vault bytes."""
     path, model = make_hf_model(tmp_path)
     fused = write_fused_checkpoint(model, tmp_path / "fused")
-    vf = read_vault(convert(fused, tmp_path / "v", **F32))
+    vf = read_vault(convert_checkpoint(fused, tmp_path / "v", **F32))
     I = model.config.moe_intermediate_size
     gate_up = model.model.layers[0].mlp.experts.gate_up_proj[3].detach().numpy()
     gate, up, down = vf.expert(0, 3)

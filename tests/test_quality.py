@@ -1,6 +1,6 @@
 """Quality on real weights: the shipped demo model (a trained Qwen3-MoE, pysmoe/data/demo/) scored
-on held-out text through each numeric path (pysmoe/perplexity.py; bench/perplexity.py gives the
-whole table, over more text and every expert format).
+on held-out text through each numeric path (bench/perplexity.py's functions; its command gives
+the whole table, over more text and every expert format).
 
 The f32 model here is regenerated from the shipped vault (`hf_from_vault`: its q4 experts and q8
 dense matrices dequantised to float32, which is exact), so transformers, the numpy reference and
@@ -24,10 +24,15 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
+from bench_scripts import load  # noqa: E402
+
 import pysmoe  # noqa: E402
-from pysmoe.convert import convert  # noqa: E402
+from pysmoe.convert import convert_checkpoint  # noqa: E402
 from pysmoe.demo import ensure_demo_vault  # noqa: E402
-from pysmoe.perplexity import engine_nll, heldout_windows, hf_from_vault, hf_nll, reference_nll  # noqa: E402
+
+_ppl = load("perplexity")  # the scoring lives with the research code, in bench/
+engine_nll, heldout_windows, hf_from_vault, hf_nll, reference_nll = (
+    _ppl.engine_nll, _ppl.heldout_windows, _ppl.hf_from_vault, _ppl.hf_nll, _ppl.reference_nll)
 
 EXACT_REL = 1e-4
 # |ppl(8-bit activations) / ppl(f32 activations) - 1| on the demo's vault: measured -0.37 % on these
@@ -54,7 +59,7 @@ def windows(demo):
 def f32(demo, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("quality")
     hf = hf_from_vault(demo, tmp / "hf")
-    vault = convert(hf, tmp / "f32", experts="f32", dense="f32", progress=False)
+    vault = convert_checkpoint(hf, tmp / "f32", experts="f32", dense="f32", progress=False)
     return hf, vault
 
 

@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-from pysmoe.server.cli import Background  # noqa: E402
+from pysmoe.cli.serve import Background  # noqa: E402
 
 MAX_BATCH = 8
 CONTEXT = 512
@@ -447,7 +447,7 @@ def test_long_prompt_is_prefilled_between_decode_steps(tiny_vault):
     decode step after each of the newcomer's chunks."""
     from pysmoe import open_vault
     from pysmoe.server.scheduler import Scheduler
-    from pysmoe.sessionpool import SessionPool
+    from pysmoe.server.pool import SessionPool
     with open_vault(tiny_vault) as v, SessionPool(v, max_sessions=2, cache_bytes=1 << 24, threads=1, chunk=16) as pool:
         sched = Scheduler(pool, max_batch=2, context=CONTEXT, chunk=16)
         first, second = [], []
@@ -478,7 +478,7 @@ def test_long_prompt_is_prefilled_between_decode_steps(tiny_vault):
 def test_cancel_during_prefill_stops_at_the_next_chunk(tiny_vault):
     from pysmoe import open_vault
     from pysmoe.server.scheduler import Scheduler
-    from pysmoe.sessionpool import SessionPool
+    from pysmoe.server.pool import SessionPool
     with open_vault(tiny_vault) as v, SessionPool(v, max_sessions=1, cache_bytes=1 << 24, threads=1, chunk=16) as pool:
         sched = Scheduler(pool, max_batch=1, context=CONTEXT, chunk=16)
         events = []

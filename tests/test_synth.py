@@ -175,8 +175,9 @@ def test_presets_have_the_intended_sizes():
 
 
 def test_cli(tmp_path, capsys):
+    from pysmoe.cli import synth as synth_cli
     parser = argparse.ArgumentParser()
-    S.add_parser(parser.add_subparsers(dest="cmd"))
+    synth_cli.add_parser(parser.add_subparsers(dest="cmd"))
     args = parser.parse_args(["synth", str(tmp_path / "v"), "--preset", "tiny", "--seed", "3", "--layers", "2",
                               "--experts", "q8", "--quiet"])
     assert args.func(args) == 0

@@ -386,7 +386,7 @@ def test_greedy_stream_generate_matches_the_c_sampler(tiny_vault, ids, penalty):
 
 def test_chat_turns_penalise_what_the_c_sampler_would(tiny_vault):
     import pysmoe
-    from pysmoe.cmd_chat import Conversation
+    from pysmoe.cli.chat import Conversation
     with pysmoe.open_vault(tiny_vault) as v, v.session(cache_bytes=1 << 22) as s:
         conv = Conversation(s, v.tokenizer, max_tokens=1, repetition_penalty=1.5)
         list(conv.reply("hello"))

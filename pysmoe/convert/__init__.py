@@ -34,9 +34,9 @@ from ..vaultio import TensorFormat
 
 _SCALE_OF = {"BF16": "bf16", "F16": "f16", "F32": "f32"}
 
-__all__ = ["ConvertError", "convert", "detect", "load_config", "plan", "add_parser", "run"]
+__all__ = ["ConvertError", "convert_checkpoint", "detect", "load_config", "plan"]
 
-log = logging.getLogger("pysmoe.converter")
+log = logging.getLogger("pysmoe.convert")
 
 # Copied into the vault as they are: what the tokenizer and the chat template need.
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
@@ -67,7 +67,7 @@ def _target(out: Path, force: bool):
         yield tmp
 
 
-def convert(src, out_dir, experts: str | None = None, dense=None, scale_dtype: str | None = None,
+def convert_checkpoint(src, out_dir, experts: str | None = None, dense=None, scale_dtype: str | None = None,
             group: int = quant.GROUP, progress: bool = True, force: bool = False, jobs: int | None = None) -> Path:
     """Convert the checkpoint in src (MLX or Hugging Face, see `detect`) into a vault at out_dir.
 
@@ -275,40 +275,3 @@ class _MlxJob:
     def source(self) -> dict:
         return {"kind": "mlx", "path": str(Path(self.ckpt.dir).resolve()),
                 "quantization": self.plan.recipe or None}
-
-
-# ---- CLI ------------------------------------------------------------------------------------
-
-
-def add_parser(p, name: str = "convert") -> None:
-    """The arguments of `python -m pysmoe convert` on its (sub)parser p (cli.py makes p)."""
-    p.description = ("Convert a checkpoint into a vault: an MLX checkpoint (mlx_lm convert, "
-                     "mlx-community; quantised tensors copied as stored) or a Hugging Face "
-                     "Qwen3-MoE checkpoint of floats (quantised with MLX's quantiser). No torch needed.")
-    p.add_argument("src", metavar="SRC", help="checkpoint directory (config.json, *.safetensors)")
-    from ..argtypes import positive_int, vault_out
-    p.add_argument("out", metavar="OUT", type=vault_out, help="vault directory to write (empty or new, unless --force)")
-    p.add_argument("--experts", choices=FORMATS, help="expert format (default: q4 for a float checkpoint; "
-                   "as stored for MLX)")
-    p.add_argument("--dense", choices=FORMATS, help="format of every dense matrix (default: the writer's / as stored)")
-    p.add_argument("--attention", choices=FORMATS, help="format of q/k/v/o_proj (overrides --dense)")
-    p.add_argument("--embed", choices=FORMATS, help="format of embed_tokens (overrides --dense)")
-    p.add_argument("--lm-head", dest="lm_head", choices=FORMATS, help="format of lm_head (overrides --dense)")
-    p.add_argument("--scale-dtype", choices=quant.SCALE_DTYPES,
-                   help="dtype of the scales and biases of q4/q8 tensors made here (default: the checkpoint's)")
-    p.add_argument("--group-size", dest="group", type=int, choices=quant.GROUPS, default=quant.GROUP,
-                   help="group size of q4/q8 tensors made here (default 64)")
-    p.add_argument("--jobs", type=positive_int, default=None,
-                   help="processes that quantise a float checkpoint's experts (default: one a core)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty OUT (only once the new vault is complete)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-
-
-def run(args) -> int:
-    dense = {role: args.dense for role in DENSE_MATRIX_ROLES} if args.dense else {}
-    for role in ("attention", "embed", "lm_head"):
-        if getattr(args, role):
-            dense[role] = getattr(args, role)
-    convert(args.src, args.out, experts=args.experts, dense=dense or None, scale_dtype=args.scale_dtype,
-            group=args.group, progress=args.progress, force=args.force, jobs=args.jobs)
-    return 0

@@ -45,7 +45,7 @@ DENSE_ROLES = ("embed", "lm_head", "attention", "mlp", "router", "norms")
 DENSE_MATRIX_ROLES = ("embed", "lm_head", "attention", "mlp")
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 
-log = logging.getLogger("pysmoe.converter")
+log = logging.getLogger("pysmoe.convert")
 
 
 class ConvertError(SmoeError, ValueError):

@@ -1,9 +1,10 @@
 """An OpenAI-compatible HTTP server over one vault (`python -m pysmoe serve`).
 
     schemas.py    request bodies → checked GenerationRequest records; OpenAI error bodies
+    pool.py       SessionPool: sessions of the vault sharing one cache, with prefix reuse
     scheduler.py  the engine thread: continuous batching over a SessionPool (decode_batch)
     app.py        the starlette app: routes, auth, size limits, SSE streaming, metrics
-    cli.py        the `serve` subcommand (uvicorn)
 
-Only cli.py is imported by `python -m pysmoe --help`; starlette and uvicorn (the `serve` extra)
-are imported when the server starts."""
+The `serve` subcommand that builds and runs it (uvicorn) is pysmoe/cli/serve.py; nothing here is
+imported by `python -m pysmoe --help`, and starlette and uvicorn (the `serve` extra) are
+imported when the server starts."""

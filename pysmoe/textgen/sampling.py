@@ -27,7 +27,7 @@ import dataclasses
 import math
 import numbers
 import secrets
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 
@@ -288,8 +288,3 @@ def token_logprobs(logits, token: int, n: int) -> tuple[float, tuple[tuple[int, 
     top = tuple((int(i), lp(i)) for i in _best(v, n)) if n > 0 else ()
     return lp(token), top
 
-
-def check_ids_in_vocab(ids: Sequence[int], vocab: int, name: str = "stop_token_ids") -> None:
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise InvalidParam(name, f"token id {bad[0]} in '{name}' is outside the vocabulary [0, {vocab})")

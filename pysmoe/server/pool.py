@@ -29,8 +29,8 @@ import threading
 import time
 from typing import Sequence
 
-from .engine import Session, Vault, _int_arg
-from .errors import Busy, InvalidArgument
+from ..engine import Session, Vault, check_int
+from ..errors import Busy, InvalidArgument
 
 
 class _Entry:
@@ -57,7 +57,7 @@ class SessionPool:
 
     def __init__(self, vault: Vault, *, max_sessions: int, cache_bytes: int, threads: int | None = None,
                  kv_budget_bytes: int | None = None, **session_kwargs):
-        max_sessions = _int_arg("max_sessions", max_sessions, 1)
+        max_sessions = check_int("max_sessions", max_sessions, 1)
         if "share_cache" in session_kwargs:
             raise InvalidArgument("SessionPool makes its sessions share its own cache; share_cache is not an option")
         self.vault = vault
@@ -65,7 +65,7 @@ class SessionPool:
         first = vault.session(cache_bytes=cache_bytes, threads=threads, **session_kwargs)
         self.kv_bytes_per_session = first.stats()["kv_bytes"]
         if kv_budget_bytes is not None:
-            kv_budget_bytes = _int_arg("kv_budget_bytes", kv_budget_bytes, 0)
+            kv_budget_bytes = check_int("kv_budget_bytes", kv_budget_bytes, 0)
             fit = kv_budget_bytes // self.kv_bytes_per_session
             if fit < 1:
                 first.close()
@@ -157,7 +157,7 @@ class SessionPool:
             if not entry.busy:
                 raise InvalidArgument("release: the session is not handed out")
         held = ()
-        if ids is not None and session._h is not None:
+        if ids is not None and not session.closed:
             held = tuple(int(t) for t in ids)[:session.position]
             if session.position > len(held):
                 session.rewind(len(held))

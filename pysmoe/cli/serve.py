@@ -1,12 +1,15 @@
-"""python -m pysmoe serve: an OpenAI-compatible server over one vault (starlette + uvicorn)."""
+"""python -m pysmoe serve: an OpenAI-compatible server over one vault (starlette + uvicorn).
+
+The server itself is pysmoe/server/ (the app, the scheduler, the session pool); this module
+turns the options into one, binds the socket and runs uvicorn, or runs it in the background
+for tests and benchmarks (Background)."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-from ..argtypes import mebibytes, positive_int
-from ..cmd_run import add_device_args, device_kwargs
+from .args import add_device_args, device_kwargs, mebibytes, positive_int
 
 
 def add_parser(p: argparse.ArgumentParser, name: str) -> None:
@@ -45,9 +48,9 @@ def open_server(args, log=sys.stderr):
     from ..demo import ensure_demo_vault
     from ..engine import open_vault
     from ..memory import choose_cache
-    from ..sessionpool import SessionPool
-    from .app import Server
-    from .scheduler import Scheduler
+    from ..server.app import Server
+    from ..server.pool import SessionPool
+    from ..server.scheduler import Scheduler
 
     vault = open_vault(args.vault or ensure_demo_vault())
     gpu = device_kwargs(vault, args)
@@ -89,7 +92,7 @@ def run(args) -> int:
     try:
         import uvicorn
 
-        from .app import build_app
+        from ..server.app import build_app
     except ImportError as e:
         print(f"pysmoe serve: needs the 'serve' extra (pip install 'pysmoe[serve]'): {e}", file=sys.stderr)
         return 2
@@ -130,7 +133,7 @@ class Background:
 
         import uvicorn
 
-        from .app import build_app
+        from ..server.app import build_app
 
         self.vault, self.pool, self.sched, self.server = open_server(args, log=log or open(os.devnull, "w"))
         self.sched.start()

@@ -1,16 +1,117 @@
-"""python -m pysmoe run: generate from a prompt, streaming the text, then the figures."""
+"""What the subcommands share: argparse `type=` functions, the help formatter, the option groups
+of more than one command (session, device, sampling, chat template) and what those options mean
+(the session they open, the sampling keyword arguments they give).
+
+The types make a bad option value a usage error (exit 2, one line) that never reaches the engine
+as a traceback. Upper bounds are the C ABI's field widths (uint32 counts, uint64 seed and byte
+budgets): larger values would not fit the struct, so they are usage errors too. What the engine
+refuses within those widths (a chunk larger than it supports, say) is its own one-line error
+(exit 1)."""
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import pathlib
 import sys
 
-from .argtypes import (float_range, mebibytes, nonneg_float, nonneg_int, positive_float, positive_int,
-                       probability, seed)
+U32_MAX = 2 ** 32 - 1
+U64_MAX = 2 ** 64 - 1
+MAX_MIB = float(2 ** 63 >> 20)  # byte budgets in MiB: bytes must fit a signed 64-bit size
 
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def int_range(low: int, high: int = U32_MAX):
+    """An integer in [low, high]."""
+    def parse(text: str) -> int:
+        v = _int(text)
+        if not low <= v <= high:
+            raise argparse.ArgumentTypeError(f"{v} is out of range: must be {_describe(low, high)}")
+        return v
+    parse.__name__ = "integer"  # argparse names the type in its message
+    return parse
+
+
+def _describe(low, high) -> str:
+    if high in (U32_MAX, U64_MAX, MAX_MIB):
+        return f"≥ {low}"
+    return f"between {low} and {high}"
+
+
+positive_int = int_range(1)
+nonneg_int = int_range(0)
+seed = int_range(0, U64_MAX)
+
+
+def float_range(low: float = -math.inf, high: float = math.inf, *, low_open: bool = False,
+                high_open: bool = False):
+    """A finite float in the interval [low, high] (ends open when asked)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(v):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if v < low or v > high or (low_open and v == low) or (high_open and v == high):
+            lo = f"{'(' if low_open else '['}{low:g}" if low > -math.inf else "(-inf"
+            hi = f"{high:g}{')' if high_open else ']'}" if high < math.inf else "inf)"
+            raise argparse.ArgumentTypeError(f"{v:g} is out of range: must lie in {lo}, {hi}")
+        return v
+    parse.__name__ = "number"
+    return parse
+
+
+finite = float_range()
+nonneg_float = float_range(0.0)
+positive_float = float_range(0.0, low_open=True)
+probability = float_range(0.0, 1.0)
+mebibytes = float_range(0.0, MAX_MIB)
+
+
+def vault_out(text: str) -> pathlib.Path:
+    """A directory a vault may be written to: not a file, and under a writable directory
+    (whether it may be replaced is --force's business, checked when writing starts)."""
+    from ..vaultdir import TargetError, check_target
+    try:
+        check_target(text, force=True)
+    except TargetError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return pathlib.Path(text).expanduser()
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" after an option's help, except where there is nothing to show (no
+    default, a flag) or the help already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def json_object(text: str) -> dict:
+    """A JSON object (--chat-template-kwargs)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+# ------------------------------------------------------------------------------ option groups
 
 def add_session_args(p: argparse.ArgumentParser) -> None:
-    """Options shared by run and chat."""
+    """Options of the session run and chat open (open_session)."""
     p.add_argument("--vault", help="vault directory (default: the built-in demo vault, a small trained model)")
     p.add_argument("--cache-mb", type=mebibytes, default=None,
                    help="retention cache budget in MiB; 0: only the slots one step needs (default: chosen "
@@ -41,16 +142,8 @@ def add_device_args(p: argparse.ArgumentParser, note: str = "") -> None:
                         "nothing streams once they are up; give less when the GPU is smaller than the experts)")
 
 
-def device_kwargs(vault, args) -> dict:
-    """Vault.session's device and gpu_cache_bytes for --device and --gpu-cache-mb ({} on the CPU)."""
-    if args.device != "cuda":
-        return {}
-    every = vault.expert_bytes + vault.blob_bytes
-    return dict(device="cuda", gpu_cache_bytes=every if args.gpu_cache_mb is None
-                else int(args.gpu_cache_mb * (1 << 20)))
-
-
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """Options of the sampler and the stop conditions (run, chat; sampling_kwargs)."""
     p.add_argument("--max-tokens", type=positive_int, default=64, help="most tokens to generate")
     p.add_argument("--temperature", type=nonneg_float, default=0.0, help="sampling temperature; 0: greedy")
     p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass; 1: off")
@@ -69,45 +162,26 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_template_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--chat-template-kwargs", dest="chat_template_kwargs", type=_json_object, default=None,
+    p.add_argument("--chat-template-kwargs", dest="chat_template_kwargs", type=json_object, default=None,
                    metavar="JSON", help="variables of the chat template, e.g. '{\"enable_thinking\": false}'")
 
 
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
+# ----------------------------------------------------------------------- what the options mean
 
-
-def add_parser(p: argparse.ArgumentParser, name: str) -> None:
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", help="prompt text, through the vault's tokenizer (or pipe it on stdin)")
-    src.add_argument("--ids", type=_id_list, help="prompt token ids, comma-separated")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    add_template_args(p)
-    p.add_argument("--json", action="store_true", help="print one machine-readable record instead of text")
-    add_session_args(p)
-    add_sampling_args(p)
-
-
-def _id_list(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError("takes comma-separated integers") from None
-    if not ids or min(ids) < 0:
-        raise argparse.ArgumentTypeError("takes one or more comma-separated non-negative integers")
-    return ids
+def device_kwargs(vault, args) -> dict:
+    """Vault.session's device and gpu_cache_bytes for --device and --gpu-cache-mb ({} on the CPU)."""
+    if args.device != "cuda":
+        return {}
+    every = vault.expert_bytes + vault.blob_bytes
+    return dict(device="cuda", gpu_cache_bytes=every if args.gpu_cache_mb is None
+                else int(args.gpu_cache_mb * (1 << 20)))
 
 
 def open_session(args):
-    from .demo import ensure_demo_vault
-    from .engine import open_vault
-    from .memory import BUDGET_CHUNK, choose_cache
+    """The vault and session of add_session_args' options: (vault, session), both to close."""
+    from ..demo import ensure_demo_vault
+    from ..engine import open_vault
+    from ..memory import BUDGET_CHUNK, choose_cache
     if args.gpu_cache_mb is not None and args.device != "cuda":
         print("pysmoe: --gpu-cache-mb does nothing without --device cuda", file=sys.stderr)
     vault = open_vault(args.vault or ensure_demo_vault())
@@ -131,73 +205,7 @@ def open_session(args):
 
 
 def sampling_kwargs(args) -> dict:
+    """stream_generate's sampling keyword arguments of add_sampling_args' options."""
     return dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                 repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                 frequency_penalty=args.frequency_penalty, stop_strings=args.stop, seed=args.seed)
-
-
-def summary(session, last, prompt_tokens: int) -> dict:
-    st = session.stats()
-    return {
-        "prompt_tokens": prompt_tokens,
-        "generated_tokens": last.generation_tokens if last else 0,
-        "ttft_s": last.ttft_s if last else None,
-        "prompt_tps": last.prompt_tps if last else None,
-        "generation_tps": last.generation_tps if last else None,
-        "finish_reason": last.finish_reason if last else None,
-        "prefill": session.prefill_path,
-        **{k: st[k] for k in ("blob_reads", "bytes_read", "cache_hits", "cache_misses", "io_wait_s", "resident_bytes",
-                              "kv_bytes", "kv_dtype", "direct_io", "union_sizes")},
-    }
-
-
-def print_summary(rec: dict, out=sys.stderr) -> None:
-    mb = 1 << 20
-    print(f"\n--\nprompt {rec['prompt_tokens']} tokens, TTFT {rec['ttft_s']:.3f} s ({rec['prompt_tps']:.1f} tok/s, "
-          f"{rec['prefill']}); generated {rec['generated_tokens']} tokens at {rec['generation_tps']:.2f} tok/s "
-          f"({rec['finish_reason']})", file=out)
-    print(f"I/O: {rec['blob_reads']} blob reads, {rec['bytes_read'] / mb:.1f} MiB, hits {rec['cache_hits']}, misses "
-          f"{rec['cache_misses']}, waited {rec['io_wait_s']:.3f} s, direct I/O {'on' if rec['direct_io'] else 'OFF'}; "
-          f"resident {rec['resident_bytes'] / mb:.1f} MiB (KV {rec['kv_bytes'] / mb:.1f} MiB {rec['kv_dtype']})", file=out)
-    u = rec["union_sizes"]
-    if any(u):
-        print(f"prefill union per layer: {' '.join(map(str, u))} (Σ {sum(u)})", file=out)
-
-
-def read_prompt(args) -> str | list[int] | None:
-    """The prompt: --ids, --prompt, or the text piped on stdin; None when there is none."""
-    if args.ids is not None:
-        return args.ids
-    if args.prompt is not None:
-        return args.prompt
-    if sys.stdin is not None and not sys.stdin.isatty():
-        text = sys.stdin.read()
-        return text if text.strip() else None
-    return None
-
-
-def run(args) -> int:
-    from .generate import interruptible, stream_generate
-    prompt = read_prompt(args)
-    if prompt is None:
-        print("pysmoe run: error: no prompt: give --prompt TEXT, --ids 1,2,3, or pipe text on stdin",
-              file=sys.stderr)
-        return 2
-    vault, session = open_session(args)
-    with vault, session:
-        last, n_prompt, ids, text = None, None, [], []
-        for r in interruptible(session, stream_generate(session, prompt, args.max_tokens, chat=args.chat,
-                                                        chat_template_kwargs=args.chat_template_kwargs,
-                                                        **sampling_kwargs(args))):
-            last, n_prompt = r, r.prompt_tokens
-            ids.append(r.token)
-            text.append(r.text)
-            if not args.json:
-                print(r.text if vault.tokenizer is not None else f"{r.token} ", end="", flush=True)
-        rec = summary(session, last, n_prompt or 0)
-        if args.json:
-            rec["ids"], rec["text"] = ids, "".join(text)
-            print(json.dumps(rec))
-        else:
-            print_summary(rec)
-    return 0

@@ -1,7 +1,11 @@
 """python -m pysmoe run|chat|serve|synth|convert|info|verify|bench
 
-Each subcommand lives in its own module with add_parser(subparsers) and run(args); modules are
-imported only for the command that runs, except for their (light) parser definitions."""
+One module of this package per subcommand (info and verify too), each with add_parser(p, name),
+which puts the command's arguments on its own parser p, and run(args) -> exit status; args.py
+holds what several of them share (argument types, option groups, the session they describe).
+Building the parser imports each module and what its choices come from (synth's presets,
+convert's formats), nothing more: the engine, the server and the work itself are imported when
+the command runs. Bad usage prints the usage and exits 2, an engine error one line and exits 1."""
 from __future__ import annotations
 
 import argparse
@@ -10,14 +14,14 @@ import logging
 import sys
 
 COMMANDS = {
-    "run": ("pysmoe.cmd_run", "generate from a prompt (no --vault: the built-in demo vault)"),
-    "chat": ("pysmoe.cmd_chat", "interactive chat with the vault's chat template"),
-    "serve": ("pysmoe.server.cli", "an OpenAI-compatible HTTP server (chat, completions, streaming)"),
-    "synth": ("pysmoe.synthesis", "make a random vault of a preset shape"),
-    "convert": ("pysmoe.convert", "import an MLX or Hugging Face Qwen3-MoE checkpoint into a vault"),
-    "info": ("pysmoe.cmd_vault", "show a vault's config, sizes and formats"),
-    "verify": ("pysmoe.cmd_vault", "check every checksum of a vault"),
-    "bench": ("pysmoe.bench", "time to first token and decode speed, against the machine's limits"),
+    "run": ("pysmoe.cli.run", "generate from a prompt (no --vault: the built-in demo vault)"),
+    "chat": ("pysmoe.cli.chat", "interactive chat with the vault's chat template"),
+    "serve": ("pysmoe.cli.serve", "an OpenAI-compatible HTTP server (chat, completions, streaming)"),
+    "synth": ("pysmoe.cli.synth", "make a random vault of a preset shape"),
+    "convert": ("pysmoe.cli.convert", "import an MLX or Hugging Face Qwen3-MoE checkpoint into a vault"),
+    "info": ("pysmoe.cli.info", "show a vault's config, sizes and formats"),
+    "verify": ("pysmoe.cli.verify", "check every checksum of a vault"),
+    "bench": ("pysmoe.cli.bench", "time to first token and decode speed, against the machine's limits"),
 }
 
 
@@ -28,9 +32,9 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from . import __version__
+        from .. import __version__
         try:
-            from ._ffi import ffi, lib
+            from .._ffi import ffi, lib
             native = (f"libsmoe {ffi.string(lib.smoe_version()).decode()} (ABI {lib.smoe_abi_version()}; kernels "
                       f"{ffi.string(lib.smoe_kernels()).decode()})")
         except (ImportError, OSError) as e:
@@ -40,7 +44,7 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .argtypes import HelpFormatter
+    from .args import HelpFormatter
     parser = argparse.ArgumentParser(prog="python -m pysmoe", description=__doc__.splitlines()[0],
                                      epilog="exit status: 0 ok, 1 engine error, 2 bad usage, 130 interrupted")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the engine's messages")
@@ -66,8 +70,8 @@ def main(argv=None) -> int:
     if getattr(args, "_unavailable", None):
         print(f"pysmoe {args.command}: unavailable: {args._unavailable}", file=sys.stderr)
         return 2
-    from .errors import SmoeError
-    from .vaultdir import TargetError
+    from ..errors import SmoeError
+    from ..vaultdir import TargetError
     try:
         return args._run(args) or 0
     except TargetError as e:  # where to write: a usage error, said before anything was written

@@ -20,7 +20,7 @@ import pathlib
 import sys
 from typing import Iterator
 
-from .cmd_run import add_sampling_args, add_session_args, add_template_args, open_session, sampling_kwargs
+from .args import add_sampling_args, add_session_args, add_template_args, open_session, sampling_kwargs
 
 HELP = """commands (not sent to the model):
   /help          this list
@@ -67,7 +67,7 @@ class Conversation:
     def _fit(self, user: dict) -> list[int]:
         """The rendering of the conversation plus user, dropping the oldest turns (never the
         system prompt) until it leaves room for max_tokens of reply."""
-        from .textgen import render_chat
+        from ..textgen import render_chat
         self.dropped = 0
         room = self.session.context - self.max_tokens
         while True:
@@ -84,7 +84,7 @@ class Conversation:
     def reply(self, text: str) -> Iterator:
         """Send a user message; yields GenerationResponse records of the reply. Close the
         iterator (contextlib.closing) if you stop early: that is what records the reply."""
-        from .generate import interruptible, stream_generate
+        from ..generate import interruptible, stream_generate
         user = {"role": "user", "content": text}
         ids = self._fit(user)
         n = len(self.fed)
