@@ -117,19 +117,6 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
     return SMOE_OK;
 }
 
-float *smoe_cpu_plane(cpu_state *c, smoe_plane p) {
-    switch (p) {
-    case SMOE_PL_X: return c->x;
-    case SMOE_PL_XN: return c->xn;
-    case SMOE_PL_Q: return c->q;
-    case SMOE_PL_K: return c->k;
-    case SMOE_PL_V: return c->v;
-    case SMOE_PL_ATT: return c->att;
-    case SMOE_PL_Y: return c->yg;
-    }
-    return NULL;
-}
-
 /* Row pos of layer l in a KV cache (k_cache or v_cache). */
 static inline void *kv_row(const cpu_state *c, void *cache, uint32_t l, uint32_t pos) {
     return (uint8_t *)cache + ((size_t)l * c->context + pos) * c->kv_dim * c->kv_elem;

@@ -56,7 +56,19 @@ void smoe_cpu_linear(cpu_state *c, int stage, const smoe_tensor *W, const uint8_
                      float *y);
 
 /* The plane p's rows. */
-float *smoe_cpu_plane(cpu_state *c, smoe_plane p);
+static inline float *smoe_cpu_plane(cpu_state *c, smoe_plane p) {
+    switch (p) {
+    case SMOE_PL_X: return c->x;
+    case SMOE_PL_XN: return c->xn;
+    case SMOE_PL_Q: return c->q;
+    case SMOE_PL_K: return c->k;
+    case SMOE_PL_V: return c->v;
+    case SMOE_PL_ATT: return c->att;
+    case SMOE_PL_Y: return c->yg;
+    }
+    return NULL;
+}
+
 
 /* products.c's ops (backend.h) */
 smoe_status smoe_cpu_project(void *b, smoe_plane src, const smoe_proj *out, uint32_t n_out, uint32_t n);

@@ -16,88 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-smoe_status smoe_cuda_fail(cuda_state *c, int err, const char *what) {
-    c->broken = true;
-    if (c->sh) c->sh->broken = true;
-    return smoe_fail(SMOE_ERR_INTERNAL, "cuda: %s: %s (the session must be reset)", what, smoe_cu_error_string(err));
-}
-
-smoe_cu_tensor smoe_cuda_desc(const smoe_tensor *T) {
-    smoe_cu_tensor d = {T->format, T->scale_format, T->rows, T->cols, T->group, T->scales_off, T->biases_off};
-    return d;
-}
-
-const uint8_t *smoe_cuda_dev(const cuda_state *c, const smoe_tensor *T) {
-    return c->sh->dense + (T->data - c->sh->host_dense);
-}
-
-bool smoe_cuda_tensor_cores(const smoe_tensor *T) {
-    smoe_cu_tensor d = smoe_cuda_desc(T);
-    return smoe_cu_tensor_cores(&d) != 0;
-}
-
-smoe_cu_event smoe_cuda_ring_event(cuda_share *sh) {
-    smoe_cu_event ev = sh->ring[sh->ring_next];
-    sh->ring_next = (sh->ring_next + 1) % RING;
-    return ev;
-}
-
-float *smoe_cuda_plane(cuda_state *c, smoe_plane p) {
-    switch (p) {
-    case SMOE_PL_X: return c->x;
-    case SMOE_PL_XN: return c->xn;
-    case SMOE_PL_Q: return c->q;
-    case SMOE_PL_K: return c->ks;
-    case SMOE_PL_V: return c->vs;
-    case SMOE_PL_ATT: return c->att;
-    case SMOE_PL_Y: return c->xg; /* its first chunk × hidden floats: free outside the MoE step */
-    }
-    return NULL;
-}
-
-static uint32_t plane_cols(const cuda_state *c, smoe_plane p) {
-    switch (p) {
-    case SMOE_PL_Q:
-    case SMOE_PL_ATT: return c->q_dim;
-    case SMOE_PL_K:
-    case SMOE_PL_V: return c->kv_dim;
-    default: return c->cfg->hidden_size;
-    }
-}
-
-/* The f16 rows of plane src (rows [0, n)) into a16, unless it holds them already. */
-static smoe_status prep(cuda_state *c, smoe_plane src, uint32_t n) {
-    if (c->a16_of == (int)src) return SMOE_OK;
-    smoe_cu_rows R = {.n = n};
-    const uint32_t cols = plane_cols(c, src);
-    CU(smoe_cu_prep(c->sh->cs, smoe_cuda_plane(c, src), cols, cols, &R, c->a16, c->ae));
-    c->a16_of = (int)src;
-    return SMOE_OK;
-}
-
-smoe_status smoe_cuda_act(cuda_state *c, smoe_plane src, uint32_t n, bool need, smoe_cu_act *a) {
-    *a = (smoe_cu_act){.x = smoe_cuda_plane(c, src), .ldx = plane_cols(c, src)};
-    if (!need) return SMOE_OK;
-    smoe_status st = prep(c, src, n);
-    if (st != SMOE_OK) return st;
-    a->x16 = c->a16;
-    a->xe = c->ae;
-    return SMOE_OK;
-}
-
-smoe_status smoe_cuda_linear(cuda_state *c, const smoe_tensor *T, const smoe_cu_act *a, uint32_t n, float *y,
-                             size_t ldy) {
-    smoe_cu_tensor d = smoe_cuda_desc(T);
-    smoe_cu_rows R = {.w = smoe_cuda_dev(c, T), .n = n};
-    CU(smoe_cu_matmul(c->sh->cs, &d, &R, a, y, ldy));
-    return SMOE_OK;
-}
-
-/* A plane is written: a16 no longer holds its f16 rows. */
-static void written(cuda_state *c, smoe_plane p) {
-    if (c->a16_of == (int)p) c->a16_of = -1;
-}
-
 /* ------------------------------------------------------------------------------ life cycle */
 
 /* Every dense matrix the kernels read 8 columns at a time from 16-byte aligned rows. */
@@ -216,17 +134,6 @@ static void cuda_session_free(void *b) {
     free(c);
 }
 
-/* VRAM free now (SMOE_CUDA_VRAM_FREE, in bytes, lowers it: for tests). */
-size_t smoe_cuda_vram_free(void) {
-    char name[8];
-    int major, minor;
-    size_t free_b = 0, total_b = 0;
-    if (smoe_cu_device(0, name, sizeof name, &major, &minor, &free_b, &total_b) != 0) return 0;
-    const char *lim = getenv("SMOE_CUDA_VRAM_FREE");
-    if (lim && strtoull(lim, NULL, 10) < free_b) free_b = (size_t)strtoull(lim, NULL, 10);
-    return free_b;
-}
-
 static smoe_status dalloc(cuda_state *c, void *pp, size_t bytes) {
     int err = smoe_cu_alloc((void **)pp, bytes);
     if (smoe_cu_out_of_memory(err)) {
@@ -340,7 +247,7 @@ static smoe_status cuda_embed(void *b, uint32_t n) {
     cuda_state *c = b;
     smoe_cu_tensor d = smoe_cuda_desc(c->lay->embed);
     CU(smoe_cu_embed(c->sh->cs, &d, smoe_cuda_dev(c, c->lay->embed), c->pass + 1, n, c->x));
-    written(c, SMOE_PL_X);
+    smoe_cuda_written(c, SMOE_PL_X);
     return SMOE_OK;
 }
 
@@ -351,7 +258,7 @@ static smoe_status cuda_norm(void *b, smoe_plane dst, smoe_plane src, const smoe
     const uint32_t H = c->cfg->hidden_size;
     float *out = smoe_cuda_plane(c, dst);
     const float *x = smoe_cuda_plane(c, src);
-    written(c, dst);
+    smoe_cuda_written(c, dst);
     if (dst == SMOE_PL_XN && c->any_tc) {
         CU(smoe_cu_rmsnorm_prep(c->sh->cs, out, x, n, H, smoe_cuda_dev(c, w), w->format, c->cfg->rms_norm_eps, c->a16,
                                 c->ae));
@@ -370,8 +277,8 @@ static smoe_status cuda_project(void *b, smoe_plane src, const smoe_proj *out, u
     smoe_cu_act a;
     if ((st = smoe_cuda_act(c, src, n, need, &a)) != SMOE_OK) return st;
     for (uint32_t i = 0; i < n_out; i++) {
-        written(c, out[i].out);
-        if ((st = smoe_cuda_linear(c, out[i].W, &a, n, smoe_cuda_plane(c, out[i].out), plane_cols(c, out[i].out))) !=
+        smoe_cuda_written(c, out[i].out);
+        if ((st = smoe_cuda_linear(c, out[i].W, &a, n, smoe_cuda_plane(c, out[i].out), smoe_cuda_plane_cols(c, out[i].out))) !=
             SMOE_OK)
             return st;
     }
@@ -384,9 +291,9 @@ static smoe_status cuda_attend(void *b, uint32_t l, const smoe_tensor *q_norm, c
                                void *const *members) {
     cuda_state *c = b;
     const smoe_config *cf = c->cfg;
-    written(c, SMOE_PL_Q);
-    written(c, SMOE_PL_K);
-    written(c, SMOE_PL_ATT);
+    smoe_cuda_written(c, SMOE_PL_Q);
+    smoe_cuda_written(c, SMOE_PL_K);
+    smoe_cuda_written(c, SMOE_PL_ATT);
     const uint32_t rows = members ? n : 1;
     /* a batch's sessions side by side on the attention streams (each row its own planes' rows and
      * its session's cache, flash splits and tables: nothing shared), joined back into cs */
@@ -422,22 +329,8 @@ static smoe_status cuda_attend(void *b, uint32_t l, const smoe_tensor *q_norm, c
 
 static smoe_status cuda_add(void *b, smoe_plane dst, smoe_plane src, uint32_t n) {
     cuda_state *c = b;
-    written(c, dst);
+    smoe_cuda_written(c, dst);
     CU(smoe_cu_add(c->sh->cs, smoe_cuda_plane(c, dst), smoe_cuda_plane(c, src), (size_t)n * c->cfg->hidden_size));
-    return SMOE_OK;
-}
-
-/* h (rows of R) = SwiGLU of hg's gate and up halves (I columns each), and *a the activation the
- * down product reads: with its f16 rows in the h16 plane, prepared in the same launch, when need. */
-smoe_status smoe_cuda_swiglu(cuda_state *c, bool need, uint32_t I, const smoe_cu_rows *R, smoe_cu_act *a) {
-    *a = (smoe_cu_act){.x = c->h, .ldx = I};
-    if (!need) {
-        CU(smoe_cu_swiglu(c->sh->cs, c->h, c->hg, I, R));
-        return SMOE_OK;
-    }
-    CU(smoe_cu_swiglu_prep(c->sh->cs, c->h, c->hg, I, R, c->h16, c->he));
-    a->x16 = c->h16;
-    a->xe = c->he;
     return SMOE_OK;
 }
 
@@ -453,7 +346,7 @@ static smoe_status cuda_mlp(void *b, smoe_plane dst, smoe_plane src, const smoe_
         (st = smoe_cuda_linear(c, gate, &a, n, c->hg, 2 * (size_t)I)) != SMOE_OK ||
         (st = smoe_cuda_linear(c, up, &a, n, c->hg + I, 2 * (size_t)I)) != SMOE_OK)
         return st;
-    written(c, dst);
+    smoe_cuda_written(c, dst);
     if ((st = smoe_cuda_swiglu(c, smoe_cuda_tensor_cores(down), I, &R, &a)) != SMOE_OK ||
         (st = smoe_cuda_linear(c, down, &a, n, smoe_cuda_plane(c, dst), H)) != SMOE_OK)
         return st;
@@ -474,7 +367,7 @@ static smoe_status cuda_logits(void *b, const smoe_tensor *norm, const smoe_tens
             CU(smoe_cu_copy(c->xg + (size_t)i * H, c->x + (size_t)rows[i] * H, H * sizeof(float), c->sh->cs));
         x = c->xg;
     }
-    written(c, SMOE_PL_XN);
+    smoe_cuda_written(c, SMOE_PL_XN);
     smoe_cu_act a = {.x = c->xn, .ldx = H};
     if (smoe_cuda_tensor_cores(head)) {
         CU(smoe_cu_rmsnorm_prep(c->sh->cs, c->xn, x, m, H, smoe_cuda_dev(c, norm), norm->format, c->cfg->rms_norm_eps,

@@ -131,11 +131,14 @@ smoe_status smoe_cuda_fail(cuda_state *c, int err, const char *what);
         if (e_ != 0) return smoe_cuda_fail(c, e_, #call);                                                              \
     } while (0)
 
-/* A tensor's layout for the kernels; a dense tensor's device address. */
+/* cuda_state.c: the helpers the ops share. A tensor's layout for the kernels; a dense tensor's
+ * device address; a plane's rows and width; a plane written (a16 no longer holds its rows). */
 smoe_cu_tensor smoe_cuda_desc(const smoe_tensor *T);
 const uint8_t *smoe_cuda_dev(const cuda_state *c, const smoe_tensor *T);
 bool smoe_cuda_tensor_cores(const smoe_tensor *T);
 float *smoe_cuda_plane(cuda_state *c, smoe_plane p);
+uint32_t smoe_cuda_plane_cols(const cuda_state *c, smoe_plane p);
+void smoe_cuda_written(cuda_state *c, smoe_plane p);
 /* *a: plane src's rows [0, n) as products read them, with their f16 rows prepared into a16 (unless
  * it holds them already) when need. */
 smoe_status smoe_cuda_act(cuda_state *c, smoe_plane src, uint32_t n, bool need, smoe_cu_act *a);

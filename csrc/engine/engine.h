@@ -101,7 +101,10 @@ smoe_status smoe_pass_logits(smoe_session *s, const uint32_t *rows, uint32_t m, 
  * holds the pass's ids. */
 smoe_status smoe_pass_sample(smoe_session *s, void *b, uint32_t row, const float *logits, int32_t *next_id);
 /* The backend op's status, marking the session broken when the device says its state is lost. */
-smoe_status smoe_be_status(smoe_session *s, smoe_status st);
+static inline smoe_status smoe_be_status(smoe_session *s, smoe_status st) {
+    if (st != SMOE_OK && s->backend->broken && s->backend->broken(s->be)) s->broken = true;
+    return st;
+}
 
 /* ---------------------------------------------------------------------- layers (layer.c) */
 

@@ -16,11 +16,6 @@
 #include <math.h>
 #include <string.h>
 
-smoe_status smoe_be_status(smoe_session *s, smoe_status st) {
-    if (st != SMOE_OK && s->backend->broken && s->backend->broken(s->be)) s->broken = true;
-    return st;
-}
-
 smoe_status smoe_check_tokens(const smoe_session *s, const int32_t *ids, uint32_t n) {
     if (s->broken)
         return smoe_fail(SMOE_ERR_SESSION_BROKEN, "the session is unusable after an earlier failure; reset it");
