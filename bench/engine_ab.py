@@ -36,7 +36,7 @@ def main() -> None:
     rng = np.random.default_rng(7)
     prompt = rng.integers(0, V, a.prompt).tolist()
     long = rng.integers(0, V, a.resident).tolist()
-    out = {"library": pysmoe._ffi.LIB_PATH}
+    out = {"library": str(pysmoe._ffi.LIB_PATH)}
     with v.session(cache_bytes=int(v.expert_bytes * a.cache_frac), threads=a.threads) as s:
         s.clear_cache()
         t0 = time.perf_counter()

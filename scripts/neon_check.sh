@@ -2,7 +2,7 @@
 # neon_check.sh — the C tests cross-built for AArch64 (so with the NEON kernels) and run under
 # qemu-aarch64 user emulation. `make neon-check` runs it; so can a person, from the repository root.
 #
-#   1. every csrc/*.c compiles for aarch64 with -Werror (the library as the Makefile builds it);
+#   1. every library C file (csrc/, csrc/engine/, csrc/cpu/) compiles for aarch64 with -Werror (the library as the Makefile builds it);
 #   2. tests/c/test_kernels.c, built -O2, -O3, -DSMOE_KERNELS_SCALAR and -DSMOE_PORTABLE: every
 #      build passes; the reference kernels print one checksum in all four, the dispatched (NEON)
 #      kernels one checksum in the three NEON builds;
@@ -43,8 +43,9 @@ SYSROOT=${SYSROOT:-/usr/aarch64-linux-gnu}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
-FLAGS="-std=c11 -Wall -Wextra -Werror -pthread -ffp-contract=off -D_GNU_SOURCE -Icsrc"
-KSRC="csrc/kernels.c csrc/kernels_neon.c csrc/kernels_avx2.c csrc/kernels_avx512.c csrc/cpu.c csrc/pool.c csrc/sample.c csrc/util.c"
+FLAGS="-std=c11 -Wall -Wextra -Werror -pthread -ffp-contract=off -D_GNU_SOURCE -DSMOE_BUILD -Icsrc"
+KSRC="csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_neon.c csrc/cpu/kernels_avx2.c csrc/cpu/kernels_avx512.c csrc/cpu/cpu.c csrc/cpu/pool.c csrc/engine/sample.c csrc/util.c"
+LIBSRC="$(ls csrc/*.c csrc/engine/*.c csrc/cpu/*.c)"
 
 step() { printf '\n== %s\n' "$*"; }
 fail() { echo "neon-check FAILED: $*" >&2; exit 1; }
@@ -65,9 +66,9 @@ field() { sed -n "s/^$1 //p" "$OUT/$2.log"; } # field NAME EXE
 
 echo "neon-check: $($CROSS --version | head -n 1); $($QEMU --version | head -n 1)"
 
-step "library: every csrc/*.c for aarch64, -O3 -Werror"
+step "library: every C file of csrc/, csrc/engine/, csrc/cpu/ for aarch64, -O3 -Werror"
 rm -rf "$OUT/lib" && mkdir -p "$OUT/lib"
-for f in csrc/*.c; do
+for f in $LIBSRC; do
     # shellcheck disable=SC2086
     $CROSS $FLAGS -fPIC -fvisibility=hidden -O3 -c "$f" -o "$OUT/lib/$(basename "$f" .c).o" || fail "compiling $f"
 done
@@ -106,14 +107,14 @@ if [ "$(uname -m)" = x86_64 ] && command -v gcc >/dev/null 2>&1 &&
 fi
 
 step "test_kernels_neon: O2, O3, ASan + UBSan, clang"
-build tkn_O2 -static -O2 tests/c/test_kernels_neon.c csrc/kernels.c csrc/kernels_neon.c
-build tkn_O3 -static -O3 tests/c/test_kernels_neon.c csrc/kernels.c csrc/kernels_neon.c
+build tkn_O2 -static -O2 tests/c/test_kernels_neon.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_neon.c
+build tkn_O3 -static -O3 tests/c/test_kernels_neon.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_neon.c
 run tkn_O2
 run tkn_O3
 [ "$(field checksum_neon tkn_O2)" = "$(field checksum_neon tkn_O3)" ] || fail "test_kernels_neon: O2 and O3 differ"
 # shellcheck disable=SC2086
 if $CROSS $FLAGS -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all tests/c/test_kernels_neon.c \
-        csrc/kernels.c csrc/kernels_neon.c -lm -o "$OUT/tkn_asan" 2>"$OUT/tkn_asan.build.log" && [ -d "$SYSROOT" ]; then
+        csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_neon.c -lm -o "$OUT/tkn_asan" 2>"$OUT/tkn_asan.build.log" && [ -d "$SYSROOT" ]; then
     # LeakSanitizer needs ptrace, which qemu-user does not give
     (export QEMU_LD_PREFIX="$SYSROOT" ASAN_OPTIONS=detect_leaks=0 && run tkn_asan)
 else
@@ -124,7 +125,7 @@ fi
 if command -v clang >/dev/null 2>&1 && [ -d "$SYSROOT/include" ]; then
     ok=1
     rm -rf "$OUT/clang" "$OUT/clang.build.log" && mkdir -p "$OUT/clang"
-    for f in tests/c/test_kernels_neon.c csrc/kernels.c csrc/kernels_neon.c; do
+    for f in tests/c/test_kernels_neon.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_neon.c; do
         # shellcheck disable=SC2086
         clang --target=aarch64-linux-gnu --sysroot="$SYSROOT" -isystem "$SYSROOT/include" $FLAGS -O3 -c "$f" \
             -o "$OUT/clang/$(basename "$f" .c).o" 2>>"$OUT/clang.build.log" || ok=0
@@ -152,7 +153,7 @@ done
 
 step "test_paths: the engine, layer-major against token-serial"
 # shellcheck disable=SC2046
-build tpaths -static -O2 tests/c/test_paths.c $(ls csrc/*.c)
+build tpaths -static -O2 tests/c/test_paths.c $LIBSRC
 if [ -x "$PY" ]; then
     "$PY" - "$OUT/vaults" <<'EOF' || fail "writing the tiny vaults"
 import sys
