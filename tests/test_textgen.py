@@ -59,6 +59,24 @@ def test_params_normalise():
         _logits(1))
 
 
+def test_sampler_kwargs_are_what_set_sampler_takes():
+    """SamplingParams meets the engine's sampler in sampler_kwargs(): every setting, by name, and the
+    seed as a uint64 (OpenAI's negative seeds as their two's complement)."""
+    from pysmoe import Session
+    p = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05, seed=-1, presence_penalty=0.5,
+                       frequency_penalty=-0.25, repetition_penalty=1.1, repetition_window=7, max_tokens=3,
+                       stop=["x"], logprobs=True, top_logprobs=2)
+    kw = p.sampler_kwargs()
+    assert kw == dict(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05, seed=2 ** 64 - 1, presence_penalty=0.5,
+                      frequency_penalty=-0.25, repetition_penalty=1.1, repetition_window=7)
+    Session.check_sampler(**kw)
+    assert SamplingParams(seed=-2 ** 63).sampler_kwargs()["seed"] == 2 ** 63
+    assert SamplingParams(seed=2 ** 64 - 1).sampler_kwargs()["seed"] == 2 ** 64 - 1
+    assert SamplingParams(top_k=-1).sampler_kwargs()["top_k"] == 0
+    drawn = SamplingParams(seed=None)
+    assert drawn.sampler_kwargs()["seed"] == drawn.seed  # drawn once, kept: the request can be replayed
+
+
 # ---------------------------------------------------------------------------------- sampler
 
 def _logits(seed: int, vocab: int = 200, scale: float = 3.0) -> np.ndarray:

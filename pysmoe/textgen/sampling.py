@@ -120,6 +120,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def sampler_kwargs(self) -> dict:
+        """The keyword arguments of Session.set_sampler for these settings: the engine's sampler
+        draws the ids. A negative seed (the server takes int64 ones) counts as its two's
+        complement, seed % 2**64: the same seed and settings give the same ids (OpenAI's
+        seed). top_k −1 is already 0 (off)."""
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                    repetition_penalty=self.repetition_penalty, repetition_window=self.repetition_window,
+                    seed=self.seed % 2 ** 64, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty)
+
 
 def _stop_strings(stop) -> tuple[str, ...]:
     if stop is None:
