@@ -173,7 +173,7 @@ def test_logprobs(served):
 
 def test_sampling_parameters_reach_the_sampler(served):
     # Over HTTP, every sampling field means what it means in the library: the same request gives the
-    # text that pysmoe.generate gives with the same arguments (the one sampler of pysmoe.textgen).
+    # text that pysmoe.generate gives with the same arguments (the engine's one sampler draws both).
     from pysmoe.generate import stream_generate
     prompt = _ids(served, "Once upon a time")
     greedy = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
@@ -233,14 +233,14 @@ def served_qwen3(tiny_vault, tmp_path_factory):
 
 
 def _scripted(monkeypatch, served, text):
-    """The model 'says' text then an end-of-sequence id: each engine step's sampling is replaced
+    """The model 'says' text then an end-of-sequence id: the id each engine step drew is replaced
     by the next id of text (the engine still runs every step; only the choice is forced)."""
     from pysmoe.server.text import RequestText
     tok = served.vault.tokenizer
     ids = tok.encode(text) + [tok.eos_ids[0]]
 
-    def step(self, logits):
-        return self.gen.push(ids[min(len(self.gen.tokens), len(ids) - 1)])
+    def step(self, token, logits=None):
+        return self.gen.push(ids[min(len(self.gen.tokens), len(ids) - 1)], logits)
 
     monkeypatch.setattr(RequestText, "step", step)
 
@@ -489,8 +489,8 @@ def test_cancel_during_prefill_stops_at_the_next_chunk(tiny_vault):
             session, reused = real(ids)
             prefill = session.prefill
 
-            def one_chunk_then_cancel(part):
-                out = prefill(part)
+            def one_chunk_then_cancel(part, **kw):
+                out = prefill(part, **kw)
                 sched.cancel(job)  # as the HTTP side does when the client goes away
                 return out
             session.prefill = one_chunk_then_cancel
