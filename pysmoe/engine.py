@@ -453,7 +453,7 @@ class Session:
 
     # ------------------------------------------------------------------ checks for front ends
     # What prefill and generate check before anything is fed, for a caller that drives the
-    # session itself (pysmoe.generate samples in Python) and refuses the same arguments first.
+    # session itself (pysmoe.generate, the server) and refuses the same arguments first.
     @property
     def closed(self) -> bool:
         """True once close() has freed the session."""
@@ -515,9 +515,10 @@ class Session:
 
     def set_sampler(self, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
                     repetition_window=64, seed=0, presence_penalty=0.0, frequency_penalty=0.0) -> None:
-        """The session's sampler (the C one: smoe.h, "sampler"), used by decode_step's sampled id,
-        generate, and the ids prefill(..., sample=True) and decode_batch hand back. Reseeds it and
-        forgets the counts of the presence and frequency penalties."""
+        """The session's sampler (the one sampler, libsmoe's: smoe.h, "sampler"), which draws the
+        ids of generate, prefill_next, decode_next and decode_batch(..., sample=True): every front
+        end's (stream_generate, run, chat, the server). Reseeds it (seed: a uint64) and forgets the
+        counts of the presence and frequency penalties."""
         sp = self._sampler_params(temperature, top_k, top_p, min_p, repetition_penalty, repetition_window, seed,
                                   presence_penalty, frequency_penalty)
         with self._claim():

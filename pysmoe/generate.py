@@ -1,8 +1,9 @@
 """Text in, tokens out: stream_generate() yields one small record per generated token.
 
-It is built on pysmoe.textgen, the code the server shares: the numpy sampler (greedy picks what
-the C sampler picks), the incremental detokenizer, stop strings matched across token boundaries,
-presence/frequency/repetition penalties. Session.generate, the lower level, keeps the C sampler.
+The ids are drawn by the session's sampler, the engine's one sampler (csrc/engine/sample.c), set
+from the arguments as Session.generate sets it: the same arguments give the same ids from both.
+What it adds is pysmoe.textgen's, the code the server shares: the incremental detokenizer, stop
+strings matched across token boundaries, the chat template.
 """
 from __future__ import annotations
 
@@ -47,14 +48,14 @@ def stream_generate(session: Session, prompt: str | Sequence[int], max_tokens: i
                     repetition_penalty: float = 1.0, seed: int = 0, chat: bool = False,
                     stop: Sequence[int] | None = None, stop_strings: Sequence[str] | str | None = None,
                     presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-                    chat_template_kwargs: dict | None = None,
-                    history: Sequence[int] | None = None) -> Iterator[GenerationResponse]:
+                    chat_template_kwargs: dict | None = None) -> Iterator[GenerationResponse]:
     """Generate from a prompt (text, or ids) and yield a GenerationResponse per token. Every
-    argument is checked here, before anything is fed. stop: ids that end generation (default:
-    the tokenizer's end-of-sequence ids); stop_strings: texts that end it, matched across token
-    boundaries and never shown. chat_template_kwargs: variables of the chat template (Qwen3:
-    {"enable_thinking": False}). history: the ids the session already holds before the prompt
-    (chat passes them), so that the repetition penalty sees what the C sampler would.
+    argument is checked here, before anything is fed. The sampling arguments are
+    Session.generate's, and so are the ids: the session's sampler draws them (the repetition
+    penalty looks at every id the session holds, the prompt and what came before it). stop: ids
+    that end generation (default: the tokenizer's end-of-sequence ids); stop_strings: texts that
+    end it, matched across token boundaries and never shown. chat_template_kwargs: variables of
+    the chat template (Qwen3: {"enable_thinking": False}).
 
     If the iteration raises (Cancelled included), the position goes back to where it was before
     the prompt; closing the iterator early keeps what was fed (as Session.generate)."""
@@ -65,7 +66,8 @@ def stream_generate(session: Session, prompt: str | Sequence[int], max_tokens: i
     # the rules of Session.generate (top_k ≥ 0, seed ≥ 0); SamplingParams also takes the OpenAI
     # server's spellings (top_k −1, negative seeds)
     session.check_sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                          repetition_penalty=repetition_penalty, seed=seed)
+                          repetition_penalty=repetition_penalty, seed=seed, presence_penalty=presence_penalty,
+                          frequency_penalty=frequency_penalty)
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, seed=seed, max_tokens=max(max_tokens, 1),
@@ -77,19 +79,20 @@ def stream_generate(session: Session, prompt: str | Sequence[int], max_tokens: i
         return iter(())
 
     def new_generation(start_pos: int):
-        return Generation(tok, params, ids, eos_ids=stop_ids, room=session.context - start_pos - len(ids) + 1,
-                          history=[*(history or ()), *ids])
-    return _responses(session, new_generation, arr, max_tokens, time.perf_counter())
+        return Generation(tok, params, ids, eos_ids=stop_ids, room=session.context - start_pos - len(ids) + 1)
+    return _responses(session, new_generation, params, arr, max_tokens, time.perf_counter())
 
 
-def _responses(session: Session, new_generation, arr, max_tokens: int, start: float) -> Iterator[GenerationResponse]:
+def _responses(session: Session, new_generation, params, arr, max_tokens: int,
+               start: float) -> Iterator[GenerationResponse]:
     first = None
     start_pos = session.position  # where the work starts: the session may have moved since the call
     gen = new_generation(start_pos)
     try:
-        logits = session.prefill(arr)
+        session.set_sampler(**params.sampler_kwargs())
+        logits, token = session.prefill_next(arr, want_logits=gen.wants_logits)
         while True:
-            step = gen.step(logits)
+            step = gen.push(token, logits)
             now = time.perf_counter()
             if first is None:
                 first = now
@@ -105,7 +108,7 @@ def _responses(session: Session, new_generation, arr, max_tokens: int, start: fl
                 ttft_s=ttft, finish_reason=finish)
             if finish is not None:
                 return
-            logits = session.decode(step.token)
+            logits, token = session.decode_next(step.token, want_logits=gen.wants_logits)
     except GeneratorExit:  # closed early: keep what was fed
         raise
     except BaseException:

@@ -138,9 +138,16 @@ def test_run_on_the_gpu_gives_the_python_apis_ids(tiny_vault):
             pytest.skip("no CUDA here")
         with s:
             want = list(s.generate([7, 8, 9], max_tokens=5))
+            s.reset()
+            seeded = list(s.generate([7, 8, 9], max_tokens=12, temperature=0.8, top_p=0.9, top_k=40,
+                                     repetition_penalty=1.1, seed=11, stop=v.tokenizer.eos_ids))
     out = cli("run", "--vault", tiny_vault, "--ids", "7,8,9", "--max-tokens", "5", "--json", "--device", "cuda")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["ids"] == want and "cuda: " in out.stderr
+    out = cli("run", "--vault", tiny_vault, "--ids", "7,8,9", "--max-tokens", "12", "--json", "--device", "cuda",
+              "--temperature", "0.8", "--top-p", "0.9", "--top-k", "40", "--repetition-penalty", "1.1", "--seed", "11")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ids"] == seeded
 
 
 def test_default_cache_budget_is_printed_and_overridable(tiny_vault):

@@ -76,8 +76,9 @@ def _alone(served, prompt_ids, n):
 
 def test_served_from_the_gpu(tiny_vault):
     """--device cuda: the pool's sessions share the GPU's cache and the scheduler batches their decode
-    steps (smoe_decode_batch on the GPU); each completion is the engine's own greedy one, alone or
-    with three others at once. Skipped without a CUDA build and a GPU."""
+    steps (smoe_decode_batch on the GPU); each completion is the engine's own, greedy or seeded (the
+    GPU's selection, the session's sampler), alone or with three others at once. Skipped without a
+    CUDA build and a GPU."""
     import concurrent.futures
     import pysmoe
     with pysmoe.open_vault(tiny_vault) as v:
@@ -86,10 +87,15 @@ def test_served_from_the_gpu(tiny_vault):
         except pysmoe.Unsupported:
             pytest.skip("no CUDA here")
         prompts = [v.tokenizer.encode(f"the GPU answers {i}") for i in range(4)]
-        wants = []
-        for prompt in prompts:
+        seeded = dict(temperature=0.8, top_p=0.9, top_k=40, repetition_penalty=1.1, presence_penalty=0.5)
+        wants, sampled = [], []
+        for i, prompt in enumerate(prompts):
             with v.session(device="cuda", gpu_cache_bytes=v.expert_bytes + v.blob_bytes, context=CONTEXT) as s:
                 wants.append(list(s.generate(prompt, max_tokens=12, temperature=0.0, stop=v.tokenizer.eos_ids)))
+                s.reset()
+                sampled.append(list(s.generate(prompt, max_tokens=12, seed=11 + i, stop=v.tokenizer.eos_ids,
+                                               **seeded)))
+        assert sampled != wants
     served = Running(tiny_vault, device="cuda", max_batch=4)
     try:
         status, body = served.raw("GET", "/health")
@@ -105,6 +111,18 @@ def test_served_from_the_gpu(tiny_vault):
         for _ in range(2):  # four at once: batched decode steps, each its own bits
             with concurrent.futures.ThreadPoolExecutor(4) as ex:
                 assert list(ex.map(ask, prompts)) == texts
+
+        def ask_seeded(i):
+            r = served.client.completions.create(model="tiny", prompt=prompts[i], max_tokens=12, seed=11 + i,
+                                                 temperature=seeded["temperature"], top_p=seeded["top_p"],
+                                                 presence_penalty=seeded["presence_penalty"],
+                                                 extra_body={"top_k": seeded["top_k"],
+                                                             "repetition_penalty": seeded["repetition_penalty"]})
+            return r.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:  # each its own seed, batched
+            assert list(ex.map(ask_seeded, range(4))) == [tok.decode([t for t in w if t not in tok.eos_ids])
+                                                          for w in sampled]
         status, m = served.raw("GET", "/metrics")
         assert status == 200 and m["engine"]["batch_steps"] > 0
         assert max(int(k) for k in m["batch_sizes"]) > 1
@@ -173,7 +191,7 @@ def test_logprobs(served):
 
 def test_sampling_parameters_reach_the_sampler(served):
     # Over HTTP, every sampling field means what it means in the library: the same request gives the
-    # text that pysmoe.generate gives with the same arguments (the one sampler of pysmoe.textgen).
+    # text that pysmoe.generate gives with the same arguments (the engine's one sampler draws both).
     from pysmoe.generate import stream_generate
     prompt = _ids(served, "Once upon a time")
     greedy = served.client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
@@ -233,14 +251,14 @@ def served_qwen3(tiny_vault, tmp_path_factory):
 
 
 def _scripted(monkeypatch, served, text):
-    """The model 'says' text then an end-of-sequence id: each engine step's sampling is replaced
+    """The model 'says' text then an end-of-sequence id: the id each engine step drew is replaced
     by the next id of text (the engine still runs every step; only the choice is forced)."""
     from pysmoe.server.text import RequestText
     tok = served.vault.tokenizer
     ids = tok.encode(text) + [tok.eos_ids[0]]
 
-    def step(self, logits):
-        return self.gen.push(ids[min(len(self.gen.tokens), len(ids) - 1)])
+    def step(self, token, logits=None):
+        return self.gen.push(ids[min(len(self.gen.tokens), len(ids) - 1)], logits)
 
     monkeypatch.setattr(RequestText, "step", step)
 
@@ -489,8 +507,8 @@ def test_cancel_during_prefill_stops_at_the_next_chunk(tiny_vault):
             session, reused = real(ids)
             prefill = session.prefill
 
-            def one_chunk_then_cancel(part):
-                out = prefill(part)
+            def one_chunk_then_cancel(part, **kw):
+                out = prefill(part, **kw)
                 sched.cancel(job)  # as the HTTP side does when the client goes away
                 return out
             session.prefill = one_chunk_then_cancel

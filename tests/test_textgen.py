@@ -1,4 +1,6 @@
-"""pysmoe.textgen: sampling, incremental detokenizing, stop strings, chat prompts, Qwen3 parsing."""
+"""pysmoe.textgen: sampling settings, incremental detokenizing, stop strings, chat prompts, Qwen3 parsing.
+(The ids are the engine's sampler's: tests/test_sampler.py tests it, tests/test_one_sampler.py that
+every front end draws with it.)"""
 from __future__ import annotations
 
 import json
@@ -9,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pysmoe.textgen import (Detokenizer, Generation, InvalidParam, MessageDelta, Qwen3Parser, Sampler, SamplingParams,
-                            StopMatcher, completion_logprobs, first_stop, render_chat, token_bytes, token_logprobs)
+from pysmoe.textgen import (Detokenizer, Generation, InvalidParam, MessageDelta, Qwen3Parser, SamplingParams,
+                            StopMatcher, completion_logprobs, first_stop, render_chat, token_bytes)
 from pysmoe.tokenizer import Tokenizer, build_synthetic_tokenizer
 
 QWEN3_TEMPLATE = (pathlib.Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
@@ -55,72 +57,24 @@ def test_top_logprobs_needs_logprobs():
 def test_params_normalise():
     p = SamplingParams(stop="END", seed=None, top_k=-1)
     assert p.stop == ("END",) and isinstance(p.seed, int) and p.seed >= 0 and p.top_k == 0
-    assert Sampler(SamplingParams(seed=-1)).choose(_logits(1)) == Sampler(SamplingParams(seed=2 ** 64 - 1)).choose(
-        _logits(1))
 
 
-# ---------------------------------------------------------------------------------- sampler
-
-def _logits(seed: int, vocab: int = 200, scale: float = 3.0) -> np.ndarray:
-    return (np.random.default_rng(seed).standard_normal(vocab) * scale).astype(np.float32)
-
-
-@settings(deadline=None, max_examples=60)
-@given(seed=st.integers(0, 2 ** 32), temp=st.floats(0.05, 2.0), top_p=st.floats(0.05, 1.0),
-       top_k=st.integers(0, 50), min_p=st.floats(0.0, 0.5), lseed=st.integers(0, 1000))
-def test_sampler_is_deterministic_and_respects_the_cuts(seed, temp, top_p, top_k, min_p, lseed):
-    logits = _logits(lseed)
-    p = SamplingParams(temperature=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)
-    a, b = Sampler(p), Sampler(p)
-    ids = [a.choose(logits) for _ in range(20)]
-    assert ids == [b.choose(logits) for _ in range(20)]
-    # every id drawn is in the set the cuts allow, computed here the obvious way
-    v = logits.astype(np.float64) / np.float32(temp)
-    order = sorted(range(v.size), key=lambda i: (-v[i], i))
-    if top_k:
-        order = order[:top_k]
-    pr = np.exp(v[order] - v[order[0]])
-    pr /= pr.sum()
-    keep = len(order)
-    if top_p < 1:
-        keep = min(keep, int(np.searchsorted(np.cumsum(pr), top_p)) + 1)
-    if min_p > 0:
-        keep = min(keep, max(1, int((pr >= min_p * pr[0]).sum())))
-    allowed = set(order[:keep + 1])  # one more for a cumulative sum rounded the other way
-    assert set(ids) <= allowed
-
-
-def test_sampler_follows_the_distribution():
-    logits = np.log(np.array([0.5, 0.3, 0.2, 0.0], dtype=np.float32) + 1e-30)
-    s = Sampler(SamplingParams(temperature=1.0, seed=3))
-    counts = np.bincount([s.choose(logits) for _ in range(4000)], minlength=4)
-    assert counts[3] == 0 and abs(counts[0] / 4000 - 0.5) < 0.05 and abs(counts[2] / 4000 - 0.2) < 0.05
-
-
-def test_greedy_ties_nan_and_penalties():
-    v = np.array([1.0, 3.0, 3.0, np.nan, 2.0], dtype=np.float32)
-    assert Sampler(SamplingParams(temperature=0)).choose(v) == 1            # lowest id of the tied best
-    s = Sampler(SamplingParams(temperature=0, presence_penalty=1.5))
-    s.observe(1)
-    assert s.choose(v) == 2                                                   # 3 − 1.5 < 3
-    s = Sampler(SamplingParams(temperature=0, frequency_penalty=0.4))
-    for t in (1, 1, 2):
-        s.observe(t)
-    assert s.choose(v) == 2 and s.counts == {1: 2, 2: 1}                     # 3 − .8 < 3 − .4
-    s = Sampler(SamplingParams(temperature=0, repetition_penalty=2.0), history=[1, 2])
-    assert s.choose(v) == 4                                                   # 3/2 < 2
-    s = Sampler(SamplingParams(temperature=0, repetition_penalty=2.0, repetition_window=1), history=[1, 2])
-    assert s.choose(v) == 1                                                   # only id 2 is recent
-
-
-def test_logprobs_are_the_models():
-    logits = _logits(5, vocab=50)
-    s = Sampler(SamplingParams(temperature=0.5, top_k=3, seed=1, logprobs=True, top_logprobs=4))
-    r = s.sample(logits)
-    lp = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
-    assert r.logprob == pytest.approx(lp[r.token], abs=1e-6)
-    assert [i for i, _ in r.top] == list(np.argsort(-lp, kind="stable")[:4])
-    assert token_logprobs(logits, 0, 0)[1] == ()
+def test_sampler_kwargs_are_what_set_sampler_takes():
+    """SamplingParams meets the engine's sampler in sampler_kwargs(): every setting, by name, and the
+    seed as a uint64 (OpenAI's negative seeds as their two's complement)."""
+    from pysmoe import Session
+    p = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05, seed=-1, presence_penalty=0.5,
+                       frequency_penalty=-0.25, repetition_penalty=1.1, repetition_window=7, max_tokens=3,
+                       stop=["x"], logprobs=True, top_logprobs=2)
+    kw = p.sampler_kwargs()
+    assert kw == dict(temperature=0.8, top_p=0.9, top_k=40, min_p=0.05, seed=2 ** 64 - 1, presence_penalty=0.5,
+                      frequency_penalty=-0.25, repetition_penalty=1.1, repetition_window=7)
+    Session.check_sampler(**kw)
+    assert SamplingParams(seed=-2 ** 63).sampler_kwargs()["seed"] == 2 ** 63
+    assert SamplingParams(seed=2 ** 64 - 1).sampler_kwargs()["seed"] == 2 ** 64 - 1
+    assert SamplingParams(top_k=-1).sampler_kwargs()["top_k"] == 0
+    drawn = SamplingParams(seed=None)
+    assert drawn.sampler_kwargs()["seed"] == drawn.seed  # drawn once, kept: the request can be replayed
 
 
 # ---------------------------------------------------------------------------------- detokenizer
@@ -336,16 +290,19 @@ def test_parser_streamed_equals_whole(parts, cuts, tools, starts):
 
 
 def test_logprobs_entries(tok):
+    import pysmoe
     ids = tok.encode("héllo wörld")
     g = Generation(tok, SamplingParams(temperature=0, max_tokens=50, logprobs=True, top_logprobs=2), [1], eos_ids=())
+    assert g.wants_logits
     entries = []
     for i in ids:
         logits = np.full(tok.vocab_size, -5.0, dtype=np.float32)
         logits[i], logits[7] = 3.0, 2.0
-        assert g.sample(logits) == i
-        entries += g.push(i).logprobs
-    g.sample(np.zeros(tok.vocab_size, dtype=np.float32))
-    assert g.push(5).logprobs == []       # not the id sampled: no logprobs to give
+        step = g.push(i, logits)
+        assert [(e.token, e.logprob, list(e.top)) for e in step.logprobs] == [(i, *pysmoe.logprobs(logits, i, 2))]
+        entries += step.logprobs
+    assert g.push(5).logprobs == []       # a forced id, no logits: no logprobs to give
+    assert not Generation(tok, SamplingParams(max_tokens=5), [1]).wants_logits
     chat = [e.to_openai(tok) for e in entries]
     assert [c["top_logprobs"][0]["token"] for c in chat] == [c["token"] for c in chat]
     assert all(c["top_logprobs"][0]["logprob"] == c["logprob"] > c["top_logprobs"][1]["logprob"] for c in chat)
@@ -372,30 +329,22 @@ def test_generation_chat_streams_reasoning_and_tool_calls(tok):
 
 # ---------------------------------------------------------------------------------- on the engine
 
-@settings(deadline=None, max_examples=8)
-@given(ids=st.lists(st.integers(1, 500), min_size=1, max_size=40), penalty=st.sampled_from([1.0, 1.3, 0.8]))
-def test_greedy_stream_generate_matches_the_c_sampler(tiny_vault, ids, penalty):
-    import pysmoe
-    from pysmoe.generate import stream_generate
-    with pysmoe.open_vault(tiny_vault) as v, v.session(cache_bytes=1 << 22) as s:
-        want = list(s.generate(ids, max_tokens=12, repetition_penalty=penalty, stop=()))
-        s.reset()
-        got = [r.token for r in stream_generate(s, ids, 12, repetition_penalty=penalty, stop=())]
-    assert got == want
-
-
-def test_chat_turns_penalise_what_the_c_sampler_would(tiny_vault):
+@pytest.mark.parametrize("kw", [dict(repetition_penalty=1.5),
+                                dict(temperature=0.8, top_p=0.9, top_k=40, repetition_penalty=1.3, seed=11)])
+def test_chat_turns_penalise_what_the_c_sampler_would(tiny_vault, kw):
+    """A second chat turn, fed on top of the first one's KV, draws the ids Session.generate draws
+    over the whole conversation: the repetition penalty sees the earlier turns (the session's history)."""
     import pysmoe
     from pysmoe.cli.chat import Conversation
     with pysmoe.open_vault(tiny_vault) as v, v.session(cache_bytes=1 << 22) as s:
-        conv = Conversation(s, v.tokenizer, max_tokens=1, repetition_penalty=1.5)
+        conv = Conversation(s, v.tokenizer, max_tokens=1, **kw)
         list(conv.reply("hello"))
         conv.max_tokens = 8
         got = [r.token for r in conv.reply("and then?")]
         assert conv.kept > 0
         ids = render_chat(v.tokenizer, conv.turns[:-1]).ids
         s.reset()
-        assert got == list(s.generate(ids, max_tokens=8, repetition_penalty=1.5, stop=v.tokenizer.eos_ids))
+        assert got == list(s.generate(ids, max_tokens=8, stop=v.tokenizer.eos_ids, **kw))
 
 
 def test_stop_strings_and_seeds_through_stream_generate(tiny_vault):

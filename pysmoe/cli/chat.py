@@ -97,7 +97,7 @@ class Conversation:
         reply = []
         try:
             for r in interruptible(self.session, stream_generate(self.session, ids[n:], self.max_tokens,
-                                                                 history=self.fed, **self.sampling)):
+                                                                 **self.sampling)):
                 todo.append(r.token)
                 reply.append(r.text)
                 yield r

@@ -21,11 +21,10 @@ def add_parser(p: argparse.ArgumentParser, name: str) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $PYSMOE_API_KEY)")
     p.add_argument("--model-name", default=None, help="the model id /v1/models reports (default: the vault's name)")
     p.add_argument("--max-batch", type=positive_int, default=None,
-                   help="requests decoding at once (one session each); more wait in a queue (default 8; "
-                        "1 with --device cuda, where sessions do not share a cache yet)")
+                   help="requests decoding at once (one session each); more wait in a queue (default 8)")
     p.add_argument("--no-batching", dest="batching", action="store_false",
-                   help="advance running requests one Session.decode after another instead of one "
-                        "decode_batch pass (the benchmark's baseline)")
+                   help="advance running requests one Session.decode_next after another instead of one "
+                        "decode_batch pass (the benchmark's baseline; the same ids either way)")
     p.add_argument("--cache-mb", type=mebibytes, default=None,
                    help="retention cache budget in MiB, shared by all requests (default: chosen from "
                         "available memory and the vault, printed at start)")

@@ -2,7 +2,10 @@
 
     schemas.py    request bodies → checked GenerationRequest records; OpenAI error bodies
     pool.py       SessionPool: sessions of the vault sharing one cache, with prefix reuse
-    scheduler.py  the engine thread: continuous batching over a SessionPool (decode_batch)
+    scheduler.py  the engine thread: continuous batching over a SessionPool (decode_batch); each
+                  request's session draws its ids with the engine's one sampler, set from the
+                  request's fields, so a seeded request gets Session.generate's ids
+    text.py       a request's text side (textgen's Generation) and OpenAI's choice shapes
     app.py        the starlette app: routes, auth, size limits, SSE streaming, metrics
 
 The `serve` subcommand that builds and runs it (uvicorn) is pysmoe/cli/serve.py; nothing here is

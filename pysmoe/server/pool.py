@@ -2,8 +2,9 @@
 
     pool = SessionPool(vault, max_sessions=8, cache_bytes=4 << 30, kv_budget_bytes=8 << 30)
     session, reused = pool.acquire(prompt_ids)     # KV already holds prompt_ids[:reused]
-    logits = session.prefill(prompt_ids[reused:])   # exact: as if the whole prompt were fed
-    ...                                              # decode, or pysmoe.decode_batch with others
+    session.set_sampler(**params.sampler_kwargs())  # the request's own sampler (reseeded)
+    logits, t = session.prefill_next(prompt_ids[reused:])  # exact: as if the whole prompt were fed
+    ...                                              # decode_next, or pysmoe.decode_batch with others
     pool.release(session, prompt_ids + generated)   # the ids its KV now holds
 
 Prefix reuse. Every idle session remembers the ids its KV cache holds. acquire() hands out the

@@ -4,20 +4,27 @@ One thread owns every session (a session is single-threaded, design.md); HTTP ha
 Jobs and receive events through a callback. Each turn of its loop:
 
   1. admits queued jobs while fewer than max_batch run: pool.acquire(prompt) gives a session whose
-     KV already holds the longest cached prefix of the prompt (prefix reuse);
+     KV already holds the longest cached prefix of the prompt (prefix reuse), and the session's
+     sampler is set from the request's SamplingParams (Session.set_sampler: reseeded, the
+     penalties' counts forgotten);
   2. prefills ONE chunk (at most `chunk` tokens) of the oldest job still prefilling, so a long
      new prompt costs the running streams one chunk's time per token, not the whole prompt's;
+     its last chunk (Session.prefill_next) hands back the first id, drawn by the session's sampler;
   3. advances every decoding job by one token: with batching, one pysmoe.decode_batch call (one
      layer-major pass, each layer's union of experts read once, bit-identical to each session
-     decoding alone); without (batching=False, the benchmark's baseline), one Session.decode per
-     job in turn, i.e. interleaved token by token;
+     decoding alone, each session drawing its next id with its own sampler); without
+     (batching=False, the benchmark's baseline), one Session.decode_next per job in turn, i.e.
+     interleaved token by token;
   4. finishes jobs (stop, length, cancelled, error): pool.release(session, ids in its KV) keeps
      the KV for a later request with the same prefix.
 
 A cancelled job (its client went away) leaves at the next turn; one that is prefilling is
 stopped inside libsmoe by Session.cancel (within a layer) and its KV rewinds to the last whole
-chunk. The text side of a job (sampling, stop strings, detokenisation, the output parser) is
-its `text` object, which runs here too so a stop decision takes effect before the next step.
+chunk. The ids come from the engine's one sampler, as Session.generate's do: a seeded request
+gives the ids Session.generate gives for the same arguments, batched or not, on the CPU or the
+GPU. Logits are copied out of the engine only for requests that want logprobs. The text side of
+a job (stop strings, detokenisation, the output parser, logprobs) is its `text` object, which
+runs here too so a stop decision takes effect before the next step.
 """
 from __future__ import annotations
 
@@ -35,9 +42,9 @@ log = logging.getLogger("pysmoe.server")
 
 
 class Job:
-    """One request inside the scheduler. text: its server.text.RequestText (sampling, stop
-    strings, the parser; it decides when the job ends). emit(kind, payload) is called from the
-    engine thread: ("token", textgen Step) per generated token with something to show, then ("done", (finish_reason, usage)) or
+    """One request inside the scheduler. text: its server.text.RequestText (the sampler's
+    settings, stop strings, the parser; it decides when the job ends). emit(kind, payload) is
+    called from the engine thread: ("token", textgen Step) per generated token with something to show, then ("done", (finish_reason, usage)) or
     ("error", exception) exactly once (a cancelled job's reason is "cancelled")."""
 
     _ids = itertools.count(1)
@@ -211,17 +218,26 @@ class Scheduler:
         job.pending = job.prompt_ids[reused:]
         m.prompt_tokens += len(job.prompt_ids)
         m.prompt_tokens_reused += reused
-        self._active.append(job)
+        self._active.append(job)  # from here _reap gives the session back, whatever happens
+        try:
+            session.set_sampler(**job.text.sampler_kwargs())
+        except SmoeError as e:
+            self._fail(job, e)
 
     def _prefill_chunk(self, job: Job) -> None:
         part = job.pending[:self.chunk]
+        last = len(part) == len(job.pending)
+        logits = token = None
         reads = self._blob_reads()
         t = time.perf_counter()
         self._prefilling = job
         try:
             if job.cancelled:
                 raise Cancelled("cancelled before the chunk")
-            logits = job.session.prefill(part)
+            if last:  # the prompt's last piece: the first id, drawn by the session's sampler
+                logits, token = job.session.prefill_next(part, want_logits=job.text.wants_logits)
+            else:
+                job.session.prefill(part, want_logits=False)
         except Cancelled:
             job.cancelled = True
             return
@@ -239,7 +255,7 @@ class Scheduler:
         if not job.pending:
             job.t_first = time.perf_counter()
             m.ttft_s.append(job.t_first - job.t_submit)
-            self._emit_token(job, logits)
+            self._emit_token(job, token, logits)
 
     def _blob_reads(self) -> int:
         """The shared cache's blob reads so far (every session of the pool reports the same)."""
@@ -250,9 +266,12 @@ class Scheduler:
         reads = self._blob_reads()
         t = time.perf_counter()
         tokens = [j.next_token for j in jobs]
+        results = []  # (job, the id its session drew, the logits it was drawn from or None)
         if self.batching and len(jobs) > 1:
+            want = [j.text.wants_logits for j in jobs]
             try:
-                all_logits = self._decode_batch([j.session for j in jobs], tokens)
+                all_logits, ids = self._decode_batch([j.session for j in jobs], tokens, sample=True,
+                                                     want_logits=any(want))
             except SmoeError as e:
                 # Nothing advanced: fail the job at fault (the others go again next turn), or
                 # every job when the fault is the batch's (a failed read).
@@ -260,39 +279,42 @@ class Scheduler:
                 for j in (jobs if at is None else [jobs[at]]):
                     self._fail(j, e)
                 return
-            results = list(zip(jobs, all_logits))
+            for i, (j, tok) in enumerate(zip(jobs, ids)):
+                results.append((j, tok, all_logits[i] if want[i] else None))
         else:
-            results = []
             for j, tok in zip(jobs, tokens):
                 try:
-                    results.append((j, j.session.decode(tok)))
+                    logits, nxt = j.session.decode_next(tok, want_logits=j.text.wants_logits)
                 except SmoeError as e:
                     self._fail(j, e)
+                    continue
+                results.append((j, nxt, logits))
         m = self.metrics_data
         m.decode_steps += 1
         m.decode_s += time.perf_counter() - t
         m.decode_blob_reads += self._blob_reads() - reads
         m.batch_sizes[len(jobs)] += 1
-        for j, logits in results:
+        for j, tok, logits in results:
             j.fed.append(j.next_token)
-            self._emit_token(j, logits)
+            self._emit_token(j, tok, logits)
 
-    def _emit_token(self, job: Job, logits) -> None:
+    def _emit_token(self, job: Job, token: int, logits) -> None:
         try:
-            self._next_token(job, logits)
+            self._next_token(job, token, logits)
         except Exception as e:  # a bug in one request's text side must not stop the engine thread
             log.exception("request %d: generating its next token failed", job.id)
             self._fail(job, e)
 
-    def _next_token(self, job: Job, logits) -> None:
-        """Sample the next id from logits, hand its text to the client, decide whether the job ends."""
-        step = job.text.step(logits)
+    def _next_token(self, job: Job, token: int, logits) -> None:
+        """Take the id the job's session drew (logits: those it came from, when the job wants
+        logprobs), hand its text to the client, decide whether the job ends."""
+        step = job.text.step(token, logits)
         job.generated += 1
         self.metrics_data.completion_tokens += 1
         finish = step.finish_reason
         if job.text.shows(step):
             job.emit("token", step)
-        if finish is None and len(job.fed) + 1 > self.context:  # no room to feed the id just sampled
+        if finish is None and len(job.fed) + 1 > self.context:  # no room to feed the id just drawn
             last = job.text.finish("length")
             if job.text.shows(last):
                 job.emit("token", last)

@@ -1,8 +1,11 @@
 """A request's text side, as the scheduler and the routes see it: pysmoe.textgen's Generation
-(sampling, stop strings, detokenisation, Qwen3's reasoning and tool calls — shared with run and
-chat) plus the shapes of OpenAI's choices.
+(stop strings, detokenisation, Qwen3's reasoning and tool calls — shared with run and chat) plus
+the shapes of OpenAI's choices. It samples nothing: the request's session draws every id with the
+engine's sampler, set from sampler_kwargs() (the scheduler does it when the job starts).
 
-    step(logits) -> Step         sample the next id and take it (Step.finish_reason ends the job)
+    sampler_kwargs() -> dict     Session.set_sampler's arguments for this request
+    wants_logits                 whether step() needs the logits (the request wants logprobs)
+    step(token, logits) -> Step  take the id the session drew (Step.finish_reason ends the job)
     finish(reason) -> Step       end now (the context is full), flushing held-back text
     chunk(step, finish)          an OpenAI streaming choice (step None: the closing chunk)
     message(finish)              the OpenAI non-streamed choice
@@ -24,8 +27,15 @@ class RequestText:
         self.logprobs: list = []   # every token's TokenLogprob, for the non-streamed answer
         self.offset = 0            # completions' text_offset
 
-    def step(self, logits) -> Step:
-        step = self.gen.step(logits)
+    def sampler_kwargs(self) -> dict:
+        return self.req.sampling.sampler_kwargs()
+
+    @property
+    def wants_logits(self) -> bool:
+        return self.gen.wants_logits
+
+    def step(self, token: int, logits=None) -> Step:
+        step = self.gen.push(token, logits)
         self.logprobs.extend(step.logprobs)
         return step
 

@@ -1,19 +1,24 @@
-"""Text generation without HTTP: sampling, detokenizing, stop strings, chat prompts and Qwen3's
-reasoning and tool calls — the one implementation that `run`, `chat` and the server share.
+"""Text generation without HTTP: sampling settings, detokenizing, stop strings, chat prompts and
+Qwen3's reasoning and tool calls — the one implementation that `run`, `chat` and the server share.
+
+There is one sampler, the engine's (csrc/engine/sample.c; smoe.h, "sampler"): the session draws
+every id, here as in Session.generate, so the same seed and settings give the same ids from
+Session.generate, stream_generate, `run`, `chat` and the server. This package says how (the
+settings, SamplingParams.sampler_kwargs()) and what the ids mean (text, stops, usage).
 
 Public names
   SamplingParams   temperature, top_p, top_k, min_p, seed, presence_penalty, frequency_penalty,
-                   repetition_penalty, max_tokens, stop (strings), stop_token_ids, logprobs,
-                   top_logprobs; checked at construction: InvalidParam (a ValueError and a
-                   pysmoe.InvalidArgument) with `.param` naming the field, message OpenAI-like.
-  Sampler          numpy sampler applying SamplingParams to the engine's float32 logits
-                   (sampling.py says the pipeline); deterministic given the seed; greedy picks
-                   the ids csrc/sample.c picks.
+                   repetition_penalty, repetition_window, max_tokens, stop (strings),
+                   stop_token_ids, logprobs, top_logprobs; checked at construction: InvalidParam
+                   (a ValueError and a pysmoe.InvalidArgument) with `.param` naming the field,
+                   message OpenAI-like. sampler_kwargs(): Session.set_sampler's arguments (seed
+                   None drawn at random and kept; a negative seed as seed % 2**64).
   render_chat      (tokenizer, messages, tools=, chat_template_kwargs=) -> ChatPrompt(ids, text,
                    starts_in_reasoning): OpenAI messages through the vault's chat template.
-  Generation       one request's state: sample(logits) -> id, push(id) -> Step; step(logits)
-                   does both; finish(reason) ends it early; usage; message() (the final chat
-                   message); text (the final completion text).
+  Generation       one request's state: push(id, logits=None) -> Step takes the id the engine
+                   drew (logits only when params.logprobs: wants_logits); finish(reason) ends it
+                   early; usage; message() (the final chat message); text (the final completion
+                   text).
   Step             token, delta (MessageDelta: content, reasoning, tool_calls), logprobs
                    (TokenLogprob list; .to_openai(tokenizer) gives a logprobs.content entry),
                    finish_reason (None, "stop", "length" or "tool_calls"); chat_delta() gives
@@ -31,13 +36,14 @@ How a server loop uses them (one request; the batcher does this for each in its 
     gen = Generation(tok, params, prompt.ids, chat=True, tools=bool(body.tools),
                      starts_in_reasoning=prompt.starts_in_reasoning,
                      room=session.context - session.position - len(prompt.ids) + 1)
-    logits = session.prefill(prompt.ids)          # or its row of a batched step
+    session.set_sampler(**params.sampler_kwargs())
+    logits, token = session.prefill_next(prompt.ids, want_logits=gen.wants_logits)   # or a batch's row
     while True:
-        step = gen.step(logits)                    # sample, detokenize, stop strings, parse
+        step = gen.push(token, logits)             # detokenize, stop strings, parse, logprobs
         send(step.chat_delta(), step.logprobs, step.finish_reason)
         if step.finish_reason:
             break
-        logits = session.decode(step.token)        # the engine feeds the id just generated
+        logits, token = session.decode_next(step.token, want_logits=gen.wants_logits)
     gen.usage                                      # {"prompt_tokens", "completion_tokens", "total_tokens"}
     gen.message()                                  # non-streaming: the whole assistant message
 
@@ -53,16 +59,18 @@ Semantics worth knowing
   - A tool call is sent when its `</tool_call>` arrives (two deltas: index/id/type/name, then the
     arguments), not while the model is still writing its JSON: that is what lets malformed JSON
     fall back to content identically whether streamed or not.
-  - Logprobs are the model's (log-softmax of the raw logits), not of the sampling distribution.
+  - Logprobs are the model's (log-softmax of the raw logits, pysmoe.logprobs), not of the sampling
+    distribution.
+  - The repetition penalty looks at the session's history (every id its KV holds, earlier turns
+    included); the presence and frequency penalties at the ids drawn since set_sampler.
   - finish_reason "tool_calls" replaces "stop" when the message has tool calls.
 """
 from .chat import ChatPrompt, normalize_messages, render_chat, token_bytes, token_text
 from .qwen3 import MessageDelta, Qwen3Parser, ToolCallDelta, parse_tool_call
 from .request import Generation, Step, TokenLogprob, completion_logprobs
-from .sampling import InvalidParam, Sampled, Sampler, SamplingParams, token_logprobs
+from .sampling import InvalidParam, SamplingParams
 from .text import Detokenizer, StopMatcher, first_stop
 
-__all__ = ["SamplingParams", "InvalidParam", "Sampler", "Sampled", "token_logprobs", "render_chat", "ChatPrompt",
-           "normalize_messages", "token_text", "token_bytes", "Generation", "Step", "TokenLogprob",
-           "completion_logprobs", "MessageDelta", "ToolCallDelta", "Qwen3Parser", "parse_tool_call", "Detokenizer",
-           "StopMatcher", "first_stop"]
+__all__ = ["SamplingParams", "InvalidParam", "render_chat", "ChatPrompt", "normalize_messages", "token_text",
+           "token_bytes", "Generation", "Step", "TokenLogprob", "completion_logprobs", "MessageDelta", "ToolCallDelta",
+           "Qwen3Parser", "parse_tool_call", "Detokenizer", "StopMatcher", "first_stop"]

@@ -1,6 +1,7 @@
 """Generation: the state of one request, token by token (see the package docstring for the loop).
 
-Each generated id goes, in order, through: stop ids (the id ends the request and shows no text)
+The ids come from the engine's sampler (the session's, set from params.sampler_kwargs()); each
+one goes, in order, through: stop ids (the id ends the request and shows no text)
 → Detokenizer → StopMatcher (stop strings, across token boundaries) → the output parser (Qwen3's
 reasoning and tool calls, for chat; none for completions) → a Step carrying the delta to send.
 """
@@ -9,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Sequence
 
+from ..engine import logprobs as model_logprobs
 from .chat import token_text
 from .qwen3 import MessageDelta, Qwen3Parser
-from .sampling import Sampled, Sampler, SamplingParams
+from .sampling import SamplingParams
 from .text import Detokenizer, StopMatcher
 
 
@@ -74,19 +76,20 @@ class Step:
 
 
 class Generation:
-    """One request's generation state.
+    """One request's generation state. It samples nothing: the session's sampler draws each id
+    (Session.set_sampler(**params.sampler_kwargs()), then prefill_next / decode_next /
+    decode_batch(..., sample=True)) and push() takes it.
 
     tokenizer: the vault's (pysmoe.tokenizer.Tokenizer); params: SamplingParams; prompt_ids:
     what will be fed before the first generated id. chat: parse Qwen3's reasoning (and tool
     calls when tools is true) out of the text; starts_in_reasoning: the prompt left the model
     inside <think> (ChatPrompt.starts_in_reasoning). eos_ids: ids that end generation besides
     params.stop_token_ids (default: the tokenizer's). room: the most ids the context can still
-    take after the prompt (session.context − position after the prompt + 1; None: unbounded).
-    history: the ids the repetition penalty looks back over (default: prompt_ids)."""
+    take after the prompt (session.context − position after the prompt + 1; None: unbounded)."""
 
     def __init__(self, tokenizer, params: SamplingParams, prompt_ids: Sequence[int], *, chat: bool = False,
                  tools: bool = False, starts_in_reasoning: bool = False, eos_ids: Iterable[int] | None = None,
-                 room: int | None = None, history: Iterable[int] | None = None):
+                 room: int | None = None):
         self.tok, self.params = tokenizer, params
         self.prompt_tokens = len(prompt_ids)
         eos = tokenizer.eos_ids if eos_ids is None and tokenizer is not None else (eos_ids or ())
@@ -95,7 +98,6 @@ class Generation:
         if room is not None:
             limit = room if limit is None else min(limit, room)
         self.limit = limit
-        self.sampler = Sampler(params, prompt_ids if history is None else history)
         self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(params.stop)
         self.parser = Qwen3Parser(reasoning=True, tools=tools, starts_in_reasoning=starts_in_reasoning) if chat \
@@ -103,35 +105,36 @@ class Generation:
         self.tokens: list[int] = []
         self.text = ""               # what was shown, for completions (stop strings removed)
         self.finish_reason: str | None = None
-        self._pending: Sampled | None = None
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
     @property
+    def wants_logits(self) -> bool:
+        """Whether push() needs the logits the id was drawn from (params.logprobs): only then
+        should the engine copy them out."""
+        return self.params.logprobs
+
+    @property
     def usage(self) -> dict:
         n = len(self.tokens)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n, "total_tokens": self.prompt_tokens + n}
 
-    def sample(self, logits) -> int:
-        """The next id from the engine's logits (after the prompt or the last id fed)."""
-        if self.done:
-            raise RuntimeError("this generation has finished")
-        self._pending = self.sampler.sample(logits)
-        return self._pending.token
-
-    def push(self, token: int) -> Step:
-        """Take a generated id (normally the one sample() returned); the Step to send. After a
-        Step with finish_reason set, the caller stops feeding this request."""
+    def push(self, token: int, logits=None) -> Step:
+        """Take the id the engine drew next; the Step to send. logits: those it was drawn from
+        (after the prompt or the last id fed), wanted only when params.logprobs (wants_logits):
+        the Step then carries the model's logprob of the id and its params.top_logprobs likeliest
+        ids (pysmoe.logprobs); an id pushed without logits (forced, say) has none. After a Step
+        with finish_reason set, the caller stops feeding."""
         if self.done:
             raise RuntimeError("this generation has finished")
         token = int(token)
-        s, self._pending = self._pending, None
-        lps = [TokenLogprob(token, s.logprob, s.top)] if s is not None and s.token == token and s.logprob is not None \
-            else []
+        lps = []
+        if self.params.logprobs and logits is not None:
+            lp, top = model_logprobs(logits, token, self.params.top_logprobs)
+            lps = [TokenLogprob(token, lp, tuple(top))]
         self.tokens.append(token)
-        self.sampler.observe(token)
         delta = MessageDelta()
         if token in self.stop_ids:
             return self._finish(delta, "stop", lps, token)
@@ -143,10 +146,6 @@ class Generation:
         if self.limit is not None and len(self.tokens) >= self.limit:
             return self._finish(delta, "length", lps, token)
         return Step(token, delta, lps)
-
-    def step(self, logits) -> Step:
-        """sample() and push() in one."""
-        return self.push(self.sample(logits))
 
     def finish(self, reason: str = "length") -> Step:
         """End the request now (context full, the client went away, ...): the held text is flushed."""

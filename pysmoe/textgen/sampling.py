@@ -1,25 +1,12 @@
-"""SamplingParams (checked, OpenAI names and ranges) and the numpy Sampler that applies them.
+"""SamplingParams: a request's sampling settings and stop conditions, checked, with OpenAI's names,
+ranges and error messages.
 
-The pipeline, per token, on the float32 logits the engine returns:
-  1. NaN counts as −inf;
-  2. repetition penalty (Hugging Face's, as csrc/sample.c applies it): over the last
-     `repetition_window` ids of the history (prompt and generated), each distinct id once, a
-     logit > 0 is divided by the penalty, any other multiplied by it;
-  3. presence and frequency penalty (OpenAI's definition, over the *generated* ids only):
-     logit[j] −= frequency_penalty · count[j] + presence_penalty · (count[j] > 0);
-  4. temperature 0 → argmax (lowest id on ties), no random draw;
-  5. logits / temperature; top-k (ties: lower id first); softmax in float64; top-p (the
-     smallest best-first prefix whose mass is ≥ top_p); min-p (drop p < min_p · p_max);
-  6. one uniform draw from numpy's PCG64 seeded with `seed`: the same seed and logits give the
-     same ids.
-
-Steps 1, 2 and 4 are exactly csrc/sample.c's, so greedy decoding gives the ids the C sampler
-gives (tests/test_textgen.py checks it through Session.generate). The random draw is not the C
-sampler's generator: with temperature > 0 the ids differ from Session.generate's for the same seed.
-
-Logprobs are those of the model: log-softmax of the raw logits (step 1 only), in float64,
-whatever the sampling settings — what vLLM returns by default and what a client comparing
-tokens' likelihoods wants.
+There is one sampler, the engine's (csrc/engine/sample.c; smoe.h, "sampler"): every front end
+(Session.generate, stream_generate, run, chat, the server) sets it on the session with
+Session.set_sampler(**params.sampler_kwargs()) and takes the ids it draws (prefill_next,
+decode_next, decode_batch(..., sample=True)), so the same seed and settings give the same ids
+everywhere. sampler_kwargs() is the one place SamplingParams meets it. Logprobs are the model's
+(log-softmax of the raw logits, pysmoe.logprobs), whatever the sampling settings.
 """
 from __future__ import annotations
 
@@ -27,7 +14,6 @@ import dataclasses
 import math
 import numbers
 import secrets
-from typing import Iterable
 
 import numpy as np
 
@@ -120,6 +106,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def sampler_kwargs(self) -> dict:
+        """The keyword arguments of Session.set_sampler for these settings: the engine's sampler
+        draws the ids. A negative seed (the server takes int64 ones) counts as its two's
+        complement, seed % 2**64: the same seed and settings give the same ids (OpenAI's
+        seed). top_k −1 is already 0 (off)."""
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                    repetition_penalty=self.repetition_penalty, repetition_window=self.repetition_window,
+                    seed=self.seed % 2 ** 64, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty)
+
 
 def _stop_strings(stop) -> tuple[str, ...]:
     if stop is None:
@@ -149,142 +145,3 @@ def _stop_ids(ids) -> tuple[int, ...]:
         raise InvalidParam("stop_token_ids", f"Invalid type for 'stop_token_ids': expected an array of integers, "
                                              f"but got {ids!r}.") from None
     return tuple(dict.fromkeys(_int("stop_token_ids", i, 0, 2 ** 31 - 1) for i in items))
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampled:
-    """One chosen id; with logprobs asked for, its logprob and the top alternatives
-    ((id, logprob), best first, ties by lower id)."""
-
-    token: int
-    logprob: float | None = None
-    top: tuple[tuple[int, float], ...] = ()
-
-
-def _clean(logits) -> np.ndarray:
-    v = np.array(logits, dtype=np.float32, copy=True).reshape(-1)
-    v[np.isnan(v)] = -np.inf
-    return v
-
-
-def _rank(v: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """ids sorted best first: larger value, then lower id (a strict total order, as sample.c's)."""
-    return ids[np.lexsort((ids, -v[ids]))]
-
-
-def _best(v: np.ndarray, k: int) -> np.ndarray:
-    """The k best ids of v (all if k ≥ len), best first, ties by lower id."""
-    if k >= v.size:
-        return _rank(v, np.arange(v.size))
-    part = np.argpartition(-v, k - 1)[:k]
-    # argpartition breaks ties at the k-th value arbitrarily: take every id tied with it
-    return _rank(v, np.flatnonzero(v >= v[part].min()))[:k]
-
-
-class Sampler:
-    """Applies one request's SamplingParams, token after token. history: the ids before the
-    first generated one (the prompt, or the whole conversation the session holds); only its
-    last repetition_window ids matter. Call sample(logits) then observe(id) for each token."""
-
-    def __init__(self, params: SamplingParams, history: Iterable[int] = ()):
-        self.p = params
-        # a negative seed (the server takes int64 ones) counts as its two's complement
-        self.rng = np.random.Generator(np.random.PCG64(params.seed % 2 ** 64))
-        w = params.repetition_window
-        self.history: list[int] = list(history)[-w:] if w else []
-        self.counts: dict[int, int] = {}    # generated id → how many times
-
-    def observe(self, token: int) -> None:
-        """A token was generated (sampled here or forced by the caller)."""
-        self.counts[token] = self.counts.get(token, 0) + 1
-        if self.p.repetition_window:
-            self.history.append(token)
-            if len(self.history) > 2 * self.p.repetition_window:  # trimmed now and then, not per token
-                del self.history[:-self.p.repetition_window]
-
-    def _penalised(self, v: np.ndarray) -> np.ndarray:
-        p, vocab = self.p, v.size
-        pen = np.float32(p.repetition_penalty)
-        if pen != 1.0 and p.repetition_window and self.history:
-            recent = np.unique(np.asarray(self.history[-p.repetition_window:], dtype=np.int64))
-            recent = recent[(recent >= 0) & (recent < vocab)]
-            x = v[recent]
-            v[recent] = np.where(x > 0, x / pen, x * pen)
-        if (p.presence_penalty or p.frequency_penalty) and self.counts:
-            ids = np.fromiter(self.counts, dtype=np.int64, count=len(self.counts))
-            cnt = np.fromiter(self.counts.values(), dtype=np.float64, count=len(self.counts))
-            ok = (ids >= 0) & (ids < vocab)
-            ids, cnt = ids[ok], cnt[ok]
-            v[ids] = (v[ids] - (p.frequency_penalty * cnt + p.presence_penalty)).astype(np.float32)
-        return v
-
-    def choose(self, logits) -> int:
-        """The next id from these logits (no logprobs)."""
-        v = self._penalised(_clean(logits))
-        best = int(np.argmax(v))
-        p = self.p
-        if p.temperature == 0.0 or v[best] == -np.inf:
-            return best
-        with np.errstate(over="ignore"):
-            v = v / np.float32(p.temperature)
-        m = v[best]
-        if m == np.inf:  # a temperature so small that it overflowed: as sample.c, the argmax
-            return best
-        # weights exp(v − m) ≤ 1, in float32 (exact enough to draw from), summed in float64
-        w = np.exp(v - m)
-        if 0 < p.top_k < v.size:
-            cand = _best(v, p.top_k)
-            z = float(w[cand].sum(dtype=np.float64))   # top-k first: the softmax is over the k
-        elif p.top_p < 1.0 or p.min_p > 0.0:
-            z = float(w.sum(dtype=np.float64))
-            cand = self._prefix(v, w, z)
-        else:  # the whole vocabulary in id order: no ranking needed
-            cum = np.cumsum(w, dtype=np.float64)
-            return min(int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right")), v.size - 1)
-        wc = w[cand].astype(np.float64)
-        keep = wc.size
-        if p.top_p < 1.0:
-            keep = min(keep, int(np.searchsorted(np.cumsum(wc) / z, p.top_p, side="left")) + 1)
-        if p.min_p > 0.0:  # p ≥ min_p · p_max ⇔ w ≥ min_p · w_max, and the best has w = 1
-            keep = min(keep, max(1, int(np.count_nonzero(wc >= p.min_p * wc[0]))))
-        cum = np.cumsum(wc[:keep])
-        j = min(int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right")), keep - 1)
-        return int(cand[j])
-
-    def _prefix(self, v: np.ndarray, w: np.ndarray, z: float) -> np.ndarray:
-        """The best ids, ranked, enough of them to hold the top-p and min-p cuts: sorting all
-        151,936 ids of Qwen3 costs tens of ms, the few hundred that matter almost nothing."""
-        p, k = self.p, 256
-        while True:
-            cand = _best(v, k)
-            if cand.size == v.size or (p.top_p < 1.0 and w[cand].sum(dtype=np.float64) >= p.top_p * z) or (
-                    p.min_p > 0.0 and w[cand[-1]] < p.min_p):
-                return cand
-            k *= 8
-
-    def sample(self, logits, logprobs: bool | None = None, top_logprobs: int | None = None) -> Sampled:
-        """choose() plus, when the params (or the arguments) ask, the model's logprobs."""
-        token = self.choose(logits)
-        want = self.p.logprobs if logprobs is None else logprobs
-        if not want:
-            return Sampled(token)
-        n = self.p.top_logprobs if top_logprobs is None else top_logprobs
-        return Sampled(token, *token_logprobs(logits, token, n))
-
-
-def token_logprobs(logits, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
-    """The model's logprob of token and its n likeliest ids with theirs (ties by lower id)."""
-    v = _clean(logits)
-    m = float(v.max())
-    if not math.isfinite(m):  # all −inf (or some +inf): no distribution worth the name
-        lse = m
-    else:
-        lse = m + math.log(float(np.exp(v - np.float32(m)).sum(dtype=np.float64)))
-
-    def lp(i):
-        x = float(v[i])
-        return 0.0 if x == lse else x - lse
-
-    top = tuple((int(i), lp(i)) for i in _best(v, n)) if n > 0 else ()
-    return lp(token), top
-
