@@ -4,7 +4,7 @@
  * library itself is built without them, where they cost nothing):
  *
  *   cc -std=c11 -O3 -g -ffp-contract=off -D_GNU_SOURCE -DSMOE_PROFILE=1 -mavx2 -mfma -mf16c -pthread \
- *      -Icsrc csrc/[a-z]*.c bench/decode_profile.c -lm -o build/decode_profile
+ *      -Icsrc csrc/[a-z]*.c csrc/engine/*.c csrc/cpu/*.c bench/decode_profile.c -lm -o build/decode_profile
  *   build/decode_profile VAULT [THREADS=2] [PROMPT=45] [DECODE=32] [REPEATS=3] [CACHE_MIB=all]
  *
  * Warms the cache with every expert (a 256-token prefill, then more until a pass reads

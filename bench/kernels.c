@@ -2,7 +2,7 @@
  * x86-64) and of the reference kernels, against this CPU's limits measured here too.
  *
  *   make lib && cc -O3 -std=c11 -ffp-contract=off -D_GNU_SOURCE -mavx2 -mfma -mf16c -Icsrc \
- *       bench/kernels.c csrc/kernels.c csrc/kernels_avx2.c csrc/kernels_avx512.c csrc/cpu.c csrc/util.c -lm -pthread \
+ *       bench/kernels.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_avx2.c csrc/cpu/kernels_avx512.c csrc/cpu/cpu.c csrc/util.c -lm -pthread \
  *       -o build/bench_kernels
  *   build/bench_kernels [threads [group [f32]]]   (threads default 1, rows split between them;
  *                                                 q group size 32, 64 (default) or 128; "f32": f32

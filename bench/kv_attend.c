@@ -3,7 +3,7 @@
  * costs or saves in attention alone, without the rest of a decode step.
  *
  *   cc -O2 -std=c11 -ffp-contract=off -D_GNU_SOURCE -mavx2 -mfma -mf16c -Icsrc \
- *       bench/kv_attend.c csrc/kernels.c csrc/kernels_avx2.c csrc/kernels_avx512.c csrc/cpu.c csrc/util.c -lm \
+ *       bench/kv_attend.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_avx2.c csrc/cpu/kernels_avx512.c csrc/cpu/cpu.c csrc/util.c -lm \
  *       -o build/kv_attend
  *   build/kv_attend [positions [kv_heads [head_dim [query_heads_per_kv]]]]
  *

@@ -3,7 +3,7 @@
  * instance where the CPU has AVX512-VNNI, else F+BW), on the same inputs, alternated rep by rep.
  *
  *   cc -O3 -std=c11 -ffp-contract=off -D_GNU_SOURCE -mavx2 -mfma -mf16c -Icsrc bench/qx_isa.c \
- *       csrc/kernels.c csrc/kernels_avx2.c csrc/kernels_avx512.c csrc/cpu.c csrc/util.c -lm -pthread -o build/qx_isa
+ *       csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_avx2.c csrc/cpu/kernels_avx512.c csrc/cpu/cpu.c csrc/util.c -lm -pthread -o build/qx_isa
  *   build/qx_isa [q4|q8 [group]]      (default q4, group 64)
  *
  * Shapes: n = 1 on 32768 × 2048 (32 MiB of q4 codes: the weights stream from memory, as decode

@@ -1,4 +1,4 @@
-/* avx512_emu.h — the AVX-512 intrinsics that csrc/kernels_avx512.c uses, as plain C on GCC's
+/* avx512_emu.h — the AVX-512 intrinsics that csrc/cpu/kernels_avx512.c uses, as plain C on GCC's
  * vector types, following Intel's definitions operation by operation. Built only with
  * -DSMOE_AVX512_EMULATE (tests/test_c_units.py's "avx512emu" build): then kernels_avx512.c drops
  * its target attributes, cpu.c reports AVX-512 + VNNI, and test_kernels checks the kernels'

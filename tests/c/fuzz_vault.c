@@ -2,7 +2,7 @@
  *
  * libFuzzer (clang):
  *   clang -g -O1 -fsanitize=fuzzer,address,undefined -D_GNU_SOURCE -Icsrc tests/c/fuzz_vault.c \
- *         csrc/vault.c csrc/util.c csrc/kernels.c -lm -pthread -o build/fuzz_vault
+ *         csrc/vault.c csrc/util.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c -lm -pthread -o build/fuzz_vault
  *   build/fuzz_vault -artifact_prefix=build/fuzz/ CORPUS_DIR   (seed it with the first KiBs of a
  *   tiny vault.bin; without -artifact_prefix libFuzzer writes its crash-* files where it runs)
  *

@@ -1,5 +1,5 @@
-/* test_kernels.c — the reference kernels (csrc/kernels.c) and the kernels this build dispatches
- * to (csrc/kernels_avx2.c on x86-64, unless built with -DSMOE_PORTABLE / without -mavx2) against
+/* test_kernels.c — the reference kernels (csrc/cpu/kernels_ref.c) and the kernels this build dispatches
+ * to (csrc/cpu/kernels_avx2.c on x86-64, unless built with -DSMOE_PORTABLE / without -mavx2) against
  * naive versions and against each other.
  *
  * Built and run by tests/test_c_units.py; exits non-zero on the first failed check group and

@@ -1,5 +1,5 @@
-/* test_kernels_neon.c — the NEON kernels (csrc/kernels_neon.c) called by their own names, against
- * naive double-precision sums and the reference kernels (csrc/kernels.c), and against themselves
+/* test_kernels_neon.c — the NEON kernels (csrc/cpu/kernels_neon.c) called by their own names, against
+ * naive double-precision sums and the reference kernels (csrc/cpu/kernels_ref.c), and against themselves
  * cut every other way.
  *
  * Built and run for AArch64 by `make neon-check` (cross-compiled, under qemu-aarch64) and by

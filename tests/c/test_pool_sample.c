@@ -1,4 +1,4 @@
-/* test_pool_sample.c — the worker pool (csrc/pool.c) and the sampler (csrc/sample.c).
+/* test_pool_sample.c — the worker pool (csrc/cpu/pool.c) and the sampler (csrc/engine/sample.c).
  *
  * Built and run by tests/test_c_units.py; exits non-zero if any check failed. Frequencies are
  * checked within 0.015 absolute over 20,000 draws (about 4.7 standard deviations at p = 0.3).
