@@ -84,6 +84,9 @@ def _bind(host: str, port: int):
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    # listening before the address is printed: a client that connects at once waits in the backlog
+    # until uvicorn accepts, rather than being refused (uvicorn listens on it again, harmlessly)
+    sock.listen(2048)
     return sock
 
 
