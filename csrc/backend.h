@@ -24,12 +24,12 @@
  * which call of `experts` ran an expert, on the rows' owners, or on threads and stream timing. The
  * engine relies on it; two backends need not agree bit for bit with each other.
  *
- * Every op returns a status; a failure with SMOE_ERR_SESSION_BROKEN-level consequences (a device
- * that failed) is reported as such by the backend's own message and the engine marks the session
- * broken when an op says so through smoe_be_broken. Ops never allocate once a session exists.
+ * Every op returns a status with a message; after a failure that leaves the device's state unknown
+ * the backend's `broken` hook says so, and the engine marks the session broken (it must be reset).
+ * Ops never allocate once a session exists.
  *
- * Adding a backend means one more table like cpu/backend.c's and one more case in
- * smoe_backend_for (engine/backend.c): nothing above this header changes. */
+ * Adding a backend means one more table like cpu/backend_cpu.c's and one more case in
+ * smoe_backend_for (backend.c): nothing above this header changes. */
 #ifndef SMOE_BACKEND_H
 #define SMOE_BACKEND_H
 
@@ -99,8 +99,8 @@ typedef struct smoe_backend {
     /* ------------------------------------------------------------------------------ buffers */
     smoe_status (*share_new)(const smoe_be_share_params *p, void **out);
     void (*share_free)(void *share);
-    /* A session's planes and KV cache; *bytes: what it allocated in host memory (planes) and on the
-     * device, for smoe_counters. */
+    /* A session's planes and KV cache; *plane_bytes and *kv_bytes: what it allocated in host
+     * memory for them, for smoe_counters (a device reports its VRAM through device_stats). */
     smoe_status (*session_new)(void *share, const smoe_be_session_params *p, void **out, uint64_t *plane_bytes,
                                uint64_t *kv_bytes);
     void (*session_free)(void *b); /* safe on what a failed session_new left (NULL too) */
@@ -188,7 +188,7 @@ typedef struct smoe_backend {
 } smoe_backend;
 
 /* The backend for a smoe_device into *out; SMOE_ERR_UNSUPPORTED (this build has none) or
- * SMOE_ERR_INVALID_ARG (no such device), with a message, and *out NULL. (engine/backend.c) */
+ * SMOE_ERR_INVALID_ARG (no such device), with a message, and *out NULL. (backend.c) */
 smoe_status smoe_backend_for(smoe_device device, const smoe_backend **out);
 
 #endif

@@ -5,8 +5,8 @@
  *   stats.c     counters, union sizes, expert counts, cache clearing, KV access;
  *   layer.c     a model family's layer as a recipe of backend ops (Qwen3-MoE's today);
  *   moe.c       the MoE step: routing's ids → the union → each expert through the tiers → run → combine;
- *   pass.c      a pass over n rows (embedding, layers, logits) and the token-serial step;
- *   prefill.c   smoe_prefill_chunk / smoe_prefill_rows;
+ *   pass.c      a pass over n rows (embedding, layers, logits): the token-serial step and the
+ *               layer-major prefill (smoe_decode_step, smoe_prefill_chunk, smoe_prefill_rows);
  *   batch.c     smoe_decode_batch: several sessions' decode steps in one layer-major pass;
  *   sample.c    the sampler (sample.h).
  *
@@ -91,7 +91,7 @@ struct smoe_session {
 /* ------------------------------------------------------------------------- passes (pass.c) */
 
 /* The pass's end: waits for the device and settles what its layers deferred (expert counts,
- * union sizes into union_sizes when not NULL); owners as for smoe_moe_step. */
+ * union sizes into union_sizes when not NULL); owners: a batch's sessions row by row, or NULL. */
 smoe_status smoe_pass_end(smoe_session *s, uint32_t n, smoe_session *const *owners, uint32_t *union_sizes);
 /* The logits of rows[0..m) (m ≤ SMOE_LOGIT_ROWS) where the host reads them, checked to hold a
  * finite value (else SMOE_ERR_VAULT naming position `at`). */

@@ -31,7 +31,7 @@
 
 #include <string.h>
 
-enum { AWAY, ON_DEVICE, NEED_HOST, PENDING, DONE }; /* a union position's state */
+enum { ON_DEVICE, NEED_HOST, PENDING, DONE }; /* a union position's state */
 
 uint32_t smoe_moe_count(smoe_session *s, uint32_t l, uint32_t n, const int32_t *ids, smoe_session *const *owners) {
     const uint32_t E = s->cfg.num_experts, K = s->cfg.num_experts_per_tok;
@@ -63,6 +63,11 @@ static void abandon(smoe_session *s, uint32_t size, uint32_t n_held) {
     }
 }
 
+/* pos_of back to −1 for the union's nu experts (its state between steps). */
+static void forget_positions(smoe_moe_state *m, uint32_t nu) {
+    for (uint32_t u = 0; u < nu; u++) m->pos_of[m->expert[u]] = -1;
+}
+
 /* The union of ids (n rows of K) into s->moe, acquiring as it goes: first the device tier's
  * hits (touched), then a host slot for each expert the device lacks, in union order while the
  * streamer has slots (*next_acquire: the first position not yet tried). Counts each row's
@@ -79,7 +84,7 @@ static smoe_status form_union(smoe_session *s, uint32_t l, uint32_t n, smoe_sess
         for (uint32_t k = 0; k < K; k++) {
             const int32_t e = m->ids[(size_t)t * K + k];
             if (e < 0 || (uint32_t)e >= E) {
-                for (uint32_t u = 0; u < nu; u++) m->pos_of[m->expert[u]] = -1;
+                forget_positions(m, nu);
                 *size = nu;
                 *next_acquire = acq;
                 return smoe_fail(SMOE_ERR_INTERNAL, "layer %u: routing gave expert %d, outside [0, %u)", l, e, E);
@@ -110,9 +115,9 @@ static smoe_status form_union(smoe_session *s, uint32_t l, uint32_t n, smoe_sess
                 } else {
                     acquiring = false;
                     if (slot < -1) { /* a key the streamer refuses: its message is set */
+                        forget_positions(m, nu);
                         *size = nu;
                         *next_acquire = acq;
-                        for (uint32_t v = 0; v < nu; v++) m->pos_of[m->expert[v]] = -1;
                         return SMOE_ERR_INTERNAL;
                     }
                 }
@@ -130,7 +135,7 @@ static smoe_status form_union(smoe_session *s, uint32_t l, uint32_t n, smoe_sess
         const uint32_t u = (uint32_t)m->pos_of[m->ids[r]];
         m->rows[m->start[u] + m->count[u]++] = r;
     }
-    for (uint32_t u = 0; u < nu; u++) m->pos_of[m->expert[u]] = -1;
+    forget_positions(m, nu);
     *size = nu;
     *next_acquire = acq;
     return SMOE_OK;
