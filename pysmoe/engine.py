@@ -524,6 +524,23 @@ class Session:
         with self._claim():
             self._call(lib.smoe_session_set_sampler, sp)
 
+    def set_mask(self, bitmask) -> None:
+        """Constrain the ids the sampler may draw (structured output): bitmask is
+        ceil(vocab_size / 32) uint32 words (or int32, as llguidance fills them), id allowed when
+        bit id % 32 of word id // 32 is set; None lifts it. In force for every id the session
+        draws until set again, lifted, or set_sampler runs (smoe.h, smoe_session_set_mask).
+        InvalidArgument for a wrong size or a mask that allows no id."""
+        if bitmask is None:
+            ptr, n = ffi.NULL, 0
+        else:
+            words = np.ascontiguousarray(bitmask)
+            if words.ndim != 1 or words.dtype not in (np.uint32, np.int32):
+                raise InvalidArgument(f"a token mask is a 1-D array of 32-bit words, not {words.dtype} "
+                                      f"of shape {words.shape}")
+            ptr, n = ffi.cast("const uint32_t *", ffi.from_buffer(words)), words.size
+        with self._claim():
+            self._call(lib.smoe_session_set_mask, ptr, n)
+
     def _step(self, token: int, want_logits=True, want_id=True):
         logits = np.empty(self._vocab, dtype=np.float32) if want_logits else None
         nxt = ffi.new("int32_t *") if want_id else ffi.NULL

@@ -204,6 +204,7 @@ static smoe_status engine_planes(smoe_session *s) {
     s->sample_i = plane(s, V, sizeof(int32_t), &ok);
     s->sampler.counts = plane(s, V, sizeof(uint32_t), &ok);
     s->sampler.drawn = plane(s, V, sizeof(int32_t), &ok);
+    s->sampler.mask = plane(s, (V + 31) / 32, sizeof(uint32_t), &ok);
     m->ids = plane(s, C * K, sizeof(int32_t), &ok);
     m->pos_of = plane(s, E, sizeof(int32_t), &ok);
     m->expert = plane(s, E, sizeof(int32_t), &ok);
@@ -240,7 +241,7 @@ void smoe_session_free(smoe_session *s) {
     share_drop(s->share);
     smoe_moe_state *m = &s->moe;
     void *bufs[] = {s->history, s->rope_cos, s->rope_sin, s->sample_f, s->sample_i, s->sampler.counts,
-                    s->sampler.drawn, m->ids, m->pos_of, m->expert, m->start, m->count, m->rows, (void *)m->w,
+                    s->sampler.drawn, s->sampler.mask, m->ids, m->pos_of, m->expert, m->start, m->count, m->rows, (void *)m->w,
                     m->slot, m->state, m->pending, m->pending_slots, m->batch, m->held, m->routed, m->deferred,
                     s->union_sizes, s->expert_counts, (void *)s->row_be};
     for (size_t i = sizeof bufs / sizeof bufs[0]; i-- > 0;)
@@ -399,4 +400,25 @@ smoe_status smoe_session_set_sampler(smoe_session *s, const smoe_sampler_params 
     else
         smoe_sampler_init(&s->sampler, &p);
     return smoe_session_leave(s, st);
+}
+
+smoe_status smoe_session_set_mask(smoe_session *s, const uint32_t *bitmask, uint32_t n_words) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_set_mask: NULL session");
+    const uint32_t V = s->cfg.vocab_size, words = (V + 31) / 32;
+    if (bitmask && n_words != words)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_set_mask: %u words; a vocabulary of %u ids needs %u",
+                         n_words, V, words);
+    bool any = false; /* an id below vocab_size allowed: bits past it are ignored */
+    for (uint32_t w = 0; bitmask && w < words && !any; w++)
+        any = (V - w * 32 >= 32 ? bitmask[w] : bitmask[w] & ((1u << (V - w * 32)) - 1u)) != 0;
+    if (bitmask && !any)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_set_mask: the mask allows no id");
+    smoe_status st = smoe_session_enter(s, "smoe_session_set_mask");
+    if (st != SMOE_OK)
+        return st;
+    if (bitmask)
+        memcpy(s->sampler.mask, bitmask, words * sizeof(uint32_t));
+    s->sampler.masked = bitmask != NULL;
+    return smoe_session_leave(s, SMOE_OK);
 }
