@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from ..errors import BadToken, ContextFull, InvalidArgument
 from ..textgen import render_chat
+from .grammar import Grammars
 from .scheduler import Job, Scheduler
 from .schemas import APIError, GenerationRequest, parse_chat, parse_completion
 from .text import RequestText
@@ -47,6 +48,7 @@ class Server:
         self.max_request_bytes = max_request_bytes
         self.max_tokens_limit = max_tokens_limit
         self.created = int(time.time())
+        self.grammars = Grammars(tokenizer, vocab_size) if tokenizer is not None else None
 
     # ------------------------------------------------------------------ request plumbing
     def authorize(self, request: Request) -> None:
@@ -115,7 +117,12 @@ class Server:
             except RuntimeError:  # the event loop is gone (shutting down): nobody is listening
                 pass
 
-        text = RequestText(req, self.tokenizer, ids, context=self.context, starts_in_reasoning=starts_in_reasoning)
+        constraint = None
+        if req.response_format is not None or req.tool_choice is not None:
+            constraint = await loop.run_in_executor(None, lambda: self.grammars.constraint(
+                req.response_format, req.tools, req.tool_choice, starts_in_reasoning=starts_in_reasoning))
+        text = RequestText(req, self.tokenizer, ids, context=self.context, starts_in_reasoning=starts_in_reasoning,
+                           constraint=constraint)
         job = Job(ids, text, emit)
         self.scheduler.submit(job)
         return job, text, events

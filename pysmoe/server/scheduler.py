@@ -221,8 +221,16 @@ class Scheduler:
         self._active.append(job)  # from here _reap gives the session back, whatever happens
         try:
             session.set_sampler(**job.text.sampler_kwargs())
-        except SmoeError as e:
+            self._set_mask(job)
+        except Exception as e:  # SmoeError, or the request's grammar
             self._fail(job, e)
+
+    @staticmethod
+    def _set_mask(job: Job) -> None:
+        """A request with a grammar (server.grammar): the ids it allows for the session's next draw."""
+        mask = job.text.next_mask()
+        if mask is not None:
+            job.session.set_mask(mask)
 
     def _prefill_chunk(self, job: Job) -> None:
         part = job.pending[:self.chunk]
@@ -321,6 +329,7 @@ class Scheduler:
             finish = last.finish_reason
         if finish is None:
             job.next_token = step.token
+            self._set_mask(job)
         else:
             self._finish(job, finish)
 

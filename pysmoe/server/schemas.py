@@ -1,7 +1,7 @@
 """OpenAI request bodies → GenerationRequest, checked field by field; OpenAI-style errors.
 
 Status codes: 400 for a body that is not JSON, a value out of range, an unsupported option
-(n > 1, echo, best_of > 1, suffix, logit_bias, a response_format other than text), a prompt over the context or a
+(n > 1, echo, best_of > 1, suffix, logit_bias, an unknown response_format type), a prompt over the context or a
 token id outside the vocabulary; 422 for a field of the wrong type or a missing required field;
 413 for a body over the size limit; 401 without the API key. Every error body is OpenAI's:
 {"error": {"message", "type", "param", "code"}}. Fields this server does not know are ignored
@@ -38,6 +38,8 @@ class GenerationRequest:
     tools: list[dict] | None = None     # chat, rendered through the template
     template_kwargs: dict = dataclasses.field(default_factory=dict)
     prompt: str | list[int] | None = None  # completion: text or token ids
+    response_format: dict | None = None    # chat: json_object / json_schema (server.grammar enforces it)
+    tool_choice: str | dict | None = None  # chat: "required" or {"type": "function", ...} are enforced too
 
 
 _MISSING = object()
@@ -223,25 +225,54 @@ def _tools(body: dict) -> list[dict] | None:
     return tools or None
 
 
-def _response_format(body: dict) -> None:
+def _tool_choice(body: dict, tools: list[dict] | None) -> str | dict | None:
+    """"required" or a named function (both enforced by a grammar), else None."""
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str):
+            raise _type_error("tool_choice", "{'type': 'function', 'function': {'name': ...}}", choice)
+    elif choice != "required":
+        return None
+    if not tools:
+        raise APIError(400, f"tool_choice {_short(choice)} needs tools", param="tool_choice")
+    return choice
+
+
+def _response_format(body: dict) -> dict | None:
     fmt = _object(body, "response_format")
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise APIError(400, f"response_format {fmt.get('type')!r} is not supported (text only)",
-                       param="response_format", code="unsupported_value")
+    if fmt is None or fmt.get("type", "text") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _type_error("response_format.json_schema", "an object", spec)
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise _type_error("response_format.json_schema.schema", "an object", schema)
+        return {"type": "json_schema", "json_schema": {"name": spec.get("name"), "schema": schema,
+                                                       "strict": bool(spec.get("strict"))}}
+    raise APIError(400, f"response_format {fmt.get('type')!r} is not supported (text, json_object, json_schema)",
+                   param="response_format", code="unsupported_value")
 
 
 def parse_chat(body, max_tokens_limit: int) -> GenerationRequest:
     common = _common(body, "chat", max_tokens_limit)
     messages = _messages(body)
     tools = _tools(body)
-    _response_format(body)
+    choice = _tool_choice(body, tools)
+    response_format = _response_format(body)
     logprobs = _bool(body, "logprobs", False)
     top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
     if top and not logprobs:
         raise APIError(400, "top_logprobs needs logprobs = true", param="top_logprobs")
     common["sampling"] = _sampling(common["sampling"], logprobs=logprobs, top_logprobs=top)
     kwargs = _object(body, "chat_template_kwargs") or {}
-    return GenerationRequest(kind="chat", messages=messages, tools=tools, template_kwargs=kwargs, **common)
+    return GenerationRequest(kind="chat", messages=messages, tools=tools, template_kwargs=kwargs,
+                             response_format=response_format, tool_choice=choice, **common)
 
 
 def parse_completion(body, max_tokens_limit: int) -> GenerationRequest:

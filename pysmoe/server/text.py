@@ -4,6 +4,8 @@ the shapes of OpenAI's choices. It samples nothing: the request's session draws 
 engine's sampler, set from sampler_kwargs() (the scheduler does it when the job starts).
 
     sampler_kwargs() -> dict     Session.set_sampler's arguments for this request
+    next_mask()                  the token bitmask for the next draw (Session.set_mask), or None
+                                 when the request has no grammar (server.grammar)
     wants_logits                 whether step() needs the logits (the request wants logprobs)
     step(token, logits) -> Step  take the id the session drew (Step.finish_reason ends the job)
     finish(reason) -> Step       end now (the context is full), flushing held-back text
@@ -18,8 +20,9 @@ from .schemas import GenerationRequest
 
 class RequestText:
     def __init__(self, req: GenerationRequest, tokenizer, prompt_ids: list[int], *, context: int,
-                 starts_in_reasoning: bool = False):
+                 starts_in_reasoning: bool = False, constraint=None):
         self.req, self.tok = req, tokenizer
+        self.constraint = constraint  # server.grammar.Constraint or None
         self.chat = req.kind == "chat"
         self.gen = Generation(tokenizer, req.sampling, prompt_ids, chat=self.chat, tools=bool(req.tools),
                               starts_in_reasoning=starts_in_reasoning, eos_ids=() if req.ignore_eos else None,
@@ -34,7 +37,14 @@ class RequestText:
     def wants_logits(self) -> bool:
         return self.gen.wants_logits
 
+    def next_mask(self):
+        if self.constraint is None or self.constraint.done:
+            return None
+        return self.constraint.mask()
+
     def step(self, token: int, logits=None) -> Step:
+        if self.constraint is not None:
+            self.constraint.consume(token)
         step = self.gen.push(token, logits)
         self.logprobs.extend(step.logprobs)
         return step
