@@ -120,7 +120,8 @@ class Server:
         constraint = None
         if req.response_format is not None or req.tool_choice is not None:
             constraint = await loop.run_in_executor(None, lambda: self.grammars.constraint(
-                req.response_format, req.tools, req.tool_choice, starts_in_reasoning=starts_in_reasoning))
+                req.response_format, req.tools, req.tool_choice, starts_in_reasoning=starts_in_reasoning,
+                parallel=req.parallel_tool_calls))
         text = RequestText(req, self.tokenizer, ids, context=self.context, starts_in_reasoning=starts_in_reasoning,
                            constraint=constraint)
         job = Job(ids, text, emit)

@@ -6,6 +6,7 @@ What a request may ask for (OpenAI's fields; the Anthropic route maps its own on
     response_format {"type": "json_schema", "json_schema": {"schema": S, "strict": ...}}
                                                                  the reply is JSON valid under S
     tool_choice "required"                                       the reply is one or more tool calls
+                                                                 (exactly one with parallel_tool_calls false)
     tool_choice {"type": "function", "function": {"name": N}}    the reply is one call of N
 
 Each becomes an llguidance grammar (bench/RESULTS.md, "Structured output": llguidance measured
@@ -53,7 +54,7 @@ def _call_schema(tool: dict) -> dict:
 
 
 def grammar_text(response_format: dict | None, tools: list[dict] | None, tool_choice, *,
-                 reasoning: str) -> str | None:
+                 reasoning: str, parallel: bool = True) -> str | None:
     """The Lark grammar (llguidance's dialect) of a request, or None when it is unconstrained.
     reasoning: "open" (the prompt left the model inside <think>), "optional" (it may open one),
     or "none"."""
@@ -70,7 +71,7 @@ def grammar_text(response_format: dict | None, tools: list[dict] | None, tool_ch
         else:
             schemas = [_call_schema(t) for t in tools]
         schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        body = "body: call" + (" (\"\\n\" call)*" if tool_choice == "required" else "") + "\n" \
+        body = "body: call" + (" (\"\\n\" call)*" if tool_choice == "required" and parallel else "") + "\n" \
                "call: \"<tool_call>\\n\" call_json \"\\n</tool_call>\"\n" \
                f"call_json: %json {json.dumps(_with_style(schema))}\n"
     elif response_format is not None and response_format.get("type") in ("json_object", "json_schema"):
@@ -119,11 +120,12 @@ class Grammars:
     def has_think_token(self) -> bool:
         return self.tokenizer.token_to_id("<think>") is not None
 
-    def constraint(self, response_format, tools, tool_choice, *, starts_in_reasoning: bool) -> "Constraint | None":
+    def constraint(self, response_format, tools, tool_choice, *, starts_in_reasoning: bool,
+                   parallel: bool = True) -> "Constraint | None":
         """The request's Constraint, or None. APIError 400 for a schema llguidance cannot
         compile, or where llguidance is not installed (the message says what to install)."""
         reasoning = "open" if starts_in_reasoning else "optional" if self.has_think_token else "none"
-        text = grammar_text(response_format, tools, tool_choice, reasoning=reasoning)
+        text = grammar_text(response_format, tools, tool_choice, reasoning=reasoning, parallel=parallel)
         if text is None:
             return None
         try:

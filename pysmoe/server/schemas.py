@@ -40,6 +40,7 @@ class GenerationRequest:
     prompt: str | list[int] | None = None  # completion: text or token ids
     response_format: dict | None = None    # chat: json_object / json_schema (server.grammar enforces it)
     tool_choice: str | dict | None = None  # chat: "required" or {"type": "function", ...} are enforced too
+    parallel_tool_calls: bool = True       # with tool_choice "required": more than one call allowed
 
 
 _MISSING = object()
@@ -272,7 +273,8 @@ def parse_chat(body, max_tokens_limit: int) -> GenerationRequest:
     common["sampling"] = _sampling(common["sampling"], logprobs=logprobs, top_logprobs=top)
     kwargs = _object(body, "chat_template_kwargs") or {}
     return GenerationRequest(kind="chat", messages=messages, tools=tools, template_kwargs=kwargs,
-                             response_format=response_format, tool_choice=choice, **common)
+                             response_format=response_format, tool_choice=choice,
+                             parallel_tool_calls=_bool(body, "parallel_tool_calls", True), **common)
 
 
 def parse_completion(body, max_tokens_limit: int) -> GenerationRequest:
