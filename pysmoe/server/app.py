@@ -6,6 +6,8 @@
     POST /v1/completions         text or token-id prompt, streamed or not
     GET  /metrics                counters (JSON): requests, tokens, TTFT, tokens/s, batch sizes,
                                  blob reads and cache hit rate of the shared retention cache
+    POST /v1/messages            Anthropic's Messages API (anthropic.py), streamed or not
+    GET  /                       the chat page (page.py, static/)
 
 Streaming follows OpenAI's wire format: `data: {chunk}\\n\\n` per chunk, `data: [DONE]\\n\\n` at the
 end; with stream_options.include_usage every chunk carries "usage": null and a last chunk with
@@ -229,6 +231,8 @@ def build_app(server: Server) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completion, methods=["POST"]),
     ]
+    from . import anthropic, page
+    routes += anthropic.routes(server) + page.routes(server)
     handlers = {APIError: api_error, HTTPException: http_error, ClientDisconnect: disconnect, Exception: internal}
     return Starlette(routes=routes, exception_handlers=handlers)
 

@@ -79,6 +79,7 @@ class StopMatcher:
         self.stops = tuple(stops)
         self.held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (Anthropic's stop_sequence)
 
     def push(self, text: str) -> tuple[str, bool]:
         if self.stopped:
@@ -100,6 +101,7 @@ class StopMatcher:
         k = 0 if final else _held_suffix(s, self.stops)
         if i is not None and i <= len(s) - k:
             self.held, self.stopped = "", True
+            self.matched = next(x for x in self.stops if s.find(x) == i)
             return s[:i], True
         self.held = s[len(s) - k:] if k else ""
         return s[:len(s) - k], False
