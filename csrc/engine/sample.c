@@ -224,12 +224,15 @@ int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const 
         return smoe_sample_top(s, v, idx, k, m);
     } else {
         double z = 0.0;
-        for (uint32_t i = 0; i < vocab; i++) z += exp((double)v[i] - (double)m);
+        /* −inf (NaN, a masked id) adds exp(−inf) = 0: skipped, the same sum without the slow exp */
+        for (uint32_t i = 0; i < vocab; i++)
+            if (v[i] != -INFINITY) z += exp((double)v[i] - (double)m);
         if (!cut) { /* the whole vocabulary, in id order: no selection needed */
             const double target = uniform(s->rng) * z;
             double cum = 0.0;
             uint32_t last = best;
             for (uint32_t i = 0; i < vocab; i++) {
+                if (v[i] == -INFINITY) continue;
                 const double e = exp((double)v[i] - (double)m);
                 if (e == 0.0) continue;
                 cum += e;
