@@ -178,6 +178,29 @@ def test_tool_choice_required_and_named(served, stream):
                 jsonschema.validate(json.loads(arguments), params[name])
 
 
+@pytest.mark.parametrize("reasoning, text, ok", [
+    ("none", '{"ok": true}', True),
+    ("none", '<think>x</think>{"ok": true}', False),
+    ("optional", '<think>\nfirst {"ok": 1}\n</think>\n\n{"ok": false}', True),
+    ("optional", '{"ok": false}', True),
+    ("optional", '<think>x</think> and more</think>{"ok": true}', False),  # reasoning ends at its first </think>
+    ("open", 'I think.\n</think>\n\n{"ok": true}', True),
+    ("open", '{"ok": true}', False),
+])
+def test_reasoning_before_the_constrained_part(tiny_vault, reasoning, text, ok):
+    """A model that reasons first (Qwen3) writes its <think> block, then the constrained reply."""
+    import llguidance
+    from pysmoe.server.grammar import grammar_text
+    with pysmoe.open_vault(tiny_vault) as v:
+        tok = v.tokenizer
+        lt = llguidance.LLTokenizer(tok._tok.to_str(), n_vocab=v.config["vocab_size"], eos_token=tok.eos_ids)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    g = grammar_text({"type": "json_schema", "json_schema": {"schema": schema}}, None, None, reasoning=reasoning)
+    m = llguidance.LLMatcher(lt, llguidance.grammar_from("lark", g), log_level=0)
+    assert (m.consume_tokens(tok.encode(text)) and m.is_accepting()) == ok
+
+
 @pytest.mark.parametrize("body, message", [
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
