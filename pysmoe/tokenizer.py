@@ -172,6 +172,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def to_str(self) -> str:
+        """The tokenizer.json text (what a grammar library reads the vocabulary from)."""
+        return self._tok.to_str()
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True,
                             tools=None, **template_kwargs):
         """The ids of a conversation under the vault's chat template (its text with

@@ -193,7 +193,7 @@ def test_reasoning_before_the_constrained_part(tiny_vault, reasoning, text, ok):
     from pysmoe.server.grammar import grammar_text
     with pysmoe.open_vault(tiny_vault) as v:
         tok = v.tokenizer
-        lt = llguidance.LLTokenizer(tok._tok.to_str(), n_vocab=v.config["vocab_size"], eos_token=tok.eos_ids)
+        lt = llguidance.LLTokenizer(tok.to_str(), n_vocab=v.config["vocab_size"], eos_token=tok.eos_ids)
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
     g = grammar_text({"type": "json_schema", "json_schema": {"schema": schema}}, None, None, reasoning=reasoning)

@@ -325,6 +325,8 @@ def routes(server) -> list[Route]:
         if req.stream:
             return StreamingResponse(_stream(server, job, text, events, head), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        from .app import _watch_disconnect
+        watcher = asyncio.create_task(_watch_disconnect(request, sched, job))
         blocks = _Blocks()
         try:
             while True:
@@ -339,6 +341,8 @@ def routes(server) -> list[Route]:
         except asyncio.CancelledError:
             sched.cancel(job)
             raise
+        finally:
+            watcher.cancel()
         blocks.finish()
         stop_reason, stop_sequence = _stop(text, reason)
         return JSONResponse({**head, "content": blocks.content, "stop_reason": stop_reason,

@@ -112,7 +112,7 @@ class Grammars:
         import llguidance
         with self._lock:
             if self._lt is None:
-                self._lt = llguidance.LLTokenizer(self.tokenizer._tok.to_str(), n_vocab=self.vocab_size,
+                self._lt = llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab_size,
                                                   eos_token=list(self.tokenizer.eos_ids) or None)
             return self._lt
 
