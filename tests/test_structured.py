@@ -201,6 +201,22 @@ def test_reasoning_before_the_constrained_part(tiny_vault, reasoning, text, ok):
     assert (m.consume_tokens(tok.encode(text)) and m.is_accepting()) == ok
 
 
+def test_objects_get_no_keys_their_schema_does_not_list(tiny_vault):
+    """A schema silent on additionalProperties (pydantic's, LangChain's) gets none: the reply still
+    validates against it, and a model cannot add keys until max_tokens."""
+    import llguidance
+    from pysmoe.server.grammar import grammar_text
+    with pysmoe.open_vault(tiny_vault) as v:
+        tok = v.tokenizer
+        lt = llguidance.LLTokenizer(tok.to_str(), n_vocab=v.config["vocab_size"], eos_token=tok.eos_ids)
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}}}
+    g = llguidance.grammar_from("lark", grammar_text({"type": "json_schema", "json_schema": {"schema": schema}},
+                                                     None, None, reasoning="none"))
+    for text, ok in (('{"a": {"b": 1}}', True), ('{"a": {"b": 1, "c": 2}}', False), ('{"a": {}, "z": 1}', False)):
+        m = llguidance.LLMatcher(lt, g, log_level=0)
+        assert (m.consume_tokens(tok.encode(text)) and m.is_accepting()) == ok, text
+
+
 @pytest.mark.parametrize("body, message", [
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),

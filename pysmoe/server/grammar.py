@@ -26,7 +26,9 @@ A tool call is written the way Qwen3's template teaches (and textgen's Qwen3Pars
 tool's `parameters`.
 
 JSON is written with fixed separators (", " and ": ") and no free whitespace, so a model cannot
-pad a reply with blank lines until max_tokens.
+pad a reply with blank lines until max_tokens. An object schema that lists its properties and says
+nothing of others gets no others (as XGrammar's strict mode does): the reply still validates
+against the client's schema, and a model cannot add keys until max_tokens either.
 """
 from __future__ import annotations
 
@@ -40,8 +42,22 @@ from .schemas import APIError
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def _closed(node):
+    """node with additionalProperties false wherever an object lists properties and is silent on
+    others (a subset of what the schema allows)."""
+    if isinstance(node, list):
+        return [_closed(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _closed(v) for k, v in node.items()}
+    if isinstance(node.get("properties"), dict) and "additionalProperties" not in node \
+            and "patternProperties" not in node and "unevaluatedProperties" not in node:
+        out["additionalProperties"] = False
+    return out
+
+
 def _with_style(schema: dict) -> dict:
-    return {**schema, "x-guidance": {**_JSON_STYLE, **schema.get("x-guidance", {})}}
+    return {**_closed(schema), "x-guidance": {**_JSON_STYLE, **schema.get("x-guidance", {})}}
 
 
 def _call_schema(tool: dict) -> dict:
