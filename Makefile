@@ -165,13 +165,14 @@ uninstall:
 	      $(DESTDIR)$(INCLUDEDIR)/smoe.h $(DESTDIR)$(PKGCONFIGDIR)/smoe.pc
 
 # --- Python environment: created here, so a fresh machine needs only python3 and a compiler.
-$(VENV)/.stamp-base: pyproject.toml
+# An editable install with the server's extra (setup.py's build hook runs `make lib` for it).
+$(VENV)/.stamp-base: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[serve]'
 	touch $@
 
-$(VENV)/.stamp-test: pyproject.toml $(VENV)/.stamp-base
+$(VENV)/.stamp-test: pyproject.toml setup.py $(VENV)/.stamp-base
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
