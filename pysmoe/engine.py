@@ -598,10 +598,11 @@ class Session:
             logits, _, _ = self._feed(arr, want_logits=want_logits)
         return logits
 
-    def prefill_logits(self, ids: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+    def prefill_logits(self, ids: Sequence[int], rows: Sequence[int], sample: bool = False):
         """Feed ids as prefill() does and return the logits (len(rows), vocab) that follow each id
         ids[r], r in rows (strictly increasing indices into ids): an echo's log-probabilities
-        without a token-serial pass."""
+        without a token-serial pass. sample: also draw the next id after the last of ids with the
+        session's sampler, as prefill_next does, and return (logits, id)."""
         arr = self._ids(ids)
         try:
             r = np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -615,8 +616,8 @@ class Session:
             rr = r
         with self._claim():
             self._check_room(len(arr))
-            _, _, echo = self._feed(arr, want_logits=False, rows=rr)
-        return echo[:len(r)]
+            _, nxt, echo = self._feed(arr, want_logits=False, want_id=sample, rows=rr)
+        return (echo[:len(r)], nxt) if sample else echo[:len(r)]
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one id; returns the logits that follow it."""

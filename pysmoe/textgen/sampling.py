@@ -91,7 +91,7 @@ class SamplingParams:
         seed = secrets.randbits(63) if self.seed is None else self.seed
         s(self, "seed", _int("seed", seed, -(2 ** 63), 2 ** 64 - 1))
         if self.max_tokens is not None:
-            s(self, "max_tokens", _int("max_tokens", self.max_tokens, 1))
+            s(self, "max_tokens", _int("max_tokens", self.max_tokens, 0))  # 0: the prompt only (echo)
         s(self, "stop", _stop_strings(self.stop))
         s(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
         if not isinstance(self.logprobs, bool):
