@@ -60,7 +60,8 @@ class SamplingParams:
     """How to choose each token and when to stop. Construct with keyword arguments; every field
     is checked (InvalidParam, a ValueError, names the field). `stop` takes a string or a list
     of strings (stored as a tuple); `seed` None draws one at random (stored, so the request is
-    reproducible from it); `max_tokens` None: until a stop or the context is full."""
+    reproducible from it); `max_tokens` None: until a stop or the context is full; 0: nothing is
+    generated (the server's echo of a prompt, for its logprobs)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
