@@ -36,7 +36,7 @@ endif
 CFLAGS  += $(CFLAGS_BASE) $(OPT) $(ISA_FLAGS)
 LDLIBS  := -lm -pthread
 
-# The CUDA backend (csrc/cuda/, README "GPU (CUDA)"): machine code for sm_90 (H100/H200) plus
+# The CUDA backend (csrc/cuda/, docs/gpu.md): machine code for sm_90 (H100/H200) plus
 # compute_90 PTX, which the driver compiles for newer GPUs; the CUDA runtime linked statically, so
 # the library needs only the driver at run time. CUDA_ARCH adds or replaces targets.
 ifeq ($(CUDA),1)

@@ -261,7 +261,7 @@ class Session:
     `make CUDA=1`; otherwise pysmoe.Unsupported). gpu_cache_bytes is then the budget of experts
     kept in VRAM, with cache_bytes the host cache behind it. The GPU multiplies f32 activations by
     the dequantised weights whatever `activations` says; its logits agree with the CPU's within a
-    tolerance (README, "GPU (CUDA)"), its two prefill paths bit for bit. `backend` names the device.
+    tolerance (docs/gpu.md), its two prefill paths bit for bit. `backend` names the device.
 
     One method runs at a time (the module's docstring says what happens otherwise)."""
 

@@ -123,3 +123,18 @@ def test_sdist_builds_a_wheel_that_runs_in_a_fresh_venv(tmp_path):
     if not os.environ.get("SMOE_LIB"):  # this checkout's build, the same flags: the same text
         want = _run([sys.executable, *cmd], cwd=ROOT, env=_clean_env(), timeout=300)
         assert got.stdout == want.stdout
+
+
+def test_readme_and_docs_links_resolve():
+    """Every relative link of README.md and docs/*.md names a file of the checkout (the README's
+    details moved to docs/; a moved or renamed page must not leave a dead link)."""
+    import re
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    dead = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            if not (page.parent / target.split("#")[0]).exists():
+                dead.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not dead, dead
