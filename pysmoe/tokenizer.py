@@ -173,6 +173,10 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token: int) -> str | None:
+        """The vocabulary's spelling of an id (a byte-level piece, not its text), None past it."""
+        return self._tok.id_to_token(int(token))
+
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True,
                             tools=None, **template_kwargs):
         """The ids of a conversation under the vault's chat template (its text with

@@ -42,7 +42,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import BadToken, ContextFull, InvalidArgument
-from ..textgen import render_chat
+from ..textgen import render_chat, token_text
+from ..tokenizer import _token_text
 from .scheduler import Job, Scheduler
 from .schemas import _bool, _is_ids, _type_error
 from .schemas import APIError, GenerationRequest, parse_chat, parse_completion
@@ -237,7 +238,6 @@ def build_app(server: Server) -> Starlette:
         ids = tok.encode(text, add_special_tokens=special)
         out = ids
         if _bool(body, "with_pieces", False):
-            from ..textgen import token_text
             out = [{"id": i, "piece": token_text(tok, i)[0]} for i in ids]
         return JSONResponse({"tokens": out, "count": len(ids), "max_model_len": server.context})
 
@@ -258,10 +258,9 @@ def build_app(server: Server) -> Starlette:
     async def tokenizer_info(request: Request):
         server.authorize(request)
         tok = server.need_tokenizer()
-        from ..tokenizer import _token_text
         info = {k: _token_text(tok.config.get(k)) for k in ("eos_token", "bos_token", "pad_token", "unk_token")}
         if info["eos_token"] is None and tok.eos_id is not None:
-            info["eos_token"] = tok._tok.id_to_token(tok.eos_id)
+            info["eos_token"] = tok.id_to_token(tok.eos_id)
         return JSONResponse({**info, "chat_template": tok.chat_template, "model_max_length": server.context,
                              "tokenizer_class": tok.config.get("tokenizer_class"), "vocab_size": server.vocab_size})
 
