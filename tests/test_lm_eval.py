@@ -102,9 +102,9 @@ def _evaluate(served, tasks, model: str, task: str, **kw):
                   "num_concurrent": 1}
     if "chat" not in model:
         model_args["tokenizer_backend"] = "remote"  # /tokenizer_info, /tokenize, /detokenize of the server
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[task],
-                                   task_manager=TaskManager(include_path=str(tasks), include_defaults=False), log_samples=True,
-                                   verbosity="ERROR", **kw)
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)  # only ours: no indexing of lm-eval's
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[task], task_manager=manager,
+                                   log_samples=True, verbosity="ERROR", **kw)
 
 
 def _encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:

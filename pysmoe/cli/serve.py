@@ -99,7 +99,8 @@ def run(args) -> int:
 
         from ..server.app import build_app
     except ImportError as e:
-        print(f"pysmoe serve: needs the 'serve' extra (pip install 'pysmoe[serve]'): {e}", file=sys.stderr)
+        print(f"pysmoe serve: needs the 'serve' extra (pip install '.[serve]' in pysmoe's checkout, or "
+              f"starlette and uvicorn): {e}", file=sys.stderr)
         return 2
     if args.device != "cuda" and args.gpu_cache_mb is not None:
         print("pysmoe serve: error: --gpu-cache-mb is for --device cuda", file=sys.stderr)

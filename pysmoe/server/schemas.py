@@ -4,14 +4,14 @@ Status codes: 400 for a body that is not JSON, a value out of range, an unsuppor
 (best_of > 1, suffix, logit_bias, a response_format other than text), a prompt over the context or a
 token id outside the vocabulary; 422 for a field of the wrong type or a missing required field;
 413 for a body over the size limit; 401 without the API key; 404 for a model this server does not
-serve (app.py checks it against the model's name and its aliases).
+serve (app.py checks it against the model's name and its aliases). Every error body is OpenAI's:
+{"error": {"message", "type", "param", "code"}}. Fields this server does not know are ignored
+(clients send vendor extras); known fields are checked for type and range.
 
 /v1/completions takes OpenAI's prompt forms: a string, a list of token ids, or a list of either
 (several prompts, answered as choices prompt_index × n + k); `echo` (the prompt's text, and with
 `logprobs` its tokens' log-probabilities, before the completion) and max_tokens 0 with echo (the
-prompt only: what lm-evaluation-harness scores log-likelihoods with). `n` choices per prompt. Every error body is OpenAI's:
-{"error": {"message", "type", "param", "code"}}. Fields this server does not know are ignored
-(clients send vendor extras); known fields are checked for type and range."""
+prompt only: what lm-evaluation-harness scores log-likelihoods with). `n` choices per prompt."""
 from __future__ import annotations
 
 import dataclasses
