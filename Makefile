@@ -36,7 +36,7 @@ endif
 CFLAGS  += $(CFLAGS_BASE) $(OPT) $(ISA_FLAGS)
 LDLIBS  := -lm -pthread
 
-# The CUDA backend (csrc/cuda/, README "GPU (CUDA)"): machine code for the GPUs people own —
+# The CUDA backend (csrc/cuda/, docs/gpu.md): machine code for the GPUs people own —
 # sm_80 (A100), sm_86 (RTX 30xx, A-series), sm_89 (RTX 40xx, L4/L40), sm_90 (H100/H200), and, where
 # the toolkit has them, sm_100 (B200) and sm_120 (RTX 50xx) — plus compute_80 PTX, which the driver
 # compiles for any newer GPU, so no GPU of compute capability 8.0 or more lacks a kernel (the
@@ -172,13 +172,14 @@ uninstall:
 	      $(DESTDIR)$(INCLUDEDIR)/smoe.h $(DESTDIR)$(PKGCONFIGDIR)/smoe.pc
 
 # --- Python environment: created here, so a fresh machine needs only python3 and a compiler.
-$(VENV)/.stamp-base: pyproject.toml
+# An editable install with the server's extra (setup.py's build hook runs `make lib` for it).
+$(VENV)/.stamp-base: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[serve]'
 	touch $@
 
-$(VENV)/.stamp-test: pyproject.toml $(VENV)/.stamp-base
+$(VENV)/.stamp-test: pyproject.toml setup.py $(VENV)/.stamp-base
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
