@@ -261,7 +261,7 @@ class Session:
     `make CUDA=1`; otherwise pysmoe.Unsupported). gpu_cache_bytes is then the budget of experts
     kept in VRAM, with cache_bytes the host cache behind it. The GPU multiplies f32 activations by
     the dequantised weights whatever `activations` says; its logits agree with the CPU's within a
-    tolerance (README, "GPU (CUDA)"), its two prefill paths bit for bit. `backend` names the device.
+    tolerance (docs/gpu.md), its two prefill paths bit for bit. `backend` names the device.
 
     One method runs at a time (the module's docstring says what happens otherwise)."""
 
@@ -615,10 +615,11 @@ class Session:
             logits, _, _ = self._feed(arr, want_logits=want_logits)
         return logits
 
-    def prefill_logits(self, ids: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+    def prefill_logits(self, ids: Sequence[int], rows: Sequence[int], sample: bool = False):
         """Feed ids as prefill() does and return the logits (len(rows), vocab) that follow each id
         ids[r], r in rows (strictly increasing indices into ids): an echo's log-probabilities
-        without a token-serial pass."""
+        without a token-serial pass. sample: also draw the next id after the last of ids with the
+        session's sampler, as prefill_next does, and return (logits, id)."""
         arr = self._ids(ids)
         try:
             r = np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -632,8 +633,8 @@ class Session:
             rr = r
         with self._claim():
             self._check_room(len(arr))
-            _, _, echo = self._feed(arr, want_logits=False, rows=rr)
-        return echo[:len(r)]
+            _, nxt, echo = self._feed(arr, want_logits=False, want_id=sample, rows=rr)
+        return (echo[:len(r)], nxt) if sample else echo[:len(r)]
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one id; returns the logits that follow it."""

@@ -160,9 +160,10 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._template
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of text; special tokens written in the text (`<|im_start|>`) become their ids."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of text; special tokens written in the text (`<|im_start|>`) become their ids.
+        add_special_tokens: also those the tokenizer's post-processor adds (a BOS, say)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of ids; ids past the tokenizer's vocabulary decode to ""."""
@@ -171,6 +172,10 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def id_to_token(self, token: int) -> str | None:
+        """The vocabulary's spelling of an id (a byte-level piece, not its text), None past it."""
+        return self._tok.id_to_token(int(token))
 
     def to_str(self) -> str:
         """The tokenizer.json text (what a grammar library reads the vocabulary from)."""

@@ -136,6 +136,11 @@ def test_json_schema_replies_validate_streamed_or_not(served, seed):
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
     content, _, finish = _streamed(served.client, **kw)
     assert (content, finish) == (r.choices[0].message.content, "stop")  # the same seed: the same ids
+    if seed == 0:  # n choices: each its own grammar state
+        both = served.client.chat.completions.create(n=2, **kw)
+        assert [c.finish_reason for c in both.choices] == ["stop", "stop"]
+        for c in both.choices:
+            jsonschema.validate(json.loads(c.message.content), SCHEMA)
 
 
 def test_json_object_replies_are_objects(served):

@@ -296,7 +296,21 @@ static bool flash_head(uint32_t hd) {
     return on && (hd == 32 || hd == 64 || hd == 128);
 }
 
-extern "C" int smoe_cu_attention_max_positions(uint32_t hd) { return flash_head(hd) ? 1 << 30 : ATT_SMEM / 4 - 512; }
+/* The plain kernel's shared memory: ATT_SMEM, or less where the GPU opts in to less per block (99 KiB
+ * on sm_86, sm_89 and sm_120; 163 KiB on sm_80), which bounds the positions it attends over. */
+static int att_smem(void) {
+    static int bytes;
+    if (!bytes) {
+        int dev = 0, optin = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || optin <= 0)
+            optin = 48 * 1024;
+        bytes = optin < ATT_SMEM ? optin : ATT_SMEM;
+    }
+    return bytes;
+}
+
+extern "C" int smoe_cu_attention_max_positions(uint32_t hd) { return flash_head(hd) ? 1 << 30 : att_smem() / 4 - 512; }
 
 extern "C" int smoe_cu_attention_fixed(uint32_t hd) { return flash_head(hd); }
 
@@ -334,7 +348,7 @@ static int launch_attention(cudaStream_t s, float *att, const float *q, const T 
     }
     static int configured;
     if (!configured) {
-        cudaError_t e = cudaFuncSetAttribute(k_attention<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM);
+        cudaError_t e = cudaFuncSetAttribute(k_attention<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, att_smem());
         if (e != cudaSuccess) return (int)e;
         configured = 1;
     }

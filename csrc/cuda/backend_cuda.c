@@ -78,6 +78,9 @@ static smoe_status cuda_share_new(const smoe_be_share_params *p, void **out) {
     int err = smoe_cu_device(0, name, sizeof name, &major, &minor, &free_b, &total_b);
     if (err != 0)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: no usable GPU (%s)", smoe_cu_error_string(err));
+    if (major < 8) /* mma.sync m16n8k16 and cp.async: the build's oldest target is sm_80 */
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s has compute capability %d.%d; pysmoe's CUDA kernels need 8.0 "
+                         "(Ampere) or newer", name, major, minor);
     smoe_status st = check_layout(p->lay, p->dense);
     if (st != SMOE_OK) return st;
     if (cf->num_experts > 1024)

@@ -136,7 +136,7 @@ def add_device_args(p: argparse.ArgumentParser, note: str = "") -> None:
     """--device and --gpu-cache-mb (run, chat, serve)."""
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the layers run: the CPU, or the first NVIDIA GPU (a library built with "
-                        f"`make CUDA=1`; README, \"GPU (CUDA)\"){note}")
+                        f"`make CUDA=1`; docs/gpu.md){note}")
     p.add_argument("--gpu-cache-mb", type=mebibytes, default=None,
                    help="with --device cuda: VRAM for experts in MiB (default: room for every expert, so that "
                         "nothing streams once they are up; give less when the GPU is smaller than the experts)")

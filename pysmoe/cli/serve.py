@@ -20,6 +20,9 @@ def add_parser(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--api-key", default=os.environ.get("PYSMOE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: $PYSMOE_API_KEY)")
     p.add_argument("--model-name", default=None, help="the model id /v1/models reports (default: the vault's name)")
+    p.add_argument("--alias", action="append", default=[], metavar="NAME",
+                   help="another model name requests may use (repeatable); any other name is answered 404 "
+                        "model_not_found")
     p.add_argument("--max-batch", type=positive_int, default=None,
                    help="requests decoding at once (one session each); more wait in a queue (default 8)")
     p.add_argument("--no-batching", dest="batching", action="store_false",
@@ -75,7 +78,7 @@ def open_server(args, log=sys.stderr):
     model = args.model_name or vault.path.name
     server = Server(sched, vault.tokenizer, model=model, vocab_size=vault.config["vocab_size"], context=context,
                     api_key=args.api_key, max_request_bytes=args.max_request_kb * 1024,
-                    max_tokens_limit=args.max_tokens_limit)
+                    max_tokens_limit=args.max_tokens_limit, aliases=getattr(args, "alias", None) or ())
     return vault, pool, sched, server
 
 
@@ -96,7 +99,8 @@ def run(args) -> int:
 
         from ..server.app import build_app
     except ImportError as e:
-        print(f"pysmoe serve: needs the 'serve' extra (pip install 'pysmoe[serve]'): {e}", file=sys.stderr)
+        print(f"pysmoe serve: needs the 'serve' extra (pip install '.[serve]' in pysmoe's checkout, or "
+              f"starlette and uvicorn): {e}", file=sys.stderr)
         return 2
     if args.device != "cuda" and args.gpu_cache_mb is not None:
         print("pysmoe serve: error: --gpu-cache-mb is for --device cuda", file=sys.stderr)

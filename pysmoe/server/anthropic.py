@@ -317,7 +317,9 @@ def routes(server) -> list[Route]:
         try:
             _authorize(server, request)
             req = parse_messages(await server.read_json(request), server.max_tokens_limit)
-            job, text, events = await server.generate(request, req)
+            server.check_model(req.model)
+            choices, events = await server.generate(request, req)
+            job, text = choices[0]
         except Exception as e:  # noqa: BLE001 — every failure is answered in Anthropic's shape
             return error_response(e)
         mid = "msg_" + uuid.uuid4().hex[:24]
@@ -326,11 +328,11 @@ def routes(server) -> list[Route]:
             return StreamingResponse(_stream(server, job, text, events, head), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         from .app import _watch_disconnect
-        watcher = asyncio.create_task(_watch_disconnect(request, sched, job))
+        watcher = asyncio.create_task(_watch_disconnect(request, sched, choices))
         blocks = _Blocks()
         try:
             while True:
-                kind, payload = await events.get()
+                _, kind, payload = await events.get()
                 if kind == "token":
                     blocks.add(payload.delta)
                 elif kind == "error":
@@ -358,6 +360,7 @@ def routes(server) -> list[Route]:
             if isinstance(body, dict):
                 body = {**body, "max_tokens": 1}
             req = parse_messages(body, server.max_tokens_limit)
+            server.check_model(req.model)
             ids, _ = server.prompt(req)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
@@ -375,7 +378,7 @@ async def _stream(server, job, text, events: asyncio.Queue, head: dict):
             "usage": {"input_tokens": len(job.prompt_ids), "output_tokens": 0}}})
         yield _event("ping", {"type": "ping"})
         while True:
-            kind, payload = await events.get()
+            _, kind, payload = await events.get()
             if kind == "token":
                 for name, data in blocks.add(payload.delta):
                     yield _event(name, data)

@@ -1,13 +1,27 @@
 """The starlette app: OpenAI routes over a Scheduler.
 
     GET  /health                 {"status": "ok", running, queued, max_batch} (no key needed)
-    GET  /v1/models              the one model this server serves
-    POST /v1/chat/completions    chat, streamed (SSE) or not
-    POST /v1/completions         text or token-id prompt, streamed or not
+    GET  /v1/models              the one model this server serves (and its aliases)
+    POST /v1/chat/completions    chat, streamed (SSE) or not; n choices
+    POST /v1/completions         text or token-id prompts (several per request), streamed or not; n
+                                 choices per prompt; echo, with the prompt's logprobs, and
+                                 max_tokens 0 with echo (lm-evaluation-harness's log-likelihoods)
+    POST /tokenize               {"content" or "prompt": text, "add_special", "with_pieces"} →
+                                 {"tokens": ids (or {id, piece} with with_pieces), "count",
+                                 "max_model_len"}: llama-server's and vLLM's spellings both
+    POST /detokenize             {"tokens": ids} → {"content": text, "prompt": text}
+    GET  /tokenizer_info         eos/bos/pad tokens, chat template, model_max_length (vLLM's; what
+                                 lm-eval's tokenizer_backend=remote reads)
     GET  /metrics                counters (JSON): requests, tokens, TTFT, tokens/s, batch sizes,
                                  blob reads and cache hit rate of the shared retention cache
     POST /v1/messages            Anthropic's Messages API (anthropic.py), streamed or not
     GET  /                       the chat page (page.py, static/)
+
+A request naming a model other than the served one or one of its aliases (`serve --alias`) is
+answered 404 model_not_found, as OpenAI answers it; a request without a model gets the served one.
+The choices of a request are jobs of the scheduler: each prompt's first is queued at once (so the
+prompts of one request decode together in one batch), its other n − 1 follow on its session,
+reusing the prompt's KV (scheduler.py).
 
 Streaming follows OpenAI's wire format: `data: {chunk}\\n\\n` per chunk, `data: [DONE]\\n\\n` at the
 end; with stream_options.include_usage every chunk carries "usage": null and a last chunk with
@@ -17,6 +31,8 @@ slot; a running prefill stops within a layer).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import hmac
 import json
 import time
@@ -29,9 +45,12 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import BadToken, ContextFull, InvalidArgument
-from ..textgen import render_chat
+from ..textgen import render_chat, token_text
+from ..tokenizer import _token_text
+from . import anthropic, page
 from .grammar import Grammars
 from .scheduler import Job, Scheduler
+from .schemas import _bool, _is_ids, _type_error
 from .schemas import APIError, GenerationRequest, parse_chat, parse_completion
 from .text import RequestText
 
@@ -40,10 +59,12 @@ class Server:
     """What the routes need: the scheduler, the tokenizer, the limits."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, *, model: str, vocab_size: int, context: int,
-                 api_key: str | None = None, max_request_bytes: int = 1 << 20, max_tokens_limit: int = 4096):
+                 api_key: str | None = None, max_request_bytes: int = 1 << 20, max_tokens_limit: int = 4096,
+                 aliases=()):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model = model
+        self.aliases = tuple(a for a in aliases if a != model)
         self.vocab_size = vocab_size
         self.context = context
         self.api_key = api_key
@@ -61,6 +82,17 @@ class Server:
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", type="authentication_error",
                            code="invalid_api_key")
+
+    def check_model(self, name: str) -> None:
+        if name and name != self.model and name not in self.aliases:
+            raise APIError(404, f"The model '{name}' does not exist (this server serves '{self.model}'"
+                                + (f", also called {', '.join(repr(a) for a in self.aliases)}" if self.aliases else "")
+                                + ")", param="model", code="model_not_found")
+
+    def need_tokenizer(self):
+        if self.tokenizer is None:
+            raise APIError(400, "this vault has no tokenizer")
+        return self.tokenizer
 
     async def read_json(self, request: Request):
         length = request.headers.get("content-length")
@@ -109,26 +141,44 @@ class Server:
 
     # ------------------------------------------------------------------ generation
     async def generate(self, request: Request, req: GenerationRequest):
-        ids, starts_in_reasoning = self.prompt(req)
+        """Queue the request's choices: [(job, text)] in the answer's order, and the queue of their
+        events, (choice index, kind, payload). Every prompt is checked before anything is queued."""
+        subs = [dataclasses.replace(req, prompt=p) for p in req.prompts] if req.kind == "completion" else [req]
+        prompts = [self.prompt(r) for r in subs]
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
-        def emit(kind, payload):  # engine thread → this request's queue
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-            except RuntimeError:  # the event loop is gone (shutting down): nobody is listening
-                pass
+        def emitter(index: int):
+            def emit(kind, payload):  # engine thread → this request's queue
+                try:
+                    loop.call_soon_threadsafe(events.put_nowait, (index, kind, payload))
+                except RuntimeError:  # the event loop is gone (shutting down): nobody is listening
+                    pass
+            return emit
 
-        constraint = None
-        if req.response_format is not None or req.tool_choice is not None:
-            constraint = await loop.run_in_executor(None, lambda: self.grammars.constraint(
-                req.response_format, req.tools, req.tool_choice, starts_in_reasoning=starts_in_reasoning,
-                parallel=req.parallel_tool_calls))
-        text = RequestText(req, self.tokenizer, ids, context=self.context, starts_in_reasoning=starts_in_reasoning,
-                           constraint=constraint)
-        job = Job(ids, text, emit)
-        self.scheduler.submit(job)
-        return job, text, events
+        choices, first = [], []
+        for r, (ids, starts_in_reasoning) in zip(subs, prompts):
+            prev = None
+            for k in range(req.n):  # choice k draws with seed + k
+                rk = r if k == 0 else dataclasses.replace(
+                    r, sampling=dataclasses.replace(r.sampling, seed=(r.sampling.seed + k) % 2 ** 64))
+                constraint = None  # each choice its own grammar state
+                if req.response_format is not None or req.tool_choice is not None:
+                    constraint = await loop.run_in_executor(None, functools.partial(
+                        self.grammars.constraint, req.response_format, req.tools, req.tool_choice,
+                        starts_in_reasoning=starts_in_reasoning, parallel=req.parallel_tool_calls))
+                text = RequestText(rk, self.tokenizer, ids, context=self.context,
+                                   starts_in_reasoning=starts_in_reasoning, index=len(choices), constraint=constraint)
+                job = Job(ids, text, emitter(len(choices)))
+                if prev is None:
+                    first.append(job)
+                else:
+                    prev.then = job
+                prev = job
+                choices.append((job, text))
+        for job in first:
+            self.scheduler.submit(job)
+        return choices, events
 
     def error_of(self, e: Exception) -> APIError:
         if isinstance(e, APIError):
@@ -147,13 +197,29 @@ def _sse(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
-async def _watch_disconnect(request: Request, scheduler: Scheduler, job: Job) -> None:
-    """Cancel the job when the client goes away (a non-streamed request: nothing is written
+def _cancel_all(scheduler: Scheduler, choices) -> None:
+    for job, _ in choices:
+        if not job.finished:
+            scheduler.cancel(job)
+
+
+def _usage(choices, n: int) -> dict:
+    """The request's usage: each prompt counted once (its n choices share its KV), every
+    choice's completion tokens."""
+    firsts = [job for i, (job, _) in enumerate(choices) if i % n == 0]
+    prompt = sum(len(j.prompt_ids) for j in firsts)
+    completion = sum(j.generated for j, _ in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(j.reused for j in firsts)}}
+
+
+async def _watch_disconnect(request: Request, scheduler: Scheduler, choices) -> None:
+    """Cancel the jobs when the client goes away (a non-streamed request: nothing is written
     until the end, so the receive channel is the only sign)."""
-    while not job.finished:
+    while not all(job.finished for job, _ in choices):
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            scheduler.cancel(job)
+            _cancel_all(scheduler, choices)
             return
 
 
@@ -166,7 +232,48 @@ def build_app(server: Server) -> Starlette:
     async def models(request: Request):
         server.authorize(request)
         return JSONResponse({"object": "list", "data": [
-            {"id": server.model, "object": "model", "created": server.created, "owned_by": "pysmoe"}]})
+            {"id": name, "object": "model", "created": server.created, "owned_by": "pysmoe"}
+            for name in (server.model, *server.aliases)]})
+
+    async def tokenize(request: Request):
+        server.authorize(request)
+        body = await server.read_json(request)
+        tok = server.need_tokenizer()
+        if not isinstance(body, dict):
+            raise APIError(422, "the request body must be a JSON object", code="invalid_type")
+        name = "content" if "content" in body else "prompt"
+        text = body.get(name)
+        if not isinstance(text, str):
+            raise _type_error(name, "a string", text)
+        special = _bool(body, "add_special", _bool(body, "add_special_tokens", False))
+        ids = tok.encode(text, add_special_tokens=special)
+        out = ids
+        if _bool(body, "with_pieces", False):
+            out = [{"id": i, "piece": token_text(tok, i)[0]} for i in ids]
+        return JSONResponse({"tokens": out, "count": len(ids), "max_model_len": server.context})
+
+    async def detokenize(request: Request):
+        server.authorize(request)
+        body = await server.read_json(request)
+        tok = server.need_tokenizer()
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        if not _is_ids(ids):
+            raise _type_error("tokens", "a list of token ids", ids)
+        bad = next((i for i in ids if not 0 <= i < server.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {server.vocab_size})",
+                           param="tokens", code="invalid_token_id")
+        text = tok.decode(ids, skip_special_tokens=False)
+        return JSONResponse({"content": text, "prompt": text})
+
+    async def tokenizer_info(request: Request):
+        server.authorize(request)
+        tok = server.need_tokenizer()
+        info = {k: _token_text(tok.config.get(k)) for k in ("eos_token", "bos_token", "pad_token", "unk_token")}
+        if info["eos_token"] is None and tok.eos_id is not None:
+            info["eos_token"] = tok.id_to_token(tok.eos_id)
+        return JSONResponse({**info, "chat_template": tok.chat_template, "model_max_length": server.context,
+                             "tokenizer_class": tok.config.get("tokenizer_class"), "vocab_size": server.vocab_size})
 
     async def metrics(request: Request):
         server.authorize(request)
@@ -178,32 +285,31 @@ def build_app(server: Server) -> Starlette:
         body = await server.read_json(request)
         parse = parse_chat if kind == "chat" else parse_completion
         req = parse(body, server.max_tokens_limit)
-        job, text, events = await server.generate(request, req)
+        server.check_model(req.model)
+        choices, events = await server.generate(request, req)
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
         head = {"id": rid, "object": obj + (".chunk" if req.stream and kind == "chat" else ""),
-                "created": created, "model": server.model}
+                "created": created, "model": req.model or server.model}
         if req.stream:
-            return StreamingResponse(_stream(server, job, text, events, head, req),
+            return StreamingResponse(_stream(server, choices, events, head, req),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        watcher = asyncio.create_task(_watch_disconnect(request, sched, job))
+        watcher = asyncio.create_task(_watch_disconnect(request, sched, choices))
+        reasons: dict[int, str] = {}
         try:
-            while True:
-                kind_, payload = await events.get()
+            while len(reasons) < len(choices):
+                index, kind_, payload = await events.get()
                 if kind_ == "error":
                     raise server.error_of(payload)
                 if kind_ == "done":
-                    reason, usage = payload
-                    break
-        except asyncio.CancelledError:
-            sched.cancel(job)
-            raise
+                    reasons[index] = payload[0]
         finally:
             watcher.cancel()
-        return JSONResponse({**head, "choices": [text.message(reason)], "usage": usage,
-                             "system_fingerprint": None})
+            _cancel_all(sched, choices)  # after an error or a cancellation: the others too
+        return JSONResponse({**head, "choices": [text.message(reasons[i]) for i, (_, text) in enumerate(choices)],
+                             "usage": _usage(choices, req.n), "system_fingerprint": None})
 
     async def chat(request: Request):
         return await completions(request, "chat")
@@ -230,38 +336,45 @@ def build_app(server: Server) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completion, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     ]
-    from . import anthropic, page
     routes += anthropic.routes(server) + page.routes(server)
     handlers = {APIError: api_error, HTTPException: http_error, ClientDisconnect: disconnect, Exception: internal}
     return Starlette(routes=routes, exception_handlers=handlers)
 
 
-async def _stream(server: Server, job: Job, text, events: asyncio.Queue, head: dict, req: GenerationRequest):
-    """The SSE body of a streamed request. Starlette cancels this generator when the client
-    disconnects (or writing to it fails): the job is cancelled then."""
+async def _stream(server: Server, choices, events: asyncio.Queue, head: dict, req: GenerationRequest):
+    """The SSE body of a streamed request, its choices' chunks as they come (each with its index).
+    Starlette cancels this generator when the client disconnects (or writing to it fails): the
+    jobs are cancelled then."""
     usage_field = {"usage": None} if req.include_usage else {}
     try:
         if req.kind == "chat":
-            yield _sse({**head, "system_fingerprint": None,
-                        "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                     "finish_reason": None}], **usage_field})
-        while True:
-            kind, payload = await events.get()
-            if kind == "token":
+            for i in range(len(choices)):
+                yield _sse({**head, "system_fingerprint": None,
+                            "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                         "finish_reason": None}], **usage_field})
+        done = 0
+        while done < len(choices):
+            index, kind, payload = await events.get()
+            text = choices[index][1]
+            if kind == "echo":
+                yield _sse({**head, "system_fingerprint": None, "choices": [text.echo_chunk()], **usage_field})
+            elif kind == "token":
                 yield _sse({**head, "system_fingerprint": None, "choices": [text.chunk(payload, None)],
                             **usage_field})
             elif kind == "done":
-                reason, usage = payload
-                yield _sse({**head, "system_fingerprint": None, "choices": [text.chunk(None, reason)],
+                done += 1
+                yield _sse({**head, "system_fingerprint": None, "choices": [text.chunk(None, payload[0])],
                             **usage_field})
-                if req.include_usage:
-                    yield _sse({**head, "system_fingerprint": None, "choices": [], "usage": usage})
-                break
             else:  # an engine error after the stream began: an error object, as OpenAI does
                 yield _sse(server.error_of(payload).body())
                 break
+        else:
+            if req.include_usage:
+                yield _sse({**head, "system_fingerprint": None, "choices": [], "usage": _usage(choices, req.n)})
         yield b"data: [DONE]\n\n"
     finally:
-        if not job.finished:
-            server.scheduler.cancel(job)
+        _cancel_all(server.scheduler, choices)

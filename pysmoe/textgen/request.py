@@ -41,7 +41,10 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprob], text_offset: int
         text = token_text(tokenizer, e.token)[0]
         out["tokens"].append(text)
         out["token_logprobs"].append(e.logprob)
-        out["top_logprobs"].append({token_text(tokenizer, i)[0]: lp for i, lp in e.top})
+        top: dict = {}
+        for i, lp in e.top:  # best first; two ids of one text (half a UTF-8 character, say) keep the better
+            top.setdefault(token_text(tokenizer, i)[0], lp)
+        out["top_logprobs"].append(top)
         out["text_offset"].append(at)
         at += len(text)
     return out
