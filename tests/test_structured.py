@@ -67,6 +67,32 @@ def test_the_mask_holds_in_a_batched_decode(tiny_vault):
             a.close()
 
 
+def test_the_mask_on_the_gpu(tiny_vault):
+    """A masked session on the GPU skips the device's candidate selection: the host draws from the
+    GPU's logits, greedy taking the best allowed id, seeded draws staying inside the mask.
+    Skipped without a CUDA build and a GPU."""
+    with pysmoe.open_vault(tiny_vault) as v:
+        try:
+            v.session(device="cuda").close()
+        except pysmoe.Unsupported:
+            pytest.skip("no CUDA here")
+        vocab = v.config["vocab_size"]
+        prompt = v.tokenizer.encode("the mask on the GPU")
+        allowed = list(range(3, vocab, 7))
+        with v.session(device="cuda") as s:
+            logits = s.prefill(prompt)
+            s.reset()
+            s.set_mask(_mask(vocab, allowed))
+            assert s.prefill_next(prompt, want_logits=False)[1] == max(allowed, key=lambda i: (logits[i], -i))
+            s.reset()
+            s.set_sampler(temperature=0.9, top_k=40, seed=5)
+            s.set_mask(_mask(vocab, allowed))
+            _, t = s.prefill_next(prompt, want_logits=False)
+            for _ in range(8):
+                assert t in allowed
+                _, t = s.decode_next(t, want_logits=False)
+
+
 def test_bad_masks_are_refused(tiny_vault):
     with pysmoe.open_vault(tiny_vault) as v, v.session() as s:
         vocab = v.config["vocab_size"]
