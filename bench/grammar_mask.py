@@ -116,8 +116,8 @@ def bench_xgrammar(path, tok, ids, eos, grammar):
     compiler = xgr.GrammarCompiler(info, max_threads=1)
     setup = time.perf_counter() - t0
     t0 = time.perf_counter()
-    cg = (compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":")) if grammar == "schema"
-          else compiler.compile_builtin_json_grammar())
+    cg = (compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False, separators=(",", ":"))
+          if grammar == "schema" else compiler.compile_builtin_json_grammar())
     m = xgr.GrammarMatcher(cg)
     compile_s = time.perf_counter() - t0
     bm = xgr.allocate_token_bitmask(1, tok.get_vocab_size())

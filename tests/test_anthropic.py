@@ -134,7 +134,8 @@ def test_tool_results_reach_the_template(served_qwen3):
                                           "parameters": WEATHER[0]["input_schema"]}}], messages=[
         {"role": "user", "content": "weather in Paris?"},
         {"role": "assistant", "content": "", "reasoning_content": "look it up", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"},
         {"role": "user", "content": "and tomorrow?"}])
     assert a.input_tokens == o.usage.prompt_tokens
@@ -164,7 +165,7 @@ def test_forced_tool_and_json_output_are_enforced(served):
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
               "required": ["ok", "n"], "additionalProperties": False}
     r = c.messages.create(model="tiny", max_tokens=40, messages=[{"role": "user", "content": "?"}],
-                          output_config={"format": {"type": "json_schema", "schema": schema}}, extra_body=GREEDY)
+                          extra_body={**GREEDY, "output_config": {"format": {"type": "json_schema", "schema": schema}}})
     assert r.stop_reason == "end_turn"
     jsonschema.validate(json.loads(r.content[0].text), schema)
 

@@ -125,7 +125,8 @@ TOOLS = [
                                          "unit": {"enum": ["C", "F"]}},
         "required": ["city", "unit"], "additionalProperties": False}}},
     {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99}, "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 9}},
         "required": ["a", "b"], "additionalProperties": False}}}]
 MSGS = [{"role": "user", "content": "Tell me about Ada as JSON."}]
 
