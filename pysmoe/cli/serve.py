@@ -119,8 +119,9 @@ def run(args) -> int:
         if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
             print(f"pysmoe serve: warning: listening on {args.host} without --api-key", file=sys.stderr)
         host = f"[{args.host}]" if ":" in args.host else args.host
-        print(f"pysmoe serve: {server.model} on http://{host}:{sock.getsockname()[1]}/v1 "
-              f"(max batch {sched.max_batch}, context {server.context}); Ctrl-C stops", file=sys.stderr, flush=True)
+        url = f"http://{host}:{sock.getsockname()[1]}"
+        print(f"pysmoe serve: {server.model} on {url}/v1 (max batch {sched.max_batch}, context {server.context}); "
+              f"chat page {url}/; Ctrl-C stops", file=sys.stderr, flush=True)
         uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning")).run(sockets=[sock])
     finally:
         sched.stop()
