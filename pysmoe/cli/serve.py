@@ -13,7 +13,7 @@ from .args import add_device_args, device_kwargs, mebibytes, positive_float, pos
 
 
 def add_parser(p: argparse.ArgumentParser, name: str) -> None:
-    p.add_argument("--vault", help="vault directory (default: the built-in demo vault, made on first use)")
+    p.add_argument("--vault", help="vault directory (default: the built-in demo vault, a small trained model)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 exposes it)")
     p.add_argument("--port", type=int, default=8080, help="TCP port (0: any free port, printed at start)")
