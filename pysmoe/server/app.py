@@ -67,7 +67,7 @@ class Server:
         self.max_tokens_limit = max_tokens_limit
         self.request_timeout = request_timeout
         self.created = int(time.time())
-        self.rejected = collections.Counter()   # answers 4xx/5xx given before a job ran, by status
+        self.rejected = collections.Counter()   # requests answered with an error status, by status
         self._prompts = concurrent.futures.ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="pysmoe-prompt")
 
     def close(self) -> None:
@@ -118,31 +118,33 @@ class Server:
         it on a thread, as prompt_ids does)."""
         tok = self.tokenizer
         starts_in_reasoning = False
-        where = "messages" if req.kind == "chat" else "prompt"
-        try:
-            if req.kind == "chat":
-                if tok is None:
-                    raise APIError(400, "this vault has no tokenizer: use /v1/completions with token ids")
+        if req.kind == "chat":
+            if tok is None:
+                raise APIError(400, "this vault has no tokenizer: use /v1/completions with token ids")
+            try:
                 p = render_chat(tok, req.messages, tools=req.tools, chat_template_kwargs=req.template_kwargs,
-                                check_text=lambda text: self._fits(text, where))
-                ids, starts_in_reasoning = p.ids, p.starts_in_reasoning
-            elif isinstance(req.prompt, str):
-                if tok is None:
-                    raise APIError(400, "this vault has no tokenizer: send the prompt as token ids", param="prompt")
-                self._fits(req.prompt, where)
+                                check_text=lambda text: self._fits(text, "messages"))
+            except InvalidArgument as e:
+                raise APIError(400, str(e), param="messages") from None
+            ids, starts_in_reasoning = p.ids, p.starts_in_reasoning
+        elif isinstance(req.prompt, str):
+            if tok is None:
+                raise APIError(400, "this vault has no tokenizer: send the prompt as token ids", param="prompt")
+            self._fits(req.prompt, "prompt")
+            try:
                 ids = tok.encode(req.prompt)
-            else:
-                ids = req.prompt
-                bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
-                if bad is not None:
-                    raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
-                                   param="prompt", code="invalid_token_id")
-        except InvalidArgument as e:
-            raise APIError(400, str(e), param=where) from None
+            except InvalidArgument as e:
+                raise APIError(400, str(e), param="prompt") from None
+        else:
+            ids = req.prompt
+            bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is outside the vocabulary [0, {self.vocab_size})",
+                               param="prompt", code="invalid_token_id")
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt")
         if len(ids) >= self.context:
-            raise self._too_long(f"{len(ids)} tokens", where)
+            raise self._too_long(f"{len(ids)} tokens", "messages" if req.kind == "chat" else "prompt")
         return ids, starts_in_reasoning
 
     def _fits(self, text: str, where: str) -> None:
@@ -243,7 +245,7 @@ def build_app(server: Server) -> Starlette:
     async def metrics(request: Request):
         server.authorize(request)
         snap = await asyncio.get_running_loop().run_in_executor(None, sched.metrics)
-        # requests answered with an error before any job ran, by status (the scheduler's
+        # requests answered with an error status, by status (the scheduler's
         # "requests" counts the jobs it ran, by outcome)
         snap["rejected"] = {str(k): v for k, v in sorted(server.rejected.items())}
         return JSONResponse(snap)
