@@ -7,6 +7,7 @@
                   request's fields, so a seeded request gets Session.generate's ids
     text.py       a request's text side (textgen's Generation) and OpenAI's choice shapes
     app.py        the starlette app: routes, auth, size limits, SSE streaming, metrics
+    http.py       uvicorn's h11 protocol with connection bounds (request-head timeout, connection cap)
 
 The `serve` subcommand that builds and runs it (uvicorn) is pysmoe/cli/serve.py; nothing here is
 imported by `python -m pysmoe --help`, and starlette and uvicorn (the `serve` extra) are
