@@ -532,7 +532,7 @@ def preset_config(preset: str, layers: int | None = None, overrides: dict | None
 
 
 def synth(path, preset: str = "tiny", seed: int = 0, layers: int | None = None, experts: str = "q4",
-          routing: str = "uniform", progress: bool = True, *, formats: dict | None = None,
+          routing: str = "uniform", progress: bool = False, *, formats: dict | None = None,
           overrides: dict | None = None, scale_dtype: str = "f16", overlap: float | None = None,
           top20_share: float | None = None, stay: float | None = None, temperature: float | None = None,
           topics: int | None = None, specific_dims: int | None = None, force: bool = False) -> pathlib.Path:
@@ -546,7 +546,8 @@ def synth(path, preset: str = "tiny", seed: int = 0, layers: int | None = None, 
 
     The vault is written beside path and renamed into place when complete and verified
     (pysmoe.vaultdir.staged): a non-empty path is refused (TargetExists) unless force.
-    Bad arguments raise ValueError before anything is written.
+    Bad arguments raise ValueError before anything is written. progress: bars on stderr (off by
+    default: `pysmoe synth` turns them on).
     """
     knobs = dict(overlap=overlap, top20_share=top20_share, stay=stay, temperature=temperature,
                  topics=topics, specific_dims=specific_dims)

@@ -41,6 +41,8 @@ BLOB_ENTRY_BYTES = 16
 NAME_BYTES = 40
 MAX_TABLE_BYTES = 64 << 20
 
+DEFAULT_CONTEXT = 4096  # the CLI's --context, capped by the model's max_position_embeddings
+
 _HEADER = struct.Struct("<8sIIQQQQQIIQII")  # through `reserved` at 76; zeros to 256
 _CONFIG = struct.Struct("<12IfId")           # 64 bytes; zeros to 96
 _DESC = struct.Struct("<40sBBHIIIQ")          # 64 bytes
@@ -415,7 +417,10 @@ class VaultWriter:
     def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
         while len(view):
-            n = os.pwrite(self._fd, view, offset)
+            try:
+                n = os.pwrite(self._fd, view, offset)
+            except OSError as e:  # a full disk says which file it could not write
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
             view, offset = view[n:], offset + n
 
     def _check_open(self):
@@ -772,6 +777,7 @@ def info(path) -> str:
         n_sparse = sum(v.sparse)
         E = v.binary_config["num_experts"]
         kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]  # elements
+        context = min(DEFAULT_CONTEXT, cfg["max_position_embeddings"])  # run's, chat's and serve's default
         lines = [f"vault      {v.dir}",
                  f"model      {cfg.get('model_type', 'qwen3_moe')}: {cfg['num_hidden_layers']} layers "
                  f"({n_sparse} sparse), hidden {cfg['hidden_size']}, vocab {cfg['vocab_size']}",
@@ -784,7 +790,8 @@ def info(path) -> str:
                  f"dense      {_size(h.dense_bytes)} in {h.n_tensors} tensors (resident)",
                  f"blobs      {n_sparse * E} x {_size(h.blob_bytes)} = {_size(n_sparse * E * h.blob_bytes)}",
                  f"kv cache   {_size(kv_per_token * 4)} per token in f32, {_size(kv_per_token * 2)} in bf16/f16 "
-                 f"(a session reserves its whole context: 4,096 tokens = {_size(kv_per_token * 4 * 4096)} in f32)"]
+                 f"(a session reserves its whole context: by default {context:,} tokens = "
+                 f"{_size(kv_per_token * 4 * context)} in f32)"]
         def fmt(t: Tensor) -> str:  # q4/g64/bf16, f32
             return t.format + (f"/g{t.group}/{t.scale_format}" if quant.is_quantized(t.format) else "")
 

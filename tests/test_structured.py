@@ -138,6 +138,21 @@ def served(tiny_vault):
     s.close()
 
 
+@pytest.fixture(scope="module")
+def served_tools(tiny_vault, tmp_path_factory):
+    """The tiny vault under Qwen3's chat template, which shows the model its tools (a template that
+    ignores them is refused: tests/test_server_limits.py)."""
+    import pathlib
+    import shutil
+    d = tmp_path_factory.mktemp("qwen3_tiny_structured")
+    for f in pathlib.Path(tiny_vault).iterdir():
+        (d / f.name).symlink_to(f)
+    shutil.copy(pathlib.Path(__file__).parent / "data" / "qwen3_chat_template.jinja", d / "chat_template.jinja")
+    s = Running(d, max_batch=4, context=1024)  # room for the tools' descriptions and a reply
+    yield s
+    s.close()
+
+
 def _streamed(client, **kw):
     content, calls, finish = "", {}, None
     for ch in client.chat.completions.create(stream=True, **kw):
@@ -191,7 +206,8 @@ def test_json_object_replies_are_objects(served):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_tool_choice_required_and_named(served, stream):
+def test_tool_choice_required_and_named(served_tools, stream):
+    served = served_tools
     params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     for choice, names in (("required", set(params)), ({"type": "function", "function": {"name": "add"}}, {"add"})):
         for seed in range(3):
@@ -256,6 +272,7 @@ def test_objects_get_no_keys_their_schema_does_not_list(tiny_vault):
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
      "cannot be enforced"),
 ])
-def test_bad_constraints_are_400(served, body, message):
+def test_bad_constraints_are_400(served, served_tools, body, message):
+    served = served_tools if "tools" in body else served
     status, r = served.raw("POST", "/v1/chat/completions", {"model": "tiny", "messages": MSGS, **body})
     assert status == 400 and message in r["error"]["message"], r

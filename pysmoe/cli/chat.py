@@ -66,17 +66,19 @@ class Conversation:
 
     def _fit(self, user: dict) -> list[int]:
         """The rendering of the conversation plus user, dropping the oldest turns (never the
-        system prompt) until it leaves room for max_tokens of reply."""
+        system prompt) until it leaves room for max_tokens of reply, or for half the context when
+        max_tokens is more (the reply then ends when the context is full, as run's does)."""
         from ..textgen import render_chat
         self.dropped = 0
-        room = self.session.context - self.max_tokens
+        reply = min(self.max_tokens, self.session.context // 2)
+        room = self.session.context - reply
         while True:
             ids = render_chat(self.tok, self.messages([user]), chat_template_kwargs=self.template_kwargs).ids
             if len(ids) <= room:
                 return ids
             if not self.turns:
                 raise TurnTooLong(f"this message ({len(ids)} tokens with the conversation's template) and "
-                                  f"{self.max_tokens} tokens of reply do not fit the context of {self.session.context}")
+                                  f"{reply} tokens of reply do not fit the context of {self.session.context}")
             # a user message and its reply (a turn whose reply was interrupted may lack one)
             del self.turns[:2 if len(self.turns) > 1 and self.turns[1]["role"] == "assistant" else 1]
             self.dropped += 1

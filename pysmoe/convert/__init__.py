@@ -68,7 +68,7 @@ def _target(out: Path, force: bool):
 
 
 def convert_checkpoint(src, out_dir, experts: str | None = None, dense=None, scale_dtype: str | None = None,
-            group: int = quant.GROUP, progress: bool = True, force: bool = False, jobs: int | None = None) -> Path:
+            group: int = quant.GROUP, progress: bool = False, force: bool = False, jobs: int | None = None) -> Path:
     """Convert the checkpoint in src (MLX or Hugging Face, see `detect`) into a vault at out_dir.
 
     experts: expert format (q4, q8, bf16, f32); for an HF checkpoint default q4; for MLX only

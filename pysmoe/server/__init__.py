@@ -12,6 +12,7 @@ Anthropic's Messages API and serves a chat page.
     app.py        the starlette app: routes, auth, size limits, SSE streaming, metrics
     anthropic.py  POST /v1/messages (and count_tokens) onto the same scheduler, Anthropic's shapes
     page.py       GET / and /static/: the chat page (static/, shipped in the package)
+    http.py       uvicorn's h11 protocol with connection bounds (request-head timeout, connection cap)
 
 The `serve` subcommand that builds and runs it (uvicorn) is pysmoe/cli/serve.py; nothing here is
 imported by `python -m pysmoe --help`, and starlette, uvicorn and llguidance (the `serve` extra)

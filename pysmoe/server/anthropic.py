@@ -311,6 +311,7 @@ def routes(server) -> list[Route]:
 
     def error_response(e: Exception) -> JSONResponse:
         e = server.error_of(e)
+        server.rejected[e.status] += 1
         return JSONResponse(error_body(e.status, e.message), status_code=e.status)
 
     async def messages(request: Request):
@@ -361,7 +362,7 @@ def routes(server) -> list[Route]:
                 body = {**body, "max_tokens": 1}
             req = parse_messages(body, server.max_tokens_limit)
             server.check_model(req.model)
-            ids, _ = server.prompt(req)
+            ids, _ = await server.prompt_ids(req)
         except Exception as e:  # noqa: BLE001
             return error_response(e)
         return JSONResponse({"input_tokens": len(ids)})

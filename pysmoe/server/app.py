@@ -27,14 +27,24 @@ Streaming follows OpenAI's wire format: `data: {chunk}\\n\\n` per chunk, `data: 
 end; with stream_options.include_usage every chunk carries "usage": null and a last chunk with
 no choices carries the usage. A client that disconnects cancels its job (the scheduler frees its
 slot; a running prefill stops within a layer).
+
+Nothing slow runs on the event loop: a prompt is rendered and tokenised on a small thread pool
+(PROMPT_THREADS at once, which also bounds the memory that tokenising huge prompts takes), and a
+text that cannot fit the context (Tokenizer.min_tokens) is refused before it is tokenised. A body
+must arrive within request_timeout seconds (408), be valid JSON nested at most MAX_JSON_DEPTH deep
+and hold only valid Unicode (400). A 500's body names the exception's type only; its message
+(which may hold a path of this machine) goes to the log.
 """
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import dataclasses
 import functools
 import hmac
 import json
+import logging
 import time
 import uuid
 
@@ -54,13 +64,21 @@ from .schemas import _bool, _is_ids, _type_error
 from .schemas import APIError, GenerationRequest, parse_chat, parse_completion
 from .text import RequestText
 
+log = logging.getLogger("pysmoe.server")
+
+PROMPT_THREADS = 2      # prompts rendered and tokenised at once, off the event loop
+MAX_JSON_DEPTH = 64     # request bodies nested deeper are refused (Python's json parser recurses)
+
 
 class Server:
     """What the routes need: the scheduler, the tokenizer, the limits."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, *, model: str, vocab_size: int, context: int,
                  api_key: str | None = None, max_request_bytes: int = 1 << 20, max_tokens_limit: int = 4096,
-                 aliases=()):
+                 aliases=(), request_timeout: float = 30.0):
+        if api_key == "":
+            raise ValueError("an empty API key would let 'Authorization: Bearer' with nothing after it in: "
+                             "give a key, or None for none")
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.model = model
@@ -70,8 +88,14 @@ class Server:
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.max_tokens_limit = max_tokens_limit
+        self.request_timeout = request_timeout
         self.created = int(time.time())
         self.grammars = Grammars(tokenizer, vocab_size) if tokenizer is not None else None
+        self.rejected = collections.Counter()   # requests answered with an error status, by status
+        self._prompts = concurrent.futures.ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="pysmoe-prompt")
+
+    def close(self) -> None:
+        self._prompts.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------ request plumbing
     def authorize(self, request: Request) -> None:
@@ -79,7 +103,9 @@ class Server:
             return
         got = request.headers.get("authorization", "")
         scheme, _, key = got.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+        # a header arrives as the latin-1 text of its bytes; clients send a non-ASCII key as UTF-8
+        sent = key.strip().encode("latin-1")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(sent, self.api_key.encode("utf-8")):
             raise APIError(401, "missing or wrong API key (Authorization: Bearer KEY)", type="authentication_error",
                            code="invalid_api_key")
 
@@ -99,32 +125,51 @@ class Server:
         if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
             raise APIError(413, f"the request body is over {self.max_request_bytes} bytes", code="request_too_large")
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > self.max_request_bytes:
-                raise APIError(413, f"the request body is over {self.max_request_bytes} bytes",
-                               code="request_too_large")
+
+        async def receive():
+            async for part in request.stream():
+                body.extend(part)
+                if len(body) > self.max_request_bytes:
+                    raise APIError(413, f"the request body is over {self.max_request_bytes} bytes",
+                                   code="request_too_large")
+
         try:
-            return json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            await asyncio.wait_for(receive(), self.request_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {self.request_timeout:g} s",
+                           code="request_timeout") from None
+        try:
+            value = json.loads(body)
+        except RecursionError:
+            raise APIError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels",
+                           code="invalid_json") from None
+        except ValueError as e:  # not JSON, not UTF-8, an integer over Python's 4300 digits
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        _check_json(value)
+        return value
 
     def prompt(self, req: GenerationRequest) -> tuple[list[int], bool]:
-        """The prompt's ids and whether it leaves the model inside a <think> block."""
+        """The prompt's ids and whether it leaves the model inside a <think> block (blocking: run
+        it on a thread, as prompt_ids does)."""
         tok = self.tokenizer
         starts_in_reasoning = False
         if req.kind == "chat":
             if tok is None:
                 raise APIError(400, "this vault has no tokenizer: use /v1/completions with token ids")
             try:
-                p = render_chat(tok, req.messages, tools=req.tools, chat_template_kwargs=req.template_kwargs)
+                p = render_chat(tok, req.messages, tools=req.tools, chat_template_kwargs=req.template_kwargs,
+                                check_text=lambda text: self._fits(text, "messages"))
             except InvalidArgument as e:
                 raise APIError(400, str(e), param="messages") from None
             ids, starts_in_reasoning = p.ids, p.starts_in_reasoning
         elif isinstance(req.prompt, str):
             if tok is None:
                 raise APIError(400, "this vault has no tokenizer: send the prompt as token ids", param="prompt")
-            ids = tok.encode(req.prompt)
+            self._fits(req.prompt, "prompt")
+            try:
+                ids = tok.encode(req.prompt)
+            except InvalidArgument as e:
+                raise APIError(400, str(e), param="prompt") from None
         else:
             ids = req.prompt
             bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
@@ -134,17 +179,29 @@ class Server:
         if not ids:
             raise APIError(400, "the prompt is empty after tokenization", param="prompt")
         if len(ids) >= self.context:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context is {self.context} "
-                                "(prompt and at least one generated token)", param="messages" if req.kind == "chat"
-                           else "prompt", code="context_length_exceeded")
+            raise self._too_long(f"{len(ids)} tokens", "messages" if req.kind == "chat" else "prompt")
         return ids, starts_in_reasoning
+
+    def _fits(self, text: str, where: str) -> None:
+        """Refuse, before tokenising it, a text that has more tokens than the context for sure."""
+        least = self.tokenizer.min_tokens(text)
+        if least >= self.context:
+            raise self._too_long(f"at least {least} tokens", where)
+
+    def _too_long(self, count: str, where: str) -> APIError:
+        return APIError(400, f"the prompt has {count}; this server's context is {self.context} "
+                             "(prompt and at least one generated token)", param=where, code="context_length_exceeded")
+
+    async def prompt_ids(self, req: GenerationRequest) -> tuple[list[int], bool]:
+        """prompt(req) on the prompt threads: the event loop goes on serving meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompts, self.prompt, req)
 
     # ------------------------------------------------------------------ generation
     async def generate(self, request: Request, req: GenerationRequest):
         """Queue the request's choices: [(job, text)] in the answer's order, and the queue of their
         events, (choice index, kind, payload). Every prompt is checked before anything is queued."""
         subs = [dataclasses.replace(req, prompt=p) for p in req.prompts] if req.kind == "completion" else [req]
-        prompts = [self.prompt(r) for r in subs]
+        prompts = [await self.prompt_ids(r) for r in subs]
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -185,7 +242,33 @@ class Server:
             return e
         if isinstance(e, (BadToken, ContextFull, InvalidArgument)):
             return APIError(400, str(e))
-        return APIError(500, f"{type(e).__name__}: {e}", type="server_error")
+        # the message may name this machine's paths (a vault's): the log has it, the client the type
+        log.error("internal error", exc_info=e)
+        return APIError(500, f"internal error ({type(e).__name__}); the server's log has the details",
+                        type="server_error")
+
+
+def _check_json(value) -> None:
+    """Refuse a body nested deeper than MAX_JSON_DEPTH (what reads it later may recurse) or holding
+    a string that is not valid Unicode (a lone surrogate, "\\ud800", which no tokenizer takes)."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise APIError(400, "the request body holds a lone UTF-16 surrogate (\\ud800-\\udfff): "
+                                        "not valid Unicode", code="invalid_unicode") from None
+        elif isinstance(v, (list, dict)):
+            if depth >= MAX_JSON_DEPTH:
+                raise APIError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels",
+                               code="invalid_json")
+            if isinstance(v, dict):
+                stack.extend((k, depth) for k in v)
+                v = v.values()
+            stack.extend((x, depth + 1) for x in v)
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -278,6 +361,9 @@ def build_app(server: Server) -> Starlette:
     async def metrics(request: Request):
         server.authorize(request)
         snap = await asyncio.get_running_loop().run_in_executor(None, sched.metrics)
+        # requests answered with an error status, by status (the scheduler's
+        # "requests" counts the jobs it ran, by outcome)
+        snap["rejected"] = {str(k): v for k, v in sorted(server.rejected.items())}
         return JSONResponse(snap)
 
     async def completions(request: Request, kind: str):
@@ -317,18 +403,22 @@ def build_app(server: Server) -> Starlette:
     async def completion(request: Request):
         return await completions(request, "completion")
 
+    def refuse(e: APIError) -> JSONResponse:
+        server.rejected[e.status] += 1
+        return _error_response(e)
+
     async def api_error(request: Request, exc: APIError):
-        return _error_response(exc)
+        return refuse(exc)
 
     async def http_error(request: Request, exc: HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_response(APIError(exc.status_code, exc.detail or "error", type=kind))
+        return refuse(APIError(exc.status_code, exc.detail or "error", type=kind))
 
     async def disconnect(request: Request, exc: ClientDisconnect):
         return JSONResponse({}, status_code=499)
 
     async def internal(request: Request, exc: Exception):
-        return _error_response(server.error_of(exc))
+        return refuse(server.error_of(exc))
 
     routes = [
         Route("/health", health, methods=["GET"]),
