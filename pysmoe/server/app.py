@@ -46,6 +46,7 @@ from starlette.routing import Route
 
 from ..errors import BadToken, ContextFull, InvalidArgument
 from ..textgen import render_chat, token_text
+from ..textgen.formats import format_of
 from ..tokenizer import _token_text
 from . import anthropic, page
 from .grammar import Grammars
@@ -60,9 +61,11 @@ class Server:
 
     def __init__(self, scheduler: Scheduler, tokenizer, *, model: str, vocab_size: int, context: int,
                  api_key: str | None = None, max_request_bytes: int = 1 << 20, max_tokens_limit: int = 4096,
-                 aliases=()):
+                 aliases=(), model_type: str | None = None):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        # how replies are read (reasoning, tool calls): the vault's family and its template say
+        self.chat_format = format_of(model_type, tokenizer.chat_template if tokenizer is not None else None)
         self.model = model
         self.aliases = tuple(a for a in aliases if a != model)
         self.vocab_size = vocab_size
@@ -163,12 +166,18 @@ class Server:
                 rk = r if k == 0 else dataclasses.replace(
                     r, sampling=dataclasses.replace(r.sampling, seed=(r.sampling.seed + k) % 2 ** 64))
                 constraint = None  # each choice its own grammar state
+                if req.tool_choice is not None and self.chat_format != "qwen3":
+                    raise APIError(400, f"tool_choice {req.tool_choice!r:.60} is enforced only for models that "
+                                        f"write Qwen3's JSON tool calls; this one writes the {self.chat_format!r} "
+                                        "format: leave tool_choice to 'auto'", param="tool_choice",
+                                   code="unsupported_value")
                 if req.response_format is not None or req.tool_choice is not None:
                     constraint = await loop.run_in_executor(None, functools.partial(
                         self.grammars.constraint, req.response_format, req.tools, req.tool_choice,
                         starts_in_reasoning=starts_in_reasoning, parallel=req.parallel_tool_calls))
                 text = RequestText(rk, self.tokenizer, ids, context=self.context,
-                                   starts_in_reasoning=starts_in_reasoning, index=len(choices), constraint=constraint)
+                                   starts_in_reasoning=starts_in_reasoning, index=len(choices), constraint=constraint,
+                                   fmt=self.chat_format)
                 job = Job(ids, text, emitter(len(choices)))
                 if prev is None:
                     first.append(job)
