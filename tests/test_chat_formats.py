@@ -1,0 +1,309 @@
+"""The chat formats of the families after Qwen3-MoE: their templates rendered as transformers'
+apply_chat_template renders them, and their replies (reasoning, tool calls) parsed, alone and
+through the server (OpenAI and Anthropic routes, streamed and not).
+
+The templates (tests/data/):
+  glm4_moe_chat_template.jinja     GLM-4.5 / Air: the chat_template that zai-org's GLM-4.5-Air
+                                   tokenizer_config carries, as llama-server printed it from a GGUF
+                                   converted from that release (two independent logs, same text)
+  qwen3_5_moe_chat_template.jinja  Qwen3.5-35B-A3B: mlx-community's copy of the published
+                                   chat_template.jinja, byte for byte (sha256 a4aee8af…f715)
+  qwen3_6_moe_chat_template.jinja  Qwen3.6-35B-A3B: from a secondary copy (a llama-server /props
+                                   fixture); its differences from 3.5 (preserve_thinking, how a
+                                   string argument renders) are the ones other sources quote
+  MIXTRAL, OLMOE below             reconstructions, not the files: Mixtral-8x7B-Instruct-v0.1's
+                                   original [INST] template, and the Tulu-style template OLMoE's
+                                   instruct models use (quoted by another project)
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from pysmoe.textgen import render_chat
+from pysmoe.textgen.formats import FORMATS, format_of, make_parser
+from pysmoe.tokenizer import Tokenizer, build_synthetic_tokenizer
+
+DATA = pathlib.Path(__file__).parent / "data"
+GLM = (DATA / "glm4_moe_chat_template.jinja").read_text(encoding="utf-8")
+QWEN35 = (DATA / "qwen3_5_moe_chat_template.jinja").read_text(encoding="utf-8")
+QWEN36 = (DATA / "qwen3_6_moe_chat_template.jinja").read_text(encoding="utf-8")
+QWEN3 = (DATA / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
+MIXTRAL = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+           "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+           "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+           "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+           "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+OLMOE = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}"
+         "{{ '<|system|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'user' %}"
+         "{{ '<|user|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'assistant' %}"
+         "{% if not loop.last %}{{ '<|assistant|>\\n'  + message['content'] + eos_token + '\\n' }}"
+         "{% else %}{{ '<|assistant|>\\n'  + message['content'] + eos_token }}{% endif %}{% endif %}"
+         "{% if loop.last and add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}{% endfor %}")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city, «now»",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                    "units": {"type": "object"}}, "required": ["city"]}}}
+TOOLS = [WEATHER, {"type": "function", "function": {"name": "get_time", "description": "the time",
+                                                    "parameters": {"type": "object", "properties": {}}}}]
+CONVERSATION = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Zürich for 2 days?"},
+    {"role": "assistant", "content": "", "reasoning_content": "  Use the tool.  ",
+     "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {
+         "city": "Zürich", "days": 2, "units": {"t": "C"}}}},
+                    {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": {}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "{\"c\": 3}"},
+    {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+    {"role": "assistant", "content": "3 °C at noon.", "reasoning_content": "Report it."},
+    {"role": "user", "content": "Thanks <b>&</b>"},
+]
+SPECIAL = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}
+
+
+@pytest.fixture(scope="module")
+def tok_json():
+    return build_synthetic_tokenizer(400)
+
+
+def _both(tok_json, template, messages, special=SPECIAL, **kw):
+    """(ours, transformers') text of messages under template."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer as HFTok
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=HFTok.from_str(tok_json), **special)
+    kw.setdefault("add_generation_prompt", True)  # transformers' default is False, ours True
+    theirs = hf.apply_chat_template(messages, chat_template=template, tokenize=False, **kw)
+    ours = Tokenizer(tok_json, {"chat_template": template, **special}).apply_chat_template(messages, tokenize=False,
+                                                                                           **kw)
+    return ours, theirs
+
+
+# ---------------------------------------------------------------------------------- rendering
+
+RENDER_KW = [dict(), dict(add_generation_prompt=False), dict(tools=TOOLS), dict(tools=TOOLS, enable_thinking=False),
+             dict(enable_thinking=True)]
+
+
+@pytest.mark.parametrize("kw", RENDER_KW)
+@pytest.mark.parametrize("name, template", [("glm45", GLM), ("qwen3.5", QWEN35), ("qwen3.6", QWEN36)])
+def test_thinking_templates_render_as_transformers(tok_json, name, template, kw):
+    ours, theirs = _both(tok_json, template, CONVERSATION, **kw)
+    assert ours == theirs
+    if "tools" in kw:
+        assert "get_weather" in ours and "<tool_response>" in ours
+    assert ("<arg_key>days</arg_key>\n<arg_value>2</arg_value>" in ours) == (name == "glm45")
+    assert ("<parameter=days>\n2\n</parameter>" in ours) == (name != "glm45")
+
+
+def test_preserve_thinking_reaches_the_qwen36_template(tok_json):
+    ours, theirs = _both(tok_json, QWEN36, CONVERSATION, preserve_thinking=True)
+    assert ours == theirs and "Use the tool." in ours
+    assert "Use the tool." not in _both(tok_json, QWEN36, CONVERSATION)[0]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(add_generation_prompt=False)])
+def test_mixtral_and_olmoe_render_as_transformers(tok_json, kw):
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye"}]
+    mixtral = {"bos_token": "<s>", "eos_token": "</s>"}
+    ours, theirs = _both(tok_json, MIXTRAL, chat, special=mixtral, **kw)
+    assert ours == theirs == "<s>[INST] Hi [/INST]Hello!</s>[INST] Bye [/INST]"
+    ours, theirs = _both(tok_json, OLMOE, [{"role": "system", "content": "Be kind."}, *chat], **kw)
+    assert ours == theirs and ours.endswith("<|user|>\nBye\n" + ("<|assistant|>\n" if kw == {} else ""))
+
+
+def test_render_chat_takes_openai_arguments_for_each_template(tok_json):
+    """The API sends arguments as a JSON string: render_chat gives the templates the object they
+    iterate (GLM's `.items()`, Qwen3.5's `|items`), as transformers' own callers must."""
+    as_api = [dict(m, tool_calls=[dict(c, function=dict(c["function"], arguments=json.dumps(c["function"]["arguments"])))
+                                  for c in m["tool_calls"]]) if m.get("tool_calls") else m for m in CONVERSATION]
+    for template in (GLM, QWEN35, QWEN36):
+        tok = Tokenizer(tok_json, {"chat_template": template, **SPECIAL})
+        ours = render_chat(tok, as_api, tools=TOOLS).text
+        assert ours == _both(tok_json, template, CONVERSATION, tools=TOOLS)[0]
+
+
+def test_a_template_that_refuses_is_a_clear_error(tok_json):
+    from pysmoe.errors import InvalidArgument
+    tok = Tokenizer(tok_json, {"chat_template": MIXTRAL, "bos_token": "<s>", "eos_token": "</s>"})
+    with pytest.raises(InvalidArgument, match="alternate"):
+        render_chat(tok, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+
+
+def test_the_prompt_leaves_qwen35_inside_think_and_glm_not(tok_json):
+    msgs = [{"role": "user", "content": "hi"}]
+    for template, inside in ((QWEN35, True), (QWEN36, True), (GLM, False)):
+        tok = Tokenizer(tok_json, {"chat_template": template, **SPECIAL})
+        assert render_chat(tok, msgs).starts_in_reasoning is inside
+        assert render_chat(tok, msgs, chat_template_kwargs={"enable_thinking": False}).starts_in_reasoning is False
+
+
+# ---------------------------------------------------------------------------------- choosing
+
+def test_the_template_picks_the_format_then_the_family():
+    assert format_of("qwen3_moe", GLM) == "glm45"
+    assert format_of("glm4_moe", GLM) == "glm45"
+    assert format_of("qwen3_5_moe", QWEN35) == format_of(None, QWEN36) == "qwen3_coder"
+    assert format_of("qwen3_next", QWEN3) == "qwen3"
+    assert format_of("mixtral", MIXTRAL) == format_of("olmoe", OLMOE) == "plain"
+    assert format_of("glm4_moe", None) == "glm45" and format_of("qwen3_5_moe", "") == "qwen3_coder"
+    assert format_of("something_new", MIXTRAL) == "qwen3" and set(FORMATS) >= {"qwen3", "qwen3_coder", "glm45", "plain"}
+    with pytest.raises(KeyError, match="glm45"):
+        make_parser("nope")
+
+
+# ---------------------------------------------------------------------------------- parsing
+
+GLM_REPLY = ("\n<think>The user wants weather.</think>\nLet me look.\n<tool_call>get_weather\n"
+             "<arg_key>city</arg_key>\n<arg_value>123</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
+             "<arg_key>units</arg_key>\n<arg_value>{\"t\": \"C\"}</arg_value>\n</tool_call>"
+             "<tool_call>get_time</tool_call>")
+CODER_REPLY = ("The user wants weather.\n</think>\n\nLet me look.\n\n<tool_call>\n<function=get_weather>\n"
+               "<parameter=city>\n123\n</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=units>\n"
+               "{\"t\": \"C\"}\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n"
+               "</function>\n</tool_call>")
+EXPECTED_CALLS = [("get_weather", {"city": "123", "days": 3, "units": {"t": "C"}}), ("get_time", {})]
+
+
+def _run(fmt, pieces, **kw):
+    """(message, deltas joined as a client joins them) of pieces through a fresh parser."""
+    n = iter(range(100))
+    p = make_parser(fmt, **kw)
+    p.call_id = lambda: f"call_{next(n)}"
+    deltas = [p.feed(x) for x in pieces] + [p.finish()]
+    joined = {"content": "".join(d.content for d in deltas), "reasoning": "".join(d.reasoning for d in deltas),
+              "calls": {}}
+    for d in deltas:
+        for t in d.tool_calls:
+            c = joined["calls"].setdefault(t.index, {"name": "", "arguments": ""})
+            c["name"] += t.name or ""
+            c["arguments"] += t.arguments
+    return p.message(), joined
+
+
+@pytest.mark.parametrize("fmt, reply, starts", [("glm45", GLM_REPLY, False), ("qwen3_coder", CODER_REPLY, True)])
+def test_replies_parse_the_same_in_any_pieces(fmt, reply, starts):
+    whole, _ = _run(fmt, [reply], tools=TOOLS, starts_in_reasoning=starts)
+    assert whole["reasoning_content"] == "The user wants weather." and whole["content"] == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["tool_calls"]] == \
+        EXPECTED_CALLS
+    cuts = [[reply[:k], reply[k:]] for k in range(len(reply) + 1)] + [list(reply)]
+    for pieces in cuts:  # every tag split at every place, and one character at a time
+        msg, joined = _run(fmt, pieces, tools=TOOLS, starts_in_reasoning=starts)
+        assert msg == whole, pieces[0][-12:]
+        assert joined["content"] == whole["content"] and joined["reasoning"] == whole["reasoning_content"]
+        assert [(c["name"], c["arguments"]) for c in joined["calls"].values()] == \
+            [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+
+
+def test_values_follow_the_schema():
+    """GLM: a string-typed parameter stays text, others are JSON where they parse. Qwen3-Coder:
+    text unless the schema types it otherwise; a value that will not parse stays text."""
+    msg, _ = _run("glm45", ["<tool_call>get_weather<arg_key>city</arg_key><arg_value>null</arg_value>"
+                            "<arg_key>days</arg_key><arg_value>three</arg_value><arg_key>extra</arg_key>"
+                            "<arg_value>[1, 2]</arg_value></tool_call>"], tools=TOOLS)
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "null", "days": "three",
+                                                                        "extra": [1, 2]}
+    msg, _ = _run("qwen3_coder", ["<tool_call>\n<function=get_weather>\n<parameter=city>\n  7  \n</parameter>\n"
+                                  "<parameter=days>\nthree\n</parameter>\n<parameter=extra>\n[1]\n</parameter>\n"
+                                  "</function>\n</tool_call>"], tools=TOOLS)
+    assert json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "  7  ", "days": "three",
+                                                                        "extra": "[1]"}
+
+
+@pytest.mark.parametrize("fmt, body", [
+    ("glm45", "<tool_call>\n<arg_key>city</arg_key><arg_value>x</arg_value></tool_call>"),       # no name
+    ("glm45", "<tool_call>get_weather<arg_key>city</arg_key>junk<arg_value>x</arg_value></tool_call>"),
+    ("glm45", "<tool_call>two words\nhere<arg_key>a</arg_key><arg_value>b</arg_value></tool_call>"),
+    ("qwen3_coder", "<tool_call>\n{\"name\": \"get_weather\"}\n</tool_call>"),                   # Qwen3's JSON
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\nstray <parameter=a>\nb\n</parameter>\n</function>\n"
+                    "</tool_call>"),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=a>\nb\n</function>\n</tool_call>"),
+])
+def test_a_body_that_is_not_a_call_is_content(fmt, body):
+    msg, _ = _run(fmt, ["Sure. ", body, " done"], tools=TOOLS)
+    assert msg == {"role": "assistant", "content": "Sure. " + body + " done"}
+
+
+def test_without_tools_the_tags_are_text_and_plain_reads_everything_as_content():
+    msg, _ = _run("glm45", ["<tool_call>get_time</tool_call>"])
+    assert msg == {"role": "assistant", "content": "<tool_call>get_time</tool_call>"}
+    msg, _ = _run("plain", ["<think>not reasoning</think> ", "<tool_call>get_time</tool_call>"], tools=TOOLS,
+                  starts_in_reasoning=True)
+    assert msg == {"role": "assistant", "content": "<think>not reasoning</think> <tool_call>get_time</tool_call>"}
+
+
+# ---------------------------------------------------------------------------------- the server
+
+MAX = 300  # the scripted reply (about 200 tokens of the tiny vault's small vocabulary) and its end
+
+
+def _served(tiny_vault, tmp_path_factory, template):
+    from test_server import Running
+    d = tmp_path_factory.mktemp("fmt")
+    for f in pathlib.Path(tiny_vault).iterdir():
+        (d / f.name).symlink_to(f)
+    (d / "chat_template.jinja").write_text(template, encoding="utf-8")
+    return Running(d, max_batch=2, context=2048, max_tokens_limit=MAX)
+
+
+@pytest.fixture(scope="module", params=[("glm45", GLM, GLM_REPLY), ("qwen3_coder", QWEN35, CODER_REPLY)],
+                ids=["glm45", "qwen3.5"])
+def served_format(request, tiny_vault, tmp_path_factory):
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    s = _served(tiny_vault, tmp_path_factory, request.param[1])
+    yield request.param[0], request.param[2], s
+    s.close()
+
+
+def test_the_server_reads_its_format(served_format, monkeypatch):
+    from test_server import _scripted
+    fmt, reply, served = served_format
+    assert served.server.chat_format == fmt
+    _scripted(monkeypatch, served, reply)
+    assert len(served.vault.tokenizer.encode(reply)) < MAX
+    c = served.client
+    msgs = [{"role": "user", "content": "weather in Zürich?"}]
+    r = c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=MAX, temperature=0)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert m.model_extra["reasoning_content"] == "The user wants weather." and m.content == "Let me look."
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in m.tool_calls] == EXPECTED_CALLS
+
+    calls, reasoning, content = {}, "", ""
+    for ch in c.chat.completions.create(model="tiny", messages=msgs, tools=TOOLS, max_tokens=MAX, temperature=0,
+                                        stream=True):
+        d = ch.choices[0].delta
+        reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+        content += d.content or ""
+        for t in d.tool_calls or []:
+            e = calls.setdefault(t.index, {"name": "", "arguments": ""})
+            e["name"] += t.function.name or ""
+            e["arguments"] += t.function.arguments or ""
+    assert (reasoning, content) == ("The user wants weather.", "Let me look.")
+    assert [(e["name"], json.loads(e["arguments"])) for e in calls.values()] == EXPECTED_CALLS
+
+    anthropic = pytest.importorskip("anthropic")
+    a = anthropic.Anthropic(base_url=served.base_url.rsplit("/v1", 1)[0], api_key="unused", max_retries=0)
+    kw = dict(model="tiny", max_tokens=MAX, messages=msgs, tools=[
+        {"name": t["function"]["name"], "description": t["function"]["description"],
+         "input_schema": t["function"]["parameters"]} for t in TOOLS])
+    with a.messages.stream(**kw) as st:
+        streamed = st.get_final_message()
+    for final in (a.messages.create(**kw), streamed):
+        assert [b.type for b in final.content] == ["thinking", "text", "tool_use", "tool_use"]
+        assert final.content[0].thinking == "The user wants weather." and final.content[1].text == "Let me look."
+        assert [(b.name, b.input) for b in final.content[2:]] == EXPECTED_CALLS and final.stop_reason == "tool_use"
+
+
+def test_forced_tool_choice_is_refused_for_an_xml_format(served_format):
+    _, _, served = served_format
+    status, body = served.raw("POST", "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "required"})
+    assert status == 400 and body["error"]["param"] == "tool_choice"
