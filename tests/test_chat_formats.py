@@ -11,9 +11,12 @@ The templates (tests/data/):
   qwen3_6_moe_chat_template.jinja  Qwen3.6-35B-A3B: from a secondary copy (a llama-server /props
                                    fixture); its differences from 3.5 (preserve_thinking, how a
                                    string argument renders) are the ones other sources quote
-  MIXTRAL, OLMOE below             reconstructions, not the files: Mixtral-8x7B-Instruct-v0.1's
-                                   original [INST] template, and the Tulu-style template OLMoE's
-                                   instruct models use (quoted by another project)
+  mixtral_chat_template.jinja      Mixtral-8x7B-Instruct-v0.1's current template (the optional
+                                   system message folded into the first [INST]): from secondary
+                                   copies (a vLLM log printing it, a project hard-coding it)
+  MIXTRAL_V1, OLMOE below          reconstructions, not the files: Mixtral's first [INST] template,
+                                   and the Tulu-style template of OLMoE's instruct models (as
+                                   another project quotes it); neither has tool or reasoning syntax
 """
 from __future__ import annotations
 
@@ -31,11 +34,13 @@ GLM = (DATA / "glm4_moe_chat_template.jinja").read_text(encoding="utf-8")
 QWEN35 = (DATA / "qwen3_5_moe_chat_template.jinja").read_text(encoding="utf-8")
 QWEN36 = (DATA / "qwen3_6_moe_chat_template.jinja").read_text(encoding="utf-8")
 QWEN3 = (DATA / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
-MIXTRAL = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-           "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
-           "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
-           "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
-           "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
+MIXTRAL = (DATA / "mixtral_chat_template.jinja").read_text(encoding="utf-8")
+# Mixtral-8x7B-Instruct-v0.1's first template (before the one above, which added the system message)
+MIXTRAL_V1 = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+              "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+              "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+              "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
+              "{% else %}{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}")
 OLMOE = ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}"
          "{{ '<|system|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'user' %}"
          "{{ '<|user|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'assistant' %}"
@@ -111,8 +116,10 @@ def test_mixtral_and_olmoe_render_as_transformers(tok_json, kw):
     chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
             {"role": "user", "content": "Bye"}]
     mixtral = {"bos_token": "<s>", "eos_token": "</s>"}
-    ours, theirs = _both(tok_json, MIXTRAL, chat, special=mixtral, **kw)
+    ours, theirs = _both(tok_json, MIXTRAL_V1, chat, special=mixtral, **kw)
     assert ours == theirs == "<s>[INST] Hi [/INST]Hello!</s>[INST] Bye [/INST]"
+    ours, theirs = _both(tok_json, MIXTRAL, [{"role": "system", "content": "Be kind."}, *chat], special=mixtral, **kw)
+    assert ours == theirs == "<s> [INST] Be kind.\n\nHi [/INST] Hello!</s> [INST] Bye [/INST]"
     ours, theirs = _both(tok_json, OLMOE, [{"role": "system", "content": "Be kind."}, *chat], **kw)
     assert ours == theirs and ours.endswith("<|user|>\nBye\n" + ("<|assistant|>\n" if kw == {} else ""))
 
@@ -132,7 +139,9 @@ def test_a_template_that_refuses_is_a_clear_error(tok_json):
     from pysmoe.errors import InvalidArgument
     tok = Tokenizer(tok_json, {"chat_template": MIXTRAL, "bos_token": "<s>", "eos_token": "</s>"})
     with pytest.raises(InvalidArgument, match="alternate"):
-        render_chat(tok, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+        render_chat(tok, [{"role": "system", "content": "s"}, {"role": "assistant", "content": "a"}])
+    with pytest.raises(InvalidArgument, match="roles are supported"):
+        render_chat(tok, [{"role": "user", "content": "u"}, {"role": "tool", "content": "t"}])
 
 
 def test_the_prompt_leaves_qwen35_inside_think_and_glm_not(tok_json):
@@ -150,7 +159,7 @@ def test_the_template_picks_the_format_then_the_family():
     assert format_of("glm4_moe", GLM) == "glm45"
     assert format_of("qwen3_5_moe", QWEN35) == format_of(None, QWEN36) == "qwen3_coder"
     assert format_of("qwen3_next", QWEN3) == "qwen3"
-    assert format_of("mixtral", MIXTRAL) == format_of("olmoe", OLMOE) == "plain"
+    assert format_of("mixtral", MIXTRAL) == format_of("mixtral", MIXTRAL_V1) == format_of("olmoe", OLMOE) == "plain"
     assert format_of("glm4_moe", None) == "glm45" and format_of("qwen3_5_moe", "") == "qwen3_coder"
     assert format_of("something_new", MIXTRAL) == "qwen3" and set(FORMATS) >= {"qwen3", "qwen3_coder", "glm45", "plain"}
     with pytest.raises(KeyError, match="glm45"):
