@@ -210,6 +210,38 @@ def test_replies_parse_the_same_in_any_pieces(fmt, reply, starts):
             [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
 
 
+XML_PIECES = {
+    "glm45": ["<think>", "</think>", "<tool_call>", "</tool_call>", "get_weather", "get_time", "<arg_key>", "</arg_key>",
+              "<arg_value>", "</arg_value>", "city", "3", '{"t": 1}', "\n", " ", "<", "</", "<tool", "x", "é"],
+    "qwen3_coder": ["<think>", "</think>", "<tool_call>", "</tool_call>", "<function=get_weather>", "<function=",
+                    "</function>", "<parameter=city>", "<parameter=days>", "</parameter>", "3", "Paris", "\n", " ",
+                    "<", "</", "<tool", "x", "é"],
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(XML_PIECES))
+def test_any_text_parses_the_same_streamed(fmt):
+    """Whatever the model writes, in whatever pieces: the same message, and the deltas add up to it."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    @settings(deadline=None, max_examples=150)
+    @given(parts=st.lists(st.sampled_from(XML_PIECES[fmt]), max_size=16), cuts=st.lists(st.integers(0, 200), max_size=8),
+           starts=st.booleans())
+    def check(parts, cuts, starts):
+        text = "".join(parts)
+        bounds = [0, *sorted({c % (len(text) + 1) for c in cuts}), len(text)]
+        whole, _ = _run(fmt, [text], tools=TOOLS, starts_in_reasoning=starts)
+        msg, joined = _run(fmt, [text[a:b] for a, b in zip(bounds, bounds[1:])], tools=TOOLS,
+                           starts_in_reasoning=starts)
+        assert msg == whole
+        assert joined["content"] == (whole["content"] or "") and joined["reasoning"] == whole.get("reasoning_content", "")
+        assert [(c["name"], c["arguments"]) for c in joined["calls"].values()] == \
+            [(c["function"]["name"], c["function"]["arguments"]) for c in whole.get("tool_calls", [])]
+
+    check()
+
+
 def test_values_follow_the_schema():
     """GLM: a string-typed parameter stays text, others are JSON where they parse. Qwen3-Coder:
     text unless the schema types it otherwise; a value that will not parse stays text."""
