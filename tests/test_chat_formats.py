@@ -343,8 +343,38 @@ def test_the_server_reads_its_format(served_format, monkeypatch):
         assert [(b.name, b.input) for b in final.content[2:]] == EXPECTED_CALLS and final.stop_reason == "tool_use"
 
 
-def test_forced_tool_choice_is_refused_for_an_xml_format(served_format):
-    _, _, served = served_format
-    status, body = served.raw("POST", "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "required"})
-    assert status == 400 and body["error"]["param"] == "tool_choice"
+def test_a_forced_tool_call_is_written_in_the_format(served_format):
+    """tool_choice "required" / a named function: the grammar makes the model (random weights,
+    left to itself) write calls in the vault's format, which parse into valid arguments."""
+    pytest.importorskip("llguidance")
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt, _, served = served_format
+    tools = [{"type": "function", "function": dict(
+        WEATHER["function"], parameters={"type": "object", "required": ["city", "days"], "properties": {
+            "city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 9},
+            "metric": {"type": "boolean"}}})}, TOOLS[1]]
+    msgs = [{"role": "user", "content": "weather?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        for seed in range(2):
+            r = served.client.chat.completions.create(  # no thinking: straight to the call
+                model="tiny", messages=msgs, tools=tools, tool_choice=choice, max_tokens=MAX, temperature=1.0,
+                seed=seed, parallel_tool_calls=False, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+            c = r.choices[0]
+            assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c.message
+            call = c.message.tool_calls[0].function
+            schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.name)
+            jsonschema.validate(json.loads(call.arguments), schema)
+            if isinstance(choice, dict):
+                assert call.name == "get_weather"
+
+
+def test_forced_tool_choice_is_refused_where_the_format_has_no_calls(tiny_vault, tmp_path_factory):
+    pytest.importorskip("uvicorn")
+    served = _served(tiny_vault, tmp_path_factory, MIXTRAL)
+    try:
+        served.server.chat_format = format_of("mixtral", MIXTRAL)  # the tiny vault's own model_type is Qwen3's
+        status, body = served.raw("POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "tool_choice": "required"})
+        assert status == 400 and body["error"]["param"] == "tool_choice"
+    finally:
+        served.close()

@@ -49,7 +49,7 @@ from ..textgen import render_chat, token_text
 from ..textgen.formats import format_of
 from ..tokenizer import _token_text
 from . import anthropic, page
-from .grammar import Grammars
+from .grammar import CALL_FORMATS, Grammars
 from .scheduler import Job, Scheduler
 from .schemas import _bool, _is_ids, _type_error
 from .schemas import APIError, GenerationRequest, parse_chat, parse_completion
@@ -166,15 +166,16 @@ class Server:
                 rk = r if k == 0 else dataclasses.replace(
                     r, sampling=dataclasses.replace(r.sampling, seed=(r.sampling.seed + k) % 2 ** 64))
                 constraint = None  # each choice its own grammar state
-                if req.tool_choice is not None and self.chat_format != "qwen3":
-                    raise APIError(400, f"tool_choice {req.tool_choice!r:.60} is enforced only for models that "
-                                        f"write Qwen3's JSON tool calls; this one writes the {self.chat_format!r} "
-                                        "format: leave tool_choice to 'auto'", param="tool_choice",
+                if req.tool_choice is not None and self.chat_format not in CALL_FORMATS:
+                    raise APIError(400, f"tool_choice {req.tool_choice!r:.60} cannot be enforced: this model's "
+                                        f"chat format ({self.chat_format!r}) has no tool-call syntax pysmoe can "
+                                        "force; leave tool_choice to 'auto'", param="tool_choice",
                                    code="unsupported_value")
                 if req.response_format is not None or req.tool_choice is not None:
                     constraint = await loop.run_in_executor(None, functools.partial(
                         self.grammars.constraint, req.response_format, req.tools, req.tool_choice,
-                        starts_in_reasoning=starts_in_reasoning, parallel=req.parallel_tool_calls))
+                        starts_in_reasoning=starts_in_reasoning, parallel=req.parallel_tool_calls,
+                        call_format=self.chat_format))
                 text = RequestText(rk, self.tokenizer, ids, context=self.context,
                                    starts_in_reasoning=starts_in_reasoning, index=len(choices), constraint=constraint,
                                    fmt=self.chat_format)
