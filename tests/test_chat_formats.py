@@ -36,7 +36,8 @@ QWEN36 = (DATA / "qwen3_6_moe_chat_template.jinja").read_text(encoding="utf-8")
 QWEN3 = (DATA / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
 MIXTRAL = (DATA / "mixtral_chat_template.jinja").read_text(encoding="utf-8")
 # Mixtral-8x7B-Instruct-v0.1's first template (before the one above, which added the system message)
-MIXTRAL_V1 = ("{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+MIXTRAL_V1 = ("{{ bos_token }}{% for message in messages %}"
+              "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
               "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
               "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}"
@@ -127,8 +128,10 @@ def test_mixtral_and_olmoe_render_as_transformers(tok_json, kw):
 def test_render_chat_takes_openai_arguments_for_each_template(tok_json):
     """The API sends arguments as a JSON string: render_chat gives the templates the object they
     iterate (GLM's `.items()`, Qwen3.5's `|items`), as transformers' own callers must."""
-    as_api = [dict(m, tool_calls=[dict(c, function=dict(c["function"], arguments=json.dumps(c["function"]["arguments"])))
-                                  for c in m["tool_calls"]]) if m.get("tool_calls") else m for m in CONVERSATION]
+    def as_string(c):
+        return dict(c, function=dict(c["function"], arguments=json.dumps(c["function"]["arguments"])))
+    as_api = [dict(m, tool_calls=[as_string(c) for c in m["tool_calls"]]) if m.get("tool_calls") else m
+              for m in CONVERSATION]
     for template in (GLM, QWEN35, QWEN36):
         tok = Tokenizer(tok_json, {"chat_template": template, **SPECIAL})
         ours = render_chat(tok, as_api, tools=TOOLS).text
@@ -211,8 +214,9 @@ def test_replies_parse_the_same_in_any_pieces(fmt, reply, starts):
 
 
 XML_PIECES = {
-    "glm45": ["<think>", "</think>", "<tool_call>", "</tool_call>", "get_weather", "get_time", "<arg_key>", "</arg_key>",
-              "<arg_value>", "</arg_value>", "city", "3", '{"t": 1}', "\n", " ", "<", "</", "<tool", "x", "é"],
+    "glm45": ["<think>", "</think>", "<tool_call>", "</tool_call>", "get_weather", "get_time", "<arg_key>",
+              "</arg_key>", "<arg_value>", "</arg_value>", "city", "3", '{"t": 1}', "\n", " ", "<", "</", "<tool", "x",
+              "é"],
     "qwen3_coder": ["<think>", "</think>", "<tool_call>", "</tool_call>", "<function=get_weather>", "<function=",
                     "</function>", "<parameter=city>", "<parameter=days>", "</parameter>", "3", "Paris", "\n", " ",
                     "<", "</", "<tool", "x", "é"],
@@ -226,8 +230,8 @@ def test_any_text_parses_the_same_streamed(fmt):
     from hypothesis import strategies as st
 
     @settings(deadline=None, max_examples=150)
-    @given(parts=st.lists(st.sampled_from(XML_PIECES[fmt]), max_size=16), cuts=st.lists(st.integers(0, 200), max_size=8),
-           starts=st.booleans())
+    @given(parts=st.lists(st.sampled_from(XML_PIECES[fmt]), max_size=16),
+           cuts=st.lists(st.integers(0, 200), max_size=8), starts=st.booleans())
     def check(parts, cuts, starts):
         text = "".join(parts)
         bounds = [0, *sorted({c % (len(text) + 1) for c in cuts}), len(text)]
@@ -235,7 +239,8 @@ def test_any_text_parses_the_same_streamed(fmt):
         msg, joined = _run(fmt, [text[a:b] for a, b in zip(bounds, bounds[1:])], tools=TOOLS,
                            starts_in_reasoning=starts)
         assert msg == whole
-        assert joined["content"] == (whole["content"] or "") and joined["reasoning"] == whole.get("reasoning_content", "")
+        assert joined["content"] == (whole["content"] or "")
+        assert joined["reasoning"] == whole.get("reasoning_content", "")
         assert [(c["name"], c["arguments"]) for c in joined["calls"].values()] == \
             [(c["function"]["name"], c["function"]["arguments"]) for c in whole.get("tool_calls", [])]
 

@@ -87,7 +87,8 @@ def _xml_calls(tools: list[dict], call_format: str) -> str:
             schema = schema if isinstance(schema, dict) else {}
             if schema.get("type") == "string":
                 n = schema.get("maxLength")
-                rules.append(f"v{i}_{j}: /[^<]{{0,{int(n)}}}/" if isinstance(n, int) and n >= 0 else f"v{i}_{j}: /[^<]*/")
+                bound = f"{{0,{n}}}" if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else "*"
+                rules.append(f"v{i}_{j}: /[^<]{bound}/")
             else:
                 rules.append(f"v{i}_{j}: %json {json.dumps(_with_style(schema))}")
             if call_format == "glm45":
