@@ -1,5 +1,5 @@
 """Text generation without HTTP: sampling settings, detokenizing, stop strings, chat prompts and
-Qwen3's reasoning and tool calls — the one implementation that `run`, `chat` and the server share.
+each family's reasoning and tool calls — the one implementation that `run`, `chat` and the server share.
 
 There is one sampler, the engine's (csrc/engine/sample.c; smoe.h, "sampler"): the session draws
 every id, here as in Session.generate, so the same seed and settings give the same ids from
@@ -36,7 +36,8 @@ How a server loop uses them (one request; the batcher does this for each in its 
     params = SamplingParams(temperature=body.temperature, ..., stop=body.stop)   # 400 on ValueError
     prompt = render_chat(tok, body.messages, tools=body.tools,
                          chat_template_kwargs=body.chat_template_kwargs)
-    gen = Generation(tok, params, prompt.ids, chat=True, tools=bool(body.tools),
+    fmt = format_of(vault.config.get("model_type"), tok.chat_template)   # once per vault
+    gen = Generation(tok, params, prompt.ids, chat=True, tools=body.tools or [], fmt=fmt,
                      starts_in_reasoning=prompt.starts_in_reasoning,
                      room=session.context - session.position - len(prompt.ids) + 1)
     session.set_sampler(**params.sampler_kwargs())
