@@ -6,6 +6,9 @@ The templates (tests/data/):
   glm4_moe_chat_template.jinja     GLM-4.5 / Air: the chat_template that zai-org's GLM-4.5-Air
                                    tokenizer_config carries, as llama-server printed it from a GGUF
                                    converted from that release (two independent logs, same text)
+  glm4_6_chat_template.jinja       GLM-4.6: llama.cpp's copy (models/templates/GLM-4.6.jinja),
+                                   rebuilt here from GLM-4.5's by its two differences (the user
+                                   turn, `tc.arguments or {}`); the length matches the copy's
   qwen3_5_moe_chat_template.jinja  Qwen3.5-35B-A3B: mlx-community's copy of the published
                                    chat_template.jinja, byte for byte (sha256 a4aee8af…f715)
   qwen3_6_moe_chat_template.jinja  Qwen3.6-35B-A3B: from a secondary copy (a llama-server /props
@@ -31,6 +34,7 @@ from pysmoe.tokenizer import Tokenizer, build_synthetic_tokenizer
 
 DATA = pathlib.Path(__file__).parent / "data"
 GLM = (DATA / "glm4_moe_chat_template.jinja").read_text(encoding="utf-8")
+GLM46 = (DATA / "glm4_6_chat_template.jinja").read_text(encoding="utf-8")
 QWEN35 = (DATA / "qwen3_5_moe_chat_template.jinja").read_text(encoding="utf-8")
 QWEN36 = (DATA / "qwen3_6_moe_chat_template.jinja").read_text(encoding="utf-8")
 QWEN3 = (DATA / "qwen3_chat_template.jinja").read_text(encoding="utf-8")
@@ -96,7 +100,8 @@ RENDER_KW = [dict(), dict(add_generation_prompt=False), dict(tools=TOOLS), dict(
 
 
 @pytest.mark.parametrize("kw", RENDER_KW)
-@pytest.mark.parametrize("name, template", [("glm45", GLM), ("qwen3.5", QWEN35), ("qwen3.6", QWEN36)])
+@pytest.mark.parametrize("name, template", [("glm45", GLM), ("glm45", GLM46), ("qwen3.5", QWEN35),
+                                            ("qwen3.6", QWEN36)], ids=["glm4.5", "glm4.6", "qwen3.5", "qwen3.6"])
 def test_thinking_templates_render_as_transformers(tok_json, name, template, kw):
     ours, theirs = _both(tok_json, template, CONVERSATION, **kw)
     assert ours == theirs
@@ -132,7 +137,7 @@ def test_render_chat_takes_openai_arguments_for_each_template(tok_json):
         return dict(c, function=dict(c["function"], arguments=json.dumps(c["function"]["arguments"])))
     as_api = [dict(m, tool_calls=[as_string(c) for c in m["tool_calls"]]) if m.get("tool_calls") else m
               for m in CONVERSATION]
-    for template in (GLM, QWEN35, QWEN36):
+    for template in (GLM, GLM46, QWEN35, QWEN36):
         tok = Tokenizer(tok_json, {"chat_template": template, **SPECIAL})
         ours = render_chat(tok, as_api, tools=TOOLS).text
         assert ours == _both(tok_json, template, CONVERSATION, tools=TOOLS)[0]
@@ -159,7 +164,7 @@ def test_the_prompt_leaves_qwen35_inside_think_and_glm_not(tok_json):
 
 def test_the_template_picks_the_format_then_the_family():
     assert format_of("qwen3_moe", GLM) == "glm45"
-    assert format_of("glm4_moe", GLM) == "glm45"
+    assert format_of("glm4_moe", GLM) == format_of("glm4_moe", GLM46) == "glm45"
     assert format_of("qwen3_5_moe", QWEN35) == format_of(None, QWEN36) == "qwen3_coder"
     assert format_of("qwen3_next", QWEN3) == "qwen3"
     assert format_of("mixtral", MIXTRAL) == format_of("mixtral", MIXTRAL_V1) == format_of("olmoe", OLMOE) == "plain"
