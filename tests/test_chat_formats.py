@@ -289,6 +289,29 @@ def test_without_tools_the_tags_are_text_and_plain_reads_everything_as_content()
     assert msg == {"role": "assistant", "content": "<think>not reasoning</think> <tool_call>get_time</tool_call>"}
 
 
+def test_glm_tags_that_are_special_tokens_still_reach_the_parser(tok_json):
+    """GLM's tokenizer has its tags as added tokens; the detokenizer keeps them (text.KEEP_TAGS)
+    while it hides the other special tokens, so a Generation reads the call from the ids."""
+    from tokenizers import Tokenizer as HFTok
+
+    from pysmoe.textgen import Generation, SamplingParams
+    hf = HFTok.from_str(tok_json)
+    hf.add_special_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>",
+                           "<arg_value>", "</arg_value>", "<|observation|>"])
+    tok = Tokenizer(hf.to_str(), {"chat_template": GLM, **SPECIAL})
+    ids = tok.encode(GLM_REPLY + "<|observation|>")
+    assert tok.token_to_id("<arg_key>") in ids
+    gen = Generation(tok, SamplingParams(max_tokens=len(ids) + 1), [1], chat=True, tools=TOOLS, chat_format="glm45",
+                     eos_ids=[tok.token_to_id("<|observation|>")])  # GLM's generation_config lists it
+    for i in ids:
+        step = gen.push(i)
+    assert step.finish_reason == "tool_calls"
+    msg = gen.message()
+    assert (msg["reasoning_content"], msg["content"]) == ("The user wants weather.", "Let me look.")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+        EXPECTED_CALLS
+
+
 # ---------------------------------------------------------------------------------- the server
 
 MAX = 300  # the scripted reply (about 200 tokens of the tiny vault's small vocabulary) and its end

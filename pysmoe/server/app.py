@@ -178,7 +178,7 @@ class Server:
                         call_format=self.chat_format))
                 text = RequestText(rk, self.tokenizer, ids, context=self.context,
                                    starts_in_reasoning=starts_in_reasoning, index=len(choices), constraint=constraint,
-                                   fmt=self.chat_format)
+                                   chat_format=self.chat_format)
                 job = Job(ids, text, emitter(len(choices)))
                 if prev is None:
                     first.append(job)

@@ -27,7 +27,8 @@ from .schemas import GenerationRequest
 
 class RequestText:
     def __init__(self, req: GenerationRequest, tokenizer, prompt_ids: list[int], *, context: int,
-                 starts_in_reasoning: bool = False, index: int = 0, constraint=None, fmt: str = "qwen3"):
+                 starts_in_reasoning: bool = False, index: int = 0, constraint=None,
+                 chat_format: str = "qwen3"):
         self.req, self.tok = req, tokenizer
         self.index = index         # the choice's index in the answer
         self.prompt_ids = list(prompt_ids)
@@ -37,7 +38,7 @@ class RequestText:
         self.chat = req.kind == "chat"
         self.gen = Generation(tokenizer, req.sampling, prompt_ids, chat=self.chat, tools=list(req.tools or []),
                               starts_in_reasoning=starts_in_reasoning, eos_ids=() if req.ignore_eos else None,
-                              room=context - len(prompt_ids) + 1, fmt=fmt)
+                              room=context - len(prompt_ids) + 1, chat_format=chat_format)
         self.logprobs: list = []   # every token's TokenLogprob, for the non-streamed answer
         self.offset = 0            # completions' text_offset
 

@@ -28,7 +28,7 @@ Public names
   Detokenizer, StopMatcher, Qwen3Parser   the stages, usable alone.
   FORMATS, format_of, make_parser   the output formats (formats.py): a format's name → its parser
                    class (qwen3, qwen3_coder, glm45, plain); format_of(model_type, template)
-                   picks a vault's; Generation(..., fmt=name) parses chat replies with it.
+                   picks a vault's; Generation(..., chat_format=name) parses chat replies with it.
   token_text       (tokenizer, id) -> (text, bytes) as OpenAI's logprobs entries spell a token.
 
 How a server loop uses them (one request; the batcher does this for each in its batch):
@@ -37,7 +37,7 @@ How a server loop uses them (one request; the batcher does this for each in its 
     prompt = render_chat(tok, body.messages, tools=body.tools,
                          chat_template_kwargs=body.chat_template_kwargs)
     fmt = format_of(vault.config.get("model_type"), tok.chat_template)   # once per vault
-    gen = Generation(tok, params, prompt.ids, chat=True, tools=body.tools or [], fmt=fmt,
+    gen = Generation(tok, params, prompt.ids, chat=True, tools=body.tools or [], chat_format=fmt,
                      starts_in_reasoning=prompt.starts_in_reasoning,
                      room=session.context - session.position - len(prompt.ids) + 1)
     session.set_sampler(**params.sampler_kwargs())

@@ -1,6 +1,7 @@
 """Output formats: which parser reads a chat reply into reasoning, content and tool calls.
 
-FORMATS maps a format's name to its parser class. Every parser has Qwen3Parser's shape:
+FORMATS maps a format's name to its parser class (or any factory called with the keywords
+reasoning, tools and starts_in_reasoning). Every parser has Qwen3Parser's shape:
 
     Parser(reasoning=True, tools=False | True | [tools], starts_in_reasoning=False)
     .feed(text) -> MessageDelta     .finish() -> MessageDelta     .message() -> dict
@@ -15,8 +16,9 @@ FORMATS maps a format's name to its parser class. Every parser has Qwen3Parser's
     "plain"        Mixtral-Instruct, OLMoE-Instruct: no reasoning, no tool-call syntax: the
                    reply is content
 
-Another family's parser plugs in with register(name, cls) (gpt-oss's harmony parser, say) and
-a rule in format_of.
+Another family's parser plugs in with register(name, factory) (gpt-oss's harmony parser, say:
+register("harmony", lambda reasoning, tools, starts_in_reasoning: HarmonyParser(tools=tools),
+model_types=("gpt_oss",))) and, if its template says so, a rule in format_of.
 
 format_of(model_type, template) picks the name. The template decides first, because it is what
 taught the model how to write a call (a Qwen3-Next vault whose template teaches the XML form
@@ -38,7 +40,7 @@ class PlainParser(Qwen3Parser):
         super().__init__(reasoning=False, tools=False, starts_in_reasoning=False, **kw)
 
 
-FORMATS: dict[str, type] = {
+FORMATS: dict = {
     "qwen3": Qwen3Parser,
     "qwen3_coder": Qwen3CoderParser,
     "glm45": Glm45Parser,
@@ -59,8 +61,9 @@ FAMILY_FORMATS: dict[str, str] = {
 DEFAULT_FORMAT = "qwen3"
 
 
-def register(name: str, parser: type, *, model_types: tuple[str, ...] = ()) -> None:
-    """Add a format (and the model_types it is the default of)."""
+def register(name: str, parser, *, model_types: tuple[str, ...] = ()) -> None:
+    """Add a format (and the model_types it is the default of). parser: a class or factory taking
+    the keywords reasoning, tools and starts_in_reasoning."""
     FORMATS[name] = parser
     for t in model_types:
         FAMILY_FORMATS[t] = name

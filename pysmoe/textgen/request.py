@@ -87,7 +87,7 @@ class Generation:
 
     tokenizer: the vault's (pysmoe.tokenizer.Tokenizer); params: SamplingParams; prompt_ids:
     what will be fed before the first generated id. chat: parse the reasoning (and tool calls
-    when tools is true, or the request's tools list) out of the text, in output format fmt
+    when tools is true, or the request's tools list) out of the text, in output format chat_format
     (a name of pysmoe.textgen.formats.FORMATS: "qwen3", "qwen3_coder", "glm45", "plain", ...);
     starts_in_reasoning: the prompt left the model inside <think> (ChatPrompt.starts_in_reasoning).
     eos_ids: ids that end generation besides params.stop_token_ids (default: the tokenizer's).
@@ -96,7 +96,7 @@ class Generation:
 
     def __init__(self, tokenizer, params: SamplingParams, prompt_ids: Sequence[int], *, chat: bool = False,
                  tools=False, starts_in_reasoning: bool = False, eos_ids: Iterable[int] | None = None,
-                 room: int | None = None, fmt: str = DEFAULT_FORMAT):
+                 room: int | None = None, chat_format: str = DEFAULT_FORMAT):
         self.tok, self.params = tokenizer, params
         self.prompt_tokens = len(prompt_ids)
         eos = tokenizer.eos_ids if eos_ids is None and tokenizer is not None else (eos_ids or ())
@@ -107,7 +107,7 @@ class Generation:
         self.limit = limit
         self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(params.stop)
-        self.parser = make_parser(fmt, reasoning=True, tools=tools, starts_in_reasoning=starts_in_reasoning) \
+        self.parser = make_parser(chat_format, reasoning=True, tools=tools, starts_in_reasoning=starts_in_reasoning) \
             if chat else None
         self.tokens: list[int] = []
         self.text = ""               # what was shown, for completions (stop strings removed)
