@@ -86,7 +86,7 @@ def open_server(args, log=sys.stderr):
     server = Server(sched, vault.tokenizer, model=model, vocab_size=vault.config["vocab_size"], context=context,
                     api_key=args.api_key, max_request_bytes=args.max_request_kb * 1024,
                     max_tokens_limit=args.max_tokens_limit, aliases=getattr(args, "alias", None) or (),
-                    request_timeout=_request_timeout(args))
+                    request_timeout=_request_timeout(args), model_type=vault.config.get("model_type"))
     return vault, pool, sched, server
 
 

@@ -2,8 +2,8 @@
 POST /v1/messages/count_tokens), for clients and agents that speak it.
 
 A request becomes the same GenerationRequest the OpenAI chat route builds, so it is rendered
-through the vault's chat template, batched, sampled and parsed (Qwen3's <think> reasoning and
-<tool_call> blocks) exactly as /v1/chat/completions does. What maps onto what:
+through the vault's chat template, batched, sampled and parsed (<think> reasoning and tool calls,
+in the vault's chat format: pysmoe.textgen.formats) exactly as /v1/chat/completions does. What maps onto what:
 
     system (string or text blocks)          a system message
     messages[].content: text blocks         the message's text

@@ -56,9 +56,10 @@ from starlette.routing import Route
 
 from ..errors import BadToken, ContextFull, InvalidArgument
 from ..textgen import render_chat, token_text
+from ..textgen.formats import format_of
 from ..tokenizer import _token_text
 from . import anthropic, page
-from .grammar import Grammars
+from .grammar import CALL_FORMATS, Grammars
 from .scheduler import Job, Scheduler
 from .schemas import _bool, _is_ids, _type_error
 from .schemas import APIError, GenerationRequest, parse_chat, parse_completion
@@ -75,12 +76,14 @@ class Server:
 
     def __init__(self, scheduler: Scheduler, tokenizer, *, model: str, vocab_size: int, context: int,
                  api_key: str | None = None, max_request_bytes: int = 1 << 20, max_tokens_limit: int = 4096,
-                 aliases=(), request_timeout: float = 30.0):
+                 aliases=(), request_timeout: float = 30.0, model_type: str | None = None):
         if api_key == "":
             raise ValueError("an empty API key would let 'Authorization: Bearer' with nothing after it in: "
                              "give a key, or None for none")
         self.scheduler = scheduler
         self.tokenizer = tokenizer
+        # how replies are read (reasoning, tool calls): the vault's family and its template say
+        self.chat_format = format_of(model_type, tokenizer.chat_template if tokenizer is not None else None)
         self.model = model
         self.aliases = tuple(a for a in aliases if a != model)
         self.vocab_size = vocab_size
@@ -220,12 +223,19 @@ class Server:
                 rk = r if k == 0 else dataclasses.replace(
                     r, sampling=dataclasses.replace(r.sampling, seed=(r.sampling.seed + k) % 2 ** 64))
                 constraint = None  # each choice its own grammar state
+                if req.tool_choice is not None and self.chat_format not in CALL_FORMATS:
+                    raise APIError(400, f"tool_choice {req.tool_choice!r:.60} cannot be enforced: this model's "
+                                        f"chat format ({self.chat_format!r}) has no tool-call syntax pysmoe can "
+                                        "force; leave tool_choice to 'auto'", param="tool_choice",
+                                   code="unsupported_value")
                 if req.response_format is not None or req.tool_choice is not None:
                     constraint = await loop.run_in_executor(None, functools.partial(
                         self.grammars.constraint, req.response_format, req.tools, req.tool_choice,
-                        starts_in_reasoning=starts_in_reasoning, parallel=req.parallel_tool_calls))
+                        starts_in_reasoning=starts_in_reasoning, parallel=req.parallel_tool_calls,
+                        call_format=self.chat_format))
                 text = RequestText(rk, self.tokenizer, ids, context=self.context,
-                                   starts_in_reasoning=starts_in_reasoning, index=len(choices), constraint=constraint)
+                                   starts_in_reasoning=starts_in_reasoning, index=len(choices), constraint=constraint,
+                                   chat_format=self.chat_format)
                 job = Job(ids, text, emitter(len(choices)))
                 if prev is None:
                     first.append(job)

@@ -21,9 +21,11 @@ is therefore valid; one cut by max_tokens (finish_reason "length") may not be, a
 The model may reason first: a prompt that leaves it inside <think> (or a vocabulary that has a
 <think> token) lets the grammar take a reasoning block, which ends at </think>, before the
 constrained part; the reasoning is sent apart as usual (reasoning_content, thinking blocks).
-A tool call is written the way Qwen3's template teaches (and textgen's Qwen3Parser reads):
-<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>, its arguments valid under the
-tool's `parameters`.
+A tool call is written the way the vault's template teaches (and its output format's parser,
+pysmoe.textgen.formats, reads): Qwen3's <tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>,
+its arguments valid under the tool's `parameters`; or GLM-4.5's and Qwen3-Coder's XML, each
+parameter in its tags, the required ones always, in the schema's order, a "string" parameter as
+text without "<" and any other as JSON valid under its schema.
 
 JSON is written with fixed separators (", " and ": ") and no free whitespace, so a model cannot
 pad a reply with blank lines until max_tokens. An object schema that lists its properties and says
@@ -69,11 +71,50 @@ def _call_schema(tool: dict) -> dict:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
+def _xml_calls(tools: list[dict], call_format: str) -> str:
+    """The rules `call` of the XML call formats (pysmoe/textgen/xmlcalls.py): the tool's name,
+    then its parameters in the schema's order, the required ones always, the others optionally;
+    a parameter typed "string" is text without "<" (at most maxLength characters), any other is
+    JSON valid under its schema."""
+    rules, calls = [], []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        params = fn.get("parameters") if isinstance(fn.get("parameters"), dict) else {}
+        props = params.get("properties") if isinstance(params.get("properties"), dict) else {}
+        required = set(params.get("required") or ())
+        parts = []
+        for j, (key, schema) in enumerate(props.items()):
+            schema = schema if isinstance(schema, dict) else {}
+            if schema.get("type") == "string":
+                n = schema.get("maxLength")
+                bound = f"{{0,{n}}}" if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else "*"
+                rules.append(f"v{i}_{j}: /[^<]{bound}/")
+            else:
+                rules.append(f"v{i}_{j}: %json {json.dumps(_with_style(schema))}")
+            if call_format == "glm45":
+                arg = f'"<arg_key>" {json.dumps(key)} "</arg_key>\\n<arg_value>" v{i}_{j} "</arg_value>\\n"'
+            else:
+                arg = f'"<parameter=" {json.dumps(key)} ">\\n" v{i}_{j} "\\n</parameter>\\n"'
+            parts.append(arg if key in required else f"({arg})?")
+        body = " ".join(parts) or '""'
+        if call_format == "glm45":
+            rules.append(f'call{i}: "<tool_call>" {json.dumps(fn["name"])} "\\n" {body} "</tool_call>"')
+        else:
+            rules.append(f'call{i}: "<tool_call>\\n<function=" {json.dumps(fn["name"])} ">\\n" {body} '
+                         f'"</function>\\n</tool_call>"')
+        calls.append(f"call{i}")
+    return f"call: {' | '.join(calls)}\n" + "\n".join(rules) + "\n"
+
+
+CALL_FORMATS = ("qwen3", "glm45", "qwen3_coder")  # the output formats whose calls a grammar can force
+
+
 def grammar_text(response_format: dict | None, tools: list[dict] | None, tool_choice, *,
-                 reasoning: str, parallel: bool = True) -> str | None:
+                 reasoning: str, parallel: bool = True, call_format: str = "qwen3") -> str | None:
     """The Lark grammar (llguidance's dialect) of a request, or None when it is unconstrained.
     reasoning: "open" (the prompt left the model inside <think>), "optional" (it may open one),
-    or "none"."""
+    or "none". call_format: how the model writes a tool call (one of CALL_FORMATS: Qwen3's JSON,
+    or the XML of GLM-4.5 or Qwen3-Coder)."""
     if isinstance(tool_choice, dict) or tool_choice == "required":
         if not tools:
             raise APIError(400, "tool_choice requires tools", param="tool_choice")
@@ -83,13 +124,15 @@ def grammar_text(response_format: dict | None, tools: list[dict] | None, tool_ch
             if not chosen:
                 raise APIError(400, f"tool_choice names {name!r}, which is not among the tools",
                                param="tool_choice", code="invalid_value")
-            schemas = [_call_schema(chosen[0])]
-        else:
+            tools = chosen[:1]
+        body = "body: call" + (" (\"\\n\" call)*" if tool_choice == "required" and parallel else "") + "\n"
+        if call_format == "qwen3":
             schemas = [_call_schema(t) for t in tools]
-        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        body = "body: call" + (" (\"\\n\" call)*" if tool_choice == "required" and parallel else "") + "\n" \
-               "call: \"<tool_call>\\n\" call_json \"\\n</tool_call>\"\n" \
-               f"call_json: %json {json.dumps(_with_style(schema))}\n"
+            schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+            body += "call: \"<tool_call>\\n\" call_json \"\\n</tool_call>\"\n" \
+                    f"call_json: %json {json.dumps(_with_style(schema))}\n"
+        else:
+            body += _xml_calls(tools, call_format)
     elif response_format is not None and response_format.get("type") in ("json_object", "json_schema"):
         if response_format["type"] == "json_object":
             schema = {"type": "object"}
@@ -137,11 +180,12 @@ class Grammars:
         return self.tokenizer.token_to_id("<think>") is not None
 
     def constraint(self, response_format, tools, tool_choice, *, starts_in_reasoning: bool,
-                   parallel: bool = True) -> "Constraint | None":
+                   parallel: bool = True, call_format: str = "qwen3") -> "Constraint | None":
         """The request's Constraint, or None. APIError 400 for a schema llguidance cannot
         compile, or where llguidance is not installed (the message says what to install)."""
         reasoning = "open" if starts_in_reasoning else "optional" if self.has_think_token else "none"
-        text = grammar_text(response_format, tools, tool_choice, reasoning=reasoning, parallel=parallel)
+        text = grammar_text(response_format, tools, tool_choice, reasoning=reasoning, parallel=parallel,
+                            call_format=call_format)
         if text is None:
             return None
         try:

@@ -1,5 +1,6 @@
 """A request's text side, as the scheduler and the routes see it: pysmoe.textgen's Generation
-(stop strings, detokenisation, Qwen3's reasoning and tool calls — shared with run and chat) plus
+(stop strings, detokenisation, the reasoning and tool calls of the vault's output format —
+pysmoe.textgen.formats — shared with run and chat) plus
 the shapes of OpenAI's choices. It samples nothing: the request's session draws every id with the
 engine's sampler, set from sampler_kwargs() (the scheduler does it when the job starts).
 
@@ -26,7 +27,8 @@ from .schemas import GenerationRequest
 
 class RequestText:
     def __init__(self, req: GenerationRequest, tokenizer, prompt_ids: list[int], *, context: int,
-                 starts_in_reasoning: bool = False, index: int = 0, constraint=None):
+                 starts_in_reasoning: bool = False, index: int = 0, constraint=None,
+                 chat_format: str = "qwen3"):
         self.req, self.tok = req, tokenizer
         self.index = index         # the choice's index in the answer
         self.prompt_ids = list(prompt_ids)
@@ -34,9 +36,9 @@ class RequestText:
         self._rows: list[TokenLogprob] = []  # those computed so far (the prefill comes in chunks)
         self.constraint = constraint  # server.grammar.Constraint or None
         self.chat = req.kind == "chat"
-        self.gen = Generation(tokenizer, req.sampling, prompt_ids, chat=self.chat, tools=bool(req.tools),
+        self.gen = Generation(tokenizer, req.sampling, prompt_ids, chat=self.chat, tools=list(req.tools or []),
                               starts_in_reasoning=starts_in_reasoning, eos_ids=() if req.ignore_eos else None,
-                              room=context - len(prompt_ids) + 1)
+                              room=context - len(prompt_ids) + 1, chat_format=chat_format)
         self.logprobs: list = []   # every token's TokenLogprob, for the non-streamed answer
         self.offset = 0            # completions' text_offset
 

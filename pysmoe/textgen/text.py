@@ -17,13 +17,15 @@ from __future__ import annotations
 
 
 # Tags an output parser reads: kept even where a checkpoint marks them special tokens.
-KEEP_TAGS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>"})
+KEEP_TAGS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>",
+                       # GLM-4.5's call syntax (textgen/xmlcalls.py)
+                       "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"})
 
 
 class Detokenizer:
     """push(id) → the new text; flush() → what is still held (a character the ids never
     completed, as U+FFFD) at the end. Special tokens (<|im_end|>) show no text, except the
-    tags of KEEP_TAGS, which the Qwen3 parser needs to see."""
+    tags of KEEP_TAGS, which the output parsers need to see."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tok = tokenizer
