@@ -108,7 +108,7 @@ def test_f32_vault_matches_transformers(case):
 def test_layer_major_equals_token_serial(case):
     name, tmp, path, model, ids = case
     vault = tmp / "f32" if (tmp / "f32").exists() else convert_checkpoint(path, tmp / "f32", **F32)
-    q4 = convert_checkpoint(path, tmp / "q4", experts="q4", progress=False)
+    q4 = convert_checkpoint(path, tmp / "q4", experts="q4", dense="f32", progress=False)
     for v in (vault, q4):
         with pysmoe.open_vault(v) as vv:
             with vv.session(prefill="token-serial") as s:
