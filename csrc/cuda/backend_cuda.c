@@ -29,9 +29,17 @@ static smoe_status check_tensor(const uint8_t *dense, const smoe_tensor *T, cons
 }
 
 static smoe_status check_norm(const smoe_tensor *T, const char *what) {
-    if (T->format != SMOE_FMT_F32 && T->format != SMOE_FMT_BF16)
+    if (T && T->format != SMOE_FMT_F32 && T->format != SMOE_FMT_BF16)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s is stored as format %u; norms must be f32 or bf16", what,
                          T->format);
+    return SMOE_OK;
+}
+
+/* Bias vectors are added as f32 or bf16 (the router's correction as f32). */
+static smoe_status check_bias(const smoe_tensor *T, const char *what, bool f32_only) {
+    if (T && T->format != SMOE_FMT_F32 && (f32_only || T->format != SMOE_FMT_BF16))
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s is stored as format %u; it must be f32%s", what, T->format,
+                         f32_only ? "" : " or bf16");
     return SMOE_OK;
 }
 
@@ -43,12 +51,17 @@ static smoe_status check_layout(const smoe_layout *lay, const uint8_t *dense) {
         return st;
     for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++) {
         const smoe_layer_weights *L = &lay->layers[l];
-        const smoe_tensor *mats[] = {L->q, L->k, L->v, L->o, L->router, L->mlp_gate, L->mlp_up, L->mlp_down};
+        const smoe_tensor *mats[] = {L->q, L->k, L->v, L->o, L->router, L->mlp_gate, L->mlp_up, L->mlp_down,
+                                     L->shared_gate, L->shared_up, L->shared_down};
         for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++)
             if ((st = check_tensor(dense, mats[i], "a layer's matrix")) != SMOE_OK) return st;
         const smoe_tensor *norms[] = {L->input_norm, L->post_norm, L->q_norm, L->k_norm};
         for (size_t i = 0; i < 4; i++)
             if ((st = check_norm(norms[i], "a layer's norm")) != SMOE_OK) return st;
+        const smoe_tensor *biases[] = {L->q_bias, L->k_bias, L->v_bias, L->o_bias};
+        for (size_t i = 0; i < 4; i++)
+            if ((st = check_bias(biases[i], "an attention bias", false)) != SMOE_OK) return st;
+        if ((st = check_bias(L->router_bias, "router.bias", true)) != SMOE_OK) return st;
     }
     if (lay->cfg.num_sparse_layers > 0)
         for (int i = 0; i < 3; i++)
@@ -169,17 +182,20 @@ static smoe_status cuda_session_new(void *vsh, const smoe_be_session_params *p, 
     c->q_dim = cf->num_attention_heads * cf->head_dim;
     c->kv_dim = cf->num_key_value_heads * cf->head_dim;
     c->ffn = cf->intermediate_size > cf->moe_intermediate_size ? cf->intermediate_size : cf->moe_intermediate_size;
+    if (c->lay->mp.shared_intermediate > c->ffn) c->ffn = c->lay->mp.shared_intermediate;
+    c->rot = c->lay->mp.rotary_dim;
     c->a16_of = -1;
     for (uint32_t l = 0; l < cf->num_hidden_layers; l++) {
         const smoe_layer_weights *L = &c->lay->layers[l];
-        const smoe_tensor *mats[] = {L->q, L->k, L->v, L->o, L->router, L->mlp_gate, L->mlp_up, L->mlp_down};
+        const smoe_tensor *mats[] = {L->q, L->k, L->v, L->o, L->router, L->mlp_gate, L->mlp_up, L->mlp_down,
+                                     L->shared_gate, L->shared_up, L->shared_down};
         for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) c->any_tc |= mats[i] && smoe_cuda_tensor_cores(mats[i]);
     }
     for (int i = 0; i < 3 && cf->num_sparse_layers; i++) c->any_tc |= smoe_cuda_tensor_cores(&c->lay->expert[i]);
     smoe_status st;
 
     const size_t C = p->chunk, H = cf->hidden_size, E = cf->num_experts, K = cf->num_experts_per_tok;
-    const size_t L = cf->num_hidden_layers, half = cf->head_dim / 2, ffn = c->ffn, V = cf->vocab_size;
+    const size_t L = cf->num_hidden_layers, half = c->rot / 2, ffn = c->ffn, V = cf->vocab_size;
     const size_t kv = L * p->context * c->kv_dim * c->kv_elem; /* bytes */
     *kv_bytes = 2 * kv;
     const size_t R = SMOE_LOGIT_ROWS;
@@ -252,10 +268,13 @@ static smoe_status cuda_embed(void *b, uint32_t n) {
 }
 
 /* Norms write XN for products (q/k/v, the router, the experts, a dense MLP, lm_head); their f16
- * rows come in the same launch when the model has tensor-core products. */
+ * rows come in the same launch when the model has tensor-core products. A QK-norm over the whole
+ * projection (OLMoE) normalises Q or K rows in place, over the plane's width. */
 static smoe_status cuda_norm(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *w, uint32_t n) {
     cuda_state *c = b;
-    const uint32_t H = c->cfg->hidden_size;
+    const uint32_t H = smoe_cuda_plane_cols(c, src);
+    if (w->cols != H || smoe_cuda_plane_cols(c, dst) != H)
+        return smoe_fail(SMOE_ERR_INTERNAL, "cuda: norm: a weight of %u over rows of %u", w->cols, H);
     float *out = smoe_cuda_plane(c, dst);
     const float *x = smoe_cuda_plane(c, src);
     smoe_cuda_written(c, dst);
@@ -291,6 +310,9 @@ static smoe_status cuda_attend(void *b, uint32_t l, const smoe_tensor *q_norm, c
                                void *const *members) {
     cuda_state *c = b;
     const smoe_config *cf = c->cfg;
+    /* per-head QK-norm, or none (no such tensors, or a norm over the whole projection done before) */
+    const uint8_t *qn = q_norm ? smoe_cuda_dev(c, q_norm) : NULL, *kn = k_norm ? smoe_cuda_dev(c, k_norm) : NULL;
+    const uint8_t qf = q_norm ? q_norm->format : 0, kf = k_norm ? k_norm->format : 0;
     smoe_cuda_written(c, SMOE_PL_Q);
     smoe_cuda_written(c, SMOE_PL_K);
     smoe_cuda_written(c, SMOE_PL_ATT);
@@ -312,9 +334,8 @@ static smoe_status cuda_attend(void *b, uint32_t l, const smoe_tensor *q_norm, c
         smoe_cu_stream st = ns ? sh->as[t % ns] : sh->cs;
         CU(smoe_cu_qk_post(st, q, c->ks + (size_t)t * c->kv_dim, c->vs + (size_t)t * c->kv_dim,
                            o->k + layer_at, o->v + layer_at, o->kv_dtype, m, cf->num_attention_heads,
-                           cf->num_key_value_heads, cf->head_dim, smoe_cuda_dev(c, q_norm), q_norm->format,
-                           smoe_cuda_dev(c, k_norm), k_norm->format, cf->rms_norm_eps, o->cos, o->sin,
-                           (const uint32_t *)o->pass));
+                           cf->num_key_value_heads, cf->head_dim, c->rot, qn, qf, kn, kf, cf->rms_norm_eps, o->cos,
+                           o->sin, (const uint32_t *)o->pass));
         CU(smoe_cu_attention(st, att, q, o->k + layer_at, o->v + layer_at, o->kv_dtype, m,
                              cf->num_attention_heads, cf->num_key_value_heads, cf->head_dim, o->pos0,
                              (const uint32_t *)o->pass, o->fa_part, o->context));
@@ -324,6 +345,15 @@ static smoe_status cuda_attend(void *b, uint32_t l, const smoe_tensor *q_norm, c
         CU(smoe_cu_event_record(join, sh->as[i]));
         CU(smoe_cu_stream_wait(sh->cs, join));
     }
+    return SMOE_OK;
+}
+
+static smoe_status cuda_bias(void *b, smoe_plane dst, const smoe_tensor *bias, uint32_t n) {
+    cuda_state *c = b;
+    const uint32_t W = smoe_cuda_plane_cols(c, dst);
+    if (bias->cols != W) return smoe_fail(SMOE_ERR_INTERNAL, "cuda: bias: a vector of %u over rows of %u", bias->cols, W);
+    smoe_cuda_written(c, dst);
+    CU(smoe_cu_bias(c->sh->cs, smoe_cuda_plane(c, dst), n, W, smoe_cuda_dev(c, bias), bias->format));
     return SMOE_OK;
 }
 
@@ -457,15 +487,18 @@ static bool cuda_broken(void *b) {
     return c->broken || c->sh->broken;
 }
 
-/* The CUDA kernels implement Qwen3-MoE's recipe only: per-head QK-norm, full RoPE, softmax
- * routing, no biases, no shared expert, one blob layout for every layer. */
+/* The CUDA kernels implement the recipes of Qwen3-MoE, Mixtral, OLMoE and GLM-4.5: QK-norm per head,
+ * over the whole projection or none, RoPE over all or the first rotary_dim dims of a head,
+ * attention biases, softmax routing or the grouped sigmoid router (up to SMOE_CU_MAX_GROUPS
+ * groups), shared experts; one blob layout for every layer, without expert biases. */
 static const char *cuda_lacks(const smoe_layout *lay) {
     const smoe_model_params *m = &lay->mp;
-    if (m->qk_norm != SMOE_QK_NORM_HEAD) return "attention without a per-head QK-norm";
-    if (m->rotary_dim != lay->cfg.head_dim) return "partial RoPE";
-    if (m->attention_bias) return "attention biases";
-    if (m->router_kind != SMOE_ROUTER_SOFTMAX_TOPK) return "this router";
-    if (m->shared_intermediate) return "shared experts";
+    if (m->family > SMOE_FAMILY_GLM4_MOE) return "this family's ops";
+    if (m->qk_norm > SMOE_QK_NORM_WHOLE) return "this QK-norm";
+    if (m->rotary_dim % 2 || m->rotary_dim > lay->cfg.head_dim) return "a RoPE over an odd or too wide rotary_dim";
+    if (m->router_kind > SMOE_ROUTER_SIGMOID_GROUP) return "this router";
+    if (m->router_kind == SMOE_ROUTER_SIGMOID_GROUP && m->n_group > SMOE_CU_MAX_GROUPS)
+        return "a grouped router of more than 64 groups";
     if (!lay->uniform_experts) return "blob layouts that differ between layers";
     for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++)
         for (int i = SMOE_XT_GATE_BIAS; i < SMOE_XT_COUNT; i++)
@@ -486,8 +519,10 @@ const smoe_backend smoe_backend_cuda = {
     .project = cuda_project,
     .attend = cuda_attend,
     .add = cuda_add,
+    .bias = cuda_bias,
     .mlp = cuda_mlp,
     .route = smoe_cuda_route,
+    .route_grouped = smoe_cuda_route_grouped,
     .experts_begin = smoe_cuda_experts_begin,
     .experts = smoe_cuda_experts,
     .combine = smoe_cuda_combine,

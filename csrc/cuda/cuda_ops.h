@@ -116,11 +116,12 @@ int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, uint32_t rows
 int smoe_cu_rmsnorm_prep(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim,
                          const uint8_t *weight, uint8_t weight_format, float eps, void *x16, float *xe);
 /* A layer's new q (n × heads rows of hd) and K rows (ks, n × kv_heads) normalised by q_norm and
- * k_norm and rotated for positions *pos0 + t, then K and the V rows of vs stored in the KV cache
+ * k_norm (each skipped when NULL) and rotated for positions *pos0 + t over their first rot dims (cos,
+ * sin: (context, rot/2)), then K and the V rows of vs stored in the KV cache
  * (k, v: elements of kv_type, rounded to nearest even) at those positions, in one launch. The
  * position is read on the GPU, so that a recorded launch serves any position. */
 int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const float *vs, void *k, void *v, uint32_t kv_type,
-                    uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, const uint8_t *q_norm,
+                    uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t rot, const uint8_t *q_norm,
                     uint8_t q_norm_format, const uint8_t *k_norm, uint8_t k_norm_format, float eps, const float *cos,
                     const float *sin, const uint32_t *pos0);
 /* att (n, heads·hd) = causal attention of q (n, heads·hd) over k/v (positions, kv_dim elements of
@@ -138,11 +139,21 @@ size_t smoe_cu_attention_part_floats(uint32_t kv_heads, uint32_t hd, uint32_t co
  * not follow pos0), so that it can be recorded once and replayed at any position. */
 int smoe_cu_attention_fixed(uint32_t hd);
 int smoe_cu_attention_max_positions(uint32_t hd); /* positions one launch can attend over */
+/* y rows [0, n) (W floats each) += bias (W entries, f32 or bf16). */
+int smoe_cu_bias(smoe_cu_stream st, float *y, uint32_t n, uint32_t W, const uint8_t *bias, uint8_t bias_format);
 /* x[i] += y[i], i < count */
 int smoe_cu_add(smoe_cu_stream st, float *x, const float *y, size_t count);
 /* Per token: softmax over E router logits, top-k (ties: lower index), renormalised when renorm. */
 int smoe_cu_route(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, uint32_t K, int renorm,
                   int32_t *idx, float *w);
+/* Per token, GLM-4.5's router (smoe_route_sigmoid_group's steps, cpu/kernels.h): sigmoid scores,
+ * bias (E floats, device) added for the choice, the experts in n_group groups of E/n_group with the
+ * topk_group best kept (n_group ≤ SMOE_CU_MAX_GROUPS), the K best into idx, best first (ties: lower
+ * index), their scores into w, renormalised when renorm, × scale. */
+enum { SMOE_CU_MAX_GROUPS = 64 };
+int smoe_cu_route_grouped(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, const float *bias,
+                          uint32_t n_group, uint32_t topk_group, uint32_t K, int renorm, float scale, int32_t *idx,
+                          float *w);
 /* xg row j = xn row rows[j] / K, j < total (hidden floats each). */
 int smoe_cu_gather(smoe_cu_stream st, float *xg, const float *xn, const uint32_t *rows, uint32_t K, uint32_t total,
                    uint32_t hidden);

@@ -69,7 +69,8 @@ typedef struct {
     cuda_share *sh;
     const smoe_layout *lay;
     const smoe_config *cfg;
-    uint32_t context, chunk, q_dim, kv_dim, ffn;
+    uint32_t context, chunk, q_dim, kv_dim, ffn; /* ffn: the widest MLP (dense, expert or shared) */
+    uint32_t rot;              /* the leading dims of a head that RoPE rotates (rotary_dim) */
     smoe_kv_dtype kv_dtype;
     size_t kv_elem;
     uint32_t pos0;             /* the staged pass's */
@@ -153,6 +154,8 @@ uint32_t smoe_cuda_vslot(const cuda_share *sh, const void *handle);
 
 /* moe_cuda.c: the MoE step's ops, the device tier, the recorded step (backend.h). */
 smoe_status smoe_cuda_route(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids);
+smoe_status smoe_cuda_route_grouped(void *b, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K,
+                                    bool renorm, uint32_t n, int32_t *ids);
 smoe_status smoe_cuda_experts_begin(void *b, const smoe_union *u);
 smoe_status smoe_cuda_experts(void *b, const smoe_union *u, const uint32_t *items, uint32_t m);
 smoe_status smoe_cuda_combine(void *b, uint32_t K, uint32_t n);

@@ -80,25 +80,43 @@ static smoe_status run_experts(cuda_state *c, const smoe_cu_rows *items, smoe_cu
     return SMOE_OK;
 }
 
-/* The router's product and top-k of XN rows [0, n) into idx (device) and topk_w. */
-static smoe_status route_on_device(cuda_state *c, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n,
-                                   int32_t *idx) {
+/* The router's product and top-k of XN rows [0, n) into idx (device) and topk_w: softmax routing,
+ * or with bias (router.bias, f32) the grouped sigmoid router of the vault's parameters. */
+static smoe_status route_on_device(cuda_state *c, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K,
+                                   bool renorm, uint32_t n, int32_t *idx) {
     const uint32_t E = c->cfg->num_experts;
+    const smoe_model_params *m = &c->lay->mp;
     smoe_cu_act a;
     smoe_status st = smoe_cuda_act(c, SMOE_PL_XN, n, smoe_cuda_tensor_cores(router), &a);
     if (st != SMOE_OK || (st = smoe_cuda_linear(c, router, &a, n, c->router, E)) != SMOE_OK) return st;
-    CU(smoe_cu_route(c->sh->cs, c->router, n, E, K, renorm, idx, c->topk_w));
+    if (bias)
+        CU(smoe_cu_route_grouped(c->sh->cs, c->router, n, E, (const float *)smoe_cuda_dev(c, bias), m->n_group,
+                                 m->topk_group, K, renorm, m->routed_scaling_factor, idx, c->topk_w));
+    else
+        CU(smoe_cu_route(c->sh->cs, c->router, n, E, K, renorm, idx, c->topk_w));
     return SMOE_OK;
 }
 
-smoe_status smoe_cuda_route(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids) {
-    cuda_state *c = b;
-    smoe_status st = route_on_device(c, router, K, renorm, n, c->topk_idx);
-    if (st != SMOE_OK) return st;
+/* The ids of the pass's rows back to the host: the only wait of a layer the engine walks. */
+static smoe_status ids_to_host(cuda_state *c, uint32_t K, uint32_t n, int32_t *ids) {
     CU(smoe_cu_download(c->h_topk, c->topk_idx, (size_t)n * K * 4, c->sh->cs));
     CU(smoe_cu_stream_sync(c->sh->cs)); /* also: every copy from the index block's staging is done */
     memcpy(ids, c->h_topk, (size_t)n * K * sizeof *ids);
     return SMOE_OK;
+}
+
+smoe_status smoe_cuda_route_grouped(void *b, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K,
+                                    bool renorm, uint32_t n, int32_t *ids) {
+    cuda_state *c = b;
+    smoe_status st = route_on_device(c, router, bias, K, renorm, n, c->topk_idx);
+    return st != SMOE_OK ? st : ids_to_host(c, K, n, ids);
+}
+
+smoe_status smoe_cuda_route(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids) {
+    cuda_state *c = b;
+    smoe_status st = route_on_device(c, router, NULL, K, renorm, n, c->topk_idx);
+    if (st != SMOE_OK) return st;
+    return ids_to_host(c, K, n, ids);
 }
 
 smoe_status smoe_cuda_experts_begin(void *b, const smoe_union *u) {
@@ -175,7 +193,10 @@ smoe_status smoe_cuda_moe_resident(void *b, uint32_t l, const smoe_tensor *route
     cuda_share *sh = c->sh;
     const uint32_t E = c->cfg->num_experts, H = c->cfg->hidden_size, nk = n * K;
     int32_t *idx = c->routed + (size_t)l * nk;
-    smoe_status st = route_on_device(c, router, K, renorm, n, idx);
+    /* the layer's router: the engine hands the router (and picks route or route_grouped on its own
+     * walk); the grouped router's correction is the layer's router.bias */
+    const bool grouped = c->lay->mp.router_kind == SMOE_ROUTER_SIGMOID_GROUP;
+    smoe_status st = route_on_device(c, router, grouped ? c->lay->layers[l].router_bias : NULL, K, renorm, n, idx);
     if (st != SMOE_OK) return st;
     const uint32_t tile = smoe_cuda_union_tile(n, K, E), n_items = smoe_cu_union_items(nk, E, tile);
     CU(smoe_cu_union(sh->cs, idx, nk, E, tile, n_items, sh->d_vtab + (size_t)l * E, c->d_wtab, c->d_start, c->d_count,
