@@ -103,6 +103,8 @@ static smoe_status cuda_share_new(const smoe_be_share_params *p, void **out) {
     sh->minor = minor;
     sh->lay = p->lay;
     sh->host_dense = p->dense;
+    for (uint32_t l = 0; l < cf->num_hidden_layers; l++)
+        sh->plain_attention |= p->lay->layer_attn[l] == SMOE_ATTN_SLIDING;
     sh->streamer = p->streamer;
     sh->cache_bytes = p->device_cache_bytes;
     const char *sa = getenv("SMOE_CUDA_SAMPLE");
@@ -165,7 +167,7 @@ static smoe_status cuda_session_new(void *vsh, const smoe_be_session_params *p, 
                                     uint64_t *kv_bytes) {
     cuda_share *sh = vsh;
     const smoe_config *cf = &sh->lay->cfg;
-    int max_pos = smoe_cu_attention_max_positions(cf->head_dim);
+    int max_pos = smoe_cu_attention_max_positions(cf->head_dim, sh->plain_attention);
     if (p->context + 8 > (uint32_t)max_pos)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: a context of %u is more than the attention kernel holds (%d)",
                          p->context, max_pos - 8);
@@ -338,7 +340,7 @@ static smoe_status cuda_attend(void *b, uint32_t l, const smoe_tensor *q_norm, c
                            o->sin, (const uint32_t *)o->pass));
         CU(smoe_cu_attention(st, att, q, o->k + layer_at, o->v + layer_at, o->kv_dtype, m,
                              cf->num_attention_heads, cf->num_key_value_heads, cf->head_dim, o->pos0,
-                             (const uint32_t *)o->pass, o->fa_part, o->context));
+                             (const uint32_t *)o->pass, o->fa_part, o->context, NULL, 0, 0));
     }
     for (uint32_t i = 0; i < ns; i++) {
         smoe_cu_event join = smoe_cuda_ring_event(sh);

@@ -125,20 +125,23 @@ int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const float *vs, voi
                     uint8_t q_norm_format, const uint8_t *k_norm, uint8_t k_norm_format, float eps, const float *cos,
                     const float *sin, const uint32_t *pos0);
 /* att (n, heads·hd) = causal attention of q (n, heads·hd) over k/v (positions, kv_dim elements of
- * kv_type) of one layer: token t sees positions [0, pos0 + t]; dpos holds pos0 in device memory
- * too. Flash attention (head sizes 32, 64, 128) rounds K and V to f16 as it loads them, so an f16
- * cache gives it the very values an f32 one does. */
+ * kv_type) of one layer: token t sees positions [0, pos0 + t], or the last `window` of them (0: no
+ * window); sinks (heads entries, f32 or bf16; NULL: none) puts head h's sink logit in its softmax's
+ * denominator (gpt-oss). dpos holds pos0 in device memory too. Flash attention (head sizes 32, 64,
+ * 128, without sinks or a window) rounds K and V to f16 as it loads them, so an f16 cache gives it
+ * the very values an f32 one does; the others run the plain kernel (f32). */
 int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const void *k, const void *v, uint32_t kv_type,
                       uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0, const uint32_t *dpos,
-                      float *part, uint32_t context);
+                      float *part, uint32_t context, const uint8_t *sinks, uint8_t sinks_format, uint32_t window);
 /* Flash attention takes the positions in splits of 512, merged in order; with part (device, this
  * many floats for a cache of context positions) a launch of few rows runs the splits side by
  * side, with the same bits. 0: the head size takes no splits. */
 size_t smoe_cu_attention_part_floats(uint32_t kv_heads, uint32_t hd, uint32_t context);
 /* 1 when an attention launch for head size hd reads its position from dpos alone (its shape does
- * not follow pos0), so that it can be recorded once and replayed at any position. */
-int smoe_cu_attention_fixed(uint32_t hd);
-int smoe_cu_attention_max_positions(uint32_t hd); /* positions one launch can attend over */
+ * not follow pos0), so that it can be recorded once and replayed at any position. plain: some
+ * layer has sinks or a window (the plain kernel, whose shape follows pos0). */
+int smoe_cu_attention_fixed(uint32_t hd, int plain);
+int smoe_cu_attention_max_positions(uint32_t hd, int plain); /* positions one launch can attend over */
 /* y rows [0, n) (W floats each) += bias (W entries, f32 or bf16). */
 int smoe_cu_bias(smoe_cu_stream st, float *y, uint32_t n, uint32_t W, const uint8_t *bias, uint8_t bias_format);
 /* x[i] += y[i], i < count */

@@ -59,6 +59,7 @@ typedef struct {
     const uint8_t **d_vtab, **h_vtab; /* (layers × experts) */
     uint64_t epoch;
     bool graphs, gpu_sampling;
+    bool plain_attention;      /* some layer has sinks or a sliding window: the plain attention kernel */
     /* counters */
     uint64_t uploads, upload_bytes, hits, misses, other_bytes;
     bool broken;

@@ -457,7 +457,7 @@ smoe_status smoe_cuda_tier_new(cuda_state *c) {
         sh->other_bytes += L * E * sizeof(void *);
     }
     const char *gr = getenv("SMOE_CUDA_GRAPH");
-    sh->graphs = sh->device_union && smoe_cu_attention_fixed(cf->head_dim) && !(gr && gr[0] == '0');
+    sh->graphs = sh->device_union && smoe_cu_attention_fixed(cf->head_dim, sh->plain_attention) && !(gr && gr[0] == '0');
     forget_all(sh);
     /* Pinned host slots make the fills asynchronous DMA; where pinning fails (a locked-memory
      * limit), the copies still work, staged by the driver. SMOE_CUDA_PIN=0 skips it. */
