@@ -24,7 +24,11 @@ typedef struct {
     const smoe_tensor *q_norm, *k_norm;        /* 1 × head_dim */
     const smoe_tensor *router;                 /* sparse layers, else NULL */
     const smoe_tensor *mlp_gate, *mlp_up, *mlp_down; /* dense layers, else NULL */
+    const smoe_tensor *q_bias, *k_bias, *v_bias, *o_bias; /* 1 × rows of their product, or NULL */
+    const smoe_tensor *sinks;                  /* 1 × heads (gpt-oss), or NULL */
+    const smoe_tensor *router_bias;            /* 1 × experts, or NULL */
     bool sparse;
+    bool sliding;                              /* attention over the last sliding_window positions only */
 } smoe_layer_weights;
 
 /* The layout parsed from header + tables: no pointers into memory, only numbers.

@@ -520,6 +520,19 @@ void smoe_softmax(float *x, uint32_t n) {
     for (uint32_t i = 0; i < n; i++) x[i] = x[i] / sum;
 }
 
+void smoe_softmax_sink(float *x, uint32_t n, float sink) {
+    float m = sink;
+    for (uint32_t i = 0; i < n; i++)
+        if (x[i] > m) m = x[i];
+    float sum = 0.0f;
+    for (uint32_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        sum += x[i];
+    }
+    sum += expf(sink - m); /* + 0 exactly when sink is −inf: smoe_softmax's bits */
+    for (uint32_t i = 0; i < n; i++) x[i] = x[i] / sum;
+}
+
 /* ------------------------------------------------------------------------------ KV cache */
 
 static inline uint32_t f32_bits(float f) {
@@ -591,13 +604,13 @@ static float attend_dot8(const float *q, const void *k, uint32_t kv_dtype, uint3
 }
 
 void smoe_ref_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
-                     uint32_t head_dim, uint32_t kv_dtype, float *scratch) {
+                     uint32_t head_dim, uint32_t kv_dtype, float sink, float *scratch) {
     /* head_dim ** -0.5 as transformers computes it (in double), then rounded to float */
     const float scale = (float)(1.0 / sqrt((double)head_dim));
     const size_t eb = smoe_kv_elem_bytes(kv_dtype);
     for (uint32_t p = 0; p < n_pos; p++)
         scratch[p] = attend_dot8(q, (const uint8_t *)k + p * stride * eb, kv_dtype, head_dim) * scale;
-    smoe_softmax(scratch, n_pos);
+    smoe_softmax_sink(scratch, n_pos, sink);
     for (uint32_t d = 0; d < head_dim; d++) out[d] = 0.0f;
     for (uint32_t p = 0; p < n_pos; p++) {
         const void *vp = (const uint8_t *)v + p * stride * eb; /* (head_dim) */
@@ -643,6 +656,28 @@ void smoe_swiglu(float *h, const float *g, const float *u, uint32_t n) {
         float silu = gi / (1.0f + expf(-gi));
         h[i] = silu * u[i];
     }
+}
+
+void smoe_topk_softmax(const float *logits, uint32_t n, uint32_t k, int32_t *idx, float *val) {
+    smoe_topk(logits, n, k, false, idx, val);
+    smoe_softmax(val, k < n ? k : n);
+}
+
+void smoe_swiglu_clamped(float *h, const float *g, const float *u, uint32_t n, float alpha, float limit) {
+    for (uint32_t i = 0; i < n; i++) {
+        /* comparisons, not fminf: a NaN stays a NaN, as torch's clamp keeps it */
+        const float gi = g[i] > limit ? limit : g[i];
+        const float ui = u[i] > limit ? limit : u[i] < -limit ? -limit : u[i];
+        const float ga = gi * alpha;
+        const float sig = 1.0f / (1.0f + expf(-ga));
+        const float glu = gi * sig;
+        const float u1 = ui + 1.0f;
+        h[i] = u1 * glu;
+    }
+}
+
+void smoe_add_row(float *y, const float *b, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) y[i] += b[i];
 }
 
 void smoe_axpy(float *y, float a, const float *x, uint32_t n) {

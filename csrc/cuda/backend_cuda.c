@@ -43,6 +43,14 @@ static smoe_status check_layout(const smoe_layout *lay, const uint8_t *dense) {
         return st;
     for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++) {
         const smoe_layer_weights *L = &lay->layers[l];
+        /* gpt-oss's ops (backend.h) have no CUDA kernels yet: refused, never run without them */
+        if (L->q_bias || L->k_bias || L->v_bias || L->o_bias || L->sinks || L->router_bias || L->sliding ||
+            !L->q_norm || !L->k_norm)
+            return smoe_fail(SMOE_ERR_UNSUPPORTED,
+                             "cuda: layer %u needs %s, which the CUDA backend does not have yet (run it on the CPU)", l,
+                             L->sinks ? "attention sinks" : L->sliding ? "sliding-window attention"
+                             : (!L->q_norm || !L->k_norm) ? "attention without QK-norm"
+                                                           : "biases on its projections or router");
         const smoe_tensor *mats[] = {L->q, L->k, L->v, L->o, L->router, L->mlp_gate, L->mlp_up, L->mlp_down};
         for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++)
             if ((st = check_tensor(dense, mats[i], "a layer's matrix")) != SMOE_OK) return st;
@@ -151,6 +159,8 @@ static smoe_status dalloc(cuda_state *c, void *pp, size_t bytes) {
 static smoe_status cuda_session_new(void *vsh, const smoe_be_session_params *p, void **out, uint64_t *plane_bytes,
                                     uint64_t *kv_bytes) {
     cuda_share *sh = vsh;
+    if (p->act.kind != SMOE_ACT_SILU)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: the experts' clamped SwiGLU (gpt-oss) is not supported; run it on the CPU");
     const smoe_config *cf = &sh->lay->cfg;
     int max_pos = smoe_cu_attention_max_positions(cf->head_dim);
     if (p->context + 8 > (uint32_t)max_pos)
@@ -276,6 +286,8 @@ static smoe_status cuda_project(void *b, smoe_plane src, const smoe_proj *out, u
     for (uint32_t i = 0; i < n_out; i++) need |= smoe_cuda_tensor_cores(out[i].W);
     smoe_cu_act a;
     if ((st = smoe_cuda_act(c, src, n, need, &a)) != SMOE_OK) return st;
+    for (uint32_t i = 0; i < n_out; i++)
+        if (out[i].bias) return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: a projection's bias is not supported");
     for (uint32_t i = 0; i < n_out; i++) {
         smoe_cuda_written(c, out[i].out);
         if ((st = smoe_cuda_linear(c, out[i].W, &a, n, smoe_cuda_plane(c, out[i].out), smoe_cuda_plane_cols(c, out[i].out))) !=
@@ -287,9 +299,11 @@ static smoe_status cuda_project(void *b, smoe_plane src, const smoe_proj *out, u
 
 /* QK-norm, RoPE and the KV append in one launch, then attention: for the pass's own rows at once,
  * or (a batch) each row with its own session's cache, tables and staged position. */
-static smoe_status cuda_attend(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n,
-                               void *const *members) {
+static smoe_status cuda_attend(void *b, uint32_t l, const smoe_attn *a, uint32_t n, void *const *members) {
     cuda_state *c = b;
+    const smoe_tensor *q_norm = a->q_norm, *k_norm = a->k_norm;
+    if (!q_norm || !k_norm || a->sinks || a->window)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: attention without QK-norm, with sinks or a window is not supported");
     const smoe_config *cf = c->cfg;
     smoe_cuda_written(c, SMOE_PL_Q);
     smoe_cuda_written(c, SMOE_PL_K);

@@ -91,9 +91,19 @@ static smoe_status route_on_device(cuda_state *c, const smoe_tensor *router, uin
     return SMOE_OK;
 }
 
-smoe_status smoe_cuda_route(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids) {
+/* The router's rules the device has: Qwen3-MoE's softmax, top-k, with no bias. */
+static smoe_status check_route(const smoe_route *r) {
+    if (r->kind != SMOE_ROUTE_SOFTMAX_TOPK || r->bias)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: this router (kind %d%s) is not supported", (int)r->kind,
+                         r->bias ? ", with a bias" : "");
+    return SMOE_OK;
+}
+
+smoe_status smoe_cuda_route(void *b, const smoe_route *r, uint32_t n, int32_t *ids) {
     cuda_state *c = b;
-    smoe_status st = route_on_device(c, router, K, renorm, n, c->topk_idx);
+    const uint32_t K = r->K;
+    smoe_status st = check_route(r);
+    if (st != SMOE_OK || (st = route_on_device(c, r->W, K, r->renorm, n, c->topk_idx)) != SMOE_OK) return st;
     if (st != SMOE_OK) return st;
     CU(smoe_cu_download(c->h_topk, c->topk_idx, (size_t)n * K * 4, c->sh->cs));
     CU(smoe_cu_stream_sync(c->sh->cs)); /* also: every copy from the index block's staging is done */
@@ -169,13 +179,15 @@ uint32_t smoe_cuda_union_tile(uint32_t n, uint32_t K, uint32_t E) {
     return t < n ? t : n;
 }
 
-smoe_status smoe_cuda_moe_resident(void *b, uint32_t l, const smoe_tensor *router, uint32_t K, bool renorm,
-                                   uint32_t n) {
+smoe_status smoe_cuda_moe_resident(void *b, uint32_t l, const smoe_route *r, uint32_t n) {
     cuda_state *c = b;
+    const uint32_t K = r->K;
+    smoe_status st0 = check_route(r);
+    if (st0 != SMOE_OK) return st0;
     cuda_share *sh = c->sh;
     const uint32_t E = c->cfg->num_experts, H = c->cfg->hidden_size, nk = n * K;
     int32_t *idx = c->routed + (size_t)l * nk;
-    smoe_status st = route_on_device(c, router, K, renorm, n, idx);
+    smoe_status st = route_on_device(c, r->W, K, r->renorm, n, idx);
     if (st != SMOE_OK) return st;
     const uint32_t tile = smoe_cuda_union_tile(n, K, E), n_items = smoe_cu_union_items(nk, E, tile);
     CU(smoe_cu_union(sh->cs, idx, nk, E, tile, n_items, sh->d_vtab + (size_t)l * E, c->d_wtab, c->d_start, c->d_count,

@@ -27,11 +27,12 @@ smoe_status smoe_layer_attention(smoe_session *s, uint32_t l, uint32_t n, smoe_s
     const smoe_backend *be = s->backend;
     void *b = s->be;
     const smoe_layer_weights *L = &s->lay->layers[l];
-    const smoe_proj qkv[3] = {{L->q, SMOE_PL_Q}, {L->k, SMOE_PL_K}, {L->v, SMOE_PL_V}};
-    const smoe_proj o = {L->o, SMOE_PL_Y};
+    const smoe_proj qkv[3] = {{L->q, SMOE_PL_Q, L->q_bias}, {L->k, SMOE_PL_K, L->k_bias}, {L->v, SMOE_PL_V, L->v_bias}};
+    const smoe_proj o = {L->o, SMOE_PL_Y, L->o_bias};
+    const smoe_attn a = {L->q_norm, L->k_norm, L->sinks, L->sliding ? s->recipe.window : 0};
     TRY(be->norm(b, SMOE_PL_XN, SMOE_PL_X, L->input_norm, n));
     TRY(be->project(b, SMOE_PL_XN, qkv, 3, n));
-    TRY(be->attend(b, l, L->q_norm, L->k_norm, n, rows ? s->row_be : NULL));
+    TRY(be->attend(b, l, &a, n, rows ? s->row_be : NULL));
     TRY(be->project(b, SMOE_PL_ATT, &o, 1, n));
     TRY(be->add(b, SMOE_PL_X, SMOE_PL_Y, n));
     return SMOE_OK;
