@@ -10,7 +10,8 @@
  * operation, in f32 with every product rounded (the build uses -ffp-contract=off), so the values
  * are the same bits (tests/test_ggml_formats.py). For a block whose f16 scale is inf or NaN, IEEE
  * arithmetic decides: inf·0 is NaN, inf·q is ±inf, NaN·q is NaN (the tests compare such blocks
- * with NaN equal to NaN, whatever its payload). The e8m0 scale of MXFP4 is always finite.
+ * with NaN equal to NaN, whatever its payload). The e8m0 scale of MXFP4 is always finite
+ * (2^-128 … 2^127), though 2^127·12 overflows to inf.
  *
  * For the 8-bit-activation product (kernels.h's smoe_qx; kernels_ref.c states the order), each
  * block of 32 columns is written as integers and at most two floats (gb_qx_decode):
