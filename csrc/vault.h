@@ -101,6 +101,9 @@ static inline bool smoe_ggml_block(uint8_t format, uint32_t *block, uint32_t *by
     return true;
 }
 
+/* "f32", "bf16", "q8", "q4" or ggml's name of a GGML format ("Q4_K", ...); "?" for any other. */
+const char *smoe_format_name(uint8_t format);
+
 uint64_t smoe_tensor_bytes(uint8_t format, uint8_t scale_format, uint32_t group, uint32_t rows, uint32_t cols);
 
 #endif
