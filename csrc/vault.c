@@ -139,6 +139,9 @@ uint64_t smoe_tensor_bytes(uint8_t format, uint8_t scale_format, uint32_t group,
         return smoe_align_up(format == SMOE_FMT_Q8 ? n : n / 2, 64) +
                2 * smoe_align_up(scale_part_bytes(scale_format, group, rows, cols), 64);
     }
+    uint32_t bs, ts;
+    if (smoe_ggml_block(format, &bs, &ts)) /* whole blocks of ggml's layout, nothing else */
+        return group || scale_format != SMOE_SCALE_NONE || cols % bs ? 0 : n / bs * ts;
     return 0;
 }
 
@@ -163,8 +166,22 @@ static bool tensor_init(smoe_tensor *t, uint8_t format, uint8_t scale_format, ui
     return true;
 }
 
-static const char *format_name(uint8_t f) {
+const char *smoe_format_name(uint8_t f) {
     static const char *names[] = {"f32", "bf16", "q8", "q4"};
+    switch (f) {
+    case SMOE_FMT_GGML_F16: return "F16";
+    case SMOE_FMT_GGML_Q4_0: return "Q4_0";
+    case SMOE_FMT_GGML_Q5_0: return "Q5_0";
+    case SMOE_FMT_GGML_Q8_0: return "Q8_0";
+    case SMOE_FMT_GGML_Q2_K: return "Q2_K";
+    case SMOE_FMT_GGML_Q3_K: return "Q3_K";
+    case SMOE_FMT_GGML_Q4_K: return "Q4_K";
+    case SMOE_FMT_GGML_Q5_K: return "Q5_K";
+    case SMOE_FMT_GGML_Q6_K: return "Q6_K";
+    case SMOE_FMT_GGML_IQ4_NL: return "IQ4_NL";
+    case SMOE_FMT_GGML_IQ4_XS: return "IQ4_XS";
+    case SMOE_FMT_GGML_MXFP4: return "MXFP4";
+    }
     return f <= SMOE_FMT_Q4 ? names[f] : "?";
 }
 
@@ -192,23 +209,29 @@ static smoe_status parse_desc(const uint8_t *d, const char *what, char name[40],
     uint32_t group = rd16(d + 42), rows = rd32(d + 44), cols = rd32(d + 48);
     uint64_t offset = rd64(d + 56);
     if (rd32(d + 52)) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): reserved field not zero", what, pn);
-    if (format > SMOE_FMT_Q4) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): unknown format %u", what, pn, format);
+    uint32_t ggml_bs, ggml_ts;
+    const bool ggml = smoe_ggml_block(format, &ggml_bs, &ggml_ts);
+    if (format > SMOE_FMT_Q4 && !ggml)
+        return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): unknown format %u", what, pn, format);
     if (!tensor_init(t, format, scale_format, group, rows, cols)) {
         bool quant = is_quant(format);
         if (rows == 0 || cols == 0)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): empty shape %ux%u", what, pn, rows, cols);
+        if (ggml && cols % ggml_bs)
+            return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %s needs cols %% %u == 0, cols is %u", what, pn,
+                             smoe_format_name(format), ggml_bs, cols);
         if (quant ? !scale_size(scale_format) : scale_format != SMOE_SCALE_NONE)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): scale_format %u does not go with format %s", what, pn,
-                             scale_format, format_name(format));
+                             scale_format, smoe_format_name(format));
         if (quant && group != 32 && group != 64 && group != 128)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %s group_size %u (must be 32, 64 or 128)", what, pn,
-                             format_name(format), group);
+                             smoe_format_name(format), group);
         if (!quant && group)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): group_size %u for %s (must be 0)", what, pn, group,
-                             format_name(format));
+                             smoe_format_name(format));
         if (quant && cols % group)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %s needs cols %% group_size == 0, cols is %u, group_size %u",
-                             what, pn, format_name(format), cols, group);
+                             what, pn, smoe_format_name(format), cols, group);
         return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %ux%u is too large", what, pn, rows, cols);
     }
     if (offset % 64) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): offset %llu not a multiple of 64", what, pn,
@@ -477,7 +500,7 @@ static smoe_status parse_dense_table(const uint8_t *d, smoe_layout *L) {
                            (unsigned long long)rows, (unsigned long long)cols);
         else if (norm && t->format != SMOE_FMT_F32 && t->format != SMOE_FMT_BF16)
             rc = smoe_fail(SMOE_ERR_VAULT, "%s '%s': a norm must be f32 or bf16, not %s", what, name,
-                           format_name(t->format));
+                           smoe_format_name(t->format));
         else if (t->offset > L->dense_bytes || t->nbytes > L->dense_bytes - t->offset)
             rc = smoe_fail(SMOE_ERR_VAULT, "%s '%s': bytes [%llu, +%llu) run past the dense region (%llu bytes)", what,
                            name, (unsigned long long)t->offset, (unsigned long long)t->nbytes,
@@ -992,7 +1015,7 @@ smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, 
                          (int)scale_format, group_size, rows, cols);
     if (nbytes != t.nbytes)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_dequantize: %ux%u %s takes %llu bytes, got %zu", rows, cols,
-                         format_name(t.format), (unsigned long long)t.nbytes, nbytes);
+                         smoe_format_name(t.format), (unsigned long long)t.nbytes, nbytes);
     t.data = data;
     for (uint32_t r = 0; r < rows; r++) smoe_dequant_row(&t, data, r, out + (size_t)r * cols);
     return SMOE_OK;
