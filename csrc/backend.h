@@ -61,18 +61,14 @@ typedef struct {
     uint32_t window;                    /* positions a row sees, its own included; 0: all before it */
 } smoe_attn;
 
-/* How `route` turns the router's logits into K experts and their weights. */
-typedef enum {
-    SMOE_ROUTE_SOFTMAX_TOPK = 0, /* softmax over every expert in f32, the top K, renormalised when renorm (Qwen3-MoE) */
-    SMOE_ROUTE_TOPK_SOFTMAX = 1, /* the top K logits, a softmax over those K alone (gpt-oss) */
-} smoe_route_kind;
-
+/* How `route` turns the router's logits into K experts and their weights (kind: vault.h's
+ * smoe_router_kind). */
 typedef struct {
     const smoe_tensor *W;    /* experts × hidden */
-    const smoe_tensor *bias; /* 1 × experts, added to the logits, or NULL */
+    const smoe_tensor *bias; /* 1 × experts, added to the logits (SMOE_ROUTER_TOPK_SOFTMAX), or NULL */
     uint32_t K;
-    smoe_route_kind kind;
-    bool renorm;             /* SMOE_ROUTE_SOFTMAX_TOPK only */
+    smoe_router_kind kind;
+    bool renorm;             /* SMOE_ROUTER_SOFTMAX_TOPK only */
 } smoe_route;
 
 /* The experts' activation between gate/up and down (smoe_be_session_params.act). */
@@ -207,6 +203,10 @@ typedef struct smoe_backend {
     smoe_status (*record_end)(void *b, bool keep);
 
     /* ----------------------------------------------------------------------------- the rest */
+    /* What of this vault's recipe the backend lacks (an op, a parameter it does not implement),
+     * as a short phrase for the refusal's message, or NULL when it runs the vault. NULL hook: it
+     * runs every recipe the engine runs. Called before share_new. */
+    const char *(*lacks)(const smoe_layout *lay);
     /* Sampling's selection on the device over row `row` of the logits plane (NULL, or *done
      * false: the engine selects on the host): the cleaning, the repetition penalty over
      * window[0..w) and the top candidates as the engine's sampler (engine/sample.h) would choose. */

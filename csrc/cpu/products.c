@@ -243,7 +243,7 @@ smoe_status smoe_cpu_route(void *b, const smoe_route *r, uint32_t n, int32_t *id
     if (r->bias) add_bias(s, r->bias, r->bias->data, s->router, E, n);
     for (uint32_t t = 0; t < n; t++) {
         float *p = s->router + (size_t)t * E;
-        if (r->kind == SMOE_ROUTE_TOPK_SOFTMAX) {
+        if (r->kind == SMOE_ROUTER_TOPK_SOFTMAX) {
             smoe_topk_softmax(p, E, K, ids + (size_t)t * K, s->topk_w + (size_t)t * K);
         } else {
             smoe_softmax(p, E);
@@ -258,10 +258,23 @@ smoe_status smoe_cpu_route(void *b, const smoe_route *r, uint32_t n, int32_t *id
 
 /* The expert FFN of layer l whose blob is at blob: its tensors and their bytes. */
 static ffn_weights expert_weights(const cpu_state *s, uint32_t l, const uint8_t *blob) {
-    (void)l;
-    const smoe_tensor *t = s->lay->expert;
-    ffn_weights f = {&t[0], &t[1], &t[2], NULL, NULL, NULL, blob + t[0].offset, blob + t[1].offset,
-                     blob + t[2].offset, NULL, NULL, NULL};
+    const smoe_expert_layout *x = &s->lay->xl[l];
+    const smoe_tensor *t = x->t;
+    ffn_weights f = {&t[SMOE_XT_GATE], &t[SMOE_XT_UP], &t[SMOE_XT_DOWN], NULL, NULL, NULL,
+                     blob + t[SMOE_XT_GATE].offset, blob + t[SMOE_XT_UP].offset, blob + t[SMOE_XT_DOWN].offset,
+                     NULL, NULL, NULL};
+    if (x->has[SMOE_XT_GATE_BIAS]) {
+        f.gate_b = &t[SMOE_XT_GATE_BIAS];
+        f.wgb = blob + f.gate_b->offset;
+    }
+    if (x->has[SMOE_XT_UP_BIAS]) {
+        f.up_b = &t[SMOE_XT_UP_BIAS];
+        f.wub = blob + f.up_b->offset;
+    }
+    if (x->has[SMOE_XT_DOWN_BIAS]) {
+        f.down_b = &t[SMOE_XT_DOWN_BIAS];
+        f.wdb = blob + f.down_b->offset;
+    }
     return f;
 }
 
@@ -287,7 +300,8 @@ static void run_expert(cpu_state *s, const smoe_union *un, uint32_t p, const uin
  * calls on the same inputs: the same bits. */
 static void run_single_experts(cpu_state *s, const smoe_union *un, const uint32_t *p, uint32_t m) {
     const smoe_layout *lay = s->lay;
-    const smoe_tensor *g = &lay->expert[0], *up = &lay->expert[1], *d = &lay->expert[2];
+    const smoe_tensor *x = smoe_expert_of(lay, un->l);
+    const smoe_tensor *g = &x[SMOE_XT_GATE], *up = &x[SMOE_XT_UP], *d = &x[SMOE_XT_DOWN];
     const uint32_t H = s->cfg->hidden_size, K = s->cfg->num_experts_per_tok, I = g->rows, n = un->n;
     product_part parts[MAX_PARTS];
     const uint8_t *blob[MAX_PARTS / 2];
@@ -350,7 +364,8 @@ static void run_single_experts(cpu_state *s, const smoe_union *un, const uint32_
 
 smoe_status smoe_cpu_experts(void *b, const smoe_union *un, const uint32_t *items, uint32_t m) {
     cpu_state *s = b;
-    const smoe_tensor *eg = &s->lay->expert[0], *eu = &s->lay->expert[1];
+    const smoe_tensor *x = smoe_expert_of(s->lay, un->l);
+    const smoe_tensor *eg = &x[SMOE_XT_GATE], *eu = &x[SMOE_XT_UP];
     /* the experts with one routed (token, slot), two pool runs per batch of them (when gate and up
      * take the same codes: the one set of code planes serves both); the others one by one */
     const uint32_t cap = s->chunk < MAX_PARTS / 2 ? s->chunk : MAX_PARTS / 2;

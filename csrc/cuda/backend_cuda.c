@@ -48,14 +48,6 @@ static smoe_status check_layout(const smoe_layout *lay, const uint8_t *dense) {
         return st;
     for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++) {
         const smoe_layer_weights *L = &lay->layers[l];
-        /* gpt-oss's ops (backend.h) have no CUDA kernels yet: refused, never run without them */
-        if (L->q_bias || L->k_bias || L->v_bias || L->o_bias || L->sinks || L->router_bias || L->sliding ||
-            !L->q_norm || !L->k_norm)
-            return smoe_fail(SMOE_ERR_UNSUPPORTED,
-                             "cuda: layer %u needs %s, which the CUDA backend does not have yet (run it on the CPU)", l,
-                             L->sinks ? "attention sinks" : L->sliding ? "sliding-window attention"
-                             : (!L->q_norm || !L->k_norm) ? "attention without QK-norm"
-                                                           : "biases on its projections or router");
         const smoe_tensor *mats[] = {L->q, L->k, L->v, L->o, L->router, L->mlp_gate, L->mlp_up, L->mlp_down};
         for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++)
             if ((st = check_tensor(dense, mats[i], "a layer's matrix")) != SMOE_OK) return st;
@@ -476,8 +468,26 @@ static bool cuda_broken(void *b) {
     return c->broken || c->sh->broken;
 }
 
+/* The CUDA kernels implement Qwen3-MoE's recipe only: per-head QK-norm, full RoPE, softmax
+ * routing, no biases, no shared expert, one blob layout for every layer. */
+static const char *cuda_lacks(const smoe_layout *lay) {
+    const smoe_model_params *m = &lay->mp;
+    if (m->family == SMOE_FAMILY_GPT_OSS) return "gpt-oss's attention sinks, sliding window, YaRN and clamped SwiGLU";
+    if (m->qk_norm != SMOE_QK_NORM_HEAD) return "attention without a per-head QK-norm";
+    if (m->rotary_dim != lay->cfg.head_dim) return "partial RoPE";
+    if (m->attention_bias) return "attention biases";
+    if (m->router_kind != SMOE_ROUTER_SOFTMAX_TOPK) return "this router";
+    if (m->shared_intermediate) return "shared experts";
+    if (!lay->uniform_experts) return "blob layouts that differ between layers";
+    for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++)
+        for (int i = SMOE_XT_GATE_BIAS; i < SMOE_XT_COUNT; i++)
+            if (lay->xl[l].has[i]) return "expert biases";
+    return NULL;
+}
+
 const smoe_backend smoe_backend_cuda = {
     .name = "cuda",
+    .lacks = cuda_lacks,
     .share_new = cuda_share_new,
     .share_free = cuda_share_free,
     .session_new = cuda_session_new,

@@ -93,7 +93,7 @@ static smoe_status route_on_device(cuda_state *c, const smoe_tensor *router, uin
 
 /* The router's rules the device has: Qwen3-MoE's softmax, top-k, with no bias. */
 static smoe_status check_route(const smoe_route *r) {
-    if (r->kind != SMOE_ROUTE_SOFTMAX_TOPK || r->bias)
+    if (r->kind != SMOE_ROUTER_SOFTMAX_TOPK || r->bias)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: this router (kind %d%s) is not supported", (int)r->kind,
                          r->bias ? ", with a bias" : "");
     return SMOE_OK;

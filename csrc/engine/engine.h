@@ -60,7 +60,7 @@ typedef struct {
 /* A family's recipe: what the layer (layer.c) and the MoE step (moe.c) do differently per model
  * family, as data, filled at session creation from the vault's parameters (session.c). */
 typedef struct {
-    smoe_route_kind route; /* the router's rule */
+    smoe_router_kind route; /* the router's rule */
     smoe_act act;          /* the experts' activation */
     uint32_t window;       /* sliding layers' window (positions, the row's own included) */
     /* RoPE's frequencies: YaRN when yarn_factor > 1 (transformers' _compute_yarn_parameters) */
@@ -119,6 +119,10 @@ static inline smoe_status smoe_be_status(smoe_session *s, smoe_status st) {
 }
 
 /* ---------------------------------------------------------------------- layers (layer.c) */
+
+/* SMOE_OK when the engine has the recipe of the vault's family (its attention kinds, its router)
+ * and the backend every op it needs; else SMOE_ERR_UNSUPPORTED naming the family and what lacks. */
+smoe_status smoe_recipe_check(const smoe_layout *lay, const smoe_backend *be);
 
 /* Layer l of the model for rows [0, n) of s's planes: the attention block (each row at its
  * staged position), then the FFN block (the MoE step or a dense MLP), residuals included. rows

@@ -118,6 +118,7 @@ static smoe_status streamer_new(smoe_vault *vault, const smoe_session_params *p,
         .path = vault->path,
         .fd = vault->fd,
         .blob_bytes = vault->lay.blob_bytes,
+        .layer_bytes = vault->lay.layer_blob_bytes,
         .blob_offset = vault->lay.blob_offset,
         .blob_crc = vault->lay.blob_crc,
         .n_layers = c->num_hidden_layers,
@@ -220,7 +221,19 @@ static void build_rope(smoe_session *s) {
 
 /* The family's recipe from the vault's parameters. */
 static void fill_recipe(smoe_session *s) {
-    s->recipe = (smoe_recipe){.route = SMOE_ROUTE_SOFTMAX_TOPK, .act = {SMOE_ACT_SILU, 0, 0}};
+    const smoe_model_params *m = &s->lay->mp;
+    s->recipe = (smoe_recipe){
+        .route = (smoe_router_kind)m->router_kind,
+        .act = {SMOE_ACT_SILU, 0, 0},
+        .window = m->sliding_window,
+        .yarn_factor = m->yarn_factor,
+        .yarn_original_max = m->yarn_original_max,
+        .yarn_beta_fast = m->yarn_beta_fast,
+        .yarn_beta_slow = m->yarn_beta_slow,
+        .yarn_attention_factor = m->yarn_attention_factor,
+        .yarn_truncate = m->yarn_truncate != 0,
+    };
+    if (m->family == SMOE_FAMILY_GPT_OSS) s->recipe.act = (smoe_act){SMOE_ACT_SWIGLU_CLAMPED, m->swiglu_alpha, m->swiglu_limit};
 }
 
 /* The engine's own host planes: history, RoPE tables, the sampler's and the MoE step's. */
@@ -316,6 +329,8 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
         return st;
     const smoe_backend *backend;
     if ((st = smoe_backend_for(p.device, &backend)) != SMOE_OK)
+        return st;
+    if ((st = smoe_recipe_check(&vault->lay, backend)) != SMOE_OK)
         return st;
 
     smoe_session *s = smoe_alloc(sizeof *s, 64);

@@ -130,8 +130,14 @@ class _HfJob:
 
         self.kind = "hf"
         cfg = load_config(src)
-        self.formats = resolve_formats(experts or "q4", dense)
         self.plan = plan(src, cfg, ckpt)
+        from .gpt_oss import is_mxfp4
+        self.mxfp4 = is_mxfp4(self.plan)
+        if self.mxfp4 and experts not in (None, "MXFP4"):
+            log.warning("%s: the experts are MXFP4 as released; they are imported as stored (MXFP4), not "
+                        "requantised to %s", src, experts)
+        self.formats = resolve_formats(experts or "q4", dense) if not self.mxfp4 else \
+            {**resolve_formats("q4", dense), "experts": "MXFP4"}
         self.ckpt = ckpt
         self.dtype = hf.source_dtype(ckpt, self.plan)
         self.scale_dtype = scale_dtype or self.dtype
@@ -164,8 +170,14 @@ class _HfJob:
         experts = list(self.plan.experts.items())
 
         def pack(item):
-            _, parts = item
-            return writer.pack_expert(*(read(self.ckpt, parts[k]) for k in ("gate", "up", "down")))
+            (layer, _), parts = item
+            if "gate_bias" not in parts:
+                return writer.pack_expert(*(read(self.ckpt, parts[k]) for k in ("gate", "up", "down")), layer)
+            # gpt-oss: biases too, and MXFP4 matrices as stored
+            mats = {k: read(self.ckpt, s) for k, s in parts.items()}
+            raw = {k: mats[k] for k in ("gate", "up", "down") if getattr(parts[k], "mxfp4", False)}
+            floats = [None if k in raw else mats[k] for k in ("gate", "up", "down")]
+            return writer.pack_expert(*floats, layer, [mats[k] for k in ("gate_bias", "up_bias", "down_bias")], raw)
 
         for i, blob in fork_map(pack, experts, jobs):
             (layer, e), parts = experts[i]
@@ -173,6 +185,10 @@ class _HfJob:
             bar.update(sum(s.nbytes for s in parts.values()))
 
     def source(self) -> dict:
+        if self.mxfp4:
+            return {"kind": "hf", "path": str(Path(self.ckpt.dir).resolve()), "dtype": self.dtype,
+                    "quantization": {"experts": "MXFP4 as released (rearranged into ggml's blocks, not requantised)",
+                                     "formats": ", ".join(f"{k} {v}" for k, v in self.formats.items())}}
         return {"kind": "hf", "path": str(Path(self.ckpt.dir).resolve()), "dtype": self.dtype,
                 "quantization": {"quantiser": "mlx-affine",
                                  "formats": ", ".join(f"{k} {v}" for k, v in self.formats.items()),
