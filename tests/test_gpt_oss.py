@@ -44,3 +44,146 @@ def test_split_gate_up_is_transformers_interleave():
     gate, up = split_gate_up(w[1], 1)
     np.testing.assert_array_equal(gate, w[1][:, ::2])
     np.testing.assert_array_equal(up, w[1][:, 1::2])
+
+
+# ------------------------------------------------------------------------------ against transformers
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import pysmoe  # noqa: E402
+from pysmoe.convert import convert_checkpoint  # noqa: E402
+
+TOL = 1e-4  # of max|logit|, at every position
+YARN = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        "original_max_position_embeddings": 32, "rope_theta": 150000.0}
+CASES = {
+    # YaRN without truncation (gpt-oss's own), window 5 < the prompt, GQA 2:1
+    "yarn": dict(hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=5,
+                 rope_parameters=YARN, max_position_embeddings=256),
+    # plain RoPE, head_dim 32 ≠ hidden/heads, MHA, 4 experts top 3, a window of 3, layer types not alternating
+    "plain_rope": dict(hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=4, head_dim=32, num_local_experts=4, num_experts_per_tok=3,
+                       sliding_window=3, layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=512),
+    # YaRN with truncation and its own attention factor, head_dim 24, 4 query heads per kv head, 16 experts
+    # top 4, tied embeddings, a tighter clamp
+    "yarn_truncate": dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=1, head_dim=24, num_local_experts=16, num_experts_per_tok=4,
+                          sliding_window=7, tie_word_embeddings=True, swiglu_limit=3.0,
+                          rope_parameters={**YARN, "truncate": True, "factor": 4.0, "attention_factor": 1.3},
+                          max_position_embeddings=128),
+}
+PROMPT = 24
+
+
+def build_gpt_oss(tmp, seed=0, **over):
+    """A random GptOssForCausalLM saved with save_pretrained: biases, sinks and norms random too,
+    experts large enough that the SwiGLU's clamp bites."""
+    cfg = transformers.GptOssConfig(vocab_size=320, **over)
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                p.normal_(0, 0.5)
+            elif "experts" in name:
+                p.normal_(0, 0.6)
+            elif "norm" in name:
+                p.normal_(1, 0.2)
+    path = tmp / "hf"
+    model.save_pretrained(path)
+    return path, model
+
+
+@torch.no_grad()
+def hf_logits(model, ids):
+    return model(torch.tensor([list(ids)]), use_cache=False).logits[0].float().numpy()
+
+
+@torch.no_grad()
+def clamp_and_router_margins(model, ids):
+    """(the largest gate pre-activation the chosen experts saw, over the clamp's limit; the
+    smallest margin between the k-th and (k+1)-th router logit): the clamp must bite, and no
+    top-k choice may be near a tie that float rounding could flip."""
+    seen, margin = [0.0], [float("inf")]
+    k = model.config.num_experts_per_tok
+
+    def watch(experts):
+        apply = experts._apply_gate
+
+        def gate(gate_up):
+            seen[0] = max(seen[0], float(gate_up[..., ::2].max()) / experts.limit)
+            return apply(gate_up)
+        return gate
+
+    def router_hook(mod, args, out):
+        top = torch.sort(out[0].float(), dim=-1, descending=True).values
+        if top.shape[-1] > k:
+            margin[0] = min(margin[0], float((top[:, k - 1] - top[:, k]).min()))
+
+    hooks = []
+    for layer in model.model.layers:
+        layer.mlp.experts._apply_gate = watch(layer.mlp.experts)
+        hooks.append(layer.mlp.router.register_forward_hook(router_hook))
+    try:
+        model(torch.tensor([list(ids)]), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+        for layer in model.model.layers:
+            del layer.mlp.experts._apply_gate
+    return seen[0], margin[0]
+
+
+def _rel(a, b):
+    return float(np.max(np.abs(a - b), axis=-1).max() / np.abs(b).max())
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    path, model = build_gpt_oss(tmp, **CASES[request.param])
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, 320, PROMPT)]
+    vault = convert_checkpoint(path, tmp / "vault", experts="f32", dense="f32", progress=False, jobs=1)
+    return request.param, model, ids, vault
+
+
+def test_f32_vault_matches_transformers_at_every_position(case):
+    name, model, ids, vault = case
+    clamp, margin = clamp_and_router_margins(model, ids)
+    assert clamp > 1.0, f"{name}: the clamp never bites (largest gate {clamp:.2f}·limit)"
+    assert margin > 1e-4, f"{name}: router top-k margin {margin:.3g}: a tie could flip between implementations"
+    ref = hf_logits(model, ids)
+    with pysmoe.open_vault(vault) as v:
+        assert v.config["model_type"] == "gpt_oss"
+        with v.session(threads=2, chunk=7, activations="f32") as s:
+            lm = s.prefill_logits(ids, list(range(PROMPT)))  # layer-major, every position
+        with v.session(threads=1, prefill="token-serial", activations="f32") as s:
+            ts = np.stack([s.decode(i) for i in ids])       # token-serial, every position
+    err = _rel(lm, ref)
+    print(f"\n{name}: layer-major {err:.2e}, token-serial {_rel(ts, ref):.2e} of max|logit| "
+          f"(largest gate {clamp:.1f}x the limit, router margin {margin:.2g})")
+    assert err < TOL and _rel(ts, ref) < TOL
+    assert np.array_equal(lm.view(np.uint32), ts.view(np.uint32))
+
+
+def test_sinks_window_yarn_and_biases_matter(case):
+    """The comparison above could not pass with any of gpt-oss's pieces left out: transformers'
+    logits move by far more than TOL when one is removed."""
+    name, model, ids, _ = case
+    ref = hf_logits(model, ids)
+    cfg = model.config
+    variants = {"sinks": lambda m: [l.self_attn.sinks.fill_(-1e4) for l in m.model.layers],
+                "biases": lambda m: [l.self_attn.q_proj.bias.zero_() for l in m.model.layers],
+                "clamp": lambda m: [setattr(l.mlp.experts, "limit", 1e9) for l in m.model.layers]}
+    if any(t == "sliding_attention" for t in cfg.layer_types):
+        variants["window"] = lambda m: [setattr(l.self_attn, "sliding_window", None) for l in m.model.layers]
+    import copy
+    for what, change in variants.items():
+        m = copy.deepcopy(model)
+        with torch.no_grad():
+            change(m)
+        if what == "window":
+            m.config.layer_types = ["full_attention"] * cfg.num_hidden_layers
+        assert _rel(hf_logits(m, ids), ref) > 10 * TOL, f"{name}: leaving out the {what} changes nothing"
