@@ -2,8 +2,12 @@
 MXFP4 vaults of random-weight GptOssForCausalLM models; layer-major = token-serial bit for bit."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pysmoe import ggml_blocks
 from pysmoe.convert.gpt_oss import ggml_to_mxfp4, mxfp4_to_ggml, split_gate_up
@@ -187,3 +191,106 @@ def test_sinks_window_yarn_and_biases_matter(case):
         if what == "window":
             m.config.layer_types = ["full_attention"] * cfg.num_hidden_layers
         assert _rel(hf_logits(m, ids), ref) > 10 * TOL, f"{name}: leaving out the {what} changes nothing"
+
+
+# ------------------------------------------------------------------------------ MXFP4 experts, as released
+def write_mxfp4_checkpoint(path, model, seed=0):
+    """model's weights with its experts replaced by random MXFP4 blocks and scales, written as the
+    released checkpoints store them (`*_blocks` u8 [E, rows, cols/32, 16], `*_scales` u8 [E, rows,
+    cols/32], rows = outputs, gate/up interleaved by row); returns {name: (blocks, scales)}."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    cfg = model.config
+    E, H, I = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    tensors, packed = {}, {}
+    for name, p in model.state_dict().items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            rows, cols = (2 * I, H) if name.endswith("gate_up_proj") else (H, I)
+            blocks = rng.integers(0, 256, (E, rows, cols // 32, 16), dtype=np.uint8)
+            scales = rng.integers(124, 128, (E, rows, cols // 32), dtype=np.uint8)  # weights up to 6·2^0
+            tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+            packed[name] = (blocks, scales)
+        elif name != "lm_head.weight" or not cfg.tie_word_embeddings:
+            tensors[name] = p.detach().to(torch.bfloat16).float().numpy()  # a bf16 release, widened
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(path / "model.safetensors"))
+    raw = json.loads(cfg.to_json_string())
+    raw["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                                       "model.layers.*.mlp.router",
+                                                                                       "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(raw))
+    return packed
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory):
+    """A released-style MXFP4 checkpoint, its vault, and transformers on the dequantised weights."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tmp = tmp_path_factory.mktemp("mxfp4")
+    _, model = build_gpt_oss(tmp, **CASES["yarn"])
+    packed = write_mxfp4_checkpoint(tmp / "released", model)
+    vault = convert_checkpoint(tmp / "released", tmp / "vault", dense="f32", progress=False, jobs=1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # the bf16 release's dense weights, then its experts
+            p.copy_(p.to(torch.bfloat16).float())
+        for name, (blocks, scales) in packed.items():
+            w = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+            model.get_parameter(name).copy_(w)  # (E, cols, rows): transformers' own layout
+    return model, vault
+
+
+def test_mxfp4_vault_matches_transformers_on_the_dequantised_weights(mxfp4):
+    model, vault = mxfp4
+    ids = [int(i) for i in np.random.default_rng(2).integers(0, 320, PROMPT)]
+    ref = hf_logits(model, ids)
+    with pysmoe.open_vault(vault) as v:
+        blob = pysmoe.vaultio.read_vault(vault)
+        assert [t.format for t in blob.expert_tensors][:3] == ["MXFP4"] * 3
+        with v.session(threads=2, chunk=5, activations="f32") as s:
+            lm = s.prefill_logits(ids, list(range(PROMPT)))
+    err = _rel(lm, ref)
+    print(f"\nMXFP4 vault (f32 activations): {err:.2e} of max|logit|")
+    assert err < TOL
+    source = json.loads((vault / "source.json").read_text())
+    assert "MXFP4" in source["quantization"]["experts"]
+
+
+# ------------------------------------------------------------------------------ bit identity
+def _run(vault, ids, prefill, **kw):
+    with pysmoe.open_vault(vault) as v, v.session(prefill=prefill, context=256, **kw) as s:
+        logits = s.prefill(ids)
+        nxt = [int(np.argmax(logits))]
+        for _ in range(3):
+            nxt.append(int(np.argmax(s.decode(nxt[-1]))))
+        return logits, nxt, [s.kv(layer) for layer in range(v.config["num_hidden_layers"])]
+
+
+@pytest.fixture(scope="module")
+def f32_vault(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("f32")
+    path, _ = build_gpt_oss(tmp, **CASES["yarn"])
+    return convert_checkpoint(path, tmp / "vault", experts="f32", dense="f32", progress=False, jobs=1)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_layer_major_is_token_serial_bit_for_bit(f32_vault, mxfp4, data):
+    """For any prompt, chunk, thread count, cache budget, KV type and activation mode, on an f32 and
+    an MXFP4 gpt-oss vault: the same logits, continuations and KV cache, bit for bit."""
+    vault = data.draw(st.sampled_from([f32_vault, mxfp4[1]]), label="vault")
+    n = data.draw(st.integers(1, 40), label="prompt length")
+    ids = data.draw(st.lists(st.integers(0, 319), min_size=n, max_size=n), label="ids")
+    kw = dict(threads=data.draw(st.integers(1, 3), label="threads"),
+              cache_bytes=data.draw(st.sampled_from([0, 1 << 16, 1 << 26]), label="cache"),
+              kv_dtype=data.draw(st.sampled_from(pysmoe.KV_DTYPES), label="kv_dtype"),
+              activations=data.draw(st.sampled_from(["f32", "q8"]), label="activations"))
+    a = _run(vault, ids, "token-serial", **kw)
+    b = _run(vault, ids, "layer-major", chunk=data.draw(st.integers(1, 24), label="chunk"), **kw)
+    assert np.array_equal(a[0].view(np.uint32), b[0].view(np.uint32)) and a[1] == b[1]
+    for (ka, va), (kb, vb) in zip(a[2], b[2]):
+        assert np.array_equal(ka.view(np.uint32), kb.view(np.uint32))
+        assert np.array_equal(va.view(np.uint32), vb.view(np.uint32))
