@@ -294,3 +294,28 @@ def test_layer_major_is_token_serial_bit_for_bit(f32_vault, mxfp4, data):
     for (ka, va), (kb, vb) in zip(a[2], b[2]):
         assert np.array_equal(ka.view(np.uint32), kb.view(np.uint32))
         assert np.array_equal(va.view(np.uint32), vb.view(np.uint32))
+
+
+# ------------------------------------------------------------------------------ synth presets
+def test_synth_presets(tmp_path):
+    """gpt-oss-20b and -120b at their real shapes (the layout only: 10 and 60 GB of MXFP4 experts),
+    and the tiny one written and run (layer-major = token-serial)."""
+    from pysmoe.synthesis import preset_config, synth
+    from pysmoe.vaultio import compute_layout
+
+    for preset, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)):
+        lay = compute_layout(preset_config(preset), {"experts": "MXFP4"})
+        names = [t.name for t in lay.expert]
+        assert names == ["gate", "up", "down", "gate_bias", "up_bias", "down_bias"]
+        matrices = 3 * 2880 * 2880 * 17 // 32
+        assert lay.expert[2].offset + lay.expert[2].nbytes >= matrices
+        assert lay.blob_bytes % 16384 == 0 and 0 <= lay.blob_bytes - (matrices + 3 * 2880 * 4) < 2 * 16384
+        assert lay.n_blobs == layers * experts and lay.params["sliding_window"] == 128
+        assert lay.params["yarn_factor"] == 32.0 and lay.params["router_kind"] == 2
+    d = synth(tmp_path / "v", preset="gpt-oss-tiny", experts="MXFP4", progress=False)
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, 512, 30)]
+    with pysmoe.open_vault(d) as v:
+        assert v.config["model_type"] == "gpt_oss"
+        with v.session(chunk=8) as s, v.session(prefill="token-serial") as t:
+            a, b = s.prefill(ids), t.prefill(ids)
+    assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32))
