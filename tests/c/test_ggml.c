@@ -252,6 +252,25 @@ static void test_qx(int fi, uint32_t rows, uint32_t cols) {
                     break;
                 }
     }
+    /* a signalling-NaN and an inf scale: NaN or inf outputs, the same bits from every instance */
+    if (FMTS[fi].scale_at[0] >= 0 && fmt != SMOE_FMT_GGML_MXFP4 && rows >= 2) {
+        const uint16_t snan = 0x7d01, inf = 0x7c00;
+        memcpy(g.bytes + FMTS[fi].scale_at[0], &snan, 2);
+        memcpy(g.bytes + (cols / bs) * ts + ts * (nb > 8 ? 1 : 0) + FMTS[fi].scale_at[0], &inf, 2);
+        smoe_ref_matmul_rows_qx(&g.t, g.bytes, &X, N, yr, ldy, 0, rows);
+        smoe_matmul_rows_qx(&g.t, g.bytes, &X, N, yf, ldy, 0, rows);
+        for (uint32_t t = 0; t < N; t++) {
+            CHECK(isnan(yr[t * ldy]) && !isfinite(yr[t * ldy + 1]), "%s qx: a NaN / inf scale, y = %g, %g", FMTS[fi].name,
+                  yr[t * ldy], yr[t * ldy + 1]);
+            for (uint32_t r = 0; r < rows; r++)
+                if (f32_bits_of(yr[t * ldy + r]) != f32_bits_of(yf[t * ldy + r])) {
+                    CHECK(0, "%s qx, a NaN / inf scale: dispatched y[t=%u, r=%u] = %a, reference %a", FMTS[fi].name, t, r,
+                          yf[t * ldy + r], yr[t * ldy + r]);
+                    t = N;
+                    break;
+                }
+        }
+    }
     /* a NaN in x gives NaN, never a finite y */
     x[2 * ldx + cols - 1] = NAN;
     smoe_qx_prepare(x, ldx, N, cols, fmt, 32, codes, d, gs);
