@@ -158,7 +158,7 @@ smoe_status smoe_vault_check_unchanged(const smoe_vault *v);
 /* Byte size of a tensor of this format, scale format, group size and shape (docs/vault.md
  * section 3); 0 if the combination is invalid. */
 /* A GGML block format's geometry: columns per block and bytes per block (ggml's block_size and
- * type_size); false for any other format. */
+ * type_size); false (and 0, 0) for any other format. */
 static inline bool smoe_ggml_block(uint8_t format, uint32_t *block, uint32_t *bytes) {
     uint32_t b = 32, t;
     switch (format) {
@@ -174,11 +174,11 @@ static inline bool smoe_ggml_block(uint8_t format, uint32_t *block, uint32_t *by
     case SMOE_FMT_GGML_IQ4_NL: t = 18; break;
     case SMOE_FMT_GGML_IQ4_XS: b = 256, t = 136; break;
     case SMOE_FMT_GGML_MXFP4: t = 17; break;
-    default: return false;
+    default: b = t = 0; break;
     }
     *block = b;
     *bytes = t;
-    return true;
+    return b != 0;
 }
 
 /* "f32", "bf16", "q8", "q4" or ggml's name of a GGML format ("Q4_K", ...); "?" for any other. */

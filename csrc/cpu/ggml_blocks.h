@@ -17,7 +17,8 @@
  * block of 32 columns is written as integers and at most two floats (gb_qx_decode):
  *     w_c ≈ σ · sub[c / 16] · q_c + μ          (q_c int8, sub int16, σ and μ f32)
  * where the integer part Σ_c sub·q_c·code_c is exact and σ is the block's own scale as
- * dequantisation computes it (d, or d·sc for the K-quants with a 6-bit scale per 32). Per type:
+ * dequantisation computes it (d, or d·sc for the K-quants with a 6-bit scale per 32; f16 values
+ * widened with a NaN quieted, gb_f16q). Per type:
  *     Q4_0  q = nibble − 8        σ = d                    Q5_0  q = 5-bit − 16   σ = d
  *     Q8_0  q = qs                σ = d                    IQ4_NL q = kvalues[nibble], σ = d
  *     MXFP4 q = kvalues_mxfp4[nibble], σ = 2^(e−128)       IQ4_XS q = kvalues[nibble], σ = d·(ls−32)
@@ -47,6 +48,16 @@ static inline float gb_f16(const uint8_t *p) {
     if (exp != 0) return gb_f32_from_bits(sign | ((exp + 112u) << 23) | (man << 13));
     const float v = (float)man * 0x1p-24f; /* zero or subnormal: exact */
     return sign ? -v : v;
+}
+
+/* The same, a NaN quieted (its top mantissa bit set), as F16C's vcvtph2ps widens: the scales of
+ * the integer form below, so that vector code may widen them with it. */
+static inline float gb_f16q(const uint8_t *p) {
+    const float f = gb_f16(p);
+    if (f == f) return f;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return gb_f32_from_bits(u | 0x00400000u);
 }
 
 /* ggml's GGML_E8M0_TO_FP32_HALF: 2^(e − 128), subnormal for e < 2 */
@@ -238,12 +249,12 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
                 qi[j] = (int8_t)(lo - (q5 ? 16 : 8));
                 qi[j + 16] = (int8_t)(hi - (q5 ? 16 : 8));
             }
-            sigma[i] = gb_f16(blk);
+            sigma[i] = gb_f16q(blk);
             break;
         }
         case SMOE_FMT_GGML_Q8_0:
             memcpy(qi, blk + 2, 32);
-            sigma[i] = gb_f16(blk);
+            sigma[i] = gb_f16q(blk);
             break;
         case SMOE_FMT_GGML_IQ4_NL:
         case SMOE_FMT_GGML_MXFP4: {
@@ -254,7 +265,7 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
                 qi[j] = kv[qs[j] & 15];
                 qi[j + 16] = kv[qs[j] >> 4];
             }
-            sigma[i] = mx ? gb_e8m0_half(blk[0]) : gb_f16(blk);
+            sigma[i] = mx ? gb_e8m0_half(blk[0]) : gb_f16q(blk);
             break;
         }
         case SMOE_FMT_GGML_IQ4_XS: {
@@ -263,7 +274,7 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
                 qi[j] = gb_kvalues_iq4nl[qs[j] & 15];
                 qi[j + 16] = gb_kvalues_iq4nl[qs[j] >> 4];
             }
-            sigma[i] = gb_f16(blk) * (float)gb_scale_iq4xs(blk, k);
+            sigma[i] = gb_f16q(blk) * (float)gb_scale_iq4xs(blk, k);
             break;
         }
         case SMOE_FMT_GGML_Q4_K:
@@ -277,8 +288,8 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
             }
             uint8_t s, m;
             gb_scale_min_k4(blk + 4, k, &s, &m);
-            sigma[i] = gb_f16(blk) * (float)s;
-            mu[i] = -(gb_f16(blk + 2) * (float)m);
+            sigma[i] = gb_f16q(blk) * (float)s;
+            mu[i] = -(gb_f16q(blk + 2) * (float)m);
             break;
         }
         case SMOE_FMT_GGML_Q6_K: {
@@ -291,7 +302,7 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
             const int8_t *sc = (const int8_t *)(const void *)(blk + 192);
             sub[2 * i] = sc[2 * k];
             sub[2 * i + 1] = sc[2 * k + 1];
-            sigma[i] = gb_f16(blk + 208);
+            sigma[i] = gb_f16q(blk + 208);
             break;
         }
         case SMOE_FMT_GGML_Q3_K: {
@@ -302,7 +313,7 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
             }
             sub[2 * i] = (int16_t)gb_scale_q3k(blk + 96, 2 * k);
             sub[2 * i + 1] = (int16_t)gb_scale_q3k(blk + 96, 2 * k + 1);
-            sigma[i] = gb_f16(blk + 108);
+            sigma[i] = gb_f16q(blk + 108);
             break;
         }
         default:
