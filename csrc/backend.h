@@ -133,7 +133,7 @@ typedef struct smoe_backend {
      * renormalised when renorm; ids (n·K, host) ← the chosen experts, best first per row; their
      * weights stay on the device for combine. */
     smoe_status (*route)(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids);
-    /* As route for router_kind 1 (vault parameters): sigmoid scores, bias (1 × experts, f32) for
+    /* As route for router_kind 1 (vault parameters): sigmoid scores, bias (1 × experts) for
      * the choice, group-limited top K, renormalised when renorm, × routed_scaling_factor. NULL: the
      * backend lacks it. */
     smoe_status (*route_grouped)(void *b, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K, bool renorm,

@@ -68,11 +68,11 @@ void smoe_add_bias(float *y, const smoe_tensor *w);
 enum { SMOE_MAX_GROUPS = 1024 }; /* n_group's bound: the vault's bound on experts */
 
 /* GLM-4.5 / DeepSeek-V3 routing of one row (vault router_kind 1) from its E router logits: scores
- * s = sigmoid(logits); choice c = s + bias (E floats); the experts in n_group groups of E/n_group,
+ * s = sigmoid(logits); choice c = s + bias (1 × E, f32 or bf16); the experts in n_group groups of E/n_group,
  * each group scored by the sum of its two largest c (n_group > 1); the topk_group best groups kept
  * (ties: lower index); the k largest c among their experts into idx, best first (ties: lower
  * index); val = their s, divided by (Σ val + 1e-20) if renorm, times scale. scratch: E floats. */
-void smoe_route_sigmoid_group(const float *logits, uint32_t E, const float *bias, uint32_t n_group,
+void smoe_route_sigmoid_group(const float *logits, uint32_t E, const smoe_tensor *bias, uint32_t n_group,
                               uint32_t topk_group, uint32_t k, bool renorm, float scale, int32_t *idx, float *val,
                               float *scratch);
 

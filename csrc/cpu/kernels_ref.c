@@ -668,13 +668,11 @@ void smoe_add_bias(float *y, const smoe_tensor *w) {
     }
 }
 
-void smoe_route_sigmoid_group(const float *logits, uint32_t E, const float *bias, uint32_t n_group,
+void smoe_route_sigmoid_group(const float *logits, uint32_t E, const smoe_tensor *bias, uint32_t n_group,
                               uint32_t topk_group, uint32_t k, bool renorm, float scale, int32_t *idx, float *val,
                               float *c) {
-    for (uint32_t e = 0; e < E; e++) {
-        const float s = 1.0f / (1.0f + expf(-logits[e]));
-        c[e] = s + bias[e];
-    }
+    for (uint32_t e = 0; e < E; e++) c[e] = 1.0f / (1.0f + expf(-logits[e]));
+    smoe_add_bias(c, bias);
     if (n_group > 1 && topk_group < n_group) {
         const uint32_t per = E / n_group;
         float gs[SMOE_MAX_GROUPS];

@@ -222,10 +222,9 @@ smoe_status smoe_cpu_route_grouped(void *b, const smoe_tensor *router, const smo
     cpu_state *s = b;
     const uint32_t E = s->cfg->num_experts;
     const smoe_model_params *m = &s->lay->mp;
-    if (bias->format != SMOE_FMT_F32) return smoe_fail(SMOE_ERR_UNSUPPORTED, "router.bias must be f32 here");
     smoe_cpu_linear(s, SMOE_P_ROUTER, router, router->data, s->xn, n, s->router);
     for (uint32_t t = 0; t < n; t++)
-        smoe_route_sigmoid_group(s->router + (size_t)t * E, E, (const float *)bias->data, m->n_group, m->topk_group, K,
+        smoe_route_sigmoid_group(s->router + (size_t)t * E, E, bias, m->n_group, m->topk_group, K,
                                  renorm, m->routed_scaling_factor, ids + (size_t)t * K, s->topk_w + (size_t)t * K,
                                  s->route_scratch);
     SMOE_PROF_LAP(SMOE_P_ROUTE);
