@@ -15,6 +15,7 @@ pytest.importorskip("transformers")
 import pysmoe  # noqa: E402
 from hf_models import write_tokenizer  # noqa: E402
 from pysmoe.convert import convert_checkpoint  # noqa: E402
+from pysmoe.reference import ReferenceModel  # noqa: E402
 from pysmoe.vaultio import read_vault  # noqa: E402
 
 TOL = 1e-4  # of max|logit|
@@ -105,6 +106,8 @@ def test_f32_vault_matches_transformers(case):
     rel = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
     print(f"{name}: f32 max|engine - transformers| / max|logit| = {rel:.3g}")
     assert rel <= TOL
+    ref = ReferenceModel(vault).logits(ids)  # the numpy reference forward follows the family too
+    assert float(np.max(np.abs(ref - want)) / np.max(np.abs(want))) <= TOL
 
 
 def test_layer_major_equals_token_serial(case):
