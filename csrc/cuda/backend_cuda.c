@@ -283,8 +283,6 @@ static smoe_status cuda_project(void *b, smoe_plane src, const smoe_proj *out, u
     for (uint32_t i = 0; i < n_out; i++) need |= smoe_cuda_tensor_cores(out[i].W);
     smoe_cu_act a;
     if ((st = smoe_cuda_act(c, src, n, need, &a)) != SMOE_OK) return st;
-    for (uint32_t i = 0; i < n_out; i++)
-        if (out[i].bias) return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: a projection's bias is not supported");
     for (uint32_t i = 0; i < n_out; i++) {
         smoe_cuda_written(c, out[i].out);
         if ((st = smoe_cuda_linear(c, out[i].W, &a, n, smoe_cuda_plane(c, out[i].out), smoe_cuda_plane_cols(c, out[i].out))) !=

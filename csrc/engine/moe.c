@@ -169,7 +169,10 @@ smoe_status smoe_moe_step(smoe_session *s, uint32_t l, uint32_t n, smoe_session 
         m->deferred[l] = true;
         return smoe_be_status(s, be->moe_resident(b, l, &r, n));
     }
-    if ((st = smoe_be_status(s, be->route(b, &r, n, m->ids))) != SMOE_OK) return st;
+    st = s->recipe.route == SMOE_ROUTER_SIGMOID_GROUP
+             ? be->route_grouped(b, L->router, L->router_bias, r.K, r.renorm, n, m->ids)
+             : be->route(b, &r, n, m->ids);
+    if ((st = smoe_be_status(s, st)) != SMOE_OK) return st;
 
     uint32_t size = 0, next = 0;
     st = form_union(s, l, n, owners, &size, &next);

@@ -201,12 +201,13 @@ static float yarn_inv_freq(const smoe_recipe *r, float pos_freq, uint32_t i, uin
 
 static void build_rope(smoe_session *s) {
     /* As transformers computes it, in float32: inv_freq = 1 / θ^(2i/d) (YaRN's mix of it with
-     * inv_freq / factor when the recipe says), angle = pos · inv_freq; YaRN's cos and sin are
-     * scaled by its attention factor. */
+     * inv_freq / factor when the recipe says), angle = pos · inv_freq, over the d = rotary_dim
+     * leading dims of a head (all of it but for partial RoPE); YaRN's cos and sin are scaled by its
+     * attention factor. */
     const smoe_recipe *r = &s->recipe;
     const bool yarn = r->yarn_factor > 1.0;
     const float scale = yarn ? (float)r->yarn_attention_factor : 1.0f;
-    uint32_t d = s->cfg.head_dim, half = d / 2;
+    uint32_t d = s->lay->mp.rotary_dim, half = d / 2;
     for (uint32_t i = 0; i < half; i++) {
         const float pos_freq = powf((float)s->cfg.rope_theta, (float)(2 * i) / (float)d);
         const float inv = yarn ? yarn_inv_freq(r, pos_freq, i, d, s->cfg.rope_theta) : 1.0f / pos_freq;
@@ -244,8 +245,8 @@ static smoe_status engine_planes(smoe_session *s) {
     smoe_moe_state *m = &s->moe;
     bool ok = true;
     s->history = plane(s, s->params.context, sizeof(int32_t), &ok);
-    s->rope_cos = plane(s, (size_t)s->params.context * (c->head_dim / 2), sizeof(float), &ok);
-    s->rope_sin = plane(s, (size_t)s->params.context * (c->head_dim / 2), sizeof(float), &ok);
+    s->rope_cos = plane(s, (size_t)s->params.context * (s->lay->mp.rotary_dim / 2), sizeof(float), &ok);
+    s->rope_sin = plane(s, (size_t)s->params.context * (s->lay->mp.rotary_dim / 2), sizeof(float), &ok);
     s->sample_f = plane(s, V, sizeof(float), &ok);
     s->sample_i = plane(s, V, sizeof(int32_t), &ok);
     s->sampler.counts = plane(s, V, sizeof(uint32_t), &ok);
