@@ -267,3 +267,18 @@ def test_server_reasoning_effort(served_harmony):
     import openai
     with pytest.raises(openai.BadRequestError, match="reasoning_effort"):
         c.chat.completions.create(model="tiny", messages=msgs, max_tokens=1, reasoning_effort="extreme")
+
+
+def test_chat_cli_keeps_the_final_channel_as_the_turn(tok_json):
+    """`pysmoe chat` records a gpt-oss reply as its final channel: the template refuses channel tags
+    in a message's content, and the next turn renders."""
+    from pysmoe.cli.chat import Conversation
+
+    conv = Conversation.__new__(Conversation)
+    conv.tok = Tokenizer(tok_json, {"eos_token": "<|return|>"}, TEMPLATE)
+    turn = conv._assistant(ANSWER)
+    assert turn == {"role": "assistant", "content": "It is 3 °C <|x|>."}
+    p = render_chat(conv.tok, [{"role": "user", "content": "hi"}, turn, {"role": "user", "content": "and?"}])
+    assert "<|channel|>final<|message|>It is 3 °C <|x|>.<|end|>" in p.text
+    with pytest.raises(Exception, match="channel"):
+        render_chat(conv.tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ANSWER}])
