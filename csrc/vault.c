@@ -149,6 +149,9 @@ uint64_t smoe_tensor_bytes(uint8_t format, uint8_t scale_format, uint32_t group,
         return smoe_align_up(format == SMOE_FMT_Q8 ? n : n / 2, 64) +
                2 * smoe_align_up(scale_part_bytes(scale_format, group, rows, cols), 64);
     }
+    uint32_t bs, ts;
+    if (smoe_ggml_block(format, &bs, &ts)) /* whole blocks of ggml's layout, nothing else */
+        return group || scale_format != SMOE_SCALE_NONE || cols % bs ? 0 : n / bs * ts;
     return 0;
 }
 
@@ -173,8 +176,22 @@ static bool tensor_init(smoe_tensor *t, uint8_t format, uint8_t scale_format, ui
     return true;
 }
 
-static const char *format_name(uint8_t f) {
+const char *smoe_format_name(uint8_t f) {
     static const char *names[] = {"f32", "bf16", "q8", "q4"};
+    switch (f) {
+    case SMOE_FMT_GGML_F16: return "F16";
+    case SMOE_FMT_GGML_Q4_0: return "Q4_0";
+    case SMOE_FMT_GGML_Q5_0: return "Q5_0";
+    case SMOE_FMT_GGML_Q8_0: return "Q8_0";
+    case SMOE_FMT_GGML_Q2_K: return "Q2_K";
+    case SMOE_FMT_GGML_Q3_K: return "Q3_K";
+    case SMOE_FMT_GGML_Q4_K: return "Q4_K";
+    case SMOE_FMT_GGML_Q5_K: return "Q5_K";
+    case SMOE_FMT_GGML_Q6_K: return "Q6_K";
+    case SMOE_FMT_GGML_IQ4_NL: return "IQ4_NL";
+    case SMOE_FMT_GGML_IQ4_XS: return "IQ4_XS";
+    case SMOE_FMT_GGML_MXFP4: return "MXFP4";
+    }
     return f <= SMOE_FMT_Q4 ? names[f] : "?";
 }
 
@@ -202,23 +219,29 @@ static smoe_status parse_desc(const uint8_t *d, const char *what, char name[40],
     uint32_t group = rd16(d + 42), rows = rd32(d + 44), cols = rd32(d + 48);
     uint64_t offset = rd64(d + 56);
     if (rd32(d + 52)) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): reserved field not zero", what, pn);
-    if (format > SMOE_FMT_Q4) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): unknown format %u", what, pn, format);
+    uint32_t ggml_bs, ggml_ts;
+    const bool ggml = smoe_ggml_block(format, &ggml_bs, &ggml_ts);
+    if (format > SMOE_FMT_Q4 && !ggml)
+        return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): unknown format %u", what, pn, format);
     if (!tensor_init(t, format, scale_format, group, rows, cols)) {
         bool quant = is_quant(format);
         if (rows == 0 || cols == 0)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): empty shape %ux%u", what, pn, rows, cols);
+        if (ggml && cols % ggml_bs)
+            return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %s needs cols %% %u == 0, cols is %u", what, pn,
+                             smoe_format_name(format), ggml_bs, cols);
         if (quant ? !scale_size(scale_format) : scale_format != SMOE_SCALE_NONE)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): scale_format %u does not go with format %s", what, pn,
-                             scale_format, format_name(format));
+                             scale_format, smoe_format_name(format));
         if (quant && group != 32 && group != 64 && group != 128)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %s group_size %u (must be 32, 64 or 128)", what, pn,
-                             format_name(format), group);
+                             smoe_format_name(format), group);
         if (!quant && group)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): group_size %u for %s (must be 0)", what, pn, group,
-                             format_name(format));
+                             smoe_format_name(format));
         if (quant && cols % group)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %s needs cols %% group_size == 0, cols is %u, group_size %u",
-                             what, pn, format_name(format), cols, group);
+                             what, pn, smoe_format_name(format), cols, group);
         return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %ux%u is too large", what, pn, rows, cols);
     }
     if (offset % 64) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): offset %llu not a multiple of 64", what, pn,
@@ -234,13 +257,13 @@ enum { G_EMBED, G_NORM, G_LM_HEAD, N_GLOBAL };
 enum {
     L_INPUT_NORM, L_POST_NORM, L_Q, L_K, L_V, L_O, L_Q_NORM, L_K_NORM, L_ROUTER, L_MLP_GATE, L_MLP_UP,
     L_MLP_DOWN, L_Q_BIAS, L_K_BIAS, L_V_BIAS, L_O_BIAS, L_ROUTER_BIAS, L_SHARED_GATE, L_SHARED_UP, L_SHARED_DOWN,
-    LAYER_SLOTS
+    L_SINKS, LAYER_SLOTS
 };
 static const char *const LAYER_SUFFIX[LAYER_SLOTS] = {
     "input_layernorm", "post_attention_layernorm", "q_proj", "k_proj", "v_proj", "o_proj",
     "q_norm", "k_norm", "router", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
     "q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias", "router.bias",
-    "shared.gate_proj", "shared.up_proj", "shared.down_proj",
+    "shared.gate_proj", "shared.up_proj", "shared.down_proj", "sinks",
 };
 
 /* Whether layer l of this vault holds the tensor of slot s (a LAYER_SLOTS index). */
@@ -251,7 +274,8 @@ static bool slot_wanted(const smoe_layout *L, uint32_t l, int s) {
     case L_Q_NORM:
     case L_K_NORM: return m->qk_norm != SMOE_QK_NORM_NONE;
     case L_ROUTER: return sparse;
-    case L_ROUTER_BIAS: return sparse && m->router_kind == SMOE_ROUTER_SIGMOID_GROUP;
+    case L_ROUTER_BIAS: return sparse && m->router_kind != SMOE_ROUTER_SOFTMAX_TOPK;
+    case L_SINKS: return m->family == SMOE_FAMILY_GPT_OSS;
     case L_MLP_GATE:
     case L_MLP_UP:
     case L_MLP_DOWN: return !sparse;
@@ -324,6 +348,7 @@ static void slot_shape(const smoe_layout *L, int64_t slot, uint64_t *rows, uint6
     case L_ROUTER_BIAS: *norm = true, *cols = c->num_experts; return;
     case L_SHARED_GATE:
     case L_SHARED_UP: *rows = S, *cols = h; return;
+    case L_SINKS: *norm = true, *cols = c->num_attention_heads; return;
     default: *rows = h, *cols = S; return; /* L_SHARED_DOWN */
     }
 }
@@ -472,10 +497,13 @@ static smoe_status parse_config(const uint8_t *c, smoe_config *cfg) {
 /* ------------------------------------------------------------------ model parameters (2.2) */
 
 typedef enum { P_FAMILY, P_ROTARY_DIM, P_SLIDING_WINDOW, P_ROUTER_KIND, P_N_GROUP, P_TOPK_GROUP, P_ROUTED_SCALING,
-               P_SHARED_INTERMEDIATE, P_ATTENTION_BIAS, P_QK_NORM, N_PARAMS } param_id;
+               P_SHARED_INTERMEDIATE, P_ATTENTION_BIAS, P_QK_NORM, P_SWIGLU_ALPHA, P_SWIGLU_LIMIT, P_YARN_FACTOR,
+               P_YARN_ORIGINAL_MAX, P_YARN_BETA_FAST, P_YARN_BETA_SLOW, P_YARN_ATTENTION_FACTOR, P_YARN_TRUNCATE,
+               N_PARAMS } param_id;
 static const char *const PARAM_KEY[N_PARAMS] = {
     "family", "rotary_dim", "sliding_window", "router_kind", "n_group", "topk_group", "routed_scaling_factor",
-    "shared_intermediate_size", "attention_bias", "qk_norm",
+    "shared_intermediate_size", "attention_bias", "qk_norm", "swiglu_alpha", "swiglu_limit", "yarn_factor",
+    "yarn_original_max_position", "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor", "yarn_truncate",
 };
 static const char *const FAMILY_NAME[SMOE_FAMILY_COUNT] = {
     "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe",
@@ -492,6 +520,19 @@ static void default_params(const smoe_config *c, smoe_model_params *m) {
     m->n_group = m->topk_group = 1;
     m->routed_scaling_factor = 1.0f;
     m->qk_norm = SMOE_QK_NORM_HEAD;
+    m->yarn_factor = 1.0; /* no YaRN */
+    m->yarn_beta_fast = 32.0;
+    m->yarn_beta_slow = 1.0;
+    m->yarn_attention_factor = 1.0;
+    m->yarn_truncate = 1;
+}
+
+/* value as a finite number in [lo, hi], or an error naming the key. */
+static smoe_status param_real(const char *key, double value, double lo, double hi, double *out) {
+    if (!(value >= lo && value <= hi))
+        return smoe_fail(SMOE_ERR_VAULT, "parameter '%s' is %g, must be a number in [%g, %g]", key, value, lo, hi);
+    *out = value;
+    return SMOE_OK;
 }
 
 /* value as an integer in [lo, hi], or an error naming the key. */
@@ -548,11 +589,28 @@ static smoe_status parse_params(const uint8_t *d, uint32_t n, smoe_layout *L) {
         case P_SHARED_INTERMEDIATE: rc = param_int(pk, v, 0, MAX_DIM, &m->shared_intermediate); break;
         case P_ATTENTION_BIAS: rc = param_int(pk, v, 0, 2, &m->attention_bias); break;
         case P_QK_NORM: rc = param_int(pk, v, 0, 2, &m->qk_norm); break;
+        case P_SWIGLU_ALPHA:
+        case P_SWIGLU_LIMIT: {
+            double x = 0;
+            rc = param_real(pk, v, 0, 1e6, &x);
+            *(id == P_SWIGLU_ALPHA ? &m->swiglu_alpha : &m->swiglu_limit) = (float)x;
+            break;
+        }
+        case P_YARN_FACTOR: rc = param_real(pk, v, 1, 1e6, &m->yarn_factor); break;
+        case P_YARN_ORIGINAL_MAX: rc = param_real(pk, v, 1, 4294967295.0, &m->yarn_original_max); break;
+        case P_YARN_BETA_FAST: rc = param_real(pk, v, 1e-6, 1e6, &m->yarn_beta_fast); break;
+        case P_YARN_BETA_SLOW: rc = param_real(pk, v, 1e-6, 1e6, &m->yarn_beta_slow); break;
+        case P_YARN_ATTENTION_FACTOR: rc = param_real(pk, v, 1e-6, 1e6, &m->yarn_attention_factor); break;
+        case P_YARN_TRUNCATE: rc = param_int(pk, v, 0, 1, &m->yarn_truncate); break;
         default: break;
         }
         if (rc) return rc;
     }
     if (m->rotary_dim % 2) return smoe_fail(SMOE_ERR_VAULT, "parameter 'rotary_dim' %u is odd", m->rotary_dim);
+    if (m->yarn_factor > 1 && !seen[P_YARN_ORIGINAL_MAX])
+        return smoe_fail(SMOE_ERR_VAULT, "parameters: YaRN (yarn_factor %g) needs yarn_original_max_position", m->yarn_factor);
+    if (m->family == SMOE_FAMILY_GPT_OSS && !(seen[P_SWIGLU_ALPHA] && seen[P_SWIGLU_LIMIT]))
+        return smoe_fail(SMOE_ERR_VAULT, "parameters: a gpt_oss vault needs swiglu_alpha and swiglu_limit");
     if (c->num_experts % m->n_group || m->topk_group > m->n_group)
         return smoe_fail(SMOE_ERR_VAULT, "parameters: n_group %u must divide num_experts %u, topk_group %u <= n_group",
                          m->n_group, c->num_experts, m->topk_group);
@@ -755,7 +813,7 @@ static smoe_status parse_dense_table(const uint8_t *d, smoe_layout *L) {
                            (unsigned long long)rows, (unsigned long long)cols);
         else if (norm && t->format != SMOE_FMT_F32 && t->format != SMOE_FMT_BF16)
             rc = smoe_fail(SMOE_ERR_VAULT, "%s '%s': a bias or norm must be f32 or bf16, not %s", what, name,
-                           format_name(t->format));
+                           smoe_format_name(t->format));
         else if (t->offset > L->dense_bytes || t->nbytes > L->dense_bytes - t->offset)
             rc = smoe_fail(SMOE_ERR_VAULT, "%s '%s': bytes [%llu, +%llu) run past the dense region (%llu bytes)", what,
                            name, (unsigned long long)t->offset, (unsigned long long)t->nbytes,
@@ -790,6 +848,7 @@ static smoe_status parse_dense_table(const uint8_t *d, smoe_layout *L) {
             w->shared_gate = T(L_SHARED_GATE);
             w->shared_up = T(L_SHARED_UP);
             w->shared_down = T(L_SHARED_DOWN);
+            w->sinks = T(L_SINKS);
 #undef T
         }
         L->embed = &L->tensors[slot_of[G_EMBED] - 1];
@@ -1326,7 +1385,7 @@ smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, 
                          (int)scale_format, group_size, rows, cols);
     if (nbytes != t.nbytes)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_dequantize: %ux%u %s takes %llu bytes, got %zu", rows, cols,
-                         format_name(t.format), (unsigned long long)t.nbytes, nbytes);
+                         smoe_format_name(t.format), (unsigned long long)t.nbytes, nbytes);
     t.data = data;
     for (uint32_t r = 0; r < rows; r++) smoe_dequant_row(&t, data, r, out + (size_t)r * cols);
     return SMOE_OK;

@@ -62,6 +62,10 @@ typedef struct {
     uint32_t shared_intermediate; /* width of the shared expert beside the routed ones (0: none) */
     uint32_t attention_bias;      /* 0 none, 1 q/k/v biases, 2 q/k/v/o biases */
     uint32_t qk_norm;             /* smoe_qk_norm */
+    float swiglu_alpha, swiglu_limit; /* gpt-oss's clamped SwiGLU (its experts' activation) */
+    /* YaRN RoPE when yarn_factor > 1 (transformers' _compute_yarn_parameters; engine/session.c) */
+    double yarn_factor, yarn_original_max, yarn_beta_fast, yarn_beta_slow, yarn_attention_factor;
+    uint32_t yarn_truncate;       /* round the correction range outwards (transformers' `truncate`) */
 } smoe_model_params;
 
 typedef struct {
@@ -73,6 +77,7 @@ typedef struct {
     const smoe_tensor *router_bias;            /* 1 × experts: SMOE_ROUTER_SIGMOID_GROUP's correction, else NULL */
     const smoe_tensor *mlp_gate, *mlp_up, *mlp_down; /* dense layers, else NULL */
     const smoe_tensor *shared_gate, *shared_up, *shared_down; /* sparse layers with a shared expert, else NULL */
+    const smoe_tensor *sinks;                  /* 1 × heads: attention sinks (gpt-oss), else NULL */
     bool sparse;
     uint8_t attn;                              /* smoe_attn_kind */
 } smoe_layer_weights;
@@ -152,6 +157,33 @@ smoe_status smoe_vault_check_unchanged(const smoe_vault *v);
 
 /* Byte size of a tensor of this format, scale format, group size and shape (docs/vault.md
  * section 3); 0 if the combination is invalid. */
+/* A GGML block format's geometry: columns per block and bytes per block (ggml's block_size and
+ * type_size); false (and 0, 0) for any other format. */
+static inline bool smoe_ggml_block(uint8_t format, uint32_t *block, uint32_t *bytes) {
+    uint32_t b = 32, t;
+    switch (format) {
+    case SMOE_FMT_GGML_F16: b = 1, t = 2; break;
+    case SMOE_FMT_GGML_Q4_0: t = 18; break;
+    case SMOE_FMT_GGML_Q5_0: t = 22; break;
+    case SMOE_FMT_GGML_Q8_0: t = 34; break;
+    case SMOE_FMT_GGML_Q2_K: b = 256, t = 84; break;
+    case SMOE_FMT_GGML_Q3_K: b = 256, t = 110; break;
+    case SMOE_FMT_GGML_Q4_K: b = 256, t = 144; break;
+    case SMOE_FMT_GGML_Q5_K: b = 256, t = 176; break;
+    case SMOE_FMT_GGML_Q6_K: b = 256, t = 210; break;
+    case SMOE_FMT_GGML_IQ4_NL: t = 18; break;
+    case SMOE_FMT_GGML_IQ4_XS: b = 256, t = 136; break;
+    case SMOE_FMT_GGML_MXFP4: t = 17; break;
+    default: b = t = 0; break;
+    }
+    *block = b;
+    *bytes = t;
+    return b != 0;
+}
+
+/* "f32", "bf16", "q8", "q4" or ggml's name of a GGML format ("Q4_K", ...); "?" for any other. */
+const char *smoe_format_name(uint8_t format);
+
 uint64_t smoe_tensor_bytes(uint8_t format, uint8_t scale_format, uint32_t group, uint32_t rows, uint32_t cols);
 
 #endif

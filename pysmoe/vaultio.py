@@ -60,9 +60,14 @@ FAMILIES = {"qwen3_moe": 0, "mixtral": 1, "olmoe": 2, "glm4_moe": 3, "gpt_oss": 
             "qwen3_5_moe": 6}
 FAMILY_NAME = {v: k for k, v in FAMILIES.items()}
 # What the engine of this build runs (a vault of another family opens, and is refused by a session).
-RUNNABLE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe")
+RUNNABLE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
 PARAM_KEYS = ("family", "rotary_dim", "sliding_window", "router_kind", "n_group", "topk_group",
-              "routed_scaling_factor", "shared_intermediate_size", "attention_bias", "qk_norm")
+              "routed_scaling_factor", "shared_intermediate_size", "attention_bias", "qk_norm",
+              "swiglu_alpha", "swiglu_limit", "yarn_factor", "yarn_original_max_position", "yarn_beta_fast",
+              "yarn_beta_slow", "yarn_attention_factor", "yarn_truncate")
+ATTN_FULL, ATTN_SLIDING, ATTN_LINEAR = 0, 1, 2
+# gpt-oss's blobs hold each expert's biases after its matrices (f32 rows)
+EXPERT_BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")
 ROUTER_SOFTMAX_TOPK, ROUTER_SIGMOID_GROUP, ROUTER_TOPK_SOFTMAX = 0, 1, 2
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_WHOLE = 0, 1, 2
 
@@ -102,7 +107,7 @@ def normalize_config(cfg: dict) -> dict:
     for key in ("rope_parameters", "rope_scaling"):
         rp = out.get(key)
         rope_type = rp.get("rope_type", rp.get("type", "default")) if isinstance(rp, dict) else "default"
-        if rope_type != "default":
+        if rope_type != "default" and not (rope_type == "yarn" and out.get("model_type") == "gpt_oss"):
             raise ValueError(f"{key} rope_type {rope_type!r} is not supported (only default RoPE)")
     if out.get("head_dim") is None and out.get("hidden_size") and out.get("num_attention_heads"):
         out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
@@ -140,6 +145,22 @@ def _normalize_family(out: dict) -> None:
                 raise ValueError(f"Mixtral with sliding_window {sw} below max_position_embeddings is not supported")
         if mt == "olmoe" and out.get("clip_qkv") is not None:
             raise ValueError(f"OLMoE with clip_qkv {out['clip_qkv']} is not supported")
+    if mt == "gpt_oss":
+        # every layer sparse; intermediate_size is the expert's width; layer_types as GptOssConfig
+        # defaults them (sliding first, alternating)
+        out["moe_intermediate_size"] = out.get("intermediate_size")
+        out.setdefault("mlp_only_layers", [])
+        out.setdefault("decoder_sparse_step", 1)
+        out["norm_topk_prob"] = False  # unused: the softmax runs over the chosen k
+        n = int(out.get("num_hidden_layers") or 0)
+        if out.get("layer_types") is None:
+            out["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+        bad = sorted(set(out["layer_types"]) - {"sliding_attention", "full_attention"})
+        if bad or len(out["layer_types"]) != n:
+            raise ValueError(f"gpt_oss layer_types must be {n} of sliding_attention/full_attention, got {bad or 'a wrong count'}")
+        rp = out.get("rope_parameters") or out.get("rope_scaling") or {}
+        if rp.get("rope_type", rp.get("type", "default")) not in ("yarn", "default"):
+            raise ValueError(f"gpt_oss with RoPE type {rp.get('rope_type')!r} is not supported (yarn or default)")
     if mt == "glm4_moe":
         k = int(out.get("first_k_dense_replace", 1) or 0)
         out.setdefault("mlp_only_layers", list(range(min(k, int(out.get("num_hidden_layers") or 0)))))
@@ -171,9 +192,46 @@ def family_params(cfg: dict) -> dict:
         p["shared_intermediate_size"] = int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0)
         rot = int(hd * float(cfg.get("partial_rotary_factor", 0.5)))
         p["rotary_dim"] = rot - rot % 2
+    elif mt == "gpt_oss":
+        p["qk_norm"] = QK_NORM_NONE
+        p["attention_bias"] = 2 if cfg.get("attention_bias", True) else 0
+        p["router_kind"] = ROUTER_TOPK_SOFTMAX
+        if ATTN_SLIDING in layer_attention(cfg):
+            p["sliding_window"] = int(cfg["sliding_window"])
+        p["swiglu_alpha"] = float(cfg.get("swiglu_alpha", 1.702))
+        p["swiglu_limit"] = float(cfg.get("swiglu_limit", 7.0))
+        p.update(yarn_params(cfg))
     else:
         raise ValueError(f"model_type {mt!r}: this pysmoe cannot write its vault yet")
     return p
+
+
+def yarn_params(cfg: dict) -> dict:
+    """YaRN's entries of the parameter table (none for the default RoPE), with the attention factor
+    transformers derives (_compute_yarn_parameters: 0.1·ln(factor) + 1 unless given)."""
+    import math
+
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rp.get("rope_type", rp.get("type")) != "yarn":
+        return {}
+    factor = float(rp.get("factor") or cfg["max_position_embeddings"] / rp["original_max_position_embeddings"])
+    af = rp.get("attention_factor")
+    if af is None:
+        ms, msa = rp.get("mscale"), rp.get("mscale_all_dim")
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        af = mscale(factor, ms) / mscale(factor, msa) if ms and msa else mscale(factor)
+    return {"yarn_factor": factor, "yarn_original_max_position": float(rp["original_max_position_embeddings"]),
+            "yarn_beta_fast": float(rp.get("beta_fast") or 32), "yarn_beta_slow": float(rp.get("beta_slow") or 1),
+            "yarn_attention_factor": float(af), "yarn_truncate": 1.0 if rp.get("truncate", True) else 0.0}
+
+
+def layer_attention(cfg: dict) -> list[int]:
+    """Per layer its attention kind (ATTN_FULL, ATTN_SLIDING): bits 1-2 of its kind byte."""
+    if cfg.get("model_type") != "gpt_oss":
+        return [ATTN_FULL] * cfg["num_hidden_layers"]
+    return [ATTN_SLIDING if t == "sliding_attention" else ATTN_FULL for t in cfg["layer_types"]]
 
 
 def layer_kinds(cfg: dict) -> list[bool]:
@@ -209,7 +267,7 @@ def role_of(name: str) -> str:
         return "embed"
     if name == "lm_head":
         return "lm_head"
-    if name == "norm" or name.endswith(("layernorm", "q_norm", "k_norm", ".bias")):
+    if name == "norm" or name.endswith(("layernorm", "q_norm", "k_norm", ".bias", ".sinks")):
         return "norms"  # float vectors: norms and biases
     if name.endswith("router"):
         return "router"
@@ -240,10 +298,12 @@ def dense_shapes(cfg: dict) -> list[tuple[str, int, int]]:
         out += [(p + "o_proj", h, q_out)]
         if bias == 2:
             out.append((p + "o_proj.bias", 1, h))
+        if fp["family"] == FAMILIES["gpt_oss"]:
+            out.append((p + "sinks", 1, cfg["num_attention_heads"]))
         out.append((p + "post_attention_layernorm", 1, h))
         if sparse:
             out.append((p + "router", cfg["num_experts"], h))
-            if fp.get("router_kind") == ROUTER_SIGMOID_GROUP:
+            if fp.get("router_kind", ROUTER_SOFTMAX_TOPK) != ROUTER_SOFTMAX_TOPK:
                 out.append((p + "router.bias", 1, cfg["num_experts"]))
             if shared:
                 out += [(p + "shared.gate_proj", shared, h), (p + "shared.up_proj", shared, h),
@@ -357,8 +417,9 @@ def compute_layout(cfg: dict, formats: dict | None = None, scale_dtype: str = "f
     unknown = set(fmts) - set(ROLES) - expert_keys - {n for n, _, _ in shapes}
     if unknown:
         raise ValueError("formats names neither a role nor a tensor: " + ", ".join(sorted(unknown)))
+    n_parts = len(EXPERT_PARTS) + (len(EXPERT_BIAS_PARTS) if params["family"] == FAMILIES["gpt_oss"] else 0)
     table_bytes = (CONFIG_BYTES + _PARAMS_HEAD.size + _PARAM.size * len(params) + align(L, 8)
-                   + _LAYOUT.size * L + 3 * DESC_BYTES * sum(sparse) + DESC_BYTES * len(shapes)
+                   + _LAYOUT.size * L + n_parts * DESC_BYTES * sum(sparse) + DESC_BYTES * len(shapes)
                    + BLOB_ENTRY_BYTES * L * E)
     if table_bytes > MAX_TABLE_BYTES:
         raise ValueError(f"table region of {table_bytes} bytes exceeds 64 MiB")
@@ -378,8 +439,14 @@ def compute_layout(cfg: dict, formats: dict | None = None, scale_dtype: str = "f
 
     def blob_layout(l: int) -> tuple:
         expert, off = [], 0
-        for part, rows, cols in (("gate", m, h), ("up", m, h), ("down", h, m)):
-            tf = fmts.get(f"layers.{l}.experts.{part}", fmts.get(f"experts.{part}", fmts["experts"]))
+        parts = [("gate", m, h), ("up", m, h), ("down", h, m)]
+        if n_parts > 3:
+            parts += [("gate_bias", 1, m), ("up_bias", 1, m), ("down_bias", 1, h)]
+        for part, rows, cols in parts:
+            if part.endswith("_bias"):
+                tf = TensorFormat("f32", 0, None)
+            else:
+                tf = fmts.get(f"layers.{l}.experts.{part}", fmts.get(f"experts.{part}", fmts["experts"]))
             off = align(off, quant.ALIGN)
             expert.append(dataclasses.replace(_sized(f"expert {part}", tf, rows, cols, off), name=part))
             off += expert[-1].nbytes
@@ -555,24 +622,38 @@ class VaultWriter:
     def expert_format(self) -> str:
         return self.layout.expert[0].format
 
-    def pack_expert(self, gate, up, down, layer: int | None = None) -> bytes:
+    def pack_expert(self, gate, up, down, layer: int | None = None, biases=None, raw=None) -> bytes:
         """Quantise one expert's float matrices into a blob's bytes (unpadded), laid out as
-        layer's blobs are (the first sparse layer's when layer is None)."""
+        layer's blobs are (the first sparse layer's when layer is None). biases: (gate_bias, up_bias,
+        down_bias) for layouts that hold them (gpt-oss). raw: {part: stored bytes} for matrices given
+        as stored in the blob's format (gpt-oss's MXFP4), their float argument None."""
         x = self.layout.expert if layer is None else self.layout.layer_expert[layer]
-        buf = bytearray(x[2].offset + x[2].nbytes)
-        for t, w in zip(x, (gate, up, down)):
+        buf = bytearray(x[-1].offset + x[-1].nbytes)
+        mats = (gate, up, down) + tuple(biases or ())
+        if len(mats) != len(x):
+            raise ValueError(f"expert: {len(mats)} tensors given, its blobs hold {', '.join(t.name for t in x)}")
+        for t, w in zip(x, mats):
+            if raw and t.name in raw:
+                data = np.asarray(raw[t.name], dtype=np.uint8).reshape(-1)
+                if data.nbytes != t.nbytes:
+                    raise ValueError(f"expert {t.name}: {data.nbytes} bytes, its {t.format} takes {t.nbytes}")
+                buf[t.offset:t.offset + t.nbytes] = data.tobytes()
+                continue
             w = np.asarray(w)
+            if w.ndim == 1:
+                w = w[None, :]
             if w.shape != (t.rows, t.cols):
                 raise ValueError(f"expert {t.name}: shape {w.shape}, expected ({t.rows}, {t.cols})")
             buf[t.offset:t.offset + t.nbytes] = quant.quantize(w, t.format, t.scale_format or "f16",
                                                                t.group or quant.GROUP)
         return bytes(buf)
 
-    def add_expert(self, layer: int, expert: int, gate, up, down) -> None:
-        """Quantise and write one expert: gate, up (moe_inter, hidden), down (hidden, moe_inter)."""
+    def add_expert(self, layer: int, expert: int, gate, up, down, biases=None) -> None:
+        """Quantise and write one expert: gate, up (moe_inter, hidden), down (hidden, moe_inter);
+        biases (gate_bias, up_bias, down_bias) where the layout holds them (gpt-oss)."""
         if not (0 <= layer < len(self.layout.sparse)) or not self.layout.sparse[layer]:
             return self.add_expert_raw(layer, expert, b"")  # its error
-        self.add_expert_raw(layer, expert, self.pack_expert(gate, up, down, layer))
+        self.add_expert_raw(layer, expert, self.pack_expert(gate, up, down, layer, biases))
 
     def add_expert_raw(self, layer: int, expert: int, blob) -> None:
         """Write one whole blob laid out as layout.expert says (at most blob_bytes; the rest is
@@ -611,7 +692,8 @@ class VaultWriter:
         L, E = cfg["num_hidden_layers"], cfg["num_experts"]
         parts = [_config_block(cfg), _PARAMS_HEAD.pack(len(lay.params), 0)]
         parts += [_PARAM.pack(k.encode("ascii"), float(v)) for k, v in lay.params.items()]
-        parts.append(bytes(int(s) for s in lay.sparse).ljust(align(L, 8), b"\0"))
+        attn = layer_attention(cfg)
+        parts.append(bytes(int(s) | attn[l] << 1 for l, s in enumerate(lay.sparse)).ljust(align(L, 8), b"\0"))
         for l in range(L):
             x = lay.layer_expert[l]
             parts.append(_LAYOUT.pack(lay.layer_blob_bytes[l], len(x), 0))

@@ -4,6 +4,8 @@ decode steps), within 1e-4 of max|logit|; layer-major prefill = token-serial bit
 conversion runs."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ pytest.importorskip("transformers")
 import pysmoe  # noqa: E402
 from hf_models import write_tokenizer  # noqa: E402
 from pysmoe.convert import convert_checkpoint  # noqa: E402
+from pysmoe.reference import ReferenceModel  # noqa: E402
 from pysmoe.vaultio import read_vault  # noqa: E402
 
 TOL = 1e-4  # of max|logit|
@@ -103,6 +106,8 @@ def test_f32_vault_matches_transformers(case):
     rel = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
     print(f"{name}: f32 max|engine - transformers| / max|logit| = {rel:.3g}")
     assert rel <= TOL
+    ref = ReferenceModel(vault).logits(ids)  # the numpy reference forward follows the family too
+    assert float(np.max(np.abs(ref - want)) / np.max(np.abs(want))) <= TOL
 
 
 def test_layer_major_equals_token_serial(case):
@@ -116,3 +121,54 @@ def test_layer_major_equals_token_serial(case):
             for chunk, threads in ((3, 1), (8, 2), (32, 2)):
                 with vv.session(prefill="layer-major", chunk=chunk, threads=threads) as s:
                     assert np.array_equal(s.prefill(ids), want), (name, v.name, chunk)
+
+
+MLX_CASES = {
+    "mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, head_dim=16),
+    "olmoe": dict(intermediate_size=64, num_experts=4, num_experts_per_tok=2),
+    "glm4_moe": dict(intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                     n_shared_experts=1, first_k_dense_replace=1, head_dim=16, attention_bias=True,
+                     routed_scaling_factor=1.5),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MLX_CASES))
+def test_mlx_4bit_import_runs_as_mlx_lm_does(family, tmp_path):
+    """mlx-lm's own 4-bit conversion of the family imports without requantising, and the engine
+    (f32 activations) gives mlx-lm's f32 logits on the same codes."""
+    mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed")
+    from mlx_lm.utils import load_model
+
+    arch, cfg_name, _ = CASES[family]
+    saved = CASES[family]
+    CASES[family] = (arch, cfg_name, MLX_CASES[family])
+    try:
+        path, model = _build(family, tmp_path)
+    finally:
+        CASES[family] = saved
+    bf16 = tmp_path / "hf-bf16"
+    model.to(torch.bfloat16).save_pretrained(bf16)
+    write_tokenizer(bf16, model.config.vocab_size)
+    cj = bf16 / "config.json"  # the released spelling: rope_theta (and GLM's partial_rotary_factor) at the top
+    c = json.loads(cj.read_text())
+    rp = c.get("rope_parameters") or {}
+    c.setdefault("rope_theta", rp.get("rope_theta", 10000.0))
+    c.setdefault("rope_scaling", None)
+    if family == "glm4_moe":
+        c.setdefault("partial_rotary_factor", rp.get("partial_rotary_factor", 0.5))
+    cj.write_text(json.dumps(c))
+    mlx_dir = tmp_path / "mlx"
+    mlx_lm.convert(str(bf16), str(mlx_dir), dtype="bfloat16", quantize=True, q_bits=4, q_group_size=64)
+    vault = convert_checkpoint(mlx_dir, tmp_path / "v", progress=False)
+    v = read_vault(vault)
+    assert v.family == family and [t.format for t in v.expert_tensors] == ["q4", "q4", "q4"]
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, model.config.vocab_size, size=10)]
+    m, _ = load_model(mlx_dir)
+    m.set_dtype(mx.float32)
+    want = np.array(m(mx.array([ids]))[0, -1].astype(mx.float32))
+    with pysmoe.open_vault(vault) as pv, pv.session(activations="f32") as s:
+        got = s.prefill(ids)
+    rel = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    print(f"{family}: mlx 4-bit max|engine - mlx-lm| / max|logit| = {rel:.3g}")
+    assert rel <= TOL

@@ -444,12 +444,12 @@ def test_a_family_the_engine_lacks_is_refused_by_a_session(good, good_bytes, tmp
     b = bytearray(good_bytes)
     for i in range(u32(good_bytes, p)):
         if b[p + 8 + 40 * i:p + 8 + 40 * i + 32].rstrip(b"\0") == b"family":
-            struct.pack_into("<d", b, p + 8 + 40 * i + 32, 4.0)  # gpt_oss
+            struct.pack_into("<d", b, p + 8 + 40 * i + 32, 5.0)  # qwen3_next
     d = tmp_path / "v"
     shutil.copytree(good, d)
     (d / "vault.bin").write_bytes(bytes(seal(b)))
     try_open(d)  # a valid vault: it opens and verifies
-    assert V.read_vault(d).family == "gpt_oss"
+    assert V.read_vault(d).family == "qwen3_next"
     with pysmoe.open_vault(d) as v:
-        with pytest.raises(pysmoe.SmoeError, match="cannot run a gpt_oss vault: the engine lacks its layer recipe"):
+        with pytest.raises(pysmoe.SmoeError, match="cannot run a qwen3_next vault: the engine lacks its layer recipe"):
             v.session()

@@ -21,6 +21,11 @@
 /* Every dense matrix the kernels read 8 columns at a time from 16-byte aligned rows. */
 static smoe_status check_tensor(const uint8_t *dense, const smoe_tensor *T, const char *what) {
     if (!T) return SMOE_OK;
+    uint32_t bs, ts;
+    if (smoe_ggml_block(T->format, &bs, &ts))
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s is stored as %s, a GGML block format, which the CUDA backend "
+                                               "has no kernels for yet (run this vault on the CPU: device \"cpu\")",
+                         what, smoe_format_name(T->format));
     uint64_t at = T->data ? (uint64_t)(T->data - dense) : T->offset;
     if (T->cols % 8 != 0 || at % 16 != 0)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s (%u × %u at offset %llu) is not a multiple of 8 columns "
@@ -166,6 +171,8 @@ static smoe_status dalloc(cuda_state *c, void *pp, size_t bytes) {
 static smoe_status cuda_session_new(void *vsh, const smoe_be_session_params *p, void **out, uint64_t *plane_bytes,
                                     uint64_t *kv_bytes) {
     cuda_share *sh = vsh;
+    if (p->act.kind != SMOE_ACT_SILU)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: the experts' clamped SwiGLU (gpt-oss) is not supported; run it on the CPU");
     const smoe_config *cf = &sh->lay->cfg;
     int max_pos = smoe_cu_attention_max_positions(cf->head_dim, sh->plain_attention);
     if (p->context + 8 > (uint32_t)max_pos)
@@ -308,9 +315,9 @@ static smoe_status cuda_project(void *b, smoe_plane src, const smoe_proj *out, u
 
 /* QK-norm, RoPE and the KV append in one launch, then attention: for the pass's own rows at once,
  * or (a batch) each row with its own session's cache, tables and staged position. */
-static smoe_status cuda_attend(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n,
-                               void *const *members) {
+static smoe_status cuda_attend(void *b, uint32_t l, const smoe_attn *a, uint32_t n, void *const *members) {
     cuda_state *c = b;
+    const smoe_tensor *q_norm = a->q_norm, *k_norm = a->k_norm;
     const smoe_config *cf = c->cfg;
     /* per-head QK-norm, or none (no such tensors, or a norm over the whole projection done before) */
     const uint8_t *qn = q_norm ? smoe_cuda_dev(c, q_norm) : NULL, *kn = k_norm ? smoe_cuda_dev(c, k_norm) : NULL;
@@ -495,6 +502,7 @@ static bool cuda_broken(void *b) {
  * groups), shared experts; one blob layout for every layer, without expert biases. */
 static const char *cuda_lacks(const smoe_layout *lay) {
     const smoe_model_params *m = &lay->mp;
+    if (m->family == SMOE_FAMILY_GPT_OSS) return "gpt-oss's ops (sinks, sliding window, clamped SwiGLU, expert biases)";
     if (m->family > SMOE_FAMILY_GLM4_MOE) return "this family's ops";
     if (m->qk_norm > SMOE_QK_NORM_WHOLE) return "this QK-norm";
     if (m->rotary_dim % 2 || m->rotary_dim > lay->cfg.head_dim) return "a RoPE over an odd or too wide rotary_dim";

@@ -157,6 +157,10 @@ enum { SMOE_CU_MAX_GROUPS = 64 };
 int smoe_cu_route_grouped(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, const float *bias,
                           uint32_t n_group, uint32_t topk_group, uint32_t K, int renorm, float scale, int32_t *idx,
                           float *w);
+/* Per token, gpt-oss's router (smoe_topk_softmax): the K largest logits (ties: lower index) into idx,
+ * best first, and the softmax over those K into w. */
+int smoe_cu_route_topk_softmax(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, uint32_t K,
+                               int32_t *idx, float *w);
 /* xg row j = xn row rows[j] / K, j < total (hidden floats each). */
 int smoe_cu_gather(smoe_cu_stream st, float *xg, const float *xn, const uint32_t *rows, uint32_t K, uint32_t total,
                    uint32_t hidden);

@@ -154,14 +154,13 @@ smoe_cu_event smoe_cuda_ring_event(cuda_share *sh);
 uint32_t smoe_cuda_vslot(const cuda_share *sh, const void *handle);
 
 /* moe_cuda.c: the MoE step's ops, the device tier, the recorded step (backend.h). */
-smoe_status smoe_cuda_route(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids);
+smoe_status smoe_cuda_route(void *b, const smoe_route *r, uint32_t n, int32_t *ids);
 smoe_status smoe_cuda_route_grouped(void *b, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K,
                                     bool renorm, uint32_t n, int32_t *ids);
 smoe_status smoe_cuda_experts_begin(void *b, const smoe_union *u);
 smoe_status smoe_cuda_experts(void *b, const smoe_union *u, const uint32_t *items, uint32_t m);
 smoe_status smoe_cuda_combine(void *b, uint32_t K, uint32_t n);
-smoe_status smoe_cuda_moe_resident(void *b, uint32_t l, const smoe_tensor *router, uint32_t K, bool renorm,
-                                   uint32_t n);
+smoe_status smoe_cuda_moe_resident(void *b, uint32_t l, const smoe_route *r, uint32_t n);
 smoe_status smoe_cuda_pass_end(void *b, uint32_t n, int32_t *routed);
 smoe_status smoe_cuda_replay(void *b, bool *ran);
 smoe_status smoe_cuda_record_begin(void *b, bool *recording);

@@ -138,6 +138,48 @@ extern "C" int smoe_cu_route_grouped(smoe_cu_stream st, const float *logits, uin
     return (int)cudaGetLastError();
 }
 
+/* gpt-oss's router (vault router_kind 2; cpu/kernels.h, smoe_topk_softmax), one thread per token:
+ * the K largest logits in turn (NaN ranks as −inf; ties, the lower index), best first, then a
+ * softmax over those K in slot order. */
+__global__ void k_route_topk_softmax(const float *logits, uint32_t n, uint32_t E, uint32_t K, int32_t *idx, float *w) {
+    const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const float *p = logits + (size_t)t * E;
+    int32_t *it = idx + (size_t)t * K;
+    float *wt = w + (size_t)t * K;
+    float pr = INFINITY;
+    uint32_t pi = 0;
+    for (uint32_t k = 0; k < K; k++) {
+        float br = -INFINITY;
+        uint32_t bi = 0xFFFFFFFFu;
+        for (uint32_t e = 0; e < E; e++) {
+            const float r = sg_rank(p[e]);
+            if (k > 0 && !sg_before(pr, pi, r, e)) continue; /* picked already */
+            if (bi == 0xFFFFFFFFu || sg_before(r, e, br, bi)) br = r, bi = e;
+        }
+        pr = br, pi = bi;
+        it[k] = (int32_t)bi;
+        wt[k] = p[bi];
+    }
+    float m = wt[0];
+    for (uint32_t k = 1; k < K; k++)
+        if (wt[k] > m) m = wt[k];
+    float sum = 0.0f;
+    for (uint32_t k = 0; k < K; k++) {
+        wt[k] = expf(__fsub_rn(wt[k], m));
+        sum = __fadd_rn(sum, wt[k]);
+    }
+    for (uint32_t k = 0; k < K; k++) wt[k] = __fdiv_rn(wt[k], sum);
+}
+
+extern "C" int smoe_cu_route_topk_softmax(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, uint32_t K,
+                                          int32_t *idx, float *w) {
+    if (n == 0) return 0;
+    if (K == 0 || K > E) return (int)cudaErrorInvalidValue;
+    k_route_topk_softmax<<<(n + 127) / 128, 128, 0, (cudaStream_t)st>>>(logits, n, E, K, idx, w);
+    return (int)cudaGetLastError();
+}
+
 enum { UNION_WARPS = 8 };
 
 /* A warp's walk over its segment of the ids, 32 at a time: lanes holding the same expert are peers

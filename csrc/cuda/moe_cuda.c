@@ -80,21 +80,32 @@ static smoe_status run_experts(cuda_state *c, const smoe_cu_rows *items, smoe_cu
     return SMOE_OK;
 }
 
-/* The router's product and top-k of XN rows [0, n) into idx (device) and topk_w: softmax routing,
- * or with bias (router.bias, f32) the grouped sigmoid router of the vault's parameters. */
-static smoe_status route_on_device(cuda_state *c, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K,
-                                   bool renorm, uint32_t n, int32_t *idx) {
-    const uint32_t E = c->cfg->num_experts;
+/* The router's product and top-k of XN rows [0, n) into idx (device) and topk_w, by r's rule:
+ * softmax then top-k (Qwen3-MoE, Mixtral, OLMoE); the grouped sigmoid router with r->bias as its
+ * correction (GLM-4.5, the vault's n_group, topk_group, routed_scaling_factor); r->bias added to the
+ * logits, then top-k and a softmax over those k (gpt-oss). */
+static smoe_status route_on_device(cuda_state *c, const smoe_route *r, uint32_t n, int32_t *idx) {
+    const uint32_t E = c->cfg->num_experts, K = r->K;
     const smoe_model_params *m = &c->lay->mp;
     smoe_cu_act a;
-    smoe_status st = smoe_cuda_act(c, SMOE_PL_XN, n, smoe_cuda_tensor_cores(router), &a);
-    if (st != SMOE_OK || (st = smoe_cuda_linear(c, router, &a, n, c->router, E)) != SMOE_OK) return st;
-    if (bias)
-        CU(smoe_cu_route_grouped(c->sh->cs, c->router, n, E, (const float *)smoe_cuda_dev(c, bias), m->n_group,
-                                 m->topk_group, K, renorm, m->routed_scaling_factor, idx, c->topk_w));
-    else
-        CU(smoe_cu_route(c->sh->cs, c->router, n, E, K, renorm, idx, c->topk_w));
-    return SMOE_OK;
+    smoe_status st = smoe_cuda_act(c, SMOE_PL_XN, n, smoe_cuda_tensor_cores(r->W), &a);
+    if (st != SMOE_OK || (st = smoe_cuda_linear(c, r->W, &a, n, c->router, E)) != SMOE_OK) return st;
+    switch (r->kind) {
+    case SMOE_ROUTER_SIGMOID_GROUP:
+        if (!r->bias || r->bias->format != SMOE_FMT_F32)
+            return smoe_fail(SMOE_ERR_INTERNAL, "cuda: the grouped router needs router.bias in f32");
+        CU(smoe_cu_route_grouped(c->sh->cs, c->router, n, E, (const float *)smoe_cuda_dev(c, r->bias), m->n_group,
+                                 m->topk_group, K, r->renorm, m->routed_scaling_factor, idx, c->topk_w));
+        return SMOE_OK;
+    case SMOE_ROUTER_TOPK_SOFTMAX:
+        if (r->bias) CU(smoe_cu_bias(c->sh->cs, c->router, n, E, smoe_cuda_dev(c, r->bias), r->bias->format));
+        CU(smoe_cu_route_topk_softmax(c->sh->cs, c->router, n, E, K, idx, c->topk_w));
+        return SMOE_OK;
+    default:
+        if (r->bias) return smoe_fail(SMOE_ERR_INTERNAL, "cuda: a softmax router with a bias");
+        CU(smoe_cu_route(c->sh->cs, c->router, n, E, K, r->renorm, idx, c->topk_w));
+        return SMOE_OK;
+    }
 }
 
 /* The ids of the pass's rows back to the host: the only wait of a layer the engine walks. */
@@ -108,15 +119,15 @@ static smoe_status ids_to_host(cuda_state *c, uint32_t K, uint32_t n, int32_t *i
 smoe_status smoe_cuda_route_grouped(void *b, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K,
                                     bool renorm, uint32_t n, int32_t *ids) {
     cuda_state *c = b;
-    smoe_status st = route_on_device(c, router, bias, K, renorm, n, c->topk_idx);
+    const smoe_route r = {router, bias, K, SMOE_ROUTER_SIGMOID_GROUP, renorm};
+    smoe_status st = route_on_device(c, &r, n, c->topk_idx);
     return st != SMOE_OK ? st : ids_to_host(c, K, n, ids);
 }
 
-smoe_status smoe_cuda_route(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids) {
+smoe_status smoe_cuda_route(void *b, const smoe_route *r, uint32_t n, int32_t *ids) {
     cuda_state *c = b;
-    smoe_status st = route_on_device(c, router, NULL, K, renorm, n, c->topk_idx);
-    if (st != SMOE_OK) return st;
-    return ids_to_host(c, K, n, ids);
+    smoe_status st = route_on_device(c, r, n, c->topk_idx);
+    return st != SMOE_OK ? st : ids_to_host(c, r->K, n, ids);
 }
 
 smoe_status smoe_cuda_experts_begin(void *b, const smoe_union *u) {
@@ -187,16 +198,13 @@ uint32_t smoe_cuda_union_tile(uint32_t n, uint32_t K, uint32_t E) {
     return t < n ? t : n;
 }
 
-smoe_status smoe_cuda_moe_resident(void *b, uint32_t l, const smoe_tensor *router, uint32_t K, bool renorm,
-                                   uint32_t n) {
+smoe_status smoe_cuda_moe_resident(void *b, uint32_t l, const smoe_route *r, uint32_t n) {
     cuda_state *c = b;
+    const uint32_t K = r->K;
     cuda_share *sh = c->sh;
     const uint32_t E = c->cfg->num_experts, H = c->cfg->hidden_size, nk = n * K;
     int32_t *idx = c->routed + (size_t)l * nk;
-    /* the layer's router: the engine hands the router (and picks route or route_grouped on its own
-     * walk); the grouped router's correction is the layer's router.bias */
-    const bool grouped = c->lay->mp.router_kind == SMOE_ROUTER_SIGMOID_GROUP;
-    smoe_status st = route_on_device(c, router, grouped ? c->lay->layers[l].router_bias : NULL, K, renorm, n, idx);
+    smoe_status st = route_on_device(c, r, n, idx);
     if (st != SMOE_OK) return st;
     const uint32_t tile = smoe_cuda_union_tile(n, K, E), n_items = smoe_cu_union_items(nk, E, tile);
     CU(smoe_cu_union(sh->cs, idx, nk, E, tile, n_items, sh->d_vtab + (size_t)l * E, c->d_wtab, c->d_start, c->d_count,

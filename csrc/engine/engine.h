@@ -57,11 +57,23 @@ typedef struct {
     uint32_t *sizes_out;   /* (layers) where the running pass records its union sizes, or NULL */
 } smoe_moe_state;
 
+/* A family's recipe: what the layer (layer.c) and the MoE step (moe.c) do differently per model
+ * family, as data, filled at session creation from the vault's parameters (session.c). */
+typedef struct {
+    smoe_router_kind route; /* the router's rule */
+    smoe_act act;          /* the experts' activation */
+    uint32_t window;       /* sliding layers' window (positions, the row's own included) */
+    /* RoPE's frequencies: YaRN when yarn_factor > 1 (transformers' _compute_yarn_parameters) */
+    double yarn_factor, yarn_original_max, yarn_beta_fast, yarn_beta_slow, yarn_attention_factor;
+    bool yarn_truncate;
+} smoe_recipe;
+
 struct smoe_session {
     smoe_vault *vault;
     const smoe_layout *lay;
     smoe_config cfg;
     smoe_session_params params;
+    smoe_recipe recipe;
     smoe_share *share;           /* the caches and the device, maybe shared with other sessions */
     const smoe_backend *backend; /* share->backend */
     void *be;                    /* this session's backend state: planes, KV cache */

@@ -1,6 +1,9 @@
 /* layer.c — a decoder layer as a recipe of backend ops (backend.h), the same on every device.
  *
- * Qwen3-MoE as transformers implements Qwen3MoeDecoderLayer:
+ * Qwen3-MoE as transformers implements Qwen3MoeDecoderLayer (gpt-oss's GptOssDecoderLayer is the same
+ * recipe with the recipe's data: biases on q, k, v, o; no QK-norm; sinks in attention's softmax; a
+ * sliding window on its sliding layers; YaRN's RoPE tables; top-k-then-softmax routing with a router
+ * bias; the clamped SwiGLU with expert biases — engine.h's smoe_recipe, session.c's fill_recipe):
  *
  *   h  = x + o_proj(attention(rope(q_norm(q_proj(rms(x)))), rope(k_norm(k_proj(rms(x)))), v_proj(rms(x))))
  *   x' = h + ffn(rms(h))        ffn = Σ_k w_k · down(silu(gate(·)) · up(·)) over the top-k experts
@@ -26,11 +29,9 @@
 smoe_status smoe_recipe_check(const smoe_layout *lay, const smoe_backend *be) {
     const smoe_model_params *m = &lay->mp;
     const char *fam = smoe_family_name(m->family), *why = NULL;
-    if (m->family > SMOE_FAMILY_GLM4_MOE) why = "its layer recipe";
-    else if (m->router_kind == SMOE_ROUTER_TOPK_SOFTMAX) why = "the top-k-then-softmax router";
+    if (m->family > SMOE_FAMILY_GLM4_MOE && m->family != SMOE_FAMILY_GPT_OSS) why = "its layer recipe";
     for (uint32_t l = 0; !why && l < lay->cfg.num_hidden_layers; l++)
-        if (lay->layer_attn[l] != SMOE_ATTN_FULL)
-            why = lay->layer_attn[l] == SMOE_ATTN_SLIDING ? "sliding-window attention" : "linear attention";
+        if (lay->layer_attn[l] == SMOE_ATTN_LINEAR) why = "linear attention";
     if (why)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "this build of libsmoe cannot run a %s vault: the engine lacks %s", fam,
                          why);
@@ -59,7 +60,9 @@ smoe_status smoe_layer_attention(smoe_session *s, uint32_t l, uint32_t n, smoe_s
         TRY(be->norm(b, SMOE_PL_Q, SMOE_PL_Q, L->q_norm, n));
         TRY(be->norm(b, SMOE_PL_K, SMOE_PL_K, L->k_norm, n));
     }
-    TRY(be->attend(b, l, whole ? NULL : L->q_norm, whole ? NULL : L->k_norm, n, rows ? s->row_be : NULL));
+    const smoe_attn a = {whole ? NULL : L->q_norm, whole ? NULL : L->k_norm, L->sinks,
+                         L->attn == SMOE_ATTN_SLIDING ? s->recipe.window : 0};
+    TRY(be->attend(b, l, &a, n, rows ? s->row_be : NULL));
     TRY(be->project(b, SMOE_PL_ATT, &o, 1, n));
     if (L->o_bias) TRY(be->bias(b, SMOE_PL_Y, L->o_bias, n));
     TRY(be->add(b, SMOE_PL_X, SMOE_PL_Y, n));

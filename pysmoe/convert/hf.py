@@ -43,8 +43,9 @@ FORMATS = ("q4", "q8", "bf16", "f32")
 # `dense` format covers: the router stays f32 (it decides routing and is small), norms f32.
 DENSE_ROLES = ("embed", "lm_head", "attention", "mlp", "router", "norms")
 DENSE_MATRIX_ROLES = ("embed", "lm_head", "attention", "mlp")
-ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM")
-MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe")
+ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM",
+                 "GptOssForCausalLM")
+MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
 
 log = logging.getLogger("pysmoe.convert")
 
@@ -74,6 +75,11 @@ def load_config(hf_dir: Path) -> dict:
                            f"pysmoe runs {', '.join(ARCHITECTURES)}")
     if raw.get("model_type") not in MODEL_TYPES:
         raise ConvertError(f"{path}: model_type {raw.get('model_type')!r} is not one of {', '.join(MODEL_TYPES)}")
+    if raw.get("model_type") == "gpt_oss":
+        try:  # its own checks (vaultio's normalize_config): layer types, RoPE (yarn or default)
+            return normalize_config(raw)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ConvertError(f"{path}: {exc}") from None
     if raw.get("model_type") == "qwen3_moe" and raw.get("attention_bias"):
         raise ConvertError(f"{path}: attention_bias=true is not supported (Qwen3-MoE has no attention biases)")
     if raw.get("hidden_act", "silu") != "silu":
@@ -156,6 +162,9 @@ def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Pla
             raise ConvertError(str(exc)) from None
     if ckpt.duplicates:
         raise ConvertError(f"{hf_dir}: tensors stored more than once: {_list(ckpt.duplicates)}")
+    if cfg.get("model_type") == "gpt_oss":
+        from . import gpt_oss
+        return gpt_oss.plan(hf_dir, cfg, ckpt)
     not_float = [f"{n} ({t.dtype})" for n, t in ckpt.tensors.items() if t.dtype not in FLOATS]
     if not_float:
         raise ConvertError(f"{hf_dir}: tensors that are not floats (an already quantised "
@@ -291,7 +300,10 @@ def resolve_formats(experts: str = "q4", dense=None) -> dict[str, str]:
 
 
 def read(ckpt: Checkpoint, src: Source) -> np.ndarray:
-    """One vault matrix from the checkpoint, as f32 (bf16/f16 widen exactly)."""
+    """One vault matrix from the checkpoint, as f32 (bf16/f16 widen exactly); a gpt-oss expert
+    part as its Part.read gives it (MXFP4 blocks as stored)."""
+    if hasattr(src, "read"):
+        return src.read(ckpt)
     if src.expert is None:
         return ckpt.floats(src.name)
     a = ckpt.floats(src.name, src.expert if src.rows is None else (src.expert, src.rows))
@@ -301,6 +313,7 @@ def read(ckpt: Checkpoint, src: Source) -> np.ndarray:
 def source_dtype(ckpt: Checkpoint, p: Plan) -> str:
     """The float dtype of the checkpoint's expert weights (or its first matrix): what the
     scales of quantised tensors default to, as MLX keeps them."""
-    srcs = [s for parts in p.experts.values() for s in parts.values()] or list(p.dense.values())
+    srcs = [s for parts in p.experts.values() for s in parts.values() if not getattr(s, "mxfp4", False)]
+    srcs = srcs or list(p.dense.values())
     dt = ckpt.tensors[srcs[0].name].dtype if srcs else "F32"
     return {"BF16": "bf16", "F16": "f16"}.get(dt, "f32")

@@ -73,10 +73,11 @@ class Server:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
 
-    def prompt(self, req: GenerationRequest) -> tuple[list[int], bool]:
-        """The prompt's ids and whether it leaves the model inside a <think> block."""
+    def prompt(self, req: GenerationRequest) -> tuple[list[int], bool, str]:
+        """The prompt's ids, whether it leaves the model inside a <think> block, and the output
+        format of the chat template's model (ChatPrompt.format)."""
         tok = self.tokenizer
-        starts_in_reasoning = False
+        starts_in_reasoning, chat_format = False, "qwen3"
         if req.kind == "chat":
             if tok is None:
                 raise APIError(400, "this vault has no tokenizer: use /v1/completions with token ids")
@@ -84,7 +85,7 @@ class Server:
                 p = render_chat(tok, req.messages, tools=req.tools, chat_template_kwargs=req.template_kwargs)
             except InvalidArgument as e:
                 raise APIError(400, str(e), param="messages") from None
-            ids, starts_in_reasoning = p.ids, p.starts_in_reasoning
+            ids, starts_in_reasoning, chat_format = p.ids, p.starts_in_reasoning, p.format
         elif isinstance(req.prompt, str):
             if tok is None:
                 raise APIError(400, "this vault has no tokenizer: send the prompt as token ids", param="prompt")
@@ -101,11 +102,11 @@ class Server:
             raise APIError(400, f"the prompt has {len(ids)} tokens; this server's context is {self.context} "
                                 "(prompt and at least one generated token)", param="messages" if req.kind == "chat"
                            else "prompt", code="context_length_exceeded")
-        return ids, starts_in_reasoning
+        return ids, starts_in_reasoning, chat_format
 
     # ------------------------------------------------------------------ generation
     async def generate(self, request: Request, req: GenerationRequest):
-        ids, starts_in_reasoning = self.prompt(req)
+        ids, starts_in_reasoning, chat_format = self.prompt(req)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
 
@@ -115,7 +116,8 @@ class Server:
             except RuntimeError:  # the event loop is gone (shutting down): nobody is listening
                 pass
 
-        text = RequestText(req, self.tokenizer, ids, context=self.context, starts_in_reasoning=starts_in_reasoning)
+        text = RequestText(req, self.tokenizer, ids, context=self.context, starts_in_reasoning=starts_in_reasoning,
+                           chat_format=chat_format)
         job = Job(ids, text, emit)
         self.scheduler.submit(job)
         return job, text, events

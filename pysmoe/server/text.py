@@ -18,12 +18,12 @@ from .schemas import GenerationRequest
 
 class RequestText:
     def __init__(self, req: GenerationRequest, tokenizer, prompt_ids: list[int], *, context: int,
-                 starts_in_reasoning: bool = False):
+                 starts_in_reasoning: bool = False, chat_format: str = "qwen3"):
         self.req, self.tok = req, tokenizer
         self.chat = req.kind == "chat"
         self.gen = Generation(tokenizer, req.sampling, prompt_ids, chat=self.chat, tools=bool(req.tools),
                               starts_in_reasoning=starts_in_reasoning, eos_ids=() if req.ignore_eos else None,
-                              room=context - len(prompt_ids) + 1)
+                              room=context - len(prompt_ids) + 1, chat_format=chat_format)
         self.logprobs: list = []   # every token's TokenLogprob, for the non-streamed answer
         self.offset = 0            # completions' text_offset
 

@@ -25,7 +25,8 @@ Public names
                    the OpenAI chunk's `delta` dict, text the completions chunk's text.
   completion_logprobs  (tokenizer, [TokenLogprob], text_offset) -> a /v1/completions choice's
                    legacy logprobs object (tokens, token_logprobs, top_logprobs, text_offset).
-  Detokenizer, StopMatcher, Qwen3Parser   the stages, usable alone.
+  Detokenizer, StopMatcher, Qwen3Parser, HarmonyParser   the stages, usable alone (HarmonyParser:
+                   gpt-oss's channels and tool calls, chosen by ChatPrompt.format "harmony").
   token_text       (tokenizer, id) -> (text, bytes) as OpenAI's logprobs entries spell a token.
 
 How a server loop uses them (one request; the batcher does this for each in its batch):
@@ -34,7 +35,7 @@ How a server loop uses them (one request; the batcher does this for each in its 
     prompt = render_chat(tok, body.messages, tools=body.tools,
                          chat_template_kwargs=body.chat_template_kwargs)
     gen = Generation(tok, params, prompt.ids, chat=True, tools=bool(body.tools),
-                     starts_in_reasoning=prompt.starts_in_reasoning,
+                     starts_in_reasoning=prompt.starts_in_reasoning, chat_format=prompt.format,
                      room=session.context - session.position - len(prompt.ids) + 1)
     session.set_sampler(**params.sampler_kwargs())
     logits, token = session.prefill_next(prompt.ids, want_logits=gen.wants_logits)   # or a batch's row
@@ -66,6 +67,7 @@ Semantics worth knowing
   - finish_reason "tool_calls" replaces "stop" when the message has tool calls.
 """
 from .chat import ChatPrompt, normalize_messages, render_chat, token_bytes, token_text
+from .harmony import HarmonyParser
 from .qwen3 import MessageDelta, Qwen3Parser, ToolCallDelta, parse_tool_call
 from .request import Generation, Step, TokenLogprob, completion_logprobs
 from .sampling import InvalidParam, SamplingParams
@@ -73,4 +75,4 @@ from .text import Detokenizer, StopMatcher, first_stop
 
 __all__ = ["SamplingParams", "InvalidParam", "render_chat", "ChatPrompt", "normalize_messages", "token_text",
            "token_bytes", "Generation", "Step", "TokenLogprob", "completion_logprobs", "MessageDelta", "ToolCallDelta",
-           "Qwen3Parser", "parse_tool_call", "Detokenizer", "StopMatcher", "first_stop"]
+           "Qwen3Parser", "HarmonyParser", "parse_tool_call", "Detokenizer", "StopMatcher", "first_stop"]

@@ -12,6 +12,7 @@ from typing import Iterable, Sequence
 
 from ..engine import logprobs as model_logprobs
 from .chat import token_text
+from .harmony import HarmonyParser
 from .qwen3 import MessageDelta, Qwen3Parser
 from .sampling import SamplingParams
 from .text import Detokenizer, StopMatcher
@@ -83,13 +84,14 @@ class Generation:
     tokenizer: the vault's (pysmoe.tokenizer.Tokenizer); params: SamplingParams; prompt_ids:
     what will be fed before the first generated id. chat: parse Qwen3's reasoning (and tool
     calls when tools is true) out of the text; starts_in_reasoning: the prompt left the model
-    inside <think> (ChatPrompt.starts_in_reasoning). eos_ids: ids that end generation besides
+    inside <think> (ChatPrompt.starts_in_reasoning); chat_format: ChatPrompt.format, "harmony" parses
+    gpt-oss's channels and calls instead (textgen/harmony.py). eos_ids: ids that end generation besides
     params.stop_token_ids (default: the tokenizer's). room: the most ids the context can still
     take after the prompt (session.context − position after the prompt + 1; None: unbounded)."""
 
     def __init__(self, tokenizer, params: SamplingParams, prompt_ids: Sequence[int], *, chat: bool = False,
                  tools: bool = False, starts_in_reasoning: bool = False, eos_ids: Iterable[int] | None = None,
-                 room: int | None = None):
+                 room: int | None = None, chat_format: str = "qwen3"):
         self.tok, self.params = tokenizer, params
         self.prompt_tokens = len(prompt_ids)
         eos = tokenizer.eos_ids if eos_ids is None and tokenizer is not None else (eos_ids or ())
@@ -100,8 +102,12 @@ class Generation:
         self.limit = limit
         self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(params.stop)
-        self.parser = Qwen3Parser(reasoning=True, tools=tools, starts_in_reasoning=starts_in_reasoning) if chat \
-            else None
+        if not chat:
+            self.parser = None
+        elif chat_format == "harmony":
+            self.parser = HarmonyParser(tools=tools)
+        else:
+            self.parser = Qwen3Parser(reasoning=True, tools=tools, starts_in_reasoning=starts_in_reasoning)
         self.tokens: list[int] = []
         self.text = ""               # what was shown, for completions (stop strings removed)
         self.finish_reason: str | None = None

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 
 # Tags an output parser reads: kept even where a checkpoint marks them special tokens.
-KEEP_TAGS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>"})
+KEEP_TAGS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>",
+                       # gpt-oss's harmony (textgen/harmony.py)
+                       "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"})
 
 
 class Detokenizer:
