@@ -362,31 +362,61 @@ def test_kv_cache_in_f16_and_bf16_on_the_gpu(mini_vault, n):
 
 
 # ------------------------------------------------------------------------------------------------
-# Mixtral, OLMoE and GLM-4.5 on the GPU: vaults converted from transformers' random-weight models
-# (tests/test_families.py's configs: no QK-norm, QK-norm over the whole projection, per-head QK-norm,
-# attention biases, partial RoPE, the grouped sigmoid router with its correction bias and scaling,
-# shared experts, dense first layers, tied embeddings), f32 and q4 experts. The CPU's oracle figures
-# against transformers are test_families.py's; here the GPU against the CPU (activations="f32")
-# within ATOL/RTOL, in both activation modes, and the GPU's own paths bit for bit.
+# Mixtral, OLMoE, GLM-4.5 and gpt-oss on the GPU: vaults converted from transformers' random-weight
+# models (tests/test_families.py's and tests/test_gpt_oss.py's configs: no QK-norm, QK-norm over the
+# whole projection, per-head QK-norm, attention biases, partial RoPE, the grouped sigmoid router
+# with its correction bias and scaling, shared experts, dense first layers, tied embeddings; sinks,
+# sliding windows, YaRN, expert biases, the clamped SwiGLU, top-k-then-softmax), f32 and q4
+# experts. The CPU's oracle figures against transformers are those files'; here the GPU against
+# the CPU (activations="f32") within ATOL/RTOL, in both activation modes, and the GPU's own paths
+# bit for bit.
 
-FAMILY_CASES = ["mixtral", "mixtral_gqa4_tied", "olmoe", "olmoe_norm_topk", "glm4_moe", "glm4_moe_qknorm"]
+FAMILY_CASES = ["mixtral", "mixtral_gqa4_tied", "olmoe", "olmoe_norm_topk", "glm4_moe", "glm4_moe_qknorm",
+                "gpt_oss_yarn", "gpt_oss_plain_rope", "gpt_oss_yarn_truncate"]
+
+
+def _build_family(name, tmp):
+    """The saved transformers checkpoint of one of those configs."""
+    if name.startswith("gpt_oss_"):
+        from test_gpt_oss import CASES, build_gpt_oss
+        return build_gpt_oss(tmp, **CASES[name[len("gpt_oss_"):]])[0]
+    from test_families import _build
+    return _build(name, tmp)[0]
 
 
 @pytest.fixture(scope="module", params=FAMILY_CASES)
 def family(request, tiny_vault, tmp_path_factory):
-    """(name, {"f32": vault, "q4": vault}) for one of test_families.py's configs; skipped (before
-    building anything) where there is no GPU."""
+    """(name, {"f32": vault, "q4": vault}) for one of those configs; skipped (before building
+    anything) where there is no GPU."""
     if not _cuda_available(tiny_vault):
         pytest.skip("no CUDA here")
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from test_families import _build
     from pysmoe.convert import convert_checkpoint
     tmp = tmp_path_factory.mktemp(f"cuda_{request.param}")
-    path, _ = _build(request.param, tmp)
+    path = _build_family(request.param, tmp)
     vaults = {"f32": convert_checkpoint(path, tmp / "f32", experts="f32", dense="f32", progress=False),
-              "q4": convert_checkpoint(path, tmp / "q4", experts="q4", dense="f32", progress=False)}
+              "q4": convert_checkpoint(path, tmp / "q4", experts="q4", dense="f32", group=32, progress=False)}
     return request.param, vaults
+
+
+def test_gpt_oss_mxfp4_experts_are_refused_on_the_gpu_clearly(tiny_vault, tmp_path):
+    """The CUDA backend has no GGML/MXFP4 kernels yet: a released-style gpt-oss vault (MXFP4 experts
+    as stored) is refused at session creation, naming the format, and still runs on the CPU."""
+    if not _cuda_available(tiny_vault):
+        pytest.skip("no CUDA here")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_gpt_oss import CASES, build_gpt_oss, write_mxfp4_checkpoint
+    from pysmoe.convert import convert_checkpoint
+    _, model = build_gpt_oss(tmp_path, **CASES["yarn"])
+    write_mxfp4_checkpoint(tmp_path / "released", model)
+    vault = convert_checkpoint(tmp_path / "released", tmp_path / "vault", dense="f32", progress=False)
+    with pysmoe.open_vault(vault) as v:
+        with pytest.raises(Unsupported, match="MXFP4"):
+            v.session(device="cuda")
+        with v.session() as s:
+            assert s.prefill([1, 2, 3]).shape == (v.config["vocab_size"],)
 
 
 def _forced(s, prompt, follow):

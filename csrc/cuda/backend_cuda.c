@@ -66,7 +66,13 @@ static smoe_status check_layout(const smoe_layout *lay, const uint8_t *dense) {
         const smoe_tensor *biases[] = {L->q_bias, L->k_bias, L->v_bias, L->o_bias};
         for (size_t i = 0; i < 4; i++)
             if ((st = check_bias(biases[i], "an attention bias", false)) != SMOE_OK) return st;
-        if ((st = check_bias(L->router_bias, "router.bias", true)) != SMOE_OK) return st;
+        const bool grouped = lay->mp.router_kind == SMOE_ROUTER_SIGMOID_GROUP; /* its correction in f32 */
+        if ((st = check_bias(L->router_bias, "router.bias", grouped)) != SMOE_OK ||
+            (st = check_bias(L->sinks, "the attention sinks", false)) != SMOE_OK)
+            return st;
+        for (int i = SMOE_XT_GATE_BIAS; i < SMOE_XT_COUNT; i++)
+            if (lay->xl[l].has[i] && (st = check_bias(&lay->xl[l].t[i], "an expert bias", false)) != SMOE_OK)
+                return st;
     }
     if (lay->cfg.num_sparse_layers > 0)
         for (int i = 0; i < 3; i++)
@@ -108,8 +114,10 @@ static smoe_status cuda_share_new(const smoe_be_share_params *p, void **out) {
     sh->minor = minor;
     sh->lay = p->lay;
     sh->host_dense = p->dense;
-    for (uint32_t l = 0; l < cf->num_hidden_layers; l++)
-        sh->plain_attention |= p->lay->layer_attn[l] == SMOE_ATTN_SLIDING;
+    for (uint32_t l = 0; l < cf->num_hidden_layers; l++) {
+        sh->plain_attention |= p->lay->layer_attn[l] == SMOE_ATTN_SLIDING || p->lay->layers[l].sinks;
+        if (!sh->xl && p->lay->layers[l].sparse) sh->xl = &p->lay->xl[l];
+    }
     sh->streamer = p->streamer;
     sh->cache_bytes = p->device_cache_bytes;
     const char *sa = getenv("SMOE_CUDA_SAMPLE");
@@ -171,8 +179,6 @@ static smoe_status dalloc(cuda_state *c, void *pp, size_t bytes) {
 static smoe_status cuda_session_new(void *vsh, const smoe_be_session_params *p, void **out, uint64_t *plane_bytes,
                                     uint64_t *kv_bytes) {
     cuda_share *sh = vsh;
-    if (p->act.kind != SMOE_ACT_SILU)
-        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: the experts' clamped SwiGLU (gpt-oss) is not supported; run it on the CPU");
     const smoe_config *cf = &sh->lay->cfg;
     int max_pos = smoe_cu_attention_max_positions(cf->head_dim, sh->plain_attention);
     if (p->context + 8 > (uint32_t)max_pos)
@@ -193,6 +199,7 @@ static smoe_status cuda_session_new(void *vsh, const smoe_be_session_params *p, 
     c->ffn = cf->intermediate_size > cf->moe_intermediate_size ? cf->intermediate_size : cf->moe_intermediate_size;
     if (c->lay->mp.shared_intermediate > c->ffn) c->ffn = c->lay->mp.shared_intermediate;
     c->rot = c->lay->mp.rotary_dim;
+    c->act = (smoe_cu_act_fn){p->act.kind == SMOE_ACT_SWIGLU_CLAMPED, p->act.alpha, p->act.limit};
     c->a16_of = -1;
     for (uint32_t l = 0; l < cf->num_hidden_layers; l++) {
         const smoe_layer_weights *L = &c->lay->layers[l];
@@ -322,6 +329,8 @@ static smoe_status cuda_attend(void *b, uint32_t l, const smoe_attn *a, uint32_t
     /* per-head QK-norm, or none (no such tensors, or a norm over the whole projection done before) */
     const uint8_t *qn = q_norm ? smoe_cuda_dev(c, q_norm) : NULL, *kn = k_norm ? smoe_cuda_dev(c, k_norm) : NULL;
     const uint8_t qf = q_norm ? q_norm->format : 0, kf = k_norm ? k_norm->format : 0;
+    /* gpt-oss: sink logits and a sliding window (the plain attention kernel) */
+    const uint8_t *sk = a->sinks ? smoe_cuda_dev(c, a->sinks) : NULL, sf = a->sinks ? a->sinks->format : 0;
     smoe_cuda_written(c, SMOE_PL_Q);
     smoe_cuda_written(c, SMOE_PL_K);
     smoe_cuda_written(c, SMOE_PL_ATT);
@@ -347,7 +356,7 @@ static smoe_status cuda_attend(void *b, uint32_t l, const smoe_attn *a, uint32_t
                            o->sin, (const uint32_t *)o->pass));
         CU(smoe_cu_attention(st, att, q, o->k + layer_at, o->v + layer_at, o->kv_dtype, m,
                              cf->num_attention_heads, cf->num_key_value_heads, cf->head_dim, o->pos0,
-                             (const uint32_t *)o->pass, o->fa_part, o->context, NULL, 0, 0));
+                             (const uint32_t *)o->pass, o->fa_part, o->context, sk, sf, a->window));
     }
     for (uint32_t i = 0; i < ns; i++) {
         smoe_cu_event join = smoe_cuda_ring_event(sh);
@@ -386,7 +395,7 @@ static smoe_status cuda_mlp(void *b, smoe_plane dst, smoe_plane src, const smoe_
         (st = smoe_cuda_linear(c, up, &a, n, c->hg + I, 2 * (size_t)I)) != SMOE_OK)
         return st;
     smoe_cuda_written(c, dst);
-    if ((st = smoe_cuda_swiglu(c, smoe_cuda_tensor_cores(down), I, &R, &a)) != SMOE_OK ||
+    if ((st = smoe_cuda_swiglu(c, smoe_cuda_tensor_cores(down), false, I, &R, &a)) != SMOE_OK ||
         (st = smoe_cuda_linear(c, down, &a, n, smoe_cuda_plane(c, dst), H)) != SMOE_OK)
         return st;
     return SMOE_OK;
@@ -496,23 +505,21 @@ static bool cuda_broken(void *b) {
     return c->broken || c->sh->broken;
 }
 
-/* The CUDA kernels implement the recipes of Qwen3-MoE, Mixtral, OLMoE and GLM-4.5: QK-norm per head,
- * over the whole projection or none, RoPE over all or the first rotary_dim dims of a head,
- * attention biases, softmax routing or the grouped sigmoid router (up to SMOE_CU_MAX_GROUPS
- * groups), shared experts; one blob layout for every layer, without expert biases. */
+/* The CUDA kernels implement the recipes of Qwen3-MoE, Mixtral, OLMoE, GLM-4.5 and gpt-oss: QK-norm
+ * per head, over the whole projection or none, RoPE over all or the first rotary_dim dims of a head
+ * (YaRN's tables are the engine's), attention biases, sinks and a sliding window, softmax routing,
+ * the grouped sigmoid router (up to SMOE_CU_MAX_GROUPS groups) and top-k-then-softmax, shared
+ * experts, expert biases and the clamped SwiGLU; one blob layout for every sparse layer. GGML block
+ * formats (gpt-oss's MXFP4 experts among them) are refused by check_tensor. */
 static const char *cuda_lacks(const smoe_layout *lay) {
     const smoe_model_params *m = &lay->mp;
-    if (m->family == SMOE_FAMILY_GPT_OSS) return "gpt-oss's ops (sinks, sliding window, clamped SwiGLU, expert biases)";
-    if (m->family > SMOE_FAMILY_GLM4_MOE) return "this family's ops";
+    if (m->family > SMOE_FAMILY_GPT_OSS) return "this family's ops";
     if (m->qk_norm > SMOE_QK_NORM_WHOLE) return "this QK-norm";
     if (m->rotary_dim % 2 || m->rotary_dim > lay->cfg.head_dim) return "a RoPE over an odd or too wide rotary_dim";
-    if (m->router_kind > SMOE_ROUTER_SIGMOID_GROUP) return "this router";
+    if (m->router_kind >= SMOE_ROUTER_KINDS) return "this router";
     if (m->router_kind == SMOE_ROUTER_SIGMOID_GROUP && m->n_group > SMOE_CU_MAX_GROUPS)
         return "a grouped router of more than 64 groups";
     if (!lay->uniform_experts) return "blob layouts that differ between layers";
-    for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++)
-        for (int i = SMOE_XT_GATE_BIAS; i < SMOE_XT_COUNT; i++)
-            if (lay->xl[l].has[i]) return "expert biases";
     return NULL;
 }
 

@@ -167,12 +167,22 @@ int smoe_cu_gather(smoe_cu_stream st, float *xg, const float *xn, const uint32_t
 /* The same for f16 rows prepared by smoe_cu_prep (cols a multiple of 8) and their scales. */
 int smoe_cu_gather16(smoe_cu_stream st, void *g16, float *ge, const void *a16, const float *ae, const uint32_t *rows,
                      uint32_t K, uint32_t total, uint32_t cols);
-/* For the rows of items (as smoe_cu_rows) or rows [0, n) when items is NULL: h row = silu(gate) · up
+/* The activation between gate/up and down (backend.h's smoe_act): kind 0 silu(gate) · up, kind 1
+ * gpt-oss's clamped SwiGLU with its alpha and limit. */
+typedef struct {
+    int kind;
+    float alpha, limit;
+} smoe_cu_act_fn;
+/* For the rows of items (as smoe_cu_rows) or rows [0, n) when items is NULL: h row = f(gate, up)
  * with hg rows (2I) holding gate then up. */
-int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R);
+int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R, smoe_cu_act_fn f);
 /* smoe_cu_swiglu and then smoe_cu_prep of h (I columns) in one launch: the same bits as the two. */
-int smoe_cu_swiglu_prep(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R, void *h16,
-                        float *he);
+int smoe_cu_swiglu_prep(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R,
+                        smoe_cu_act_fn f, void *h16, float *he);
+/* For the rows of R's items (an item list): y row (R->yrow[j], or j), columns [col0, col0 + cols) +=
+ * the bias vector at R->wtab[u] + off of the item's expert u (cols entries, f32 or bf16). */
+int smoe_cu_bias_items(smoe_cu_stream st, float *y, size_t ldy, uint32_t col0, const smoe_cu_rows *R, uint64_t off,
+                       uint8_t bias_format, uint32_t cols);
 /* A layer's union formed on the device, for a layer whose every expert is in VRAM (no host round
  * trip): from the top-k ids idx (nk = n·K of them), per expert e the rows of the tokens routed to it
  * (rows[start[e] ..], each t·K + slot in increasing order; count[e] of them, 0 when unused),

@@ -60,6 +60,7 @@ typedef struct {
     uint64_t epoch;
     bool graphs, gpu_sampling;
     bool plain_attention;      /* some layer has sinks or a sliding window: the plain attention kernel */
+    const smoe_expert_layout *xl; /* the first sparse layer's blob layout (every sparse layer's), or NULL */
     /* counters */
     uint64_t uploads, upload_bytes, hits, misses, other_bytes;
     bool broken;
@@ -72,6 +73,7 @@ typedef struct {
     const smoe_config *cfg;
     uint32_t context, chunk, q_dim, kv_dim, ffn; /* ffn: the widest MLP (dense, expert or shared) */
     uint32_t rot;              /* the leading dims of a head that RoPE rotates (rotary_dim) */
+    smoe_cu_act_fn act;        /* the experts' activation (dense MLPs: silu) */
     smoe_kv_dtype kv_dtype;
     size_t kv_elem;
     uint32_t pos0;             /* the staged pass's */
@@ -145,7 +147,8 @@ void smoe_cuda_written(cuda_state *c, smoe_plane p);
  * it holds them already) when need. */
 smoe_status smoe_cuda_act(cuda_state *c, smoe_plane src, uint32_t n, bool need, smoe_cu_act *a);
 /* h = SwiGLU of hg's halves for the rows of R, and the activation the down product reads. */
-smoe_status smoe_cuda_swiglu(cuda_state *c, bool need, uint32_t I, const smoe_cu_rows *R, smoe_cu_act *a);
+smoe_status smoe_cuda_swiglu(cuda_state *c, bool need, bool expert, uint32_t I, const smoe_cu_rows *R,
+                             smoe_cu_act *a);
 size_t smoe_cuda_vram_free(void);
 smoe_status smoe_cuda_linear(cuda_state *c, const smoe_tensor *T, const smoe_cu_act *a, uint32_t n, float *y,
                              size_t ldy);

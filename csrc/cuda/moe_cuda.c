@@ -69,12 +69,23 @@ static smoe_status run_experts(cuda_state *c, const smoe_cu_rows *items, smoe_cu
         R.woff = lay->expert[1].offset;
         CU(smoe_cu_matmul(c->sh->cs, &u, &R, &xg, c->hg + I, 2 * (size_t)I));
     }
+    const bool *has = c->sh->xl->has; /* every sparse layer's layout is the same (cuda_lacks) */
+    const smoe_tensor *t = lay->expert;
+    if (has[SMOE_XT_GATE_BIAS]) /* gpt-oss: each expert's biases, from its blob, after its products */
+        CU(smoe_cu_bias_items(c->sh->cs, c->hg, 2 * (size_t)I, 0, &R, t[SMOE_XT_GATE_BIAS].offset,
+                              t[SMOE_XT_GATE_BIAS].format, I));
+    if (has[SMOE_XT_UP_BIAS])
+        CU(smoe_cu_bias_items(c->sh->cs, c->hg, 2 * (size_t)I, I, &R, t[SMOE_XT_UP_BIAS].offset,
+                              t[SMOE_XT_UP_BIAS].format, I));
     smoe_cu_act h;
-    smoe_status st = smoe_cuda_swiglu(c, smoe_cuda_tensor_cores(&lay->expert[2]), I, &R, &h);
+    smoe_status st = smoe_cuda_swiglu(c, smoe_cuda_tensor_cores(&lay->expert[2]), true, I, &R, &h);
     if (st != SMOE_OK) return st;
     R.woff = lay->expert[2].offset;
     R.yrow = c->rows;
     CU(smoe_cu_matmul(c->sh->cs, &d, &R, &h, c->slot_out, H));
+    if (has[SMOE_XT_DOWN_BIAS])
+        CU(smoe_cu_bias_items(c->sh->cs, c->slot_out, H, 0, &R, t[SMOE_XT_DOWN_BIAS].offset,
+                              t[SMOE_XT_DOWN_BIAS].format, H));
     *done = smoe_cuda_ring_event(c->sh);
     CU(smoe_cu_event_record(*done, c->sh->cs));
     return SMOE_OK;
