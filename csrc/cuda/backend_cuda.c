@@ -40,11 +40,11 @@ static smoe_status check_norm(const smoe_tensor *T, const char *what) {
     return SMOE_OK;
 }
 
-/* Bias vectors are added as f32 or bf16 (the router's correction as f32). */
-static smoe_status check_bias(const smoe_tensor *T, const char *what, bool f32_only) {
-    if (T && T->format != SMOE_FMT_F32 && (f32_only || T->format != SMOE_FMT_BF16))
-        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s is stored as format %u; it must be f32%s", what, T->format,
-                         f32_only ? "" : " or bf16");
+/* Bias vectors (attention, router, sinks, experts') are read as f32 or bf16. */
+static smoe_status check_bias(const smoe_tensor *T, const char *what) {
+    if (T && T->format != SMOE_FMT_F32 && T->format != SMOE_FMT_BF16)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s is stored as format %u; it must be f32 or bf16", what,
+                         T->format);
     return SMOE_OK;
 }
 
@@ -65,13 +65,12 @@ static smoe_status check_layout(const smoe_layout *lay, const uint8_t *dense) {
             if ((st = check_norm(norms[i], "a layer's norm")) != SMOE_OK) return st;
         const smoe_tensor *biases[] = {L->q_bias, L->k_bias, L->v_bias, L->o_bias};
         for (size_t i = 0; i < 4; i++)
-            if ((st = check_bias(biases[i], "an attention bias", false)) != SMOE_OK) return st;
-        const bool grouped = lay->mp.router_kind == SMOE_ROUTER_SIGMOID_GROUP; /* its correction in f32 */
-        if ((st = check_bias(L->router_bias, "router.bias", grouped)) != SMOE_OK ||
-            (st = check_bias(L->sinks, "the attention sinks", false)) != SMOE_OK)
+            if ((st = check_bias(biases[i], "an attention bias")) != SMOE_OK) return st;
+        if ((st = check_bias(L->router_bias, "router.bias")) != SMOE_OK ||
+            (st = check_bias(L->sinks, "the attention sinks")) != SMOE_OK)
             return st;
         for (int i = SMOE_XT_GATE_BIAS; i < SMOE_XT_COUNT; i++)
-            if (lay->xl[l].has[i] && (st = check_bias(&lay->xl[l].t[i], "an expert bias", false)) != SMOE_OK)
+            if (lay->xl[l].has[i] && (st = check_bias(&lay->xl[l].t[i], "an expert bias")) != SMOE_OK)
                 return st;
     }
     if (lay->cfg.num_sparse_layers > 0)

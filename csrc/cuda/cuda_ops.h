@@ -150,12 +150,12 @@ int smoe_cu_add(smoe_cu_stream st, float *x, const float *y, size_t count);
 int smoe_cu_route(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, uint32_t K, int renorm,
                   int32_t *idx, float *w);
 /* Per token, GLM-4.5's router (smoe_route_sigmoid_group's steps, cpu/kernels.h): sigmoid scores,
- * bias (E floats, device) added for the choice, the experts in n_group groups of E/n_group with the
+ * bias (E entries, f32 or bf16, device) added for the choice, the experts in n_group groups of E/n_group with the
  * topk_group best kept (n_group ≤ SMOE_CU_MAX_GROUPS), the K best into idx, best first (ties: lower
  * index), their scores into w, renormalised when renorm, × scale. */
 enum { SMOE_CU_MAX_GROUPS = 64 };
-int smoe_cu_route_grouped(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, const float *bias,
-                          uint32_t n_group, uint32_t topk_group, uint32_t K, int renorm, float scale, int32_t *idx,
+int smoe_cu_route_grouped(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, const uint8_t *bias,
+                          uint8_t bias_format, uint32_t n_group, uint32_t topk_group, uint32_t K, int renorm, float scale, int32_t *idx,
                           float *w);
 /* Per token, gpt-oss's router (smoe_topk_softmax): the K largest logits (ties: lower index) into idx,
  * best first, and the softmax over those K into w. */

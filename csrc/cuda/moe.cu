@@ -74,8 +74,16 @@ __device__ __forceinline__ bool sg_before(float va, uint32_t a, float vb, uint32
 }
 __device__ __forceinline__ float sg_sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
 
-__global__ void k_route_grouped(const float *logits, uint32_t n, uint32_t E, const float *bias, uint32_t n_group,
-                                uint32_t topk_group, uint32_t K, int renorm, float scale, int32_t *idx, float *w) {
+/* The choice score of expert e: its sigmoid plus its correction (f32, or bf16 widened). */
+__device__ __forceinline__ float sg_choice(const float *p, const uint8_t *bias, uint8_t bfmt, uint32_t e) {
+    const float b = bfmt == FMT_F32 ? reinterpret_cast<const float *>(bias)[e]
+                                    : __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(bias)[e] << 16);
+    return __fadd_rn(sg_sigmoid(p[e]), b);
+}
+
+__global__ void k_route_grouped(const float *logits, uint32_t n, uint32_t E, const uint8_t *bias, uint8_t bfmt,
+                                uint32_t n_group, uint32_t topk_group, uint32_t K, int renorm, float scale,
+                                int32_t *idx, float *w) {
     const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n) return;
     const float *p = logits + (size_t)t * E;
@@ -88,7 +96,7 @@ __global__ void k_route_grouped(const float *logits, uint32_t n, uint32_t E, con
             float v1 = -INFINITY, v2 = -INFINITY, r1 = -INFINITY, r2 = -INFINITY;
             uint32_t i1 = 0xFFFFFFFFu, i2 = 0xFFFFFFFFu;
             for (uint32_t e = g * per; e < (g + 1) * per; e++) {
-                const float c = __fadd_rn(sg_sigmoid(p[e]), bias[e]), r = sg_rank(c);
+                const float c = sg_choice(p, bias, bfmt, e), r = sg_rank(c);
                 if (i1 == 0xFFFFFFFFu || sg_before(r, e, r1, i1)) {
                     v2 = v1, r2 = r1, i2 = i1;
                     v1 = c, r1 = r, i1 = e;
@@ -113,7 +121,7 @@ __global__ void k_route_grouped(const float *logits, uint32_t n, uint32_t E, con
         float br = -INFINITY;
         uint32_t bi = 0xFFFFFFFFu;
         for (uint32_t e = 0; e < E; e++) {
-            const float r = keep >> (e / per) & 1u ? sg_rank(__fadd_rn(sg_sigmoid(p[e]), bias[e])) : -INFINITY;
+            const float r = keep >> (e / per) & 1u ? sg_rank(sg_choice(p, bias, bfmt, e)) : -INFINITY;
             if (k > 0 && !sg_before(pr, pi, r, e)) continue; /* picked already */
             if (bi == 0xFFFFFFFFu || sg_before(r, e, br, bi)) br = r, bi = e;
         }
@@ -128,13 +136,13 @@ __global__ void k_route_grouped(const float *logits, uint32_t n, uint32_t E, con
     for (uint32_t k = 0; k < K; k++) wt[k] = __fmul_rn(renorm ? __fdiv_rn(wt[k], __fadd_rn(sum, 1e-20f)) : wt[k], scale);
 }
 
-extern "C" int smoe_cu_route_grouped(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, const float *bias,
-                                     uint32_t n_group, uint32_t topk_group, uint32_t K, int renorm, float scale,
+extern "C" int smoe_cu_route_grouped(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E,
+                                     const uint8_t *bias, uint8_t bias_format, uint32_t n_group, uint32_t topk_group, uint32_t K, int renorm, float scale,
                                      int32_t *idx, float *w) {
     if (n == 0) return 0;
     if (K > E || n_group > SMOE_CU_MAX_GROUPS || (n_group > 1 && E % n_group != 0)) return (int)cudaErrorInvalidValue;
-    k_route_grouped<<<(n + 127) / 128, 128, 0, (cudaStream_t)st>>>(logits, n, E, bias, n_group, topk_group, K, renorm,
-                                                                   scale, idx, w);
+    k_route_grouped<<<(n + 127) / 128, 128, 0, (cudaStream_t)st>>>(logits, n, E, bias, bias_format, n_group, topk_group, K,
+                                                                   renorm, scale, idx, w);
     return (int)cudaGetLastError();
 }
 

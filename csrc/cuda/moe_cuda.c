@@ -103,9 +103,8 @@ static smoe_status route_on_device(cuda_state *c, const smoe_route *r, uint32_t 
     if (st != SMOE_OK || (st = smoe_cuda_linear(c, r->W, &a, n, c->router, E)) != SMOE_OK) return st;
     switch (r->kind) {
     case SMOE_ROUTER_SIGMOID_GROUP:
-        if (!r->bias || r->bias->format != SMOE_FMT_F32)
-            return smoe_fail(SMOE_ERR_INTERNAL, "cuda: the grouped router needs router.bias in f32");
-        CU(smoe_cu_route_grouped(c->sh->cs, c->router, n, E, (const float *)smoe_cuda_dev(c, r->bias), m->n_group,
+        if (!r->bias) return smoe_fail(SMOE_ERR_INTERNAL, "cuda: the grouped router without its router.bias");
+        CU(smoe_cu_route_grouped(c->sh->cs, c->router, n, E, smoe_cuda_dev(c, r->bias), r->bias->format, m->n_group,
                                  m->topk_group, K, r->renorm, m->routed_scaling_factor, idx, c->topk_w));
         return SMOE_OK;
     case SMOE_ROUTER_TOPK_SOFTMAX:
