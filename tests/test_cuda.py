@@ -505,3 +505,30 @@ def test_family_device_union_and_recorded_step_give_the_walks_bits(family, monke
     on, off, walk = run(True), run(False), run(True, graph=False)
     assert on == walk, name
     assert on == off, name
+
+
+def test_family_batched_decode_gives_each_sessions_own_bits_on_the_gpu(family):
+    """Sessions of one share decoding together (each row attending over its own cache: windows,
+    sinks, partial RoPE and the QK-norms per row) get the logits and ids they get alone."""
+    from pysmoe import decode_batch
+    name, vaults = family
+    rng = np.random.default_rng(21)
+    with pysmoe.open_vault(vaults["q4"]) as v:
+        prompts = [rng.integers(0, v.config["vocab_size"], n).tolist() for n in (3, 17, 9)]
+        alone = []
+        for p in prompts:
+            with _cuda_session(v, chunk=16, gpu_cache_bytes=1 << 30) as s:
+                alone.append(_greedy(s, p, 5))
+        lead = _cuda_session(v, chunk=16, gpu_cache_bytes=1 << 30)
+        with lead:
+            ss = [lead] + [v.session(share_cache=lead, chunk=16) for _ in prompts[1:]]
+            firsts = [s.prefill(p) for s, p in zip(ss, prompts)]
+            ids = [[int(np.argmax(f))] for f in firsts]
+            for _ in range(4):
+                rows = decode_batch(ss, [i[-1] for i in ids])
+                for i, row in zip(ids, rows):
+                    i.append(int(np.argmax(row)))
+            for s in ss[1:]:
+                s.close()
+    for (fa, ia), fb, ib in zip(alone, firsts, ids):
+        assert fa.tobytes() == fb.tobytes() and ia == ib, name
