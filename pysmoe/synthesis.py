@@ -32,7 +32,7 @@ import zlib
 
 import numpy as np
 
-from . import quant
+from . import ggml_blocks, quant
 from .progress import Progress
 from .tokenizer import build_synthetic_tokenizer, synthetic_tokenizer_config
 from .vaultdir import staged
@@ -62,7 +62,27 @@ PRESETS = {
                  num_experts=128, num_experts_per_tok=8, max_position_embeddings=40960),
 }
 
-EXPERT_FORMATS = ("q4", "q8", "bf16", "f32")
+# gpt-oss-20b and -120b (openai/gpt-oss-*'s config.json): every layer sparse, sliding-window
+# (128) layers alternating with full ones, YaRN ×32 over 4,096 positions, biases, attention sinks.
+# Their experts are released in MXFP4: `--experts MXFP4` is the released size.
+_GPT_OSS = dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880,
+                intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                rope_theta=150000.0, tie_word_embeddings=False, attention_bias=True, swiglu_limit=7.0,
+                rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False)
+PRESETS["gpt-oss-20b"] = dict(_GPT_OSS, num_hidden_layers=24, num_experts=32)
+# Tests: gpt-oss's recipe at the tiny preset's size (windows of 8, YaRN ×4 over 64 positions).
+PRESETS["gpt-oss-tiny"] = dict(_GPT_OSS, vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
+                               sliding_window=8, max_position_embeddings=4096,
+                               rope_parameters=dict(_GPT_OSS["rope_parameters"], factor=4.0,
+                                                    original_max_position_embeddings=64))
+PRESETS["gpt-oss-120b"] = dict(_GPT_OSS, num_hidden_layers=36, num_experts=128)
+BIAS_STD = 0.02                              # biases and attention sinks (gpt-oss): small, around 0
+
+EXPERT_FORMATS = ("q4", "q8", "bf16", "f32") + tuple(ggml_blocks.FORMATS)  # GGML: random blocks
 SCALE_JITTER = 0.1                           # scales vary ±5% around the matrix's own
 ROUTER_GAIN = 2.0                            # router logits of std ~2 for a unit-rms input
 LM_HEAD_GAIN = 2.0
@@ -416,7 +436,11 @@ def _dense_std(cfg: dict, name: str, cols: int) -> float:
 
 
 def _zero_leading_rows(buf: np.ndarray, t, rows: int) -> None:
-    """Make the first rows of a q4/q8 tensor exactly zero: scale and bias 0."""
+    """Make the first rows of a q4/q8 tensor exactly zero: scale and bias 0 (GGML: all-zero
+    blocks, whose scales are 0)."""
+    if ggml_blocks.is_ggml(t.format):
+        buf[:rows * (t.nbytes // t.rows)] = 0
+        return
     _, soff, boff, _ = quant.parts(t.format, t.rows, t.cols)
     n = 2 * rows * (t.cols // quant.GROUP)
     buf[soff:soff + n] = 0
@@ -440,6 +464,9 @@ def _splice_columns(buf: np.ndarray, t, block_bytes: bytes, ncols: int) -> None:
 def _write_dense(writer: VaultWriter, name: str, rng: np.random.Generator, routing) -> None:
     cfg, t = writer.config, writer.layout.tensors[name]
     role = role_of(name)
+    if role == "norms" and name.endswith((".bias", ".sinks")):
+        writer.add_dense(name, _uniform(rng, (t.cols,), BIAS_STD))
+        return
     if role == "norms":
         writer.add_dense(name, _uniform(rng, (t.cols,), NORM_SPREAD, mean=1.0))
         return
@@ -449,7 +476,9 @@ def _write_dense(writer: VaultWriter, name: str, rng: np.random.Generator, routi
     std = _dense_std(cfg, name, t.cols)
     shaped = routing.shape_columns(name)
     zero = routing.zero_rows(name)
-    if quant.is_quantized(t.format):
+    if ggml_blocks.is_ggml(t.format) and shaped:
+        raise ValueError(f"{name}: routing 'realistic' shapes its columns, which synth cannot do in {t.format}")
+    if quant.is_quantized(t.format) or ggml_blocks.is_ggml(t.format):
         # As for experts, q4/q8 matrices are drawn as codes: an a3b has 1.5 G dense weights.
         buf = np.zeros(t.nbytes, dtype=np.uint8)
         _random_codes(buf, t, std, rng, writer.scale_dtype)
@@ -483,7 +512,10 @@ def expert_stds(cfg: dict) -> tuple[float, float, float]:
 
 def _random_codes(out: np.ndarray, t, std: float, rng: np.random.Generator, scale_dtype: str) -> None:
     """Fill out (t.nbytes bytes) with a random q4/q8 tensor of zero mean and this std, drawn
-    as codes: no float weight is ever made."""
+    as codes: no float weight is ever made (GGML formats: ggml_blocks.random_blocks)."""
+    if ggml_blocks.is_ggml(t.format):
+        out[:t.nbytes] = ggml_blocks.random_blocks(t.format, t.rows, t.cols, std, rng)
+        return
     bits = 4 if t.format == "q4" else 8
     levels = (1 << bits) - 1
     ncodes, soff, boff, _ = quant.parts(t.format, t.rows, t.cols)
@@ -499,13 +531,15 @@ def _random_codes(out: np.ndarray, t, std: float, rng: np.random.Generator, scal
 
 
 def _coded_blob(writer: VaultWriter, rng: np.random.Generator, stds, zero_down_rows: int = 0) -> np.ndarray:
-    """One q4 or q8 expert blob of random codes (the first zero_down_rows rows of down zero)."""
-    last = writer.layout.expert[-1]
-    blob = np.zeros(last.offset + last.nbytes, dtype=np.uint8)
+    """One q4 or q8 expert blob of random codes (the first zero_down_rows rows of down zero;
+    gpt-oss's expert biases, after the matrices, zero)."""
+    end = writer.layout.expert[-1]
+    blob = np.zeros(end.offset + end.nbytes, dtype=np.uint8)
     for t, std in zip(writer.layout.expert, stds):
         _random_codes(blob[t.offset:t.offset + t.nbytes], t, std, rng, writer.scale_dtype)
     if zero_down_rows:
-        _zero_leading_rows(blob[last.offset:last.offset + last.nbytes], last, zero_down_rows)
+        down = writer.layout.expert[2]
+        _zero_leading_rows(blob[down.offset:down.offset + down.nbytes], down, zero_down_rows)
     return blob
 
 
@@ -591,7 +625,7 @@ def _write_experts(writer: VaultWriter, seed: int, progress: bool, label: str, z
     if not todo:
         return
     stds = expert_stds(cfg)
-    coded = quant.is_quantized(writer.expert_format())
+    coded = quant.is_quantized(writer.expert_format()) or ggml_blocks.is_ggml(writer.expert_format())
     # Generation holds the GIL; crc32 and pwrite release it, so one writer thread overlaps them.
     with Progress(len(todo) * lay.blob_bytes, f"{label}: experts", unit="B", enabled=progress) as bar, \
             cf.ThreadPoolExecutor(max_workers=1) as pool:
@@ -603,7 +637,8 @@ def _write_experts(writer: VaultWriter, seed: int, progress: bool, label: str, z
             else:
                 gate, up, down = _float_expert(cfg, rng, stds)
                 down[:zero_down_rows] = 0
-                blob = writer.pack_expert(gate, up, down)
+                biases = [np.zeros(t.cols, np.float32) for t in lay.expert[3:]] or None  # gpt-oss's
+                blob = writer.pack_expert(gate, up, down, biases=biases)
             pending.append(pool.submit(writer.add_expert_raw, l, e, blob))
             if len(pending) >= 4:
                 pending.pop(0).result()

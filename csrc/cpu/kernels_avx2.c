@@ -53,6 +53,8 @@
 
 #if SMOE_HAVE_AVX2
 
+#include "ggml_blocks.h"
+
 #include <assert.h>
 #include <immintrin.h>
 #include <math.h>
@@ -509,8 +511,11 @@ bool smoe_avx2_qx_vnni(void) {
 #endif
 }
 
+#include "kernels_avx2_ggml.h"
+
 bool smoe_avx2_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                               size_t ldy, uint32_t r0, uint32_t r1) {
+    if (gb_takes_codes(W->format)) return g_matmul_qx(W, w, X, n, y, ldy, r0, r1);
 #if SMOE_HAVE_AVXVNNI
     if (smoe_avx2_qx_vnni()) return smoe_avx2_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1);
 #endif
@@ -648,6 +653,44 @@ static void f_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
     }
 }
 
+/* f_matmul's order for a GGML block format: blocks of FCB columns of RB rows dequantised
+ * (ggml_blocks.h, the reference's values) into a buffer and fed to f_block, for every n (one token
+ * too: f_block's order is f_rows_1's). */
+static void g_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
+                     size_t ldy, uint32_t r0, uint32_t r1) {
+    const uint32_t cols = W->cols;
+    uint32_t bs = 32, ts = 0;
+    smoe_ggml_block(W->format, &bs, &ts);
+    const size_t row_bytes = (size_t)(cols / bs) * ts;
+    float wb[RB][FCB]; /* (block rows, block columns) dequantised */
+    __m256 acc[TT][RB]; /* (tile tokens, block rows) */
+    for (uint32_t t0 = 0; t0 < n; t0 += TT) {
+        const uint32_t nt = n - t0 < TT ? n - t0 : TT;
+        for (uint32_t r = r0; r < r1; r += RB) {
+            const uint32_t nr = r1 - r < RB ? r1 - r : RB;
+            for (uint32_t t = 0; t < nt; t++)
+                for (uint32_t i = 0; i < RB; i++) acc[t][i] = _mm256_setzero_ps();
+            for (uint32_t c0 = 0; c0 < cols; c0 += FCB) {
+                const uint32_t nc = cols - c0 < FCB ? cols - c0 : FCB; /* a multiple of bs: FCB is of 256 */
+                const float *wr[RB];
+                for (uint32_t i = 0; i < nr; i++) {
+                    const uint8_t *blk = w + (size_t)(r + i) * row_bytes + (size_t)(c0 / bs) * ts;
+                    for (uint32_t c = 0; c < nc; c += bs, blk += ts) gb_dequant_block(W->format, blk, wb[i] + c);
+                    wr[i] = wb[i];
+                }
+                for (uint32_t tb = 0; tb < nt; tb += TB) {
+                    const uint32_t ntb = nt - tb < TB ? nt - tb : TB;
+                    const float *xt[TB];
+                    for (uint32_t j = 0; j < ntb; j++) xt[j] = x + (size_t)(t0 + tb + j) * ldx + c0;
+                    f_block_any((int)nr, (int)ntb, wr, xt, nc, acc + tb);
+                }
+            }
+            for (uint32_t t = 0; t < nt; t++)
+                for (uint32_t i = 0; i < nr; i++) y[(size_t)(t0 + t) * ldy + r + i] = hsum8(acc[t][i]);
+        }
+    }
+}
+
 bool smoe_avx2_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
                            size_t ldy, uint32_t r0, uint32_t r1) {
     switch (W->format) {
@@ -660,8 +703,12 @@ bool smoe_avx2_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *
         if (!group_ok(W->group) || W->cols % W->group || W->cols > MAXC) return false;
         q_matmul(W, w, x, ldx, n, y, ldy, r0, r1);
         return true;
-    default:
-        return false;
+    default: {
+        uint32_t bs, ts;
+        if (!smoe_ggml_block(W->format, &bs, &ts)) return false;
+        g_matmul(W, w, x, ldx, n, y, ldy, r0, r1);
+        return true;
+    }
     }
 }
 
@@ -721,7 +768,7 @@ INLINE float kv1(const void *row, size_t i, const uint32_t dt) {
 
 /* smoe_attend for KV elements of type dt (a constant after inlining): the order of kernels.h */
 INLINE void attend_t(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
-                     uint32_t head_dim, float *scratch, const uint32_t dt) {
+                     uint32_t head_dim, float sink, float *scratch, const uint32_t dt) {
     const float scale = (float)(1.0 / sqrt((double)head_dim));
     const size_t eb = dt == SMOE_KV_F32 ? 4 : 2;
     for (uint32_t p = 0; p < n_pos; p++) {
@@ -735,7 +782,7 @@ INLINE void attend_t(float *out, const float *q, const void *k, const void *v, s
         }
         scratch[p] = hsum8(acc) * scale;
     }
-    smoe_softmax(scratch, n_pos);
+    smoe_softmax_sink(scratch, n_pos, sink);
     /* out[d] = Σ_p a_p·v_p[d] in position order, 64 dimensions at a time in registers */
     uint32_t d0 = 0;
     for (; d0 + 64 <= head_dim; d0 += 64) {
@@ -756,13 +803,13 @@ INLINE void attend_t(float *out, const float *q, const void *k, const void *v, s
 }
 
 void smoe_avx2_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
-                      uint32_t head_dim, uint32_t kv_dtype, float *scratch) {
+                      uint32_t head_dim, uint32_t kv_dtype, float sink, float *scratch) {
     if (kv_dtype == SMOE_KV_BF16)
-        attend_t(out, q, k, v, stride, n_pos, head_dim, scratch, SMOE_KV_BF16);
+        attend_t(out, q, k, v, stride, n_pos, head_dim, sink, scratch, SMOE_KV_BF16);
     else if (kv_dtype == SMOE_KV_F16)
-        attend_t(out, q, k, v, stride, n_pos, head_dim, scratch, SMOE_KV_F16);
+        attend_t(out, q, k, v, stride, n_pos, head_dim, sink, scratch, SMOE_KV_F16);
     else
-        attend_t(out, q, k, v, stride, n_pos, head_dim, scratch, SMOE_KV_F32);
+        attend_t(out, q, k, v, stride, n_pos, head_dim, sink, scratch, SMOE_KV_F32);
 }
 
 #endif /* SMOE_HAVE_AVX2 */

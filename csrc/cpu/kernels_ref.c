@@ -44,6 +44,7 @@
  * Assumes a little-endian host (the vault is little-endian and is used in place).
  *
  */
+#include "ggml_blocks.h"
 #include "kernels_isa.h"
 
 #include <math.h>
@@ -188,9 +189,17 @@ static const float *row_block(const smoe_tensor *W, const uint8_t *w, uint32_t r
         }
         return buf;
     }
-    default: /* the vault parser admits no other format */
-        memset(buf, 0, (size_t)nc * sizeof *buf);
+    default: {
+        uint32_t bs, ts;
+        if (!smoe_ggml_block(W->format, &bs, &ts)) { /* the vault parser admits no other format */
+            memset(buf, 0, (size_t)nc * sizeof *buf);
+            return buf;
+        }
+        /* c0 and nc are multiples of the block size (cols is; BLOCK is a multiple of 256) */
+        const uint8_t *blk = w + ((uint64_t)row * (cols / bs) + c0 / bs) * ts;
+        for (uint32_t c = 0; c < nc; c += bs, blk += ts) gb_dequant_block(W->format, blk, buf + c);
         return buf;
+    }
     }
 }
 
@@ -435,8 +444,69 @@ void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, 
     }
 }
 
+bool smoe_qx_takes(const smoe_tensor *W) {
+    return W->format == SMOE_FMT_Q8 || W->format == SMOE_FMT_Q4 || gb_takes_codes(W->format);
+}
+
+uint32_t smoe_qx_group(const smoe_tensor *W) { return gb_takes_codes(W->format) ? 32 : W->group; }
+
+/* The GGML block formats (ggml_blocks.h) take the codes of q4 weights with group 32: int8 codes in
+ * the layout above, d per block of 32, gsum per block of 32. With (q, sub, σ, μ) a row's form of
+ * block b (gb_qx_decode) and I_b = Σ_{h=0,1} sub_{b,h}·Σ_{c ∈ half h of block b} q_c·code_c
+ * (exact), the product for one (row, token) is
+ *   tot[j] = +0;  for k = 0, 1, …:  b = 8k + 2·(j%4) + j/4   (the block whose d is d[8k + j]),
+ *                                   tot[j] = fma((float)I_b, σ_b·d[8k+j], tot[j])
+ *   bia[j] = +0;  for k = 0, 1, …:  bia[j] = fma(μ_{8k+j}, gsum_{8k+j}, bia[j])
+ *   y = hsum8(tot) + hsum8(bia)   (Q4_K, Q5_K: the formats with a min);   y = hsum8(tot) (the rest)
+ * A block past cols has I = σ = d = μ = gsum = 0 and adds nothing. */
+static void ref_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                        uint32_t r0, uint32_t r1) {
+    enum { CB = 32 }; /* blocks of 32 columns decoded at a time: 4 steps of k */
+    uint32_t bs = 32, ts = 0;
+    smoe_ggml_block(W->format, &bs, &ts);
+    const uint32_t cols = W->cols, nb = cols / 32, up = qx_units(cols);
+    const bool has_min = gb_has_min(W->format);
+    const smoe_qx_size z = smoe_qx_sizes(cols, W->format, 32);
+    int8_t q[CB * 32];
+    int16_t sub[CB * 2];
+    float sigma[CB], mu[CB];
+    for (uint32_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + (size_t)r * (cols / bs) * ts;
+        for (uint32_t t = 0; t < n; t++) {
+            const int8_t *c8 = (const int8_t *)X->codes + (size_t)t * z.code_bytes;
+            const float *dt = X->d + (size_t)t * z.d_floats, *st = X->gsum + (size_t)t * z.gsum_floats;
+            float tot[8] = {0}, bia[8] = {0};
+            for (uint32_t b0 = 0; b0 < 2 * up; b0 += CB) {
+                const uint32_t m = b0 >= nb ? 0 : nb - b0 < CB ? nb - b0 : CB;
+                gb_qx_decode(W->format, row, b0, m, q, sub, sigma, mu);
+                for (uint32_t i = m; i < CB; i++) sigma[i] = mu[i] = 0.0f;
+                for (uint32_t k = b0 / 8; k < (b0 + CB) / 8 && k < 2 * up / 8; k++)
+                    for (uint32_t j = 0; j < 8; j++) {
+                        const uint32_t b = 8 * k + 2 * (j % 4) + j / 4, i = b - b0, u = b / 2, h = b % 2;
+                        int32_t I = 0;
+                        if (b < nb)
+                            for (uint32_t hh = 0; hh < 2; hh++) {
+                                int32_t part = 0;
+                                for (uint32_t c = 0; c < 16; c++)
+                                    part += (int32_t)q[32 * i + 16 * hh + c] * c8[u * QX_UNIT + qx_pos(32 * h + 16 * hh + c, false)];
+                                I += (int32_t)sub[2 * i + hh] * part;
+                            }
+                        const float sd = sigma[i] * dt[8 * k + j];
+                        tot[j] = fmaf((float)I, sd, tot[j]);
+                        if (has_min) bia[j] = fmaf(mu[8 * k + j - b0], st[8 * k + j], bia[j]);
+                    }
+            }
+            y[(size_t)t * ldy + r] = has_min ? hsum8_ref(tot) + hsum8_ref(bia) : hsum8_ref(tot);
+        }
+    }
+}
+
 void smoe_ref_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                              size_t ldy, uint32_t r0, uint32_t r1) {
+    if (gb_takes_codes(W->format)) {
+        ref_ggml_qx(W, w, X, n, y, ldy, r0, r1);
+        return;
+    }
     const bool q8 = W->format == SMOE_FMT_Q8;
     const uint32_t cols = W->cols, G = W->group, ng = cols / G, up = qx_units(cols);
     const uint8_t sf = W->scale_format;
@@ -494,8 +564,8 @@ void smoe_ref_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uin
     }
 }
 
-void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, const float *cos, const float *sin) {
-    const uint32_t h = head_dim / 2;
+void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, uint32_t rot, const float *cos, const float *sin) {
+    const uint32_t h = rot / 2;
     for (uint32_t k = 0; k < n_heads; k++) {
         float *v = x + (size_t)k * head_dim; /* (head_dim) */
         for (uint32_t i = 0; i < h; i++) {
@@ -517,6 +587,19 @@ void smoe_softmax(float *x, uint32_t n) {
         x[i] = expf(x[i] - m);
         sum += x[i];
     }
+    for (uint32_t i = 0; i < n; i++) x[i] = x[i] / sum;
+}
+
+void smoe_softmax_sink(float *x, uint32_t n, float sink) {
+    float m = sink;
+    for (uint32_t i = 0; i < n; i++)
+        if (x[i] > m) m = x[i];
+    float sum = 0.0f;
+    for (uint32_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        sum += x[i];
+    }
+    sum += expf(sink - m); /* + 0 exactly when sink is −inf: smoe_softmax's bits */
     for (uint32_t i = 0; i < n; i++) x[i] = x[i] / sum;
 }
 
@@ -591,13 +674,13 @@ static float attend_dot8(const float *q, const void *k, uint32_t kv_dtype, uint3
 }
 
 void smoe_ref_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
-                     uint32_t head_dim, uint32_t kv_dtype, float *scratch) {
+                     uint32_t head_dim, uint32_t kv_dtype, float sink, float *scratch) {
     /* head_dim ** -0.5 as transformers computes it (in double), then rounded to float */
     const float scale = (float)(1.0 / sqrt((double)head_dim));
     const size_t eb = smoe_kv_elem_bytes(kv_dtype);
     for (uint32_t p = 0; p < n_pos; p++)
         scratch[p] = attend_dot8(q, (const uint8_t *)k + p * stride * eb, kv_dtype, head_dim) * scale;
-    smoe_softmax(scratch, n_pos);
+    smoe_softmax_sink(scratch, n_pos, sink);
     for (uint32_t d = 0; d < head_dim; d++) out[d] = 0.0f;
     for (uint32_t p = 0; p < n_pos; p++) {
         const void *vp = (const uint8_t *)v + p * stride * eb; /* (head_dim) */
@@ -645,9 +728,81 @@ void smoe_swiglu(float *h, const float *g, const float *u, uint32_t n) {
     }
 }
 
+void smoe_topk_softmax(const float *logits, uint32_t n, uint32_t k, int32_t *idx, float *val) {
+    smoe_topk(logits, n, k, false, idx, val);
+    smoe_softmax(val, k < n ? k : n);
+}
+
+void smoe_swiglu_clamped(float *h, const float *g, const float *u, uint32_t n, float alpha, float limit) {
+    for (uint32_t i = 0; i < n; i++) {
+        /* comparisons, not fminf: a NaN stays a NaN, as torch's clamp keeps it */
+        const float gi = g[i] > limit ? limit : g[i];
+        const float ui = u[i] > limit ? limit : u[i] < -limit ? -limit : u[i];
+        const float ga = gi * alpha;
+        const float sig = 1.0f / (1.0f + expf(-ga));
+        const float glu = gi * sig;
+        const float u1 = ui + 1.0f;
+        h[i] = u1 * glu;
+    }
+}
+
+void smoe_add_row(float *y, const float *b, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) y[i] += b[i];
+}
+
 void smoe_axpy(float *y, float a, const float *x, uint32_t n) {
     for (uint32_t i = 0; i < n; i++) {
         float ax = a * x[i];
         y[i] += ax;
+    }
+}
+
+void smoe_add_bias(float *y, const smoe_tensor *w) {
+    const uint32_t n = w->cols;
+    if (w->format == SMOE_FMT_F32) {
+        const float *b = (const float *)w->data;
+        for (uint32_t i = 0; i < n; i++) y[i] += b[i];
+    } else { /* bf16: the high half of an f32 */
+        const uint16_t *b = (const uint16_t *)w->data;
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t u = (uint32_t)b[i] << 16;
+            float f;
+            memcpy(&f, &u, 4);
+            y[i] += f;
+        }
+    }
+}
+
+void smoe_route_sigmoid_group(const float *logits, uint32_t E, const smoe_tensor *bias, uint32_t n_group,
+                              uint32_t topk_group, uint32_t k, bool renorm, float scale, int32_t *idx, float *val,
+                              float *c) {
+    for (uint32_t e = 0; e < E; e++) c[e] = 1.0f / (1.0f + expf(-logits[e]));
+    smoe_add_bias(c, bias);
+    if (n_group > 1 && topk_group < n_group) {
+        const uint32_t per = E / n_group;
+        float gs[SMOE_MAX_GROUPS];
+        int32_t gi[SMOE_MAX_GROUPS], top2[2];
+        float tv[2];
+        for (uint32_t g = 0; g < n_group; g++) {
+            smoe_topk(c + (size_t)g * per, per, 2, false, top2, tv);
+            gs[g] = tv[0] + tv[1];
+        }
+        float gv[SMOE_MAX_GROUPS];
+        smoe_topk(gs, n_group, topk_group, false, gi, gv);
+        bool keep[SMOE_MAX_GROUPS] = {0};
+        for (uint32_t j = 0; j < topk_group; j++) keep[gi[j]] = true;
+        for (uint32_t g = 0; g < n_group; g++)
+            if (!keep[g])
+                for (uint32_t e = 0; e < per; e++) c[(size_t)g * per + e] = -INFINITY;
+    }
+    smoe_topk(c, E, k, false, idx, val);
+    float sum = 0.0f;
+    for (uint32_t j = 0; j < k; j++) {
+        val[j] = 1.0f / (1.0f + expf(-logits[idx[j]]));
+        sum += val[j];
+    }
+    for (uint32_t j = 0; j < k; j++) {
+        float v = renorm ? val[j] / (sum + 1e-20f) : val[j];
+        val[j] = v * scale;
     }
 }

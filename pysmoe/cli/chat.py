@@ -83,6 +83,17 @@ class Conversation:
             del self.turns[:2 if len(self.turns) > 1 and self.turns[1]["role"] == "assistant" else 1]
             self.dropped += 1
 
+    def _assistant(self, text: str) -> dict:
+        """The reply as the next turn's template takes it: gpt-oss's harmony text parsed (its final
+        channel as content: its template refuses channel tags in content and drops the analysis)."""
+        from ..textgen.harmony import HarmonyParser, uses_harmony
+        if not uses_harmony(getattr(self.tok, "chat_template", None)):
+            return {"role": "assistant", "content": text}
+        p = HarmonyParser()
+        p.feed(text)
+        p.finish()
+        return {"role": "assistant", "content": p.content}
+
     def reply(self, text: str) -> Iterator:
         """Send a user message; yields GenerationResponse records of the reply. Close the
         iterator (contextlib.closing) if you stop early: that is what records the reply."""
@@ -110,7 +121,7 @@ class Conversation:
             # Ctrl-C cancels the call in flight, which rewinds).
             self.fed = todo[:self.session.position]
             if reply:
-                self.turns.append({"role": "assistant", "content": "".join(reply)})
+                self.turns.append(self._assistant("".join(reply)))
             else:  # nothing was answered: forget the question (the next turn re-prefills)
                 self.turns.pop()
 

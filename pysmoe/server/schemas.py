@@ -268,6 +268,9 @@ def _response_format(body: dict) -> dict | None:
                    param="response_format", code="unsupported_value")
 
 
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
 def parse_chat(body, max_tokens_limit: int) -> GenerationRequest:
     common = _common(body, "chat", max_tokens_limit)
     messages = _messages(body)
@@ -279,7 +282,14 @@ def parse_chat(body, max_tokens_limit: int) -> GenerationRequest:
     if top and not logprobs:
         raise APIError(400, "top_logprobs needs logprobs = true", param="top_logprobs")
     common["sampling"] = _sampling(common["sampling"], logprobs=logprobs, top_logprobs=top)
-    kwargs = _object(body, "chat_template_kwargs") or {}
+    kwargs = dict(_object(body, "chat_template_kwargs") or {})
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        # OpenAI's field; gpt-oss's template reads it as a variable (chat_template_kwargs wins)
+        if effort not in REASONING_EFFORTS:
+            raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r:.40}",
+                           param="reasoning_effort", code="invalid_value")
+        kwargs.setdefault("reasoning_effort", effort)
     return GenerationRequest(kind="chat", messages=messages, tools=tools, template_kwargs=kwargs,
                              response_format=response_format, tool_choice=choice,
                              parallel_tool_calls=_bool(body, "parallel_tool_calls", True), **common)

@@ -25,9 +25,10 @@ Public names
                    the OpenAI chunk's `delta` dict, text the completions chunk's text.
   completion_logprobs  (tokenizer, [TokenLogprob], text_offset) -> a /v1/completions choice's
                    legacy logprobs object (tokens, token_logprobs, top_logprobs, text_offset).
-  Detokenizer, StopMatcher, Qwen3Parser   the stages, usable alone.
+  Detokenizer, StopMatcher, Qwen3Parser, HarmonyParser   the stages, usable alone (HarmonyParser:
+                   gpt-oss's channels and tool calls).
   FORMATS, format_of, make_parser   the output formats (formats.py): a format's name → its parser
-                   class (qwen3, qwen3_coder, glm45, plain); format_of(model_type, template)
+                   class (qwen3, qwen3_coder, glm45, harmony, plain); format_of(model_type, template)
                    picks a vault's; Generation(..., chat_format=name) parses chat replies with it.
   token_text       (tokenizer, id) -> (text, bytes) as OpenAI's logprobs entries spell a token.
 
@@ -71,6 +72,7 @@ Semantics worth knowing
 """
 from .chat import ChatPrompt, normalize_messages, render_chat, token_bytes, token_text
 from .formats import FORMATS, format_of, make_parser
+from .harmony import HarmonyParser
 from .qwen3 import MessageDelta, Qwen3Parser, ToolCallDelta, parse_tool_call
 from .request import Generation, Step, TokenLogprob, completion_logprobs
 from .sampling import InvalidParam, SamplingParams
@@ -78,5 +80,5 @@ from .text import Detokenizer, StopMatcher, first_stop
 
 __all__ = ["SamplingParams", "InvalidParam", "render_chat", "ChatPrompt", "normalize_messages", "token_text",
            "token_bytes", "Generation", "Step", "TokenLogprob", "completion_logprobs", "MessageDelta", "ToolCallDelta",
-           "Qwen3Parser", "parse_tool_call", "Detokenizer", "StopMatcher", "first_stop", "FORMATS", "format_of",
-           "make_parser"]
+           "Qwen3Parser", "HarmonyParser", "parse_tool_call", "Detokenizer", "StopMatcher", "first_stop", "FORMATS",
+           "format_of", "make_parser"]

@@ -8,7 +8,9 @@ template (pysmoe/tokenizer.py renders like transformers' apply_chat_template):
     it is valid JSON, as transformers documents templates to expect (Qwen3's takes either);
   - `tools` goes to the template as given (a list of {"type": "function", "function": {...}});
   - chat_template_kwargs become template variables (Qwen3: {"enable_thinking": false}).
-It returns the ids, the text, and whether the prompt leaves the model inside a `<think>` block.
+  - gpt-oss's template (harmony) takes `reasoning_effort` ("low", "medium", "high") this way.
+It returns the ids, the text, whether the prompt leaves the model inside a `<think>` block, and
+the output format its model writes (format: "harmony" for gpt-oss's template, else "qwen3").
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import functools
 import json
 
 from ..errors import InvalidArgument
+from .harmony import uses_harmony
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -26,6 +29,7 @@ class ChatPrompt:
     ids: list[int]
     text: str
     starts_in_reasoning: bool    # the rendering ends inside an open <think> block
+    format: str = "qwen3"        # the output format the template's model writes: "qwen3" or "harmony" (gpt-oss)
 
 
 def _text_of(content, where: str) -> str:
@@ -118,7 +122,8 @@ def render_chat(tokenizer, messages, *, tools=None, chat_template_kwargs: dict |
                               "or describe the tools in a message")
     if check_text is not None:
         check_text(text)
-    return ChatPrompt(tokenizer.encode(text), text, ends_in_reasoning(text))
+    fmt = "harmony" if uses_harmony(getattr(tokenizer, "chat_template", None)) else "qwen3"
+    return ChatPrompt(tokenizer.encode(text), text, fmt == "qwen3" and ends_in_reasoning(text), fmt)
 
 
 def ends_in_reasoning(prompt_text: str) -> bool:

@@ -13,22 +13,23 @@ reasoning, tools and starts_in_reasoning). Every parser has Qwen3Parser's shape:
                    <parameter=K>… (pysmoe/textgen/xmlcalls.py)
     "glm45"        GLM-4.5 / 4.6 / Air: <think>, <tool_call>NAME<arg_key>K</arg_key><arg_value>…
                    (pysmoe/textgen/xmlcalls.py)
+    "harmony"      gpt-oss: analysis/final channels and its tool calls (pysmoe/textgen/harmony.py)
     "plain"        Mixtral-Instruct, OLMoE-Instruct: no reasoning, no tool-call syntax: the
                    reply is content
 
-Another family's parser plugs in with register(name, factory) (gpt-oss's harmony parser, say:
-register("harmony", lambda reasoning, tools, starts_in_reasoning: HarmonyParser(tools=tools),
-model_types=("gpt_oss",))) and, if its template says so, a rule in format_of.
+Another family's parser plugs in with register(name, factory, model_types=(...)) and, if its
+template says so, a rule in format_of.
 
 format_of(model_type, template) picks the name. The template decides first, because it is what
 taught the model how to write a call (a Qwen3-Next vault whose template teaches the XML form
 gets the XML parser): `<arg_key>` → glm45; `<function=` with `<parameter=` → qwen3_coder;
-`<tool_call>` or `<think>` → qwen3. A template that shows none of them is read by the vault's
+`<tool_call>` or `<think>` → qwen3; harmony's `<|channel|>` tags (before all of these) → harmony. A template that shows none of them is read by the vault's
 config.json `model_type` (FAMILY_FORMATS), and an unknown one gets qwen3, whose parser leaves a
 reply without its tags as plain content.
 """
 from __future__ import annotations
 
+from .harmony import HarmonyParser, uses_harmony
 from .qwen3 import Qwen3Parser
 from .xmlcalls import Glm45Parser, Qwen3CoderParser
 
@@ -44,6 +45,7 @@ FORMATS: dict = {
     "qwen3": Qwen3Parser,
     "qwen3_coder": Qwen3CoderParser,
     "glm45": Glm45Parser,
+    "harmony": lambda reasoning=True, tools=False, starts_in_reasoning=False: HarmonyParser(tools=tools),
     "plain": PlainParser,
 }
 
@@ -56,6 +58,7 @@ FAMILY_FORMATS: dict[str, str] = {
     "glm4_moe": "glm45",
     "mixtral": "plain",
     "olmoe": "plain",
+    "gpt_oss": "harmony",
 }
 
 DEFAULT_FORMAT = "qwen3"
@@ -72,6 +75,8 @@ def register(name: str, parser, *, model_types: tuple[str, ...] = ()) -> None:
 def format_of(model_type: str | None = None, template: str | None = None) -> str:
     """The name of the format a vault's replies are in (module docstring)."""
     if template:
+        if uses_harmony(template):
+            return "harmony"
         if "<arg_key>" in template:
             return "glm45"
         if "<function=" in template and "<parameter=" in template:

@@ -88,11 +88,11 @@ class Generation:
     tokenizer: the vault's (pysmoe.tokenizer.Tokenizer); params: SamplingParams; prompt_ids:
     what will be fed before the first generated id. chat: parse the reasoning (and tool calls
     when tools is true, or the request's tools list) out of the text, in output format chat_format
-    (a name of pysmoe.textgen.formats.FORMATS: "qwen3", "qwen3_coder", "glm45", "plain", ...);
-    starts_in_reasoning: the prompt left the model inside <think> (ChatPrompt.starts_in_reasoning).
-    eos_ids: ids that end generation besides params.stop_token_ids (default: the tokenizer's).
-    room: the most ids the context can still take after the prompt (session.context − position
-    after the prompt + 1; None: unbounded)."""
+    (a name of pysmoe.textgen.formats.FORMATS: "qwen3", "qwen3_coder", "glm45", "harmony" for
+    gpt-oss's channels, "plain", ...); starts_in_reasoning: the prompt left the model inside <think>
+    (ChatPrompt.starts_in_reasoning). eos_ids: ids that end generation besides params.stop_token_ids
+    (default: the tokenizer's). room: the most ids the context can still take after the prompt
+    (session.context − position after the prompt + 1; None: unbounded)."""
 
     def __init__(self, tokenizer, params: SamplingParams, prompt_ids: Sequence[int], *, chat: bool = False,
                  tools=False, starts_in_reasoning: bool = False, eos_ids: Iterable[int] | None = None,

@@ -19,7 +19,9 @@ from __future__ import annotations
 # Tags an output parser reads: kept even where a checkpoint marks them special tokens.
 KEEP_TAGS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>",
                        # GLM-4.5's call syntax (textgen/xmlcalls.py)
-                       "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"})
+                       "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+                       # gpt-oss's harmony (textgen/harmony.py)
+                       "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"})
 
 
 class Detokenizer:
