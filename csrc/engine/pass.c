@@ -43,7 +43,10 @@ static smoe_status walk(smoe_session *s, uint32_t n) {
 /* ------------------------------------------------------------- recurrent states (engine.h) */
 
 smoe_status smoe_state_sync(smoe_session *s) {
-    if (!s->recurrent || s->state_pos == s->pos) return SMOE_OK;
+    if (!s->recurrent) return SMOE_OK;
+    /* a snapshot past the position holds ids that a rewind dropped (and that may be rewritten) */
+    if (s->snap_pos != SMOE_NO_POS && s->snap_pos > s->pos) s->snap_pos = SMOE_NO_POS;
+    if (s->state_pos == s->pos) return SMOE_OK;
     const smoe_backend *be = s->backend;
     uint32_t from = 0;
     smoe_status st;
