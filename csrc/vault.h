@@ -62,6 +62,9 @@ typedef struct {
     uint32_t shared_intermediate; /* width of the shared expert beside the routed ones (0: none) */
     uint32_t attention_bias;      /* 0 none, 1 q/k/v biases, 2 q/k/v/o biases */
     uint32_t qk_norm;             /* smoe_qk_norm */
+    /* The Gated DeltaNet of linear-attention layers (Qwen3-Next, Qwen3.5-MoE; 0 without): q and k
+     * heads of linear_k_dim, v heads of linear_v_dim, a causal convolution of linear_conv_kernel taps */
+    uint32_t linear_k_heads, linear_v_heads, linear_k_dim, linear_v_dim, linear_conv_kernel;
 } smoe_model_params;
 
 typedef struct {
@@ -73,6 +76,13 @@ typedef struct {
     const smoe_tensor *router_bias;            /* 1 × experts: SMOE_ROUTER_SIGMOID_GROUP's correction, else NULL */
     const smoe_tensor *mlp_gate, *mlp_up, *mlp_down; /* dense layers, else NULL */
     const smoe_tensor *shared_gate, *shared_up, *shared_down; /* sparse layers with a shared expert, else NULL */
+    /* Qwen3-Next / Qwen3.5-MoE: gated attention's output gate (q rows × hidden) and the shared
+     * expert's sigmoid gate (1 × hidden); a linear-attention layer's Gated DeltaNet in place of
+     * q, k, v, o: in-projections qkv (conv_dim), z (v_heads·v_dim), b and a (v_heads), the
+     * convolution (conv_dim × kernel), A_log and dt_bias (1 × v_heads), the gated norm (1 × v_dim)
+     * and the out-projection (hidden × v_heads·v_dim). NULL where the layer has none. */
+    const smoe_tensor *q_gate, *shared_expert_gate;
+    const smoe_tensor *lin_qkv, *lin_z, *lin_b, *lin_a, *lin_conv, *lin_a_log, *lin_dt_bias, *lin_norm, *lin_out;
     bool sparse;
     uint8_t attn;                              /* smoe_attn_kind */
 } smoe_layer_weights;

@@ -60,9 +60,13 @@ FAMILIES = {"qwen3_moe": 0, "mixtral": 1, "olmoe": 2, "glm4_moe": 3, "gpt_oss": 
             "qwen3_5_moe": 6}
 FAMILY_NAME = {v: k for k, v in FAMILIES.items()}
 # What the engine of this build runs (a vault of another family opens, and is refused by a session).
-RUNNABLE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe")
+RUNNABLE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_next", "qwen3_5_moe")
+LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_conv_kernel_dim")
 PARAM_KEYS = ("family", "rotary_dim", "sliding_window", "router_kind", "n_group", "topk_group",
-              "routed_scaling_factor", "shared_intermediate_size", "attention_bias", "qk_norm")
+              "routed_scaling_factor", "shared_intermediate_size", "attention_bias", "qk_norm") + LINEAR_KEYS
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")  # Gated DeltaNet + gated attention (convert/qwen_hybrid.py)
+ATTN_FULL, ATTN_SLIDING, ATTN_LINEAR = 0, 1, 2
 ROUTER_SOFTMAX_TOPK, ROUTER_SIGMOID_GROUP, ROUTER_TOPK_SOFTMAX = 0, 1, 2
 QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_WHOLE = 0, 1, 2
 
@@ -87,6 +91,11 @@ def normalize_config(cfg: dict) -> dict:
     """
     out = dict(cfg)
     mt = out.setdefault("model_type", "qwen3_moe")
+    if mt in ("qwen3_5_moe_text",) or mt in HYBRID_FAMILIES:
+        from .convert import qwen_hybrid
+        fam = qwen_hybrid.family_of(out) or mt
+        out = qwen_hybrid.normalize(out, fam)
+        mt = out["model_type"] = fam
     if mt not in FAMILIES:
         raise ValueError(f"model_type {mt!r} is not a family pysmoe knows ({', '.join(FAMILIES)})")
     if mt == "glm4_moe" and "n_routed_experts" in out and "num_experts" not in out:
@@ -171,9 +180,24 @@ def family_params(cfg: dict) -> dict:
         p["shared_intermediate_size"] = int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0)
         rot = int(hd * float(cfg.get("partial_rotary_factor", 0.5)))
         p["rotary_dim"] = rot - rot % 2
+    elif mt in HYBRID_FAMILIES:
+        p["qk_norm"] = QK_NORM_HEAD
+        p["rotary_dim"] = int(cfg["rotary_dim"])
+        p["shared_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
+        if ATTN_LINEAR in layer_attention(cfg):
+            p.update({k: int(cfg[k]) for k in LINEAR_KEYS})
     else:
         raise ValueError(f"model_type {mt!r}: this pysmoe cannot write its vault yet")
     return p
+
+
+def layer_attention(cfg: dict) -> list[int]:
+    """Per layer its attention kind (bits 1-2 of the kind byte): ATTN_LINEAR for the hybrids'
+    linear_attention layers, else ATTN_FULL."""
+    types = cfg.get("layer_types") if cfg.get("model_type") in HYBRID_FAMILIES else None
+    if not types:
+        return [ATTN_FULL] * cfg["num_hidden_layers"]
+    return [ATTN_LINEAR if t == "linear_attention" else ATTN_FULL for t in types]
 
 
 def layer_kinds(cfg: dict) -> list[bool]:
@@ -209,8 +233,11 @@ def role_of(name: str) -> str:
         return "embed"
     if name == "lm_head":
         return "lm_head"
-    if name == "norm" or name.endswith(("layernorm", "q_norm", "k_norm", ".bias")):
-        return "norms"  # float vectors: norms and biases
+    if name == "norm" or name.endswith(("layernorm", "q_norm", "k_norm", ".bias", "linear.conv", "linear.A_log",
+                                         "linear.dt_bias", "linear.norm")):
+        return "norms"  # float vectors: norms and biases (and a Gated DeltaNet's small f32 weights)
+    if name.endswith("shared_gate"):
+        return "router"  # a shared expert's sigmoid gate: one row, kept f32 like the router
     if name.endswith("router"):
         return "router"
     if ".mlp." in name or ".shared." in name:
@@ -227,6 +254,24 @@ def dense_shapes(cfg: dict) -> list[tuple[str, int, int]]:
     qk, bias = fp.get("qk_norm", QK_NORM_HEAD), fp.get("attention_bias", 0)
     shared = fp.get("shared_intermediate_size", 0)
     out = [("embed_tokens", cfg["vocab_size"], h)]
+    if cfg.get("model_type") in HYBRID_FAMILIES:
+        from .convert import qwen_hybrid
+        mixers = qwen_hybrid.dense_shapes(cfg)
+        for l, sparse in enumerate(layer_kinds(cfg)):
+            p = f"layers.{l}."
+            mine = [t for t in mixers if t[0].startswith(p)]
+            shared_part = [t for t in mine if ".shared" in t[0]]
+            out += [t for t in mine if ".shared" not in t[0]]
+            if sparse:
+                out.append((p + "router", cfg["num_experts"], h))
+                out += shared_part if shared else []
+            else:
+                i = cfg["intermediate_size"]
+                out += [(p + "mlp.gate_proj", i, h), (p + "mlp.up_proj", i, h), (p + "mlp.down_proj", h, i)]
+        out.append(("norm", 1, h))
+        if not cfg["tie_word_embeddings"]:
+            out.append(("lm_head", cfg["vocab_size"], h))
+        return out
     for l, sparse in enumerate(layer_kinds(cfg)):
         p = f"layers.{l}."
         out += [(p + "input_layernorm", 1, h), (p + "q_proj", q_out, h), (p + "k_proj", kv_out, h),
@@ -611,7 +656,8 @@ class VaultWriter:
         L, E = cfg["num_hidden_layers"], cfg["num_experts"]
         parts = [_config_block(cfg), _PARAMS_HEAD.pack(len(lay.params), 0)]
         parts += [_PARAM.pack(k.encode("ascii"), float(v)) for k, v in lay.params.items()]
-        parts.append(bytes(int(s) for s in lay.sparse).ljust(align(L, 8), b"\0"))
+        attn = layer_attention(cfg)
+        parts.append(bytes(int(s) | attn[l] << 1 for l, s in enumerate(lay.sparse)).ljust(align(L, 8), b"\0"))
         for l in range(L):
             x = lay.layer_expert[l]
             parts.append(_LAYOUT.pack(lay.layer_blob_bytes[l], len(x), 0))

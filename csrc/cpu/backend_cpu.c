@@ -77,6 +77,7 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
     c->q_dim = cf->num_attention_heads * cf->head_dim;
     c->kv_dim = cf->num_key_value_heads * cf->head_dim;
     c->ffn = cf->intermediate_size > cf->moe_intermediate_size ? cf->intermediate_size : cf->moe_intermediate_size;
+    if (c->lay->mp.shared_intermediate > c->ffn) c->ffn = c->lay->mp.shared_intermediate; /* the shared expert's */
 
     const size_t C = p->chunk, H = cf->hidden_size, E = cf->num_experts, K = cf->num_experts_per_tok;
     const size_t kv = (size_t)cf->num_hidden_layers * p->context * c->kv_dim;
@@ -232,7 +233,7 @@ static smoe_status cpu_attend(void *b, uint32_t l, const smoe_tensor *q_norm, co
                               void *const *members) {
     cpu_state *c = b;
     const smoe_config *cf = c->cfg;
-    const uint32_t hd = cf->head_dim, half = hd / 2;
+    const uint32_t hd = cf->head_dim, rot = c->lay->mp.rotary_dim, half = rot / 2;
     const float eps = cf->rms_norm_eps;
     for (uint32_t t = 0; t < n; t++) {
         const cpu_state *o = owner(c, members, t);
@@ -243,8 +244,8 @@ static smoe_status cpu_attend(void *b, uint32_t l, const smoe_tensor *q_norm, co
             smoe_rmsnorm(qt + (size_t)h * hd, qt + (size_t)h * hd, q_norm, hd, eps);
         for (uint32_t h = 0; h < cf->num_key_value_heads; h++)
             smoe_rmsnorm(kt + (size_t)h * hd, kt + (size_t)h * hd, k_norm, hd, eps);
-        smoe_rope(qt, cf->num_attention_heads, hd, cs, sn);
-        smoe_rope(kt, cf->num_key_value_heads, hd, cs, sn);
+        smoe_rope_partial(qt, cf->num_attention_heads, hd, rot, cs, sn);
+        smoe_rope_partial(kt, cf->num_key_value_heads, hd, rot, cs, sn);
         if (members) { /* each row into its own session's cache */
             smoe_kv_store(kv_row(o, o->k_cache, l, pos), kt, c->kv_dim, o->kv_dtype);
             smoe_kv_store(kv_row(o, o->v_cache, l, pos), c->v + (size_t)t * c->kv_dim, c->kv_dim, o->kv_dtype);
@@ -430,10 +431,10 @@ static const char *cpu_describe(void *b) {
 static const char *cpu_lacks(const smoe_layout *lay) {
     const smoe_model_params *m = &lay->mp;
     if (m->qk_norm != SMOE_QK_NORM_HEAD) return "attention without a per-head QK-norm";
-    if (m->rotary_dim != lay->cfg.head_dim) return "partial RoPE";
     if (m->attention_bias) return "attention biases";
     if (m->router_kind != SMOE_ROUTER_SOFTMAX_TOPK) return "this router";
-    if (m->shared_intermediate) return "shared experts";
+    if (m->shared_intermediate && m->family != SMOE_FAMILY_QWEN3_NEXT && m->family != SMOE_FAMILY_QWEN3_5_MOE)
+        return "shared experts without a sigmoid gate";
     for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++)
         for (int i = SMOE_XT_GATE_BIAS; i < SMOE_XT_COUNT; i++)
             if (lay->xl[l].has[i]) return "expert biases";

@@ -61,6 +61,10 @@ void smoe_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_
  * (x_i, x_{i+h/2}) ← (x_i·cos_i − x_{i+h/2}·sin_i, x_{i+h/2}·cos_i + x_i·sin_i).
  * cos, sin: head_dim/2 entries for this position. */
 void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, const float *cos, const float *sin);
+/* Partial RoPE (Qwen3-Next, GLM): the same rotation on each head's first rot_dim dims only (pairs
+ * (i, i + rot_dim/2), i < rot_dim/2), the rest passed through; cos, sin: rot_dim/2 entries. */
+void smoe_rope_partial(float *x, uint32_t n_heads, uint32_t head_dim, uint32_t rot_dim, const float *cos,
+                       const float *sin);
 
 /* One query head against positions [0, n_pos) of the cache: out = softmax(q·K/√d) · V.
  * k, v point at position 0 of this KV head, elements of kv_dtype (smoe_kv_dtype, widened to f32

@@ -494,8 +494,9 @@ void smoe_ref_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uin
     }
 }
 
-void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, const float *cos, const float *sin) {
-    const uint32_t h = head_dim / 2;
+void smoe_rope_partial(float *x, uint32_t n_heads, uint32_t head_dim, uint32_t rot_dim, const float *cos,
+                       const float *sin) {
+    const uint32_t h = rot_dim / 2;
     for (uint32_t k = 0; k < n_heads; k++) {
         float *v = x + (size_t)k * head_dim; /* (head_dim) */
         for (uint32_t i = 0; i < h; i++) {
@@ -505,6 +506,10 @@ void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, const float *cos, 
             v[i + h] = bc + as;
         }
     }
+}
+
+void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, const float *cos, const float *sin) {
+    smoe_rope_partial(x, n_heads, head_dim, head_dim, cos, sin);
 }
 
 void smoe_softmax(float *x, uint32_t n) {

@@ -100,7 +100,8 @@ def normalize(raw: dict, family: str) -> dict:
     factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
     head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
     cfg["head_dim"] = head_dim
-    cfg["rotary_dim"] = int(head_dim * float(factor))
+    if "rotary_dim" not in cfg:  # (a vault's config.json, normalised before, has it)
+        cfg["rotary_dim"] = int(head_dim * float(factor))
     if cfg["rotary_dim"] < 2 or cfg["rotary_dim"] % 2:
         raise ValueError(f"partial_rotary_factor {factor} gives a rotary dimension of {cfg['rotary_dim']}")
     # keys the Qwen3-MoE config block needs that these configs leave out
@@ -114,7 +115,7 @@ def normalize(raw: dict, family: str) -> dict:
         cfg.setdefault("intermediate_size", shared or cfg["moe_intermediate_size"])
     cfg["shared_expert_intermediate_size"] = shared
     cfg["layer_types"] = layer_types(cfg)
-    cfg["family"] = family
+    cfg["model_type"] = family
     for k, default in (("linear_conv_kernel_dim", 4), ("linear_key_head_dim", 128), ("linear_value_head_dim", 128),
                        ("linear_num_key_heads", 16), ("linear_num_value_heads", 32)):
         cfg[k] = int(cfg.get(k, default))
