@@ -247,3 +247,20 @@ def test_the_vision_tower_and_mtp_are_left_out(tmp_path):
             got = s.prefill_logits(ids, rows=list(range(6)))
     want = hf_logits(model, ids)
     assert np.max(np.abs(got - want)) <= TOL * np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("activations", ["q8", "f32"])
+def test_quantized_vault_paths_agree_in_both_activation_modes(tmp_path_factory, activations):
+    """q4 experts, q8 dense matrices (the in- and out-projections of the DeltaNet included): the
+    layer-major prefill gives token-serial's bits with 8-bit and with f32 activations."""
+    tmp = tmp_path_factory.mktemp(f"quant-{activations}")
+    family, over = CASES["q35_wide"]
+    path, model = make_model(tmp, family, {**over, "shared_expert_intermediate_size": 64}, seed=5)
+    vault = convert_checkpoint(path, tmp / "q4", experts="q4", dense="q8", progress=False)
+    ids = sample_ids(model.config.vocab_size, 17, seed=6)
+    with pysmoe.open_vault(vault) as v:
+        want = _serial(v, ids, threads=1, activations=activations)
+        with v.session(chunk=6, threads=2, activations=activations) as s:
+            got = s.prefill_logits(ids, rows=list(range(len(ids))))
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.isfinite(got).all()
