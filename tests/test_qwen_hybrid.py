@@ -264,3 +264,12 @@ def test_quantized_vault_paths_agree_in_both_activation_modes(tmp_path_factory, 
             got = s.prefill_logits(ids, rows=list(range(len(ids))))
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.isfinite(got).all()
+
+
+def test_states_are_counted_with_the_kv_cache(case):
+    from pysmoe.memory import kv_bytes, recurrent_state_bytes
+
+    name, vault, model = case
+    with pysmoe.open_vault(vault) as v, v.session(context=64) as s:
+        assert recurrent_state_bytes(v.config) > 0
+        assert s.stats()["kv_bytes"] == kv_bytes(v.config, s.context), name

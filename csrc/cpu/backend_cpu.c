@@ -117,7 +117,9 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
         c->qx_gsum = plane(pb, C * z.gsum_floats, sizeof(float), &ok);
     }
     c->logits = plane(pb, (size_t)SMOE_LOGIT_ROWS * cf->vocab_size, sizeof(float), &ok);
-    {
+    const uint32_t fam = c->lay->mp.family;
+    if (fam == SMOE_FAMILY_QWEN3_NEXT || fam == SMOE_FAMILY_QWEN3_5_MOE) {
+        /* gated attention, the shared expert's gate and (with linear layers) the Gated DeltaNet */
         const smoe_linear_shape *ln = &p->linear;
         const size_t vdim = (size_t)ln->v_heads * ln->v_dim, past = ln->conv_kernel ? ln->conv_kernel - 1 : 0;
         c->lin = *ln;
@@ -126,22 +128,25 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
         c->linear_index = p->linear_index;
         const size_t gate_w = c->q_dim > vdim ? c->q_dim : vdim;
         c->gate = plane(pb, C * gate_w, sizeof(float), &ok);
-        c->mix = plane(pb, C * c->conv_dim, sizeof(float), &ok);
-        c->beta = plane(pb, C * ln->v_heads, sizeof(float), &ok);
-        c->decay = plane(pb, C * ln->v_heads, sizeof(float), &ok);
         c->sgate = plane(pb, C, sizeof(float), &ok);
-        const size_t s_floats = (size_t)p->n_linear * ln->v_heads * ln->k_dim * ln->v_dim;
-        const size_t conv_floats = (size_t)p->n_linear * past * c->conv_dim;
-        /* the states are the session's like its KV cache: counted with it */
-        uint64_t kvb = 0;
-        c->lin_s = plane(&kvb, s_floats, sizeof(float), &ok);
-        c->lin_conv = plane(&kvb, conv_floats, sizeof(float), &ok);
-        c->snap_s = plane(&kvb, s_floats, sizeof(float), &ok);
-        c->snap_conv = plane(&kvb, conv_floats, sizeof(float), &ok);
-        *kv_bytes += kvb;
-        c->lin_w = plane(pb, (size_t)c->conv_dim * ln->conv_kernel + 2 * ln->v_heads + ln->v_dim, sizeof(float), &ok);
-        c->lin_row = plane(pb, c->conv_dim, sizeof(float), &ok);
-        c->lin_scratch = plane(pb, (size_t)smoe_pool_threads(c->pool) * ln->v_dim, sizeof(float), &ok);
+        if (p->n_linear) {
+            c->mix = plane(pb, C * c->conv_dim, sizeof(float), &ok);
+            c->beta = plane(pb, C * ln->v_heads, sizeof(float), &ok);
+            c->decay = plane(pb, C * ln->v_heads, sizeof(float), &ok);
+            const size_t s_floats = (size_t)p->n_linear * ln->v_heads * ln->k_dim * ln->v_dim;
+            const size_t conv_floats = (size_t)p->n_linear * past * c->conv_dim;
+            /* the states are the session's like its KV cache: counted with it */
+            uint64_t kvb = 0;
+            c->lin_s = plane(&kvb, s_floats, sizeof(float), &ok);
+            c->lin_conv = plane(&kvb, conv_floats, sizeof(float), &ok);
+            c->snap_s = plane(&kvb, s_floats, sizeof(float), &ok);
+            c->snap_conv = plane(&kvb, conv_floats, sizeof(float), &ok);
+            *kv_bytes += kvb;
+            c->lin_w = plane(pb, (size_t)c->conv_dim * ln->conv_kernel + 2 * ln->v_heads + ln->v_dim, sizeof(float),
+                             &ok);
+            c->lin_row = plane(pb, c->conv_dim, sizeof(float), &ok);
+            c->lin_scratch = plane(pb, (size_t)smoe_pool_threads(c->pool) * ln->v_dim, sizeof(float), &ok);
+        }
     }
     if (!ok)
         return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the KV cache (%llu bytes) and planes (%llu bytes)",
@@ -367,6 +372,7 @@ static smoe_status cpu_linear_attend(void *b, uint32_t l, const smoe_tensor *con
 
 static smoe_status cpu_state_op(void *b, smoe_state_op op) {
     cpu_state *c = b;
+    if (c->n_linear == 0) return SMOE_OK;
     const smoe_linear_shape *ln = &c->lin;
     const size_t s_bytes = (size_t)c->n_linear * ln->v_heads * ln->k_dim * ln->v_dim * sizeof(float);
     const size_t conv_bytes = (size_t)c->n_linear * (ln->conv_kernel ? ln->conv_kernel - 1 : 0) * c->conv_dim *
