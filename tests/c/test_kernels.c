@@ -304,7 +304,7 @@ static void test_rope(void) {
         cs[i] = (float)cos(th);
         sn[i] = (float)sin(th);
     }
-    smoe_rope(x, heads, hd, cs, sn);
+    smoe_rope(x, heads, hd, hd, cs, sn);
     for (uint32_t k = 0; k < heads; k++)
         for (uint32_t i = 0; i < hd; i++) {
             const float *v = x0 + k * hd;
