@@ -273,3 +273,22 @@ def test_states_are_counted_with_the_kv_cache(case):
     with pysmoe.open_vault(vault) as v, v.session(context=64) as s:
         assert recurrent_state_bytes(v.config) > 0
         assert s.stats()["kv_bytes"] == kv_bytes(v.config, s.context), name
+
+
+@pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "qwen3.5-397b-a17b"])
+def test_synth_presets_of_the_hybrids_run(tmp_path, preset):
+    """The presets' recipe (shapes shrunk through overrides so that it builds in a moment): every
+    tensor of a hybrid vault synthesised, realistic routing, prefill = token-serial."""
+    small = dict(vocab_size=512, hidden_size=64, num_attention_heads=4, head_dim=32, moe_intermediate_size=64,
+                 shared_expert_intermediate_size=64, intermediate_size=64, num_experts=16,
+                 linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2)
+    small["linear_num_value_heads"] = 4 if preset.startswith("qwen3.6") else 8
+    vault = pysmoe.synth(tmp_path / "v", preset=preset, layers=5, routing="realistic", progress=False,
+                         overrides=small)
+    ids = sample_ids(512, 11, seed=7)
+    with pysmoe.open_vault(vault) as v:
+        assert v.config["layer_types"] == ["linear_attention"] * 3 + ["full_attention", "linear_attention"]
+        want = _serial(v, ids, threads=1)
+        with v.session(chunk=4, threads=2) as s:
+            got = s.prefill_logits(ids, rows=list(range(len(ids))))
+    assert np.isfinite(got).all() and np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -386,10 +386,9 @@ static smoe_status cpu_linear_attend(void *b, uint32_t l, const smoe_tensor *con
             smoe_l2norm(mix + ((size_t)ln->k_heads + h) * dk, dk, 1e-6f, 1.0f);
         }
     }
-    SMOE_PROF_LAP(SMOE_P_QKNORM);
-    linear_task lt = {c, members, l, n, A, dt, nw};
+        linear_task lt = {c, members, l, n, A, dt, nw};
     smoe_pool_run(c->pool, linear_heads, &lt, ln->v_heads, 1);
-    SMOE_PROF_LAP(SMOE_P_ATTEND);
+    SMOE_PROF_LAP(SMOE_P_LINEAR);
     return SMOE_OK;
 }
 
