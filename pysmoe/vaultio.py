@@ -978,6 +978,15 @@ def info(path) -> str:
                  f"blobs      {n_sparse * E} x {_size(h.blob_bytes)} = {_size(E * sum(v.layer_blob_bytes))}",
                  f"kv cache   {_size(kv_per_token * 4)} per token in f32, {_size(kv_per_token * 2)} in bf16/f16 "
                  f"(a session reserves its whole context: 4,096 tokens = {_size(kv_per_token * 4 * 4096)} in f32)"]
+        lin = [k == ATTN_LINEAR for k in v.attention_kinds]
+        if any(lin):
+            from .memory import recurrent_state_bytes
+            p = v.params
+            lines.insert(3, f"linear     {sum(lin)} of {len(lin)} layers Gated DeltaNet: "
+                            f"{int(p['linear_num_key_heads'])} q/k heads x {int(p['linear_key_head_dim'])}, "
+                            f"{int(p['linear_num_value_heads'])} v heads x {int(p['linear_value_head_dim'])}, "
+                            f"conv {int(p['linear_conv_kernel_dim'])}; states + snapshot "
+                            f"{_size(recurrent_state_bytes(cfg))} a session")
         def fmt(t: Tensor) -> str:  # q4/g64/bf16, f32
             return t.format + (f"/g{t.group}/{t.scale_format}" if quant.is_quantized(t.format) else "")
 

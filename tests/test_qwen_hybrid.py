@@ -273,6 +273,10 @@ def test_states_are_counted_with_the_kv_cache(case):
     with pysmoe.open_vault(vault) as v, v.session(context=64) as s:
         assert recurrent_state_bytes(v.config) > 0
         assert s.stats()["kv_bytes"] == kv_bytes(v.config, s.context), name
+    from pysmoe.vaultio import info
+
+    text = info(vault)
+    assert f"model      {CASES[name][0]}:" in text and "Gated DeltaNet" in text, text
 
 
 @pytest.mark.parametrize("preset", ["qwen3.6-35b-a3b", "qwen3.5-397b-a17b"])
@@ -292,3 +296,15 @@ def test_synth_presets_of_the_hybrids_run(tmp_path, preset):
         with v.session(chunk=4, threads=2) as s:
             got = s.prefill_logits(ids, rows=list(range(len(ids))))
     assert np.isfinite(got).all() and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_the_cuda_backend_refuses_the_hybrids(case):
+    """Refused at session creation, before the device is touched: with a CUDA build, naming what
+    the backend lacks; without one, because the build has no CUDA at all."""
+    from pysmoe.errors import Unsupported
+
+    name, vault, model = case
+    with pysmoe.open_vault(vault) as v, pytest.raises(Unsupported) as e:
+        v.session(device="cuda")
+    msg = str(e.value)
+    assert "Gated DeltaNet" in msg or "cuda" in msg.lower(), msg
