@@ -205,3 +205,25 @@ def test_layer_major_is_bit_identical_to_token_serial(family_vaults, data):
         kw = dict(threads=threads, cache_bytes=budget, kv_dtype=kv_dtype, activations=acts)
         assert_identical(run_path(vault, ids, "token-serial", **kw),
                          run_path(vault, ids, "layer-major", chunk=chunk, **kw))
+
+
+def test_glm_synth_presets_and_info(tiny_glm_vault):
+    """`pysmoe synth --preset tiny-glm` writes a GLM vault the engine runs (layer-major = token
+    serial) and `info` names its family and recipe; glm-4.5-air's layout is GLM-4.5-Air's shape."""
+    from pysmoe import synthesis as S
+    from pysmoe import vaultio as V
+
+    text = V.info(tiny_glm_vault)
+    assert "model      glm4_moe" in text
+    assert "q/k/v biases, RoPE on 16 of 32 dims, sigmoid router with score bias, best 2 of 4 groups, x2.5, " \
+           "shared expert 64" in text
+    with pysmoe.open_vault(tiny_glm_vault) as v:
+        ids = list(range(3, 40))
+        assert_identical(run_path(v, ids, "token-serial"), run_path(v, ids, "layer-major", chunk=7, threads=2))
+    air = V.compute_layout(S.preset_config("glm-4.5-air", layers=3))
+    assert air.params == {"family": 3, "qk_norm": 0, "attention_bias": 1, "router_kind": 1, "n_group": 1,
+                          "topk_group": 1, "routed_scaling_factor": 1.0, "shared_intermediate_size": 1408,
+                          "rotary_dim": 64}
+    assert air.sparse == (False, True, True)
+    assert air.tensors["layers.1.shared.gate_proj"].rows == 1408 and air.tensors["layers.0.mlp.gate_proj"].rows == 10944
+    assert air.tensors["layers.1.q_proj"].rows == 96 * 128 and air.tensors["layers.2.router.bias"].cols == 128
