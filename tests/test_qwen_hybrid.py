@@ -15,11 +15,14 @@ import os
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 from hf_models import write_tokenizer  # noqa: E402
+from test_prefill import assert_identical, run_path  # noqa: E402
 
 import pysmoe  # noqa: E402
 from pysmoe.convert import convert_checkpoint  # noqa: E402
@@ -308,3 +311,34 @@ def test_the_cuda_backend_refuses_the_hybrids(case):
         v.session(device="cuda")
     msg = str(e.value)
     assert "Gated DeltaNet" in msg or "cuda" in msg.lower(), msg
+
+
+@pytest.fixture(scope="module")
+def q4_hybrids(tmp_path_factory):
+    """q4-expert, q8-dense vaults of a Qwen3-Next and a Qwen3.5 config."""
+    out = {}
+    for name in ("next_base", "q35_wide"):
+        tmp = tmp_path_factory.mktemp(f"hyp-{name}")
+        family, over = CASES[name]
+        path, _ = make_model(tmp, family, {**over, "shared_expert_intermediate_size": 64}, seed=9)
+        out[name] = convert_checkpoint(path, tmp / "q4", experts="q4", dense="q8", progress=False)
+    return out
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_layer_major_is_bit_identical_to_token_serial_hypothesis(q4_hybrids, data):
+    """Logits, greedy continuation and every KV row, over prompt, chunk, threads, cache budget, KV
+    type and activation mode (test_prefill's run_path)."""
+    name = data.draw(st.sampled_from(sorted(q4_hybrids)), label="config")
+    with pysmoe.open_vault(q4_hybrids[name]) as vault:
+        V = vault.config["vocab_size"]
+        n = data.draw(st.integers(1, 40), label="prompt length")
+        ids = data.draw(st.lists(st.integers(0, V - 1), min_size=n, max_size=n), label="ids")
+        chunk = data.draw(st.integers(1, 48), label="chunk")
+        kw = dict(threads=data.draw(st.integers(1, 3), label="threads"),
+                  cache_bytes=data.draw(st.sampled_from([0, vault.expert_bytes * 2]), label="budget"),
+                  kv_dtype=data.draw(st.sampled_from(pysmoe.KV_DTYPES), label="kv_dtype"),
+                  activations=data.draw(st.sampled_from(["f32", "q8"]), label="activations"))
+        assert_identical(run_path(vault, ids, "token-serial", **kw),
+                         run_path(vault, ids, "layer-major", chunk=chunk, **kw))
