@@ -342,3 +342,20 @@ def test_layer_major_is_bit_identical_to_token_serial_hypothesis(q4_hybrids, dat
                   activations=data.draw(st.sampled_from(["f32", "q8"]), label="activations"))
         assert_identical(run_path(vault, ids, "token-serial", **kw),
                          run_path(vault, ids, "layer-major", chunk=chunk, **kw))
+
+
+def test_a_checkpoint_missing_or_misshaping_a_deltanet_tensor_is_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    from pysmoe.convert.hf import ConvertError
+
+    path, _ = make_model(tmp_path, "qwen3_next", dict(num_hidden_layers=2, full_attention_interval=2))
+    tensors = load_file(path / "model.safetensors")
+    good = dict(tensors)
+    del tensors["model.layers.0.linear_attn.A_log"]
+    tensors["model.layers.0.linear_attn.in_proj_ba.weight"] = good["model.layers.0.linear_attn.in_proj_ba.weight"][:6]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConvertError) as e:
+        convert_checkpoint(path, tmp_path / "v", **F32)
+    msg = str(e.value)
+    assert "layers.0.linear.A_log" in msg and "in_proj_ba" in msg, msg

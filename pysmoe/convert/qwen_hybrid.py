@@ -113,6 +113,9 @@ def normalize(raw: dict, family: str) -> dict:
         cfg["mlp_only_layers"] = []
         cfg["norm_topk_prob"] = True
         cfg.setdefault("intermediate_size", shared or cfg["moe_intermediate_size"])
+    else:
+        if cfg.get("norm_topk_prob") is None:
+            cfg["norm_topk_prob"] = True  # Qwen3NextConfig's default
     cfg["shared_expert_intermediate_size"] = shared
     cfg["layer_types"] = layer_types(cfg)
     cfg["model_type"] = family
