@@ -156,8 +156,9 @@ class _HfJob:
 
         for name, s in self.plan.dense.items():
             t = writer.layout.tensors[name]
-            if s.expert is None and len(self.ckpt.tensors[s.name].shape) == 2:
-                # by blocks of rows: an embedding never exists whole in f32
+            if s.expert is None and s.take is None and len(self.ckpt.tensors[s.name].shape) == 2:
+                # by blocks of rows: an embedding never exists whole in f32 (a tensor whose rows
+                # are taken apart, Qwen3-Next's q_proj and in-projections, is read whole)
                 data = quant.quantize_rows(lambda r0, r1, n=s.name: self.ckpt.rows(n, r0, r1), t.rows, t.cols,
                                            t.format, t.scale_format or "f16", t.group or quant.GROUP)
                 writer.add_dense_raw(name, data)
