@@ -319,3 +319,28 @@ def test_synth_presets(tmp_path):
         with v.session(chunk=8) as s, v.session(prefill="token-serial") as t:
             a, b = s.prefill(ids), t.prefill(ids)
     assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_decode_batch_is_each_session_alone(f32_vault):
+    """Sessions at different positions (some past the window, some not) decoded in one batch: each
+    gets the bits it gets alone (its own KV cache, window and sinks)."""
+    from pysmoe.engine import decode_batch
+
+    rng = np.random.default_rng(5)
+    prompts = [[int(i) for i in rng.integers(0, 320, n)] for n in (2, 9, 17)]
+    toks = [11, 22, 33]
+    with pysmoe.open_vault(f32_vault) as v:
+        alone = []
+        for p, t in zip(prompts, toks):
+            with v.session(chunk=4) as s:
+                s.prefill(p)
+                alone.append(s.decode(t))
+        lead = v.session(chunk=4)
+        batch = [lead] + [v.session(chunk=4, share_cache=lead) for _ in prompts[1:]]
+        for s, p in zip(batch, prompts):
+            s.prefill(p)
+        got = decode_batch(batch, toks)
+        for s in batch:
+            s.close()
+    for a, b in zip(alone, got):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
