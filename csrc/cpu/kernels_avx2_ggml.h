@@ -2,7 +2,8 @@
  * the bits of kernels_ref.c's ref_ggml_qx. Included once by kernels_avx2.c (its helpers: hsum8).
  *
  * A row is decoded 256 columns at a time into its integer form (ggml_blocks.h: q, sub, σ, μ per
- * block of 32 columns), in registers, and multiplied by each token's codes: per block, the 32 products
+ * block of 32 columns), in registers, and multiplied by each token's codes (in column order, one
+ * 32-byte load per block): per block, the 32 products
  * q·code come out of one vpmaddubsw (|q| against code·sign(q), pairs < 2^15) and one vpmaddwd
  * against the block's two sub-scales (1 for most formats), which leaves 8 partial int32 sums; the
  * 8 blocks of one step k are reduced by a vphaddd tree straight into lane order (lane j: block
@@ -223,10 +224,8 @@ INLINE void g_qx_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w,
                     const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
                     __m256i p[8];
                     for (int j = 0; j < 8; j++) {
-                        const int b = 2 * (j % 4) + j / 4; /* unit 4k + j%4, half j/4 */
-                        const int8_t *cu = ct + 64 * (j % 4) + 16 * (j / 4);
-                        const __m256i cv = _mm256_loadu2_m128i((const __m128i *)(const void *)(cu + 32),
-                                                               (const __m128i *)(const void *)cu);
+                        const int b = 2 * (j % 4) + j / 4;
+                        const __m256i cv = _mm256_loadu_si256((const __m256i *)(const void *)(ct + 32 * b));
                         const __m256i pr = _mm256_maddubs_epi16(qa[b], unsigned_q ? cv : _mm256_sign_epi8(cv, q[b]));
                         p[j] = _mm256_madd_epi16(pr, has_sub ? sub[b] : ones);
                     }
