@@ -521,9 +521,37 @@ bool smoe_avx2_qx_vnni(void) {
 
 #include "kernels_avx2_ggml.h"
 
+#define GQ(name) name##_plain
+#define GQ_ATTR
+#define GQ_VNNI 0
+#include "kernels_avx2_ggml_qx.h"
+#undef GQ
+#undef GQ_ATTR
+#undef GQ_VNNI
+
+#if SMOE_HAVE_AVXVNNI
+#define GQ(name) name##_vnni
+#define GQ_ATTR __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define GQ_VNNI 1
+#include "kernels_avx2_ggml_qx.h"
+#undef GQ
+#undef GQ_ATTR
+#undef GQ_VNNI
+#endif
+
+bool smoe_avx2_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                       uint32_t r0, uint32_t r1, bool vnni) {
+#if SMOE_HAVE_AVXVNNI
+    if (vnni) return g_matmul_qx_vnni(W, w, X, n, y, ldy, r0, r1);
+#else
+    (void)vnni;
+#endif
+    return g_matmul_qx_plain(W, w, X, n, y, ldy, r0, r1);
+}
+
 bool smoe_avx2_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                               size_t ldy, uint32_t r0, uint32_t r1) {
-    if (gb_takes_codes(W->format)) return g_matmul_qx(W, w, X, n, y, ldy, r0, r1);
+    if (gb_takes_codes(W->format)) return smoe_avx2_ggml_qx(W, w, X, n, y, ldy, r0, r1, smoe_avx2_qx_vnni());
 #if SMOE_HAVE_AVXVNNI
     if (smoe_avx2_qx_vnni()) return smoe_avx2_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1);
 #endif

@@ -214,18 +214,22 @@ static void test_qx(int fi, uint32_t rows, uint32_t cols) {
         }
     }
 #if SMOE_HAVE_AVX2
-    /* the AVX2 instance itself (dispatch may pick another where one exists), every n from 1 */
+    /* both AVX2 instances (plain, and AVX-VNNI where the CPU has it), every n from 1 */
+    for (int vnni = 0; vnni < 2; vnni++)
     for (uint32_t n = 1; n <= N; n += (n < 6 ? 1 : 7)) {
+        if (vnni && !(SMOE_HAVE_AVXVNNI && __builtin_cpu_supports("avxvnni"))) break;
+        static int said;
+        if (vnni && !said++) printf("ggml qx instance avx-vnni: checked\n");
         for (size_t i = 0; i < ldy * n; i++) y[i] = NAN;
         const uint32_t cut = n % (rows + 1);
-        bool ok = smoe_avx2_matmul_rows_qx(&g.t, g.bytes, &X, n, y, ldy, 0, cut);
-        ok = smoe_avx2_matmul_rows_qx(&g.t, g.bytes, &X, n, y, ldy, cut, rows) && ok;
+        bool ok = smoe_avx2_ggml_qx(&g.t, g.bytes, &X, n, y, ldy, 0, cut, vnni);
+        ok = smoe_avx2_ggml_qx(&g.t, g.bytes, &X, n, y, ldy, cut, rows, vnni) && ok;
         CHECK(ok, "%s %ux%u: the AVX2 qx kernel refused", FMTS[fi].name, rows, cols);
         for (uint32_t t = 0; t < n && ok; t++)
             for (uint32_t r = 0; r < rows; r++)
                 if (f32_bits_of(y[t * ldy + r]) != f32_bits_of(yr[t * ldy + r])) {
-                    CHECK(0, "%s %ux%u qx, n %u: AVX2 y[t=%u, r=%u] = %a, reference %a", FMTS[fi].name, rows, cols, n,
-                          t, r, y[t * ldy + r], yr[t * ldy + r]);
+                    CHECK(0, "%s %ux%u qx, n %u: AVX2 (vnni %d) y[t=%u, r=%u] = %a, reference %a", FMTS[fi].name, rows,
+                          cols, n, vnni, t, r, y[t * ldy + r], yr[t * ldy + r]);
                     t = n;
                     ok = false;
                     break;
