@@ -206,3 +206,40 @@ def test_the_parser_checks_ggml_descriptors(tmp_path, make_vault, edit, match):
         (bad / f.name).write_bytes(bytes(seal(buf)) if f.name == "vault.bin" else f.read_bytes())
     with pytest.raises(VaultError, match=match):
         pysmoe.open_vault(bad)
+
+
+def test_verify_names_non_finite_ggml_scales(make_vault, tmp_path):
+    """pysmoe verify reports an inf or NaN f16 scale of a GGML tensor (a dense Q8_0 one and a blob's
+    Q6_K down), naming the tensor, the row and the block; the vault still opens."""
+    from pysmoe import vaultio as V
+
+    src = make_vault("ggml_q4km", preset="tiny", seed=7, overrides=SHAPE, **MIXES["q4km"])
+    nan = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+    r = V.read_vault(src)
+    try:
+        with V.VaultWriter(tmp_path / "bad", r.config, formats=MIXES["q4km"]["formats"] | {
+                "experts": MIXES["q4km"]["experts"]}) as w:
+            for name, t in r.tensors.items():
+                raw = bytearray(r.raw(name))
+                if name == "layers.1.q_proj":  # Q8_0, 34-byte blocks: row 1, block 2
+                    at = (1 * (t.cols // 32) + 2) * 34
+                    raw[at:at + 2] = nan.tobytes()
+                w.add_dense_raw(name, raw)
+            E = r.binary_config["num_experts"]
+            for l in range(len(r.sparse)):
+                for e in range(E if r.sparse[l] else 0):
+                    raw = bytearray(r.blob(l, e))
+                    if (l, e) == (2, 5):
+                        t = next(t for t in r.expert_tensors if t.name == "down")  # Q6_K: d at 208
+                        raw[t.offset + 3 * 210 + 208:t.offset + 3 * 210 + 210] = np.frombuffer(
+                            np.float16(np.inf).tobytes(), np.uint8).tobytes()
+                    w.add_expert_raw(l, e, raw)
+    finally:
+        r.close()
+    with pysmoe.open_vault(tmp_path / "bad") as vault:
+        problems = vault.verify()
+    assert [(k, l, e) for k, l, e, _ in problems] == [("values", -1, -1), ("values", 2, 5)], problems
+    assert problems[0][3].startswith("layers.1.q_proj scales: 1 non-finite value(s) (NaN or inf), the first at row 1, block 2")
+    assert problems[1][3].startswith("down scales: 1 non-finite value(s) (NaN or inf), the first at row 3, block 0")
+    with pysmoe.open_vault(src) as good:
+        assert good.verify() == []
