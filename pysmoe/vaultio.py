@@ -1072,9 +1072,16 @@ def _recipe_line(v: VaultFile) -> str:
     shared = int(p.get("shared_intermediate_size", 0))
     if shared:
         parts.append(f"shared expert {shared}")
-    kinds = {k for k in v.attention_kinds if k}
+    n_sliding = sum(k == ATTN_SLIDING for k in v.attention_kinds)
+    if n_sliding:
+        parts.append(f"sliding window {int(p.get('sliding_window', 0))} on {n_sliding} of {len(v.attention_kinds)} layers")
+    kinds = {k for k in v.attention_kinds if k not in (ATTN_FULL, ATTN_SLIDING)}
     if kinds:
         parts.append("attention kinds " + "+".join(str(k) for k in sorted(kinds)))
+    if v.family == "gpt_oss":
+        parts.append(f"attention sinks, clamped SwiGLU (limit {p.get('swiglu_limit', 0):g}), expert biases")
+    if float(p.get("yarn_factor", 1)) > 1:
+        parts.append(f"YaRN x{p['yarn_factor']:g} over {int(p.get('yarn_original_max_position', 0))} positions")
     if v.family not in RUNNABLE_FAMILIES:
         parts.append("(this pysmoe cannot run it)")
     return ", ".join(parts)

@@ -313,6 +313,9 @@ def test_synth_presets(tmp_path):
         assert lay.n_blobs == layers * experts and lay.params["sliding_window"] == 128
         assert lay.params["yarn_factor"] == 32.0 and lay.params["router_kind"] == 2
     d = synth(tmp_path / "v", preset="gpt-oss-tiny", experts="MXFP4", progress=False)
+    from pysmoe.vaultio import info
+    recipe = next(line for line in info(d).splitlines() if line.startswith("recipe"))
+    assert "gpt_oss" in recipe and "sliding window 8 on 2 of 4 layers" in recipe and "YaRN x4" in recipe
     ids = [int(i) for i in np.random.default_rng(0).integers(0, 512, 30)]
     with pysmoe.open_vault(d) as v:
         assert v.config["model_type"] == "gpt_oss"
