@@ -158,6 +158,9 @@ def _normalize_family(out: dict) -> None:
         bad = sorted(set(out["layer_types"]) - {"sliding_attention", "full_attention"})
         if bad or len(out["layer_types"]) != n:
             raise ValueError(f"gpt_oss layer_types must be {n} of sliding_attention/full_attention, got {bad or 'a wrong count'}")
+        sw = out.get("sliding_window")
+        if "sliding_attention" in out["layer_types"] and (not isinstance(sw, int) or isinstance(sw, bool) or sw < 1):
+            raise ValueError(f"gpt_oss has sliding_attention layers but sliding_window is {sw!r}")
         rp = out.get("rope_parameters") or out.get("rope_scaling") or {}
         if rp.get("rope_type", rp.get("type", "default")) not in ("yarn", "default"):
             raise ValueError(f"gpt_oss with RoPE type {rp.get('rope_type')!r} is not supported (yarn or default)")

@@ -43,6 +43,26 @@ def test_mxfp4_bad_shapes():
         mxfp4_to_ggml(np.zeros((2, 3, 16), np.uint8), np.zeros((2, 4), np.uint8))
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"sliding_window": None}, "sliding_window is None"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}}, "RoPE type"),
+])
+def test_bad_gpt_oss_configs_are_refused(tmp_path, change, message):
+    import json as _json
+
+    from pysmoe.convert import ConvertError, load_config
+
+    cfg = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+           "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+           "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, **change}
+    (tmp_path / "config.json").write_text(_json.dumps(cfg))
+    with pytest.raises(ConvertError, match=message):
+        load_config(tmp_path)
+
+
 def test_split_gate_up_is_transformers_interleave():
     w = np.arange(2 * 5 * 8).reshape(2, 5, 8)  # (E, H, 2I): gate columns 0, 2, ..; up 1, 3, ..
     gate, up = split_gate_up(w[1], 1)
