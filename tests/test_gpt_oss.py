@@ -213,6 +213,34 @@ def test_sinks_window_yarn_and_biases_matter(case):
         assert _rel(hf_logits(m, ids), ref) > 10 * TOL, f"{name}: leaving out the {what} changes nothing"
 
 
+def test_q4_experts_from_a_float_checkpoint(tmp_path):
+    """A float checkpoint's experts quantised to q4 (MLX's quantiser), biases kept f32: the vault
+    matches transformers run on the experts read back from the vault, in both activation modes'
+    bit identity."""
+    path, model = build_gpt_oss(tmp_path, **CASES["yarn"])
+    vault = convert_checkpoint(path, tmp_path / "vault", experts="q4", dense="f32", group=32, progress=False, jobs=1)
+    vf = pysmoe.vaultio.read_vault(vault)
+    assert [t.format for t in vf.layer_expert_tensors[0]] == ["q4", "q4", "q4", "f32", "f32", "f32"]
+    with torch.no_grad():
+        for l, layer in enumerate(model.model.layers):
+            ex = layer.mlp.experts
+            for e in range(model.config.num_local_experts):
+                gate, up, down = (torch.from_numpy(np.asarray(m)) for m in vf.expert(l, e))
+                ex.gate_up_proj[e][:, 0::2] = gate.T
+                ex.gate_up_proj[e][:, 1::2] = up.T
+                ex.down_proj[e] = down.T
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, 320, PROMPT)]
+    ref = hf_logits(model, ids)
+    with pysmoe.open_vault(vault) as v:
+        with v.session(chunk=6, activations="f32") as s:
+            lm = s.prefill_logits(ids, list(range(PROMPT)))
+        for act in ("f32", "q8"):
+            with v.session(chunk=6, activations=act) as s, v.session(prefill="token-serial", activations=act) as t:
+                a, b = s.prefill(ids), t.prefill(ids)
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), act
+    assert _rel(lm, ref) < TOL
+
+
 # ------------------------------------------------------------------------------ MXFP4 experts, as released
 def write_mxfp4_checkpoint(path, model, seed=0):
     """model's weights with its experts replaced by random MXFP4 blocks and scales, written as the
