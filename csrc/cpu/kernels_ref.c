@@ -452,8 +452,8 @@ uint32_t smoe_qx_group(const smoe_tensor *W) { return gb_takes_codes(W->format) 
 
 /* The GGML block formats (ggml_blocks.h) take codes prepared for group 32 as q4's are, except
  * that the int8 codes lie in plain column order (column c at byte c of the token's codes: a
- * block's 32 codes are one 32-byte load); d and gsum as above, per block of 32. With (q, sub, σ, μ) a row's form of
- * block b (gb_qx_decode) and I_b = Σ_{h=0,1} sub_{b,h}·Σ_{c ∈ half h of block b} q_c·code_c
+ * block's 32 codes are one 32-byte load); d and gsum as above, per block of 32. With (q, sub, σ,
+ * μ) a row's form of block b (gb_qx_decode) and I_b = Σ_{h=0,1} sub_{b,h}·Σ_{c ∈ half h of block b} q_c·code_c
  * (exact), the product for one (row, token) is
  *   tot[j] = +0;  for k = 0, 1, …:  b = 8k + 2·(j%4) + j/4   (the block whose d is d[8k + j]),
  *                                   tot[j] = fma((float)I_b, σ_b·d[8k+j], tot[j])
