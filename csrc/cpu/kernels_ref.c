@@ -458,7 +458,7 @@ uint32_t smoe_qx_group(const smoe_tensor *W) { return gb_takes_codes(W->format) 
  *   tot[j] = +0;  for k = 0, 1, …:  b = 8k + 2·(j%4) + j/4   (the block whose d is d[8k + j]),
  *                                   tot[j] = fma((float)I_b, σ_b·d[8k+j], tot[j])
  *   bia[j] = +0;  for k = 0, 1, …:  bia[j] = fma(μ_{8k+j}, gsum_{8k+j}, bia[j])
- *   y = hsum8(tot) + hsum8(bia)   (Q4_K, Q5_K: the formats with a min);   y = hsum8(tot) (the rest)
+ *   y = hsum8(tot) + hsum8(bia)   (Q4_1, Q5_1, Q4_K, Q5_K: with a min);   y = hsum8(tot) (the rest)
  * A block past cols has I = σ = d = μ = gsum = 0 and adds nothing. */
 static void ref_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                         uint32_t r0, uint32_t r1) {
