@@ -181,7 +181,9 @@ const char *smoe_format_name(uint8_t f) {
     switch (f) {
     case SMOE_FMT_GGML_F16: return "F16";
     case SMOE_FMT_GGML_Q4_0: return "Q4_0";
+    case SMOE_FMT_GGML_Q4_1: return "Q4_1";
     case SMOE_FMT_GGML_Q5_0: return "Q5_0";
+    case SMOE_FMT_GGML_Q5_1: return "Q5_1";
     case SMOE_FMT_GGML_Q8_0: return "Q8_0";
     case SMOE_FMT_GGML_Q2_K: return "Q2_K";
     case SMOE_FMT_GGML_Q3_K: return "Q3_K";
@@ -1286,6 +1288,8 @@ static void ggml_scale_at(uint8_t format, int at[2]) {
     case SMOE_FMT_GGML_Q8_0:
     case SMOE_FMT_GGML_IQ4_NL:
     case SMOE_FMT_GGML_IQ4_XS: at[0] = 0; break;
+    case SMOE_FMT_GGML_Q4_1:
+    case SMOE_FMT_GGML_Q5_1:
     case SMOE_FMT_GGML_Q4_K:
     case SMOE_FMT_GGML_Q5_K: at[0] = 0, at[1] = 2; break;
     case SMOE_FMT_GGML_Q2_K: at[0] = 80, at[1] = 82; break;

@@ -112,8 +112,8 @@ def test_sizes_and_refusals():
         check(lib.smoe_dequantize(34, 0, 0, 1, 16, ffi.from_buffer(raw), 9, ffi.new("float[16]")))
     with pytest.raises(pysmoe.SmoeError, match="invalid format"):  # a GGML format takes no scale format
         check(lib.smoe_dequantize(34, 1, 0, 1, 32, ffi.from_buffer(raw), 18, ffi.new("float[32]")))
-    with pytest.raises(pysmoe.SmoeError, match="invalid format"):  # ggml_type 3 (Q4_1) is not one of them
-        check(lib.smoe_dequantize(35, 0, 0, 1, 32, ffi.from_buffer(np.zeros(20, np.uint8)), 20, ffi.new("float[32]")))
+    with pytest.raises(pysmoe.SmoeError, match="invalid format"):  # ggml_type 16 (IQ2_XXS) is not one of them
+        check(lib.smoe_dequantize(48, 0, 0, 1, 256, ffi.from_buffer(np.zeros(66, np.uint8)), 66, ffi.new("float[256]")))
 
 
 # ----------------------------------------------------------------------------------- vaults
@@ -127,8 +127,8 @@ MIXES = {
                                           "lm_head": "Q5_K", "mlp": "Q5_0"}),
     "mxfp4": dict(experts="MXFP4", formats={"attention": "IQ4_NL", "embed": "Q4_0", "lm_head": "Q8_0",
                                             "mlp": "IQ4_XS", "experts.down": "Q3_K"}),
-    "f16": dict(experts="Q2_K", formats={"experts.up": "F16", "attention": "F16", "embed": "Q8_0",
-                                         "lm_head": "Q6_K", "mlp": "Q4_K"}),
+    "f16": dict(experts="Q2_K", formats={"experts.up": "F16", "experts.down": "Q5_1", "attention": "F16",
+                                         "embed": "Q8_0", "lm_head": "Q4_1", "mlp": "Q4_K"}),
 }
 
 
@@ -186,11 +186,11 @@ def test_against_the_reference_forward(ggml_vault):
     (lambda d: d.__setitem__(slice(42, 44), b"\x20\x00"), "group_size 32 for Q8_0 \\(must be 0\\)"),
     (lambda d: d.__setitem__(41, 1), "scale_format 1 does not go with format Q8_0"),
     (lambda d: d.__setitem__(slice(48, 52), (272).to_bytes(4, "little")), "Q8_0 needs cols % 32 == 0, cols is 272"),
-    (lambda d: d.__setitem__(40, 35), "unknown format 35"),
+    (lambda d: d.__setitem__(40, 36), "unknown format 36"),
 ])
 def test_the_parser_checks_ggml_descriptors(tmp_path, make_vault, edit, match):
     """A GGML tensor has group 0, no scale format and whole blocks; ggml types pysmoe does not
-    read (Q4_1 = 32 + 3) are unknown formats."""
+    read (36 = 32 + 4, a type ggml no longer has) are unknown formats."""
     from test_vault_errors import dense_index, seal
 
     path = Path(make_vault("ggml_q4km", preset="tiny", seed=7, overrides=SHAPE, **MIXES["q4km"]))

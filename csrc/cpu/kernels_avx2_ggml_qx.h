@@ -14,7 +14,7 @@ GQ_ATTR INLINE void GQ(g_qx_rows)(const uint8_t fmt, const smoe_tensor *W, const
     smoe_ggml_block(fmt, &bs, &ts);
     const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
     const bool has_min = gb_has_min(fmt), has_sub = fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K;
-    const bool unsigned_q = has_min; /* Q4_K, Q5_K: codes 0..31, a valid u8 operand as they are */
+    const bool unsigned_q = has_min; /* Q4_1, Q5_1, Q4_K, Q5_K: codes 0..31, a valid u8 operand as they are */
     const size_t row_bytes = (size_t)(cols / bs) * ts;
 #if !GQ_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
@@ -78,7 +78,9 @@ GQ_ATTR static bool GQ(g_matmul_qx)(const smoe_tensor *W, const uint8_t *w, cons
 #define G_CASE(f)                                                                                                      \
     case f: GQ(g_qx_rows)(f, W, w, X, n, y, ldy, r0, r1); return true;
         G_CASE(SMOE_FMT_GGML_Q4_0)
+        G_CASE(SMOE_FMT_GGML_Q4_1)
         G_CASE(SMOE_FMT_GGML_Q5_0)
+        G_CASE(SMOE_FMT_GGML_Q5_1)
         G_CASE(SMOE_FMT_GGML_Q8_0)
         G_CASE(SMOE_FMT_GGML_Q3_K)
         G_CASE(SMOE_FMT_GGML_Q4_K)

@@ -452,13 +452,13 @@ uint32_t smoe_qx_group(const smoe_tensor *W) { return gb_takes_codes(W->format) 
 
 /* The GGML block formats (ggml_blocks.h) take codes prepared for group 32 as q4's are, except
  * that the int8 codes lie in plain column order (column c at byte c of the token's codes: a
- * block's 32 codes are one 32-byte load); d and gsum as above, per block of 32. With (q, sub, σ, μ) a row's form of
- * block b (gb_qx_decode) and I_b = Σ_{h=0,1} sub_{b,h}·Σ_{c ∈ half h of block b} q_c·code_c
+ * block's 32 codes are one 32-byte load); d and gsum as above, per block of 32. With (q, sub, σ,
+ * μ) a row's form of block b (gb_qx_decode) and I_b = Σ_{h=0,1} sub_{b,h}·Σ_{c ∈ half h of block b} q_c·code_c
  * (exact), the product for one (row, token) is
  *   tot[j] = +0;  for k = 0, 1, …:  b = 8k + 2·(j%4) + j/4   (the block whose d is d[8k + j]),
  *                                   tot[j] = fma((float)I_b, σ_b·d[8k+j], tot[j])
  *   bia[j] = +0;  for k = 0, 1, …:  bia[j] = fma(μ_{8k+j}, gsum_{8k+j}, bia[j])
- *   y = hsum8(tot) + hsum8(bia)   (Q4_K, Q5_K: the formats with a min);   y = hsum8(tot) (the rest)
+ *   y = hsum8(tot) + hsum8(bia)   (Q4_1, Q5_1, Q4_K, Q5_K: with a min);   y = hsum8(tot) (the rest)
  * A block past cols has I = σ = d = μ = gsum = 0 and adds nothing. */
 static void ref_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                         uint32_t r0, uint32_t r1) {

@@ -38,6 +38,7 @@ static const struct {
 } FMTS[] = {
     {SMOE_FMT_GGML_F16, "F16", {0, -1}},     {SMOE_FMT_GGML_Q4_0, "Q4_0", {0, -1}},
     {SMOE_FMT_GGML_Q5_0, "Q5_0", {0, -1}},   {SMOE_FMT_GGML_Q8_0, "Q8_0", {0, -1}},
+    {SMOE_FMT_GGML_Q4_1, "Q4_1", {0, 2}},    {SMOE_FMT_GGML_Q5_1, "Q5_1", {0, 2}},
     {SMOE_FMT_GGML_Q2_K, "Q2_K", {80, 82}},  {SMOE_FMT_GGML_Q3_K, "Q3_K", {108, -1}},
     {SMOE_FMT_GGML_Q4_K, "Q4_K", {0, 2}},    {SMOE_FMT_GGML_Q5_K, "Q5_K", {0, 2}},
     {SMOE_FMT_GGML_Q6_K, "Q6_K", {208, -1}}, {SMOE_FMT_GGML_IQ4_NL, "IQ4_NL", {0, -1}},
@@ -349,7 +350,7 @@ int main(void) {
         const smoe_tensor probe = {.format = FMTS[fi].fmt, .cols = cols};
         if (smoe_qx_takes(&probe)) test_qx(fi, 5, cols);
     }
-    CHECK(codes_formats == 10, "%d formats take 8-bit codes, expected 10 (all but F16 and Q2_K)", codes_formats);
+    CHECK(codes_formats == 12, "%d formats take 8-bit codes, expected 12 (all but F16 and Q2_K)", codes_formats);
     if (failures) {
         fprintf(stderr, "test_ggml: %d failure(s)\n", failures);
         return 1;
