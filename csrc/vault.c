@@ -181,7 +181,9 @@ const char *smoe_format_name(uint8_t f) {
     switch (f) {
     case SMOE_FMT_GGML_F16: return "F16";
     case SMOE_FMT_GGML_Q4_0: return "Q4_0";
+    case SMOE_FMT_GGML_Q4_1: return "Q4_1";
     case SMOE_FMT_GGML_Q5_0: return "Q5_0";
+    case SMOE_FMT_GGML_Q5_1: return "Q5_1";
     case SMOE_FMT_GGML_Q8_0: return "Q8_0";
     case SMOE_FMT_GGML_Q2_K: return "Q2_K";
     case SMOE_FMT_GGML_Q3_K: return "Q3_K";
@@ -1332,10 +1334,52 @@ static uint64_t count_nonfinite(const uint8_t *p, uint64_t count, uint8_t scale_
     return bad;
 }
 
+/* Where a GGML block format's f16 scales sit in its block (d, and dmin where it has one); -1:
+ * none (F16 holds values, not scales; MXFP4's e8m0 scale is always finite). */
+static void ggml_scale_at(uint8_t format, int at[2]) {
+    at[0] = at[1] = -1;
+    switch (format) {
+    case SMOE_FMT_GGML_Q4_0:
+    case SMOE_FMT_GGML_Q5_0:
+    case SMOE_FMT_GGML_Q8_0:
+    case SMOE_FMT_GGML_IQ4_NL:
+    case SMOE_FMT_GGML_IQ4_XS: at[0] = 0; break;
+    case SMOE_FMT_GGML_Q4_1:
+    case SMOE_FMT_GGML_Q5_1:
+    case SMOE_FMT_GGML_Q4_K:
+    case SMOE_FMT_GGML_Q5_K: at[0] = 0, at[1] = 2; break;
+    case SMOE_FMT_GGML_Q2_K: at[0] = 80, at[1] = 82; break;
+    case SMOE_FMT_GGML_Q3_K: at[0] = 108; break;
+    case SMOE_FMT_GGML_Q6_K: at[0] = 208; break;
+    }
+}
+
+/* Reports a GGML tensor (t's bytes at base) with an inf or NaN among its blocks' f16 scales. */
+static void check_ggml_values(verify_ctx *x, const smoe_tensor *t, const uint8_t *base, const char *name,
+                              int32_t layer, int32_t expert) {
+    uint32_t bs, ts;
+    int at[2];
+    if (!smoe_ggml_block(t->format, &bs, &ts)) return;
+    ggml_scale_at(t->format, at);
+    const uint64_t bpr = t->cols / bs, blocks = (uint64_t)t->rows * bpr;
+    uint64_t bad = 0, first = 0;
+    for (uint64_t b = 0; b < blocks; b++)
+        for (int k = 0; k < 2; k++)
+            if (at[k] >= 0 && (rd16(base + b * ts + (uint64_t)at[k]) & 0x7C00u) == 0x7C00u && bad++ == 0) first = b;
+    if (!bad) return;
+    char why[160];
+    snprintf(why, sizeof why, "%s scales: %llu non-finite value(s) (NaN or inf), the first at row %llu, block %llu",
+             name, (unsigned long long)bad, (unsigned long long)(first / bpr), (unsigned long long)(first % bpr));
+    report(x, "values", layer, expert, why);
+}
+
 /* Reports a quantised tensor whose scales or biases (t's bytes at base) are not all finite. */
 static void check_values(verify_ctx *x, const smoe_tensor *t, const uint8_t *base, const char *name, int32_t layer,
                          int32_t expert) {
-    if (!is_quant(t->format)) return;
+    if (!is_quant(t->format)) {
+        check_ggml_values(x, t, base, name, layer, expert);
+        return;
+    }
     uint64_t gpr = t->cols / t->group, count = (uint64_t)t->rows * gpr;
     static const char *const part_name[2] = {"scales", "biases"};
     const uint64_t part_off[2] = {t->scales_off, t->biases_off};

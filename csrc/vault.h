@@ -174,7 +174,9 @@ static inline bool smoe_ggml_block(uint8_t format, uint32_t *block, uint32_t *by
     switch (format) {
     case SMOE_FMT_GGML_F16: b = 1, t = 2; break;
     case SMOE_FMT_GGML_Q4_0: t = 18; break;
+    case SMOE_FMT_GGML_Q4_1: t = 20; break;
     case SMOE_FMT_GGML_Q5_0: t = 22; break;
+    case SMOE_FMT_GGML_Q5_1: t = 24; break;
     case SMOE_FMT_GGML_Q8_0: t = 34; break;
     case SMOE_FMT_GGML_Q2_K: b = 256, t = 84; break;
     case SMOE_FMT_GGML_Q3_K: b = 256, t = 110; break;

@@ -168,6 +168,9 @@ def _normalize_family(out: dict) -> None:
         bad = sorted(set(out["layer_types"]) - {"sliding_attention", "full_attention"})
         if bad or len(out["layer_types"]) != n:
             raise ValueError(f"gpt_oss layer_types must be {n} of sliding_attention/full_attention, got {bad or 'a wrong count'}")
+        sw = out.get("sliding_window")
+        if "sliding_attention" in out["layer_types"] and (not isinstance(sw, int) or isinstance(sw, bool) or sw < 1):
+            raise ValueError(f"gpt_oss has sliding_attention layers but sliding_window is {sw!r}")
         rp = out.get("rope_parameters") or out.get("rope_scaling") or {}
         if rp.get("rope_type", rp.get("type", "default")) not in ("yarn", "default"):
             raise ValueError(f"gpt_oss with RoPE type {rp.get('rope_type')!r} is not supported (yarn or default)")
@@ -1128,9 +1131,16 @@ def _recipe_line(v: VaultFile) -> str:
     shared = int(p.get("shared_intermediate_size", 0))
     if shared:
         parts.append(f"shared expert {shared}")
-    kinds = {k for k in v.attention_kinds if k}
+    n_sliding = sum(k == ATTN_SLIDING for k in v.attention_kinds)
+    if n_sliding:
+        parts.append(f"sliding window {int(p.get('sliding_window', 0))} on {n_sliding} of {len(v.attention_kinds)} layers")
+    kinds = {k for k in v.attention_kinds if k not in (ATTN_FULL, ATTN_SLIDING)}
     if kinds:
         parts.append("attention kinds " + "+".join(str(k) for k in sorted(kinds)))
+    if v.family == "gpt_oss":
+        parts.append(f"attention sinks, clamped SwiGLU (limit {p.get('swiglu_limit', 0):g}), expert biases")
+    if float(p.get("yarn_factor", 1)) > 1:
+        parts.append(f"YaRN x{p['yarn_factor']:g} over {int(p.get('yarn_original_max_position', 0))} positions")
     if v.family not in RUNNABLE_FAMILIES:
         parts.append("(this pysmoe cannot run it)")
     return ", ".join(parts)

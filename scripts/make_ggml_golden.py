@@ -22,7 +22,7 @@ from pysmoe import ggml_blocks  # noqa: E402
 
 
 # where each format's (first) f16 scale sits in its block; MXFP4's e8m0 scale is never inf or NaN
-SCALE_AT = {"F16": 0, "Q4_0": 0, "Q5_0": 0, "Q8_0": 0, "Q2_K": 80, "Q3_K": 108, "Q4_K": 0, "Q5_K": 0, "Q6_K": 208,
+SCALE_AT = {"F16": 0, "Q4_0": 0, "Q4_1": 0, "Q5_0": 0, "Q5_1": 0, "Q8_0": 0, "Q2_K": 80, "Q3_K": 108, "Q4_K": 0, "Q5_K": 0, "Q6_K": 208,
             "IQ4_NL": 0, "IQ4_XS": 0}
 
 

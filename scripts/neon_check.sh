@@ -151,7 +151,7 @@ run tg_portable
 step "test_pool_sample, test_streamer"
 build tps -static -O2 tests/c/test_pool_sample.c $KSRC
 run tps
-build tst -static -O2 -DSMOE_STREAMER_TEST_HOOKS csrc/streamer.c csrc/util.c tests/c/test_streamer.c
+build tst -static -O2 -DSMOE_STREAMER_TEST_HOOKS csrc/streamer.c csrc/retention.c csrc/util.c tests/c/test_streamer.c
 mkdir -p build-tests
 for t in basic script topk_pool quota truncate verify direct stress; do
     d=$(mktemp -d build-tests/neon-streamer-XXXXXX) # on the repository's disk: O_DIRECT is tested

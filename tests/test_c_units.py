@@ -128,6 +128,8 @@ def test_ggml_kernels(build, variant):
     dispatched against the reference bit for bit (8-bit activations), batches and row cuts."""
     out = run(build("test_ggml", variant))
     assert "test_ggml: ok" in out and f"isa {ISA}" in out
+    if X86:  # the AVX-VNNI instance too, where the CPU has it
+        assert ("ggml qx instance avx-vnni: checked" in out) == ("avx_vnni" in _cpu_flags()), out
 
 
 @pytest.mark.skipif(not X86, reason="the AVX-512 kernels are x86-64's")

@@ -112,8 +112,8 @@ def test_sizes_and_refusals():
         check(lib.smoe_dequantize(34, 0, 0, 1, 16, ffi.from_buffer(raw), 9, ffi.new("float[16]")))
     with pytest.raises(pysmoe.SmoeError, match="invalid format"):  # a GGML format takes no scale format
         check(lib.smoe_dequantize(34, 1, 0, 1, 32, ffi.from_buffer(raw), 18, ffi.new("float[32]")))
-    with pytest.raises(pysmoe.SmoeError, match="invalid format"):  # ggml_type 3 (Q4_1) is not one of them
-        check(lib.smoe_dequantize(35, 0, 0, 1, 32, ffi.from_buffer(np.zeros(20, np.uint8)), 20, ffi.new("float[32]")))
+    with pytest.raises(pysmoe.SmoeError, match="invalid format"):  # ggml_type 16 (IQ2_XXS) is not one of them
+        check(lib.smoe_dequantize(48, 0, 0, 1, 256, ffi.from_buffer(np.zeros(66, np.uint8)), 66, ffi.new("float[256]")))
 
 
 # ----------------------------------------------------------------------------------- vaults
@@ -127,8 +127,8 @@ MIXES = {
                                           "lm_head": "Q5_K", "mlp": "Q5_0"}),
     "mxfp4": dict(experts="MXFP4", formats={"attention": "IQ4_NL", "embed": "Q4_0", "lm_head": "Q8_0",
                                             "mlp": "IQ4_XS", "experts.down": "Q3_K"}),
-    "f16": dict(experts="Q2_K", formats={"experts.up": "F16", "attention": "F16", "embed": "Q8_0",
-                                         "lm_head": "Q6_K", "mlp": "Q4_K"}),
+    "f16": dict(experts="Q2_K", formats={"experts.up": "F16", "experts.down": "Q5_1", "attention": "F16",
+                                         "embed": "Q8_0", "lm_head": "Q4_1", "mlp": "Q4_K"}),
 }
 
 
@@ -186,11 +186,11 @@ def test_against_the_reference_forward(ggml_vault):
     (lambda d: d.__setitem__(slice(42, 44), b"\x20\x00"), "group_size 32 for Q8_0 \\(must be 0\\)"),
     (lambda d: d.__setitem__(41, 1), "scale_format 1 does not go with format Q8_0"),
     (lambda d: d.__setitem__(slice(48, 52), (272).to_bytes(4, "little")), "Q8_0 needs cols % 32 == 0, cols is 272"),
-    (lambda d: d.__setitem__(40, 35), "unknown format 35"),
+    (lambda d: d.__setitem__(40, 36), "unknown format 36"),
 ])
 def test_the_parser_checks_ggml_descriptors(tmp_path, make_vault, edit, match):
     """A GGML tensor has group 0, no scale format and whole blocks; ggml types pysmoe does not
-    read (Q4_1 = 32 + 3) are unknown formats."""
+    read (36 = 32 + 4, a type ggml no longer has) are unknown formats."""
     from test_vault_errors import dense_index, seal
 
     path = Path(make_vault("ggml_q4km", preset="tiny", seed=7, overrides=SHAPE, **MIXES["q4km"]))
@@ -206,3 +206,40 @@ def test_the_parser_checks_ggml_descriptors(tmp_path, make_vault, edit, match):
         (bad / f.name).write_bytes(bytes(seal(buf)) if f.name == "vault.bin" else f.read_bytes())
     with pytest.raises(VaultError, match=match):
         pysmoe.open_vault(bad)
+
+
+def test_verify_names_non_finite_ggml_scales(make_vault, tmp_path):
+    """pysmoe verify reports an inf or NaN f16 scale of a GGML tensor (a dense Q8_0 one and a blob's
+    Q6_K down), naming the tensor, the row and the block; the vault still opens."""
+    from pysmoe import vaultio as V
+
+    src = make_vault("ggml_q4km", preset="tiny", seed=7, overrides=SHAPE, **MIXES["q4km"])
+    nan = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+    r = V.read_vault(src)
+    try:
+        with V.VaultWriter(tmp_path / "bad", r.config, formats=MIXES["q4km"]["formats"] | {
+                "experts": MIXES["q4km"]["experts"]}) as w:
+            for name, t in r.tensors.items():
+                raw = bytearray(r.raw(name))
+                if name == "layers.1.q_proj":  # Q8_0, 34-byte blocks: row 1, block 2
+                    at = (1 * (t.cols // 32) + 2) * 34
+                    raw[at:at + 2] = nan.tobytes()
+                w.add_dense_raw(name, raw)
+            E = r.binary_config["num_experts"]
+            for l in range(len(r.sparse)):
+                for e in range(E if r.sparse[l] else 0):
+                    raw = bytearray(r.blob(l, e))
+                    if (l, e) == (2, 5):
+                        t = next(t for t in r.expert_tensors if t.name == "down")  # Q6_K: d at 208
+                        raw[t.offset + 3 * 210 + 208:t.offset + 3 * 210 + 210] = np.frombuffer(
+                            np.float16(np.inf).tobytes(), np.uint8).tobytes()
+                    w.add_expert_raw(l, e, raw)
+    finally:
+        r.close()
+    with pysmoe.open_vault(tmp_path / "bad") as vault:
+        problems = vault.verify()
+    assert [(k, l, e) for k, l, e, _ in problems] == [("values", -1, -1), ("values", 2, 5)], problems
+    assert problems[0][3].startswith("layers.1.q_proj scales: 1 non-finite value(s) (NaN or inf), the first at row 1, block 2")
+    assert problems[1][3].startswith("down scales: 1 non-finite value(s) (NaN or inf), the first at row 3, block 0")
+    with pysmoe.open_vault(src) as good:
+        assert good.verify() == []

@@ -23,6 +23,7 @@
  *     Q8_0  q = qs                σ = d                    IQ4_NL q = kvalues[nibble], σ = d
  *     MXFP4 q = kvalues_mxfp4[nibble], σ = 2^(e−128)       IQ4_XS q = kvalues[nibble], σ = d·(ls−32)
  *     Q4_K  q = nibble (0..15)    σ = d·sc   μ = −(dmin·m)  Q5_K  q = 5-bit (0..31), σ, μ as Q4_K
+ *     Q4_1  q = nibble (0..15)    σ = d      μ = m          Q5_1  q = 5-bit (0..31), σ = d, μ = m
  *     Q6_K  q = 6-bit − 32        sub = the two int8 scales of its 16-column halves, σ = d
  *     Q3_K  q = 3-bit − 4 … 3     sub = the two 6-bit scales − 32, σ = d
  * Q2_K (a min per 16 columns) and F16 have no such form: their products take f32 activations. */
@@ -121,6 +122,21 @@ static inline void gb_dequant_block(uint8_t fmt, const uint8_t *src, float *out)
         for (int j = 0; j < 32; j++) out[j] = (float)(int8_t)src[2 + j] * d;
         return;
     }
+    case SMOE_FMT_GGML_Q4_1:
+    case SMOE_FMT_GGML_Q5_1: {
+        const bool q5 = fmt == SMOE_FMT_GGML_Q5_1;
+        const float d = gb_f16(src), m = gb_f16(src + 2);
+        uint32_t qh = 0;
+        if (q5) memcpy(&qh, src + 4, 4);
+        const uint8_t *qs = src + (q5 ? 8 : 4);
+        for (int j = 0; j < 16; j++) {
+            const int lo = (qs[j] & 15) | (int)((qh >> j) & 1) << 4, hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+            const float dl = d * (float)lo, dh = d * (float)hi;
+            out[j] = dl + m;
+            out[j + 16] = dh + m;
+        }
+        return;
+    }
     case SMOE_FMT_GGML_Q2_K: {
         const uint8_t *sc = src, *qs = src + 16;
         const float d = gb_f16(src + 80), dmin = gb_f16(src + 82);
@@ -207,7 +223,9 @@ static inline void gb_dequant_block(uint8_t fmt, const uint8_t *src, float *out)
 static inline bool gb_takes_codes(uint8_t fmt) {
     switch (fmt) {
     case SMOE_FMT_GGML_Q4_0:
+    case SMOE_FMT_GGML_Q4_1:
     case SMOE_FMT_GGML_Q5_0:
+    case SMOE_FMT_GGML_Q5_1:
     case SMOE_FMT_GGML_Q8_0:
     case SMOE_FMT_GGML_Q3_K:
     case SMOE_FMT_GGML_Q4_K:
@@ -220,8 +238,11 @@ static inline bool gb_takes_codes(uint8_t fmt) {
     return false;
 }
 
-/* Whether the format carries a min (μ ≠ 0): Q4_K, Q5_K. */
-static inline bool gb_has_min(uint8_t fmt) { return fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K; }
+/* Whether the format carries a min (μ ≠ 0): Q4_1, Q5_1, Q4_K, Q5_K (their q are non-negative). */
+static inline bool gb_has_min(uint8_t fmt) {
+    return fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K || fmt == SMOE_FMT_GGML_Q4_1 ||
+           fmt == SMOE_FMT_GGML_Q5_1;
+}
 
 /* The header's form of blocks [b0, b0 + nb) of 32 columns of a row (row: the row's first byte; b0
  * and nb multiples of 8 for the 256-column formats): q[32·i + c], sub[2·i + h], sigma[i], mu[i]
@@ -256,6 +277,20 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
             memcpy(qi, blk + 2, 32);
             sigma[i] = gb_f16q(blk);
             break;
+        case SMOE_FMT_GGML_Q4_1:
+        case SMOE_FMT_GGML_Q5_1: {
+            const bool q5 = fmt == SMOE_FMT_GGML_Q5_1;
+            uint32_t qh = 0;
+            if (q5) memcpy(&qh, blk + 4, 4);
+            const uint8_t *qs = blk + (q5 ? 8 : 4);
+            for (int j = 0; j < 16; j++) {
+                qi[j] = (int8_t)((qs[j] & 15) | (int)((qh >> j) & 1) << 4);
+                qi[j + 16] = (int8_t)((qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4);
+            }
+            sigma[i] = gb_f16q(blk);
+            mu[i] = gb_f16q(blk + 2);
+            break;
+        }
         case SMOE_FMT_GGML_IQ4_NL:
         case SMOE_FMT_GGML_MXFP4: {
             const bool mx = fmt == SMOE_FMT_GGML_MXFP4;

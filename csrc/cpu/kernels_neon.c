@@ -823,9 +823,8 @@ static bool g_matmul_qx_neon(const smoe_tensor *W, const uint8_t *w, const smoe_
                     int32_t I[8];
                     for (int j = 0; j < 8; j++) {
                         const int b = 2 * (j % 4) + j / 4;
-                        const int8_t *cu = ct + 64 * (j % 4) + 16 * (j / 4);
                         const int8x16_t w0 = vld1q_s8(q + 32 * b), w1 = vld1q_s8(q + 32 * b + 16);
-                        const int8x16_t c0 = vld1q_s8(cu), c1 = vld1q_s8(cu + 32);
+                        const int8x16_t c0 = vld1q_s8(ct + 32 * b), c1 = vld1q_s8(ct + 32 * b + 16);
                         const int16x8_t p0 = vmlal_high_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(c0)), w0, c0);
                         const int16x8_t p1 = vmlal_high_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(c1)), w1, c1);
                         I[j] = sub[2 * b] * vaddvq_s32(vpaddlq_s16(p0)) + sub[2 * b + 1] * vaddvq_s32(vpaddlq_s16(p1));

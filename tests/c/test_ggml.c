@@ -38,6 +38,7 @@ static const struct {
 } FMTS[] = {
     {SMOE_FMT_GGML_F16, "F16", {0, -1}},     {SMOE_FMT_GGML_Q4_0, "Q4_0", {0, -1}},
     {SMOE_FMT_GGML_Q5_0, "Q5_0", {0, -1}},   {SMOE_FMT_GGML_Q8_0, "Q8_0", {0, -1}},
+    {SMOE_FMT_GGML_Q4_1, "Q4_1", {0, 2}},    {SMOE_FMT_GGML_Q5_1, "Q5_1", {0, 2}},
     {SMOE_FMT_GGML_Q2_K, "Q2_K", {80, 82}},  {SMOE_FMT_GGML_Q3_K, "Q3_K", {108, -1}},
     {SMOE_FMT_GGML_Q4_K, "Q4_K", {0, 2}},    {SMOE_FMT_GGML_Q5_K, "Q5_K", {0, 2}},
     {SMOE_FMT_GGML_Q6_K, "Q6_K", {208, -1}}, {SMOE_FMT_GGML_IQ4_NL, "IQ4_NL", {0, -1}},
@@ -182,8 +183,7 @@ static void test_qx(int fi, uint32_t rows, uint32_t cols) {
                 long I = 0;
                 double qabs = 0;
                 for (uint32_t c = 0; c < 32; c++) {
-                    /* the q4 code layout: columns 0–15, 32–47, 16–31, 48–63 of each unit of 64 */
-                    const uint32_t cc = 32 * h + c, at = 64 * u + ((cc & ~48u) | ((cc & 16u) << 1) | ((cc & 32u) >> 1));
+                    const uint32_t at = 32 * b + c; /* the GGML formats' codes: in column order */
                     I += (long)sub[2 * b + c / 16] * q[32 * b + c] * ct[at];
                     qabs += fabs((double)sigma[b] * sub[2 * b + c / 16] * q[32 * b + c]);
                 }
@@ -215,18 +215,22 @@ static void test_qx(int fi, uint32_t rows, uint32_t cols) {
         }
     }
 #if SMOE_HAVE_AVX2
-    /* the AVX2 instance itself (dispatch may pick another where one exists), every n from 1 */
+    /* both AVX2 instances (plain, and AVX-VNNI where the CPU has it), every n from 1 */
+    for (int vnni = 0; vnni < 2; vnni++)
     for (uint32_t n = 1; n <= N; n += (n < 6 ? 1 : 7)) {
+        if (vnni && !(SMOE_HAVE_AVXVNNI && __builtin_cpu_supports("avxvnni"))) break;
+        static int said;
+        if (vnni && !said++) printf("ggml qx instance avx-vnni: checked\n");
         for (size_t i = 0; i < ldy * n; i++) y[i] = NAN;
         const uint32_t cut = n % (rows + 1);
-        bool ok = smoe_avx2_matmul_rows_qx(&g.t, g.bytes, &X, n, y, ldy, 0, cut);
-        ok = smoe_avx2_matmul_rows_qx(&g.t, g.bytes, &X, n, y, ldy, cut, rows) && ok;
+        bool ok = smoe_avx2_ggml_qx(&g.t, g.bytes, &X, n, y, ldy, 0, cut, vnni);
+        ok = smoe_avx2_ggml_qx(&g.t, g.bytes, &X, n, y, ldy, cut, rows, vnni) && ok;
         CHECK(ok, "%s %ux%u: the AVX2 qx kernel refused", FMTS[fi].name, rows, cols);
         for (uint32_t t = 0; t < n && ok; t++)
             for (uint32_t r = 0; r < rows; r++)
                 if (f32_bits_of(y[t * ldy + r]) != f32_bits_of(yr[t * ldy + r])) {
-                    CHECK(0, "%s %ux%u qx, n %u: AVX2 y[t=%u, r=%u] = %a, reference %a", FMTS[fi].name, rows, cols, n,
-                          t, r, y[t * ldy + r], yr[t * ldy + r]);
+                    CHECK(0, "%s %ux%u qx, n %u: AVX2 (vnni %d) y[t=%u, r=%u] = %a, reference %a", FMTS[fi].name, rows,
+                          cols, n, vnni, t, r, y[t * ldy + r], yr[t * ldy + r]);
                     t = n;
                     ok = false;
                     break;
@@ -292,7 +296,36 @@ static void test_qx(int fi, uint32_t rows, uint32_t cols) {
     free(g.alloc);
 }
 
+/* the dispatched smoe_qx_prepare (AVX2 where built) against the reference for a GGML format: the
+ * same bytes (codes in column order), with zero, tiny, inf and NaN blocks among random ones */
+static void test_prepare_same_bytes(void) {
+    static const uint32_t colss[] = {32, 96, 256, 2080};
+    for (size_t ci = 0; ci < sizeof colss / sizeof *colss; ci++) {
+        const uint32_t cols = colss[ci], n = 7;
+        const smoe_qx_size z = smoe_qx_sizes(cols, SMOE_FMT_GGML_Q4_K, 32);
+        float *x = malloc(sizeof(float) * cols * n);
+        for (size_t i = 0; i < (size_t)cols * n; i++) x[i] = rndf(-3, 3);
+        for (uint32_t c = 0; c < 32; c++) x[c] = 0.0f, x[cols + c] = 1e-35f * (float)c;
+        x[2 * cols + 3] = INFINITY;
+        x[3 * cols + cols - 1] = NAN;
+        uint8_t *cr = calloc(z.code_bytes, n), *cf = calloc(z.code_bytes, n);
+        float *dr = calloc(z.d_floats * n, sizeof(float)), *df = calloc(z.d_floats * n, sizeof(float));
+        float *sr = calloc(z.gsum_floats * n, sizeof(float)), *sf = calloc(z.gsum_floats * n, sizeof(float));
+        smoe_ref_qx_prepare(x, cols, n, cols, SMOE_FMT_GGML_Q4_K, 32, cr, dr, sr);
+        smoe_qx_prepare(x, cols, n, cols, SMOE_FMT_GGML_Q4_K, 32, cf, df, sf);
+        CHECK(memcmp(cr, cf, z.code_bytes * n) == 0, "prepare for GGML, cols %u: codes differ", cols);
+        CHECK(memcmp(dr, df, sizeof(float) * z.d_floats * n) == 0, "prepare for GGML, cols %u: d differs", cols);
+        CHECK(memcmp(sr, sf, sizeof(float) * z.gsum_floats * n) == 0, "prepare for GGML, cols %u: sums differ", cols);
+        for (uint32_t c = 0; c < 32; c++) { /* column order: token 4's code c is about x_c / d of block 0 */
+            const float want = x[4 * cols + c] / dr[4 * z.d_floats];
+            CHECK(fabsf((float)((int8_t *)cr)[4 * z.code_bytes + c] - want) <= 0.51f, "GGML codes: column %u", c);
+        }
+        free(x), free(cr), free(cf), free(dr), free(df), free(sr), free(sf);
+    }
+}
+
 int main(void) {
+    test_prepare_same_bytes();
     static const struct {
         uint32_t rows, cols;
     } shapes[] = {{1, 256}, {7, 512}, {13, 768}, {3, 2304}};
@@ -317,7 +350,7 @@ int main(void) {
         const smoe_tensor probe = {.format = FMTS[fi].fmt, .cols = cols};
         if (smoe_qx_takes(&probe)) test_qx(fi, 5, cols);
     }
-    CHECK(codes_formats == 10, "%d formats take 8-bit codes, expected 10 (all but F16 and Q2_K)", codes_formats);
+    CHECK(codes_formats == 12, "%d formats take 8-bit codes, expected 12 (all but F16 and Q2_K)", codes_formats);
     if (failures) {
         fprintf(stderr, "test_ggml: %d failure(s)\n", failures);
         return 1;
