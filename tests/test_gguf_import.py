@@ -1,0 +1,262 @@
+"""GGUF import (pysmoe/convert/gguf.py) on files written by llama.cpp's own tools.
+
+The fixtures in tests/data/gguf/ were made by scripts/make_gguf_fixtures.py: tiny random
+Qwen3-MoE checkpoints (transformers) → llama.cpp's convert_hf_to_gguf.py → F32 → llama.cpp's
+quantiser. The oracle for the logits is transformers run on the GGUF's weights dequantised by
+gguf-py (`gguf.quants.dequantize`); the oracle for the tokenizer is llama.cpp's tokenizer, through
+ids it produced (tokens.json, made by the same script) and, where llama-cpp-python is installed,
+live.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from pysmoe import quant  # noqa: E402
+from pysmoe.convert import ConvertError, convert_checkpoint  # noqa: E402
+from pysmoe.convert.gguf import GGUFModel, plan, supported_types  # noqa: E402
+from pysmoe.vaultio import read_vault  # noqa: E402
+
+DATA = Path(__file__).parent / "data" / "gguf"
+FIXTURES = sorted(p.stem for p in DATA.glob("*.gguf"))
+
+
+def _runnable(path: Path) -> bool:
+    """Whether this build has a kernel for every tensor type of the file."""
+    types = supported_types()
+    return all(int(t.tensor_type) in types for t in gguf.GGUFReader(path).tensors)
+
+
+@pytest.fixture(scope="module")
+def vaults(tmp_path_factory):
+    out = {}
+    for name in FIXTURES:
+        if _runnable(DATA / f"{name}.gguf"):
+            out[name] = convert_checkpoint(DATA / f"{name}.gguf", tmp_path_factory.mktemp(name) / "v", progress=False)
+    return out
+
+
+def _vault(vaults, name):
+    if name not in vaults:
+        pytest.skip(f"{name}: this build has no kernel for one of its tensor types")
+    return vaults[name]
+
+
+# ------------------------------------------------------------------------------ what is read
+
+def test_the_fixtures_are_there():
+    assert {"tiny-f32", "tiny-q8_0", "tiny-q4_0", "k256-q4_k_m"} <= set(FIXTURES) or FIXTURES == ["tiny-f32"]
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_config_is_the_checkpoints(name, vaults):
+    """The configuration read from the metadata is the transformers config the fixture was made
+    from (scripts/make_gguf_fixtures.py's shapes), in config.json's names."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from make_gguf_fixtures import FIXTURES as MADE
+    from hf_models import BASE_CONFIG
+
+    want = {**BASE_CONFIG, **MADE[name][0]}
+    p = plan(GGUFModel(DATA / f"{name}.gguf"))
+    for k, v in want.items():
+        assert p.config[k] == v, k
+    assert p.config["rope_theta"] == 10000.0
+    assert p.config["model_type"] == "qwen3_moe"
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_tensors_byte_for_byte(name, vaults):
+    """Every dense tensor and every expert's gate/up/down in the vault hold exactly the GGUF's
+    bytes for it, in its GGML type."""
+    v = read_vault(_vault(vaults, name))
+    r = gguf.GGUFReader(DATA / f"{name}.gguf")
+    names = {"token_embd.weight": "embed_tokens", "output_norm.weight": "norm", "output.weight": "lm_head"}
+    E = v.config["num_experts"]
+    seen = 0
+    for t in r.tensors:
+        raw = bytes(r.data[t.data_offset:t.data_offset + int(t.n_bytes)])
+        if "_exps." in t.name:
+            l, part = int(t.name.split(".")[1]), t.name.split(".")[2][4:-5]
+            desc = {x.name: x for x in v.expert_tensors}[part]
+            n = len(raw) // E
+            for e in range(E):
+                blob = v.blob(l, e)
+                assert bytes(blob[desc.offset:desc.offset + desc.nbytes]) == raw[e * n:(e + 1) * n], (t.name, e)
+        else:
+            vname = names.get(t.name) or _layer_name(t.name)
+            assert bytes(v.raw(vname)) == raw, t.name
+        seen += 1
+    assert seen == len(r.tensors)
+
+
+def _layer_name(gname: str) -> str:
+    from pysmoe.convert.gguf import FAMILIES
+    _, l, rest = gname.split(".", 2)
+    return f"layers.{l}.{FAMILIES['qwen3moe'].layer_tensors[rest]}"
+
+
+def test_tokenizer_files_and_template(vaults):
+    """tokenizer_config.json carries the file's chat template and its special tokens;
+    generation_config.json its eos id."""
+    m = GGUFModel(DATA / "tiny-f32.gguf")
+    d = _vault(vaults, "tiny-f32")
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    assert tc["chat_template"] == m.meta["tokenizer.chat_template"]
+    toks = m.meta["tokenizer.ggml.tokens"]
+    assert tc["eos_token"] == toks[m.meta["tokenizer.ggml.eos_token_id"]]
+    gen = json.loads((d / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == m.meta["tokenizer.ggml.eos_token_id"]
+    from pysmoe.tokenizer import load_tokenizer
+    tok = load_tokenizer(d)
+    assert tok.eos_id == m.meta["tokenizer.ggml.eos_token_id"]
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+# ------------------------------------------------------------------------------ the oracle
+
+def _dequantised_hf_model(path: Path, cfg: dict):
+    """transformers' Qwen3MoeForCausalLM holding the GGUF's weights as gguf-py dequantises them."""
+    import torch
+    from hf_models import make_config
+    from transformers import Qwen3MoeForCausalLM
+
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
+            "max_position_embeddings", "rms_norm_eps", "norm_topk_prob", "tie_word_embeddings", "rope_theta")
+    model = Qwen3MoeForCausalLM(make_config(**{k: cfg[k] for k in keys})).float().eval()
+    r = gguf.GGUFReader(path)
+    w = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32) for t in r.tensors}
+    hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+          "output.weight": "lm_head.weight"}
+    attn = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+            "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
+    state = {}
+    for name, a in w.items():
+        if name in hf:
+            state[hf[name]] = a
+            continue
+        _, l, part, _ = name.split(".")
+        p = f"model.layers.{l}."
+        if part in attn:
+            state[p + "self_attn." + attn[part] + ".weight"] = a
+        elif part == "attn_norm":
+            state[p + "input_layernorm.weight"] = a
+        elif part == "ffn_norm":
+            state[p + "post_attention_layernorm.weight"] = a
+        elif part == "ffn_gate_inp":
+            state[p + "mlp.gate.weight"] = a
+        elif part == "ffn_down_exps":
+            state[p + "mlp.experts.down_proj"] = a
+    for l in range(cfg["num_hidden_layers"]):
+        g, u = w[f"blk.{l}.ffn_gate_exps.weight"], w[f"blk.{l}.ffn_up_exps.weight"]
+        state[f"model.layers.{l}.mlp.experts.gate_up_proj"] = np.concatenate([g, u], axis=1)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for k, a in state.items():
+            assert params[k].shape == a.shape, (k, params[k].shape, a.shape)
+            params[k].copy_(torch.from_numpy(a))
+    assert set(state) == set(params), set(params) ^ set(state)
+    return model
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_logits_against_transformers_on_the_dequantised_weights(name, vaults):
+    """With f32 activations, the imported vault's logits at every position equal transformers'
+    on the GGUF's dequantised weights within 1e-4 of max|logit|."""
+    import pysmoe
+    from hf_models import hf_logits
+
+    d = _vault(vaults, name)
+    cfg = json.loads((d / "config.json").read_text())
+    model = _dequantised_hf_model(DATA / f"{name}.gguf", cfg)
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, cfg["vocab_size"], 20)]
+    want = hf_logits(model, ids)
+    with pysmoe.open_vault(d) as v, v.session(threads=1, activations="f32", prefill="token-serial") as s:
+        got = np.stack([s.decode(i) for i in ids])
+    err = float(np.max(np.abs(got - want)))
+    assert err <= 1e-4 * float(np.max(np.abs(want))), err
+
+
+# ------------------------------------------------------------------------------ refusals, splits
+
+def _rewrite(src: Path, out: Path, *, retype: dict | None = None, split_max_tensors: int = 0, drop=()):
+    """Copy a GGUF with gguf-py's writer, optionally storing some tensors in another type
+    (quantised by gguf-py) or splitting it into several files."""
+    r = gguf.GGUFReader(src)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(out, arch=arch, split_max_tensors=split_max_tensors)  # writes the arch itself
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        vt = f.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(k, f.contents(), vt, sub_type=f.types[-1])
+        else:
+            w.add_key_value(k, f.contents(), vt)
+    for t in r.tensors:
+        if t.name in drop:
+            continue
+        data = np.asarray(t.data)
+        if retype and t.name in retype:
+            q = retype[t.name]
+            data = gguf.quants.quantize(gguf.quants.dequantize(data, t.tensor_type), q)
+            w.add_tensor(t.name, data, raw_dtype=q)
+        else:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_an_unsupported_type_is_refused_before_anything_is_written(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    q = gguf.GGMLQuantizationType.Q4_1  # a GGML type no pysmoe kernel runs
+    _rewrite(DATA / "tiny-f32.gguf", bad, retype={"blk.1.ffn_up_exps.weight": q, "blk.0.attn_q.weight": q})
+    out = tmp_path / "v"
+    with pytest.raises(ConvertError, match=r"blk\.(0\.attn_q|1\.ffn_up_exps)\.weight \(Q4_1\)") as e:
+        convert_checkpoint(bad, out, progress=False)
+    assert "blk.1.ffn_up_exps.weight (Q4_1)" in str(e.value) and "blk.0.attn_q.weight (Q4_1)" in str(e.value)
+    assert not out.exists() and list(tmp_path.iterdir()) == [bad]
+
+
+def test_a_missing_or_unknown_tensor_is_named(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    _rewrite(DATA / "tiny-f32.gguf", bad, drop=("blk.1.attn_k_norm.weight",))
+    with pytest.raises(ConvertError, match=r"layers\.1\.k_norm missing"):
+        convert_checkpoint(bad, tmp_path / "v", progress=False)
+    assert not (tmp_path / "v").exists()
+
+
+def test_format_options_are_refused(tmp_path):
+    with pytest.raises(ConvertError, match="as stored.*--experts"):
+        convert_checkpoint(DATA / "tiny-f32.gguf", tmp_path / "v", experts="q4", progress=False)
+
+
+def test_a_split_file_converts_to_the_same_vault(tmp_path, vaults):
+    _rewrite(DATA / "tiny-f32.gguf", tmp_path / "m.gguf", split_max_tensors=10)
+    parts = sorted(p.name for p in tmp_path.glob("*.gguf"))
+    assert parts == ["m-00001-of-00003.gguf", "m-00002-of-00003.gguf", "m-00003-of-00003.gguf"]
+    out = convert_checkpoint(tmp_path / parts[0], tmp_path / "v", progress=False)
+    assert (out / "vault.bin").read_bytes() == (_vault(vaults, "tiny-f32") / "vault.bin").read_bytes()
+    (tmp_path / parts[2]).unlink()
+    with pytest.raises(ConvertError, match="split files missing: m-00003-of-00003.gguf"):
+        convert_checkpoint(tmp_path / parts[0], tmp_path / "v2", progress=False)
+
+
+def test_not_a_gguf_file(tmp_path):
+    f = tmp_path / "x.gguf"
+    f.write_bytes(b"GGUF" + b"\0" * 10)
+    with pytest.raises(ConvertError, match="not a readable GGUF"):
+        convert_checkpoint(f, tmp_path / "v", progress=False)
+    g = tmp_path / "y.bin"
+    g.write_bytes(b"hello")
+    with pytest.raises(ConvertError, match="not a GGUF file"):
+        convert_checkpoint(g, tmp_path / "v", progress=False)
