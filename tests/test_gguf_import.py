@@ -260,3 +260,67 @@ def test_not_a_gguf_file(tmp_path):
     g.write_bytes(b"hello")
     with pytest.raises(ConvertError, match="not a GGUF file"):
         convert_checkpoint(g, tmp_path / "v", progress=False)
+
+
+# ------------------------------------------------------------------------------ the tokenizer
+
+def _scripts():
+    import sys
+    p = str(Path(__file__).parents[1] / "scripts")
+    if p not in sys.path:
+        sys.path.insert(0, p)
+    import make_gguf_fixtures
+    return make_gguf_fixtures
+
+
+def _encoder(gguf_path: Path):
+    from tokenizers import Tokenizer
+
+    from pysmoe.convert.gguf_tokenizer import tokenizer_json
+    tok = Tokenizer.from_str(tokenizer_json(GGUFModel(gguf_path).meta))
+    return lambda text: tok.encode(text, add_special_tokens=False).ids
+
+
+def _golden():
+    path = DATA / "tokens.json"
+    if not path.exists():
+        pytest.skip("tests/data/gguf/tokens.json not made yet (scripts/make_gguf_fixtures.py)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "gpt-2", "llama-bpe", "qwen35", "glm4", "gpt-4o"])
+def test_tokenizer_encodes_as_llama_cpp_did(pre, tmp_path):
+    """The tokenizer.json made from a GGUF's vocabulary gives the ids llama.cpp gave for the same
+    vocabulary and pre-tokenizer (tokens.json, made by llama.cpp), text by text."""
+    g = _golden()
+    mk = _scripts()
+    demo = Path(__file__).parents[1] / "pysmoe" / "data" / "demo"
+    path = mk.vocab_gguf(tmp_path / "v.gguf", demo, 4096, pre, DATA / "tiny-f32.gguf")
+    enc = _encoder(path)
+    for text, want in zip(g["texts"], g["demo"][pre]):
+        assert enc(text) == want, text[:80]
+
+
+def test_tokenizer_of_a_converted_file_encodes_as_llama_cpp_did():
+    g = _golden()
+    enc = _encoder(DATA / "tiny-f32.gguf")
+    for text, want in zip(g["texts"], g["tiny-f32"]):
+        assert enc(text) == want, text[:80]
+
+
+def test_tokenizer_against_llama_cpp_live(tmp_path):
+    """Where llama-cpp-python is installed: random strings drawn from a mix of scripts, digits,
+    whitespace and specials, tokenised by both."""
+    pytest.importorskip("llama_cpp")
+    mk = _scripts()
+    demo = Path(__file__).parents[1] / "pysmoe" / "data" / "demo"
+    rng = np.random.default_rng(0)
+    alphabet = list("abcXYZ  \t\n\r0123456789'.,!?-_") + ["é", "ß", "日", "本", "Ω", "й", "ع", "क", "🚀", "\u200d",
+                                                        "\u00a0", "'s", "'LL", "<|im_start|>", "<|im_end|>", "  "]
+    texts = ["".join(rng.choice(alphabet, size=int(rng.integers(0, 40)))) for _ in range(200)]
+    for pre in mk.TOKENIZER_PRES:
+        path = mk.vocab_gguf(tmp_path / f"{pre}.gguf", demo, 4096, pre, DATA / "tiny-f32.gguf")
+        enc = _encoder(path)
+        want = mk.llama_cpp_tokens(path, texts)
+        bad = [t for t, w in zip(texts, want) if enc(t) != w]
+        assert not bad, (pre, bad[:3])
