@@ -183,8 +183,28 @@ SMOE_API smoe_status smoe_verify_vault(const smoe_vault *vault, smoe_verify_fn f
  * time; ARMv8 CRC on arm64) or a portable table, all giving the same value. */
 SMOE_API uint32_t smoe_checksum(const void *data, size_t n);
 
-/* Tensor formats (docs/vault.md section 3). */
-typedef enum { SMOE_FMT_F32 = 0, SMOE_FMT_BF16 = 1, SMOE_FMT_Q8 = 2, SMOE_FMT_Q4 = 3 } smoe_format;
+/* Tensor formats (docs/vault.md section 3). The GGML block formats are numbered 32 + ggml's own
+ * enum ggml_type: rows of cols/block_size blocks laid out exactly as ggml lays them out (block
+ * size 32, or 256 for the K-quants and IQ4_XS; F16 a block of one), scale_format none and group 0;
+ * they dequantise exactly as gguf-py's gguf.quants.dequantize does. */
+typedef enum {
+    SMOE_FMT_F32 = 0,
+    SMOE_FMT_BF16 = 1,
+    SMOE_FMT_Q8 = 2,
+    SMOE_FMT_Q4 = 3,
+    SMOE_FMT_GGML_F16 = 33,
+    SMOE_FMT_GGML_Q4_0 = 34,
+    SMOE_FMT_GGML_Q5_0 = 38,
+    SMOE_FMT_GGML_Q8_0 = 40,
+    SMOE_FMT_GGML_Q2_K = 42,
+    SMOE_FMT_GGML_Q3_K = 43,
+    SMOE_FMT_GGML_Q4_K = 44,
+    SMOE_FMT_GGML_Q5_K = 45,
+    SMOE_FMT_GGML_Q6_K = 46,
+    SMOE_FMT_GGML_IQ4_NL = 52,
+    SMOE_FMT_GGML_IQ4_XS = 55,
+    SMOE_FMT_GGML_MXFP4 = 71
+} smoe_format;
 typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2, SMOE_SCALE_F32 = 3 } smoe_scale_format;
 /* (smoe_dequantize, for tests and tools, is in smoe_testing.h.) */
 

@@ -139,6 +139,9 @@ uint64_t smoe_tensor_bytes(uint8_t format, uint8_t scale_format, uint32_t group,
         return smoe_align_up(format == SMOE_FMT_Q8 ? n : n / 2, 64) +
                2 * smoe_align_up(scale_part_bytes(scale_format, group, rows, cols), 64);
     }
+    uint32_t bs, ts;
+    if (smoe_ggml_block(format, &bs, &ts)) /* whole blocks of ggml's layout, nothing else */
+        return group || scale_format != SMOE_SCALE_NONE || cols % bs ? 0 : n / bs * ts;
     return 0;
 }
 
@@ -165,6 +168,20 @@ static bool tensor_init(smoe_tensor *t, uint8_t format, uint8_t scale_format, ui
 
 static const char *format_name(uint8_t f) {
     static const char *names[] = {"f32", "bf16", "q8", "q4"};
+    switch (f) {
+    case SMOE_FMT_GGML_F16: return "F16";
+    case SMOE_FMT_GGML_Q4_0: return "Q4_0";
+    case SMOE_FMT_GGML_Q5_0: return "Q5_0";
+    case SMOE_FMT_GGML_Q8_0: return "Q8_0";
+    case SMOE_FMT_GGML_Q2_K: return "Q2_K";
+    case SMOE_FMT_GGML_Q3_K: return "Q3_K";
+    case SMOE_FMT_GGML_Q4_K: return "Q4_K";
+    case SMOE_FMT_GGML_Q5_K: return "Q5_K";
+    case SMOE_FMT_GGML_Q6_K: return "Q6_K";
+    case SMOE_FMT_GGML_IQ4_NL: return "IQ4_NL";
+    case SMOE_FMT_GGML_IQ4_XS: return "IQ4_XS";
+    case SMOE_FMT_GGML_MXFP4: return "MXFP4";
+    }
     return f <= SMOE_FMT_Q4 ? names[f] : "?";
 }
 
@@ -192,11 +209,17 @@ static smoe_status parse_desc(const uint8_t *d, const char *what, char name[40],
     uint32_t group = rd16(d + 42), rows = rd32(d + 44), cols = rd32(d + 48);
     uint64_t offset = rd64(d + 56);
     if (rd32(d + 52)) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): reserved field not zero", what, pn);
-    if (format > SMOE_FMT_Q4) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): unknown format %u", what, pn, format);
+    uint32_t ggml_bs, ggml_ts;
+    const bool ggml = smoe_ggml_block(format, &ggml_bs, &ggml_ts);
+    if (format > SMOE_FMT_Q4 && !ggml)
+        return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): unknown format %u", what, pn, format);
     if (!tensor_init(t, format, scale_format, group, rows, cols)) {
         bool quant = is_quant(format);
         if (rows == 0 || cols == 0)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): empty shape %ux%u", what, pn, rows, cols);
+        if (ggml && cols % ggml_bs)
+            return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %s needs cols %% %u == 0, cols is %u", what, pn,
+                             format_name(format), ggml_bs, cols);
         if (quant ? !scale_size(scale_format) : scale_format != SMOE_SCALE_NONE)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): scale_format %u does not go with format %s", what, pn,
                              scale_format, format_name(format));

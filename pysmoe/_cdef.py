@@ -54,7 +54,24 @@ smoe_status smoe_vault_layer_is_sparse(const smoe_vault *vault, uint32_t layer, 
 typedef void (*smoe_verify_fn)(const char *kind, int32_t layer, int32_t expert, const char *what, void *user);
 smoe_status smoe_verify_vault(const smoe_vault *vault, smoe_verify_fn fn, void *user);
 uint32_t smoe_checksum(const void *data, size_t n);
-typedef enum { SMOE_FMT_F32 = 0, SMOE_FMT_BF16 = 1, SMOE_FMT_Q8 = 2, SMOE_FMT_Q4 = 3 } smoe_format;
+typedef enum {
+SMOE_FMT_F32 = 0,
+SMOE_FMT_BF16 = 1,
+SMOE_FMT_Q8 = 2,
+SMOE_FMT_Q4 = 3,
+SMOE_FMT_GGML_F16 = 33,
+SMOE_FMT_GGML_Q4_0 = 34,
+SMOE_FMT_GGML_Q5_0 = 38,
+SMOE_FMT_GGML_Q8_0 = 40,
+SMOE_FMT_GGML_Q2_K = 42,
+SMOE_FMT_GGML_Q3_K = 43,
+SMOE_FMT_GGML_Q4_K = 44,
+SMOE_FMT_GGML_Q5_K = 45,
+SMOE_FMT_GGML_Q6_K = 46,
+SMOE_FMT_GGML_IQ4_NL = 52,
+SMOE_FMT_GGML_IQ4_XS = 55,
+SMOE_FMT_GGML_MXFP4 = 71
+} smoe_format;
 typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2, SMOE_SCALE_F32 = 3 } smoe_scale_format;
 typedef struct smoe_session smoe_session;
 typedef enum { SMOE_KV_F32 = 0, SMOE_KV_BF16 = 1, SMOE_KV_F16 = 2 } smoe_kv_dtype;

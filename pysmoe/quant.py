@@ -35,14 +35,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import ggml_blocks
+
 GROUP = 64                  # the default group size, and the only one before format version 2
 GROUPS = (32, 64, 128)
 ALIGN = 64
-FORMATS = ("f32", "bf16", "q8", "q4")
+# ggml_blocks.FORMATS: the GGML block formats (Q4_K, Q8_0, MXFP4, ...), copied from GGUF files
+FORMATS = ("f32", "bf16", "q8", "q4") + tuple(ggml_blocks.FORMATS)
 SCALE_DTYPES = ("f16", "bf16", "f32")
 SCALE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 # The numbers docs/vault.md gives each format and scale dtype in the tensor descriptors.
-FORMAT_CODE = {"f32": 0, "bf16": 1, "q8": 2, "q4": 3}
+FORMAT_CODE = {"f32": 0, "bf16": 1, "q8": 2, "q4": 3, **{k: v[0] for k, v in ggml_blocks.FORMATS.items()}}
 SCALE_CODE = {None: 0, "f16": 1, "bf16": 2, "f32": 3}
 FORMAT_NAME = {v: k for k, v in FORMAT_CODE.items()}
 SCALE_NAME = {v: k for k, v in SCALE_CODE.items()}
@@ -64,6 +67,8 @@ def is_quantized(fmt: str) -> bool:
 def _check_format(fmt: str, cols: int, group: int = GROUP) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"unknown tensor format {fmt!r} (one of {', '.join(FORMATS)})")
+    if ggml_blocks.is_ggml(fmt):
+        ggml_blocks.check_cols(fmt, cols)
     if fmt in _BITS:
         if group not in GROUPS:
             raise ValueError(f"group size {group} is not one of {', '.join(map(str, GROUPS))}")
@@ -99,6 +104,8 @@ def tensor_nbytes(fmt: str, rows: int, cols: int, group: int = GROUP,
         return 4 * rows * cols
     if fmt == "bf16":
         return 2 * rows * cols
+    if ggml_blocks.is_ggml(fmt):
+        return ggml_blocks.nbytes(fmt, rows, cols)
     return parts(fmt, rows, cols, group, scale_dtype)[3]
 
 
@@ -276,6 +283,9 @@ def quantize_rows(read_rows, rows: int, cols: int, fmt: str, scale_dtype: str = 
     few MiB of rows at a time, so a large tensor (an embedding) never exists in f32 whole.
     Returns the stored bytes as a u8 array."""
     _check_format(fmt, cols, group)
+    if ggml_blocks.is_ggml(fmt):
+        raise ValueError(f"pysmoe does not quantise to {fmt}: GGML formats come as they are from a GGUF file "
+                         "(write their bytes with add_dense_raw / add_expert_raw)")
     step = max(1, _CHUNK_ELEMS // max(cols, 1))
     if fmt in ("f32", "bf16"):
         out = np.empty((rows, cols), dtype="<f4" if fmt == "f32" else "<u2")
@@ -347,6 +357,8 @@ def dequantize(data, fmt: str, rows: int, cols: int, scale_dtype: str | None = "
         return u8[:n].view("<f4").astype(np.float32).reshape(rows, cols)
     if fmt == "bf16":
         return bf16_bits_to_f32(u8[:n].view("<u2")).reshape(rows, cols)
+    if ggml_blocks.is_ggml(fmt):
+        return ggml_blocks.dequantize(u8, fmt, rows, cols)
     gpr = cols // group
     sb = SCALE_BYTES[scale_dtype]
     out = np.empty((rows, cols), dtype=np.float32)

@@ -32,7 +32,7 @@ import zlib
 
 import numpy as np
 
-from . import quant
+from . import ggml_blocks, quant
 from .progress import Progress
 from .tokenizer import build_synthetic_tokenizer, synthetic_tokenizer_config
 from .vaultdir import staged
@@ -62,7 +62,7 @@ PRESETS = {
                  num_experts=128, num_experts_per_tok=8, max_position_embeddings=40960),
 }
 
-EXPERT_FORMATS = ("q4", "q8", "bf16", "f32")
+EXPERT_FORMATS = ("q4", "q8", "bf16", "f32") + tuple(ggml_blocks.FORMATS)  # GGML: random blocks
 SCALE_JITTER = 0.1                           # scales vary ±5% around the matrix's own
 ROUTER_GAIN = 2.0                            # router logits of std ~2 for a unit-rms input
 LM_HEAD_GAIN = 2.0
@@ -416,7 +416,11 @@ def _dense_std(cfg: dict, name: str, cols: int) -> float:
 
 
 def _zero_leading_rows(buf: np.ndarray, t, rows: int) -> None:
-    """Make the first rows of a q4/q8 tensor exactly zero: scale and bias 0."""
+    """Make the first rows of a q4/q8 tensor exactly zero: scale and bias 0 (GGML: all-zero
+    blocks, whose scales are 0)."""
+    if ggml_blocks.is_ggml(t.format):
+        buf[:rows * (t.nbytes // t.rows)] = 0
+        return
     _, soff, boff, _ = quant.parts(t.format, t.rows, t.cols)
     n = 2 * rows * (t.cols // quant.GROUP)
     buf[soff:soff + n] = 0
@@ -449,7 +453,9 @@ def _write_dense(writer: VaultWriter, name: str, rng: np.random.Generator, routi
     std = _dense_std(cfg, name, t.cols)
     shaped = routing.shape_columns(name)
     zero = routing.zero_rows(name)
-    if quant.is_quantized(t.format):
+    if ggml_blocks.is_ggml(t.format) and shaped:
+        raise ValueError(f"{name}: routing 'realistic' shapes its columns, which synth cannot do in {t.format}")
+    if quant.is_quantized(t.format) or ggml_blocks.is_ggml(t.format):
         # As for experts, q4/q8 matrices are drawn as codes: an a3b has 1.5 G dense weights.
         buf = np.zeros(t.nbytes, dtype=np.uint8)
         _random_codes(buf, t, std, rng, writer.scale_dtype)
@@ -483,7 +489,10 @@ def expert_stds(cfg: dict) -> tuple[float, float, float]:
 
 def _random_codes(out: np.ndarray, t, std: float, rng: np.random.Generator, scale_dtype: str) -> None:
     """Fill out (t.nbytes bytes) with a random q4/q8 tensor of zero mean and this std, drawn
-    as codes: no float weight is ever made."""
+    as codes: no float weight is ever made (GGML formats: ggml_blocks.random_blocks)."""
+    if ggml_blocks.is_ggml(t.format):
+        out[:t.nbytes] = ggml_blocks.random_blocks(t.format, t.rows, t.cols, std, rng)
+        return
     bits = 4 if t.format == "q4" else 8
     levels = (1 << bits) - 1
     ncodes, soff, boff, _ = quant.parts(t.format, t.rows, t.cols)
@@ -590,7 +599,7 @@ def _write_experts(writer: VaultWriter, seed: int, progress: bool, label: str, z
     if not todo:
         return
     stds = expert_stds(cfg)
-    coded = quant.is_quantized(writer.expert_format())
+    coded = quant.is_quantized(writer.expert_format()) or ggml_blocks.is_ggml(writer.expert_format())
     # Generation holds the GIL; crc32 and pwrite release it, so one writer thread overlaps them.
     with Progress(len(todo) * lay.blob_bytes, f"{label}: experts", unit="B", enabled=progress) as bar, \
             cf.ThreadPoolExecutor(max_workers=1) as pool:

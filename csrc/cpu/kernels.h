@@ -46,6 +46,12 @@ smoe_qx_size smoe_qx_sizes(uint32_t cols, uint8_t wformat, uint32_t group);
 void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
                      void *codes, float *d, float *gsum);
 
+/* Whether W's products take 8-bit activation codes: q8, q4 and the GGML block formats that
+ * ggml_blocks.h gives an integer form (all but F16 and Q2_K, whose products take f32 inputs); and
+ * the group those codes' sums are made for (the GGML formats take the codes of q4 with group 32). */
+bool smoe_qx_takes(const smoe_tensor *W);
+uint32_t smoe_qx_group(const smoe_tensor *W);
+
 /* y[t·ldy + r] for t in [0, n), r in [r0, r1), W q8 or q4 with W->cols == X->cols and the same
  * format and group as X was prepared for. */
 void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,

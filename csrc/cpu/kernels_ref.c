@@ -44,6 +44,7 @@
  * Assumes a little-endian host (the vault is little-endian and is used in place).
  *
  */
+#include "ggml_blocks.h"
 #include "kernels_isa.h"
 
 #include <math.h>
@@ -188,9 +189,17 @@ static const float *row_block(const smoe_tensor *W, const uint8_t *w, uint32_t r
         }
         return buf;
     }
-    default: /* the vault parser admits no other format */
-        memset(buf, 0, (size_t)nc * sizeof *buf);
+    default: {
+        uint32_t bs, ts;
+        if (!smoe_ggml_block(W->format, &bs, &ts)) { /* the vault parser admits no other format */
+            memset(buf, 0, (size_t)nc * sizeof *buf);
+            return buf;
+        }
+        /* c0 and nc are multiples of the block size (cols is; BLOCK is a multiple of 256) */
+        const uint8_t *blk = w + ((uint64_t)row * (cols / bs) + c0 / bs) * ts;
+        for (uint32_t c = 0; c < nc; c += bs, blk += ts) gb_dequant_block(W->format, blk, buf + c);
         return buf;
+    }
     }
 }
 
@@ -435,8 +444,69 @@ void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, 
     }
 }
 
+bool smoe_qx_takes(const smoe_tensor *W) {
+    return W->format == SMOE_FMT_Q8 || W->format == SMOE_FMT_Q4 || gb_takes_codes(W->format);
+}
+
+uint32_t smoe_qx_group(const smoe_tensor *W) { return gb_takes_codes(W->format) ? 32 : W->group; }
+
+/* The GGML block formats (ggml_blocks.h) take the codes of q4 weights with group 32: int8 codes in
+ * the layout above, d per block of 32, gsum per block of 32. With (q, sub, σ, μ) a row's form of
+ * block b (gb_qx_decode) and I_b = Σ_{h=0,1} sub_{b,h}·Σ_{c ∈ half h of block b} q_c·code_c
+ * (exact), the product for one (row, token) is
+ *   tot[j] = +0;  for k = 0, 1, …:  b = 8k + 2·(j%4) + j/4   (the block whose d is d[8k + j]),
+ *                                   tot[j] = fma((float)I_b, σ_b·d[8k+j], tot[j])
+ *   bia[j] = +0;  for k = 0, 1, …:  bia[j] = fma(μ_{8k+j}, gsum_{8k+j}, bia[j])
+ *   y = hsum8(tot) + hsum8(bia)   (Q4_K, Q5_K: the formats with a min);   y = hsum8(tot) (the rest)
+ * A block past cols has I = σ = d = μ = gsum = 0 and adds nothing. */
+static void ref_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                        uint32_t r0, uint32_t r1) {
+    enum { CB = 32 }; /* blocks of 32 columns decoded at a time: 4 steps of k */
+    uint32_t bs = 32, ts = 0;
+    smoe_ggml_block(W->format, &bs, &ts);
+    const uint32_t cols = W->cols, nb = cols / 32, up = qx_units(cols);
+    const bool has_min = gb_has_min(W->format);
+    const smoe_qx_size z = smoe_qx_sizes(cols, W->format, 32);
+    int8_t q[CB * 32];
+    int16_t sub[CB * 2];
+    float sigma[CB], mu[CB];
+    for (uint32_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + (size_t)r * (cols / bs) * ts;
+        for (uint32_t t = 0; t < n; t++) {
+            const int8_t *c8 = (const int8_t *)X->codes + (size_t)t * z.code_bytes;
+            const float *dt = X->d + (size_t)t * z.d_floats, *st = X->gsum + (size_t)t * z.gsum_floats;
+            float tot[8] = {0}, bia[8] = {0};
+            for (uint32_t b0 = 0; b0 < 2 * up; b0 += CB) {
+                const uint32_t m = b0 >= nb ? 0 : nb - b0 < CB ? nb - b0 : CB;
+                gb_qx_decode(W->format, row, b0, m, q, sub, sigma, mu);
+                for (uint32_t i = m; i < CB; i++) sigma[i] = mu[i] = 0.0f;
+                for (uint32_t k = b0 / 8; k < (b0 + CB) / 8 && k < 2 * up / 8; k++)
+                    for (uint32_t j = 0; j < 8; j++) {
+                        const uint32_t b = 8 * k + 2 * (j % 4) + j / 4, i = b - b0, u = b / 2, h = b % 2;
+                        int32_t I = 0;
+                        if (b < nb)
+                            for (uint32_t hh = 0; hh < 2; hh++) {
+                                int32_t part = 0;
+                                for (uint32_t c = 0; c < 16; c++)
+                                    part += (int32_t)q[32 * i + 16 * hh + c] * c8[u * QX_UNIT + qx_pos(32 * h + 16 * hh + c, false)];
+                                I += (int32_t)sub[2 * i + hh] * part;
+                            }
+                        const float sd = sigma[i] * dt[8 * k + j];
+                        tot[j] = fmaf((float)I, sd, tot[j]);
+                        if (has_min) bia[j] = fmaf(mu[8 * k + j - b0], st[8 * k + j], bia[j]);
+                    }
+            }
+            y[(size_t)t * ldy + r] = has_min ? hsum8_ref(tot) + hsum8_ref(bia) : hsum8_ref(tot);
+        }
+    }
+}
+
 void smoe_ref_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                              size_t ldy, uint32_t r0, uint32_t r1) {
+    if (gb_takes_codes(W->format)) {
+        ref_ggml_qx(W, w, X, n, y, ldy, r0, r1);
+        return;
+    }
     const bool q8 = W->format == SMOE_FMT_Q8;
     const uint32_t cols = W->cols, G = W->group, ng = cols / G, up = qx_units(cols);
     const uint8_t sf = W->scale_format;

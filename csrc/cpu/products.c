@@ -87,12 +87,13 @@ typedef struct {
  * they hold them already; NULL when W multiplies f32 inputs (f32/bf16 weights, or
  * float_activations). */
 static const smoe_qx *prepare(cpu_state *s, const smoe_tensor *W, const float *x, uint32_t n, qx_planes *pl) {
-    if (s->float_activations || (W->format != SMOE_FMT_Q8 && W->format != SMOE_FMT_Q4))
+    if (s->float_activations || !smoe_qx_takes(W))
         return NULL;
-    if (pl->x != x || pl->qx.cols != W->cols || pl->qx.wformat != W->format || pl->qx.group != W->group) {
-        smoe_qx_prepare(x, W->cols, n, W->cols, W->format, W->group, s->qx_codes, s->qx_d, s->qx_gsum);
+    const uint32_t G = smoe_qx_group(W);
+    if (pl->x != x || pl->qx.cols != W->cols || pl->qx.wformat != W->format || pl->qx.group != G) {
+        smoe_qx_prepare(x, W->cols, n, W->cols, W->format, G, s->qx_codes, s->qx_d, s->qx_gsum);
         SMOE_PROF_LAP(SMOE_P_QX);
-        *pl = (qx_planes){x, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, W->group, W->format}};
+        *pl = (qx_planes){x, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, G, W->format}};
     }
     return &pl->qx;
 }
@@ -148,7 +149,7 @@ static void swiglu_mlp(cpu_state *s, const smoe_tensor *gate, const uint8_t *wg,
     uint32_t I = gate->rows;
     qx_planes pl = {0};
     const smoe_qx *qg = prepare(s, gate, x, n, &pl);
-    if (qg && up->format != gate->format && (up->format == SMOE_FMT_Q8 || up->format == SMOE_FMT_Q4)) {
+    if (qg && up->format != gate->format && smoe_qx_takes(up)) {
         /* gate and up want different codes and there is one set of planes: one after the other */
         linear_task tg = {gate, wg, x, qg, n, s->hg, 2 * (size_t)I};
         smoe_pool_run(s->pool, linear_rows, &tg, I, ROW_GRAIN);
@@ -252,18 +253,19 @@ static void run_single_experts(cpu_state *s, const smoe_union *un, const uint32_
         row[k] = un->rows[un->start[p[k]]];
     }
 
-    const bool codes = !s->float_activations && (g->format == SMOE_FMT_Q8 || g->format == SMOE_FMT_Q4);
+    const bool codes = !s->float_activations && smoe_qx_takes(g);
+    const uint32_t gG = smoe_qx_group(g), dG = smoe_qx_group(d);
     smoe_qx_size z = {0};
     if (codes) {
-        z = smoe_qx_sizes(H, g->format, g->group);
-        smoe_qx_prepare(s->xn, H, n, H, g->format, g->group, s->qx_codes, s->qx_d, s->qx_gsum);
+        z = smoe_qx_sizes(H, g->format, gG);
+        smoe_qx_prepare(s->xn, H, n, H, g->format, gG, s->qx_codes, s->qx_d, s->qx_gsum);
         SMOE_PROF_LAP(SMOE_P_QX);
     }
     for (uint32_t k = 0; k < m; k++) {
         const uint32_t t = row[k] / K;
         float *hk = s->hg + (size_t)k * 2 * I;
         const smoe_qx qx = {(const uint8_t *)s->qx_codes + t * z.code_bytes, s->qx_d + t * z.d_floats,
-                            s->qx_gsum + t * z.gsum_floats, H, g->group, g->format};
+                            s->qx_gsum + t * z.gsum_floats, H, gG, g->format};
         parts[2 * k] = (product_part){g, blob[k] + g->offset, s->xn + (size_t)t * H, qx, codes, hk, 2 * k * I};
         parts[2 * k + 1] =
             (product_part){up, blob[k] + up->offset, s->xn + (size_t)t * H, qx, codes, hk + I, (2 * k + 1) * I};
@@ -276,15 +278,15 @@ static void run_single_experts(cpu_state *s, const smoe_union *un, const uint32_
         smoe_swiglu(s->h + (size_t)k * I, s->hg + (size_t)k * 2 * I, s->hg + (size_t)k * 2 * I + I, I);
     SMOE_PROF_LAP(SMOE_P_SWIGLU);
 
-    const bool dcodes = !s->float_activations && (d->format == SMOE_FMT_Q8 || d->format == SMOE_FMT_Q4);
+    const bool dcodes = !s->float_activations && smoe_qx_takes(d);
     if (dcodes) {
-        z = smoe_qx_sizes(I, d->format, d->group);
-        smoe_qx_prepare(s->h, I, m, I, d->format, d->group, s->qx_codes, s->qx_d, s->qx_gsum);
+        z = smoe_qx_sizes(I, d->format, dG);
+        smoe_qx_prepare(s->h, I, m, I, d->format, dG, s->qx_codes, s->qx_d, s->qx_gsum);
         SMOE_PROF_LAP(SMOE_P_QX);
     }
     for (uint32_t k = 0; k < m; k++) {
         const smoe_qx qx = {(const uint8_t *)s->qx_codes + k * z.code_bytes, s->qx_d + k * z.d_floats,
-                            s->qx_gsum + k * z.gsum_floats, I, d->group, d->format};
+                            s->qx_gsum + k * z.gsum_floats, I, dG, d->format};
         parts[k] = (product_part){d, blob[k] + d->offset, s->h + (size_t)k * I, qx, dcodes,
                                   s->slot_out + (size_t)row[k] * H, k * H};
     }

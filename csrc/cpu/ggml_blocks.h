@@ -1,0 +1,314 @@
+/* ggml_blocks.h — the GGML block formats (smoe.h: SMOE_FMT_GGML_*, numbered 32 + ggml_type), as
+ * the kernels read them. Shared by kernels_ref.c and the instruction-set files (static inline:
+ * nothing here calls back into a dispatcher).
+ *
+ * A row of a GGML tensor is cols / block_size blocks laid out exactly as ggml's ggml-common.h
+ * lays them out (smoe_ggml_block in vault.h gives the two sizes). Little-endian, any alignment
+ * (a block of Q4_0 is 18 bytes: every multi-byte field is read with memcpy).
+ *
+ * Dequantisation (gb_dequant_block) is gguf-py's `gguf.quants.dequantize`, operation for
+ * operation, in f32 with every product rounded (the build uses -ffp-contract=off), so the values
+ * are the same bits (tests/test_ggml_formats.py). For a block whose f16 scale is inf or NaN, IEEE
+ * arithmetic decides: inf·0 is NaN, inf·q is ±inf, NaN·q is NaN (the tests compare such blocks
+ * with NaN equal to NaN, whatever its payload). The e8m0 scale of MXFP4 is always finite.
+ *
+ * For the 8-bit-activation product (kernels.h's smoe_qx; kernels_ref.c states the order), each
+ * block of 32 columns is written as integers and at most two floats (gb_qx_decode):
+ *     w_c ≈ σ · sub[c / 16] · q_c + μ          (q_c int8, sub int16, σ and μ f32)
+ * where the integer part Σ_c sub·q_c·code_c is exact and σ is the block's own scale as
+ * dequantisation computes it (d, or d·sc for the K-quants with a 6-bit scale per 32). Per type:
+ *     Q4_0  q = nibble − 8        σ = d                    Q5_0  q = 5-bit − 16   σ = d
+ *     Q8_0  q = qs                σ = d                    IQ4_NL q = kvalues[nibble], σ = d
+ *     MXFP4 q = kvalues_mxfp4[nibble], σ = 2^(e−128)       IQ4_XS q = kvalues[nibble], σ = d·(ls−32)
+ *     Q4_K  q = nibble (0..15)    σ = d·sc   μ = −(dmin·m)  Q5_K  q = 5-bit (0..31), σ, μ as Q4_K
+ *     Q6_K  q = 6-bit − 32        sub = the two int8 scales of its 16-column halves, σ = d
+ *     Q3_K  q = 3-bit − 4 … 3     sub = the two 6-bit scales − 32, σ = d
+ * Q2_K (a min per 16 columns) and F16 have no such form: their products take f32 activations. */
+#ifndef SMOE_GGML_BLOCKS_H
+#define SMOE_GGML_BLOCKS_H
+
+#include "vault.h"
+
+#include <string.h>
+
+static inline float gb_f32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* IEEE half at p → float, exactly (inf and NaN kept, the payload shifted as numpy does). */
+static inline float gb_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    if (exp == 0x1f) return gb_f32_from_bits(sign | 0x7f800000u | (man << 13));
+    if (exp != 0) return gb_f32_from_bits(sign | ((exp + 112u) << 23) | (man << 13));
+    const float v = (float)man * 0x1p-24f; /* zero or subnormal: exact */
+    return sign ? -v : v;
+}
+
+/* ggml's GGML_E8M0_TO_FP32_HALF: 2^(e − 128), subnormal for e < 2 */
+static inline float gb_e8m0_half(uint8_t e) {
+    return gb_f32_from_bits(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23);
+}
+
+static const int8_t gb_kvalues_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static const int8_t gb_kvalues_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* The 6-bit scale and min j (< 8) of a Q4_K / Q5_K block's 12 packed bytes. */
+static inline void gb_scale_min_k4(const uint8_t *s, int j, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4));
+        *m = (uint8_t)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+
+/* The signed 6-bit scale j (< 16) of a Q3_K block's 12 packed bytes, minus 32. */
+static inline int gb_scale_q3k(const uint8_t *s, int j) {
+    const int lo = j < 8 ? s[j] & 15 : s[j - 8] >> 4, hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+    return (lo | hi << 4) - 32;
+}
+
+/* The 6-bit scale i (< 8) of an IQ4_XS block, minus 32. */
+static inline int gb_scale_iq4xs(const uint8_t *blk, int i) {
+    uint16_t h;
+    memcpy(&h, blk + 2, 2);
+    return (((blk[4 + i / 2] >> (4 * (i % 2))) & 15) | (((h >> (2 * i)) & 3) << 4)) - 32;
+}
+
+/* One block at src, dequantised into out (block_size floats): gguf-py's operations. */
+static inline void gb_dequant_block(uint8_t fmt, const uint8_t *src, float *out) {
+    switch (fmt) {
+    case SMOE_FMT_GGML_F16: out[0] = gb_f16(src); return;
+    case SMOE_FMT_GGML_Q4_0: {
+        const float d = gb_f16(src);
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)((src[2 + j] & 15) - 8);
+            out[j + 16] = d * (float)((src[2 + j] >> 4) - 8);
+        }
+        return;
+    }
+    case SMOE_FMT_GGML_Q5_0: {
+        const float d = gb_f16(src);
+        uint32_t qh;
+        memcpy(&qh, src + 2, 4);
+        for (int j = 0; j < 16; j++) {
+            const int lo = (src[6 + j] & 15) | (int)((qh >> j) & 1) << 4;
+            const int hi = (src[6 + j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+            out[j] = d * (float)(lo - 16);
+            out[j + 16] = d * (float)(hi - 16);
+        }
+        return;
+    }
+    case SMOE_FMT_GGML_Q8_0: {
+        const float d = gb_f16(src);
+        for (int j = 0; j < 32; j++) out[j] = (float)(int8_t)src[2 + j] * d;
+        return;
+    }
+    case SMOE_FMT_GGML_Q2_K: {
+        const uint8_t *sc = src, *qs = src + 16;
+        const float d = gb_f16(src + 80), dmin = gb_f16(src + 82);
+        for (int e = 0; e < 256; e++) {
+            const float dl = d * (float)(sc[e / 16] & 15), ml = dmin * (float)(sc[e / 16] >> 4);
+            const int q = (qs[(e / 128) * 32 + e % 32] >> (2 * ((e % 128) / 32))) & 3;
+            const float dq = dl * (float)q;
+            out[e] = dq - ml;
+        }
+        return;
+    }
+    case SMOE_FMT_GGML_Q3_K: {
+        const uint8_t *hm = src, *qs = src + 32, *sc = src + 96;
+        const float d = gb_f16(src + 108);
+        for (int e = 0; e < 256; e++) {
+            const float dl = d * (float)gb_scale_q3k(sc, e / 16);
+            const int ql = (qs[(e / 128) * 32 + e % 32] >> (2 * ((e % 128) / 32))) & 3;
+            const int q = ql - (((hm[e % 32] >> (e / 32)) & 1) ? 0 : 4);
+            out[e] = dl * (float)q;
+        }
+        return;
+    }
+    case SMOE_FMT_GGML_Q4_K:
+    case SMOE_FMT_GGML_Q5_K: {
+        const bool q5 = fmt == SMOE_FMT_GGML_Q5_K;
+        const float d = gb_f16(src), dmin = gb_f16(src + 2);
+        const uint8_t *sc = src + 4, *qh = src + 16, *qs = src + (q5 ? 48 : 16);
+        for (int i = 0; i < 8; i++) {
+            uint8_t s, m;
+            gb_scale_min_k4(sc, i, &s, &m);
+            const float d1 = d * (float)s, dm = dmin * (float)m;
+            for (int l = 0; l < 32; l++) {
+                int q = (qs[(i / 2) * 32 + l] >> (4 * (i % 2))) & 15;
+                if (q5) q |= ((qh[l] >> i) & 1) << 4;
+                const float dq = d1 * (float)q;
+                out[32 * i + l] = dq - dm;
+            }
+        }
+        return;
+    }
+    case SMOE_FMT_GGML_Q6_K: {
+        const uint8_t *ql = src, *qh = src + 128;
+        const int8_t *sc = (const int8_t *)(const void *)(src + 192);
+        const float d = gb_f16(src + 208);
+        for (int e = 0; e < 256; e++) {
+            const int half = e / 128, r = e % 128;
+            const int lo = (ql[half * 64 + r % 64] >> (4 * (r / 64))) & 15;
+            const int hi = (qh[half * 32 + r % 32] >> (2 * (r / 32))) & 3;
+            const float d1 = d * (float)sc[e / 16];
+            out[e] = d1 * (float)((lo | hi << 4) - 32);
+        }
+        return;
+    }
+    case SMOE_FMT_GGML_IQ4_NL:
+    case SMOE_FMT_GGML_MXFP4: {
+        const bool mx = fmt == SMOE_FMT_GGML_MXFP4;
+        const float d = mx ? gb_e8m0_half(src[0]) : gb_f16(src);
+        const uint8_t *qs = src + (mx ? 1 : 2);
+        const int8_t *kv = mx ? gb_kvalues_mxfp4 : gb_kvalues_iq4nl;
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)kv[qs[j] & 15];
+            out[j + 16] = d * (float)kv[qs[j] >> 4];
+        }
+        return;
+    }
+    case SMOE_FMT_GGML_IQ4_XS: {
+        const float d = gb_f16(src);
+        const uint8_t *qs = src + 8;
+        for (int i = 0; i < 8; i++) {
+            const float dl = d * (float)gb_scale_iq4xs(src, i);
+            for (int l = 0; l < 16; l++) {
+                out[32 * i + l] = dl * (float)gb_kvalues_iq4nl[qs[16 * i + l] & 15];
+                out[32 * i + 16 + l] = dl * (float)gb_kvalues_iq4nl[qs[16 * i + l] >> 4];
+            }
+        }
+        return;
+    }
+    default: /* the vault parser admits no other format */
+        return;
+    }
+}
+
+/* Whether products of this GGML format take 8-bit activation codes (gb_qx_decode has its form). */
+static inline bool gb_takes_codes(uint8_t fmt) {
+    switch (fmt) {
+    case SMOE_FMT_GGML_Q4_0:
+    case SMOE_FMT_GGML_Q5_0:
+    case SMOE_FMT_GGML_Q8_0:
+    case SMOE_FMT_GGML_Q3_K:
+    case SMOE_FMT_GGML_Q4_K:
+    case SMOE_FMT_GGML_Q5_K:
+    case SMOE_FMT_GGML_Q6_K:
+    case SMOE_FMT_GGML_IQ4_NL:
+    case SMOE_FMT_GGML_IQ4_XS:
+    case SMOE_FMT_GGML_MXFP4: return true;
+    }
+    return false;
+}
+
+/* Whether the format carries a min (μ ≠ 0): Q4_K, Q5_K. */
+static inline bool gb_has_min(uint8_t fmt) { return fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K; }
+
+/* The header's form of blocks [b0, b0 + nb) of 32 columns of a row (row: the row's first byte; b0
+ * and nb multiples of 8 for the 256-column formats): q[32·i + c], sub[2·i + h], sigma[i], mu[i]
+ * for block b0 + i. A format without a min writes mu = 0. */
+static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, uint32_t nb, int8_t *q, int16_t *sub,
+                                float *sigma, float *mu) {
+    uint32_t bs = 32, ts = 0;
+    smoe_ggml_block(fmt, &bs, &ts);
+    for (uint32_t i = 0; i < nb; i++) {
+        const uint32_t b = b0 + i;
+        const uint8_t *blk = row + (size_t)(b * 32 / bs) * ts; /* the ggml block holding it */
+        const int k = (int)(b % (bs / 32));                      /* its 32-column part there */
+        int8_t *qi = q + 32 * (size_t)i;
+        sub[2 * i] = sub[2 * i + 1] = 1;
+        mu[i] = 0.0f;
+        switch (fmt) {
+        case SMOE_FMT_GGML_Q4_0:
+        case SMOE_FMT_GGML_Q5_0: {
+            const bool q5 = fmt == SMOE_FMT_GGML_Q5_0;
+            uint32_t qh = 0;
+            if (q5) memcpy(&qh, blk + 2, 4);
+            const uint8_t *qs = blk + (q5 ? 6 : 2);
+            for (int j = 0; j < 16; j++) {
+                const int lo = (qs[j] & 15) | (int)((qh >> j) & 1) << 4, hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+                qi[j] = (int8_t)(lo - (q5 ? 16 : 8));
+                qi[j + 16] = (int8_t)(hi - (q5 ? 16 : 8));
+            }
+            sigma[i] = gb_f16(blk);
+            break;
+        }
+        case SMOE_FMT_GGML_Q8_0:
+            memcpy(qi, blk + 2, 32);
+            sigma[i] = gb_f16(blk);
+            break;
+        case SMOE_FMT_GGML_IQ4_NL:
+        case SMOE_FMT_GGML_MXFP4: {
+            const bool mx = fmt == SMOE_FMT_GGML_MXFP4;
+            const uint8_t *qs = blk + (mx ? 1 : 2);
+            const int8_t *kv = mx ? gb_kvalues_mxfp4 : gb_kvalues_iq4nl;
+            for (int j = 0; j < 16; j++) {
+                qi[j] = kv[qs[j] & 15];
+                qi[j + 16] = kv[qs[j] >> 4];
+            }
+            sigma[i] = mx ? gb_e8m0_half(blk[0]) : gb_f16(blk);
+            break;
+        }
+        case SMOE_FMT_GGML_IQ4_XS: {
+            const uint8_t *qs = blk + 8 + 16 * k;
+            for (int j = 0; j < 16; j++) {
+                qi[j] = gb_kvalues_iq4nl[qs[j] & 15];
+                qi[j + 16] = gb_kvalues_iq4nl[qs[j] >> 4];
+            }
+            sigma[i] = gb_f16(blk) * (float)gb_scale_iq4xs(blk, k);
+            break;
+        }
+        case SMOE_FMT_GGML_Q4_K:
+        case SMOE_FMT_GGML_Q5_K: {
+            const bool q5 = fmt == SMOE_FMT_GGML_Q5_K;
+            const uint8_t *qs = blk + (q5 ? 48 : 16) + (k / 2) * 32, *qh = blk + 16;
+            for (int l = 0; l < 32; l++) {
+                int v = (qs[l] >> (4 * (k % 2))) & 15;
+                if (q5) v |= ((qh[l] >> k) & 1) << 4;
+                qi[l] = (int8_t)v;
+            }
+            uint8_t s, m;
+            gb_scale_min_k4(blk + 4, k, &s, &m);
+            sigma[i] = gb_f16(blk) * (float)s;
+            mu[i] = -(gb_f16(blk + 2) * (float)m);
+            break;
+        }
+        case SMOE_FMT_GGML_Q6_K: {
+            const uint8_t *ql = blk + (k / 4) * 64, *qh = blk + 128 + (k / 4) * 32;
+            const int r = (k % 4) * 32; /* columns [r, r + 32) of the 128-column half */
+            for (int l = 0; l < 32; l++) {
+                const int lo = (ql[(r + l) % 64] >> (4 * ((r + l) / 64))) & 15, hi = (qh[l] >> (2 * (r / 32))) & 3;
+                qi[l] = (int8_t)((lo | hi << 4) - 32);
+            }
+            const int8_t *sc = (const int8_t *)(const void *)(blk + 192);
+            sub[2 * i] = sc[2 * k];
+            sub[2 * i + 1] = sc[2 * k + 1];
+            sigma[i] = gb_f16(blk + 208);
+            break;
+        }
+        case SMOE_FMT_GGML_Q3_K: {
+            const uint8_t *hm = blk, *qs = blk + 32 + (k / 4) * 32;
+            for (int l = 0; l < 32; l++) {
+                const int ql = (qs[l] >> (2 * (k % 4))) & 3;
+                qi[l] = (int8_t)(ql - (((hm[l] >> k) & 1) ? 0 : 4));
+            }
+            sub[2 * i] = (int16_t)gb_scale_q3k(blk + 96, 2 * k);
+            sub[2 * i + 1] = (int16_t)gb_scale_q3k(blk + 96, 2 * k + 1);
+            sigma[i] = gb_f16(blk + 108);
+            break;
+        }
+        default:
+            memset(qi, 0, 32);
+            sigma[i] = 0.0f;
+        }
+    }
+}
+
+#endif
