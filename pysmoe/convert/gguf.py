@@ -178,7 +178,8 @@ def supported_types() -> dict[int, str]:
     gguf = _gguf()
     out = {}
     for t in gguf.GGMLQuantizationType:
-        name = t.name.lower()
+        # F32 and BF16 are the vault's own f32/bf16 (same bytes); the block types keep ggml's names
+        name = {"F32": "f32", "BF16": "bf16"}.get(t.name, t.name)
         if name in quant.FORMATS:
             out[int(t)] = name
     return out
