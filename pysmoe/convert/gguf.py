@@ -242,8 +242,10 @@ def _config(model: GGUFModel, fam: Family) -> dict:
     return cfg
 
 
-def plan(model: GGUFModel) -> Plan:
-    """Everything the conversion will do, checked: ConvertError before any byte is written."""
+def plan(model: GGUFModel, check_types: bool = True) -> Plan:
+    """Everything the conversion will do, checked: ConvertError before any byte is written.
+    check_types=False plans a file whose tensor types this build cannot run (for inspection;
+    its formats then name the GGML types)."""
     from ..vaultio import dense_shapes, normalize_config
 
     fam = FAMILIES.get(model.arch)
@@ -298,7 +300,9 @@ def plan(model: GGUFModel) -> Plan:
 
     types = supported_types()
     refused = [f"{t.name} ({t.type_name})" for t in _all(dense, experts) if t.type not in types]
-    if refused:
+    if not check_types:
+        types = {t.type: types.get(t.type, t.type_name) for t in _all(dense, experts)}
+    elif refused:
         raise ConvertError("tensor types this build cannot run: " + _names(refused)
                            + f" (supported: {', '.join(sorted(set(types.values())))})")
     formats = {n: types[t.type] for n, t in dense.items()}
