@@ -188,7 +188,7 @@ def llama_cpp_greedy(gguf_path, prompt: list[int], n: int, threads: int = 2) -> 
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=len(prompt) + n, n_batch=len(prompt) + n,
-                          n_threads=threads, n_threads_batch=threads, verbose=False)
+                          n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
     out = []
     try:
         llm.eval(list(prompt))
