@@ -173,6 +173,10 @@ typedef struct smoe_backend {
     smoe_status (*record_end)(void *b, bool keep);
 
     /* ----------------------------------------------------------------------------- the rest */
+    /* What of this vault's recipe the backend lacks (an op, a parameter it does not implement),
+     * as a short phrase for the refusal's message, or NULL when it runs the vault. NULL hook: it
+     * runs every recipe the engine runs. Called before share_new. */
+    const char *(*lacks)(const smoe_layout *lay);
     /* Sampling's selection on the device over row `row` of the logits plane (NULL, or *done
      * false: the engine selects on the host): the cleaning, the repetition penalty over
      * window[0..w) and the top candidates as the engine's sampler (engine/sample.h) would choose. */

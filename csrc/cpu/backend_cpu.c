@@ -271,8 +271,22 @@ static const char *cpu_describe(void *b) {
     return line;
 }
 
+static const char *cpu_lacks(const smoe_layout *lay) {
+    const smoe_model_params *m = &lay->mp;
+    if (m->qk_norm != SMOE_QK_NORM_HEAD) return "attention without a per-head QK-norm";
+    if (m->rotary_dim != lay->cfg.head_dim) return "partial RoPE";
+    if (m->attention_bias) return "attention biases";
+    if (m->router_kind != SMOE_ROUTER_SOFTMAX_TOPK) return "this router";
+    if (m->shared_intermediate) return "shared experts";
+    for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++)
+        for (int i = SMOE_XT_GATE_BIAS; i < SMOE_XT_COUNT; i++)
+            if (lay->xl[l].has[i]) return "expert biases";
+    return NULL;
+}
+
 const smoe_backend smoe_backend_cpu = {
     .name = "cpu",
+    .lacks = cpu_lacks,
     .share_new = cpu_share_new,
     .share_free = cpu_share_free,
     .session_new = cpu_session_new,

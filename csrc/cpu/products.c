@@ -229,7 +229,8 @@ static void run_expert(cpu_state *s, const smoe_union *un, uint32_t p, const uin
     for (uint32_t j = 0; j < m; j++)
         memcpy(s->xg + (size_t)j * H, s->xn + (size_t)(rows[j] / K) * H, H * sizeof(float));
     SMOE_PROF_LAP(SMOE_P_GATHER);
-    const smoe_tensor *g = &lay->expert[0], *u = &lay->expert[1], *d = &lay->expert[2];
+    const smoe_tensor *x = smoe_expert_of(lay, un->l);
+    const smoe_tensor *g = &x[SMOE_XT_GATE], *u = &x[SMOE_XT_UP], *d = &x[SMOE_XT_DOWN];
     swiglu_mlp(s, g, blob + g->offset, u, blob + u->offset, d, blob + d->offset, s->xg, m, s->yg);
     for (uint32_t j = 0; j < m; j++)
         memcpy(s->slot_out + (size_t)rows[j] * H, s->yg + (size_t)j * H, H * sizeof(float));
@@ -243,7 +244,8 @@ static void run_expert(cpu_state *s, const smoe_union *un, uint32_t p, const uin
  * calls on the same inputs: the same bits. */
 static void run_single_experts(cpu_state *s, const smoe_union *un, const uint32_t *p, uint32_t m) {
     const smoe_layout *lay = s->lay;
-    const smoe_tensor *g = &lay->expert[0], *up = &lay->expert[1], *d = &lay->expert[2];
+    const smoe_tensor *x = smoe_expert_of(lay, un->l);
+    const smoe_tensor *g = &x[SMOE_XT_GATE], *up = &x[SMOE_XT_UP], *d = &x[SMOE_XT_DOWN];
     const uint32_t H = s->cfg->hidden_size, K = s->cfg->num_experts_per_tok, I = g->rows, n = un->n;
     product_part parts[MAX_PARTS];
     const uint8_t *blob[MAX_PARTS / 2];
@@ -297,7 +299,8 @@ static void run_single_experts(cpu_state *s, const smoe_union *un, const uint32_
 
 smoe_status smoe_cpu_experts(void *b, const smoe_union *un, const uint32_t *items, uint32_t m) {
     cpu_state *s = b;
-    const smoe_tensor *eg = &s->lay->expert[0], *eu = &s->lay->expert[1];
+    const smoe_tensor *x = smoe_expert_of(s->lay, un->l);
+    const smoe_tensor *eg = &x[SMOE_XT_GATE], *eu = &x[SMOE_XT_UP];
     /* the experts with one routed (token, slot), two pool runs per batch of them (when gate and up
      * take the same codes: the one set of code planes serves both); the others one by one */
     const uint32_t cap = s->chunk < MAX_PARTS / 2 ? s->chunk : MAX_PARTS / 2;

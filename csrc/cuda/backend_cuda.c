@@ -457,8 +457,25 @@ static bool cuda_broken(void *b) {
     return c->broken || c->sh->broken;
 }
 
+/* The CUDA kernels implement Qwen3-MoE's recipe only: per-head QK-norm, full RoPE, softmax
+ * routing, no biases, no shared expert, one blob layout for every layer. */
+static const char *cuda_lacks(const smoe_layout *lay) {
+    const smoe_model_params *m = &lay->mp;
+    if (m->qk_norm != SMOE_QK_NORM_HEAD) return "attention without a per-head QK-norm";
+    if (m->rotary_dim != lay->cfg.head_dim) return "partial RoPE";
+    if (m->attention_bias) return "attention biases";
+    if (m->router_kind != SMOE_ROUTER_SOFTMAX_TOPK) return "this router";
+    if (m->shared_intermediate) return "shared experts";
+    if (!lay->uniform_experts) return "blob layouts that differ between layers";
+    for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++)
+        for (int i = SMOE_XT_GATE_BIAS; i < SMOE_XT_COUNT; i++)
+            if (lay->xl[l].has[i]) return "expert biases";
+    return NULL;
+}
+
 const smoe_backend smoe_backend_cuda = {
     .name = "cuda",
+    .lacks = cuda_lacks,
     .share_new = cuda_share_new,
     .share_free = cuda_share_free,
     .session_new = cuda_session_new,

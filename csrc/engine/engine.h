@@ -108,6 +108,10 @@ static inline smoe_status smoe_be_status(smoe_session *s, smoe_status st) {
 
 /* ---------------------------------------------------------------------- layers (layer.c) */
 
+/* SMOE_OK when the engine has the recipe of the vault's family (its attention kinds, its router)
+ * and the backend every op it needs; else SMOE_ERR_UNSUPPORTED naming the family and what lacks. */
+smoe_status smoe_recipe_check(const smoe_layout *lay, const smoe_backend *be);
+
 /* Layer l of the model for rows [0, n) of s's planes: the attention block (each row at its
  * staged position), then the FFN block (the MoE step or a dense MLP), residuals included. rows
  * NULL: s's own pass; else a batch whose row t is session rows[t]'s token (its KV cache, its

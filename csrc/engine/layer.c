@@ -23,6 +23,22 @@
         if (st_ != SMOE_OK) return st_;                                                                                \
     } while (0)
 
+smoe_status smoe_recipe_check(const smoe_layout *lay, const smoe_backend *be) {
+    const smoe_model_params *m = &lay->mp;
+    const char *fam = smoe_family_name(m->family), *why = NULL;
+    if (m->family > SMOE_FAMILY_GLM4_MOE) why = "its layer recipe";
+    else if (m->router_kind == SMOE_ROUTER_TOPK_SOFTMAX) why = "the top-k-then-softmax router";
+    for (uint32_t l = 0; !why && l < lay->cfg.num_hidden_layers; l++)
+        if (lay->layer_attn[l] != SMOE_ATTN_FULL)
+            why = lay->layer_attn[l] == SMOE_ATTN_SLIDING ? "sliding-window attention" : "linear attention";
+    if (why)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "this build of libsmoe cannot run a %s vault: the engine lacks %s", fam,
+                         why);
+    if (be->lacks && (why = be->lacks(lay)) != NULL)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "the %s backend cannot run this %s vault: it lacks %s", be->name, fam, why);
+    return SMOE_OK;
+}
+
 smoe_status smoe_layer_attention(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *rows) {
     const smoe_backend *be = s->backend;
     void *b = s->be;

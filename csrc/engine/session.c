@@ -118,6 +118,7 @@ static smoe_status streamer_new(smoe_vault *vault, const smoe_session_params *p,
         .path = vault->path,
         .fd = vault->fd,
         .blob_bytes = vault->lay.blob_bytes,
+        .layer_bytes = vault->lay.layer_blob_bytes,
         .blob_offset = vault->lay.blob_offset,
         .blob_crc = vault->lay.blob_crc,
         .n_layers = c->num_hidden_layers,
@@ -283,6 +284,8 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
         return st;
     const smoe_backend *backend;
     if ((st = smoe_backend_for(p.device, &backend)) != SMOE_OK)
+        return st;
+    if ((st = smoe_recipe_check(&vault->lay, backend)) != SMOE_OK)
         return st;
 
     smoe_session *s = smoe_alloc(sizeof *s, 64);
