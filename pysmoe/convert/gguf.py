@@ -334,31 +334,13 @@ def expert_bytes(t: GTensor, e: int) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------ writing
 
-def _per_layer_layouts() -> bool:
-    """Whether this build's vault has a blob layout per layer (vault v3)."""
-    from ..vaultio import Layout
-    return "layer_expert" in {f.name for f in dataclasses.fields(Layout)}
-
-
 def _vault_formats(p: Plan) -> dict:
     """The VaultWriter's formats: every dense tensor by name, the experts by layer and part
-    (`layers.L.experts.gate`; by part alone where the vault has one layout for all layers)."""
+    (`layers.L.experts.gate`: a vault v3 blob layout per layer, as llama.cpp's mixes need)."""
     formats = {n: fmt for n, fmt in p.formats.items() if not n.startswith("experts.")}
-    if _per_layer_layouts():
-        for l, parts in p.experts.items():
-            for part in parts:
-                formats[f"layers.{l}.experts.{part}"] = p.formats[f"experts.{l}.{part}"]
-        return formats
-    per_part = {}
     for l, parts in p.experts.items():
         for part in parts:
-            per_part.setdefault(part, set()).add(p.formats[f"experts.{l}.{part}"])
-    for part, fmts in per_part.items():
-        if len(fmts) > 1:
-            mix = ", ".join(f"layer {l} {p.formats[f'experts.{l}.{part}']}" for l in sorted(p.experts))
-            raise ConvertError(f"the experts' {part} tensors differ in type between layers ({mix}): "
-                               "this build's vault has one expert layout for all layers")
-        formats[f"experts.{part}"] = fmts.pop()
+            formats[f"layers.{l}.experts.{part}"] = p.formats[f"experts.{l}.{part}"]
     return formats
 
 
@@ -399,7 +381,7 @@ def convert_gguf(src, out_dir, progress: bool = True, force: bool = False) -> Pa
                     w.add_dense_raw(name, t.data)
                     bar.update(t.data.nbytes)
                 for l in sorted(p.experts):
-                    lay = w.layout.layer_expert[l] if _per_layer_layouts() else w.layout.expert
+                    lay = w.layout.layer_expert[l]
                     end = lay[2].offset + lay[2].nbytes
                     parts = p.experts[l]
                     for e in range(p.config["num_experts"]):
