@@ -337,3 +337,22 @@ def test_tokenizer_against_llama_cpp_live(tmp_path):
         want = mk.llama_cpp_tokens(path, texts)
         bad = [t for t, w in zip(texts, want) if enc(t) != w]
         assert not bad, (pre, bad[:3])
+
+
+@pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "tiny-q4_0"])
+@pytest.mark.parametrize("activations", ["f32", "q8"])
+def test_layer_major_is_token_serial_on_an_imported_mix(name, activations, vaults):
+    """A llama.cpp mix imported as stored keeps the engine's bit identity: a layer-major prefill
+    in chunks of 5 gives the very logits of the token-serial walk, in both activation modes."""
+    import pysmoe
+
+    d = _vault(vaults, name)
+    cfg = json.loads((d / "config.json").read_text())
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, cfg["vocab_size"], 17)]
+    out = {}
+    with pysmoe.open_vault(d) as v:
+        for mode in ("layer-major", "token-serial"):
+            with v.session(threads=2, chunk=5, activations=activations, prefill=mode) as s:
+                first = s.prefill(ids)
+                out[mode] = np.concatenate([first, s.decode(ids[0])])
+    assert out["layer-major"].tobytes() == out["token-serial"].tobytes()
