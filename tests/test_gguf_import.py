@@ -356,3 +356,13 @@ def test_layer_major_is_token_serial_on_an_imported_mix(name, activations, vault
                 first = s.prefill(ids)
                 out[mode] = np.concatenate([first, s.decode(ids[0])])
     assert out["layer-major"].tobytes() == out["token-serial"].tobytes()
+
+
+def test_a_truncated_file_is_refused(tmp_path):
+    f = tmp_path / "cut.gguf"
+    data = (DATA / "tiny-q8_0.gguf").read_bytes()
+    for n in (len(data) - 1000, 5000, 40):
+        f.write_bytes(data[:n])
+        with pytest.raises(ConvertError, match="truncated|not a readable GGUF"):
+            convert_checkpoint(f, tmp_path / "v", progress=False)
+    assert not (tmp_path / "v").exists()

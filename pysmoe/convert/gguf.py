@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -147,7 +148,7 @@ class GGUFModel:
         for i, p in enumerate(self.paths):
             try:
                 r = gguf.GGUFReader(p, "r")
-            except (ValueError, OSError, struct_error(), IndexError, KeyError) as exc:
+            except (ValueError, OSError, struct.error, IndexError, KeyError) as exc:
                 raise ConvertError(f"{p}: not a readable GGUF file ({exc})") from None
             meta = {k: _field_value(f) for k, f in r.fields.items() if not k.startswith("GGUF.")}
             if i == 0:
@@ -157,17 +158,14 @@ class GGUFModel:
                     raise ConvertError(f"{p}: tensor {t.name} appears twice")
                 shape = tuple(int(x) for x in reversed(t.shape.tolist()))
                 raw = r.data[t.data_offset:t.data_offset + int(t.n_bytes)]
+                if raw.nbytes != int(t.n_bytes):
+                    raise ConvertError(f"{p}: tensor {t.name} runs past the end of the file (truncated?)")
                 self.tensors[t.name] = GTensor(t.name, int(t.tensor_type), shape, raw)
         n = self.meta.get("split.count")
         if n is not None and int(n) != len(self.paths):
             raise ConvertError(f"{path}: split.count says {n} files; give the first, "
                                f"named like NAME-00001-of-{int(n):05d}.gguf")
         self.arch = self.meta.get("general.architecture")
-
-
-def struct_error():
-    import struct
-    return struct.error
 
 
 # ------------------------------------------------------------------------------------ planning
