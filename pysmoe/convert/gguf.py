@@ -302,7 +302,7 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
         types = {t.type: types.get(t.type, t.type_name) for t in _all(dense, experts)}
     elif refused:
         raise ConvertError("tensor types this build cannot run: " + _names(refused)
-                           + f" (supported: {', '.join(sorted(set(types.values())))})")
+                           + f" (supported: {', '.join(sorted(_gguf().GGMLQuantizationType(t).name for t in types))})")
     formats = {n: types[t.type] for n, t in dense.items()}
     for l, parts in experts.items():
         for p, t in parts.items():
