@@ -176,12 +176,14 @@ static bool tensor_init(smoe_tensor *t, uint8_t format, uint8_t scale_format, ui
     return true;
 }
 
-static const char *format_name(uint8_t f) {
+const char *smoe_format_name(uint8_t f) {
     static const char *names[] = {"f32", "bf16", "q8", "q4"};
     switch (f) {
     case SMOE_FMT_GGML_F16: return "F16";
     case SMOE_FMT_GGML_Q4_0: return "Q4_0";
+    case SMOE_FMT_GGML_Q4_1: return "Q4_1";
     case SMOE_FMT_GGML_Q5_0: return "Q5_0";
+    case SMOE_FMT_GGML_Q5_1: return "Q5_1";
     case SMOE_FMT_GGML_Q8_0: return "Q8_0";
     case SMOE_FMT_GGML_Q2_K: return "Q2_K";
     case SMOE_FMT_GGML_Q3_K: return "Q3_K";
@@ -229,19 +231,19 @@ static smoe_status parse_desc(const uint8_t *d, const char *what, char name[40],
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): empty shape %ux%u", what, pn, rows, cols);
         if (ggml && cols % ggml_bs)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %s needs cols %% %u == 0, cols is %u", what, pn,
-                             format_name(format), ggml_bs, cols);
+                             smoe_format_name(format), ggml_bs, cols);
         if (quant ? !scale_size(scale_format) : scale_format != SMOE_SCALE_NONE)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): scale_format %u does not go with format %s", what, pn,
-                             scale_format, format_name(format));
+                             scale_format, smoe_format_name(format));
         if (quant && group != 32 && group != 64 && group != 128)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %s group_size %u (must be 32, 64 or 128)", what, pn,
-                             format_name(format), group);
+                             smoe_format_name(format), group);
         if (!quant && group)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): group_size %u for %s (must be 0)", what, pn, group,
-                             format_name(format));
+                             smoe_format_name(format));
         if (quant && cols % group)
             return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %s needs cols %% group_size == 0, cols is %u, group_size %u",
-                             what, pn, format_name(format), cols, group);
+                             what, pn, smoe_format_name(format), cols, group);
         return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): %ux%u is too large", what, pn, rows, cols);
     }
     if (offset % 64) return smoe_fail(SMOE_ERR_VAULT, "%s ('%s'): offset %llu not a multiple of 64", what, pn,
@@ -778,7 +780,7 @@ static smoe_status parse_dense_table(const uint8_t *d, smoe_layout *L) {
                            (unsigned long long)rows, (unsigned long long)cols);
         else if (norm && t->format != SMOE_FMT_F32 && t->format != SMOE_FMT_BF16)
             rc = smoe_fail(SMOE_ERR_VAULT, "%s '%s': a bias or norm must be f32 or bf16, not %s", what, name,
-                           format_name(t->format));
+                           smoe_format_name(t->format));
         else if (t->offset > L->dense_bytes || t->nbytes > L->dense_bytes - t->offset)
             rc = smoe_fail(SMOE_ERR_VAULT, "%s '%s': bytes [%llu, +%llu) run past the dense region (%llu bytes)", what,
                            name, (unsigned long long)t->offset, (unsigned long long)t->nbytes,
@@ -1240,10 +1242,52 @@ static uint64_t count_nonfinite(const uint8_t *p, uint64_t count, uint8_t scale_
     return bad;
 }
 
+/* Where a GGML block format's f16 scales sit in its block (d, and dmin where it has one); -1:
+ * none (F16 holds values, not scales; MXFP4's e8m0 scale is always finite). */
+static void ggml_scale_at(uint8_t format, int at[2]) {
+    at[0] = at[1] = -1;
+    switch (format) {
+    case SMOE_FMT_GGML_Q4_0:
+    case SMOE_FMT_GGML_Q5_0:
+    case SMOE_FMT_GGML_Q8_0:
+    case SMOE_FMT_GGML_IQ4_NL:
+    case SMOE_FMT_GGML_IQ4_XS: at[0] = 0; break;
+    case SMOE_FMT_GGML_Q4_1:
+    case SMOE_FMT_GGML_Q5_1:
+    case SMOE_FMT_GGML_Q4_K:
+    case SMOE_FMT_GGML_Q5_K: at[0] = 0, at[1] = 2; break;
+    case SMOE_FMT_GGML_Q2_K: at[0] = 80, at[1] = 82; break;
+    case SMOE_FMT_GGML_Q3_K: at[0] = 108; break;
+    case SMOE_FMT_GGML_Q6_K: at[0] = 208; break;
+    }
+}
+
+/* Reports a GGML tensor (t's bytes at base) with an inf or NaN among its blocks' f16 scales. */
+static void check_ggml_values(verify_ctx *x, const smoe_tensor *t, const uint8_t *base, const char *name,
+                              int32_t layer, int32_t expert) {
+    uint32_t bs, ts;
+    int at[2];
+    if (!smoe_ggml_block(t->format, &bs, &ts)) return;
+    ggml_scale_at(t->format, at);
+    const uint64_t bpr = t->cols / bs, blocks = (uint64_t)t->rows * bpr;
+    uint64_t bad = 0, first = 0;
+    for (uint64_t b = 0; b < blocks; b++)
+        for (int k = 0; k < 2; k++)
+            if (at[k] >= 0 && (rd16(base + b * ts + (uint64_t)at[k]) & 0x7C00u) == 0x7C00u && bad++ == 0) first = b;
+    if (!bad) return;
+    char why[160];
+    snprintf(why, sizeof why, "%s scales: %llu non-finite value(s) (NaN or inf), the first at row %llu, block %llu",
+             name, (unsigned long long)bad, (unsigned long long)(first / bpr), (unsigned long long)(first % bpr));
+    report(x, "values", layer, expert, why);
+}
+
 /* Reports a quantised tensor whose scales or biases (t's bytes at base) are not all finite. */
 static void check_values(verify_ctx *x, const smoe_tensor *t, const uint8_t *base, const char *name, int32_t layer,
                          int32_t expert) {
-    if (!is_quant(t->format)) return;
+    if (!is_quant(t->format)) {
+        check_ggml_values(x, t, base, name, layer, expert);
+        return;
+    }
     uint64_t gpr = t->cols / t->group, count = (uint64_t)t->rows * gpr;
     static const char *const part_name[2] = {"scales", "biases"};
     const uint64_t part_off[2] = {t->scales_off, t->biases_off};
@@ -1349,7 +1393,7 @@ smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, 
                          (int)scale_format, group_size, rows, cols);
     if (nbytes != t.nbytes)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_dequantize: %ux%u %s takes %llu bytes, got %zu", rows, cols,
-                         format_name(t.format), (unsigned long long)t.nbytes, nbytes);
+                         smoe_format_name(t.format), (unsigned long long)t.nbytes, nbytes);
     t.data = data;
     for (uint32_t r = 0; r < rows; r++) smoe_dequant_row(&t, data, r, out + (size_t)r * cols);
     return SMOE_OK;

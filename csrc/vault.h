@@ -153,13 +153,15 @@ smoe_status smoe_vault_check_unchanged(const smoe_vault *v);
 /* Byte size of a tensor of this format, scale format, group size and shape (docs/vault.md
  * section 3); 0 if the combination is invalid. */
 /* A GGML block format's geometry: columns per block and bytes per block (ggml's block_size and
- * type_size); false for any other format. */
+ * type_size); false (and 0, 0) for any other format. */
 static inline bool smoe_ggml_block(uint8_t format, uint32_t *block, uint32_t *bytes) {
     uint32_t b = 32, t;
     switch (format) {
     case SMOE_FMT_GGML_F16: b = 1, t = 2; break;
     case SMOE_FMT_GGML_Q4_0: t = 18; break;
+    case SMOE_FMT_GGML_Q4_1: t = 20; break;
     case SMOE_FMT_GGML_Q5_0: t = 22; break;
+    case SMOE_FMT_GGML_Q5_1: t = 24; break;
     case SMOE_FMT_GGML_Q8_0: t = 34; break;
     case SMOE_FMT_GGML_Q2_K: b = 256, t = 84; break;
     case SMOE_FMT_GGML_Q3_K: b = 256, t = 110; break;
@@ -169,12 +171,15 @@ static inline bool smoe_ggml_block(uint8_t format, uint32_t *block, uint32_t *by
     case SMOE_FMT_GGML_IQ4_NL: t = 18; break;
     case SMOE_FMT_GGML_IQ4_XS: b = 256, t = 136; break;
     case SMOE_FMT_GGML_MXFP4: t = 17; break;
-    default: return false;
+    default: b = t = 0; break;
     }
     *block = b;
     *bytes = t;
-    return true;
+    return b != 0;
 }
+
+/* "f32", "bf16", "q8", "q4" or ggml's name of a GGML format ("Q4_K", ...); "?" for any other. */
+const char *smoe_format_name(uint8_t format);
 
 uint64_t smoe_tensor_bytes(uint8_t format, uint8_t scale_format, uint32_t group, uint32_t rows, uint32_t cols);
 

@@ -19,7 +19,9 @@ import numpy as np
 FORMATS = {
     "F16": (33, 1, 2),
     "Q4_0": (34, 32, 18),
+    "Q4_1": (35, 32, 20),
     "Q5_0": (38, 32, 22),
+    "Q5_1": (39, 32, 24),
     "Q8_0": (40, 32, 34),
     "Q2_K": (42, 256, 84),
     "Q3_K": (43, 256, 110),
@@ -94,6 +96,14 @@ def _dequant_blocks(fmt: str, b: np.ndarray) -> np.ndarray:
         return d * q.astype(_F)
     if fmt == "Q8_0":
         return b[:, 2:34].view(np.int8).astype(_F) * _f16(b[:, 0:2])
+    if fmt in ("Q4_1", "Q5_1"):
+        d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        if fmt == "Q4_1":
+            q = _nibbles(b[:, 4:20])
+        else:
+            qh = np.ascontiguousarray(b[:, 4:8]).view("<u4")
+            q = _nibbles(b[:, 8:24]) | (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)
+        return d * q.astype(_F) + m
     if fmt in ("IQ4_NL", "MXFP4"):
         if fmt == "MXFP4":
             e = b[:, 0:1].astype(np.uint32)
@@ -204,6 +214,11 @@ def random_blocks(fmt: str, rows: int, cols: int, std: float, rng: np.random.Gen
     if fmt in ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL"):
         code_std = {"Q4_0": 4.61, "Q5_0": 9.23, "Q8_0": 73.9, "IQ4_NL": 67.0}[fmt]
         b[:, 0:2] = _f16_bytes(_F(std / code_std) * jit)
+    elif fmt in ("Q4_1", "Q5_1"):  # m = −d·mean(q): zero mean
+        qmean, qstd = (7.5, 4.61) if fmt == "Q4_1" else (15.5, 9.23)
+        d = _F(std / qstd) * jit
+        b[:, 0:2] = _f16_bytes(d)
+        b[:, 2:4] = _f16_bytes(-d * _F(qmean))
     elif fmt == "MXFP4":  # a power of two per block: 2^(e − 128), kvalues std ≈ 5.6
         b[:, 0] = np.clip(128 + np.round(np.log2(std / 5.6) + (rng.random(n) - 0.5)), 2, 254).astype(np.uint8)
     elif fmt == "IQ4_XS":  # ls − 32 in 1..31 (mean 16)

@@ -9,7 +9,8 @@
 #   3. tests/c/test_kernels_neon.c (the NEON kernels against the reference, n- and split-
 #      independence), -O2 and -O3 with one checksum, under ASan + UBSan where the cross
 #      toolchain has their runtimes, and built by clang where there is one (the same checksum);
-#   4. tests/c/test_pool_sample.c and tests/c/test_streamer.c (every test name);
+#   4. tests/c/test_ggml.c (the GGML block formats' products), tests/c/test_pool_sample.c and
+#      tests/c/test_streamer.c (every test name);
 #   5. tests/c/test_paths.c: the whole engine, layer-major against token-serial bit for bit, on
 #      tiny vaults written by the host's Python (skipped, with a message, without $PY).
 #
@@ -140,10 +141,17 @@ else
     echo "skipped: no clang (the same test built by clang, compared bit for bit)"
 fi
 
+step "test_ggml: the GGML block formats' products (NEON against the reference, bit for bit), O2 and portable"
+build tg_O2 -static -O2 tests/c/test_ggml.c $KSRC
+build tg_portable -static -O2 -DSMOE_PORTABLE=1 tests/c/test_ggml.c $KSRC
+run tg_O2
+run tg_portable
+[ "$(field isa tg_O2)" = neon ] || fail "tg_O2: isa $(field isa tg_O2), expected neon"
+
 step "test_pool_sample, test_streamer"
 build tps -static -O2 tests/c/test_pool_sample.c $KSRC
 run tps
-build tst -static -O2 -DSMOE_STREAMER_TEST_HOOKS csrc/streamer.c csrc/util.c tests/c/test_streamer.c
+build tst -static -O2 -DSMOE_STREAMER_TEST_HOOKS csrc/streamer.c csrc/retention.c csrc/util.c tests/c/test_streamer.c
 mkdir -p build-tests
 for t in basic script topk_pool quota truncate verify direct stress; do
     d=$(mktemp -d build-tests/neon-streamer-XXXXXX) # on the repository's disk: O_DIRECT is tested

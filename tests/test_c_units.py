@@ -1,6 +1,7 @@
 """The kernels, the worker pool and the sampler through their C tests.
 
-tests/c/test_kernels.c, tests/c/test_kernels_neon.c, tests/c/test_pool_sample.c and
+tests/c/test_kernels.c, tests/c/test_ggml.c (the GGML block formats' products), tests/c/test_kernels_neon.c,
+tests/c/test_pool_sample.c and
 tests/c/test_checksum.c and tests/c/test_threads.c (with the whole engine, as test_paths.c) are compiled
 here with gcc against the csrc files they need (csrc/cpu's kernels, cpu.c and pool.c, csrc/engine/sample.c,
 csrc/util.c) with the engine's flags, and run. Builds:
@@ -119,6 +120,16 @@ def test_kernels(build, variant):
         for name, present in (("avx2", True), ("avx-vnni", "avx_vnni" in flags), ("avx512", has512),
                               ("avx512vnni", has512 and "avx512_vnni" in flags)):
             assert f"qx instance {name}: {'checked' if present else 'skipped'}" in out, out
+
+
+@pytest.mark.parametrize("variant", ["O2", "asan"])
+def test_ggml_kernels(build, variant):
+    """The GGML block formats' products (f32 and 8-bit activations): reference against double,
+    dispatched against the reference bit for bit (8-bit activations), batches and row cuts."""
+    out = run(build("test_ggml", variant))
+    assert "test_ggml: ok" in out and f"isa {ISA}" in out
+    if X86:  # the AVX-VNNI instance too, where the CPU has it
+        assert ("ggml qx instance avx-vnni: checked" in out) == ("avx_vnni" in _cpu_flags()), out
 
 
 @pytest.mark.skipif(not X86, reason="the AVX-512 kernels are x86-64's")

@@ -10,17 +10,20 @@
  * operation, in f32 with every product rounded (the build uses -ffp-contract=off), so the values
  * are the same bits (tests/test_ggml_formats.py). For a block whose f16 scale is inf or NaN, IEEE
  * arithmetic decides: inf·0 is NaN, inf·q is ±inf, NaN·q is NaN (the tests compare such blocks
- * with NaN equal to NaN, whatever its payload). The e8m0 scale of MXFP4 is always finite.
+ * with NaN equal to NaN, whatever its payload). The e8m0 scale of MXFP4 is always finite
+ * (2^-128 … 2^127), though 2^127·12 overflows to inf.
  *
  * For the 8-bit-activation product (kernels.h's smoe_qx; kernels_ref.c states the order), each
  * block of 32 columns is written as integers and at most two floats (gb_qx_decode):
  *     w_c ≈ σ · sub[c / 16] · q_c + μ          (q_c int8, sub int16, σ and μ f32)
  * where the integer part Σ_c sub·q_c·code_c is exact and σ is the block's own scale as
- * dequantisation computes it (d, or d·sc for the K-quants with a 6-bit scale per 32). Per type:
+ * dequantisation computes it (d, or d·sc for the K-quants with a 6-bit scale per 32; f16 values
+ * widened with a NaN quieted, gb_f16q). Per type:
  *     Q4_0  q = nibble − 8        σ = d                    Q5_0  q = 5-bit − 16   σ = d
  *     Q8_0  q = qs                σ = d                    IQ4_NL q = kvalues[nibble], σ = d
  *     MXFP4 q = kvalues_mxfp4[nibble], σ = 2^(e−128)       IQ4_XS q = kvalues[nibble], σ = d·(ls−32)
  *     Q4_K  q = nibble (0..15)    σ = d·sc   μ = −(dmin·m)  Q5_K  q = 5-bit (0..31), σ, μ as Q4_K
+ *     Q4_1  q = nibble (0..15)    σ = d      μ = m          Q5_1  q = 5-bit (0..31), σ = d, μ = m
  *     Q6_K  q = 6-bit − 32        sub = the two int8 scales of its 16-column halves, σ = d
  *     Q3_K  q = 3-bit − 4 … 3     sub = the two 6-bit scales − 32, σ = d
  * Q2_K (a min per 16 columns) and F16 have no such form: their products take f32 activations. */
@@ -46,6 +49,16 @@ static inline float gb_f16(const uint8_t *p) {
     if (exp != 0) return gb_f32_from_bits(sign | ((exp + 112u) << 23) | (man << 13));
     const float v = (float)man * 0x1p-24f; /* zero or subnormal: exact */
     return sign ? -v : v;
+}
+
+/* The same, a NaN quieted (its top mantissa bit set), as F16C's vcvtph2ps widens: the scales of
+ * the integer form below, so that vector code may widen them with it. */
+static inline float gb_f16q(const uint8_t *p) {
+    const float f = gb_f16(p);
+    if (f == f) return f;
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return gb_f32_from_bits(u | 0x00400000u);
 }
 
 /* ggml's GGML_E8M0_TO_FP32_HALF: 2^(e − 128), subnormal for e < 2 */
@@ -107,6 +120,21 @@ static inline void gb_dequant_block(uint8_t fmt, const uint8_t *src, float *out)
     case SMOE_FMT_GGML_Q8_0: {
         const float d = gb_f16(src);
         for (int j = 0; j < 32; j++) out[j] = (float)(int8_t)src[2 + j] * d;
+        return;
+    }
+    case SMOE_FMT_GGML_Q4_1:
+    case SMOE_FMT_GGML_Q5_1: {
+        const bool q5 = fmt == SMOE_FMT_GGML_Q5_1;
+        const float d = gb_f16(src), m = gb_f16(src + 2);
+        uint32_t qh = 0;
+        if (q5) memcpy(&qh, src + 4, 4);
+        const uint8_t *qs = src + (q5 ? 8 : 4);
+        for (int j = 0; j < 16; j++) {
+            const int lo = (qs[j] & 15) | (int)((qh >> j) & 1) << 4, hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+            const float dl = d * (float)lo, dh = d * (float)hi;
+            out[j] = dl + m;
+            out[j + 16] = dh + m;
+        }
         return;
     }
     case SMOE_FMT_GGML_Q2_K: {
@@ -195,7 +223,9 @@ static inline void gb_dequant_block(uint8_t fmt, const uint8_t *src, float *out)
 static inline bool gb_takes_codes(uint8_t fmt) {
     switch (fmt) {
     case SMOE_FMT_GGML_Q4_0:
+    case SMOE_FMT_GGML_Q4_1:
     case SMOE_FMT_GGML_Q5_0:
+    case SMOE_FMT_GGML_Q5_1:
     case SMOE_FMT_GGML_Q8_0:
     case SMOE_FMT_GGML_Q3_K:
     case SMOE_FMT_GGML_Q4_K:
@@ -208,8 +238,11 @@ static inline bool gb_takes_codes(uint8_t fmt) {
     return false;
 }
 
-/* Whether the format carries a min (μ ≠ 0): Q4_K, Q5_K. */
-static inline bool gb_has_min(uint8_t fmt) { return fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K; }
+/* Whether the format carries a min (μ ≠ 0): Q4_1, Q5_1, Q4_K, Q5_K (their q are non-negative). */
+static inline bool gb_has_min(uint8_t fmt) {
+    return fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K || fmt == SMOE_FMT_GGML_Q4_1 ||
+           fmt == SMOE_FMT_GGML_Q5_1;
+}
 
 /* The header's form of blocks [b0, b0 + nb) of 32 columns of a row (row: the row's first byte; b0
  * and nb multiples of 8 for the 256-column formats): q[32·i + c], sub[2·i + h], sigma[i], mu[i]
@@ -237,13 +270,27 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
                 qi[j] = (int8_t)(lo - (q5 ? 16 : 8));
                 qi[j + 16] = (int8_t)(hi - (q5 ? 16 : 8));
             }
-            sigma[i] = gb_f16(blk);
+            sigma[i] = gb_f16q(blk);
             break;
         }
         case SMOE_FMT_GGML_Q8_0:
             memcpy(qi, blk + 2, 32);
-            sigma[i] = gb_f16(blk);
+            sigma[i] = gb_f16q(blk);
             break;
+        case SMOE_FMT_GGML_Q4_1:
+        case SMOE_FMT_GGML_Q5_1: {
+            const bool q5 = fmt == SMOE_FMT_GGML_Q5_1;
+            uint32_t qh = 0;
+            if (q5) memcpy(&qh, blk + 4, 4);
+            const uint8_t *qs = blk + (q5 ? 8 : 4);
+            for (int j = 0; j < 16; j++) {
+                qi[j] = (int8_t)((qs[j] & 15) | (int)((qh >> j) & 1) << 4);
+                qi[j + 16] = (int8_t)((qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4);
+            }
+            sigma[i] = gb_f16q(blk);
+            mu[i] = gb_f16q(blk + 2);
+            break;
+        }
         case SMOE_FMT_GGML_IQ4_NL:
         case SMOE_FMT_GGML_MXFP4: {
             const bool mx = fmt == SMOE_FMT_GGML_MXFP4;
@@ -253,7 +300,7 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
                 qi[j] = kv[qs[j] & 15];
                 qi[j + 16] = kv[qs[j] >> 4];
             }
-            sigma[i] = mx ? gb_e8m0_half(blk[0]) : gb_f16(blk);
+            sigma[i] = mx ? gb_e8m0_half(blk[0]) : gb_f16q(blk);
             break;
         }
         case SMOE_FMT_GGML_IQ4_XS: {
@@ -262,7 +309,7 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
                 qi[j] = gb_kvalues_iq4nl[qs[j] & 15];
                 qi[j + 16] = gb_kvalues_iq4nl[qs[j] >> 4];
             }
-            sigma[i] = gb_f16(blk) * (float)gb_scale_iq4xs(blk, k);
+            sigma[i] = gb_f16q(blk) * (float)gb_scale_iq4xs(blk, k);
             break;
         }
         case SMOE_FMT_GGML_Q4_K:
@@ -276,8 +323,8 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
             }
             uint8_t s, m;
             gb_scale_min_k4(blk + 4, k, &s, &m);
-            sigma[i] = gb_f16(blk) * (float)s;
-            mu[i] = -(gb_f16(blk + 2) * (float)m);
+            sigma[i] = gb_f16q(blk) * (float)s;
+            mu[i] = -(gb_f16q(blk + 2) * (float)m);
             break;
         }
         case SMOE_FMT_GGML_Q6_K: {
@@ -290,7 +337,7 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
             const int8_t *sc = (const int8_t *)(const void *)(blk + 192);
             sub[2 * i] = sc[2 * k];
             sub[2 * i + 1] = sc[2 * k + 1];
-            sigma[i] = gb_f16(blk + 208);
+            sigma[i] = gb_f16q(blk + 208);
             break;
         }
         case SMOE_FMT_GGML_Q3_K: {
@@ -301,7 +348,7 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
             }
             sub[2 * i] = (int16_t)gb_scale_q3k(blk + 96, 2 * k);
             sub[2 * i + 1] = (int16_t)gb_scale_q3k(blk + 96, 2 * k + 1);
-            sigma[i] = gb_f16(blk + 108);
+            sigma[i] = gb_f16q(blk + 108);
             break;
         }
         default:

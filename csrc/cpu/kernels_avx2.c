@@ -53,6 +53,8 @@
 
 #if SMOE_HAVE_AVX2
 
+#include "ggml_blocks.h"
+
 #include <assert.h>
 #include <immintrin.h>
 #include <math.h>
@@ -416,7 +418,7 @@ INLINE __m256 qx_sigma(const uint32_t G, const float *s, uint32_t g) {
 bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
                           void *codes, float *d, float *gsum) {
     if (cols % 32 || !group_ok(group) || cols % group) return false;
-    const bool q8 = wformat == SMOE_FMT_Q8;
+    const bool q8 = wformat == SMOE_FMT_Q8, ggml = gb_takes_codes(wformat);
     const smoe_qx_size z = smoe_qx_sizes(cols, wformat, group);
     const uint32_t nu = (cols + 63) / 64, up = (uint32_t)z.d_floats / 2; /* units, and padded to 4 */
     const float tiny = 0x1p-100f;
@@ -471,6 +473,14 @@ bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols,
                     const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[j], q[j + 4]), 0xd8);
                     _mm256_storeu_si256((__m256i *)(void *)(ct + 128 * (size_t)g + 32 * j), p);
                 }
+            } else if (ggml) { /* columns 0–31 | 32–63 as int8, in order */
+                const __m256i c0 = _mm256_packs_epi32(q[0], q[1]), c1 = _mm256_packs_epi32(q[2], q[3]);
+                const __m256i c2 = _mm256_packs_epi32(q[4], q[5]), c3 = _mm256_packs_epi32(q[6], q[7]);
+                const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+                const __m256i lo = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(c0, c1), perm);
+                const __m256i hi = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(c2, c3), perm);
+                _mm256_storeu_si256((__m256i *)(void *)(ct + 64 * (size_t)g), lo);
+                _mm256_storeu_si256((__m256i *)(void *)(ct + 64 * (size_t)g + 32), hi);
             } else { /* columns 0–15, 32–47 | 16–31, 48–63 as int8 */
                 const __m256i c0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8); /* 0–15 */
                 const __m256i c1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8); /* 16–31 */
@@ -509,8 +519,39 @@ bool smoe_avx2_qx_vnni(void) {
 #endif
 }
 
+#include "kernels_avx2_ggml.h"
+
+#define GQ(name) name##_plain
+#define GQ_ATTR
+#define GQ_VNNI 0
+#include "kernels_avx2_ggml_qx.h"
+#undef GQ
+#undef GQ_ATTR
+#undef GQ_VNNI
+
+#if SMOE_HAVE_AVXVNNI
+#define GQ(name) name##_vnni
+#define GQ_ATTR __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define GQ_VNNI 1
+#include "kernels_avx2_ggml_qx.h"
+#undef GQ
+#undef GQ_ATTR
+#undef GQ_VNNI
+#endif
+
+bool smoe_avx2_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                       uint32_t r0, uint32_t r1, bool vnni) {
+#if SMOE_HAVE_AVXVNNI
+    if (vnni) return g_matmul_qx_vnni(W, w, X, n, y, ldy, r0, r1);
+#else
+    (void)vnni;
+#endif
+    return g_matmul_qx_plain(W, w, X, n, y, ldy, r0, r1);
+}
+
 bool smoe_avx2_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                               size_t ldy, uint32_t r0, uint32_t r1) {
+    if (gb_takes_codes(W->format)) return smoe_avx2_ggml_qx(W, w, X, n, y, ldy, r0, r1, smoe_avx2_qx_vnni());
 #if SMOE_HAVE_AVXVNNI
     if (smoe_avx2_qx_vnni()) return smoe_avx2_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1);
 #endif
@@ -648,6 +689,44 @@ static void f_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
     }
 }
 
+/* f_matmul's order for a GGML block format: blocks of FCB columns of RB rows dequantised
+ * (ggml_blocks.h, the reference's values) into a buffer and fed to f_block, for every n (one token
+ * too: f_block's order is f_rows_1's). */
+static void g_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
+                     size_t ldy, uint32_t r0, uint32_t r1) {
+    const uint32_t cols = W->cols;
+    uint32_t bs = 32, ts = 0;
+    smoe_ggml_block(W->format, &bs, &ts);
+    const size_t row_bytes = (size_t)(cols / bs) * ts;
+    float wb[RB][FCB]; /* (block rows, block columns) dequantised */
+    __m256 acc[TT][RB]; /* (tile tokens, block rows) */
+    for (uint32_t t0 = 0; t0 < n; t0 += TT) {
+        const uint32_t nt = n - t0 < TT ? n - t0 : TT;
+        for (uint32_t r = r0; r < r1; r += RB) {
+            const uint32_t nr = r1 - r < RB ? r1 - r : RB;
+            for (uint32_t t = 0; t < nt; t++)
+                for (uint32_t i = 0; i < RB; i++) acc[t][i] = _mm256_setzero_ps();
+            for (uint32_t c0 = 0; c0 < cols; c0 += FCB) {
+                const uint32_t nc = cols - c0 < FCB ? cols - c0 : FCB; /* a multiple of bs: FCB is of 256 */
+                const float *wr[RB];
+                for (uint32_t i = 0; i < nr; i++) {
+                    const uint8_t *blk = w + (size_t)(r + i) * row_bytes + (size_t)(c0 / bs) * ts;
+                    for (uint32_t c = 0; c < nc; c += bs, blk += ts) gb_dequant_block(W->format, blk, wb[i] + c);
+                    wr[i] = wb[i];
+                }
+                for (uint32_t tb = 0; tb < nt; tb += TB) {
+                    const uint32_t ntb = nt - tb < TB ? nt - tb : TB;
+                    const float *xt[TB];
+                    for (uint32_t j = 0; j < ntb; j++) xt[j] = x + (size_t)(t0 + tb + j) * ldx + c0;
+                    f_block_any((int)nr, (int)ntb, wr, xt, nc, acc + tb);
+                }
+            }
+            for (uint32_t t = 0; t < nt; t++)
+                for (uint32_t i = 0; i < nr; i++) y[(size_t)(t0 + t) * ldy + r + i] = hsum8(acc[t][i]);
+        }
+    }
+}
+
 bool smoe_avx2_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, size_t ldx, uint32_t n, float *y,
                            size_t ldy, uint32_t r0, uint32_t r1) {
     switch (W->format) {
@@ -660,8 +739,12 @@ bool smoe_avx2_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *
         if (!group_ok(W->group) || W->cols % W->group || W->cols > MAXC) return false;
         q_matmul(W, w, x, ldx, n, y, ldy, r0, r1);
         return true;
-    default:
-        return false;
+    default: {
+        uint32_t bs, ts;
+        if (!smoe_ggml_block(W->format, &bs, &ts)) return false;
+        g_matmul(W, w, x, ldx, n, y, ldy, r0, r1);
+        return true;
+    }
     }
 }
 

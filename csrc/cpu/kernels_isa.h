@@ -72,6 +72,10 @@ bool smoe_avx2_matmul_rows_qx_vnni(const smoe_tensor *W, const uint8_t *w, const
                                    size_t ldy, uint32_t r0, uint32_t r1);
 #endif
 bool smoe_avx2_qx_vnni(void);
+/* The GGML block formats' instance (kernels_avx2_ggml.h): plain, or AVX-VNNI where the build has
+ * it and vnni is true (the caller checks the CPU: smoe_avx2_qx_vnni); false for another format. */
+bool smoe_avx2_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                       uint32_t r0, uint32_t r1, bool vnni);
 /* The same bytes as smoe_ref_qx_prepare; false for a shape it does not take. */
 bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
                           void *codes, float *d, float *gsum);

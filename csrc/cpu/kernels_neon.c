@@ -82,6 +82,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "ggml_blocks.h"
+
 #define INLINE static inline __attribute__((always_inline))
 
 enum {
@@ -783,8 +785,66 @@ INLINE void qx_sums_neon(const uint8_t *w, const uint8_t *x, bool q8, int32_t *i
     *i1 = vaddvq_s32(b);
 }
 
+/* The GGML block formats' 8-bit-activation product with the bits of kernels_ref.c's ref_ggml_qx:
+ * per step of 8 blocks (256 columns), the row's blocks decoded once by the reference's decoder
+ * (gb_qx_decode) and multiplied by every token's codes; each block's integer sum from vmull_s8 /
+ * vmlal_high_s8 (two products per int16 lane, < 2^15) and vpaddlq_s16, exact; then the
+ * reference's float operations on 8 lanes (lane j: block 2·(j%4) + j/4 of the step). */
+static bool g_matmul_qx_neon(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                             size_t ldy, uint32_t r0, uint32_t r1) {
+    enum { GT = 32 }; /* tokens of a tile: their accumulators live on the stack */
+    const uint8_t fmt = W->format;
+    const uint32_t cols = W->cols, nb = cols / 32, steps = (nb + 7) / 8;
+    uint32_t bs = 32, ts = 0;
+    smoe_ggml_block(fmt, &bs, &ts);
+    if (cols % bs) return false;
+    const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
+    const bool has_min = gb_has_min(fmt);
+    const size_t row_bytes = (size_t)(cols / bs) * ts;
+    f8 tot[GT], bia[GT];
+    _Alignas(16) int8_t q[8 * 32];
+    int16_t sub[16];
+    float sg[8], sl[8], mu[8];
+    for (uint32_t t0 = 0; t0 < n; t0 += GT) {
+        const uint32_t nt = n - t0 < GT ? n - t0 : GT;
+        for (uint32_t r = r0; r < r1; r++) {
+            const uint8_t *row = w + (size_t)r * row_bytes;
+            for (uint32_t t = 0; t < nt; t++) tot[t] = bia[t] = f8_zero();
+            for (uint32_t k = 0; k < steps; k++) {
+                const uint32_t valid = nb - 8 * k < 8 ? nb - 8 * k : 8;
+                memset(q, 0, sizeof q);
+                memset(sub, 0, sizeof sub);
+                for (int i = 0; i < 8; i++) sg[i] = mu[i] = 0.0f;
+                gb_qx_decode(fmt, row, 8 * k, valid, q, sub, sg, mu);
+                for (int j = 0; j < 8; j++) sl[j] = sg[2 * (j % 4) + j / 4];
+                for (uint32_t t = 0; t < nt; t++) {
+                    const int8_t *ct = (const int8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes + 256 * (size_t)k;
+                    const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
+                    int32_t I[8];
+                    for (int j = 0; j < 8; j++) {
+                        const int b = 2 * (j % 4) + j / 4;
+                        const int8x16_t w0 = vld1q_s8(q + 32 * b), w1 = vld1q_s8(q + 32 * b + 16);
+                        const int8x16_t c0 = vld1q_s8(ct + 32 * b), c1 = vld1q_s8(ct + 32 * b + 16);
+                        const int16x8_t p0 = vmlal_high_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(c0)), w0, c0);
+                        const int16x8_t p1 = vmlal_high_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(c1)), w1, c1);
+                        I[j] = sub[2 * b] * vaddvq_s32(vpaddlq_s16(p0)) + sub[2 * b + 1] * vaddvq_s32(vpaddlq_s16(p1));
+                    }
+                    const f8 If = {vcvtq_f32_s32(vld1q_s32(I)), vcvtq_f32_s32(vld1q_s32(I + 4))};
+                    tot[t] = f8_fma(tot[t], If, f8_mul(f8_load(sl), f8_load(dt)));
+                    if (has_min)
+                        bia[t] = f8_fma(bia[t], f8_load(mu), f8_load(X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k));
+                }
+            }
+            for (uint32_t t = 0; t < nt; t++)
+                y[(size_t)(t0 + t) * ldy + r] = has_min ? hsum8(tot[t]) + hsum8(bia[t]) : hsum8(tot[t]);
+        }
+    }
+    return true;
+}
+
 bool smoe_neon_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                               size_t ldy, uint32_t r0, uint32_t r1) {
+    if (gb_takes_codes(W->format)) return g_matmul_qx_neon(W, w, X, n, y, ldy, r0, r1);
     const uint32_t G = W->group, cols = W->cols;
     if (!group_ok(G) || cols % G || cols > MAXC) return false;
     const bool q8 = W->format == SMOE_FMT_Q8;

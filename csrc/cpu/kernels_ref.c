@@ -356,7 +356,7 @@ void smoe_ref_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x
  * zeros after, up to a multiple of 8.
  *
  * Layout of one token's codes, per unit:
- *   q4 weights, int8:  columns 0–15, 32–47, 16–31, 48–63
+ *   q4 weights, int8:  columns 0–15, 32–47, 16–31, 48–63  (GGML formats: 0–63 in order)
  *   q8 weights, int16: columns 0–7, 32–39, 8–15, 40–47, 16–23, 48–55, 24–31, 56–63
  * — the orders in which AVX2 unpacks 64 of a row's weight codes, so that each 128-bit half of a
  * product holds one block. d, per 4 units k: d[8k + j] = d of unit 4k + j%4, block j/4.
@@ -395,7 +395,7 @@ static inline float hsum8_ref(const float l[8]) { return ((l[0] + l[4]) + (l[2] 
 
 void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
                          void *codes, float *d, float *gsum) {
-    const bool q8 = wformat == SMOE_FMT_Q8;
+    const bool q8 = wformat == SMOE_FMT_Q8, ggml = gb_takes_codes(wformat);
     const smoe_qx_size z = smoe_qx_sizes(cols, wformat, group);
     const uint32_t up = qx_units(cols), ng = cols / group;
     const float tiny = ldexpf(1.0f, QX_TINY_EXP);
@@ -424,7 +424,7 @@ void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, 
                 dt[8 * (u / 4) + u % 4 + 4 * b] = bad != 0.0f ? bad : zero ? 0.0f : m / 127.0f;
                 for (uint32_t c = 0; c < 32; c++) {
                     const int v = zero ? 0 : (int)nearbyintf(xb[c] * id);
-                    const uint32_t at = u * QX_UNIT + qx_pos(32 * b + c, q8);
+                    const uint32_t at = u * QX_UNIT + (ggml ? 32 * b + c : qx_pos(32 * b + c, q8));
                     if (q8)
                         c16[at] = (int16_t)v;
                     else
@@ -450,14 +450,15 @@ bool smoe_qx_takes(const smoe_tensor *W) {
 
 uint32_t smoe_qx_group(const smoe_tensor *W) { return gb_takes_codes(W->format) ? 32 : W->group; }
 
-/* The GGML block formats (ggml_blocks.h) take the codes of q4 weights with group 32: int8 codes in
- * the layout above, d per block of 32, gsum per block of 32. With (q, sub, σ, μ) a row's form of
- * block b (gb_qx_decode) and I_b = Σ_{h=0,1} sub_{b,h}·Σ_{c ∈ half h of block b} q_c·code_c
+/* The GGML block formats (ggml_blocks.h) take codes prepared for group 32 as q4's are, except
+ * that the int8 codes lie in plain column order (column c at byte c of the token's codes: a
+ * block's 32 codes are one 32-byte load); d and gsum as above, per block of 32. With (q, sub, σ,
+ * μ) a row's form of block b (gb_qx_decode) and I_b = Σ_{h=0,1} sub_{b,h}·Σ_{c ∈ half h of block b} q_c·code_c
  * (exact), the product for one (row, token) is
  *   tot[j] = +0;  for k = 0, 1, …:  b = 8k + 2·(j%4) + j/4   (the block whose d is d[8k + j]),
  *                                   tot[j] = fma((float)I_b, σ_b·d[8k+j], tot[j])
  *   bia[j] = +0;  for k = 0, 1, …:  bia[j] = fma(μ_{8k+j}, gsum_{8k+j}, bia[j])
- *   y = hsum8(tot) + hsum8(bia)   (Q4_K, Q5_K: the formats with a min);   y = hsum8(tot) (the rest)
+ *   y = hsum8(tot) + hsum8(bia)   (Q4_1, Q5_1, Q4_K, Q5_K: with a min);   y = hsum8(tot) (the rest)
  * A block past cols has I = σ = d = μ = gsum = 0 and adds nothing. */
 static void ref_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                         uint32_t r0, uint32_t r1) {
@@ -482,13 +483,13 @@ static void ref_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X
                 for (uint32_t i = m; i < CB; i++) sigma[i] = mu[i] = 0.0f;
                 for (uint32_t k = b0 / 8; k < (b0 + CB) / 8 && k < 2 * up / 8; k++)
                     for (uint32_t j = 0; j < 8; j++) {
-                        const uint32_t b = 8 * k + 2 * (j % 4) + j / 4, i = b - b0, u = b / 2, h = b % 2;
+                        const uint32_t b = 8 * k + 2 * (j % 4) + j / 4, i = b - b0;
                         int32_t I = 0;
                         if (b < nb)
                             for (uint32_t hh = 0; hh < 2; hh++) {
                                 int32_t part = 0;
                                 for (uint32_t c = 0; c < 16; c++)
-                                    part += (int32_t)q[32 * i + 16 * hh + c] * c8[u * QX_UNIT + qx_pos(32 * h + 16 * hh + c, false)];
+                                    part += (int32_t)q[32 * i + 16 * hh + c] * c8[32 * b + 16 * hh + c];
                                 I += (int32_t)sub[2 * i + hh] * part;
                             }
                         const float sd = sigma[i] * dt[8 * k + j];

@@ -21,6 +21,11 @@
 /* Every dense matrix the kernels read 8 columns at a time from 16-byte aligned rows. */
 static smoe_status check_tensor(const uint8_t *dense, const smoe_tensor *T, const char *what) {
     if (!T) return SMOE_OK;
+    uint32_t bs, ts;
+    if (smoe_ggml_block(T->format, &bs, &ts))
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s is stored as %s, a GGML block format, which the CUDA backend "
+                                               "has no kernels for yet (run this vault on the CPU: device \"cpu\")",
+                         what, smoe_format_name(T->format));
     uint64_t at = T->data ? (uint64_t)(T->data - dense) : T->offset;
     if (T->cols % 8 != 0 || at % 16 != 0)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s (%u × %u at offset %llu) is not a multiple of 8 columns "

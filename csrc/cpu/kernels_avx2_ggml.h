@@ -1,0 +1,184 @@
+/* kernels_avx2_ggml.h — the 8-bit-activation product for the GGML block formats on AVX2, with
+ * the bits of kernels_ref.c's ref_ggml_qx. Included once by kernels_avx2.c (its helpers: hsum8).
+ *
+ * A row is decoded 256 columns at a time into its integer form (ggml_blocks.h: q, sub, σ, μ per
+ * block of 32 columns), in registers, and multiplied by each token's codes (in column order, one
+ * 32-byte load per block): per block, the 32 products
+ * q·code come out of one vpmaddubsw (|q| against code·sign(q), pairs < 2^15) and one vpmaddwd
+ * against the block's two sub-scales (1 for most formats), which leaves 8 partial int32 sums; the
+ * 8 blocks of one step k are reduced by a vphaddd tree straight into lane order (lane j: block
+ * 8k + 2·(j%4) + j/4, the block whose d is d[8k + j]). Integer sums are exact, so that order is
+ * free; the float operations are the reference's: tot = fma((float)I, σ·d, tot) per lane, bia =
+ * fma(μ, gsum, bia), y = hsum8(tot) (+ hsum8(bia)).
+ *
+ * The decoders (g_decode8) work on vectors for every format but Q3_K, which takes gb_qx_decode,
+ * the reference's own (the same values either way: integers and the same rounded products). */
+
+
+/* 32 int8 of one block: low nibbles of 16 bytes (columns 0–15) then high nibbles (16–31) */
+INLINE __m256i g_nibbles(const uint8_t *qs) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)(const void *)qs);
+    const __m256i v = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
+    return _mm256_and_si256(v, _mm256_set1_epi8(15));
+}
+
+/* The f16 at p, p + stride, … (8 of them) widened by vcvtph2ps: gb_f16q's values */
+INLINE __m256 g_f16x8(const uint8_t *p, size_t stride) {
+    uint16_t h[8];
+    for (int i = 0; i < 8; i++) memcpy(&h[i], p + stride * (size_t)i, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)h));
+}
+
+INLINE float g_f16_1(const uint8_t *p) { return _mm256_cvtss_f32(g_f16x8(p, 0)); }
+
+/* the 8 bytes at p, p + stride, … as int32 lanes */
+INLINE __m256i g_bytes8(const uint8_t *p, size_t stride) {
+    uint8_t b[16] = {0};
+    for (int i = 0; i < 8; i++) b[i] = p[stride * (size_t)i];
+    return _mm256_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(const void *)b));
+}
+
+/* The 8 int32 sums of p[0..8) (8 lanes each), lane j the sum of p[j] */
+INLINE __m256i g_reduce8(const __m256i p[8]) {
+    const __m256i s01 = _mm256_hadd_epi32(p[0], p[1]), s23 = _mm256_hadd_epi32(p[2], p[3]);
+    const __m256i s45 = _mm256_hadd_epi32(p[4], p[5]), s67 = _mm256_hadd_epi32(p[6], p[7]);
+    const __m256i a = _mm256_hadd_epi32(s01, s23), b = _mm256_hadd_epi32(s45, s67);
+    /* a: p0..p3 halves of the low 128 bits, then of the high; b likewise for p4..p7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* Blocks [8k, 8k + 8) of a row (one 256-column block, or eight 32-column ones) in registers'
+ * reach: q (plain order, 32 per block), σ in lane order (lane j: block 2·(j%4) + j/4), μ in plain
+ * order, and for the formats with sub-scales (Q6_K, Q3_K) each block's two as a vector. The values
+ * are gb_qx_decode's. */
+INLINE void g_decode8(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i q[8], __m256 *sigl, __m256 *mu,
+                      __m256i sub[8]) {
+    const __m256i m15 = _mm256_set1_epi8(15), lane_of = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    __m256 sgv = _mm256_setzero_ps(); /* σ in plain order */
+    bool have_mu = false;
+    switch (fmt) {
+    case SMOE_FMT_GGML_Q8_0:
+        for (int i = 0; i < 8; i++)
+            q[i] = _mm256_loadu_si256((const __m256i *)(const void *)(row + 34 * (size_t)(8 * k + i) + 2));
+        sgv = g_f16x8(row + 34 * (size_t)(8 * k), 34);
+        break;
+    case SMOE_FMT_GGML_Q4_0:
+    case SMOE_FMT_GGML_IQ4_NL:
+    case SMOE_FMT_GGML_MXFP4: {
+        const bool mx = fmt == SMOE_FMT_GGML_MXFP4;
+        const uint32_t ts = mx ? 17 : 18;
+        const __m256i table = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)(const void *)(mx ? gb_kvalues_mxfp4 : gb_kvalues_iq4nl)));
+        const uint8_t *blk0 = row + ts * (size_t)(8 * k);
+        for (int i = 0; i < 8; i++) {
+            const __m256i nib = g_nibbles(blk0 + ts * i + (mx ? 1 : 2));
+            q[i] = fmt == SMOE_FMT_GGML_Q4_0 ? _mm256_sub_epi8(nib, _mm256_set1_epi8(8)) : _mm256_shuffle_epi8(table, nib);
+        }
+        if (mx) { /* 2^(e − 128): (e − 1) << 23, or 2^21 << e for e < 2 (subnormal) */
+            const __m256i e = g_bytes8(blk0, ts);
+            const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+            const __m256i sub2 = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+            sgv = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub2, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+        } else {
+            sgv = g_f16x8(blk0, ts);
+        }
+        break;
+    }
+    case SMOE_FMT_GGML_Q5_0: {
+        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                                3, 3, 3, 3, 3, 3, 3);
+        const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *blk = row + 22 * (size_t)(8 * k + i);
+            uint32_t qh;
+            memcpy(&qh, blk + 2, 4);
+            const __m256i hb = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread), bit), bit);
+            q[i] = _mm256_sub_epi8(_mm256_or_si256(g_nibbles(blk + 6), _mm256_and_si256(hb, _mm256_set1_epi8(16))),
+                                   _mm256_set1_epi8(16));
+        }
+        sgv = g_f16x8(row + 22 * (size_t)(8 * k), 22);
+        break;
+    }
+    case SMOE_FMT_GGML_IQ4_XS: {
+        const uint8_t *blk = row + 136 * (size_t)k;
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)gb_kvalues_iq4nl));
+        for (int i = 0; i < 8; i++) q[i] = _mm256_shuffle_epi8(table, g_nibbles(blk + 8 + 16 * i));
+        uint32_t lo4;
+        uint16_t hi2;
+        memcpy(&lo4, blk + 4, 4);
+        memcpy(&hi2, blk + 2, 2);
+        const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)lo4), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                            _mm256_set1_epi32(15));
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(hi2), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                            _mm256_set1_epi32(3));
+        const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+        sgv = _mm256_mul_ps(_mm256_set1_ps(g_f16_1(blk)), _mm256_cvtepi32_ps(ls));
+        break;
+    }
+    case SMOE_FMT_GGML_Q4_K:
+    case SMOE_FMT_GGML_Q5_K: {
+        const bool q5 = fmt == SMOE_FMT_GGML_Q5_K;
+        const uint8_t *blk = row + (q5 ? 176 : 144) * (size_t)k;
+        const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(const void *)(blk + 16)) : _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) { /* 32 bytes: low nibbles = block 2c, high = block 2c + 1 */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(blk + (q5 ? 48 : 16) + 32 * c));
+            q[2 * c] = _mm256_and_si256(v, m15);
+            q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+        }
+        if (q5)
+            for (int i = 0; i < 8; i++) {
+                const __m256i hb = _mm256_and_si256(_mm256_srli_epi16(qh, i), _mm256_set1_epi8(1));
+                q[i] = _mm256_or_si256(q[i], _mm256_slli_epi16(hb, 4));
+            }
+        uint32_t u[3], sc[2], mm[2]; /* gb_scale_min_k4 on four bytes at a time */
+        memcpy(u, blk + 4, 12);
+        sc[0] = u[0] & 0x3f3f3f3fu;
+        mm[0] = u[1] & 0x3f3f3f3fu;
+        sc[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+        mm[1] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+        const __m256 dd = g_f16x8(blk, 2); /* lanes: d, dmin, … */
+        const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)sc)));
+        const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)mm)));
+        sgv = _mm256_mul_ps(_mm256_permutevar8x32_ps(dd, _mm256_setzero_si256()), scf);
+        *mu = _mm256_xor_ps(_mm256_mul_ps(_mm256_permutevar8x32_ps(dd, _mm256_set1_epi32(1)), mf), _mm256_set1_ps(-0.0f));
+        have_mu = true;
+        break;
+    }
+    case SMOE_FMT_GGML_Q6_K: {
+        const uint8_t *blk = row + 210 * (size_t)k;
+        const __m256i m3 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+        for (int half = 0; half < 2; half++) {
+            const uint8_t *ql = blk + 64 * half, *qh = blk + 128 + 32 * half;
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(const void *)ql);        /* columns 0–31, 64–95 */
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(const void *)(ql + 32)); /* 32–63, 96–127 */
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(const void *)qh);
+            const __m256i lo[4] = {_mm256_and_si256(l0, m15), _mm256_and_si256(l1, m15),
+                                   _mm256_and_si256(_mm256_srli_epi16(l0, 4), m15),
+                                   _mm256_and_si256(_mm256_srli_epi16(l1, 4), m15)};
+            for (int j = 0; j < 4; j++) { /* columns 32j..32j+32 of the half: high bits 2j, 2j+1 of qh */
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h, 2 * j), m3);
+                q[4 * half + j] = _mm256_sub_epi8(_mm256_or_si256(lo[j], _mm256_slli_epi16(hi, 4)), off);
+            }
+        }
+        const int8_t *sc = (const int8_t *)(const void *)(blk + 192);
+        for (int i = 0; i < 8; i++) sub[i] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * i + 1]), _mm_set1_epi16(sc[2 * i]));
+        sgv = _mm256_set1_ps(g_f16_1(blk + 208));
+        break;
+    }
+    default: { /* Q3_K, Q4_1, Q5_1: the reference's decoder */
+        int8_t qb[8 * 32];
+        int16_t sb[16];
+        float sg[8], m[8];
+        gb_qx_decode(fmt, row, 8 * k, 8, qb, sb, sg, m);
+        for (int i = 0; i < 8; i++) {
+            q[i] = _mm256_loadu_si256((const __m256i *)(const void *)(qb + 32 * i));
+            sub[i] = _mm256_set_m128i(_mm_set1_epi16(sb[2 * i + 1]), _mm_set1_epi16(sb[2 * i]));
+        }
+        sgv = _mm256_loadu_ps(sg);
+        *mu = _mm256_loadu_ps(m);
+        have_mu = true;
+    }
+    }
+    *sigl = _mm256_permutevar8x32_ps(sgv, lane_of);
+    if (!have_mu) *mu = _mm256_setzero_ps();
+}

@@ -1,0 +1,95 @@
+/* kernels_avx2_ggml_qx.h — the GGML formats' 8-bit-activation product (kernels_avx2_ggml.h says
+ * how), included twice by kernels_avx2.c: plain AVX2 (GQ_VNNI 0: vpmaddubsw + vpmaddwd) and
+ * AVX-VNNI (GQ_VNNI 1: one vpdpbusd per block where the format has no sub-scales), chosen at run
+ * time as the q4/q8 kernels are (smoe_avx2_qx_vnni). The same integers, so the same bits.
+ * Before including: GQ(name), GQ_ATTR, GQ_VNNI. No include guard, on purpose. */
+
+/* The 8-bit-activation product of one format (a constant after inlining): rows one at a time;
+ * per step k of 256 columns, the row's 8 blocks decoded once (g_decode8) and multiplied by every
+ * token's codes, each (row, token) with its own tot and bia, kept in tile arrays between steps. */
+GQ_ATTR INLINE void GQ(g_qx_rows)(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                      size_t ldy, uint32_t r0, uint32_t r1) {
+    const uint32_t cols = W->cols, nb = cols / 32, steps = (nb + 7) / 8;
+    uint32_t bs = 32, ts = 0;
+    smoe_ggml_block(fmt, &bs, &ts);
+    const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
+    const bool has_min = gb_has_min(fmt), has_sub = fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K;
+    const bool unsigned_q = has_min; /* Q4_1, Q5_1, Q4_K, Q5_K: codes 0..31, a valid u8 operand as they are */
+    const size_t row_bytes = (size_t)(cols / bs) * ts;
+#if !GQ_VNNI
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
+    __m256 tot[TT], bia[TT];
+    for (uint32_t t0 = 0; t0 < n; t0 += TT) {
+        const uint32_t nt = n - t0 < TT ? n - t0 : TT;
+        for (uint32_t r = r0; r < r1; r++) {
+            const uint8_t *row = w + (size_t)r * row_bytes;
+            for (uint32_t t = 0; t < nt; t++) tot[t] = bia[t] = _mm256_setzero_ps();
+            for (uint32_t k = 0; k < steps; k++) {
+                __m256i q[8], qa[8], sub[8];
+                __m256 sigl, mu;
+                const uint32_t valid = nb - 8 * k < 8 ? nb - 8 * k : 8; /* the last step of a 32-block row may be short */
+                if (valid == 8) {
+                    g_decode8(fmt, row, k, q, &sigl, &mu, sub);
+                } else { /* blocks past the row: zero (the reference's empty blocks) */
+                    int8_t qb[8 * 32] = {0};
+                    int16_t sb[16] = {0};
+                    float sg[8] = {0}, m[8] = {0};
+                    gb_qx_decode(fmt, row, 8 * k, valid, qb, sb, sg, m);
+                    for (int i = 0; i < 8; i++) {
+                        q[i] = _mm256_loadu_si256((const __m256i *)(const void *)(qb + 32 * i));
+                        sub[i] = _mm256_set_m128i(_mm_set1_epi16(sb[2 * i + 1]), _mm_set1_epi16(sb[2 * i]));
+                    }
+                    sigl = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sg), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+                    mu = _mm256_loadu_ps(m);
+                }
+                for (int i = 0; i < 8; i++) qa[i] = unsigned_q ? q[i] : _mm256_sign_epi8(q[i], q[i]);
+                for (uint32_t t = 0; t < nt; t++) {
+                    const int8_t *ct = (const int8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes + 256 * (size_t)k;
+                    const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
+                    __m256i p[8];
+                    for (int j = 0; j < 8; j++) {
+                        const int b = 2 * (j % 4) + j / 4;
+                        const __m256i cv = _mm256_loadu_si256((const __m256i *)(const void *)(ct + 32 * b));
+                        const __m256i s8 = unsigned_q ? cv : _mm256_sign_epi8(cv, q[b]);
+                        const __m256i pr = GQ_VNNI && !has_sub ? _mm256_setzero_si256() : _mm256_maddubs_epi16(qa[b], s8);
+#if GQ_VNNI
+                        p[j] = has_sub ? _mm256_madd_epi16(pr, sub[b]) : _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), qa[b], s8);
+#else
+                        p[j] = _mm256_madd_epi16(pr, has_sub ? sub[b] : ones);
+#endif
+                    }
+                    const __m256 I = _mm256_cvtepi32_ps(g_reduce8(p));
+                    tot[t] = _mm256_fmadd_ps(I, _mm256_mul_ps(sigl, _mm256_loadu_ps(dt)), tot[t]);
+                    if (has_min)
+                        bia[t] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k),
+                                                 bia[t]);
+                }
+            }
+            for (uint32_t t = 0; t < nt; t++)
+                y[(size_t)(t0 + t) * ldy + r] = has_min ? hsum8(tot[t]) + hsum8(bia[t]) : hsum8(tot[t]);
+        }
+    }
+}
+
+GQ_ATTR static bool GQ(g_matmul_qx)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                        uint32_t r0, uint32_t r1) {
+    switch (W->format) {
+#define G_CASE(f)                                                                                                      \
+    case f: GQ(g_qx_rows)(f, W, w, X, n, y, ldy, r0, r1); return true;
+        G_CASE(SMOE_FMT_GGML_Q4_0)
+        G_CASE(SMOE_FMT_GGML_Q4_1)
+        G_CASE(SMOE_FMT_GGML_Q5_0)
+        G_CASE(SMOE_FMT_GGML_Q5_1)
+        G_CASE(SMOE_FMT_GGML_Q8_0)
+        G_CASE(SMOE_FMT_GGML_Q3_K)
+        G_CASE(SMOE_FMT_GGML_Q4_K)
+        G_CASE(SMOE_FMT_GGML_Q5_K)
+        G_CASE(SMOE_FMT_GGML_Q6_K)
+        G_CASE(SMOE_FMT_GGML_IQ4_NL)
+        G_CASE(SMOE_FMT_GGML_IQ4_XS)
+        G_CASE(SMOE_FMT_GGML_MXFP4)
+#undef G_CASE
+    }
+    return false;
+}

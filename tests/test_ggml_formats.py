@@ -1,0 +1,245 @@
+"""The GGML block formats (Q4_K, Q8_0, MXFP4, ...; csrc/cpu/ggml_blocks.h, pysmoe/ggml_blocks.py):
+dequantisation bit for bit against gguf-py's gguf.quants.dequantize (hypothesis over random
+blocks where gguf is installed; golden vectors made by scripts/make_ggml_golden.py everywhere),
+in numpy and in libsmoe; vaults holding them as experts and dense tensors, run layer-major =
+token-serial bit for bit with 8-bit and with f32 activations, and against the numpy reference
+forward on the dequantised weights."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pysmoe
+from pysmoe import ggml_blocks, quant
+from pysmoe._ffi import check, ffi, lib
+from pysmoe.errors import VaultError
+
+GOLDEN = Path(__file__).parent / "data" / "ggml_golden.npz"
+FORMATS = sorted(ggml_blocks.FORMATS)
+
+try:
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+except ImportError:  # the golden vectors stand in
+    gguf_dequantize = None
+
+
+def c_dequantize(fmt: str, raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    out = np.empty((rows, cols), np.float32)
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    check(lib.smoe_dequantize(ggml_blocks.FORMATS[fmt][0], 0, 0, rows, cols, ffi.from_buffer(raw), raw.size,
+                              ffi.cast("float *", ffi.from_buffer(out))))
+    return out
+
+
+def assert_same_values(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Bit for bit, except that a NaN need only be a NaN (its payload is the hardware's)."""
+    got, want = got.reshape(-1), want.reshape(-1)
+    nan_g, nan_w = np.isnan(got), np.isnan(want)
+    assert np.array_equal(nan_g, nan_w), f"{what}: NaN at other places"
+    bad = np.flatnonzero(got[~nan_g].view(np.uint32) != want[~nan_w].view(np.uint32))
+    assert bad.size == 0, f"{what}: {bad.size} values differ, the first {got[~nan_g][bad[0]]!r} vs {want[~nan_w][bad[0]]!r}"
+
+
+def shape_of(fmt: str, nblocks: int) -> tuple[int, int]:
+    bs = ggml_blocks.FORMATS[fmt][1]
+    return nblocks, bs if bs > 1 else 32  # F16: rows of 32 one-value blocks
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_golden_dequantisation(fmt):
+    """gguf-py's values for stored blocks (inf and NaN scales among them), in numpy and in C."""
+    g = np.load(GOLDEN)
+    raw, want = g[f"{fmt}_bytes"], g[f"{fmt}_values"].view(np.float32)
+    rows, cols = want.shape
+    assert_same_values(ggml_blocks.dequantize(raw, fmt, rows, cols), want, f"{fmt} numpy")
+    assert_same_values(c_dequantize(fmt, raw, rows, cols), want, f"{fmt} libsmoe")
+    assert np.isnan(want).any() == (fmt != "MXFP4"), "the sample has no inf or NaN scale"
+
+
+@pytest.mark.skipif(gguf_dequantize is None, reason="gguf-py is not installed (the golden test stands in)")
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_dequantisation_matches_gguf(data):
+    fmt = data.draw(st.sampled_from(FORMATS), label="format")
+    ts = ggml_blocks.FORMATS[fmt][2]
+    bs = ggml_blocks.FORMATS[fmt][1]
+    rows = data.draw(st.integers(1, 3), label="rows")
+    per_row = data.draw(st.integers(1, 3), label="blocks per row") * (32 if bs == 1 else 1)
+    raw = np.frombuffer(data.draw(st.binary(min_size=rows * per_row * ts, max_size=rows * per_row * ts)), np.uint8)
+    cols = per_row * bs
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = gguf_dequantize(raw.reshape(rows, -1), GGMLQuantizationType[fmt]).reshape(rows, cols)
+    assert_same_values(ggml_blocks.dequantize(raw, fmt, rows, cols), want, f"{fmt} numpy")
+    assert_same_values(c_dequantize(fmt, raw, rows, cols), want, f"{fmt} libsmoe")
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "MXFP4"])
+def test_non_finite_scales(fmt):
+    """An inf scale gives ±inf where the code is not zero and NaN where it is (inf·0); a NaN
+    scale gives NaN: IEEE arithmetic, as gguf-py and llama.cpp compute it. (MXFP4's e8m0 scale is
+    a power of two from 2^-128 to 2^127, never inf or NaN, but 2^127·12 overflows to inf.)"""
+    rows, cols = shape_of(fmt, 2)
+    raw = ggml_blocks.random_blocks(fmt, rows, cols, 0.05, np.random.default_rng(3)).reshape(rows, -1).copy()
+    at = {"Q4_0": 0, "Q8_0": 0, "IQ4_NL": 0, "Q4_K": 0, "Q6_K": 208}.get(fmt)
+    if at is None:
+        raw[0, 0], raw[1, 0] = 255, 0  # 2^127: its products with |k| ≥ 2 overflow to ±inf
+        w = c_dequantize(fmt, raw, rows, cols)
+        assert np.isinf(w[0]).any() and not np.isnan(w).any() and np.abs(w[1]).max() < 2.0 ** -124
+        assert_same_values(w, ggml_blocks.dequantize(raw, fmt, rows, cols), fmt)
+        return
+    raw[0, at:at + 2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+    raw[1, at:at + 2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+    w = c_dequantize(fmt, raw, rows, cols)
+    assert np.isnan(w[1]).all()
+    assert (np.isinf(w[0]) | np.isnan(w[0])).all() and np.isinf(w[0]).any()
+    assert_same_values(w, ggml_blocks.dequantize(raw, fmt, rows, cols), fmt)
+
+
+def test_sizes_and_refusals():
+    assert quant.tensor_nbytes("Q4_K", 3, 512) == 3 * 2 * 144
+    assert quant.tensor_nbytes("MXFP4", 2, 64) == 2 * 2 * 17
+    with pytest.raises(ValueError, match="cols % 256"):
+        quant.tensor_nbytes("Q6_K", 1, 128)
+    with pytest.raises(ValueError, match="does not quantise"):
+        quant.quantize(np.zeros((1, 32), np.float32), "Q8_0")
+    raw = np.zeros(18, np.uint8)
+    with pytest.raises(pysmoe.SmoeError, match="invalid format"):  # cols not a multiple of the block
+        check(lib.smoe_dequantize(34, 0, 0, 1, 16, ffi.from_buffer(raw), 9, ffi.new("float[16]")))
+    with pytest.raises(pysmoe.SmoeError, match="invalid format"):  # a GGML format takes no scale format
+        check(lib.smoe_dequantize(34, 1, 0, 1, 32, ffi.from_buffer(raw), 18, ffi.new("float[32]")))
+    with pytest.raises(pysmoe.SmoeError, match="invalid format"):  # ggml_type 16 (IQ2_XXS) is not one of them
+        check(lib.smoe_dequantize(48, 0, 0, 1, 256, ffi.from_buffer(np.zeros(66, np.uint8)), 66, ffi.new("float[256]")))
+
+
+# ----------------------------------------------------------------------------------- vaults
+
+# 256 columns everywhere, so that every format fits every tensor
+SHAPE = dict(hidden_size=256, head_dim=64, moe_intermediate_size=256, intermediate_size=256, num_hidden_layers=3,
+             mlp_only_layers=[1], vocab_size=384)
+MIXES = {
+    # experts and dense tensors of the types a Q4_K_M GGUF holds, and the rest elsewhere
+    "q4km": dict(experts="Q4_K", formats={"experts.down": "Q6_K", "attention": "Q8_0", "embed": "Q6_K",
+                                          "lm_head": "Q5_K", "mlp": "Q5_0"}),
+    "mxfp4": dict(experts="MXFP4", formats={"attention": "IQ4_NL", "embed": "Q4_0", "lm_head": "Q8_0",
+                                            "mlp": "IQ4_XS", "experts.down": "Q3_K"}),
+    "f16": dict(experts="Q2_K", formats={"experts.up": "F16", "experts.down": "Q5_1", "attention": "F16",
+                                         "embed": "Q8_0", "lm_head": "Q4_1", "mlp": "Q4_K"}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MIXES))
+def ggml_vault(request, make_vault):
+    return request.param, make_vault(f"ggml_{request.param}", preset="tiny", seed=7, overrides=SHAPE,
+                                     **MIXES[request.param])
+
+
+def prefill_logits(vault, ids, prefill, activations, chunk=None):
+    with vault.session(prefill=prefill, activations=activations, context=256, chunk=chunk or 64, threads=2) as s:
+        out = [s.prefill(ids)]
+        out += [s.decode(int(np.argmax(out[-1]))) for _ in range(3)]
+        kv = [s.kv(layer) for layer in range(vault.config["num_hidden_layers"])]
+    return out, kv
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_layer_major_is_token_serial_bit_for_bit(ggml_vault, data):
+    _, path = ggml_vault
+    vault = pysmoe.open_vault(path)
+    n = data.draw(st.integers(1, 40), label="prompt length")
+    ids = data.draw(st.lists(st.integers(0, vault.config["vocab_size"] - 1), min_size=n, max_size=n), label="ids")
+    chunk = data.draw(st.integers(1, 16), label="chunk")
+    for act in ("q8", "f32"):
+        (ls, kvs), (lb, kvb) = (prefill_logits(vault, ids, "token-serial", act),
+                                prefill_logits(vault, ids, "layer-major", act, chunk))
+        for a, b in zip(ls, lb):
+            assert np.isfinite(a).all()
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"{act}: logits differ"
+        for (ka, va), (kb, vb) in zip(kvs, kvb):
+            assert np.array_equal(ka.view(np.uint32), kb.view(np.uint32)), f"{act}: K differs"
+            assert np.array_equal(va.view(np.uint32), vb.view(np.uint32)), f"{act}: V differs"
+
+
+def test_against_the_reference_forward(ggml_vault):
+    """f32 activations: the numpy reference on the dequantised weights (pysmoe/ggml_blocks.py),
+    within 1e-4 of max|logit|; 8-bit activations within 5e-2 (the quantisation of x)."""
+    from pysmoe.reference import ReferenceModel
+
+    _, path = ggml_vault
+    vault = pysmoe.open_vault(path)
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, vault.config["vocab_size"], 12)]
+    ref = ReferenceModel(path).logits(ids)[-1]
+    scale = float(np.abs(ref).max())
+    for act, tol in (("f32", 1e-4), ("q8", 5e-2)):
+        with vault.session(activations=act) as s:
+            got = s.prefill(ids)
+        err = float(np.abs(got - ref).max())
+        assert err <= tol * scale, f"{act}: max error {err:.3g}, max|logit| {scale:.3g}"
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda d: d.__setitem__(slice(42, 44), b"\x20\x00"), "group_size 32 for Q8_0 \\(must be 0\\)"),
+    (lambda d: d.__setitem__(41, 1), "scale_format 1 does not go with format Q8_0"),
+    (lambda d: d.__setitem__(slice(48, 52), (272).to_bytes(4, "little")), "Q8_0 needs cols % 32 == 0, cols is 272"),
+    (lambda d: d.__setitem__(40, 36), "unknown format 36"),
+])
+def test_the_parser_checks_ggml_descriptors(tmp_path, make_vault, edit, match):
+    """A GGML tensor has group 0, no scale format and whole blocks; ggml types pysmoe does not
+    read (36 = 32 + 4, a type ggml no longer has) are unknown formats."""
+    from test_vault_errors import dense_index, seal
+
+    path = Path(make_vault("ggml_q4km", preset="tiny", seed=7, overrides=SHAPE, **MIXES["q4km"]))
+    buf = bytearray((path / "vault.bin").read_bytes())
+    at = dense_index(buf, "layers.0.q_proj")
+    assert buf[at + 40] == 40  # Q8_0
+    desc = bytearray(buf[at:at + 64])
+    edit(desc)
+    buf[at:at + 64] = desc
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in path.iterdir():
+        (bad / f.name).write_bytes(bytes(seal(buf)) if f.name == "vault.bin" else f.read_bytes())
+    with pytest.raises(VaultError, match=match):
+        pysmoe.open_vault(bad)
+
+
+def test_verify_names_non_finite_ggml_scales(make_vault, tmp_path):
+    """pysmoe verify reports an inf or NaN f16 scale of a GGML tensor (a dense Q8_0 one and a blob's
+    Q6_K down), naming the tensor, the row and the block; the vault still opens."""
+    from pysmoe import vaultio as V
+
+    src = make_vault("ggml_q4km", preset="tiny", seed=7, overrides=SHAPE, **MIXES["q4km"])
+    nan = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
+    r = V.read_vault(src)
+    try:
+        with V.VaultWriter(tmp_path / "bad", r.config, formats=MIXES["q4km"]["formats"] | {
+                "experts": MIXES["q4km"]["experts"]}) as w:
+            for name, t in r.tensors.items():
+                raw = bytearray(r.raw(name))
+                if name == "layers.1.q_proj":  # Q8_0, 34-byte blocks: row 1, block 2
+                    at = (1 * (t.cols // 32) + 2) * 34
+                    raw[at:at + 2] = nan.tobytes()
+                w.add_dense_raw(name, raw)
+            E = r.binary_config["num_experts"]
+            for l in range(len(r.sparse)):
+                for e in range(E if r.sparse[l] else 0):
+                    raw = bytearray(r.blob(l, e))
+                    if (l, e) == (2, 5):
+                        t = next(t for t in r.expert_tensors if t.name == "down")  # Q6_K: d at 208
+                        raw[t.offset + 3 * 210 + 208:t.offset + 3 * 210 + 210] = np.frombuffer(
+                            np.float16(np.inf).tobytes(), np.uint8).tobytes()
+                    w.add_expert_raw(l, e, raw)
+    finally:
+        r.close()
+    with pysmoe.open_vault(tmp_path / "bad") as vault:
+        problems = vault.verify()
+    assert [(k, l, e) for k, l, e, _ in problems] == [("values", -1, -1), ("values", 2, 5)], problems
+    assert problems[0][3].startswith("layers.1.q_proj scales: 1 non-finite value(s) (NaN or inf), the first at row 1, block 2")
+    assert problems[1][3].startswith("down scales: 1 non-finite value(s) (NaN or inf), the first at row 3, block 0")
+    with pysmoe.open_vault(src) as good:
+        assert good.verify() == []
