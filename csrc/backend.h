@@ -109,7 +109,8 @@ typedef struct smoe_backend {
     /* The pass's ids (host array) and its first position, for embed and attend. */
     smoe_status (*stage)(void *b, const int32_t *ids, uint32_t n, uint32_t pos0);
     smoe_status (*embed)(void *b, uint32_t n); /* X rows [0, n) ← embedding rows of the staged ids */
-    /* dst rows = rmsnorm(src rows) · w (1 × hidden). */
+    /* dst rows = rmsnorm(src rows) · w (1 × the planes' width: hidden for X/XN/Y; Q or K for a
+     * QK-norm over the whole projection, dst == src). */
     smoe_status (*norm)(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *w, uint32_t n);
     /* Each out[i].out rows = src rows · out[i].Wᵀ: several products of one input in one go. */
     smoe_status (*project)(void *b, smoe_plane src, const smoe_proj *out, uint32_t n_out, uint32_t n);
@@ -123,6 +124,8 @@ typedef struct smoe_backend {
     smoe_status (*attend)(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n,
                           void *const *members);
     smoe_status (*add)(void *b, smoe_plane dst, smoe_plane src, uint32_t n); /* dst += src (hidden) */
+    /* dst rows += bias (1 × the plane's width, f32 or bf16). NULL: the backend lacks it (lacks says so). */
+    smoe_status (*bias)(void *b, smoe_plane dst, const smoe_tensor *bias, uint32_t n);
     /* dst rows = down(silu(gate(src)) · up(src)): a dense MLP. */
     smoe_status (*mlp)(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *gate, const smoe_tensor *up,
                        const smoe_tensor *down, uint32_t n);
@@ -130,6 +133,11 @@ typedef struct smoe_backend {
      * renormalised when renorm; ids (n·K, host) ← the chosen experts, best first per row; their
      * weights stay on the device for combine. */
     smoe_status (*route)(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids);
+    /* As route for router_kind 1 (vault parameters): sigmoid scores, bias (1 × experts) for
+     * the choice, group-limited top K, renormalised when renorm, × routed_scaling_factor. NULL: the
+     * backend lacks it. */
+    smoe_status (*route_grouped)(void *b, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K, bool renorm,
+                                 uint32_t n, int32_t *ids);
     /* Before the first `experts` call of a union (NULL: nothing to do). */
     smoe_status (*experts_begin)(void *b, const smoe_union *u);
     /* The union positions items[0..m): each expert's FFN (the vault's expert gate, up, down) over

@@ -548,7 +548,7 @@ static smoe_status parse_params(const uint8_t *d, uint32_t n, smoe_layout *L) {
         for (int k = 0; k < N_PARAMS; k++)
             if (!strcmp(key, PARAM_KEY[k])) id = k;
         if (id < 0)
-            return smoe_fail(SMOE_ERR_UNSUPPORTED, "this vault needs a newer pysmoe: unknown parameter '%s'", pk);
+            return smoe_fail(SMOE_ERR_VAULT, "this vault needs a newer pysmoe: unknown parameter '%s'", pk);
         if (seen[id]) return smoe_fail(SMOE_ERR_VAULT, "parameter '%s' appears twice", pk);
         seen[id] = true;
         double v = rdf64(e + PARAM_KEY_BYTES);
@@ -557,7 +557,7 @@ static smoe_status parse_params(const uint8_t *d, uint32_t n, smoe_layout *L) {
         case P_FAMILY:
             rc = param_int(pk, v, 0, 255, &m->family);
             if (rc == SMOE_OK && m->family >= SMOE_FAMILY_COUNT)
-                rc = smoe_fail(SMOE_ERR_UNSUPPORTED, "this vault needs a newer pysmoe: unknown model family %u",
+                rc = smoe_fail(SMOE_ERR_VAULT, "this vault needs a newer pysmoe: unknown model family %u",
                                m->family);
             break;
         case P_ROTARY_DIM: rc = param_int(pk, v, 2, c->head_dim, &m->rotary_dim); break;

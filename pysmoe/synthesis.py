@@ -60,6 +60,22 @@ PRESETS = {
     "a22b": dict(_COMMON, vocab_size=151936, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
                  num_key_value_heads=4, head_dim=128, intermediate_size=12288, moe_intermediate_size=1536,
                  num_experts=128, num_experts_per_tok=8, max_position_embeddings=40960),
+    # GLM-4.5 family (glm4_moe): sigmoid router with e_score_correction_bias, group-limited choice,
+    # a shared expert, the first layer dense, partial RoPE, q/k/v biases. tiny-glm for tests.
+    "tiny-glm": dict(_COMMON, model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=512,
+                     hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     intermediate_size=128, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
+                     max_position_embeddings=4096, mlp_only_layers=[0], first_k_dense_replace=1, n_shared_experts=1,
+                     n_group=4, topk_group=2, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=False,
+                     partial_rotary_factor=0.5),
+    # GLM-4.5-Air (106B total, 12B active): its config.json's shape.
+    "glm-4.5-air": dict(_COMMON, model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=151552,
+                        hidden_size=4096, num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8,
+                        head_dim=128, intermediate_size=10944, moe_intermediate_size=1408, num_experts=128,
+                        num_experts_per_tok=8, max_position_embeddings=131072, mlp_only_layers=[0],
+                        first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
+                        routed_scaling_factor=1.0, attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
+                        rms_norm_eps=1e-5),
 }
 
 EXPERT_FORMATS = ("q4", "q8", "bf16", "f32") + tuple(ggml_blocks.FORMATS)  # GGML: random blocks

@@ -927,6 +927,7 @@ def info(path) -> str:
                  f"max positions {cfg['max_position_embeddings']}",
                  f"experts    {cfg['num_experts']} x {cfg['moe_intermediate_size']}, top-{cfg['num_experts_per_tok']}"
                  f"{' (renormalised)' if cfg['norm_topk_prob'] else ''}; dense MLP {cfg['intermediate_size']}",
+                 f"recipe     {_recipe_line(v)}",
                  f"file       {_size(h.file_size)} ({h.file_size} bytes)",
                  f"dense      {_size(h.dense_bytes)} in {h.n_tensors} tensors (resident)",
                  f"blobs      {n_sparse * E} x {_size(h.blob_bytes)} = {_size(E * sum(v.layer_blob_bytes))}",
@@ -962,6 +963,39 @@ def info(path) -> str:
         return "\n".join(lines)
     finally:
         v.close()
+
+
+def _recipe_line(v: VaultFile) -> str:
+    """The family and what of its recipe differs from Qwen3-MoE's, from the parameter table."""
+    p, hd = v.params, v.binary_config["head_dim"]
+    parts = [v.family]
+    qk = int(p.get("qk_norm", QK_NORM_HEAD))
+    parts.append({QK_NORM_NONE: "no QK-norm", QK_NORM_HEAD: "QK-norm per head",
+                  QK_NORM_WHOLE: "QK-norm over the whole projection"}.get(qk, f"qk_norm {qk}"))
+    bias = int(p.get("attention_bias", 0))
+    if bias:
+        parts.append("q/k/v/o biases" if bias == 2 else "q/k/v biases")
+    rot = int(p.get("rotary_dim", hd))
+    if rot != hd:
+        parts.append(f"RoPE on {rot} of {hd} dims")
+    kind = int(p.get("router_kind", ROUTER_SOFTMAX_TOPK))
+    if kind == ROUTER_SIGMOID_GROUP:
+        g, tg = int(p.get("n_group", 1)), int(p.get("topk_group", 1))
+        groups = f", best {tg} of {g} groups" if g > 1 else ""
+        parts.append(f"sigmoid router with score bias{groups}, x{p.get('routed_scaling_factor', 1.0):g}")
+    elif kind == ROUTER_TOPK_SOFTMAX:
+        parts.append("top-k then softmax router")
+    else:
+        parts.append("softmax router")
+    shared = int(p.get("shared_intermediate_size", 0))
+    if shared:
+        parts.append(f"shared expert {shared}")
+    kinds = {k for k in v.attention_kinds if k}
+    if kinds:
+        parts.append("attention kinds " + "+".join(str(k) for k in sorted(kinds)))
+    if v.family not in RUNNABLE_FAMILIES:
+        parts.append("(this pysmoe cannot run it)")
+    return ", ".join(parts)
 
 
 def _has_chat_template(d: pathlib.Path) -> bool:

@@ -19,7 +19,7 @@ typedef struct {
     uint32_t context, chunk;
     uint32_t q_dim;        /* heads · head_dim */
     uint32_t kv_dim;       /* kv_heads · head_dim */
-    uint32_t ffn;          /* max(intermediate_size, moe_intermediate_size) */
+    uint32_t ffn;          /* max(intermediate_size, moe_intermediate_size, the shared expert's) */
     smoe_kv_dtype kv_dtype;
     size_t kv_elem;        /* bytes per element of kv_dtype */
     bool float_activations;
@@ -40,6 +40,7 @@ typedef struct {
     float *scores;   /* (threads, context) attention scratch, one row per worker */
     float *router;   /* (chunk, experts) router logits, then probabilities */
     float *topk_w;   /* (chunk, top_k) */
+    float *route_scratch; /* (experts) the grouped router's choice scores */
     float *slot_out; /* (chunk, top_k, hidden) each routed expert's output, summed in slot order */
     float *xg;       /* (chunk, hidden) the rows routed to one expert, gathered */
     float *hg;       /* (chunk, 2·ffn) gate rows then up rows of one expert / dense MLP */
@@ -75,6 +76,8 @@ smoe_status smoe_cpu_project(void *b, smoe_plane src, const smoe_proj *out, uint
 smoe_status smoe_cpu_mlp(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *gate, const smoe_tensor *up,
                          const smoe_tensor *down, uint32_t n);
 smoe_status smoe_cpu_route(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids);
+smoe_status smoe_cpu_route_grouped(void *b, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K, bool renorm,
+                                   uint32_t n, int32_t *ids);
 smoe_status smoe_cpu_experts(void *b, const smoe_union *u, const uint32_t *items, uint32_t m);
 smoe_status smoe_cpu_combine(void *b, uint32_t K, uint32_t n);
 

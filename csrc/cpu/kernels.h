@@ -63,10 +63,24 @@ void smoe_dequant_row(const smoe_tensor *W, const uint8_t *w, uint32_t row, floa
 /* out = x / sqrt(mean(x²) + eps) · weight; weight a 1 × dim tensor (f32 or bf16). out may be x. */
 void smoe_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
 
-/* Rotate-half RoPE in place on n_heads vectors of head_dim: for i < head_dim/2,
- * (x_i, x_{i+h/2}) ← (x_i·cos_i − x_{i+h/2}·sin_i, x_{i+h/2}·cos_i + x_i·sin_i).
- * cos, sin: head_dim/2 entries for this position. */
-void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, const float *cos, const float *sin);
+/* Rotate-half RoPE in place on the first rot (even, ≤ head_dim) dims of n_heads vectors of head_dim:
+ * for i < rot/2, (x_i, x_{i+rot/2}) ← (x_i·cos_i − x_{i+rot/2}·sin_i, x_{i+rot/2}·cos_i + x_i·sin_i);
+ * dims from rot on pass through. cos, sin: rot/2 entries for this position. */
+void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, uint32_t rot, const float *cos, const float *sin);
+
+/* y[i] += w[i] for i < w->cols: a bias vector (1 × cols, f32 or bf16) added to one row. */
+void smoe_add_bias(float *y, const smoe_tensor *w);
+
+enum { SMOE_MAX_GROUPS = 1024 }; /* n_group's bound: the vault's bound on experts */
+
+/* GLM-4.5 / DeepSeek-V3 routing of one row (vault router_kind 1) from its E router logits: scores
+ * s = sigmoid(logits); choice c = s + bias (1 × E, f32 or bf16); the experts in n_group groups of E/n_group,
+ * each group scored by the sum of its two largest c (n_group > 1); the topk_group best groups kept
+ * (ties: lower index); the k largest c among their experts into idx, best first (ties: lower
+ * index); val = their s, divided by (Σ val + 1e-20) if renorm, times scale. scratch: E floats. */
+void smoe_route_sigmoid_group(const float *logits, uint32_t E, const smoe_tensor *bias, uint32_t n_group,
+                              uint32_t topk_group, uint32_t k, bool renorm, float scale, int32_t *idx, float *val,
+                              float *scratch);
 
 /* One query head against positions [0, n_pos) of the cache: out = softmax(q·K/√d) · V.
  * k, v point at position 0 of this KV head, elements of kv_dtype (smoe_kv_dtype, widened to f32

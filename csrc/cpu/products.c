@@ -218,6 +218,20 @@ smoe_status smoe_cpu_route(void *b, const smoe_tensor *router, uint32_t K, bool 
     return SMOE_OK;
 }
 
+smoe_status smoe_cpu_route_grouped(void *b, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K, bool renorm,
+                                   uint32_t n, int32_t *ids) {
+    cpu_state *s = b;
+    const uint32_t E = s->cfg->num_experts;
+    const smoe_model_params *m = &s->lay->mp;
+    smoe_cpu_linear(s, SMOE_P_ROUTER, router, router->data, s->xn, n, s->router);
+    for (uint32_t t = 0; t < n; t++)
+        smoe_route_sigmoid_group(s->router + (size_t)t * E, E, bias, m->n_group, m->topk_group, K,
+                                 renorm, m->routed_scaling_factor, ids + (size_t)t * K, s->topk_w + (size_t)t * K,
+                                 s->route_scratch);
+    SMOE_PROF_LAP(SMOE_P_ROUTE);
+    return SMOE_OK;
+}
+
 /* ------------------------------------------------------------------------------------ experts */
 
 /* Applies union position p (weights at blob) to every (token, slot) routed to it. */

@@ -170,7 +170,9 @@ smoe_status smoe_moe_step(smoe_session *s, uint32_t l, uint32_t n, smoe_session 
         m->deferred[l] = true;
         return smoe_be_status(s, be->moe_resident(b, l, L->router, K, renorm, n));
     }
-    if ((st = smoe_be_status(s, be->route(b, L->router, K, renorm, n, m->ids))) != SMOE_OK) return st;
+    st = L->router_bias ? be->route_grouped(b, L->router, L->router_bias, K, renorm, n, m->ids)
+                        : be->route(b, L->router, K, renorm, n, m->ids);
+    if ((st = smoe_be_status(s, st)) != SMOE_OK) return st;
 
     uint32_t size = 0, next = 0;
     st = form_union(s, l, n, owners, &size, &next);

@@ -179,8 +179,9 @@ static void *plane(smoe_session *s, size_t count, size_t elem, bool *ok) {
 }
 
 static void build_rope(smoe_session *s) {
-    /* As transformers computes it, in float32: inv_freq = 1 / θ^(2i/d), angle = pos · inv_freq. */
-    uint32_t d = s->cfg.head_dim, half = d / 2;
+    /* As transformers computes it, in float32: inv_freq = 1 / θ^(2i/d), angle = pos · inv_freq,
+     * over the d = rotary_dim leading dims of a head (all of it but for partial RoPE). */
+    uint32_t d = s->lay->mp.rotary_dim, half = d / 2;
     for (uint32_t i = 0; i < half; i++) {
         float inv = 1.0f / powf((float)s->cfg.rope_theta, (float)(2 * i) / (float)d);
         for (uint32_t p = 0; p < s->params.context; p++) {
@@ -199,8 +200,8 @@ static smoe_status engine_planes(smoe_session *s) {
     smoe_moe_state *m = &s->moe;
     bool ok = true;
     s->history = plane(s, s->params.context, sizeof(int32_t), &ok);
-    s->rope_cos = plane(s, (size_t)s->params.context * (c->head_dim / 2), sizeof(float), &ok);
-    s->rope_sin = plane(s, (size_t)s->params.context * (c->head_dim / 2), sizeof(float), &ok);
+    s->rope_cos = plane(s, (size_t)s->params.context * (s->lay->mp.rotary_dim / 2), sizeof(float), &ok);
+    s->rope_sin = plane(s, (size_t)s->params.context * (s->lay->mp.rotary_dim / 2), sizeof(float), &ok);
     s->sample_f = plane(s, V, sizeof(float), &ok);
     s->sample_i = plane(s, V, sizeof(int32_t), &ok);
     s->sampler.counts = plane(s, V, sizeof(uint32_t), &ok);

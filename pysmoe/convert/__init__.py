@@ -230,13 +230,14 @@ class _MlxJob:
                             module, current.format, fmt)
             if fmt is None or quant.is_quantized(current.format):
                 return current
-            dtype = _SCALE_OF.get(ckpt.tensors[module + ".weight"].dtype, "f32")
+            dtype = _SCALE_OF.get(ckpt.tensors[module + ".weight"].dtype, "f32") if module + ".weight" in ckpt \
+                else "f32"
             return TensorFormat(fmt, group, scale_dtype or dtype)
 
         for name, e in list(p.dense.items()):
             p.dense[name] = replace(e, fmt=asked(floats.get(role_of(name)), e.fmt, e.module))
         for part in p.experts:
-            module = f"model.layers.{p.sparse[0]}.mlp.switch_mlp.{part}_proj"
+            module = mlx.switch_module(p.config, p.sparse[0], part)
             p.experts[part] = asked(floats.get("experts"), p.experts[part], module)
         self.formats = p.formats()
         self.config = p.config
@@ -244,10 +245,10 @@ class _MlxJob:
         self.total = sum(e.nbytes for e in p.dense.values())
         for l in p.sparse:
             for part in ("gate", "up", "down"):
-                t = ckpt.tensors[f"model.layers.{l}.mlp.switch_mlp.{part}_proj.weight"]
+                t = ckpt.tensors[f"{mlx.switch_module(p.config, l, part)}.weight"]
                 self.total += t.nbytes
                 for k in ("scales", "biases"):
-                    n = f"model.layers.{l}.mlp.switch_mlp.{part}_proj.{k}"
+                    n = f"{mlx.switch_module(p.config, l, part)}.{k}"
                     self.total += ckpt.tensors[n].nbytes if n in ckpt else 0
         self._per_expert = self.total - sum(e.nbytes for e in p.dense.values())
         self._per_expert //= max(1, E * len(p.sparse))
@@ -268,7 +269,7 @@ class _MlxJob:
         for l in p.sparse:
             entries = {}
             for part, (rows, cols) in shapes.items():
-                module = f"model.layers.{l}.mlp.switch_mlp.{part}_proj"
+                module = mlx.switch_module(cfg, l, part)
                 stored = mlx.Entry(module, rows, cols, p.experts[part],
                                    f"{module}.scales" in self.ckpt, 0)
                 entries[part] = stored
