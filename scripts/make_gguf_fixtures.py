@@ -15,6 +15,7 @@ Each fixture is a tiny random Qwen3MoeForCausalLM (tests/hf_models.py, transform
     tiny-f32.gguf        hidden 64: every tensor F32 (the oracle test's exact case)
     tiny-q8_0.gguf       hidden 64: Q8_0 matrices, F32 norms and router
     tiny-q4_0.gguf       hidden 64: Q4_0 (llama.cpp keeps a few tensors in other types)
+    olmoe-q8_0.gguf      an OLMoE (llama.cpp's `olmoe`), hidden 64: Q8_0
     k256-q4_k_m.gguf     hidden 256: Q4_K_M, llama.cpp's mix (Q4_K, Q6_K, and where a row of 128
                          is too short for a 256-block, its fallbacks Q5_0/Q8_0, per layer)
     k256-iq4_xs.gguf     hidden 256: IQ4_XS (IQ4_NL where rows are 128)
@@ -48,6 +49,11 @@ SMALL = dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=96, num
 K256 = dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256, num_experts=4,
             num_attention_heads=2, num_key_value_heads=1, head_dim=64)
 
+# OLMoE (llama.cpp's `olmoe`): QK-norm over the whole projection, top-k weights not renormalised.
+# convert_hf_to_gguf.py writes rms_norm_eps 1e-5 for it whatever the config says: so does this.
+OLMOE = dict(model="olmoe", hidden_size=64, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+
 FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself)
     "tiny-f32": (SMALL, None),
     "tiny-q8_0": (SMALL, "Q8_0"),
@@ -55,6 +61,7 @@ FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself
     "k256-q4_k_m": (K256, "Q4_K_M"),
     "k256-iq4_xs": (K256, "IQ4_XS"),
     "k256-q5_k_m": (K256, "Q5_K_M"),
+    "olmoe-q8_0": (OLMOE, "Q8_0"),
 }
 
 # Text for the tokenizer check: prose, code, digits, whitespace runs, CRLF, contractions in
@@ -152,7 +159,29 @@ c.main()
 def hf_checkpoint(work: Path, shape: dict, seed: int) -> Path:
     from hf_models import make_hf_model
 
+    shape = dict(shape)
+    if shape.pop("model", "qwen3_moe") == "olmoe":
+        return olmoe_checkpoint(work, shape, seed)
     path, _ = make_hf_model(work, seed=seed, **shape)
+    return path
+
+
+def olmoe_checkpoint(work: Path, shape: dict, seed: int) -> Path:
+    """A random OlmoeForCausalLM saved by save_pretrained (hf_models' weight draw), with a tokenizer."""
+    import torch
+    from hf_models import BASE_CONFIG, randomize, write_tokenizer
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    keys = ("vocab_size", "num_hidden_layers", "max_position_embeddings", "tie_word_embeddings")
+    kw = {**{k: BASE_CONFIG[k] for k in keys}, **shape}
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    torch.manual_seed(seed)
+    model = OlmoeForCausalLM(OlmoeConfig(**kw)).float().eval()
+    randomize(model, seed)
+    path = Path(work) / "hf"
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, model.config.vocab_size)
     return path
 
 

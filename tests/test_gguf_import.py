@@ -66,12 +66,17 @@ def test_config_is_the_checkpoints(name, vaults):
     from make_gguf_fixtures import FIXTURES as MADE
     from hf_models import BASE_CONFIG
 
-    want = {**BASE_CONFIG, **MADE[name][0]}
+    shape = dict(MADE[name][0])
+    family = shape.pop("model", "qwen3_moe")
+    want = {**BASE_CONFIG, **shape}
+    if family == "olmoe":  # its expert width is intermediate_size; it never renormalises
+        want.update(moe_intermediate_size=shape["intermediate_size"], norm_topk_prob=False,
+                    head_dim=shape["hidden_size"] // shape["num_attention_heads"])
     p = plan(GGUFModel(DATA / f"{name}.gguf"), check_types=False)
     for k, v in want.items():
         assert p.config[k] == v, k
     assert p.config["rope_theta"] == 10000.0
-    assert p.config["model_type"] == "qwen3_moe"
+    assert p.config["model_type"] == family
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -129,12 +134,21 @@ def _dequantised_hf_model(path: Path, cfg: dict):
     """transformers' Qwen3MoeForCausalLM holding the GGUF's weights as gguf-py dequantises them."""
     import torch
     from hf_models import make_config
-    from transformers import Qwen3MoeForCausalLM
 
     keys = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok",
             "max_position_embeddings", "rms_norm_eps", "norm_topk_prob", "tie_word_embeddings", "rope_theta")
-    model = Qwen3MoeForCausalLM(make_config(**{k: cfg[k] for k in keys})).float().eval()
+    if cfg["model_type"] == "olmoe":
+        from transformers import OlmoeConfig, OlmoeForCausalLM
+        kw = {k: cfg[k] for k in keys if k not in ("moe_intermediate_size", "head_dim", "rope_theta")}
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+        config = OlmoeConfig(**kw)
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
+        model = OlmoeForCausalLM(config).float().eval()
+    else:
+        from transformers import Qwen3MoeForCausalLM
+        model = Qwen3MoeForCausalLM(make_config(**{k: cfg[k] for k in keys})).float().eval()
     r = gguf.GGUFReader(path)
     w = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32) for t in r.tensors}
     hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",

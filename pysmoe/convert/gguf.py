@@ -83,9 +83,19 @@ FAMILIES = {
         fixed={"norm_topk_prob": True, "decoder_sparse_step": 1},
         layer_tensors=_QWEN3_LAYER),
 }
-# The other families pysmoe runs come as one entry each once their recipes land in the engine:
-# llama.cpp's qwen35moe / qwen3next, gpt-oss, glm4moe, llama (Mixtral: its q/k rows permuted for
-# llama.cpp's interleaved RoPE, to be undone row by row) and olmoe.
+FAMILIES["olmoe"] = Family(
+    arch="olmoe", model_type="olmoe", architectures=("OlmoeForCausalLM",),
+    # llama.cpp's olmoe has no expert_feed_forward_length: feed_forward_length is the expert's width
+    config={**{k: v for k, v in FAMILIES["qwen3moe"].config.items() if k != "moe_intermediate_size"},
+            "moe_intermediate_size": "feed_forward_length"},
+    optional=FAMILIES["qwen3moe"].optional,
+    # its graph never renormalises the top-k weights; its QK-norm spans the whole projection
+    # (the vault's olmoe recipe: the norms' shapes say so)
+    fixed={"norm_topk_prob": False, "decoder_sparse_step": 1},
+    layer_tensors=_QWEN3_LAYER)
+# The other families pysmoe runs come as one entry each: llama.cpp's glm4moe, llama (Mixtral: its
+# q/k rows are permuted for llama.cpp's interleaved RoPE and must be un-permuted row by row, which
+# a block type allows losslessly), and qwen35moe / qwen3next and gpt-oss once their recipes land.
 
 
 # ------------------------------------------------------------------------------------ reading
