@@ -383,3 +383,16 @@ def test_a_truncated_file_is_refused(tmp_path):
         with pytest.raises(ConvertError, match="truncated|not a readable GGUF"):
             convert_checkpoint(f, tmp_path / "v", progress=False)
     assert not (tmp_path / "v").exists()
+
+
+def test_info_names_every_layers_expert_types(vaults, capsys):
+    """`pysmoe info` on an imported Q4_K_M lists ffn_down's type in every layer (Q5_0 in layers
+    0-1, Q8_0 in 2-3 in the fixture: llama.cpp's fallbacks for rows of 128)."""
+    from pysmoe.vaultio import info
+
+    d = _vault(vaults, "k256-q4_k_m")
+    downs = {t.tensor_type.name for t in gguf.GGUFReader(DATA / "k256-q4_k_m.gguf").tensors
+             if "ffn_down_exps" in t.name}
+    assert len(downs) > 1
+    line = next(x for x in info(d).splitlines() if x.startswith("experts") and "down" in x)
+    assert set(line.split("down ")[1].split(",")[0].split("+")) == downs
