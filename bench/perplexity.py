@@ -1,6 +1,7 @@
 """Held-out perplexity of the trained demo model through every numeric path (issue 14).
 
     .venv/bin/python bench/perplexity.py --hf build/demo-hf --json bench/results/perplexity.json
+    .venv/bin/python bench/perplexity.py --gguf Q4_K_M Q8_0 F32     # GGUF import (issue 27), below
 
 --hf is the float32 checkpoint scripts/train_demo.py wrote (the trained weights before any
 quantisation). Without it the f32 model is regenerated from the shipped demo vault
@@ -20,6 +21,12 @@ differ only by their numerics:
   of the default vault (experts requantised to Q4_0, dense Q8_0).
 
 Rows whose package is missing are left out and named.
+
+`--gguf FTYPE...` scores something else: the demo written as an F32 GGUF (export_gguf.py) and
+quantised by llama.cpp's own quantiser to each llama_ftype named (Q4_K_M, Q8_0, ...), then run by
+llama.cpp and by pysmoe on its import of the very same file (`pysmoe convert FILE.gguf`: GGML
+types as stored), both activation modes; it also checks that the imported tokenizer gives
+llama.cpp's ids on the held-out text, and compares greedy continuations (`gguf_table`).
 
 The scoring is in the functions below, which tests/test_quality.py also uses:
 
