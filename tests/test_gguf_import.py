@@ -396,3 +396,22 @@ def test_info_names_every_layers_expert_types(vaults, capsys):
     assert len(downs) > 1
     line = next(x for x in info(d).splitlines() if x.startswith("experts") and "down" in x)
     assert set(line.split("down ")[1].split(",")[0].split("+")) == downs
+
+
+def test_corrupt_headers_give_a_convert_error_or_a_vault(tmp_path):
+    """Bytes changed at random in the header, metadata and tensor table of a llama.cpp file:
+    every attempt either converts or raises ConvertError (never another exception), and a failed
+    one leaves nothing behind."""
+    data = (DATA / "tiny-q8_0.gguf").read_bytes()
+    rng = np.random.default_rng(7)
+    f = tmp_path / "x.gguf"
+    for i in range(60):
+        b = bytearray(data)
+        for _ in range(int(rng.integers(1, 4))):
+            b[int(rng.integers(0, 12000))] = int(rng.integers(0, 256))
+        f.write_bytes(bytes(b))
+        out = tmp_path / f"v{i}"
+        try:
+            convert_checkpoint(f, out, progress=False)
+        except ConvertError:
+            assert not out.exists()

@@ -129,6 +129,13 @@ def split_paths(path: Path) -> list[Path]:
     return paths
 
 
+def _text(field, i) -> str:
+    try:
+        return bytes(field.parts[i]).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConvertError(f"metadata {field.name}: a string that is not UTF-8 ({exc.reason})") from None
+
+
 def _field_value(field):
     """A metadata field as a Python value (str, int, float, bool, list)."""
     gguf = _gguf()
@@ -136,10 +143,10 @@ def _field_value(field):
     if t == gguf.GGUFValueType.ARRAY:
         sub = field.types[1] if len(field.types) > 1 else None
         if sub == gguf.GGUFValueType.STRING:
-            return [bytes(field.parts[i]).decode("utf-8", errors="surrogateescape") for i in field.data]
+            return [_text(field, i) for i in field.data]
         return [field.parts[i].tolist()[0] for i in field.data]
     if t == gguf.GGUFValueType.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="surrogateescape")
+        return _text(field, field.data[0])
     v = field.parts[field.data[0]].tolist()[0]
     return bool(v) if t == gguf.GGUFValueType.BOOL else v
 
