@@ -1081,10 +1081,16 @@ def info(path) -> str:
         for t in v.tensors.values():
             roles.setdefault(role_of(t.name), set()).add(fmt(t))
         if n_sparse:
-            roles["experts"] = {fmt(t) for t in v.expert_tensors}
+            roles["experts"] = {fmt(t) for x in v.layer_expert_tensors for t in x}
         lines.append("formats    " + ", ".join(f"{r} {'+'.join(sorted(roles[r]))}" for r in ROLES if r in roles))
-        if n_sparse and len({fmt(t) for t in v.expert_tensors}) > 1:
-            lines.append("experts    " + ", ".join(f"{t.name} {fmt(t)}" for t in v.expert_tensors))
+        if n_sparse and len(roles["experts"]) > 1:
+            # per part, the formats of every layer (a GGUF mix changes them from layer to layer)
+            by_part: dict[str, list] = {}
+            for x in v.layer_expert_tensors:
+                for t in x:
+                    if fmt(t) not in by_part.setdefault(t.name, []):
+                        by_part[t.name].append(fmt(t))
+            lines.append("experts    " + ", ".join(f"{n} {'+'.join(f)}" for n, f in by_part.items()))
         src = v.dir / "source.json"
         if src.exists():
             try:
