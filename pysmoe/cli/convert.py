@@ -10,7 +10,8 @@ def add_parser(p, name: str = "convert") -> None:
     from ..convert import FORMATS
     p.description = ("Convert a checkpoint into a vault: an MLX checkpoint (mlx_lm convert, "
                      "mlx-community; quantised tensors copied as stored) or a Hugging Face "
-                     "Qwen3-MoE checkpoint of floats (quantised with MLX's quantiser). No torch needed.")
+                     "checkpoint of floats (quantised with MLX's quantiser): Qwen3-MoE, Mixtral, OLMoE or "
+                     "GLM-4.5/4.6/Air (docs/families.md). No torch needed.")
     p.add_argument("src", metavar="SRC", help="checkpoint directory (config.json, *.safetensors)")
     p.add_argument("out", metavar="OUT", type=vault_out, help="vault directory to write (empty or new, unless --force)")
     p.add_argument("--experts", choices=FORMATS, help="expert format (default: q4 for a float checkpoint; "
