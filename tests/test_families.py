@@ -227,3 +227,26 @@ def test_glm_synth_presets_and_info(tiny_glm_vault):
     assert air.sparse == (False, True, True)
     assert air.tensors["layers.1.shared.gate_proj"].rows == 1408 and air.tensors["layers.0.mlp.gate_proj"].rows == 10944
     assert air.tensors["layers.1.q_proj"].rows == 96 * 128 and air.tensors["layers.2.router.bias"].cols == 128
+
+
+def test_layers_with_blobs_of_their_own_layout(make_vault, tmp_path):
+    """Vault v3's per-layer blob layout: layer 1's down in f32 (a 32 KiB blob), the others q4
+    (16 KiB). The streamer reads each layer's own length, verify checks it, both prefill paths
+    agree bit for bit, and the engine (f32 activations) matches the numpy reference."""
+    from pysmoe import vaultio as V
+
+    path = make_vault("mixed_layers", preset="tiny", seed=2, formats={"layers.1.experts.down": "f32"})
+    v = V.read_vault(path)
+    assert v.layer_blob_bytes == [16384, 32768, 0, 16384] and v.header.blob_bytes == 32768
+    assert [t.format for t in v.layer_expert_tensors[1]] == ["q4", "q4", "f32"]
+    assert v.verify() == []
+    ids = list(range(5, 60, 3))
+    with pysmoe.open_vault(path) as pv:
+        pv.verify()
+        for budget in (0, pv.expert_bytes * 2):
+            assert_identical(run_path(pv, ids, "token-serial", cache_bytes=budget),
+                             run_path(pv, ids, "layer-major", chunk=5, threads=2, cache_bytes=budget))
+        with pv.session(activations="f32") as s:
+            got = s.prefill(ids)
+    want = ReferenceModel(path).logits(ids)[-1]
+    assert float(np.max(np.abs(got - want)) / np.max(np.abs(want))) <= TOL
