@@ -261,3 +261,24 @@ def test_cuda_refuses_the_families_it_lacks(tiny_glm_vault):
         if "cannot run this glm4_moe vault" not in str(e.value):
             pytest.skip(f"no CUDA in this build: {e.value}")
         assert "the cuda backend cannot run this glm4_moe vault: it lacks " in str(e.value)
+
+
+def test_decode_batch_on_a_glm_vault_is_bit_identical_to_one_at_a_time(tiny_glm_vault):
+    """smoe_decode_batch runs the GLM recipe (biases, grouped router, shared expert, partial RoPE)
+    on every session's row in one pass: each row gets the bits it gets decoding alone."""
+    prompts = [[5, 9, 200], [7], [11, 12, 13, 14, 15, 16]]
+    with pysmoe.open_vault(tiny_glm_vault) as v:
+        first = v.session(threads=2, context=48, chunk=8)
+        batch = [first] + [v.session(share_cache=first, context=48, chunk=8) for _ in prompts[1:]]
+        alone = [v.session(threads=1, context=48, chunk=8) for _ in prompts]
+        try:
+            for b, a, p in zip(batch, alone, prompts):
+                assert np.array_equal(b.prefill(p).view(np.uint32), a.prefill(p).view(np.uint32))
+            for step in range(4):
+                toks = [(31 * step + 7 * i) % 500 for i in range(len(prompts))]
+                got = pysmoe.decode_batch(batch, toks)
+                for a, t, g in zip(alone, toks, got):
+                    assert np.array_equal(np.asarray(g).view(np.uint32), a.decode(t).view(np.uint32))
+        finally:
+            for s in batch + alone:
+                s.close()

@@ -38,8 +38,8 @@ static void cpu_session_free(void *b) {
     cpu_state *c = b;
     if (!c) return;
     void *bufs[] = {c->ids, c->k_cache, c->v_cache, c->x, c->xn, c->q, c->k, c->v, c->att, c->yg, c->scores,
-                    c->router, c->topk_w, c->route_scratch, c->slot_out, c->xg, c->hg, c->h, c->qx_codes, c->qx_d, c->qx_gsum,
-                    c->logits};
+                    c->router, c->topk_w, c->route_scratch, c->slot_out, c->xg, c->hg, c->h, c->qx_codes,
+                    c->qx_d, c->qx_gsum, c->logits};
     for (size_t i = sizeof bufs / sizeof bufs[0]; i-- > 0;) smoe_free(bufs[i]);
     smoe_free(c);
 }
