@@ -223,8 +223,12 @@ fuzz: lib $(VENV)/.stamp-base $(FUZZ_DRIVER)
 	# a seed this library cannot open (missing, or an older vault format) is made anew
 	$(PY) -c "import pysmoe; pysmoe.open_vault('$(BUILD)/fuzz-seed').close()" 2>/dev/null || \
 	  $(PY) -m pysmoe synth $(BUILD)/fuzz-seed --preset tiny --force
-	$(FUZZ_DRIVER) $(FUZZ_ITERS) $(FUZZ_OUT) $(BUILD)/fuzz-seed/vault.bin
+	# and a vault of another family (vault v3's parameters, biases, shared experts: GLM-4.5's recipe)
+	$(PY) -c "import pysmoe; pysmoe.open_vault('$(BUILD)/fuzz-seed-glm').close()" 2>/dev/null || \
+	  $(PY) -m pysmoe synth $(BUILD)/fuzz-seed-glm --preset tiny-glm --force
+	$(FUZZ_DRIVER) $(FUZZ_ITERS) $(FUZZ_OUT) $(BUILD)/fuzz-seed/vault.bin $(BUILD)/fuzz-seed-glm/vault.bin
 	PYTHONPATH=$(CURDIR) $(PY) tests/fuzz_vaultio.py $$(( $(FUZZ_ITERS) / 20 )) $(BUILD)/fuzz-seed $(FUZZ_OUT)
+	PYTHONPATH=$(CURDIR) $(PY) tests/fuzz_vaultio.py $$(( $(FUZZ_ITERS) / 20 )) $(BUILD)/fuzz-seed-glm $(FUZZ_OUT)
 
 # Not part of `make test`: it needs a cross compiler and qemu-user (apt), which CI does not install.
 neon-check:

@@ -117,9 +117,11 @@ class DirectReader:
         vf = VaultFile(vault_dir)
         try:
             E = vf.binary_config["num_experts"]
-            self.blob_bytes = int(vf.header.blob_bytes)
+            self.blob_bytes = int(vf.header.blob_bytes)  # the largest layer's
             self.offsets = np.array([int(o) for i, o in enumerate(vf.blob_offsets) if vf.sparse[i // E]],
                                     dtype=np.int64)
+            self.sizes = np.array([vf.layer_blob_bytes[i // E] for i in range(len(vf.blob_offsets))
+                                   if vf.sparse[i // E]], dtype=np.int64)  # each blob's own length
             self.path = pathlib.Path(vf.path)
         finally:
             vf.close()
@@ -155,8 +157,8 @@ class DirectReader:
         n_blobs = max(1, min(int(n_blobs), len(self.offsets)))
         rng = np.random.default_rng([seed, self._calls])
         self._calls += 1
-        offs = self.offsets[rng.choice(len(self.offsets), n_blobs, replace=False)].tolist()
-        r = self.read_requests([(o, self.blob_bytes) for o in offs], self.io_threads)
+        pick = rng.choice(len(self.offsets), n_blobs, replace=False)
+        r = self.read_requests([(int(self.offsets[i]), int(self.sizes[i])) for i in pick], self.io_threads)
         del r["requests"]
         return {**r, "blobs": n_blobs}
 

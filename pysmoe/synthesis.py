@@ -570,16 +570,25 @@ def _random_codes(out: np.ndarray, t, std: float, rng: np.random.Generator, scal
     out[boff:boff + 2 * groups] = b_bits.astype("<u2").view(np.uint8)
 
 
-def _coded_blob(writer: VaultWriter, rng: np.random.Generator, stds, zero_down_rows: int = 0) -> np.ndarray:
-    """One q4 or q8 expert blob of random codes (the first zero_down_rows rows of down zero;
-    gpt-oss's expert biases, after the matrices, zero)."""
-    end = writer.layout.expert[-1]
-    blob = np.zeros(end.offset + end.nbytes, dtype=np.uint8)
-    for t, std in zip(writer.layout.expert, stds):
-        _random_codes(blob[t.offset:t.offset + t.nbytes], t, std, rng, writer.scale_dtype)
-    if zero_down_rows:
-        down = writer.layout.expert[2]
-        _zero_leading_rows(blob[down.offset:down.offset + down.nbytes], down, zero_down_rows)
+def _coded_blob(writer: VaultWriter, rng: np.random.Generator, stds, zero_down_rows: int = 0,
+                layer: int | None = None) -> np.ndarray:
+    """One expert blob laid out as layer's (the first sparse layer's when None): random codes for
+    its q4/q8/GGML tensors, random floats for the others (the first zero_down_rows rows of down
+    zero); gpt-oss's expert biases, after the matrices, zero."""
+    x = writer.layout.expert if layer is None else writer.layout.layer_expert[layer]
+    last = x[-1]
+    blob = np.zeros(last.offset + last.nbytes, dtype=np.uint8)
+    for i, (t, std) in enumerate(zip(x, stds)):
+        part = blob[t.offset:t.offset + t.nbytes]
+        if quant.is_quantized(t.format) or ggml_blocks.is_ggml(t.format):
+            _random_codes(part, t, std, rng, writer.scale_dtype)
+            if i == 2 and zero_down_rows:
+                _zero_leading_rows(part, t, zero_down_rows)
+        else:
+            w = _uniform(rng, (t.rows, t.cols), std)
+            if i == 2:
+                w[:zero_down_rows] = 0
+            part[:] = np.frombuffer(quant.quantize(w, t.format, writer.scale_dtype), dtype=np.uint8)
     return blob
 
 
@@ -665,20 +674,21 @@ def _write_experts(writer: VaultWriter, seed: int, progress: bool, label: str, z
     if not todo:
         return
     stds = expert_stds(cfg)
-    coded = quant.is_quantized(writer.expert_format()) or ggml_blocks.is_ggml(writer.expert_format())
+    coded = {l: any(quant.is_quantized(t.format) or ggml_blocks.is_ggml(t.format) for t in lay.layer_expert[l])
+             for l in writer.sparse_layers()}
     # Generation holds the GIL; crc32 and pwrite release it, so one writer thread overlaps them.
     with Progress(len(todo) * lay.blob_bytes, f"{label}: experts", unit="B", enabled=progress) as bar, \
             cf.ThreadPoolExecutor(max_workers=1) as pool:
         pending: list[cf.Future] = []
         for l, e in todo:
             rng = _rng(seed, _KIND_EXPERT, l, e)
-            if coded:
-                blob = _coded_blob(writer, rng, stds, zero_down_rows)
+            if coded[l]:
+                blob = _coded_blob(writer, rng, stds, zero_down_rows, l)
             else:
                 gate, up, down = _float_expert(cfg, rng, stds)
                 down[:zero_down_rows] = 0
-                biases = [np.zeros(t.cols, np.float32) for t in lay.expert[3:]] or None  # gpt-oss's
-                blob = writer.pack_expert(gate, up, down, biases=biases)
+                biases = [np.zeros(t.cols, np.float32) for t in lay.layer_expert[l][3:]] or None  # gpt-oss's
+                blob = writer.pack_expert(gate, up, down, l, biases=biases)
             pending.append(pool.submit(writer.add_expert_raw, l, e, blob))
             if len(pending) >= 4:
                 pending.pop(0).result()

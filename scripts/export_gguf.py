@@ -115,6 +115,8 @@ _EXPERT_ROLES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 def check_exportable(cfg: dict, sparse: list[bool], force: bool = False) -> list[str]:
     """Raise ExportError for what llama.cpp's qwen3moe cannot run; return warnings."""
+    if cfg.get("model_type", "qwen3_moe") != "qwen3_moe":
+        raise ExportError(f"a {cfg['model_type']} vault: this exporter writes Qwen3-MoE (qwen3moe) GGUFs only")
     dense = [l for l, s in enumerate(sparse) if not s]
     if dense:
         raise ExportError(f"layers {dense} are dense-MLP layers; llama.cpp's qwen3moe makes every layer "

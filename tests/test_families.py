@@ -227,3 +227,58 @@ def test_glm_synth_presets_and_info(tiny_glm_vault):
     assert air.sparse == (False, True, True)
     assert air.tensors["layers.1.shared.gate_proj"].rows == 1408 and air.tensors["layers.0.mlp.gate_proj"].rows == 10944
     assert air.tensors["layers.1.q_proj"].rows == 96 * 128 and air.tensors["layers.2.router.bias"].cols == 128
+
+
+def test_layers_with_blobs_of_their_own_layout(make_vault, tmp_path):
+    """Vault v3's per-layer blob layout: layer 1's down in f32 (a 32 KiB blob), the others q4
+    (16 KiB). The streamer reads each layer's own length, verify checks it, both prefill paths
+    agree bit for bit, and the engine (f32 activations) matches the numpy reference."""
+    from pysmoe import vaultio as V
+
+    path = make_vault("mixed_layers", preset="tiny", seed=2, formats={"layers.1.experts.down": "f32"})
+    v = V.read_vault(path)
+    assert v.layer_blob_bytes == [16384, 32768, 0, 16384] and v.header.blob_bytes == 32768
+    assert [t.format for t in v.layer_expert_tensors[1]] == ["q4", "q4", "f32"]
+    assert v.verify() == []
+    ids = list(range(5, 60, 3))
+    with pysmoe.open_vault(path) as pv:
+        pv.verify()
+        for budget in (0, pv.expert_bytes * 2):
+            assert_identical(run_path(pv, ids, "token-serial", cache_bytes=budget),
+                             run_path(pv, ids, "layer-major", chunk=5, threads=2, cache_bytes=budget))
+        with pv.session(activations="f32") as s:
+            got = s.prefill(ids)
+    want = ReferenceModel(path).logits(ids)[-1]
+    assert float(np.max(np.abs(got - want)) / np.max(np.abs(want))) <= TOL
+
+
+def test_cuda_refuses_the_families_it_lacks(tiny_glm_vault):
+    """The CUDA backend runs Qwen3-MoE's recipe only: a GLM vault is refused at session creation
+    with a message naming the family, never run wrong. Skips where the library has no CUDA."""
+    with pysmoe.open_vault(tiny_glm_vault) as v:
+        with pytest.raises(pysmoe.Unsupported) as e:
+            v.session(device="cuda")
+        if "cannot run this glm4_moe vault" not in str(e.value):
+            pytest.skip(f"no CUDA in this build: {e.value}")
+        assert "the cuda backend cannot run this glm4_moe vault: it lacks " in str(e.value)
+
+
+def test_decode_batch_on_a_glm_vault_is_bit_identical_to_one_at_a_time(tiny_glm_vault):
+    """smoe_decode_batch runs the GLM recipe (biases, grouped router, shared expert, partial RoPE)
+    on every session's row in one pass: each row gets the bits it gets decoding alone."""
+    prompts = [[5, 9, 200], [7], [11, 12, 13, 14, 15, 16]]
+    with pysmoe.open_vault(tiny_glm_vault) as v:
+        first = v.session(threads=2, context=48, chunk=8)
+        batch = [first] + [v.session(share_cache=first, context=48, chunk=8) for _ in prompts[1:]]
+        alone = [v.session(threads=1, context=48, chunk=8) for _ in prompts]
+        try:
+            for b, a, p in zip(batch, alone, prompts):
+                assert np.array_equal(b.prefill(p).view(np.uint32), a.prefill(p).view(np.uint32))
+            for step in range(4):
+                toks = [(31 * step + 7 * i) % 500 for i in range(len(prompts))]
+                got = pysmoe.decode_batch(batch, toks)
+                for a, t, g in zip(alone, toks, got):
+                    assert np.array_equal(np.asarray(g).view(np.uint32), a.decode(t).view(np.uint32))
+        finally:
+            for s in batch + alone:
+                s.close()

@@ -46,14 +46,21 @@ def tool_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
 
 
-def test_c_fuzz_driver_short_run(tiny_vault, tmp_path):
+@pytest.fixture(scope="module")
+def fuzz_driver(tmp_path_factory):
+    """The C driver, built once by the Makefile's own recipe."""
     cc = os.environ.get("CC", "cc")
     if not shutil.which("make") or not shutil.which(cc):
         pytest.skip(f"make or {cc} not found")
-    driver, out = tmp_path / "fuzz_vault", tmp_path / "out"
+    driver = tmp_path_factory.mktemp("fuzz_driver") / "fuzz_vault"
     r = subprocess.run(["make", "-s", "--no-print-directory", f"FUZZ_DRIVER={driver}", "FUZZ_CFLAGS=-O1 -Werror",
                         str(driver)], cwd=ROOT, capture_output=True, text=True, env=tool_env())
     assert r.returncode == 0, r.stdout + r.stderr
+    return driver
+
+
+def test_c_fuzz_driver_short_run(fuzz_driver, tiny_vault, tmp_path):
+    driver, out = fuzz_driver, tmp_path / "out"
     out.mkdir()
     vault_bin = tiny_vault / "vault.bin"
     r = subprocess.run([str(driver), "3000", str(out), str(vault_bin)], capture_output=True, text=True,
@@ -69,19 +76,13 @@ def test_c_fuzz_driver_short_run(tiny_vault, tmp_path):
     assert list(out.iterdir()) == []  # its blob copy and kept input removed
 
 
-def test_fuzzers_on_a_glm_vault(tiny_glm_vault, tmp_path):
+def test_fuzzers_on_a_glm_vault(fuzz_driver, tiny_glm_vault, tmp_path):
     """Both fuzzers seeded with a vault of another family: the parameter table, per-layer blob
     layouts, biases, router.bias and shared experts under mutation (header and tables only)."""
     out = tmp_path / "py"
     read = fuzz_vaultio.main(200, tiny_glm_vault, out, seed=1)
     assert 0 < read < 200 and list(out.iterdir()) == []
-    cc = os.environ.get("CC", "cc")
-    if not shutil.which("make") or not shutil.which(cc):
-        pytest.skip(f"make or {cc} not found")
-    driver, out = tmp_path / "fuzz_vault", tmp_path / "out"
-    r = subprocess.run(["make", "-s", "--no-print-directory", f"FUZZ_DRIVER={driver}", "FUZZ_CFLAGS=-O1 -Werror",
-                        str(driver)], cwd=ROOT, capture_output=True, text=True, env=tool_env())
-    assert r.returncode == 0, r.stdout + r.stderr
+    driver, out = fuzz_driver, tmp_path / "out"
     out.mkdir()
     vault_bin = tiny_glm_vault / "vault.bin"
     r = subprocess.run([str(driver), "2000", str(out), str(vault_bin)], capture_output=True, text=True,

@@ -3,7 +3,7 @@
  * The engine is everything above the backend seam (backend.h), written once for every device:
  *   session.c   creating and freeing sessions and shares, options, reset and rewind;
  *   stats.c     counters, union sizes, expert counts, cache clearing, KV access;
- *   layer.c     a model family's layer as a recipe of backend ops (Qwen3-MoE's today);
+ *   layer.c     a model family's layer as a recipe of backend ops, read from the vault's parameters;
  *   moe.c       the MoE step: routing's ids → the union → each expert through the tiers → run → combine;
  *   pass.c      a pass over n rows (embedding, layers, logits): the token-serial step and the
  *               layer-major prefill (smoe_decode_step, smoe_prefill_chunk, smoe_prefill_rows);

@@ -9,6 +9,14 @@
  *   x' = h + ffn(rms(h))        ffn = Σ_k w_k · down(silu(gate(·)) · up(·)) over the top-k experts
  *                                     of softmax(router(·)) (moe.c), or a dense MLP on dense layers
  *
+ * The other families are this recipe with the vault's parameters (vault.h, smoe_model_params):
+ * q/k/v (and o) biases after their products (GLM, OLMoE's attention_bias); q_norm/k_norm per head,
+ * over the whole projection before the heads are split (OLMoE), or none (Mixtral); RoPE over the
+ * first rotary_dim dims of a head (GLM); GLM's grouped sigmoid router (route_grouped) and its
+ * shared expert, a dense MLP on the same normed rows added after the routed experts. Which layers
+ * have which tensors is the vault's business (vault.c checks them against the parameters); this
+ * file only follows what is there.
+ *
  * Every op works on rows [0, n) of the session's planes and computes each row's values whatever n
  * is, which is the whole of the bit-identity argument between the serial step (n = 1), the
  * layer-major prefill (the chunk) and a batch (row t the one token of session rows[t], every row in

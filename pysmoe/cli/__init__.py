@@ -18,7 +18,7 @@ COMMANDS = {
     "chat": ("pysmoe.cli.chat", "interactive chat with the vault's chat template"),
     "serve": ("pysmoe.cli.serve", "an OpenAI-compatible HTTP server (chat, completions, streaming)"),
     "synth": ("pysmoe.cli.synth", "make a random vault of a preset shape"),
-    "convert": ("pysmoe.cli.convert", "import an MLX or Hugging Face Qwen3-MoE checkpoint into a vault"),
+    "convert": ("pysmoe.cli.convert", "import an MLX or Hugging Face checkpoint (Qwen3-MoE, Mixtral, OLMoE, GLM-4.5) into a vault"),
     "info": ("pysmoe.cli.info", "show a vault's config, sizes and formats"),
     "verify": ("pysmoe.cli.verify", "check every checksum of a vault"),
     "bench": ("pysmoe.cli.bench", "time to first token and decode speed, against the machine's limits"),

@@ -10,8 +10,9 @@ def add_parser(p, name: str = "convert") -> None:
     from ..convert import FORMATS
     p.description = ("Convert a checkpoint into a vault: an MLX checkpoint (mlx_lm convert, "
                      "mlx-community; quantised tensors copied as stored) or a Hugging Face "
-                     "Qwen3-MoE checkpoint of floats (quantised with MLX's quantiser), or a llama.cpp GGUF "
-                     "file (tensors kept in their GGML types). No torch needed.")
+                     "checkpoint of floats (quantised with MLX's quantiser: Qwen3-MoE, Mixtral, OLMoE, GLM-4.5/4.6/Air, "
+                     "gpt-oss, Qwen3-Next, Qwen3.5/3.6-MoE; docs/families.md), or a llama.cpp GGUF file (tensors "
+                     "kept in their GGML types). No torch needed.")
     p.add_argument("src", metavar="SRC", help="checkpoint directory (config.json, *.safetensors) or a .gguf file "
                    "(the first of a split set: NAME-00001-of-0000N.gguf)")
     p.add_argument("out", metavar="OUT", type=vault_out, help="vault directory to write (empty or new, unless --force)")

@@ -13,7 +13,8 @@ def add_parser(parser, name: str = "synth"):
     from ..synthesis import EXPERT_FORMATS, PRESETS, REALISTIC_DEFAULTS, ROUTINGS
     if hasattr(parser, "add_parser"):
         parser = parser.add_parser(name, help="write a random vault of a preset shape", formatter_class=HelpFormatter,
-                                   description="Write a random Qwen3-MoE vault (for tests and benchmarks).")
+                                   description="Write a random vault of a preset shape, Qwen3-MoE or GLM-4.5 "
+                                               "(tiny-glm, glm-4.5-air), for tests and benchmarks.")
     p = parser
     p.add_argument("out", type=vault_out, help="vault directory to write (must be empty or new, unless --force)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT (only once the new vault is complete)")
