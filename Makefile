@@ -36,14 +36,21 @@ endif
 CFLAGS  += $(CFLAGS_BASE) $(OPT) $(ISA_FLAGS)
 LDLIBS  := -lm -pthread
 
-# The CUDA backend (csrc/cuda/, README "GPU (CUDA)"): machine code for sm_90 (H100/H200) plus
-# compute_90 PTX, which the driver compiles for newer GPUs; the CUDA runtime linked statically, so
-# the library needs only the driver at run time. CUDA_ARCH adds or replaces targets.
+# The CUDA backend (csrc/cuda/, docs/gpu.md): machine code for the GPUs people own —
+# sm_80 (A100), sm_86 (RTX 30xx, A-series), sm_89 (RTX 40xx, L4/L40), sm_90 (H100/H200), and, where
+# the toolkit has them, sm_100 (B200) and sm_120 (RTX 50xx) — plus compute_80 PTX, which the driver
+# compiles for any newer GPU, so no GPU of compute capability 8.0 or more lacks a kernel (the
+# kernels use mma.sync and cp.async: 8.0 is the floor, and share_new refuses an older GPU by name).
+# The CUDA runtime linked statically, so the library needs only the driver at run time. CUDA_ARCH
+# replaces the targets (one GPU's build is quicker: CUDA_ARCH="-gencode arch=compute_90,code=sm_90").
 ifeq ($(CUDA),1)
   BUILD     ?= build-cuda
   NVCC      ?= nvcc
   CUDA_HOME ?= /usr/local/cuda
-  CUDA_ARCH ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+  NVCC_ARCHS := $(shell $(NVCC) --list-gpu-arch 2>/dev/null)
+  CUDA_SMS  := 80 86 89 90 $(if $(filter compute_100,$(NVCC_ARCHS)),100) $(if $(filter compute_120,$(NVCC_ARCHS)),120)
+  CUDA_ARCH ?= $(foreach sm,$(CUDA_SMS),-gencode arch=compute_$(sm),code=sm_$(sm)) \
+               -gencode arch=compute_80,code=compute_80
   NVCCFLAGS ?= -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC,-fvisibility=hidden,-Wall,-Wextra
   CFLAGS    += -DSMOE_CUDA=1
   LDLIBS    += -L$(CUDA_HOME)/lib64 -L$(CUDA_HOME)/lib -lcudart_static -lstdc++ -ldl -lrt
@@ -165,13 +172,14 @@ uninstall:
 	      $(DESTDIR)$(INCLUDEDIR)/smoe.h $(DESTDIR)$(PKGCONFIGDIR)/smoe.pc
 
 # --- Python environment: created here, so a fresh machine needs only python3 and a compiler.
-$(VENV)/.stamp-base: pyproject.toml
+# An editable install with the server's extra (setup.py's build hook runs `make lib` for it).
+$(VENV)/.stamp-base: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[serve]'
 	touch $@
 
-$(VENV)/.stamp-test: pyproject.toml $(VENV)/.stamp-base
+$(VENV)/.stamp-test: pyproject.toml setup.py $(VENV)/.stamp-base
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 

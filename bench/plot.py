@@ -1,5 +1,5 @@
 """Plots of `python -m pysmoe bench --json` records, with llama.cpp from `bench/peer.py --json`
-(matplotlib: pip install 'pysmoe[bench]').
+(matplotlib: pip install '.[bench]' in the checkout).
 
     .venv/bin/python bench/plot.py bench/results/a3b.json [more records] [--peer bench/results/peer-a3b.json] \
         --out bench/results
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("bench/plot.py needs matplotlib: pip install 'pysmoe[bench]'", file=sys.stderr)
+        print("bench/plot.py needs matplotlib: pip install '.[bench]' in the checkout", file=sys.stderr)
         return 2
 
     def warn(msg):

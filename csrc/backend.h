@@ -53,6 +53,34 @@ typedef struct {
     smoe_plane out;
 } smoe_proj;
 
+/* What `attend` does around the attention itself, per layer (the family's recipe says). */
+typedef struct {
+    const smoe_tensor *q_norm, *k_norm; /* 1 × head_dim each (QK-norm before RoPE), or NULL: none */
+    const smoe_tensor *sinks;           /* 1 × heads: each head's sink logit (gpt-oss), or NULL */
+    uint32_t window;                    /* positions a row sees, its own included; 0: all before it */
+} smoe_attn;
+
+/* How `route` turns the router's logits into K experts and their weights (kind: vault.h's
+ * smoe_router_kind). */
+typedef struct {
+    const smoe_tensor *W;    /* experts × hidden */
+    const smoe_tensor *bias; /* 1 × experts, added to the logits (SMOE_ROUTER_TOPK_SOFTMAX), or NULL */
+    uint32_t K;
+    smoe_router_kind kind;
+    bool renorm;             /* SMOE_ROUTER_SOFTMAX_TOPK only */
+} smoe_route;
+
+/* The experts' activation between gate/up and down (smoe_be_session_params.act). */
+typedef enum {
+    SMOE_ACT_SILU = 0,           /* silu(gate) · up */
+    SMOE_ACT_SWIGLU_CLAMPED = 1, /* gpt-oss: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit) */
+} smoe_act_kind;
+
+typedef struct {
+    smoe_act_kind kind;
+    float alpha, limit; /* SMOE_ACT_SWIGLU_CLAMPED's */
+} smoe_act;
+
 /* A layer's union as the engine formed it, for `experts`. */
 typedef struct {
     uint32_t l;                      /* the layer */
@@ -89,6 +117,7 @@ typedef struct {
     smoe_kv_dtype kv_dtype;
     bool float_activations;
     const float *rope_cos, *rope_sin; /* (context, head_dim/2), the engine's, valid while the session lives */
+    smoe_act act;                     /* the experts' activation (dense MLPs: silu always) */
 } smoe_be_session_params;
 
 enum { SMOE_LOGIT_ROWS = 16 }; /* rows one `logits` call computes at most */
@@ -109,27 +138,35 @@ typedef struct smoe_backend {
     /* The pass's ids (host array) and its first position, for embed and attend. */
     smoe_status (*stage)(void *b, const int32_t *ids, uint32_t n, uint32_t pos0);
     smoe_status (*embed)(void *b, uint32_t n); /* X rows [0, n) ← embedding rows of the staged ids */
-    /* dst rows = rmsnorm(src rows) · w (1 × hidden). */
+    /* dst rows = rmsnorm(src rows) · w (1 × the planes' width: hidden for X/XN/Y; Q or K for a
+     * QK-norm over the whole projection, dst == src). */
     smoe_status (*norm)(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *w, uint32_t n);
     /* Each out[i].out rows = src rows · out[i].Wᵀ: several products of one input in one go. */
     smoe_status (*project)(void *b, smoe_plane src, const smoe_proj *out, uint32_t n_out, uint32_t n);
-    /* Attention of layer l for rows [0, n): per head, the Q rows normed by q_norm and the K rows by
-     * k_norm (1 × head_dim each), both rotated (RoPE) for their positions; the K and V rows stored
-     * in the KV cache at those positions (rounded to the cache's type); then ATT rows = causal
-     * attention of Q over the cache, each row seeing the positions up to its own. members NULL: the
-     * rows are b's own pass, row t at position pos0 + t of b's cache. Else row t is the one row of
-     * session state members[t] (a batch: its cache, its staged position, its cache's type; b's
-     * planes hold every row). */
-    smoe_status (*attend)(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n,
-                          void *const *members);
+    /* Attention of layer l for rows [0, n): per head, the Q rows normed by a->q_norm and the K rows
+     * by a->k_norm when they are given, both rotated (RoPE) for their positions; the K and V rows
+     * stored in the KV cache at those positions (rounded to the cache's type); then ATT rows =
+     * causal attention of Q over the cache, each row seeing the positions up to its own (the last
+     * a->window of them when it is not 0), with head h's sink logit a->sinks[h] in the softmax's
+     * denominator when sinks are given (smoe_attn). members NULL: the rows are b's own pass, row t
+     * at position pos0 + t of b's cache. Else row t is the one row of session state members[t] (a
+     * batch: its cache, its staged position, its cache's type; b's planes hold every row). */
+    smoe_status (*attend)(void *b, uint32_t l, const smoe_attn *a, uint32_t n, void *const *members);
     smoe_status (*add)(void *b, smoe_plane dst, smoe_plane src, uint32_t n); /* dst += src (hidden) */
+    /* dst rows += bias (1 × the plane's width, f32 or bf16). NULL: the backend lacks it (lacks says so). */
+    smoe_status (*bias)(void *b, smoe_plane dst, const smoe_tensor *bias, uint32_t n);
     /* dst rows = down(silu(gate(src)) · up(src)): a dense MLP. */
     smoe_status (*mlp)(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *gate, const smoe_tensor *up,
                        const smoe_tensor *down, uint32_t n);
-    /* XN rows through the router: softmax over the experts in f32, the top K (ties: lower index),
-     * renormalised when renorm; ids (n·K, host) ← the chosen experts, best first per row; their
+    /* XN rows through the router r (smoe_route: the product, its bias, then r->kind's rule; top-K
+     * ties: lower index); ids (n·r->K, host) ← the chosen experts, best first per row; their
      * weights stay on the device for combine. */
-    smoe_status (*route)(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids);
+    smoe_status (*route)(void *b, const smoe_route *r, uint32_t n, int32_t *ids);
+    /* As route for router_kind 1 (vault parameters): sigmoid scores, bias (1 × experts) for
+     * the choice, group-limited top K, renormalised when renorm, × routed_scaling_factor. NULL: the
+     * backend lacks it. */
+    smoe_status (*route_grouped)(void *b, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K, bool renorm,
+                                 uint32_t n, int32_t *ids);
     /* Before the first `experts` call of a union (NULL: nothing to do). */
     smoe_status (*experts_begin)(void *b, const smoe_union *u);
     /* The union positions items[0..m): each expert's FFN (the vault's expert gate, up, down) over
@@ -161,7 +198,7 @@ typedef struct smoe_backend {
     bool (*tier_resident)(void *b, uint32_t l);
     /* route, union, experts and combine of layer l on the device, no host round trip; the routed
      * ids stay on the device until pass_end. Same bits as the engine's walk of the same layer. */
-    smoe_status (*moe_resident)(void *b, uint32_t l, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n);
+    smoe_status (*moe_resident)(void *b, uint32_t l, const smoe_route *r, uint32_t n);
     /* The end of a pass: waits for the device; routed (layers × n·K, host), when not NULL, gets the
      * ids of the layers that moe_resident ran in this pass (the other layers' entries untouched). */
     smoe_status (*pass_end)(void *b, uint32_t n, int32_t *routed);
@@ -173,6 +210,10 @@ typedef struct smoe_backend {
     smoe_status (*record_end)(void *b, bool keep);
 
     /* ----------------------------------------------------------------------------- the rest */
+    /* What of this vault's recipe the backend lacks (an op, a parameter it does not implement),
+     * as a short phrase for the refusal's message, or NULL when it runs the vault. NULL hook: it
+     * runs every recipe the engine runs. Called before share_new. */
+    const char *(*lacks)(const smoe_layout *lay);
     /* Sampling's selection on the device over row `row` of the logits plane (NULL, or *done
      * false: the engine selects on the host): the cleaning, the repetition penalty over
      * window[0..w) and the top candidates as the engine's sampler (engine/sample.h) would choose. */

@@ -25,11 +25,12 @@
  * Threading
  *   - A session runs one call at a time. Every call that reads or changes a session
  *     (smoe_prefill_chunk, smoe_decode_step, smoe_session_reset, smoe_session_rewind,
- *     smoe_session_set_sampler, smoe_session_read_kv, smoe_stats*, smoe_cache_clear) claims it
- *     with an atomic compare-exchange as it starts and releases it as it returns. A call that
- *     finds the session claimed by another thread returns SMOE_ERR_BUSY at once and touches
- *     nothing: the running call is unaffected. So concurrent use is refused, never undefined; a
- *     caller that wants to share a session across threads serialises the calls itself.
+ *     smoe_session_set_sampler, smoe_session_set_mask, smoe_session_read_kv, smoe_stats*,
+ *     smoe_cache_clear) claims it with an atomic compare-exchange as it starts and releases it
+ *     as it returns. A call that finds the session claimed by another thread returns
+ *     SMOE_ERR_BUSY at once and touches nothing: the running call is unaffected. So concurrent
+ *     use is refused, never undefined; a caller that wants to share a session across threads
+ *     serialises the calls itself.
  *   - Two calls free of that rule: smoe_session_position (an atomic load of the position the
  *     last finished call left) and smoe_session_cancel (an atomic store), safe from any thread
  *     at any time, and smoe_session_cancel from a signal handler too.
@@ -377,6 +378,16 @@ SMOE_API smoe_sampler_params smoe_sampler_default_params(void);
 /* Sets the sampler, reseeds its generator and forgets the counts of the presence and frequency
  * penalties: the same seed gives the same ids. */
 SMOE_API smoe_status smoe_session_set_sampler(smoe_session *session, const smoe_sampler_params *params);
+/* Constrains the ids the session's sampler may draw (structured output: the tokens a grammar
+ * allows next). bitmask: n_words = ceil(vocab_size / 32) words, id allowed when bit id % 32 of
+ * word id / 32 is set (the layout of llguidance's and XGrammar's token bitmasks); it is copied.
+ * NULL lifts the mask. A mask stays in force for every id the session draws until it is set
+ * again, lifted, or smoe_session_set_sampler runs. The ids it forbids become −inf after the
+ * penalties, before the temperature: greedy takes the best allowed id, a draw renormalises over
+ * the allowed ones (if every allowed logit is −inf, the lowest allowed id). While a mask is in
+ * force the draw runs on the host, whatever the device. A mask of the wrong size or allowing no
+ * id below vocab_size is SMOE_ERR_INVALID_ARG and leaves the mask as it was. */
+SMOE_API smoe_status smoe_session_set_mask(smoe_session *session, const uint32_t *bitmask, uint32_t n_words);
 
 /* The model's log-probabilities: log-softmax of logits (vocab floats; NaN counts as −inf) in
  * double, whatever the sampler's settings. *token_lp (may be NULL) ← token's, and top_ids /

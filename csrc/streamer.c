@@ -147,6 +147,9 @@ typedef struct {
     uint8_t *data;  /* blob_bytes, SMOE_PAGE aligned */
 } slot_t;
 
+/* Bytes of the blob a slot holds or loads: its layer's blob length (the slot is blob_bytes). */
+#define SLOT_LEN(s, sl) ((s)->p.layer_bytes ? (s)->p.layer_bytes[(sl)->layer] : (s)->p.blob_bytes)
+
 /* A word that threads sleep on until its value changes: a futex, or a mutex + condvar. */
 typedef struct {
     _Atomic uint32_t seq;
@@ -338,7 +341,7 @@ static int64_t preadv_direct(int fd, struct iovec *iov, int n, uint64_t off) {
  * with O_DIRECT when in force; falls back on EINVAL. One blob is one pread (the fault shim in
  * tests/c wraps both calls); several are one preadv straight into their slots. */
 static int64_t read_run(smoe_streamer *s, slot_t *const *run, uint32_t k) {
-    uint64_t n = s->p.blob_bytes, off = run[0]->offset;
+    uint64_t n = SLOT_LEN(s, run[0]), off = run[0]->offset; /* one layer's blobs: one length */
     if (k == 1) {
         if (atomic_load_explicit(&s->use_direct, memory_order_relaxed)) {
             int64_t r = pread_direct(s->fd_direct, run[0]->data, n, off);
@@ -369,7 +372,7 @@ static void do_read(smoe_streamer *s, slot_t *head) {
         run[k] = &s->slots[run[k - 1]->next];
         k++;
     }
-    uint64_t n = s->p.blob_bytes;
+    uint64_t n = SLOT_LEN(s, head);
     int64_t r = read_run(s, run, k);
     int err = errno;
     for (uint32_t i = 0; i < k; i++) {
@@ -703,7 +706,7 @@ int smoe_streamer_acquire(smoe_streamer *s, uint32_t layer, uint32_t expert) {
     atomic_store_explicit(&sl->state, SLOT_LOADING, memory_order_relaxed);
     s->misses++;
     s->blob_reads++;
-    s->bytes_read += s->p.blob_bytes;
+    s->bytes_read += SLOT_LEN(s, sl);
     issue_read(s, (uint32_t)v);
     return v;
 }
@@ -744,7 +747,8 @@ void smoe_streamer_submit(smoe_streamer *s) {
         }
     for (uint32_t i = 0; i < n;) {
         uint32_t j = i + 1;
-        while (j < n && j - i < s->max_run && s->slots[h[j]].offset == s->slots[h[j - 1]].offset + s->p.blob_bytes) {
+        while (j < n && j - i < s->max_run && s->slots[h[j]].layer == s->slots[h[j - 1]].layer &&
+               s->slots[h[j]].offset == s->slots[h[j - 1]].offset + SLOT_LEN(s, &s->slots[h[j - 1]])) {
             s->slots[h[j - 1]].next = (int32_t)h[j];
             j++;
         }
@@ -820,7 +824,7 @@ smoe_status smoe_streamer_wait(smoe_streamer *s, int slot) {
                          "%s: short read of blob (%u,%u) (layer %u, expert %u, offset %llu): got %llu of %llu "
                          "bytes (file truncated?)",
                          s->p.path, sl->layer, sl->expert, sl->layer, sl->expert, off,
-                         (unsigned long long)sl->got, (unsigned long long)s->p.blob_bytes);
+                         (unsigned long long)sl->got, (unsigned long long)SLOT_LEN(s, sl));
     default:
         return smoe_fail(SMOE_ERR_IO, "%s: read of blob (%u,%u) (layer %u, expert %u, offset %llu) failed: %s",
                          s->p.path, sl->layer, sl->expert, sl->layer, sl->expert, off,

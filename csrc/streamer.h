@@ -19,7 +19,9 @@ typedef struct {
                                     vault.bin replaced since is never read; where the open file
                                     cannot be reopened, path is, and refused unless it is the same
                                     file (SMOE_ERR_VAULT) */
-    uint64_t blob_bytes;         /* multiple of SMOE_PAGE */
+    uint64_t blob_bytes;         /* a slot's size: the largest blob; multiple of SMOE_PAGE */
+    const uint64_t *layer_bytes; /* (layers) each layer's blob length (≤ blob_bytes, a multiple of
+                                    SMOE_PAGE), what a read of its blobs covers; NULL: blob_bytes */
     const uint64_t *blob_offset; /* (layers × experts), 0 = no blob (dense layer) */
     const uint32_t *blob_crc;    /* (layers × experts) */
     uint32_t n_layers, n_experts;

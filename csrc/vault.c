@@ -1,19 +1,23 @@
 /* vault.c — reading a vault: parse and validate vault.bin, load the dense region, verify.
  *
- * The format (version 2; docs/vault.md is the full text and the contract). Every checksum is
- * smoe_checksum (CRC-32C over 4 lanes, util.c; docs/vault.md section 6).
+ * The format (version 3, version 2 still read; docs/vault.md is the full text and the contract).
+ * Every checksum is smoe_checksum (CRC-32C over 4 lanes, util.c; docs/vault.md section 6).
  *
- *   1. Header, bytes [0, 256): magic "SMOEVLT\0", version 2, header_crc (checksum of
+ *   1. Header, bytes [0, 256): magic "SMOEVLT\0", version 3 (or 2), header_crc (checksum of
  *      [0, table_offset + table_bytes) with the crc field read as 0), file_size (exact),
  *      table_offset (256), table_bytes (≤ 64 MiB), dense_offset (16 KiB multiple, after the
- *      tables), dense_bytes, dense_crc, n_tensors, blob_bytes (16 KiB multiple, 0 iff no sparse
- *      layer), n_blobs (layers × experts); everything else zero.
+ *      tables), dense_bytes, dense_crc, n_tensors, blob_bytes (the largest layer's blob, 16 KiB
+ *      multiple, 0 iff no sparse layer), n_blobs (layers × experts); everything else zero.
  *   2. Tables, exactly table_bytes, in this order:
  *      2.1 config block (96 bytes): the model's sizes, flags, rms_norm_eps, rope_theta;
- *      2.2 layer kinds: one byte per layer (1 sparse, 0 dense MLP), zero-padded to 8;
- *      2.3 expert blob layout: descriptors of gate, up, down (offsets within a blob);
- *      2.4 dense tensors: n_tensors descriptors, each name present exactly once with its shape;
- *      2.5 blob table: n_blobs × {u64 offset, u32 crc, u32 0}, index layer × experts + expert;
+ *      2.2 (v3) parameters: u32 n, u32 0, n × {char key[32], f64}: family, qk_norm, rotary_dim,
+ *          router_kind, ... (smoe_model_params); an unknown key is refused;
+ *      2.3 layer kinds: one byte per layer (bit 0 sparse; v3: bits 1-2 attention kind), padded to 8;
+ *      2.4 expert blob layouts: v3 per layer {u64 bytes, u32 n, u32 0} + n descriptors (gate, up,
+ *          down, optional biases; offsets within the blob); v2 one set of gate, up, down for all;
+ *      2.5 dense tensors: n_tensors descriptors, each name the family and parameters call for
+ *          present exactly once with its shape;
+ *      2.6 blob table: n_blobs × {u64 offset, u32 crc, u32 0}, index layer × experts + expert;
  *          offset 0 for dense layers, else a 16 KiB multiple past the dense region.
  *      A descriptor is 64 bytes: char name[40] (NUL-padded), u8 format (f32, bf16, q8, q4),
  *      u8 scale_format (none for f32/bf16; f16, bf16 or f32 for q8/q4), u16 group_size (32, 64
@@ -21,7 +25,7 @@
  *      dense: from dense_offset, blob: from the blob start).
  *   3. Tensor bytes: row-major; q8/q4 (cols % group_size == 0) store codes, scales, biases, each
  *      part starting at a 64-byte boundary from the tensor's offset; w = scale·q + bias per group.
- *   4. Dense region (loaded at open, dense_crc checked), then the blobs, blob_bytes each.
+ *   4. Dense region (loaded at open, dense_crc checked), then the blobs, each its layer's length.
  *
  * The file is untrusted: smoe_vault_parse checks every number against the file size and the
  * rules above before anything uses it, and is a pure function of the bytes so a fuzzer can
@@ -37,6 +41,7 @@
 #include "cpu/kernels.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <fcntl.h>
 #include <math.h>
 #include <stdio.h>
@@ -55,7 +60,12 @@
 #define MAX_DIM 65536u
 #define MAX_VOCAB (1u << 24)
 #define VERIFY_CHUNK (16u << 20) /* bytes per pread in smoe_verify_vault */
-#define VAULT_VERSION 2u
+#define VAULT_VERSION 3u
+#define PARAMS_HEAD_BYTES 8u   /* u32 count, u32 0 */
+#define PARAM_BYTES 40u        /* char key[32], f64 value */
+#define PARAM_KEY_BYTES 32u
+#define MAX_PARAMS 256u
+#define LAYOUT_ENTRY_BYTES 16u /* u64 blob bytes, u32 descriptors, u32 0 */
 #define HEADER_CRC_AT 12u /* header_crc's offset: read as zero by its own checksum */
 
 static const char MAGIC[8] = {'S', 'M', 'O', 'E', 'V', 'L', 'T', '\0'};
@@ -242,16 +252,45 @@ static smoe_status parse_desc(const uint8_t *d, const char *what, char name[40],
     return SMOE_OK;
 }
 
-/* Dense tensor slots: three global ones, then LAYER_SLOTS per layer. */
+/* Dense tensor slots: three global ones, then LAYER_SLOTS per layer. Which slots a layer fills
+ * depends on its kind and the model parameters (slot_wanted); every wanted slot is present exactly
+ * once, and any other name is refused. */
 enum { G_EMBED, G_NORM, G_LM_HEAD, N_GLOBAL };
 enum {
     L_INPUT_NORM, L_POST_NORM, L_Q, L_K, L_V, L_O, L_Q_NORM, L_K_NORM, L_ROUTER, L_MLP_GATE, L_MLP_UP,
-    L_MLP_DOWN, LAYER_SLOTS
+    L_MLP_DOWN, L_Q_BIAS, L_K_BIAS, L_V_BIAS, L_O_BIAS, L_ROUTER_BIAS, L_SHARED_GATE, L_SHARED_UP, L_SHARED_DOWN,
+    L_SINKS, LAYER_SLOTS
 };
 static const char *const LAYER_SUFFIX[LAYER_SLOTS] = {
     "input_layernorm", "post_attention_layernorm", "q_proj", "k_proj", "v_proj", "o_proj",
     "q_norm", "k_norm", "router", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+    "q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias", "router.bias",
+    "shared.gate_proj", "shared.up_proj", "shared.down_proj", "sinks",
 };
+
+/* Whether layer l of this vault holds the tensor of slot s (a LAYER_SLOTS index). */
+static bool slot_wanted(const smoe_layout *L, uint32_t l, int s) {
+    const smoe_model_params *m = &L->mp;
+    const bool sparse = L->layer_sparse[l];
+    switch (s) {
+    case L_Q_NORM:
+    case L_K_NORM: return m->qk_norm != SMOE_QK_NORM_NONE;
+    case L_ROUTER: return sparse;
+    case L_ROUTER_BIAS: return sparse && m->router_kind != SMOE_ROUTER_SOFTMAX_TOPK;
+    case L_SINKS: return m->family == SMOE_FAMILY_GPT_OSS;
+    case L_MLP_GATE:
+    case L_MLP_UP:
+    case L_MLP_DOWN: return !sparse;
+    case L_Q_BIAS:
+    case L_K_BIAS:
+    case L_V_BIAS: return m->attention_bias >= 1;
+    case L_O_BIAS: return m->attention_bias == 2;
+    case L_SHARED_GATE:
+    case L_SHARED_UP:
+    case L_SHARED_DOWN: return sparse && m->shared_intermediate > 0;
+    default: return true;
+    }
+}
 
 /* Slot of a dense tensor name, or -1 if no tensor of this vault may have it. */
 static int64_t name_slot(const char *name, const smoe_layout *L) {
@@ -261,7 +300,7 @@ static int64_t name_slot(const char *name, const smoe_layout *L) {
     if (!strcmp(name, "lm_head")) return L->cfg.tie_word_embeddings ? -1 : G_LM_HEAD;
     if (strncmp(name, "layers.", 7)) return -1;
     const char *p = name + 7;
-    if (*p < '0' || *p > '9' || (p[0] == '0' && p[1] != '.')) return -1; /* no leading zeros */
+    if (*p < '0' || *p > '9' || (*p == '0' && p[1] != '.')) return -1;
     uint32_t l = 0;
     for (const char *start = p; *p >= '0' && *p <= '9'; p++) {
         if (p - start == 4) return -1; /* layers < 1024 */
@@ -270,19 +309,19 @@ static int64_t name_slot(const char *name, const smoe_layout *L) {
     if (*p++ != '.' || l >= nl) return -1;
     for (int s = 0; s < LAYER_SLOTS; s++) {
         if (strcmp(p, LAYER_SUFFIX[s])) continue;
-        bool sparse = L->layer_sparse[l];
-        if (s == L_ROUTER && !sparse) return -1;
-        if (s >= L_MLP_GATE && sparse) return -1;
+        if (!slot_wanted(L, l, s)) return -1;
         return N_GLOBAL + (int64_t)l * LAYER_SLOTS + s;
     }
     return -1;
 }
 
-/* Expected shape of a slot; *norm set for vectors that must be f32/bf16. */
-static void slot_shape(const smoe_config *c, int64_t slot, uint64_t *rows, uint64_t *cols, bool *norm) {
+/* Expected shape of a slot; *norm set for vectors that must be f32/bf16 (norms and biases). */
+static void slot_shape(const smoe_layout *L, int64_t slot, uint64_t *rows, uint64_t *cols, bool *norm) {
+    const smoe_config *c = &L->cfg;
     uint64_t h = c->hidden_size, v = c->vocab_size, hd = c->head_dim;
     uint64_t q = (uint64_t)c->num_attention_heads * hd, kv = (uint64_t)c->num_key_value_heads * hd;
-    uint64_t I = c->intermediate_size;
+    uint64_t I = c->intermediate_size, S = L->mp.shared_intermediate;
+    bool whole = L->mp.qk_norm == SMOE_QK_NORM_WHOLE;
     *norm = false;
     if (slot < N_GLOBAL) {
         *norm = slot == G_NORM;
@@ -290,19 +329,29 @@ static void slot_shape(const smoe_config *c, int64_t slot, uint64_t *rows, uint6
         *cols = h;
         return;
     }
+    *rows = 1;
     switch ((slot - N_GLOBAL) % LAYER_SLOTS) {
     case L_INPUT_NORM:
-    case L_POST_NORM: *norm = true, *rows = 1, *cols = h; return;
+    case L_POST_NORM: *norm = true, *cols = h; return;
     case L_Q: *rows = q, *cols = h; return;
     case L_K:
     case L_V: *rows = kv, *cols = h; return;
     case L_O: *rows = h, *cols = q; return;
-    case L_Q_NORM:
-    case L_K_NORM: *norm = true, *rows = 1, *cols = hd; return;
+    case L_Q_NORM: *norm = true, *cols = whole ? q : hd; return;
+    case L_K_NORM: *norm = true, *cols = whole ? kv : hd; return;
     case L_ROUTER: *rows = c->num_experts, *cols = h; return;
     case L_MLP_GATE:
     case L_MLP_UP: *rows = I, *cols = h; return;
-    default: *rows = h, *cols = I; return;
+    case L_MLP_DOWN: *rows = h, *cols = I; return;
+    case L_Q_BIAS: *norm = true, *cols = q; return;
+    case L_K_BIAS:
+    case L_V_BIAS: *norm = true, *cols = kv; return;
+    case L_O_BIAS: *norm = true, *cols = h; return;
+    case L_ROUTER_BIAS: *norm = true, *cols = c->num_experts; return;
+    case L_SHARED_GATE:
+    case L_SHARED_UP: *rows = S, *cols = h; return;
+    case L_SINKS: *norm = true, *cols = c->num_attention_heads; return;
+    default: *rows = h, *cols = S; return; /* L_SHARED_DOWN */
     }
 }
 
@@ -313,12 +362,17 @@ void smoe_layout_free(smoe_layout *L) {
     smoe_free(L->blob_offset);
     smoe_free(L->names);
     smoe_free(L->tensors);
+    smoe_free(L->layer_blob_bytes);
+    smoe_free(L->xl);
+    smoe_free(L->layer_attn);
     smoe_free(L->layer_sparse);
     memset(L, 0, sizeof *L);
 }
 
 uint64_t smoe_vault_head_bytes(const uint8_t *h) {
-    if (!h || memcmp(h, MAGIC, 8) || rd32(h + 8) != VAULT_VERSION) return 0;
+    if (!h || memcmp(h, MAGIC, 8)) return 0;
+    uint32_t version = rd32(h + 8);
+    if (version != 2 && version != VAULT_VERSION) return 0;
     uint64_t table_offset = rd64(h + 24), table_bytes = rd64(h + 32);
     if (table_offset != HEADER_BYTES || table_bytes > MAX_TABLE_BYTES) return 0;
     return table_offset + table_bytes;
@@ -337,9 +391,13 @@ static smoe_status parse_header(const uint8_t *b, size_t len, uint64_t real_size
     if (version == 1)
         return smoe_fail(SMOE_ERR_VAULT, "vault format version 1 is no longer supported; re-create it with "
                                          "`pysmoe convert` or `pysmoe synth`");
-    if (version != VAULT_VERSION)
-        return smoe_fail(SMOE_ERR_VAULT, "unsupported vault version %u (this libsmoe reads version %u)", version,
-                         VAULT_VERSION);
+    if (version != 2 && version != VAULT_VERSION)
+        return smoe_fail(SMOE_ERR_VAULT,
+                         version > VAULT_VERSION
+                             ? "vault format version %u needs a newer pysmoe (this libsmoe reads versions 2 to %u)"
+                             : "unsupported vault version %u (this libsmoe reads versions 2 to %u)",
+                         version, VAULT_VERSION);
+    L->version = version;
     L->file_size = rd64(b + 16);
     L->table_offset = rd64(b + 24);
     L->table_bytes = rd64(b + 32);
@@ -437,39 +495,292 @@ static smoe_status parse_config(const uint8_t *c, smoe_config *cfg) {
 }
 
 /* The three expert tensors of every blob (2.3). */
-static smoe_status parse_expert_layout(const uint8_t *d, smoe_layout *L) {
-    static const char *const want[3] = {"gate", "up", "down"};
+
+/* ------------------------------------------------------------------ model parameters (2.2) */
+
+typedef enum { P_FAMILY, P_ROTARY_DIM, P_SLIDING_WINDOW, P_ROUTER_KIND, P_N_GROUP, P_TOPK_GROUP, P_ROUTED_SCALING,
+               P_SHARED_INTERMEDIATE, P_ATTENTION_BIAS, P_QK_NORM, P_SWIGLU_ALPHA, P_SWIGLU_LIMIT, P_YARN_FACTOR,
+               P_YARN_ORIGINAL_MAX, P_YARN_BETA_FAST, P_YARN_BETA_SLOW, P_YARN_ATTENTION_FACTOR, P_YARN_TRUNCATE,
+               N_PARAMS } param_id;
+static const char *const PARAM_KEY[N_PARAMS] = {
+    "family", "rotary_dim", "sliding_window", "router_kind", "n_group", "topk_group", "routed_scaling_factor",
+    "shared_intermediate_size", "attention_bias", "qk_norm", "swiglu_alpha", "swiglu_limit", "yarn_factor",
+    "yarn_original_max_position", "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor", "yarn_truncate",
+};
+static const char *const FAMILY_NAME[SMOE_FAMILY_COUNT] = {
+    "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe",
+};
+
+const char *smoe_family_name(uint32_t family) { return family < SMOE_FAMILY_COUNT ? FAMILY_NAME[family] : "?"; }
+
+/* The defaults of a version-2 vault and of any key a version-3 vault leaves out. */
+static void default_params(const smoe_config *c, smoe_model_params *m) {
+    memset(m, 0, sizeof *m);
+    m->family = SMOE_FAMILY_QWEN3_MOE;
+    m->rotary_dim = c->head_dim;
+    m->router_kind = SMOE_ROUTER_SOFTMAX_TOPK;
+    m->n_group = m->topk_group = 1;
+    m->routed_scaling_factor = 1.0f;
+    m->qk_norm = SMOE_QK_NORM_HEAD;
+    m->yarn_factor = 1.0; /* no YaRN */
+    m->yarn_beta_fast = 32.0;
+    m->yarn_beta_slow = 1.0;
+    m->yarn_attention_factor = 1.0;
+    m->yarn_truncate = 1;
+}
+
+/* value as a finite number in [lo, hi], or an error naming the key. */
+static smoe_status param_real(const char *key, double value, double lo, double hi, double *out) {
+    if (!(value >= lo && value <= hi))
+        return smoe_fail(SMOE_ERR_VAULT, "parameter '%s' is %g, must be a number in [%g, %g]", key, value, lo, hi);
+    *out = value;
+    return SMOE_OK;
+}
+
+/* value as an integer in [lo, hi], or an error naming the key. */
+static smoe_status param_int(const char *key, double value, double lo, double hi, uint32_t *out) {
+    if (!(value >= lo && value <= hi) || value != floor(value))
+        return smoe_fail(SMOE_ERR_VAULT, "parameter '%s' is %g, must be an integer in [%g, %g]", key, value, lo, hi);
+    *out = (uint32_t)value;
+    return SMOE_OK;
+}
+
+/* n entries of 40 bytes: char key[32] NUL-padded, f64 value; each key known and at most once. */
+static smoe_status parse_params(const uint8_t *d, uint32_t n, smoe_layout *L) {
     const smoe_config *c = &L->cfg;
-    uint32_t shape[3][2] = {
-        {c->moe_intermediate_size, c->hidden_size},
-        {c->moe_intermediate_size, c->hidden_size},
-        {c->hidden_size, c->moe_intermediate_size},
-    };
+    smoe_model_params *m = &L->mp;
+    default_params(c, m);
+    bool seen[N_PARAMS] = {0};
+    for (uint32_t i = 0; i < n; i++) {
+        const uint8_t *e = d + (size_t)i * PARAM_BYTES;
+        char key[PARAM_KEY_BYTES], pk[40];
+        memcpy(key, e, PARAM_KEY_BYTES);
+        const char *nul = memchr(key, '\0', PARAM_KEY_BYTES);
+        if (!nul) return smoe_fail(SMOE_ERR_VAULT, "parameter %u: key is not NUL-terminated within 32 bytes", i);
+        if (!all_zero((const uint8_t *)nul, (size_t)(key + PARAM_KEY_BYTES - nul)))
+            return smoe_fail(SMOE_ERR_VAULT, "parameter %u: key not NUL-padded", i);
+        char kb[40] = {0};
+        memcpy(kb, key, PARAM_KEY_BYTES);
+        printable(kb, pk);
+        int id = -1;
+        for (int k = 0; k < N_PARAMS; k++)
+            if (!strcmp(key, PARAM_KEY[k])) id = k;
+        if (id < 0)
+            return smoe_fail(SMOE_ERR_UNSUPPORTED, "this vault needs a newer pysmoe: unknown parameter '%s'", pk);
+        if (seen[id]) return smoe_fail(SMOE_ERR_VAULT, "parameter '%s' appears twice", pk);
+        seen[id] = true;
+        double v = rdf64(e + PARAM_KEY_BYTES);
+        smoe_status rc = SMOE_OK;
+        switch ((param_id)id) {
+        case P_FAMILY:
+            rc = param_int(pk, v, 0, 255, &m->family);
+            if (rc == SMOE_OK && m->family >= SMOE_FAMILY_COUNT)
+                rc = smoe_fail(SMOE_ERR_UNSUPPORTED, "this vault needs a newer pysmoe: unknown model family %u",
+                               m->family);
+            break;
+        case P_ROTARY_DIM: rc = param_int(pk, v, 2, c->head_dim, &m->rotary_dim); break;
+        case P_SLIDING_WINDOW: rc = param_int(pk, v, 0, 4294967295.0, &m->sliding_window); break;
+        case P_ROUTER_KIND: rc = param_int(pk, v, 0, SMOE_ROUTER_KINDS - 1, &m->router_kind); break;
+        case P_N_GROUP: rc = param_int(pk, v, 1, MAX_EXPERTS, &m->n_group); break;
+        case P_TOPK_GROUP: rc = param_int(pk, v, 1, MAX_EXPERTS, &m->topk_group); break;
+        case P_ROUTED_SCALING:
+            if (!(isfinite(v) && v > 0 && v < 1e6))
+                rc = smoe_fail(SMOE_ERR_VAULT, "parameter '%s' is %g, must be a positive number", pk, v);
+            m->routed_scaling_factor = (float)v;
+            break;
+        case P_SHARED_INTERMEDIATE: rc = param_int(pk, v, 0, MAX_DIM, &m->shared_intermediate); break;
+        case P_ATTENTION_BIAS: rc = param_int(pk, v, 0, 2, &m->attention_bias); break;
+        case P_QK_NORM: rc = param_int(pk, v, 0, 2, &m->qk_norm); break;
+        case P_SWIGLU_ALPHA:
+        case P_SWIGLU_LIMIT: {
+            double x = 0;
+            rc = param_real(pk, v, 0, 1e6, &x);
+            *(id == P_SWIGLU_ALPHA ? &m->swiglu_alpha : &m->swiglu_limit) = (float)x;
+            break;
+        }
+        case P_YARN_FACTOR: rc = param_real(pk, v, 1, 1e6, &m->yarn_factor); break;
+        case P_YARN_ORIGINAL_MAX: rc = param_real(pk, v, 1, 4294967295.0, &m->yarn_original_max); break;
+        case P_YARN_BETA_FAST: rc = param_real(pk, v, 1e-6, 1e6, &m->yarn_beta_fast); break;
+        case P_YARN_BETA_SLOW: rc = param_real(pk, v, 1e-6, 1e6, &m->yarn_beta_slow); break;
+        case P_YARN_ATTENTION_FACTOR: rc = param_real(pk, v, 1e-6, 1e6, &m->yarn_attention_factor); break;
+        case P_YARN_TRUNCATE: rc = param_int(pk, v, 0, 1, &m->yarn_truncate); break;
+        default: break;
+        }
+        if (rc) return rc;
+    }
+    if (m->rotary_dim % 2) return smoe_fail(SMOE_ERR_VAULT, "parameter 'rotary_dim' %u is odd", m->rotary_dim);
+    if (m->yarn_factor > 1 && !seen[P_YARN_ORIGINAL_MAX])
+        return smoe_fail(SMOE_ERR_VAULT, "parameters: YaRN (yarn_factor %g) needs yarn_original_max_position", m->yarn_factor);
+    if (m->family == SMOE_FAMILY_GPT_OSS && !(seen[P_SWIGLU_ALPHA] && seen[P_SWIGLU_LIMIT]))
+        return smoe_fail(SMOE_ERR_VAULT, "parameters: a gpt_oss vault needs swiglu_alpha and swiglu_limit");
+    if (c->num_experts % m->n_group || m->topk_group > m->n_group)
+        return smoe_fail(SMOE_ERR_VAULT, "parameters: n_group %u must divide num_experts %u, topk_group %u <= n_group",
+                         m->n_group, c->num_experts, m->topk_group);
+    if (m->router_kind == SMOE_ROUTER_SIGMOID_GROUP &&
+        (uint64_t)m->topk_group * (c->num_experts / m->n_group) < c->num_experts_per_tok)
+        return smoe_fail(SMOE_ERR_VAULT, "parameters: topk_group %u groups of %u experts hold fewer than top-k %u",
+                         m->topk_group, c->num_experts / m->n_group, c->num_experts_per_tok);
+    if (m->router_kind == SMOE_ROUTER_SIGMOID_GROUP && m->n_group > 1 && c->num_experts / m->n_group < 2)
+        return smoe_fail(SMOE_ERR_VAULT, "parameters: group-limited routing needs at least 2 experts per group");
+    return SMOE_OK;
+}
+
+/* ------------------------------------------------------------------ expert blob layouts (2.4) */
+
+static const char *const EXPERT_NAME[SMOE_XT_COUNT] = {"gate", "up", "down", "gate_bias", "up_bias", "down_bias"};
+
+/* Checks layer l's blob layout x (its tensors parsed) against the config and its own length. */
+static smoe_status check_expert_layout(const smoe_layout *L, uint32_t l, const smoe_expert_layout *x) {
+    const smoe_config *c = &L->cfg;
+    const uint32_t I = c->moe_intermediate_size, H = c->hidden_size;
+    const uint32_t shape[SMOE_XT_COUNT][2] = {{I, H}, {I, H}, {H, I}, {1, I}, {1, I}, {1, H}};
+    for (int i = 0; i < SMOE_XT_COUNT; i++) {
+        if (!x->has[i]) {
+            if (i < 3)
+                return smoe_fail(SMOE_ERR_VAULT, "layer %u: its blobs lack the expert tensor '%s'", l, EXPERT_NAME[i]);
+            continue;
+        }
+        const smoe_tensor *t = &x->t[i];
+        if (t->rows != shape[i][0] || t->cols != shape[i][1])
+            return smoe_fail(SMOE_ERR_VAULT, "layer %u: expert tensor '%s': shape %ux%u, expected %ux%u", l,
+                             EXPERT_NAME[i], t->rows, t->cols, shape[i][0], shape[i][1]);
+        if (i >= 3 && t->format != SMOE_FMT_F32 && t->format != SMOE_FMT_BF16)
+            return smoe_fail(SMOE_ERR_VAULT, "layer %u: expert tensor '%s': a bias must be f32 or bf16", l, EXPERT_NAME[i]);
+        if (t->offset > x->bytes || t->nbytes > x->bytes - t->offset)
+            return smoe_fail(SMOE_ERR_VAULT, "layer %u: expert tensor '%s': bytes [%llu, +%llu) run past the blob (%llu bytes)",
+                             l, EXPERT_NAME[i], (unsigned long long)t->offset, (unsigned long long)t->nbytes,
+                             (unsigned long long)x->bytes);
+        for (int j = 0; j < i; j++) {
+            const smoe_tensor *u = &x->t[j];
+            if (x->has[j] && t->offset < u->offset + u->nbytes && u->offset < t->offset + t->nbytes)
+                return smoe_fail(SMOE_ERR_VAULT, "layer %u: expert tensors '%s' and '%s' overlap", l, EXPERT_NAME[j],
+                                 EXPERT_NAME[i]);
+        }
+    }
+    return SMOE_OK;
+}
+
+/* Version 2: one layout of gate, up, down (3 descriptors) for every sparse layer. */
+static smoe_status parse_expert_layout_v2(const uint8_t *d, smoe_layout *L) {
+    smoe_expert_layout x;
+    memset(&x, 0, sizeof x);
+    x.bytes = L->blob_bytes;
+    x.n = 3;
     for (int i = 0; i < 3; i++) {
         char what[48], name[40], pn[40];
         snprintf(what, sizeof what, "expert tensor %d", i);
-        smoe_tensor *t = &L->expert[i];
-        smoe_status rc = parse_desc(d + (size_t)i * DESC_BYTES, what, name, t);
+        smoe_status rc = parse_desc(d + (size_t)i * DESC_BYTES, what, name, &x.t[i]);
         if (rc) return rc;
-        if (strcmp(name, want[i]))
-            return smoe_fail(SMOE_ERR_VAULT, "%s is named '%s', expected '%s'", what, printable(name, pn), want[i]);
-        if (t->rows != shape[i][0] || t->cols != shape[i][1])
-            return smoe_fail(SMOE_ERR_VAULT, "expert tensor '%s': shape %ux%u, expected %ux%u", want[i], t->rows,
-                             t->cols, shape[i][0], shape[i][1]);
-        /* With no sparse layer there are no blobs (blob_bytes 0): the descriptors are unused. */
-        if (c->num_sparse_layers && (t->offset > L->blob_bytes || t->nbytes > L->blob_bytes - t->offset))
-            return smoe_fail(SMOE_ERR_VAULT, "expert tensor '%s': bytes [%llu, +%llu) run past blob_bytes %llu", want[i],
-                             (unsigned long long)t->offset, (unsigned long long)t->nbytes,
-                             (unsigned long long)L->blob_bytes);
+        if (strcmp(name, EXPERT_NAME[i]))
+            return smoe_fail(SMOE_ERR_VAULT, "%s is named '%s', expected '%s'", what, printable(name, pn), EXPERT_NAME[i]);
+        x.has[i] = true;
     }
-    if (c->num_sparse_layers)
+    for (uint32_t l = 0; l < L->cfg.num_hidden_layers; l++) {
+        if (!L->layer_sparse[l]) continue;
+        smoe_status rc = check_expert_layout(L, l, &x);
+        if (rc) return rc;
+        L->xl[l] = x;
+    }
+    if (!L->cfg.num_sparse_layers) { /* the descriptors are unused, but still checked for shape */
+        const smoe_config *c = &L->cfg;
+        const uint32_t I = c->moe_intermediate_size, H = c->hidden_size;
+        const uint32_t shape[3][2] = {{I, H}, {I, H}, {H, I}};
         for (int i = 0; i < 3; i++)
-            for (int j = i + 1; j < 3; j++) {
-                const smoe_tensor *a = &L->expert[i], *b = &L->expert[j];
-                if (a->offset < b->offset + b->nbytes && b->offset < a->offset + a->nbytes)
-                    return smoe_fail(SMOE_ERR_VAULT, "expert tensors '%s' and '%s' overlap", want[i], want[j]);
-            }
+            if (x.t[i].rows != shape[i][0] || x.t[i].cols != shape[i][1])
+                return smoe_fail(SMOE_ERR_VAULT, "expert tensor '%s': shape %ux%u, expected %ux%u", EXPERT_NAME[i],
+                                 x.t[i].rows, x.t[i].cols, shape[i][0], shape[i][1]);
+    }
     return SMOE_OK;
+}
+
+/* Version 3: per layer {u64 bytes, u32 n, u32 0} and n descriptors; *used: the bytes it took,
+ * within avail. */
+static smoe_status parse_expert_layouts_v3(const uint8_t *d, uint64_t avail, smoe_layout *L, uint64_t *used) {
+    const smoe_config *c = &L->cfg;
+    uint64_t pos = 0, largest = 0;
+    for (uint32_t l = 0; l < c->num_hidden_layers; l++) {
+        if (avail - pos < LAYOUT_ENTRY_BYTES)
+            return smoe_fail(SMOE_ERR_VAULT, "tables: the expert layout of layer %u runs past table_bytes", l);
+        smoe_expert_layout *x = &L->xl[l];
+        memset(x, 0, sizeof *x);
+        x->bytes = rd64(d + pos);
+        x->n = rd32(d + pos + 8);
+        if (rd32(d + pos + 12)) return smoe_fail(SMOE_ERR_VAULT, "layer %u: expert layout reserved field not zero", l);
+        pos += LAYOUT_ENTRY_BYTES;
+        if (!L->layer_sparse[l]) {
+            if (x->bytes || x->n)
+                return smoe_fail(SMOE_ERR_VAULT, "layer %u is dense but has an expert layout (%u tensors, %llu bytes)", l,
+                                 x->n, (unsigned long long)x->bytes);
+            continue;
+        }
+        if (x->bytes == 0 || x->bytes % SMOE_PAGE)
+            return smoe_fail(SMOE_ERR_VAULT, "layer %u: blob length %llu is not a positive multiple of %u", l,
+                             (unsigned long long)x->bytes, SMOE_PAGE);
+        if (x->n < 3 || x->n > SMOE_XT_COUNT)
+            return smoe_fail(SMOE_ERR_VAULT, "layer %u: %u expert tensors (3 to %u)", l, x->n, SMOE_XT_COUNT);
+        if (avail - pos < (uint64_t)x->n * DESC_BYTES)
+            return smoe_fail(SMOE_ERR_VAULT, "tables: the expert layout of layer %u runs past table_bytes", l);
+        for (uint32_t i = 0; i < x->n; i++) {
+            char what[64], name[40], pn[40];
+            smoe_tensor t;
+            snprintf(what, sizeof what, "layer %u expert tensor %u", l, i);
+            smoe_status rc = parse_desc(d + pos, what, name, &t);
+            if (rc) return rc;
+            pos += DESC_BYTES;
+            int k = -1;
+            for (int j = 0; j < SMOE_XT_COUNT; j++)
+                if (!strcmp(name, EXPERT_NAME[j])) k = j;
+            if (k < 0) return smoe_fail(SMOE_ERR_VAULT, "%s: unexpected name '%s'", what, printable(name, pn));
+            if (x->has[k]) return smoe_fail(SMOE_ERR_VAULT, "%s: '%s' appears twice", what, EXPERT_NAME[k]);
+            if (k >= 3 && L->mp.family != SMOE_FAMILY_GPT_OSS)
+                return smoe_fail(SMOE_ERR_VAULT, "%s: family %s has no expert '%s'", what, smoe_family_name(L->mp.family),
+                                 EXPERT_NAME[k]);
+            x->has[k] = true;
+            x->t[k] = t;
+        }
+        smoe_status rc = check_expert_layout(L, l, x);
+        if (rc) return rc;
+        if (x->bytes > largest) largest = x->bytes;
+    }
+    if (largest != L->blob_bytes)
+        return smoe_fail(SMOE_ERR_VAULT, "header: blob_bytes %llu, the largest layer's blob is %llu",
+                         (unsigned long long)L->blob_bytes, (unsigned long long)largest);
+    *used = pos;
+    return SMOE_OK;
+}
+
+/* The first sparse layer's layout as L->expert, and whether every sparse layer has the same. */
+static void summarise_experts(smoe_layout *L) {
+    const smoe_expert_layout *f = NULL;
+    L->expert = NULL;
+    L->uniform_experts = true;
+    for (uint32_t l = 0; l < L->cfg.num_hidden_layers; l++) {
+        L->layer_blob_bytes[l] = L->xl[l].bytes;
+        if (!L->layer_sparse[l]) continue;
+        const smoe_expert_layout *x = &L->xl[l];
+        if (!f) {
+            f = x;
+            L->expert = x->t;
+            continue;
+        }
+        bool same = x->bytes == f->bytes && !memcmp(x->has, f->has, sizeof x->has);
+        for (int i = 0; i < SMOE_XT_COUNT && same; i++)
+            if (x->has[i]) {
+                const smoe_tensor *a = &x->t[i], *b = &f->t[i];
+                same = a->format == b->format && a->scale_format == b->scale_format && a->group == b->group &&
+                       a->offset == b->offset && a->nbytes == b->nbytes;
+            }
+        if (!same) L->uniform_experts = false;
+    }
+}
+
+/* ------------------------------------------------------------------ dense tensors (2.5) */
+
+static uint64_t wanted_tensors(const smoe_layout *L) {
+    uint64_t n = L->cfg.tie_word_embeddings ? 2 : 3;
+    for (uint32_t l = 0; l < L->cfg.num_hidden_layers; l++)
+        for (int s = 0; s < LAYER_SLOTS; s++) n += slot_wanted(L, l, s);
+    return n;
 }
 
 static smoe_status parse_dense_table(const uint8_t *d, smoe_layout *L) {
@@ -477,6 +788,7 @@ static smoe_status parse_dense_table(const uint8_t *d, smoe_layout *L) {
     size_t n_slots = N_GLOBAL + (size_t)c->num_hidden_layers * LAYER_SLOTS;
     int32_t *slot_of = smoe_alloc(n_slots * sizeof *slot_of, 64); /* tensor index + 1, 0 = empty */
     if (!slot_of) return smoe_fail(SMOE_ERR_NOMEM, "cannot allocate the tensor index");
+    memset(slot_of, 0, n_slots * sizeof *slot_of);
     smoe_status rc = SMOE_OK;
     for (uint32_t i = 0; i < L->n_tensors && rc == SMOE_OK; i++) {
         char what[32], pn[40];
@@ -486,7 +798,8 @@ static smoe_status parse_dense_table(const uint8_t *d, smoe_layout *L) {
         const char *name = printable(L->names[i], pn);
         int64_t slot = name_slot(L->names[i], L);
         if (slot < 0) {
-            rc = smoe_fail(SMOE_ERR_VAULT, "%s: unexpected name '%s'", what, name);
+            rc = smoe_fail(SMOE_ERR_VAULT, "%s: unexpected name '%s' (for a %s vault)", what, name,
+                           smoe_family_name(L->mp.family));
             break;
         }
         if (slot_of[slot]) {
@@ -496,12 +809,12 @@ static smoe_status parse_dense_table(const uint8_t *d, smoe_layout *L) {
         slot_of[slot] = (int32_t)i + 1;
         uint64_t rows, cols;
         bool norm;
-        slot_shape(c, slot, &rows, &cols, &norm);
+        slot_shape(L, slot, &rows, &cols, &norm);
         if (t->rows != rows || t->cols != cols)
             rc = smoe_fail(SMOE_ERR_VAULT, "%s '%s': shape %ux%u, expected %llux%llu", what, name, t->rows, t->cols,
                            (unsigned long long)rows, (unsigned long long)cols);
         else if (norm && t->format != SMOE_FMT_F32 && t->format != SMOE_FMT_BF16)
-            rc = smoe_fail(SMOE_ERR_VAULT, "%s '%s': a norm must be f32 or bf16, not %s", what, name,
+            rc = smoe_fail(SMOE_ERR_VAULT, "%s '%s': a bias or norm must be f32 or bf16, not %s", what, name,
                            smoe_format_name(t->format));
         else if (t->offset > L->dense_bytes || t->nbytes > L->dense_bytes - t->offset)
             rc = smoe_fail(SMOE_ERR_VAULT, "%s '%s': bytes [%llu, +%llu) run past the dense region (%llu bytes)", what,
@@ -509,25 +822,35 @@ static smoe_status parse_dense_table(const uint8_t *d, smoe_layout *L) {
                            (unsigned long long)L->dense_bytes);
     }
     if (rc == SMOE_OK) {
-        /* n_tensors equals the number of names this config requires, each was seen at most
+        /* n_tensors equals the number of names this vault requires, each was seen at most
          * once and every name belongs to a required slot, so every slot is now filled. */
         for (uint32_t l = 0; l < c->num_hidden_layers; l++) {
             smoe_layer_weights *w = &L->layers[l];
             const int32_t *s = slot_of + N_GLOBAL + (size_t)l * LAYER_SLOTS;
 #define T(k) (s[k] ? &L->tensors[s[k] - 1] : NULL)
             w->sparse = L->layer_sparse[l];
+            w->attn = L->layer_attn[l];
             w->input_norm = T(L_INPUT_NORM);
             w->post_norm = T(L_POST_NORM);
             w->q = T(L_Q);
             w->k = T(L_K);
             w->v = T(L_V);
             w->o = T(L_O);
+            w->q_bias = T(L_Q_BIAS);
+            w->k_bias = T(L_K_BIAS);
+            w->v_bias = T(L_V_BIAS);
+            w->o_bias = T(L_O_BIAS);
             w->q_norm = T(L_Q_NORM);
             w->k_norm = T(L_K_NORM);
             w->router = T(L_ROUTER);
+            w->router_bias = T(L_ROUTER_BIAS);
             w->mlp_gate = T(L_MLP_GATE);
             w->mlp_up = T(L_MLP_UP);
             w->mlp_down = T(L_MLP_DOWN);
+            w->shared_gate = T(L_SHARED_GATE);
+            w->shared_up = T(L_SHARED_UP);
+            w->shared_down = T(L_SHARED_DOWN);
+            w->sinks = T(L_SINKS);
 #undef T
         }
         L->embed = &L->tensors[slot_of[G_EMBED] - 1];
@@ -538,6 +861,8 @@ static smoe_status parse_dense_table(const uint8_t *d, smoe_layout *L) {
     return rc;
 }
 
+/* ------------------------------------------------------------------ blob table (2.6) */
+
 static smoe_status parse_blob_table(const uint8_t *d, smoe_layout *L) {
     const smoe_config *c = &L->cfg;
     uint64_t data_end = L->dense_offset + L->dense_bytes;
@@ -545,7 +870,7 @@ static smoe_status parse_blob_table(const uint8_t *d, smoe_layout *L) {
     for (uint32_t i = 0; i < L->n_blobs; i++) {
         const uint8_t *e = d + (size_t)i * BLOB_ENTRY_BYTES;
         uint32_t layer = i / c->num_experts, expert = i % c->num_experts;
-        uint64_t off = rd64(e);
+        uint64_t off = rd64(e), bytes = L->layer_blob_bytes[layer];
         L->blob_offset[i] = off;
         L->blob_crc[i] = rd32(e + 8);
         if (rd32(e + 12))
@@ -556,11 +881,11 @@ static smoe_status parse_blob_table(const uint8_t *d, smoe_layout *L) {
             continue;
         }
         n_sparse++;
-        if (off % SMOE_PAGE || off < data_end || off > L->file_size || L->blob_bytes > L->file_size - off)
+        if (off % SMOE_PAGE || off < data_end || off > L->file_size || bytes > L->file_size - off)
             return smoe_fail(SMOE_ERR_VAULT,
                              "blob (layer %u, expert %u): offset %llu must be a multiple of %u with the blob "
                              "(%llu bytes) between the dense region's end %llu and the file's end %llu",
-                             layer, expert, (unsigned long long)off, SMOE_PAGE, (unsigned long long)L->blob_bytes,
+                             layer, expert, (unsigned long long)off, SMOE_PAGE, (unsigned long long)bytes,
                              (unsigned long long)data_end, (unsigned long long)L->file_size);
     }
     if (n_sparse < 2) return SMOE_OK;
@@ -572,7 +897,7 @@ static smoe_status parse_blob_table(const uint8_t *d, smoe_layout *L) {
     qsort(order, k, sizeof *order, cmp_u64_pair);
     smoe_status rc = SMOE_OK;
     for (size_t i = 0; i + 1 < k; i++)
-        if (order[i + 1][0] - order[i][0] < L->blob_bytes) {
+        if (order[i + 1][0] - order[i][0] < L->layer_blob_bytes[order[i][1] / c->num_experts]) {
             uint64_t a = order[i][1], b = order[i + 1][1];
             rc = smoe_fail(SMOE_ERR_VAULT, "blobs (layer %llu, expert %llu) and (layer %llu, expert %llu) overlap",
                            (unsigned long long)(a / c->num_experts), (unsigned long long)(a % c->num_experts),
@@ -583,24 +908,47 @@ static smoe_status parse_blob_table(const uint8_t *d, smoe_layout *L) {
     return rc;
 }
 
+/* ------------------------------------------------------------------ the tables in order */
+
 static smoe_status parse_all(const uint8_t *b, size_t len, uint64_t real_size, smoe_layout *L) {
     smoe_status rc = parse_header(b, len, real_size, L);
     if (rc) return rc;
     const uint8_t *t = b + L->table_offset;
+    const uint64_t tb = L->table_bytes;
     if ((rc = parse_config(t, &L->cfg))) return rc;
     smoe_config *c = &L->cfg;
     uint32_t nl = c->num_hidden_layers, ne = c->num_experts;
+    const bool v3 = L->version >= 3;
+    uint64_t pos = CONFIG_BYTES;
 
-    /* Every count is checked against the table size before anything is allocated from it. */
+    /* 2.2 parameters (version 3) */
+    uint32_t n_params = 0;
+    if (v3) {
+        if (tb - pos < PARAMS_HEAD_BYTES) return smoe_fail(SMOE_ERR_VAULT, "tables: no room for the parameter count");
+        n_params = rd32(t + pos);
+        if (rd32(t + pos + 4)) return smoe_fail(SMOE_ERR_VAULT, "parameters: reserved field not zero");
+        pos += PARAMS_HEAD_BYTES;
+        if (n_params > MAX_PARAMS || tb - pos < (uint64_t)n_params * PARAM_BYTES)
+            return smoe_fail(SMOE_ERR_VAULT, "parameters: %u entries do not fit the tables (at most %u)", n_params,
+                             MAX_PARAMS);
+    }
+    const uint8_t *params = t + pos;
+    pos += (uint64_t)n_params * PARAM_BYTES;
+
+    /* 2.3 layer kinds. Every count is checked against the table size before anything is
+     * allocated from it. */
     uint64_t kinds_bytes = smoe_align_up(nl, 8);
-    if (L->table_bytes < CONFIG_BYTES + kinds_bytes)
-        return smoe_fail(SMOE_ERR_VAULT, "tables: table_bytes %llu too small for %u layer kinds",
-                         (unsigned long long)L->table_bytes, nl);
-    const uint8_t *kinds = t + CONFIG_BYTES;
+    if (tb - pos < kinds_bytes)
+        return smoe_fail(SMOE_ERR_VAULT, "tables: table_bytes %llu too small for %u layer kinds", (unsigned long long)tb, nl);
+    const uint8_t *kinds = t + pos;
+    pos += kinds_bytes;
     uint32_t n_sparse = 0;
+    const uint8_t kind_mask = v3 ? 0x7 : 0x1;
     for (uint32_t l = 0; l < nl; l++) {
-        if (kinds[l] > 1) return smoe_fail(SMOE_ERR_VAULT, "layer kinds: layer %u has kind %u (must be 0 or 1)", l, kinds[l]);
-        n_sparse += kinds[l];
+        if (kinds[l] & ~kind_mask || (kinds[l] >> 1) == 3)
+            return smoe_fail(SMOE_ERR_VAULT, "layer kinds: layer %u has kind %u (%s)", l, kinds[l],
+                             v3 ? "bit 0 sparse, bits 1-2 attention 0, 1 or 2" : "must be 0 or 1");
+        n_sparse += kinds[l] & 1;
     }
     if (!all_zero(kinds + nl, kinds_bytes - nl)) return smoe_fail(SMOE_ERR_VAULT, "layer kinds: padding not zero");
     c->num_sparse_layers = n_sparse;
@@ -610,30 +958,53 @@ static smoe_status parse_all(const uint8_t *b, size_t len, uint64_t real_size, s
     if ((uint64_t)L->n_blobs != (uint64_t)nl * ne)
         return smoe_fail(SMOE_ERR_VAULT, "header: n_blobs %u, must be num_hidden_layers x num_experts = %llu", L->n_blobs,
                          (unsigned long long)nl * ne);
-    uint64_t want_tensors = (c->tie_word_embeddings ? 2 : 3) + (uint64_t)(nl - n_sparse) * 11 + (uint64_t)n_sparse * 9;
-    if (L->n_tensors != want_tensors)
-        return smoe_fail(SMOE_ERR_VAULT, "header: n_tensors %u, this config has %llu dense tensors", L->n_tensors,
-                         (unsigned long long)want_tensors);
-    uint64_t want_table = CONFIG_BYTES + kinds_bytes + 3 * DESC_BYTES + (uint64_t)L->n_tensors * DESC_BYTES +
-                          (uint64_t)L->n_blobs * BLOB_ENTRY_BYTES;
-    if (L->table_bytes != want_table)
-        return smoe_fail(SMOE_ERR_VAULT, "header: table_bytes %llu, the tables it describes take %llu",
-                         (unsigned long long)L->table_bytes, (unsigned long long)want_table);
 
     L->layer_sparse = smoe_alloc(nl, 64);
+    L->layer_attn = smoe_alloc(nl, 64);
+    L->xl = smoe_alloc((size_t)nl * sizeof *L->xl, 64);
+    L->layer_blob_bytes = smoe_alloc((size_t)nl * sizeof *L->layer_blob_bytes, 64);
+    L->layers = smoe_alloc((size_t)nl * sizeof *L->layers, 64);
+    if (!L->layer_sparse || !L->layer_attn || !L->xl || !L->layer_blob_bytes || !L->layers)
+        return smoe_fail(SMOE_ERR_NOMEM, "cannot allocate the vault's tables");
+    memset(L->xl, 0, (size_t)nl * sizeof *L->xl);
+    memset(L->layers, 0, (size_t)nl * sizeof *L->layers);
+    for (uint32_t l = 0; l < nl; l++) {
+        L->layer_sparse[l] = kinds[l] & 1;
+        L->layer_attn[l] = kinds[l] >> 1;
+    }
+    if ((rc = parse_params(params, n_params, L))) return rc;
+
+    /* 2.4 expert blob layouts */
+    if (v3) {
+        uint64_t used = 0;
+        if ((rc = parse_expert_layouts_v3(t + pos, tb - pos, L, &used))) return rc;
+        pos += used;
+    } else {
+        if (tb - pos < 3 * DESC_BYTES) return smoe_fail(SMOE_ERR_VAULT, "tables: no room for the expert layout");
+        if ((rc = parse_expert_layout_v2(t + pos, L))) return rc;
+        pos += 3 * DESC_BYTES;
+    }
+    summarise_experts(L);
+
+    /* 2.5 dense tensors, 2.6 blob table */
+    uint64_t want_tensors = wanted_tensors(L);
+    if (L->n_tensors != want_tensors)
+        return smoe_fail(SMOE_ERR_VAULT, "header: n_tensors %u, this %s vault has %llu dense tensors", L->n_tensors,
+                         smoe_family_name(L->mp.family), (unsigned long long)want_tensors);
+    uint64_t want_table = pos + (uint64_t)L->n_tensors * DESC_BYTES + (uint64_t)L->n_blobs * BLOB_ENTRY_BYTES;
+    if (tb != want_table)
+        return smoe_fail(SMOE_ERR_VAULT, "header: table_bytes %llu, the tables it describes take %llu",
+                         (unsigned long long)tb, (unsigned long long)want_table);
+
     L->tensors = smoe_alloc((size_t)L->n_tensors * sizeof *L->tensors, 64);
     L->names = smoe_alloc((size_t)L->n_tensors * sizeof *L->names, 64);
     L->blob_offset = smoe_alloc((size_t)L->n_blobs * sizeof *L->blob_offset, 64);
     L->blob_crc = smoe_alloc((size_t)L->n_blobs * sizeof *L->blob_crc, 64);
-    L->layers = smoe_alloc((size_t)nl * sizeof *L->layers, 64);
-    if (!L->layer_sparse || !L->tensors || !L->names || !L->blob_offset || !L->blob_crc || !L->layers)
+    if (!L->tensors || !L->names || !L->blob_offset || !L->blob_crc)
         return smoe_fail(SMOE_ERR_NOMEM, "cannot allocate the vault's tables");
-    memcpy(L->layer_sparse, kinds, nl);
 
-    const uint8_t *expert = kinds + kinds_bytes;
-    const uint8_t *dense = expert + 3 * DESC_BYTES;
+    const uint8_t *dense = t + pos;
     const uint8_t *blobs = dense + (size_t)L->n_tensors * DESC_BYTES;
-    if ((rc = parse_expert_layout(expert, L))) return rc;
     if ((rc = parse_dense_table(dense, L))) return rc;
     return parse_blob_table(blobs, L);
 }
@@ -968,38 +1339,37 @@ static void check_values(verify_ctx *x, const smoe_tensor *t, const uint8_t *bas
 }
 
 /* Every blob, read a run of whole blobs at a time (buf holds at least one): its checksum and its
- * three tensors' scales and biases. */
+ * tensors' scales and biases. */
 static smoe_status verify_blobs(int fd, const smoe_vault *v, uint8_t *buf, uint64_t buf_bytes, verify_ctx *x) {
-    static const char *const expert_name[3] = {"gate", "up", "down"};
     const smoe_layout *L = &v->lay;
     uint32_t ne = L->cfg.num_experts;
-    uint64_t bb = L->blob_bytes;
-    if (bb == 0) return SMOE_OK; /* no sparse layer, no blobs */
-    uint64_t per_read = buf_bytes / bb;
+    if (L->blob_bytes == 0) return SMOE_OK; /* no sparse layer, no blobs */
     for (uint32_t i = 0; i < L->n_blobs;) {
-        if (!L->layer_sparse[i / ne]) {
+        const uint32_t li = i / ne;
+        if (!L->layer_sparse[li]) {
             i++;
             continue;
         }
-        /* Blobs that lie back to back (the writer's order) go in one read, up to per_read of them. */
+        /* Blobs of one layer that lie back to back (the writer's order) go in one read. */
+        const uint64_t bb = L->layer_blob_bytes[li];
+        const uint64_t per_read = buf_bytes / bb;
         uint32_t j = i + 1;
-        while (j < L->n_blobs && j - i < per_read && L->layer_sparse[j / ne] &&
-               L->blob_offset[j] == L->blob_offset[j - 1] + bb)
-            j++;
+        while (j < L->n_blobs && j / ne == li && j - i < per_read && L->blob_offset[j] == L->blob_offset[j - 1] + bb) j++;
         int64_t got = smoe_pread_full(fd, buf, (uint64_t)(j - i) * bb, L->blob_offset[i]);
         if (got < 0)
             return smoe_fail(SMOE_ERR_IO, "%s: read at %llu failed: %s", x->path, (unsigned long long)L->blob_offset[i],
                              strerror(errno));
+        const smoe_expert_layout *xl = &L->xl[li];
         for (uint32_t k = i; k < j; k++) {
-            int32_t layer = (int32_t)(k / ne), expert = (int32_t)(k % ne);
+            int32_t layer = (int32_t)li, expert = (int32_t)(k % ne);
             const uint8_t *b = buf + (uint64_t)(k - i) * bb;
             if ((uint64_t)got < (uint64_t)(k - i + 1) * bb) {
                 report(x, "blob", layer, expert, "cut short by the end of the file");
                 continue;
             }
             if (smoe_checksum(b, bb) != L->blob_crc[k]) report(x, "blob", layer, expert, "checksum mismatch");
-            for (int t = 0; t < 3; t++)
-                check_values(x, &L->expert[t], b + L->expert[t].offset, expert_name[t], layer, expert);
+            for (int t = 0; t < SMOE_XT_COUNT; t++)
+                if (xl->has[t]) check_values(x, &xl->t[t], b + xl->t[t].offset, EXPERT_NAME[t], layer, expert);
         }
         i = j;
     }

@@ -18,23 +18,97 @@ typedef struct {
     uint64_t scales_off, biases_off;
 } smoe_tensor;
 
+/* A model family (docs/vault.md 2.2, parameter `family`): which recipe engine/layer.c runs and
+ * which dense tensors a vault of it holds. */
+typedef enum {
+    SMOE_FAMILY_QWEN3_MOE = 0,
+    SMOE_FAMILY_MIXTRAL = 1,
+    SMOE_FAMILY_OLMOE = 2,
+    SMOE_FAMILY_GLM4_MOE = 3,
+    SMOE_FAMILY_GPT_OSS = 4,
+    SMOE_FAMILY_QWEN3_NEXT = 5,
+    SMOE_FAMILY_QWEN3_5_MOE = 6,
+    SMOE_FAMILY_COUNT
+} smoe_family;
+
+/* How a sparse layer picks its experts (parameter `router_kind`). */
+typedef enum {
+    SMOE_ROUTER_SOFTMAX_TOPK = 0,   /* softmax over all experts in f32, top-k, renormalised if norm_topk_prob */
+    SMOE_ROUTER_SIGMOID_GROUP = 1,  /* GLM-4.5 / DeepSeek-V3: sigmoid, + router.bias for the choice,
+                                       group-limited top-k, renormalised if norm_topk_prob, × routed_scaling_factor */
+    SMOE_ROUTER_TOPK_SOFTMAX = 2,   /* gpt-oss: top-k of the logits, softmax over those k */
+    SMOE_ROUTER_KINDS
+} smoe_router_kind;
+
+/* Where q_norm and k_norm apply (parameter `qk_norm`). */
+typedef enum {
+    SMOE_QK_NORM_NONE = 0,  /* no q_norm / k_norm tensors */
+    SMOE_QK_NORM_HEAD = 1,  /* per head, 1 × head_dim (Qwen3-MoE, GLM's use_qk_norm) */
+    SMOE_QK_NORM_WHOLE = 2, /* over the whole projection, 1 × heads·head_dim and 1 × kv_heads·head_dim (OLMoE) */
+} smoe_qk_norm;
+
+/* A layer's attention kind (bits 1–2 of its kind byte). */
+typedef enum { SMOE_ATTN_FULL = 0, SMOE_ATTN_SLIDING = 1, SMOE_ATTN_LINEAR = 2 } smoe_attn_kind;
+
+/* The model parameters beyond the config block (docs/vault.md 2.2), with their defaults filled in
+ * (a version-2 vault is all defaults: Qwen3-MoE). */
+typedef struct {
+    uint32_t family;              /* smoe_family */
+    uint32_t rotary_dim;          /* leading dims of each head that RoPE rotates; head_dim = all */
+    uint32_t sliding_window;      /* positions a sliding-window layer sees (0: none) */
+    uint32_t router_kind;         /* smoe_router_kind */
+    uint32_t n_group, topk_group; /* SMOE_ROUTER_SIGMOID_GROUP: experts in n_group groups, topk_group kept */
+    float routed_scaling_factor;  /* the routed experts' weights are scaled by it (1: none) */
+    uint32_t shared_intermediate; /* width of the shared expert beside the routed ones (0: none) */
+    uint32_t attention_bias;      /* 0 none, 1 q/k/v biases, 2 q/k/v/o biases */
+    uint32_t qk_norm;             /* smoe_qk_norm */
+    float swiglu_alpha, swiglu_limit; /* gpt-oss's clamped SwiGLU (its experts' activation) */
+    /* YaRN RoPE when yarn_factor > 1 (transformers' _compute_yarn_parameters; engine/session.c) */
+    double yarn_factor, yarn_original_max, yarn_beta_fast, yarn_beta_slow, yarn_attention_factor;
+    uint32_t yarn_truncate;       /* round the correction range outwards (transformers' `truncate`) */
+} smoe_model_params;
+
 typedef struct {
     const smoe_tensor *input_norm, *post_norm; /* 1 × hidden */
     const smoe_tensor *q, *k, *v, *o;
-    const smoe_tensor *q_norm, *k_norm;        /* 1 × head_dim */
+    const smoe_tensor *q_bias, *k_bias, *v_bias, *o_bias; /* 1 × rows of their product, or NULL */
+    const smoe_tensor *q_norm, *k_norm;        /* see smoe_qk_norm; NULL without */
     const smoe_tensor *router;                 /* sparse layers, else NULL */
+    const smoe_tensor *router_bias;            /* 1 × experts: SMOE_ROUTER_SIGMOID_GROUP's correction, else NULL */
     const smoe_tensor *mlp_gate, *mlp_up, *mlp_down; /* dense layers, else NULL */
+    const smoe_tensor *shared_gate, *shared_up, *shared_down; /* sparse layers with a shared expert, else NULL */
+    const smoe_tensor *sinks;                  /* 1 × heads: attention sinks (gpt-oss), else NULL */
     bool sparse;
+    uint8_t attn;                              /* smoe_attn_kind */
 } smoe_layer_weights;
+
+/* The tensors of a blob, by their index in smoe_expert_layout.t (docs/vault.md 2.4). */
+enum { SMOE_XT_GATE, SMOE_XT_UP, SMOE_XT_DOWN, SMOE_XT_GATE_BIAS, SMOE_XT_UP_BIAS, SMOE_XT_DOWN_BIAS, SMOE_XT_COUNT };
+
+/* One layer's blob layout: which tensors each of its blobs holds and where (offsets within the
+ * blob), and the blob's length. A dense layer's is empty (bytes 0). */
+typedef struct {
+    uint64_t bytes;               /* multiple of 16 KiB */
+    uint32_t n;                   /* descriptors in the file */
+    bool has[SMOE_XT_COUNT];
+    smoe_tensor t[SMOE_XT_COUNT]; /* t[i] meaningful where has[i] */
+} smoe_expert_layout;
 
 /* The layout parsed from header + tables: no pointers into memory, only numbers.
  * Produced by smoe_vault_parse, which a fuzzer can drive. */
 typedef struct {
     smoe_config cfg;
-    uint64_t file_size, table_offset, table_bytes, dense_offset, dense_bytes, blob_bytes;
+    uint64_t file_size, table_offset, table_bytes, dense_offset, dense_bytes;
+    uint64_t blob_bytes;     /* the largest layer's blob (the streamer's slot size) */
     uint32_t dense_crc, n_tensors, n_blobs;
+    uint32_t version;        /* of the file: 2 or 3 */
+    smoe_model_params mp;
     uint8_t *layer_sparse;   /* (layers) */
-    smoe_tensor expert[3];   /* gate, up, down: offsets within a blob */
+    uint8_t *layer_attn;     /* (layers) smoe_attn_kind */
+    smoe_expert_layout *xl;  /* (layers) each layer's blob layout */
+    uint64_t *layer_blob_bytes; /* (layers) xl[l].bytes: each layer's blob length, 0 for dense layers */
+    const smoe_tensor *expert; /* the first sparse layer's gate, up, down (xl[l].t); NULL without one */
+    bool uniform_experts;    /* every sparse layer's blob layout is the same */
     smoe_tensor *tensors;    /* (n_tensors) dense tensors; .data NULL until bound */
     char (*names)[40];       /* (n_tensors) */
     uint64_t *blob_offset;   /* (layers × experts) 0 for dense layers */
@@ -42,6 +116,12 @@ typedef struct {
     smoe_layer_weights *layers; /* (layers) pointers into tensors */
     const smoe_tensor *embed, *final_norm, *lm_head; /* lm_head == embed when tied */
 } smoe_layout;
+
+/* Layer l's blob tensors (gate, up, down, then the optional ones: see has[]). */
+static inline const smoe_tensor *smoe_expert_of(const smoe_layout *L, uint32_t l) { return L->xl[l].t; }
+
+/* The family's name ("qwen3_moe", "mixtral", ...), "?" for an unknown number. */
+const char *smoe_family_name(uint32_t family);
 
 /* Parses bytes [0, len) of vault.bin (len ≥ 256 and covering the whole table region), checking
  * everything docs/vault.md lists against file_size (the real size of the file). Allocates the

@@ -124,6 +124,7 @@ uint64_t seed;
 } smoe_sampler_params;
 smoe_sampler_params smoe_sampler_default_params(void);
 smoe_status smoe_session_set_sampler(smoe_session *session, const smoe_sampler_params *params);
+smoe_status smoe_session_set_mask(smoe_session *session, const uint32_t *bitmask, uint32_t n_words);
 #define SMOE_TOP_LOGPROBS 64
 smoe_status smoe_logprobs(const float *logits, uint32_t vocab, int32_t token, uint32_t top_n,
 double *token_lp, int32_t *top_ids, double *top_lps);

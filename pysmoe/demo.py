@@ -1,5 +1,5 @@
 """The built-in demo vault: a small Qwen3-MoE trained on the Python documentation, shipped in
-pysmoe/data/demo/ (scripts/train_demo.py made it; README.md, "The demo model", says how)."""
+pysmoe/data/demo/ (scripts/train_demo.py made it; docs/demo.md says how)."""
 from __future__ import annotations
 
 import pathlib

@@ -261,7 +261,7 @@ class Session:
     `make CUDA=1`; otherwise pysmoe.Unsupported). gpu_cache_bytes is then the budget of experts
     kept in VRAM, with cache_bytes the host cache behind it. The GPU multiplies f32 activations by
     the dequantised weights whatever `activations` says; its logits agree with the CPU's within a
-    tolerance (README, "GPU (CUDA)"), its two prefill paths bit for bit. `backend` names the device.
+    tolerance (docs/gpu.md), its two prefill paths bit for bit. `backend` names the device.
 
     One method runs at a time (the module's docstring says what happens otherwise)."""
 
@@ -524,6 +524,23 @@ class Session:
         with self._claim():
             self._call(lib.smoe_session_set_sampler, sp)
 
+    def set_mask(self, bitmask) -> None:
+        """Constrain the ids the sampler may draw (structured output): bitmask is
+        ceil(vocab_size / 32) uint32 words (or int32, as llguidance fills them), id allowed when
+        bit id % 32 of word id // 32 is set; None lifts it. In force for every id the session
+        draws until set again, lifted, or set_sampler runs (smoe.h, smoe_session_set_mask).
+        InvalidArgument for a wrong size or a mask that allows no id."""
+        if bitmask is None:
+            ptr, n = ffi.NULL, 0
+        else:
+            words = np.ascontiguousarray(bitmask)
+            if words.ndim != 1 or words.dtype not in (np.uint32, np.int32):
+                raise InvalidArgument(f"a token mask is a 1-D array of 32-bit words, not {words.dtype} "
+                                      f"of shape {words.shape}")
+            ptr, n = ffi.cast("const uint32_t *", ffi.from_buffer(words)), words.size
+        with self._claim():
+            self._call(lib.smoe_session_set_mask, ptr, n)
+
     def _step(self, token: int, want_logits=True, want_id=True):
         logits = np.empty(self._vocab, dtype=np.float32) if want_logits else None
         nxt = ffi.new("int32_t *") if want_id else ffi.NULL
@@ -598,10 +615,11 @@ class Session:
             logits, _, _ = self._feed(arr, want_logits=want_logits)
         return logits
 
-    def prefill_logits(self, ids: Sequence[int], rows: Sequence[int]) -> np.ndarray:
+    def prefill_logits(self, ids: Sequence[int], rows: Sequence[int], sample: bool = False):
         """Feed ids as prefill() does and return the logits (len(rows), vocab) that follow each id
         ids[r], r in rows (strictly increasing indices into ids): an echo's log-probabilities
-        without a token-serial pass."""
+        without a token-serial pass. sample: also draw the next id after the last of ids with the
+        session's sampler, as prefill_next does, and return (logits, id)."""
         arr = self._ids(ids)
         try:
             r = np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -615,8 +633,8 @@ class Session:
             rr = r
         with self._claim():
             self._check_room(len(arr))
-            _, _, echo = self._feed(arr, want_logits=False, rows=rr)
-        return echo[:len(r)]
+            _, nxt, echo = self._feed(arr, want_logits=False, want_id=sample, rows=rr)
+        return (echo[:len(r)], nxt) if sample else echo[:len(r)]
 
     def decode(self, token: int) -> np.ndarray:
         """Feed one id; returns the logits that follow it."""

@@ -6,12 +6,15 @@
             bar.update(len(blob))
 
 On a terminal it redraws one line at most ten times a second; when stderr is not a terminal
-(CI logs) it prints a line every 10% instead, so logs stay short.
+(CI logs, a file) it prints one line when done, and one every LOG_INTERVAL seconds before that
+for a long job, so logs stay short.
 """
 from __future__ import annotations
 
 import sys
 import time
+
+LOG_INTERVAL = 30.0  # seconds between lines when the stream is not a terminal
 
 
 def _fmt(n: float, unit: str) -> str:
@@ -44,7 +47,6 @@ class Progress:
         self.start = time.monotonic()
         self._last = 0.0
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._last_decile = -1
         self._closed = False
 
     def update(self, n: float = 1) -> None:
@@ -56,11 +58,9 @@ class Progress:
             if now - self._last >= 0.1 or self.n >= self.total:
                 self._last = now
                 self._draw(now, end="")
-        else:
-            decile = int(10 * self.n / self.total) if self.total else 10
-            if decile != self._last_decile and decile < 10:
-                self._last_decile = decile
-                self._draw(now, end="\n")
+        elif now - max(self._last, self.start) >= LOG_INTERVAL and self.n < self.total:
+            self._last = now
+            self._draw(now, end="\n")
 
     def _line(self, now: float) -> str:
         elapsed = now - self.start

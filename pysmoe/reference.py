@@ -1,4 +1,5 @@
-"""The numpy reference forward of Qwen3-MoE: slow, obvious, and the thing everything is checked against.
+"""The numpy reference forward of the MoE families (Qwen3-MoE, Mixtral, OLMoE, GLM-4.5): slow,
+obvious, and the thing everything is checked against.
 
     from pysmoe.reference import ReferenceModel
     ref = ReferenceModel("path/to/vault")
@@ -25,6 +26,12 @@ from position 0, the math written out the way transformers' `Qwen3MoeForCausalLM
 moe(h) for one token: p = softmax(h @ router.T) over all experts; take the top_k (ties go to the
 lower expert index); renormalise the k weights to sum 1 when norm_topk_prob; the output is
 Σ_j w_j · down_j(silu(gate_j h) · up_j h).
+
+The other families are the same forward with the vault's parameters (docs/vault.md 2.2): q/k/v
+(and o) biases; QK-norm per head, over the whole projection (OLMoE) or none (Mixtral); RoPE over
+the first rotary_dim dims of a head (GLM); GLM's router (sigmoid scores, router.bias for the
+choice, group-limited top-k, renormalised, × routed_scaling_factor); a shared expert added beside
+the routed ones.
 
 No caching of the KV state and no batching tricks: the engine's two paths are the fast versions of
 this, and this file must stay easy to check by eye.
@@ -61,10 +68,13 @@ def rope_tables(n_positions: int, head_dim: int, theta: float) -> tuple[np.ndarr
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x: (heads, T, head_dim); cos, sin: (T, head_dim). x·cos + rotate_half(x)·sin."""
-    half = x.shape[-1] // 2
-    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+    """x: (heads, T, head_dim); cos, sin: (T, rot). x·cos + rotate_half(x)·sin on the first rot
+    dims of each head; the rest pass through (partial RoPE)."""
+    rot = cos.shape[-1]
+    r, rest = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = np.concatenate([-r[..., half:], r[..., :half]], axis=-1)
+    return np.concatenate([r * cos + rotated * sin, rest], axis=-1)
 
 
 def top_k_experts(probs: np.ndarray, k: int) -> np.ndarray:
@@ -90,6 +100,15 @@ class ReferenceModel:
         self.tied = bool(c["tie_word_embeddings"])
         self.eps = float(c["rms_norm_eps"])
         self.rope_theta = float(c["rope_theta"])
+        pm = self.vault.params
+        self.qk_norm = int(pm.get("qk_norm", 1))
+        self.rotary_dim = int(pm.get("rotary_dim", self.head_dim))
+        self.router_kind = int(pm.get("router_kind", 0))
+        self.n_group, self.topk_group = int(pm.get("n_group", 1)), int(pm.get("topk_group", 1))
+        self.routed_scaling_factor = float(pm.get("routed_scaling_factor", 1.0))
+        if self.vault.family not in ("qwen3_moe", "mixtral", "olmoe", "glm4_moe") or self.router_kind > 1 \
+                or any(self.vault.attention_kinds):
+            raise ValueError(f"the numpy reference has no recipe for this {self.vault.family} vault")
         self._dense: dict[str, np.ndarray] = {}
 
     # ---- weights ---------------------------------------------------------------------------
@@ -103,6 +122,9 @@ class ReferenceModel:
             self._dense[name] = t
         return self._dense[name]
 
+    def has(self, name: str) -> bool:
+        return name in self.vault.tensors
+
     def is_sparse(self, layer: int) -> bool:
         return bool(self.vault.layer_is_sparse(layer))
 
@@ -112,12 +134,18 @@ class ReferenceModel:
         """Causal GQA self-attention of h (T, hidden) at positions 0..T-1; returns (T, hidden)."""
         p = f"layers.{layer}."
         T, d = h.shape[0], self.head_dim
-        q = (h @ self.w(p + "q_proj").T).reshape(T, self.n_heads, d).transpose(1, 0, 2)
-        k = (h @ self.w(p + "k_proj").T).reshape(T, self.n_kv_heads, d).transpose(1, 0, 2)
-        v = (h @ self.w(p + "v_proj").T).reshape(T, self.n_kv_heads, d).transpose(1, 0, 2)
-        q = rms_norm(q, self.w(p + "q_norm"), self.eps)
-        k = rms_norm(k, self.w(p + "k_norm"), self.eps)
-        cos, sin = rope_tables(T, d, self.rope_theta)
+        q, k, v = (h @ self.w(p + f"{x}_proj").T for x in "qkv")
+        if self.has(p + "q_proj.bias"):
+            q, k, v = q + self.w(p + "q_proj.bias"), k + self.w(p + "k_proj.bias"), v + self.w(p + "v_proj.bias")
+        if self.qk_norm == 2:  # OLMoE: over the whole projection
+            q, k = rms_norm(q, self.w(p + "q_norm"), self.eps), rms_norm(k, self.w(p + "k_norm"), self.eps)
+        q = q.reshape(T, self.n_heads, d).transpose(1, 0, 2)
+        k = k.reshape(T, self.n_kv_heads, d).transpose(1, 0, 2)
+        v = v.reshape(T, self.n_kv_heads, d).transpose(1, 0, 2)
+        if self.qk_norm == 1:  # per head, before RoPE
+            q = rms_norm(q, self.w(p + "q_norm"), self.eps)
+            k = rms_norm(k, self.w(p + "k_norm"), self.eps)
+        cos, sin = rope_tables(T, self.rotary_dim, self.rope_theta)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         group = self.n_heads // self.n_kv_heads
@@ -129,21 +157,44 @@ class ReferenceModel:
             scores = np.where(future, np.float32(-np.inf), scores)
             out[head] = softmax(scores) @ v[kv]
         attn = out.transpose(1, 0, 2).reshape(T, self.n_heads * d)
-        return attn @ self.w(p + "o_proj").T
+        o = attn @ self.w(p + "o_proj").T
+        return o + self.w(p + "o_proj.bias") if self.has(p + "o_proj.bias") else o
 
-    def dense_mlp(self, layer: int, h: np.ndarray) -> np.ndarray:
-        p = f"layers.{layer}.mlp."
+    def dense_mlp(self, layer: int, h: np.ndarray, p: str | None = None) -> np.ndarray:
+        p = p or f"layers.{layer}.mlp."
         gate, up, down = self.w(p + "gate_proj"), self.w(p + "up_proj"), self.w(p + "down_proj")
         return (silu(h @ gate.T) * (h @ up.T)) @ down.T
 
     def route(self, layer: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For each token of h (T, hidden): its top-k expert ids (T, k) and their weights (T, k)."""
+        if self.router_kind == 1:
+            return self.route_grouped(layer, h)
         probs = softmax(h @ self.w(f"layers.{layer}.router").T)  # (T, n_experts), float32
         experts = np.stack([top_k_experts(row, self.top_k) for row in probs])
         weights = np.take_along_axis(probs, experts, axis=-1)
         if self.norm_topk_prob:
             weights = weights / np.sum(weights, axis=-1, keepdims=True)
         return experts, weights
+
+    def route_grouped(self, layer: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """GLM-4.5's router: sigmoid scores; the choice on score + router.bias within the
+        topk_group best of n_group groups (a group scores its two best); weights the scores."""
+        scores = np.float32(1.0) / (np.float32(1.0) + np.exp(-(h @ self.w(f"layers.{layer}.router").T)))
+        choice = scores + self.w(f"layers.{layer}.router.bias")
+        if self.n_group > 1:
+            g = choice.reshape(len(h), self.n_group, -1)
+            group_scores = np.sort(g, axis=-1)[..., -2:].sum(axis=-1)  # (T, n_group)
+            for t in range(len(h)):
+                keep = top_k_experts(group_scores[t], self.topk_group)
+                mask = np.ones(self.n_group, dtype=bool)
+                mask[keep] = False
+                g[t, mask] = -np.inf
+            choice = g.reshape(len(h), -1)
+        experts = np.stack([top_k_experts(row, self.top_k) for row in choice])
+        weights = np.take_along_axis(scores, experts, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / (np.sum(weights, axis=-1, keepdims=True) + np.float32(1e-20))
+        return experts, weights * np.float32(self.routed_scaling_factor)
 
     def moe(self, layer: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The sparse block; returns its output (T, hidden) and the routing (T, k)."""
@@ -155,6 +206,8 @@ class ReferenceModel:
             x = h[tokens]
             y = (silu(x @ gate.T) * (x @ up.T)) @ down.T
             out[tokens] += y * weights[tokens, slot][:, None]
+        if self.has(f"layers.{layer}.shared.gate_proj"):  # GLM's shared expert, beside the routed ones
+            out = out + self.dense_mlp(layer, h, f"layers.{layer}.shared.")
         return out, experts
 
     # ---- the model -------------------------------------------------------------------------

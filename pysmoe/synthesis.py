@@ -62,6 +62,26 @@ PRESETS = {
                  num_experts=128, num_experts_per_tok=8, max_position_embeddings=40960),
 }
 
+# gpt-oss-20b and -120b (openai/gpt-oss-*'s config.json): every layer sparse, sliding-window
+# (128) layers alternating with full ones, YaRN ×32 over 4,096 positions, biases, attention sinks.
+# Their experts are released in MXFP4: `--experts MXFP4` is the released size.
+_GPT_OSS = dict(model_type="gpt_oss", architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880,
+                intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                rope_theta=150000.0, tie_word_embeddings=False, attention_bias=True, swiglu_limit=7.0,
+                rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
+                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False)
+PRESETS["gpt-oss-20b"] = dict(_GPT_OSS, num_hidden_layers=24, num_experts=32)
+# Tests: gpt-oss's recipe at the tiny preset's size (windows of 8, YaRN ×4 over 64 positions).
+PRESETS["gpt-oss-tiny"] = dict(_GPT_OSS, vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16,
+                               sliding_window=8, max_position_embeddings=4096,
+                               rope_parameters=dict(_GPT_OSS["rope_parameters"], factor=4.0,
+                                                    original_max_position_embeddings=64))
+PRESETS["gpt-oss-120b"] = dict(_GPT_OSS, num_hidden_layers=36, num_experts=128)
+BIAS_STD = 0.02                              # biases and attention sinks (gpt-oss): small, around 0
+
 EXPERT_FORMATS = ("q4", "q8", "bf16", "f32") + tuple(ggml_blocks.FORMATS)  # GGML: random blocks
 SCALE_JITTER = 0.1                           # scales vary ±5% around the matrix's own
 ROUTER_GAIN = 2.0                            # router logits of std ~2 for a unit-rms input
@@ -444,6 +464,9 @@ def _splice_columns(buf: np.ndarray, t, block_bytes: bytes, ncols: int) -> None:
 def _write_dense(writer: VaultWriter, name: str, rng: np.random.Generator, routing) -> None:
     cfg, t = writer.config, writer.layout.tensors[name]
     role = role_of(name)
+    if role == "norms" and name.endswith((".bias", ".sinks")):
+        writer.add_dense(name, _uniform(rng, (t.cols,), BIAS_STD))
+        return
     if role == "norms":
         writer.add_dense(name, _uniform(rng, (t.cols,), NORM_SPREAD, mean=1.0))
         return
@@ -508,13 +531,15 @@ def _random_codes(out: np.ndarray, t, std: float, rng: np.random.Generator, scal
 
 
 def _coded_blob(writer: VaultWriter, rng: np.random.Generator, stds, zero_down_rows: int = 0) -> np.ndarray:
-    """One q4 or q8 expert blob of random codes (the first zero_down_rows rows of down zero)."""
-    last = writer.layout.expert[-1]
-    blob = np.zeros(last.offset + last.nbytes, dtype=np.uint8)
+    """One q4 or q8 expert blob of random codes (the first zero_down_rows rows of down zero;
+    gpt-oss's expert biases, after the matrices, zero)."""
+    end = writer.layout.expert[-1]
+    blob = np.zeros(end.offset + end.nbytes, dtype=np.uint8)
     for t, std in zip(writer.layout.expert, stds):
         _random_codes(blob[t.offset:t.offset + t.nbytes], t, std, rng, writer.scale_dtype)
     if zero_down_rows:
-        _zero_leading_rows(blob[last.offset:last.offset + last.nbytes], last, zero_down_rows)
+        down = writer.layout.expert[2]
+        _zero_leading_rows(blob[down.offset:down.offset + down.nbytes], down, zero_down_rows)
     return blob
 
 
@@ -541,7 +566,7 @@ def preset_config(preset: str, layers: int | None = None, overrides: dict | None
 
 
 def synth(path, preset: str = "tiny", seed: int = 0, layers: int | None = None, experts: str = "q4",
-          routing: str = "uniform", progress: bool = True, *, formats: dict | None = None,
+          routing: str = "uniform", progress: bool = False, *, formats: dict | None = None,
           overrides: dict | None = None, scale_dtype: str = "f16", overlap: float | None = None,
           top20_share: float | None = None, stay: float | None = None, temperature: float | None = None,
           topics: int | None = None, specific_dims: int | None = None, force: bool = False) -> pathlib.Path:
@@ -555,7 +580,8 @@ def synth(path, preset: str = "tiny", seed: int = 0, layers: int | None = None, 
 
     The vault is written beside path and renamed into place when complete and verified
     (pysmoe.vaultdir.staged): a non-empty path is refused (TargetExists) unless force.
-    Bad arguments raise ValueError before anything is written.
+    Bad arguments raise ValueError before anything is written. progress: bars on stderr (off by
+    default: `pysmoe synth` turns them on).
     """
     knobs = dict(overlap=overlap, top20_share=top20_share, stay=stay, temperature=temperature,
                  topics=topics, specific_dims=specific_dims)
@@ -611,7 +637,8 @@ def _write_experts(writer: VaultWriter, seed: int, progress: bool, label: str, z
             else:
                 gate, up, down = _float_expert(cfg, rng, stds)
                 down[:zero_down_rows] = 0
-                blob = writer.pack_expert(gate, up, down)
+                biases = [np.zeros(t.cols, np.float32) for t in lay.expert[3:]] or None  # gpt-oss's
+                blob = writer.pack_expert(gate, up, down, biases=biases)
             pending.append(pool.submit(writer.add_expert_raw, l, e, blob))
             if len(pending) >= 4:
                 pending.pop(0).result()

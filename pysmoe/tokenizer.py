@@ -12,13 +12,19 @@ without HTML escaping, the globals `raise_exception` and `strftime_now`, and the
 (bos_token, eos_token, ...) plus any template keyword arguments (`enable_thinking=False`) as
 variables. A vault without a template gets ChatML.
 
+`Tokenizer.min_tokens(text)` is a lower bound on len(encode(text)) computed without encoding
+(the server refuses a prompt that cannot fit its context before spending seconds on it).
+
 `build_synthetic_tokenizer(vocab_size)` trains a small byte-level BPE on a corpus shipped in
 pysmoe/data/, so that synthetic vaults speak bytes like a real model does.
 """
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
+
+from .errors import InvalidArgument
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 MAX_SYNTH_VOCAB = 1000
@@ -160,9 +166,43 @@ class Tokenizer:
     def chat_template(self) -> str | None:
         return self._template
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of text; special tokens written in the text (`<|im_start|>`) become their ids."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Ids of text; special tokens written in the text (`<|im_start|>`) become their ids.
+        add_special_tokens: also those the tokenizer's post-processor adds (a BOS, say). Text that
+        is not a str, or holds a lone surrogate (which UTF-8 cannot carry), is InvalidArgument."""
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            if not isinstance(text, str):
+                raise InvalidArgument(f"text to encode must be a str, not {type(text).__name__}") from None
+            bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+            if bad is None:
+                raise
+            raise InvalidArgument(f"the text has a lone surrogate (U+{ord(text[bad]):04X}) at character {bad}: "
+                                  "it is not valid Unicode") from None
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)), from the text's length alone: its bytes (after the
+        tokenizer's normaliser) over the most bytes one token can stand for. 0 when the model is not
+        a BPE (a WordPiece [UNK] may stand for a whole word)."""
+        most = self._max_token_bytes
+        if most is None or not isinstance(text, str):
+            return 0
+        norm = self._tok.normalizer
+        if norm is not None:
+            text = norm.normalize_str(text)
+        return -(-len(text.encode("utf-8", "surrogatepass")) // most)
+
+    @functools.cached_property
+    def _max_token_bytes(self) -> int | None:
+        # A BPE token's piece is at least as long in UTF-8 as the bytes it stands for (byte-level
+        # pieces spell each byte as one character of 1 or 2 bytes; a Metaspace '▁' is 3 bytes
+        # for one space; an unknown character becomes one [UNK], whose text is longer than 4 bytes
+        # or counted here as 4).
+        if type(self._tok.model).__name__ != "BPE":
+            return None
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return max(4, max((len(piece.encode("utf-8", "surrogatepass")) for piece in vocab), default=0))
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of ids; ids past the tokenizer's vocabulary decode to ""."""
@@ -171,6 +211,14 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def id_to_token(self, token: int) -> str | None:
+        """The vocabulary's spelling of an id (a byte-level piece, not its text), None past it."""
+        return self._tok.id_to_token(int(token))
+
+    def to_str(self) -> str:
+        """The tokenizer.json text (what a grammar library reads the vocabulary from)."""
+        return self._tok.to_str()
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True, tokenize: bool = True,
                             tools=None, **template_kwargs):

@@ -32,7 +32,8 @@ from .errors import VaultError
 from .quant import FORMAT_CODE, FORMAT_NAME, SCALE_CODE, SCALE_NAME, align
 
 MAGIC = b"SMOEVLT\0"
-VERSION = 2
+VERSION = 3
+READ_VERSIONS = (2, 3)
 HEADER_BYTES = 256
 BLOB_ALIGN = 16384
 CONFIG_BYTES = 96
@@ -41,15 +42,36 @@ BLOB_ENTRY_BYTES = 16
 NAME_BYTES = 40
 MAX_TABLE_BYTES = 64 << 20
 
+DEFAULT_CONTEXT = 4096  # the CLI's --context, capped by the model's max_position_embeddings
+
 _HEADER = struct.Struct("<8sIIQQQQQIIQII")  # through `reserved` at 76; zeros to 256
 _CONFIG = struct.Struct("<12IfId")           # 64 bytes; zeros to 96
 _DESC = struct.Struct("<40sBBHIIIQ")          # 64 bytes
 _BLOB = struct.Struct("<QII")                 # 16 bytes
+_PARAMS_HEAD = struct.Struct("<II")           # count, 0
+_PARAM = struct.Struct("<32sd")               # key NUL-padded, f64 value: 40 bytes
+_LAYOUT = struct.Struct("<QII")               # a layer's blob bytes, descriptors, 0: 16 bytes
 
 ROLES = ("experts", "attention", "embed", "lm_head", "router", "norms", "mlp")
 DEFAULT_FORMATS = {"experts": "q4", "attention": "q8", "embed": "q8", "lm_head": "q8",
                    "mlp": "q8", "router": "f32", "norms": "f32"}
 EXPERT_PARTS = ("gate", "up", "down")
+
+# Model families (docs/vault.md 2.2): model_type -> the vault's `family` number.
+FAMILIES = {"qwen3_moe": 0, "mixtral": 1, "olmoe": 2, "glm4_moe": 3, "gpt_oss": 4, "qwen3_next": 5,
+            "qwen3_5_moe": 6}
+FAMILY_NAME = {v: k for k, v in FAMILIES.items()}
+# What the engine of this build runs (a vault of another family opens, and is refused by a session).
+RUNNABLE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
+PARAM_KEYS = ("family", "rotary_dim", "sliding_window", "router_kind", "n_group", "topk_group",
+              "routed_scaling_factor", "shared_intermediate_size", "attention_bias", "qk_norm",
+              "swiglu_alpha", "swiglu_limit", "yarn_factor", "yarn_original_max_position", "yarn_beta_fast",
+              "yarn_beta_slow", "yarn_attention_factor", "yarn_truncate")
+ATTN_FULL, ATTN_SLIDING, ATTN_LINEAR = 0, 1, 2
+# gpt-oss's blobs hold each expert's biases after its matrices (f32 rows)
+EXPERT_BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")
+ROUTER_SOFTMAX_TOPK, ROUTER_SIGMOID_GROUP, ROUTER_TOPK_SOFTMAX = 0, 1, 2
+QK_NORM_NONE, QK_NORM_HEAD, QK_NORM_WHOLE = 0, 1, 2
 
 # ------------------------------------------------------------------------------------ config
 
@@ -71,9 +93,15 @@ def normalize_config(cfg: dict) -> dict:
     as they were (model_type, architectures, ...).
     """
     out = dict(cfg)
+    mt = out.setdefault("model_type", "qwen3_moe")
+    if mt not in FAMILIES:
+        raise ValueError(f"model_type {mt!r} is not a family pysmoe knows ({', '.join(FAMILIES)})")
+    if mt == "glm4_moe" and "n_routed_experts" in out and "num_experts" not in out:
+        out["num_experts"] = out["n_routed_experts"]
     if "num_experts" not in out and "num_local_experts" in out:
         out["num_experts"] = out["num_local_experts"]
     out.pop("num_local_experts", None)
+    _normalize_family(out)
     if "rope_theta" not in out:
         rp = out.get("rope_parameters")
         if isinstance(rp, dict) and "rope_theta" in rp:
@@ -81,7 +109,7 @@ def normalize_config(cfg: dict) -> dict:
     for key in ("rope_parameters", "rope_scaling"):
         rp = out.get(key)
         rope_type = rp.get("rope_type", rp.get("type", "default")) if isinstance(rp, dict) else "default"
-        if rope_type != "default":
+        if rope_type != "default" and not (rope_type == "yarn" and out.get("model_type") == "gpt_oss"):
             raise ValueError(f"{key} rope_type {rope_type!r} is not supported (only default RoPE)")
     if out.get("head_dim") is None and out.get("hidden_size") and out.get("num_attention_heads"):
         out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
@@ -103,6 +131,109 @@ def normalize_config(cfg: dict) -> dict:
     out["rms_norm_eps"] = float(out["rms_norm_eps"])
     out["rope_theta"] = float(out["rope_theta"])
     return out
+
+
+def _normalize_family(out: dict) -> None:
+    """The family's own spellings -> the keys every vault config has (in place)."""
+    mt = out["model_type"]
+    if mt in ("mixtral", "olmoe"):
+        # every layer sparse; intermediate_size is the expert's width
+        if out.get("moe_intermediate_size") is None and out.get("intermediate_size") is not None:
+            out["moe_intermediate_size"] = out["intermediate_size"]
+        if mt == "mixtral":
+            out["norm_topk_prob"] = True  # MixtralTopKRouter always renormalises
+            sw = out.get("sliding_window")
+            if sw is not None and int(sw) < int(out.get("max_position_embeddings") or 0):
+                raise ValueError(f"Mixtral with sliding_window {sw} below max_position_embeddings is not supported")
+        if mt == "olmoe" and out.get("clip_qkv") is not None:
+            raise ValueError(f"OLMoE with clip_qkv {out['clip_qkv']} is not supported")
+    if mt == "gpt_oss":
+        # every layer sparse; intermediate_size is the expert's width; layer_types as GptOssConfig
+        # defaults them (sliding first, alternating)
+        out["moe_intermediate_size"] = out.get("intermediate_size")
+        out.setdefault("mlp_only_layers", [])
+        out.setdefault("decoder_sparse_step", 1)
+        out["norm_topk_prob"] = False  # unused: the softmax runs over the chosen k
+        n = int(out.get("num_hidden_layers") or 0)
+        if out.get("layer_types") is None:
+            out["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+        bad = sorted(set(out["layer_types"]) - {"sliding_attention", "full_attention"})
+        if bad or len(out["layer_types"]) != n:
+            raise ValueError(f"gpt_oss layer_types must be {n} of sliding_attention/full_attention, got {bad or 'a wrong count'}")
+        rp = out.get("rope_parameters") or out.get("rope_scaling") or {}
+        if rp.get("rope_type", rp.get("type", "default")) not in ("yarn", "default"):
+            raise ValueError(f"gpt_oss with RoPE type {rp.get('rope_type')!r} is not supported (yarn or default)")
+    if mt == "glm4_moe":
+        k = int(out.get("first_k_dense_replace", 1) or 0)
+        out.setdefault("mlp_only_layers", list(range(min(k, int(out.get("num_hidden_layers") or 0)))))
+        out.setdefault("norm_topk_prob", True)
+        rp = out.get("rope_parameters") if isinstance(out.get("rope_parameters"), dict) else {}
+        prf = rp.get("partial_rotary_factor", out.get("partial_rotary_factor", 0.5))
+        out["partial_rotary_factor"] = float(prf)
+
+
+def family_params(cfg: dict) -> dict:
+    """The vault's parameter table (docs/vault.md 2.2) for a normalised config: key -> number."""
+    mt = cfg.get("model_type", "qwen3_moe")
+    p = {"family": FAMILIES[mt]}
+    hd = cfg["head_dim"]
+    if mt == "qwen3_moe":
+        p["qk_norm"] = QK_NORM_HEAD
+    elif mt == "mixtral":
+        p["qk_norm"] = QK_NORM_NONE
+    elif mt == "olmoe":
+        p["qk_norm"] = QK_NORM_WHOLE
+        p["attention_bias"] = 2 if cfg.get("attention_bias") else 0
+    elif mt == "glm4_moe":
+        p["qk_norm"] = QK_NORM_HEAD if cfg.get("use_qk_norm") else QK_NORM_NONE
+        p["attention_bias"] = 1 if cfg.get("attention_bias") else 0
+        p["router_kind"] = ROUTER_SIGMOID_GROUP
+        p["n_group"] = int(cfg.get("n_group") or 1)
+        p["topk_group"] = int(cfg.get("topk_group") or 1)
+        p["routed_scaling_factor"] = float(cfg.get("routed_scaling_factor") or 1.0)
+        p["shared_intermediate_size"] = int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0)
+        rot = int(hd * float(cfg.get("partial_rotary_factor", 0.5)))
+        p["rotary_dim"] = rot - rot % 2
+    elif mt == "gpt_oss":
+        p["qk_norm"] = QK_NORM_NONE
+        p["attention_bias"] = 2 if cfg.get("attention_bias", True) else 0
+        p["router_kind"] = ROUTER_TOPK_SOFTMAX
+        if ATTN_SLIDING in layer_attention(cfg):
+            p["sliding_window"] = int(cfg["sliding_window"])
+        p["swiglu_alpha"] = float(cfg.get("swiglu_alpha", 1.702))
+        p["swiglu_limit"] = float(cfg.get("swiglu_limit", 7.0))
+        p.update(yarn_params(cfg))
+    else:
+        raise ValueError(f"model_type {mt!r}: this pysmoe cannot write its vault yet")
+    return p
+
+
+def yarn_params(cfg: dict) -> dict:
+    """YaRN's entries of the parameter table (none for the default RoPE), with the attention factor
+    transformers derives (_compute_yarn_parameters: 0.1·ln(factor) + 1 unless given)."""
+    import math
+
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rp.get("rope_type", rp.get("type")) != "yarn":
+        return {}
+    factor = float(rp.get("factor") or cfg["max_position_embeddings"] / rp["original_max_position_embeddings"])
+    af = rp.get("attention_factor")
+    if af is None:
+        ms, msa = rp.get("mscale"), rp.get("mscale_all_dim")
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        af = mscale(factor, ms) / mscale(factor, msa) if ms and msa else mscale(factor)
+    return {"yarn_factor": factor, "yarn_original_max_position": float(rp["original_max_position_embeddings"]),
+            "yarn_beta_fast": float(rp.get("beta_fast") or 32), "yarn_beta_slow": float(rp.get("beta_slow") or 1),
+            "yarn_attention_factor": float(af), "yarn_truncate": 1.0 if rp.get("truncate", True) else 0.0}
+
+
+def layer_attention(cfg: dict) -> list[int]:
+    """Per layer its attention kind (ATTN_FULL, ATTN_SLIDING): bits 1-2 of its kind byte."""
+    if cfg.get("model_type") != "gpt_oss":
+        return [ATTN_FULL] * cfg["num_hidden_layers"]
+    return [ATTN_SLIDING if t == "sliding_attention" else ATTN_FULL for t in cfg["layer_types"]]
 
 
 def layer_kinds(cfg: dict) -> list[bool]:
@@ -138,11 +269,11 @@ def role_of(name: str) -> str:
         return "embed"
     if name == "lm_head":
         return "lm_head"
-    if name == "norm" or name.endswith(("layernorm", "q_norm", "k_norm")):
-        return "norms"
+    if name == "norm" or name.endswith(("layernorm", "q_norm", "k_norm", ".bias", ".sinks")):
+        return "norms"  # float vectors: norms and biases
     if name.endswith("router"):
         return "router"
-    if ".mlp." in name:
+    if ".mlp." in name or ".shared." in name:
         return "mlp"
     return "attention"
 
@@ -152,14 +283,33 @@ def dense_shapes(cfg: dict) -> list[tuple[str, int, int]]:
     h, hd = cfg["hidden_size"], cfg["head_dim"]
     q_out = cfg["num_attention_heads"] * hd
     kv_out = cfg["num_key_value_heads"] * hd
+    fp = family_params(cfg)
+    qk, bias = fp.get("qk_norm", QK_NORM_HEAD), fp.get("attention_bias", 0)
+    shared = fp.get("shared_intermediate_size", 0)
     out = [("embed_tokens", cfg["vocab_size"], h)]
     for l, sparse in enumerate(layer_kinds(cfg)):
         p = f"layers.{l}."
         out += [(p + "input_layernorm", 1, h), (p + "q_proj", q_out, h), (p + "k_proj", kv_out, h),
-                (p + "v_proj", kv_out, h), (p + "q_norm", 1, hd), (p + "k_norm", 1, hd),
-                (p + "o_proj", h, q_out), (p + "post_attention_layernorm", 1, h)]
+                (p + "v_proj", kv_out, h)]
+        if bias:
+            out += [(p + "q_proj.bias", 1, q_out), (p + "k_proj.bias", 1, kv_out), (p + "v_proj.bias", 1, kv_out)]
+        if qk == QK_NORM_HEAD:
+            out += [(p + "q_norm", 1, hd), (p + "k_norm", 1, hd)]
+        elif qk == QK_NORM_WHOLE:
+            out += [(p + "q_norm", 1, q_out), (p + "k_norm", 1, kv_out)]
+        out += [(p + "o_proj", h, q_out)]
+        if bias == 2:
+            out.append((p + "o_proj.bias", 1, h))
+        if fp["family"] == FAMILIES["gpt_oss"]:
+            out.append((p + "sinks", 1, cfg["num_attention_heads"]))
+        out.append((p + "post_attention_layernorm", 1, h))
         if sparse:
             out.append((p + "router", cfg["num_experts"], h))
+            if fp.get("router_kind", ROUTER_SOFTMAX_TOPK) != ROUTER_SOFTMAX_TOPK:
+                out.append((p + "router.bias", 1, cfg["num_experts"]))
+            if shared:
+                out += [(p + "shared.gate_proj", shared, h), (p + "shared.up_proj", shared, h),
+                        (p + "shared.down_proj", h, shared)]
         else:
             i = cfg["intermediate_size"]
             out += [(p + "mlp.gate_proj", i, h), (p + "mlp.up_proj", i, h), (p + "mlp.down_proj", h, i)]
@@ -203,10 +353,13 @@ class Layout:
     dense_offset: int
     dense_bytes: int
     tensors: dict            # name -> Tensor (offset absolute)
-    expert: tuple            # (gate, up, down) Tensor, offsets relative to the blob
-    blob_bytes: int
+    expert: tuple            # (gate, up, down) Tensor of the first sparse layer, offsets relative to the blob
+    blob_bytes: int          # the largest layer's blob
     blob_offsets: tuple      # (layers × experts) absolute, 0 for dense layers
     file_size: int
+    params: dict = dataclasses.field(default_factory=dict)  # the parameter table (family_params)
+    layer_expert: tuple = ()      # (layers) each layer's (gate, up, down) Tensors; () for dense layers
+    layer_blob_bytes: tuple = ()  # (layers) each layer's blob length; 0 for dense layers
 
     @property
     def n_blobs(self) -> int:
@@ -259,12 +412,16 @@ def compute_layout(cfg: dict, formats: dict | None = None, scale_dtype: str = "f
     fmts = resolve_formats(formats, scale_dtype, group)
     sparse = tuple(layer_kinds(cfg))
     shapes = dense_shapes(cfg)
+    params = family_params(cfg)
+    L, E = cfg["num_hidden_layers"], cfg["num_experts"]
     expert_keys = {f"experts.{p}" for p in EXPERT_PARTS}
+    expert_keys |= {f"layers.{l}.experts.{p}" for l in range(L) if sparse[l] for p in EXPERT_PARTS}
     unknown = set(fmts) - set(ROLES) - expert_keys - {n for n, _, _ in shapes}
     if unknown:
         raise ValueError("formats names neither a role nor a tensor: " + ", ".join(sorted(unknown)))
-    L, E = cfg["num_hidden_layers"], cfg["num_experts"]
-    table_bytes = (CONFIG_BYTES + align(L, 8) + 3 * DESC_BYTES + DESC_BYTES * len(shapes)
+    n_parts = len(EXPERT_PARTS) + (len(EXPERT_BIAS_PARTS) if params["family"] == FAMILIES["gpt_oss"] else 0)
+    table_bytes = (CONFIG_BYTES + _PARAMS_HEAD.size + _PARAM.size * len(params) + align(L, 8)
+                   + _LAYOUT.size * L + n_parts * DESC_BYTES * sum(sparse) + DESC_BYTES * len(shapes)
                    + BLOB_ENTRY_BYTES * L * E)
     if table_bytes > MAX_TABLE_BYTES:
         raise ValueError(f"table region of {table_bytes} bytes exceeds 64 MiB")
@@ -281,15 +438,28 @@ def compute_layout(cfg: dict, formats: dict | None = None, scale_dtype: str = "f
     dense_bytes = align(rel, quant.ALIGN)
 
     h, m = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    expert, off = [], 0
-    for part, rows, cols in (("gate", m, h), ("up", m, h), ("down", h, m)):
-        tf = fmts.get(f"experts.{part}", fmts["experts"])
-        off = align(off, quant.ALIGN)
-        expert.append(_sized(f"expert {part}", tf, rows, cols, off))
-        expert[-1] = dataclasses.replace(expert[-1], name=part)
-        off += expert[-1].nbytes
+
+    def blob_layout(l: int) -> tuple:
+        expert, off = [], 0
+        parts = [("gate", m, h), ("up", m, h), ("down", h, m)]
+        if n_parts > 3:
+            parts += [("gate_bias", 1, m), ("up_bias", 1, m), ("down_bias", 1, h)]
+        for part, rows, cols in parts:
+            if part.endswith("_bias"):
+                tf = TensorFormat("f32", 0, None)
+            else:
+                tf = fmts.get(f"layers.{l}.experts.{part}", fmts.get(f"experts.{part}", fmts["experts"]))
+            off = align(off, quant.ALIGN)
+            expert.append(dataclasses.replace(_sized(f"expert {part}", tf, rows, cols, off), name=part))
+            off += expert[-1].nbytes
+        return tuple(expert)
+
+    layer_expert = tuple(blob_layout(l) if sparse[l] else () for l in range(L))
+    layer_blob_bytes = tuple(align(x[-1].offset + x[-1].nbytes, BLOB_ALIGN) if x else 0 for x in layer_expert)
+    first = next((x for x in layer_expert if x), None)
+    expert = first if first is not None else blob_layout(0)
     any_sparse = any(sparse)
-    blob_bytes = align(off, BLOB_ALIGN) if any_sparse else 0
+    blob_bytes = max(layer_blob_bytes) if any_sparse else 0
 
     pos = align(dense_offset + dense_bytes, BLOB_ALIGN)
     blob_offsets = []
@@ -297,12 +467,12 @@ def compute_layout(cfg: dict, formats: dict | None = None, scale_dtype: str = "f
         for _ in range(E):
             if sparse[l]:
                 blob_offsets.append(pos)
-                pos += blob_bytes
+                pos += layer_blob_bytes[l]
             else:
                 blob_offsets.append(0)
     file_size = pos if any_sparse else dense_offset + dense_bytes
-    return Layout(cfg, sparse, table_bytes, dense_offset, dense_bytes, tensors, tuple(expert),
-                  blob_bytes, tuple(blob_offsets), file_size)
+    return Layout(cfg, sparse, table_bytes, dense_offset, dense_bytes, tensors, expert,
+                  blob_bytes, tuple(blob_offsets), file_size, params, layer_expert, layer_blob_bytes)
 
 
 def _name_bytes(name: str) -> bytes:
@@ -415,7 +585,10 @@ class VaultWriter:
     def _pwrite(self, data, offset: int) -> None:
         view = memoryview(data).cast("B")
         while len(view):
-            n = os.pwrite(self._fd, view, offset)
+            try:
+                n = os.pwrite(self._fd, view, offset)
+            except OSError as e:  # a full disk says which file it could not write
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
             view, offset = view[n:], offset + n
 
     def _check_open(self):
@@ -454,20 +627,38 @@ class VaultWriter:
     def expert_format(self) -> str:
         return self.layout.expert[0].format
 
-    def pack_expert(self, gate, up, down) -> bytes:
-        """Quantise one expert's float matrices into a blob's bytes (unpadded)."""
-        buf = bytearray(self.layout.expert[2].offset + self.layout.expert[2].nbytes)
-        for t, w in zip(self.layout.expert, (gate, up, down)):
+    def pack_expert(self, gate, up, down, layer: int | None = None, biases=None, raw=None) -> bytes:
+        """Quantise one expert's float matrices into a blob's bytes (unpadded), laid out as
+        layer's blobs are (the first sparse layer's when layer is None). biases: (gate_bias, up_bias,
+        down_bias) for layouts that hold them (gpt-oss). raw: {part: stored bytes} for matrices given
+        as stored in the blob's format (gpt-oss's MXFP4), their float argument None."""
+        x = self.layout.expert if layer is None else self.layout.layer_expert[layer]
+        buf = bytearray(x[-1].offset + x[-1].nbytes)
+        mats = (gate, up, down) + tuple(biases or ())
+        if len(mats) != len(x):
+            raise ValueError(f"expert: {len(mats)} tensors given, its blobs hold {', '.join(t.name for t in x)}")
+        for t, w in zip(x, mats):
+            if raw and t.name in raw:
+                data = np.asarray(raw[t.name], dtype=np.uint8).reshape(-1)
+                if data.nbytes != t.nbytes:
+                    raise ValueError(f"expert {t.name}: {data.nbytes} bytes, its {t.format} takes {t.nbytes}")
+                buf[t.offset:t.offset + t.nbytes] = data.tobytes()
+                continue
             w = np.asarray(w)
+            if w.ndim == 1:
+                w = w[None, :]
             if w.shape != (t.rows, t.cols):
                 raise ValueError(f"expert {t.name}: shape {w.shape}, expected ({t.rows}, {t.cols})")
             buf[t.offset:t.offset + t.nbytes] = quant.quantize(w, t.format, t.scale_format or "f16",
                                                                t.group or quant.GROUP)
         return bytes(buf)
 
-    def add_expert(self, layer: int, expert: int, gate, up, down) -> None:
-        """Quantise and write one expert: gate, up (moe_inter, hidden), down (hidden, moe_inter)."""
-        self.add_expert_raw(layer, expert, self.pack_expert(gate, up, down))
+    def add_expert(self, layer: int, expert: int, gate, up, down, biases=None) -> None:
+        """Quantise and write one expert: gate, up (moe_inter, hidden), down (hidden, moe_inter);
+        biases (gate_bias, up_bias, down_bias) where the layout holds them (gpt-oss)."""
+        if not (0 <= layer < len(self.layout.sparse)) or not self.layout.sparse[layer]:
+            return self.add_expert_raw(layer, expert, b"")  # its error
+        self.add_expert_raw(layer, expert, self.pack_expert(gate, up, down, layer, biases))
 
     def add_expert_raw(self, layer: int, expert: int, blob) -> None:
         """Write one whole blob laid out as layout.expert says (at most blob_bytes; the rest is
@@ -478,10 +669,10 @@ class VaultWriter:
             raise IndexError(f"expert ({layer}, {expert}) outside {L} layers x {E} experts")
         if not self.layout.sparse[layer]:
             raise ValueError(f"layer {layer} is a dense layer; it has no experts")
-        n = memoryview(blob).nbytes
-        if n > self.layout.blob_bytes:
-            raise ValueError(f"blob of {n} bytes, blob_bytes is {self.layout.blob_bytes}")
-        pad = self.layout.blob_bytes - n
+        n, bb = memoryview(blob).nbytes, self.layout.layer_blob_bytes[layer]
+        if n > bb:
+            raise ValueError(f"blob of {n} bytes, layer {layer}'s blob_bytes is {bb}")
+        pad = bb - n
         crc = checksum(bytes(blob) + bytes(pad) if pad else blob)  # over the whole blob, padding included
         with self._lock:
             if (layer, expert) in self._blob_crc:
@@ -504,8 +695,14 @@ class VaultWriter:
     def _tables(self) -> bytes:
         lay, cfg = self.layout, self.config
         L, E = cfg["num_hidden_layers"], cfg["num_experts"]
-        parts = [_config_block(cfg), bytes(int(s) for s in lay.sparse).ljust(align(L, 8), b"\0")]
-        parts += [_desc(t, t.offset) for t in lay.expert]
+        parts = [_config_block(cfg), _PARAMS_HEAD.pack(len(lay.params), 0)]
+        parts += [_PARAM.pack(k.encode("ascii"), float(v)) for k, v in lay.params.items()]
+        attn = layer_attention(cfg)
+        parts.append(bytes(int(s) | attn[l] << 1 for l, s in enumerate(lay.sparse)).ljust(align(L, 8), b"\0"))
+        for l in range(L):
+            x = lay.layer_expert[l]
+            parts.append(_LAYOUT.pack(lay.layer_blob_bytes[l], len(x), 0))
+            parts += [_desc(t, t.offset) for t in x]
         parts += [_desc(t, t.offset - lay.dense_offset) for t in lay.tensors.values()]
         for l in range(L):
             for e in range(E):
@@ -655,8 +852,9 @@ class VaultFile:
         if f[1] == 1:
             raise VaultFormatError(f"{self.path}: vault format version 1 is no longer supported; re-create it "
                                    "with `pysmoe convert` or `pysmoe synth`")
-        if f[1] != VERSION:
-            raise VaultFormatError(f"{self.path}: vault version {f[1]}, this reader knows {VERSION}")
+        if f[1] not in READ_VERSIONS:
+            raise VaultFormatError(f"{self.path}: vault version {f[1]}, this reader knows "
+                                   f"{', '.join(map(str, READ_VERSIONS))}")
         self.header = Header(*f[1:12])
         h = self.header
         if h.file_size != size:
@@ -666,13 +864,42 @@ class VaultFile:
         tab = bytes(self.mm[h.table_offset:h.table_offset + h.table_bytes])
         pos = CONFIG_BYTES
         L = _CONFIG.unpack(tab[:_CONFIG.size])[2]
+        self.params = {}
+        if h.version >= 3:
+            n_params, _ = _PARAMS_HEAD.unpack_from(tab, pos)
+            pos += _PARAMS_HEAD.size
+            for _ in range(n_params):
+                key, value = _PARAM.unpack_from(tab, pos)
+                key = key.split(b"\0", 1)[0].decode("ascii")
+                if key not in PARAM_KEYS:
+                    raise VaultFormatError(f"{self.path}: this vault needs a newer pysmoe: unknown parameter {key!r}")
+                self.params[key] = value
+                pos += _PARAM.size
         kinds = tab[pos:pos + L]
-        self.sparse = [b == 1 for b in kinds]
+        self.sparse = [bool(b & 1) for b in kinds]
+        self.attention_kinds = [b >> 1 for b in kinds]
         pos += align(L, 8)
-        self.expert_tensors = []
-        for _ in range(3):
-            self.expert_tensors.append(_parse_desc(tab[pos:pos + DESC_BYTES]))
-            pos += DESC_BYTES
+        self.layer_expert_tensors: list[tuple] = []
+        self.layer_blob_bytes: list[int] = []
+        if h.version >= 3:
+            for l in range(L):
+                nbytes, n, _ = _LAYOUT.unpack_from(tab, pos)
+                pos += _LAYOUT.size
+                x = []
+                for _ in range(n):
+                    x.append(_parse_desc(tab[pos:pos + DESC_BYTES]))
+                    pos += DESC_BYTES
+                self.layer_expert_tensors.append(tuple(x))
+                self.layer_blob_bytes.append(nbytes)
+        else:
+            x = []
+            for _ in range(3):
+                x.append(_parse_desc(tab[pos:pos + DESC_BYTES]))
+                pos += DESC_BYTES
+            self.layer_expert_tensors = [tuple(x) if s else () for s in self.sparse]
+            self.layer_blob_bytes = [h.blob_bytes if s else 0 for s in self.sparse]
+        first = next((x for x in self.layer_expert_tensors if x), ())
+        self.expert_tensors = list(first)
         self.tensors: dict[str, Tensor] = {}
         for _ in range(h.n_tensors):
             t = _parse_desc(tab[pos:pos + DESC_BYTES], h.dense_offset)
@@ -685,6 +912,7 @@ class VaultFile:
         self.blob_offsets = blobs["offset"].astype(np.int64)
         self.blob_crcs = blobs["crc"].astype(np.int64)
         bin_cfg = _config_from_block(tab, self.sparse)
+        bin_cfg["model_type"] = self.family
         cj = self.dir / "config.json"
         self.config = normalize_config(json.loads(cj.read_text())) if cj.exists() else bin_cfg
         self.binary_config = bin_cfg
@@ -706,17 +934,23 @@ class VaultFile:
     def blob_offset(self, layer: int, expert: int) -> int:
         return int(self.blob_offsets[layer * self.binary_config["num_experts"] + expert])
 
+    @property
+    def family(self) -> str:
+        """The model family's name (docs/vault.md 2.2); a version-2 vault is qwen3_moe."""
+        return FAMILY_NAME.get(int(self.params.get("family", 0)), "?")
+
     def blob(self, layer: int, expert: int) -> np.ndarray:
         if not self.sparse[layer]:
             raise ValueError(f"layer {layer} is dense; it has no experts")
         off = self.blob_offset(layer, expert)
-        return self.mm[off:off + self.header.blob_bytes]
+        return self.mm[off:off + self.layer_blob_bytes[layer]]
 
     def expert(self, layer: int, expert: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(gate, up, down) of one expert, dequantised to f32."""
         b = self.blob(layer, expert)
         return tuple(quant.dequantize(b[t.offset:t.offset + t.nbytes], t.format, t.rows, t.cols,
-                                      t.scale_format, t.group or quant.GROUP) for t in self.expert_tensors)
+                                      t.scale_format, t.group or quant.GROUP)
+                     for t in self.layer_expert_tensors[layer][:3])
 
     # -- checks
     def verify(self) -> list[str]:
@@ -730,7 +964,7 @@ class VaultFile:
             bad.append("dense")
         E = self.binary_config["num_experts"]
         for i, off in enumerate(self.blob_offsets):
-            if self.sparse[i // E] and _crc(self.mm, int(off), h.blob_bytes) != self.blob_crcs[i]:
+            if self.sparse[i // E] and _crc(self.mm, int(off), self.layer_blob_bytes[i // E]) != self.blob_crcs[i]:
                 bad.append(f"blob ({i // E}, {i % E})")
         return bad
 
@@ -772,8 +1006,9 @@ def info(path) -> str:
         n_sparse = sum(v.sparse)
         E = v.binary_config["num_experts"]
         kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"]  # elements
+        context = min(DEFAULT_CONTEXT, cfg["max_position_embeddings"])  # run's, chat's and serve's default
         lines = [f"vault      {v.dir}",
-                 f"model      {cfg.get('model_type', 'qwen3_moe')}: {cfg['num_hidden_layers']} layers "
+                 f"model      {v.family}: {cfg['num_hidden_layers']} layers "
                  f"({n_sparse} sparse), hidden {cfg['hidden_size']}, vocab {cfg['vocab_size']}",
                  f"attention  {cfg['num_attention_heads']} heads x {cfg['head_dim']}, "
                  f"{cfg['num_key_value_heads']} kv heads, rope_theta {cfg['rope_theta']:g}, "
@@ -782,9 +1017,10 @@ def info(path) -> str:
                  f"{' (renormalised)' if cfg['norm_topk_prob'] else ''}; dense MLP {cfg['intermediate_size']}",
                  f"file       {_size(h.file_size)} ({h.file_size} bytes)",
                  f"dense      {_size(h.dense_bytes)} in {h.n_tensors} tensors (resident)",
-                 f"blobs      {n_sparse * E} x {_size(h.blob_bytes)} = {_size(n_sparse * E * h.blob_bytes)}",
+                 f"blobs      {n_sparse * E} x {_size(h.blob_bytes)} = {_size(E * sum(v.layer_blob_bytes))}",
                  f"kv cache   {_size(kv_per_token * 4)} per token in f32, {_size(kv_per_token * 2)} in bf16/f16 "
-                 f"(a session reserves its whole context: 4,096 tokens = {_size(kv_per_token * 4 * 4096)} in f32)"]
+                 f"(a session reserves its whole context: by default {context:,} tokens = "
+                 f"{_size(kv_per_token * 4 * context)} in f32)"]
         def fmt(t: Tensor) -> str:  # q4/g64/bf16, f32
             return t.format + (f"/g{t.group}/{t.scale_format}" if quant.is_quantized(t.format) else "")
 

@@ -5,12 +5,20 @@ scripts/export_gguf.py requantised 41 M weights/s on a 16-core machine, about on
 processes do not share that lock. `fork_map` forks its workers, so `fn` and what it reads (an open checkpoint, a vault's
 memory map, a writer's layout) are inherited as they are: nothing but the items' results is
 pickled. Off Linux (see can_fork) or when one worker is asked for, it runs in this process.
+
+A worker dies with the process that forked it, however that one ends (kill -9 included): it
+asks the kernel for SIGKILL when its parent goes (prctl PR_SET_PDEATHSIG), and, should that be
+refused, it still stops at its next item or result, since it holds no read end of any pipe but
+the parent's (its own and its elder siblings' were inherited by the fork and are closed first),
+so a result sent to a dead parent fails at once instead of blocking for ever, and it checks its
+parent before each item.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -36,15 +44,37 @@ def can_fork() -> bool:
     return sys.platform.startswith("linux") and "fork" in mp.get_all_start_methods()
 
 
-def _work(fn, items, share, conn) -> None:
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent ends (Linux); exit now if it has already ended."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl: the pipe and the parent checks still stop it
+        pass
+    if os.getppid() != parent:  # the parent went before the request above: nobody to signal it
+        os._exit(1)
+
+
+def _work(fn, items, share, conn, inherited, parent) -> None:
+    _die_with_parent(parent)
+    for c in inherited:  # read ends this fork copied: with them open, a send to a dead parent blocks
+        c.close()
     i = None
     try:
         for i in share:
+            if os.getppid() != parent:
+                os._exit(1)
             conn.send((i, fn(items[i])))
         conn.send(None)
+    except BrokenPipeError:  # the parent is gone
+        os._exit(1)
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent, which raises
         try:  # the exception itself, so that the caller sees the type it would see in-process
             conn.send(("error", exc))
+        except BrokenPipeError:
+            os._exit(1)
         except Exception:  # noqa: BLE001 - an exception that does not pickle: its text
             conn.send(("error", f"item {i}: {type(exc).__name__}: {exc}"))
     finally:
@@ -66,7 +96,8 @@ def fork_map(fn: Callable[[Any], Any], items: Sequence, procs: int) -> Iterator[
     try:
         for k in range(min(procs, n)):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_work, args=(fn, items, range(k, n, procs), send), daemon=True)
+            p = ctx.Process(target=_work, args=(fn, items, range(k, n, procs), send, [*conns, recv], os.getpid()),
+                            daemon=True)
             p.start()
             send.close()
             workers.append(p)

@@ -23,8 +23,8 @@ so the data directory can be carried to a machine with a GPU that has no network
 dense matrices, f32 router and norms) and adds the first HELDOUT_SHIP_BYTES of the held-out text
 (bench/perplexity.py and tests/test_quality.py score it) and the training record.
 
-The demo shipped in pysmoe/data/demo/ was trained on one NVIDIA H200; see README.md ("The demo
-model") for the cost and the losses.
+The demo shipped in pysmoe/data/demo/ was trained on one NVIDIA H200; see docs/demo.md for the cost and the
+losses.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 MLX computes in f32 on the very same weights (its model's parameters cast to f32: scales and
 biases widen exactly, the codes are untouched), so with activations="f32" the engine must give
 the same logits up to f32 summation order (≤ 1e-4) and the same greedy ids. With the default
-8-bit activations the difference is the activation quantisation's (tolerance in README).
+8-bit activations the difference is the activation quantisation's (tolerance in docs/convert.md).
 Skipped where mlx-lm is not installed.
 """
 from __future__ import annotations

@@ -315,16 +315,21 @@ def test_enable_thinking_kwarg_reaches_the_template(served_qwen3):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 422),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1.5}, 422),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 422),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 129}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, 400),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
     ("/v1/completions", {"prompt": [1, 2, 10 ** 6]}, 400),
     ("/v1/completions", {"prompt": [1, -2]}, 400),
     ("/v1/completions", {"prompt": list(range(1, 200)) * 3}, 400),  # over the context of 512
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400),  # 0 only with echo
+    ("/v1/completions", {"prompt": ["x"] * 65, "n": 2}, 400),  # over 128 choices
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100}}, 400),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400),
+    ("/v1/completions", {"prompt": ["a", ""]}, 400),
+    ("/v1/completions", {"prompt": [[1, "a"]]}, 422),
     ("/v1/completions", {"prompt": 5}, 422),
     ("/v1/completions", {"prompt": "x" * 70000}, 413),
     ("/v1/nothing", {"prompt": "x"}, 404),
@@ -534,7 +539,7 @@ def test_the_serve_command(tiny_vault):
     import subprocess
     import sys
     p = subprocess.Popen([sys.executable, "-m", "pysmoe", "serve", "--vault", str(tiny_vault), "--port", "0",
-                          "--cache-mb", "8", "--max-batch", "2", "--api-key", "k"],
+                          "--cache-mb", "8", "--max-batch", "2", "--api-key", "k", "--alias", "x"],
                          stderr=subprocess.PIPE, text=True)
     try:
         line = p.stderr.readline()

@@ -239,7 +239,7 @@ def test_progress_to_a_log():
         for _ in range(100):
             bar.update(10)
     lines = out.getvalue().splitlines()
-    assert 2 <= len(lines) <= 12 and "100%" in lines[-1] and "1000 B" in lines[-1]
+    assert len(lines) == 1 and "100%" in lines[-1] and "1000 B" in lines[-1]  # a quick job: its last line
     quiet = io.StringIO()
     with Progress(10, stream=quiet, enabled=False) as bar:
         bar.update(10)

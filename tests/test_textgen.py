@@ -40,7 +40,7 @@ def splits(text: str, cuts: list[int]) -> list[str]:
     ("temperature", -0.1), ("temperature", float("nan")), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
     ("seed", -2 ** 63 - 1), ("seed", 2 ** 64),
     ("min_p", 2.0), ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0.0),
-    ("max_tokens", 0), ("max_tokens", 1.5), ("stop", [""]), ("stop", [1]), ("stop", 5), ("stop", ["x"] * 17),
+    ("max_tokens", -1), ("max_tokens", 1.5), ("stop", [""]), ("stop", [1]), ("stop", 5), ("stop", ["x"] * 17),
     ("stop_token_ids", [-1]), ("logprobs", 1), ("top_logprobs", 21), ("seed", "1"), ("temperature", True),
 ])
 def test_bad_params_name_the_field(field, value):

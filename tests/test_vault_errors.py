@@ -8,6 +8,7 @@ import os
 import shutil
 import struct
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -51,13 +52,21 @@ def seal(buf):
 
 
 def layout(buf):
-    """Offsets of the table sections of a well-formed vault."""
+    """Offsets of the table sections of a well-formed version-3 vault: expert is the first
+    descriptor of the first sparse layer's blob layout, layouts the first layer's entry."""
     layers = u32(buf, CONFIG + 8)
-    kinds = CONFIG + 96
-    expert = kinds + (layers + 7) // 8 * 8
-    dense = expert + 3 * DESC
+    params = CONFIG + 96
+    kinds = params + 8 + 40 * u32(buf, params)
+    layouts = kinds + (layers + 7) // 8 * 8
+    pos, expert = layouts, None
+    for _ in range(layers):
+        n = u32(buf, pos + 8)
+        if n and expert is None:
+            expert = pos + 16
+        pos += 16 + DESC * n
+    dense = pos
     blobs = dense + DESC * u32(buf, N_TENSORS)
-    return dict(kinds=kinds, expert=expert, dense=dense, blobs=blobs)
+    return dict(params=params, kinds=kinds, layouts=layouts, expert=expert, dense=dense, blobs=blobs)
 
 
 def dense_index(buf, name):
@@ -163,9 +172,9 @@ def test_wrong_magic(put, good_bytes):
 
 def test_wrong_version(put, good_bytes):
     b = bytearray(good_bytes)
-    struct.pack_into("<I", b, VERSION, 3)
-    expect_error(put(seal(b)), "unsupported vault version 3")
-    expect_error(put(b), "unsupported vault version 3")  # the version speaks before the checksum
+    struct.pack_into("<I", b, VERSION, 4)
+    expect_error(put(seal(b)), "version 4 needs a newer pysmoe")
+    expect_error(put(b), "version 4 needs a newer pysmoe")  # the version speaks before the checksum
 
 
 def test_version_1_says_re_create(put, good_bytes):
@@ -237,8 +246,24 @@ def test_config_out_of_range(put, good_bytes, field, value, match):
     expect_error(put(edit(good_bytes, CONFIG + field, "<I", value)), match)
 
 
-def test_layer_kind_not_0_or_1(put, good_bytes):
-    expect_error(put(edit(good_bytes, layout(good_bytes)["kinds"], "<B", 2)), "kind 2")
+def test_layer_kind_bits(put, good_bytes):
+    expect_error(put(edit(good_bytes, layout(good_bytes)["kinds"], "<B", 8)), "kind 8")  # an unknown bit
+    expect_error(put(edit(good_bytes, layout(good_bytes)["kinds"], "<B", 7)), "kind 7")  # attention kind 3
+
+
+def test_unknown_parameter(put, good_bytes):
+    p = layout(good_bytes)["params"]
+    assert u32(good_bytes, p) >= 1
+    b = bytearray(good_bytes)
+    b[p + 8:p + 8 + 32] = b"no_such_key".ljust(32, b"\0")
+    with pytest.raises(pysmoe.SmoeError, match="needs a newer pysmoe: unknown parameter 'no_such_key'"):
+        try_open(put(seal(b)))
+    b[p + 8:p + 8 + 32] = b"family".ljust(32, b"\0")
+    struct.pack_into("<d", b, p + 8 + 32, 99.0)
+    with pytest.raises(pysmoe.SmoeError, match="unknown model family 99"):
+        try_open(put(seal(b)))
+    struct.pack_into("<d", b, p + 8 + 32, 0.5)
+    expect_error(put(seal(b)), "'family' is 0.5, must be an integer")
 
 
 # ------------------------------------------------------------------------------ tensor tables
@@ -301,10 +326,15 @@ def test_other_group_sizes_and_f32_scales_open(put, good_bytes, offset, value):
 def test_expert_layout(put, good_bytes):
     e = layout(good_bytes)["expert"]
     expect_error(put(edit(good_bytes, e + DESC + 56, "<Q", 0)), "overlap")
-    expect_error(put(edit(good_bytes, e + 2 * DESC + 56, "<Q", u64(good_bytes, BLOB_BYTES))), "past blob_bytes")
+    expect_error(put(edit(good_bytes, e + 2 * DESC + 56, "<Q", u64(good_bytes, BLOB_BYTES))), "past the blob")
     b = bytearray(good_bytes)
     b[e:e + 4] = b"gatf"
-    expect_error(put(seal(b)), "expected 'gate'")
+    expect_error(put(seal(b)), "unexpected name 'gatf'")
+    b[e:e + 4] = b"down"
+    expect_error(put(seal(b)), "'down' appears twice")
+    lay = layout(good_bytes)["layouts"]
+    expect_error(put(edit(good_bytes, lay, "<Q", u64(good_bytes, lay) + 16384)), "blob_bytes")
+    expect_error(put(edit(good_bytes, lay, "<Q", 4096)), "multiple of 16384")
     expect_error(put(edit(good_bytes, e + 48, "<I", 128)), "shape")
 
 
@@ -372,3 +402,54 @@ def test_fuzz_sealed_fields(fuzz_dir, good_bytes, word, value, width):
 @given(length=st.integers(min_value=0))
 def test_fuzz_truncation(fuzz_dir, good_bytes, length):
     open_mutated(fuzz_dir, good_bytes[:length % len(good_bytes)])
+
+
+# ------------------------------------------------------------------------------ version 2
+
+
+def as_version_2(buf):
+    """A version-3 Qwen3-MoE vault's bytes rewritten as the version-2 file of the same model: no
+    parameter table, one expert layout (3 descriptors) for every sparse layer; dense region and
+    blobs where they were."""
+    lay = layout(buf)
+    layers = u32(buf, CONFIG + 8)
+    kinds = bytes(buf[lay["kinds"]:lay["layouts"]])
+    tables = bytes(buf[CONFIG:CONFIG + 96]) + kinds + bytes(buf[lay["expert"]:lay["expert"] + 3 * DESC])
+    tables += bytes(buf[lay["dense"]:table_end(buf)])
+    assert all(k in (0, 1) for k in kinds[:layers])
+    b = bytearray(buf)
+    b[CONFIG:table_end(buf)] = tables + bytes(table_end(buf) - CONFIG - len(tables))
+    struct.pack_into("<I", b, VERSION, 2)
+    struct.pack_into("<Q", b, TABLE_BYTES, len(tables))
+    return seal(b)
+
+
+def test_version_2_still_opens(good, good_bytes, tmp_path):
+    old = tmp_path / "v2"
+    shutil.copytree(good, old)
+    (old / "vault.bin").write_bytes(bytes(as_version_2(good_bytes)))
+    assert V.read_vault(old).header.version == 2 and V.read_vault(old).family == "qwen3_moe"
+    for e in (0, 3):
+        for a, b in zip(V.read_vault(old).expert(0, e), V.read_vault(good).expert(0, e)):
+            assert np.array_equal(a, b)
+    ids = [3, 17, 5, 250, 9]
+    with pysmoe.open_vault(old) as v2, pysmoe.open_vault(good) as v3:
+        with v2.session() as s2, v3.session() as s3:
+            assert np.array_equal(s2.prefill(ids), s3.prefill(ids))
+    try_open(old)  # and verifies
+
+
+def test_a_family_the_engine_lacks_is_refused_by_a_session(good, good_bytes, tmp_path):
+    p = layout(good_bytes)["params"]
+    b = bytearray(good_bytes)
+    for i in range(u32(good_bytes, p)):
+        if b[p + 8 + 40 * i:p + 8 + 40 * i + 32].rstrip(b"\0") == b"family":
+            struct.pack_into("<d", b, p + 8 + 40 * i + 32, 5.0)  # qwen3_next
+    d = tmp_path / "v"
+    shutil.copytree(good, d)
+    (d / "vault.bin").write_bytes(bytes(seal(b)))
+    try_open(d)  # a valid vault: it opens and verifies
+    assert V.read_vault(d).family == "qwen3_next"
+    with pysmoe.open_vault(d) as v:
+        with pytest.raises(pysmoe.SmoeError, match="cannot run a qwen3_next vault: the engine lacks its layer recipe"):
+            v.session()

@@ -79,7 +79,7 @@ def test_bytes_follow_the_spec(tmp_path):
     layout, want, _ = _write_model(tmp_path)
     raw = (tmp_path / "vault.bin").read_bytes()
     h = _header(raw)
-    assert h["magic"] == b"SMOEVLT\0" and h["version"] == 2 and h["reserved"] == 0
+    assert h["magic"] == b"SMOEVLT\0" and h["version"] == 3 and h["reserved"] == 0
     assert raw[80:256] == bytes(176)
     assert h["file_size"] == len(raw) == layout.file_size
     assert h["table_offset"] == 256
@@ -101,18 +101,34 @@ def test_bytes_follow_the_spec(tmp_path):
     assert cfg[12] == np.float32(1e-6) and cfg[14] == 1e6
     assert raw[t + 64:t + 96] == bytes(32)
     t += 96
+    # parameters: count, 0, then (key[32], f64) entries; a Qwen3-MoE vault names its family and QK-norm
+    n_params, zero = struct.unpack_from("<II", raw, t)
+    assert zero == 0
+    params = {}
+    for i in range(n_params):
+        key, value = struct.unpack_from("<32sd", raw, t + 8 + 40 * i)
+        params[key.rstrip(b"\0").decode()] = value
+    assert params == {"family": 0, "qk_norm": 1}
+    t += 8 + 40 * n_params
     assert raw[t:t + 8] == bytes([1, 0, 1, 0, 0, 0, 0, 0])  # layer kinds, padded to 8
     t += 8
-    # blob layout: gate, up, down, 64-byte aligned, within blob_bytes
-    end = 0
-    for i, part in enumerate(("gate", "up", "down")):
-        name, fmt, sfmt, r0, rows, cols, r1, off = struct.unpack_from("<40sBBHIIIQ", raw, t + 64 * i)
-        assert name.rstrip(b"\0") == part.encode() and fmt == 3 and sfmt == 1 and r0 == 64 and r1 == 0  # group 64
-        assert (rows, cols) == ((64, 64) if part != "down" else (64, 64))
-        assert off % 64 == 0 and off >= end
-        end = off + Q.tensor_nbytes("q4", rows, cols)
-    assert end <= h["blob_bytes"]
-    t += 192
+    # per layer: (blob bytes, descriptors, 0), then gate, up, down, 64-byte aligned, within the blob
+    for layer in range(3):
+        nbytes, n, zero = struct.unpack_from("<QII", raw, t)
+        t += 16
+        if layer == 1:
+            assert (nbytes, n, zero) == (0, 0, 0)
+            continue
+        assert n == 3 and zero == 0 and nbytes == h["blob_bytes"]
+        end = 0
+        for i, part in enumerate(("gate", "up", "down")):
+            name, fmt, sfmt, r0, rows, cols, r1, off = struct.unpack_from("<40sBBHIIIQ", raw, t + 64 * i)
+            assert name.rstrip(b"\0") == part.encode() and fmt == 3 and sfmt == 1 and r0 == 64 and r1 == 0
+            assert (rows, cols) == ((64, 64) if part != "down" else (64, 64))
+            assert off % 64 == 0 and off >= end
+            end = off + Q.tensor_nbytes("q4", rows, cols)
+        assert end <= nbytes
+        t += 192
     # dense table: offsets relative to dense_offset, 64-aligned, inside the dense region, no overlap
     spans = []
     for i in range(h["n_tensors"]):

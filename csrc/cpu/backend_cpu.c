@@ -8,6 +8,7 @@
 #include "cpu/cpu_state.h"
 #include "prof.h"
 
+#include <math.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
@@ -38,8 +39,8 @@ static void cpu_session_free(void *b) {
     cpu_state *c = b;
     if (!c) return;
     void *bufs[] = {c->ids, c->k_cache, c->v_cache, c->x, c->xn, c->q, c->k, c->v, c->att, c->yg, c->scores,
-                    c->router, c->topk_w, c->slot_out, c->xg, c->hg, c->h, c->qx_codes, c->qx_d, c->qx_gsum,
-                    c->logits};
+                    c->router, c->topk_w, c->route_scratch, c->slot_out, c->xg, c->hg, c->h, c->qx_codes, c->qx_d, c->qx_gsum,
+                    c->logits, c->bias};
     for (size_t i = sizeof bufs / sizeof bufs[0]; i-- > 0;) smoe_free(bufs[i]);
     smoe_free(c);
 }
@@ -72,9 +73,11 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
     c->float_activations = p->float_activations;
     c->rope_cos = p->rope_cos;
     c->rope_sin = p->rope_sin;
+    c->act = p->act;
     c->q_dim = cf->num_attention_heads * cf->head_dim;
     c->kv_dim = cf->num_key_value_heads * cf->head_dim;
     c->ffn = cf->intermediate_size > cf->moe_intermediate_size ? cf->intermediate_size : cf->moe_intermediate_size;
+    if (sh->lay->mp.shared_intermediate > c->ffn) c->ffn = sh->lay->mp.shared_intermediate;
 
     const size_t C = p->chunk, H = cf->hidden_size, E = cf->num_experts, K = cf->num_experts_per_tok;
     const size_t kv = (size_t)cf->num_hidden_layers * p->context * c->kv_dim;
@@ -97,6 +100,7 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
     c->scores = plane(pb, (size_t)smoe_pool_threads(c->pool) * p->context, sizeof(float), &ok);
     c->router = plane(pb, C * E, sizeof(float), &ok);
     c->topk_w = plane(pb, C * K, sizeof(float), &ok);
+    c->route_scratch = plane(pb, E, sizeof(float), &ok);
     c->slot_out = plane(pb, C * K * H, sizeof(float), &ok);
     c->xg = plane(pb, C * H, sizeof(float), &ok);
     c->hg = plane(pb, C * 2 * c->ffn, sizeof(float), &ok);
@@ -111,6 +115,14 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
         c->qx_gsum = plane(pb, C * z.gsum_floats, sizeof(float), &ok);
     }
     c->logits = plane(pb, (size_t)SMOE_LOGIT_ROWS * cf->vocab_size, sizeof(float), &ok);
+    {
+        /* a bias row of any product: q_dim, kv_dim, hidden, 2·ffn (gate and up) or the router's experts */
+        size_t rows = c->q_dim > H ? c->q_dim : H;
+        rows = rows > 2 * (size_t)c->ffn ? rows : 2 * (size_t)c->ffn;
+        rows = rows > E ? rows : E;
+        c->bias_rows = (uint32_t)rows;
+        c->bias = plane(pb, rows + (size_t)cf->num_attention_heads, sizeof(float), &ok);
+    }
     if (!ok)
         return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the KV cache (%llu bytes) and planes (%llu bytes)",
                          (unsigned long long)*kv_bytes, (unsigned long long)*plane_bytes);
@@ -139,14 +151,36 @@ static smoe_status cpu_embed(void *b, uint32_t n) {
     return SMOE_OK;
 }
 
+/* Floats per row of plane p. */
+static uint32_t plane_width(const cpu_state *c, smoe_plane p) {
+    switch (p) {
+    case SMOE_PL_Q:
+    case SMOE_PL_ATT: return c->q_dim;
+    case SMOE_PL_K:
+    case SMOE_PL_V: return c->kv_dim;
+    default: return c->cfg->hidden_size;
+    }
+}
+
 static smoe_status cpu_norm(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *w, uint32_t n) {
     cpu_state *c = b;
-    const uint32_t H = c->cfg->hidden_size;
+    const uint32_t H = plane_width(c, src);
+    if (w->cols != H || plane_width(c, dst) != H)
+        return smoe_fail(SMOE_ERR_INTERNAL, "norm: a weight of %u over rows of %u", w->cols, H);
     float *out = smoe_cpu_plane(c, dst);
     const float *x = smoe_cpu_plane(c, src);
     for (uint32_t t = 0; t < n; t++)
         smoe_rmsnorm(out + (size_t)t * H, x + (size_t)t * H, w, H, c->cfg->rms_norm_eps);
     SMOE_PROF_LAP(SMOE_P_NORM);
+    return SMOE_OK;
+}
+
+static smoe_status cpu_bias(void *b, smoe_plane dst, const smoe_tensor *w, uint32_t n) {
+    cpu_state *c = b;
+    const uint32_t W = plane_width(c, dst);
+    if (w->cols != W) return smoe_fail(SMOE_ERR_INTERNAL, "bias: a vector of %u over rows of %u", w->cols, W);
+    float *y = smoe_cpu_plane(c, dst);
+    for (uint32_t t = 0; t < n; t++) smoe_add_bias(y + (size_t)t * W, w);
     return SMOE_OK;
 }
 
@@ -174,6 +208,8 @@ typedef struct {
     cpu_state *c;
     void *const *members;
     uint32_t l;
+    uint32_t window;     /* positions a row sees (its own included); 0: all */
+    const float *sinks;  /* (heads) sink logits, or NULL */
 } attend_task;
 
 /* Items are (token, head) pairs; token t sees positions [0, its own]. The scratch row is the KV
@@ -189,31 +225,34 @@ static void attend_items(void *ctx, uint32_t i0, uint32_t i1, uint32_t worker) {
         const cpu_state *o = owner(c, t->members, tok);
         const uint8_t *kl = kv_row(o, o->k_cache, t->l, 0), *vl = kv_row(o, o->v_cache, t->l, 0);
         const size_t head_bytes = (size_t)hd * o->kv_elem;
+        const uint32_t seen = row_pos(c, t->members, tok) + 1;
+        const uint32_t first = t->window && seen > t->window ? seen - t->window : 0; /* a sliding window's start */
+        const size_t skip = (size_t)first * c->kv_dim * o->kv_elem;
         smoe_attend(c->att + (size_t)tok * c->q_dim + (size_t)h * hd, c->q + (size_t)tok * c->q_dim + (size_t)h * hd,
-                    kl + kvh * head_bytes, vl + kvh * head_bytes, c->kv_dim, row_pos(c, t->members, tok) + 1, hd,
-                    o->kv_dtype, o->scores + (size_t)worker * o->context);
+                    kl + skip + kvh * head_bytes, vl + skip + kvh * head_bytes, c->kv_dim, seen - first, hd,
+                    o->kv_dtype, t->sinks ? t->sinks[h] : -INFINITY, o->scores + (size_t)worker * o->context);
     }
 }
 
 /* K and V rows land in the cache rounded to its type before attention, so every token (its own
  * position included) attends over the stored values on every path. */
-static smoe_status cpu_attend(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n,
-                              void *const *members) {
+static smoe_status cpu_attend(void *b, uint32_t l, const smoe_attn *a, uint32_t n, void *const *members) {
     cpu_state *c = b;
+    const smoe_tensor *q_norm = a->q_norm, *k_norm = a->k_norm;
     const smoe_config *cf = c->cfg;
-    const uint32_t hd = cf->head_dim, half = hd / 2;
+    const uint32_t hd = cf->head_dim, rot = c->lay->mp.rotary_dim, half = rot / 2;
     const float eps = cf->rms_norm_eps;
     for (uint32_t t = 0; t < n; t++) {
         const cpu_state *o = owner(c, members, t);
         const uint32_t pos = row_pos(c, members, t);
         const float *cs = o->rope_cos + (size_t)pos * half, *sn = o->rope_sin + (size_t)pos * half;
         float *qt = c->q + (size_t)t * c->q_dim, *kt = c->k + (size_t)t * c->kv_dim;
-        for (uint32_t h = 0; h < cf->num_attention_heads; h++)
+        for (uint32_t h = 0; q_norm && h < cf->num_attention_heads; h++)
             smoe_rmsnorm(qt + (size_t)h * hd, qt + (size_t)h * hd, q_norm, hd, eps);
-        for (uint32_t h = 0; h < cf->num_key_value_heads; h++)
+        for (uint32_t h = 0; k_norm && h < cf->num_key_value_heads; h++)
             smoe_rmsnorm(kt + (size_t)h * hd, kt + (size_t)h * hd, k_norm, hd, eps);
-        smoe_rope(qt, cf->num_attention_heads, hd, cs, sn);
-        smoe_rope(kt, cf->num_key_value_heads, hd, cs, sn);
+        smoe_rope(qt, cf->num_attention_heads, hd, rot, cs, sn);
+        smoe_rope(kt, cf->num_key_value_heads, hd, rot, cs, sn);
         if (members) { /* each row into its own session's cache */
             smoe_kv_store(kv_row(o, o->k_cache, l, pos), kt, c->kv_dim, o->kv_dtype);
             smoe_kv_store(kv_row(o, o->v_cache, l, pos), c->v + (size_t)t * c->kv_dim, c->kv_dim, o->kv_dtype);
@@ -225,7 +264,12 @@ static smoe_status cpu_attend(void *b, uint32_t l, const smoe_tensor *q_norm, co
         smoe_kv_store(kv_row(c, c->v_cache, l, c->pos0), c->v, len, c->kv_dtype);
     }
     SMOE_PROF_LAP(SMOE_P_QKNORM);
-    attend_task at = {c, members, l};
+    attend_task at = {c, members, l, a->window, NULL};
+    if (a->sinks) { /* after the bias rows' room: nothing else uses it during attention */
+        float *sk = c->bias + c->bias_rows;
+        smoe_dequant_row(a->sinks, a->sinks->data, 0, sk);
+        at.sinks = sk;
+    }
     smoe_pool_run(c->pool, attend_items, &at, n * cf->num_attention_heads, 1);
     SMOE_PROF_LAP(SMOE_P_ATTEND);
     return SMOE_OK;
@@ -271,8 +315,17 @@ static const char *cpu_describe(void *b) {
     return line;
 }
 
+static const char *cpu_lacks(const smoe_layout *lay) {
+    if (lay->mp.family == SMOE_FAMILY_GPT_OSS) return NULL; /* every op of its recipe is here */
+    for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++)
+        for (int i = SMOE_XT_GATE_BIAS; i < SMOE_XT_COUNT; i++)
+            if (lay->xl[l].has[i]) return "expert biases";
+    return NULL;
+}
+
 const smoe_backend smoe_backend_cpu = {
     .name = "cpu",
+    .lacks = cpu_lacks,
     .share_new = cpu_share_new,
     .share_free = cpu_share_free,
     .session_new = cpu_session_new,
@@ -283,6 +336,8 @@ const smoe_backend smoe_backend_cpu = {
     .project = smoe_cpu_project,
     .attend = cpu_attend,
     .add = cpu_add,
+    .bias = cpu_bias,
+    .route_grouped = smoe_cpu_route_grouped,
     .mlp = smoe_cpu_mlp,
     .route = smoe_cpu_route,
     .experts = smoe_cpu_experts,

@@ -19,11 +19,12 @@ typedef struct {
     uint32_t context, chunk;
     uint32_t q_dim;        /* heads · head_dim */
     uint32_t kv_dim;       /* kv_heads · head_dim */
-    uint32_t ffn;          /* max(intermediate_size, moe_intermediate_size) */
+    uint32_t ffn;          /* max(intermediate_size, moe_intermediate_size, the shared expert's) */
     smoe_kv_dtype kv_dtype;
     size_t kv_elem;        /* bytes per element of kv_dtype */
     bool float_activations;
     const float *rope_cos, *rope_sin; /* (context, head_dim/2), the engine's */
+    smoe_act act;          /* the experts' activation */
     uint32_t pos0;         /* the staged pass's first position */
     int32_t *ids;          /* (chunk) its ids */
 
@@ -40,6 +41,7 @@ typedef struct {
     float *scores;   /* (threads, context) attention scratch, one row per worker */
     float *router;   /* (chunk, experts) router logits, then probabilities */
     float *topk_w;   /* (chunk, top_k) */
+    float *route_scratch; /* (experts) the grouped router's choice scores */
     float *slot_out; /* (chunk, top_k, hidden) each routed expert's output, summed in slot order */
     float *xg;       /* (chunk, hidden) the rows routed to one expert, gathered */
     float *hg;       /* (chunk, 2·ffn) gate rows then up rows of one expert / dense MLP */
@@ -48,6 +50,8 @@ typedef struct {
     float *qx_d;     /* (chunk, ·) their block scales */
     float *qx_gsum;  /* (chunk, ·) their group sums */
     float *logits;   /* (SMOE_LOGIT_ROWS, vocab) */
+    float *bias;     /* (bias_rows + heads) one product's bias row widened, then attention's sink logits */
+    uint32_t bias_rows;
 } cpu_state;
 
 /* y (n, W.rows) = x (n, W.cols) · Wᵀ, rows split over the worker pool. stage: the smoe_prof_stage
@@ -74,7 +78,9 @@ static inline float *smoe_cpu_plane(cpu_state *c, smoe_plane p) {
 smoe_status smoe_cpu_project(void *b, smoe_plane src, const smoe_proj *out, uint32_t n_out, uint32_t n);
 smoe_status smoe_cpu_mlp(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *gate, const smoe_tensor *up,
                          const smoe_tensor *down, uint32_t n);
-smoe_status smoe_cpu_route(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids);
+smoe_status smoe_cpu_route(void *b, const smoe_route *r, uint32_t n, int32_t *ids);
+smoe_status smoe_cpu_route_grouped(void *b, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K, bool renorm,
+                                   uint32_t n, int32_t *ids);
 smoe_status smoe_cpu_experts(void *b, const smoe_union *u, const uint32_t *items, uint32_t m);
 smoe_status smoe_cpu_combine(void *b, uint32_t K, uint32_t n);
 

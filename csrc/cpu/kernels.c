@@ -85,12 +85,12 @@ void smoe_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_
 }
 
 void smoe_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
-                 uint32_t head_dim, uint32_t kv_dtype, float *scratch) {
+                 uint32_t head_dim, uint32_t kv_dtype, float sink, float *scratch) {
 #if SMOE_HAVE_AVX2
-    smoe_avx2_attend(out, q, k, v, stride, n_pos, head_dim, kv_dtype, scratch);
+    smoe_avx2_attend(out, q, k, v, stride, n_pos, head_dim, kv_dtype, sink, scratch);
 #elif SMOE_HAVE_NEON
-    smoe_neon_attend(out, q, k, v, stride, n_pos, head_dim, kv_dtype, scratch);
+    smoe_neon_attend(out, q, k, v, stride, n_pos, head_dim, kv_dtype, sink, scratch);
 #else
-    smoe_ref_attend(out, q, k, v, stride, n_pos, head_dim, kv_dtype, scratch);
+    smoe_ref_attend(out, q, k, v, stride, n_pos, head_dim, kv_dtype, sink, scratch);
 #endif
 }

@@ -63,22 +63,39 @@ void smoe_dequant_row(const smoe_tensor *W, const uint8_t *w, uint32_t row, floa
 /* out = x / sqrt(mean(x²) + eps) · weight; weight a 1 × dim tensor (f32 or bf16). out may be x. */
 void smoe_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
 
-/* Rotate-half RoPE in place on n_heads vectors of head_dim: for i < head_dim/2,
- * (x_i, x_{i+h/2}) ← (x_i·cos_i − x_{i+h/2}·sin_i, x_{i+h/2}·cos_i + x_i·sin_i).
- * cos, sin: head_dim/2 entries for this position. */
-void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, const float *cos, const float *sin);
+/* Rotate-half RoPE in place on the first rot (even, ≤ head_dim) dims of n_heads vectors of head_dim:
+ * for i < rot/2, (x_i, x_{i+rot/2}) ← (x_i·cos_i − x_{i+rot/2}·sin_i, x_{i+rot/2}·cos_i + x_i·sin_i);
+ * dims from rot on pass through. cos, sin: rot/2 entries for this position. */
+void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, uint32_t rot, const float *cos, const float *sin);
 
-/* One query head against positions [0, n_pos) of the cache: out = softmax(q·K/√d) · V.
+/* y[i] += w[i] for i < w->cols: a bias vector (1 × cols, f32 or bf16) added to one row. */
+void smoe_add_bias(float *y, const smoe_tensor *w);
+
+enum { SMOE_MAX_GROUPS = 1024 }; /* n_group's bound: the vault's bound on experts */
+
+/* GLM-4.5 / DeepSeek-V3 routing of one row (vault router_kind 1) from its E router logits: scores
+ * s = sigmoid(logits); choice c = s + bias (1 × E, f32 or bf16); the experts in n_group groups of E/n_group,
+ * each group scored by the sum of its two largest c (n_group > 1); the topk_group best groups kept
+ * (ties: lower index); the k largest c among their experts into idx, best first (ties: lower
+ * index); val = their s, divided by (Σ val + 1e-20) if renorm, times scale. scratch: E floats. */
+void smoe_route_sigmoid_group(const float *logits, uint32_t E, const smoe_tensor *bias, uint32_t n_group,
+                              uint32_t topk_group, uint32_t k, bool renorm, float scale, int32_t *idx, float *val,
+                              float *scratch);
+
+/* One query head against positions [0, n_pos) of the cache: out = softmax(q·K/√d) · V, where the
+ * softmax's denominator also holds exp(sink) (gpt-oss's attention sinks: a learned logit per head
+ * that takes probability mass and adds no value; −INFINITY: none, and exactly the plain softmax's
+ * bits). A sliding window is the caller's: k and v then point at the window's first position.
  * k, v point at position 0 of this KV head, elements of kv_dtype (smoe_kv_dtype, widened to f32
  * exactly as they are read); consecutive positions are `stride` elements apart. scratch: n_pos
  * floats. Every implementation (portable, AVX2, NEON) computes the same bits:
  *     scratch[p] = hsum8(acc) · (1/√d), acc = fma(q[8v..8v+8), k_p[8v..8v+8), acc) for v = 0, 1, …
  *                  (8 lanes from +0, a last partial vector zero-padded; hsum8 the tree
  *                  ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)))
- *     smoe_softmax(scratch)
+ *     smoe_softmax_sink(scratch, sink)
  *     out[d] = fma(scratch[p], v_p[d], out[d]) for p = 0, 1, … in order, from +0. */
 void smoe_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
-                 uint32_t head_dim, uint32_t kv_dtype, float *scratch);
+                 uint32_t head_dim, uint32_t kv_dtype, float sink, float *scratch);
 
 /* Bytes of one KV element of kv_dtype (4, 2 or 2). */
 size_t smoe_kv_elem_bytes(uint32_t kv_dtype);
@@ -94,12 +111,28 @@ void smoe_kv_load(float *dst, const void *src, size_t n, uint32_t kv_dtype);
 /* In-place softmax over n floats (f32, max-subtracted). */
 void smoe_softmax(float *x, uint32_t n);
 
+/* The same with one more logit, sink, in the denominator only: m = max(sink, x…); x[i] =
+ * exp(x[i] − m) / (Σ_i exp(x[i] − m) + exp(sink − m)), the sum in index order and the sink's term
+ * added last. sink = −INFINITY gives smoe_softmax's bits. */
+void smoe_softmax_sink(float *x, uint32_t n, float sink);
+
 /* The k largest of p[0..n) in descending order (ties: lower index first) into idx, their values
  * into val. If renorm, val is divided by its sum. */
 void smoe_topk(const float *p, uint32_t n, uint32_t k, bool renorm, int32_t *idx, float *val);
 
+/* The top k of the logits (smoe_topk's order), then a softmax over those k alone: gpt-oss's
+ * router (GptOssTopKRouter). */
+void smoe_topk_softmax(const float *logits, uint32_t n, uint32_t k, int32_t *idx, float *val);
+
 /* h[i] = silu(g[i]) · u[i] */
 void smoe_swiglu(float *h, const float *g, const float *u, uint32_t n);
+
+/* gpt-oss's clamped SwiGLU (GptOssExperts._apply_gate): g' = min(g, limit), u' = clamp(u, −limit,
+ * limit), h = (u' + 1) · g' · sigmoid(alpha · g'), sigmoid(x) = 1 / (1 + exp(−x)). */
+void smoe_swiglu_clamped(float *h, const float *g, const float *u, uint32_t n, float alpha, float limit);
+
+/* y[i] += b[i]: a bias */
+void smoe_add_row(float *y, const float *b, uint32_t n);
 
 /* y[i] += a · x[i] */
 void smoe_axpy(float *y, float a, const float *x, uint32_t n);

@@ -54,7 +54,7 @@ void smoe_ref_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_
                              size_t ldy, uint32_t r0, uint32_t r1);
 void smoe_ref_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
 void smoe_ref_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
-                     uint32_t head_dim, uint32_t kv_dtype, float *scratch);
+                     uint32_t head_dim, uint32_t kv_dtype, float sink, float *scratch);
 
 #if SMOE_HAVE_AVX2
 /* kernels_avx2.c. matmul returns false for a shape it does not take (then the reference runs;
@@ -81,7 +81,7 @@ bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols,
                           void *codes, float *d, float *gsum);
 void smoe_avx2_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
 void smoe_avx2_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
-                      uint32_t head_dim, uint32_t kv_dtype, float *scratch);
+                      uint32_t head_dim, uint32_t kv_dtype, float sink, float *scratch);
 #endif
 
 #if SMOE_HAVE_AVX512
@@ -102,7 +102,7 @@ bool smoe_neon_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe
                               size_t ldy, uint32_t r0, uint32_t r1);
 void smoe_neon_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
 void smoe_neon_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
-                      uint32_t head_dim, uint32_t kv_dtype, float *scratch);
+                      uint32_t head_dim, uint32_t kv_dtype, float sink, float *scratch);
 #endif
 
 #endif

@@ -660,7 +660,7 @@ INLINE float kv1(const void *row, size_t i, const uint32_t dt) {
 
 /* smoe_attend for KV elements of type dt (a constant after inlining): the order of kernels.h */
 INLINE void attend_t(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
-                     uint32_t head_dim, float *scratch, const uint32_t dt) {
+                     uint32_t head_dim, float sink, float *scratch, const uint32_t dt) {
     const float scale = (float)(1.0 / sqrt((double)head_dim));
     const size_t eb = dt == SMOE_KV_F32 ? 4 : 2;
     for (uint32_t p = 0; p < n_pos; p++) {
@@ -671,7 +671,7 @@ INLINE void attend_t(float *out, const float *q, const void *k, const void *v, s
         if (c < head_dim) acc = f8_fma(acc, x_load_tail(q + c, head_dim - c), kv8_tail(kp, c, head_dim - c, dt));
         scratch[p] = hsum8(acc) * scale;
     }
-    smoe_softmax(scratch, n_pos);
+    smoe_softmax_sink(scratch, n_pos, sink);
     /* out[d] = Σ_p a_p·v_p[d] as one fma chain in position order from +0, 64 dimensions at a time
      * in registers, then 4, then 1 */
     uint32_t d0 = 0;
@@ -699,13 +699,13 @@ INLINE void attend_t(float *out, const float *q, const void *k, const void *v, s
 }
 
 void smoe_neon_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
-                      uint32_t head_dim, uint32_t kv_dtype, float *scratch) {
+                      uint32_t head_dim, uint32_t kv_dtype, float sink, float *scratch) {
     if (kv_dtype == SMOE_KV_BF16)
-        attend_t(out, q, k, v, stride, n_pos, head_dim, scratch, SMOE_KV_BF16);
+        attend_t(out, q, k, v, stride, n_pos, head_dim, sink, scratch, SMOE_KV_BF16);
     else if (kv_dtype == SMOE_KV_F16)
-        attend_t(out, q, k, v, stride, n_pos, head_dim, scratch, SMOE_KV_F16);
+        attend_t(out, q, k, v, stride, n_pos, head_dim, sink, scratch, SMOE_KV_F16);
     else
-        attend_t(out, q, k, v, stride, n_pos, head_dim, scratch, SMOE_KV_F32);
+        attend_t(out, q, k, v, stride, n_pos, head_dim, sink, scratch, SMOE_KV_F32);
 }
 
 

@@ -576,8 +576,8 @@ void smoe_ref_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uin
     }
 }
 
-void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, const float *cos, const float *sin) {
-    const uint32_t h = head_dim / 2;
+void smoe_rope(float *x, uint32_t n_heads, uint32_t head_dim, uint32_t rot, const float *cos, const float *sin) {
+    const uint32_t h = rot / 2;
     for (uint32_t k = 0; k < n_heads; k++) {
         float *v = x + (size_t)k * head_dim; /* (head_dim) */
         for (uint32_t i = 0; i < h; i++) {
@@ -599,6 +599,19 @@ void smoe_softmax(float *x, uint32_t n) {
         x[i] = expf(x[i] - m);
         sum += x[i];
     }
+    for (uint32_t i = 0; i < n; i++) x[i] = x[i] / sum;
+}
+
+void smoe_softmax_sink(float *x, uint32_t n, float sink) {
+    float m = sink;
+    for (uint32_t i = 0; i < n; i++)
+        if (x[i] > m) m = x[i];
+    float sum = 0.0f;
+    for (uint32_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        sum += x[i];
+    }
+    sum += expf(sink - m); /* + 0 exactly when sink is −inf: smoe_softmax's bits */
     for (uint32_t i = 0; i < n; i++) x[i] = x[i] / sum;
 }
 
@@ -673,13 +686,13 @@ static float attend_dot8(const float *q, const void *k, uint32_t kv_dtype, uint3
 }
 
 void smoe_ref_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
-                     uint32_t head_dim, uint32_t kv_dtype, float *scratch) {
+                     uint32_t head_dim, uint32_t kv_dtype, float sink, float *scratch) {
     /* head_dim ** -0.5 as transformers computes it (in double), then rounded to float */
     const float scale = (float)(1.0 / sqrt((double)head_dim));
     const size_t eb = smoe_kv_elem_bytes(kv_dtype);
     for (uint32_t p = 0; p < n_pos; p++)
         scratch[p] = attend_dot8(q, (const uint8_t *)k + p * stride * eb, kv_dtype, head_dim) * scale;
-    smoe_softmax(scratch, n_pos);
+    smoe_softmax_sink(scratch, n_pos, sink);
     for (uint32_t d = 0; d < head_dim; d++) out[d] = 0.0f;
     for (uint32_t p = 0; p < n_pos; p++) {
         const void *vp = (const uint8_t *)v + p * stride * eb; /* (head_dim) */
@@ -727,9 +740,81 @@ void smoe_swiglu(float *h, const float *g, const float *u, uint32_t n) {
     }
 }
 
+void smoe_topk_softmax(const float *logits, uint32_t n, uint32_t k, int32_t *idx, float *val) {
+    smoe_topk(logits, n, k, false, idx, val);
+    smoe_softmax(val, k < n ? k : n);
+}
+
+void smoe_swiglu_clamped(float *h, const float *g, const float *u, uint32_t n, float alpha, float limit) {
+    for (uint32_t i = 0; i < n; i++) {
+        /* comparisons, not fminf: a NaN stays a NaN, as torch's clamp keeps it */
+        const float gi = g[i] > limit ? limit : g[i];
+        const float ui = u[i] > limit ? limit : u[i] < -limit ? -limit : u[i];
+        const float ga = gi * alpha;
+        const float sig = 1.0f / (1.0f + expf(-ga));
+        const float glu = gi * sig;
+        const float u1 = ui + 1.0f;
+        h[i] = u1 * glu;
+    }
+}
+
+void smoe_add_row(float *y, const float *b, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) y[i] += b[i];
+}
+
 void smoe_axpy(float *y, float a, const float *x, uint32_t n) {
     for (uint32_t i = 0; i < n; i++) {
         float ax = a * x[i];
         y[i] += ax;
+    }
+}
+
+void smoe_add_bias(float *y, const smoe_tensor *w) {
+    const uint32_t n = w->cols;
+    if (w->format == SMOE_FMT_F32) {
+        const float *b = (const float *)w->data;
+        for (uint32_t i = 0; i < n; i++) y[i] += b[i];
+    } else { /* bf16: the high half of an f32 */
+        const uint16_t *b = (const uint16_t *)w->data;
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t u = (uint32_t)b[i] << 16;
+            float f;
+            memcpy(&f, &u, 4);
+            y[i] += f;
+        }
+    }
+}
+
+void smoe_route_sigmoid_group(const float *logits, uint32_t E, const smoe_tensor *bias, uint32_t n_group,
+                              uint32_t topk_group, uint32_t k, bool renorm, float scale, int32_t *idx, float *val,
+                              float *c) {
+    for (uint32_t e = 0; e < E; e++) c[e] = 1.0f / (1.0f + expf(-logits[e]));
+    smoe_add_bias(c, bias);
+    if (n_group > 1 && topk_group < n_group) {
+        const uint32_t per = E / n_group;
+        float gs[SMOE_MAX_GROUPS];
+        int32_t gi[SMOE_MAX_GROUPS], top2[2];
+        float tv[2];
+        for (uint32_t g = 0; g < n_group; g++) {
+            smoe_topk(c + (size_t)g * per, per, 2, false, top2, tv);
+            gs[g] = tv[0] + tv[1];
+        }
+        float gv[SMOE_MAX_GROUPS];
+        smoe_topk(gs, n_group, topk_group, false, gi, gv);
+        bool keep[SMOE_MAX_GROUPS] = {0};
+        for (uint32_t j = 0; j < topk_group; j++) keep[gi[j]] = true;
+        for (uint32_t g = 0; g < n_group; g++)
+            if (!keep[g])
+                for (uint32_t e = 0; e < per; e++) c[(size_t)g * per + e] = -INFINITY;
+    }
+    smoe_topk(c, E, k, false, idx, val);
+    float sum = 0.0f;
+    for (uint32_t j = 0; j < k; j++) {
+        val[j] = 1.0f / (1.0f + expf(-logits[idx[j]]));
+        sum += val[j];
+    }
+    for (uint32_t j = 0; j < k; j++) {
+        float v = renorm ? val[j] / (sum + 1e-20f) : val[j];
+        val[j] = v * scale;
     }
 }

@@ -120,6 +120,23 @@ void smoe_cpu_linear(cpu_state *s, int stage, const smoe_tensor *W, const uint8_
     linear_with(s, stage, W, w, x, n, y, &pl);
 }
 
+/* Rows [0, n) of y (row stride ldy, bias->cols columns) += the bias row, widened once. */
+static void add_bias(cpu_state *s, const smoe_tensor *bias, const uint8_t *wb, float *y, size_t ldy, uint32_t n) {
+    smoe_dequant_row(bias, wb, 0, s->bias);
+    for (uint32_t t = 0; t < n; t++) smoe_add_row(y + (size_t)t * ldy, s->bias, bias->cols);
+}
+
+/* The activation between gate/up and down of n rows: h (n, I) from hg (n, 2I), gate then up. */
+static void activate(const smoe_act *act, float *h, const float *hg, uint32_t I, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) {
+        const float *g = hg + (size_t)i * 2 * I, *u = g + I;
+        if (act->kind == SMOE_ACT_SWIGLU_CLAMPED)
+            smoe_swiglu_clamped(h + (size_t)i * I, g, u, I, act->alpha, act->limit);
+        else
+            smoe_swiglu(h + (size_t)i * I, g, u, I);
+    }
+}
+
 /* Gate and up of one expert (or dense MLP) in one dispatch: rows [0, I) are gate, [I, 2I) up;
  * output hg is (n, 2I) with gate in the first I columns. */
 typedef struct {
@@ -142,10 +159,17 @@ static void gate_up_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
         matmul(t->up, t->wu, t->x, t->qu, t->n, t->y + I, ld, (r0 > I ? r0 : I) - I, r1 - I);
 }
 
-/* out (n, hidden) = down(silu(gate(x)) · up(x)) for x (n, hidden). */
-static void swiglu_mlp(cpu_state *s, const smoe_tensor *gate, const uint8_t *wg, const smoe_tensor *up,
-                       const uint8_t *wu, const smoe_tensor *down, const uint8_t *wd, const float *x, uint32_t n,
+/* An FFN's weights: gate, up, down and their optional biases (NULL: none), each with its bytes. */
+typedef struct {
+    const smoe_tensor *gate, *up, *down, *gate_b, *up_b, *down_b;
+    const uint8_t *wg, *wu, *wd, *wgb, *wub, *wdb;
+} ffn_weights;
+
+/* out (n, hidden) = down(act(gate(x) + gate_b, up(x) + up_b)) + down_b for x (n, hidden). */
+static void swiglu_mlp(cpu_state *s, const ffn_weights *f, const smoe_act *act, const float *x, uint32_t n,
                        float *out) {
+    const smoe_tensor *gate = f->gate, *up = f->up, *down = f->down;
+    const uint8_t *wg = f->wg, *wu = f->wu, *wd = f->wd;
     uint32_t I = gate->rows;
     qx_planes pl = {0};
     const smoe_qx *qg = prepare(s, gate, x, n, &pl);
@@ -161,11 +185,13 @@ static void swiglu_mlp(cpu_state *s, const smoe_tensor *gate, const uint8_t *wg,
         t.qu = prepare(s, up, x, n, &pl);
         smoe_pool_run(s->pool, gate_up_rows, &t, 2 * I, ROW_GRAIN);
     }
+    if (f->gate_b) add_bias(s, f->gate_b, f->wgb, s->hg, 2 * (size_t)I, n);
+    if (f->up_b) add_bias(s, f->up_b, f->wub, s->hg + I, 2 * (size_t)I, n);
     SMOE_PROF_LAP(SMOE_P_GATE_UP);
-    for (uint32_t i = 0; i < n; i++)
-        smoe_swiglu(s->h + (size_t)i * I, s->hg + (size_t)i * 2 * I, s->hg + (size_t)i * 2 * I + I, I);
+    activate(act, s->h, s->hg, I, n);
     SMOE_PROF_LAP(SMOE_P_SWIGLU);
     smoe_cpu_linear(s, SMOE_P_DOWN, down, wd, s->h, n, out);
+    if (f->down_b) add_bias(s, f->down_b, f->wdb, out, down->rows, n);
 }
 
 /* ------------------------------------------------------------------------------ projections */
@@ -188,49 +214,91 @@ smoe_status smoe_cpu_project(void *b, smoe_plane src, const smoe_proj *out, uint
         }
         parts_task t = {parts, n_out};
         smoe_pool_run(s->pool, parts_rows, &t, rows, ROW_GRAIN);
-        SMOE_PROF_LAP(SMOE_P_QKV);
-        return SMOE_OK;
+    } else {
+        for (uint32_t i = 0; i < n_out; i++)
+            linear_with(s, SMOE_P_QKV, out[i].W, out[i].W->data, x, n, smoe_cpu_plane(s, out[i].out), &pl);
     }
-    for (uint32_t i = 0; i < n_out; i++)
-        linear_with(s, SMOE_P_QKV, out[i].W, out[i].W->data, x, n, smoe_cpu_plane(s, out[i].out), &pl);
+    SMOE_PROF_LAP(SMOE_P_QKV);
     return SMOE_OK;
 }
 
 smoe_status smoe_cpu_mlp(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *gate, const smoe_tensor *up,
                          const smoe_tensor *down, uint32_t n) {
     cpu_state *s = b;
-    swiglu_mlp(s, gate, gate->data, up, up->data, down, down->data, smoe_cpu_plane(s, src), n, smoe_cpu_plane(s, dst));
+    const ffn_weights f = {gate, up, down, NULL, NULL, NULL, gate->data, up->data, down->data, NULL, NULL, NULL};
+    const smoe_act silu = {SMOE_ACT_SILU, 0, 0};
+    swiglu_mlp(s, &f, &silu, smoe_cpu_plane(s, src), n, smoe_cpu_plane(s, dst));
     return SMOE_OK;
 }
 
 /* ------------------------------------------------------------------------------------ routing */
 
-smoe_status smoe_cpu_route(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids) {
+smoe_status smoe_cpu_route(void *b, const smoe_route *r, uint32_t n, int32_t *ids) {
     cpu_state *s = b;
-    const uint32_t E = s->cfg->num_experts;
-    smoe_cpu_linear(s, SMOE_P_ROUTER, router, router->data, s->xn, n, s->router);
+    const uint32_t E = s->cfg->num_experts, K = r->K;
+    smoe_cpu_linear(s, SMOE_P_ROUTER, r->W, r->W->data, s->xn, n, s->router);
+    if (r->bias) add_bias(s, r->bias, r->bias->data, s->router, E, n);
     for (uint32_t t = 0; t < n; t++) {
         float *p = s->router + (size_t)t * E;
-        smoe_softmax(p, E);
-        smoe_topk(p, E, K, renorm, ids + (size_t)t * K, s->topk_w + (size_t)t * K);
+        if (r->kind == SMOE_ROUTER_TOPK_SOFTMAX) {
+            smoe_topk_softmax(p, E, K, ids + (size_t)t * K, s->topk_w + (size_t)t * K);
+        } else {
+            smoe_softmax(p, E);
+            smoe_topk(p, E, K, r->renorm, ids + (size_t)t * K, s->topk_w + (size_t)t * K);
+        }
     }
+    SMOE_PROF_LAP(SMOE_P_ROUTE);
+    return SMOE_OK;
+}
+
+smoe_status smoe_cpu_route_grouped(void *b, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K, bool renorm,
+                                   uint32_t n, int32_t *ids) {
+    cpu_state *s = b;
+    const uint32_t E = s->cfg->num_experts;
+    const smoe_model_params *m = &s->lay->mp;
+    smoe_cpu_linear(s, SMOE_P_ROUTER, router, router->data, s->xn, n, s->router);
+    for (uint32_t t = 0; t < n; t++)
+        smoe_route_sigmoid_group(s->router + (size_t)t * E, E, bias, m->n_group, m->topk_group, K,
+                                 renorm, m->routed_scaling_factor, ids + (size_t)t * K, s->topk_w + (size_t)t * K,
+                                 s->route_scratch);
     SMOE_PROF_LAP(SMOE_P_ROUTE);
     return SMOE_OK;
 }
 
 /* ------------------------------------------------------------------------------------ experts */
 
+/* The expert FFN of layer l whose blob is at blob: its tensors and their bytes. */
+static ffn_weights expert_weights(const cpu_state *s, uint32_t l, const uint8_t *blob) {
+    const smoe_expert_layout *x = &s->lay->xl[l];
+    const smoe_tensor *t = x->t;
+    ffn_weights f = {&t[SMOE_XT_GATE], &t[SMOE_XT_UP], &t[SMOE_XT_DOWN], NULL, NULL, NULL,
+                     blob + t[SMOE_XT_GATE].offset, blob + t[SMOE_XT_UP].offset, blob + t[SMOE_XT_DOWN].offset,
+                     NULL, NULL, NULL};
+    if (x->has[SMOE_XT_GATE_BIAS]) {
+        f.gate_b = &t[SMOE_XT_GATE_BIAS];
+        f.wgb = blob + f.gate_b->offset;
+    }
+    if (x->has[SMOE_XT_UP_BIAS]) {
+        f.up_b = &t[SMOE_XT_UP_BIAS];
+        f.wub = blob + f.up_b->offset;
+    }
+    if (x->has[SMOE_XT_DOWN_BIAS]) {
+        f.down_b = &t[SMOE_XT_DOWN_BIAS];
+        f.wdb = blob + f.down_b->offset;
+    }
+    return f;
+}
+
 /* Applies union position p (weights at blob) to every (token, slot) routed to it. */
 static void run_expert(cpu_state *s, const smoe_union *un, uint32_t p, const uint8_t *blob) {
-    const smoe_layout *lay = s->lay;
     const uint32_t H = s->cfg->hidden_size, K = s->cfg->num_experts_per_tok;
     const uint32_t m = un->count[p];
     const uint32_t *rows = un->rows + un->start[p];
     for (uint32_t j = 0; j < m; j++)
         memcpy(s->xg + (size_t)j * H, s->xn + (size_t)(rows[j] / K) * H, H * sizeof(float));
     SMOE_PROF_LAP(SMOE_P_GATHER);
-    const smoe_tensor *g = &lay->expert[0], *u = &lay->expert[1], *d = &lay->expert[2];
-    swiglu_mlp(s, g, blob + g->offset, u, blob + u->offset, d, blob + d->offset, s->xg, m, s->yg);
+    const ffn_weights f = expert_weights(s, un->l, blob);
+    swiglu_mlp(s, &f, &s->act, s->xg, m, s->yg);
     for (uint32_t j = 0; j < m; j++)
         memcpy(s->slot_out + (size_t)rows[j] * H, s->yg + (size_t)j * H, H * sizeof(float));
     SMOE_PROF_LAP(SMOE_P_GATHER);
@@ -243,7 +311,8 @@ static void run_expert(cpu_state *s, const smoe_union *un, uint32_t p, const uin
  * calls on the same inputs: the same bits. */
 static void run_single_experts(cpu_state *s, const smoe_union *un, const uint32_t *p, uint32_t m) {
     const smoe_layout *lay = s->lay;
-    const smoe_tensor *g = &lay->expert[0], *up = &lay->expert[1], *d = &lay->expert[2];
+    const smoe_tensor *x = smoe_expert_of(lay, un->l);
+    const smoe_tensor *g = &x[SMOE_XT_GATE], *up = &x[SMOE_XT_UP], *d = &x[SMOE_XT_DOWN];
     const uint32_t H = s->cfg->hidden_size, K = s->cfg->num_experts_per_tok, I = g->rows, n = un->n;
     product_part parts[MAX_PARTS];
     const uint8_t *blob[MAX_PARTS / 2];
@@ -274,8 +343,13 @@ static void run_single_experts(cpu_state *s, const smoe_union *un, const uint32_
     smoe_pool_run(s->pool, parts_rows, &task, 2 * m * I, ROW_GRAIN);
     SMOE_PROF_LAP(SMOE_P_GATE_UP);
 
-    for (uint32_t k = 0; k < m; k++)
-        smoe_swiglu(s->h + (size_t)k * I, s->hg + (size_t)k * 2 * I, s->hg + (size_t)k * 2 * I + I, I);
+    for (uint32_t k = 0; k < m; k++) {
+        const ffn_weights f = expert_weights(s, un->l, blob[k]);
+        float *hk = s->hg + (size_t)k * 2 * I;
+        if (f.gate_b) add_bias(s, f.gate_b, f.wgb, hk, 2 * (size_t)I, 1);
+        if (f.up_b) add_bias(s, f.up_b, f.wub, hk + I, 2 * (size_t)I, 1);
+    }
+    activate(&s->act, s->h, s->hg, I, m);
     SMOE_PROF_LAP(SMOE_P_SWIGLU);
 
     const bool dcodes = !s->float_activations && smoe_qx_takes(d);
@@ -292,12 +366,17 @@ static void run_single_experts(cpu_state *s, const smoe_union *un, const uint32_
     }
     task.n_parts = m;
     smoe_pool_run(s->pool, parts_rows, &task, m * H, ROW_GRAIN);
+    for (uint32_t k = 0; k < m; k++) {
+        const ffn_weights f = expert_weights(s, un->l, blob[k]);
+        if (f.down_b) add_bias(s, f.down_b, f.wdb, s->slot_out + (size_t)row[k] * H, H, 1);
+    }
     SMOE_PROF_LAP(SMOE_P_DOWN);
 }
 
 smoe_status smoe_cpu_experts(void *b, const smoe_union *un, const uint32_t *items, uint32_t m) {
     cpu_state *s = b;
-    const smoe_tensor *eg = &s->lay->expert[0], *eu = &s->lay->expert[1];
+    const smoe_tensor *x = smoe_expert_of(s->lay, un->l);
+    const smoe_tensor *eg = &x[SMOE_XT_GATE], *eu = &x[SMOE_XT_UP];
     /* the experts with one routed (token, slot), two pool runs per batch of them (when gate and up
      * take the same codes: the one set of code planes serves both); the others one by one */
     const uint32_t cap = s->chunk < MAX_PARTS / 2 ? s->chunk : MAX_PARTS / 2;

@@ -1,12 +1,20 @@
 /* attention.cu — causal attention over the KV cache: the plain kernel and flash attention on the tensor cores (cuda_ops.h; the rule of cuda_common.cuh). */
 #include "cuda_common.cuh"
 
+/* Row t at position pos0 + t sees the positions [first, pos0 + t]: all before it, or the last
+ * `window` of them (0: no window). sinks (heads entries, f32 or bf16, or NULL): head h's sink logit
+ * joins the softmax's max and, last, its sum (gpt-oss; cpu/kernels.h, smoe_softmax_sink). */
 template <typename T>
 __global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const float *q, const T *k, const T *v,
-                                                           uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0) {
+                                                           uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0,
+                                                           const uint8_t *sinks, uint8_t sfmt, uint32_t window) {
     extern __shared__ float sm[];
     __shared__ float red[ATT_THREADS];
-    const uint32_t h = blockIdx.x, t = blockIdx.y, n_pos = pos0 + t + 1;
+    const uint32_t h = blockIdx.x, t = blockIdx.y, seen = pos0 + t + 1;
+    const uint32_t first = window && seen > window ? seen - window : 0, n_pos = seen - first;
+    const float sink = !sinks ? -INFINITY
+                       : sfmt == FMT_F32 ? reinterpret_cast<const float *>(sinks)[h]
+                                         : __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(sinks)[h] << 16);
     const uint32_t kvh = h / (heads / kv_heads), kv_dim = kv_heads * hd;
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, nwarps = ATT_THREADS / 32;
     float *sq = sm, *sc = sm + hd;
@@ -14,7 +22,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const flo
     for (uint32_t d = tid; d < hd; d += ATT_THREADS) sq[d] = qv[d];
     __syncthreads();
     const float scale = (float)(1.0 / sqrt((double)hd));
-    const T *kb = k + (size_t)kvh * hd, *vb = v + (size_t)kvh * hd;
+    const T *kb = k + (size_t)first * kv_dim + (size_t)kvh * hd, *vb = v + (size_t)first * kv_dim + (size_t)kvh * hd;
     for (uint32_t p = warp; p < n_pos; p += nwarps) {
         const T *kp = kb + (size_t)p * kv_dim;
         float part = 0.0f;
@@ -32,7 +40,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const flo
         if (tid < (unsigned)s) red[tid] = fmaxf(red[tid], red[tid + s]);
         __syncthreads();
     }
-    m = red[0];
+    m = fmaxf(red[0], sink);
     __syncthreads();
     float sum = 0.0f;
     for (uint32_t p = tid; p < n_pos; p += ATT_THREADS) {
@@ -46,7 +54,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const flo
         if (tid < (unsigned)s) red[tid] = __fadd_rn(red[tid], red[tid + s]);
         __syncthreads();
     }
-    sum = red[0];
+    sum = __fadd_rn(red[0], expf(__fsub_rn(sink, m))); /* + 0 exactly without a sink */
     for (uint32_t p = tid; p < n_pos; p += ATT_THREADS) sc[p] = __fdiv_rn(sc[p], sum);
     __syncthreads();
     float *o = att + ((size_t)t * heads + h) * hd;
@@ -296,9 +304,25 @@ static bool flash_head(uint32_t hd) {
     return on && (hd == 32 || hd == 64 || hd == 128);
 }
 
-extern "C" int smoe_cu_attention_max_positions(uint32_t hd) { return flash_head(hd) ? 1 << 30 : ATT_SMEM / 4 - 512; }
+/* The plain kernel's shared memory: ATT_SMEM, or less where the GPU opts in to less per block (99 KiB
+ * on sm_86, sm_89 and sm_120; 163 KiB on sm_80), which bounds the positions it attends over. */
+static int att_smem(void) {
+    static int bytes;
+    if (!bytes) {
+        int dev = 0, optin = 0;
+        if (cudaGetDevice(&dev) != cudaSuccess ||
+            cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || optin <= 0)
+            optin = 48 * 1024;
+        bytes = optin < ATT_SMEM ? optin : ATT_SMEM;
+    }
+    return bytes;
+}
 
-extern "C" int smoe_cu_attention_fixed(uint32_t hd) { return flash_head(hd); }
+extern "C" int smoe_cu_attention_max_positions(uint32_t hd, int plain) {
+    return flash_head(hd) && !plain ? 1 << 30 : att_smem() / 4 - 512;
+}
+
+extern "C" int smoe_cu_attention_fixed(uint32_t hd, int plain) { return flash_head(hd) && !plain; }
 
 template <int HD, typename T>
 static int launch_flash(cudaStream_t s, float *att, const float *q, const T *k, const T *v, uint32_t n,
@@ -326,20 +350,21 @@ static int launch_flash(cudaStream_t s, float *att, const float *q, const T *k, 
 template <typename T>
 static int launch_attention(cudaStream_t s, float *att, const float *q, const T *k, const T *v, uint32_t n,
                             uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0, const uint32_t *dpos,
-                            float *part, uint32_t zmax) {
-    if (flash_head(hd)) {
+                            float *part, uint32_t zmax, const uint8_t *sinks, uint8_t sfmt, uint32_t window) {
+    if (flash_head(hd) && !sinks && !window) {
         if (hd == 32) return launch_flash<32, T>(s, att, q, k, v, n, heads, kv_heads, dpos, part, zmax);
         if (hd == 64) return launch_flash<64, T>(s, att, q, k, v, n, heads, kv_heads, dpos, part, zmax);
         return launch_flash<128, T>(s, att, q, k, v, n, heads, kv_heads, dpos, part, zmax);
     }
     static int configured;
     if (!configured) {
-        cudaError_t e = cudaFuncSetAttribute(k_attention<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, ATT_SMEM);
+        cudaError_t e = cudaFuncSetAttribute(k_attention<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, att_smem());
         if (e != cudaSuccess) return (int)e;
         configured = 1;
     }
     size_t smem = (size_t)(hd + pos0 + n) * sizeof(float);
-    k_attention<T><<<dim3(heads, n), ATT_THREADS, smem, s>>>(att, q, k, v, heads, kv_heads, hd, pos0);
+    k_attention<T><<<dim3(heads, n), ATT_THREADS, smem, s>>>(att, q, k, v, heads, kv_heads, hd, pos0, sinks, sfmt,
+                                                             window);
     return (int)cudaGetLastError();
 }
 
@@ -351,16 +376,17 @@ extern "C" size_t smoe_cu_attention_part_floats(uint32_t kv_heads, uint32_t hd, 
 
 extern "C" int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const void *k, const void *v,
                                  uint32_t kv_type, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd,
-                                 uint32_t pos0, const uint32_t *dpos, float *part, uint32_t context) {
+                                 uint32_t pos0, const uint32_t *dpos, float *part, uint32_t context,
+                                 const uint8_t *sinks, uint8_t sinks_format, uint32_t window) {
     if (n == 0) return 0;
     cudaStream_t s = (cudaStream_t)st;
     const uint32_t zmax = (context + FA_BN * FA_SPLIT - 1) / (FA_BN * FA_SPLIT);
     if (kv_type == 1)
         return launch_attention(s, att, q, (const __nv_bfloat16 *)k, (const __nv_bfloat16 *)v, n, heads, kv_heads, hd,
-                                pos0, dpos, part, zmax);
+                                pos0, dpos, part, zmax, sinks, sinks_format, window);
     if (kv_type == 2)
         return launch_attention(s, att, q, (const __half *)k, (const __half *)v, n, heads, kv_heads, hd, pos0, dpos,
-                                part, zmax);
+                                part, zmax, sinks, sinks_format, window);
     return launch_attention(s, att, q, (const float *)k, (const float *)v, n, heads, kv_heads, hd, pos0, dpos, part,
-                            zmax);
+                            zmax, sinks, sinks_format, window);
 }

@@ -34,8 +34,16 @@ static smoe_status check_tensor(const uint8_t *dense, const smoe_tensor *T, cons
 }
 
 static smoe_status check_norm(const smoe_tensor *T, const char *what) {
-    if (T->format != SMOE_FMT_F32 && T->format != SMOE_FMT_BF16)
+    if (T && T->format != SMOE_FMT_F32 && T->format != SMOE_FMT_BF16)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s is stored as format %u; norms must be f32 or bf16", what,
+                         T->format);
+    return SMOE_OK;
+}
+
+/* Bias vectors (attention, router, sinks, experts') are read as f32 or bf16. */
+static smoe_status check_bias(const smoe_tensor *T, const char *what) {
+    if (T && T->format != SMOE_FMT_F32 && T->format != SMOE_FMT_BF16)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s is stored as format %u; it must be f32 or bf16", what,
                          T->format);
     return SMOE_OK;
 }
@@ -48,12 +56,22 @@ static smoe_status check_layout(const smoe_layout *lay, const uint8_t *dense) {
         return st;
     for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++) {
         const smoe_layer_weights *L = &lay->layers[l];
-        const smoe_tensor *mats[] = {L->q, L->k, L->v, L->o, L->router, L->mlp_gate, L->mlp_up, L->mlp_down};
+        const smoe_tensor *mats[] = {L->q, L->k, L->v, L->o, L->router, L->mlp_gate, L->mlp_up, L->mlp_down,
+                                     L->shared_gate, L->shared_up, L->shared_down};
         for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++)
             if ((st = check_tensor(dense, mats[i], "a layer's matrix")) != SMOE_OK) return st;
         const smoe_tensor *norms[] = {L->input_norm, L->post_norm, L->q_norm, L->k_norm};
         for (size_t i = 0; i < 4; i++)
             if ((st = check_norm(norms[i], "a layer's norm")) != SMOE_OK) return st;
+        const smoe_tensor *biases[] = {L->q_bias, L->k_bias, L->v_bias, L->o_bias};
+        for (size_t i = 0; i < 4; i++)
+            if ((st = check_bias(biases[i], "an attention bias")) != SMOE_OK) return st;
+        if ((st = check_bias(L->router_bias, "router.bias")) != SMOE_OK ||
+            (st = check_bias(L->sinks, "the attention sinks")) != SMOE_OK)
+            return st;
+        for (int i = SMOE_XT_GATE_BIAS; i < SMOE_XT_COUNT; i++)
+            if (lay->xl[l].has[i] && (st = check_bias(&lay->xl[l].t[i], "an expert bias")) != SMOE_OK)
+                return st;
     }
     if (lay->cfg.num_sparse_layers > 0)
         for (int i = 0; i < 3; i++)
@@ -83,6 +101,9 @@ static smoe_status cuda_share_new(const smoe_be_share_params *p, void **out) {
     int err = smoe_cu_device(0, name, sizeof name, &major, &minor, &free_b, &total_b);
     if (err != 0)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: no usable GPU (%s)", smoe_cu_error_string(err));
+    if (major < 8) /* mma.sync m16n8k16 and cp.async: the build's oldest target is sm_80 */
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s has compute capability %d.%d; pysmoe's CUDA kernels need 8.0 "
+                         "(Ampere) or newer", name, major, minor);
     smoe_status st = check_layout(p->lay, p->dense);
     if (st != SMOE_OK) return st;
     if (cf->num_experts > 1024)
@@ -95,6 +116,10 @@ static smoe_status cuda_share_new(const smoe_be_share_params *p, void **out) {
     sh->minor = minor;
     sh->lay = p->lay;
     sh->host_dense = p->dense;
+    for (uint32_t l = 0; l < cf->num_hidden_layers; l++) {
+        sh->plain_attention |= p->lay->layer_attn[l] == SMOE_ATTN_SLIDING || p->lay->layers[l].sinks;
+        if (!sh->xl && p->lay->layers[l].sparse) sh->xl = &p->lay->xl[l];
+    }
     sh->streamer = p->streamer;
     sh->cache_bytes = p->device_cache_bytes;
     const char *sa = getenv("SMOE_CUDA_SAMPLE");
@@ -157,7 +182,7 @@ static smoe_status cuda_session_new(void *vsh, const smoe_be_session_params *p, 
                                     uint64_t *kv_bytes) {
     cuda_share *sh = vsh;
     const smoe_config *cf = &sh->lay->cfg;
-    int max_pos = smoe_cu_attention_max_positions(cf->head_dim);
+    int max_pos = smoe_cu_attention_max_positions(cf->head_dim, sh->plain_attention);
     if (p->context + 8 > (uint32_t)max_pos)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: a context of %u is more than the attention kernel holds (%d)",
                          p->context, max_pos - 8);
@@ -174,17 +199,21 @@ static smoe_status cuda_session_new(void *vsh, const smoe_be_session_params *p, 
     c->q_dim = cf->num_attention_heads * cf->head_dim;
     c->kv_dim = cf->num_key_value_heads * cf->head_dim;
     c->ffn = cf->intermediate_size > cf->moe_intermediate_size ? cf->intermediate_size : cf->moe_intermediate_size;
+    if (c->lay->mp.shared_intermediate > c->ffn) c->ffn = c->lay->mp.shared_intermediate;
+    c->rot = c->lay->mp.rotary_dim;
+    c->act = (smoe_cu_act_fn){p->act.kind == SMOE_ACT_SWIGLU_CLAMPED, p->act.alpha, p->act.limit};
     c->a16_of = -1;
     for (uint32_t l = 0; l < cf->num_hidden_layers; l++) {
         const smoe_layer_weights *L = &c->lay->layers[l];
-        const smoe_tensor *mats[] = {L->q, L->k, L->v, L->o, L->router, L->mlp_gate, L->mlp_up, L->mlp_down};
+        const smoe_tensor *mats[] = {L->q, L->k, L->v, L->o, L->router, L->mlp_gate, L->mlp_up, L->mlp_down,
+                                     L->shared_gate, L->shared_up, L->shared_down};
         for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) c->any_tc |= mats[i] && smoe_cuda_tensor_cores(mats[i]);
     }
     for (int i = 0; i < 3 && cf->num_sparse_layers; i++) c->any_tc |= smoe_cuda_tensor_cores(&c->lay->expert[i]);
     smoe_status st;
 
     const size_t C = p->chunk, H = cf->hidden_size, E = cf->num_experts, K = cf->num_experts_per_tok;
-    const size_t L = cf->num_hidden_layers, half = cf->head_dim / 2, ffn = c->ffn, V = cf->vocab_size;
+    const size_t L = cf->num_hidden_layers, half = c->rot / 2, ffn = c->ffn, V = cf->vocab_size;
     const size_t kv = L * p->context * c->kv_dim * c->kv_elem; /* bytes */
     *kv_bytes = 2 * kv;
     const size_t R = SMOE_LOGIT_ROWS;
@@ -257,10 +286,13 @@ static smoe_status cuda_embed(void *b, uint32_t n) {
 }
 
 /* Norms write XN for products (q/k/v, the router, the experts, a dense MLP, lm_head); their f16
- * rows come in the same launch when the model has tensor-core products. */
+ * rows come in the same launch when the model has tensor-core products. A QK-norm over the whole
+ * projection (OLMoE) normalises Q or K rows in place, over the plane's width. */
 static smoe_status cuda_norm(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *w, uint32_t n) {
     cuda_state *c = b;
-    const uint32_t H = c->cfg->hidden_size;
+    const uint32_t H = smoe_cuda_plane_cols(c, src);
+    if (w->cols != H || smoe_cuda_plane_cols(c, dst) != H)
+        return smoe_fail(SMOE_ERR_INTERNAL, "cuda: norm: a weight of %u over rows of %u", w->cols, H);
     float *out = smoe_cuda_plane(c, dst);
     const float *x = smoe_cuda_plane(c, src);
     smoe_cuda_written(c, dst);
@@ -292,10 +324,15 @@ static smoe_status cuda_project(void *b, smoe_plane src, const smoe_proj *out, u
 
 /* QK-norm, RoPE and the KV append in one launch, then attention: for the pass's own rows at once,
  * or (a batch) each row with its own session's cache, tables and staged position. */
-static smoe_status cuda_attend(void *b, uint32_t l, const smoe_tensor *q_norm, const smoe_tensor *k_norm, uint32_t n,
-                               void *const *members) {
+static smoe_status cuda_attend(void *b, uint32_t l, const smoe_attn *a, uint32_t n, void *const *members) {
     cuda_state *c = b;
+    const smoe_tensor *q_norm = a->q_norm, *k_norm = a->k_norm;
     const smoe_config *cf = c->cfg;
+    /* per-head QK-norm, or none (no such tensors, or a norm over the whole projection done before) */
+    const uint8_t *qn = q_norm ? smoe_cuda_dev(c, q_norm) : NULL, *kn = k_norm ? smoe_cuda_dev(c, k_norm) : NULL;
+    const uint8_t qf = q_norm ? q_norm->format : 0, kf = k_norm ? k_norm->format : 0;
+    /* gpt-oss: sink logits and a sliding window (the plain attention kernel) */
+    const uint8_t *sk = a->sinks ? smoe_cuda_dev(c, a->sinks) : NULL, sf = a->sinks ? a->sinks->format : 0;
     smoe_cuda_written(c, SMOE_PL_Q);
     smoe_cuda_written(c, SMOE_PL_K);
     smoe_cuda_written(c, SMOE_PL_ATT);
@@ -317,18 +354,26 @@ static smoe_status cuda_attend(void *b, uint32_t l, const smoe_tensor *q_norm, c
         smoe_cu_stream st = ns ? sh->as[t % ns] : sh->cs;
         CU(smoe_cu_qk_post(st, q, c->ks + (size_t)t * c->kv_dim, c->vs + (size_t)t * c->kv_dim,
                            o->k + layer_at, o->v + layer_at, o->kv_dtype, m, cf->num_attention_heads,
-                           cf->num_key_value_heads, cf->head_dim, smoe_cuda_dev(c, q_norm), q_norm->format,
-                           smoe_cuda_dev(c, k_norm), k_norm->format, cf->rms_norm_eps, o->cos, o->sin,
-                           (const uint32_t *)o->pass));
+                           cf->num_key_value_heads, cf->head_dim, c->rot, qn, qf, kn, kf, cf->rms_norm_eps, o->cos,
+                           o->sin, (const uint32_t *)o->pass));
         CU(smoe_cu_attention(st, att, q, o->k + layer_at, o->v + layer_at, o->kv_dtype, m,
                              cf->num_attention_heads, cf->num_key_value_heads, cf->head_dim, o->pos0,
-                             (const uint32_t *)o->pass, o->fa_part, o->context));
+                             (const uint32_t *)o->pass, o->fa_part, o->context, sk, sf, a->window));
     }
     for (uint32_t i = 0; i < ns; i++) {
         smoe_cu_event join = smoe_cuda_ring_event(sh);
         CU(smoe_cu_event_record(join, sh->as[i]));
         CU(smoe_cu_stream_wait(sh->cs, join));
     }
+    return SMOE_OK;
+}
+
+static smoe_status cuda_bias(void *b, smoe_plane dst, const smoe_tensor *bias, uint32_t n) {
+    cuda_state *c = b;
+    const uint32_t W = smoe_cuda_plane_cols(c, dst);
+    if (bias->cols != W) return smoe_fail(SMOE_ERR_INTERNAL, "cuda: bias: a vector of %u over rows of %u", bias->cols, W);
+    smoe_cuda_written(c, dst);
+    CU(smoe_cu_bias(c->sh->cs, smoe_cuda_plane(c, dst), n, W, smoe_cuda_dev(c, bias), bias->format));
     return SMOE_OK;
 }
 
@@ -352,7 +397,7 @@ static smoe_status cuda_mlp(void *b, smoe_plane dst, smoe_plane src, const smoe_
         (st = smoe_cuda_linear(c, up, &a, n, c->hg + I, 2 * (size_t)I)) != SMOE_OK)
         return st;
     smoe_cuda_written(c, dst);
-    if ((st = smoe_cuda_swiglu(c, smoe_cuda_tensor_cores(down), I, &R, &a)) != SMOE_OK ||
+    if ((st = smoe_cuda_swiglu(c, smoe_cuda_tensor_cores(down), false, I, &R, &a)) != SMOE_OK ||
         (st = smoe_cuda_linear(c, down, &a, n, smoe_cuda_plane(c, dst), H)) != SMOE_OK)
         return st;
     return SMOE_OK;
@@ -462,8 +507,27 @@ static bool cuda_broken(void *b) {
     return c->broken || c->sh->broken;
 }
 
+/* The CUDA kernels implement the recipes of Qwen3-MoE, Mixtral, OLMoE, GLM-4.5 and gpt-oss: QK-norm
+ * per head, over the whole projection or none, RoPE over all or the first rotary_dim dims of a head
+ * (YaRN's tables are the engine's), attention biases, sinks and a sliding window, softmax routing,
+ * the grouped sigmoid router (up to SMOE_CU_MAX_GROUPS groups) and top-k-then-softmax, shared
+ * experts, expert biases and the clamped SwiGLU; one blob layout for every sparse layer. GGML block
+ * formats (gpt-oss's MXFP4 experts among them) are refused by check_tensor. */
+static const char *cuda_lacks(const smoe_layout *lay) {
+    const smoe_model_params *m = &lay->mp;
+    if (m->family > SMOE_FAMILY_GPT_OSS) return "this family's ops";
+    if (m->qk_norm > SMOE_QK_NORM_WHOLE) return "this QK-norm";
+    if (m->rotary_dim % 2 || m->rotary_dim > lay->cfg.head_dim) return "a RoPE over an odd or too wide rotary_dim";
+    if (m->router_kind >= SMOE_ROUTER_KINDS) return "this router";
+    if (m->router_kind == SMOE_ROUTER_SIGMOID_GROUP && m->n_group > SMOE_CU_MAX_GROUPS)
+        return "a grouped router of more than 64 groups";
+    if (!lay->uniform_experts) return "blob layouts that differ between layers";
+    return NULL;
+}
+
 const smoe_backend smoe_backend_cuda = {
     .name = "cuda",
+    .lacks = cuda_lacks,
     .share_new = cuda_share_new,
     .share_free = cuda_share_free,
     .session_new = cuda_session_new,
@@ -474,8 +538,10 @@ const smoe_backend smoe_backend_cuda = {
     .project = cuda_project,
     .attend = cuda_attend,
     .add = cuda_add,
+    .bias = cuda_bias,
     .mlp = cuda_mlp,
     .route = smoe_cuda_route,
+    .route_grouped = smoe_cuda_route_grouped,
     .experts_begin = smoe_cuda_experts_begin,
     .experts = smoe_cuda_experts,
     .combine = smoe_cuda_combine,

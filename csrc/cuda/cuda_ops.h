@@ -116,45 +116,73 @@ int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, uint32_t rows
 int smoe_cu_rmsnorm_prep(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim,
                          const uint8_t *weight, uint8_t weight_format, float eps, void *x16, float *xe);
 /* A layer's new q (n × heads rows of hd) and K rows (ks, n × kv_heads) normalised by q_norm and
- * k_norm and rotated for positions *pos0 + t, then K and the V rows of vs stored in the KV cache
+ * k_norm (each skipped when NULL) and rotated for positions *pos0 + t over their first rot dims (cos,
+ * sin: (context, rot/2)), then K and the V rows of vs stored in the KV cache
  * (k, v: elements of kv_type, rounded to nearest even) at those positions, in one launch. The
  * position is read on the GPU, so that a recorded launch serves any position. */
 int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const float *vs, void *k, void *v, uint32_t kv_type,
-                    uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, const uint8_t *q_norm,
+                    uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t rot, const uint8_t *q_norm,
                     uint8_t q_norm_format, const uint8_t *k_norm, uint8_t k_norm_format, float eps, const float *cos,
                     const float *sin, const uint32_t *pos0);
 /* att (n, heads·hd) = causal attention of q (n, heads·hd) over k/v (positions, kv_dim elements of
- * kv_type) of one layer: token t sees positions [0, pos0 + t]; dpos holds pos0 in device memory
- * too. Flash attention (head sizes 32, 64, 128) rounds K and V to f16 as it loads them, so an f16
- * cache gives it the very values an f32 one does. */
+ * kv_type) of one layer: token t sees positions [0, pos0 + t], or the last `window` of them (0: no
+ * window); sinks (heads entries, f32 or bf16; NULL: none) puts head h's sink logit in its softmax's
+ * denominator (gpt-oss). dpos holds pos0 in device memory too. Flash attention (head sizes 32, 64,
+ * 128, without sinks or a window) rounds K and V to f16 as it loads them, so an f16 cache gives it
+ * the very values an f32 one does; the others run the plain kernel (f32). */
 int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, const void *k, const void *v, uint32_t kv_type,
                       uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0, const uint32_t *dpos,
-                      float *part, uint32_t context);
+                      float *part, uint32_t context, const uint8_t *sinks, uint8_t sinks_format, uint32_t window);
 /* Flash attention takes the positions in splits of 512, merged in order; with part (device, this
  * many floats for a cache of context positions) a launch of few rows runs the splits side by
  * side, with the same bits. 0: the head size takes no splits. */
 size_t smoe_cu_attention_part_floats(uint32_t kv_heads, uint32_t hd, uint32_t context);
 /* 1 when an attention launch for head size hd reads its position from dpos alone (its shape does
- * not follow pos0), so that it can be recorded once and replayed at any position. */
-int smoe_cu_attention_fixed(uint32_t hd);
-int smoe_cu_attention_max_positions(uint32_t hd); /* positions one launch can attend over */
+ * not follow pos0), so that it can be recorded once and replayed at any position. plain: some
+ * layer has sinks or a window (the plain kernel, whose shape follows pos0). */
+int smoe_cu_attention_fixed(uint32_t hd, int plain);
+int smoe_cu_attention_max_positions(uint32_t hd, int plain); /* positions one launch can attend over */
+/* y rows [0, n) (W floats each) += bias (W entries, f32 or bf16). */
+int smoe_cu_bias(smoe_cu_stream st, float *y, uint32_t n, uint32_t W, const uint8_t *bias, uint8_t bias_format);
 /* x[i] += y[i], i < count */
 int smoe_cu_add(smoe_cu_stream st, float *x, const float *y, size_t count);
 /* Per token: softmax over E router logits, top-k (ties: lower index), renormalised when renorm. */
 int smoe_cu_route(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, uint32_t K, int renorm,
                   int32_t *idx, float *w);
+/* Per token, GLM-4.5's router (smoe_route_sigmoid_group's steps, cpu/kernels.h): sigmoid scores,
+ * bias (E entries, f32 or bf16, device) added for the choice, the experts in n_group groups of E/n_group with the
+ * topk_group best kept (n_group ≤ SMOE_CU_MAX_GROUPS), the K best into idx, best first (ties: lower
+ * index), their scores into w, renormalised when renorm, × scale. */
+enum { SMOE_CU_MAX_GROUPS = 64 };
+int smoe_cu_route_grouped(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, const uint8_t *bias,
+                          uint8_t bias_format, uint32_t n_group, uint32_t topk_group, uint32_t K, int renorm, float scale, int32_t *idx,
+                          float *w);
+/* Per token, gpt-oss's router (smoe_topk_softmax): the K largest logits (ties: lower index) into idx,
+ * best first, and the softmax over those K into w. */
+int smoe_cu_route_topk_softmax(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, uint32_t K,
+                               int32_t *idx, float *w);
 /* xg row j = xn row rows[j] / K, j < total (hidden floats each). */
 int smoe_cu_gather(smoe_cu_stream st, float *xg, const float *xn, const uint32_t *rows, uint32_t K, uint32_t total,
                    uint32_t hidden);
 /* The same for f16 rows prepared by smoe_cu_prep (cols a multiple of 8) and their scales. */
 int smoe_cu_gather16(smoe_cu_stream st, void *g16, float *ge, const void *a16, const float *ae, const uint32_t *rows,
                      uint32_t K, uint32_t total, uint32_t cols);
-/* For the rows of items (as smoe_cu_rows) or rows [0, n) when items is NULL: h row = silu(gate) · up
+/* The activation between gate/up and down (backend.h's smoe_act): kind 0 silu(gate) · up, kind 1
+ * gpt-oss's clamped SwiGLU with its alpha and limit. */
+typedef struct {
+    int kind;
+    float alpha, limit;
+} smoe_cu_act_fn;
+/* For the rows of items (as smoe_cu_rows) or rows [0, n) when items is NULL: h row = f(gate, up)
  * with hg rows (2I) holding gate then up. */
-int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R);
+int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R, smoe_cu_act_fn f);
 /* smoe_cu_swiglu and then smoe_cu_prep of h (I columns) in one launch: the same bits as the two. */
-int smoe_cu_swiglu_prep(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R, void *h16,
-                        float *he);
+int smoe_cu_swiglu_prep(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R,
+                        smoe_cu_act_fn f, void *h16, float *he);
+/* For the rows of R's items (an item list): y row (R->yrow[j], or j), columns [col0, col0 + cols) +=
+ * the bias vector at R->wtab[u] + off of the item's expert u (cols entries, f32 or bf16). */
+int smoe_cu_bias_items(smoe_cu_stream st, float *y, size_t ldy, uint32_t col0, const smoe_cu_rows *R, uint64_t off,
+                       uint8_t bias_format, uint32_t cols);
 /* A layer's union formed on the device, for a layer whose every expert is in VRAM (no host round
  * trip): from the top-k ids idx (nk = n·K of them), per expert e the rows of the tokens routed to it
  * (rows[start[e] ..], each t·K + slot in increasing order; count[e] of them, 0 when unused),

@@ -98,15 +98,18 @@ size_t smoe_cuda_vram_free(void) {
     return free_b;
 }
 
-/* h (rows of R) = SwiGLU of hg's gate and up halves (I columns each), and *a the activation the
- * down product reads: with its f16 rows in the h16 plane, prepared in the same launch, when need. */
-smoe_status smoe_cuda_swiglu(cuda_state *c, bool need, uint32_t I, const smoe_cu_rows *R, smoe_cu_act *a) {
+/* h (rows of R) = SwiGLU of hg's gate and up halves (I columns each) — the experts' activation
+ * (c->act) when expert, else silu — and *a the activation the down product reads: with its f16 rows
+ * in the h16 plane, prepared in the same launch, when need. */
+smoe_status smoe_cuda_swiglu(cuda_state *c, bool need, bool expert, uint32_t I, const smoe_cu_rows *R,
+                             smoe_cu_act *a) {
     *a = (smoe_cu_act){.x = c->h, .ldx = I};
+    const smoe_cu_act_fn f = expert ? c->act : (smoe_cu_act_fn){0, 0.0f, 0.0f};
     if (!need) {
-        CU(smoe_cu_swiglu(c->sh->cs, c->h, c->hg, I, R));
+        CU(smoe_cu_swiglu(c->sh->cs, c->h, c->hg, I, R, f));
         return SMOE_OK;
     }
-    CU(smoe_cu_swiglu_prep(c->sh->cs, c->h, c->hg, I, R, c->h16, c->he));
+    CU(smoe_cu_swiglu_prep(c->sh->cs, c->h, c->hg, I, R, f, c->h16, c->he));
     a->x16 = c->h16;
     a->xe = c->he;
     return SMOE_OK;

@@ -59,6 +59,8 @@ typedef struct {
     const uint8_t **d_vtab, **h_vtab; /* (layers × experts) */
     uint64_t epoch;
     bool graphs, gpu_sampling;
+    bool plain_attention;      /* some layer has sinks or a sliding window: the plain attention kernel */
+    const smoe_expert_layout *xl; /* the first sparse layer's blob layout (every sparse layer's), or NULL */
     /* counters */
     uint64_t uploads, upload_bytes, hits, misses, other_bytes;
     bool broken;
@@ -69,7 +71,9 @@ typedef struct {
     cuda_share *sh;
     const smoe_layout *lay;
     const smoe_config *cfg;
-    uint32_t context, chunk, q_dim, kv_dim, ffn;
+    uint32_t context, chunk, q_dim, kv_dim, ffn; /* ffn: the widest MLP (dense, expert or shared) */
+    uint32_t rot;              /* the leading dims of a head that RoPE rotates (rotary_dim) */
+    smoe_cu_act_fn act;        /* the experts' activation (dense MLPs: silu) */
     smoe_kv_dtype kv_dtype;
     size_t kv_elem;
     uint32_t pos0;             /* the staged pass's */
@@ -143,7 +147,8 @@ void smoe_cuda_written(cuda_state *c, smoe_plane p);
  * it holds them already) when need. */
 smoe_status smoe_cuda_act(cuda_state *c, smoe_plane src, uint32_t n, bool need, smoe_cu_act *a);
 /* h = SwiGLU of hg's halves for the rows of R, and the activation the down product reads. */
-smoe_status smoe_cuda_swiglu(cuda_state *c, bool need, uint32_t I, const smoe_cu_rows *R, smoe_cu_act *a);
+smoe_status smoe_cuda_swiglu(cuda_state *c, bool need, bool expert, uint32_t I, const smoe_cu_rows *R,
+                             smoe_cu_act *a);
 size_t smoe_cuda_vram_free(void);
 smoe_status smoe_cuda_linear(cuda_state *c, const smoe_tensor *T, const smoe_cu_act *a, uint32_t n, float *y,
                              size_t ldy);
@@ -152,12 +157,13 @@ smoe_cu_event smoe_cuda_ring_event(cuda_share *sh);
 uint32_t smoe_cuda_vslot(const cuda_share *sh, const void *handle);
 
 /* moe_cuda.c: the MoE step's ops, the device tier, the recorded step (backend.h). */
-smoe_status smoe_cuda_route(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids);
+smoe_status smoe_cuda_route(void *b, const smoe_route *r, uint32_t n, int32_t *ids);
+smoe_status smoe_cuda_route_grouped(void *b, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K,
+                                    bool renorm, uint32_t n, int32_t *ids);
 smoe_status smoe_cuda_experts_begin(void *b, const smoe_union *u);
 smoe_status smoe_cuda_experts(void *b, const smoe_union *u, const uint32_t *items, uint32_t m);
 smoe_status smoe_cuda_combine(void *b, uint32_t K, uint32_t n);
-smoe_status smoe_cuda_moe_resident(void *b, uint32_t l, const smoe_tensor *router, uint32_t K, bool renorm,
-                                   uint32_t n);
+smoe_status smoe_cuda_moe_resident(void *b, uint32_t l, const smoe_route *r, uint32_t n);
 smoe_status smoe_cuda_pass_end(void *b, uint32_t n, int32_t *routed);
 smoe_status smoe_cuda_replay(void *b, bool *ran);
 smoe_status smoe_cuda_record_begin(void *b, bool *recording);

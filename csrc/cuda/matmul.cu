@@ -510,6 +510,7 @@ static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe
 #define TC_BIG(MT, NT)                                                                                                 \
     do {                                                                                                               \
         constexpr int smem = TB_STAGES * tb_stage_bytes<FMT, MT, NT>();                                                \
+        static_assert(smem <= 99 * 1024, "a tile must fit the 99 KiB a block may opt in to on sm_86/89/120");          \
         static bool configured;                                                                                        \
         if (!configured) {                                                                                             \
             cudaFuncSetAttribute(k_tcb<FMT, MT, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);               \

@@ -62,6 +62,132 @@ extern "C" int smoe_cu_route(smoe_cu_stream st, const float *logits, uint32_t n,
     return (int)cudaGetLastError();
 }
 
+/* GLM-4.5 / DeepSeek-V3's router (vault router_kind 1; cpu/kernels.h, smoe_route_sigmoid_group), one
+ * thread per token, every step in index order: s = sigmoid(logit), the choice c = s + bias (NaN
+ * ranks as −inf); with groups, each group's score the sum of its two best c, the topk_group best
+ * groups kept (ties: the lower index) and the others' c taken as −inf; the K best c in turn (each
+ * pick the best ranking after the last: ties, the lower index), best first; their s summed in slot
+ * order, divided by (sum + 1e-20) when renorm, times scale. */
+__device__ __forceinline__ float sg_rank(float v) { return v != v ? -INFINITY : v; }
+__device__ __forceinline__ bool sg_before(float va, uint32_t a, float vb, uint32_t b) {
+    return va > vb || (va == vb && a < b);
+}
+__device__ __forceinline__ float sg_sigmoid(float x) { return __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-x))); }
+
+/* The choice score of expert e: its sigmoid plus its correction (f32, or bf16 widened). */
+__device__ __forceinline__ float sg_choice(const float *p, const uint8_t *bias, uint8_t bfmt, uint32_t e) {
+    const float b = bfmt == FMT_F32 ? reinterpret_cast<const float *>(bias)[e]
+                                    : __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(bias)[e] << 16);
+    return __fadd_rn(sg_sigmoid(p[e]), b);
+}
+
+__global__ void k_route_grouped(const float *logits, uint32_t n, uint32_t E, const uint8_t *bias, uint8_t bfmt,
+                                uint32_t n_group, uint32_t topk_group, uint32_t K, int renorm, float scale,
+                                int32_t *idx, float *w) {
+    const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const float *p = logits + (size_t)t * E;
+    uint64_t keep = ~0ull; /* bit g: group g kept */
+    const bool grouped = n_group > 1 && topk_group < n_group;
+    const uint32_t per = grouped ? E / n_group : E;
+    if (grouped) {
+        float gs[SMOE_CU_MAX_GROUPS];
+        for (uint32_t g = 0; g < n_group; g++) {
+            float v1 = -INFINITY, v2 = -INFINITY, r1 = -INFINITY, r2 = -INFINITY;
+            uint32_t i1 = 0xFFFFFFFFu, i2 = 0xFFFFFFFFu;
+            for (uint32_t e = g * per; e < (g + 1) * per; e++) {
+                const float c = sg_choice(p, bias, bfmt, e), r = sg_rank(c);
+                if (i1 == 0xFFFFFFFFu || sg_before(r, e, r1, i1)) {
+                    v2 = v1, r2 = r1, i2 = i1;
+                    v1 = c, r1 = r, i1 = e;
+                } else if (i2 == 0xFFFFFFFFu || sg_before(r, e, r2, i2)) {
+                    v2 = c, r2 = r, i2 = e;
+                }
+            }
+            gs[g] = __fadd_rn(v1, v2);
+        }
+        keep = 0;
+        for (uint32_t g = 0; g < n_group; g++) {
+            uint32_t rank = 0; /* the groups ranking before g */
+            for (uint32_t h = 0; h < n_group; h++) rank += sg_before(sg_rank(gs[h]), h, sg_rank(gs[g]), g);
+            if (rank < topk_group) keep |= 1ull << g;
+        }
+    }
+    int32_t *it = idx + (size_t)t * K;
+    float *wt = w + (size_t)t * K;
+    float pr = INFINITY; /* the last pick's rank and index: the next ranks after it */
+    uint32_t pi = 0;
+    for (uint32_t k = 0; k < K; k++) {
+        float br = -INFINITY;
+        uint32_t bi = 0xFFFFFFFFu;
+        for (uint32_t e = 0; e < E; e++) {
+            const float r = keep >> (e / per) & 1u ? sg_rank(sg_choice(p, bias, bfmt, e)) : -INFINITY;
+            if (k > 0 && !sg_before(pr, pi, r, e)) continue; /* picked already */
+            if (bi == 0xFFFFFFFFu || sg_before(r, e, br, bi)) br = r, bi = e;
+        }
+        pr = br, pi = bi;
+        it[k] = (int32_t)bi;
+    }
+    float sum = 0.0f;
+    for (uint32_t k = 0; k < K; k++) {
+        wt[k] = sg_sigmoid(p[it[k]]);
+        sum = __fadd_rn(sum, wt[k]);
+    }
+    for (uint32_t k = 0; k < K; k++) wt[k] = __fmul_rn(renorm ? __fdiv_rn(wt[k], __fadd_rn(sum, 1e-20f)) : wt[k], scale);
+}
+
+extern "C" int smoe_cu_route_grouped(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E,
+                                     const uint8_t *bias, uint8_t bias_format, uint32_t n_group, uint32_t topk_group, uint32_t K, int renorm, float scale,
+                                     int32_t *idx, float *w) {
+    if (n == 0) return 0;
+    if (K > E || n_group > SMOE_CU_MAX_GROUPS || (n_group > 1 && E % n_group != 0)) return (int)cudaErrorInvalidValue;
+    k_route_grouped<<<(n + 127) / 128, 128, 0, (cudaStream_t)st>>>(logits, n, E, bias, bias_format, n_group, topk_group, K,
+                                                                   renorm, scale, idx, w);
+    return (int)cudaGetLastError();
+}
+
+/* gpt-oss's router (vault router_kind 2; cpu/kernels.h, smoe_topk_softmax), one thread per token:
+ * the K largest logits in turn (NaN ranks as −inf; ties, the lower index), best first, then a
+ * softmax over those K in slot order. */
+__global__ void k_route_topk_softmax(const float *logits, uint32_t n, uint32_t E, uint32_t K, int32_t *idx, float *w) {
+    const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n) return;
+    const float *p = logits + (size_t)t * E;
+    int32_t *it = idx + (size_t)t * K;
+    float *wt = w + (size_t)t * K;
+    float pr = INFINITY;
+    uint32_t pi = 0;
+    for (uint32_t k = 0; k < K; k++) {
+        float br = -INFINITY;
+        uint32_t bi = 0xFFFFFFFFu;
+        for (uint32_t e = 0; e < E; e++) {
+            const float r = sg_rank(p[e]);
+            if (k > 0 && !sg_before(pr, pi, r, e)) continue; /* picked already */
+            if (bi == 0xFFFFFFFFu || sg_before(r, e, br, bi)) br = r, bi = e;
+        }
+        pr = br, pi = bi;
+        it[k] = (int32_t)bi;
+        wt[k] = p[bi];
+    }
+    float m = wt[0];
+    for (uint32_t k = 1; k < K; k++)
+        if (wt[k] > m) m = wt[k];
+    float sum = 0.0f;
+    for (uint32_t k = 0; k < K; k++) {
+        wt[k] = expf(__fsub_rn(wt[k], m));
+        sum = __fadd_rn(sum, wt[k]);
+    }
+    for (uint32_t k = 0; k < K; k++) wt[k] = __fdiv_rn(wt[k], sum);
+}
+
+extern "C" int smoe_cu_route_topk_softmax(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, uint32_t K,
+                                          int32_t *idx, float *w) {
+    if (n == 0) return 0;
+    if (K == 0 || K > E) return (int)cudaErrorInvalidValue;
+    k_route_topk_softmax<<<(n + 127) / 128, 128, 0, (cudaStream_t)st>>>(logits, n, E, K, idx, w);
+    return (int)cudaGetLastError();
+}
+
 enum { UNION_WARPS = 8 };
 
 /* A warp's walk over its segment of the ids, 32 at a time: lanes holding the same expert are peers

@@ -69,36 +69,75 @@ static smoe_status run_experts(cuda_state *c, const smoe_cu_rows *items, smoe_cu
         R.woff = lay->expert[1].offset;
         CU(smoe_cu_matmul(c->sh->cs, &u, &R, &xg, c->hg + I, 2 * (size_t)I));
     }
+    const bool *has = c->sh->xl->has; /* every sparse layer's layout is the same (cuda_lacks) */
+    const smoe_tensor *t = lay->expert;
+    if (has[SMOE_XT_GATE_BIAS]) /* gpt-oss: each expert's biases, from its blob, after its products */
+        CU(smoe_cu_bias_items(c->sh->cs, c->hg, 2 * (size_t)I, 0, &R, t[SMOE_XT_GATE_BIAS].offset,
+                              t[SMOE_XT_GATE_BIAS].format, I));
+    if (has[SMOE_XT_UP_BIAS])
+        CU(smoe_cu_bias_items(c->sh->cs, c->hg, 2 * (size_t)I, I, &R, t[SMOE_XT_UP_BIAS].offset,
+                              t[SMOE_XT_UP_BIAS].format, I));
     smoe_cu_act h;
-    smoe_status st = smoe_cuda_swiglu(c, smoe_cuda_tensor_cores(&lay->expert[2]), I, &R, &h);
+    smoe_status st = smoe_cuda_swiglu(c, smoe_cuda_tensor_cores(&lay->expert[2]), true, I, &R, &h);
     if (st != SMOE_OK) return st;
     R.woff = lay->expert[2].offset;
     R.yrow = c->rows;
     CU(smoe_cu_matmul(c->sh->cs, &d, &R, &h, c->slot_out, H));
+    if (has[SMOE_XT_DOWN_BIAS])
+        CU(smoe_cu_bias_items(c->sh->cs, c->slot_out, H, 0, &R, t[SMOE_XT_DOWN_BIAS].offset,
+                              t[SMOE_XT_DOWN_BIAS].format, H));
     *done = smoe_cuda_ring_event(c->sh);
     CU(smoe_cu_event_record(*done, c->sh->cs));
     return SMOE_OK;
 }
 
-/* The router's product and top-k of XN rows [0, n) into idx (device) and topk_w. */
-static smoe_status route_on_device(cuda_state *c, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n,
-                                   int32_t *idx) {
-    const uint32_t E = c->cfg->num_experts;
+/* The router's product and top-k of XN rows [0, n) into idx (device) and topk_w, by r's rule:
+ * softmax then top-k (Qwen3-MoE, Mixtral, OLMoE); the grouped sigmoid router with r->bias as its
+ * correction (GLM-4.5, the vault's n_group, topk_group, routed_scaling_factor); r->bias added to the
+ * logits, then top-k and a softmax over those k (gpt-oss). */
+static smoe_status route_on_device(cuda_state *c, const smoe_route *r, uint32_t n, int32_t *idx) {
+    const uint32_t E = c->cfg->num_experts, K = r->K;
+    const smoe_model_params *m = &c->lay->mp;
     smoe_cu_act a;
-    smoe_status st = smoe_cuda_act(c, SMOE_PL_XN, n, smoe_cuda_tensor_cores(router), &a);
-    if (st != SMOE_OK || (st = smoe_cuda_linear(c, router, &a, n, c->router, E)) != SMOE_OK) return st;
-    CU(smoe_cu_route(c->sh->cs, c->router, n, E, K, renorm, idx, c->topk_w));
-    return SMOE_OK;
+    smoe_status st = smoe_cuda_act(c, SMOE_PL_XN, n, smoe_cuda_tensor_cores(r->W), &a);
+    if (st != SMOE_OK || (st = smoe_cuda_linear(c, r->W, &a, n, c->router, E)) != SMOE_OK) return st;
+    switch (r->kind) {
+    case SMOE_ROUTER_SIGMOID_GROUP:
+        if (!r->bias) return smoe_fail(SMOE_ERR_INTERNAL, "cuda: the grouped router without its router.bias");
+        CU(smoe_cu_route_grouped(c->sh->cs, c->router, n, E, smoe_cuda_dev(c, r->bias), r->bias->format, m->n_group,
+                                 m->topk_group, K, r->renorm, m->routed_scaling_factor, idx, c->topk_w));
+        return SMOE_OK;
+    case SMOE_ROUTER_TOPK_SOFTMAX:
+        if (r->bias) CU(smoe_cu_bias(c->sh->cs, c->router, n, E, smoe_cuda_dev(c, r->bias), r->bias->format));
+        CU(smoe_cu_route_topk_softmax(c->sh->cs, c->router, n, E, K, idx, c->topk_w));
+        return SMOE_OK;
+    default:
+        if (r->bias) return smoe_fail(SMOE_ERR_INTERNAL, "cuda: a softmax router with a bias");
+        CU(smoe_cu_route(c->sh->cs, c->router, n, E, K, r->renorm, idx, c->topk_w));
+        return SMOE_OK;
+    }
 }
 
-smoe_status smoe_cuda_route(void *b, const smoe_tensor *router, uint32_t K, bool renorm, uint32_t n, int32_t *ids) {
-    cuda_state *c = b;
-    smoe_status st = route_on_device(c, router, K, renorm, n, c->topk_idx);
-    if (st != SMOE_OK) return st;
+/* The ids of the pass's rows back to the host: the only wait of a layer the engine walks. */
+static smoe_status ids_to_host(cuda_state *c, uint32_t K, uint32_t n, int32_t *ids) {
     CU(smoe_cu_download(c->h_topk, c->topk_idx, (size_t)n * K * 4, c->sh->cs));
     CU(smoe_cu_stream_sync(c->sh->cs)); /* also: every copy from the index block's staging is done */
     memcpy(ids, c->h_topk, (size_t)n * K * sizeof *ids);
     return SMOE_OK;
+}
+
+smoe_status smoe_cuda_route_grouped(void *b, const smoe_tensor *router, const smoe_tensor *bias, uint32_t K,
+                                    bool renorm, uint32_t n, int32_t *ids) {
+    cuda_state *c = b;
+    const smoe_route r = {router, bias, K, SMOE_ROUTER_SIGMOID_GROUP, renorm};
+    smoe_status st = route_on_device(c, &r, n, c->topk_idx);
+    return st != SMOE_OK ? st : ids_to_host(c, K, n, ids);
+}
+
+smoe_status smoe_cuda_route(void *b, const smoe_route *r, uint32_t n, int32_t *ids) {
+    cuda_state *c = b;
+    smoe_status st = route_on_device(c, r, n, c->topk_idx);
+    return st != SMOE_OK ? st : ids_to_host(c, r->K, n, ids);
 }
 
 smoe_status smoe_cuda_experts_begin(void *b, const smoe_union *u) {
@@ -169,13 +208,13 @@ uint32_t smoe_cuda_union_tile(uint32_t n, uint32_t K, uint32_t E) {
     return t < n ? t : n;
 }
 
-smoe_status smoe_cuda_moe_resident(void *b, uint32_t l, const smoe_tensor *router, uint32_t K, bool renorm,
-                                   uint32_t n) {
+smoe_status smoe_cuda_moe_resident(void *b, uint32_t l, const smoe_route *r, uint32_t n) {
     cuda_state *c = b;
+    const uint32_t K = r->K;
     cuda_share *sh = c->sh;
     const uint32_t E = c->cfg->num_experts, H = c->cfg->hidden_size, nk = n * K;
     int32_t *idx = c->routed + (size_t)l * nk;
-    smoe_status st = route_on_device(c, router, K, renorm, n, idx);
+    smoe_status st = route_on_device(c, r, n, idx);
     if (st != SMOE_OK) return st;
     const uint32_t tile = smoe_cuda_union_tile(n, K, E), n_items = smoe_cu_union_items(nk, E, tile);
     CU(smoe_cu_union(sh->cs, idx, nk, E, tile, n_items, sh->d_vtab + (size_t)l * E, c->d_wtab, c->d_start, c->d_count,
@@ -436,7 +475,7 @@ smoe_status smoe_cuda_tier_new(cuda_state *c) {
         sh->other_bytes += L * E * sizeof(void *);
     }
     const char *gr = getenv("SMOE_CUDA_GRAPH");
-    sh->graphs = sh->device_union && smoe_cu_attention_fixed(cf->head_dim) && !(gr && gr[0] == '0');
+    sh->graphs = sh->device_union && smoe_cu_attention_fixed(cf->head_dim, sh->plain_attention) && !(gr && gr[0] == '0');
     forget_all(sh);
     /* Pinned host slots make the fills asynchronous DMA; where pinning fails (a locked-memory
      * limit), the copies still work, staged by the driver. SMOE_CUDA_PIN=0 skips it. */

@@ -61,19 +61,23 @@ extern "C" int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, ui
 
 /* ----------------------------------------------------------------- QK-norm, RoPE, KV cache */
 
-/* QK-norm, RoPE and the KV append of one layer in one launch: block (t, h) normalises and rotates
- * q row h of token t, or (h ≥ heads) K row h − heads, which it then stores with its V row at
- * position *pos0 + t (rotate-half RoPE, cos/sin tables of (context, hd/2)); rms_row is k_rmsnorm's
- * arithmetic, so q and K are what the norm kernel would give. */
+/* QK-norm, RoPE and the KV append of one layer in one launch: block (t, h) normalises (unless its
+ * norm is NULL) and rotates q row h of token t, or (h ≥ heads) K row h − heads, which it then stores
+ * with its V row at position *pos0 + t (rotate-half RoPE over the first rot dims, cos/sin tables of
+ * (context, rot/2); the dims from rot on pass through); rms_row is k_rmsnorm's arithmetic, so q and
+ * K are what the norm kernel would give. */
 template <typename T>
 __global__ void k_qk_post(float *q, float *ks, const float *vs, T *kc, T *vc, uint32_t heads, uint32_t kv_heads,
-                          uint32_t hd, const uint8_t *qw, uint8_t qfmt, const uint8_t *kw, uint8_t kfmt, float eps,
-                          const float *cs, const float *sn, const uint32_t *pos0) {
-    const uint32_t per = heads + kv_heads, t = blockIdx.x / per, h = blockIdx.x % per, half = hd / 2;
+                          uint32_t hd, uint32_t rot, const uint8_t *qw, uint8_t qfmt, const uint8_t *kw, uint8_t kfmt,
+                          float eps, const float *cs, const float *sn, const uint32_t *pos0) {
+    const uint32_t per = heads + kv_heads, t = blockIdx.x / per, h = blockIdx.x % per, half = rot / 2;
     const bool isq = h < heads;
     float *row = isq ? q + ((size_t)t * heads + h) * hd : ks + ((size_t)t * kv_heads + (h - heads)) * hd;
-    rms_row(row, row, hd, isq ? qw : kw, isq ? qfmt : kfmt, eps);
-    __syncthreads();
+    const uint8_t *nw = isq ? qw : kw; /* the same for the whole block: its branch is uniform */
+    if (nw) {
+        rms_row(row, row, hd, nw, isq ? qfmt : kfmt, eps);
+        __syncthreads();
+    }
     const size_t pos = (size_t)*pos0 + t;
     for (uint32_t k = threadIdx.x; k < half; k += blockDim.x) {
         const float c = cs[pos * half + k], s = sn[pos * half + k];
@@ -93,15 +97,15 @@ __global__ void k_qk_post(float *q, float *ks, const float *vs, T *kc, T *vc, ui
 
 extern "C" int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const float *vs, void *k, void *v,
                                uint32_t kv_type, uint32_t n, uint32_t heads, uint32_t kv_heads, uint32_t hd,
-                               const uint8_t *q_norm, uint8_t q_norm_format, const uint8_t *k_norm,
+                               uint32_t rot, const uint8_t *q_norm, uint8_t q_norm_format, const uint8_t *k_norm,
                                uint8_t k_norm_format, float eps, const float *cos, const float *sin,
                                const uint32_t *pos0) {
     if (n == 0) return 0;
     const dim3 grid(n * (heads + kv_heads));
     cudaStream_t s = (cudaStream_t)st;
 #define QK_POST(T)                                                                                                     \
-    k_qk_post<T><<<grid, 256, 0, s>>>(q, ks, vs, (T *)k, (T *)v, heads, kv_heads, hd, q_norm, q_norm_format, k_norm,   \
-                                      k_norm_format, eps, cos, sin, pos0)
+    k_qk_post<T><<<grid, 256, 0, s>>>(q, ks, vs, (T *)k, (T *)v, heads, kv_heads, hd, rot, q_norm, q_norm_format,    \
+                                      k_norm, k_norm_format, eps, cos, sin, pos0)
     if (kv_type == 1)
         QK_POST(__nv_bfloat16);
     else if (kv_type == 2)
@@ -117,6 +121,24 @@ extern "C" int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const flo
 __global__ void k_add(float *x, const float *y, size_t count) {
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < count) x[i] = __fadd_rn(x[i], y[i]);
+}
+
+/* y[t·W + c] += b[c] (f32 or bf16, W entries), t < n. */
+__global__ void k_bias(float *y, const uint8_t *b, uint8_t bfmt, uint32_t W, size_t count) {
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    const uint32_t c = (uint32_t)(i % W);
+    const float bv = bfmt == FMT_F32 ? reinterpret_cast<const float *>(b)[c]
+                                     : __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(b)[c] << 16);
+    y[i] = __fadd_rn(y[i], bv);
+}
+
+extern "C" int smoe_cu_bias(smoe_cu_stream st, float *y, uint32_t n, uint32_t W, const uint8_t *bias,
+                            uint8_t bias_format) {
+    const size_t count = (size_t)n * W;
+    if (count == 0) return 0;
+    k_bias<<<(unsigned)((count + 255) / 256), 256, 0, (cudaStream_t)st>>>(y, bias, bias_format, W, count);
+    return (int)cudaGetLastError();
 }
 
 extern "C" int smoe_cu_add(smoe_cu_stream st, float *x, const float *y, size_t count) {
@@ -154,44 +176,75 @@ extern "C" int smoe_cu_gather(smoe_cu_stream st, float *xg, const float *xn, con
     return (int)cudaGetLastError();
 }
 
-__global__ void k_swiglu(float *h, const float *hg, uint32_t I, smoe_cu_rows R) {
+/* The activation of one element: silu(g) · u, or (act.kind 1, gpt-oss) the clamped SwiGLU with the
+ * CPU's steps (cpu/kernels.h, smoe_swiglu_clamped: comparisons, so that a NaN stays a NaN). */
+__device__ __forceinline__ float act_of(float g, float u, smoe_cu_act_fn f) {
+    if (f.kind == 0) return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.0f, expf(-g))), u);
+    const float gi = g > f.limit ? f.limit : g;
+    const float ui = u > f.limit ? f.limit : u < -f.limit ? -f.limit : u;
+    const float sig = __fdiv_rn(1.0f, __fadd_rn(1.0f, expf(-__fmul_rn(gi, f.alpha))));
+    return __fmul_rn(__fadd_rn(ui, 1.0f), __fmul_rn(gi, sig));
+}
+
+__global__ void k_swiglu(float *h, const float *hg, uint32_t I, smoe_cu_rows R, smoe_cu_act_fn f) {
     uint32_t start, count;
     item_rows(R, &start, &count);
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (size_t)count * I) return;
     const size_t j = start + i / I, c = i % I;
-    const float g = hg[j * 2 * I + c], u = hg[j * 2 * I + I + c];
-    const float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
-    h[j * I + c] = __fmul_rn(silu, u);
+    h[j * I + c] = act_of(hg[j * 2 * I + c], hg[j * 2 * I + I + c], f);
 }
 
-extern "C" int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R) {
+extern "C" int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R,
+                              smoe_cu_act_fn f) {
     const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
     if (items == 0 || m == 0) return 0;
     dim3 grid((unsigned)(((size_t)m * I + 255) / 256), items);
-    k_swiglu<<<grid, 256, 0, (cudaStream_t)st>>>(h, hg, I, *R);
+    k_swiglu<<<grid, 256, 0, (cudaStream_t)st>>>(h, hg, I, *R, f);
+    return (int)cudaGetLastError();
+}
+
+/* y row (yrow[j], or j) += the bias vector of the item's expert (wtab[u] + off: cols entries, f32 or
+ * bf16), from column col0, for the rows of each item (an expert's gate, up or down bias). */
+__global__ void k_bias_items(float *y, size_t ldy, uint32_t col0, smoe_cu_rows R, uint64_t off, uint8_t fmt,
+                             uint32_t cols) {
+    uint32_t start, count;
+    const uint32_t u = item_rows(R, &start, &count);
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)count * cols) return;
+    const size_t j = start + i / cols;
+    const uint32_t c = (uint32_t)(i % cols);
+    const uint8_t *b = R.wtab[u] + off;
+    const float bv = fmt == FMT_F32 ? reinterpret_cast<const float *>(b)[c]
+                                    : __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(b)[c] << 16);
+    float *p = y + (size_t)(R.yrow ? R.yrow[j] : j) * ldy + col0 + c;
+    *p = __fadd_rn(*p, bv);
+}
+
+extern "C" int smoe_cu_bias_items(smoe_cu_stream st, float *y, size_t ldy, uint32_t col0, const smoe_cu_rows *R,
+                                  uint64_t off, uint8_t bias_format, uint32_t cols) {
+    if (!R->items || R->n_items == 0 || R->max_count == 0) return 0;
+    dim3 grid((unsigned)(((size_t)R->max_count * cols + 255) / 256), R->n_items);
+    k_bias_items<<<grid, 256, 0, (cudaStream_t)st>>>(y, ldy, col0, *R, off, bias_format, cols);
     return (int)cudaGetLastError();
 }
 
 /* k_swiglu then k_prep, a row a block (grid as k_prep's): the same arithmetic, the same bits. */
-__global__ void k_swiglu_prep(float *h, const float *hg, uint32_t I, smoe_cu_rows R, __half *h16, float *he) {
+__global__ void k_swiglu_prep(float *h, const float *hg, uint32_t I, smoe_cu_rows R, smoe_cu_act_fn f, __half *h16,
+                              float *he) {
     uint32_t start, count;
     item_rows(R, &start, &count);
     if (blockIdx.x >= count) return;
     const size_t j = start + blockIdx.x;
-    for (uint32_t c = threadIdx.x; c < I; c += blockDim.x) {
-        const float g = hg[j * 2 * I + c], u = hg[j * 2 * I + I + c];
-        const float silu = __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
-        h[j * I + c] = __fmul_rn(silu, u);
-    }
+    for (uint32_t c = threadIdx.x; c < I; c += blockDim.x) h[j * I + c] = act_of(hg[j * 2 * I + c], hg[j * 2 * I + I + c], f);
     __syncthreads(); /* the row, written by every thread, before any is read */
     prep_row(h + j * I, I, j, h16, he);
 }
 
 extern "C" int smoe_cu_swiglu_prep(smoe_cu_stream st, float *h, const float *hg, uint32_t I, const smoe_cu_rows *R,
-                                   void *h16, float *he) {
+                                   smoe_cu_act_fn f, void *h16, float *he) {
     const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
     if (items == 0 || m == 0) return 0;
-    k_swiglu_prep<<<dim3(m, items), 256, 0, (cudaStream_t)st>>>(h, hg, I, *R, (__half *)h16, he);
+    k_swiglu_prep<<<dim3(m, items), 256, 0, (cudaStream_t)st>>>(h, hg, I, *R, f, (__half *)h16, he);
     return (int)cudaGetLastError();
 }

@@ -57,11 +57,23 @@ typedef struct {
     uint32_t *sizes_out;   /* (layers) where the running pass records its union sizes, or NULL */
 } smoe_moe_state;
 
+/* A family's recipe: what the layer (layer.c) and the MoE step (moe.c) do differently per model
+ * family, as data, filled at session creation from the vault's parameters (session.c). */
+typedef struct {
+    smoe_router_kind route; /* the router's rule */
+    smoe_act act;          /* the experts' activation */
+    uint32_t window;       /* sliding layers' window (positions, the row's own included) */
+    /* RoPE's frequencies: YaRN when yarn_factor > 1 (transformers' _compute_yarn_parameters) */
+    double yarn_factor, yarn_original_max, yarn_beta_fast, yarn_beta_slow, yarn_attention_factor;
+    bool yarn_truncate;
+} smoe_recipe;
+
 struct smoe_session {
     smoe_vault *vault;
     const smoe_layout *lay;
     smoe_config cfg;
     smoe_session_params params;
+    smoe_recipe recipe;
     smoe_share *share;           /* the caches and the device, maybe shared with other sessions */
     const smoe_backend *backend; /* share->backend */
     void *be;                    /* this session's backend state: planes, KV cache */
@@ -107,6 +119,10 @@ static inline smoe_status smoe_be_status(smoe_session *s, smoe_status st) {
 }
 
 /* ---------------------------------------------------------------------- layers (layer.c) */
+
+/* SMOE_OK when the engine has the recipe of the vault's family (its attention kinds, its router)
+ * and the backend every op it needs; else SMOE_ERR_UNSUPPORTED naming the family and what lacks. */
+smoe_status smoe_recipe_check(const smoe_layout *lay, const smoe_backend *be);
 
 /* Layer l of the model for rows [0, n) of s's planes: the attention block (each row at its
  * staged position), then the FFN block (the MoE step or a dense MLP), residuals included. rows

@@ -1,6 +1,9 @@
 /* layer.c — a decoder layer as a recipe of backend ops (backend.h), the same on every device.
  *
- * Qwen3-MoE as transformers implements Qwen3MoeDecoderLayer:
+ * Qwen3-MoE as transformers implements Qwen3MoeDecoderLayer (gpt-oss's GptOssDecoderLayer is the same
+ * recipe with the recipe's data: biases on q, k, v, o; no QK-norm; sinks in attention's softmax; a
+ * sliding window on its sliding layers; YaRN's RoPE tables; top-k-then-softmax routing with a router
+ * bias; the clamped SwiGLU with expert biases — engine.h's smoe_recipe, session.c's fill_recipe):
  *
  *   h  = x + o_proj(attention(rope(q_norm(q_proj(rms(x)))), rope(k_norm(k_proj(rms(x)))), v_proj(rms(x))))
  *   x' = h + ffn(rms(h))        ffn = Σ_k w_k · down(silu(gate(·)) · up(·)) over the top-k experts
@@ -23,16 +26,45 @@
         if (st_ != SMOE_OK) return st_;                                                                                \
     } while (0)
 
+smoe_status smoe_recipe_check(const smoe_layout *lay, const smoe_backend *be) {
+    const smoe_model_params *m = &lay->mp;
+    const char *fam = smoe_family_name(m->family), *why = NULL;
+    if (m->family > SMOE_FAMILY_GLM4_MOE && m->family != SMOE_FAMILY_GPT_OSS) why = "its layer recipe";
+    for (uint32_t l = 0; !why && l < lay->cfg.num_hidden_layers; l++)
+        if (lay->layer_attn[l] == SMOE_ATTN_LINEAR) why = "linear attention";
+    if (why)
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "this build of libsmoe cannot run a %s vault: the engine lacks %s", fam,
+                         why);
+    if (!why && m->attention_bias && !be->bias) why = "the bias op";
+    if (!why && m->router_kind == SMOE_ROUTER_SIGMOID_GROUP && !be->route_grouped) why = "the grouped sigmoid router";
+    if (why || (be->lacks && (why = be->lacks(lay)) != NULL))
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "the %s backend cannot run this %s vault: it lacks %s", be->name, fam, why);
+    return SMOE_OK;
+}
+
 smoe_status smoe_layer_attention(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *rows) {
     const smoe_backend *be = s->backend;
     void *b = s->be;
     const smoe_layer_weights *L = &s->lay->layers[l];
     const smoe_proj qkv[3] = {{L->q, SMOE_PL_Q}, {L->k, SMOE_PL_K}, {L->v, SMOE_PL_V}};
     const smoe_proj o = {L->o, SMOE_PL_Y};
+    const bool whole = s->lay->mp.qk_norm == SMOE_QK_NORM_WHOLE;
     TRY(be->norm(b, SMOE_PL_XN, SMOE_PL_X, L->input_norm, n));
     TRY(be->project(b, SMOE_PL_XN, qkv, 3, n));
-    TRY(be->attend(b, l, L->q_norm, L->k_norm, n, rows ? s->row_be : NULL));
+    if (L->q_bias) {
+        TRY(be->bias(b, SMOE_PL_Q, L->q_bias, n));
+        TRY(be->bias(b, SMOE_PL_K, L->k_bias, n));
+        TRY(be->bias(b, SMOE_PL_V, L->v_bias, n));
+    }
+    if (whole) { /* OLMoE: RMSNorm over the whole q and k projections, then attention without one per head */
+        TRY(be->norm(b, SMOE_PL_Q, SMOE_PL_Q, L->q_norm, n));
+        TRY(be->norm(b, SMOE_PL_K, SMOE_PL_K, L->k_norm, n));
+    }
+    const smoe_attn a = {whole ? NULL : L->q_norm, whole ? NULL : L->k_norm, L->sinks,
+                         L->attn == SMOE_ATTN_SLIDING ? s->recipe.window : 0};
+    TRY(be->attend(b, l, &a, n, rows ? s->row_be : NULL));
     TRY(be->project(b, SMOE_PL_ATT, &o, 1, n));
+    if (L->o_bias) TRY(be->bias(b, SMOE_PL_Y, L->o_bias, n));
     TRY(be->add(b, SMOE_PL_X, SMOE_PL_Y, n));
     return SMOE_OK;
 }
@@ -42,8 +74,14 @@ smoe_status smoe_layer_ffn(smoe_session *s, uint32_t l, uint32_t n, smoe_session
     void *b = s->be;
     const smoe_layer_weights *L = &s->lay->layers[l];
     TRY(be->norm(b, SMOE_PL_XN, SMOE_PL_X, L->post_norm, n));
-    if (L->sparse) return smoe_moe_step(s, l, n, rows);
-    TRY(be->mlp(b, SMOE_PL_Y, SMOE_PL_XN, L->mlp_gate, L->mlp_up, L->mlp_down, n));
+    if (L->sparse) {
+        smoe_status st = smoe_moe_step(s, l, n, rows);
+        if (st != SMOE_OK || !L->shared_gate) return st;
+        /* GLM: the shared expert on the same normed rows, beside the routed ones */
+        TRY(be->mlp(b, SMOE_PL_Y, SMOE_PL_XN, L->shared_gate, L->shared_up, L->shared_down, n));
+    } else {
+        TRY(be->mlp(b, SMOE_PL_Y, SMOE_PL_XN, L->mlp_gate, L->mlp_up, L->mlp_down, n));
+    }
     TRY(be->add(b, SMOE_PL_X, SMOE_PL_Y, n));
     return SMOE_OK;
 }

@@ -162,15 +162,17 @@ smoe_status smoe_moe_step(smoe_session *s, uint32_t l, uint32_t n, smoe_session 
     void *b = s->be;
     smoe_moe_state *m = &s->moe;
     const smoe_layer_weights *L = &s->lay->layers[l];
-    const uint32_t K = s->cfg.num_experts_per_tok;
-    const bool renorm = s->cfg.norm_topk_prob;
+    const smoe_route r = {L->router, L->router_bias, s->cfg.num_experts_per_tok, s->recipe.route, s->cfg.norm_topk_prob};
     smoe_status st;
 
     if (be->moe_resident && be->tier_resident(b, l)) {
         m->deferred[l] = true;
-        return smoe_be_status(s, be->moe_resident(b, l, L->router, K, renorm, n));
+        return smoe_be_status(s, be->moe_resident(b, l, &r, n));
     }
-    if ((st = smoe_be_status(s, be->route(b, L->router, K, renorm, n, m->ids))) != SMOE_OK) return st;
+    st = s->recipe.route == SMOE_ROUTER_SIGMOID_GROUP
+             ? be->route_grouped(b, L->router, L->router_bias, r.K, r.renorm, n, m->ids)
+             : be->route(b, &r, n, m->ids);
+    if ((st = smoe_be_status(s, st)) != SMOE_OK) return st;
 
     uint32_t size = 0, next = 0;
     st = form_union(s, l, n, owners, &size, &next);
@@ -261,5 +263,5 @@ smoe_status smoe_moe_step(smoe_session *s, uint32_t l, uint32_t n, smoe_session 
         abandon(s, size, n_held);
         return st;
     }
-    return smoe_be_status(s, be->combine(b, K, n));
+    return smoe_be_status(s, be->combine(b, r.K, n));
 }

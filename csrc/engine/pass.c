@@ -95,8 +95,8 @@ smoe_status smoe_pass_sample(smoe_session *s, void *b, uint32_t row, const float
     const smoe_sampler_params *p = &sm->p;
     const uint32_t V = s->cfg.vocab_size;
     bool done = false;
-    /* the device selects what it can (the penalties of counts stay here, with the counts) */
-    if (be->select && p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f) {
+    /* the device selects what it can (the penalties of counts and the mask stay here) */
+    if (be->select && p->presence_penalty == 0.0f && p->frequency_penalty == 0.0f && !sm->masked) {
         uint32_t w = 0;
         if (p->repetition_penalty > 0.0f && p->repetition_penalty != 1.0f && p->repetition_window > 0)
             w = s->pos < p->repetition_window ? s->pos : p->repetition_window;

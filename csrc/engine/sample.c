@@ -5,6 +5,7 @@
  *      once: a logit > 0 is divided by the penalty, any other multiplied by it; then the
  *      presence and frequency penalties (OpenAI's) over the ids drawn since the sampler was set:
  *      logit −= frequency_penalty · count + presence_penalty, in double, rounded back to float;
+ *   1b. the mask, when one is in force (structured output): every id it does not allow → −inf;
  *   2. temperature 0 → argmax (lowest id on ties), no random draw;
  *   3. logits / temperature;
  *   4. top-k: keep the k largest (ties: lower id first);
@@ -56,6 +57,7 @@ void smoe_sampler_init(smoe_sampler *s, const smoe_sampler_params *p) {
     if ((s->rng[0] | s->rng[1]) == 0) s->rng[1] = 1; /* the all-zero state is a fixed point */
     for (uint32_t i = 0; i < s->n_drawn; i++) s->counts[s->drawn[i]] = 0;
     s->n_drawn = 0;
+    s->masked = false;
 }
 
 void smoe_sampler_observe(smoe_sampler *s, int32_t id) {
@@ -195,7 +197,19 @@ int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const 
             v[id] = (float)((double)v[id] - ((double)p->frequency_penalty * s->counts[id] + (double)p->presence_penalty));
         }
 
+    int32_t first = -1; /* the lowest id the mask allows */
+    if (s->masked)
+        for (uint32_t w = 0; w < (vocab + 31) / 32; w++) {
+            const uint32_t bits = s->mask[w];
+            for (uint32_t b = 0; first < 0 && bits && b < 32; b++)
+                if (bits >> b & 1u) first = (int32_t)(w * 32 + b);
+            if (bits == 0xffffffffu) continue;
+            for (uint32_t b = 0; b < 32 && w * 32 + b < vocab; b++)
+                if (!(bits >> b & 1u)) v[w * 32 + b] = -INFINITY;
+        }
+
     const uint32_t best = argmax(v, vocab);
+    if (v[best] == -INFINITY && first >= 0) return first; /* every allowed logit is −inf */
     if (!(p->temperature > 0.0f) || v[best] == -INFINITY) return (int32_t)best;
 
     for (uint32_t i = 0; i < vocab; i++) v[i] = v[i] / p->temperature;
@@ -210,12 +224,15 @@ int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const 
         return smoe_sample_top(s, v, idx, k, m);
     } else {
         double z = 0.0;
-        for (uint32_t i = 0; i < vocab; i++) z += exp((double)v[i] - (double)m);
+        /* −inf (NaN, a masked id) adds exp(−inf) = 0: skipped, the same sum without the slow exp */
+        for (uint32_t i = 0; i < vocab; i++)
+            if (v[i] != -INFINITY) z += exp((double)v[i] - (double)m);
         if (!cut) { /* the whole vocabulary, in id order: no selection needed */
             const double target = uniform(s->rng) * z;
             double cum = 0.0;
             uint32_t last = best;
             for (uint32_t i = 0; i < vocab; i++) {
+                if (v[i] == -INFINITY) continue;
                 const double e = exp((double)v[i] - (double)m);
                 if (e == 0.0) continue;
                 cum += e;

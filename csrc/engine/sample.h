@@ -11,15 +11,18 @@ typedef struct {
     uint32_t *counts;  /* (vocab) times each id was drawn since the sampler was set; the session's */
     int32_t *drawn;    /* (vocab) the ids with a count, in order of their first draw */
     uint32_t n_drawn;
+    uint32_t *mask;    /* (vocab / 32 rounded up) the allowed ids, bit id % 32 of word id / 32; the session's */
+    bool masked;       /* mask is in force (smoe_session_set_mask) */
 } smoe_sampler;
 
-/* Sets p, seeds the generator and forgets the counts (counts and drawn: vocab entries each, the
- * caller's, zeroed before the first init). */
+/* Sets p, seeds the generator, forgets the counts and lifts the mask (counts and drawn: vocab
+ * entries each, the caller's, zeroed before the first init). */
 void smoe_sampler_init(smoe_sampler *s, const smoe_sampler_params *p);
 /* id was drawn (or forced in its place): counted for the presence and frequency penalties. */
 void smoe_sampler_observe(smoe_sampler *s, int32_t id);
 
-/* Picks the next id. logits (vocab) are not modified. history: the ids so far (for the
+/* Picks the next id. logits (vocab) are not modified. With a mask in force, the ids it does not
+ * allow are −inf after the penalties (so never drawn; all allowed ones −inf: the lowest allowed). history: the ids so far (for the
  * repetition penalty). scratch: vocab floats; scratch_idx: vocab ints. Never allocates.
  * Greedy (temperature 0) takes the largest logit after the penalty, lowest id on ties. */
 int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const int32_t *history,

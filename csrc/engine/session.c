@@ -118,6 +118,7 @@ static smoe_status streamer_new(smoe_vault *vault, const smoe_session_params *p,
         .path = vault->path,
         .fd = vault->fd,
         .blob_bytes = vault->lay.blob_bytes,
+        .layer_bytes = vault->lay.layer_blob_bytes,
         .blob_offset = vault->lay.blob_offset,
         .blob_crc = vault->lay.blob_crc,
         .n_layers = c->num_hidden_layers,
@@ -177,17 +178,63 @@ static void *plane(smoe_session *s, size_t count, size_t elem, bool *ok) {
     return p;
 }
 
+/* YaRN's frequency i (of d/2) from the plain one, as transformers' _compute_yarn_parameters:
+ * interpolated (÷ factor) below the correction range of dimensions, kept above it, a linear ramp
+ * between; the range from beta_fast and beta_slow rotations over original_max positions. */
+static float yarn_inv_freq(const smoe_recipe *r, float pos_freq, uint32_t i, uint32_t d, double theta) {
+    const double two_pi = 6.283185307179586;
+    double low = d * log(r->yarn_original_max / (r->yarn_beta_fast * two_pi)) / (2 * log(theta));
+    double high = d * log(r->yarn_original_max / (r->yarn_beta_slow * two_pi)) / (2 * log(theta));
+    if (r->yarn_truncate) {
+        low = floor(low);
+        high = ceil(high);
+    }
+    low = low > 0 ? low : 0;
+    high = high < d - 1 ? high : d - 1;
+    if (low == high) high += 0.001; /* transformers' guard against a zero-width ramp */
+    float ramp = (float)(((float)i - (float)low) / (float)(high - low));
+    ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
+    const float extra = 1.0f - ramp; /* the share of the unscaled frequency */
+    const float inv_extra = 1.0f / pos_freq, inv_inter = 1.0f / ((float)r->yarn_factor * pos_freq);
+    return inv_inter * (1.0f - extra) + inv_extra * extra;
+}
+
 static void build_rope(smoe_session *s) {
-    /* As transformers computes it, in float32: inv_freq = 1 / θ^(2i/d), angle = pos · inv_freq. */
-    uint32_t d = s->cfg.head_dim, half = d / 2;
+    /* As transformers computes it, in float32: inv_freq = 1 / θ^(2i/d) (YaRN's mix of it with
+     * inv_freq / factor when the recipe says), angle = pos · inv_freq, over the d = rotary_dim
+     * leading dims of a head (all of it but for partial RoPE); YaRN's cos and sin are scaled by its
+     * attention factor. */
+    const smoe_recipe *r = &s->recipe;
+    const bool yarn = r->yarn_factor > 1.0;
+    const float scale = yarn ? (float)r->yarn_attention_factor : 1.0f;
+    uint32_t d = s->lay->mp.rotary_dim, half = d / 2;
     for (uint32_t i = 0; i < half; i++) {
-        float inv = 1.0f / powf((float)s->cfg.rope_theta, (float)(2 * i) / (float)d);
+        const float pos_freq = powf((float)s->cfg.rope_theta, (float)(2 * i) / (float)d);
+        const float inv = yarn ? yarn_inv_freq(r, pos_freq, i, d, s->cfg.rope_theta) : 1.0f / pos_freq;
         for (uint32_t p = 0; p < s->params.context; p++) {
             float a = (float)p * inv;
-            s->rope_cos[(size_t)p * half + i] = cosf(a);
-            s->rope_sin[(size_t)p * half + i] = sinf(a);
+            float c = cosf(a), sn = sinf(a);
+            s->rope_cos[(size_t)p * half + i] = yarn ? c * scale : c;
+            s->rope_sin[(size_t)p * half + i] = yarn ? sn * scale : sn;
         }
     }
+}
+
+/* The family's recipe from the vault's parameters. */
+static void fill_recipe(smoe_session *s) {
+    const smoe_model_params *m = &s->lay->mp;
+    s->recipe = (smoe_recipe){
+        .route = (smoe_router_kind)m->router_kind,
+        .act = {SMOE_ACT_SILU, 0, 0},
+        .window = m->sliding_window,
+        .yarn_factor = m->yarn_factor,
+        .yarn_original_max = m->yarn_original_max,
+        .yarn_beta_fast = m->yarn_beta_fast,
+        .yarn_beta_slow = m->yarn_beta_slow,
+        .yarn_attention_factor = m->yarn_attention_factor,
+        .yarn_truncate = m->yarn_truncate != 0,
+    };
+    if (m->family == SMOE_FAMILY_GPT_OSS) s->recipe.act = (smoe_act){SMOE_ACT_SWIGLU_CLAMPED, m->swiglu_alpha, m->swiglu_limit};
 }
 
 /* The engine's own host planes: history, RoPE tables, the sampler's and the MoE step's. */
@@ -198,12 +245,13 @@ static smoe_status engine_planes(smoe_session *s) {
     smoe_moe_state *m = &s->moe;
     bool ok = true;
     s->history = plane(s, s->params.context, sizeof(int32_t), &ok);
-    s->rope_cos = plane(s, (size_t)s->params.context * (c->head_dim / 2), sizeof(float), &ok);
-    s->rope_sin = plane(s, (size_t)s->params.context * (c->head_dim / 2), sizeof(float), &ok);
+    s->rope_cos = plane(s, (size_t)s->params.context * (s->lay->mp.rotary_dim / 2), sizeof(float), &ok);
+    s->rope_sin = plane(s, (size_t)s->params.context * (s->lay->mp.rotary_dim / 2), sizeof(float), &ok);
     s->sample_f = plane(s, V, sizeof(float), &ok);
     s->sample_i = plane(s, V, sizeof(int32_t), &ok);
     s->sampler.counts = plane(s, V, sizeof(uint32_t), &ok);
     s->sampler.drawn = plane(s, V, sizeof(int32_t), &ok);
+    s->sampler.mask = plane(s, (V + 31) / 32, sizeof(uint32_t), &ok);
     m->ids = plane(s, C * K, sizeof(int32_t), &ok);
     m->pos_of = plane(s, E, sizeof(int32_t), &ok);
     m->expert = plane(s, E, sizeof(int32_t), &ok);
@@ -240,7 +288,7 @@ void smoe_session_free(smoe_session *s) {
     share_drop(s->share);
     smoe_moe_state *m = &s->moe;
     void *bufs[] = {s->history, s->rope_cos, s->rope_sin, s->sample_f, s->sample_i, s->sampler.counts,
-                    s->sampler.drawn, m->ids, m->pos_of, m->expert, m->start, m->count, m->rows, (void *)m->w,
+                    s->sampler.drawn, s->sampler.mask, m->ids, m->pos_of, m->expert, m->start, m->count, m->rows, (void *)m->w,
                     m->slot, m->state, m->pending, m->pending_slots, m->batch, m->held, m->routed, m->deferred,
                     s->union_sizes, s->expert_counts, (void *)s->row_be};
     for (size_t i = sizeof bufs / sizeof bufs[0]; i-- > 0;)
@@ -284,6 +332,8 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
     const smoe_backend *backend;
     if ((st = smoe_backend_for(p.device, &backend)) != SMOE_OK)
         return st;
+    if ((st = smoe_recipe_check(&vault->lay, backend)) != SMOE_OK)
+        return st;
 
     smoe_session *s = smoe_alloc(sizeof *s, 64);
     if (!s)
@@ -294,6 +344,7 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
     s->lay = &vault->lay;
     s->cfg = *c;
     s->params = p;
+    fill_recipe(s);
     s->backend = backend;
     if (sibling) {
         atomic_fetch_add(&sibling->share->refs, 1);
@@ -311,6 +362,7 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
             .float_activations = p.float_activations,
             .rope_cos = s->rope_cos,
             .rope_sin = s->rope_sin,
+            .act = s->recipe.act,
         };
         uint64_t planes = 0;
         /* The share's lock: a backend's session may touch the share's device (an upload). */
@@ -399,4 +451,25 @@ smoe_status smoe_session_set_sampler(smoe_session *s, const smoe_sampler_params 
     else
         smoe_sampler_init(&s->sampler, &p);
     return smoe_session_leave(s, st);
+}
+
+smoe_status smoe_session_set_mask(smoe_session *s, const uint32_t *bitmask, uint32_t n_words) {
+    if (!s)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_set_mask: NULL session");
+    const uint32_t V = s->cfg.vocab_size, words = (V + 31) / 32;
+    if (bitmask && n_words != words)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_set_mask: %u words; a vocabulary of %u ids needs %u",
+                         n_words, V, words);
+    bool any = false; /* an id below vocab_size allowed: bits past it are ignored */
+    for (uint32_t w = 0; bitmask && w < words && !any; w++)
+        any = (V - w * 32 >= 32 ? bitmask[w] : bitmask[w] & ((1u << (V - w * 32)) - 1u)) != 0;
+    if (bitmask && !any)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_set_mask: the mask allows no id");
+    smoe_status st = smoe_session_enter(s, "smoe_session_set_mask");
+    if (st != SMOE_OK)
+        return st;
+    if (bitmask)
+        memcpy(s->sampler.mask, bitmask, words * sizeof(uint32_t));
+    s->sampler.masked = bitmask != NULL;
+    return smoe_session_leave(s, SMOE_OK);
 }

@@ -23,6 +23,7 @@ COMMANDS = {
     "verify": ("pysmoe.cli.verify", "check every checksum of a vault"),
     "bench": ("pysmoe.cli.bench", "time to first token and decode speed, against the machine's limits"),
 }
+WRITERS = ("synth", "convert")  # commands that write a vault (pysmoe.vaultdir.staged)
 
 
 class _Version(argparse.Action):
@@ -84,3 +85,8 @@ def main(argv=None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as e:  # a full disk, a failed read or write: one line, not a traceback
+        where = f": {e.filename}" if e.filename else ""
+        kept = " (nothing was replaced: a vault already there is as it was)" if args.command in WRITERS else ""
+        print(f"pysmoe {args.command}: error: {e.strerror or e}{where}{kept}", file=sys.stderr)
+        return 1

@@ -88,11 +88,12 @@ def vault_out(text: str) -> pathlib.Path:
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows "(default: X)" after an option's help, except where there is nothing to show (no
-    default, a flag) or the help already says it."""
+    default, a flag) or the help already says it. A default of 0 is shown (`in (None, False)`
+    would take it for False)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+        if action.default is None or action.default is argparse.SUPPRESS or action.nargs == 0 or "default" in text:
             return text
         return super()._get_help_string(action)
 
@@ -136,7 +137,7 @@ def add_device_args(p: argparse.ArgumentParser, note: str = "") -> None:
     """--device and --gpu-cache-mb (run, chat, serve)."""
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the layers run: the CPU, or the first NVIDIA GPU (a library built with "
-                        f"`make CUDA=1`; README, \"GPU (CUDA)\"){note}")
+                        f"`make CUDA=1`; docs/gpu.md){note}")
     p.add_argument("--gpu-cache-mb", type=mebibytes, default=None,
                    help="with --device cuda: VRAM for experts in MiB (default: room for every expert, so that "
                         "nothing streams once they are up; give less when the GPU is smaller than the experts)")
@@ -145,7 +146,8 @@ def add_device_args(p: argparse.ArgumentParser, note: str = "") -> None:
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     """Options of the sampler and the stop conditions (run, chat; sampling_kwargs)."""
     p.add_argument("--max-tokens", type=positive_int, default=64, help="most tokens to generate")
-    p.add_argument("--temperature", type=nonneg_float, default=0.0, help="sampling temperature; 0: greedy")
+    p.add_argument("--temperature", type=nonneg_float, default=0.0, help="sampling temperature; 0: greedy (the server's requests sample at 1 "
+                        "unless they set it, as OpenAI's do)")
     p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass; 1: off")
     p.add_argument("--top-k", type=nonneg_int, default=0, help="sample among the k likeliest; 0: off")
     p.add_argument("--min-p", type=probability, default=0.0,

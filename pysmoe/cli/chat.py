@@ -66,20 +66,33 @@ class Conversation:
 
     def _fit(self, user: dict) -> list[int]:
         """The rendering of the conversation plus user, dropping the oldest turns (never the
-        system prompt) until it leaves room for max_tokens of reply."""
+        system prompt) until it leaves room for max_tokens of reply, or for half the context when
+        max_tokens is more (the reply then ends when the context is full, as run's does)."""
         from ..textgen import render_chat
         self.dropped = 0
-        room = self.session.context - self.max_tokens
+        reply = min(self.max_tokens, self.session.context // 2)
+        room = self.session.context - reply
         while True:
             ids = render_chat(self.tok, self.messages([user]), chat_template_kwargs=self.template_kwargs).ids
             if len(ids) <= room:
                 return ids
             if not self.turns:
                 raise TurnTooLong(f"this message ({len(ids)} tokens with the conversation's template) and "
-                                  f"{self.max_tokens} tokens of reply do not fit the context of {self.session.context}")
+                                  f"{reply} tokens of reply do not fit the context of {self.session.context}")
             # a user message and its reply (a turn whose reply was interrupted may lack one)
             del self.turns[:2 if len(self.turns) > 1 and self.turns[1]["role"] == "assistant" else 1]
             self.dropped += 1
+
+    def _assistant(self, text: str) -> dict:
+        """The reply as the next turn's template takes it: gpt-oss's harmony text parsed (its final
+        channel as content: its template refuses channel tags in content and drops the analysis)."""
+        from ..textgen.harmony import HarmonyParser, uses_harmony
+        if not uses_harmony(getattr(self.tok, "chat_template", None)):
+            return {"role": "assistant", "content": text}
+        p = HarmonyParser()
+        p.feed(text)
+        p.finish()
+        return {"role": "assistant", "content": p.content}
 
     def reply(self, text: str) -> Iterator:
         """Send a user message; yields GenerationResponse records of the reply. Close the
@@ -108,7 +121,7 @@ class Conversation:
             # Ctrl-C cancels the call in flight, which rewinds).
             self.fed = todo[:self.session.position]
             if reply:
-                self.turns.append({"role": "assistant", "content": "".join(reply)})
+                self.turns.append(self._assistant("".join(reply)))
             else:  # nothing was answered: forget the question (the next turn re-prefills)
                 self.turns.pop()
 

@@ -26,7 +26,7 @@ def add_parser(p, name: str = "convert") -> None:
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="processes that quantise a float checkpoint's experts (default: one a core)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT (only once the new vault is complete)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--quiet", "--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
 def run(args) -> int:

@@ -71,6 +71,10 @@ def read_prompt(args) -> str | list[int] | None:
 
 def run(args) -> int:
     from ..generate import interruptible, stream_generate
+    if args.prompt == "":
+        print("pysmoe run: error: --prompt is empty: give it some text, or --ids 1,2,3, or pipe text on stdin",
+              file=sys.stderr)
+        return 2
     prompt = read_prompt(args)
     if prompt is None:
         print("pysmoe run: error: no prompt: give --prompt TEXT, --ids 1,2,3, or pipe text on stdin",

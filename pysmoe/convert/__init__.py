@@ -68,7 +68,7 @@ def _target(out: Path, force: bool):
 
 
 def convert_checkpoint(src, out_dir, experts: str | None = None, dense=None, scale_dtype: str | None = None,
-            group: int = quant.GROUP, progress: bool = True, force: bool = False, jobs: int | None = None) -> Path:
+            group: int = quant.GROUP, progress: bool = False, force: bool = False, jobs: int | None = None) -> Path:
     """Convert the checkpoint in src (MLX or Hugging Face, see `detect`) into a vault at out_dir.
 
     experts: expert format (q4, q8, bf16, f32); for an HF checkpoint default q4; for MLX only
@@ -130,8 +130,14 @@ class _HfJob:
 
         self.kind = "hf"
         cfg = load_config(src)
-        self.formats = resolve_formats(experts or "q4", dense)
         self.plan = plan(src, cfg, ckpt)
+        from .gpt_oss import is_mxfp4
+        self.mxfp4 = is_mxfp4(self.plan)
+        if self.mxfp4 and experts not in (None, "MXFP4"):
+            log.warning("%s: the experts are MXFP4 as released; they are imported as stored (MXFP4), not "
+                        "requantised to %s", src, experts)
+        self.formats = resolve_formats(experts or "q4", dense) if not self.mxfp4 else \
+            {**resolve_formats("q4", dense), "experts": "MXFP4"}
         self.ckpt = ckpt
         self.dtype = hf.source_dtype(ckpt, self.plan)
         self.scale_dtype = scale_dtype or self.dtype
@@ -164,8 +170,14 @@ class _HfJob:
         experts = list(self.plan.experts.items())
 
         def pack(item):
-            _, parts = item
-            return writer.pack_expert(*(read(self.ckpt, parts[k]) for k in ("gate", "up", "down")))
+            (layer, _), parts = item
+            if "gate_bias" not in parts:
+                return writer.pack_expert(*(read(self.ckpt, parts[k]) for k in ("gate", "up", "down")), layer)
+            # gpt-oss: biases too, and MXFP4 matrices as stored
+            mats = {k: read(self.ckpt, s) for k, s in parts.items()}
+            raw = {k: mats[k] for k in ("gate", "up", "down") if getattr(parts[k], "mxfp4", False)}
+            floats = [None if k in raw else mats[k] for k in ("gate", "up", "down")]
+            return writer.pack_expert(*floats, layer, [mats[k] for k in ("gate_bias", "up_bias", "down_bias")], raw)
 
         for i, blob in fork_map(pack, experts, jobs):
             (layer, e), parts = experts[i]
@@ -173,6 +185,10 @@ class _HfJob:
             bar.update(sum(s.nbytes for s in parts.values()))
 
     def source(self) -> dict:
+        if self.mxfp4:
+            return {"kind": "hf", "path": str(Path(self.ckpt.dir).resolve()), "dtype": self.dtype,
+                    "quantization": {"experts": "MXFP4 as released (rearranged into ggml's blocks, not requantised)",
+                                     "formats": ", ".join(f"{k} {v}" for k, v in self.formats.items())}}
         return {"kind": "hf", "path": str(Path(self.ckpt.dir).resolve()), "dtype": self.dtype,
                 "quantization": {"quantiser": "mlx-affine",
                                  "formats": ", ".join(f"{k} {v}" for k, v in self.formats.items()),
@@ -208,13 +224,14 @@ class _MlxJob:
                             module, current.format, fmt)
             if fmt is None or quant.is_quantized(current.format):
                 return current
-            dtype = _SCALE_OF.get(ckpt.tensors[module + ".weight"].dtype, "f32")
+            dtype = _SCALE_OF.get(ckpt.tensors[module + ".weight"].dtype, "f32") if module + ".weight" in ckpt \
+                else "f32"
             return TensorFormat(fmt, group, scale_dtype or dtype)
 
         for name, e in list(p.dense.items()):
             p.dense[name] = replace(e, fmt=asked(floats.get(role_of(name)), e.fmt, e.module))
         for part in p.experts:
-            module = f"model.layers.{p.sparse[0]}.mlp.switch_mlp.{part}_proj"
+            module = mlx.switch_module(p.config, p.sparse[0], part)
             p.experts[part] = asked(floats.get("experts"), p.experts[part], module)
         self.formats = p.formats()
         self.config = p.config
@@ -222,10 +239,10 @@ class _MlxJob:
         self.total = sum(e.nbytes for e in p.dense.values())
         for l in p.sparse:
             for part in ("gate", "up", "down"):
-                t = ckpt.tensors[f"model.layers.{l}.mlp.switch_mlp.{part}_proj.weight"]
+                t = ckpt.tensors[f"{mlx.switch_module(p.config, l, part)}.weight"]
                 self.total += t.nbytes
                 for k in ("scales", "biases"):
-                    n = f"model.layers.{l}.mlp.switch_mlp.{part}_proj.{k}"
+                    n = f"{mlx.switch_module(p.config, l, part)}.{k}"
                     self.total += ckpt.tensors[n].nbytes if n in ckpt else 0
         self._per_expert = self.total - sum(e.nbytes for e in p.dense.values())
         self._per_expert //= max(1, E * len(p.sparse))
@@ -246,7 +263,7 @@ class _MlxJob:
         for l in p.sparse:
             entries = {}
             for part, (rows, cols) in shapes.items():
-                module = f"model.layers.{l}.mlp.switch_mlp.{part}_proj"
+                module = mlx.switch_module(cfg, l, part)
                 stored = mlx.Entry(module, rows, cols, p.experts[part],
                                    f"{module}.scales" in self.ckpt, 0)
                 entries[part] = stored

@@ -43,7 +43,9 @@ FORMATS = ("q4", "q8", "bf16", "f32")
 # `dense` format covers: the router stays f32 (it decides routing and is small), norms f32.
 DENSE_ROLES = ("embed", "lm_head", "attention", "mlp", "router", "norms")
 DENSE_MATRIX_ROLES = ("embed", "lm_head", "attention", "mlp")
-ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+ARCHITECTURES = ("Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM", "Glm4MoeForCausalLM",
+                 "GptOssForCausalLM")
+MODEL_TYPES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
 
 log = logging.getLogger("pysmoe.convert")
 
@@ -68,10 +70,17 @@ def load_config(hf_dir: Path) -> dict:
         raise ConvertError(f"{path}: {exc}") from None
 
     archs = raw.get("architectures") or []
-    if not any(a in ARCHITECTURES for a in archs) and raw.get("model_type") != "qwen3_moe":
+    if not any(a in ARCHITECTURES for a in archs) and raw.get("model_type") not in MODEL_TYPES:
         raise ConvertError(f"{path}: architecture {archs or raw.get('model_type')!r} is not supported; "
-                           f"pysmoe runs {', '.join(ARCHITECTURES)} (model_type qwen3_moe)")
-    if raw.get("attention_bias"):
+                           f"pysmoe runs {', '.join(ARCHITECTURES)}")
+    if raw.get("model_type") not in MODEL_TYPES:
+        raise ConvertError(f"{path}: model_type {raw.get('model_type')!r} is not one of {', '.join(MODEL_TYPES)}")
+    if raw.get("model_type") == "gpt_oss":
+        try:  # its own checks (vaultio's normalize_config): layer types, RoPE (yarn or default)
+            return normalize_config(raw)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ConvertError(f"{path}: {exc}") from None
+    if raw.get("model_type") == "qwen3_moe" and raw.get("attention_bias"):
         raise ConvertError(f"{path}: attention_bias=true is not supported (Qwen3-MoE has no attention biases)")
     if raw.get("hidden_act", "silu") != "silu":
         raise ConvertError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (only silu)")
@@ -113,13 +122,21 @@ class Plan:
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
+# Mixtral's released spelling: w1 gate, w3 up, w2 down
+_EXPERT_W = re.compile(r"block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight")
+_W_PART = {"w1": "gate", "w2": "down", "w3": "up"}
 _DENSE_IN_LAYER = {
     "input_layernorm.weight": "input_layernorm",
     "post_attention_layernorm.weight": "post_attention_layernorm",
     "self_attn.q_proj.weight": "q_proj", "self_attn.k_proj.weight": "k_proj",
     "self_attn.v_proj.weight": "v_proj", "self_attn.o_proj.weight": "o_proj",
     "self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm",
-    "mlp.gate.weight": "router",
+    "mlp.gate.weight": "router", "block_sparse_moe.gate.weight": "router",
+    "self_attn.q_proj.bias": "q_proj.bias", "self_attn.k_proj.bias": "k_proj.bias",
+    "self_attn.v_proj.bias": "v_proj.bias", "self_attn.o_proj.bias": "o_proj.bias",
+    "mlp.gate.e_score_correction_bias": "router.bias",
+    "mlp.shared_experts.gate_proj.weight": "shared.gate_proj", "mlp.shared_experts.up_proj.weight": "shared.up_proj",
+    "mlp.shared_experts.down_proj.weight": "shared.down_proj",
     "mlp.gate_proj.weight": "mlp.gate_proj", "mlp.up_proj.weight": "mlp.up_proj",
     "mlp.down_proj.weight": "mlp.down_proj",
 }
@@ -145,6 +162,9 @@ def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Pla
             raise ConvertError(str(exc)) from None
     if ckpt.duplicates:
         raise ConvertError(f"{hf_dir}: tensors stored more than once: {_list(ckpt.duplicates)}")
+    if cfg.get("model_type") == "gpt_oss":
+        from . import gpt_oss
+        return gpt_oss.plan(hf_dir, cfg, ckpt)
     not_float = [f"{n} ({t.dtype})" for n, t in ckpt.tensors.items() if t.dtype not in FLOATS]
     if not_float:
         raise ConvertError(f"{hf_dir}: tensors that are not floats (an already quantised "
@@ -184,9 +204,20 @@ def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Pla
             target = "lm_head"
         elif _IGNORED.fullmatch(name):
             continue
+        elif m and cfg["model_type"] == "glm4_moe" and int(m.group(1)) >= L:
+            continue  # GLM's multi-token-prediction layers (num_nextn_predict_layers): transformers drops them too
         elif m and int(m.group(1)) < L:
             l, rest = int(m.group(1)), m.group(2)
             me = _EXPERT.fullmatch(rest)
+            mw = _EXPERT_W.fullmatch(rest)
+            if mw and l in sparse and int(mw.group(1)) < E:
+                part = _W_PART[mw.group(2)]
+                if shape != want_expert[part]:
+                    bad_shape.append(f"{name} {shape} (want {want_expert[part]})")
+                place(experts[(l, int(mw.group(1)))], part, Source(f, name, size))
+                continue
+            if rest.startswith("block_sparse_moe.experts.") and rest.endswith((".gate_up_proj", ".down_proj")):
+                rest = "mlp." + rest[len("block_sparse_moe."):]
             if rest in _DENSE_IN_LAYER:
                 target = f"layers.{l}.{_DENSE_IN_LAYER[rest]}"
             elif me and l in sparse and int(me.group(1)) < E:
@@ -269,7 +300,10 @@ def resolve_formats(experts: str = "q4", dense=None) -> dict[str, str]:
 
 
 def read(ckpt: Checkpoint, src: Source) -> np.ndarray:
-    """One vault matrix from the checkpoint, as f32 (bf16/f16 widen exactly)."""
+    """One vault matrix from the checkpoint, as f32 (bf16/f16 widen exactly); a gpt-oss expert
+    part as its Part.read gives it (MXFP4 blocks as stored)."""
+    if hasattr(src, "read"):
+        return src.read(ckpt)
     if src.expert is None:
         return ckpt.floats(src.name)
     a = ckpt.floats(src.name, src.expert if src.rows is None else (src.expert, src.rows))
@@ -279,6 +313,7 @@ def read(ckpt: Checkpoint, src: Source) -> np.ndarray:
 def source_dtype(ckpt: Checkpoint, p: Plan) -> str:
     """The float dtype of the checkpoint's expert weights (or its first matrix): what the
     scales of quantised tensors default to, as MLX keeps them."""
-    srcs = [s for parts in p.experts.values() for s in parts.values()] or list(p.dense.values())
+    srcs = [s for parts in p.experts.values() for s in parts.values() if not getattr(s, "mxfp4", False)]
+    srcs = srcs or list(p.dense.values())
     dt = ckpt.tensors[srcs[0].name].dtype if srcs else "F32"
     return {"BF16": "bf16", "F16": "f16"}.get(dt, "f32")

@@ -34,7 +34,13 @@ from ..vaultio import TensorFormat, dense_shapes, layer_kinds
 from .hf import ConvertError, _list, load_config
 from .safetensors_io import FLOATS, Checkpoint
 
-SWITCH = re.compile(r"model\.layers\.(\d+)\.mlp\.switch_mlp\.(gate|up|down)_proj\.(weight|scales|biases)")
+SWITCH = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.switch_mlp\.(gate|up|down)_proj\.(weight|scales|biases)")
+
+
+def switch_module(cfg: dict, layer: int, part: str) -> str:
+    """The stacked experts' module of a layer in mlx-lm's checkpoints of this family."""
+    block = "block_sparse_moe" if cfg.get("model_type") == "mixtral" else "mlp"
+    return f"model.layers.{layer}.{block}.switch_mlp.{part}_proj"
 _SCALE = {"BF16": "bf16", "F16": "f16", "F32": "f32"}
 _VAULT_FLOAT = {"BF16": "bf16", "F32": "f32", "F16": "f32", "F64": "f32"}
 
@@ -48,21 +54,29 @@ def is_mlx(ckpt_dir: Path, ckpt: Checkpoint) -> bool:
     return "quantization" in raw or any(SWITCH.fullmatch(n) for n in ckpt.tensors)
 
 
-def _hf_name(vault_name: str, cfg: dict) -> str:
-    """The checkpoint module (name without .weight) of a vault dense tensor."""
+def _hf_name(vault_name: str, cfg: dict) -> tuple[str, str]:
+    """The checkpoint module of a vault dense tensor and the leaf that holds it ("weight" for a
+    matrix, quantised or not; "bias" or "e_score_correction_bias" for a float vector)."""
     if vault_name == "embed_tokens":
-        return "model.embed_tokens"
+        return "model.embed_tokens", "weight"
     if vault_name == "norm":
-        return "model.norm"
+        return "model.norm", "weight"
     if vault_name == "lm_head":
-        return "lm_head"
+        return "lm_head", "weight"
     _, l, rest = vault_name.split(".", 2)
     attn = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+    if rest.endswith(".bias") and rest[:-5] in attn:
+        return f"model.layers.{l}.self_attn.{rest[:-5]}", "bias"
     if rest in attn:
-        return f"model.layers.{l}.self_attn.{rest}"
+        return f"model.layers.{l}.self_attn.{rest}", "weight"
+    block = "block_sparse_moe" if cfg.get("model_type") == "mixtral" else "mlp"
     if rest == "router":
-        return f"model.layers.{l}.mlp.gate"
-    return f"model.layers.{l}.{rest}"  # input_layernorm, post_attention_layernorm, mlp.*_proj
+        return f"model.layers.{l}.{block}.gate", "weight"
+    if rest == "router.bias":
+        return f"model.layers.{l}.mlp.gate", "e_score_correction_bias"
+    if rest.startswith("shared."):
+        return f"model.layers.{l}.mlp.shared_experts.{rest[7:]}", "weight"
+    return f"model.layers.{l}.{rest}", "weight"  # input_layernorm, post_attention_layernorm, mlp.*_proj
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,7 @@ class Entry:
     quantised: bool            # copied as stored (codes, scales, biases)
     index: int | None = None
     nbytes: int = 0            # what it occupies in the checkpoint
+    leaf: str = "weight"       # the tensor under module: weight, or a float vector's name
 
 
 @dataclass
@@ -123,8 +138,9 @@ def plan(ckpt_dir, ckpt: Checkpoint, float_format: dict | None = None) -> Plan:
             return f"{o.get('mode', mode)} {o.get('bits', default_bits)}-bit, groups of {o.get('group_size', default_group)}"
         return f"{mode} {default_bits}-bit, groups of {default_group}"
 
-    def entry(module: str, rows: int, cols: int, index: int | None, name_for_float: str) -> Entry | None:
-        w, s, b = (f"{module}.{k}" for k in ("weight", "scales", "biases"))
+    def entry(module: str, rows: int, cols: int, index: int | None, name_for_float: str,
+              leaf: str = "weight") -> Entry | None:
+        w, s, b = (f"{module}.{k}" for k in (leaf, "scales", "biases"))
         if w not in ckpt:
             problems.append(f"missing {w}")
             return None
@@ -132,7 +148,7 @@ def plan(ckpt_dir, ckpt: Checkpoint, float_format: dict | None = None) -> Plan:
         tw = ckpt.tensors[w]
         lead = () if index is None else (tw.shape[0],)
         per = tw.nbytes // (tw.shape[0] if index is not None else 1)
-        if s not in ckpt:  # unquantised
+        if s not in ckpt or leaf != "weight":  # unquantised
             if tw.dtype not in FLOATS:
                 problems.append(f"{w}: {tw.dtype} without scales")
                 return None
@@ -140,7 +156,7 @@ def plan(ckpt_dir, ckpt: Checkpoint, float_format: dict | None = None) -> Plan:
                 problems.append(f"{w} {list(tw.shape)} (want {list(lead + (rows, cols))})")
                 return None
             fmt = float_format.get(name_for_float) or _VAULT_FLOAT[tw.dtype]
-            return Entry(module, rows, cols, TensorFormat(fmt, quant.GROUP, None), False, index, per)
+            return Entry(module, rows, cols, TensorFormat(fmt, quant.GROUP, None), False, index, per, leaf)
         used.update({s, b})
         o = recipe.get(module)
         o = o if isinstance(o, dict) else {}
@@ -173,7 +189,8 @@ def plan(ckpt_dir, ckpt: Checkpoint, float_format: dict | None = None) -> Plan:
 
     dense = {}
     for name, rows, cols in dense_shapes(cfg):
-        e = entry(_hf_name(name, cfg), rows, cols, None, name)
+        module, leaf = _hf_name(name, cfg)
+        e = entry(module, rows, cols, None, name, leaf)
         if e is not None:
             if e.quantised and role_of(name) == "norms":
                 refused.append(f"{e.module} (a quantised norm)")
@@ -184,7 +201,7 @@ def plan(ckpt_dir, ckpt: Checkpoint, float_format: dict | None = None) -> Plan:
     for part, rows, cols in (("gate", I, H), ("up", I, H), ("down", H, I)):
         seen = {}
         for l in sparse:
-            e = entry(f"model.layers.{l}.mlp.switch_mlp.{part}_proj", rows, cols, 0, "experts")
+            e = entry(switch_module(cfg, l, part), rows, cols, 0, "experts")
             if e is None:
                 continue
             if ckpt.tensors[e.module + ".weight"].shape[0] != E:
@@ -213,7 +230,7 @@ def plan(ckpt_dir, ckpt: Checkpoint, float_format: dict | None = None) -> Plan:
 
 
 def read_float(ckpt: Checkpoint, e: Entry) -> np.ndarray:
-    a = ckpt.floats(e.module + ".weight", e.index)
+    a = ckpt.floats(f"{e.module}.{e.leaf}", e.index)
     return a.reshape(e.rows, e.cols)
 
 

@@ -18,6 +18,17 @@ Jobs and receive events through a callback. Each turn of its loop:
   4. finishes jobs (stop, length, cancelled, error): pool.release(session, ids in its KV) keeps
      the KV for a later request with the same prefix.
 
+Echo with logprobs (lm-evaluation-harness's log-likelihoods): such a job's prompt is fed from
+position 0 (no prefix reuse: every prompt position's logits are wanted) in pieces whose logits
+take at most ECHO_ROWS_BYTES, each by Session.prefill_logits (the logits after every id of the
+piece from the layer-major pass itself, no token-serial pass); the last piece also draws the first
+id, unless max_tokens is 0 (the prompt only: the job ends after its prefill, "length").
+
+Several choices of one prompt (n > 1) are a chain of jobs (Job.then): the first is queued, the
+others run one after another on its session, each starting from the prompt's KV (rewound to the
+prompt less its last id, which is fed again so the choice draws its own first id): the prompt is
+prefilled once, not n times. A chain that fails or is cancelled ends every job of it.
+
 A cancelled job (its client went away) leaves at the next turn; one that is prefilling is
 stopped inside libsmoe by Session.cancel (within a layer) and its KV rewinds to the last whole
 chunk. The ids come from the engine's one sampler, as Session.generate's do: a seeded request
@@ -39,6 +50,8 @@ from typing import Callable
 from ..errors import Cancelled, SmoeError
 
 log = logging.getLogger("pysmoe.server")
+
+ECHO_ROWS_BYTES = 64 << 20  # the most logits (float32) one echo prefill piece hands back
 
 
 class Job:
@@ -64,6 +77,7 @@ class Job:
         self.finished = False
         self.t_submit = time.perf_counter()
         self.t_first: float | None = None
+        self.then: Job | None = None  # the next choice of the same prompt, run on this job's session after it
 
     def usage(self) -> dict:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": self.generated,
@@ -209,24 +223,42 @@ class Scheduler:
         except SmoeError as e:
             self._fail(job, e)
             return
-        # At least the last prompt id is fed again: its logits start the generation.
-        reused = min(reused, len(job.prompt_ids) - 1)
-        if session.position > reused:
-            session.rewind(reused)
+        # At least the last prompt id is fed again: its logits start the generation. An echo with
+        # logprobs wants the logits after every prompt id: nothing is reused.
+        reused = 0 if job.text.needs_prompt_rows else min(reused, len(job.prompt_ids) - 1)
+        m.prompt_tokens += len(job.prompt_ids)
+        self._start(job, session, reused)
+
+    def _start(self, job: Job, session, reused: int) -> None:
+        """Run job on session, whose KV holds job.prompt_ids[:reused] (at least)."""
+        self.metrics_data.prompt_tokens_reused += reused
         job.session, job.reused = session, reused
         job.fed = job.prompt_ids[:reused]
         job.pending = job.prompt_ids[reused:]
-        m.prompt_tokens += len(job.prompt_ids)
-        m.prompt_tokens_reused += reused
         self._active.append(job)  # from here _reap gives the session back, whatever happens
         try:
+            if session.position > reused:
+                session.rewind(reused)
             session.set_sampler(**job.text.sampler_kwargs())
-        except SmoeError as e:
+            self._set_mask(job)
+        except Exception as e:  # SmoeError, or the request's grammar
             self._fail(job, e)
 
+    @staticmethod
+    def _set_mask(job: Job) -> None:
+        """A request with a grammar (server.grammar): the ids it allows for the session's next draw."""
+        mask = job.text.next_mask()
+        if mask is not None:
+            job.session.set_mask(mask)
+
     def _prefill_chunk(self, job: Job) -> None:
-        part = job.pending[:self.chunk]
+        echo = job.text.needs_prompt_rows
+        size = self.chunk
+        if echo:
+            size = max(1, min(size, ECHO_ROWS_BYTES // (4 * self.pool.vault.config["vocab_size"])))
+        part = job.pending[:size]
         last = len(part) == len(job.pending)
+        draw = last and job.text.draws
         logits = token = None
         reads = self._blob_reads()
         t = time.perf_counter()
@@ -234,10 +266,20 @@ class Scheduler:
         try:
             if job.cancelled:
                 raise Cancelled("cancelled before the chunk")
-            if last:  # the prompt's last piece: the first id, drawn by the session's sampler
-                logits, token = job.session.prefill_next(part, want_logits=job.text.wants_logits)
+            s = job.session
+            if echo:  # the logits after every id of the piece, from the layer-major pass
+                rows = range(len(part))
+                if draw:
+                    out, token = s.prefill_logits(part, rows, sample=True)
+                    logits = out[-1]
+                else:
+                    out = s.prefill_logits(part, rows)
+                job.text.add_prompt_rows(len(job.fed), out)
+                del out
+            elif draw:  # the prompt's last piece: the first id, drawn by the session's sampler
+                logits, token = s.prefill_next(part, want_logits=job.text.wants_logits)
             else:
-                job.session.prefill(part, want_logits=False)
+                s.prefill(part, want_logits=False)
         except Cancelled:
             job.cancelled = True
             return
@@ -255,7 +297,15 @@ class Scheduler:
         if not job.pending:
             job.t_first = time.perf_counter()
             m.ttft_s.append(job.t_first - job.t_submit)
-            self._emit_token(job, token, logits)
+            if job.text.echo:
+                job.emit("echo", None)
+            if draw:
+                self._emit_token(job, token, logits)
+            else:  # max_tokens 0: the prompt only
+                step = job.text.finish("length")
+                if job.text.shows(step):
+                    job.emit("token", step)
+                self._finish(job, "length")
 
     def _blob_reads(self) -> int:
         """The shared cache's blob reads so far (every session of the pool reports the same)."""
@@ -321,12 +371,15 @@ class Scheduler:
             finish = last.finish_reason
         if finish is None:
             job.next_token = step.token
+            self._set_mask(job)
         else:
             self._finish(job, finish)
 
     def _finish(self, job: Job, reason: str) -> None:
         if job.finished:
             return
+        if reason == "cancelled" and job.then is not None:  # the rest of the chain with it
+            self._finish(job.then, "cancelled")
         job.finished = True
         m = self.metrics_data
         m.requests[reason] += 1
@@ -335,23 +388,37 @@ class Scheduler:
         job.emit("done", (reason, job.usage()))  # cancelled too: a handler may still be waiting
 
     def _fail(self, job: Job, error: Exception) -> None:
+        if job.finished:
+            return
         log.warning("request %d failed: %s: %s", job.id, type(error).__name__, error)
+        if job.then is not None:  # the rest of the chain with it
+            self._fail(job.then, error)
         job.finished = True
         self.metrics_data.requests["error"] += 1
         job.emit("error", error)
 
     def _reap(self) -> None:
-        keep = []
+        keep, chained = [], []
         for job in self._active:
             if job.cancelled and not job.finished:
                 self._finish(job, "cancelled")
             if job.finished:
-                if job.session is not None:
+                nxt = job.then
+                if nxt is not None and nxt.cancelled:
+                    self._finish(nxt, "cancelled")
+                if job.session is not None and nxt is not None and not nxt.finished:
+                    chained.append((job, nxt))  # the next choice takes the session, prompt KV and all
+                elif job.session is not None:
                     self.pool.release(job.session, job.fed)
                     job.session = None
             else:
                 keep.append(job)
         self._active = keep
+        for job, nxt in chained:
+            session, job.session = job.session, None
+            if job.text.echo:
+                nxt.text.copy_prompt_logprobs(job.text)
+            self._start(nxt, session, len(nxt.prompt_ids) - 1)
 
     def _metrics(self) -> dict:
         m = self.metrics_data

@@ -1,11 +1,17 @@
 """OpenAI request bodies → GenerationRequest, checked field by field; OpenAI-style errors.
 
 Status codes: 400 for a body that is not JSON, a value out of range, an unsupported option
-(n > 1, echo, best_of > 1, suffix, logit_bias, a response_format other than text), a prompt over the context or a
+(best_of > 1, suffix, logit_bias, an unknown response_format type), a prompt over the context or a
 token id outside the vocabulary; 422 for a field of the wrong type or a missing required field;
-413 for a body over the size limit; 401 without the API key. Every error body is OpenAI's:
+413 for a body over the size limit; 401 without the API key; 404 for a model this server does not
+serve (app.py checks it against the model's name and its aliases). Every error body is OpenAI's:
 {"error": {"message", "type", "param", "code"}}. Fields this server does not know are ignored
-(clients send vendor extras); known fields are checked for type and range."""
+(clients send vendor extras); known fields are checked for type and range.
+
+/v1/completions takes OpenAI's prompt forms: a string, a list of token ids, or a list of either
+(several prompts, answered as choices prompt_index × n + k); `echo` (the prompt's text, and with
+`logprobs` its tokens' log-probabilities, before the completion) and max_tokens 0 with echo (the
+prompt only: what lm-evaluation-harness scores log-likelihoods with). `n` choices per prompt."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,10 +43,17 @@ class GenerationRequest:
     messages: list[dict] | None = None  # chat
     tools: list[dict] | None = None     # chat, rendered through the template
     template_kwargs: dict = dataclasses.field(default_factory=dict)
-    prompt: str | list[int] | None = None  # completion: text or token ids
+    prompt: str | list[int] | None = None  # completion: text or token ids (the first of prompts)
+    prompts: list | None = None         # completion: every prompt of the request
+    echo: bool = False                  # completion: the prompt (and its logprobs) before the completion
+    n: int = 1                          # choices per prompt (each drawn with seed + k)
+    response_format: dict | None = None    # chat: json_object / json_schema (server.grammar enforces it)
+    tool_choice: str | dict | None = None  # chat: "required" or {"type": "function", ...} are enforced too
+    parallel_tool_calls: bool = True       # with tool_choice "required": more than one call allowed
 
 
 _MISSING = object()
+MAX_CHOICES = 128  # prompts × n in one request (OpenAI's limit on n)
 
 
 def _type_error(name: str, want: str, value) -> APIError:
@@ -108,13 +121,11 @@ def _common(body: dict, kind: str, max_tokens_limit: int) -> dict:
     model = body.get("model", "")
     if not isinstance(model, str):
         raise _type_error("model", "a string", model)
-    n = _number(body, "n", 1, 1, integer=True)
-    if n != 1:
-        raise APIError(400, "only n = 1 is supported", param="n", code="unsupported_value")
+    n = _number(body, "n", 1, 1, MAX_CHOICES, integer=True)
     names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
     max_tokens = None
-    for name in names:
-        max_tokens = _number(body, name, None, 1, max_tokens_limit, integer=True)
+    for name in names:  # completions take 0 (with echo: parse_completion checks)
+        max_tokens = _number(body, name, None, 1 if kind == "chat" else 0, max_tokens_limit, integer=True)
         if max_tokens is not None:
             break
     if max_tokens is None:  # OpenAI's default for completions; for chat, the server's limit (and the context)
@@ -137,7 +148,7 @@ def _common(body: dict, kind: str, max_tokens_limit: int) -> dict:
         repetition_penalty=float(_number(body, "repetition_penalty", 1.0, 0.0, low_open=True)),
         max_tokens=max_tokens, stop=_stop(body))
     return dict(model=model, sampling=fields, stream=stream, include_usage=include_usage,
-                ignore_eos=_bool(body, "ignore_eos", False))
+                ignore_eos=_bool(body, "ignore_eos", False), n=n)
 
 
 def _sampling(fields: dict, **more) -> SamplingParams:
@@ -223,52 +234,106 @@ def _tools(body: dict) -> list[dict] | None:
     return tools or None
 
 
-def _response_format(body: dict) -> None:
+def _tool_choice(body: dict, tools: list[dict] | None) -> str | dict | None:
+    """"required" or a named function (both enforced by a grammar), else None."""
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str):
+            raise _type_error("tool_choice", "{'type': 'function', 'function': {'name': ...}}", choice)
+    elif choice != "required":
+        return None
+    if not tools:
+        raise APIError(400, f"tool_choice {_short(choice)} needs tools", param="tool_choice")
+    return choice
+
+
+def _response_format(body: dict) -> dict | None:
     fmt = _object(body, "response_format")
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise APIError(400, f"response_format {fmt.get('type')!r} is not supported (text only)",
-                       param="response_format", code="unsupported_value")
+    if fmt is None or fmt.get("type", "text") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _type_error("response_format.json_schema", "an object", spec)
+        schema = spec.get("schema", {})
+        if not isinstance(schema, dict):
+            raise _type_error("response_format.json_schema.schema", "an object", schema)
+        return {"type": "json_schema", "json_schema": {"name": spec.get("name"), "schema": schema,
+                                                       "strict": bool(spec.get("strict"))}}
+    raise APIError(400, f"response_format {fmt.get('type')!r} is not supported (text, json_object, json_schema)",
+                   param="response_format", code="unsupported_value")
+
+
+REASONING_EFFORTS = ("low", "medium", "high")
 
 
 def parse_chat(body, max_tokens_limit: int) -> GenerationRequest:
     common = _common(body, "chat", max_tokens_limit)
     messages = _messages(body)
     tools = _tools(body)
-    _response_format(body)
+    choice = _tool_choice(body, tools)
+    response_format = _response_format(body)
     logprobs = _bool(body, "logprobs", False)
     top = _number(body, "top_logprobs", 0, 0, 20, integer=True)
     if top and not logprobs:
         raise APIError(400, "top_logprobs needs logprobs = true", param="top_logprobs")
     common["sampling"] = _sampling(common["sampling"], logprobs=logprobs, top_logprobs=top)
-    kwargs = _object(body, "chat_template_kwargs") or {}
-    return GenerationRequest(kind="chat", messages=messages, tools=tools, template_kwargs=kwargs, **common)
+    kwargs = dict(_object(body, "chat_template_kwargs") or {})
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        # OpenAI's field; gpt-oss's template reads it as a variable (chat_template_kwargs wins)
+        if effort not in REASONING_EFFORTS:
+            raise APIError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r:.40}",
+                           param="reasoning_effort", code="invalid_value")
+        kwargs.setdefault("reasoning_effort", effort)
+    return GenerationRequest(kind="chat", messages=messages, tools=tools, template_kwargs=kwargs,
+                             response_format=response_format, tool_choice=choice,
+                             parallel_tool_calls=_bool(body, "parallel_tool_calls", True), **common)
+
+
+def _is_ids(value) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+def _prompts(body: dict) -> list:
+    """The prompts of a completions request: a string, a list of token ids, a list of strings or a
+    list of lists of token ids (OpenAI's four forms) → a list of strings and id lists."""
+    prompt = body.get("prompt", _MISSING)
+    if prompt is _MISSING:
+        raise APIError(422, "'prompt' is required", param="prompt", code="missing_required_parameter")
+    want = "a string, a list of token ids, or a list of strings or of token-id lists"
+    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (isinstance(p, list) and _is_ids(p))
+                                                      for p in prompt):
+        prompts = prompt
+    elif prompt == []:
+        raise APIError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
+    else:
+        raise _type_error("prompt", want, prompt)
+    for i, p in enumerate(prompts):
+        if not p:
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise APIError(400, f"'{where}' must not be empty", param="prompt", code="invalid_value")
+    return prompts
 
 
 def parse_completion(body, max_tokens_limit: int) -> GenerationRequest:
     common = _common(body, "completion", max_tokens_limit)
-    prompt = body.get("prompt", _MISSING)
-    if prompt is _MISSING:
-        raise APIError(422, "'prompt' is required", param="prompt", code="missing_required_parameter")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        if not prompt:
-            raise APIError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
-        if any(isinstance(i, (str, list)) for i in prompt):
-            raise APIError(400, "only one prompt per request is supported", param="prompt",
-                           code="unsupported_value")
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-            raise _type_error("prompt", "a string or a list of token ids", prompt)
-    elif not isinstance(prompt, str):
-        raise _type_error("prompt", "a string or a list of token ids", prompt)
-    elif not prompt:
-        raise APIError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
-    if _bool(body, "echo", False):
-        raise APIError(400, "echo is not supported", param="echo", code="unsupported_value")
+    prompts = _prompts(body)
+    if len(prompts) * common["n"] > MAX_CHOICES:
+        raise _range_error("n", f"such that prompts × n ≤ {MAX_CHOICES} ({len(prompts)} prompts)", common["n"])
+    echo = _bool(body, "echo", False)
+    if common["sampling"]["max_tokens"] == 0 and not echo:
+        raise _range_error("max_tokens", "≥ 1 (0 only with echo = true: the prompt's logprobs)", 0)
     if _number(body, "best_of", 1, 1, integer=True) != 1:
         raise APIError(400, "only best_of = 1 is supported", param="best_of", code="unsupported_value")
     if body.get("suffix") is not None:
         raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_value")
     top = _number(body, "logprobs", None, 0, 20, integer=True)
     common["sampling"] = _sampling(common["sampling"], logprobs=top is not None, top_logprobs=top or 0)
-    return GenerationRequest(kind="completion", prompt=prompt, **common)
+    return GenerationRequest(kind="completion", prompt=prompts[0], prompts=prompts, echo=echo, **common)

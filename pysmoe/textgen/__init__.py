@@ -1,5 +1,5 @@
 """Text generation without HTTP: sampling settings, detokenizing, stop strings, chat prompts and
-Qwen3's reasoning and tool calls — the one implementation that `run`, `chat` and the server share.
+each family's reasoning and tool calls — the one implementation that `run`, `chat` and the server share.
 
 There is one sampler, the engine's (csrc/engine/sample.c; smoe.h, "sampler"): the session draws
 every id, here as in Session.generate, so the same seed and settings give the same ids from
@@ -25,7 +25,11 @@ Public names
                    the OpenAI chunk's `delta` dict, text the completions chunk's text.
   completion_logprobs  (tokenizer, [TokenLogprob], text_offset) -> a /v1/completions choice's
                    legacy logprobs object (tokens, token_logprobs, top_logprobs, text_offset).
-  Detokenizer, StopMatcher, Qwen3Parser   the stages, usable alone.
+  Detokenizer, StopMatcher, Qwen3Parser, HarmonyParser   the stages, usable alone (HarmonyParser:
+                   gpt-oss's channels and tool calls).
+  FORMATS, format_of, make_parser   the output formats (formats.py): a format's name → its parser
+                   class (qwen3, qwen3_coder, glm45, harmony, plain); format_of(model_type, template)
+                   picks a vault's; Generation(..., chat_format=name) parses chat replies with it.
   token_text       (tokenizer, id) -> (text, bytes) as OpenAI's logprobs entries spell a token.
 
 How a server loop uses them (one request; the batcher does this for each in its batch):
@@ -33,7 +37,8 @@ How a server loop uses them (one request; the batcher does this for each in its 
     params = SamplingParams(temperature=body.temperature, ..., stop=body.stop)   # 400 on ValueError
     prompt = render_chat(tok, body.messages, tools=body.tools,
                          chat_template_kwargs=body.chat_template_kwargs)
-    gen = Generation(tok, params, prompt.ids, chat=True, tools=bool(body.tools),
+    fmt = format_of(vault.config.get("model_type"), tok.chat_template)   # once per vault
+    gen = Generation(tok, params, prompt.ids, chat=True, tools=body.tools or [], chat_format=fmt,
                      starts_in_reasoning=prompt.starts_in_reasoning,
                      room=session.context - session.position - len(prompt.ids) + 1)
     session.set_sampler(**params.sampler_kwargs())
@@ -66,6 +71,8 @@ Semantics worth knowing
   - finish_reason "tool_calls" replaces "stop" when the message has tool calls.
 """
 from .chat import ChatPrompt, normalize_messages, render_chat, token_bytes, token_text
+from .formats import FORMATS, format_of, make_parser
+from .harmony import HarmonyParser
 from .qwen3 import MessageDelta, Qwen3Parser, ToolCallDelta, parse_tool_call
 from .request import Generation, Step, TokenLogprob, completion_logprobs
 from .sampling import InvalidParam, SamplingParams
@@ -73,4 +80,5 @@ from .text import Detokenizer, StopMatcher, first_stop
 
 __all__ = ["SamplingParams", "InvalidParam", "render_chat", "ChatPrompt", "normalize_messages", "token_text",
            "token_bytes", "Generation", "Step", "TokenLogprob", "completion_logprobs", "MessageDelta", "ToolCallDelta",
-           "Qwen3Parser", "parse_tool_call", "Detokenizer", "StopMatcher", "first_stop"]
+           "Qwen3Parser", "HarmonyParser", "parse_tool_call", "Detokenizer", "StopMatcher", "first_stop", "FORMATS",
+           "format_of", "make_parser"]

@@ -8,7 +8,9 @@ template (pysmoe/tokenizer.py renders like transformers' apply_chat_template):
     it is valid JSON, as transformers documents templates to expect (Qwen3's takes either);
   - `tools` goes to the template as given (a list of {"type": "function", "function": {...}});
   - chat_template_kwargs become template variables (Qwen3: {"enable_thinking": false}).
-It returns the ids, the text, and whether the prompt leaves the model inside a `<think>` block.
+  - gpt-oss's template (harmony) takes `reasoning_effort` ("low", "medium", "high") this way.
+It returns the ids, the text, whether the prompt leaves the model inside a `<think>` block, and
+the output format its model writes (format: "harmony" for gpt-oss's template, else "qwen3").
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import functools
 import json
 
 from ..errors import InvalidArgument
+from .harmony import uses_harmony
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -26,6 +29,7 @@ class ChatPrompt:
     ids: list[int]
     text: str
     starts_in_reasoning: bool    # the rendering ends inside an open <think> block
+    format: str = "qwen3"        # the output format the template's model writes: "qwen3" or "harmony" (gpt-oss)
 
 
 def _text_of(content, where: str) -> str:
@@ -55,7 +59,7 @@ def _tool_call(call, where: str) -> dict:
     if isinstance(args, str):
         try:
             parsed = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's recursion limit
             parsed = None
         if isinstance(parsed, dict):
             fn["arguments"] = parsed
@@ -86,24 +90,40 @@ def normalize_messages(messages) -> list[dict]:
 
 
 def render_chat(tokenizer, messages, *, tools=None, chat_template_kwargs: dict | None = None,
-                add_generation_prompt: bool = True) -> ChatPrompt:
-    """The prompt of a chat request under the tokenizer's template. A template that raises
-    (jinja's raise_exception, a bad variable) gives InvalidArgument with its message."""
-    import jinja2
-
+                add_generation_prompt: bool = True, check_text=None) -> ChatPrompt:
+    """The prompt of a chat request under the tokenizer's template. Whatever rendering these
+    messages raises (jinja's raise_exception, a bad variable, a TypeError or OverflowError inside
+    the template) gives InvalidArgument with its message; so do tools given to a template that
+    does not use them (they would be dropped silently). check_text(text), when given, sees the
+    rendered text before it is tokenised (the server refuses there a prompt that cannot fit)."""
     kwargs = dict(chat_template_kwargs or {})
     for reserved in ("messages", "tools", "add_generation_prompt", "tokenize"):
         if reserved in kwargs:
             raise InvalidArgument(f"chat_template_kwargs may not set {reserved!r}")
     if tools is not None and not isinstance(tools, list):
         raise InvalidArgument("tools must be a list")
+    import jinja2
+
     msgs = normalize_messages(messages)
-    try:
-        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False,
-                                             tools=tools or None, **kwargs)
-    except jinja2.TemplateError as e:
-        raise InvalidArgument(f"the chat template refused these messages: {e}") from None
-    return ChatPrompt(tokenizer.encode(text), text, ends_in_reasoning(text))
+
+    def render(tools):
+        try:
+            return tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                 tools=tools or None, **kwargs)
+        except InvalidArgument:
+            raise
+        except Exception as e:  # noqa: BLE001 - the template's code ran on the caller's messages
+            why = str(e) if isinstance(e, jinja2.TemplateError) else f"{type(e).__name__}: {e}"
+            raise InvalidArgument(f"the chat template refused these messages: {why}") from None
+
+    text = render(tools)
+    if tools and text == render(None):
+        raise InvalidArgument("this model's chat template does not use tools: send the request without them, "
+                              "or describe the tools in a message")
+    if check_text is not None:
+        check_text(text)
+    fmt = "harmony" if uses_harmony(getattr(tokenizer, "chat_template", None)) else "qwen3"
+    return ChatPrompt(tokenizer.encode(text), text, fmt == "qwen3" and ends_in_reasoning(text), fmt)
 
 
 def ends_in_reasoning(prompt_text: str) -> bool:

@@ -109,12 +109,14 @@ def new_call_id() -> str:
 
 class Qwen3Parser:
     """feed(text) → MessageDelta; finish() → the held rest. reasoning: parse `<think>` blocks;
-    tools: parse `<tool_call>` blocks (only when the request offered tools); call_id: makes
-    each tool call's id."""
+    tools: parse `<tool_call>` blocks (only when the request offered tools; true, or the
+    request's tools list, whose parameter schemas formats with untyped values read); call_id:
+    makes each tool call's id. Every output parser (pysmoe.textgen.formats) has this shape."""
 
-    def __init__(self, *, reasoning: bool = True, tools: bool = False, starts_in_reasoning: bool = False,
+    def __init__(self, *, reasoning: bool = True, tools=False, starts_in_reasoning: bool = False,
                  call_id=new_call_id):
-        self.reasoning_on, self.tools_on = reasoning, tools
+        self.reasoning_on, self.tools_on = reasoning, bool(tools)
+        self.tools = tools if isinstance(tools, list) else []  # the request's tools, when given as the list
         self.mode = "reasoning" if (reasoning and starts_in_reasoning) else ("start" if reasoning else "content")
         self.buf = ""                 # text not decided yet
         self.lead = True              # drop leading whitespace of the current part
@@ -214,7 +216,7 @@ class Qwen3Parser:
         if i < 0 and not final:
             return False
         raw = CALL + (buf if i < 0 else buf[:i + len(END_CALL)])
-        parsed = parse_tool_call(buf[:i]) if i >= 0 else None
+        parsed = self.parse_call(buf[:i]) if i >= 0 else None
         if parsed is None:  # not a tool call: the text as it came, whitespace before it too
             self._content(out, self.ws_before_call + raw)
             self.lead = False
@@ -224,6 +226,11 @@ class Qwen3Parser:
         self.ws_before_call = ""
         self.mode, self.buf = "content", ("" if i < 0 else buf[i + len(END_CALL):])
         return True
+
+    def parse_call(self, body: str) -> tuple[str, str] | None:
+        """(name, arguments as a JSON string) of a `<tool_call>` block's body, None when it is not
+        a call (it is then content). The formats that share Qwen3's tags differ only here."""
+        return parse_tool_call(body)
 
     def message(self) -> dict:
         """The whole message so far, OpenAI's shape (content None when there is none)."""

@@ -2,8 +2,9 @@
 
 The ids come from the engine's sampler (the session's, set from params.sampler_kwargs()); each
 one goes, in order, through: stop ids (the id ends the request and shows no text)
-→ Detokenizer → StopMatcher (stop strings, across token boundaries) → the output parser (Qwen3's
-reasoning and tool calls, for chat; none for completions) → a Step carrying the delta to send.
+→ Detokenizer → StopMatcher (stop strings, across token boundaries) → the output parser (the
+vault's format's reasoning and tool calls, pysmoe.textgen.formats, for chat; none for
+completions) → a Step carrying the delta to send.
 """
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Iterable, Sequence
 
 from ..engine import logprobs as model_logprobs
 from .chat import token_text
-from .qwen3 import MessageDelta, Qwen3Parser
+from .formats import DEFAULT_FORMAT, make_parser
+from .qwen3 import MessageDelta
 from .sampling import SamplingParams
 from .text import Detokenizer, StopMatcher
 
@@ -41,7 +43,10 @@ def completion_logprobs(tokenizer, entries: list[TokenLogprob], text_offset: int
         text = token_text(tokenizer, e.token)[0]
         out["tokens"].append(text)
         out["token_logprobs"].append(e.logprob)
-        out["top_logprobs"].append({token_text(tokenizer, i)[0]: lp for i, lp in e.top})
+        top: dict = {}
+        for i, lp in e.top:  # best first; two ids of one text (half a UTF-8 character, say) keep the better
+            top.setdefault(token_text(tokenizer, i)[0], lp)
+        out["top_logprobs"].append(top)
         out["text_offset"].append(at)
         at += len(text)
     return out
@@ -81,15 +86,17 @@ class Generation:
     decode_batch(..., sample=True)) and push() takes it.
 
     tokenizer: the vault's (pysmoe.tokenizer.Tokenizer); params: SamplingParams; prompt_ids:
-    what will be fed before the first generated id. chat: parse Qwen3's reasoning (and tool
-    calls when tools is true) out of the text; starts_in_reasoning: the prompt left the model
-    inside <think> (ChatPrompt.starts_in_reasoning). eos_ids: ids that end generation besides
-    params.stop_token_ids (default: the tokenizer's). room: the most ids the context can still
-    take after the prompt (session.context − position after the prompt + 1; None: unbounded)."""
+    what will be fed before the first generated id. chat: parse the reasoning (and tool calls
+    when tools is true, or the request's tools list) out of the text, in output format chat_format
+    (a name of pysmoe.textgen.formats.FORMATS: "qwen3", "qwen3_coder", "glm45", "harmony" for
+    gpt-oss's channels, "plain", ...); starts_in_reasoning: the prompt left the model inside <think>
+    (ChatPrompt.starts_in_reasoning). eos_ids: ids that end generation besides params.stop_token_ids
+    (default: the tokenizer's). room: the most ids the context can still take after the prompt
+    (session.context − position after the prompt + 1; None: unbounded)."""
 
     def __init__(self, tokenizer, params: SamplingParams, prompt_ids: Sequence[int], *, chat: bool = False,
-                 tools: bool = False, starts_in_reasoning: bool = False, eos_ids: Iterable[int] | None = None,
-                 room: int | None = None):
+                 tools=False, starts_in_reasoning: bool = False, eos_ids: Iterable[int] | None = None,
+                 room: int | None = None, chat_format: str = DEFAULT_FORMAT):
         self.tok, self.params = tokenizer, params
         self.prompt_tokens = len(prompt_ids)
         eos = tokenizer.eos_ids if eos_ids is None and tokenizer is not None else (eos_ids or ())
@@ -100,8 +107,8 @@ class Generation:
         self.limit = limit
         self.detok = Detokenizer(tokenizer) if tokenizer is not None else None
         self.stops = StopMatcher(params.stop)
-        self.parser = Qwen3Parser(reasoning=True, tools=tools, starts_in_reasoning=starts_in_reasoning) if chat \
-            else None
+        self.parser = make_parser(chat_format, reasoning=True, tools=tools, starts_in_reasoning=starts_in_reasoning) \
+            if chat else None
         self.tokens: list[int] = []
         self.text = ""               # what was shown, for completions (stop strings removed)
         self.finish_reason: str | None = None

@@ -60,7 +60,8 @@ class SamplingParams:
     """How to choose each token and when to stop. Construct with keyword arguments; every field
     is checked (InvalidParam, a ValueError, names the field). `stop` takes a string or a list
     of strings (stored as a tuple); `seed` None draws one at random (stored, so the request is
-    reproducible from it); `max_tokens` None: until a stop or the context is full."""
+    reproducible from it); `max_tokens` None: until a stop or the context is full; 0: nothing is
+    generated (the server's echo of a prompt, for its logprobs)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -91,7 +92,7 @@ class SamplingParams:
         seed = secrets.randbits(63) if self.seed is None else self.seed
         s(self, "seed", _int("seed", seed, -(2 ** 63), 2 ** 64 - 1))
         if self.max_tokens is not None:
-            s(self, "max_tokens", _int("max_tokens", self.max_tokens, 1))
+            s(self, "max_tokens", _int("max_tokens", self.max_tokens, 0))  # 0: the prompt only (echo)
         s(self, "stop", _stop_strings(self.stop))
         s(self, "stop_token_ids", _stop_ids(self.stop_token_ids))
         if not isinstance(self.logprobs, bool):

@@ -17,13 +17,17 @@ from __future__ import annotations
 
 
 # Tags an output parser reads: kept even where a checkpoint marks them special tokens.
-KEEP_TAGS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>"})
+KEEP_TAGS = frozenset({"<think>", "</think>", "<tool_call>", "</tool_call>",
+                       # GLM-4.5's call syntax (textgen/xmlcalls.py)
+                       "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+                       # gpt-oss's harmony (textgen/harmony.py)
+                       "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"})
 
 
 class Detokenizer:
     """push(id) → the new text; flush() → what is still held (a character the ids never
     completed, as U+FFFD) at the end. Special tokens (<|im_end|>) show no text, except the
-    tags of KEEP_TAGS, which the Qwen3 parser needs to see."""
+    tags of KEEP_TAGS, which the output parsers need to see."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True):
         self.tok = tokenizer
@@ -79,6 +83,7 @@ class StopMatcher:
         self.stops = tuple(stops)
         self.held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (Anthropic's stop_sequence)
 
     def push(self, text: str) -> tuple[str, bool]:
         if self.stopped:
@@ -100,6 +105,7 @@ class StopMatcher:
         k = 0 if final else _held_suffix(s, self.stops)
         if i is not None and i <= len(s) - k:
             self.held, self.stopped = "", True
+            self.matched = next(x for x in self.stops if s.find(x) == i)
             return s[:i], True
         self.held = s[len(s) - k:] if k else ""
         return s[:len(s) - k], False

@@ -304,7 +304,7 @@ static void test_rope(void) {
         cs[i] = (float)cos(th);
         sn[i] = (float)sin(th);
     }
-    smoe_rope(x, heads, hd, cs, sn);
+    smoe_rope(x, heads, hd, hd, cs, sn);
     for (uint32_t k = 0; k < heads; k++)
         for (uint32_t i = 0; i < hd; i++) {
             const float *v = x0 + k * hd;
@@ -456,10 +456,10 @@ static void test_attend(void) {
             smoe_kv_load(kf, k, cnt, dt); /* the values attention sees */
             smoe_kv_load(vf, v, cnt, dt);
             for (uint32_t i = 0; i < hd; i++) q[i] = rndf(-2, 2);
-            smoe_ref_attend(out, q, k, v, stride, n, hd, dt, scratch);
+            smoe_ref_attend(out, q, k, v, stride, n, hd, dt, -INFINITY, scratch);
             hashing_fast = 0;
             hash_floats(out, hd);
-            smoe_attend(fast, q, k, v, stride, n, hd, dt, scratch);
+            smoe_attend(fast, q, k, v, stride, n, hd, dt, -INFINITY, scratch);
             hashing_fast = 1;
             hash_floats(fast, hd);
             CHECK(memcmp(out, fast, sizeof(float) * hd) == 0, "attend kv_dtype %u n_pos %u hd %u: %s differs from the reference",
@@ -484,6 +484,133 @@ static void test_attend(void) {
             free(v);
             free(scratch);
         }
+}
+
+/* gpt-oss's kernels (attention sinks and a window, the clamped SwiGLU, top-k then softmax, a bias
+ * row) against double-precision versions of transformers' formulas; the reference and the
+ * dispatched attention give the same bits with a sink too. No hashing: the checksums above stay. */
+static void test_gptoss_ops(void) {
+    /* softmax with a sink: one more term in the denominator only; −inf: the plain softmax's bits */
+    for (int trial = 0; trial < 50; trial++) {
+        const uint32_t n = 1 + (uint32_t)(rnd() % 300);
+        float x[300], y[300];
+        const float sink = rndf(-10, 10);
+        double m = sink, z = 0, e[300];
+        for (uint32_t i = 0; i < n; i++) {
+            x[i] = y[i] = rndf(-10, 10);
+            if (x[i] > m) m = x[i];
+        }
+        for (uint32_t i = 0; i < n; i++) z += e[i] = exp(x[i] - m);
+        z += exp(sink - m);
+        smoe_softmax_sink(x, n, sink);
+        for (uint32_t i = 0; i < n; i++)
+            CHECK(fabs(x[i] - e[i] / z) <= 1e-5 * e[i] / z + 1e-12, "softmax_sink n %u [%u]: %g vs %g", n, i, x[i],
+                  e[i] / z);
+        memcpy(x, y, sizeof(float) * n);
+        smoe_softmax_sink(x, n, -INFINITY);
+        smoe_softmax(y, n);
+        CHECK(memcmp(x, y, sizeof(float) * n) == 0, "softmax_sink(−inf) is not smoe_softmax's bits (n %u)", n);
+    }
+
+    /* attention with a sink over a window of the cache (the caller's k, v offset), each KV type */
+    const uint32_t stride = 4 * 64 + 8;
+    for (uint32_t dt = SMOE_KV_F32; dt <= SMOE_KV_F16; dt++)
+        for (int trial = 0; trial < 12; trial++) {
+            const uint32_t n = 1 + (uint32_t)(rnd() % 40), hd = trial % 3 == 0 ? 64 : trial % 3 == 1 ? 32 : 24;
+            const uint32_t first = (uint32_t)(rnd() % n), seen = n - first; /* the window: [first, n) */
+            const size_t eb = smoe_kv_elem_bytes(dt), cnt = (size_t)stride * n;
+            float *kf = malloc(sizeof(float) * cnt), *vf = malloc(sizeof(float) * cnt);
+            void *k = malloc(eb * cnt), *v = malloc(eb * cnt);
+            float q[64], out[64], fast[64], scratch[40];
+            for (size_t i = 0; i < cnt; i++) {
+                kf[i] = rndf(-1, 1);
+                vf[i] = rndf(-1, 1);
+            }
+            smoe_kv_store(k, kf, cnt, dt);
+            smoe_kv_store(v, vf, cnt, dt);
+            smoe_kv_load(kf, k, cnt, dt);
+            smoe_kv_load(vf, v, cnt, dt);
+            for (uint32_t i = 0; i < hd; i++) q[i] = rndf(-2, 2);
+            const float sink = rndf(-3, 3);
+            const size_t skip = (size_t)first * stride * eb;
+            smoe_ref_attend(out, q, (const uint8_t *)k + skip, (const uint8_t *)v + skip, stride, seen, hd, dt, sink,
+                            scratch);
+            smoe_attend(fast, q, (const uint8_t *)k + skip, (const uint8_t *)v + skip, stride, seen, hd, dt, sink,
+                        scratch);
+            CHECK(memcmp(out, fast, sizeof(float) * hd) == 0, "attend with a sink, kv_dtype %u: %s differs", dt,
+                  smoe_kernels_isa());
+            double s[40], m = sink, z = 0;
+            for (uint32_t p = first; p < n; p++) {
+                double d = 0;
+                for (uint32_t i = 0; i < hd; i++) d += (double)q[i] * kf[(size_t)p * stride + i];
+                s[p] = d / sqrt(hd);
+                if (s[p] > m) m = s[p];
+            }
+            for (uint32_t p = first; p < n; p++) z += s[p] = exp(s[p] - m);
+            z += exp(sink - m);
+            for (uint32_t i = 0; i < hd; i++) {
+                double ref = 0;
+                for (uint32_t p = first; p < n; p++) ref += s[p] / z * vf[(size_t)p * stride + i];
+                CHECK(fabs(out[i] - ref) <= 1e-5, "attend with a sink, kv_dtype %u n %u window from %u [%u]: %g vs %g",
+                      dt, n, first, i, out[i], ref);
+            }
+            free(kf);
+            free(vf);
+            free(k);
+            free(v);
+        }
+
+    /* the clamped SwiGLU: (clamp(u, ±L) + 1) · g' · sigmoid(α·g'), g' = min(g, L) */
+    {
+        const uint32_t n = 1000;
+        float g[1000], u[1000], h[1000];
+        const float alpha = 1.702f, limit = 7.0f;
+        for (uint32_t i = 0; i < n; i++) {
+            g[i] = rndf(-12, 12);
+            u[i] = rndf(-12, 12);
+        }
+        g[0] = NAN;
+        smoe_swiglu_clamped(h, g, u, n, alpha, limit);
+        CHECK(h[0] != h[0], "clamped swiglu keeps a NaN gate a NaN: %g", h[0]);
+        for (uint32_t i = 1; i < n; i++) {
+            const double gc = g[i] > limit ? limit : g[i], uc = u[i] > limit ? limit : u[i] < -limit ? -limit : u[i];
+            const double ref = (uc + 1) * gc / (1 + exp(-(double)alpha * gc));
+            CHECK(fabs(h[i] - ref) <= 1e-5 * fabs(ref) + 1e-6, "clamped swiglu [%u] g=%g u=%g: %g vs %g", i, g[i], u[i],
+                  h[i], ref);
+        }
+    }
+
+    /* the router: top k of the logits, softmax over those k */
+    for (int trial = 0; trial < 100; trial++) {
+        const uint32_t n = 2 + (uint32_t)(rnd() % 128), k = 1 + (uint32_t)(rnd() % (n < 8 ? n : 8));
+        float lg[130], val[8];
+        int32_t idx[8], sel[8];
+        float sv[8];
+        for (uint32_t i = 0; i < n; i++) lg[i] = rndf(-4, 4);
+        smoe_topk_softmax(lg, n, k, idx, val);
+        smoe_topk(lg, n, k, false, sel, sv);
+        double m = sv[0], z = 0;
+        for (uint32_t j = 0; j < k; j++) z += exp(sv[j] - m);
+        for (uint32_t j = 0; j < k; j++) {
+            CHECK(idx[j] == sel[j], "topk_softmax trial %d: id %u is %d, not %d", trial, j, idx[j], sel[j]);
+            const double ref = exp(sv[j] - m) / z;
+            CHECK(fabs(val[j] - ref) <= 1e-6, "topk_softmax trial %d [%u]: %g vs %g", trial, j, val[j], ref);
+        }
+    }
+
+    /* a bias row: an exact add */
+    {
+        float y[37], b[37], y0[37];
+        for (int i = 0; i < 37; i++) {
+            y[i] = y0[i] = rndf(-3, 3);
+            b[i] = rndf(-3, 3);
+        }
+        smoe_add_row(y, b, 37);
+        for (int i = 0; i < 37; i++) {
+            volatile float ref = y0[i] + b[i];
+            CHECK(f32_bits(y[i]) == f32_bits(ref), "add_row [%d]", i);
+        }
+    }
 }
 
 static void test_topk(void) {
@@ -976,6 +1103,7 @@ int main(int argc, char **argv) {
     test_groups();
     hashing_fast = 0;
     hash_set = 0;
+    test_gptoss_ops();
     if (failures) {
         fprintf(stderr, "test_kernels: %d failure(s)\n", failures);
         return 1;

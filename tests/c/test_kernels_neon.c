@@ -310,10 +310,10 @@ static void test_attend(void) {
             smoe_kv_load(kf, k, cnt, dt);
             smoe_kv_load(vf, v, cnt, dt);
             for (uint32_t i = 0; i < hd; i++) q[i] = rndf(-2, 2);
-            smoe_neon_attend(out, q, k, v, stride, n, hd, dt, scratch);
+            smoe_neon_attend(out, q, k, v, stride, n, hd, dt, -INFINITY, scratch);
             hash_floats(out, hd);
-            smoe_ref_attend(ref, q, k, v, stride, n, hd, dt, scratch);
-            smoe_attend(disp, q, k, v, stride, n, hd, dt, scratch);
+            smoe_ref_attend(ref, q, k, v, stride, n, hd, dt, -INFINITY, scratch);
+            smoe_attend(disp, q, k, v, stride, n, hd, dt, -INFINITY, scratch);
             double *s = malloc(sizeof(double) * n), m = -INFINITY, z = 0;
             for (uint32_t p = 0; p < n; p++) {
                 double d = 0;

@@ -335,12 +335,41 @@ static void test_sampler(void) {
     }
 }
 
+/* the mask (smoe_session_set_mask's): forbidden ids never drawn, greedy the best allowed one */
+static void test_mask(void) {
+    static float scratch[70];
+    static int32_t sidx[70];
+    uint32_t mask[3] = {0};
+    float logits[70];
+    for (int i = 0; i < 70; i++) logits[i] = (float)(i % 7); /* best: 6, 13, 20, ... */
+    const uint32_t allowed[3] = {3, 33, 69};                 /* logits 3, 5, 6 */
+    for (int i = 0; i < 3; i++) mask[allowed[i] / 32] |= 1u << (allowed[i] % 32);
+    smoe_sampler s = {0};
+    smoe_sampler_params g = params(0.0f, 0, 1.0f, 0.0f, 1);
+    smoe_sampler_init(&s, &g);
+    s.mask = mask;
+    s.masked = true;
+    CHECK(smoe_sample(&s, logits, 70, NULL, 0, scratch, sidx) == 69, "masked greedy → the best allowed id");
+    smoe_sampler_params t = params(1.0f, 0, 0.9f, 0.0f, 7);
+    smoe_sampler_init(&s, &t);
+    CHECK(!s.masked, "smoe_sampler_init lifts the mask");
+    s.masked = true;
+    for (int d = 0; d < 2000; d++) {
+        int32_t id = smoe_sample(&s, logits, 70, NULL, 0, scratch, sidx);
+        CHECK(id == 3 || id == 33 || id == 69, "masked draw %d gave forbidden id %d", d, id);
+    }
+    float none[70];
+    for (int i = 0; i < 70; i++) none[i] = i == 5 ? 1.0f : -INFINITY; /* only a forbidden id is finite */
+    CHECK(smoe_sample(&s, none, 70, NULL, 0, scratch, sidx) == 3, "every allowed logit −inf → the lowest allowed id");
+}
+
 int main(int argc, char **argv) {
     if (argc > 1) pool_runs = atoi(argv[1]);
     double t0 = smoe_now();
     test_pool();
     double t1 = smoe_now();
     test_sampler();
+    test_mask();
     fprintf(stderr, "info: pool %.2f s, sampler %.2f s\n", t1 - t0, smoe_now() - t1);
     if (failures) {
         fprintf(stderr, "test_pool_sample: %d failure(s)\n", failures);

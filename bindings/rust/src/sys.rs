@@ -93,4 +93,5 @@ extern "C" {
     ) -> smoe_status;
     pub fn smoe_decode_step(session: *mut smoe_session, id: i32, logits: *mut f32, next_id: *mut i32)
         -> smoe_status;
+    pub fn smoe_session_set_mask(session: *mut smoe_session, bitmask: *const u32, n_words: u32) -> smoe_status;
 }

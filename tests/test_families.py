@@ -1,0 +1,174 @@
+"""Mixtral, OLMoE and GLM-4.5 (glm4_moe) against transformers: random-weight models of several
+configs, saved, converted to an f32 vault, run by the engine at every position (token-serial
+decode steps), within 1e-4 of max|logit|; layer-major prefill = token-serial bit for bit; a q4
+conversion runs."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import pysmoe  # noqa: E402
+from hf_models import write_tokenizer  # noqa: E402
+from pysmoe.convert import convert_checkpoint  # noqa: E402
+from pysmoe.reference import ReferenceModel  # noqa: E402
+from pysmoe.vaultio import read_vault  # noqa: E402
+
+TOL = 1e-4  # of max|logit|
+BASE = dict(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+CASES = {
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig",
+                dict(intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, head_dim=16)),
+    "mixtral_gqa4_tied": ("MixtralForCausalLM", "MixtralConfig",
+                          dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, num_key_value_heads=1,
+                               head_dim=24, tie_word_embeddings=True, num_hidden_layers=3)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(intermediate_size=64, num_experts=8, num_experts_per_tok=2)),
+    "olmoe_norm_topk": ("OlmoeForCausalLM", "OlmoeConfig",
+                        dict(intermediate_size=64, num_experts=16, num_experts_per_tok=3, norm_topk_prob=True)),
+    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig",
+                 dict(intermediate_size=96, moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2,
+                      n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, head_dim=16,
+                      attention_bias=True, routed_scaling_factor=2.5, n_group=2, topk_group=1)),
+    "glm4_moe_qknorm": ("Glm4MoeForCausalLM", "Glm4MoeConfig",
+                        dict(intermediate_size=96, moe_intermediate_size=64, n_routed_experts=16, num_experts_per_tok=4,
+                             n_shared_experts=2, first_k_dense_replace=0, head_dim=32, use_qk_norm=True,
+                             attention_bias=False, norm_topk_prob=False, n_group=4, topk_group=2,
+                             partial_rotary_factor=0.25)),
+}
+F32 = dict(experts="f32", dense="f32", progress=False)
+
+
+@torch.no_grad()
+def _build(name, tmp):
+    import transformers
+
+    arch, cfg_name, over = CASES[name]
+    kw = {**BASE, **over}
+    prf = kw.pop("partial_rotary_factor", None)
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    if prf is not None:
+        kw["rope_parameters"]["partial_rotary_factor"] = prf
+    cfg = getattr(transformers, cfg_name)(**kw)
+    cfg._attn_implementation = "eager"
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(cfg).float().eval()
+    g = torch.Generator().manual_seed(1)
+    n_exp = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or cfg.n_routed_experts
+    for pname, p in sorted(model.named_parameters()):
+        if pname.endswith("norm.weight"):
+            p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+        elif pname.endswith("gate.weight") and p.shape[0] == n_exp:  # a router
+            p.copy_(torch.randn(p.shape, generator=g) * (3.0 / p.shape[-1] ** 0.5))
+        elif pname.endswith("bias"):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        else:
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    for bname, b in model.named_buffers():
+        if bname.endswith("e_score_correction_bias"):
+            b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    path = tmp / "hf"
+    model.save_pretrained(path)
+    write_tokenizer(path, cfg.vocab_size)
+    return path, model
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    path, model = _build(request.param, tmp)
+    ids = [int(i) for i in np.random.default_rng(2).integers(0, model.config.vocab_size, size=20)]
+    return request.param, tmp, path, model, ids
+
+
+def _engine_logits(vault, ids, **kw):
+    with pysmoe.open_vault(vault) as v, v.session(**kw) as s:
+        rows = [s.prefill(ids[:1])]
+        rows += [s.decode(i) for i in ids[1:]]
+    return np.stack(rows)
+
+
+def test_f32_vault_matches_transformers(case):
+    name, tmp, path, model, ids = case
+    vault = convert_checkpoint(path, tmp / "f32", **F32)
+    assert read_vault(vault).family == name.split("_qk")[0].split("_gqa")[0].split("_norm")[0]
+    with torch.no_grad():
+        want = model(torch.tensor([ids]), use_cache=False).logits[0].float().numpy()
+    got = _engine_logits(vault, ids)
+    rel = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    print(f"{name}: f32 max|engine - transformers| / max|logit| = {rel:.3g}")
+    assert rel <= TOL
+    ref = ReferenceModel(vault).logits(ids)  # the numpy reference forward follows the family too
+    assert float(np.max(np.abs(ref - want)) / np.max(np.abs(want))) <= TOL
+
+
+def test_layer_major_equals_token_serial(case):
+    name, tmp, path, model, ids = case
+    vault = tmp / "f32" if (tmp / "f32").exists() else convert_checkpoint(path, tmp / "f32", **F32)
+    q4 = convert_checkpoint(path, tmp / "q4", experts="q4", dense="f32", progress=False)
+    for v in (vault, q4):
+        with pysmoe.open_vault(v) as vv:
+            with vv.session(prefill="token-serial") as s:
+                want = s.prefill(ids)
+            for chunk, threads in ((3, 1), (8, 2), (32, 2)):
+                with vv.session(prefill="layer-major", chunk=chunk, threads=threads) as s:
+                    assert np.array_equal(s.prefill(ids), want), (name, v.name, chunk)
+
+
+MLX_CASES = {
+    "mixtral": dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, head_dim=16),
+    "olmoe": dict(intermediate_size=64, num_experts=4, num_experts_per_tok=2),
+    "glm4_moe": dict(intermediate_size=128, moe_intermediate_size=64, n_routed_experts=4, num_experts_per_tok=2,
+                     n_shared_experts=1, first_k_dense_replace=1, head_dim=16, attention_bias=True,
+                     routed_scaling_factor=1.5),
+}
+
+
+@pytest.mark.parametrize("family", sorted(MLX_CASES))
+def test_mlx_4bit_import_runs_as_mlx_lm_does(family, tmp_path):
+    """mlx-lm's own 4-bit conversion of the family imports without requantising, and the engine
+    (f32 activations) gives mlx-lm's f32 logits on the same codes."""
+    mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed")
+    from mlx_lm.utils import load_model
+
+    arch, cfg_name, _ = CASES[family]
+    saved = CASES[family]
+    CASES[family] = (arch, cfg_name, MLX_CASES[family])
+    try:
+        path, model = _build(family, tmp_path)
+    finally:
+        CASES[family] = saved
+    bf16 = tmp_path / "hf-bf16"
+    model.to(torch.bfloat16).save_pretrained(bf16)
+    write_tokenizer(bf16, model.config.vocab_size)
+    cj = bf16 / "config.json"  # the released spelling: rope_theta (and GLM's partial_rotary_factor) at the top
+    c = json.loads(cj.read_text())
+    rp = c.get("rope_parameters") or {}
+    c.setdefault("rope_theta", rp.get("rope_theta", 10000.0))
+    c.setdefault("rope_scaling", None)
+    if family == "glm4_moe":
+        c.setdefault("partial_rotary_factor", rp.get("partial_rotary_factor", 0.5))
+    cj.write_text(json.dumps(c))
+    mlx_dir = tmp_path / "mlx"
+    mlx_lm.convert(str(bf16), str(mlx_dir), dtype="bfloat16", quantize=True, q_bits=4, q_group_size=64)
+    vault = convert_checkpoint(mlx_dir, tmp_path / "v", progress=False)
+    v = read_vault(vault)
+    assert v.family == family and [t.format for t in v.expert_tensors] == ["q4", "q4", "q4"]
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, model.config.vocab_size, size=10)]
+    m, _ = load_model(mlx_dir)
+    m.set_dtype(mx.float32)
+    want = np.array(m(mx.array([ids]))[0, -1].astype(mx.float32))
+    with pysmoe.open_vault(vault) as pv, pv.session(activations="f32") as s:
+        got = s.prefill(ids)
+    rel = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    print(f"{family}: mlx 4-bit max|engine - mlx-lm| / max|logit| = {rel:.3g}")
+    assert rel <= TOL
