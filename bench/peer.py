@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """pysmoe against llama.cpp on the same weights: TTFT and decode tokens/s, side by side.
 
-    .venv/bin/python scripts/export_gguf.py VAULT OUT.gguf
+    .venv/bin/python bench/peer.py --gguf MODEL-Q4_K_M.gguf [--prompt-lengths 8,45] ...  # one file, both engines
+    .venv/bin/python scripts/export_gguf.py VAULT OUT.gguf    # or: a vault's weights requantised for llama.cpp
     .venv/bin/python bench/peer.py VAULT --gguf OUT.gguf [--prompt-lengths 8,45] [--threads 2] \
         [--llama-threads 1,2] [--omp-policies default,passive] [--repeats 3] [--decode-tokens 16] \
         [--modes check,warm,cold] [--blocks] [--cache-frac 0.1] [--readahead-kb 128,8192] [--json OUT]
@@ -15,7 +16,8 @@ fastest variant for that figure (named in the table and JSON). Modes (bench/peer
 is set up as it is):
 
 check  llama.cpp's logits against pysmoe's for every position of the longest prompt (argmax
-       agreement, correlation): both engines run the same model, up to Q4_0 vs q4.
+       agreement, correlation): both engines run the same model (the same bytes when VAULT is
+       left out and pysmoe imports the GGUF; up to Q4_0 vs q4 with export_gguf.py's file).
 warm   everything in memory: pysmoe with a cache that holds every expert, warmed; llama.cpp with
        the model loaded (mmap, its default CPU repacking) and warmed by the same prompt. Needs
        memory for the model 1 + len(policies) times; --blocks runs it NOT alternated, one engine
@@ -1051,14 +1053,29 @@ def table(res) -> str:
     return "\n".join(out)
 
 
+def gguf_vault(gguf: pathlib.Path, tmp: pathlib.Path) -> pathlib.Path:
+    """pysmoe's import of a GGUF file (`pysmoe convert`), made once per file under tmp and reused
+    while the file is unchanged (its size and mtime are in the directory's name)."""
+    from pysmoe.convert import convert_checkpoint
+
+    st = gguf.stat()
+    out = tmp / f"peer-vault-{gguf.stem}-{st.st_size}-{int(st.st_mtime)}"
+    if not (out / "vault.bin").exists():
+        print(f"converting {gguf} into {out} (pysmoe convert)", file=sys.stderr, flush=True)
+        convert_checkpoint(gguf, out, progress=False, force=True)
+    return out
+
+
 def _sigterm(signum, frame):
     raise SystemExit(128 + signum)   # so that `finally` blocks run (readahead restored, cgroups removed)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("vault", nargs="?")
-    ap.add_argument("--gguf", required=True, help="the same weights as a GGUF (scripts/export_gguf.py)")
+    ap.add_argument("vault", nargs="?", help="pysmoe's vault (default: the GGUF file imported by pysmoe convert, "
+                    "so that both engines run the same file's weights)")
+    ap.add_argument("--gguf", required=True, help="the GGUF llama.cpp runs: any llama.cpp file (Q4_K_M, Q8_0, "
+                    "...), or the vault's weights written by scripts/export_gguf.py")
     ap.add_argument("--prompt-lengths", default="8,45", type=lambda s: [int(x) for x in s.split(",") if x])
     ap.add_argument("--threads", type=int, default=2, help="pysmoe's threads (and llama.cpp's unless --llama-threads)")
     ap.add_argument("--llama-threads", default=None, type=lambda s: [int(x) for x in s.split(",") if x],
@@ -1112,7 +1129,9 @@ def main(argv=None) -> int:
         args.vault = args.pysmoe_worker
         return _pysmoe_worker_main(args)
     if not args.vault:
-        ap.error("VAULT is required")
+        # The same file for both engines: the GGUF as llama.cpp runs it, and pysmoe's import of it
+        # (tensors copied in their GGML types: nothing requantised on either side).
+        args.vault = str(gguf_vault(pathlib.Path(args.gguf), pathlib.Path(args.tmp)))
     if args.ctx is None:
         args.ctx = max(512, max(args.prompt_lengths) + args.decode_tokens + 2)
     args.llama_threads = args.llama_threads or [args.threads]

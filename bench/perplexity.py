@@ -1,6 +1,7 @@
 """Held-out perplexity of the trained demo model through every numeric path (issue 14).
 
     .venv/bin/python bench/perplexity.py --hf build/demo-hf --json bench/results/perplexity.json
+    .venv/bin/python bench/perplexity.py --gguf Q4_K_M Q8_0 F32     # GGUF import (issue 27), below
 
 --hf is the float32 checkpoint scripts/train_demo.py wrote (the trained weights before any
 quantisation). Without it the f32 model is regenerated from the shipped demo vault
@@ -20,6 +21,12 @@ differ only by their numerics:
   of the default vault (experts requantised to Q4_0, dense Q8_0).
 
 Rows whose package is missing are left out and named.
+
+`--gguf FTYPE...` scores something else: the demo written as an F32 GGUF (export_gguf.py) and
+quantised by llama.cpp's own quantiser to each llama_ftype named (Q4_K_M, Q8_0, ...), then run by
+llama.cpp and by pysmoe on its import of the very same file (`pysmoe convert FILE.gguf`: GGML
+types as stored), both activation modes; it also checks that the imported tokenizer gives
+llama.cpp's ids on the held-out text, and compares greedy continuations (`gguf_table`).
 
 The scoring is in the functions below, which tests/test_quality.py also uses:
 
@@ -172,6 +179,99 @@ def llama_cpp_nll(gguf_path, windows: np.ndarray, threads: int = 2) -> float:
     return _mean(total, windows)
 
 
+def llama_cpp_tokens(gguf_path, text: str) -> list[int]:
+    """llama.cpp's tokenization of text (no BOS, special tokens parsed)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
+    try:
+        return llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+    finally:
+        llm.close()
+
+
+def llama_cpp_greedy(gguf_path, prompt: list[int], n: int, threads: int = 2) -> list[int]:
+    """n greedy ids after prompt, through llama.cpp (argmax of its logits, no sampler)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=len(prompt) + n, n_batch=len(prompt) + n,
+                          n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
+    out = []
+    try:
+        llm.eval(list(prompt))
+        for _ in range(n):
+            out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            llm.eval([out[-1]])
+    finally:
+        llm.close()
+    return out
+
+
+def engine_greedy(vault_path, prompt: list[int], n: int, activations: str = "q8") -> list[int]:
+    from pysmoe.engine import open_vault
+
+    out = []
+    with open_vault(vault_path) as v, v.session(activations=activations) as s:
+        logits = s.prefill(list(prompt))
+        for _ in range(n):
+            out.append(int(np.argmax(logits)))
+            logits = s.decode(out[-1])
+    return out
+
+
+def quantize_gguf(src, out, ftype: str) -> Path:
+    """llama.cpp's quantiser (llama_model_quantize, what llama-quantize runs) from src to ftype."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize to {ftype} failed ({rc})")
+    return Path(out)
+
+
+def gguf_table(ftypes, n_windows, length: int, threads: int | None, tmp: Path, continuations: int = 32) -> list[dict]:
+    """The demo quantised by llama.cpp to each of ftypes, scored through pysmoe (the file imported
+    by `pysmoe convert`) and through llama.cpp on the very same file and windows."""
+    import gguf
+
+    demo = ensure_demo_vault()
+    f32 = tmp / "demo-F32.gguf"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "export_gguf.py"), str(demo), str(f32),
+                    "--experts", "f32", "--dense", "f32", "--quiet"], check=True)
+    text = HELDOUT_TEXT.read_text(encoding="utf-8")
+    rows = []
+    for ftype in ftypes:
+        gg = f32 if ftype == "F32" else quantize_gguf(f32, tmp / f"demo-{ftype}.gguf", ftype)
+        types = {}
+        for t in gguf.GGUFReader(gg).tensors:
+            types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        vault = convert_checkpoint(gg, tmp / f"v-{ftype}", progress=False)
+        windows = heldout_windows(vault, n_windows, length)
+        from pysmoe.tokenizer import load_tokenizer
+        same_tokens = load_tokenizer(vault).encode(text) == llama_cpp_tokens(gg, text)
+        r = {"file": ftype, "types": types, "tokens_equal": same_tokens}
+        for label, fn in (("llama.cpp", lambda: llama_cpp_nll(gg, windows, threads or 2)),
+                          ("pysmoe f32", lambda: engine_nll(vault, windows, "f32", threads)),
+                          ("pysmoe q8", lambda: engine_nll(vault, windows, "q8", threads))):
+            t0 = time.perf_counter()
+            r[label] = math.exp(fn())
+            print(f"{ftype:8s} {label:12s} ppl {r[label]:.4f} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        # per window: how many of the greedy ids agree before the first difference
+        r["greedy_same"] = {"f32": [], "q8": []}
+        for w in windows[:3]:
+            prompt = [int(t) for t in w[:32]]
+            a = llama_cpp_greedy(gg, prompt, continuations, threads or 2)
+            for act in ("f32", "q8"):
+                b = engine_greedy(vault, prompt, continuations, act)
+                r["greedy_same"][act].append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
+        rows.append(r)
+    return rows
+
+
 def hf_from_vault(vault_path, out_dir) -> Path:
     """Write a float32 Hugging Face Qwen3-MoE checkpoint holding the vault's weights as the engine
     sees them (every tensor dequantised: q4/q8/bf16 values widen exactly to float32), with the
@@ -249,7 +349,30 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=256, help="tokens per window (default 256)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--gguf", nargs="+", metavar="FTYPE",
+                    help="instead: the demo quantised by llama.cpp to these llama_ftype names (Q4_K_M Q8_0 "
+                         "...; F32 for the export itself), through pysmoe and llama.cpp on the same file")
     args = ap.parse_args(argv)
+    if args.gguf:
+        tmp = Path(tempfile.mkdtemp(prefix="smoe-ppl-gguf-"))
+        try:
+            rows = gguf_table(args.gguf, args.windows, args.length, args.threads, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print("\n| GGUF (llama.cpp's quantiser) | tensor types | llama.cpp | pysmoe, f32 act. | difference "
+              "| pysmoe, q8 act. | difference | greedy ids before the first difference (3 prompts, of 32): "
+              "f32 act. / q8 act. |\n|---|---|---:|---:|---:|---:|---:|---|")
+        for r in rows:
+            d = [100 * (r[f"pysmoe {a}"] / r["llama.cpp"] - 1) for a in ("f32", "q8")]
+            g = r["greedy_same"]
+            print(f"| {r['file']} | {', '.join(f'{k} {v}' for k, v in r['types'].items())} | {r['llama.cpp']:.4f} "
+                  f"| {r['pysmoe f32']:.4f} | {d[0]:+.3f} % | {r['pysmoe q8']:.4f} | {d[1]:+.3f} % "
+                  f"| {g['f32']} / {g['q8']} |")
+        if not all(r["tokens_equal"] for r in rows):
+            print("tokenization differs from llama.cpp's on the held-out text")
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+        return 0
 
     demo = ensure_demo_vault()
     windows = heldout_windows(demo, args.windows, args.length)

@@ -45,7 +45,28 @@ typedef enum {
     SMOE_PL_V,   /* (chunk, kv_heads·head_dim) its new V rows */
     SMOE_PL_ATT, /* (chunk, heads·head_dim) attention output, heads concatenated */
     SMOE_PL_Y,   /* (chunk, hidden) a block's output, before the residual add */
+    SMOE_PL_GATE, /* (chunk, max(heads·head_dim, linear value dim)) an output gate: gated attention's,
+                     or a Gated DeltaNet's z */
+    SMOE_PL_MIX,  /* (chunk, linear conv dim) a Gated DeltaNet's q, k, v rows (before its convolution) */
+    SMOE_PL_BETA, /* (chunk, linear value heads) its b rows (beta = sigmoid(b)) */
+    SMOE_PL_DECAY, /* (chunk, linear value heads) its a rows (the decay's input) */
+    SMOE_PL_SGATE, /* (chunk, 1) a shared expert's gate, before the sigmoid */
 } smoe_plane;
+
+/* A Gated DeltaNet's sizes (Qwen3-Next, Qwen3.5-MoE); all 0 for a model without linear attention.
+ * Its q and k have k_heads heads of k_dim, its v and output v_heads heads of v_dim; value head h
+ * reads key head h / (v_heads / k_heads). The convolution runs over conv_dim = 2·k_heads·k_dim +
+ * v_heads·v_dim channels with conv_kernel taps. */
+typedef struct {
+    uint32_t k_heads, v_heads, k_dim, v_dim, conv_kernel;
+} smoe_linear_shape;
+
+/* What a backend does to a session's recurrent states (`state`). */
+typedef enum {
+    SMOE_STATE_RESET,   /* every linear layer's recurrent and convolution state ← 0 (position 0) */
+    SMOE_STATE_SAVE,    /* the snapshot ← the live states */
+    SMOE_STATE_RESTORE, /* the live states ← the snapshot */
+} smoe_state_op;
 
 /* One product of `project`: out rows = in rows · Wᵀ. */
 typedef struct {
@@ -118,6 +139,9 @@ typedef struct {
     bool float_activations;
     const float *rope_cos, *rope_sin; /* (context, head_dim/2), the engine's, valid while the session lives */
     smoe_act act;                     /* the experts' activation (dense MLPs: silu always) */
+    smoe_linear_shape linear;         /* the Gated DeltaNet's sizes; zeros: no linear layers */
+    uint32_t n_linear;                /* linear-attention layers: a recurrent state (and a snapshot) each */
+    const int32_t *linear_index;      /* (layers) which of them layer l is, −1 for the others; the engine's */
 } smoe_be_session_params;
 
 enum { SMOE_LOGIT_ROWS = 16 }; /* rows one `logits` call computes at most */
@@ -153,6 +177,23 @@ typedef struct smoe_backend {
      * batch: its cache, its staged position, its cache's type; b's planes hold every row). */
     smoe_status (*attend)(void *b, uint32_t l, const smoe_attn *a, uint32_t n, void *const *members);
     smoe_status (*add)(void *b, smoe_plane dst, smoe_plane src, uint32_t n); /* dst += src (hidden) */
+    /* dst rows (width floats each) *= sigmoid(gate rows): elementwise (gate_width == width) or by
+     * one gate per row (gate_width 1). Gated attention's output gate, a shared expert's gate. */
+    smoe_status (*sigmoid_gate)(void *b, smoe_plane dst, smoe_plane gate, uint32_t width, uint32_t gate_width,
+                                uint32_t n);
+    /* The Gated DeltaNet of linear-attention layer l (transformers' Qwen3NextGatedDeltaNet with its
+     * torch fallbacks) for rows [0, n), IN TOKEN ORDER: MIX rows through the layer's causal
+     * convolution (conv: conv_dim × conv_kernel; its state carried from the row before) and silu;
+     * each q and k head L2-normed (q also scaled by 1/√k_dim); per value head h, g = −exp(a_log[h])
+     * · softplus(DECAY + dt_bias[h]) and beta = sigmoid(BETA), the recurrent state decayed by exp(g)
+     * and updated by the delta rule, read by q; ATT rows (v_heads·v_dim) ← each head's output
+     * rmsnormed · norm (1 × v_dim) · silu(GATE rows). members as in attend: row t is the one row of
+     * session state members[t], with its own states. The states advance by n rows. */
+    smoe_status (*linear_attend)(void *b, uint32_t l, const smoe_tensor *conv, const smoe_tensor *a_log,
+                                 const smoe_tensor *dt_bias, const smoe_tensor *norm, uint32_t n,
+                                 void *const *members);
+    /* The session's recurrent states (smoe_state_op). NULL with linear_attend NULL. */
+    smoe_status (*state)(void *b, smoe_state_op op);
     /* dst rows += bias (1 × the plane's width, f32 or bf16). NULL: the backend lacks it (lacks says so). */
     smoe_status (*bias)(void *b, smoe_plane dst, const smoe_tensor *bias, uint32_t n);
     /* dst rows = down(silu(gate(src)) · up(src)): a dense MLP. */

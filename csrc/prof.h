@@ -19,6 +19,7 @@ typedef enum {
     SMOE_P_QKV,       /* q, k, v products */
     SMOE_P_QKNORM,    /* per-head q/k norm, RoPE, KV rounding */
     SMOE_P_ATTEND,    /* attention over the cache */
+    SMOE_P_LINEAR,    /* a Gated DeltaNet's convolution, q/k norms, delta rule and gated norm (its products in QKV) */
     SMOE_P_O,         /* o_proj product, residual add */
     SMOE_P_ROUTER,    /* router product */
     SMOE_P_ROUTE,     /* softmax, top-k, union bookkeeping, acquire/submit */

@@ -17,7 +17,8 @@ SMOE_API smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale
 
 /* Copies the K and V rows of layer for positions [start, start + n) (each n × kv_heads·head_dim
  * floats, post-RoPE K) into k and v (either may be NULL), widened exactly to f32 from the
- * session's kv_dtype (from the device, on a GPU). */
+ * session's kv_dtype (from the device, on a GPU). A linear-attention layer (Qwen3-Next,
+ * Qwen3.5-MoE) has no KV rows: zeros. */
 SMOE_API smoe_status smoe_session_read_kv(const smoe_session *session, uint32_t layer, uint32_t start,
                                           uint32_t n, float *k, float *v);
 

@@ -259,20 +259,32 @@ enum { G_EMBED, G_NORM, G_LM_HEAD, N_GLOBAL };
 enum {
     L_INPUT_NORM, L_POST_NORM, L_Q, L_K, L_V, L_O, L_Q_NORM, L_K_NORM, L_ROUTER, L_MLP_GATE, L_MLP_UP,
     L_MLP_DOWN, L_Q_BIAS, L_K_BIAS, L_V_BIAS, L_O_BIAS, L_ROUTER_BIAS, L_SHARED_GATE, L_SHARED_UP, L_SHARED_DOWN,
-    L_SINKS, LAYER_SLOTS
+    L_SINKS, L_Q_GATE, L_SHARED_XGATE, L_LIN_QKV, L_LIN_Z, L_LIN_B, L_LIN_A, L_LIN_CONV, L_LIN_A_LOG, L_LIN_DT_BIAS,
+    L_LIN_NORM, L_LIN_OUT, LAYER_SLOTS
 };
 static const char *const LAYER_SUFFIX[LAYER_SLOTS] = {
     "input_layernorm", "post_attention_layernorm", "q_proj", "k_proj", "v_proj", "o_proj",
     "q_norm", "k_norm", "router", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
     "q_proj.bias", "k_proj.bias", "v_proj.bias", "o_proj.bias", "router.bias",
     "shared.gate_proj", "shared.up_proj", "shared.down_proj", "sinks",
+    "q_gate_proj", "shared_gate", "linear.qkv", "linear.z", "linear.b", "linear.a", "linear.conv", "linear.A_log",
+    "linear.dt_bias", "linear.norm", "linear.out",
 };
+
+/* Qwen3-Next and Qwen3.5-MoE: gated attention, Gated DeltaNet layers, a gated shared expert. */
+static bool hybrid_family(const smoe_model_params *m) {
+    return m->family == SMOE_FAMILY_QWEN3_NEXT || m->family == SMOE_FAMILY_QWEN3_5_MOE;
+}
 
 /* Whether layer l of this vault holds the tensor of slot s (a LAYER_SLOTS index). */
 static bool slot_wanted(const smoe_layout *L, uint32_t l, int s) {
     const smoe_model_params *m = &L->mp;
-    const bool sparse = L->layer_sparse[l];
+    const bool sparse = L->layer_sparse[l], linear = L->layer_attn[l] == SMOE_ATTN_LINEAR;
+    if (s >= L_LIN_QKV && s <= L_LIN_OUT) return linear;
+    if (linear && ((s >= L_Q && s <= L_K_NORM) || (s >= L_Q_BIAS && s <= L_O_BIAS) || s == L_Q_GATE)) return false;
     switch (s) {
+    case L_Q_GATE: return hybrid_family(m);
+    case L_SHARED_XGATE: return hybrid_family(m) && sparse && m->shared_intermediate > 0;
     case L_Q_NORM:
     case L_K_NORM: return m->qk_norm != SMOE_QK_NORM_NONE;
     case L_ROUTER: return sparse;
@@ -322,6 +334,9 @@ static void slot_shape(const smoe_layout *L, int64_t slot, uint64_t *rows, uint6
     uint64_t q = (uint64_t)c->num_attention_heads * hd, kv = (uint64_t)c->num_key_value_heads * hd;
     uint64_t I = c->intermediate_size, S = L->mp.shared_intermediate;
     bool whole = L->mp.qk_norm == SMOE_QK_NORM_WHOLE;
+    const smoe_model_params *m = &L->mp;
+    const uint64_t nv = m->linear_v_heads, vd = (uint64_t)nv * m->linear_v_dim;
+    const uint64_t conv = 2ull * m->linear_k_heads * m->linear_k_dim + vd;
     *norm = false;
     if (slot < N_GLOBAL) {
         *norm = slot == G_NORM;
@@ -351,6 +366,17 @@ static void slot_shape(const smoe_layout *L, int64_t slot, uint64_t *rows, uint6
     case L_SHARED_GATE:
     case L_SHARED_UP: *rows = S, *cols = h; return;
     case L_SINKS: *norm = true, *cols = c->num_attention_heads; return;
+    case L_Q_GATE: *rows = q, *cols = h; return;
+    case L_SHARED_XGATE: *cols = h; return;
+    case L_LIN_QKV: *rows = conv, *cols = h; return;
+    case L_LIN_Z: *rows = vd, *cols = h; return;
+    case L_LIN_B:
+    case L_LIN_A: *rows = nv, *cols = h; return;
+    case L_LIN_CONV: *norm = true, *rows = conv, *cols = m->linear_conv_kernel; return;
+    case L_LIN_A_LOG:
+    case L_LIN_DT_BIAS: *norm = true, *cols = nv; return;
+    case L_LIN_NORM: *norm = true, *cols = m->linear_v_dim; return;
+    case L_LIN_OUT: *rows = h, *cols = vd; return;
     default: *rows = h, *cols = S; return; /* L_SHARED_DOWN */
     }
 }
@@ -501,11 +527,13 @@ static smoe_status parse_config(const uint8_t *c, smoe_config *cfg) {
 typedef enum { P_FAMILY, P_ROTARY_DIM, P_SLIDING_WINDOW, P_ROUTER_KIND, P_N_GROUP, P_TOPK_GROUP, P_ROUTED_SCALING,
                P_SHARED_INTERMEDIATE, P_ATTENTION_BIAS, P_QK_NORM, P_SWIGLU_ALPHA, P_SWIGLU_LIMIT, P_YARN_FACTOR,
                P_YARN_ORIGINAL_MAX, P_YARN_BETA_FAST, P_YARN_BETA_SLOW, P_YARN_ATTENTION_FACTOR, P_YARN_TRUNCATE,
-               N_PARAMS } param_id;
+               P_LIN_K_HEADS, P_LIN_V_HEADS, P_LIN_K_DIM, P_LIN_V_DIM, P_LIN_CONV, N_PARAMS } param_id;
 static const char *const PARAM_KEY[N_PARAMS] = {
     "family", "rotary_dim", "sliding_window", "router_kind", "n_group", "topk_group", "routed_scaling_factor",
     "shared_intermediate_size", "attention_bias", "qk_norm", "swiglu_alpha", "swiglu_limit", "yarn_factor",
     "yarn_original_max_position", "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor", "yarn_truncate",
+    "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_conv_kernel_dim",
 };
 static const char *const FAMILY_NAME[SMOE_FAMILY_COUNT] = {
     "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe",
@@ -566,7 +594,7 @@ static smoe_status parse_params(const uint8_t *d, uint32_t n, smoe_layout *L) {
         for (int k = 0; k < N_PARAMS; k++)
             if (!strcmp(key, PARAM_KEY[k])) id = k;
         if (id < 0)
-            return smoe_fail(SMOE_ERR_UNSUPPORTED, "this vault needs a newer pysmoe: unknown parameter '%s'", pk);
+            return smoe_fail(SMOE_ERR_VAULT, "this vault needs a newer pysmoe: unknown parameter '%s'", pk);
         if (seen[id]) return smoe_fail(SMOE_ERR_VAULT, "parameter '%s' appears twice", pk);
         seen[id] = true;
         double v = rdf64(e + PARAM_KEY_BYTES);
@@ -575,7 +603,7 @@ static smoe_status parse_params(const uint8_t *d, uint32_t n, smoe_layout *L) {
         case P_FAMILY:
             rc = param_int(pk, v, 0, 255, &m->family);
             if (rc == SMOE_OK && m->family >= SMOE_FAMILY_COUNT)
-                rc = smoe_fail(SMOE_ERR_UNSUPPORTED, "this vault needs a newer pysmoe: unknown model family %u",
+                rc = smoe_fail(SMOE_ERR_VAULT, "this vault needs a newer pysmoe: unknown model family %u",
                                m->family);
             break;
         case P_ROTARY_DIM: rc = param_int(pk, v, 2, c->head_dim, &m->rotary_dim); break;
@@ -604,6 +632,11 @@ static smoe_status parse_params(const uint8_t *d, uint32_t n, smoe_layout *L) {
         case P_YARN_BETA_SLOW: rc = param_real(pk, v, 1e-6, 1e6, &m->yarn_beta_slow); break;
         case P_YARN_ATTENTION_FACTOR: rc = param_real(pk, v, 1e-6, 1e6, &m->yarn_attention_factor); break;
         case P_YARN_TRUNCATE: rc = param_int(pk, v, 0, 1, &m->yarn_truncate); break;
+        case P_LIN_K_HEADS: rc = param_int(pk, v, 1, 1024, &m->linear_k_heads); break;
+        case P_LIN_V_HEADS: rc = param_int(pk, v, 1, 1024, &m->linear_v_heads); break;
+        case P_LIN_K_DIM: rc = param_int(pk, v, 1, 1024, &m->linear_k_dim); break;
+        case P_LIN_V_DIM: rc = param_int(pk, v, 1, 1024, &m->linear_v_dim); break;
+        case P_LIN_CONV: rc = param_int(pk, v, 1, 64, &m->linear_conv_kernel); break;
         default: break;
         }
         if (rc) return rc;
@@ -613,6 +646,18 @@ static smoe_status parse_params(const uint8_t *d, uint32_t n, smoe_layout *L) {
         return smoe_fail(SMOE_ERR_VAULT, "parameters: YaRN (yarn_factor %g) needs yarn_original_max_position", m->yarn_factor);
     if (m->family == SMOE_FAMILY_GPT_OSS && !(seen[P_SWIGLU_ALPHA] && seen[P_SWIGLU_LIMIT]))
         return smoe_fail(SMOE_ERR_VAULT, "parameters: a gpt_oss vault needs swiglu_alpha and swiglu_limit");
+    bool linear = false;
+    for (uint32_t l = 0; l < c->num_hidden_layers; l++) linear |= L->layer_attn[l] == SMOE_ATTN_LINEAR;
+    const bool sized = m->linear_k_heads && m->linear_v_heads && m->linear_k_dim && m->linear_v_dim &&
+                       m->linear_conv_kernel;
+    const bool any = (m->linear_k_heads | m->linear_v_heads | m->linear_k_dim | m->linear_v_dim |
+                      m->linear_conv_kernel) != 0;
+    if (linear != sized || any != sized)
+        return smoe_fail(SMOE_ERR_VAULT, "parameters: the linear_* sizes must be given, all of them, exactly when a "
+                                         "layer is linear attention (%s)", linear ? "there is one" : "there is none");
+    if (sized && m->linear_v_heads % m->linear_k_heads)
+        return smoe_fail(SMOE_ERR_VAULT, "parameters: linear_num_value_heads %u is not a multiple of "
+                                         "linear_num_key_heads %u", m->linear_v_heads, m->linear_k_heads);
     if (c->num_experts % m->n_group || m->topk_group > m->n_group)
         return smoe_fail(SMOE_ERR_VAULT, "parameters: n_group %u must divide num_experts %u, topk_group %u <= n_group",
                          m->n_group, c->num_experts, m->topk_group);
@@ -851,6 +896,17 @@ static smoe_status parse_dense_table(const uint8_t *d, smoe_layout *L) {
             w->shared_up = T(L_SHARED_UP);
             w->shared_down = T(L_SHARED_DOWN);
             w->sinks = T(L_SINKS);
+            w->q_gate = T(L_Q_GATE);
+            w->shared_expert_gate = T(L_SHARED_XGATE);
+            w->lin_qkv = T(L_LIN_QKV);
+            w->lin_z = T(L_LIN_Z);
+            w->lin_b = T(L_LIN_B);
+            w->lin_a = T(L_LIN_A);
+            w->lin_conv = T(L_LIN_CONV);
+            w->lin_a_log = T(L_LIN_A_LOG);
+            w->lin_dt_bias = T(L_LIN_DT_BIAS);
+            w->lin_norm = T(L_LIN_NORM);
+            w->lin_out = T(L_LIN_OUT);
 #undef T
         }
         L->embed = &L->tensors[slot_of[G_EMBED] - 1];

@@ -66,6 +66,9 @@ typedef struct {
     /* YaRN RoPE when yarn_factor > 1 (transformers' _compute_yarn_parameters; engine/session.c) */
     double yarn_factor, yarn_original_max, yarn_beta_fast, yarn_beta_slow, yarn_attention_factor;
     uint32_t yarn_truncate;       /* round the correction range outwards (transformers' `truncate`) */
+    /* The Gated DeltaNet of linear-attention layers (Qwen3-Next, Qwen3.5-MoE; 0 without): q and k
+     * heads of linear_k_dim, v heads of linear_v_dim, a causal convolution of linear_conv_kernel taps */
+    uint32_t linear_k_heads, linear_v_heads, linear_k_dim, linear_v_dim, linear_conv_kernel;
 } smoe_model_params;
 
 typedef struct {
@@ -78,6 +81,13 @@ typedef struct {
     const smoe_tensor *mlp_gate, *mlp_up, *mlp_down; /* dense layers, else NULL */
     const smoe_tensor *shared_gate, *shared_up, *shared_down; /* sparse layers with a shared expert, else NULL */
     const smoe_tensor *sinks;                  /* 1 × heads: attention sinks (gpt-oss), else NULL */
+    /* Qwen3-Next / Qwen3.5-MoE: gated attention's output gate (q rows × hidden) and the shared
+     * expert's sigmoid gate (1 × hidden); a linear-attention layer's Gated DeltaNet in place of
+     * q, k, v, o: in-projections qkv (conv_dim), z (v_heads·v_dim), b and a (v_heads), the
+     * convolution (conv_dim × kernel), A_log and dt_bias (1 × v_heads), the gated norm (1 × v_dim)
+     * and the out-projection (hidden × v_heads·v_dim). NULL where the layer has none. */
+    const smoe_tensor *q_gate, *shared_expert_gate;
+    const smoe_tensor *lin_qkv, *lin_z, *lin_b, *lin_a, *lin_conv, *lin_a_log, *lin_dt_bias, *lin_norm, *lin_out;
     bool sparse;
     uint8_t attn;                              /* smoe_attn_kind */
 } smoe_layer_weights;

@@ -40,7 +40,20 @@ def kv_bytes(config: dict, context: int, kv_dtype: str | None = None) -> int:
     """The session's K and V caches (every layer, the whole context, in kv_dtype: None for the
     library's default), as smoe_session_new allocates them (stats()["kv_bytes"])."""
     kv_dim = config["num_key_value_heads"] * config["head_dim"]
-    return 2 * config["num_hidden_layers"] * context * kv_dim * KV_ELEM_BYTES[kv_dtype or default_kv_dtype()]
+    kv = 2 * config["num_hidden_layers"] * context * kv_dim * KV_ELEM_BYTES[kv_dtype or default_kv_dtype()]
+    return kv + recurrent_state_bytes(config)
+
+
+def recurrent_state_bytes(config: dict) -> int:
+    """A hybrid model's (Qwen3-Next, Qwen3.5-MoE) recurrent and convolution states of its linear
+    layers and their one snapshot, f32, counted with the KV cache (docs/hybrid.md); 0 otherwise."""
+    linear = sum(t == "linear_attention" for t in config.get("layer_types") or [])
+    if not linear or config.get("model_type") not in ("qwen3_next", "qwen3_5_moe"):
+        return 0
+    nk, nv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    conv = linear * (config["linear_conv_kernel_dim"] - 1) * (2 * nk * dk + nv * dv)
+    return 2 * (4 * linear * nv * dk * dv + max(4 * conv, 64))  # (an empty plane is allocated as 64 bytes)
 
 
 # The layer-major chunk a CPU session gets when none is given (default_chunk). Every expert in

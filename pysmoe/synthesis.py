@@ -42,6 +42,12 @@ _COMMON = dict(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, t
                rms_norm_eps=1e-6, rope_theta=1e6, model_type="qwen3_moe",
                architectures=["Qwen3MoeForCausalLM"])
 
+# The Qwen3.5-MoE line (model_type qwen3_5_moe, docs/hybrid.md): every layer sparse with a gated
+# shared expert, full attention every 4th layer, partial RoPE over a quarter of each head.
+_HYBRID = dict(_COMMON, model_type="qwen3_5_moe", architectures=["Qwen3_5MoeForCausalLM"], rope_theta=1e7,
+               max_position_embeddings=262144, full_attention_interval=4, partial_rotary_factor=0.25,
+               linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128)
+
 PRESETS = {
     # Tests: every feature of the format at a size that builds in milliseconds. head_dim 32 is
     # not hidden/heads on purpose, layer 2 is a dense MLP layer.
@@ -60,6 +66,33 @@ PRESETS = {
     "a22b": dict(_COMMON, vocab_size=151936, hidden_size=4096, num_hidden_layers=94, num_attention_heads=64,
                  num_key_value_heads=4, head_dim=128, intermediate_size=12288, moe_intermediate_size=1536,
                  num_experts=128, num_experts_per_tok=8, max_position_embeddings=40960),
+    # Qwen3.6-35B-A3B (= Qwen3.5-35B-A3B's shapes): 40 layers, 3 Gated DeltaNet to 1 gated attention,
+    # a shared expert beside 8 of 256 routed ones.
+    "qwen3.6-35b-a3b": dict(_HYBRID, vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+                            num_attention_heads=16, num_key_value_heads=2, head_dim=256, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, intermediate_size=512, num_experts=256,
+                            num_experts_per_tok=8, linear_num_key_heads=16, linear_num_value_heads=32),
+    # Qwen3.5-397B-A17B: 60 layers, 10 of 512 experts; cut it with `--layers`.
+    "qwen3.5-397b-a17b": dict(_HYBRID, vocab_size=248320, hidden_size=4096, num_hidden_layers=60,
+                              num_attention_heads=32, num_key_value_heads=2, head_dim=256, moe_intermediate_size=1024,
+                              shared_expert_intermediate_size=1024, intermediate_size=1024, num_experts=512,
+                              num_experts_per_tok=10, linear_num_key_heads=16, linear_num_value_heads=64),
+    # GLM-4.5 family (glm4_moe): sigmoid router with e_score_correction_bias, group-limited choice,
+    # a shared expert, the first layer dense, partial RoPE, q/k/v biases. tiny-glm for tests.
+    "tiny-glm": dict(_COMMON, model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=512,
+                     hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                     intermediate_size=128, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
+                     max_position_embeddings=4096, mlp_only_layers=[0], first_k_dense_replace=1, n_shared_experts=1,
+                     n_group=4, topk_group=2, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=False,
+                     partial_rotary_factor=0.5),
+    # GLM-4.5-Air (106B total, 12B active): its config.json's shape.
+    "glm-4.5-air": dict(_COMMON, model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=151552,
+                        hidden_size=4096, num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8,
+                        head_dim=128, intermediate_size=10944, moe_intermediate_size=1408, num_experts=128,
+                        num_experts_per_tok=8, max_position_embeddings=131072, mlp_only_layers=[0],
+                        first_k_dense_replace=1, n_shared_experts=1, n_group=1, topk_group=1,
+                        routed_scaling_factor=1.0, attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5,
+                        rms_norm_eps=1e-5),
 }
 
 # gpt-oss-20b and -120b (openai/gpt-oss-*'s config.json): every layer sparse, sliding-window
@@ -409,7 +442,7 @@ class RealisticRouting:
 
     def zero_rows(self, name: str) -> int:
         """Leading rows of a dense matrix that must be zero: the residual writers."""
-        return self.reserved if name.endswith(("o_proj", "down_proj")) else 0
+        return self.reserved if name.endswith(("o_proj", "down_proj", "linear.out")) else 0
 
 
 ROUTINGS = {"uniform": UniformRouting, "realistic": RealisticRouting}
@@ -467,8 +500,15 @@ def _write_dense(writer: VaultWriter, name: str, rng: np.random.Generator, routi
     if role == "norms" and name.endswith((".bias", ".sinks")):
         writer.add_dense(name, _uniform(rng, (t.cols,), BIAS_STD))
         return
+    if name.endswith(("linear.conv", "linear.A_log")):  # a Gated DeltaNet's: taps of std 1/√K; A = −exp(A_log) ≈ −1
+        std = 1 / math.sqrt(t.cols) if name.endswith("conv") else NORM_SPREAD
+        writer.add_dense(name, _uniform(rng, (t.rows, t.cols), std))
+        return
     if role == "norms":
         writer.add_dense(name, _uniform(rng, (t.cols,), NORM_SPREAD, mean=1.0))
+        return
+    if name.endswith("shared_gate"):  # a shared expert's gate: sigmoid of a logit of std ~1
+        writer.add_dense(name, _uniform(rng, (t.rows, t.cols), 1 / math.sqrt(t.cols)))
         return
     if role == "router":
         writer.add_dense(name, routing.router(int(name.split(".")[1]), rng))

@@ -62,11 +62,14 @@ FAMILIES = {"qwen3_moe": 0, "mixtral": 1, "olmoe": 2, "glm4_moe": 3, "gpt_oss": 
             "qwen3_5_moe": 6}
 FAMILY_NAME = {v: k for k, v in FAMILIES.items()}
 # What the engine of this build runs (a vault of another family opens, and is refused by a session).
-RUNNABLE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss")
+RUNNABLE_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe")
+LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+               "linear_conv_kernel_dim")
 PARAM_KEYS = ("family", "rotary_dim", "sliding_window", "router_kind", "n_group", "topk_group",
               "routed_scaling_factor", "shared_intermediate_size", "attention_bias", "qk_norm",
               "swiglu_alpha", "swiglu_limit", "yarn_factor", "yarn_original_max_position", "yarn_beta_fast",
-              "yarn_beta_slow", "yarn_attention_factor", "yarn_truncate")
+              "yarn_beta_slow", "yarn_attention_factor", "yarn_truncate") + LINEAR_KEYS
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")  # Gated DeltaNet + gated attention (convert/qwen_hybrid.py)
 ATTN_FULL, ATTN_SLIDING, ATTN_LINEAR = 0, 1, 2
 # gpt-oss's blobs hold each expert's biases after its matrices (f32 rows)
 EXPERT_BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")
@@ -94,6 +97,11 @@ def normalize_config(cfg: dict) -> dict:
     """
     out = dict(cfg)
     mt = out.setdefault("model_type", "qwen3_moe")
+    if mt in ("qwen3_5_moe_text",) or mt in HYBRID_FAMILIES:
+        from .convert import qwen_hybrid
+        fam = qwen_hybrid.family_of(out) or mt
+        out = qwen_hybrid.normalize(out, fam)
+        mt = out["model_type"] = fam
     if mt not in FAMILIES:
         raise ValueError(f"model_type {mt!r} is not a family pysmoe knows ({', '.join(FAMILIES)})")
     if mt == "glm4_moe" and "n_routed_experts" in out and "num_experts" not in out:
@@ -160,6 +168,9 @@ def _normalize_family(out: dict) -> None:
         bad = sorted(set(out["layer_types"]) - {"sliding_attention", "full_attention"})
         if bad or len(out["layer_types"]) != n:
             raise ValueError(f"gpt_oss layer_types must be {n} of sliding_attention/full_attention, got {bad or 'a wrong count'}")
+        sw = out.get("sliding_window")
+        if "sliding_attention" in out["layer_types"] and (not isinstance(sw, int) or isinstance(sw, bool) or sw < 1):
+            raise ValueError(f"gpt_oss has sliding_attention layers but sliding_window is {sw!r}")
         rp = out.get("rope_parameters") or out.get("rope_scaling") or {}
         if rp.get("rope_type", rp.get("type", "default")) not in ("yarn", "default"):
             raise ValueError(f"gpt_oss with RoPE type {rp.get('rope_type')!r} is not supported (yarn or default)")
@@ -203,6 +214,12 @@ def family_params(cfg: dict) -> dict:
         p["swiglu_alpha"] = float(cfg.get("swiglu_alpha", 1.702))
         p["swiglu_limit"] = float(cfg.get("swiglu_limit", 7.0))
         p.update(yarn_params(cfg))
+    elif mt in HYBRID_FAMILIES:
+        p["qk_norm"] = QK_NORM_HEAD
+        p["rotary_dim"] = int(cfg["rotary_dim"])
+        p["shared_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
+        if ATTN_LINEAR in layer_attention(cfg):
+            p.update({k: int(cfg[k]) for k in LINEAR_KEYS})
     else:
         raise ValueError(f"model_type {mt!r}: this pysmoe cannot write its vault yet")
     return p
@@ -230,10 +247,15 @@ def yarn_params(cfg: dict) -> dict:
 
 
 def layer_attention(cfg: dict) -> list[int]:
-    """Per layer its attention kind (ATTN_FULL, ATTN_SLIDING): bits 1-2 of its kind byte."""
-    if cfg.get("model_type") != "gpt_oss":
+    """Per layer its attention kind (bits 1-2 of the kind byte): gpt-oss's sliding_attention layers
+    ATTN_SLIDING, the hybrids' linear_attention layers ATTN_LINEAR, else ATTN_FULL."""
+    mt = cfg.get("model_type")
+    types = cfg.get("layer_types") if mt == "gpt_oss" or mt in HYBRID_FAMILIES else None
+    if not types:
         return [ATTN_FULL] * cfg["num_hidden_layers"]
-    return [ATTN_SLIDING if t == "sliding_attention" else ATTN_FULL for t in cfg["layer_types"]]
+    kind = {"sliding_attention": ATTN_SLIDING if mt == "gpt_oss" else ATTN_FULL,
+            "linear_attention": ATTN_LINEAR if mt in HYBRID_FAMILIES else ATTN_FULL}
+    return [kind.get(t, ATTN_FULL) for t in types]
 
 
 def layer_kinds(cfg: dict) -> list[bool]:
@@ -269,8 +291,11 @@ def role_of(name: str) -> str:
         return "embed"
     if name == "lm_head":
         return "lm_head"
-    if name == "norm" or name.endswith(("layernorm", "q_norm", "k_norm", ".bias", ".sinks")):
-        return "norms"  # float vectors: norms and biases
+    if name == "norm" or name.endswith(("layernorm", "q_norm", "k_norm", ".bias", ".sinks", "linear.conv",
+                                         "linear.A_log", "linear.dt_bias", "linear.norm")):
+        return "norms"  # float vectors: norms and biases (and a Gated DeltaNet's small f32 weights)
+    if name.endswith("shared_gate"):
+        return "router"  # a shared expert's sigmoid gate: one row, kept f32 like the router
     if name.endswith("router"):
         return "router"
     if ".mlp." in name or ".shared." in name:
@@ -287,6 +312,24 @@ def dense_shapes(cfg: dict) -> list[tuple[str, int, int]]:
     qk, bias = fp.get("qk_norm", QK_NORM_HEAD), fp.get("attention_bias", 0)
     shared = fp.get("shared_intermediate_size", 0)
     out = [("embed_tokens", cfg["vocab_size"], h)]
+    if cfg.get("model_type") in HYBRID_FAMILIES:
+        from .convert import qwen_hybrid
+        mixers = qwen_hybrid.dense_shapes(cfg)
+        for l, sparse in enumerate(layer_kinds(cfg)):
+            p = f"layers.{l}."
+            mine = [t for t in mixers if t[0].startswith(p)]
+            shared_part = [t for t in mine if ".shared" in t[0]]
+            out += [t for t in mine if ".shared" not in t[0]]
+            if sparse:
+                out.append((p + "router", cfg["num_experts"], h))
+                out += shared_part if shared else []
+            else:
+                i = cfg["intermediate_size"]
+                out += [(p + "mlp.gate_proj", i, h), (p + "mlp.up_proj", i, h), (p + "mlp.down_proj", h, i)]
+        out.append(("norm", 1, h))
+        if not cfg["tie_word_embeddings"]:
+            out.append(("lm_head", cfg["vocab_size"], h))
+        return out
     for l, sparse in enumerate(layer_kinds(cfg)):
         p = f"layers.{l}."
         out += [(p + "input_layernorm", 1, h), (p + "q_proj", q_out, h), (p + "k_proj", kv_out, h),
@@ -1015,12 +1058,22 @@ def info(path) -> str:
                  f"max positions {cfg['max_position_embeddings']}",
                  f"experts    {cfg['num_experts']} x {cfg['moe_intermediate_size']}, top-{cfg['num_experts_per_tok']}"
                  f"{' (renormalised)' if cfg['norm_topk_prob'] else ''}; dense MLP {cfg['intermediate_size']}",
+                 f"recipe     {_recipe_line(v)}",
                  f"file       {_size(h.file_size)} ({h.file_size} bytes)",
                  f"dense      {_size(h.dense_bytes)} in {h.n_tensors} tensors (resident)",
                  f"blobs      {n_sparse * E} x {_size(h.blob_bytes)} = {_size(E * sum(v.layer_blob_bytes))}",
                  f"kv cache   {_size(kv_per_token * 4)} per token in f32, {_size(kv_per_token * 2)} in bf16/f16 "
                  f"(a session reserves its whole context: by default {context:,} tokens = "
                  f"{_size(kv_per_token * 4 * context)} in f32)"]
+        lin = [k == ATTN_LINEAR for k in v.attention_kinds]
+        if any(lin):
+            from .memory import recurrent_state_bytes
+            p = v.params
+            lines.insert(3, f"linear     {sum(lin)} of {len(lin)} layers Gated DeltaNet: "
+                            f"{int(p['linear_num_key_heads'])} q/k heads x {int(p['linear_key_head_dim'])}, "
+                            f"{int(p['linear_num_value_heads'])} v heads x {int(p['linear_value_head_dim'])}, "
+                            f"conv {int(p['linear_conv_kernel_dim'])}; states + snapshot "
+                            f"{_size(recurrent_state_bytes(cfg))} a session")
         def fmt(t: Tensor) -> str:  # q4/g64/bf16, f32
             return t.format + (f"/g{t.group}/{t.scale_format}" if quant.is_quantized(t.format) else "")
 
@@ -1028,10 +1081,16 @@ def info(path) -> str:
         for t in v.tensors.values():
             roles.setdefault(role_of(t.name), set()).add(fmt(t))
         if n_sparse:
-            roles["experts"] = {fmt(t) for t in v.expert_tensors}
+            roles["experts"] = {fmt(t) for x in v.layer_expert_tensors for t in x}
         lines.append("formats    " + ", ".join(f"{r} {'+'.join(sorted(roles[r]))}" for r in ROLES if r in roles))
-        if n_sparse and len({fmt(t) for t in v.expert_tensors}) > 1:
-            lines.append("experts    " + ", ".join(f"{t.name} {fmt(t)}" for t in v.expert_tensors))
+        if n_sparse and len(roles["experts"]) > 1:
+            # per part, the formats of every layer (a GGUF mix changes them from layer to layer)
+            by_part: dict[str, list] = {}
+            for x in v.layer_expert_tensors:
+                for t in x:
+                    if fmt(t) not in by_part.setdefault(t.name, []):
+                        by_part[t.name].append(fmt(t))
+            lines.append("experts    " + ", ".join(f"{n} {'+'.join(f)}" for n, f in by_part.items()))
         src = v.dir / "source.json"
         if src.exists():
             try:
@@ -1051,6 +1110,46 @@ def info(path) -> str:
         return "\n".join(lines)
     finally:
         v.close()
+
+
+def _recipe_line(v: VaultFile) -> str:
+    """The family and what of its recipe differs from Qwen3-MoE's, from the parameter table."""
+    p, hd = v.params, v.binary_config["head_dim"]
+    parts = [v.family]
+    qk = int(p.get("qk_norm", QK_NORM_HEAD))
+    parts.append({QK_NORM_NONE: "no QK-norm", QK_NORM_HEAD: "QK-norm per head",
+                  QK_NORM_WHOLE: "QK-norm over the whole projection"}.get(qk, f"qk_norm {qk}"))
+    bias = int(p.get("attention_bias", 0))
+    if bias:
+        parts.append("q/k/v/o biases" if bias == 2 else "q/k/v biases")
+    rot = int(p.get("rotary_dim", hd))
+    if rot != hd:
+        parts.append(f"RoPE on {rot} of {hd} dims")
+    kind = int(p.get("router_kind", ROUTER_SOFTMAX_TOPK))
+    if kind == ROUTER_SIGMOID_GROUP:
+        g, tg = int(p.get("n_group", 1)), int(p.get("topk_group", 1))
+        groups = f", best {tg} of {g} groups" if g > 1 else ""
+        parts.append(f"sigmoid router with score bias{groups}, x{p.get('routed_scaling_factor', 1.0):g}")
+    elif kind == ROUTER_TOPK_SOFTMAX:
+        parts.append("top-k then softmax router")
+    else:
+        parts.append("softmax router")
+    shared = int(p.get("shared_intermediate_size", 0))
+    if shared:
+        parts.append(f"shared expert {shared}")
+    n_sliding = sum(k == ATTN_SLIDING for k in v.attention_kinds)
+    if n_sliding:
+        parts.append(f"sliding window {int(p.get('sliding_window', 0))} on {n_sliding} of {len(v.attention_kinds)} layers")
+    kinds = {k for k in v.attention_kinds if k not in (ATTN_FULL, ATTN_SLIDING)}
+    if kinds:
+        parts.append("attention kinds " + "+".join(str(k) for k in sorted(kinds)))
+    if v.family == "gpt_oss":
+        parts.append(f"attention sinks, clamped SwiGLU (limit {p.get('swiglu_limit', 0):g}), expert biases")
+    if float(p.get("yarn_factor", 1)) > 1:
+        parts.append(f"YaRN x{p['yarn_factor']:g} over {int(p.get('yarn_original_max_position', 0))} positions")
+    if v.family not in RUNNABLE_FAMILIES:
+        parts.append("(this pysmoe cannot run it)")
+    return ", ".join(parts)
 
 
 def _has_chat_template(d: pathlib.Path) -> bool:

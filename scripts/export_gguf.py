@@ -178,7 +178,12 @@ def tokenizer_fields(vault_dir: pathlib.Path, vocab_size: int) -> dict:
     eos = tid(tcfg.get("eos_token")) or tid("<|im_end|>") or tid("<|endoftext|>")
     pad = tid(tcfg.get("pad_token")) or tid("<|endoftext|>")
     bos = tid(tcfg.get("bos_token")) or tid("<|endoftext|>")  # as convert_hf_to_gguf.py does for Qwen
-    return {"tokens": tokens, "types": types, "merges": merges, "eos": eos, "pad": pad, "bos": bos}
+    # llama.cpp's name for the pre-tokenizer: a plain ByteLevel one (its own GPT-2 regex, as the
+    # demo's and the synthetic tokenizers have) is "gpt-2"; otherwise Qwen's regex is assumed
+    pre = tok.get("pre_tokenizer") or {}
+    pre_name = "gpt-2" if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) else "qwen2"
+    return {"tokens": tokens, "types": types, "merges": merges, "eos": eos, "pad": pad, "bos": bos,
+            "pre": pre_name}
 
 
 # ------------------------------------------------------------------------------ export
@@ -249,7 +254,7 @@ def add_metadata(w, cfg: dict, tok: dict, expert_type: str, name: str) -> None:
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
+    w.add_tokenizer_pre(tok["pre"])
     w.add_token_list(tok["tokens"])
     w.add_token_types(tok["types"])
     if tok["merges"]:

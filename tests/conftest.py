@@ -36,6 +36,12 @@ def tiny_vault(make_vault):
 
 
 @pytest.fixture(scope="session")
+def tiny_glm_vault(make_vault):
+    """A GLM-4.5-family vault (vault v3's parameters, biases, router.bias, shared experts)."""
+    return make_vault("tiny_glm", preset="tiny-glm", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_vault_f32(make_vault):
     return make_vault("tiny_f32", preset="tiny", seed=0, experts="f32", formats=ALL_F32)
 

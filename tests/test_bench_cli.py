@@ -389,3 +389,19 @@ def test_floor_requests_patterns():
     assert reqs == [(10 * B, 4 * B), (14 * B, 2 * B)]  # first to last union blob, nothing past it
     reqs, used = _floor_requests("blobs", B, [layer, layer], B, 3 * B)
     assert len(reqs) == 3 and used == 1  # stops at the budget
+
+
+def test_peer_on_one_gguf_file_for_both_engines(tmp_path):
+    """bench/peer.py --gguf FILE without a vault: pysmoe runs its import of that very file
+    (made once under --tmp), llama.cpp the file; a llama.cpp-made Q8_0 model agrees."""
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    import pathlib
+    gguf = pathlib.Path(__file__).parent / "data" / "gguf" / "tiny-q8_0.gguf"
+    peer = _load("peer")
+    out = tmp_path / "peer.json"
+    assert peer.main(["--gguf", str(gguf), "--modes", "check", "--prompt-lengths", "12", "--threads", "1",
+                      "--tmp", str(tmp_path), "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert pathlib.Path(res["vault"]).parent == tmp_path and (pathlib.Path(res["vault"]) / "vault.bin").exists()
+    assert res["check"]["positions"] == 12 and res["check"]["corr_median"] > 0.999

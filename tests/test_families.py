@@ -8,12 +8,15 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import pysmoe  # noqa: E402
 from hf_models import write_tokenizer  # noqa: E402
+from test_prefill import assert_identical, run_path  # noqa: E402
 from pysmoe.convert import convert_checkpoint  # noqa: E402
 from pysmoe.reference import ReferenceModel  # noqa: E402
 from pysmoe.vaultio import read_vault  # noqa: E402
@@ -172,3 +175,55 @@ def test_mlx_4bit_import_runs_as_mlx_lm_does(family, tmp_path):
     rel = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
     print(f"{family}: mlx 4-bit max|engine - mlx-lm| / max|logit| = {rel:.3g}")
     assert rel <= TOL
+
+
+@pytest.fixture(scope="module")
+def family_vaults(tmp_path_factory):
+    """q4-expert vaults of the GLM (grouped router, shared expert, biases, partial RoPE) and OLMoE
+    (QK-norm over the whole projection) configs, and a Mixtral one (no QK-norm)."""
+    out = {}
+    for name in ("glm4_moe", "glm4_moe_qknorm", "olmoe", "mixtral"):
+        tmp = tmp_path_factory.mktemp(f"hyp-{name}")
+        path, _ = _build(name, tmp)
+        out[name] = convert_checkpoint(path, tmp / "q4", experts="q4", dense="f32", progress=False)
+    return out
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_layer_major_is_bit_identical_to_token_serial(family_vaults, data):
+    name = data.draw(st.sampled_from(sorted(family_vaults)), label="family")
+    with pysmoe.open_vault(family_vaults[name]) as vault:
+        V = vault.config["vocab_size"]
+        n = data.draw(st.integers(1, 60), label="prompt length")
+        ids = data.draw(st.lists(st.integers(0, V - 1), min_size=n, max_size=n), label="ids")
+        chunk = data.draw(st.integers(1, 64), label="chunk")
+        threads = data.draw(st.integers(1, 3), label="threads")
+        budget = data.draw(st.sampled_from([0, vault.expert_bytes * 2]), label="budget")
+        kv_dtype = data.draw(st.sampled_from(pysmoe.KV_DTYPES), label="kv_dtype")
+        acts = data.draw(st.sampled_from(["f32", "q8"]), label="activations")
+        kw = dict(threads=threads, cache_bytes=budget, kv_dtype=kv_dtype, activations=acts)
+        assert_identical(run_path(vault, ids, "token-serial", **kw),
+                         run_path(vault, ids, "layer-major", chunk=chunk, **kw))
+
+
+def test_glm_synth_presets_and_info(tiny_glm_vault):
+    """`pysmoe synth --preset tiny-glm` writes a GLM vault the engine runs (layer-major = token
+    serial) and `info` names its family and recipe; glm-4.5-air's layout is GLM-4.5-Air's shape."""
+    from pysmoe import synthesis as S
+    from pysmoe import vaultio as V
+
+    text = V.info(tiny_glm_vault)
+    assert "model      glm4_moe" in text
+    assert "q/k/v biases, RoPE on 16 of 32 dims, sigmoid router with score bias, best 2 of 4 groups, x2.5, " \
+           "shared expert 64" in text
+    with pysmoe.open_vault(tiny_glm_vault) as v:
+        ids = list(range(3, 40))
+        assert_identical(run_path(v, ids, "token-serial"), run_path(v, ids, "layer-major", chunk=7, threads=2))
+    air = V.compute_layout(S.preset_config("glm-4.5-air", layers=3))
+    assert air.params == {"family": 3, "qk_norm": 0, "attention_bias": 1, "router_kind": 1, "n_group": 1,
+                          "topk_group": 1, "routed_scaling_factor": 1.0, "shared_intermediate_size": 1408,
+                          "rotary_dim": 64}
+    assert air.sparse == (False, True, True)
+    assert air.tensors["layers.1.shared.gate_proj"].rows == 1408 and air.tensors["layers.0.mlp.gate_proj"].rows == 10944
+    assert air.tensors["layers.1.q_proj"].rows == 96 * 128 and air.tensors["layers.2.router.bias"].cols == 128

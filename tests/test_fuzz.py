@@ -67,3 +67,25 @@ def test_c_fuzz_driver_short_run(tiny_vault, tmp_path):
     caught, unused, unchecked = map(int, blobs.groups())
     assert caught + unused == 25 and unchecked == 25 and caught > 0
     assert list(out.iterdir()) == []  # its blob copy and kept input removed
+
+
+def test_fuzzers_on_a_glm_vault(tiny_glm_vault, tmp_path):
+    """Both fuzzers seeded with a vault of another family: the parameter table, per-layer blob
+    layouts, biases, router.bias and shared experts under mutation (header and tables only)."""
+    out = tmp_path / "py"
+    read = fuzz_vaultio.main(200, tiny_glm_vault, out, seed=1)
+    assert 0 < read < 200 and list(out.iterdir()) == []
+    cc = os.environ.get("CC", "cc")
+    if not shutil.which("make") or not shutil.which(cc):
+        pytest.skip(f"make or {cc} not found")
+    driver, out = tmp_path / "fuzz_vault", tmp_path / "out"
+    r = subprocess.run(["make", "-s", "--no-print-directory", f"FUZZ_DRIVER={driver}", "FUZZ_CFLAGS=-O1 -Werror",
+                        str(driver)], cwd=ROOT, capture_output=True, text=True, env=tool_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    out.mkdir()
+    vault_bin = tiny_glm_vault / "vault.bin"
+    r = subprocess.run([str(driver), "2000", str(out), str(vault_bin)], capture_output=True, text=True,
+                       env=tool_env(), timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    parsed = re.search(rf"^{re.escape(str(vault_bin))}: 2000 mutations, (\d+) parsed$", r.stdout, re.M)
+    assert parsed and 0 < int(parsed.group(1)) < 2000, r.stdout

@@ -43,6 +43,26 @@ def test_mxfp4_bad_shapes():
         mxfp4_to_ggml(np.zeros((2, 3, 16), np.uint8), np.zeros((2, 4), np.uint8))
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"sliding_window": None}, "sliding_window is None"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}}, "RoPE type"),
+])
+def test_bad_gpt_oss_configs_are_refused(tmp_path, change, message):
+    import json as _json
+
+    from pysmoe.convert import ConvertError, load_config
+
+    cfg = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+           "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+           "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+           "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, **change}
+    (tmp_path / "config.json").write_text(_json.dumps(cfg))
+    with pytest.raises(ConvertError, match=message):
+        load_config(tmp_path)
+
+
 def test_split_gate_up_is_transformers_interleave():
     w = np.arange(2 * 5 * 8).reshape(2, 5, 8)  # (E, H, 2I): gate columns 0, 2, ..; up 1, 3, ..
     gate, up = split_gate_up(w[1], 1)
@@ -193,6 +213,34 @@ def test_sinks_window_yarn_and_biases_matter(case):
         assert _rel(hf_logits(m, ids), ref) > 10 * TOL, f"{name}: leaving out the {what} changes nothing"
 
 
+def test_q4_experts_from_a_float_checkpoint(tmp_path):
+    """A float checkpoint's experts quantised to q4 (MLX's quantiser), biases kept f32: the vault
+    matches transformers run on the experts read back from the vault, in both activation modes'
+    bit identity."""
+    path, model = build_gpt_oss(tmp_path, **CASES["yarn"])
+    vault = convert_checkpoint(path, tmp_path / "vault", experts="q4", dense="f32", group=32, progress=False, jobs=1)
+    vf = pysmoe.vaultio.read_vault(vault)
+    assert [t.format for t in vf.layer_expert_tensors[0]] == ["q4", "q4", "q4", "f32", "f32", "f32"]
+    with torch.no_grad():
+        for l, layer in enumerate(model.model.layers):
+            ex = layer.mlp.experts
+            for e in range(model.config.num_local_experts):
+                gate, up, down = (torch.from_numpy(np.asarray(m)) for m in vf.expert(l, e))
+                ex.gate_up_proj[e][:, 0::2] = gate.T
+                ex.gate_up_proj[e][:, 1::2] = up.T
+                ex.down_proj[e] = down.T
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, 320, PROMPT)]
+    ref = hf_logits(model, ids)
+    with pysmoe.open_vault(vault) as v:
+        with v.session(chunk=6, activations="f32") as s:
+            lm = s.prefill_logits(ids, list(range(PROMPT)))
+        for act in ("f32", "q8"):
+            with v.session(chunk=6, activations=act) as s, v.session(prefill="token-serial", activations=act) as t:
+                a, b = s.prefill(ids), t.prefill(ids)
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), act
+    assert _rel(lm, ref) < TOL
+
+
 # ------------------------------------------------------------------------------ MXFP4 experts, as released
 def write_mxfp4_checkpoint(path, model, seed=0):
     """model's weights with its experts replaced by random MXFP4 blocks and scales, written as the
@@ -313,9 +361,37 @@ def test_synth_presets(tmp_path):
         assert lay.n_blobs == layers * experts and lay.params["sliding_window"] == 128
         assert lay.params["yarn_factor"] == 32.0 and lay.params["router_kind"] == 2
     d = synth(tmp_path / "v", preset="gpt-oss-tiny", experts="MXFP4", progress=False)
+    from pysmoe.vaultio import info
+    recipe = next(line for line in info(d).splitlines() if line.startswith("recipe"))
+    assert "gpt_oss" in recipe and "sliding window 8 on 2 of 4 layers" in recipe and "YaRN x4" in recipe
     ids = [int(i) for i in np.random.default_rng(0).integers(0, 512, 30)]
     with pysmoe.open_vault(d) as v:
         assert v.config["model_type"] == "gpt_oss"
         with v.session(chunk=8) as s, v.session(prefill="token-serial") as t:
             a, b = s.prefill(ids), t.prefill(ids)
     assert np.isfinite(a).all() and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_decode_batch_is_each_session_alone(f32_vault):
+    """Sessions at different positions (some past the window, some not) decoded in one batch: each
+    gets the bits it gets alone (its own KV cache, window and sinks)."""
+    from pysmoe.engine import decode_batch
+
+    rng = np.random.default_rng(5)
+    prompts = [[int(i) for i in rng.integers(0, 320, n)] for n in (2, 9, 17)]
+    toks = [11, 22, 33]
+    with pysmoe.open_vault(f32_vault) as v:
+        alone = []
+        for p, t in zip(prompts, toks):
+            with v.session(chunk=4) as s:
+                s.prefill(p)
+                alone.append(s.decode(t))
+        lead = v.session(chunk=4)
+        batch = [lead] + [v.session(chunk=4, share_cache=lead) for _ in prompts[1:]]
+        for s, p in zip(batch, prompts):
+            s.prefill(p)
+        got = decode_batch(batch, toks)
+        for s in batch:
+            s.close()
+    for a, b in zip(alone, got):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))

@@ -39,8 +39,9 @@ static void cpu_session_free(void *b) {
     cpu_state *c = b;
     if (!c) return;
     void *bufs[] = {c->ids, c->k_cache, c->v_cache, c->x, c->xn, c->q, c->k, c->v, c->att, c->yg, c->scores,
-                    c->router, c->topk_w, c->route_scratch, c->slot_out, c->xg, c->hg, c->h, c->qx_codes, c->qx_d, c->qx_gsum,
-                    c->logits, c->bias};
+                    c->router, c->topk_w, c->route_scratch, c->slot_out, c->xg, c->hg, c->h, c->qx_codes, c->qx_d,
+                    c->qx_gsum, c->logits, c->bias, c->gate, c->mix, c->beta, c->decay, c->sgate, c->lin_s,
+                    c->lin_conv, c->snap_s, c->snap_conv, c->lin_w, c->lin_row, c->lin_scratch};
     for (size_t i = sizeof bufs / sizeof bufs[0]; i-- > 0;) smoe_free(bufs[i]);
     smoe_free(c);
 }
@@ -95,7 +96,9 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
     c->q = plane(pb, C * c->q_dim, sizeof(float), &ok);
     c->k = plane(pb, C * c->kv_dim, sizeof(float), &ok);
     c->v = plane(pb, C * c->kv_dim, sizeof(float), &ok);
-    c->att = plane(pb, C * c->q_dim, sizeof(float), &ok);
+    /* ATT holds attention's output or a DeltaNet's (v_heads · v_dim) */
+    const size_t lin_v = (size_t)p->linear.v_heads * p->linear.v_dim;
+    c->att = plane(pb, C * (c->q_dim > lin_v ? c->q_dim : lin_v), sizeof(float), &ok);
     c->yg = plane(pb, C * H, sizeof(float), &ok);
     c->scores = plane(pb, (size_t)smoe_pool_threads(c->pool) * p->context, sizeof(float), &ok);
     c->router = plane(pb, C * E, sizeof(float), &ok);
@@ -108,6 +111,7 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
     {
         /* the widest input of any q8/q4 product: hidden, q_dim (o_proj) or an FFN width (down) */
         uint32_t cols = H > c->q_dim ? (uint32_t)H : c->q_dim;
+        cols = cols > lin_v ? cols : (uint32_t)lin_v; /* a DeltaNet's out_proj */
         cols = cols > c->ffn ? cols : c->ffn;
         smoe_qx_size z = smoe_qx_sizes(cols, SMOE_FMT_Q8, 32); /* q8's int16 codes and group 32's sums: the larger */
         c->qx_codes = plane(pb, C * z.code_bytes, 1, &ok);
@@ -122,6 +126,37 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
         rows = rows > E ? rows : E;
         c->bias_rows = (uint32_t)rows;
         c->bias = plane(pb, rows + (size_t)cf->num_attention_heads, sizeof(float), &ok);
+    }
+    const uint32_t fam = c->lay->mp.family;
+    if (fam == SMOE_FAMILY_QWEN3_NEXT || fam == SMOE_FAMILY_QWEN3_5_MOE) {
+        /* gated attention, the shared expert's gate and (with linear layers) the Gated DeltaNet */
+        const smoe_linear_shape *ln = &p->linear;
+        const size_t vdim = (size_t)ln->v_heads * ln->v_dim, past = ln->conv_kernel ? ln->conv_kernel - 1 : 0;
+        c->lin = *ln;
+        c->conv_dim = 2 * ln->k_heads * ln->k_dim + ln->v_heads * ln->v_dim;
+        c->n_linear = p->n_linear;
+        c->linear_index = p->linear_index;
+        const size_t gate_w = c->q_dim > vdim ? c->q_dim : vdim;
+        c->gate = plane(pb, C * gate_w, sizeof(float), &ok);
+        c->sgate = plane(pb, C, sizeof(float), &ok);
+        if (p->n_linear) {
+            c->mix = plane(pb, C * c->conv_dim, sizeof(float), &ok);
+            c->beta = plane(pb, C * ln->v_heads, sizeof(float), &ok);
+            c->decay = plane(pb, C * ln->v_heads, sizeof(float), &ok);
+            const size_t s_floats = (size_t)p->n_linear * ln->v_heads * ln->k_dim * ln->v_dim;
+            const size_t conv_floats = (size_t)p->n_linear * past * c->conv_dim;
+            /* the states are the session's like its KV cache: counted with it */
+            uint64_t kvb = 0;
+            c->lin_s = plane(&kvb, s_floats, sizeof(float), &ok);
+            c->lin_conv = plane(&kvb, conv_floats, sizeof(float), &ok);
+            c->snap_s = plane(&kvb, s_floats, sizeof(float), &ok);
+            c->snap_conv = plane(&kvb, conv_floats, sizeof(float), &ok);
+            *kv_bytes += kvb;
+            c->lin_w = plane(pb, (size_t)c->conv_dim * ln->conv_kernel + 2 * ln->v_heads + ln->v_dim, sizeof(float),
+                             &ok);
+            c->lin_row = plane(pb, c->conv_dim, sizeof(float), &ok);
+            c->lin_scratch = plane(pb, (size_t)smoe_pool_threads(c->pool) * ln->v_dim, sizeof(float), &ok);
+        }
     }
     if (!ok)
         return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the KV cache (%llu bytes) and planes (%llu bytes)",
@@ -275,6 +310,131 @@ static smoe_status cpu_attend(void *b, uint32_t l, const smoe_attn *a, uint32_t 
     return SMOE_OK;
 }
 
+/* ------------------------------------------------- gates and the Gated DeltaNet (backend.h) */
+
+static smoe_status cpu_sigmoid_gate(void *b, smoe_plane dst, smoe_plane gate, uint32_t width, uint32_t gate_width,
+                                    uint32_t n) {
+    cpu_state *c = b;
+    float *y = smoe_cpu_plane(c, dst);
+    const float *g = smoe_cpu_plane(c, gate);
+    for (uint32_t t = 0; t < n; t++) {
+        float *yt = y + (size_t)t * width;
+        const float *gt = g + (size_t)t * gate_width;
+        if (gate_width == 1) {
+            const float s = smoe_sigmoid(gt[0]);
+            for (uint32_t i = 0; i < width; i++) yt[i] = s * yt[i];
+        } else {
+            for (uint32_t i = 0; i < width; i++) yt[i] = yt[i] * smoe_sigmoid(gt[i]);
+        }
+    }
+    return SMOE_OK;
+}
+
+/* Layer l's recurrent state of value head h, and its convolution state, in session state o. */
+static inline float *lin_state(const cpu_state *o, uint32_t l, uint32_t h) {
+    const smoe_linear_shape *ln = &o->lin;
+    return o->lin_s + ((size_t)o->linear_index[l] * ln->v_heads + h) * ln->k_dim * ln->v_dim;
+}
+
+static inline float *conv_state(const cpu_state *o, uint32_t l) {
+    return o->lin_conv + (size_t)o->linear_index[l] * (o->lin.conv_kernel - 1) * o->conv_dim;
+}
+
+typedef struct {
+    cpu_state *c;
+    void *const *members;
+    uint32_t l, n;
+    const float *a_log, *dt_bias, *norm; /* (v_heads), (v_heads), (v_dim) widened */
+} linear_task;
+
+/* Items are value heads; each runs its rows in token order, so a head's state sees the tokens in
+ * sequence whichever worker holds it and however many rows the pass has. */
+static void linear_heads(void *ctx, uint32_t h0, uint32_t h1, uint32_t worker) {
+    const linear_task *t = ctx;
+    cpu_state *c = t->c;
+    const smoe_linear_shape *ln = &c->lin;
+    const uint32_t dk = ln->k_dim, dv = ln->v_dim, per_k = ln->v_heads / ln->k_heads;
+    const size_t key_dim = (size_t)ln->k_heads * dk, vdim = (size_t)ln->v_heads * dv;
+    const float eps = c->cfg->rms_norm_eps;
+    float *scratch = c->lin_scratch + (size_t)worker * dv;
+    for (uint32_t h = h0; h < h1; h++) {
+        const uint32_t kh = h / per_k;
+        const float A = -expf(t->a_log[h]);
+        for (uint32_t r = 0; r < t->n; r++) {
+            const cpu_state *o = owner(c, t->members, r);
+            const float *mix = c->mix + (size_t)r * c->conv_dim;
+            const float *q = mix + (size_t)kh * dk, *k = mix + key_dim + (size_t)kh * dk;
+            const float *v = mix + 2 * key_dim + (size_t)h * dv;
+            const float g = A * smoe_softplus(c->decay[(size_t)r * ln->v_heads + h] + t->dt_bias[h]);
+            const float beta = smoe_sigmoid(c->beta[(size_t)r * ln->v_heads + h]);
+            float *out = c->att + (size_t)r * vdim + (size_t)h * dv;
+            smoe_delta_step(out, lin_state(o, t->l, h), q, k, v, expf(g), beta, dk, dv, scratch);
+            smoe_rmsnorm_gated(out, out, c->gate + (size_t)r * vdim + (size_t)h * dv, t->norm, dv, eps);
+        }
+    }
+}
+
+/* A small weight (1 × cols, or rows × cols) widened to f32 into out, row by row. */
+static void widen(const smoe_tensor *W, float *out) {
+    for (uint32_t r = 0; r < W->rows; r++) smoe_dequant_row(W, W->data, r, out + (size_t)r * W->cols);
+}
+
+static smoe_status cpu_linear_attend(void *b, uint32_t l, const smoe_tensor *conv, const smoe_tensor *a_log,
+                                     const smoe_tensor *dt_bias, const smoe_tensor *norm, uint32_t n,
+                                     void *const *members) {
+    cpu_state *c = b;
+    const smoe_linear_shape *ln = &c->lin;
+    if (c->n_linear == 0 || c->linear_index[l] < 0)
+        return smoe_fail(SMOE_ERR_INTERNAL, "layer %u has no linear-attention state", l);
+    const uint32_t K = ln->conv_kernel, dk = ln->k_dim;
+    float *convw = c->lin_w, *A = convw + (size_t)c->conv_dim * K, *dt = A + ln->v_heads, *nw = dt + ln->v_heads;
+    widen(conv, convw);
+    widen(a_log, A);
+    widen(dt_bias, dt);
+    widen(norm, nw);
+    /* the convolution and the q, k norms, row by row in token order (each row's state is its
+     * owner's: the row before it in a pass, or the session's last position in a batch) */
+    const float qscale = 1.0f / sqrtf((float)dk);
+    for (uint32_t r = 0; r < n; r++) {
+        const cpu_state *o = owner(c, members, r);
+        float *mix = c->mix + (size_t)r * c->conv_dim;
+        smoe_conv1d_step(c->lin_row, conv_state(o, l), mix, convw, c->conv_dim, K);
+        memcpy(mix, c->lin_row, c->conv_dim * sizeof *mix);
+        for (uint32_t h = 0; h < ln->k_heads; h++) {
+            smoe_l2norm(mix + (size_t)h * dk, dk, 1e-6f, qscale);
+            smoe_l2norm(mix + ((size_t)ln->k_heads + h) * dk, dk, 1e-6f, 1.0f);
+        }
+    }
+        linear_task lt = {c, members, l, n, A, dt, nw};
+    smoe_pool_run(c->pool, linear_heads, &lt, ln->v_heads, 1);
+    SMOE_PROF_LAP(SMOE_P_LINEAR);
+    return SMOE_OK;
+}
+
+static smoe_status cpu_state_op(void *b, smoe_state_op op) {
+    cpu_state *c = b;
+    if (c->n_linear == 0) return SMOE_OK;
+    const smoe_linear_shape *ln = &c->lin;
+    const size_t s_bytes = (size_t)c->n_linear * ln->v_heads * ln->k_dim * ln->v_dim * sizeof(float);
+    const size_t conv_bytes = (size_t)c->n_linear * (ln->conv_kernel ? ln->conv_kernel - 1 : 0) * c->conv_dim *
+                              sizeof(float);
+    switch (op) {
+    case SMOE_STATE_RESET:
+        memset(c->lin_s, 0, s_bytes);
+        memset(c->lin_conv, 0, conv_bytes);
+        break;
+    case SMOE_STATE_SAVE:
+        memcpy(c->snap_s, c->lin_s, s_bytes);
+        memcpy(c->snap_conv, c->lin_conv, conv_bytes);
+        break;
+    case SMOE_STATE_RESTORE:
+        memcpy(c->lin_s, c->snap_s, s_bytes);
+        memcpy(c->lin_conv, c->snap_conv, conv_bytes);
+        break;
+    }
+    return SMOE_OK;
+}
+
 static smoe_status cpu_logits(void *b, const smoe_tensor *norm, const smoe_tensor *head, const uint32_t *rows,
                               uint32_t m) {
     cpu_state *c = b;
@@ -336,6 +496,9 @@ const smoe_backend smoe_backend_cpu = {
     .project = smoe_cpu_project,
     .attend = cpu_attend,
     .add = cpu_add,
+    .sigmoid_gate = cpu_sigmoid_gate,
+    .linear_attend = cpu_linear_attend,
+    .state = cpu_state_op,
     .bias = cpu_bias,
     .route_grouped = smoe_cpu_route_grouped,
     .mlp = smoe_cpu_mlp,

@@ -52,6 +52,24 @@ typedef struct {
     float *logits;   /* (SMOE_LOGIT_ROWS, vocab) */
     float *bias;     /* (bias_rows + heads) one product's bias row widened, then attention's sink logits */
     uint32_t bias_rows;
+
+    /* Gated attention, a shared expert's gate and the Gated DeltaNet (linear attention) */
+    float *gate;     /* (chunk, max(q_dim, lin value dim)) SMOE_PL_GATE */
+    float *mix;      /* (chunk, conv_dim) SMOE_PL_MIX: q, k, v before the convolution, then after it */
+    float *beta;     /* (chunk, v_heads) SMOE_PL_BETA */
+    float *decay;    /* (chunk, v_heads) SMOE_PL_DECAY */
+    float *sgate;    /* (chunk, 1) SMOE_PL_SGATE */
+    smoe_linear_shape lin;
+    uint32_t conv_dim, n_linear;
+    const int32_t *linear_index; /* (layers) the engine's: layer l's state, −1 none */
+    /* The states a session carries from one position to the next, one per linear layer, and the
+     * snapshot the engine rewinds to (engine/session.c says when it is taken). */
+    float *lin_s;    /* (n_linear, v_heads, k_dim, v_dim) recurrent states */
+    float *lin_conv; /* (n_linear, conv_kernel − 1, conv_dim) the convolution's last inputs, oldest first */
+    float *snap_s, *snap_conv; /* their snapshot */
+    float *lin_w;    /* (conv_dim·conv_kernel + 2·v_heads + v_dim) a layer's conv, A_log, dt_bias, norm widened */
+    float *lin_row;  /* (conv_dim) one convolved row */
+    float *lin_scratch; /* (threads, v_dim) the delta rule's scratch per worker */
 } cpu_state;
 
 /* y (n, W.rows) = x (n, W.cols) · Wᵀ, rows split over the worker pool. stage: the smoe_prof_stage
@@ -69,6 +87,11 @@ static inline float *smoe_cpu_plane(cpu_state *c, smoe_plane p) {
     case SMOE_PL_V: return c->v;
     case SMOE_PL_ATT: return c->att;
     case SMOE_PL_Y: return c->yg;
+    case SMOE_PL_GATE: return c->gate;
+    case SMOE_PL_MIX: return c->mix;
+    case SMOE_PL_BETA: return c->beta;
+    case SMOE_PL_DECAY: return c->decay;
+    case SMOE_PL_SGATE: return c->sgate;
     }
     return NULL;
 }

@@ -137,4 +137,31 @@ void smoe_add_row(float *y, const float *b, uint32_t n);
 /* y[i] += a · x[i] */
 void smoe_axpy(float *y, float a, const float *x, uint32_t n);
 
+/* ----------------------------------------------- Gated DeltaNet (Qwen3-Next, Qwen3.5-MoE)
+ * transformers' torch fallbacks (causal_conv1d_update, torch_recurrent_gated_delta_rule,
+ * RMSNormGated), one token at a time: the layer-major prefill and the token-serial step call them
+ * row by row in token order, so both paths give the same bits. Every sum runs in index order. */
+
+/* One token of a depthwise causal convolution of `kernel` taps over ch channels, then silu:
+ * out[c] = silu(Σ_{j < kernel−1} w[c·kernel + j]·state[j·ch + c] + w[c·kernel + kernel−1]·x[c]), j in
+ * order; state (kernel−1, ch): the previous inputs, oldest first, then shifted to end with x.
+ * out must not alias x or state. */
+void smoe_conv1d_step(float *out, float *state, const float *x, const float *w, uint32_t ch, uint32_t kernel);
+
+/* x[i] ← x[i] / sqrt(Σ x² + eps) · scale (the FLA library's l2norm, then a scale). */
+void smoe_l2norm(float *x, uint32_t n, float eps, float scale);
+
+/* One token of one value head through the gated delta rule, S (dk, dv) in place:
+ *     S ← S·decay;  delta = (v − Sᵀk)·beta;  S ← S + k·deltaᵀ;  out = Sᵀq
+ * (decay = exp(g)), each sum over i = 0 … dk−1 in order. scratch: dv floats. */
+void smoe_delta_step(float *out, float *S, const float *q, const float *k, const float *v, float decay, float beta,
+                     uint32_t dk, uint32_t dv, float *scratch);
+
+/* out[j] = (x[j] / sqrt(mean(x²) + eps)) · w[j] · silu(z[j]), j < dim. out may be x. */
+void smoe_rmsnorm_gated(float *out, const float *x, const float *z, const float *w, uint32_t dim, float eps);
+
+/* torch's softplus (threshold 20: x itself above it) and sigmoid, as the layer uses them. */
+float smoe_softplus(float x);
+float smoe_sigmoid(float x);
+
 #endif

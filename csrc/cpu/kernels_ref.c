@@ -818,3 +818,64 @@ void smoe_route_sigmoid_group(const float *logits, uint32_t E, const smoe_tensor
         val[j] = v * scale;
     }
 }
+
+/* ------------------------------------------------------------------------ Gated DeltaNet */
+
+float smoe_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+float smoe_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+void smoe_conv1d_step(float *out, float *state, const float *x, const float *w, uint32_t ch, uint32_t kernel) {
+    const uint32_t past = kernel - 1;
+    for (uint32_t c = 0; c < ch; c++) {
+        const float *wc = w + (size_t)c * kernel;
+        float acc = 0.0f;
+        for (uint32_t j = 0; j < past; j++) acc += wc[j] * state[(size_t)j * ch + c];
+        acc += wc[past] * x[c];
+        out[c] = acc / (1.0f + expf(-acc));
+    }
+    if (past == 0) return;
+    memmove(state, state + ch, (size_t)(past - 1) * ch * sizeof *state);
+    memcpy(state + (size_t)(past - 1) * ch, x, ch * sizeof *state);
+}
+
+void smoe_l2norm(float *x, uint32_t n, float eps, float scale) {
+    float ss = 0.0f;
+    for (uint32_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss + eps);
+    for (uint32_t i = 0; i < n; i++) x[i] = x[i] * inv * scale;
+}
+
+void smoe_delta_step(float *out, float *S, const float *q, const float *k, const float *v, float decay, float beta,
+                     uint32_t dk, uint32_t dv, float *scratch) {
+    float *kv = scratch; /* (dv) Sᵀk after the decay, then delta */
+    for (uint32_t j = 0; j < dv; j++) kv[j] = 0.0f;
+    for (uint32_t i = 0; i < dk; i++) {
+        float *Si = S + (size_t)i * dv;
+        const float ki = k[i];
+        for (uint32_t j = 0; j < dv; j++) {
+            Si[j] = Si[j] * decay;
+            kv[j] += Si[j] * ki;
+        }
+    }
+    for (uint32_t j = 0; j < dv; j++) kv[j] = (v[j] - kv[j]) * beta;
+    for (uint32_t j = 0; j < dv; j++) out[j] = 0.0f;
+    for (uint32_t i = 0; i < dk; i++) {
+        float *Si = S + (size_t)i * dv;
+        const float ki = k[i], qi = q[i];
+        for (uint32_t j = 0; j < dv; j++) {
+            Si[j] += ki * kv[j];
+            out[j] += Si[j] * qi;
+        }
+    }
+}
+
+void smoe_rmsnorm_gated(float *out, const float *x, const float *z, const float *w, uint32_t dim, float eps) {
+    float ss = 0.0f;
+    for (uint32_t i = 0; i < dim; i++) ss += x[i] * x[i];
+    const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
+    for (uint32_t i = 0; i < dim; i++) {
+        const float zi = z[i];
+        out[i] = w[i] * (x[i] * inv) * (zi / (1.0f + expf(-zi)));
+    }
+}

@@ -293,7 +293,8 @@ double smoe_prof_s[SMOE_P_COUNT];
 uint64_t smoe_prof_n[SMOE_P_COUNT];
 double smoe_prof_mark;
 const char *const smoe_prof_names[SMOE_P_COUNT] = {
-    "embed", "norm", "qx_prepare", "q,k,v products", "q/k norm, rope", "attention", "o_proj + residual",
+    "embed", "norm", "qx_prepare", "q,k,v products", "q/k norm, rope", "attention", "linear attention",
+    "o_proj + residual",
     "router product", "routing", "gather/scatter, streamer", "expert gate+up", "swiglu", "expert down",
     "top-k combine", "lm_head", "logits, sampling", "(pool wait, nested)", "(pool runs, count)"};
 #endif

@@ -40,6 +40,11 @@ float *smoe_cuda_plane(cuda_state *c, smoe_plane p) {
     case SMOE_PL_V: return c->vs;
     case SMOE_PL_ATT: return c->att;
     case SMOE_PL_Y: return c->xg; /* its first chunk × hidden floats: free outside the MoE step */
+    case SMOE_PL_GATE:
+    case SMOE_PL_MIX:
+    case SMOE_PL_BETA:
+    case SMOE_PL_DECAY:
+    case SMOE_PL_SGATE: return NULL; /* gated attention, Gated DeltaNet, shared gates: refused at session creation */
     }
     return NULL;
 }

@@ -54,12 +54,14 @@ static smoe_status decode_batch(smoe_session *const *ss, const int32_t *ids, uin
     uint32_t li = 0;
     for (uint32_t i = 0; i < n; i++) {
         *failed = (int32_t)i;
-        if ((st = smoe_check_tokens(ss[i], &ids[i], 1)) != SMOE_OK)
+        if ((st = smoe_check_tokens(ss[i], &ids[i], 1)) != SMOE_OK || (st = smoe_state_sync(ss[i])) != SMOE_OK)
             return st;
         if (ss[i]->params.chunk > ss[li]->params.chunk)
             li = i;
     }
     *failed = -1;
+    for (uint32_t i = 0; i < n; i++) /* until the step is committed */
+        if (ss[i]->recurrent) ss[i]->state_pos = SMOE_NO_POS;
     smoe_session *lead = ss[li];
     const smoe_backend *be = lead->backend;
     if (n > lead->params.chunk)
@@ -136,6 +138,7 @@ static smoe_status decode_batch(smoe_session *const *ss, const int32_t *ids, uin
         smoe_session *s = ss[i];
         s->history[s->pos] = ids[i];
         smoe_session_set_pos(s, s->pos + 1);
+        smoe_state_advanced(s, false);
         s->tokens_decoded++;
         s->decode_s += dt;
     }

@@ -22,6 +22,8 @@
 #include "engine/sample.h"
 
 #include <pthread.h>
+
+#define SMOE_NO_POS UINT32_MAX /* a position nobody holds */
 #include <stdatomic.h>
 
 /* What sessions made from one another hold together, counted in refs, freed with the last of
@@ -94,6 +96,14 @@ struct smoe_session {
     uint32_t *union_sizes;    /* (layers) of the last prefill */
     uint64_t *expert_counts;  /* (layers, experts) tokens routed to each, since the last stats reset */
 
+    /* Recurrent layers (Gated DeltaNet: Qwen3-Next, Qwen3.5-MoE). Their states live in the backend
+     * state beside the KV cache, with one snapshot; see smoe_state_sync for how a rewind gets
+     * the states of the position it returns to. */
+    bool recurrent;           /* the model has linear-attention layers */
+    uint32_t state_pos;       /* the position the live states hold; SMOE_NO_POS: unknown (a failed pass) */
+    uint32_t snap_pos;        /* the snapshot's position; SMOE_NO_POS: none */
+    int32_t *linear_index;    /* (layers) which recurrent state layer l uses, −1 none */
+
     /* Counters that are not the streamer's */
     double prefill_s, decode_s;
     uint64_t tokens_prefilled, tokens_decoded;
@@ -117,6 +127,22 @@ static inline smoe_status smoe_be_status(smoe_session *s, smoe_status st) {
     if (st != SMOE_OK && s->backend->broken && s->backend->broken(s->be)) s->broken = true;
     return st;
 }
+
+/* The recurrent states brought to the session's position before a pass (nothing to do for a
+ * model without linear attention, or when they are there already). How: a rewind (or reset, or a
+ * failed or cancelled pass, which may have advanced some layers' states and not the position)
+ * leaves the states behind; they are rebuilt by RECOMPUTATION from the nearest earlier state the
+ * session holds — the snapshot taken at the end of the last prefill call, if it is at or before
+ * the position, else position 0 — replaying the stored ids (history) through layer-major passes.
+ * The replay gives the states bit for bit (layer-major = token-serial) and rewrites the KV rows
+ * it passes with the bits they had. Why not snapshots at every chunk boundary: a state is
+ * v_heads·k_dim·v_dim floats per linear layer (Qwen3.5-35B-A3B: 60 MiB per snapshot, 4K tokens
+ * at chunk 256 would need 16 of them); one snapshot at the end of the prompt covers what chat
+ * and the server do (they return to the end of the previous prompt or past it), and anything
+ * else is still exact, only slower. On failure the states are unknown (state_pos SMOE_NO_POS). */
+smoe_status smoe_state_sync(smoe_session *s);
+/* After a pass that advanced the states to s->pos; prefill also keeps them as the snapshot. */
+smoe_status smoe_state_advanced(smoe_session *s, bool snapshot);
 
 /* ---------------------------------------------------------------------- layers (layer.c) */
 

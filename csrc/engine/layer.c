@@ -29,16 +29,39 @@
 smoe_status smoe_recipe_check(const smoe_layout *lay, const smoe_backend *be) {
     const smoe_model_params *m = &lay->mp;
     const char *fam = smoe_family_name(m->family), *why = NULL;
-    if (m->family > SMOE_FAMILY_GLM4_MOE && m->family != SMOE_FAMILY_GPT_OSS) why = "its layer recipe";
+    const bool hybrid = m->family == SMOE_FAMILY_QWEN3_NEXT || m->family == SMOE_FAMILY_QWEN3_5_MOE;
+    if (m->family > SMOE_FAMILY_GLM4_MOE && m->family != SMOE_FAMILY_GPT_OSS && !hybrid) why = "its layer recipe";
     for (uint32_t l = 0; !why && l < lay->cfg.num_hidden_layers; l++)
-        if (lay->layer_attn[l] == SMOE_ATTN_LINEAR) why = "linear attention";
+        if (lay->layer_attn[l] == SMOE_ATTN_LINEAR && !hybrid) why = "linear attention";
     if (why)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "this build of libsmoe cannot run a %s vault: the engine lacks %s", fam,
                          why);
     if (!why && m->attention_bias && !be->bias) why = "the bias op";
     if (!why && m->router_kind == SMOE_ROUTER_SIGMOID_GROUP && !be->route_grouped) why = "the grouped sigmoid router";
+    /* the hybrids' ops: a backend without them has no Gated DeltaNet (CUDA today) */
+    if (!why && hybrid && (!be->linear_attend || !be->state || !be->sigmoid_gate))
+        why = "Gated DeltaNet linear attention and gated attention (use the cpu device)";
     if (why || (be->lacks && (why = be->lacks(lay)) != NULL))
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "the %s backend cannot run this %s vault: it lacks %s", be->name, fam, why);
+    return SMOE_OK;
+}
+
+/* A Gated DeltaNet layer's mixer (Qwen3-Next, Qwen3.5-MoE: Qwen3NextGatedDeltaNet):
+ *
+ *   mix, z, b, a = in-projections of rms(x)                       (batched over the rows)
+ *   o = rmsnorm_gated(delta_rule(l2norm(conv(mix))), z)           (row by row, in token order:
+ *                                                                   the states carry position to position)
+ *   h = x + out_proj(o)                                           (batched) */
+static smoe_status linear_mixer(smoe_session *s, const smoe_layer_weights *L, uint32_t l, uint32_t n,
+                                smoe_session *const *rows) {
+    const smoe_backend *be = s->backend;
+    void *b = s->be;
+    const smoe_proj in[4] = {{L->lin_qkv, SMOE_PL_MIX}, {L->lin_z, SMOE_PL_GATE}, {L->lin_b, SMOE_PL_BETA},
+                             {L->lin_a, SMOE_PL_DECAY}};
+    const smoe_proj out = {L->lin_out, SMOE_PL_Y};
+    TRY(be->project(b, SMOE_PL_XN, in, 4, n));
+    TRY(be->linear_attend(b, l, L->lin_conv, L->lin_a_log, L->lin_dt_bias, L->lin_norm, n, rows ? s->row_be : NULL));
+    TRY(be->project(b, SMOE_PL_ATT, &out, 1, n));
     return SMOE_OK;
 }
 
@@ -46,28 +69,36 @@ smoe_status smoe_layer_attention(smoe_session *s, uint32_t l, uint32_t n, smoe_s
     const smoe_backend *be = s->backend;
     void *b = s->be;
     const smoe_layer_weights *L = &s->lay->layers[l];
-    const smoe_proj qkv[3] = {{L->q, SMOE_PL_Q}, {L->k, SMOE_PL_K}, {L->v, SMOE_PL_V}};
-    const smoe_proj o = {L->o, SMOE_PL_Y};
-    const bool whole = s->lay->mp.qk_norm == SMOE_QK_NORM_WHOLE;
     TRY(be->norm(b, SMOE_PL_XN, SMOE_PL_X, L->input_norm, n));
-    TRY(be->project(b, SMOE_PL_XN, qkv, 3, n));
-    if (L->q_bias) {
-        TRY(be->bias(b, SMOE_PL_Q, L->q_bias, n));
-        TRY(be->bias(b, SMOE_PL_K, L->k_bias, n));
-        TRY(be->bias(b, SMOE_PL_V, L->v_bias, n));
+    if (L->attn == SMOE_ATTN_LINEAR) {
+        smoe_status st = linear_mixer(s, L, l, n, rows);
+        if (st != SMOE_OK) return st;
+    } else {
+        /* gated attention (Qwen3-Next's) also projects its output gate: ATT · sigmoid(gate) */
+        const smoe_proj qkv[4] = {{L->q, SMOE_PL_Q}, {L->k, SMOE_PL_K}, {L->v, SMOE_PL_V}, {L->q_gate, SMOE_PL_GATE}};
+        const smoe_proj o = {L->o, SMOE_PL_Y};
+        const bool whole = s->lay->mp.qk_norm == SMOE_QK_NORM_WHOLE;
+        TRY(be->project(b, SMOE_PL_XN, qkv, L->q_gate ? 4 : 3, n));
+        if (L->q_bias) {
+            TRY(be->bias(b, SMOE_PL_Q, L->q_bias, n));
+            TRY(be->bias(b, SMOE_PL_K, L->k_bias, n));
+            TRY(be->bias(b, SMOE_PL_V, L->v_bias, n));
+        }
+        if (whole) { /* OLMoE: RMSNorm over the whole q and k projections, then attention without one per head */
+            TRY(be->norm(b, SMOE_PL_Q, SMOE_PL_Q, L->q_norm, n));
+            TRY(be->norm(b, SMOE_PL_K, SMOE_PL_K, L->k_norm, n));
+        }
+        const smoe_attn a = {whole ? NULL : L->q_norm, whole ? NULL : L->k_norm, L->sinks,
+                             L->attn == SMOE_ATTN_SLIDING ? s->recipe.window : 0};
+        TRY(be->attend(b, l, &a, n, rows ? s->row_be : NULL));
+        if (L->q_gate) TRY(be->sigmoid_gate(b, SMOE_PL_ATT, SMOE_PL_GATE, L->q->rows, L->q->rows, n));
+        TRY(be->project(b, SMOE_PL_ATT, &o, 1, n));
+        if (L->o_bias) TRY(be->bias(b, SMOE_PL_Y, L->o_bias, n));
     }
-    if (whole) { /* OLMoE: RMSNorm over the whole q and k projections, then attention without one per head */
-        TRY(be->norm(b, SMOE_PL_Q, SMOE_PL_Q, L->q_norm, n));
-        TRY(be->norm(b, SMOE_PL_K, SMOE_PL_K, L->k_norm, n));
-    }
-    const smoe_attn a = {whole ? NULL : L->q_norm, whole ? NULL : L->k_norm, L->sinks,
-                         L->attn == SMOE_ATTN_SLIDING ? s->recipe.window : 0};
-    TRY(be->attend(b, l, &a, n, rows ? s->row_be : NULL));
-    TRY(be->project(b, SMOE_PL_ATT, &o, 1, n));
-    if (L->o_bias) TRY(be->bias(b, SMOE_PL_Y, L->o_bias, n));
     TRY(be->add(b, SMOE_PL_X, SMOE_PL_Y, n));
     return SMOE_OK;
 }
+
 
 smoe_status smoe_layer_ffn(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *rows) {
     const smoe_backend *be = s->backend;
@@ -77,8 +108,14 @@ smoe_status smoe_layer_ffn(smoe_session *s, uint32_t l, uint32_t n, smoe_session
     if (L->sparse) {
         smoe_status st = smoe_moe_step(s, l, n, rows);
         if (st != SMOE_OK || !L->shared_gate) return st;
-        /* GLM: the shared expert on the same normed rows, beside the routed ones */
+        /* the shared expert on the same normed rows, beside the routed ones (GLM), scaled by
+         * sigmoid(shared_gate · x) where the family has that gate (Qwen3-Next, Qwen3.5-MoE) */
         TRY(be->mlp(b, SMOE_PL_Y, SMOE_PL_XN, L->shared_gate, L->shared_up, L->shared_down, n));
+        if (L->shared_expert_gate) {
+            const smoe_proj g = {L->shared_expert_gate, SMOE_PL_SGATE};
+            TRY(be->project(b, SMOE_PL_XN, &g, 1, n));
+            TRY(be->sigmoid_gate(b, SMOE_PL_Y, SMOE_PL_SGATE, s->cfg.hidden_size, 1, n));
+        }
     } else {
         TRY(be->mlp(b, SMOE_PL_Y, SMOE_PL_XN, L->mlp_gate, L->mlp_up, L->mlp_down, n));
     }

@@ -40,6 +40,49 @@ static smoe_status walk(smoe_session *s, uint32_t n) {
     return st;
 }
 
+/* ------------------------------------------------------------- recurrent states (engine.h) */
+
+smoe_status smoe_state_sync(smoe_session *s) {
+    if (!s->recurrent) return SMOE_OK;
+    /* a snapshot past the position holds ids that a rewind dropped (and that may be rewritten) */
+    if (s->snap_pos != SMOE_NO_POS && s->snap_pos > s->pos) s->snap_pos = SMOE_NO_POS;
+    if (s->state_pos == s->pos) return SMOE_OK;
+    const smoe_backend *be = s->backend;
+    uint32_t from = 0;
+    smoe_status st;
+    if (s->snap_pos != SMOE_NO_POS && s->snap_pos <= s->pos) {
+        from = s->snap_pos;
+        st = be->state(s->be, SMOE_STATE_RESTORE);
+    } else {
+        st = be->state(s->be, SMOE_STATE_RESET);
+    }
+    s->state_pos = SMOE_NO_POS;
+    if ((st = smoe_be_status(s, st)) != SMOE_OK) return st;
+    /* the stored ids from there to the position, a chunk at a time; the KV rows they rewrite get
+     * the bits they hold (layer-major = token-serial), the expert reads are counted as any pass's */
+    for (uint32_t at = from; at < s->pos;) {
+        const uint32_t n = s->pos - at < s->params.chunk ? s->pos - at : s->params.chunk;
+        if ((st = smoe_be_status(s, be->stage(s->be, s->history + at, n, at))) != SMOE_OK ||
+            (st = walk(s, n)) != SMOE_OK || (st = smoe_pass_end(s, n, NULL, NULL)) != SMOE_OK) {
+            for (uint32_t l = 0; l < s->cfg.num_hidden_layers; l++) s->moe.deferred[l] = false;
+            return st;
+        }
+        at += n;
+    }
+    s->state_pos = s->pos;
+    return SMOE_OK;
+}
+
+smoe_status smoe_state_advanced(smoe_session *s, bool snapshot) {
+    if (!s->recurrent) return SMOE_OK;
+    s->state_pos = s->pos;
+    if (!snapshot) return SMOE_OK;
+    s->snap_pos = SMOE_NO_POS;
+    smoe_status st = smoe_be_status(s, s->backend->state(s->be, SMOE_STATE_SAVE));
+    if (st == SMOE_OK) s->snap_pos = s->pos;
+    return st;
+}
+
 smoe_status smoe_pass_end(smoe_session *s, uint32_t n, smoe_session *const *owners, uint32_t *union_sizes) {
     smoe_moe_state *m = &s->moe;
     const uint32_t L = s->cfg.num_hidden_layers, K = s->cfg.num_experts_per_tok;
@@ -152,8 +195,10 @@ static smoe_status decode_pass(smoe_session *s) {
 
 static smoe_status decode(smoe_session *s, int32_t id, float *logits, int32_t *next_id) {
     smoe_status st = smoe_check_tokens(s, &id, 1);
+    if (st == SMOE_OK) st = smoe_state_sync(s);
     if (st != SMOE_OK)
         return st;
+    if (s->recurrent) s->state_pos = SMOE_NO_POS; /* until the step is committed */
     double t0 = smoe_now();
     SMOE_PROF_START();
     const uint32_t pos = s->pos;
@@ -168,6 +213,7 @@ static smoe_status decode(smoe_session *s, int32_t id, float *logits, int32_t *n
                                          "run `pysmoe verify`)", pos);
     s->history[pos] = id;
     smoe_session_set_pos(s, pos + 1);
+    smoe_state_advanced(s, false);
     if (logits)
         memcpy(logits, out, s->cfg.vocab_size * sizeof(float));
     if (next_id && (st = smoe_pass_sample(s, s->be, 0, out, next_id)) != SMOE_OK)
@@ -203,8 +249,10 @@ static smoe_status prefill(smoe_session *s, const int32_t *ids, uint32_t n, cons
             return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_prefill_rows: rows[%u] = %u: rows must increase strictly "
                                                    "and be below n = %u", i, rows[i], n);
     smoe_status st = smoe_check_tokens(s, ids, n);
+    if (st == SMOE_OK) st = smoe_state_sync(s);
     if (st != SMOE_OK)
         return st;
+    if (s->recurrent) s->state_pos = SMOE_NO_POS; /* until the pass is committed */
     double t0 = smoe_now();
     SMOE_PROF_START();
     const uint32_t pos = s->pos, V = s->cfg.vocab_size;
@@ -239,6 +287,8 @@ static smoe_status prefill(smoe_session *s, const int32_t *ids, uint32_t n, cons
     for (uint32_t i = 0; i < n; i++)
         s->history[pos + i] = ids[i];
     smoe_session_set_pos(s, pos + n);
+    if ((st = smoe_state_advanced(s, true)) != SMOE_OK)
+        return st;
     if (next_id && (st = smoe_pass_sample(s, s->be, 0, out, next_id)) != SMOE_OK)
         return st;
     s->tokens_prefilled += n;

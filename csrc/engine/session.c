@@ -270,10 +270,17 @@ static smoe_status engine_planes(smoe_session *s) {
     s->union_sizes = plane(s, L, sizeof(uint32_t), &ok);
     s->expert_counts = plane(s, L * E, sizeof(uint64_t), &ok);
     s->row_be = plane(s, C, sizeof(void *), &ok);
+    s->linear_index = plane(s, L, sizeof(int32_t), &ok);
     if (!ok)
         return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the session's planes (%llu bytes)",
                          (unsigned long long)s->plane_bytes);
     for (size_t e = 0; e < E; e++) m->pos_of[e] = -1;
+    uint32_t n_linear = 0;
+    for (size_t l = 0; l < L; l++)
+        s->linear_index[l] = s->lay->layers[l].attn == SMOE_ATTN_LINEAR ? (int32_t)n_linear++ : -1;
+    s->recurrent = n_linear > 0;
+    s->state_pos = 0; /* the backend's states start zeroed: position 0's */
+    s->snap_pos = SMOE_NO_POS;
     build_rope(s);
     smoe_sampler_params sdef = smoe_sampler_default_params();
     smoe_sampler_init(&s->sampler, &sdef);
@@ -290,7 +297,7 @@ void smoe_session_free(smoe_session *s) {
     void *bufs[] = {s->history, s->rope_cos, s->rope_sin, s->sample_f, s->sample_i, s->sampler.counts,
                     s->sampler.drawn, s->sampler.mask, m->ids, m->pos_of, m->expert, m->start, m->count, m->rows, (void *)m->w,
                     m->slot, m->state, m->pending, m->pending_slots, m->batch, m->held, m->routed, m->deferred,
-                    s->union_sizes, s->expert_counts, (void *)s->row_be};
+                    s->union_sizes, s->expert_counts, (void *)s->row_be, s->linear_index};
     for (size_t i = sizeof bufs / sizeof bufs[0]; i-- > 0;)
         smoe_free(bufs[i]);
     smoe_free(s);
@@ -355,7 +362,15 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
     }
     s->streamer = s->share->streamer;
     if ((st = engine_planes(s)) == SMOE_OK) {
+        const smoe_model_params *mp = &s->lay->mp;
+        uint32_t n_linear = 0;
+        for (uint32_t l = 0; l < c->num_hidden_layers; l++) n_linear += s->linear_index[l] >= 0;
         const smoe_be_session_params bp = {
+            .linear = n_linear ? (smoe_linear_shape){mp->linear_k_heads, mp->linear_v_heads, mp->linear_k_dim,
+                                                     mp->linear_v_dim, mp->linear_conv_kernel}
+                               : (smoe_linear_shape){0},
+            .n_linear = n_linear,
+            .linear_index = s->linear_index,
             .context = p.context,
             .chunk = p.chunk,
             .kv_dtype = p.kv_dtype,
@@ -402,6 +417,7 @@ smoe_status smoe_session_reset(smoe_session *s) {
         return st;
     smoe_session_set_pos(s, 0);
     s->broken = false;
+    if (s->recurrent) s->state_pos = SMOE_NO_POS; /* the next pass starts from zeroed states */
     return smoe_session_leave(s, SMOE_OK);
 }
 

@@ -13,6 +13,12 @@ static smoe_status session_read_kv_claimed(const smoe_session *s, uint32_t layer
     if (layer >= s->cfg.num_hidden_layers || (uint64_t)start + n > s->pos)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "KV rows [%u, %u) of layer %u: the cache holds %u positions of %u layers",
                          start, start + n, layer, s->pos, s->cfg.num_hidden_layers);
+    if (s->linear_index[layer] >= 0) { /* a linear-attention layer keeps a state, no KV rows */
+        const size_t len = (size_t)n * s->cfg.num_key_value_heads * s->cfg.head_dim;
+        if (k) memset(k, 0, len * sizeof *k);
+        if (v) memset(v, 0, len * sizeof *v);
+        return SMOE_OK;
+    }
     return smoe_be_status((smoe_session *)s, s->backend->read_kv(s->be, layer, start, n, k, v));
 }
 

@@ -10,8 +10,10 @@ def add_parser(p, name: str = "convert") -> None:
     from ..convert import FORMATS
     p.description = ("Convert a checkpoint into a vault: an MLX checkpoint (mlx_lm convert, "
                      "mlx-community; quantised tensors copied as stored) or a Hugging Face "
-                     "Qwen3-MoE checkpoint of floats (quantised with MLX's quantiser). No torch needed.")
-    p.add_argument("src", metavar="SRC", help="checkpoint directory (config.json, *.safetensors)")
+                     "Qwen3-MoE checkpoint of floats (quantised with MLX's quantiser), or a llama.cpp GGUF "
+                     "file (tensors kept in their GGML types). No torch needed.")
+    p.add_argument("src", metavar="SRC", help="checkpoint directory (config.json, *.safetensors) or a .gguf file "
+                   "(the first of a split set: NAME-00001-of-0000N.gguf)")
     p.add_argument("out", metavar="OUT", type=vault_out, help="vault directory to write (empty or new, unless --force)")
     p.add_argument("--experts", choices=FORMATS, help="expert format (default: q4 for a float checkpoint; "
                    "as stored for MLX)")

@@ -8,6 +8,9 @@ SRC is recognised by what it holds (`detect`):
 - **mlx**: config.json has `quantization`, or the experts are stacked as `switch_mlp` (mlx.py).
   Quantised tensors are copied byte for byte in the format MLX gave them; nothing is
   requantised.
+- **gguf**: a llama.cpp GGUF file (or the first of a split set, NAME-00001-of-0000N.gguf)
+  (gguf.py). Tensors keep their GGML types byte for byte; the tokenizer and chat template come
+  from the file's metadata. Needs the `gguf` extra.
 - **hf**: a Hugging Face checkpoint of floats (bf16, f16, f32), sharded or not (hf.py).
   Quantised formats are made with MLX's affine quantiser (pysmoe.quant), scales and biases in the
   source dtype unless asked otherwise, so the vault equals an import of `mlx_lm convert -q`.
@@ -45,10 +48,16 @@ SOURCE_FILE = "source.json"
 
 
 def detect(src) -> str:
-    """"mlx" or "hf" for a checkpoint directory (ConvertError if it is neither)."""
+    """"gguf" for a GGUF file, "mlx" or "hf" for a checkpoint directory (ConvertError if it is
+    none of them)."""
     from .mlx import is_mlx
 
     src = Path(src)
+    if src.is_file():
+        with open(src, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return "gguf"
+        raise ConvertError(f"{src}: a file, but not a GGUF file (give a checkpoint directory or a .gguf)")
     if not (src / "config.json").is_file():
         raise ConvertError(f"{src}: no config.json (is this a checkpoint directory?)")
     try:
@@ -89,6 +98,10 @@ def convert_checkpoint(src, out_dir, experts: str | None = None, dense=None, sca
         from ..workers import default_procs
         jobs = default_procs()
     kind = detect(src)
+    if kind == "gguf":
+        _only_defaults(experts, dense, scale_dtype, group)
+        from .gguf import convert_gguf
+        return convert_gguf(src, out_dir, progress=progress, force=force)
     try:
         ckpt = Checkpoint(src)
     except SafetensorsError as exc:
@@ -107,6 +120,15 @@ def convert_checkpoint(src, out_dir, experts: str | None = None, dense=None, sca
             _side_files(src, target)
             (target / SOURCE_FILE).write_text(json.dumps(job.source(), indent=2) + "\n")
     return out_dir
+
+
+def _only_defaults(experts, dense, scale_dtype, group) -> None:
+    """A GGUF file is converted as stored: format options would mean requantising."""
+    asked = [n for n, v in (("--experts", experts), ("--dense/--attention/--embed/--lm-head", dense),
+                            ("--scale-dtype", scale_dtype)) if v] + (["--group-size"] if group != quant.GROUP else [])
+    if asked:
+        raise ConvertError(f"a GGUF file is converted with its tensors as stored; {', '.join(asked)} "
+                           "would requantise them and is not supported")
 
 
 def _side_files(src: Path, out: Path) -> None:
@@ -156,8 +178,9 @@ class _HfJob:
 
         for name, s in self.plan.dense.items():
             t = writer.layout.tensors[name]
-            if s.expert is None and len(self.ckpt.tensors[s.name].shape) == 2:
-                # by blocks of rows: an embedding never exists whole in f32
+            if s.expert is None and s.take is None and len(self.ckpt.tensors[s.name].shape) == 2:
+                # by blocks of rows: an embedding never exists whole in f32 (a tensor whose rows
+                # are taken apart, Qwen3-Next's q_proj and in-projections, is read whole)
                 data = quant.quantize_rows(lambda r0, r1, n=s.name: self.ckpt.rows(n, r0, r1), t.rows, t.cols,
                                            t.format, t.scale_format or "f16", t.group or quant.GROUP)
                 writer.add_dense_raw(name, data)

@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import SmoeError
+from . import qwen_hybrid
 from .safetensors_io import DTYPES, FLOATS, Checkpoint, SafetensorsError
 
 FORMATS = ("q4", "q8", "bf16", "f32")
@@ -70,6 +71,12 @@ def load_config(hf_dir: Path) -> dict:
         raise ConvertError(f"{path}: {exc}") from None
 
     archs = raw.get("architectures") or []
+    family = qwen_hybrid.family_of(raw)
+    if family is not None:  # Qwen3-Next, Qwen3.5-MoE (its language model)
+        try:
+            return normalize_config(qwen_hybrid.normalize(raw, family))
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ConvertError(f"{path}: {exc}") from None
     if not any(a in ARCHITECTURES for a in archs) and raw.get("model_type") not in MODEL_TYPES:
         raise ConvertError(f"{path}: architecture {archs or raw.get('model_type')!r} is not supported; "
                            f"pysmoe runs {', '.join(ARCHITECTURES)}")
@@ -108,6 +115,9 @@ class Source:
     nbytes: int                # what it occupies in the checkpoint
     expert: int | None = None  # index into the first axis of a fused experts tensor
     rows: slice | None = None  # gate or up half of a fused gate_up_proj
+    take: tuple | None = None  # rows taken from a dense tensor (qwen_hybrid: split or regrouped)
+    one_plus: bool = False     # stored as 1 + w (qwen_hybrid's (1 + w) RMSNorms)
+    shape: tuple | None = None # reshaped to (rows, cols) of the vault (a conv weight's (C, 1, K))
 
     def __str__(self):
         return self.name if self.expert is None else f"{self.name}[{self.expert}]"
@@ -189,9 +199,27 @@ def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Pla
             twice.append(f"{slot[key]} and {src}")
         slot[key] = src
 
+    hybrid = cfg.get("model_type") in qwen_hybrid.FAMILY_ID
+    left_out = []
     for name, (f, shape, itemsize) in headers.items():
         size = itemsize * int(np.prod(shape))
-        m = _LAYER.fullmatch(name)
+        if hybrid:
+            if qwen_hybrid.IGNORED.fullmatch(name):
+                left_out.append(name)
+                continue
+            inner = qwen_hybrid.strip_prefix(name)
+            if inner is None:
+                unknown.append(name)
+                continue
+            if ".mlp.experts." not in inner and not inner.endswith(".mlp.gate.weight"):
+                if inner == "lm_head.weight" and cfg["tie_word_embeddings"]:
+                    log.warning("%s: tie_word_embeddings is set, so lm_head.weight is not used", hf_dir)
+                    continue
+                _place_hybrid(cfg, name, inner, f, shape, size, want_dense, dense, unknown, bad_shape, place)
+                continue
+            m = _LAYER.fullmatch("model." + inner)  # experts and routers: as Qwen3-MoE's
+        else:
+            m = _LAYER.fullmatch(name)
         if name == "model.embed_tokens.weight":
             target = "embed_tokens"
         elif name == "model.norm.weight":
@@ -253,6 +281,9 @@ def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Pla
             bad_shape.append(f"{name} {shape} (want {want_dense[target]})")
         place(dense, target, Source(f, name, size))
 
+    if left_out:
+        log.info("%s: left out (not the language model): %d tensors such as %s", hf_dir, len(left_out),
+                 _list(left_out, 3))
     problems = []
     if unknown:
         problems.append(f"tensors this converter does not know what to do with (config.json says "
@@ -269,6 +300,24 @@ def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Pla
     if problems:
         raise ConvertError(f"cannot convert {hf_dir}:\n  " + "\n  ".join(problems))
     return Plan(cfg, {k: dense[k] for k in want_dense}, experts)
+
+
+def _place_hybrid(cfg, name, inner, f, shape, size, want_dense, dense, unknown, bad_shape, place) -> None:
+    """A Qwen3-Next / Qwen3.5-MoE dense tensor into the vault tensors it becomes (qwen_hybrid)."""
+    tg = qwen_hybrid.targets(cfg, inner)
+    if tg is None or any(vn not in want_dense for vn, _, _ in tg):
+        unknown.append(name)
+        return
+    src_rows = qwen_hybrid.source_rows(cfg, inner)
+    for vn, rows, one_plus in tg:
+        want = want_dense[vn]
+        r, c = (1, want[0]) if len(want) == 1 else want
+        first = src_rows or r
+        if int(np.prod(shape)) != first * c or (first > 1 and shape[0] != first):
+            bad_shape.append(f"{name} {shape} (want {first} rows of {c} for {vn})")
+            return
+        take = None if rows is None else tuple(int(i) for i in rows)
+        place(dense, vn, Source(f, name, size, take=take, one_plus=one_plus, shape=(r, c)))
 
 
 # ---- formats --------------------------------------------------------------------------------
@@ -305,7 +354,11 @@ def read(ckpt: Checkpoint, src: Source) -> np.ndarray:
     if hasattr(src, "read"):
         return src.read(ckpt)
     if src.expert is None:
-        return ckpt.floats(src.name)
+        a = ckpt.floats(src.name)
+        if src.take is None and not src.one_plus and src.shape is None:
+            return a
+        rows = None if src.take is None else np.asarray(src.take)
+        return qwen_hybrid.transform(a, rows, src.one_plus, src.shape or a.shape)
     a = ckpt.floats(src.name, src.expert if src.rows is None else (src.expert, src.rows))
     return np.ascontiguousarray(a)
 

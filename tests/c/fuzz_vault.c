@@ -51,9 +51,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         uint64_t sum = lay.embed->nbytes + lay.final_norm->nbytes + lay.lm_head->nbytes;
         for (uint32_t l = 0; l < lay.cfg.num_hidden_layers; l++) {
             const smoe_layer_weights *w = &lay.layers[l];
-            sum += w->q->rows + w->k->rows + w->v->rows + w->o->rows + w->q_norm->cols + w->k_norm->cols;
+            sum += w->q->rows + w->k->rows + w->v->rows + w->o->rows;
             sum += w->input_norm->cols + w->post_norm->cols;
             sum += w->sparse ? w->router->rows : w->mlp_gate->rows + w->mlp_up->rows + w->mlp_down->rows;
+            /* the tensors the vault's parameters call for, present exactly when they say */
+            const smoe_tensor *opt[] = {w->q_norm, w->k_norm, w->q_bias, w->k_bias, w->v_bias, w->o_bias,
+                                        w->router_bias, w->shared_gate, w->shared_up, w->shared_down};
+            for (size_t i = 0; i < sizeof opt / sizeof *opt; i++) sum += opt[i] ? opt[i]->cols : 0;
+            const smoe_expert_layout *x = &lay.xl[l];
+            for (int i = 0; i < SMOE_XT_COUNT; i++) sum += x->has[i] ? x->t[i].offset + x->t[i].nbytes : 0;
+            sum += lay.layer_blob_bytes[l] + lay.layer_attn[l];
         }
         for (uint32_t i = 0; i < lay.n_blobs; i++) sum += lay.blob_offset[i] + lay.blob_crc[i];
         if (sum == 42) fputc(' ', stderr); /* keep the reads */

@@ -316,6 +316,94 @@ static void test_rope(void) {
         }
 }
 
+/* Partial RoPE (GLM: rotary_dim < head_dim): rotate-half within the first rot dims, the rest untouched. */
+static void test_rope_partial(void) {
+    const uint32_t heads = 2, hd = 64, rot = 32, h = rot / 2;
+    float x[2 * 64], x0[2 * 64], cs[16], sn[16];
+    for (uint32_t i = 0; i < heads * hd; i++) x[i] = x0[i] = rndf(-2, 2);
+    for (uint32_t i = 0; i < h; i++) {
+        double th = 5 * pow(1e4, -2.0 * i / rot);
+        cs[i] = (float)cos(th);
+        sn[i] = (float)sin(th);
+    }
+    smoe_rope(x, heads, hd, rot, cs, sn);
+    for (uint32_t k = 0; k < heads; k++)
+        for (uint32_t i = 0; i < hd; i++) {
+            const float *v = x0 + k * hd;
+            if (i >= rot) {
+                CHECK(x[k * hd + i] == v[i], "partial rope head %u [%u] changed", k, i);
+                continue;
+            }
+            double r = i < h ? -(double)v[i + h] : (double)v[i - h];
+            double ref = (double)v[i] * cs[i % h] + r * sn[i % h];
+            CHECK(fabs(x[k * hd + i] - ref) <= 1e-6 * (fabs(v[i]) + fabs(r) + 1e-3), "partial rope [%u]: %g vs %g", i,
+                  x[k * hd + i], ref);
+        }
+}
+
+/* GLM-4.5's router against a direct reading of transformers' Glm4MoeTopkRouter, and bias vectors. */
+static void test_route_sigmoid_group(void) {
+    for (int trial = 0; trial < 300; trial++) {
+        const uint32_t groups[] = {1, 2, 4, 8};
+        const uint32_t G = groups[rnd() % 4], per = 2 + (uint32_t)(rnd() % 7), E = G * per;
+        const uint32_t TG = 1 + (uint32_t)(rnd() % G);
+        uint32_t K = 1 + (uint32_t)(rnd() % (TG * per < 8 ? TG * per : 8));
+        const bool renorm = rnd() % 2;
+        const float scale = trial % 3 ? 2.5f : 1.0f;
+        float logits[64], bias_f[64], c[64], val[8];
+        int32_t idx[8];
+        for (uint32_t e = 0; e < E; e++) {
+            logits[e] = (float)(rnd() % 40) / 8.0f - 2.5f; /* ties on purpose */
+            bias_f[e] = (float)(rnd() % 5) / 16.0f;
+        }
+        smoe_tensor bias = {.format = SMOE_FMT_F32, .rows = 1, .cols = E, .data = (const uint8_t *)bias_f};
+        smoe_route_sigmoid_group(logits, E, &bias, G, TG, K, renorm, scale, idx, val, c);
+        /* the reference: choice scores, group scores (sum of the two best), kept groups, top k */
+        double s[64], ch[64], gs[8];
+        for (uint32_t e = 0; e < E; e++) {
+            s[e] = 1.0f / (1.0f + expf(-logits[e]));
+            ch[e] = (float)s[e] + bias_f[e];
+        }
+        bool keep[8];
+        for (uint32_t g = 0; g < G; g++) {
+            double a = -INFINITY, b = -INFINITY;
+            for (uint32_t e = g * per; e < (g + 1) * per; e++) {
+                if (ch[e] > a) b = a, a = ch[e];
+                else if (ch[e] > b) b = ch[e];
+            }
+            gs[g] = (float)((float)a + (float)b);
+            keep[g] = G == 1;
+        }
+        for (uint32_t j = 0; j < TG && G > 1; j++) {
+            int bg = -1;
+            for (uint32_t g = 0; g < G; g++)
+                if (!keep[g] && (bg < 0 || gs[g] > gs[bg])) bg = (int)g;
+            keep[bg] = true;
+        }
+        bool used[64] = {0};
+        double sum = 0;
+        for (uint32_t j = 0; j < K; j++) {
+            int be = -1;
+            for (uint32_t e = 0; e < E; e++)
+                if (keep[e / per] && !used[e] && (be < 0 || ch[e] > ch[be])) be = (int)e;
+            used[be] = true;
+            CHECK(idx[j] == be, "grouped route trial %d slot %u: %d vs %d", trial, j, idx[j], be);
+            sum += s[be];
+        }
+        for (uint32_t j = 0; j < K; j++) {
+            double want = (renorm ? s[idx[j]] / (sum + 1e-20) : s[idx[j]]) * scale;
+            CHECK(fabs(val[j] - want) <= 1e-6 * fabs(want) + 1e-12, "grouped route trial %d weight %u: %g vs %g", trial,
+                  j, val[j], want);
+        }
+    }
+    /* bf16 bias vectors widen exactly */
+    uint16_t b16[3] = {0x3F80, 0xC000, 0x3E00}; /* 1, -2, 0.125 */
+    smoe_tensor bt = {.format = SMOE_FMT_BF16, .rows = 1, .cols = 3, .data = (const uint8_t *)b16};
+    float y[3] = {0.5f, 0.5f, 0.5f};
+    smoe_add_bias(y, &bt);
+    CHECK(y[0] == 1.5f && y[1] == -1.5f && y[2] == 0.625f, "bf16 bias: %g %g %g", y[0], y[1], y[2]);
+}
+
 static void test_softmax(void) {
     const uint32_t ns[] = {1, 2, 128, 1000};
     for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
@@ -1093,6 +1181,8 @@ int main(int argc, char **argv) {
         if (!fast) rng_state = seed;
     }
     test_rope();
+    test_rope_partial();
+    test_route_sigmoid_group();
     test_softmax();
     test_attend();
     test_kv_store();

@@ -1,0 +1,417 @@
+"""`pysmoe convert FILE.gguf OUT`: a llama.cpp GGUF file → a vault, its tensors as stored.
+
+    python -m pysmoe convert Qwen3-30B-A3B-Q4_K_M.gguf vault/
+    python -m pysmoe convert Qwen3-235B-A22B-Q4_K_M-00001-of-00003.gguf vault/   # split files
+
+What is read (with gguf-py's reader, numpy only; the `gguf` extra):
+
+- the configuration from the `{arch}.*` metadata, through the family's table entry (FAMILIES:
+  llama.cpp's architecture name -> the config.json keys, the tensor names, and the few facts
+  llama.cpp fixes in code, e.g. that qwen3moe always renormalises its top-k weights);
+- the tokenizer from `tokenizer.ggml.*`, as a tokenizer.json that encodes as llama.cpp does
+  (gguf_tokenizer.py), and the chat template from `tokenizer.chat_template`;
+- every tensor, kept in its GGML type byte for byte: dense tensors are copied, and each
+  expert is cut out of the stacked `blk.N.ffn_{gate,up,down}_exps` tensors (one expert's rows
+  are contiguous there) into its 16 KiB-aligned blob. Nothing is requantised.
+
+A tensor type the engine has no kernel for, a tensor name the family does not know, a shape that
+disagrees with the metadata: all are found while planning, before anything is written, and the
+error names the tensors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .hf import ConvertError
+
+SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<i>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError:
+        raise ConvertError("converting a GGUF file needs the gguf package: pip install 'pysmoe[gguf]'") from None
+    return gguf
+
+
+# ------------------------------------------------------------------------------------ families
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """How one llama.cpp architecture maps onto a vault."""
+    arch: str                   # general.architecture
+    model_type: str             # config.json's model_type
+    architectures: tuple        # config.json's architectures
+    config: dict                # config.json key -> metadata key after "{arch}." (None: optional)
+    optional: tuple = ()        # config keys whose metadata may be absent
+    fixed: dict = dataclasses.field(default_factory=dict)  # config values llama.cpp fixes in code
+    # GGUF name after "blk.N." -> vault name after "layers.N."; "experts.gate" etc. for the
+    # stacked experts. Every tensor of the file must be named here (or in GLOBAL_TENSORS).
+    layer_tensors: dict = dataclasses.field(default_factory=dict)
+
+
+GLOBAL_TENSORS = {"token_embd.weight": "embed_tokens", "output_norm.weight": "norm", "output.weight": "lm_head"}
+
+_QWEN3_LAYER = {
+    "attn_norm.weight": "input_layernorm", "attn_q.weight": "q_proj", "attn_k.weight": "k_proj",
+    "attn_v.weight": "v_proj", "attn_output.weight": "o_proj", "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm", "ffn_norm.weight": "post_attention_layernorm",
+    "ffn_gate_inp.weight": "router", "ffn_gate_exps.weight": "experts.gate",
+    "ffn_up_exps.weight": "experts.up", "ffn_down_exps.weight": "experts.down",
+    "ffn_gate.weight": "mlp.gate_proj", "ffn_up.weight": "mlp.up_proj", "ffn_down.weight": "mlp.down_proj",
+}
+
+FAMILIES = {
+    "qwen3moe": Family(
+        arch="qwen3moe", model_type="qwen3_moe", architectures=("Qwen3MoeForCausalLM",),
+        config={"hidden_size": "embedding_length", "num_hidden_layers": "block_count",
+                "max_position_embeddings": "context_length", "intermediate_size": "feed_forward_length",
+                "moe_intermediate_size": "expert_feed_forward_length",
+                "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+                "head_dim": "attention.key_length", "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+                "rope_theta": "rope.freq_base", "num_experts": "expert_count",
+                "num_experts_per_tok": "expert_used_count"},
+        optional=("intermediate_size", "head_dim", "rope_theta", "num_key_value_heads"),
+        # llama.cpp's qwen3moe graph renormalises the top-k weights whatever the checkpoint said
+        fixed={"norm_topk_prob": True, "decoder_sparse_step": 1},
+        layer_tensors=_QWEN3_LAYER),
+}
+FAMILIES["olmoe"] = Family(
+    arch="olmoe", model_type="olmoe", architectures=("OlmoeForCausalLM",),
+    # llama.cpp's olmoe has no expert_feed_forward_length: feed_forward_length is the expert's width
+    config={**{k: v for k, v in FAMILIES["qwen3moe"].config.items() if k != "moe_intermediate_size"},
+            "moe_intermediate_size": "feed_forward_length"},
+    optional=FAMILIES["qwen3moe"].optional,
+    # its graph never renormalises the top-k weights; its QK-norm spans the whole projection
+    # (the vault's olmoe recipe: the norms' shapes say so)
+    fixed={"norm_topk_prob": False, "decoder_sparse_step": 1},
+    layer_tensors=_QWEN3_LAYER)
+# The other families pysmoe runs come as one entry each: llama.cpp's glm4moe, llama (Mixtral: its
+# q/k rows are permuted for llama.cpp's interleaved RoPE and must be un-permuted row by row, which
+# a block type allows losslessly), and qwen35moe / qwen3next and gpt-oss once their recipes land.
+
+
+# ------------------------------------------------------------------------------------ reading
+
+@dataclasses.dataclass(frozen=True)
+class GTensor:
+    """One tensor of the file(s): its GGML type, its shape as (rows, cols) or (experts, rows,
+    cols), and where its bytes lie."""
+    name: str
+    type: int          # ggml_type
+    shape: tuple       # outermost first (numpy order)
+    data: np.ndarray   # uint8 view of its bytes (a memmap)
+
+    @property
+    def type_name(self) -> str:
+        return _gguf().GGMLQuantizationType(self.type).name
+
+
+def split_paths(path: Path) -> list[Path]:
+    """The files of a (possibly split) GGUF model, first to last; all must exist."""
+    m = SPLIT_RE.match(path.name)
+    if not m:
+        return [path]
+    n = int(m["n"])
+    if n < 1:
+        raise ConvertError(f"{path}: split count {n}")
+    paths = [path.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise ConvertError(f"{path}: split files missing: {', '.join(missing)}")
+    return paths
+
+
+def _text(field, i) -> str:
+    try:
+        return bytes(field.parts[i]).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConvertError(f"metadata {field.name}: a string that is not UTF-8 ({exc.reason})") from None
+
+
+def _field_value(field):
+    """A metadata field as a Python value (str, int, float, bool, list)."""
+    gguf = _gguf()
+    t = field.types[0] if field.types else None
+    if t == gguf.GGUFValueType.ARRAY:
+        sub = field.types[1] if len(field.types) > 1 else None
+        if sub == gguf.GGUFValueType.STRING:
+            return [_text(field, i) for i in field.data]
+        return [field.parts[i].tolist()[0] for i in field.data]
+    if t == gguf.GGUFValueType.STRING:
+        return _text(field, field.data[0])
+    v = field.parts[field.data[0]].tolist()[0]
+    return bool(v) if t == gguf.GGUFValueType.BOOL else v
+
+
+class GGUFModel:
+    """The metadata and tensors of one GGUF model (one file or a split set), memory-mapped."""
+
+    def __init__(self, path):
+        gguf = _gguf()
+        path = Path(path).expanduser()
+        if not path.is_file():
+            raise ConvertError(f"{path}: no such file")
+        self.paths = split_paths(path)
+        self.meta: dict = {}
+        self.tensors: dict[str, GTensor] = {}
+        for i, p in enumerate(self.paths):
+            try:
+                r = gguf.GGUFReader(p, "r")
+            except (ValueError, OSError, struct.error, IndexError, KeyError) as exc:
+                raise ConvertError(f"{p}: not a readable GGUF file ({exc})") from None
+            meta = {k: _field_value(f) for k, f in r.fields.items() if not k.startswith("GGUF.")}
+            if i == 0:
+                self.meta = meta
+            for t in r.tensors:
+                if t.name in self.tensors:
+                    raise ConvertError(f"{p}: tensor {t.name} appears twice")
+                shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+                raw = r.data[t.data_offset:t.data_offset + int(t.n_bytes)]
+                if raw.nbytes != int(t.n_bytes):
+                    raise ConvertError(f"{p}: tensor {t.name} runs past the end of the file (truncated?)")
+                self.tensors[t.name] = GTensor(t.name, int(t.tensor_type), shape, raw)
+        n = self.meta.get("split.count")
+        if n is not None and int(n) != len(self.paths):
+            raise ConvertError(f"{path}: split.count says {n} files; give the first, "
+                               f"named like NAME-00001-of-{int(n):05d}.gguf")
+        self.arch = self.meta.get("general.architecture")
+
+
+# ------------------------------------------------------------------------------------ planning
+
+def supported_types() -> dict[int, str]:
+    """ggml_type -> vault format name, for every GGML type this build's vault writer knows."""
+    from .. import quant
+    gguf = _gguf()
+    out = {}
+    for t in gguf.GGMLQuantizationType:
+        # F32 and BF16 are the vault's own f32/bf16 (same bytes); the block types keep ggml's names
+        name = {"F32": "f32", "BF16": "bf16"}.get(t.name, t.name)
+        if name in quant.FORMATS:
+            out[int(t)] = name
+    return out
+
+
+@dataclasses.dataclass
+class Plan:
+    family: Family
+    config: dict
+    dense: dict            # vault name -> GTensor
+    experts: dict          # layer -> {"gate"|"up"|"down": GTensor (E, rows, cols)}
+    formats: dict          # vault name / "experts.part" -> format name
+
+
+def _config(model: GGUFModel, fam: Family) -> dict:
+    meta, arch = model.meta, fam.arch
+    cfg = {"architectures": list(fam.architectures), "model_type": fam.model_type}
+    missing = []
+    for key, mkey in fam.config.items():
+        v = meta.get(f"{arch}.{mkey}")
+        if v is None:
+            if key not in fam.optional:
+                missing.append(f"{arch}.{mkey}")
+            continue
+        if isinstance(v, list):  # per-layer values (some files write head_count_kv so)
+            if len(set(v)) != 1:
+                raise ConvertError(f"{arch}.{mkey} differs between layers ({sorted(set(v))}); "
+                                   "pysmoe needs one value")
+            v = v[0]
+        if isinstance(v, float) and float(np.float32(v)) == v:
+            v = float(str(np.float32(v)))  # an f32 field: 1e-06, not 9.999999974752427e-07
+        cfg[key] = v
+    if missing:
+        raise ConvertError("the file's metadata lacks " + ", ".join(missing))
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise ConvertError(f"{arch}.rope.scaling.type {scaling!r}: only plain RoPE is supported")
+    vlen = meta.get(f"{arch}.attention.value_length")
+    if vlen is not None and "head_dim" in cfg and vlen != cfg["head_dim"]:
+        raise ConvertError(f"attention.key_length {cfg['head_dim']} != value_length {vlen}")
+    if "head_dim" not in cfg:
+        cfg["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]
+    if "num_key_value_heads" not in cfg:
+        cfg["num_key_value_heads"] = cfg["num_attention_heads"]
+    cfg.setdefault("rope_theta", 10000.0)
+    cfg.update(fam.fixed)
+    emb = model.tensors.get("token_embd.weight")
+    if emb is None:
+        raise ConvertError("the file has no token_embd.weight")
+    cfg["vocab_size"] = emb.shape[0]
+    cfg["tie_word_embeddings"] = "output.weight" not in model.tensors
+    L = int(cfg["num_hidden_layers"])
+    sparse = [f"blk.{l}.ffn_gate_inp.weight" in model.tensors for l in range(L)]
+    cfg["mlp_only_layers"] = [l for l in range(L) if not sparse[l]]
+    cfg.setdefault("intermediate_size", cfg["moe_intermediate_size"])
+    for k in ("bos", "eos", "padding"):
+        i = meta.get(f"tokenizer.ggml.{k}_token_id")
+        if i is not None:
+            cfg[{"padding": "pad"}.get(k, k) + "_token_id"] = int(i)
+    return cfg
+
+
+def plan(model: GGUFModel, check_types: bool = True) -> Plan:
+    """Everything the conversion will do, checked: ConvertError before any byte is written.
+    check_types=False plans a file whose tensor types this build cannot run (for inspection;
+    its formats then name the GGML types)."""
+    from ..vaultio import dense_shapes, normalize_config
+
+    fam = FAMILIES.get(model.arch)
+    if fam is None:
+        raise ConvertError(f"GGUF architecture {model.arch!r} is not supported "
+                           f"(supported: {', '.join(sorted(FAMILIES))})")
+    try:
+        cfg = normalize_config(_config(model, fam))
+    except ValueError as exc:
+        raise ConvertError(f"GGUF metadata: {exc}") from None
+    L, E = cfg["num_hidden_layers"], cfg["num_experts"]
+    H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
+    dense, experts, unknown = {}, {}, []
+    for name, t in model.tensors.items():
+        if name in GLOBAL_TENSORS:
+            dense[GLOBAL_TENSORS[name]] = t
+            continue
+        m = re.match(r"^blk\.(\d+)\.(.+)$", name)
+        role = fam.layer_tensors.get(m[2]) if m and int(m[1]) < L else None
+        if role is None:
+            unknown.append(name)
+        elif role.startswith("experts."):
+            experts.setdefault(int(m[1]), {})[role.split(".")[1]] = t
+        else:
+            dense[f"layers.{m[1]}.{role}"] = t
+    if unknown:
+        raise ConvertError(f"tensors pysmoe does not know for {fam.arch}: " + _names(unknown))
+    problems = []
+    want = {n: (r, c) for n, r, c in dense_shapes(cfg)}
+    for n in want:
+        if n not in dense:
+            problems.append(f"{n} missing")
+    for n, t in dense.items():
+        if n not in want:
+            problems.append(f"{t.name}: not expected in this model")
+        elif _matrix(t.shape) != want[n]:
+            problems.append(f"{t.name}: shape {t.shape}, expected {want[n]}")
+    sparse = [l for l in range(L) if l not in cfg["mlp_only_layers"]]
+    shapes = {"gate": (E, I, H), "up": (E, I, H), "down": (E, H, I)}
+    for l in sparse:
+        parts = experts.get(l, {})
+        for p, shape in shapes.items():
+            if p not in parts:
+                problems.append(f"blk.{l}.ffn_{p}_exps.weight missing")
+            elif parts[p].shape != shape:
+                problems.append(f"{parts[p].name}: shape {parts[p].shape}, expected {shape}")
+    for l in experts:
+        if l not in sparse:
+            problems.append(f"blk.{l}: stacked experts in a layer without a router")
+    if problems:
+        raise ConvertError("the GGUF file does not fit its metadata: " + _names(problems))
+
+    types = supported_types()
+    refused = [f"{t.name} ({t.type_name})" for t in _all(dense, experts) if t.type not in types]
+    if not check_types:
+        types = {t.type: types.get(t.type, t.type_name) for t in _all(dense, experts)}
+    elif refused:
+        raise ConvertError("tensor types this build cannot run: " + _names(refused)
+                           + f" (supported: {', '.join(sorted(_gguf().GGMLQuantizationType(t).name for t in types))})")
+    formats = {n: types[t.type] for n, t in dense.items()}
+    for l, parts in experts.items():
+        for p, t in parts.items():
+            formats[f"experts.{l}.{p}"] = types[t.type]
+    return Plan(fam, cfg, dense, experts, formats)
+
+
+def _matrix(shape: tuple) -> tuple:
+    return (1, shape[0]) if len(shape) == 1 else tuple(shape)
+
+
+def _all(dense, experts):
+    yield from dense.values()
+    for parts in experts.values():
+        yield from parts.values()
+
+
+def _names(items: list[str], k: int = 12) -> str:
+    return ", ".join(items[:k]) + (f" and {len(items) - k} more" if len(items) > k else "")
+
+
+def expert_bytes(t: GTensor, e: int) -> np.ndarray:
+    """Expert e's rows of a stacked (E, rows, cols) tensor: a contiguous slice of its bytes."""
+    n = t.data.nbytes // t.shape[0]
+    return t.data[e * n:(e + 1) * n]
+
+
+# ------------------------------------------------------------------------------------ writing
+
+def _vault_formats(p: Plan) -> dict:
+    """The VaultWriter's formats: every dense tensor by name, the experts by layer and part
+    (`layers.L.experts.gate`: a vault v3 blob layout per layer, as llama.cpp's mixes need)."""
+    formats = {n: fmt for n, fmt in p.formats.items() if not n.startswith("experts.")}
+    for l, parts in p.experts.items():
+        for part in parts:
+            formats[f"layers.{l}.experts.{part}"] = p.formats[f"experts.{l}.{part}"]
+    return formats
+
+
+def _type_counts(p: Plan) -> dict:
+    counts: dict[str, int] = {}
+    for t in _all(p.dense, p.experts):
+        counts[t.type_name] = counts.get(t.type_name, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def convert_gguf(src, out_dir, progress: bool = True, force: bool = False) -> Path:
+    """Convert the GGUF model at src (one file, or the first of a split set) into a vault at
+    out_dir. Raises ConvertError before writing anything when it cannot be converted."""
+    from ..progress import Progress
+    from ..vaultdir import staged
+    from ..vaultio import VaultWriter
+    from . import gguf_tokenizer as tok
+
+    src, out_dir = Path(src).expanduser(), Path(out_dir).expanduser()
+    model = GGUFModel(src)
+    p = plan(model)
+    try:
+        tokenizer = tok.tokenizer_json(model.meta)
+    except tok.TokenizerError as exc:
+        raise ConvertError(f"{src}: {exc}") from None
+    formats = _vault_formats(p)
+    from ..vaultio import compute_layout
+    try:
+        compute_layout(p.config, formats)
+    except ValueError as exc:
+        raise ConvertError(f"{src}: {exc}") from None
+    total = sum(t.data.nbytes for t in _all(p.dense, p.experts))
+    with staged(out_dir, force) as target:
+        with VaultWriter(target, p.config, formats=formats, tokenizer_json=tokenizer,
+                         tokenizer_config=tok.tokenizer_config(model.meta)) as w:
+            with Progress(total, "convert", unit="B", enabled=progress) as bar:
+                for name, t in p.dense.items():
+                    w.add_dense_raw(name, t.data)
+                    bar.update(t.data.nbytes)
+                for l in sorted(p.experts):
+                    lay = w.layout.layer_expert[l]
+                    end = lay[2].offset + lay[2].nbytes
+                    parts = p.experts[l]
+                    for e in range(p.config["num_experts"]):
+                        blob = bytearray(end)
+                        for t in lay:
+                            blob[t.offset:t.offset + t.nbytes] = expert_bytes(parts[t.name], e).tobytes()
+                        w.add_expert_raw(l, e, blob)
+                    bar.update(sum(t.data.nbytes for t in parts.values()))
+        gen = tok.generation_config(model.meta)
+        if gen:
+            (target / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        source = {"kind": "gguf", "path": str(model.paths[0].resolve()), "files": len(model.paths),
+                  "architecture": model.arch,
+                  "quantization": {"ggml types": ", ".join(f"{k} x{v}" for k, v in _type_counts(p).items())}}
+        if model.meta.get("general.name"):
+            source["name"] = model.meta["general.name"]
+        (target / "source.json").write_text(json.dumps(source, indent=2) + "\n")
+    return out_dir

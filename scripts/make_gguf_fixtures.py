@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Remake tests/data/gguf/: small GGUF files written by llama.cpp's own tools, for the GGUF import
+tests (tests/test_gguf_import.py), so that CI needs no llama.cpp build.
+
+    python scripts/make_gguf_fixtures.py --llama-cpp DIR [--out tests/data/gguf]
+
+DIR is llama.cpp's source tree (convert_hf_to_gguf.py and gguf-py/ in it): the one inside
+llama-cpp-python's source package will do (`pip download --no-deps --no-binary :all:
+llama-cpp-python`, then unpack; it is vendor/llama.cpp). Quantising needs llama-cpp-python
+installed (its `llama_model_quantize`, the same code as the `llama-quantize` tool).
+
+Each fixture is a tiny random Qwen3MoeForCausalLM (tests/hf_models.py, transformers) saved by
+`save_pretrained`, turned into an F32 GGUF by convert_hf_to_gguf.py, then quantised by llama.cpp:
+
+    tiny-f32.gguf        hidden 64: every tensor F32 (the oracle test's exact case)
+    tiny-q8_0.gguf       hidden 64: Q8_0 matrices, F32 norms and router
+    tiny-q4_0.gguf       hidden 64: Q4_0 (llama.cpp keeps a few tensors in other types)
+    olmoe-q8_0.gguf      an OLMoE (llama.cpp's `olmoe`), hidden 64: Q8_0
+    k256-q4_k_m.gguf     hidden 256: Q4_K_M, llama.cpp's mix (Q4_K, Q6_K, and where a row of 128
+                         is too short for a 256-block, its fallbacks Q5_0/Q8_0, per layer)
+    k256-iq4_xs.gguf     hidden 256: IQ4_XS (IQ4_NL where rows are 128)
+    k256-q5_k_m.gguf     hidden 256: Q5_K_M (Q5_K, Q6_K and fallbacks)
+    tokens.json          llama.cpp's token ids for TOKENIZER_TEXTS: on tiny-f32.gguf's vocabulary,
+                         and on the demo's vocabulary under each pre-tokenizer of TOKENIZER_PRES
+                         (vocabulary-only GGUFs made here, tokenised by llama.cpp)
+
+The synthetic tokenizer (pysmoe.tokenizer) is not one convert_hf_to_gguf.py recognises by its
+hash, so the conversion is told its pre-tokenizer (`--pre`, default qwen2, the family's): the
+GGUF's tokenizer is then whatever llama.cpp makes of those tokens, merges and pre name, which is
+what the import must reproduce. The weights depend only on the seeds; the files depend also on
+the llama.cpp version (recorded in each file's general.* metadata by the tools).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+SMALL = dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=96, num_experts=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+K256 = dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256, num_experts=4,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+
+# OLMoE (llama.cpp's `olmoe`): QK-norm over the whole projection, top-k weights not renormalised.
+# convert_hf_to_gguf.py writes rms_norm_eps 1e-5 for it whatever the config says: so does this.
+OLMOE = dict(model="olmoe", hidden_size=64, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
+
+FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself)
+    "tiny-f32": (SMALL, None),
+    "tiny-q8_0": (SMALL, "Q8_0"),
+    "tiny-q4_0": (SMALL, "Q4_0"),
+    "k256-q4_k_m": (K256, "Q4_K_M"),
+    "k256-iq4_xs": (K256, "IQ4_XS"),
+    "k256-q5_k_m": (K256, "Q5_K_M"),
+    "olmoe-q8_0": (OLMOE, "Q8_0"),
+}
+
+# Text for the tokenizer check: prose, code, digits, whitespace runs, CRLF, contractions in
+# both cases, several scripts and emoji (a ZWJ sequence among them), and the special tokens.
+TOKENIZER_TEXTS = [
+    "The quick brown fox jumps over the lazy dog. It's 3.14159, not 22/7!",
+    "def f(x):\n    return x ** 2  # square\n\n\n\tif   x  >  1000000:\n        pass\n",
+    "12345 678 9 0.5 1,000,000 2025-12-03 3rd 4th 100% $42 v1.2.3",
+    "a   b\t\tc\n\n\n  d   \r\n e \u00a0 f\u3000g   ",
+    "I'VE don't WE'LL they'Re SHE'S it'd O'Neil 'quoted' ''double''",
+    "h\u00e9llo w\u00f6rld \u00f1and\u00fa \u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 "
+    "\u0395\u03bb\u03bb\u03b7\u03bd\u03b9\u03ba\u03ac \u0440\u0443\u0441\u0441\u043a\u0438\u0439 "
+    "\u0639\u0631\u0628\u064a \u0915\u093f\u0924\u093e\u092c \U0001f680\U0001f636\u200d\U0001f32b\ufe0f \u2705",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|><|endoftext|>",
+    "   leading spaces and trailing   ",
+    "",
+    "!!!??? ... ---=== ((( ))) [[x]] {y} <z> @#$%^&* ~`|\\ /path/to/file.py:12",
+]
+# Pre-tokenizers checked on the demo's vocabulary (4,096 tokens, 3,837 merges).
+TOKENIZER_PRES = ("qwen2", "gpt-2", "llama-bpe", "qwen35", "glm4", "gpt-4o")
+
+
+def vocab_gguf(out: Path, tokenizer_dir: Path, vocab_size: int, pre: str, hparams_from: Path) -> Path:
+    """A vocabulary-only GGUF (no tensors) of tokenizer_dir's tokenizer.json under the given
+    llama.cpp pre-tokenizer name: what llama.cpp needs to tokenize (`vocab_only`). Written with
+    gguf-py; the hyperparameters are copied from hparams_from so that llama.cpp accepts it."""
+    import gguf
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from export_gguf import tokenizer_fields
+
+    tok = tokenizer_fields(Path(tokenizer_dir), vocab_size)
+    r = gguf.GGUFReader(hparams_from)
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(out, arch=arch)
+    for k, f in r.fields.items():
+        if k.startswith(("GGUF.", "tokenizer.", "general.architecture")):
+            continue
+        if f.types[0] == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(k, f.contents(), f.types[0], sub_type=f.types[-1])
+        else:
+            w.add_key_value(k, f.contents(), f.types[0])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    w.add_token_merges(tok["merges"])
+    if tok["eos"] is not None:
+        w.add_eos_token_id(tok["eos"])
+    w.add_add_bos_token(False)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def llama_cpp_tokens(gguf_path: Path, texts) -> list[list[int]]:
+    """llama.cpp's ids for each text: no BOS, special tokens parsed (as a chat prompt is)."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
+    try:
+        return [llm.tokenize(t.encode("utf-8"), add_bos=False, special=True) for t in texts]
+    finally:
+        llm.close()
+
+
+def golden_tokens(out_dir: Path, tmp: Path) -> Path:
+    """tokens.json: llama.cpp's ids for TOKENIZER_TEXTS and the held-out text's first 4 KiB,
+    for the demo vocabulary under each of TOKENIZER_PRES and for tiny-f32.gguf's own."""
+    demo = ROOT / "pysmoe" / "data" / "demo"
+    texts = TOKENIZER_TEXTS + [(demo / "heldout.txt").read_text(encoding="utf-8")[:4096]]
+    golden = {"texts": texts, "demo": {}}
+    for pre in TOKENIZER_PRES:
+        g = vocab_gguf(tmp / f"vocab-{pre}.gguf", demo, 4096, pre, out_dir / "tiny-f32.gguf")
+        golden["demo"][pre] = llama_cpp_tokens(g, texts)
+    golden["tiny-f32"] = llama_cpp_tokens(out_dir / "tiny-f32.gguf", texts)
+    path = out_dir / "tokens.json"
+    path.write_text(json.dumps(golden, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+_CONVERT = """
+import sys
+sys.path.insert(0, {dir!r})
+import convert_hf_to_gguf as c
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
+sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outtype", "f32", "--outfile", {out!r}]
+c.main()
+"""
+
+
+def hf_checkpoint(work: Path, shape: dict, seed: int) -> Path:
+    from hf_models import make_hf_model
+
+    shape = dict(shape)
+    if shape.pop("model", "qwen3_moe") == "olmoe":
+        return olmoe_checkpoint(work, shape, seed)
+    path, _ = make_hf_model(work, seed=seed, **shape)
+    return path
+
+
+def olmoe_checkpoint(work: Path, shape: dict, seed: int) -> Path:
+    """A random OlmoeForCausalLM saved by save_pretrained (hf_models' weight draw), with a tokenizer."""
+    import torch
+    from hf_models import BASE_CONFIG, randomize, write_tokenizer
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    keys = ("vocab_size", "num_hidden_layers", "max_position_embeddings", "tie_word_embeddings")
+    kw = {**{k: BASE_CONFIG[k] for k in keys}, **shape}
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    torch.manual_seed(seed)
+    model = OlmoeForCausalLM(OlmoeConfig(**kw)).float().eval()
+    randomize(model, seed)
+    path = Path(work) / "hf"
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, model.config.vocab_size)
+    return path
+
+
+def convert_f32(llama_cpp: Path, src: Path, out: Path, pre: str) -> None:
+    """convert_hf_to_gguf.py, in a child process with llama.cpp's own gguf-py first on its path."""
+    env = dict(os.environ, PYTHONPATH=str(llama_cpp / "gguf-py"))
+    code = _CONVERT.format(dir=str(llama_cpp), pre=pre, src=str(src), out=str(out))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=llama_cpp)
+
+
+def quantize(src: Path, out: Path, ftype: str) -> None:
+    """llama.cpp's quantiser (llama_model_quantize) from F32 to ftype, as llama-quantize does."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 1
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise SystemExit(f"llama_model_quantize {ftype} failed ({rc})")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree")
+    ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "gguf")
+    ap.add_argument("--pre", default="qwen2", help="tokenizer.ggml.pre to write (default qwen2)")
+    ap.add_argument("--only", nargs="*", help="fixture names to make (default all)")
+    ap.add_argument("--tokens-only", action="store_true", help="remake tokens.json alone")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        f32 = {}
+        if args.tokens_only:
+            print(golden_tokens(args.out, tmp))
+            return 0
+        for name, (shape, ftype) in FIXTURES.items():
+            if args.only and name not in args.only:
+                continue
+            key = tuple(sorted(shape.items()))
+            if key not in f32:
+                work = tmp / f"m{len(f32)}"
+                src = hf_checkpoint(work, shape, seed=len(f32))
+                f32[key] = work / "f32.gguf"
+                convert_f32(args.llama_cpp.resolve(), src, f32[key], args.pre)
+            out = args.out / f"{name}.gguf"
+            if ftype is None:
+                out.write_bytes(f32[key].read_bytes())
+            else:
+                quantize(f32[key], out, ftype)
+            print(f"{out}: {out.stat().st_size} bytes")
+        print(golden_tokens(args.out, tmp))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
