@@ -69,7 +69,7 @@ static smoe_tensor make(uint8_t f, uint32_t rows, uint32_t cols, uint8_t **mem) 
             case SMOE_FMT_GGML_Q6_K: p[208] = 0, p[209] = 0x1c; break;
             case SMOE_FMT_GGML_Q3_K: p[108] = 0, p[109] = 0x1c; break;
             case SMOE_FMT_GGML_Q2_K: p[80] = p[82] = 0, p[81] = p[83] = 0x1c; break;
-            default: p[0] = 0, p[1] = 0x1c, p[2] = 0, p[3] = 0x1c; break; /* d (and dmin for Q4_K/Q5_K) */
+            default: p[0] = 0, p[1] = 0x1c, p[2] = 0, p[3] = 0x1c; break; /* d (and dmin / m where there is one) */
             }
         }
     }
@@ -108,7 +108,8 @@ int main(void) {
     } F[] = {{SMOE_FMT_Q4, "q4 (g64)"},         {SMOE_FMT_Q8, "q8 (g64)"},        {SMOE_FMT_GGML_Q4_K, "Q4_K"},
              {SMOE_FMT_GGML_Q5_K, "Q5_K"},      {SMOE_FMT_GGML_Q6_K, "Q6_K"},     {SMOE_FMT_GGML_Q8_0, "Q8_0"},
              {SMOE_FMT_GGML_Q4_0, "Q4_0"},      {SMOE_FMT_GGML_Q5_0, "Q5_0"},     {SMOE_FMT_GGML_IQ4_NL, "IQ4_NL"},
-             {SMOE_FMT_GGML_IQ4_XS, "IQ4_XS"},  {SMOE_FMT_GGML_MXFP4, "MXFP4"},   {SMOE_FMT_GGML_Q3_K, "Q3_K"}};
+             {SMOE_FMT_GGML_IQ4_XS, "IQ4_XS"},  {SMOE_FMT_GGML_MXFP4, "MXFP4"},   {SMOE_FMT_GGML_Q3_K, "Q3_K"},
+             {SMOE_FMT_GGML_Q2_K, "Q2_K"},      {SMOE_FMT_GGML_Q4_1, "Q4_1"},     {SMOE_FMT_GGML_Q5_1, "Q5_1"}};
     printf("kernels %s; one thread; 8-bit activations\n", smoe_kernels());
     printf("%-10s %22s %22s\n", "format", "n=1, 16384x2048", "n=64, 2048x2048");
     for (size_t i = 0; i < sizeof F / sizeof *F; i++) {

@@ -26,7 +26,10 @@
  *     Q4_1  q = nibble (0..15)    σ = d      μ = m          Q5_1  q = 5-bit (0..31), σ = d, μ = m
  *     Q6_K  q = 6-bit − 32        sub = the two int8 scales of its 16-column halves, σ = d
  *     Q3_K  q = 3-bit − 4 … 3     sub = the two 6-bit scales − 32, σ = d
- * Q2_K (a min per 16 columns) and F16 have no such form: their products take f32 activations. */
+ *     Q2_K  q = 2-bit (0..3)      sub = the two 4-bit scales, σ = d, and a min per 16 columns:
+ *           w_c = d·sub_h·q_c − dmin·m_h, whose min term takes the activation codes too
+ *           (gb_q2k_mins: ν·Σ_h m_h·Σ_{c ∈ half h} code_c, ν = −dmin; kernels_ref.c)
+ * F16 has no such form: its products take f32 activations. */
 #ifndef SMOE_GGML_BLOCKS_H
 #define SMOE_GGML_BLOCKS_H
 
@@ -227,6 +230,7 @@ static inline bool gb_takes_codes(uint8_t fmt) {
     case SMOE_FMT_GGML_Q5_0:
     case SMOE_FMT_GGML_Q5_1:
     case SMOE_FMT_GGML_Q8_0:
+    case SMOE_FMT_GGML_Q2_K:
     case SMOE_FMT_GGML_Q3_K:
     case SMOE_FMT_GGML_Q4_K:
     case SMOE_FMT_GGML_Q5_K:
@@ -340,6 +344,14 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
             sigma[i] = gb_f16q(blk + 208);
             break;
         }
+        case SMOE_FMT_GGML_Q2_K: {
+            const uint8_t *qs = blk + 16 + (k / 4) * 32;
+            for (int l = 0; l < 32; l++) qi[l] = (int8_t)((qs[l] >> (2 * (k % 4))) & 3);
+            sub[2 * i] = (int16_t)(blk[2 * k] & 15);
+            sub[2 * i + 1] = (int16_t)(blk[2 * k + 1] & 15);
+            sigma[i] = gb_f16q(blk + 80);
+            break;
+        }
         case SMOE_FMT_GGML_Q3_K: {
             const uint8_t *hm = blk, *qs = blk + 32 + (k / 4) * 32;
             for (int l = 0; l < 32; l++) {
@@ -356,6 +368,16 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
             sigma[i] = 0.0f;
         }
     }
+}
+
+/* Q2_K's mins of block b (32 columns) of a row: m[h] the 4-bit min of its half h (16 columns);
+ * returns ν = −dmin (widened as gb_f16q), so that the block's min term is ν·Σ_h m_h·Σ_{c ∈ h} x_c. */
+static inline float gb_q2k_mins(const uint8_t *row, uint32_t b, int16_t m[2]) {
+    const uint8_t *blk = row + (size_t)(b / 8) * 84;
+    const uint32_t k = b % 8;
+    m[0] = (int16_t)(blk[2 * k] >> 4);
+    m[1] = (int16_t)(blk[2 * k + 1] >> 4);
+    return -gb_f16q(blk + 82);
 }
 
 #endif

@@ -47,7 +47,7 @@ void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint
                      void *codes, float *d, float *gsum);
 
 /* Whether W's products take 8-bit activation codes: q8, q4 and the GGML block formats that
- * ggml_blocks.h gives an integer form (all but F16 and Q2_K, whose products take f32 inputs); and
+ * ggml_blocks.h gives an integer form (all but F16, whose products take f32 inputs); and
  * the group those codes' sums are made for (the GGML formats take the codes of q4 with group 32). */
 bool smoe_qx_takes(const smoe_tensor *W);
 uint32_t smoe_qx_group(const smoe_tensor *W);

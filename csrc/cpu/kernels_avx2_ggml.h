@@ -165,7 +165,7 @@ INLINE void g_decode8(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
         sgv = _mm256_set1_ps(g_f16_1(blk + 208));
         break;
     }
-    default: { /* Q3_K, Q4_1, Q5_1: the reference's decoder */
+    default: { /* Q2_K, Q3_K, Q4_1, Q5_1: the reference's decoder */
         int8_t qb[8 * 32];
         int16_t sb[16];
         float sg[8], m[8];

@@ -13,8 +13,10 @@ GQ_ATTR INLINE void GQ(g_qx_rows)(const uint8_t fmt, const smoe_tensor *W, const
     uint32_t bs = 32, ts = 0;
     smoe_ggml_block(fmt, &bs, &ts);
     const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
-    const bool has_min = gb_has_min(fmt), has_sub = fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K;
-    const bool unsigned_q = has_min; /* Q4_1, Q5_1, Q4_K, Q5_K: codes 0..31, a valid u8 operand as they are */
+    const bool q2k = fmt == SMOE_FMT_GGML_Q2_K; /* its mins per 16 columns: a second integer sum, M */
+    const bool has_min = gb_has_min(fmt), has_sub = fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K || q2k;
+    const bool unsigned_q = has_min || q2k; /* Q4_1, Q5_1, Q4_K, Q5_K, Q2_K: 0..31, a valid u8 operand as they are */
+    const __m256i ones8 = _mm256_set1_epi8(1);
     const size_t row_bytes = (size_t)(cols / bs) * ts;
 #if !GQ_VNNI
     const __m256i ones = _mm256_set1_epi16(1);
@@ -44,10 +46,21 @@ GQ_ATTR INLINE void GQ(g_qx_rows)(const uint8_t fmt, const smoe_tensor *W, const
                     mu = _mm256_loadu_ps(m);
                 }
                 for (int i = 0; i < 8; i++) qa[i] = unsigned_q ? q[i] : _mm256_sign_epi8(q[i], q[i]);
+                __m256i msub[8];
+                __m256 nul = _mm256_setzero_ps();
+                if (q2k) {
+                    float nu[8];
+                    for (int i = 0; i < 8; i++) {
+                        int16_t mm[2];
+                        nu[i] = gb_q2k_mins(row, 8 * k + (uint32_t)i, mm);
+                        msub[i] = _mm256_set_m128i(_mm_set1_epi16(mm[1]), _mm_set1_epi16(mm[0]));
+                    }
+                    nul = _mm256_permutevar8x32_ps(_mm256_loadu_ps(nu), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+                }
                 for (uint32_t t = 0; t < nt; t++) {
                     const int8_t *ct = (const int8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes + 256 * (size_t)k;
                     const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
-                    __m256i p[8];
+                    __m256i p[8], p2[8];
                     for (int j = 0; j < 8; j++) {
                         const int b = 2 * (j % 4) + j / 4;
                         const __m256i cv = _mm256_loadu_si256((const __m256i *)(const void *)(ct + 32 * b));
@@ -58,16 +71,20 @@ GQ_ATTR INLINE void GQ(g_qx_rows)(const uint8_t fmt, const smoe_tensor *W, const
 #else
                         p[j] = _mm256_madd_epi16(pr, has_sub ? sub[b] : ones);
 #endif
+                        if (q2k) p2[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, cv), msub[b]);
                     }
                     const __m256 I = _mm256_cvtepi32_ps(g_reduce8(p));
                     tot[t] = _mm256_fmadd_ps(I, _mm256_mul_ps(sigl, _mm256_loadu_ps(dt)), tot[t]);
                     if (has_min)
                         bia[t] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k),
                                                  bia[t]);
+                    if (q2k)
+                        bia[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(g_reduce8(p2)), _mm256_mul_ps(nul, _mm256_loadu_ps(dt)),
+                                                 bia[t]);
                 }
             }
             for (uint32_t t = 0; t < nt; t++)
-                y[(size_t)(t0 + t) * ldy + r] = has_min ? hsum8(tot[t]) + hsum8(bia[t]) : hsum8(tot[t]);
+                y[(size_t)(t0 + t) * ldy + r] = has_min || q2k ? hsum8(tot[t]) + hsum8(bia[t]) : hsum8(tot[t]);
         }
     }
 }
@@ -82,6 +99,7 @@ GQ_ATTR static bool GQ(g_matmul_qx)(const smoe_tensor *W, const uint8_t *w, cons
         G_CASE(SMOE_FMT_GGML_Q5_0)
         G_CASE(SMOE_FMT_GGML_Q5_1)
         G_CASE(SMOE_FMT_GGML_Q8_0)
+        G_CASE(SMOE_FMT_GGML_Q2_K)
         G_CASE(SMOE_FMT_GGML_Q3_K)
         G_CASE(SMOE_FMT_GGML_Q4_K)
         G_CASE(SMOE_FMT_GGML_Q5_K)

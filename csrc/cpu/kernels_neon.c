@@ -799,9 +799,11 @@ static bool g_matmul_qx_neon(const smoe_tensor *W, const uint8_t *w, const smoe_
     smoe_ggml_block(fmt, &bs, &ts);
     if (cols % bs) return false;
     const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
-    const bool has_min = gb_has_min(fmt);
+    const bool has_min = gb_has_min(fmt), q2k = fmt == SMOE_FMT_GGML_Q2_K;
     const size_t row_bytes = (size_t)(cols / bs) * ts;
     f8 tot[GT], bia[GT];
+    int16_t mm[16];
+    float nu[8], nul[8];
     _Alignas(16) int8_t q[8 * 32];
     int16_t sub[16];
     float sg[8], sl[8], mu[8];
@@ -817,10 +819,14 @@ static bool g_matmul_qx_neon(const smoe_tensor *W, const uint8_t *w, const smoe_
                 for (int i = 0; i < 8; i++) sg[i] = mu[i] = 0.0f;
                 gb_qx_decode(fmt, row, 8 * k, valid, q, sub, sg, mu);
                 for (int j = 0; j < 8; j++) sl[j] = sg[2 * (j % 4) + j / 4];
+                if (q2k) { /* Q2_K's mins per 16 columns (valid is 8: 256-column blocks) */
+                    for (int i = 0; i < 8; i++) nu[i] = gb_q2k_mins(row, 8 * k + (uint32_t)i, mm + 2 * i);
+                    for (int j = 0; j < 8; j++) nul[j] = nu[2 * (j % 4) + j / 4];
+                }
                 for (uint32_t t = 0; t < nt; t++) {
                     const int8_t *ct = (const int8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes + 256 * (size_t)k;
                     const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
-                    int32_t I[8];
+                    int32_t I[8], M[8];
                     for (int j = 0; j < 8; j++) {
                         const int b = 2 * (j % 4) + j / 4;
                         const int8x16_t w0 = vld1q_s8(q + 32 * b), w1 = vld1q_s8(q + 32 * b + 16);
@@ -828,15 +834,20 @@ static bool g_matmul_qx_neon(const smoe_tensor *W, const uint8_t *w, const smoe_
                         const int16x8_t p0 = vmlal_high_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(c0)), w0, c0);
                         const int16x8_t p1 = vmlal_high_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(c1)), w1, c1);
                         I[j] = sub[2 * b] * vaddvq_s32(vpaddlq_s16(p0)) + sub[2 * b + 1] * vaddvq_s32(vpaddlq_s16(p1));
+                        if (q2k) M[j] = mm[2 * b] * vaddvq_s16(vpaddlq_s8(c0)) + mm[2 * b + 1] * vaddvq_s16(vpaddlq_s8(c1));
                     }
                     const f8 If = {vcvtq_f32_s32(vld1q_s32(I)), vcvtq_f32_s32(vld1q_s32(I + 4))};
                     tot[t] = f8_fma(tot[t], If, f8_mul(f8_load(sl), f8_load(dt)));
                     if (has_min)
                         bia[t] = f8_fma(bia[t], f8_load(mu), f8_load(X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k));
+                    if (q2k) {
+                        const f8 Mf = {vcvtq_f32_s32(vld1q_s32(M)), vcvtq_f32_s32(vld1q_s32(M + 4))};
+                        bia[t] = f8_fma(bia[t], Mf, f8_mul(f8_load(nul), f8_load(dt)));
+                    }
                 }
             }
             for (uint32_t t = 0; t < nt; t++)
-                y[(size_t)(t0 + t) * ldy + r] = has_min ? hsum8(tot[t]) + hsum8(bia[t]) : hsum8(tot[t]);
+                y[(size_t)(t0 + t) * ldy + r] = has_min || q2k ? hsum8(tot[t]) + hsum8(bia[t]) : hsum8(tot[t]);
         }
     }
     return true;

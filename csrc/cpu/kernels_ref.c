@@ -459,14 +459,18 @@ uint32_t smoe_qx_group(const smoe_tensor *W) { return gb_takes_codes(W->format) 
  *                                   tot[j] = fma((float)I_b, σ_b·d[8k+j], tot[j])
  *   bia[j] = +0;  for k = 0, 1, …:  bia[j] = fma(μ_{8k+j}, gsum_{8k+j}, bia[j])
  *   y = hsum8(tot) + hsum8(bia)   (Q4_1, Q5_1, Q4_K, Q5_K: with a min);   y = hsum8(tot) (the rest)
- * A block past cols has I = σ = d = μ = gsum = 0 and adds nothing. */
+ * except Q2_K, whose mins are per 16 columns: with (m_0, m_1, ν) its gb_q2k_mins and the exact
+ * M_b = Σ_h m_h·Σ_{c ∈ half h of block b} code_c, its bia runs in tot's lane order:
+ *   bia[j] = +0;  for k = 0, 1, …:  bia[j] = fma((float)M_b, ν_b·d[8k+j], bia[j])   (b as for tot)
+ *   y = hsum8(tot) + hsum8(bia)
+ * A block past cols has I = σ = d = μ = gsum = M = ν = 0 and adds nothing. */
 static void ref_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                         uint32_t r0, uint32_t r1) {
     enum { CB = 32 }; /* blocks of 32 columns decoded at a time: 4 steps of k */
     uint32_t bs = 32, ts = 0;
     smoe_ggml_block(W->format, &bs, &ts);
     const uint32_t cols = W->cols, nb = cols / 32, up = qx_units(cols);
-    const bool has_min = gb_has_min(W->format);
+    const bool has_min = gb_has_min(W->format), q2k = W->format == SMOE_FMT_GGML_Q2_K;
     const smoe_qx_size z = smoe_qx_sizes(cols, W->format, 32);
     int8_t q[CB * 32];
     int16_t sub[CB * 2];
@@ -495,9 +499,16 @@ static void ref_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X
                         const float sd = sigma[i] * dt[8 * k + j];
                         tot[j] = fmaf((float)I, sd, tot[j]);
                         if (has_min) bia[j] = fmaf(mu[8 * k + j - b0], st[8 * k + j], bia[j]);
+                        if (q2k) {
+                            int16_t mm[2] = {0, 0};
+                            const float nu = b < nb ? gb_q2k_mins(row, b, mm) : 0.0f;
+                            int32_t M = 0;
+                            for (uint32_t c = 0; c < 32; c++) M += mm[c / 16] * c8[32 * b + c];
+                            bia[j] = fmaf((float)M, nu * dt[8 * k + j], bia[j]);
+                        }
                     }
             }
-            y[(size_t)t * ldy + r] = has_min ? hsum8_ref(tot) + hsum8_ref(bia) : hsum8_ref(tot);
+            y[(size_t)t * ldy + r] = has_min || q2k ? hsum8_ref(tot) + hsum8_ref(bia) : hsum8_ref(tot);
         }
     }
 }

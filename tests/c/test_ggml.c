@@ -190,6 +190,15 @@ static void test_qx(int fi, uint32_t rows, uint32_t cols) {
                 kern += (double)sigma[b] * db * (double)I;
                 mag += fabs((double)sigma[b] * db * (double)I);
                 qerr += qabs * db * 0.5;
+                if (fmt == SMOE_FMT_GGML_Q2_K) { /* its mins against the codes: ν·d·Σ_h m_h·Σ code */
+                    int16_t mm[2];
+                    const double nu = gb_q2k_mins(g.bytes + (size_t)r * (cols / bs) * ts, b, mm);
+                    long M = 0;
+                    for (uint32_t c = 0; c < 32; c++) M += (long)mm[c / 16] * ct[32 * b + c];
+                    kern += nu * db * (double)M;
+                    mag += fabs(nu * db * (double)M);
+                    qerr += 16 * fabs(nu) * (mm[0] + mm[1]) * db * 0.5;
+                }
                 if (gb_has_min(fmt)) {
                     kern += (double)mu[b] * gs[t * z.gsum_floats + b];
                     mag += fabs((double)mu[b] * gs[t * z.gsum_floats + b]);
@@ -350,7 +359,7 @@ int main(void) {
         const smoe_tensor probe = {.format = FMTS[fi].fmt, .cols = cols};
         if (smoe_qx_takes(&probe)) test_qx(fi, 5, cols);
     }
-    CHECK(codes_formats == 12, "%d formats take 8-bit codes, expected 12 (all but F16 and Q2_K)", codes_formats);
+    CHECK(codes_formats == 13, "%d formats take 8-bit codes, expected 13 (all but F16)", codes_formats);
     if (failures) {
         fprintf(stderr, "test_ggml: %d failure(s)\n", failures);
         return 1;
