@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # this checkout's pysmoe and the tests' builders
 import pysmoe  # noqa: E402
 from pysmoe import quant, reference as R  # noqa: E402
 from pysmoe.convert import convert_checkpoint  # noqa: E402
