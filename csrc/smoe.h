@@ -226,7 +226,7 @@ typedef enum { SMOE_KV_F32 = 0, SMOE_KV_BF16 = 1, SMOE_KV_F16 = 2 } smoe_kv_dtyp
  *                     builds answer SMOE_ERR_UNSUPPORTED. Dense weights (once per share), KV cache
  *                     and activations live in VRAM; experts are retained in VRAM (gpu_cache_bytes),
  *                     behind it in the host retention cache (cache_bytes, pinned) and behind that on
- *                     disk. Its q4/q8 products run on the tensor cores (weights dequantised to f16,
+ *                     disk. Its q4/q8 products (f16/bf16 scales) run on the tensor cores (weights to f16,
  *                     activations rounded to f16 after a power-of-two scale per row, f32 sums in the
  *                     GPU's own order; float_activations is ignored), so its logits agree with the
  *                     CPU's within a tolerance, not bit for bit; its layer-major, token-serial and

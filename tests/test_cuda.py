@@ -20,6 +20,17 @@ from conftest import ALL_F32
 # power of two first) on the tensor cores, and attends with f16 Q, K, V and P: on the tiny and mini
 # vaults the worst max |Δ| / max |logit| measured was 5.3e-4 (bench/cuda_vs_cpu.py, RESULTS.md).
 ATOL, RTOL = 1e-3, 1e-3
+# The family tests' random-weight transformers models (norm gains up to 1.5, routers scaled by
+# 3/√hidden) amplify a perturbation more than the synth vaults. The CPU's forward with only the
+# GPU's f16 roundings emulated moves their logits, in max |logit|, by: q4 experts (f16 scales) on
+# the tensor cores, their input and SwiGLU rows and each dequantised weight to f16, 0.82e-3
+# (olmoe_norm_topk), 1.19e-3 (olmoe), 1.47e-3 (mixtral_gqa4_tied) (bench/cuda_q4_rounding.py);
+# flash attention's f16 Q, K, V and P, 1.09e-3 (glm4_moe_qknorm, head size 32, before its near-tie:
+# bench/cuda_glm_neartie.py). RTOL_F16, for those two paths, is twice the worst.
+# (q4 with f32 scales, as an f32 checkpoint converts, takes the FP32 cores: smoe_cu_tensor_cores.
+# On the tensor cores its scales and biases rounded to f16 gave 2.2e-3..3.3e-3 on the H200, which
+# the emulation reproduces to 2 %: a bias's rounding shifts its whole group of 32 weights alike.)
+RTOL_F16 = 3e-3
 
 
 def _cuda_session(vault, **kw):
@@ -366,9 +377,10 @@ def test_kv_cache_in_f16_and_bf16_on_the_gpu(mini_vault, n):
 # models (tests/test_families.py's and tests/test_gpt_oss.py's configs: no QK-norm, QK-norm over the
 # whole projection, per-head QK-norm, attention biases, partial RoPE, the grouped sigmoid router
 # with its correction bias and scaling, shared experts, dense first layers, tied embeddings; sinks,
-# sliding windows, YaRN, expert biases, the clamped SwiGLU, top-k-then-softmax), f32 and q4
-# experts. The CPU's oracle figures against transformers are those files'; here the GPU against
-# the CPU (activations="f32") within ATOL/RTOL, in both activation modes, and the GPU's own paths
+# sliding windows, YaRN, expert biases, the clamped SwiGLU, top-k-then-softmax), f32, bf16 and q4
+# experts (q4 with f16 and with f32 scales). The CPU's oracle figures against transformers are
+# those files'; here the GPU against the CPU (activations="f32") within ATOL/RTOL (RTOL_F16 where
+# f16 rounds), in both activation modes, and the GPU's own paths
 # bit for bit.
 
 FAMILY_CASES = ["mixtral", "mixtral_gqa4_tied", "olmoe", "olmoe_norm_topk", "glm4_moe", "glm4_moe_qknorm",
@@ -386,8 +398,10 @@ def _build_family(name, tmp):
 
 @pytest.fixture(scope="module", params=FAMILY_CASES)
 def family(request, tiny_vault, tmp_path_factory):
-    """(name, {"f32": vault, "bf16": vault, "q4": vault}) for one of those configs (dense weights f32);
-    skipped (before building anything) where there is no GPU."""
+    """(name, {"f32": vault, "bf16": vault, "q4": vault, "q4f32": vault}) for one of those configs
+    (dense weights f32; q4 with f16 scales, the tensor cores' products, and q4f32 with f32 scales, as
+    an f32 checkpoint converts by default, the FP32 cores'); skipped (before building anything)
+    where there is no GPU."""
     if not _cuda_available(tiny_vault):
         pytest.skip("no CUDA here")
     pytest.importorskip("torch")
@@ -395,8 +409,9 @@ def family(request, tiny_vault, tmp_path_factory):
     from pysmoe.convert import convert_checkpoint
     tmp = tmp_path_factory.mktemp(f"cuda_{request.param}")
     path = _build_family(request.param, tmp)
-    vaults = {x: convert_checkpoint(path, tmp / x, experts=x, dense="f32", group=32, progress=False)
-              for x in ("f32", "bf16", "q4")}
+    kinds = {"f32": ("f32", None), "bf16": ("bf16", None), "q4": ("q4", "f16"), "q4f32": ("q4", "f32")}
+    vaults = {x: convert_checkpoint(path, tmp / x, experts=e, dense="f32", group=32, scale_dtype=sd, progress=False)
+              for x, (e, sd) in kinds.items()}
     return request.param, vaults
 
 
@@ -419,39 +434,57 @@ def test_gpt_oss_mxfp4_experts_are_refused_on_the_gpu_clearly(tiny_vault, tmp_pa
             assert s.prefill([1, 2, 3]).shape == (v.config["vocab_size"],)
 
 
-def _forced(s, prompt, follow):
-    """The prefill's logits, then a decode step's for each id of follow (teacher-forced)."""
-    return np.stack([s.prefill(prompt)] + [s.decode(i) for i in follow])
+def _forced(s, prompt, follow, layers, experts):
+    """The prefill's logits, then a decode step's for each id of follow (teacher-forced), and each
+    step's expert counts per layer (the prefill's over its tokens; a decode step's, its token's)."""
+    logits, routes = [], []
+    for i in [None, *follow]:
+        s.reset_stats()
+        logits.append(s.prefill(prompt) if i is None else s.decode(i))
+        routes.append(_expert_counts(s, layers, experts))
+    return np.stack(logits), routes
 
 
 @pytest.mark.parametrize("activations", ["f32", "q8"])
-@pytest.mark.parametrize("experts", ["f32", "bf16", "q4"])
+@pytest.mark.parametrize("experts", ["f32", "bf16", "q4", "q4f32"])
 def test_family_gpu_agrees_with_the_cpu(family, experts, activations):
     """Every position's logits (a prefill, then teacher-forced decode steps) within ATOL/RTOL of the
-    CPU's. A router's near-tie that the GPU's rounding (f16 rows on the tensor cores for q4, flash
-    attention's f16 for head sizes 32/64/128) decides the other way changes a token's experts and
-    its logits by far more: the message then says which layers' expert counts differ."""
+    CPU's (RTOL_F16 for q4 experts on the tensor cores or flash attention), with the same experts at
+    every step.
+
+    One exception, a router's near-tie: the GPU's rounding (f16 rows on the tensor cores for q4,
+    flash attention's f16 Q, K, V and P for head sizes 32/64/128) may decide it the other way, which
+    changes that token's experts and its logits by far more than any tolerance, and the later
+    positions through its K/V rows. glm4_moe_qknorm has one: at position 45 (decode step 9) layer
+    0's grouped router keeps two of four groups by a margin of 2.0e-4 in group score; the CPU's
+    f32 forward with flash attention's f16 roundings emulated (bench/cuda_glm_neartie.py) routes
+    that token otherwise and moves the logits by 0.90 of max|logit|, as the GPU's 1.02. So the comparison
+    stops at the first step whose experts differ, and that step must come after the prefill (its
+    37 tokens route alike) and leave at least half of the decode steps compared: a kernel that computes
+    garbage changes the routing from the prefill on."""
     name, vaults = family
     rng = np.random.default_rng(1)
     with pysmoe.open_vault(vaults[experts]) as v:
         V, L, E = v.config["vocab_size"], v.config["num_hidden_layers"], v.config["num_experts"]
+        flash = v.config["head_dim"] in (32, 64, 128) and not name.startswith("gpt_oss")  # sinks: the f32 kernel
         prompt, follow = rng.integers(0, V, 37).tolist(), rng.integers(0, V, 10).tolist()
         with _cuda_session(v, chunk=16, gpu_cache_bytes=1 << 30, activations=activations) as g:
             assert g.backend.startswith("cuda: ")
-            gl = _forced(g, prompt, follow)
-            gc = _expert_counts(g, L, E)
+            gl, gr = _forced(g, prompt, follow, L, E)
         with v.session(chunk=16, activations="f32") as c:
-            cl = _forced(c, prompt, follow)
-            cc = _expert_counts(c, L, E)
-    err, top = float(np.max(np.abs(gl - cl))), float(np.max(np.abs(cl)))
-    routing = [layer for layer in range(L) if gc[layer] != cc[layer]]
+            cl, cr = _forced(c, prompt, follow, L, E)
+    steps = len(gr)
+    first = next((i for i in range(steps) if gr[i] != cr[i]), steps)  # the first step routed otherwise
+    err, top = float(np.max(np.abs(gl[:first] - cl[:first]))), float(np.max(np.abs(cl)))
+    rtol = RTOL_F16 if experts == "q4" or flash else RTOL
+    layers = [layer for layer in range(L) if first < steps and gr[first][layer] != cr[first][layer]]
     print(f"{name} {experts} experts, activations={activations}: max|gpu - cpu| / max|logit| = {err / top:.3g}"
-          f"{f', routing differs at layers {routing}' if routing else ''}")
-    assert err <= ATOL + RTOL * top, (name, err, top, f"expert counts differ at layers {routing}" if routing
-                                      else "the same experts everywhere")
+          + (f" before step {first} (of {steps}), whose experts differ at layers {layers}" if first < steps else ""))
+    assert first > steps // 2, (name, f"the experts differ from step {first} on (0: the prefill), at layers {layers}")
+    assert err <= ATOL + rtol * top, (name, err, top, first)
 
 
-@pytest.mark.parametrize("experts", ["f32", "q4"])
+@pytest.mark.parametrize("experts", ["f32", "q4", "q4f32"])
 def test_family_layer_major_equals_token_serial_on_the_gpu(family, experts):
     """Prefill layer-major in chunks of 3, 16 and 64 rows, with a VRAM cache of every expert (the
     layer's step on the GPU alone) or of two blobs (streamed), against token-serial: the same

@@ -133,7 +133,8 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul_tiled(smoe_cu_tensor T
 
 /* ------------------------------------------------------------ tensor-core products (q4, q8) */
 
-/* Products with a q4 or q8 tensor whose columns are a multiple of 64 run on the tensor cores
+/* Products with a q4 or q8 tensor whose columns are a multiple of 64 (and whose scales are f16 or
+ * bf16: smoe_cu_tensor_cores) run on the tensor cores
  * (mma.sync m16n8k16, f16 inputs, f32 accumulation), for every n: decode, a chunk and each
  * streamed expert take kernels with the same per-element order, so the GPU's two paths stay
  * bit-identical. The activation is read as f16 rows that k_prep scaled by a power of two per row
@@ -467,9 +468,15 @@ __global__ void __launch_bounds__(TB_WARPS * 32) k_tcb(smoe_cu_tensor T, smoe_cu
     tc_store(tot, T, R, r0, t0, start, count, g, t, xe, y, ldy);
 }
 
+/* f32 scales and biases (a vault converted from an f32 checkpoint, or with --scale-dtype f32) take the
+ * FP32 cores: rounded to f16 for fma(scale, q, bias), a bias's error would shift its whole group of
+ * weights alike, which sums over the group instead of averaging out (on tests/test_cuda.py's
+ * family models, logits 2–3 times as far from the CPU's as the f16 rows and weights alone put them:
+ * bench/cuda_q4_rounding.py). f16 scales are f16 already; bf16 ones are exact in f16 (from 2^-14 to 65504). */
 extern "C" int smoe_cu_tensor_cores(const smoe_cu_tensor *T) {
     static const bool on = env_on("SMOE_CUDA_TC");
-    return on && (T->format == FMT_Q4 || T->format == FMT_Q8) && T->cols % 64 == 0 && T->group >= 16;
+    return on && (T->format == FMT_Q4 || T->format == FMT_Q8) && T->cols % 64 == 0 && T->group >= 16 &&
+           T->scale_format != SC_F32;
 }
 
 __global__ void k_prep(const float *x, size_t ldx, uint32_t cols, smoe_cu_rows R, __half *x16, float *xe) {
