@@ -50,7 +50,9 @@ def browser():
                  "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--window-size=1100,800"):
         opts.add_argument(flag)
     os.environ.setdefault("SE_OFFLINE", "true")  # never let selenium look for a driver online
-    drv = webdriver.Chrome(service=Service(DRIVER), options=opts)
+    # the driver and the browser are not ours to sanitize: `make asan`'s preloaded runtimes abort them
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "ASAN_OPTIONS", "UBSAN_OPTIONS")}
+    drv = webdriver.Chrome(service=Service(DRIVER, env=env), options=opts)
     yield drv
     drv.quit()
     shutil.rmtree(profile, ignore_errors=True)
