@@ -154,3 +154,21 @@ def test_ctrl_c_on_a_terminal(tiny_vault, tmp_path):
     t.send(b"\x03")
     assert t.wait() == 130
     assert "/system short" in (tmp_path / "pysmoe" / "history").read_text()
+
+
+def test_reply_view_shows_reasoning_apart_and_no_call_tags(capsys):
+    """A Qwen3 reply: <think> on stderr, the answer on stdout, the call as a note, no tags shown."""
+    from pysmoe.cli.chat import ReplyView
+
+    reply = ("<think>\nThe user wants the weather.\n</think>\n\nLet me look.\n<tool_call>\n"
+             '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+    view = ReplyView("qwen3")
+    for i in range(0, len(reply), 4):
+        view.feed(reply[i:i + 4])
+    msg = view.finish()
+    out, err = capsys.readouterr()
+    assert out.strip() == "Let me look." and "The user wants the weather." in err
+    assert '[tool call get_weather({"city": "Paris"})]' in err
+    for tag in ("<think>", "</think>", "<tool_call>", "</tool_call>"):
+        assert tag not in out and tag not in err
+    assert msg["tool_calls"][0]["function"]["name"] == "get_weather"

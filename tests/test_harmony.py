@@ -282,3 +282,79 @@ def test_chat_cli_keeps_the_final_channel_as_the_turn(tok_json):
     assert "<|channel|>final<|message|>It is 3 °C <|x|>.<|end|>" in p.text
     with pytest.raises(Exception, match="channel"):
         render_chat(conv.tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ANSWER}])
+
+
+# ------------------------------------------------------------------------------ the CLI
+@pytest.fixture(scope="module")
+def harmony_vault(tiny_vault, tmp_path_factory, tok_json):
+    """The tiny vault with a harmony tokenizer and gpt-oss's template (no server)."""
+    d = tmp_path_factory.mktemp("harmony_cli")
+    for f in pathlib.Path(tiny_vault).iterdir():
+        if f.name not in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+            (d / f.name).symlink_to(f)
+    (d / "tokenizer.json").write_text(tok_json, encoding="utf-8")
+    (d / "chat_template.jinja").write_text(TEMPLATE, encoding="utf-8")
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|return|>"}))
+    return d
+
+
+def _script_cli(monkeypatch, text: str, prompts: list):
+    """stream_generate 'says' text, three characters at a time; prompts collects what it was given."""
+    import pysmoe.generate
+    from pysmoe.generate import GenerationResponse
+
+    def fake(session, prompt, max_tokens=64, **kw):
+        prompts.append(prompt)
+        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+        for k, piece in enumerate(pieces, 1):
+            yield GenerationResponse(k, piece, len(prompt), k, 1.0, 1.0, 0.1,
+                                     "stop" if k == len(pieces) else None)
+
+    monkeypatch.setattr(pysmoe.generate, "stream_generate", fake)
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_cli_shows_the_final_channel_and_the_reasoning_apart(harmony_vault, monkeypatch, capsys, command):
+    """`run --chat` and `chat` read a gpt-oss reply with the server's parser: the final channel on
+    stdout, the analysis on stderr, no harmony tag printed; chat keeps the final channel as the turn."""
+    import io
+    import sys
+
+    from pysmoe.cli import main
+
+    prompts: list = []
+    _script_cli(monkeypatch, ANSWER, prompts)
+    argv = [command, "--vault", str(harmony_vault), "--cache-mb", "1"]
+    if command == "run":
+        argv += ["--chat", "--prompt", "weather?"]
+    else:
+        monkeypatch.setattr(sys, "stdin", io.StringIO("weather?\nand tomorrow?\n"))
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    tok = Tokenizer(harmony_vault.joinpath("tokenizer.json").read_text(encoding="utf-8"),
+                    {"eos_token": "<|return|>"}, TEMPLATE)
+    first = render_chat(tok, [{"role": "user", "content": "weather?"}]).ids
+    assert prompts[0] == first  # the template was applied
+    assert "It is 3 °C <|x|>." in out and "The user asks <b>." in err
+    assert "The user asks" not in out
+    for tag in ("<|channel|>", "<|message|>", "<|start|>", "<|end|>", "analysis", "final"):
+        assert tag not in out and tag not in err
+    if command == "chat":
+        assert out.count("It is 3 °C <|x|>.") == 2
+        # the second turn was rendered with the first reply's final channel as its content
+        second = render_chat(tok, [{"role": "user", "content": "weather?"},
+                                   {"role": "assistant", "content": "It is 3 °C <|x|>."},
+                                   {"role": "user", "content": "and tomorrow?"}]).ids
+        assert prompts[1] == second[len(first):] or prompts[1] == second
+
+
+def test_run_json_gives_the_parsed_message(harmony_vault, monkeypatch, capsys):
+    from pysmoe.cli import main
+
+    _script_cli(monkeypatch, CALL, [])
+    assert main(["run", "--vault", str(harmony_vault), "--cache-mb", "1", "--chat", "--prompt", "hi", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["text"] == CALL
+    assert rec["reasoning"] == "Need the tool."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in rec["tool_calls"]] == \
+        [("get_weather", {"city": "Paris"})]

@@ -46,8 +46,11 @@ class Conversation:
     """The messages of a chat and the ids whose KV the session holds (`fed`)."""
 
     def __init__(self, session, tokenizer, system: str | None = None, max_tokens: int = 64,
-                 template_kwargs: dict | None = None, **sampling):
+                 template_kwargs: dict | None = None, chat_format: str | None = None, **sampling):
         self.session, self.tok = session, tokenizer
+        # how replies read (reasoning, content, calls): reply_format(vault), or the template's say
+        self.chat_format = chat_format or reply_format(None, tokenizer)
+        self.starts_in_reasoning = False  # the last turn's prompt left a <think> block open
         self.template_kwargs = dict(template_kwargs or {})  # e.g. Qwen3's {"enable_thinking": False}
         self.system = system or None
         self.turns: list[dict] = []    # user and assistant messages, oldest first
@@ -73,8 +76,10 @@ class Conversation:
         reply = min(self.max_tokens, self.session.context // 2)
         room = self.session.context - reply
         while True:
-            ids = render_chat(self.tok, self.messages([user]), chat_template_kwargs=self.template_kwargs).ids
+            prompt = render_chat(self.tok, self.messages([user]), chat_template_kwargs=self.template_kwargs)
+            ids = prompt.ids
             if len(ids) <= room:
+                self.starts_in_reasoning = prompt.starts_in_reasoning
                 return ids
             if not self.turns:
                 raise TurnTooLong(f"this message ({len(ids)} tokens with the conversation's template) and "
@@ -124,6 +129,59 @@ class Conversation:
                 self.turns.append(self._assistant("".join(reply)))
             else:  # nothing was answered: forget the question (the next turn re-prefills)
                 self.turns.pop()
+
+
+def reply_format(vault, tokenizer) -> str:
+    """The format a vault's chat replies are in, chosen as the server chooses it (textgen.format_of:
+    the template first, then config.json's model_type)."""
+    from ..textgen import format_of
+    model_type = vault.config.get("model_type") if vault is not None else None
+    return format_of(model_type, getattr(tokenizer, "chat_template", None))
+
+
+class ReplyView:
+    """Shows a chat reply as its format's parser reads it (the server's parsers): the reasoning on
+    stderr, dimmed on a terminal; the content on stdout; each tool call as a note on stderr when the
+    reply ends. Harmony's channel tags and the families' call tags are never printed. show=False
+    only parses (run --json)."""
+
+    def __init__(self, chat_format: str, starts_in_reasoning: bool = False, show: bool = True):
+        from ..textgen import make_parser
+        self.parser = make_parser(chat_format, reasoning=True, tools=True, starts_in_reasoning=starts_in_reasoning)
+        self.show = show
+        self.out, self.err = sys.stdout, sys.stderr
+        self.dim = self.err.isatty()
+        self.thinking = False  # the last thing shown was reasoning
+
+    def feed(self, text: str) -> None:
+        self._show(self.parser.feed(text))
+
+    def finish(self) -> dict:
+        """Show what the parser held back and the tool calls; the reply as an OpenAI message."""
+        self._show(self.parser.finish())
+        if not self.show:
+            return self.parser.message()
+        if self.thinking:
+            print(file=self.err, flush=True)
+            self.thinking = False
+        for call in self.parser.tool_calls:
+            f = call["function"]
+            print(f"[tool call {f['name']}({f['arguments']})]", file=self.err, flush=True)
+        return self.parser.message()
+
+    def _show(self, delta) -> None:
+        if not self.show:
+            return
+        if delta.reasoning:
+            self.err.write(f"\x1b[2m{delta.reasoning}\x1b[0m" if self.dim else delta.reasoning)
+            self.err.flush()
+            self.thinking = True
+        if delta.content:
+            if self.thinking:
+                print(file=self.err, flush=True)
+                self.thinking = False
+            self.out.write(delta.content)
+            self.out.flush()
 
 
 def history_file() -> pathlib.Path:
@@ -186,7 +244,7 @@ def run(args) -> int:
             print("pysmoe chat: error: this vault has no tokenizer.json", file=sys.stderr)
             return 2
         conv = Conversation(session, tok, args.system, args.max_tokens, template_kwargs=args.chat_template_kwargs,
-                            **sampling_kwargs(args))
+                            chat_format=reply_format(vault, tok), **sampling_kwargs(args))
         interactive = sys.stdin.isatty()
         if interactive:
             note(f"chat with {vault.path}: /help for commands, Ctrl-D to quit")
@@ -229,21 +287,27 @@ def _loop(conv: Conversation, interactive: bool) -> int:
 
 
 def _turn(conv: Conversation, line: str) -> None:
-    last = None
+    last, view = None, None
     try:
         with contextlib.closing(conv.reply(line)) as replies:
             for r in replies:
-                if last is None and conv.dropped:
-                    note(f"context full: dropped the oldest {conv.dropped} turn(s); the system prompt is kept")
-                print(r.text, end="", flush=True)
+                if last is None:
+                    if conv.dropped:
+                        note(f"context full: dropped the oldest {conv.dropped} turn(s); the system prompt is kept")
+                    view = ReplyView(conv.chat_format, conv.starts_in_reasoning)
+                view.feed(r.text)
                 last = r
     except TurnTooLong as e:
         note(str(e))
         return
     except KeyboardInterrupt:
+        if view is not None:
+            view.finish()
         print(flush=True)
         note("reply stopped")
         return
+    if view is not None:
+        view.finish()
     print(flush=True)
     if last is not None:
         note(f"{last.generation_tokens} tokens; prompt: {last.prompt_tokens} new, {conv.kept} kept; "

@@ -82,18 +82,33 @@ def run(args) -> int:
         return 2
     vault, session = open_session(args)
     with vault, session:
+        tok, view, starts_in_reasoning = vault.tokenizer, None, False
+        if args.chat and isinstance(prompt, str) and tok is not None:
+            from ..textgen import render_chat
+            rendered = render_chat(tok, [{"role": "user", "content": prompt}],
+                                   chat_template_kwargs=args.chat_template_kwargs)
+            prompt, starts_in_reasoning = rendered.ids, rendered.starts_in_reasoning
+        if args.chat and tok is not None:
+            # the reply read as the server reads it: reasoning apart, no format tags in the answer
+            from .chat import ReplyView, reply_format
+            view = ReplyView(reply_format(vault, tok), starts_in_reasoning, show=not args.json)
         last, n_prompt, ids, text = None, None, [], []
-        for r in interruptible(session, stream_generate(session, prompt, args.max_tokens, chat=args.chat,
-                                                        chat_template_kwargs=args.chat_template_kwargs,
+        for r in interruptible(session, stream_generate(session, prompt, args.max_tokens,
                                                         **sampling_kwargs(args))):
             last, n_prompt = r, r.prompt_tokens
             ids.append(r.token)
             text.append(r.text)
-            if not args.json:
-                print(r.text if vault.tokenizer is not None else f"{r.token} ", end="", flush=True)
+            if view is not None:
+                view.feed(r.text)
+            elif not args.json:
+                print(r.text if tok is not None else f"{r.token} ", end="", flush=True)
+        message = view.finish() if view is not None else None
         rec = summary(session, last, n_prompt or 0)
         if args.json:
             rec["ids"], rec["text"] = ids, "".join(text)
+            if message is not None:
+                rec["content"], rec["reasoning"] = message["content"], message.get("reasoning_content", "")
+                rec["tool_calls"] = message.get("tool_calls", [])
             print(json.dumps(rec))
         else:
             print_summary(rec)
