@@ -44,7 +44,8 @@ def summary(session, last, prompt_tokens: int) -> dict:
     }
 
 
-def print_summary(rec: dict, out=sys.stderr) -> None:
+def print_summary(rec: dict, out=None) -> None:
+    out = out or sys.stderr  # the stream of the moment (a default bound at import goes stale under capture)
     mb = 1 << 20
     print(f"\n--\nprompt {rec['prompt_tokens']} tokens, TTFT {rec['ttft_s']:.3f} s ({rec['prompt_tps']:.1f} tok/s, "
           f"{rec['prefill']}); generated {rec['generated_tokens']} tokens at {rec['generation_tps']:.2f} tok/s "

@@ -52,8 +52,10 @@ def add_parser(p: argparse.ArgumentParser, name: str) -> None:
     add_device_args(p)
 
 
-def open_server(args, log=sys.stderr):
-    """Vault, pool, scheduler and Server of the parsed arguments (the scheduler not started)."""
+def open_server(args, log=None):
+    """Vault, pool, scheduler and Server of the parsed arguments (the scheduler not started); its
+    notes to log (default: the sys.stderr of the moment)."""
+    log = log or sys.stderr
     from ..demo import ensure_demo_vault
     from ..engine import open_vault
     from ..memory import choose_cache
