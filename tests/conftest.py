@@ -2,12 +2,15 @@
 
     tiny_vault       preset "tiny", seed 0, default formats (q4 experts, q8 matrices, f32 norms)
     tiny_vault_f32   preset "tiny", seed 0, every tensor f32 (tight comparisons)
+    tiny_qwen3_vault tiny_vault under Qwen3's chat template (reasoning, tools)
     hf_vault         (f32 vault, transformers model) converted from a small random checkpoint
     make_vault       make_vault(name, **synth_kwargs) -> path, cached per argument set
 
 Treat the vaults as read-only: they are shared by every test of the session.
 """
 from __future__ import annotations
+
+import pathlib
 
 import pytest
 
@@ -33,6 +36,18 @@ def make_vault(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_vault(make_vault):
     return make_vault("tiny", preset="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_vault(tiny_vault, tmp_path_factory):
+    """The tiny vault under Qwen3's chat template (reasoning, tools): its files linked, the template
+    (tests/data/qwen3_chat_template.jinja) beside them."""
+    import shutil
+    d = tmp_path_factory.mktemp("tiny_qwen3")
+    for f in pathlib.Path(tiny_vault).iterdir():
+        (d / f.name).symlink_to(f)
+    shutil.copy(pathlib.Path(__file__).parent / "data" / "qwen3_chat_template.jinja", d / "chat_template.jinja")
+    return d
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ reasoning apart, stop, new conversation. Skips where Chromium, its driver or sel
 from __future__ import annotations
 
 import os
-import pathlib
 import shutil
 import tempfile
 import time
@@ -28,13 +27,9 @@ REPLY = "<think>\nThe user greets me.\n</think>\n\nHello there, friend."
 
 
 @pytest.fixture(scope="module")
-def served(tiny_vault, tmp_path_factory):
+def served(tiny_qwen3_vault):
     """The tiny vault under Qwen3's template (reasoning), with an API key."""
-    d = tmp_path_factory.mktemp("qwen3_page")
-    for f in pathlib.Path(tiny_vault).iterdir():
-        (d / f.name).symlink_to(f)
-    shutil.copy(pathlib.Path(__file__).parent / "data" / "qwen3_chat_template.jinja", d / "chat_template.jinja")
-    s = Running(d, max_batch=2, api_key=KEY)
+    s = Running(tiny_qwen3_vault, max_batch=2, api_key=KEY)
     yield s
     s.close()
 

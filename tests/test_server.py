@@ -237,15 +237,9 @@ SCRIPT = ('<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n'
 
 
 @pytest.fixture(scope="module")
-def served_qwen3(tiny_vault, tmp_path_factory):
+def served_qwen3(tiny_qwen3_vault):
     """The tiny vault under Qwen3's chat template (tools, thinking)."""
-    import pathlib
-    import shutil
-    d = tmp_path_factory.mktemp("qwen3_tiny")
-    for f in pathlib.Path(tiny_vault).iterdir():
-        (d / f.name).symlink_to(f)
-    shutil.copy(pathlib.Path(__file__).parent / "data" / "qwen3_chat_template.jinja", d / "chat_template.jinja")
-    s = Running(d, max_batch=2)
+    s = Running(tiny_qwen3_vault, max_batch=2)
     yield s
     s.close()
 

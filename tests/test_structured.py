@@ -139,16 +139,10 @@ def served(tiny_vault):
 
 
 @pytest.fixture(scope="module")
-def served_tools(tiny_vault, tmp_path_factory):
+def served_tools(tiny_qwen3_vault):
     """The tiny vault under Qwen3's chat template, which shows the model its tools (a template that
     ignores them is refused: tests/test_server_limits.py)."""
-    import pathlib
-    import shutil
-    d = tmp_path_factory.mktemp("qwen3_tiny_structured")
-    for f in pathlib.Path(tiny_vault).iterdir():
-        (d / f.name).symlink_to(f)
-    shutil.copy(pathlib.Path(__file__).parent / "data" / "qwen3_chat_template.jinja", d / "chat_template.jinja")
-    s = Running(d, max_batch=4, context=1024)  # room for the tools' descriptions and a reply
+    s = Running(tiny_qwen3_vault, max_batch=4, context=1024)  # room for the tools' descriptions and a reply
     yield s
     s.close()
 
