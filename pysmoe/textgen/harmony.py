@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 
-from .qwen3 import MessageDelta, ToolCallDelta, _partial_tag, new_call_id
+from .qwen3 import MessageDelta, StreamParser, _partial_tag, new_call_id
 
 START, END, MESSAGE, CHANNEL, CONSTRAIN = "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>"
 RETURN, CALL = "<|return|>", "<|call|>"
@@ -58,7 +58,7 @@ def _header(text: str) -> tuple[str, str | None]:
     return channel, recipient
 
 
-class HarmonyParser:
+class HarmonyParser(StreamParser):
     """feed(text) → MessageDelta; finish() → the held rest; message() → the whole message. The
     interface of Qwen3Parser. tools: parse calls to `functions.*` (only when the request offered
     tools); call_id: makes each tool call's id."""
@@ -100,30 +100,13 @@ class HarmonyParser:
             except (ValueError, RecursionError):
                 valid = False
             if self.tools_on and valid:
-                cid = self.call_id()
-                out.tool_calls.append(ToolCallDelta(self.calls, id=cid, name=name, arguments=""))
-                out.tool_calls.append(ToolCallDelta(self.calls, arguments=body))
-                self.tool_calls.append({"id": cid, "type": "function", "function": {"name": name, "arguments": body}})
-                self.calls += 1
+                self._call(out, name, body)
             else:
                 out.content += body
                 self.content += body
         self.channel, self.recipient = "", None
 
     # --------------------------------------------------------------------------- parsing
-    def feed(self, text: str) -> MessageDelta:
-        out = MessageDelta()
-        self.buf += text
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> MessageDelta:
-        out = MessageDelta()
-        while self._step(out, final=True):
-            pass
-        return out
-
     def _step(self, out: MessageDelta, final: bool) -> bool:
         """Consume what can be decided of buf; True when the mode changed (go again)."""
         buf = self.buf
@@ -166,11 +149,3 @@ class HarmonyParser:
         self.buf = buf[len(buf) - k:]
         return False
 
-    def message(self) -> dict:
-        """The whole message so far, OpenAI's shape (content None when there is none)."""
-        msg: dict = {"role": "assistant", "content": self.content or (None if self.tool_calls else "")}
-        if self.reasoning:
-            msg["reasoning_content"] = self.reasoning
-        if self.tool_calls:
-            msg["tool_calls"] = [dict(c, function=dict(c["function"])) for c in self.tool_calls]
-        return msg

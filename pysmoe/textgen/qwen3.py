@@ -107,7 +107,42 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-class Qwen3Parser:
+class StreamParser:
+    """What every output parser shares (pysmoe.textgen.formats): a subclass keeps buf (text not
+    decided yet), content, reasoning, tool_calls, calls and call_id, and defines _step(out, final),
+    which consumes what can be decided of buf and says whether to go again."""
+
+    def feed(self, text: str) -> MessageDelta:
+        out = MessageDelta()
+        self.buf += text
+        while self._step(out, final=False):
+            pass
+        return out
+
+    def finish(self) -> MessageDelta:
+        out = MessageDelta()
+        while self._step(out, final=True):
+            pass
+        return out
+
+    def _call(self, out: MessageDelta, name: str, args: str) -> None:
+        cid = self.call_id()
+        out.tool_calls.append(ToolCallDelta(self.calls, id=cid, name=name, arguments=""))
+        out.tool_calls.append(ToolCallDelta(self.calls, arguments=args))
+        self.tool_calls.append({"id": cid, "type": "function", "function": {"name": name, "arguments": args}})
+        self.calls += 1
+
+    def message(self) -> dict:
+        """The whole message so far, OpenAI's shape (content None when there is none)."""
+        msg: dict = {"role": "assistant", "content": self.content or (None if self.tool_calls else "")}
+        if self.reasoning:
+            msg["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            msg["tool_calls"] = [dict(c, function=dict(c["function"])) for c in self.tool_calls]
+        return msg
+
+
+class Qwen3Parser(StreamParser):
     """feed(text) → MessageDelta; finish() → the held rest. reasoning: parse `<think>` blocks;
     tools: parse `<tool_call>` blocks (only when the request offered tools; true, or the
     request's tools list, whose parameter schemas formats with untyped values read); call_id:
@@ -145,27 +180,7 @@ class Qwen3Parser:
         out.reasoning += text
         self.reasoning += text
 
-    def _call(self, out: MessageDelta, name: str, args: str) -> None:
-        cid = self.call_id()
-        out.tool_calls.append(ToolCallDelta(self.calls, id=cid, name=name, arguments=""))
-        out.tool_calls.append(ToolCallDelta(self.calls, arguments=args))
-        self.tool_calls.append({"id": cid, "type": "function", "function": {"name": name, "arguments": args}})
-        self.calls += 1
-
     # --------------------------------------------------------------------------- parsing
-    def feed(self, text: str) -> MessageDelta:
-        out = MessageDelta()
-        self.buf += text
-        while self._step(out, final=False):
-            pass
-        return out
-
-    def finish(self) -> MessageDelta:
-        out = MessageDelta()
-        while self._step(out, final=True):
-            pass
-        return out
-
     def _step(self, out: MessageDelta, final: bool) -> bool:
         """Consume what can be decided of buf; True when the mode changed (go again)."""
         buf = self.buf
@@ -232,11 +247,3 @@ class Qwen3Parser:
         a call (it is then content). The formats that share Qwen3's tags differ only here."""
         return parse_tool_call(body)
 
-    def message(self) -> dict:
-        """The whole message so far, OpenAI's shape (content None when there is none)."""
-        msg: dict = {"role": "assistant", "content": self.content or (None if self.tool_calls else "")}
-        if self.reasoning:
-            msg["reasoning_content"] = self.reasoning
-        if self.tool_calls:
-            msg["tool_calls"] = [dict(c, function=dict(c["function"])) for c in self.tool_calls]
-        return msg
