@@ -312,47 +312,38 @@ def dense_shapes(cfg: dict) -> list[tuple[str, int, int]]:
     qk, bias = fp.get("qk_norm", QK_NORM_HEAD), fp.get("attention_bias", 0)
     shared = fp.get("shared_intermediate_size", 0)
     out = [("embed_tokens", cfg["vocab_size"], h)]
+    hybrid = None
     if cfg.get("model_type") in HYBRID_FAMILIES:
         from .convert import qwen_hybrid
-        mixers = qwen_hybrid.dense_shapes(cfg)
-        for l, sparse in enumerate(layer_kinds(cfg)):
-            p = f"layers.{l}."
-            mine = [t for t in mixers if t[0].startswith(p)]
-            shared_part = [t for t in mine if ".shared" in t[0]]
-            out += [t for t in mine if ".shared" not in t[0]]
-            if sparse:
-                out.append((p + "router", cfg["num_experts"], h))
-                out += shared_part if shared else []
-            else:
-                i = cfg["intermediate_size"]
-                out += [(p + "mlp.gate_proj", i, h), (p + "mlp.up_proj", i, h), (p + "mlp.down_proj", h, i)]
-        out.append(("norm", 1, h))
-        if not cfg["tie_word_embeddings"]:
-            out.append(("lm_head", cfg["vocab_size"], h))
-        return out
+        hybrid = qwen_hybrid.dense_shapes(cfg)  # each layer's mixer (and shared-gate) tensors
     for l, sparse in enumerate(layer_kinds(cfg)):
         p = f"layers.{l}."
-        out += [(p + "input_layernorm", 1, h), (p + "q_proj", q_out, h), (p + "k_proj", kv_out, h),
-                (p + "v_proj", kv_out, h)]
-        if bias:
-            out += [(p + "q_proj.bias", 1, q_out), (p + "k_proj.bias", 1, kv_out), (p + "v_proj.bias", 1, kv_out)]
-        if qk == QK_NORM_HEAD:
-            out += [(p + "q_norm", 1, hd), (p + "k_norm", 1, hd)]
-        elif qk == QK_NORM_WHOLE:
-            out += [(p + "q_norm", 1, q_out), (p + "k_norm", 1, kv_out)]
-        out += [(p + "o_proj", h, q_out)]
-        if bias == 2:
-            out.append((p + "o_proj.bias", 1, h))
-        if fp["family"] == FAMILIES["gpt_oss"]:
-            out.append((p + "sinks", 1, cfg["num_attention_heads"]))
-        out.append((p + "post_attention_layernorm", 1, h))
+        if hybrid is not None:
+            mine = [t for t in hybrid if t[0].startswith(p)]
+            out += [t for t in mine if ".shared" not in t[0]]
+            shared_part = [t for t in mine if ".shared" in t[0]] if shared else []
+        else:
+            out += [(p + "input_layernorm", 1, h), (p + "q_proj", q_out, h), (p + "k_proj", kv_out, h),
+                    (p + "v_proj", kv_out, h)]
+            if bias:
+                out += [(p + "q_proj.bias", 1, q_out), (p + "k_proj.bias", 1, kv_out), (p + "v_proj.bias", 1, kv_out)]
+            if qk == QK_NORM_HEAD:
+                out += [(p + "q_norm", 1, hd), (p + "k_norm", 1, hd)]
+            elif qk == QK_NORM_WHOLE:
+                out += [(p + "q_norm", 1, q_out), (p + "k_norm", 1, kv_out)]
+            out += [(p + "o_proj", h, q_out)]
+            if bias == 2:
+                out.append((p + "o_proj.bias", 1, h))
+            if fp["family"] == FAMILIES["gpt_oss"]:
+                out.append((p + "sinks", 1, cfg["num_attention_heads"]))
+            out.append((p + "post_attention_layernorm", 1, h))
+            shared_part = [(p + "shared.gate_proj", shared, h), (p + "shared.up_proj", shared, h),
+                           (p + "shared.down_proj", h, shared)] if shared else []
         if sparse:
             out.append((p + "router", cfg["num_experts"], h))
             if fp.get("router_kind", ROUTER_SOFTMAX_TOPK) != ROUTER_SOFTMAX_TOPK:
                 out.append((p + "router.bias", 1, cfg["num_experts"]))
-            if shared:
-                out += [(p + "shared.gate_proj", shared, h), (p + "shared.up_proj", shared, h),
-                        (p + "shared.down_proj", h, shared)]
+            out += shared_part
         else:
             i = cfg["intermediate_size"]
             out += [(p + "mlp.gate_proj", i, h), (p + "mlp.up_proj", i, h), (p + "mlp.down_proj", h, i)]
