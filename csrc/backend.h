@@ -68,6 +68,18 @@ typedef enum {
     SMOE_STATE_RESTORE, /* the live states ← the snapshot */
 } smoe_state_op;
 
+/* Floats per row of plane p (Q and ATT: heads·head_dim; K and V: kv_heads·head_dim; the rest the
+ * hidden size), the same on every backend. */
+static inline uint32_t smoe_plane_width(const smoe_config *cf, smoe_plane p) {
+    switch (p) {
+    case SMOE_PL_Q:
+    case SMOE_PL_ATT: return cf->num_attention_heads * cf->head_dim;
+    case SMOE_PL_K:
+    case SMOE_PL_V: return cf->num_key_value_heads * cf->head_dim;
+    default: return cf->hidden_size;
+    }
+}
+
 /* One product of `project`: out rows = in rows · Wᵀ. */
 typedef struct {
     const smoe_tensor *W;

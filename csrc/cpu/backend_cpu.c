@@ -186,21 +186,10 @@ static smoe_status cpu_embed(void *b, uint32_t n) {
     return SMOE_OK;
 }
 
-/* Floats per row of plane p. */
-static uint32_t plane_width(const cpu_state *c, smoe_plane p) {
-    switch (p) {
-    case SMOE_PL_Q:
-    case SMOE_PL_ATT: return c->q_dim;
-    case SMOE_PL_K:
-    case SMOE_PL_V: return c->kv_dim;
-    default: return c->cfg->hidden_size;
-    }
-}
-
 static smoe_status cpu_norm(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *w, uint32_t n) {
     cpu_state *c = b;
-    const uint32_t H = plane_width(c, src);
-    if (w->cols != H || plane_width(c, dst) != H)
+    const uint32_t H = smoe_plane_width(c->cfg, src);
+    if (w->cols != H || smoe_plane_width(c->cfg, dst) != H)
         return smoe_fail(SMOE_ERR_INTERNAL, "norm: a weight of %u over rows of %u", w->cols, H);
     float *out = smoe_cpu_plane(c, dst);
     const float *x = smoe_cpu_plane(c, src);
@@ -212,7 +201,7 @@ static smoe_status cpu_norm(void *b, smoe_plane dst, smoe_plane src, const smoe_
 
 static smoe_status cpu_bias(void *b, smoe_plane dst, const smoe_tensor *w, uint32_t n) {
     cpu_state *c = b;
-    const uint32_t W = plane_width(c, dst);
+    const uint32_t W = smoe_plane_width(c->cfg, dst);
     if (w->cols != W) return smoe_fail(SMOE_ERR_INTERNAL, "bias: a vector of %u over rows of %u", w->cols, W);
     float *y = smoe_cpu_plane(c, dst);
     for (uint32_t t = 0; t < n; t++) smoe_add_bias(y + (size_t)t * W, w);

@@ -49,15 +49,7 @@ float *smoe_cuda_plane(cuda_state *c, smoe_plane p) {
     return NULL;
 }
 
-uint32_t smoe_cuda_plane_cols(const cuda_state *c, smoe_plane p) {
-    switch (p) {
-    case SMOE_PL_Q:
-    case SMOE_PL_ATT: return c->q_dim;
-    case SMOE_PL_K:
-    case SMOE_PL_V: return c->kv_dim;
-    default: return c->cfg->hidden_size;
-    }
-}
+uint32_t smoe_cuda_plane_cols(const cuda_state *c, smoe_plane p) { return smoe_plane_width(c->cfg, p); }
 
 /* The f16 rows of plane src (rows [0, n)) into a16, unless it holds them already. */
 static smoe_status prep(cuda_state *c, smoe_plane src, uint32_t n) {
