@@ -161,6 +161,13 @@ def errors_for(tmp_path, cfg=None, tensors=None, **kw) -> str:
     return str(exc.value)
 
 
+def test_a_source_that_does_not_exist_is_named_so(tmp_path):
+    for src in (tmp_path / "nowhere", tmp_path / "model-Q4_K_M.gguf"):
+        with pytest.raises(ConvertError, match="no such file or directory"):
+            convert_quiet(src, tmp_path / "v")
+    assert not (tmp_path / "v").exists()
+
+
 def test_missing_config(tmp_path):
     src = write_checkpoint(tmp_path / "hf")
     (src / "config.json").unlink()

@@ -58,6 +58,8 @@ def detect(src) -> str:
             if f.read(4) == b"GGUF":
                 return "gguf"
         raise ConvertError(f"{src}: a file, but not a GGUF file (give a checkpoint directory or a .gguf)")
+    if not src.exists():
+        raise ConvertError(f"{src}: no such file or directory (give a checkpoint directory or a .gguf file)")
     if not (src / "config.json").is_file():
         raise ConvertError(f"{src}: no config.json (is this a checkpoint directory?)")
     try:
