@@ -54,6 +54,21 @@ K256 = dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256, n
 OLMOE = dict(model="olmoe", hidden_size=64, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
 
+# GLM-4.5 (llama.cpp's `glm4moe`): sigmoid router with e_score_correction_bias (exp_probs_b),
+# grouped selection, routed scaling, a shared expert, a leading dense layer, partial RoPE, q/k/v
+# biases; the first one with QK-norm (GLM-4.5) and 4 groups, the second without (GLM-4.5-Air).
+# The first carries one multi-token-prediction layer (blk.L.nextn.*), as the released checkpoints
+# and llama.cpp's files do (the import leaves it out); the second has none (the size limit).
+GLM = dict(model="glm4_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+           num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=32, attention_bias=True, use_qk_norm=True,
+           routed_scaling_factor=2.5, n_group=4, topk_group=2, norm_topk_prob=True, rms_norm_eps=1e-5)
+GLM_AIR = dict(model="glm4_moe", hidden_size=256, intermediate_size=128, moe_intermediate_size=128,
+               n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+               attention_bias=True, use_qk_norm=False, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+               norm_topk_prob=True, rms_norm_eps=1e-5, partial_rotary_factor=0.5, mtp=0)
+
 FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself)
     "tiny-f32": (SMALL, None),
     "tiny-q8_0": (SMALL, "Q8_0"),
@@ -62,7 +77,11 @@ FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself
     "k256-iq4_xs": (K256, "IQ4_XS"),
     "k256-q5_k_m": (K256, "Q5_K_M"),
     "olmoe-q8_0": (OLMOE, "Q8_0"),
+    "glm4moe-q8_0": (GLM, "Q8_0"),
+    "glm4moe-q4_k_m": (GLM_AIR, "Q4_K_M"),
 }
+# what convert_hf_to_gguf.py is told the pre-tokenizer is, per family (default: --pre)
+FAMILY_PRE = {"glm4_moe": "glm4"}
 
 # Text for the tokenizer check: prose, code, digits, whitespace runs, CRLF, contractions in
 # both cases, several scripts and emoji (a ZWJ sequence among them), and the special tokens.
@@ -160,8 +179,11 @@ def hf_checkpoint(work: Path, shape: dict, seed: int) -> Path:
     from hf_models import make_hf_model
 
     shape = dict(shape)
-    if shape.pop("model", "qwen3_moe") == "olmoe":
+    family = shape.pop("model", "qwen3_moe")
+    if family == "olmoe":
         return olmoe_checkpoint(work, shape, seed)
+    if family == "glm4_moe":
+        return glm_checkpoint(work, shape, seed)
     path, _ = make_hf_model(work, seed=seed, **shape)
     return path
 
@@ -182,6 +204,70 @@ def olmoe_checkpoint(work: Path, shape: dict, seed: int) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     write_tokenizer(path, model.config.vocab_size)
+    return path
+
+
+GLM_SPECIALS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
+
+
+def glm_checkpoint(work: Path, shape: dict, seed: int) -> Path:
+    """A random Glm4MoeForCausalLM saved by save_pretrained, with one multi-token-prediction layer
+    appended as zai-org's releases have it (model.layers.L: a full decoder layer plus eh_proj,
+    enorm, hnorm and shared_head.norm), GLM's chat template and special tokens."""
+    import torch
+    from hf_models import BASE_CONFIG
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    from pysmoe.tokenizer import build_synthetic_tokenizer
+
+    keys = ("vocab_size", "max_position_embeddings", "tie_word_embeddings")
+    kw = {**{k: BASE_CONFIG[k] for k in keys}, **shape}
+    rope = {"rope_type": "default", "rope_theta": 10000.0,
+            "partial_rotary_factor": kw.pop("partial_rotary_factor", 0.5)}
+    L, mtp = kw["num_hidden_layers"], kw.pop("mtp", 1)
+    kw.update(num_hidden_layers=L + mtp, rope_parameters=rope)  # the last one becomes the MTP layer
+    torch.manual_seed(seed)
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(**kw)).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * (3.0 / p.shape[-1] ** 0.5))
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    path = Path(work) / "hf"
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    H = kw["hidden_size"]
+    if mtp:
+        st = path / "model.safetensors"
+        w = load_file(st)
+        p = f"model.layers.{L}."
+        w[p + "eh_proj.weight"] = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5
+        for n in ("enorm", "hnorm", "shared_head.norm"):
+            w[p + n + ".weight"] = torch.rand(H, generator=g) + 0.5
+        save_file(w, st, metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(num_hidden_layers=L, num_nextn_predict_layers=mtp)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    V = kw["vocab_size"]
+    tok = Tokenizer.from_str(build_synthetic_tokenizer(V - len(GLM_SPECIALS)))
+    tok.add_special_tokens(list(GLM_SPECIALS))
+    assert tok.get_vocab_size(with_added_tokens=True) <= V
+    tok.save(str(path / "tokenizer.json"))
+    template = (ROOT / "tests" / "data" / "glm4_moe_chat_template.jinja").read_text(encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072}, indent=2))
     return path
 
 
@@ -229,7 +315,8 @@ def main(argv=None) -> int:
                 work = tmp / f"m{len(f32)}"
                 src = hf_checkpoint(work, shape, seed=len(f32))
                 f32[key] = work / "f32.gguf"
-                convert_f32(args.llama_cpp.resolve(), src, f32[key], args.pre)
+                pre = FAMILY_PRE.get(shape.get("model"), args.pre)
+                convert_f32(args.llama_cpp.resolve(), src, f32[key], pre)
             out = args.out / f"{name}.gguf"
             if ftype is None:
                 out.write_bytes(f32[key].read_bytes())

@@ -72,6 +72,11 @@ def test_config_is_the_checkpoints(name, vaults):
     if family == "olmoe":  # its expert width is intermediate_size; it never renormalises
         want.update(moe_intermediate_size=shape["intermediate_size"], norm_topk_prob=False,
                     head_dim=shape["hidden_size"] // shape["num_attention_heads"])
+    if family == "glm4_moe":  # n_routed_experts; the MTP layer is counted apart
+        want = {k: v for k, v in want.items() if k not in ("num_experts", "n_routed_experts", "mlp_only_layers", "mtp")}
+        want.update(num_experts=shape["n_routed_experts"], num_nextn_predict_layers=shape.get("mtp", 1),
+                    partial_rotary_factor=shape.get("partial_rotary_factor", 0.5),
+                    mlp_only_layers=list(range(shape["first_k_dense_replace"])))
     p = plan(GGUFModel(DATA / f"{name}.gguf"), check_types=False)
     for k, v in want.items():
         assert p.config[k] == v, k
@@ -86,11 +91,13 @@ def test_tensors_byte_for_byte(name, vaults):
     v = read_vault(_vault(vaults, name))
     r = gguf.GGUFReader(DATA / f"{name}.gguf")
     names = {"token_embd.weight": "embed_tokens", "output_norm.weight": "norm", "output.weight": "lm_head"}
-    E = v.config["num_experts"]
+    E, L = v.config["num_experts"], v.config["num_hidden_layers"]
     seen = 0
     for t in r.tensors:
         raw = bytes(r.data[t.data_offset:t.data_offset + int(t.n_bytes)])
-        if "_exps." in t.name:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= L:
+            assert v.config["num_nextn_predict_layers"] > 0  # a multi-token-prediction layer: left out
+        elif "_exps." in t.name:
             l, part = int(t.name.split(".")[1]), t.name.split(".")[2][4:-5]
             desc = {x.name: x for x in v.layer_expert_tensors[l]}[part]
             n = len(raw) // E
@@ -98,16 +105,16 @@ def test_tensors_byte_for_byte(name, vaults):
                 blob = v.blob(l, e)
                 assert bytes(blob[desc.offset:desc.offset + desc.nbytes]) == raw[e * n:(e + 1) * n], (t.name, e)
         else:
-            vname = names.get(t.name) or _layer_name(t.name)
+            vname = names.get(t.name) or _layer_name(t.name, r)
             assert bytes(v.raw(vname)) == raw, t.name
         seen += 1
     assert seen == len(r.tensors)
 
 
-def _layer_name(gname: str) -> str:
+def _layer_name(gname: str, r) -> str:
     from pysmoe.convert.gguf import FAMILIES
     _, l, rest = gname.split(".", 2)
-    return f"layers.{l}.{FAMILIES['qwen3moe'].layer_tensors[rest]}"
+    return f"layers.{l}.{FAMILIES[r.fields['general.architecture'].contents()].layer_tensors[rest]}"
 
 
 def test_tokenizer_files_and_template(vaults):
@@ -131,7 +138,8 @@ def test_tokenizer_files_and_template(vaults):
 # ------------------------------------------------------------------------------ the oracle
 
 def _dequantised_hf_model(path: Path, cfg: dict):
-    """transformers' Qwen3MoeForCausalLM holding the GGUF's weights as gguf-py dequantises them."""
+    """transformers' model of the family (Qwen3-MoE, OLMoE, GLM-4.5) holding the GGUF's weights as gguf-py
+    dequantises them (the multi-token-prediction layers left out, as transformers leaves them)."""
     import torch
     from hf_models import make_config
 
@@ -146,36 +154,52 @@ def _dequantised_hf_model(path: Path, cfg: dict):
         config._attn_implementation = "eager"
         config._experts_implementation = "eager"
         model = OlmoeForCausalLM(config).float().eval()
+    elif cfg["model_type"] == "glm4_moe":
+        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+        kw = {k: cfg[k] for k in keys if k not in ("num_experts", "rope_theta")}
+        kw.update({k: cfg[k] for k in ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
+                                       "routed_scaling_factor", "use_qk_norm", "attention_bias")})
+        kw["n_routed_experts"] = cfg["num_experts"]
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg["rope_theta"],
+                                 "partial_rotary_factor": cfg["partial_rotary_factor"]}
+        config = Glm4MoeConfig(**kw)
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
+        model = Glm4MoeForCausalLM(config).float().eval()
     else:
         from transformers import Qwen3MoeForCausalLM
         model = Qwen3MoeForCausalLM(make_config(**{k: cfg[k] for k in keys})).float().eval()
+    L = cfg["num_hidden_layers"]
     r = gguf.GGUFReader(path)
-    w = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32) for t in r.tensors}
+    w = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32) for t in r.tensors
+         if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= L)}  # no MTP layers
     hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
           "output.weight": "lm_head.weight"}
-    attn = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
-            "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
+    per_layer = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+                 "post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "ffn_gate_inp.weight": "mlp.gate.weight", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+                 "ffn_down_exps.weight": "mlp.experts.down_proj",
+                 **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+                 **{f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")}}
+    for g, h in {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+                 "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}.items():
+        per_layer[g + ".weight"] = f"self_attn.{h}.weight"
+        per_layer[g + ".bias"] = f"self_attn.{h}.bias"
     state = {}
     for name, a in w.items():
         if name in hf:
             state[hf[name]] = a
             continue
-        _, l, part, _ = name.split(".")
-        p = f"model.layers.{l}."
-        if part in attn:
-            state[p + "self_attn." + attn[part] + ".weight"] = a
-        elif part == "attn_norm":
-            state[p + "input_layernorm.weight"] = a
-        elif part == "ffn_norm":
-            state[p + "post_attention_layernorm.weight"] = a
-        elif part == "ffn_gate_inp":
-            state[p + "mlp.gate.weight"] = a
-        elif part == "ffn_down_exps":
-            state[p + "mlp.experts.down_proj"] = a
-    for l in range(cfg["num_hidden_layers"]):
-        g, u = w[f"blk.{l}.ffn_gate_exps.weight"], w[f"blk.{l}.ffn_up_exps.weight"]
-        state[f"model.layers.{l}.mlp.experts.gate_up_proj"] = np.concatenate([g, u], axis=1)
+        _, l, rest = name.split(".", 2)
+        if rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
+            continue
+        state[f"model.layers.{l}.{per_layer[rest]}"] = a
+    for l in range(L):
+        if f"blk.{l}.ffn_gate_exps.weight" in w:
+            g, u = w[f"blk.{l}.ffn_gate_exps.weight"], w[f"blk.{l}.ffn_up_exps.weight"]
+            state[f"model.layers.{l}.mlp.experts.gate_up_proj"] = np.concatenate([g, u], axis=1)
     params = dict(model.named_parameters())
+    params.update((k, b) for k, b in model.named_buffers() if k.endswith("e_score_correction_bias"))
     with torch.no_grad():
         for k, a in state.items():
             assert params[k].shape == a.shape, (k, params[k].shape, a.shape)

@@ -55,6 +55,8 @@ class Family:
     # GGUF name after "blk.N." -> vault name after "layers.N."; "experts.gate" etc. for the
     # stacked experts. Every tensor of the file must be named here (or in GLOBAL_TENSORS).
     layer_tensors: dict = dataclasses.field(default_factory=dict)
+    # the family's own reading of the file, after the table's keys: (model, cfg) -> None, in place
+    derive: object = None
 
 
 GLOBAL_TENSORS = {"token_embd.weight": "embed_tokens", "output_norm.weight": "norm", "output.weight": "lm_head"}
@@ -93,9 +95,52 @@ FAMILIES["olmoe"] = Family(
     # (the vault's olmoe recipe: the norms' shapes say so)
     fixed={"norm_topk_prob": False, "decoder_sparse_step": 1},
     layer_tensors=_QWEN3_LAYER)
-# The other families pysmoe runs come as one entry each: llama.cpp's glm4moe, llama (Mixtral: its
-# q/k rows are permuted for llama.cpp's interleaved RoPE and must be un-permuted row by row, which
-# a block type allows losslessly), and qwen35moe / qwen3next and gpt-oss once their recipes land.
+
+
+def _glm4moe(model: "GGUFModel", cfg: dict) -> None:
+    """GLM-4.5/4.6/Air: what llama.cpp's glm4moe reads beyond the table, and what it decides from
+    the tensors present (q/k/v biases, QK-norm). The multi-token-prediction layers llama.cpp's
+    converter appends (the last `nextn_predict_layers` blocks, blk.L.nextn.*) are left out, as
+    transformers leaves them out."""
+    meta, a = model.meta, "glm4moe"
+    gating = meta.get(f"{a}.expert_gating_func", 2)
+    if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        raise ConvertError(f"{a}.expert_gating_func {gating}: GLM-4.5's router is sigmoid (2)")
+    nextn = int(meta.get(f"{a}.nextn_predict_layers") or 0)
+    cfg["num_hidden_layers"] = int(cfg["num_hidden_layers"]) - nextn
+    if cfg["num_hidden_layers"] < 1:
+        raise ConvertError(f"{a}.block_count {cfg['num_hidden_layers'] + nextn} leaves no layer "
+                           f"beside {nextn} multi-token-prediction layers")
+    cfg["num_nextn_predict_layers"] = nextn
+    cfg["first_k_dense_replace"] = int(meta.get(f"{a}.leading_dense_block_count") or 0)
+    cfg["n_shared_experts"] = int(meta.get(f"{a}.expert_shared_count") or 0)
+    cfg["n_group"] = int(meta.get(f"{a}.expert_group_count") or 1)
+    cfg["topk_group"] = int(meta.get(f"{a}.expert_group_used_count") or 1)
+    # llama.cpp: no expert_weights_norm means no renormalising, a scale of 0 means none
+    cfg["norm_topk_prob"] = bool(meta.get(f"{a}.expert_weights_norm", False))
+    cfg["routed_scaling_factor"] = float(meta.get(f"{a}.expert_weights_scale") or 1.0)
+    hd = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    rot = int(meta.get(f"{a}.rope.dimension_count") or hd // 2)
+    if not 0 < rot <= hd or rot % 2:
+        raise ConvertError(f"{a}.rope.dimension_count {rot} does not fit head_dim {hd}")
+    cfg["partial_rotary_factor"] = rot / hd
+    cfg["use_qk_norm"] = "blk.0.attn_q_norm.weight" in model.tensors
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in model.tensors
+    cfg["mlp_only_layers"] = list(range(min(cfg["first_k_dense_replace"], cfg["num_hidden_layers"])))
+
+
+FAMILIES["glm4moe"] = Family(
+    arch="glm4moe", model_type="glm4_moe", architectures=("Glm4MoeForCausalLM",),
+    config=FAMILIES["qwen3moe"].config, optional=FAMILIES["qwen3moe"].optional,
+    fixed={"decoder_sparse_step": 1},
+    layer_tensors={**_QWEN3_LAYER, "attn_q.bias": "q_proj.bias", "attn_k.bias": "k_proj.bias",
+                   "attn_v.bias": "v_proj.bias", "post_attention_norm.weight": "post_attention_layernorm",
+                   "exp_probs_b.bias": "router.bias", "ffn_gate_shexp.weight": "shared.gate_proj",
+                   "ffn_up_shexp.weight": "shared.up_proj", "ffn_down_shexp.weight": "shared.down_proj"},
+    derive=_glm4moe)
+# Next, one entry each: llama (Mixtral: its q/k rows are permuted for llama.cpp's interleaved RoPE
+# and must be un-permuted row by row, which a block type allows losslessly), gpt-oss, qwen35moe /
+# qwen3next.
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -241,14 +286,17 @@ def _config(model: GGUFModel, fam: Family) -> dict:
         cfg["num_key_value_heads"] = cfg["num_attention_heads"]
     cfg.setdefault("rope_theta", 10000.0)
     cfg.update(fam.fixed)
+    if fam.derive is not None:
+        fam.derive(model, cfg)
     emb = model.tensors.get("token_embd.weight")
     if emb is None:
         raise ConvertError("the file has no token_embd.weight")
     cfg["vocab_size"] = emb.shape[0]
     cfg["tie_word_embeddings"] = "output.weight" not in model.tensors
     L = int(cfg["num_hidden_layers"])
-    sparse = [f"blk.{l}.ffn_gate_inp.weight" in model.tensors for l in range(L)]
-    cfg["mlp_only_layers"] = [l for l in range(L) if not sparse[l]]
+    if "mlp_only_layers" not in cfg:
+        sparse = [f"blk.{l}.ffn_gate_inp.weight" in model.tensors for l in range(L)]
+        cfg["mlp_only_layers"] = [l for l in range(L) if not sparse[l]]
     cfg.setdefault("intermediate_size", cfg["moe_intermediate_size"])
     for k in ("bos", "eos", "padding"):
         i = meta.get(f"tokenizer.ggml.{k}_token_id")
@@ -274,11 +322,14 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
     L, E = cfg["num_hidden_layers"], cfg["num_experts"]
     H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
     dense, experts, unknown = {}, {}, []
+    extra = L + int(cfg.get("num_nextn_predict_layers") or 0)  # layers llama.cpp keeps, pysmoe not
     for name, t in model.tensors.items():
         if name in GLOBAL_TENSORS:
             dense[GLOBAL_TENSORS[name]] = t
             continue
         m = re.match(r"^blk\.(\d+)\.(.+)$", name)
+        if m and L <= int(m[1]) < extra:
+            continue  # a multi-token-prediction layer: not part of the model's forward
         role = fam.layer_tensors.get(m[2]) if m and int(m[1]) < L else None
         if role is None:
             unknown.append(name)
