@@ -99,6 +99,11 @@ TOKENIZER_TEXTS = [
     "",
     "!!!??? ... ---=== ((( ))) [[x]] {y} <z> @#$%^&* ~`|\\ /path/to/file.py:12",
 ]
+# Each family's own chat text, tokenised on its fixtures' vocabularies with TOKENIZER_TEXTS.
+FAMILY_TEXTS = {
+    "glm4_moe": "[gMASK]<sop><|system|>\nYou are a helpful assistant.<|user|>\nWhat's 2+2? Answer briefly."
+                "<|assistant|>\n<think>Simple.</think>\n4<|endoftext|><|observation|>",
+}
 # Pre-tokenizers checked on the demo's vocabulary (4,096 tokens, 3,837 merges).
 TOKENIZER_PRES = ("qwen2", "gpt-2", "llama-bpe", "qwen35", "glm4", "gpt-4o")
 
@@ -159,6 +164,12 @@ def golden_tokens(out_dir: Path, tmp: Path) -> Path:
         g = vocab_gguf(tmp / f"vocab-{pre}.gguf", demo, 4096, pre, out_dir / "tiny-f32.gguf")
         golden["demo"][pre] = llama_cpp_tokens(g, texts)
     golden["tiny-f32"] = llama_cpp_tokens(out_dir / "tiny-f32.gguf", texts)
+    golden["fixtures"] = {}
+    for name, (shape, _) in FIXTURES.items():  # each family's fixtures on their own vocabulary
+        family = shape.get("model", "qwen3_moe")
+        if family in FAMILY_TEXTS and (out_dir / f"{name}.gguf").exists():
+            ftexts = texts + [FAMILY_TEXTS[family]]
+            golden["fixtures"][name] = {"texts": ftexts, "ids": llama_cpp_tokens(out_dir / f"{name}.gguf", ftexts)}
     path = out_dir / "tokens.json"
     path.write_text(json.dumps(golden, ensure_ascii=False) + "\n", encoding="utf-8")
     return path

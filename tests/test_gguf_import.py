@@ -439,3 +439,44 @@ def test_corrupt_headers_give_a_convert_error_or_a_vault(tmp_path):
             convert_checkpoint(f, out, progress=False)
         except ConvertError:
             assert not out.exists()
+
+
+# ------------------------------------------------------------------------------ the families' own tokenizers
+
+def _family_fixtures():
+    path = DATA / "tokens.json"
+    return sorted(json.loads(path.read_text(encoding="utf-8")).get("fixtures", {})) if path.exists() else []
+
+
+@pytest.mark.parametrize("name", _family_fixtures())
+def test_family_tokenizer_encodes_as_llama_cpp_did(name):
+    """Each family fixture's vocabulary (its pre-tokenizer and special tokens, as llama.cpp's
+    converter wrote them) encodes the shared texts and the family's own chat text as llama.cpp did."""
+    g = _golden()["fixtures"][name]
+    enc = _encoder(DATA / f"{name}.gguf")
+    for text, want in zip(g["texts"], g["ids"]):
+        assert enc(text) == want, text[:80]
+
+
+@pytest.mark.parametrize("name", [n for n in FIXTURES if n.startswith("glm4moe")])
+def test_family_chat_template_renders_as_transformers(name, vaults):
+    """The chat template converted from tokenizer.chat_template renders, through pysmoe, the
+    text transformers renders from the same template, with a system prompt, a tool and a tool call."""
+    from transformers import PreTrainedTokenizerFast
+
+    from pysmoe.tokenizer import load_tokenizer
+
+    d = _vault(vaults, name)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    assert tc["chat_template"] == GGUFModel(DATA / f"{name}.gguf").meta["tokenizer.chat_template"]
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "a": {"type": "number"}, "b": {"type": "number"}}}}}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
+            {"role": "tool", "content": "4"}]
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), chat_template=tc["chat_template"])
+    want = hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+    got = load_tokenizer(d).apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert got == want and want.startswith("[gMASK]<sop>")
