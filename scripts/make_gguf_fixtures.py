@@ -69,6 +69,14 @@ GLM_AIR = dict(model="glm4_moe", hidden_size=256, intermediate_size=128, moe_int
                attention_bias=True, use_qk_norm=False, routed_scaling_factor=1.0, n_group=1, topk_group=1,
                norm_topk_prob=True, rms_norm_eps=1e-5, partial_rotary_factor=0.5, mtp=0)
 
+# Mixtral (llama.cpp's `llama` architecture with experts): its converter permutes the q/k rows for
+# llama.cpp's interleaved RoPE (the import undoes it row by row) and writes the SentencePiece
+# vocabulary (`tokenizer.ggml.model = llama`: scores, byte tokens, <s>/</s>/<unk>). Grouped-query
+# attention (2 heads, 1 kv head) so that q and k are permuted with different head counts.
+MIXTRAL = dict(model="mixtral", vocab_size=384, hidden_size=256, intermediate_size=64, num_local_experts=4,
+               num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+               rms_norm_eps=1e-5)
+
 FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself)
     "tiny-f32": (SMALL, None),
     "tiny-q8_0": (SMALL, "Q8_0"),
@@ -79,6 +87,7 @@ FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself
     "olmoe-q8_0": (OLMOE, "Q8_0"),
     "glm4moe-q8_0": (GLM, "Q8_0"),
     "glm4moe-q4_k_m": (GLM_AIR, "Q4_K_M"),
+    "mixtral-q4_k_m": (MIXTRAL, "Q4_K_M"),
 }
 # what convert_hf_to_gguf.py is told the pre-tokenizer is, per family (default: --pre)
 FAMILY_PRE = {"glm4_moe": "glm4"}
@@ -101,6 +110,7 @@ TOKENIZER_TEXTS = [
 ]
 # Each family's own chat text, tokenised on its fixtures' vocabularies with TOKENIZER_TEXTS.
 FAMILY_TEXTS = {
+    "mixtral": "<s>[INST] What is 2+2? Answer briefly. [/INST] 4</s><s>[INST] And 3+3?[/INST]",
     "glm4_moe": "[gMASK]<sop><|system|>\nYou are a helpful assistant.<|user|>\nWhat's 2+2? Answer briefly."
                 "<|assistant|>\n<think>Simple.</think>\n4<|endoftext|><|observation|>",
 }
@@ -195,6 +205,8 @@ def hf_checkpoint(work: Path, shape: dict, seed: int) -> Path:
         return olmoe_checkpoint(work, shape, seed)
     if family == "glm4_moe":
         return glm_checkpoint(work, shape, seed)
+    if family == "mixtral":
+        return mixtral_checkpoint(work, shape, seed)
     path, _ = make_hf_model(work, seed=seed, **shape)
     return path
 
@@ -279,6 +291,48 @@ def glm_checkpoint(work: Path, shape: dict, seed: int) -> Path:
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": template, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
          "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072}, indent=2))
+    return path
+
+
+def sentencepiece_model(vocab_size: int) -> bytes:
+    """A SentencePiece BPE model (byte fallback, <unk> <s> </s> first, digits split, whitespace
+    kept: Mistral's options) trained on pysmoe's small corpus."""
+    import io
+
+    import sentencepiece as spm
+
+    corpus = (ROOT / "pysmoe" / "data" / "corpus.txt").read_text(encoding="utf-8").splitlines()
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=out, model_type="bpe", vocab_size=vocab_size,
+        byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        add_dummy_prefix=True, split_digits=True, allow_whitespace_only_pieces=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, num_threads=1, minloglevel=2)
+    return out.getvalue()
+
+
+def mixtral_checkpoint(work: Path, shape: dict, seed: int) -> Path:
+    """A random MixtralForCausalLM saved by save_pretrained (the released spelling:
+    block_sparse_moe.experts.E.w1/w2/w3), with a SentencePiece tokenizer.model and Mixtral's chat
+    template."""
+    import torch
+    from hf_models import BASE_CONFIG, randomize
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    keys = ("num_hidden_layers", "max_position_embeddings", "tie_word_embeddings")
+    kw = {**{k: BASE_CONFIG[k] for k in keys}, **shape}
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**kw)).float().eval()
+    randomize(model, seed)
+    path = Path(work) / "hf"
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    (path / "tokenizer.model").write_bytes(sentencepiece_model(kw["vocab_size"]))
+    template = (ROOT / "tests" / "data" / "mixtral_chat_template.jinja").read_text(encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "add_bos_token": True, "add_eos_token": False, "tokenizer_class": "LlamaTokenizer"}, indent=2))
     return path
 
 

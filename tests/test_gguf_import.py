@@ -77,10 +77,14 @@ def test_config_is_the_checkpoints(name, vaults):
         want.update(num_experts=shape["n_routed_experts"], num_nextn_predict_layers=shape.get("mtp", 1),
                     partial_rotary_factor=shape.get("partial_rotary_factor", 0.5),
                     mlp_only_layers=list(range(shape["first_k_dense_replace"])))
+    if family == "mixtral":  # num_local_experts, each intermediate_size wide; always renormalised
+        want = {k: v for k, v in want.items() if k not in ("num_experts", "num_local_experts")}
+        want.update(num_experts=shape["num_local_experts"], moe_intermediate_size=shape["intermediate_size"],
+                    norm_topk_prob=True)
     p = plan(GGUFModel(DATA / f"{name}.gguf"), check_types=False)
     for k, v in want.items():
         assert p.config[k] == v, k
-    assert p.config["rope_theta"] == 10000.0
+    assert p.config["rope_theta"] == (1e6 if family == "mixtral" else 10000.0)
     assert p.config["model_type"] == family
 
 
@@ -106,9 +110,32 @@ def test_tensors_byte_for_byte(name, vaults):
                 assert bytes(blob[desc.offset:desc.offset + desc.nbytes]) == raw[e * n:(e + 1) * n], (t.name, e)
         else:
             vname = names.get(t.name) or _layer_name(t.name, r)
-            assert bytes(v.raw(vname)) == raw, t.name
+            got = bytes(v.raw(vname))
+            heads = _permuted_heads(t.name, v.config, r)
+            if heads:  # llama.cpp's converter permuted the rows: the vault holds them un-permuted
+                rows = np.frombuffer(raw, np.uint8).reshape(int(t.shape[-1]), -1)
+                perm = _llama_cpp_permutation(rows.shape[0], heads)
+                mine = np.frombuffer(got, np.uint8).reshape(rows.shape)
+                assert all(bytes(mine[perm[g]]) == bytes(rows[g]) for g in range(len(perm))), t.name
+            else:
+                assert got == raw, t.name
         seen += 1
     assert seen == len(r.tensors)
+
+
+def _llama_cpp_permutation(n_rows: int, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute applied to row numbers: the original row each
+    row of llama.cpp's tensor holds (written from its definition, not from the importer's)."""
+    hd = n_rows // n_head
+    return np.arange(n_rows).reshape(n_head, 2, hd // 2).swapaxes(1, 2).reshape(-1)
+
+
+def _permuted_heads(gname: str, cfg: dict, r) -> int:
+    """The head count llama.cpp's converter permuted gname's rows with (0: not permuted)."""
+    if r.fields["general.architecture"].contents() != "llama":
+        return 0
+    return {"attn_q.weight": cfg["num_attention_heads"], "attn_k.weight": cfg["num_key_value_heads"]}.get(
+        gname.split(".", 2)[-1], 0)
 
 
 def _layer_name(gname: str, r) -> str:
@@ -166,6 +193,16 @@ def _dequantised_hf_model(path: Path, cfg: dict):
         config._attn_implementation = "eager"
         config._experts_implementation = "eager"
         model = Glm4MoeForCausalLM(config).float().eval()
+    elif cfg["model_type"] == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+        kw = {k: cfg[k] for k in keys if k not in ("moe_intermediate_size", "num_experts", "norm_topk_prob",
+                                                   "rope_theta")}
+        kw.update(num_local_experts=cfg["num_experts"], intermediate_size=cfg["moe_intermediate_size"],
+                  rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"]})
+        config = MixtralConfig(**kw)
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
+        model = MixtralForCausalLM(config).float().eval()
     else:
         from transformers import Qwen3MoeForCausalLM
         model = Qwen3MoeForCausalLM(make_config(**{k: cfg[k] for k in keys})).float().eval()
@@ -193,6 +230,11 @@ def _dequantised_hf_model(path: Path, cfg: dict):
         _, l, rest = name.split(".", 2)
         if rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
             continue
+        heads = _permuted_heads(name, cfg, r)
+        if heads:  # llama.cpp's row order -> the checkpoint's
+            b = np.empty_like(a)
+            b[_llama_cpp_permutation(a.shape[0], heads)] = a
+            a = b
         state[f"model.layers.{l}.{per_layer[rest]}"] = a
     for l in range(L):
         if f"blk.{l}.ffn_gate_exps.weight" in w:
@@ -458,7 +500,7 @@ def test_family_tokenizer_encodes_as_llama_cpp_did(name):
         assert enc(text) == want, text[:80]
 
 
-@pytest.mark.parametrize("name", [n for n in FIXTURES if n.startswith("glm4moe")])
+@pytest.mark.parametrize("name", [n for n in FIXTURES if n.startswith(("glm4moe", "mixtral"))])
 def test_family_chat_template_renders_as_transformers(name, vaults):
     """The chat template converted from tokenizer.chat_template renders, through pysmoe, the
     text transformers renders from the same template, with a system prompt, a tool and a tool call."""
@@ -476,7 +518,30 @@ def test_family_chat_template_renders_as_transformers(name, vaults):
             {"role": "assistant", "content": "", "tool_calls": [
                 {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
             {"role": "tool", "content": "4"}]
-    hf = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), chat_template=tc["chat_template"])
+    if name.startswith("mixtral"):  # user/assistant alternating, no tools
+        tools, msgs = None, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+                             {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), chat_template=tc["chat_template"],
+                                 bos_token=tc.get("bos_token"), eos_token=tc.get("eos_token"))
     want = hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
     got = load_tokenizer(d).apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
-    assert got == want and want.startswith("[gMASK]<sop>")
+    assert got == want and want.startswith("<s>" if name.startswith("mixtral") else "[gMASK]<sop>")
+
+
+@pytest.mark.parametrize("name", _family_fixtures())
+def test_family_tokenizer_against_llama_cpp_live(name):
+    """Where llama-cpp-python is installed: random strings of scripts, digits, whitespace runs,
+    the family's special tokens and byte-fallback characters, tokenised by both."""
+    pytest.importorskip("llama_cpp")
+    mk = _scripts()
+    path = DATA / f"{name}.gguf"
+    meta = GGUFModel(path).meta
+    specials = [t for t, ty in zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]) if ty in (3, 4)]
+    rng = np.random.default_rng(1)
+    alphabet = list("abcXYZ  \t\n\r0123456789'.,!?-_▁") + ["é", "ß", "日", "本", "Ω", "й", "ع", "क", "🚀", "\u200d",
+                                                         "\u00a0", "'s", " the", "  ", "<0x41>"] + specials
+    texts = ["".join(rng.choice(alphabet, size=int(rng.integers(0, 40)))) for _ in range(300)]
+    enc = _encoder(path)
+    want = mk.llama_cpp_tokens(path, texts)
+    bad = [t for t, w in zip(texts, want) if enc(t) != w]
+    assert not bad, bad[:3]

@@ -57,6 +57,9 @@ class Family:
     layer_tensors: dict = dataclasses.field(default_factory=dict)
     # the family's own reading of the file, after the table's keys: (model, cfg) -> None, in place
     derive: object = None
+    # vault tensor suffix -> the config key of its head count, for tensors whose rows llama.cpp's
+    # converter permuted per head (undone by unpermuted_rows)
+    permuted_rows: dict = dataclasses.field(default_factory=dict)
 
 
 GLOBAL_TENSORS = {"token_embd.weight": "embed_tokens", "output_norm.weight": "norm", "output.weight": "lm_head"}
@@ -138,9 +141,34 @@ FAMILIES["glm4moe"] = Family(
                    "exp_probs_b.bias": "router.bias", "ffn_gate_shexp.weight": "shared.gate_proj",
                    "ffn_up_shexp.weight": "shared.up_proj", "ffn_down_shexp.weight": "shared.down_proj"},
     derive=_glm4moe)
-# Next, one entry each: llama (Mixtral: its q/k rows are permuted for llama.cpp's interleaved RoPE
-# and must be un-permuted row by row, which a block type allows losslessly), gpt-oss, qwen35moe /
-# qwen3next.
+
+
+def _llama(model: "GGUFModel", cfg: dict) -> None:
+    """Mixtral as llama.cpp stores it: the `llama` architecture with experts (a dense Llama is not
+    a model pysmoe runs). llama.cpp's graph always renormalises the top-k softmax weights."""
+    a = "llama"
+    if not cfg.get("num_experts"):
+        raise ConvertError("a llama-architecture file without experts (llama.expert_count) is a dense Llama/"
+                           "Mistral: pysmoe runs Mixture-of-Experts models only")
+    scale = model.meta.get(f"{a}.expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise ConvertError(f"{a}.expert_weights_scale {scale}: Mixtral's experts are not scaled")
+    hd = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    rot = model.meta.get(f"{a}.rope.dimension_count")
+    if rot is not None and int(rot) != hd:
+        raise ConvertError(f"{a}.rope.dimension_count {rot}: only RoPE over the whole head ({hd}) is supported")
+
+
+FAMILIES["llama"] = Family(
+    arch="llama", model_type="mixtral", architectures=("MixtralForCausalLM",),
+    config=FAMILIES["olmoe"].config, optional=FAMILIES["qwen3moe"].optional + ("num_experts", "num_experts_per_tok"),
+    fixed={"norm_topk_prob": True, "decoder_sparse_step": 1},
+    layer_tensors={k: v for k, v in _QWEN3_LAYER.items() if k not in ("attn_q_norm.weight", "attn_k_norm.weight")},
+    derive=_llama,
+    # llama.cpp's converter permutes q and k rows for its interleaved RoPE (LlamaModel.permute):
+    # within each head, row 2i+j holds the original row j*hd/2+i. Undone row by row on import.
+    permuted_rows={"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"})
+# Next, one entry each: gpt-oss, qwen35moe / qwen3next.
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -252,6 +280,7 @@ class Plan:
     dense: dict            # vault name -> GTensor
     experts: dict          # layer -> {"gate"|"up"|"down": GTensor (E, rows, cols)}
     formats: dict          # vault name / "experts.part" -> format name
+    row_order: dict = dataclasses.field(default_factory=dict)  # vault name -> rows to take, in order
 
 
 def _config(model: GGUFModel, fam: Family) -> dict:
@@ -375,11 +404,34 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
     for l, parts in experts.items():
         for p, t in parts.items():
             formats[f"experts.{l}.{p}"] = types[t.type]
-    return Plan(fam, cfg, dense, experts, formats)
+    row_order = {}
+    for n in dense:
+        key = fam.permuted_rows.get(n.rsplit(".", 1)[-1]) if n.startswith("layers.") else None
+        if key is not None:
+            row_order[n] = unpermuted_rows(dense[n].shape[0], int(cfg[key]))
+    return Plan(fam, cfg, dense, experts, formats, row_order)
 
 
 def _matrix(shape: tuple) -> tuple:
     return (1, shape[0]) if len(shape) == 1 else tuple(shape)
+
+
+def unpermuted_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """For each original row, the row of llama.cpp's permuted tensor that holds it: in each head of
+    hd rows, llama.cpp's row 2i+j is the original row j*hd/2+i (convert_hf_to_gguf's
+    LlamaModel.permute). A permutation of whole rows: block-quantised rows move intact."""
+    hd = n_rows // n_head
+    return np.arange(n_rows).reshape(n_head, hd // 2, 2).transpose(0, 2, 1).reshape(-1)
+
+
+def dense_bytes(p: "Plan", name: str) -> np.ndarray:
+    """The bytes the vault stores for dense tensor name: the file's, rows reordered where the
+    family's converter permuted them."""
+    t = p.dense[name]
+    order = p.row_order.get(name)
+    if order is None:
+        return t.data
+    return t.data.reshape(t.shape[0], -1)[order].reshape(-1)
 
 
 def _all(dense, experts):
@@ -444,7 +496,7 @@ def convert_gguf(src, out_dir, progress: bool = True, force: bool = False) -> Pa
                          tokenizer_config=tok.tokenizer_config(model.meta)) as w:
             with Progress(total, "convert", unit="B", enabled=progress) as bar:
                 for name, t in p.dense.items():
-                    w.add_dense_raw(name, t.data)
+                    w.add_dense_raw(name, dense_bytes(p, name))
                     bar.update(t.data.nbytes)
                 for l in sorted(p.experts):
                     lay = w.layout.layer_expert[l]
