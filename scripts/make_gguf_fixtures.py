@@ -77,6 +77,15 @@ MIXTRAL = dict(model="mixtral", vocab_size=384, hidden_size=256, intermediate_si
                num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                rms_norm_eps=1e-5)
 
+# gpt-oss (llama.cpp's `gpt-oss`): quantised by llama.cpp's MXFP4_MOE mix (experts MXFP4, as the
+# released files are); attention sinks, biases everywhere, a window of 4 on alternate layers, and
+# YaRN as the released config has it (no truncation of the correction range).
+GPT_OSS = dict(model="gpt_oss", hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+               max_position_embeddings=128, rms_norm_eps=1e-5,
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0})
+
 FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself)
     "tiny-f32": (SMALL, None),
     "tiny-q8_0": (SMALL, "Q8_0"),
@@ -88,9 +97,10 @@ FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself
     "glm4moe-q8_0": (GLM, "Q8_0"),
     "glm4moe-q4_k_m": (GLM_AIR, "Q4_K_M"),
     "mixtral-q4_k_m": (MIXTRAL, "Q4_K_M"),
+    "gpt-oss-mxfp4": (GPT_OSS, "MXFP4_MOE"),
 }
 # what convert_hf_to_gguf.py is told the pre-tokenizer is, per family (default: --pre)
-FAMILY_PRE = {"glm4_moe": "glm4"}
+FAMILY_PRE = {"glm4_moe": "glm4", "gpt_oss": "gpt-4o"}
 
 # Text for the tokenizer check: prose, code, digits, whitespace runs, CRLF, contractions in
 # both cases, several scripts and emoji (a ZWJ sequence among them), and the special tokens.
@@ -110,6 +120,9 @@ TOKENIZER_TEXTS = [
 ]
 # Each family's own chat text, tokenised on its fixtures' vocabularies with TOKENIZER_TEXTS.
 FAMILY_TEXTS = {
+    "gpt_oss": "<|start|>system<|message|>You are ChatGPT.\nReasoning: low<|end|><|start|>user<|message|>What's 2+2?"
+               "<|end|><|start|>assistant<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant"
+               "<|channel|>final<|message|>4<|return|>",
     "mixtral": "<s>[INST] What is 2+2? Answer briefly. [/INST] 4</s><s>[INST] And 3+3?[/INST]",
     "glm4_moe": "[gMASK]<sop><|system|>\nYou are a helpful assistant.<|user|>\nWhat's 2+2? Answer briefly."
                 "<|assistant|>\n<think>Simple.</think>\n4<|endoftext|><|observation|>",
@@ -207,6 +220,8 @@ def hf_checkpoint(work: Path, shape: dict, seed: int) -> Path:
         return glm_checkpoint(work, shape, seed)
     if family == "mixtral":
         return mixtral_checkpoint(work, shape, seed)
+    if family == "gpt_oss":
+        return gpt_oss_checkpoint(work, shape, seed)
     path, _ = make_hf_model(work, seed=seed, **shape)
     return path
 
@@ -294,6 +309,49 @@ def glm_checkpoint(work: Path, shape: dict, seed: int) -> Path:
     return path
 
 
+HARMONY_SPECIALS = ("<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>")
+
+
+def gpt_oss_checkpoint(work: Path, shape: dict, seed: int) -> Path:
+    """A random GptOssForCausalLM saved by save_pretrained (float experts; llama.cpp's quantiser
+    makes them MXFP4), biases, sinks and norms random, with harmony's special tokens and chat
+    template."""
+    import torch
+    from hf_models import BASE_CONFIG
+    from tokenizers import Tokenizer
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from pysmoe.tokenizer import build_synthetic_tokenizer
+
+    kw = {"vocab_size": BASE_CONFIG["vocab_size"], "tie_word_embeddings": False, **shape}
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(GptOssConfig(**kw)).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith(("bias", "sinks")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif "experts" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.6)
+            elif "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    path = Path(work) / "hf"
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    V = kw["vocab_size"]
+    tok = Tokenizer.from_str(build_synthetic_tokenizer(V - len(HARMONY_SPECIALS)))
+    tok.add_special_tokens(list(HARMONY_SPECIALS))
+    assert tok.get_vocab_size(with_added_tokens=True) <= V
+    tok.save(str(path / "tokenizer.json"))
+    template = (ROOT / "tests" / "data" / "gpt_oss_chat_template.jinja").read_text(encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": "<|return|>", "pad_token": "<|endoftext|>",
+         "bos_token": "<|start|>", "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072}, indent=2))
+    return path
+
+
 def sentencepiece_model(vocab_size: int) -> bytes:
     """A SentencePiece BPE model (byte fallback, <unk> <s> </s> first, digits split, whitespace
     kept: Mistral's options) trained on pysmoe's small corpus."""
@@ -375,7 +433,7 @@ def main(argv=None) -> int:
         for name, (shape, ftype) in FIXTURES.items():
             if args.only and name not in args.only:
                 continue
-            key = tuple(sorted(shape.items()))
+            key = json.dumps(shape, sort_keys=True)
             if key not in f32:
                 work = tmp / f"m{len(f32)}"
                 src = hf_checkpoint(work, shape, seed=len(f32))

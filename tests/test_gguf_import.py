@@ -81,10 +81,15 @@ def test_config_is_the_checkpoints(name, vaults):
         want = {k: v for k, v in want.items() if k not in ("num_experts", "num_local_experts")}
         want.update(num_experts=shape["num_local_experts"], moe_intermediate_size=shape["intermediate_size"],
                     norm_topk_prob=True)
+    if family == "gpt_oss":  # each expert intermediate_size wide; window on alternate layers; YaRN
+        want = {k: v for k, v in want.items() if k not in ("num_experts", "num_local_experts", "norm_topk_prob")}
+        want.update(num_experts=shape["num_local_experts"], moe_intermediate_size=shape["intermediate_size"],
+                    layer_types=["sliding_attention", "full_attention"] * (shape["num_hidden_layers"] // 2),
+                    tie_word_embeddings=False)
     p = plan(GGUFModel(DATA / f"{name}.gguf"), check_types=False)
     for k, v in want.items():
         assert p.config[k] == v, k
-    assert p.config["rope_theta"] == (1e6 if family == "mixtral" else 10000.0)
+    assert p.config["rope_theta"] == {"mixtral": 1e6, "gpt_oss": 1.5e5}.get(family, 10000.0)
     assert p.config["model_type"] == family
 
 
@@ -103,6 +108,7 @@ def test_tensors_byte_for_byte(name, vaults):
             assert v.config["num_nextn_predict_layers"] > 0  # a multi-token-prediction layer: left out
         elif "_exps." in t.name:
             l, part = int(t.name.split(".")[1]), t.name.split(".")[2][4:-5]
+            part += "_bias" if t.name.endswith(".bias") else ""  # gpt-oss: the blob's f32 bias rows
             desc = {x.name: x for x in v.layer_expert_tensors[l]}[part]
             n = len(raw) // E
             for e in range(E):
@@ -203,10 +209,20 @@ def _dequantised_hf_model(path: Path, cfg: dict):
         config._attn_implementation = "eager"
         config._experts_implementation = "eager"
         model = MixtralForCausalLM(config).float().eval()
+    elif cfg["model_type"] == "gpt_oss":
+        from transformers import GptOssConfig, GptOssForCausalLM
+        kw = {k: cfg[k] for k in keys if k not in ("moe_intermediate_size", "num_experts", "norm_topk_prob",
+                                                   "rope_theta")}
+        kw.update(num_local_experts=cfg["num_experts"], sliding_window=cfg["sliding_window"],
+                  layer_types=cfg["layer_types"], rope_parameters=cfg["rope_parameters"])
+        config = GptOssConfig(**kw)
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
+        model = GptOssForCausalLM(config).float().eval()
     else:
         from transformers import Qwen3MoeForCausalLM
         model = Qwen3MoeForCausalLM(make_config(**{k: cfg[k] for k in keys})).float().eval()
-    L = cfg["num_hidden_layers"]
+    L, gpt_oss = cfg["num_hidden_layers"], cfg["model_type"] == "gpt_oss"
     r = gguf.GGUFReader(path)
     w = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32) for t in r.tensors
          if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= L)}  # no MTP layers
@@ -215,6 +231,7 @@ def _dequantised_hf_model(path: Path, cfg: dict):
     per_layer = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
                  "post_attention_norm.weight": "post_attention_layernorm.weight",
                  "ffn_gate_inp.weight": "mlp.gate.weight", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+                 "attn_sinks.weight": "self_attn.sinks",
                  "ffn_down_exps.weight": "mlp.experts.down_proj",
                  **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
                  **{f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")}}
@@ -228,7 +245,11 @@ def _dequantised_hf_model(path: Path, cfg: dict):
             state[hf[name]] = a
             continue
         _, l, rest = name.split(".", 2)
-        if rest in ("ffn_gate_exps.weight", "ffn_up_exps.weight"):
+        if rest.startswith(("ffn_gate_exps.", "ffn_up_exps.")) or (gpt_oss and rest.startswith("ffn_down_exps.")):
+            continue
+        if gpt_oss and rest.startswith("ffn_gate_inp."):
+            rest = rest.replace("ffn_gate_inp", "router")
+            state[f"model.layers.{l}.mlp.{rest}"] = a
             continue
         heads = _permuted_heads(name, cfg, r)
         if heads:  # llama.cpp's row order -> the checkpoint's
@@ -237,9 +258,21 @@ def _dequantised_hf_model(path: Path, cfg: dict):
             a = b
         state[f"model.layers.{l}.{per_layer[rest]}"] = a
     for l in range(L):
-        if f"blk.{l}.ffn_gate_exps.weight" in w:
-            g, u = w[f"blk.{l}.ffn_gate_exps.weight"], w[f"blk.{l}.ffn_up_exps.weight"]
-            state[f"model.layers.{l}.mlp.experts.gate_up_proj"] = np.concatenate([g, u], axis=1)
+        if f"blk.{l}.ffn_gate_exps.weight" not in w:
+            continue
+        g, u = w[f"blk.{l}.ffn_gate_exps.weight"], w[f"blk.{l}.ffn_up_exps.weight"]
+        p = f"model.layers.{l}.mlp.experts."
+        if gpt_oss:  # x @ W with gate and up interleaved by column; down_proj [E, I, H]; biases
+            gu = np.empty((g.shape[0], g.shape[2], 2 * g.shape[1]), np.float32)
+            gu[..., 0::2], gu[..., 1::2] = g.transpose(0, 2, 1), u.transpose(0, 2, 1)
+            gb, ub = w[f"blk.{l}.ffn_gate_exps.bias"], w[f"blk.{l}.ffn_up_exps.bias"]
+            gub = np.empty((gb.shape[0], 2 * gb.shape[1]), np.float32)
+            gub[:, 0::2], gub[:, 1::2] = gb, ub
+            state.update({p + "gate_up_proj": gu, p + "gate_up_proj_bias": gub,
+                          p + "down_proj": w[f"blk.{l}.ffn_down_exps.weight"].transpose(0, 2, 1).copy(),
+                          p + "down_proj_bias": w[f"blk.{l}.ffn_down_exps.bias"]})
+        else:
+            state[p + "gate_up_proj"] = np.concatenate([g, u], axis=1)
     params = dict(model.named_parameters())
     params.update((k, b) for k, b in model.named_buffers() if k.endswith("e_score_correction_bias"))
     with torch.no_grad():
@@ -422,7 +455,8 @@ def test_tokenizer_against_llama_cpp_live(tmp_path):
         assert not bad, (pre, bad[:3])
 
 
-@pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "tiny-q4_0"])
+@pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "tiny-q4_0", "glm4moe-q4_k_m", "mixtral-q4_k_m",
+                                  "gpt-oss-mxfp4"])
 @pytest.mark.parametrize("activations", ["f32", "q8"])
 def test_layer_major_is_token_serial_on_an_imported_mix(name, activations, vaults):
     """A llama.cpp mix imported as stored keeps the engine's bit identity: a layer-major prefill
@@ -500,7 +534,7 @@ def test_family_tokenizer_encodes_as_llama_cpp_did(name):
         assert enc(text) == want, text[:80]
 
 
-@pytest.mark.parametrize("name", [n for n in FIXTURES if n.startswith(("glm4moe", "mixtral"))])
+@pytest.mark.parametrize("name", [n for n in FIXTURES if n.startswith(("glm4moe", "mixtral", "gpt-oss"))])
 def test_family_chat_template_renders_as_transformers(name, vaults):
     """The chat template converted from tokenizer.chat_template renders, through pysmoe, the
     text transformers renders from the same template, with a system prompt, a tool and a tool call."""
@@ -518,14 +552,21 @@ def test_family_chat_template_renders_as_transformers(name, vaults):
             {"role": "assistant", "content": "", "tool_calls": [
                 {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
             {"role": "tool", "content": "4"}]
+    kwargs = {}
+    if name.startswith("gpt-oss"):  # harmony: reasoning effort as a template kwarg, a thinking field
+        kwargs = {"reasoning_effort": "low"}
+        msgs[2] = {**msgs[2], "thinking": "Add them."}
+        msgs[3] = {"role": "tool", "content": "4", "name": "add"}
     if name.startswith("mixtral"):  # user/assistant alternating, no tools
         tools, msgs = None, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
                              {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
     hf = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), chat_template=tc["chat_template"],
                                  bos_token=tc.get("bos_token"), eos_token=tc.get("eos_token"))
-    want = hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
-    got = load_tokenizer(d).apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
-    assert got == want and want.startswith("<s>" if name.startswith("mixtral") else "[gMASK]<sop>")
+    want = hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+    got = load_tokenizer(d).apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                **kwargs)
+    start = {"mixtral": "<s>", "gpt-oss": "<|start|>system<|message|>", "glm4moe": "[gMASK]<sop>"}
+    assert got == want and want.startswith(start[name.rsplit("-", 1)[0]])
 
 
 @pytest.mark.parametrize("name", _family_fixtures())

@@ -60,6 +60,7 @@ class Family:
     # vault tensor suffix -> the config key of its head count, for tensors whose rows llama.cpp's
     # converter permuted per head (undone by unpermuted_rows)
     permuted_rows: dict = dataclasses.field(default_factory=dict)
+    rope_scaling: tuple = ()    # rope.scaling.type values the family's derive reads (others refused)
 
 
 GLOBAL_TENSORS = {"token_embd.weight": "embed_tokens", "output_norm.weight": "norm", "output.weight": "lm_head"}
@@ -168,7 +169,72 @@ FAMILIES["llama"] = Family(
     # llama.cpp's converter permutes q and k rows for its interleaved RoPE (LlamaModel.permute):
     # within each head, row 2i+j holds the original row j*hd/2+i. Undone row by row on import.
     permuted_rows={"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"})
-# Next, one entry each: gpt-oss, qwen35moe / qwen3next.
+
+
+def _gpt_oss(model: "GGUFModel", cfg: dict) -> None:
+    """gpt-oss as llama.cpp's `gpt-oss` (openai-moe) reads it: the sliding window on the layers
+    its swa pattern names (2 by default: window, full, window, ... as GptOssConfig's layer_types),
+    YaRN from rope.scaling.*, and what its graph fixes (the clamped SwiGLU 1.702/7.0, top-k then
+    softmax). YaRN's correction range is not truncated: gpt-oss's own definition (its config's
+    truncate: false), which transformers follows; ggml's rope always truncates it (floor/ceil)."""
+    meta, a = model.meta, "gpt-oss"
+    L = int(cfg["num_hidden_layers"])
+    cfg["sliding_window"] = int(meta.get(f"{a}.attention.sliding_window") or 0) or None
+    pattern = meta.get(f"{a}.attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):
+        if len(pattern) < L:
+            raise ConvertError(f"{a}.attention.sliding_window_pattern has {len(pattern)} entries for {L} layers")
+        swa = [bool(x) for x in pattern[:L]]
+    else:  # llama_hparams::set_swa_pattern(n, dense_first=false)
+        n = int(pattern)
+        swa = [n == 0 or l % n < n - 1 for l in range(L)]
+    cfg["layer_types"] = ["sliding_attention" if x else "full_attention" for x in swa]
+    base_swa = meta.get(f"{a}.rope.freq_base_swa")
+    if base_swa is not None and float(base_swa) != float(cfg.get("rope_theta", 10000.0)):
+        raise ConvertError(f"{a}.rope.freq_base_swa {base_swa} differs from rope.freq_base: pysmoe has one RoPE base")
+    rope = {"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))}
+    kind = meta.get(f"{a}.rope.scaling.type")
+    if kind == "yarn":
+        for k in ("rope.scaling.yarn_log_multiplier", "rope.scaling.attn_factor"):
+            if meta.get(f"{a}.{k}") not in (None, 0.0, 1.0):
+                raise ConvertError(f"{a}.{k} {meta[f'{a}.{k}']}: not gpt-oss's YaRN")
+        ext = meta.get(f"{a}.rope.scaling.yarn_ext_factor")
+        if ext not in (None, 1.0):
+            raise ConvertError(f"{a}.rope.scaling.yarn_ext_factor {ext}: only 1 (gpt-oss's) is supported")
+        factor = meta.get(f"{a}.rope.scaling.factor")
+        orig = meta.get(f"{a}.rope.scaling.original_context_length")
+        if not factor or not orig:
+            raise ConvertError(f"{a}.rope.scaling.type yarn without its factor and original_context_length")
+        rope.update(rope_type="yarn", factor=float(factor), original_max_position_embeddings=int(orig),
+                    beta_fast=float(meta.get(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(meta.get(f"{a}.rope.scaling.yarn_beta_slow", 1.0)), truncate=False)
+        af = meta.get(f"{a}.rope.scaling.yarn_attn_factor")
+        if af is not None:
+            rope["attention_factor"] = float(af)
+    elif kind not in (None, "none"):
+        raise ConvertError(f"{a}.rope.scaling.type {kind!r}: gpt-oss's RoPE is YaRN or plain")
+    cfg["rope_parameters"] = rope
+    cfg.pop("rope_theta", None)
+    cfg.update(swiglu_alpha=1.702, swiglu_limit=7.0, attention_bias=True)  # fixed in llama.cpp's graph
+    cfg["moe_intermediate_size"] = cfg["intermediate_size"]
+
+
+FAMILIES["gpt-oss"] = Family(
+    arch="gpt-oss", model_type="gpt_oss", architectures=("GptOssForCausalLM",),
+    config={**{k: v for k, v in FAMILIES["qwen3moe"].config.items()
+               if k not in ("moe_intermediate_size", "intermediate_size")},
+            "intermediate_size": "expert_feed_forward_length"},
+    optional=FAMILIES["qwen3moe"].optional,
+    fixed={"decoder_sparse_step": 1},
+    layer_tensors={**{k: v for k, v in _QWEN3_LAYER.items()
+                      if k not in ("attn_q_norm.weight", "attn_k_norm.weight", "ffn_norm.weight")},
+                   "attn_q.bias": "q_proj.bias", "attn_k.bias": "k_proj.bias", "attn_v.bias": "v_proj.bias",
+                   "attn_output.bias": "o_proj.bias", "attn_sinks.weight": "sinks",
+                   "post_attention_norm.weight": "post_attention_layernorm", "ffn_gate_inp.bias": "router.bias",
+                   "ffn_gate_exps.bias": "experts.gate_bias", "ffn_up_exps.bias": "experts.up_bias",
+                   "ffn_down_exps.bias": "experts.down_bias"},
+    derive=_gpt_oss, rope_scaling=("yarn",))
+# Next: qwen35moe / qwen3next.
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -304,7 +370,7 @@ def _config(model: GGUFModel, fam: Family) -> dict:
     if missing:
         raise ConvertError("the file's metadata lacks " + ", ".join(missing))
     scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none") + fam.rope_scaling:
         raise ConvertError(f"{arch}.rope.scaling.type {scaling!r}: only plain RoPE is supported")
     vlen = meta.get(f"{arch}.attention.value_length")
     if vlen is not None and "head_dim" in cfg and vlen != cfg["head_dim"]:
@@ -380,13 +446,18 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
             problems.append(f"{t.name}: shape {t.shape}, expected {want[n]}")
     sparse = [l for l in range(L) if l not in cfg["mlp_only_layers"]]
     shapes = {"gate": (E, I, H), "up": (E, I, H), "down": (E, H, I)}
+    if cfg["model_type"] == "gpt_oss":  # each expert's biases ride in its blob, as f32 rows
+        shapes.update(gate_bias=(E, I), up_bias=(E, I), down_bias=(E, H))
     for l in sparse:
         parts = experts.get(l, {})
         for p, shape in shapes.items():
+            gname = f"blk.{l}.ffn_{p.split('_')[0]}_exps." + ("bias" if p.endswith("_bias") else "weight")
             if p not in parts:
-                problems.append(f"blk.{l}.ffn_{p}_exps.weight missing")
+                problems.append(f"{gname} missing")
             elif parts[p].shape != shape:
                 problems.append(f"{parts[p].name}: shape {parts[p].shape}, expected {shape}")
+            elif p.endswith("_bias") and parts[p].type != 0:
+                problems.append(f"{parts[p].name}: {parts[p].type_name}, expected F32")
     for l in experts:
         if l not in sparse:
             problems.append(f"blk.{l}: stacked experts in a layer without a router")
@@ -403,7 +474,8 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
     formats = {n: types[t.type] for n, t in dense.items()}
     for l, parts in experts.items():
         for p, t in parts.items():
-            formats[f"experts.{l}.{p}"] = types[t.type]
+            if not p.endswith("_bias"):  # the biases are the blob's f32 rows, not a format choice
+                formats[f"experts.{l}.{p}"] = types[t.type]
     row_order = {}
     for n in dense:
         key = fam.permuted_rows.get(n.rsplit(".", 1)[-1]) if n.startswith("layers.") else None
@@ -458,7 +530,8 @@ def _vault_formats(p: Plan) -> dict:
     formats = {n: fmt for n, fmt in p.formats.items() if not n.startswith("experts.")}
     for l, parts in p.experts.items():
         for part in parts:
-            formats[f"layers.{l}.experts.{part}"] = p.formats[f"experts.{l}.{part}"]
+            if not part.endswith("_bias"):
+                formats[f"layers.{l}.experts.{part}"] = p.formats[f"experts.{l}.{part}"]
     return formats
 
 
@@ -500,7 +573,7 @@ def convert_gguf(src, out_dir, progress: bool = True, force: bool = False) -> Pa
                     bar.update(t.data.nbytes)
                 for l in sorted(p.experts):
                     lay = w.layout.layer_expert[l]
-                    end = lay[2].offset + lay[2].nbytes
+                    end = lay[-1].offset + lay[-1].nbytes
                     parts = p.experts[l]
                     for e in range(p.config["num_experts"]):
                         blob = bytearray(end)
