@@ -303,14 +303,23 @@ def test_logits_against_transformers_on_the_dequantised_weights(name, vaults):
 
 # ------------------------------------------------------------------------------ refusals, splits
 
-def _rewrite(src: Path, out: Path, *, retype: dict | None = None, split_max_tensors: int = 0, drop=()):
+def _rewrite(src: Path, out: Path, *, retype: dict | None = None, split_max_tensors: int = 0, drop=(),
+             meta: dict | None = None):
     """Copy a GGUF with gguf-py's writer, optionally storing some tensors in another type
-    (zero blocks: only the planning reads them) or splitting it into several files."""
+    (zero blocks: only the planning reads them), splitting it into several files, or changing
+    metadata (meta: key -> (value, GGUFValueType), or None to leave the key out)."""
     r = gguf.GGUFReader(src)
     arch = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(out, arch=arch, split_max_tensors=split_max_tensors)  # writes the arch itself
+    meta = meta or {}
+    for k, (v, vt) in ((k, v) for k, v in meta.items() if v is not None and k not in r.fields):
+        w.add_key_value(k, v, vt)
     for k, f in r.fields.items():
         if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        if k in meta:
+            if meta[k] is not None:
+                w.add_key_value(k, meta[k][0], meta[k][1])
             continue
         vt = f.types[0]
         if vt == gguf.GGUFValueType.ARRAY:
@@ -360,6 +369,27 @@ def test_a_missing_or_unknown_tensor_is_named(tmp_path):
     bad = tmp_path / "bad.gguf"
     _rewrite(DATA / "tiny-f32.gguf", bad, drop=("blk.1.attn_k_norm.weight",))
     with pytest.raises(ConvertError, match=r"layers\.1\.k_norm missing"):
+        convert_checkpoint(bad, tmp_path / "v", progress=False)
+    assert not (tmp_path / "v").exists()
+
+
+_U32, _F32, _STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.STRING
+
+
+@pytest.mark.parametrize("fixture, meta, message", [
+    ("mixtral-q4_k_m", {"llama.expert_count": None, "llama.expert_used_count": None}, "dense Llama"),
+    ("mixtral-q4_k_m", {"llama.rope.dimension_count": (32, _U32)}, "RoPE over the whole head"),
+    ("glm4moe-q8_0", {"glm4moe.expert_gating_func": (1, _U32)}, "router is sigmoid"),
+    ("gpt-oss-mxfp4", {"gpt-oss.rope.scaling.yarn_ext_factor": (0.5, _F32)}, "yarn_ext_factor"),
+    ("gpt-oss-mxfp4", {"gpt-oss.rope.freq_base_swa": (10000.0, _F32)}, "one RoPE base"),
+    ("tiny-q8_0", {"qwen3moe.rope.scaling.type": ("yarn", _STR)}, "only plain RoPE"),
+])
+def test_a_family_the_engine_would_run_wrong_is_refused(fixture, meta, message, tmp_path):
+    """Metadata that asks for something the family's recipe does not compute is refused, before
+    anything is written, with a message naming it."""
+    bad = tmp_path / "bad.gguf"
+    _rewrite(DATA / f"{fixture}.gguf", bad, meta=meta)
+    with pytest.raises(ConvertError, match=message):
         convert_checkpoint(bad, tmp_path / "v", progress=False)
     assert not (tmp_path / "v").exists()
 
