@@ -86,6 +86,16 @@ GPT_OSS = dict(model="gpt_oss", hidden_size=64, intermediate_size=64, num_local_
                rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0})
 
+# Qwen3-Next (llama.cpp's `qwen3next`): three Gated DeltaNet layers and one gated full-attention
+# layer, 2 key heads to 4 value heads, a shared expert with its sigmoid gate, partial RoPE. The
+# converter is run with --no-mtp (it insists on MTP tensors otherwise, which transformers' model has
+# none of).
+QWEN3_NEXT = dict(model="qwen3_next", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                  num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, shared_expert_intermediate_size=64,
+                  norm_topk_prob=True, rms_norm_eps=1e-6)
+
 FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself)
     "tiny-f32": (SMALL, None),
     "tiny-q8_0": (SMALL, "Q8_0"),
@@ -98,7 +108,9 @@ FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself
     "glm4moe-q4_k_m": (GLM_AIR, "Q4_K_M"),
     "mixtral-q4_k_m": (MIXTRAL, "Q4_K_M"),
     "gpt-oss-mxfp4": (GPT_OSS, "MXFP4_MOE"),
+    "qwen3next-q8_0": (QWEN3_NEXT, "Q8_0"),
 }
+CONVERT_ARGS = {"qwen3_next": ["--no-mtp"]}  # extra convert_hf_to_gguf.py options per family
 # what convert_hf_to_gguf.py is told the pre-tokenizer is, per family (default: --pre)
 FAMILY_PRE = {"glm4_moe": "glm4", "gpt_oss": "gpt-4o"}
 
@@ -123,6 +135,8 @@ FAMILY_TEXTS = {
     "gpt_oss": "<|start|>system<|message|>You are ChatGPT.\nReasoning: low<|end|><|start|>user<|message|>What's 2+2?"
                "<|end|><|start|>assistant<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant"
                "<|channel|>final<|message|>4<|return|>",
+    "qwen3_next": "<|im_start|>system\nYou are Qwen.<|im_end|>\n<|im_start|>user\nWhat's 2+2?<|im_end|>\n"
+                  "<|im_start|>assistant\n<think>\n\n</think>\n\n4<|im_end|><|endoftext|>",
     "mixtral": "<s>[INST] What is 2+2? Answer briefly. [/INST] 4</s><s>[INST] And 3+3?[/INST]",
     "glm4_moe": "[gMASK]<sop><|system|>\nYou are a helpful assistant.<|user|>\nWhat's 2+2? Answer briefly."
                 "<|assistant|>\n<think>Simple.</think>\n4<|endoftext|><|observation|>",
@@ -204,7 +218,7 @@ sys.path.insert(0, {dir!r})
 import convert_hf_to_gguf as c
 from conversion.base import TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
-sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outtype", "f32", "--outfile", {out!r}]
+sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outtype", "f32", "--outfile", {out!r}] + {extra!r}
 c.main()
 """
 
@@ -222,6 +236,8 @@ def hf_checkpoint(work: Path, shape: dict, seed: int) -> Path:
         return mixtral_checkpoint(work, shape, seed)
     if family == "gpt_oss":
         return gpt_oss_checkpoint(work, shape, seed)
+    if family == "qwen3_next":
+        return qwen3_next_checkpoint(work, shape, seed)
     path, _ = make_hf_model(work, seed=seed, **shape)
     return path
 
@@ -306,6 +322,41 @@ def glm_checkpoint(work: Path, shape: dict, seed: int) -> Path:
     (path / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": template, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
          "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072}, indent=2))
+    return path
+
+
+def qwen3_next_checkpoint(work: Path, shape: dict, seed: int) -> Path:
+    """A random Qwen3NextForCausalLM saved by save_pretrained (weights drawn as
+    tests/test_qwen_hybrid.py draws them: decays that neither vanish nor stay at 1, (1 + w) norms
+    around 0), with the synthetic tokenizer."""
+    import torch
+    from hf_models import BASE_CONFIG, write_tokenizer
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    kw = {k: BASE_CONFIG[k] for k in ("vocab_size", "max_position_embeddings", "tie_word_embeddings")}
+    kw.update(shape)
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**kw)).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) - 0.5)
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=g) * 2 + 0.1))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * (3.0 / p.shape[-1] ** 0.5))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    path = Path(work) / "hf"
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, kw["vocab_size"])
     return path
 
 
@@ -394,10 +445,10 @@ def mixtral_checkpoint(work: Path, shape: dict, seed: int) -> Path:
     return path
 
 
-def convert_f32(llama_cpp: Path, src: Path, out: Path, pre: str) -> None:
+def convert_f32(llama_cpp: Path, src: Path, out: Path, pre: str, extra: list | None = None) -> None:
     """convert_hf_to_gguf.py, in a child process with llama.cpp's own gguf-py first on its path."""
     env = dict(os.environ, PYTHONPATH=str(llama_cpp / "gguf-py"))
-    code = _CONVERT.format(dir=str(llama_cpp), pre=pre, src=str(src), out=str(out))
+    code = _CONVERT.format(dir=str(llama_cpp), pre=pre, src=str(src), out=str(out), extra=list(extra or []))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=llama_cpp)
 
 
@@ -439,7 +490,7 @@ def main(argv=None) -> int:
                 src = hf_checkpoint(work, shape, seed=len(f32))
                 f32[key] = work / "f32.gguf"
                 pre = FAMILY_PRE.get(shape.get("model"), args.pre)
-                convert_f32(args.llama_cpp.resolve(), src, f32[key], pre)
+                convert_f32(args.llama_cpp.resolve(), src, f32[key], pre, CONVERT_ARGS.get(shape.get("model")))
             out = args.out / f"{name}.gguf"
             if ftype is None:
                 out.write_bytes(f32[key].read_bytes())

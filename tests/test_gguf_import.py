@@ -86,6 +86,8 @@ def test_config_is_the_checkpoints(name, vaults):
         want.update(num_experts=shape["num_local_experts"], moe_intermediate_size=shape["intermediate_size"],
                     layer_types=["sliding_attention", "full_attention"] * (shape["num_hidden_layers"] // 2),
                     tie_word_embeddings=False)
+    if family == "qwen3_next":  # three Gated DeltaNet layers, then gated full attention; a quarter rotated
+        want.update(layer_types=["linear_attention"] * 3 + ["full_attention"], rotary_dim=shape["head_dim"] // 4)
     p = plan(GGUFModel(DATA / f"{name}.gguf"), check_types=False)
     for k, v in want.items():
         assert p.config[k] == v, k
@@ -114,6 +116,9 @@ def test_tensors_byte_for_byte(name, vaults):
             for e in range(E):
                 blob = v.blob(l, e)
                 assert bytes(blob[desc.offset:desc.offset + desc.nbytes]) == raw[e * n:(e + 1) * n], (t.name, e)
+        elif t.name.split(".", 2)[-1] in ("attn_q.weight", "ssm_ba.weight", "ssm_a") and \
+                r.fields["general.architecture"].contents() == "qwen3next":
+            _check_qwen3next_split(t, raw, v)
         else:
             vname = names.get(t.name) or _layer_name(t.name, r)
             got = bytes(v.raw(vname))
@@ -144,6 +149,29 @@ def _permuted_heads(gname: str, cfg: dict, r) -> int:
         gname.split(".", 2)[-1], 0)
 
 
+def _check_qwen3next_split(t, raw: bytes, v) -> None:
+    """Qwen3-Next's tensors the import cuts or transforms: attn_q (per head the query's rows then
+    the gate's) into q_proj and q_gate_proj, ssm_ba (per key head r rows of b then r of a) into
+    linear.b and linear.a — whole rows, byte for byte — and ssm_a = −exp(A_log) back to A_log."""
+    c, l, rest = v.config, t.name.split(".")[1], t.name.split(".", 2)[-1]
+    p = f"layers.{l}."
+    if rest == "ssm_a":
+        a = np.frombuffer(raw, np.float32)
+        a_log = np.frombuffer(bytes(v.raw(p + "linear.A_log")), np.float32)
+        assert np.allclose(-np.exp(a_log.astype(np.float64)), a, rtol=3e-7, atol=0), t.name
+        return
+    rows = np.frombuffer(raw, np.uint8).reshape(int(t.shape[-1]), -1)
+    if rest == "attn_q.weight":
+        n, per = c["num_attention_heads"], c["head_dim"]
+        parts = ("q_proj", "q_gate_proj")
+    else:
+        n, per = c["linear_num_key_heads"], c["linear_num_value_heads"] // c["linear_num_key_heads"]
+        parts = ("linear.b", "linear.a")
+    grouped = rows.reshape(n, 2, per, -1)
+    for i, part in enumerate(parts):
+        assert bytes(v.raw(p + part)) == grouped[:, i].tobytes(), (t.name, part)
+
+
 def _layer_name(gname: str, r) -> str:
     from pysmoe.convert.gguf import FAMILIES
     _, l, rest = gname.split(".", 2)
@@ -169,6 +197,54 @@ def test_tokenizer_files_and_template(vaults):
 
 
 # ------------------------------------------------------------------------------ the oracle
+
+def _qwen3next_to_hf(w: dict, cfg: dict) -> tuple[dict, dict]:
+    """llama.cpp's qwen3next tensors (dequantised) -> transformers' Qwen3-Next names, undoing what
+    convert_hf_to_gguf.py did: norms stored as 1 + w, ssm_a = −exp(A_log), in_proj_qkvz split into
+    attn_qkv (q, k, v of all heads) and attn_gate (z), conv1d squeezed. Returns (the tensors left
+    for the shared mapping, the state made here)."""
+    rest, state = {}, {}
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    r = nv // nk
+    for name, a in w.items():
+        if name == "output_norm.weight":
+            state["model.norm.weight"] = a - 1
+            continue
+        if not name.startswith("blk."):
+            rest[name] = a
+            continue
+        _, l, part = name.split(".", 2)
+        p = f"model.layers.{l}."
+        ln = {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+              "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+        lin = {"ssm_ba.weight": "in_proj_ba.weight", "ssm_dt.bias": "dt_bias", "ssm_norm.weight": "norm.weight",
+               "ssm_out.weight": "out_proj.weight"}
+        sh = {f"ffn_{x}_shexp.weight": f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")}
+        if part in ln:
+            state[p + ln[part]] = a - 1
+        elif part in lin:
+            state[p + "linear_attn." + lin[part]] = a
+        elif part in sh:
+            state[p + sh[part]] = a
+        elif part == "ffn_gate_inp_shexp.weight":
+            state[p + "mlp.shared_expert_gate.weight"] = a.reshape(1, -1)
+        elif part == "ssm_a":
+            state[p + "linear_attn.A_log"] = np.log(-a)
+        elif part == "ssm_conv1d.weight":
+            state[p + "linear_attn.conv1d.weight"] = a[:, None, :]
+        elif part == "attn_gate.weight":
+            continue
+        elif part == "attn_qkv.weight":
+            q, k, v = a[:nk * dk], a[nk * dk:2 * nk * dk], a[2 * nk * dk:]
+            z = w[f"blk.{l}.attn_gate.weight"]
+            groups = [np.concatenate([q[g * dk:(g + 1) * dk], k[g * dk:(g + 1) * dk], v[g * r * dv:(g + 1) * r * dv],
+                                      z[g * r * dv:(g + 1) * r * dv]]) for g in range(nk)]
+            state[p + "linear_attn.in_proj_qkvz.weight"] = np.concatenate(groups)
+        else:
+            rest[name] = a
+    return rest, state
+
 
 def _dequantised_hf_model(path: Path, cfg: dict):
     """transformers' model of the family (Qwen3-MoE, OLMoE, GLM-4.5) holding the GGUF's weights as gguf-py
@@ -219,6 +295,17 @@ def _dequantised_hf_model(path: Path, cfg: dict):
         config._attn_implementation = "eager"
         config._experts_implementation = "eager"
         model = GptOssForCausalLM(config).float().eval()
+    elif cfg["model_type"] == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+        kw = {k: cfg[k] for k in keys if k != "rope_theta"}
+        kw.update({k: cfg[k] for k in cfg if k.startswith("linear_")},
+                  layer_types=cfg["layer_types"], shared_expert_intermediate_size=cfg["shared_expert_intermediate_size"],
+                  rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"],
+                                   "partial_rotary_factor": cfg["rotary_dim"] / cfg["head_dim"]})
+        config = Qwen3NextConfig(**kw)
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
+        model = Qwen3NextForCausalLM(config).float().eval()
     else:
         from transformers import Qwen3MoeForCausalLM
         model = Qwen3MoeForCausalLM(make_config(**{k: cfg[k] for k in keys})).float().eval()
@@ -240,6 +327,8 @@ def _dequantised_hf_model(path: Path, cfg: dict):
         per_layer[g + ".weight"] = f"self_attn.{h}.weight"
         per_layer[g + ".bias"] = f"self_attn.{h}.bias"
     state = {}
+    if cfg["model_type"] == "qwen3_next":
+        w, state = _qwen3next_to_hf(w, cfg)
     for name, a in w.items():
         if name in hf:
             state[hf[name]] = a
@@ -486,7 +575,7 @@ def test_tokenizer_against_llama_cpp_live(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "tiny-q4_0", "glm4moe-q4_k_m", "mixtral-q4_k_m",
-                                  "gpt-oss-mxfp4"])
+                                  "gpt-oss-mxfp4", "qwen3next-q8_0"])
 @pytest.mark.parametrize("activations", ["f32", "q8"])
 def test_layer_major_is_token_serial_on_an_imported_mix(name, activations, vaults):
     """A llama.cpp mix imported as stored keeps the engine's bit identity: a layer-major prefill

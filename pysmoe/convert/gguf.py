@@ -61,6 +61,12 @@ class Family:
     # converter permuted per head (undone by unpermuted_rows)
     permuted_rows: dict = dataclasses.field(default_factory=dict)
     rope_scaling: tuple = ()    # rope.scaling.type values the family's derive reads (others refused)
+    # GGUF name after "blk.N." -> fn(cfg) -> {vault suffix: rows}: one file tensor cut into several
+    # vault tensors by whole rows (Qwen3-Next's attn_q = query and gate rows per head)
+    split_rows: dict = dataclasses.field(default_factory=dict)
+    # GGUF name after "blk.N." -> (vault suffix, fn(f32 array) -> f32 array): a float vector the
+    # converter transformed (Qwen3-Next's ssm_a = −exp(A_log)), transformed back
+    f32_values: dict = dataclasses.field(default_factory=dict)
 
 
 GLOBAL_TENSORS = {"token_embd.weight": "embed_tokens", "output_norm.weight": "norm", "output.weight": "lm_head"}
@@ -234,7 +240,80 @@ FAMILIES["gpt-oss"] = Family(
                    "ffn_gate_exps.bias": "experts.gate_bias", "ffn_up_exps.bias": "experts.up_bias",
                    "ffn_down_exps.bias": "experts.down_bias"},
     derive=_gpt_oss, rope_scaling=("yarn",))
-# Next: qwen35moe / qwen3next.
+
+
+def _qwen3next(model: "GGUFModel", cfg: dict) -> None:
+    """Qwen3-Next as llama.cpp's `qwen3next` reads it: the Gated DeltaNet sizes from ssm.*, the
+    layer kinds from attention.recurrent_layers (or full_attention_interval), the shared expert's
+    width, partial RoPE; its graph always renormalises the top-k weights. Multi-token-prediction
+    layers (nextn_predict_layers) are left out."""
+    meta, a = model.meta, "qwen3next"
+    nextn = int(meta.get(f"{a}.nextn_predict_layers") or 0)
+    L = int(cfg["num_hidden_layers"]) - nextn
+    if L < 1:
+        raise ConvertError(f"{a}.block_count leaves no layer beside {nextn} multi-token-prediction layers")
+    cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"] = L, nextn
+    need = {k: meta.get(f"{a}.ssm.{k}") for k in ("conv_kernel", "state_size", "group_count", "time_step_rank",
+                                                   "inner_size")}
+    missing = [f"{a}.ssm.{k}" for k, v in need.items() if v is None]
+    if missing:
+        raise ConvertError("the file's metadata lacks " + ", ".join(missing))
+    nv = int(need["time_step_rank"])
+    if int(need["inner_size"]) % nv:
+        raise ConvertError(f"{a}.ssm.inner_size {need['inner_size']} is not a multiple of time_step_rank {nv}")
+    cfg.update(linear_conv_kernel_dim=int(need["conv_kernel"]), linear_key_head_dim=int(need["state_size"]),
+               linear_num_key_heads=int(need["group_count"]), linear_num_value_heads=nv,
+               linear_value_head_dim=int(need["inner_size"]) // nv)
+    rec = meta.get(f"{a}.attention.recurrent_layers")
+    if isinstance(rec, list):
+        if len(rec) < L:
+            raise ConvertError(f"{a}.attention.recurrent_layers has {len(rec)} entries for {L} layers")
+        cfg["layer_types"] = ["linear_attention" if x else "full_attention" for x in rec[:L]]
+    else:
+        cfg["full_attention_interval"] = int(meta.get(f"{a}.full_attention_interval") or 4)
+    cfg["shared_expert_intermediate_size"] = int(meta.get(f"{a}.expert_shared_feed_forward_length") or 0)
+    hd = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    cfg["partial_rotary_factor"] = int(meta.get(f"{a}.rope.dimension_count") or hd // 4) / hd
+    cfg["norm_topk_prob"] = True
+
+
+def _q_and_gate(cfg: dict) -> dict:
+    """attn_q holds per head the query's head_dim rows then the output gate's (as the checkpoint)."""
+    n, hd = cfg["num_attention_heads"], cfg["head_dim"]
+    base = np.arange(n)[:, None] * 2 * hd
+    return {"q_proj": (base + np.arange(hd)).ravel(), "q_gate_proj": (base + hd + np.arange(hd)).ravel()}
+
+
+def _b_and_a(cfg: dict) -> dict:
+    """ssm_ba is the checkpoint's in_proj_ba: per key head [b (r rows) | a (r rows)], r = nv/nk."""
+    nk = cfg["linear_num_key_heads"]
+    r = cfg["linear_num_value_heads"] // nk
+    base = np.arange(nk)[:, None] * 2 * r
+    return {"linear.b": (base + np.arange(r)).ravel(), "linear.a": (base + r + np.arange(r)).ravel()}
+
+
+def _a_log(a: np.ndarray) -> np.ndarray:
+    """llama.cpp's converter stores ssm_a = −exp(A_log); the vault keeps A_log: log(−a), in f64
+    then rounded to f32 (exp of it gives a back to within an ulp or two, not bit for bit)."""
+    return np.log(-a.astype(np.float64)).astype(np.float32)
+
+
+FAMILIES["qwen3next"] = Family(
+    arch="qwen3next", model_type="qwen3_next", architectures=("Qwen3NextForCausalLM",),
+    config=FAMILIES["qwen3moe"].config, optional=FAMILIES["qwen3moe"].optional,
+    fixed={"decoder_sparse_step": 1},
+    layer_tensors={**{k: v for k, v in _QWEN3_LAYER.items() if k != "ffn_norm.weight"},
+                   "post_attention_norm.weight": "post_attention_layernorm",
+                   "ffn_gate_shexp.weight": "shared.gate_proj", "ffn_up_shexp.weight": "shared.up_proj",
+                   "ffn_down_shexp.weight": "shared.down_proj", "ffn_gate_inp_shexp.weight": "shared_gate",
+                   "attn_qkv.weight": "linear.qkv", "attn_gate.weight": "linear.z",
+                   "ssm_conv1d.weight": "linear.conv", "ssm_dt.bias": "linear.dt_bias",
+                   "ssm_norm.weight": "linear.norm", "ssm_out.weight": "linear.out"},
+    derive=_qwen3next,
+    split_rows={"attn_q.weight": _q_and_gate, "ssm_ba.weight": _b_and_a},
+    f32_values={"ssm_a": ("linear.A_log", _a_log)})
+# Not yet: qwen35moe (Qwen3.5/3.6-MoE): llama.cpp's converter reorders its V heads along the
+# columns of ssm_out, which no row move undoes for block types (docs/gguf.md).
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -347,6 +426,7 @@ class Plan:
     experts: dict          # layer -> {"gate"|"up"|"down": GTensor (E, rows, cols)}
     formats: dict          # vault name / "experts.part" -> format name
     row_order: dict = dataclasses.field(default_factory=dict)  # vault name -> rows to take, in order
+    values: dict = dataclasses.field(default_factory=dict)     # vault name -> f32 array written instead
 
 
 def _config(model: GGUFModel, fam: Family) -> dict:
@@ -416,7 +496,7 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
         raise ConvertError(f"GGUF metadata: {exc}") from None
     L, E = cfg["num_hidden_layers"], cfg["num_experts"]
     H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    dense, experts, unknown = {}, {}, []
+    dense, experts, unknown, row_order, values = {}, {}, [], {}, {}
     extra = L + int(cfg.get("num_nextn_predict_layers") or 0)  # layers llama.cpp keeps, pysmoe not
     for name, t in model.tensors.items():
         if name in GLOBAL_TENSORS:
@@ -425,6 +505,19 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
         m = re.match(r"^blk\.(\d+)\.(.+)$", name)
         if m and L <= int(m[1]) < extra:
             continue  # a multi-token-prediction layer: not part of the model's forward
+        if m and int(m[1]) < L and m[2] in fam.split_rows:
+            for part, rows in fam.split_rows[m[2]](cfg).items():
+                dense[f"layers.{m[1]}.{part}"] = t
+                row_order[f"layers.{m[1]}.{part}"] = rows
+            continue
+        if m and int(m[1]) < L and m[2] in fam.f32_values:
+            part, fn = fam.f32_values[m[2]]
+            if t.type != 0:
+                unknown.append(f"{name} ({t.type_name}; pysmoe reads it as F32 only)")
+                continue
+            dense[f"layers.{m[1]}.{part}"] = t
+            values[f"layers.{m[1]}.{part}"] = fn(np.frombuffer(t.data.tobytes(), np.float32))
+            continue
         role = fam.layer_tensors.get(m[2]) if m and int(m[1]) < L else None
         if role is None:
             unknown.append(name)
@@ -442,7 +535,7 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
     for n, t in dense.items():
         if n not in want:
             problems.append(f"{t.name}: not expected in this model")
-        elif _matrix(t.shape) != want[n]:
+        elif (_matrix(t.shape) if n not in row_order else (len(row_order[n]), t.shape[-1])) != want[n]:
             problems.append(f"{t.name}: shape {t.shape}, expected {want[n]}")
     sparse = [l for l in range(L) if l not in cfg["mlp_only_layers"]]
     shapes = {"gate": (E, I, H), "up": (E, I, H), "down": (E, H, I)}
@@ -476,12 +569,11 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
         for p, t in parts.items():
             if not p.endswith("_bias"):  # the biases are the blob's f32 rows, not a format choice
                 formats[f"experts.{l}.{p}"] = types[t.type]
-    row_order = {}
     for n in dense:
         key = fam.permuted_rows.get(n.rsplit(".", 1)[-1]) if n.startswith("layers.") else None
         if key is not None:
             row_order[n] = unpermuted_rows(dense[n].shape[0], int(cfg[key]))
-    return Plan(fam, cfg, dense, experts, formats, row_order)
+    return Plan(fam, cfg, dense, experts, formats, row_order, values)
 
 
 def _matrix(shape: tuple) -> tuple:
@@ -499,6 +591,8 @@ def unpermuted_rows(n_rows: int, n_head: int) -> np.ndarray:
 def dense_bytes(p: "Plan", name: str) -> np.ndarray:
     """The bytes the vault stores for dense tensor name: the file's, rows reordered where the
     family's converter permuted them."""
+    if name in p.values:
+        return p.values[name].view(np.uint8)
     t = p.dense[name]
     order = p.row_order.get(name)
     if order is None:
