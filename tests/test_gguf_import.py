@@ -216,7 +216,8 @@ def _qwen3next_to_hf(w: dict, cfg: dict) -> tuple[dict, dict]:
             continue
         _, l, part = name.split(".", 2)
         p = f"model.layers.{l}."
-        ln = {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+        ln = {"attn_norm.weight": "input_layernorm.weight",
+              "post_attention_norm.weight": "post_attention_layernorm.weight",
               "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
         lin = {"ssm_ba.weight": "in_proj_ba.weight", "ssm_dt.bias": "dt_bias", "ssm_norm.weight": "norm.weight",
                "ssm_out.weight": "out_proj.weight"}
@@ -299,7 +300,8 @@ def _dequantised_hf_model(path: Path, cfg: dict):
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
         kw = {k: cfg[k] for k in keys if k != "rope_theta"}
         kw.update({k: cfg[k] for k in cfg if k.startswith("linear_")},
-                  layer_types=cfg["layer_types"], shared_expert_intermediate_size=cfg["shared_expert_intermediate_size"],
+                  layer_types=cfg["layer_types"],
+                  shared_expert_intermediate_size=cfg["shared_expert_intermediate_size"],
                   rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"],
                                    "partial_rotary_factor": cfg["rotary_dim"] / cfg["head_dim"]})
         config = Qwen3NextConfig(**kw)
@@ -472,6 +474,7 @@ _U32, _F32, _STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.G
     ("gpt-oss-mxfp4", {"gpt-oss.rope.scaling.yarn_ext_factor": (0.5, _F32)}, "yarn_ext_factor"),
     ("gpt-oss-mxfp4", {"gpt-oss.rope.freq_base_swa": (10000.0, _F32)}, "one RoPE base"),
     ("tiny-q8_0", {"qwen3moe.rope.scaling.type": ("yarn", _STR)}, "only plain RoPE"),
+    ("qwen3next-q8_0", {"qwen3next.ssm.state_size": None}, "lacks qwen3next.ssm.state_size"),
 ])
 def test_a_family_the_engine_would_run_wrong_is_refused(fixture, meta, message, tmp_path):
     """Metadata that asks for something the family's recipe does not compute is refused, before
@@ -479,6 +482,20 @@ def test_a_family_the_engine_would_run_wrong_is_refused(fixture, meta, message, 
     bad = tmp_path / "bad.gguf"
     _rewrite(DATA / f"{fixture}.gguf", bad, meta=meta)
     with pytest.raises(ConvertError, match=message):
+        convert_checkpoint(bad, tmp_path / "v", progress=False)
+    assert not (tmp_path / "v").exists()
+
+
+def test_qwen35moe_is_refused_with_its_reason(tmp_path):
+    bad = tmp_path / "q35.gguf"
+    r = gguf.GGUFReader(DATA / "tiny-q8_0.gguf")
+    w = gguf.GGUFWriter(bad, arch="qwen35moe")
+    w.add_tensor("token_embd.weight", np.asarray(r.tensors[0].data), raw_dtype=r.tensors[0].tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConvertError, match="qwen35moe.*value heads.*Hugging Face checkpoint"):
         convert_checkpoint(bad, tmp_path / "v", progress=False)
     assert not (tmp_path / "v").exists()
 
@@ -698,8 +715,8 @@ def test_family_tokenizer_against_llama_cpp_live(name):
     meta = GGUFModel(path).meta
     specials = [t for t, ty in zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]) if ty in (3, 4)]
     rng = np.random.default_rng(1)
-    alphabet = list("abcXYZ  \t\n\r0123456789'.,!?-_▁") + ["é", "ß", "日", "本", "Ω", "й", "ع", "क", "🚀", "\u200d",
-                                                         "\u00a0", "'s", " the", "  ", "<0x41>"] + specials
+    alphabet = list("abcXYZ  \t\n\r0123456789'.,!?-_▁") + ["é", "ß", "日", "本", "Ω", "й", "ع", "क", "🚀",
+                                                         "\u200d", "\u00a0", "'s", " the", "  ", "<0x41>"] + specials
     texts = ["".join(rng.choice(alphabet, size=int(rng.integers(0, 40)))) for _ in range(300)]
     enc = _encoder(path)
     want = mk.llama_cpp_tokens(path, texts)

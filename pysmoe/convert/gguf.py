@@ -312,8 +312,11 @@ FAMILIES["qwen3next"] = Family(
     derive=_qwen3next,
     split_rows={"attn_q.weight": _q_and_gate, "ssm_ba.weight": _b_and_a},
     f32_values={"ssm_a": ("linear.A_log", _a_log)})
-# Not yet: qwen35moe (Qwen3.5/3.6-MoE): llama.cpp's converter reorders its V heads along the
-# columns of ssm_out, which no row move undoes for block types (docs/gguf.md).
+NOT_YET = {  # architectures pysmoe runs from safetensors but not yet from llama.cpp's files, and why
+    "qwen35moe": "not importable yet: llama.cpp's converter reorders Qwen3.5's value heads (grouped -> tiled) along "
+                 "the columns of ssm_out, which cannot be undone on block-quantised rows; convert the Hugging "
+                 "Face checkpoint instead (pysmoe convert DIR)",
+}
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -487,6 +490,8 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
     from ..vaultio import dense_shapes, normalize_config
 
     fam = FAMILIES.get(model.arch)
+    if fam is None and model.arch in NOT_YET:
+        raise ConvertError(f"GGUF architecture {model.arch!r}: {NOT_YET[model.arch]}")
     if fam is None:
         raise ConvertError(f"GGUF architecture {model.arch!r} is not supported "
                            f"(supported: {', '.join(sorted(FAMILIES))})")
