@@ -9,8 +9,8 @@ llama-cpp-python's source package will do (`pip download --no-deps --no-binary :
 llama-cpp-python`, then unpack; it is vendor/llama.cpp). Quantising needs llama-cpp-python
 installed (its `llama_model_quantize`, the same code as the `llama-quantize` tool).
 
-Each fixture is a tiny random Qwen3MoeForCausalLM (tests/hf_models.py, transformers) saved by
-`save_pretrained`, turned into an F32 GGUF by convert_hf_to_gguf.py, then quantised by llama.cpp:
+Each fixture is a tiny random model of its family (transformers) saved by `save_pretrained`,
+turned into an F32 GGUF by convert_hf_to_gguf.py, then quantised by llama.cpp:
 
     tiny-f32.gguf        hidden 64: every tensor F32 (the oracle test's exact case)
     tiny-q8_0.gguf       hidden 64: Q8_0 matrices, F32 norms and router
@@ -20,15 +20,26 @@ Each fixture is a tiny random Qwen3MoeForCausalLM (tests/hf_models.py, transform
                          is too short for a 256-block, its fallbacks Q5_0/Q8_0, per layer)
     k256-iq4_xs.gguf     hidden 256: IQ4_XS (IQ4_NL where rows are 128)
     k256-q5_k_m.gguf     hidden 256: Q5_K_M (Q5_K, Q6_K and fallbacks)
+    glm4moe-q8_0.gguf    GLM-4.5 (`glm4moe`): QK-norm, 4 expert groups, a shared expert, a dense
+                         first layer, biases, and one multi-token-prediction layer: Q8_0
+    glm4moe-q4_k_m.gguf  GLM-4.5-Air-like, hidden 256: Q4_K_M
+    mixtral-q4_k_m.gguf  Mixtral (`llama` with experts; q/k rows permuted by the converter) with a
+                         SentencePiece vocabulary trained here: Q4_K_M
+    gpt-oss-mxfp4.gguf   gpt-oss (`gpt-oss`): llama.cpp's MXFP4_MOE mix (MXFP4 experts), YaRN
+    qwen3next-q8_0.gguf  Qwen3-Next (`qwen3next`): Gated DeltaNet and gated attention layers: Q8_0
     tokens.json          llama.cpp's token ids for TOKENIZER_TEXTS: on tiny-f32.gguf's vocabulary,
-                         and on the demo's vocabulary under each pre-tokenizer of TOKENIZER_PRES
-                         (vocabulary-only GGUFs made here, tokenised by llama.cpp)
+                         on the demo's vocabulary under each pre-tokenizer of TOKENIZER_PRES
+                         (vocabulary-only GGUFs made here, tokenised by llama.cpp), and on each
+                         family fixture's vocabulary with its family's chat text (FAMILY_TEXTS)
+
+A shape's random weights depend only on its seed, its place among the distinct shapes of FIXTURES
+(so `--only` remakes the same files); the files depend also on the llama.cpp version.
 
 The synthetic tokenizer (pysmoe.tokenizer) is not one convert_hf_to_gguf.py recognises by its
-hash, so the conversion is told its pre-tokenizer (`--pre`, default qwen2, the family's): the
+hash, so the conversion is told its pre-tokenizer (`--pre`, default qwen2; FAMILY_PRE per family:
+glm4, gpt-4o): the
 GGUF's tokenizer is then whatever llama.cpp makes of those tokens, merges and pre name, which is
-what the import must reproduce. The weights depend only on the seeds; the files depend also on
-the llama.cpp version (recorded in each file's general.* metadata by the tools).
+what the import must reproduce.
 """
 from __future__ import annotations
 
@@ -481,13 +492,17 @@ def main(argv=None) -> int:
         if args.tokens_only:
             print(golden_tokens(args.out, tmp))
             return 0
+        # a shape's seed is its place among the distinct shapes of FIXTURES, whatever --only picks
+        seeds = {}
+        for shape, _ in FIXTURES.values():
+            seeds.setdefault(json.dumps(shape, sort_keys=True), len(seeds))
         for name, (shape, ftype) in FIXTURES.items():
             if args.only and name not in args.only:
                 continue
             key = json.dumps(shape, sort_keys=True)
             if key not in f32:
                 work = tmp / f"m{len(f32)}"
-                src = hf_checkpoint(work, shape, seed=len(f32))
+                src = hf_checkpoint(work, shape, seed=seeds[key])
                 f32[key] = work / "f32.gguf"
                 pre = FAMILY_PRE.get(shape.get("model"), args.pre)
                 convert_f32(args.llama_cpp.resolve(), src, f32[key], pre, CONVERT_ARGS.get(shape.get("model")))
