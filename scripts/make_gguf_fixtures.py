@@ -37,9 +37,8 @@ A shape's random weights depend only on its seed, its place among the distinct s
 
 The synthetic tokenizer (pysmoe.tokenizer) is not one convert_hf_to_gguf.py recognises by its
 hash, so the conversion is told its pre-tokenizer (`--pre`, default qwen2; FAMILY_PRE per family:
-glm4, gpt-4o): the
-GGUF's tokenizer is then whatever llama.cpp makes of those tokens, merges and pre name, which is
-what the import must reproduce.
+glm4, gpt-4o): the GGUF's tokenizer is then whatever llama.cpp makes of those tokens, merges and
+pre name, which is what the import must reproduce.
 """
 from __future__ import annotations
 

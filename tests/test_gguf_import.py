@@ -486,6 +486,35 @@ def test_a_family_the_engine_would_run_wrong_is_refused(fixture, meta, message, 
     assert not (tmp_path / "v").exists()
 
 
+def test_an_old_mixtral_file_with_one_tensor_per_expert_is_refused(tmp_path):
+    """llama.cpp's files before stacked experts (blk.N.ffn_gate.E.weight): named as such."""
+    r = gguf.GGUFReader(DATA / "mixtral-q4_k_m.gguf")
+    old = tmp_path / "old.gguf"
+    w = gguf.GGUFWriter(old, arch="llama")
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        vt = f.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(k, f.contents(), vt, sub_type=f.types[-1])
+        else:
+            w.add_key_value(k, f.contents(), vt)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        if "_exps." not in t.name:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+            continue
+        for e in range(data.shape[0]):  # one tensor per expert, as before 2024
+            w.add_tensor(t.name.replace("_exps", f".{e}"), np.ascontiguousarray(data[e]), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConvertError, match=r"one tensor each \(blk\.0\.ffn_.*re-convert"):
+        convert_checkpoint(old, tmp_path / "v", progress=False)
+    assert not (tmp_path / "v").exists()
+
+
 def test_qwen35moe_is_refused_with_its_reason(tmp_path):
     bad = tmp_path / "q35.gguf"
     r = gguf.GGUFReader(DATA / "tiny-q8_0.gguf")

@@ -530,6 +530,11 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
             experts.setdefault(int(m[1]), {})[role.split(".")[1]] = t
         else:
             dense[f"layers.{m[1]}.{role}"] = t
+    per_expert = [n for n in unknown if re.match(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$", n)]
+    if per_expert:
+        raise ConvertError("experts stored one tensor each (" + _names(per_expert, 3) + "): llama.cpp's format "
+                           "before its stacked ffn_*_exps (2024); re-convert with a current llama.cpp, or convert "
+                           "the Hugging Face checkpoint")
     if unknown:
         raise ConvertError(f"tensors pysmoe does not know for {fam.arch}: " + _names(unknown))
     problems = []
