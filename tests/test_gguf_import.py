@@ -398,19 +398,20 @@ def _rewrite(src: Path, out: Path, *, retype: dict | None = None, split_max_tens
              meta: dict | None = None):
     """Copy a GGUF with gguf-py's writer, optionally storing some tensors in another type
     (zero blocks: only the planning reads them), splitting it into several files, or changing
-    metadata (meta: key -> (value, GGUFValueType), or None to leave the key out)."""
+    metadata (meta: key -> (value, GGUFValueType[, sub_type]), or None to leave the key out)."""
     r = gguf.GGUFReader(src)
     arch = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(out, arch=arch, split_max_tensors=split_max_tensors)  # writes the arch itself
     meta = meta or {}
-    for k, (v, vt) in ((k, v) for k, v in meta.items() if v is not None and k not in r.fields):
-        w.add_key_value(k, v, vt)
+    for k, v in meta.items():
+        if v is not None and k not in r.fields:
+            w.add_key_value(k, *v)
     for k, f in r.fields.items():
         if k.startswith("GGUF.") or k == "general.architecture":
             continue
         if k in meta:
             if meta[k] is not None:
-                w.add_key_value(k, meta[k][0], meta[k][1])
+                w.add_key_value(k, *meta[k])
             continue
         vt = f.types[0]
         if vt == gguf.GGUFValueType.ARRAY:
@@ -748,6 +749,46 @@ def test_family_tokenizer_against_llama_cpp_live(name):
                                                          "\u200d", "\u00a0", "'s", " the", "  ", "<0x41>"] + specials
     texts = ["".join(rng.choice(alphabet, size=int(rng.integers(0, 40)))) for _ in range(300)]
     enc = _encoder(path)
+    want = mk.llama_cpp_tokens(path, texts)
+    bad = [t for t, w in zip(texts, want) if enc(t) != w]
+    assert not bad, bad[:3]
+
+
+@pytest.mark.parametrize("model_type, size", [("bpe", 2000), ("unigram", 1500)])
+def test_sentencepiece_vocabularies_against_llama_cpp_live(model_type, size, tmp_path):
+    """Where llama-cpp-python and sentencepiece are installed: larger SentencePiece vocabularies
+    (trained here on the held-out text: BPE and Unigram scores, byte fallback, user-defined
+    tokens) as `llama` GGUF vocabularies, tokenised by llama.cpp and by the converted
+    tokenizer.json: random strings and the whole held-out text in 500-character pieces."""
+    pytest.importorskip("llama_cpp")
+    spm = pytest.importorskip("sentencepiece")
+    import io
+
+    mk = _scripts()
+    text = (Path(__file__).parents[1] / "pysmoe" / "data" / "demo" / "heldout.txt").read_text(encoding="utf-8")
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text.splitlines()), model_writer=out, model_type=model_type, vocab_size=size,
+        byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        split_digits=True, allow_whitespace_only_pieces=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, num_threads=1, minloglevel=2, user_defined_symbols=["<|im_start|>"])
+    sp = spm.SentencePieceProcessor(model_proto=out.getvalue())
+    n = sp.vocab_size()
+    tokens = [sp.id_to_piece(i) for i in range(n)]
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i)
+             else 4 if tokens[i] == "<|im_start|>" else 1 for i in range(n)]
+    path = tmp_path / "spm.gguf"
+    A = gguf.GGUFValueType
+    _rewrite(DATA / "mixtral-q4_k_m.gguf", path, meta={
+        "tokenizer.ggml.tokens": (tokens, A.ARRAY, A.STRING), "llama.vocab_size": (n, A.UINT32),
+        "tokenizer.ggml.scores": ([sp.get_score(i) for i in range(n)], A.ARRAY, A.FLOAT32),
+        "tokenizer.ggml.token_type": (types, A.ARRAY, A.INT32)})
+    enc = _encoder(path)
+    rng = np.random.default_rng(2)
+    alphabet = list("abcXYZ  \t\n\r0123456789'.,!?-_▁") + ["é", "ß", "日", "Ω", "🚀", "\u00a0", " the", "  ",
+                                                         "<|im_start|>", "<s>", "</s>"]
+    texts = ["".join(rng.choice(alphabet, size=int(rng.integers(0, 40)))) for _ in range(300)]
+    texts += [text[i:i + 500] for i in range(0, len(text), 500)]
     want = mk.llama_cpp_tokens(path, texts)
     bad = [t for t, w in zip(texts, want) if enc(t) != w]
     assert not bad, bad[:3]
