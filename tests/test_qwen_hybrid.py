@@ -301,16 +301,148 @@ def test_synth_presets_of_the_hybrids_run(tmp_path, preset):
     assert np.isfinite(got).all() and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-def test_the_cuda_backend_refuses_the_hybrids(case):
-    """Refused at session creation, before the device is touched: with a CUDA build, naming what
-    the backend lacks; without one, because the build has no CUDA at all."""
+# ------------------------------------------------------------------------- on the GPU (CUDA)
+# The hybrids on device="cuda" (csrc/cuda/deltanet.cu): skipped without a GPU. The GPU against the
+# CPU (activations="f32") within test_cuda's tolerance (RTOL_F16 where flash attention's or the
+# tensor cores' f16 roundings apply), and the GPU's own paths bit for bit: layer-major = token-serial
+# for several chunks, a rewind (states restored from the snapshot or recomputed) and a batch.
+
+
+def _gpu(v, **kw):
+    from pysmoe.errors import Unsupported
+
+    try:
+        return v.session(device="cuda", gpu_cache_bytes=1 << 30, **kw)
+    except Unsupported as e:
+        pytest.skip(f"no CUDA here: {e}")
+
+
+def test_without_a_gpu_the_cuda_device_is_refused_plainly(case):
+    """Refused at session creation: a build without CUDA, or no GPU, says so (with a GPU, the
+    tests below run the hybrids)."""
     from pysmoe.errors import Unsupported
 
     name, vault, model = case
-    with pysmoe.open_vault(vault) as v, pytest.raises(Unsupported) as e:
-        v.session(device="cuda")
-    msg = str(e.value)
-    assert "Gated DeltaNet" in msg or "cuda" in msg.lower(), msg
+    with pysmoe.open_vault(vault) as v:
+        try:
+            v.session(device="cuda").close()
+        except Unsupported as e:
+            assert "built without CUDA" in str(e) or "no usable GPU" in str(e), str(e)
+
+
+def _gpu_tolerance(v) -> float:
+    from test_cuda import ATOL, RTOL, RTOL_F16
+
+    flash = v.config["head_dim"] in (32, 64, 128)
+    return ATOL, RTOL_F16 if flash else RTOL
+
+
+def test_gpu_agrees_with_the_cpu_and_its_own_paths(case):
+    """Every position's logits within tolerance of the CPU's; on the GPU layer-major prefill in
+    chunks of 1, 5 and 64 gives token-serial's logits bit for bit, and decoding on from a prefill
+    continues them; the states are counted with the KV cache."""
+    from pysmoe.memory import kv_bytes
+
+    name, vault, model = case
+    ids = sample_ids(model.config.vocab_size, 23, seed=2)
+    with pysmoe.open_vault(vault) as v:
+        with v.session(chunk=8, activations="f32") as c:
+            cpu = c.prefill_logits(ids, rows=list(range(len(ids))))
+        with _gpu(v, prefill="token-serial", context=64) as g:
+            assert g.stats()["kv_bytes"] == kv_bytes(v.config, 64), name
+            want = np.stack([g.decode(t) for t in ids])
+        atol, rtol = _gpu_tolerance(v)
+        err, top = float(np.max(np.abs(want - cpu))), float(np.max(np.abs(cpu)))
+        print(f"{name}: max|gpu - cpu| / max|logit| = {err / top:.3g}")
+        assert err <= atol + rtol * top, (name, err, top)
+        for chunk in (1, 5, 64):
+            with _gpu(v, chunk=chunk) as s:
+                got = s.prefill_logits(ids, rows=list(range(len(ids))))
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (name, chunk)
+        with _gpu(v, chunk=7) as s:
+            s.prefill(ids[:15])
+            tail = np.stack([s.decode(t) for t in ids[15:]])
+        assert np.array_equal(tail.view(np.uint32), want[15:].view(np.uint32)), name
+
+
+def test_gpu_rewinds_to_a_fresh_runs_bits(case):
+    """The states on the GPU follow rewinds as the CPU's do: restored from the snapshot or
+    recomputed from position 0, the next logits are a fresh run's bits."""
+    name, vault, model = case
+    ids = sample_ids(model.config.vocab_size, 30, seed=3)
+    other = sample_ids(model.config.vocab_size, 12, seed=4)
+    with pysmoe.open_vault(vault) as v:
+        with _gpu(v, chunk=8) as fresh:
+            want = fresh.prefill_logits(ids[:13] + other, rows=list(range(13, 25)))
+        with _gpu(v, chunk=8) as s:
+            s.prefill(ids)                      # snapshot at 30
+            for t in other[:3]:
+                s.decode(t)
+            s.rewind(13)                        # before the snapshot: recomputed from position 0
+            got = s.prefill_logits(other, rows=list(range(12)))
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
+            s.rewind(17)                        # the snapshot (at 25) is past it: recomputed again
+            again = np.stack([s.decode(t) for t in other[4:8]])
+            assert np.array_equal(again.view(np.uint32), want[4:8].view(np.uint32)), name
+        with _gpu(v, chunk=8) as s:             # the chat case: back to the snapshot
+            s.prefill(ids[:13])                 # snapshot at 13
+            for t in ids[13:20]:
+                s.decode(t)
+            s.rewind(13)
+            got = s.prefill_logits(other, rows=list(range(12)))
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
+
+
+def test_gpu_batched_decode_equals_each_alone(case):
+    """Sessions of one share decoding together on the GPU, each row with its own states."""
+    name, vault, model = case
+    V = model.config.vocab_size
+    prompts = [sample_ids(V, 9, seed=10), sample_ids(V, 4, seed=11), sample_ids(V, 13, seed=12)]
+    steps = [sample_ids(V, 5, seed=20 + i) for i in range(3)]
+    with pysmoe.open_vault(vault) as v:
+        alone = []
+        for p, st_ in zip(prompts, steps):
+            with _gpu(v, chunk=16) as s:
+                s.prefill(p)
+                alone.append(np.stack([s.decode(t) for t in st_]))
+        with _gpu(v, chunk=16) as lead:
+            others = [v.session(share_cache=lead, chunk=16) for _ in range(2)]
+            ss = [lead] + others
+            for s, p in zip(ss, prompts):
+                s.prefill(p)
+            for j in range(5):
+                out = pysmoe.decode_batch(ss, [steps[i][j] for i in range(3)])
+                for i in range(3):
+                    assert np.array_equal(out[i].view(np.uint32), alone[i][j].view(np.uint32)), (name, i, j)
+            for o in others:
+                o.close()
+
+
+def test_gpu_quantized_hybrids(q4_hybrids):
+    """q4 experts and q8 dense matrices (the tensor cores' products, the DeltaNet's projections
+    included): within RTOL_F16 of the CPU, and layer-major = token-serial on the GPU with the
+    experts in VRAM or streamed through two slots."""
+    from test_cuda import ATOL, RTOL_F16
+
+    for name, vault in sorted(q4_hybrids.items()):
+        with pysmoe.open_vault(vault) as v:
+            ids = sample_ids(v.config["vocab_size"], 21, seed=8)
+            with v.session(chunk=8, activations="f32") as c:
+                cpu = c.prefill_logits(ids, rows=list(range(len(ids))))
+            with _gpu(v, prefill="token-serial") as g:
+                want = np.stack([g.decode(t) for t in ids])
+            err, top = float(np.max(np.abs(want - cpu))), float(np.max(np.abs(cpu)))
+            print(f"{name} q4/q8: max|gpu - cpu| / max|logit| = {err / top:.3g}")
+            assert err <= ATOL + RTOL_F16 * top, (name, err, top)
+            for chunk, gpu in ((4, 1 << 30), (16, 2 * v.blob_bytes)):
+                from pysmoe.errors import Unsupported
+                try:
+                    s = v.session(device="cuda", chunk=chunk, gpu_cache_bytes=gpu)
+                except Unsupported as e:
+                    pytest.skip(f"no CUDA here: {e}")
+                with s:
+                    got = s.prefill_logits(ids, rows=list(range(len(ids))))
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (name, chunk, gpu)
 
 
 @pytest.fixture(scope="module")
