@@ -337,23 +337,44 @@ def _gpu_tolerance(v) -> float:
     return ATOL, RTOL_F16 if flash else RTOL
 
 
+def _steps(s, ids, layers, experts):
+    """Token-serial logits of each id, and each step's expert counts per layer."""
+    from test_cuda import _expert_counts
+
+    logits, routes = [], []
+    for t in ids:
+        s.reset_stats()
+        logits.append(s.decode(t))
+        routes.append(_expert_counts(s, layers, experts))
+    return np.stack(logits), routes
+
+
 def test_gpu_agrees_with_the_cpu_and_its_own_paths(case):
-    """Every position's logits within tolerance of the CPU's; on the GPU layer-major prefill in
-    chunks of 1, 5 and 64 gives token-serial's logits bit for bit, and decoding on from a prefill
-    continues them; the states are counted with the KV cache."""
+    """Every position's logits within tolerance of the CPU's, with the same experts; on the GPU
+    layer-major prefill in chunks of 1, 5 and 64 gives token-serial's logits bit for bit, and
+    decoding on from a prefill continues them; the states are counted with the KV cache.
+
+    As in test_cuda's family test, a router's near-tie may go the other way on the GPU (its f16
+    roundings) and change that token's experts, and the later positions through the states and K/V
+    rows: the comparison stops at the first step whose experts differ, which must leave at least
+    half of the steps compared."""
     from pysmoe.memory import kv_bytes
 
     name, vault, model = case
     ids = sample_ids(model.config.vocab_size, 23, seed=2)
     with pysmoe.open_vault(vault) as v:
-        with v.session(chunk=8, activations="f32") as c:
-            cpu = c.prefill_logits(ids, rows=list(range(len(ids))))
+        L, E = v.config["num_hidden_layers"], v.config["num_experts"]
+        with v.session(chunk=8, activations="f32", prefill="token-serial") as c:
+            cpu, cr = _steps(c, ids, L, E)
         with _gpu(v, prefill="token-serial", context=64) as g:
             assert g.stats()["kv_bytes"] == kv_bytes(v.config, 64), name
-            want = np.stack([g.decode(t) for t in ids])
+            want, gr = _steps(g, ids, L, E)
         atol, rtol = _gpu_tolerance(v)
-        err, top = float(np.max(np.abs(want - cpu))), float(np.max(np.abs(cpu)))
-        print(f"{name}: max|gpu - cpu| / max|logit| = {err / top:.3g}")
+        first = next((i for i in range(len(ids)) if gr[i] != cr[i]), len(ids))
+        err, top = float(np.max(np.abs(want[:first] - cpu[:first]))), float(np.max(np.abs(cpu)))
+        print(f"{name}: max|gpu - cpu| / max|logit| = {err / top:.3g}"
+              + (f" before step {first} of {len(ids)}, whose experts differ" if first < len(ids) else ""))
+        assert first > len(ids) // 2, (name, f"the experts differ from step {first} on")
         assert err <= atol + rtol * top, (name, err, top)
         for chunk in (1, 5, 64):
             with _gpu(v, chunk=chunk) as s:
