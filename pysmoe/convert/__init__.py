@@ -214,10 +214,11 @@ class _HfJob:
             return {"kind": "hf", "path": str(Path(self.ckpt.dir).resolve()), "dtype": self.dtype,
                     "quantization": {"experts": "MXFP4 as released (rearranged into ggml's blocks, not requantised)",
                                      "formats": ", ".join(f"{k} {v}" for k, v in self.formats.items())}}
-        return {"kind": "hf", "path": str(Path(self.ckpt.dir).resolve()), "dtype": self.dtype,
-                "quantization": {"quantiser": "mlx-affine",
-                                 "formats": ", ".join(f"{k} {v}" for k, v in self.formats.items()),
-                                 "group_size": self.group, "scale_dtype": self.scale_dtype}}
+        q = {"quantiser": "mlx-affine", "formats": ", ".join(f"{k} {v}" for k, v in self.formats.items()),
+             "group_size": self.group, "scale_dtype": self.scale_dtype}
+        if "MXFP4" in self.formats.values():
+            q["mxfp4_quantiser"] = "llama.cpp quantize_row_mxfp4_ref (ggml_blocks.quantize_mxfp4)"
+        return {"kind": "hf", "path": str(Path(self.ckpt.dir).resolve()), "dtype": self.dtype, "quantization": q}
 
 
 class _MlxJob:
