@@ -125,17 +125,18 @@ def reference_nll(vault_path, windows: np.ndarray) -> float:
 
 def _hf_model(hf_dir):
     import torch
-    from transformers import AutoConfig, Qwen3MoeForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(hf_dir)
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
     torch.manual_seed(0)
-    return Qwen3MoeForCausalLM.from_pretrained(hf_dir, config=config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(hf_dir, config=config, dtype=torch.float32).eval()
 
 
 def hf_nll(hf_dir, windows: np.ndarray, batch: int = 8) -> float:
-    """Mean NLL through transformers' Qwen3MoeForCausalLM, float32 on the CPU."""
+    """Mean NLL through transformers' model of the checkpoint (Qwen3MoeForCausalLM,
+    GptOssForCausalLM), float32 on the CPU."""
     import torch
 
     model = _hf_model(hf_dir)
@@ -272,21 +273,54 @@ def gguf_table(ftypes, n_windows, length: int, threads: int | None, tmp: Path, c
     return rows
 
 
-def hf_from_vault(vault_path, out_dir) -> Path:
-    """Write a float32 Hugging Face Qwen3-MoE checkpoint holding the vault's weights as the engine
-    sees them (every tensor dequantised: q4/q8/bf16 values widen exactly to float32), with the
-    vault's tokenizer files. Needs torch and transformers."""
+def _gpt_oss_layer(v, layer: int, E: int, dense) -> dict:
+    """A gpt-oss layer's tensors under transformers' names from a vault (GptOssExperts' layout:
+    gate_up_proj [E, H, 2I] and its bias with gate and up interleaved, down_proj [E, I, H])."""
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    p, q = f"model.layers.{layer}.", f"layers.{layer}."
+    new = {f"{p}self_attn.sinks": dense(q + "sinks"), f"{p}mlp.router.weight": dense(q + "router"),
+           f"{p}mlp.router.bias": dense(q + "router.bias")}
+    for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        new[f"{p}self_attn.{n}.weight"] = dense(q + n)
+        new[f"{p}self_attn.{n}.bias"] = dense(q + n + ".bias")
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        new[f"{p}{n}.weight"] = dense(q + n)
+    tensors = v.layer_expert_tensors[layer]
+    gate_up, gate_up_bias, down, down_bias = [], [], [], []
+    for e in range(E):
+        g, u, d = v.expert(layer, e)
+        b = v.blob(layer, e)
+        gb, ub, db = (np.frombuffer(b[t.offset:t.offset + t.nbytes], "<f4") for t in tensors[3:6])
+        gu = np.empty((g.shape[1], 2 * g.shape[0]), np.float32)
+        gu[:, 0::2], gu[:, 1::2] = g.T, u.T
+        gub = np.empty(2 * g.shape[0], np.float32)
+        gub[0::2], gub[1::2] = gb, ub
+        gate_up.append(gu), gate_up_bias.append(gub), down.append(d.T), down_bias.append(db)
+    for name, parts in (("gate_up_proj", gate_up), ("gate_up_proj_bias", gate_up_bias), ("down_proj", down),
+                        ("down_proj_bias", down_bias)):
+        new[f"{p}mlp.experts.{name}"] = torch.from_numpy(np.ascontiguousarray(np.stack(parts)))
+    return new
+
+
+def hf_from_vault(vault_path, out_dir) -> Path:
+    """Write a float32 Hugging Face checkpoint (Qwen3-MoE or gpt-oss, as the vault's config.json
+    says) holding the vault's weights as the engine sees them (every tensor dequantised:
+    q4/q8/bf16/MXFP4 values widen exactly to float32), with the vault's tokenizer files. Needs
+    torch and transformers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from pysmoe.vaultio import read_vault
 
     vault_path, out = Path(vault_path), Path(out_dir)
     v = read_vault(vault_path)
     try:
-        config = Qwen3MoeConfig.from_pretrained(vault_path)  # the source's config.json, kept in the vault
+        config = AutoConfig.from_pretrained(vault_path)  # the source's config.json, kept in the vault
+        if config.model_type not in ("qwen3_moe", "gpt_oss"):
+            raise ValueError(f"hf_from_vault: {config.model_type} vaults are not written back (qwen3_moe, gpt_oss)")
         torch.manual_seed(0)
-        model = Qwen3MoeForCausalLM(config).float()
+        model = AutoModelForCausalLM.from_config(config).float()
         state = model.state_dict()
 
         def dense(name):
@@ -297,6 +331,9 @@ def hf_from_vault(vault_path, out_dir) -> Path:
         if not config.tie_word_embeddings:
             new["lm_head.weight"] = dense("lm_head")
         for layer in range(config.num_hidden_layers):
+            if config.model_type == "gpt_oss":
+                new.update(_gpt_oss_layer(v, layer, config.num_local_experts, dense))
+                continue
             p, q = f"model.layers.{layer}.", f"layers.{layer}."
             for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
                 new[f"{p}self_attn.{n}.weight"] = dense(q + n)
