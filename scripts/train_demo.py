@@ -23,6 +23,14 @@ so the data directory can be carried to a machine with a GPU that has no network
 dense matrices, f32 router and norms) and adds the first HELDOUT_SHIP_BYTES of the held-out text
 (bench/perplexity.py and tests/test_quality.py score it) and the training record.
 
+gpt-oss (issue 26: quality of MXFP4 experts on trained weights) is the same recipe with
+`train --family gpt_oss` (GPT_OSS_CONFIG: the demo's widths; one H200, 121 s); `--tiny` is the
+test fixture's size (58 s), shipped as tests/data/gpt_oss_trained with
+
+    python scripts/train_demo.py train --data build/demo-data --out build/oss-tiny-hf --family gpt_oss --tiny
+    python scripts/train_demo.py ship --data build/demo-data --hf build/oss-tiny-hf --hf-name build/oss-tiny-hf \
+        --out tests/data/gpt_oss_trained --experts q8 --dense q4 --fixture
+
 The demo shipped in pysmoe/data/demo/ was trained on one NVIDIA H200; see docs/demo.md for the cost and the
 losses.
 """
@@ -405,10 +413,18 @@ def ship(args) -> None:
     from pysmoe.convert import convert_checkpoint
 
     data, hf, out = Path(args.data), Path(args.hf), Path(args.out)
-    convert_checkpoint(hf, out, force=True, progress=False)
+    convert_checkpoint(hf, out, experts=args.experts, dense=args.dense, force=True, progress=False)
     source = json.loads((out / "source.json").read_text())
-    source["path"] = "scripts/train_demo.py train (build/demo-hf)"  # not this machine's folder
+    source["path"] = f"scripts/train_demo.py train ({args.hf_name})"  # not this machine's folder
     (out / "source.json").write_text(json.dumps(source, indent=2) + "\n")
+    training = json.loads((hf / "training.json").read_text())
+    corpus = json.loads((hf / "corpus.json").read_text())
+    (out / "training.json").write_text(json.dumps({"corpus": corpus, **training}, indent=2) + "\n")
+    if args.fixture:  # the tokenizer and the held-out text are the demo's (prepare is deterministic)
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            (out / name).unlink(missing_ok=True)
+        print(f"{out}: {sum(f.stat().st_size for f in out.iterdir()) / 1e6:.2f} MB")
+        return
     held, size = [], 0
     for para in (data / "heldout.txt").read_text(encoding="utf-8").split("\n"):
         size += len(para.encode()) + 1
@@ -416,9 +432,6 @@ def ship(args) -> None:
             break
         held.append(para)
     (out / "heldout.txt").write_text("\n".join(held) + "\n", encoding="utf-8")
-    training = json.loads((hf / "training.json").read_text())
-    corpus = json.loads((hf / "corpus.json").read_text())
-    (out / "training.json").write_text(json.dumps({"corpus": corpus, **training}, indent=2) + "\n")
     print(f"{out}: {sum(f.stat().st_size for f in out.iterdir()) / 1e6:.2f} MB")
 
 
@@ -443,6 +456,11 @@ def main(argv=None) -> int:
     s.add_argument("--data", required=True)
     s.add_argument("--hf", required=True)
     s.add_argument("--out", required=True)
+    s.add_argument("--experts", help="expert format (default: the converter's, q4)")
+    s.add_argument("--dense", help="dense matrices' format (default: the converter's, q8)")
+    s.add_argument("--hf-name", default="build/demo-hf", help="how source.json names the checkpoint")
+    s.add_argument("--fixture", action="store_true",
+                   help="a test fixture: the vault, config and records only (tokenizer and held-out text: the demo's)")
     args = ap.parse_args(argv)
     {"prepare": prepare, "train": train, "ship": ship}[args.cmd](args)
     return 0
