@@ -22,6 +22,13 @@ differ only by their numerics:
 
 Rows whose package is missing are left out and named.
 
+A gpt-oss checkpoint (`scripts/train_demo.py train --family gpt_oss`; issue 26) gets the same
+windows and rows plus MXFP4 experts (`convert --experts MXFP4`, dense f32 and dense q8) and
+transformers on the MXFP4 vault's dequantised weights (the exact oracle for the MXFP4 rows); the
+float experts written as the release spells them (`*_blocks`/`*_scales`) and imported as stored
+must give the same blobs (`released_spelling_is_the_same`). The numpy reference, mlx-lm and
+llama.cpp rows are the Qwen3-MoE demo's only.
+
 `--gguf FTYPE...` scores something else: the demo written as an F32 GGUF (export_gguf.py) and
 quantised by llama.cpp's own quantiser to each llama_ftype named (Q4_K_M, Q8_0, ...), then run by
 llama.cpp and by pysmoe on its import of the very same file (`pysmoe convert FILE.gguf`: GGML
