@@ -13,6 +13,10 @@ the engine all score the very same weights, and what must hold can be asserted t
 - the default 8-bit activations within ACT_BOUND of activations="f32" on the same weights;
 - layer-major prefill = token-serial, bit for bit (logits and KV) on these weights;
 - and the model is trained: its held-out perplexity is far below a random model's (~vocab).
+
+The second half does the same for gpt-oss on a trained tiny model (tests/data/gpt_oss_trained),
+with MXFP4 experts made by the converter: MXFP4 = transformers on its dequantised weights, and
+within MXFP4_BOUND of f32 (issue 26, item 4).
 """
 from __future__ import annotations
 
