@@ -39,7 +39,9 @@ from ..errors import SmoeError
 from . import qwen_hybrid
 from .safetensors_io import DTYPES, FLOATS, Checkpoint, SafetensorsError
 
-FORMATS = ("q4", "q8", "bf16", "f32")
+# MXFP4: gpt-oss's released format, made from float weights by ggml_blocks.quantize_mxfp4
+# (llama.cpp's rule); a released MXFP4 checkpoint's experts are imported as stored instead.
+FORMATS = ("q4", "q8", "bf16", "f32", "MXFP4")
 # Dense roles that can be given their own format (VaultWriter's roles), and those a single
 # `dense` format covers: the router stays f32 (it decides routing and is small), norms f32.
 DENSE_ROLES = ("embed", "lm_head", "attention", "mlp", "router", "norms")
