@@ -16,6 +16,7 @@ __device__ __forceinline__ float dot8(float s, const float v[8], const float *x)
 template <int FMT>
 __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe_cu_rows R, const float *__restrict__ x,
                                                           size_t ldx, float *__restrict__ y, size_t ldy) {
+    pdl_trigger();
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint8_t *w;
     uint32_t start, count, bx, ycol;
@@ -26,6 +27,12 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe
     const uint32_t t0 = blockIdx.z * MM_TZ;
     if (t0 >= count) return;
     const uint32_t t1 = min(count, t0 + (uint32_t)MM_TZ), nw = T.cols / 8;
+    if (!R.items) { /* a dense product may start early (launch_fp32): its row into L2 meanwhile */
+        const size_t rowbytes = FMT == FMT_F32 ? 4 * (size_t)T.cols : FMT == FMT_BF16 ? 2 * (size_t)T.cols
+                                : FMT == FMT_Q8 ? (size_t)T.cols : T.cols / 2;
+        for (size_t ln = lane; 128 * ln < rowbytes; ln += 32) prefetch_l2(w + r * rowbytes + 128 * ln);
+    }
+    pdl_wait(); /* x is the predecessor's */
     for (uint32_t tb = t0; tb < t1; tb += MM_TT) {
         const uint32_t nt = min((uint32_t)MM_TT, t1 - tb);
         float acc[MM_TT];
@@ -560,8 +567,9 @@ static uint32_t tc_ranges(uint32_t cols) {
 
 /* How many row tiles a k_tc block takes in turn: enough that the launch is about one wave of
  * blocks (fit blocks an SM), so that an item's lookups and a block's start are paid once for
- * several tiles. SMOE_CUDA_TC_PER=N (for comparisons) fixes it; 1 is a tile a block. Changes no
- * bits. */
+ * several tiles, up to TC_PER_MAX. SMOE_CUDA_TC_PER=N (for comparisons) fixes it; 1 is a tile a
+ * block. Changes no bits. */
+enum { TC_PER_MAX = 4 };
 static uint32_t tc_per(uint32_t nbx, uint32_t others, uint32_t fit) {
     static const int forced = getenv("SMOE_CUDA_TC_PER") ? atoi(getenv("SMOE_CUDA_TC_PER")) : 0;
     static int sms;
@@ -575,7 +583,10 @@ static uint32_t tc_per(uint32_t nbx, uint32_t others, uint32_t fit) {
     uint64_t gx = wave / (others ? others : 1);
     if (gx < 1) gx = 1;
     if (gx > nbx) gx = nbx;
-    return (uint32_t)((nbx + gx - 1) / gx);
+    /* at most TC_PER_MAX: a block's tiles run one after another, and a launch of many items (a
+     * prompt's experts) would otherwise leave most of a wave to few long blocks */
+    const uint32_t per = (uint32_t)((nbx + gx - 1) / gx);
+    return per < (uint32_t)TC_PER_MAX ? per : (uint32_t)TC_PER_MAX;
 }
 
 /* The one-token products start early (programmatic dependent launch, cuda_common.cuh) on sm_90
@@ -656,8 +667,16 @@ static void launch_fp32(const smoe_cu_tensor *T, const smoe_cu_rows *R, const sm
         dim3 grid(px * ((T->rows + MM_WARPS * RT - 1) / (MM_WARPS * RT)), items, (m + TT2 - 1) / TT2);
         k_matmul_tiled<FMT><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, a->x, a->ldx, y, ldy);
     } else {
-        dim3 grid(px * ((T->rows + MM_WARPS - 1) / MM_WARPS), items, (m + MM_TZ - 1) / MM_TZ);
-        k_matmul<FMT><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, a->x, a->ldx, y, ldy);
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute at[1];
+        cfg.gridDim = dim3(px * ((T->rows + MM_WARPS - 1) / MM_WARPS), items, (m + MM_TZ - 1) / MM_TZ);
+        cfg.blockDim = dim3(MM_WARPS * 32);
+        cfg.stream = s;
+        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = at;
+        cfg.numAttrs = pdl_on() && !R->items ? 1 : 0; /* dense: the router of an f32 vault, say */
+        cudaLaunchKernelEx(&cfg, k_matmul<FMT>, *T, *R, a->x, a->ldx, y, ldy);
     }
 }
 

@@ -18,23 +18,26 @@ __global__ void k_rmsnorm_prep(float *out, const float *x, uint32_t dim, const u
     }
     const float *xr = x + row * dim;
     const uint32_t nk = dim / 256, lane = threadIdx.x & 31;
-    float v[RP_MAX];
+    float v[RP_MAX], wv[RP_MAX]; /* the weights loaded with the row, not after its sum */
     float s = 0.0f;
 #pragma unroll
     for (uint32_t k = 0; k < RP_MAX; k++)
         if (k < nk) {
-            v[k] = xr[threadIdx.x + 256 * k];
-            s = __fadd_rn(s, __fmul_rn(v[k], v[k]));
+            const uint32_t c = threadIdx.x + 256 * k;
+            v[k] = xr[c];
+            wv[k] = wfmt == FMT_F32 ? reinterpret_cast<const float *>(wt)[c]
+                                    : __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(wt)[c] << 16);
         }
+#pragma unroll
+    for (uint32_t k = 0; k < RP_MAX; k++)
+        if (k < nk) s = __fadd_rn(s, __fmul_rn(v[k], v[k]));
     const float r = 1.0f / sqrtf(tree256(s) / (float)dim + eps);
     float m = 0.0f;
 #pragma unroll
     for (uint32_t k = 0; k < RP_MAX; k++)
         if (k < nk) {
             const uint32_t c = threadIdx.x + 256 * k;
-            const float wv = wfmt == FMT_F32 ? reinterpret_cast<const float *>(wt)[c]
-                                             : __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(wt)[c] << 16);
-            v[k] = __fmul_rn(wv, __fmul_rn(v[k], r));
+            v[k] = __fmul_rn(wv[k], __fmul_rn(v[k], r));
             out[row * dim + c] = v[k];
             m = fmaxf(m, fabsf(v[k]));
         }
