@@ -243,3 +243,45 @@ def test_verify_names_non_finite_ggml_scales(make_vault, tmp_path):
     assert problems[1][3].startswith("down scales: 1 non-finite value(s) (NaN or inf), the first at row 3, block 0")
     with pysmoe.open_vault(src) as good:
         assert good.verify() == []
+
+
+# ------------------------------------------------------------------------- on the GPU (CUDA)
+
+def test_gpu_runs_every_ggml_format(ggml_vault):
+    """The three mixes hold all fourteen GGML formats as experts and dense tensors (embedding and
+    lm_head included). On device="cuda" (csrc/cuda/ggml.cu; skipped without a GPU): the prefill's
+    and three decode steps' logits within test_cuda's ATOL + RTOL_F16 of the CPU's (activations="f32":
+    the same dequantised weights, another summation order, and flash attention's f16 Q, K, V and P
+    for the head size 64); and on the GPU layer-major in chunks
+    of 1, 5 and 16, the experts in VRAM or streamed through two slots, gives token-serial's
+    logits and KV rows bit for bit."""
+    from pysmoe.errors import Unsupported
+    from test_cuda import ATOL, RTOL_F16
+
+    name, path = ggml_vault
+    with pysmoe.open_vault(path) as vault:
+        try:
+            vault.session(device="cuda").close()
+        except Unsupported as e:
+            pytest.skip(f"no CUDA here: {e}")
+        ids = [int(i) for i in np.random.default_rng(4).integers(0, vault.config["vocab_size"], 33)]
+        L = vault.config["num_hidden_layers"]
+
+        def run(device, prefill="layer-major", chunk=64, **kw):
+            with vault.session(device=device, prefill=prefill, activations="f32", context=256, chunk=chunk, **kw) as s:
+                out = [s.prefill(ids)]
+                out += [s.decode(int(np.argmax(out[-1]))) for _ in range(3)]
+                kv = [s.kv(layer) for layer in range(L)]
+            return np.stack(out), kv
+
+        cpu, _ = run("cpu")
+        want, want_kv = run("cuda", "token-serial", gpu_cache_bytes=1 << 30)
+        err, top = float(np.max(np.abs(want - cpu))), float(np.max(np.abs(cpu)))
+        print(f"{name}: max|gpu - cpu| / max|logit| = {err / top:.3g}")
+        assert np.isfinite(want).all() and err <= ATOL + RTOL_F16 * top, (name, err, top)
+        for chunk in (1, 5, 16):
+            for gpu in (1 << 30, 2 * vault.blob_bytes):
+                got, kv = run("cuda", chunk=chunk, gpu_cache_bytes=gpu)
+                assert got.tobytes() == want.tobytes(), (name, chunk, gpu)
+                for (ka, va), (kb, vb) in zip(kv, want_kv):
+                    assert ka.tobytes() == kb.tobytes() and va.tobytes() == vb.tobytes(), (name, chunk, gpu)

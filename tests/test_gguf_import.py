@@ -375,6 +375,36 @@ def test_layer_major_is_token_serial_on_an_imported_mix(name, activations, vault
     assert out["layer-major"].tobytes() == out["token-serial"].tobytes()
 
 
+@pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "olmoe-q8_0"])
+def test_an_imported_mix_runs_on_the_gpu(name, vaults):
+    """llama.cpp's files on device="cuda" (skipped without a GPU): within test_cuda's ATOL/RTOL of
+    the CPU's f32-activation logits (flash attention's RTOL_F16 for head sizes 32/64/128), and
+    layer-major in chunks of 5 = token-serial bit for bit on the GPU."""
+    import pysmoe
+    from pysmoe.errors import Unsupported
+    from test_cuda import ATOL, RTOL, RTOL_F16
+
+    d = _vault(vaults, name)
+    cfg = json.loads((d / "config.json").read_text())
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, cfg["vocab_size"], 17)]
+    out = {}
+    with pysmoe.open_vault(d) as v:
+        try:
+            v.session(device="cuda").close()
+        except Unsupported as e:
+            pytest.skip(f"no CUDA here: {e}")
+        for dev, mode in (("cpu", "layer-major"), ("cuda", "layer-major"), ("cuda", "token-serial")):
+            with v.session(device=dev, chunk=5, activations="f32", prefill=mode) as s:
+                first = s.prefill(ids)
+                out[dev, mode] = np.stack([first, s.decode(ids[0])])
+    gpu, cpu = out["cuda", "token-serial"], out["cpu", "layer-major"]
+    assert out["cuda", "layer-major"].tobytes() == gpu.tobytes()
+    rtol = RTOL_F16 if cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]) in (32, 64, 128) else RTOL
+    err, top = float(np.max(np.abs(gpu - cpu))), float(np.max(np.abs(cpu)))
+    print(f"{name}: max|gpu - cpu| / max|logit| = {err / top:.3g}")
+    assert err <= ATOL + rtol * top, (name, err, top)
+
+
 def test_a_truncated_file_is_refused(tmp_path):
     f = tmp_path / "cut.gguf"
     data = (DATA / "tiny-q8_0.gguf").read_bytes()

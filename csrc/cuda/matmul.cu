@@ -684,6 +684,7 @@ extern "C" int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const 
                               float *y, size_t ldy) {
     const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
     if (items == 0 || m == 0) return 0;
+    if (smoe_cu_ggml(T)) return smoe_cu_matmul_ggml(st, T, R, a, y, ldy); /* GGML block formats: ggml.cu */
     cudaStream_t s = (cudaStream_t)st;
     if (smoe_cu_tensor_cores(T)) {
         if (!a->x16 || !a->xe) return (int)cudaErrorInvalidValue;

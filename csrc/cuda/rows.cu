@@ -83,6 +83,7 @@ __global__ void k_embed(smoe_cu_tensor T, const uint8_t *w, const int32_t *ids, 
 extern "C" int smoe_cu_embed(smoe_cu_stream st, const smoe_cu_tensor *T, const uint8_t *w, const int32_t *ids,
                              uint32_t n, float *x) {
     if (n == 0) return 0;
+    if (smoe_cu_ggml(T)) return smoe_cu_embed_ggml(st, T, w, ids, n, x); /* GGML block formats: ggml.cu */
     k_embed<<<n, 256, 0, (cudaStream_t)st>>>(*T, w, ids, x);
     return (int)cudaGetLastError();
 }
