@@ -127,7 +127,7 @@ def test_layer_major_and_token_serial_are_bit_identical_on_the_gpu(tiny_vault, n
 
 
 def test_long_prompts_attend_in_splits_with_the_same_bits(tiny_vault):
-    """Flash attention takes positions in splits of 512 merged in order: 700 positions take two.
+    """Flash attention takes positions in splits of 128 merged in order: 700 positions take six.
     Token-serial steps (their splits side by side, then combined) and layer-major chunks (the
     splits in turn) give the same bits, and the result stays within the CPU's tolerance."""
     prompt = np.random.default_rng(12).integers(0, 512, 700).tolist()
