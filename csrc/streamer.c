@@ -583,7 +583,9 @@ smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out
         atomic_init(&sl->state, SLOT_EMPTY);
         sl->key = -1;
         sl->next = -1;
-        sl->data = smoe_alloc((size_t)p->blob_bytes, SMOE_PAGE);
+        /* untouched: a slot's bytes are read only once a read has filled them (READY), so its
+         * pages come in with its first read, on an I/O thread, not here */
+        sl->data = smoe_alloc_untouched((size_t)p->blob_bytes, SMOE_PAGE);
         if (!sl->data) {
             smoe_streamer_free(s);
             return smoe_fail(SMOE_ERR_NOMEM, "streamer: cannot allocate %u slots of %llu bytes", p->n_slots,
