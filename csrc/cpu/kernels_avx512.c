@@ -75,6 +75,11 @@ enum {
     TB = 4,             /* tokens of a register block */
 };
 
+#ifndef QX512_AHEAD
+#define QX512_AHEAD 4 /* rows ahead the matrix-vector product prefetches its weights */
+#endif
+enum { AHEAD = QX512_AHEAD };
+
 INLINE bool group_ok(uint32_t G) { return G == 32 || G == 64 || G == 128; }
 
 /* bytes of one scale or bias */
