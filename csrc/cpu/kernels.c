@@ -6,10 +6,15 @@
  * kernels_ref.c, which keep their own names (smoe_ref_*) in every build. See kernels_isa.h. On x86-64
  * the 8-bit-activation product then picks, at run time, an instance with these bits exactly:
  * AVX512-VNNI, AVX-512 (F + BW), AVX-VNNI or plain AVX2, the first this CPU has (cpu.h,
- * smoe_cpu_avx512; kernels_avx512.c, kernels_avx2_qx.h), unless SMOE_NO_AVX512=1 / SMOE_NO_VNNI=1 —
- * except one token (n = 1, decode's products), which always takes the AVX2 instance: its
- * matrix-vector product prefetches the rows ahead and streams the weights at 2.1-2.3x the AVX-512
- * instance's speed on one core of AMD Zen 5 (bench/qx_isa.c; bench/RESULTS.md, "AVX-512 on Zen 5").
+ * smoe_cpu_avx512; kernels_avx512.c, kernels_avx2_qx.h), unless SMOE_NO_AVX512=1 / SMOE_NO_VNNI=1.
+ *
+ * One token (n = 1, decode's products and a short prompt's one-token experts) is a matrix-vector
+ * product bound by reading the weights; both the AVX2 and the AVX-512 instances have one that
+ * streams a row at a time and prefetches ahead. It takes the AVX-512 instance only where that one
+ * runs with VNNI and the AVX2 one would not (AVX512-VNNI without AVX-VNNI: AMD Zen 4, Intel Ice
+ * Lake and Cascade Lake), and the AVX2 instance elsewhere (with AVX-VNNI, AMD Zen 5 and Intel
+ * Sapphire Rapids on, the two read at the same rate: bench/RESULTS.md, "AVX-512 on Zen 5" and
+ * "One token on AVX-512"). SMOE_MATVEC=avx2 or avx512 forces one (to measure and test).
  *
  * The reference kernels (kernels_ref.c) and the instruction-set files (kernels_avx2.c,
  * kernels_avx512.c, kernels_neon.c) never call back into this file: it is the only one that
@@ -18,6 +23,10 @@
 #include "kernels_isa.h"
 
 #include "cpu.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
 
 const char *smoe_kernels_isa(void) { return SMOE_HAVE_AVX2 ? "avx2" : SMOE_HAVE_NEON ? "neon" : "portable"; }
 
@@ -57,11 +66,33 @@ void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint
     smoe_ref_qx_prepare(x, ldx, n, cols, wformat, group, codes, d, gsum);
 }
 
+#if SMOE_HAVE_AVX2 && SMOE_HAVE_AVX512
+/* Whether one token's product (n = 1) takes the AVX-512 instance: where the AVX2 instance would
+ * run without VNNI and the AVX-512 one with it (SMOE_MATVEC=avx2 or avx512 forces either; avx512
+ * still only where smoe_cpu_avx512 allows). Cached; threads asking at once compute the same. */
+static _Atomic int matvec512 = -1;
+
+static bool matvec_avx512(void) {
+    int use = atomic_load_explicit(&matvec512, memory_order_relaxed);
+    if (use < 0) {
+        const char *v = getenv("SMOE_MATVEC");
+        if (v && strcmp(v, "avx512") == 0)
+            use = 1;
+        else if (v && strcmp(v, "avx2") == 0)
+            use = 0;
+        else
+            use = (smoe_cpu_avx512() & SMOE_CPU_AVX512VNNI) && !smoe_avx2_qx_vnni();
+        atomic_store_explicit(&matvec512, use, memory_order_relaxed);
+    }
+    return use > 0;
+}
+#endif
+
 void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                          uint32_t r0, uint32_t r1) {
 #if SMOE_HAVE_AVX2
 #if SMOE_HAVE_AVX512
-    const unsigned a512 = n > 1 ? smoe_cpu_avx512() : 0; /* n = 1: AVX2's prefetching matvec (above) */
+    const unsigned a512 = n > 1 || matvec_avx512() ? smoe_cpu_avx512() : 0; /* n = 1: the rule above */
     if ((a512 & SMOE_CPU_AVX512VNNI) ? smoe_avx512_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1)
         : (a512 & SMOE_CPU_AVX512)   ? smoe_avx512_matmul_rows_qx_bw(W, w, X, n, y, ldy, r0, r1)
                                      : false)
