@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum { REPS = 9 };
 
@@ -126,7 +127,9 @@ static smoe_tensor make_q(uint8_t format, uint32_t G, uint32_t rows, uint32_t co
  * all (default 1024, well past the last-level cache), as decode walks layers and experts, so the
  * weights come from DRAM. One or two threads, each its half of the rows (the pool's split);
  * each rep makes every contender sweep the pool once, in an order rotated rep by rep; figures are
- * medians of REPS reps, wall clock, as GB/s of weight bytes (codes + scales + biases). */
+ * medians of REPS reps, wall clock, as GB/s of weight bytes (codes + scales + biases).
+ * SMOE_PROF_CPU=1: each rep timed by its threads' CPU time instead (the slower thread's), which
+ * on a loaded machine says what the product costs when it runs, not how often it was scheduled. */
 typedef struct {
     qx_fn fn;
     smoe_tensor *W;
@@ -134,28 +137,43 @@ typedef struct {
     size_t nw;
     uint32_t r0, r1;
     float *y;
+    double cpu; /* its thread's CPU seconds */
 } mv_work;
 
+static double thread_cpu(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
 static void *mv_main(void *p) {
-    const mv_work *w = p;
+    mv_work *w = p;
+    const double t = thread_cpu();
     for (size_t i = 0; i < w->nw; i++) w->fn(&w->W[i], w->W[i].data, w->X, 1, w->y, w->W[i].rows, w->r0, w->r1);
+    w->cpu = thread_cpu() - t;
     return NULL;
 }
+
+static int mv_cpu; /* SMOE_PROF_CPU=1: time by the threads' CPU time (the slower thread's) */
 
 static double mv_time(qx_fn fn, smoe_tensor *W, size_t nw, const smoe_qx *X, float *y, int threads) {
     mv_work w[2];
     pthread_t tid;
     const uint32_t rows = W[0].rows, half = rows / 2;
     for (int i = 0; i < threads; i++)
-        w[i] = (mv_work){fn, W, X, nw, threads == 1 || i == 0 ? 0 : half, threads == 1 || i == 1 ? rows : half, y};
+        w[i] = (mv_work){fn, W, X, nw, threads == 1 || i == 0 ? 0 : half, threads == 1 || i == 1 ? rows : half, y, 0};
     const double t = smoe_now();
     if (threads == 2) pthread_create(&tid, NULL, mv_main, &w[1]);
     mv_main(&w[0]);
     if (threads == 2) pthread_join(tid, NULL);
-    return smoe_now() - t;
+    const double wall = smoe_now() - t;
+    if (!mv_cpu) return wall;
+    return threads == 2 && w[1].cpu > w[0].cpu ? w[1].cpu : w[0].cpu;
 }
 
 static int matvec_main(uint8_t format, uint32_t G, size_t mib) {
+    const char *cpu = getenv("SMOE_PROF_CPU");
+    mv_cpu = cpu && *cpu && strcmp(cpu, "0") != 0;
     typedef struct {
         const char *name;
         qx_fn fn;
@@ -173,8 +191,8 @@ static int matvec_main(uint8_t format, uint32_t G, size_t mib) {
 #endif
     c[nc++] = (contender){"read only", read_only};
     printf("one token (n = 1), format %s, group %u, f16 scales, a pool of %zu MiB of distinct matrices; GB/s of weight "
-           "bytes, median of %d reps (min-max), wall clock\n",
-           format == SMOE_FMT_Q4 ? "q4" : "q8", G, mib, REPS);
+           "bytes, median of %d reps (min-max), %s\n",
+           format == SMOE_FMT_Q4 ? "q4" : "q8", G, mib, REPS, mv_cpu ? "thread CPU time" : "wall clock");
     static const uint32_t shapes[3][2] = {{32768, 2048}, {768, 2048}, {2048, 768}};
     for (int si = 0; si < 3; si++) {
         const uint32_t rows = shapes[si][0], cols = shapes[si][1];
