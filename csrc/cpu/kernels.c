@@ -10,11 +10,18 @@
  *
  * One token (n = 1, decode's products and a short prompt's one-token experts) is a matrix-vector
  * product bound by reading the weights; both the AVX2 and the AVX-512 instances have one that
- * streams a row at a time and prefetches ahead. It takes the AVX-512 instance only where that one
- * runs with VNNI and the AVX2 one would not (AVX512-VNNI without AVX-VNNI: AMD Zen 4, Intel Ice
- * Lake and Cascade Lake), and the AVX2 instance elsewhere (with AVX-VNNI, AMD Zen 5 and Intel
- * Sapphire Rapids on, the two read at the same rate: bench/RESULTS.md, "AVX-512 on Zen 5" and
- * "One token on AVX-512"). SMOE_MATVEC=avx2 or avx512 forces one (to measure and test).
+ * streams a row at a time and prefetches ahead (same bits). It takes the AVX-512 instance where
+ * that one runs with VNNI, except on an AMD CPU whose AVX2 instance has AVX-VNNI too (Zen 5):
+ *  - AVX512-VNNI without AVX-VNNI (AMD Zen 4, Intel Ice Lake, Cascade Lake): the AVX2 instance
+ *    would run without VNNI; on a Sapphire Rapids Xeon the plain AVX2 matvec costs 0-10 % more
+ *    CPU time per byte than the AVX512-VNNI one (bench/RESULTS.md, "One token on AVX-512");
+ *    Zen 4 itself not measured;
+ *  - Intel with both (Sapphire Rapids and later Xeons): measured there, AVX512-VNNI 1-7 % (q4)
+ *    and 2-20 % (q8) less CPU time per byte than the AVX-VNNI one;
+ *  - AMD with both (Zen 5): an AVX-512 matvec with prefetch read at the AVX2 one's rate
+ *    ("AVX-512 on Zen 5"); this one not measured there, so the AVX2 instance stays.
+ * SMOE_MATVEC=avx2 or avx512 forces one (to measure and test; avx512 only where the AVX-512
+ * instances run at all).
  *
  * The reference kernels (kernels_ref.c) and the instruction-set files (kernels_avx2.c,
  * kernels_avx512.c, kernels_neon.c) never call back into this file: it is the only one that
@@ -67,9 +74,8 @@ void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint
 }
 
 #if SMOE_HAVE_AVX2 && SMOE_HAVE_AVX512
-/* Whether one token's product (n = 1) takes the AVX-512 instance: where the AVX2 instance would
- * run without VNNI and the AVX-512 one with it (SMOE_MATVEC=avx2 or avx512 forces either; avx512
- * still only where smoe_cpu_avx512 allows). Cached; threads asking at once compute the same. */
+/* Whether one token's product (n = 1) takes the AVX-512 instance (the rule at the top). Cached;
+ * threads asking at once compute the same. */
 static _Atomic int matvec512 = -1;
 
 static bool matvec_avx512(void) {
@@ -81,7 +87,7 @@ static bool matvec_avx512(void) {
         else if (v && strcmp(v, "avx2") == 0)
             use = 0;
         else
-            use = (smoe_cpu_avx512() & SMOE_CPU_AVX512VNNI) && !smoe_avx2_qx_vnni();
+            use = (smoe_cpu_avx512() & SMOE_CPU_AVX512VNNI) && !(smoe_avx2_qx_vnni() && __builtin_cpu_is("amd"));
         atomic_store_explicit(&matvec512, use, memory_order_relaxed);
     }
     return use > 0;
