@@ -5,6 +5,7 @@
  *   cc -O3 -std=c11 -ffp-contract=off -D_GNU_SOURCE -mavx2 -mfma -mf16c -Icsrc bench/qx_isa.c \
  *       csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_avx2.c csrc/cpu/kernels_avx512.c csrc/cpu/cpu.c csrc/util.c -lm -pthread -o build/qx_isa
  *   build/qx_isa [q4|q8 [group]]      (default q4, group 64)
+ *   build/qx_isa mv [q4|q8 [group [MiB]]]   (one token, every instance: matvec_main below)
  *
  * Shapes: n = 1 on 32768 × 2048 (32 MiB of q4 codes: the weights stream from memory, as decode
  * reads its experts), n = 2, 4, 8 and 64 on 768 × 2048 (an a3b expert's gate; the batched product
@@ -24,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum { REPS = 9 };
 
@@ -117,7 +119,141 @@ static smoe_tensor make_q(uint8_t format, uint32_t G, uint32_t rows, uint32_t co
     return t;
 }
 
+/* ---------------------------------------------------------------- one token: every instance
+ * `qx_isa mv q4|q8 [group [MiB]]`: the matrix-vector product (n = 1) of every instance this CPU
+ * runs — plain AVX2, AVX-VNNI, AVX-512 F+BW, AVX512-VNNI — and the plain read, on three shapes:
+ * 32768 × 2048 (an lm_head-like long matrix), 768 × 2048 (an a3b expert's gate or up) and
+ * 2048 × 768 (its down). Each call takes the next of a pool of distinct matrices holding MiB in
+ * all (default 1024, well past the last-level cache), as decode walks layers and experts, so the
+ * weights come from DRAM. One or two threads, each its half of the rows (the pool's split);
+ * each rep makes every contender sweep the pool once, in an order rotated rep by rep; figures are
+ * medians of REPS reps, wall clock, as GB/s of weight bytes (codes + scales + biases).
+ * SMOE_PROF_CPU=1: each rep timed by its threads' CPU time instead (the slower thread's), which
+ * on a loaded machine says what the product costs when it runs, not how often it was scheduled. */
+typedef struct {
+    qx_fn fn;
+    smoe_tensor *W;
+    const smoe_qx *X;
+    size_t nw;
+    uint32_t r0, r1;
+    float *y;
+    double cpu; /* its thread's CPU seconds */
+} mv_work;
+
+static double thread_cpu(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void *mv_main(void *p) {
+    mv_work *w = p;
+    const double t = thread_cpu();
+    for (size_t i = 0; i < w->nw; i++) w->fn(&w->W[i], w->W[i].data, w->X, 1, w->y, w->W[i].rows, w->r0, w->r1);
+    w->cpu = thread_cpu() - t;
+    return NULL;
+}
+
+static int mv_cpu; /* SMOE_PROF_CPU=1: time by the threads' CPU time (the slower thread's) */
+
+static double mv_time(qx_fn fn, smoe_tensor *W, size_t nw, const smoe_qx *X, float *y, int threads) {
+    mv_work w[2];
+    pthread_t tid;
+    const uint32_t rows = W[0].rows, half = rows / 2;
+    for (int i = 0; i < threads; i++)
+        w[i] = (mv_work){fn, W, X, nw, threads == 1 || i == 0 ? 0 : half, threads == 1 || i == 1 ? rows : half, y, 0};
+    const double t = smoe_now();
+    if (threads == 2) pthread_create(&tid, NULL, mv_main, &w[1]);
+    mv_main(&w[0]);
+    if (threads == 2) pthread_join(tid, NULL);
+    const double wall = smoe_now() - t;
+    if (!mv_cpu) return wall;
+    return threads == 2 && w[1].cpu > w[0].cpu ? w[1].cpu : w[0].cpu;
+}
+
+static int matvec_main(uint8_t format, uint32_t G, size_t mib) {
+    const char *cpu = getenv("SMOE_PROF_CPU");
+    mv_cpu = cpu && *cpu && strcmp(cpu, "0") != 0;
+    typedef struct {
+        const char *name;
+        qx_fn fn;
+    } contender;
+    contender c[5];
+    int nc = 0;
+    c[nc++] = (contender){"avx2", smoe_avx2_matmul_rows_qx_plain};
+#if SMOE_HAVE_AVXVNNI
+    if (__builtin_cpu_supports("avxvnni")) c[nc++] = (contender){"avx-vnni", smoe_avx2_matmul_rows_qx_vnni};
+#endif
+#if SMOE_HAVE_AVX512
+    const unsigned a512 = smoe_cpu_avx512_hw();
+    if (a512 & SMOE_CPU_AVX512) c[nc++] = (contender){"avx512", smoe_avx512_matmul_rows_qx_bw};
+    if (a512 & SMOE_CPU_AVX512VNNI) c[nc++] = (contender){"avx512vnni", smoe_avx512_matmul_rows_qx_vnni};
+#endif
+    c[nc++] = (contender){"read only", read_only};
+    printf("one token (n = 1), format %s, group %u, f16 scales, a pool of %zu MiB of distinct matrices; GB/s of weight "
+           "bytes, median of %d reps (min-max), %s\n",
+           format == SMOE_FMT_Q4 ? "q4" : "q8", G, mib, REPS, mv_cpu ? "thread CPU time" : "wall clock");
+    static const uint32_t shapes[3][2] = {{32768, 2048}, {768, 2048}, {2048, 768}};
+    for (int si = 0; si < 3; si++) {
+        const uint32_t rows = shapes[si][0], cols = shapes[si][1];
+        void *alloc0;
+        smoe_tensor W0 = make_q(format, G, rows, cols, &alloc0);
+        const size_t nw = mib * 1024 * 1024 / W0.nbytes + 1;
+        smoe_tensor *W = malloc(sizeof *W * nw);
+        void **allocs = malloc(sizeof *allocs * nw);
+        W[0] = W0;
+        allocs[0] = alloc0;
+        for (size_t i = 1; i < nw; i++) W[i] = make_q(format, G, rows, cols, &allocs[i]);
+        const smoe_qx_size z = smoe_qx_sizes(cols, format, G);
+        float *x = malloc(sizeof(float) * cols);
+        for (uint32_t i = 0; i < cols; i++) x[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
+        void *codes = aligned_alloc(64, (z.code_bytes + 63) / 64 * 64);
+        float *d = malloc(sizeof(float) * z.d_floats), *gs = malloc(sizeof(float) * z.gsum_floats);
+        smoe_qx_prepare(x, cols, 1, cols, format, G, codes, d, gs);
+        const smoe_qx X = {codes, d, gs, cols, G, format};
+        float *y0 = malloc(sizeof(float) * rows), *y = malloc(sizeof(float) * rows);
+        c[0].fn(&W[0], W[0].data, &X, 1, y0, rows, 0, rows);
+        for (int k = 1; k + 1 < nc; k++) {
+            c[k].fn(&W[0], W[0].data, &X, 1, y, rows, 0, rows);
+            if (memcmp(y0, y, sizeof(float) * rows) != 0) {
+                printf("%s: its outputs differ from avx2's\n", c[k].name);
+                return 1;
+            }
+        }
+        const double bytes = (double)W0.nbytes * (double)nw;
+        for (int threads = 1; threads <= 2; threads++) {
+            double t[5][REPS];
+            for (int r = 0; r < REPS; r++)
+                for (int j = 0; j < nc; j++) {
+                    const int k = (j + r) % nc;
+                    t[k][r] = mv_time(c[k].fn, W, nw, &X, y, threads);
+                }
+            printf("%ux%u (%zu matrices), %d thread%s:", rows, cols, nw, threads, threads > 1 ? "s" : "");
+            for (int k = 0; k < nc; k++) {
+                qsort(t[k], REPS, sizeof(double), cmp_double);
+                printf("  %s %.1f (%.1f-%.1f)", c[k].name, bytes / t[k][REPS / 2] * 1e-9, bytes / t[k][REPS - 1] * 1e-9,
+                       bytes / t[k][0] * 1e-9);
+            }
+            printf("\n");
+            fflush(stdout);
+        }
+        for (size_t i = 0; i < nw; i++) free(allocs[i]);
+        free(W);
+        free(allocs);
+        free(x);
+        free(codes);
+        free(d);
+        free(gs);
+        free(y0);
+        free(y);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "mv") == 0)
+        return matvec_main(argc > 2 && strcmp(argv[2], "q8") == 0 ? SMOE_FMT_Q8 : SMOE_FMT_Q4,
+                           argc > 3 ? (uint32_t)atoi(argv[3]) : 64, argc > 4 ? (size_t)atoi(argv[4]) : 1024);
     const uint8_t format = argc > 1 && strcmp(argv[1], "q8") == 0 ? SMOE_FMT_Q8 : SMOE_FMT_Q4;
     const uint32_t G = argc > 2 ? (uint32_t)atoi(argv[2]) : 64;
     const unsigned a512 = smoe_cpu_avx512_hw();

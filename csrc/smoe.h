@@ -474,6 +474,8 @@ SMOE_API smoe_status smoe_cache_clear(smoe_session *session);
  * and testing; none is needed to run a model.
  *   SMOE_NO_AVX512=1           the CPU kernels do not use AVX-512 (smoe_kernels says which run)
  *   SMOE_NO_VNNI=1             nor AVX-VNNI / AVX512-VNNI
+ *   SMOE_MATVEC=avx2|avx512    one token's products (decode) on the AVX2 or the AVX-512 kernels
+ *                              (default: by CPU, csrc/cpu/kernels.c; the same bits either way)
  *   SMOE_RETENTION=lru|lrfu|lrfu:H  the host cache's victim order within a layer (default lrfu,
  *                              H its half-life in visits of a layer; docs/streamer.md)
  *   SMOE_CUDA_DEVICE_UNION=0   a GPU never forms a layer's union itself (every layer's routed

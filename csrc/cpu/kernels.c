@@ -6,10 +6,22 @@
  * kernels_ref.c, which keep their own names (smoe_ref_*) in every build. See kernels_isa.h. On x86-64
  * the 8-bit-activation product then picks, at run time, an instance with these bits exactly:
  * AVX512-VNNI, AVX-512 (F + BW), AVX-VNNI or plain AVX2, the first this CPU has (cpu.h,
- * smoe_cpu_avx512; kernels_avx512.c, kernels_avx2_qx.h), unless SMOE_NO_AVX512=1 / SMOE_NO_VNNI=1 —
- * except one token (n = 1, decode's products), which always takes the AVX2 instance: its
- * matrix-vector product prefetches the rows ahead and streams the weights at 2.1-2.3x the AVX-512
- * instance's speed on one core of AMD Zen 5 (bench/qx_isa.c; bench/RESULTS.md, "AVX-512 on Zen 5").
+ * smoe_cpu_avx512; kernels_avx512.c, kernels_avx2_qx.h), unless SMOE_NO_AVX512=1 / SMOE_NO_VNNI=1.
+ *
+ * One token (n = 1, decode's products and a short prompt's one-token experts) is a matrix-vector
+ * product bound by reading the weights; both the AVX2 and the AVX-512 instances have one that
+ * streams a row at a time and prefetches ahead (same bits). It takes the AVX-512 instance where
+ * that one runs with VNNI, except on an AMD CPU whose AVX2 instance has AVX-VNNI too (Zen 5):
+ *  - AVX512-VNNI without AVX-VNNI (AMD Zen 4, Intel Ice Lake, Cascade Lake): the AVX2 instance
+ *    would run without VNNI; on a Sapphire Rapids Xeon the plain AVX2 matvec costs 0-10 % more
+ *    CPU time per byte than the AVX512-VNNI one (bench/RESULTS.md, "One token on AVX-512");
+ *    Zen 4 itself not measured;
+ *  - Intel with both (Sapphire Rapids and later Xeons): measured there, AVX512-VNNI 1-7 % (q4)
+ *    and 2-20 % (q8) less CPU time per byte than the AVX-VNNI one;
+ *  - AMD with both (Zen 5): an AVX-512 matvec with prefetch read at the AVX2 one's rate
+ *    ("AVX-512 on Zen 5"); this one not measured there, so the AVX2 instance stays.
+ * SMOE_MATVEC=avx2 or avx512 forces one (to measure and test; avx512 only where the AVX-512
+ * instances run at all).
  *
  * The reference kernels (kernels_ref.c) and the instruction-set files (kernels_avx2.c,
  * kernels_avx512.c, kernels_neon.c) never call back into this file: it is the only one that
@@ -18,6 +30,10 @@
 #include "kernels_isa.h"
 
 #include "cpu.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
 
 const char *smoe_kernels_isa(void) { return SMOE_HAVE_AVX2 ? "avx2" : SMOE_HAVE_NEON ? "neon" : "portable"; }
 
@@ -57,11 +73,34 @@ void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint
     smoe_ref_qx_prepare(x, ldx, n, cols, wformat, group, codes, d, gsum);
 }
 
+#if SMOE_HAVE_AVX2 && SMOE_HAVE_AVX512
+/* Whether one token's product (n = 1) takes the AVX-512 instance (the rule at the top). Cached;
+ * threads asking at once compute the same. */
+static _Atomic int matvec512 = -1;
+
+static bool matvec_avx512(void) {
+    int use = atomic_load_explicit(&matvec512, memory_order_relaxed);
+    if (use < 0) {
+        const char *v = getenv("SMOE_MATVEC");
+        if (v && strcmp(v, "avx512") == 0)
+            use = 1;
+        else if (v && strcmp(v, "avx2") == 0)
+            use = 0;
+        else
+            use = (smoe_cpu_avx512() & SMOE_CPU_AVX512VNNI) && !(smoe_avx2_qx_vnni() && __builtin_cpu_is("amd"));
+        atomic_store_explicit(&matvec512, use, memory_order_relaxed);
+    }
+    return use > 0;
+}
+#endif
+
 void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                          uint32_t r0, uint32_t r1) {
 #if SMOE_HAVE_AVX2
 #if SMOE_HAVE_AVX512
-    const unsigned a512 = n > 1 ? smoe_cpu_avx512() : 0; /* n = 1: AVX2's prefetching matvec (above) */
+    /* n = 1: the rule above, for q4 and q8 (the formats whose matrix-vector path it measured) */
+    const bool mv = (W->format == SMOE_FMT_Q4 || W->format == SMOE_FMT_Q8) && matvec_avx512();
+    const unsigned a512 = n > 1 || mv ? smoe_cpu_avx512() : 0;
     if ((a512 & SMOE_CPU_AVX512VNNI) ? smoe_avx512_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1)
         : (a512 & SMOE_CPU_AVX512)   ? smoe_avx512_matmul_rows_qx_bw(W, w, X, n, y, ldy, r0, r1)
                                      : false)

@@ -38,6 +38,11 @@
  *    then holds, for row s/2, the sum of quarter Q of pair s%2: the block (unit 2(s%2) + Q/2,
  *    block Q%2), whose reference lane is CMAP below.
  *
+ * One token (n = 1) has its own path, the matrix-vector product (qx_matvec): one row at a time,
+ * read in place and prefetched AHEAD rows on, two groups of 4 units per 16-lane register of
+ * integer sums, whose halves go into the one 8-lane fma chain in turn (kernels.c says on which
+ * CPUs decode takes it rather than the AVX2 one).
+ *
  * Shapes: rows two at a time (an odd last row is computed twice, written once), tokens in
  * register blocks of up to TB, in tiles whose re-laid codes fit XBYTES of stack. Rows of more
  * than MAXC columns, or a group size other than 32/64/128, are not taken (false: kernels.c then
@@ -74,6 +79,11 @@ enum {
     XBYTES = 64 * 1024, /* a tile's re-laid codes: 64 bytes per unit and token */
     TB = 4,             /* tokens of a register block */
 };
+
+#ifndef QX512_AHEAD
+#define QX512_AHEAD 4 /* rows ahead the matrix-vector product prefetches its weights */
+#endif
+enum { AHEAD = QX512_AHEAD };
 
 INLINE bool group_ok(uint32_t G) { return G == 32 || G == 64 || G == 128; }
 

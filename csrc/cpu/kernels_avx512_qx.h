@@ -82,10 +82,102 @@ QX_ATTR static void QX(qx_block_any)(int T, bool q8, const uint8_t *w0, const ui
     }
 }
 
+/* The integer block sums of two groups of 4 units (units 8h .. 8h + 8 of one row; only the first
+ * group when !two), in red4's lane order: lane 4Q + s the sum of quarter Q of pair s (pairs 0, 1
+ * the first group's, 2, 3 the second's) — so cinv puts them in [first group's reference lanes |
+ * second's], as it does a row pair's. Weights read in place (load_w: zeros past rb). */
+QX_INLINE __m512i QX(qx_mv_step)(const bool two, const bool q8, const uint8_t *row, size_t rb, const uint8_t *x,
+                                  uint32_t h) {
+    const __m512i m = _mm512_set1_epi8(0x0f);
+    __m512i p[4];
+    for (int s = 0; s < 4; s++) {
+        if (!two && s >= 2) {
+            p[s] = _mm512_setzero_si512();
+            continue;
+        }
+        const size_t pair = 4 * (size_t)h + (size_t)s; /* 128 columns: q4 64 bytes, q8 128 */
+        if (!q8) {
+            const __m512i v = load_w(row, 64 * pair, rb);
+            p[s] = QX_Q4(_mm512_and_si512(v, m), _mm512_load_si512(x + 128 * pair),
+                         _mm512_and_si512(_mm512_srli_epi16(v, 4), m), _mm512_load_si512(x + 128 * pair + 64));
+        } else {
+            p[s] = fold(QX_Q8(load_w(row, 128 * pair, rb), _mm512_load_si512(x + 128 * pair)),
+                        QX_Q8(load_w(row, 128 * pair + 64, rb), _mm512_load_si512(x + 128 * pair + 64)));
+        }
+    }
+    return red4(p[0], p[1], p[2], p[3]);
+}
+
+/* σ of groups of 4 units 2h and 2h + 1 of a row, in the reference's lane order (kernels_avx2.c's
+ * qx_sigma for each, side by side), from s, its scales by group (zero-padded by SPAD) */
+QX_INLINE __m512 QX(qx_mv_sigma)(const uint32_t G, const float *s, uint32_t h) {
+    if (G == 64)
+        return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7),
+                                     _mm512_loadu_ps(s + 8 * (size_t)h));
+    if (G == 32)
+        return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15),
+                                     _mm512_loadu_ps(s + 16 * (size_t)h));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3),
+                                 _mm512_loadu_ps(s + 4 * (size_t)h));
+}
+
+/* One row against one token: tot of kernels_ref.c, its 8 lanes in the reference order, the groups
+ * of 4 units two at a time (one 16-lane register of integer sums, whose two halves then go into
+ * the same 8-lane fma chain one after the other: the reference's order exactly). ahead: how far on
+ * the same bytes are prefetched. */
+QX_INLINE __m256 QX(qx_mv_row)(const bool q8, const uint32_t G, const uint8_t *row, size_t rb, const float *s,
+                               const uint8_t *x, const float *d, uint32_t ngr, size_t ahead, __m512i cinv) {
+    const size_t step = q8 ? 512 : 256; /* weight bytes of 8 units */
+    __m256 tot = _mm256_setzero_ps();
+    uint32_t h = 0;
+    for (; 2 * h + 2 <= ngr; h++) {
+        for (size_t b = 0; b < step; b += 64) _mm_prefetch((const char *)row + ahead + step * h + b, _MM_HINT_T0);
+        const __m512 f = _mm512_permutexvar_ps(cinv, _mm512_cvtepi32_ps(QX(qx_mv_step)(true, q8, row, rb, x, h)));
+        const __m512 sd = _mm512_mul_ps(QX(qx_mv_sigma)(G, s, h), _mm512_loadu_ps(d + 16 * (size_t)h));
+        tot = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm512_castps512_ps256(sd), tot);
+        tot = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)),
+                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sd), 1)), tot);
+    }
+    if (2 * h < ngr) { /* an odd last group of 4 units: its d alone (no read past the token's) */
+        const __m512 f = _mm512_permutexvar_ps(cinv, _mm512_cvtepi32_ps(QX(qx_mv_step)(false, q8, row, rb, x, h)));
+        const __m256 sd = _mm256_mul_ps(_mm512_castps512_ps256(QX(qx_mv_sigma)(G, s, h)), _mm256_loadu_ps(d + 16 * (size_t)h));
+        tot = _mm256_fmadd_ps(_mm512_castps512_ps256(f), sd, tot);
+    }
+    return tot;
+}
+
+/* The matrix-vector product (n = 1, decode's): one row at a time (one sequential stream), its
+ * codes read in place, the same bytes AHEAD rows on prefetched as it goes — the AVX2 matvec's way
+ * (kernels_avx2.c says why each) — with x's codes re-laid once per call. The integers are those
+ * of the batched path and the fma chain is the reference's, so the bits are the same. */
+QX_ATTR static bool QX(qx_matvec)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, float *y, uint32_t r0,
+                                  uint32_t r1) {
+    const uint32_t G = W->group, cols = W->cols;
+    const bool q8 = W->format == SMOE_FMT_Q8;
+    const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
+    const uint32_t ng = cols / G, ng8 = (ng + 7) & ~7u, up = (uint32_t)z.d_floats / 2, ngr = up / 4;
+    const size_t rb = q8 ? cols : cols / 2, sbytes = sf_bytes(W->scale_format);
+    const uint8_t *scales = w + W->scales_off, *biases = w + W->biases_off;
+    _Alignas(64) uint8_t xb[MAXU * 64]; /* the token's re-laid codes */
+    float sv[MAXG + 2 * SPAD], bv[MAXG + 2 * SPAD];
+    const __m512i cinv = _mm512_load_si512(cinv_lanes);
+    relayout(xb, X->codes, up, q8);
+    for (uint32_t r = r0; r < r1; r++) {
+        load_scales(sv, scales + sbytes * (size_t)r * ng, ng, W->scale_format, 2 * up + SPAD);
+        load_scales(bv, biases + sbytes * (size_t)r * ng, ng, W->scale_format, ng8);
+        const uint8_t *row = w + (size_t)r * rb;
+        const __m256 tot = q8 ? QX(qx_mv_row)(true, G, row, rb, sv, xb, X->d, ngr, AHEAD * rb, cinv)
+                              : QX(qx_mv_row)(false, G, row, rb, sv, xb, X->d, ngr, AHEAD * rb, cinv);
+        y[r] = hsum8(tot) + bias_dot(bv, X->gsum, ng8);
+    }
+    return true;
+}
+
 QX_ATTR bool QX(smoe_avx512_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n,
                                             float *y, size_t ldy, uint32_t r0, uint32_t r1) {
     const uint32_t G = W->group, cols = W->cols;
     if (!group_ok(G) || cols % G || cols > MAXC) return false;
+    if (n == 1) return QX(qx_matvec)(W, w, X, y, r0, r1);
     const bool q8 = W->format == SMOE_FMT_Q8;
     const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
     const uint32_t ng = cols / G, ng8 = (ng + 7) & ~7u, up = (uint32_t)z.d_floats / 2, ngr = up / 4;

@@ -4,9 +4,9 @@
  * Every product goes through smoe_matmul_rows / smoe_matmul_rows_qx, whose per-element reduction
  * is fixed (kernels.h), over rows split between threads at multiples of 16: which thread computes
  * a row never changes its value. So an expert's outputs are the same whichever `experts` call ran
- * it and with whatever other experts: one routed to exactly one (token, slot) (every expert of a
- * decode step; most of a short prefill's) goes with up to 63 others into two pool runs — gate and
- * up of all of them, each on its own token's codes, then down of all — the same kernel calls on
+ * it and with whatever other experts: one routed to one or two (token, slot) rows (every expert of
+ * a decode step; most of a short prefill's) goes with up to 63 others into two pool runs — gate
+ * and up of all of them, each on its own rows' codes, then down of all — the same kernel calls on
  * the same inputs as its own product would make, with 2 wake-ups and barriers instead of 2 per
  * expert; q, k and v of one token share one run the same way. */
 #include "cpu/cpu_state.h"
@@ -41,8 +41,8 @@ static void linear_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
     matmul(t->W, t->w, t->x, t->qx, t->n, t->y, t->ldy, r0, r1);
 }
 
-/* Several products in one pool run: part i is W[i] on its own input (f32 x[i] or codes qx[i]) into
- * y[i], its rows numbered after the previous parts' in the run's items. Which thread computes a
+/* Several products in one pool run: part i is W[i] on its own n[i] rows of input (f32 x[i] or codes
+ * qx[i]) into y[i], its rows numbered after the previous parts' in the run's items. Which thread computes a
  * row never changes its value (kernels.h), so one run gives each part the bits it would get alone,
  * with one wake-up and one barrier instead of one per product. */
 enum { MAX_PARTS = 128 };
@@ -54,6 +54,8 @@ typedef struct {
     smoe_qx qx;     /* x as codes when has_qx */
     bool has_qx;
     float *y;
+    uint32_t n;     /* its rows of x (tokens) */
+    size_t ldy;     /* y's row stride */
     uint32_t first; /* its first item in the run */
 } product_part;
 
@@ -71,7 +73,7 @@ static void parts_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
         const product_part *p = &t->parts[i];
         const uint32_t end = p->first + p->W->rows, e = r1 < end ? r1 : end;
         if (r0 < e)
-            matmul(p->W, p->w, p->x, p->has_qx ? &p->qx : NULL, 1, p->y, p->W->rows, r0 - p->first, e - p->first);
+            matmul(p->W, p->w, p->x, p->has_qx ? &p->qx : NULL, p->n, p->y, p->ldy, r0 - p->first, e - p->first);
         r0 = e;
     }
 }
@@ -208,7 +210,8 @@ smoe_status smoe_cpu_project(void *b, smoe_plane src, const smoe_proj *out, uint
         product_part parts[MAX_PARTS];
         uint32_t rows = 0;
         for (uint32_t i = 0; i < n_out; i++) {
-            parts[i] = (product_part){out[i].W, out[i].W->data, x, {0}, qx != NULL, smoe_cpu_plane(s, out[i].out), rows};
+            parts[i] = (product_part){out[i].W,  out[i].W->data, x, {0}, qx != NULL, smoe_cpu_plane(s, out[i].out),
+                                      1,         out[i].W->rows, rows};
             if (qx) parts[i].qx = *qx;
             rows += out[i].W->rows;
         }
@@ -304,22 +307,51 @@ static void run_expert(cpu_state *s, const smoe_union *un, uint32_t p, const uin
     SMOE_PROF_LAP(SMOE_P_GATHER);
 }
 
-/* Union positions p[0..m) routed exactly one (token, slot) each, m ≤ chunk and 2m ≤ MAX_PARTS, in two
- * pool runs: gate and up of all of them, each on its token's codes, then down of all, each on its
- * own silu(gate)·up row (those rows quantised as tokens: per row, the codes a one-row call gives).
- * Each output lands in its (token, slot) row of slot_out as run_expert puts it, by the same kernel
- * calls on the same inputs: the same bits. */
-static void run_single_experts(cpu_state *s, const smoe_union *un, const uint32_t *p, uint32_t m) {
+/* Experts with at most SMALL routed (token, slot) rows are batched by run_small_experts: a short
+ * prompt's (8–45 tokens on a3b's 128 experts, top 8: most see one or two tokens) and every expert
+ * of a decode step. Larger ones get their own two pool runs (run_expert), each split evenly over
+ * the threads: in a batch a part goes whole to one thread, so parts of very different cost per
+ * row would load the threads unevenly. */
+enum { SMALL = 2 };
+
+/* Union positions p[0..m) routed at most SMALL (token, slot) rows each, Σ rows ≤ chunk and
+ * 2m ≤ MAX_PARTS, in two pool runs: gate and up of all of them, each on its own rows' codes, then
+ * down of all, each on its own silu(gate)·up rows. An expert's input rows are its tokens' rows of
+ * xn where every expert has one (each token's codes prepared once), else gathered into xg, expert
+ * by expert (and quantised there: per row, the codes any call gives). Each output lands in its
+ * (token, slot) row of slot_out as run_expert puts it, by the same kernel calls on the same inputs
+ * (n = the expert's rows, as run_expert's): the same bits. */
+static void run_small_experts(cpu_state *s, const smoe_union *un, const uint32_t *p, uint32_t m) {
     const smoe_layout *lay = s->lay;
     const smoe_tensor *x = smoe_expert_of(lay, un->l);
     const smoe_tensor *g = &x[SMOE_XT_GATE], *up = &x[SMOE_XT_UP], *d = &x[SMOE_XT_DOWN];
-    const uint32_t H = s->cfg->hidden_size, K = s->cfg->num_experts_per_tok, I = g->rows, n = un->n;
+    const uint32_t H = s->cfg->hidden_size, K = s->cfg->num_experts_per_tok, I = g->rows;
     product_part parts[MAX_PARTS];
     const uint8_t *blob[MAX_PARTS / 2];
-    uint32_t row[MAX_PARTS / 2]; /* t·K + slot of each expert's one routed (token, slot) */
+    uint32_t first[MAX_PARTS / 2 + 1]; /* expert k's rows are [first[k], first[k + 1]) of h, hg */
+    uint32_t src_row[MAX_PARTS / 2];   /* and its first input row in src */
+    bool gather = false;
+    first[0] = 0;
     for (uint32_t k = 0; k < m; k++) {
         blob[k] = un->w[p[k]];
-        row[k] = un->rows[un->start[p[k]]];
+        first[k + 1] = first[k] + un->count[p[k]];
+        gather |= un->count[p[k]] > 1;
+    }
+    const uint32_t R = first[m];
+    const float *src = s->xn;
+    uint32_t src_n = un->n;
+    if (gather) {
+        for (uint32_t k = 0; k < m; k++) {
+            const uint32_t *rows = un->rows + un->start[p[k]];
+            for (uint32_t j = 0; j < un->count[p[k]]; j++)
+                memcpy(s->xg + (size_t)(first[k] + j) * H, s->xn + (size_t)(rows[j] / K) * H, H * sizeof(float));
+            src_row[k] = first[k];
+        }
+        src = s->xg;
+        src_n = R;
+        SMOE_PROF_LAP(SMOE_P_GATHER);
+    } else {
+        for (uint32_t k = 0; k < m; k++) src_row[k] = un->rows[un->start[p[k]]] / K;
     }
 
     const bool codes = !s->float_activations && smoe_qx_takes(g);
@@ -327,17 +359,18 @@ static void run_single_experts(cpu_state *s, const smoe_union *un, const uint32_
     smoe_qx_size z = {0};
     if (codes) {
         z = smoe_qx_sizes(H, g->format, gG);
-        smoe_qx_prepare(s->xn, H, n, H, g->format, gG, s->qx_codes, s->qx_d, s->qx_gsum);
+        smoe_qx_prepare(src, H, src_n, H, g->format, gG, s->qx_codes, s->qx_d, s->qx_gsum);
         SMOE_PROF_LAP(SMOE_P_QX);
     }
     for (uint32_t k = 0; k < m; k++) {
-        const uint32_t t = row[k] / K;
-        float *hk = s->hg + (size_t)k * 2 * I;
+        const uint32_t t = src_row[k], c = first[k + 1] - first[k];
+        float *hk = s->hg + (size_t)first[k] * 2 * I;
         const smoe_qx qx = {(const uint8_t *)s->qx_codes + t * z.code_bytes, s->qx_d + t * z.d_floats,
                             s->qx_gsum + t * z.gsum_floats, H, gG, g->format};
-        parts[2 * k] = (product_part){g, blob[k] + g->offset, s->xn + (size_t)t * H, qx, codes, hk, 2 * k * I};
+        const float *xk = src + (size_t)t * H;
+        parts[2 * k] = (product_part){g, blob[k] + g->offset, xk, qx, codes, hk, c, 2 * (size_t)I, 2 * k * I};
         parts[2 * k + 1] =
-            (product_part){up, blob[k] + up->offset, s->xn + (size_t)t * H, qx, codes, hk + I, (2 * k + 1) * I};
+            (product_part){up, blob[k] + up->offset, xk, qx, codes, hk + I, c, 2 * (size_t)I, (2 * k + 1) * I};
     }
     parts_task task = {parts, 2 * m};
     smoe_pool_run(s->pool, parts_rows, &task, 2 * m * I, ROW_GRAIN);
@@ -345,30 +378,39 @@ static void run_single_experts(cpu_state *s, const smoe_union *un, const uint32_
 
     for (uint32_t k = 0; k < m; k++) {
         const ffn_weights f = expert_weights(s, un->l, blob[k]);
-        float *hk = s->hg + (size_t)k * 2 * I;
-        if (f.gate_b) add_bias(s, f.gate_b, f.wgb, hk, 2 * (size_t)I, 1);
-        if (f.up_b) add_bias(s, f.up_b, f.wub, hk + I, 2 * (size_t)I, 1);
+        float *hk = s->hg + (size_t)first[k] * 2 * I;
+        const uint32_t c = first[k + 1] - first[k];
+        if (f.gate_b) add_bias(s, f.gate_b, f.wgb, hk, 2 * (size_t)I, c);
+        if (f.up_b) add_bias(s, f.up_b, f.wub, hk + I, 2 * (size_t)I, c);
     }
-    activate(&s->act, s->h, s->hg, I, m);
+    activate(&s->act, s->h, s->hg, I, R);
     SMOE_PROF_LAP(SMOE_P_SWIGLU);
 
     const bool dcodes = !s->float_activations && smoe_qx_takes(d);
     if (dcodes) {
         z = smoe_qx_sizes(I, d->format, dG);
-        smoe_qx_prepare(s->h, I, m, I, d->format, dG, s->qx_codes, s->qx_d, s->qx_gsum);
+        smoe_qx_prepare(s->h, I, R, I, d->format, dG, s->qx_codes, s->qx_d, s->qx_gsum);
         SMOE_PROF_LAP(SMOE_P_QX);
     }
+    /* one row: straight into its slot_out row; more: into yg's rows [first[k], …), copied below */
     for (uint32_t k = 0; k < m; k++) {
-        const smoe_qx qx = {(const uint8_t *)s->qx_codes + k * z.code_bytes, s->qx_d + k * z.d_floats,
-                            s->qx_gsum + k * z.gsum_floats, I, dG, d->format};
-        parts[k] = (product_part){d, blob[k] + d->offset, s->h + (size_t)k * I, qx, dcodes,
-                                  s->slot_out + (size_t)row[k] * H, k * H};
+        const uint32_t f0 = first[k], c = first[k + 1] - f0;
+        const smoe_qx qx = {(const uint8_t *)s->qx_codes + f0 * z.code_bytes, s->qx_d + f0 * z.d_floats,
+                            s->qx_gsum + f0 * z.gsum_floats, I, dG, d->format};
+        float *y = c == 1 ? s->slot_out + (size_t)un->rows[un->start[p[k]]] * H : s->yg + (size_t)f0 * H;
+        parts[k] = (product_part){d, blob[k] + d->offset, s->h + (size_t)f0 * I, qx, dcodes, y, c, H, k * H};
     }
     task.n_parts = m;
     smoe_pool_run(s->pool, parts_rows, &task, m * H, ROW_GRAIN);
     for (uint32_t k = 0; k < m; k++) {
         const ffn_weights f = expert_weights(s, un->l, blob[k]);
-        if (f.down_b) add_bias(s, f.down_b, f.wdb, s->slot_out + (size_t)row[k] * H, H, 1);
+        const uint32_t c = first[k + 1] - first[k];
+        if (f.down_b) add_bias(s, f.down_b, f.wdb, (float *)parts[k].y, H, c);
+        if (c > 1) {
+            const uint32_t *rows = un->rows + un->start[p[k]];
+            for (uint32_t j = 0; j < c; j++)
+                memcpy(s->slot_out + (size_t)rows[j] * H, parts[k].y + (size_t)j * H, H * sizeof(float));
+        }
     }
     SMOE_PROF_LAP(SMOE_P_DOWN);
 }
@@ -377,24 +419,24 @@ smoe_status smoe_cpu_experts(void *b, const smoe_union *un, const uint32_t *item
     cpu_state *s = b;
     const smoe_tensor *x = smoe_expert_of(s->lay, un->l);
     const smoe_tensor *eg = &x[SMOE_XT_GATE], *eu = &x[SMOE_XT_UP];
-    /* the experts with one routed (token, slot), two pool runs per batch of them (when gate and up
-     * take the same codes: the one set of code planes serves both); the others one by one */
-    const uint32_t cap = s->chunk < MAX_PARTS / 2 ? s->chunk : MAX_PARTS / 2;
-    uint32_t single[MAX_PARTS / 2], ns = 0;
+    /* the experts with at most SMALL routed rows, two pool runs per batch of them (when gate and
+     * up take the same codes: the one set of code planes serves both); the others one by one */
+    uint32_t small[MAX_PARTS / 2], ns = 0, rows = 0;
     const bool batch = same_codes(eg, eu);
     for (uint32_t i = 0; i < m; i++) {
-        const uint32_t p = items[i];
-        if (batch && un->count[p] == 1) {
-            single[ns++] = p;
-            if (ns == cap) {
-                run_single_experts(s, un, single, ns);
-                ns = 0;
-            }
-        } else {
+        const uint32_t p = items[i], c = un->count[p];
+        if (!batch || c > SMALL) {
             run_expert(s, un, p, un->w[p]);
+            continue;
         }
+        if (ns == MAX_PARTS / 2 || rows + c > s->chunk) {
+            run_small_experts(s, un, small, ns);
+            ns = rows = 0;
+        }
+        small[ns++] = p;
+        rows += c;
     }
-    if (ns) run_single_experts(s, un, single, ns);
+    if (ns) run_small_experts(s, un, small, ns);
     return SMOE_OK;
 }
 
