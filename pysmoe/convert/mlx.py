@@ -31,7 +31,7 @@ run along a row), so taking rows of its codes, scales and biases is exact. mlx-l
 Every quantised tensor is copied as stored: codes, scales and biases byte for byte, in the
 vault format that matches (q4/q8, its group size, its scale dtype). Unquantised tensors keep
 their float format (f16, which the vault lacks, widens exactly to f32) unless the caller asks
-for another. What the vault cannot hold — 2/3/5/6-bit, the nvfp4/mxfp8 modes, experts
+for another. What the vault cannot hold — 2/3/5/6-bit, the nvfp4/mxfp8 modes, mxfp4 outside the experts, experts
 of one projection stored differently in different layers — is refused while planning, before
 anything is written, with the tensors and the recipe named.
 """
@@ -240,7 +240,7 @@ def plan(ckpt_dir, ckpt: Checkpoint, float_format: dict | None = None) -> Plan:
         m = module_mode(o)
         o = o if isinstance(o, dict) else {}
         ts = ckpt.tensors[s]
-        if m == "mxfp4" and b not in ckpt:
+        if m == "mxfp4" and b not in ckpt and name_for_float == "experts":  # (the engine's MXFP4 is for experts)
             if tw.dtype != "U32" or tuple(tw.shape) != lead + (srows, cols // 8) or cols % 32 or \
                     ts.dtype != "U8" or tuple(ts.shape) != lead + (srows, cols // 32):
                 problems.append(f"{w}/{s}: {tw.dtype} {list(tw.shape)} / {ts.dtype} {list(ts.shape)} are not "
@@ -330,7 +330,7 @@ def plan(ckpt_dir, ckpt: Checkpoint, float_format: dict | None = None) -> Plan:
         problems.append(f"tensors this converter does not know what to do with: {_list(unknown)}")
     if refused:
         problems.insert(0, f"quantisations a vault cannot hold (it holds affine 4- and 8-bit in groups of "
-                           f"32, 64 or 128, and mxfp4; recipe "
+                           f"32, 64 or 128, and mxfp4 experts; recipe "
                            f"{json.dumps({k: v for k, v in recipe.items() if not isinstance(v, dict)})}): "
                            f"{_list(refused)}")
     if problems:
