@@ -456,6 +456,12 @@ def test_mlx_lm_conversion_imports_as_stored_and_runs_as_mlx_lm(way, tmp_path):
                 w = mx.dequantize(stored[p + "weight"][e], stored[p + "scales"][e].astype(mx.float32),
                                   stored[p + "biases"][e].astype(mx.float32), group_size=64, bits=4)
             assert np.array_equal(got, np.array(w.astype(mx.float32))), (way, layer, e, part)
+    if way == "affine_q4":  # the float step between: mlx-lm's dequantised experts, imported as floats
+        f = read_vault(convert_checkpoint(tmp_path / "mlx0", tmp_path / "vf", progress=False))
+        floats = mx.load(str(tmp_path / "mlx0" / "model.safetensors"))
+        assert [t.format for t in f.expert_tensors][:3] == ["bf16"] * 3
+        got = f.expert(1, 2)[2]
+        assert np.array_equal(got, np.array(floats["model.layers.1.mlp.experts.down_proj.weight"][2].astype(mx.float32)))
     ids = [int(i) for i in np.random.default_rng(3).integers(0, 320, size=12)]
     m, _ = load_model(src)
     m.set_dtype(mx.float32)
