@@ -31,9 +31,9 @@ run along a row), so taking rows of its codes, scales and biases is exact. mlx-l
 Every quantised tensor is copied as stored: codes, scales and biases byte for byte, in the
 vault format that matches (q4/q8, its group size, its scale dtype). Unquantised tensors keep
 their float format (f16, which the vault lacks, widens exactly to f32) unless the caller asks
-for another. What the vault cannot hold — 2/3/5/6-bit, the nvfp4/mxfp8 modes, mxfp4 outside the experts, experts
-of one projection stored differently in different layers — is refused while planning, before
-anything is written, with the tensors and the recipe named.
+for another. What the vault cannot hold — 2/3/5/6-bit, the nvfp4/mxfp8 modes, mxfp4 outside the
+experts, experts of one projection stored differently in different layers — is refused while
+planning, before anything is written, with the tensors and the recipe named.
 """
 from __future__ import annotations
 
@@ -67,6 +67,8 @@ def model_prefix(ckpt: Checkpoint) -> str:
     Qwen3.5-MoE, whose model wraps a language model)."""
     return "language_model.model." if any(n.startswith("language_model.model.") for n in ckpt.tensors) \
         else "model."
+
+
 _SCALE = {"BF16": "bf16", "F16": "f16", "F32": "f32"}
 _VAULT_FLOAT = {"BF16": "bf16", "F32": "f32", "F16": "f32", "F64": "f32"}
 
