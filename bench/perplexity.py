@@ -22,6 +22,13 @@ differ only by their numerics:
 
 Rows whose package is missing are left out and named.
 
+A gpt-oss checkpoint (`scripts/train_demo.py train --family gpt_oss`; issue 26) gets the same
+windows and rows plus MXFP4 experts (`convert --experts MXFP4`, dense f32 and dense q8) and
+transformers on the MXFP4 vault's dequantised weights (the exact oracle for the MXFP4 rows); the
+float experts written as the release spells them (`*_blocks`/`*_scales`) and imported as stored
+must give the same blobs (`released_spelling_is_the_same`). The numpy reference, mlx-lm and
+llama.cpp rows are the Qwen3-MoE demo's only.
+
 `--gguf FTYPE...` scores something else: the demo written as an F32 GGUF (export_gguf.py) and
 quantised by llama.cpp's own quantiser to each llama_ftype named (Q4_K_M, Q8_0, ...), then run by
 llama.cpp and by pysmoe on its import of the very same file (`pysmoe convert FILE.gguf`: GGML
@@ -125,17 +132,18 @@ def reference_nll(vault_path, windows: np.ndarray) -> float:
 
 def _hf_model(hf_dir):
     import torch
-    from transformers import AutoConfig, Qwen3MoeForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(hf_dir)
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
     torch.manual_seed(0)
-    return Qwen3MoeForCausalLM.from_pretrained(hf_dir, config=config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(hf_dir, config=config, dtype=torch.float32).eval()
 
 
 def hf_nll(hf_dir, windows: np.ndarray, batch: int = 8) -> float:
-    """Mean NLL through transformers' Qwen3MoeForCausalLM, float32 on the CPU."""
+    """Mean NLL through transformers' model of the checkpoint (Qwen3MoeForCausalLM,
+    GptOssForCausalLM), float32 on the CPU."""
     import torch
 
     model = _hf_model(hf_dir)
@@ -272,21 +280,54 @@ def gguf_table(ftypes, n_windows, length: int, threads: int | None, tmp: Path, c
     return rows
 
 
-def hf_from_vault(vault_path, out_dir) -> Path:
-    """Write a float32 Hugging Face Qwen3-MoE checkpoint holding the vault's weights as the engine
-    sees them (every tensor dequantised: q4/q8/bf16 values widen exactly to float32), with the
-    vault's tokenizer files. Needs torch and transformers."""
+def _gpt_oss_layer(v, layer: int, E: int, dense) -> dict:
+    """A gpt-oss layer's tensors under transformers' names from a vault (GptOssExperts' layout:
+    gate_up_proj [E, H, 2I] and its bias with gate and up interleaved, down_proj [E, I, H])."""
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    p, q = f"model.layers.{layer}.", f"layers.{layer}."
+    new = {f"{p}self_attn.sinks": dense(q + "sinks"), f"{p}mlp.router.weight": dense(q + "router"),
+           f"{p}mlp.router.bias": dense(q + "router.bias")}
+    for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        new[f"{p}self_attn.{n}.weight"] = dense(q + n)
+        new[f"{p}self_attn.{n}.bias"] = dense(q + n + ".bias")
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        new[f"{p}{n}.weight"] = dense(q + n)
+    tensors = v.layer_expert_tensors[layer]
+    gate_up, gate_up_bias, down, down_bias = [], [], [], []
+    for e in range(E):
+        g, u, d = v.expert(layer, e)
+        b = v.blob(layer, e)
+        gb, ub, db = (np.frombuffer(b[t.offset:t.offset + t.nbytes], "<f4") for t in tensors[3:6])
+        gu = np.empty((g.shape[1], 2 * g.shape[0]), np.float32)
+        gu[:, 0::2], gu[:, 1::2] = g.T, u.T
+        gub = np.empty(2 * g.shape[0], np.float32)
+        gub[0::2], gub[1::2] = gb, ub
+        gate_up.append(gu), gate_up_bias.append(gub), down.append(d.T), down_bias.append(db)
+    for name, parts in (("gate_up_proj", gate_up), ("gate_up_proj_bias", gate_up_bias), ("down_proj", down),
+                        ("down_proj_bias", down_bias)):
+        new[f"{p}mlp.experts.{name}"] = torch.from_numpy(np.ascontiguousarray(np.stack(parts)))
+    return new
+
+
+def hf_from_vault(vault_path, out_dir) -> Path:
+    """Write a float32 Hugging Face checkpoint (Qwen3-MoE or gpt-oss, as the vault's config.json
+    says) holding the vault's weights as the engine sees them (every tensor dequantised:
+    q4/q8/bf16/MXFP4 values widen exactly to float32), with the vault's tokenizer files. Needs
+    torch and transformers."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from pysmoe.vaultio import read_vault
 
     vault_path, out = Path(vault_path), Path(out_dir)
     v = read_vault(vault_path)
     try:
-        config = Qwen3MoeConfig.from_pretrained(vault_path)  # the source's config.json, kept in the vault
+        config = AutoConfig.from_pretrained(vault_path)  # the source's config.json, kept in the vault
+        if config.model_type not in ("qwen3_moe", "gpt_oss"):
+            raise ValueError(f"hf_from_vault: {config.model_type} vaults are not written back (qwen3_moe, gpt_oss)")
         torch.manual_seed(0)
-        model = Qwen3MoeForCausalLM(config).float()
+        model = AutoModelForCausalLM.from_config(config).float()
         state = model.state_dict()
 
         def dense(name):
@@ -297,6 +338,9 @@ def hf_from_vault(vault_path, out_dir) -> Path:
         if not config.tie_word_embeddings:
             new["lm_head.weight"] = dense("lm_head")
         for layer in range(config.num_hidden_layers):
+            if config.model_type == "gpt_oss":
+                new.update(_gpt_oss_layer(v, layer, config.num_local_experts, dense))
+                continue
             p, q = f"model.layers.{layer}.", f"layers.{layer}."
             for n in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
                 new[f"{p}self_attn.{n}.weight"] = dense(q + n)
@@ -340,6 +384,79 @@ def released_spelling(hf: Path, out: Path) -> Path:
         cfg["rope_theta"] = cfg.pop("rope_parameters")["rope_theta"]
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def foreign_rows(hf: Path, vaults: dict, windows: np.ndarray, tmp: Path, row, skipped: list, threads) -> None:
+    """The demo table's rows through other runtimes: mlx-lm on its own 4-bit conversion (and
+    pysmoe on that conversion), llama.cpp on export_gguf's files."""
+    try:
+        import mlx_lm
+    except ImportError:
+        skipped.append("mlx-lm (not installed)")
+    else:
+        mlx_dir = tmp / "mlx"
+        mlx_lm.convert(str(released_spelling(hf, tmp / "hf-released")), str(mlx_dir), quantize=True,
+                       q_bits=4, q_group_size=64, dtype="float32")
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(hf / f, mlx_dir / f)
+        row("mlx-lm, its 4-bit conversion (f32 compute)", lambda: mlx_nll(mlx_dir, windows))
+        mv = convert_checkpoint(mlx_dir, tmp / "v-mlx", progress=False)
+        for act in ("f32", "q8"):
+            row(f"pysmoe on that MLX conversion, activations {act}",
+                lambda: engine_nll(mv, windows, activations=act, threads=threads))
+
+    try:
+        import llama_cpp  # noqa: F401
+        import gguf  # noqa: F401
+    except ImportError:
+        skipped.append("llama.cpp (llama-cpp-python or gguf not installed)")
+    else:
+        for vault, experts, dense, label in ((vaults["f32"], "f32", "f32", "f32 vault as F32"),
+                                             (vaults["default"], "q4_0", "q8_0",
+                                              "default vault, experts Q4_0, dense Q8_0")):
+            gg = tmp / f"{label.split()[0]}-{experts}.gguf"
+            subprocess.run([sys.executable, str(ROOT / "scripts" / "export_gguf.py"), str(vault), str(gg),
+                            "--experts", experts, "--dense", dense, "--quiet"], check=True)
+            row(f"llama.cpp, export_gguf of the {label}", lambda: llama_cpp_nll(gg, windows))
+
+
+def released_spelling_is_the_same(hf: Path, mxfp4_vault: Path, tmp: Path) -> None:
+    """Write the float checkpoint's experts as gpt-oss is released (`*_blocks`/`*_scales`, made by
+    quantize_mxfp4 and re-paired into HF's nibble order), convert that as stored, and check that
+    every expert blob is byte for byte the `--experts MXFP4` vault's: the MXFP4 rows measure the
+    released format."""
+    from safetensors.numpy import load_file, save_file
+
+    from pysmoe.convert.gpt_oss import ggml_to_mxfp4
+    from pysmoe.ggml_blocks import quantize_mxfp4
+    from pysmoe.vaultio import read_vault
+
+    out = tmp / "hf-released-mxfp4"
+    out.mkdir()
+    tensors = {}
+    for f in sorted(hf.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        w = tensors.pop(name)  # (E, in, out): x @ W
+        E, cols, rows = w.shape
+        q = quantize_mxfp4(np.ascontiguousarray(w.transpose(0, 2, 1)).reshape(E * rows, cols))
+        blocks, scales = ggml_to_mxfp4(q, E * rows, cols)
+        tensors[name + "_blocks"] = blocks.reshape(E, rows, cols // 32, 16)
+        tensors[name + "_scales"] = scales.reshape(E, rows, cols // 32)
+    save_file(tensors, str(out / "model.safetensors"))
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(hf / f, out / f)
+    v = convert_checkpoint(out, tmp / "v-released-spelling", dense="f32", progress=False)
+    a, b = read_vault(v), read_vault(mxfp4_vault)
+    try:
+        L, E = a.config["num_hidden_layers"], a.config["num_experts"]
+        same = all(bytes(a.blob(l, e)) == bytes(b.blob(l, e)) for l in range(L) for e in range(E))
+    finally:
+        a.close(), b.close()
+    if not same:
+        raise AssertionError("the released spelling's MXFP4 experts differ from convert --experts MXFP4's")
+    print("released spelling (*_blocks/*_scales) imported as stored = convert --experts MXFP4, blob for blob",
+          flush=True)
 
 
 def main(argv=None) -> int:
@@ -391,49 +508,37 @@ def main(argv=None) -> int:
             hf, source = Path(args.hf), "trained f32 checkpoint"
         else:
             hf, source = hf_from_vault(demo, tmp / "hf"), "regenerated from the demo vault"
-        print(f"{windows.shape[0]} windows x {windows.shape[1]} tokens; f32 model: {source}", flush=True)
+        family = json.loads((hf / "config.json").read_text())["model_type"]
+        print(f"{windows.shape[0]} windows x {windows.shape[1]} tokens; f32 model ({family}): {source}", flush=True)
+        oss = family == "gpt_oss"
+        formats = ("f32", "bf16", "q8", "q4") + (("MXFP4",) if oss else ())
         vaults = {}
-        for fmt in ("f32", "bf16", "q8", "q4"):
+        for fmt in formats:
             vaults[fmt] = convert_checkpoint(hf, tmp / f"v-{fmt}", experts=fmt, dense="f32", progress=False)
         vaults["default"] = convert_checkpoint(hf, tmp / "v-default", progress=False)
+        labels = {"default": "default conversion (experts q4, dense q8)"}
+        if oss:  # the released checkpoints' formats: MXFP4 experts (the converter keeps dense q8)
+            vaults["released"] = convert_checkpoint(hf, tmp / "v-released", experts="MXFP4", progress=False)
+            labels["released"] = "experts MXFP4, dense q8 (as released, dense q8)"
+            released_spelling_is_the_same(hf, vaults["MXFP4"], tmp)
 
         row("transformers f32", lambda: hf_nll(hf, windows))
-        row("numpy reference, f32 vault", lambda: reference_nll(vaults["f32"], windows))
-        for fmt in ("f32", "bf16", "q8", "q4", "default"):
-            label = f"experts {fmt}, dense f32" if fmt != "default" else "default conversion (experts q4, dense q8)"
+        if oss:
+            skipped.append("numpy reference (pysmoe/reference.py has no gpt-oss recipe)")
+            mx_hf = hf_from_vault(vaults["MXFP4"], tmp / "hf-mxfp4")
+            row("transformers f32 on the MXFP4 vault's dequantised weights", lambda: hf_nll(mx_hf, windows))
+        else:
+            row("numpy reference, f32 vault", lambda: reference_nll(vaults["f32"], windows))
+        for fmt in formats + tuple(labels):
+            label = labels.get(fmt, f"experts {fmt}, dense f32")
             for act in ("f32", "q8"):
                 row(f"pysmoe {label}, activations {act}",
                     lambda: engine_nll(vaults[fmt], windows, activations=act, threads=args.threads))
+        if oss:
+            skipped.append("mlx-lm and llama.cpp rows (run for the Qwen3-MoE demo only)")
 
-        try:
-            import mlx_lm
-        except ImportError:
-            skipped.append("mlx-lm (not installed)")
-        else:
-            mlx_dir = tmp / "mlx"
-            mlx_lm.convert(str(released_spelling(hf, tmp / "hf-released")), str(mlx_dir), quantize=True,
-                           q_bits=4, q_group_size=64, dtype="float32")
-            for f in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copyfile(hf / f, mlx_dir / f)
-            row("mlx-lm, its 4-bit conversion (f32 compute)", lambda: mlx_nll(mlx_dir, windows))
-            mv = convert_checkpoint(mlx_dir, tmp / "v-mlx", progress=False)
-            for act in ("f32", "q8"):
-                row(f"pysmoe on that MLX conversion, activations {act}",
-                    lambda: engine_nll(mv, windows, activations=act, threads=args.threads))
-
-        try:
-            import llama_cpp  # noqa: F401
-            import gguf  # noqa: F401
-        except ImportError:
-            skipped.append("llama.cpp (llama-cpp-python or gguf not installed)")
-        else:
-            for vault, experts, dense, label in ((vaults["f32"], "f32", "f32", "f32 vault as F32"),
-                                                 (vaults["default"], "q4_0", "q8_0",
-                                                  "default vault, experts Q4_0, dense Q8_0")):
-                gg = tmp / f"{label.split()[0]}-{experts}.gguf"
-                subprocess.run([sys.executable, str(ROOT / "scripts" / "export_gguf.py"), str(vault), str(gg),
-                                "--experts", experts, "--dense", dense, "--quiet"], check=True)
-                row(f"llama.cpp, export_gguf of the {label}", lambda: llama_cpp_nll(gg, windows))
+        if not oss:
+            foreign_rows(hf, vaults, windows, tmp, row, skipped, args.threads)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

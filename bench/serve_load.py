@@ -52,11 +52,12 @@ from pysmoe.cli.serve import Background  # noqa: E402
 MODES = ("batched", "interleaved", "serial")
 
 
-def server_args(vault, mode: str, streams: int, cache_mb: float, threads, context: int):
+def server_args(vault, mode: str, streams: int, cache_mb: float, threads, context: int, device: str = "cpu"):
     return argparse.Namespace(vault=str(vault), host="127.0.0.1", port=0, api_key=None, model_name="bench",
                               max_batch=1 if mode == "serial" else streams, batching=mode == "batched",
                               cache_mb=cache_mb, kv_mb=None, threads=threads, chunk=256, context=context,
-                              max_tokens_limit=4096, max_request_kb=1024, buffered=False)
+                              max_tokens_limit=4096, max_request_kb=1024, buffered=False, device=device,
+                              gpu_cache_mb=None)
 
 
 def stream_completion(port: int, body: dict) -> dict:
@@ -107,7 +108,7 @@ def pct(values, q):
 
 
 def one_run(vault, mode, streams, args, cache_mb, vocab) -> dict:
-    with Background(server_args(vault, mode, streams, cache_mb, args.threads, args.context)) as bg:
+    with Background(server_args(vault, mode, streams, cache_mb, args.threads, args.context, args.device)) as bg:
         rng = np.random.default_rng(1000 + streams)
         bodies = [{"prompt": [int(x) for x in rng.integers(0, vocab, args.prompt_tokens)], "max_tokens": args.tokens,
                    "temperature": 0.7, "seed": i, "ignore_eos": True} for i in range(streams)]
@@ -139,7 +140,7 @@ def one_run(vault, mode, streams, args, cache_mb, vocab) -> dict:
 
 def turns(vault, args, cache_mb, vocab) -> dict:
     """TTFT of a chat's first and second turn (prefix reuse), completions with ids."""
-    with Background(server_args(vault, "batched", 2, cache_mb, args.threads, args.context)) as bg:
+    with Background(server_args(vault, "batched", 2, cache_mb, args.threads, args.context, args.device)) as bg:
         rng = np.random.default_rng(7)
         first = [int(x) for x in rng.integers(0, vocab, args.turn_prompt_tokens)]
         body = {"max_tokens": 8, "temperature": 0.7, "seed": 1, "ignore_eos": True}
@@ -213,6 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="the server's device (cuda: every expert may stay in VRAM, the host cache behind it)")
     ap.add_argument("--turns", action="store_true", help="also the two-turn prefix-reuse TTFT")
     ap.add_argument("--turn-prompt-tokens", type=int, default=256)
     ap.add_argument("--json", type=pathlib.Path)

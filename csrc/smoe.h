@@ -486,6 +486,11 @@ SMOE_API smoe_status smoe_cache_clear(smoe_session *session);
  *   SMOE_CUDA_TC=0             a GPU's q4/q8 products do not use the tensor cores
  *   SMOE_CUDA_FLASH=0          a GPU's attention does not use them (flash attention off)
  *   SMOE_CUDA_TILE=0|1|2       the many-token tensor-core products' tile (a tuning experiment)
+ *   SMOE_CUDA_TC_PER=N         a GPU's few-token products take N row tiles a block (default: about
+ *                              one wave of blocks; 1 is a tile a block)
+ *   SMOE_CUDA_PDL=0            a GPU's one-token products do not start before their predecessor ends
+ *   SMOE_CUDA_FA_SPLIT=N       a GPU's flash attention takes positions in splits of N·64 (default 2:
+ *                              128; the bits beyond the first split follow N)
  *   SMOE_CUDA_VRAM_FREE=BYTES  a GPU sees at most this much free VRAM (to test OutOfMemory) */
 
 #ifdef __cplusplus

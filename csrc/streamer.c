@@ -583,12 +583,16 @@ smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out
         atomic_init(&sl->state, SLOT_EMPTY);
         sl->key = -1;
         sl->next = -1;
-        sl->data = smoe_alloc((size_t)p->blob_bytes, SMOE_PAGE);
+        /* Not zeroed (a slot's bytes are read only once a read has filled them: READY), but every
+         * page touched once here, so that the kernel maps and zeroes it now and not inside the
+         * first prefill's reads (smoe_alloc's memset wrote each page twice). */
+        sl->data = smoe_alloc_untouched((size_t)p->blob_bytes, SMOE_PAGE);
         if (!sl->data) {
             smoe_streamer_free(s);
             return smoe_fail(SMOE_ERR_NOMEM, "streamer: cannot allocate %u slots of %llu bytes", p->n_slots,
                              (unsigned long long)p->blob_bytes);
         }
+        for (uint64_t b = 0; b < p->blob_bytes; b += 4096) sl->data[b] = 0;
     }
 
     char eb[128];

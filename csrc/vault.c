@@ -44,6 +44,7 @@
 #include <stddef.h>
 #include <fcntl.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1126,6 +1127,121 @@ smoe_status smoe_vault_check_unchanged(const smoe_vault *v) {
     return SMOE_OK;
 }
 
+/* ------------------------------------------------------------------------ the dense region
+ *
+ * Loaded and checksummed in one pass, by DENSE_LANES threads: thread i owns lane i of
+ * smoe_checksum (util.c: the region in 4 parts, each CRC-32C'd apart) and reads its part in
+ * DENSE_CHUNK requests, each CRC'd the moment it lands while the other threads' reads are in
+ * flight, so the checksum costs no time of its own and the disk sees 4 large requests at once.
+ * The reads use O_DIRECT where the file system takes it (Linux: the open file reopened through
+ * /proc/self/fd; a read that fails with EINVAL falls back to the vault's buffered descriptor), so
+ * the dense bytes do not also sit in the page cache. Lane i is [b[i], b[i+1]); thread i reads
+ * [up(b[i]), up(b[i+1])) (up: to SMOE_PAGE, the last clipped to the buffer, a whole number of
+ * pages), so the reads are disjoint and aligned; the start of its lane before up(b[i]) (less than
+ * a page, in thread i−1's part) it reads again into a page of its own, for the CRC only. A small
+ * region, or a thread that cannot be started, is read and checked serially. */
+
+#define DENSE_LANES 4
+#define DENSE_CHUNK (8u << 20)
+#define DENSE_PARALLEL_MIN (64u << 10) /* every lane at least a page */
+
+typedef struct {
+    int fd_direct, fd_buffered;
+    uint8_t *buf;
+    uint64_t off, n, lo, hi, lane_lo, lane_hi; /* file offset of buf; region bytes; read range; lane */
+    uint8_t *head;                            /* SMOE_PAGE bytes for the lane's start before lo */
+    uint32_t crc;
+    int err; /* 0, an errno, or −1 for a short read */
+} dense_lane;
+
+/* Reads [at, at + len) of the region into buf + at, Direct I/O first; 0, an errno or −1 (short). */
+static int dense_read(dense_lane *d, uint8_t *dst, uint64_t at, uint64_t len, uint64_t need) {
+    int64_t got = -1;
+    if (d->fd_direct >= 0) {
+        got = smoe_pread_full(d->fd_direct, dst, len, d->off + at);
+        if (got < 0 && errno != EINVAL) return errno;
+    }
+    if (got < 0) got = smoe_pread_full(d->fd_buffered, dst, len, d->off + at);
+    if (got < 0) return errno;
+    return (uint64_t)got < need ? -1 : 0;
+}
+
+static void *dense_lane_main(void *arg) {
+    dense_lane *d = arg;
+    uint32_t crc = 0;
+    if (d->lane_lo < d->lo) { /* the lane's first bytes, inside the previous lane's last page */
+        const uint64_t page = d->lo - SMOE_PAGE;
+        if ((d->err = dense_read(d, d->head, page, SMOE_PAGE, (d->lane_hi < d->lo ? d->lane_hi : d->lo) - page)))
+            return NULL;
+        const uint64_t end = d->lane_hi < d->lo ? d->lane_hi : d->lo;
+        crc = smoe_crc32c(crc, d->head + (d->lane_lo - page), (size_t)(end - d->lane_lo));
+    }
+    for (uint64_t at = d->lo; at < d->hi; at += DENSE_CHUNK) {
+        const uint64_t len = d->hi - at < DENSE_CHUNK ? d->hi - at : DENSE_CHUNK;
+        const uint64_t need = d->n > at ? (d->n - at < len ? d->n - at : len) : 0;
+        if ((d->err = dense_read(d, d->buf + at, at, len, need))) return NULL;
+        const uint64_t a = at > d->lane_lo ? at : d->lane_lo, e = at + len < d->lane_hi ? at + len : d->lane_hi;
+        if (e > a) crc = smoe_crc32c(crc, d->buf + a, (size_t)(e - a));
+    }
+    d->crc = crc;
+    return NULL;
+}
+
+static int dense_open_direct(int fd) {
+#if defined(__linux__) && defined(O_DIRECT)
+    char self[64];
+    snprintf(self, sizeof self, "/proc/self/fd/%d", fd);
+    return open(self, O_RDONLY | O_DIRECT | O_CLOEXEC);
+#else
+    (void)fd;
+    return -1;
+#endif
+}
+
+/* Reads the dense region [off, off + n) into buf (a whole number of SMOE_PAGE pages) and its
+ * smoe_checksum into *crc. */
+static smoe_status load_dense(int fd, const char *path, uint8_t *buf, uint64_t off, uint64_t n, uint32_t *crc) {
+    if (n >= DENSE_PARALLEL_MIN) {
+        const uint64_t cap = smoe_align_up(n, SMOE_PAGE);
+        uint64_t b[5];
+        smoe_checksum_lanes(n, b);
+        dense_lane d[DENSE_LANES];
+        uint8_t *heads = smoe_alloc_untouched((size_t)DENSE_LANES * SMOE_PAGE, SMOE_PAGE);
+        const int fdd = heads ? dense_open_direct(fd) : -1;
+        pthread_t th[DENSE_LANES];
+        int started = 0;
+        for (int i = 0; heads && i < DENSE_LANES; i++) {
+            const uint64_t lo = smoe_align_up(b[i], SMOE_PAGE), hi = smoe_align_up(b[i + 1], SMOE_PAGE);
+            d[i] = (dense_lane){fdd, fd, buf, off, n, lo, hi < cap ? hi : cap, b[i], b[i + 1],
+                                heads + (size_t)i * SMOE_PAGE, 0, 0};
+            if (pthread_create(&th[i], NULL, dense_lane_main, &d[i]) != 0) break;
+            started++;
+        }
+        for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+        if (fdd >= 0) close(fdd);
+        smoe_free(heads);
+        if (started == DENSE_LANES) {
+            uint32_t c[DENSE_LANES];
+            for (int i = 0; i < DENSE_LANES; i++) {
+                if (d[i].err > 0)
+                    return smoe_fail(SMOE_ERR_IO, "%s: read of the dense region (%llu bytes at %llu) failed: %s", path,
+                                     (unsigned long long)n, (unsigned long long)off, strerror(d[i].err));
+                if (d[i].err < 0)
+                    return smoe_fail(SMOE_ERR_IO, "%s: read of the dense region (%llu bytes at %llu) came back short: "
+                                     "the file shrank", path, (unsigned long long)n, (unsigned long long)off);
+                c[i] = d[i].crc;
+            }
+            *crc = smoe_checksum_combine(c);
+            return SMOE_OK;
+        }
+        /* a thread could not be started: the serial read below */
+    }
+    smoe_status rc = read_exact(fd, path, buf, n, off);
+    if (rc) return rc;
+    *crc = smoe_checksum(buf, n);
+    return SMOE_OK;
+}
+
 /* The whole of open once the file is open: header, tables, dense region. */
 static smoe_status load(smoe_vault *v, int fd) {
     const char *path = v->path;
@@ -1163,12 +1279,14 @@ static smoe_status load(smoe_vault *v, int fd) {
     }
 
     const smoe_layout *L = &v->lay;
-    v->dense = smoe_alloc(L->dense_bytes, SMOE_PAGE);
+    /* untouched: every byte is read over before use (the pages come in as the reads land); a
+     * whole number of pages, so the last Direct I/O request ends inside the buffer */
+    v->dense = smoe_alloc_untouched(smoe_align_up(L->dense_bytes ? L->dense_bytes : 1, SMOE_PAGE), SMOE_PAGE);
     if (!v->dense)
         return smoe_fail(SMOE_ERR_NOMEM, "%s: cannot allocate %llu bytes for the dense weights", path,
                          (unsigned long long)L->dense_bytes);
-    if ((rc = read_exact(fd, path, v->dense, L->dense_bytes, L->dense_offset))) return rc;
-    uint32_t crc = smoe_checksum(v->dense, L->dense_bytes);
+    uint32_t crc = 0;
+    if ((rc = load_dense(fd, path, v->dense, L->dense_offset, L->dense_bytes, &crc))) return rc;
     if (crc != L->dense_crc)
         return smoe_fail(SMOE_ERR_VAULT, "%s: dense region checksum mismatch (computed %08x, header says %08x)", path, crc,
                          L->dense_crc);

@@ -8,8 +8,11 @@ tests/test_ggml_formats.py checks it against gguf-py where installed and against
 and libsmoe's kernels dequantise the same way (csrc/cpu/ggml_blocks.h). A block whose f16 scale
 is inf or NaN dequantises by IEEE arithmetic (inf·0 = NaN).
 
-Nothing here quantises: tensors arrive in these formats from a GGUF file (or from gpt-oss's MXFP4,
-rearranged losslessly).
+Tensors arrive in these formats from a GGUF file (or from gpt-oss's MXFP4, rearranged
+losslessly). The one quantiser here is `quantize_mxfp4`, for float experts converted to MXFP4
+(the format gpt-oss is released in): llama.cpp's quantize_row_mxfp4_ref, as gguf-py's
+`gguf.quants.MXFP4.quantize_blocks` writes it in numpy (tests/test_ggml_formats.py checks it
+against gguf-py byte for byte where installed, and against golden vectors).
 """
 from __future__ import annotations
 
@@ -186,6 +189,47 @@ def dequantize(data, fmt: str, rows: int, cols: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------- random tensors
+
+_MXFP4_STEP = 1 << 14  # blocks per step of quantize_mxfp4: bounds its (n, 32, 16) f32 temporary (32 MiB)
+
+
+def quantize_mxfp4(w: np.ndarray) -> np.ndarray:
+    """A (rows, cols) float matrix (cols % 32 == 0) -> its block_mxfp4 bytes, u8 (rows, cols/32 · 17).
+
+    The OCP Microscaling (MX v1.0) rule as llama.cpp implements it (quantize_row_mxfp4_ref, and
+    gguf-py's MXFP4.quantize_blocks, which this reproduces bit for bit), per block of 32 in f32:
+
+        amax = max |w|
+        e    = floor(log2(amax)) − 2 + 127     (E8M0: the shared scale 2^(e − 127) puts amax in
+                                               [4, 8) units, the top of E2M1's range; 0 when amax is 0)
+        d    = 2^(e − 128)                     (ggml stores E2M1 doubled: kvalues 0, ±1, ±2, ±3, ±4, ±6, ±8, ±12)
+        code = argmin over the 16 codes of |kvalue · d − w| (f32), the first on a tie: a tie goes
+               to the smaller magnitude (not OCP's round-half-to-even), and |w| past 6 · 2^(e−127)
+               saturates to ±6 · 2^(e−127).
+
+    Weights must be finite (an inf or NaN has no E8M0 scale)."""
+    w = np.asarray(w, dtype=_F)
+    if w.ndim != 2:
+        raise ValueError(f"expected a matrix, got shape {w.shape}")
+    rows, cols = w.shape
+    check_cols("MXFP4", cols)
+    if not np.isfinite(w).all():
+        raise ValueError("MXFP4 needs finite weights: this matrix holds inf or NaN")
+    x = w.reshape(-1, 32)
+    out = np.empty((x.shape[0], 17), dtype=np.uint8)
+    k = KVALUES_MXFP4.reshape(1, 1, 16)
+    for b0 in range(0, x.shape[0], _MXFP4_STEP):
+        xb = x[b0:b0 + _MXFP4_STEP]
+        amax = np.abs(xb).max(axis=1)
+        with np.errstate(divide="ignore"):
+            e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0).astype(np.uint8)
+        eu = e.astype(np.uint32)
+        d = np.where(eu < 2, np.uint32(0x00200000) << eu, (eu - 1) << np.uint32(23)).astype(np.uint32).view(_F)
+        code = np.argmin(np.abs(d.reshape(-1, 1, 1) * k - xb[:, :, None]), axis=-1).astype(np.uint8)
+        out[b0:b0 + _MXFP4_STEP, 0] = e
+        out[b0:b0 + _MXFP4_STEP, 1:] = code[:, :16] | (code[:, 16:] << 4)
+    return out.reshape(rows, cols // 32 * 17)
+
 
 def _f16_bytes(v: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(v.astype("<f2")).view(np.uint8).reshape(len(v), 2)

@@ -283,10 +283,16 @@ def quantize_rows(read_rows, rows: int, cols: int, fmt: str, scale_dtype: str = 
     few MiB of rows at a time, so a large tensor (an embedding) never exists in f32 whole.
     Returns the stored bytes as a u8 array."""
     _check_format(fmt, cols, group)
+    step = max(1, _CHUNK_ELEMS // max(cols, 1))
+    if fmt == "MXFP4":  # float experts to gpt-oss's released format (ggml_blocks.quantize_mxfp4)
+        out = np.empty((rows, ggml_blocks.nbytes(fmt, 1, cols)), dtype=np.uint8)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            out[r0:r1] = ggml_blocks.quantize_mxfp4(read_rows(r0, r1))
+        return out.reshape(-1)
     if ggml_blocks.is_ggml(fmt):
         raise ValueError(f"pysmoe does not quantise to {fmt}: GGML formats come as they are from a GGUF file "
-                         "(write their bytes with add_dense_raw / add_expert_raw)")
-    step = max(1, _CHUNK_ELEMS // max(cols, 1))
+                         "(write their bytes with add_dense_raw / add_expert_raw); of them it makes MXFP4 only")
     if fmt in ("f32", "bf16"):
         out = np.empty((rows, cols), dtype="<f4" if fmt == "f32" else "<u2")
         for r0 in range(0, rows, step):

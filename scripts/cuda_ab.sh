@@ -5,7 +5,9 @@
 #        run(carry=[".ab"]) — a nested checkout travels without its files unless carried)
 # Builds both with CUDA, runs tests/test_cuda.py on each, makes the a3b vault once ($SMOE_A3B,
 # default /tmp/a3b; SMOE_AB_LAYERS layers, default 48), then runs bench/cuda_bench.py ROUNDS times
-# (default 2) for each, alternating this checkout and OTHER, each record to $OUT/ab-{this,other}-R.json.
+# (default 2) for each, alternating this checkout and OTHER, each record to $OUT/ab-{this,other}-R.json
+# and its whole output (with --profile's tables) to $OUT/ab-{this,other}-R.log. SMOE_AB_TESTS=this
+# runs the tests on this checkout only, =none on neither.
 set -o pipefail
 OTHER=$1
 shift
@@ -23,6 +25,7 @@ for side in this other; do
     [ $side = other ] && dir=$OTHER
     make -C "$dir" -j"$(nproc)" CUDA=1 lib >"$OUT/build-$side.log" 2>&1 || { tail -20 "$OUT/build-$side.log"; exit 1; }
     grep -E "warning" "$OUT/build-$side.log" | head -5
+    [ "${SMOE_AB_TESTS:-both}" = none ] || { [ "${SMOE_AB_TESTS:-both}" = this ] && [ $side = other ]; } && continue
     (cd "$dir" && timeout 500 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -3) |
         tee "$OUT/test-$side.log"
 done
@@ -36,6 +39,7 @@ for r in $(seq 1 "$ROUNDS"); do
         # run from $dir: the bench puts "." first on sys.path (before PYTHONPATH), so each side must
         # start in its own checkout to load its own pysmoe and libsmoe (the line "library" says which)
         (cd "$dir" && python3 "$THIS/bench/cuda_bench.py" "$VAULT" --skip budget --cold-repeats 0 \
-            --json "$OUT/ab-$side-$r.json" "$@" 2>&1) | grep -E "^library|^resident|rror|Traceback"
+            --json "$OUT/ab-$side-$r.json" "$@" 2>&1) | tee "$OUT/ab-$side-$r.log" |
+            grep -E "^library|^resident|rror|Traceback"
     done
 done

@@ -9,8 +9,8 @@ llama-cpp-python's source package will do (`pip download --no-deps --no-binary :
 llama-cpp-python`, then unpack; it is vendor/llama.cpp). Quantising needs llama-cpp-python
 installed (its `llama_model_quantize`, the same code as the `llama-quantize` tool).
 
-Each fixture is a tiny random Qwen3MoeForCausalLM (tests/hf_models.py, transformers) saved by
-`save_pretrained`, turned into an F32 GGUF by convert_hf_to_gguf.py, then quantised by llama.cpp:
+Each fixture is a tiny random model of its family (transformers) saved by `save_pretrained`,
+turned into an F32 GGUF by convert_hf_to_gguf.py, then quantised by llama.cpp:
 
     tiny-f32.gguf        hidden 64: every tensor F32 (the oracle test's exact case)
     tiny-q8_0.gguf       hidden 64: Q8_0 matrices, F32 norms and router
@@ -20,15 +20,25 @@ Each fixture is a tiny random Qwen3MoeForCausalLM (tests/hf_models.py, transform
                          is too short for a 256-block, its fallbacks Q5_0/Q8_0, per layer)
     k256-iq4_xs.gguf     hidden 256: IQ4_XS (IQ4_NL where rows are 128)
     k256-q5_k_m.gguf     hidden 256: Q5_K_M (Q5_K, Q6_K and fallbacks)
+    glm4moe-q8_0.gguf    GLM-4.5 (`glm4moe`): QK-norm, 4 expert groups, a shared expert, a dense
+                         first layer, biases, and one multi-token-prediction layer: Q8_0
+    glm4moe-q4_k_m.gguf  GLM-4.5-Air-like, hidden 256: Q4_K_M
+    mixtral-q4_k_m.gguf  Mixtral (`llama` with experts; q/k rows permuted by the converter) with a
+                         SentencePiece vocabulary trained here: Q4_K_M
+    gpt-oss-mxfp4.gguf   gpt-oss (`gpt-oss`): llama.cpp's MXFP4_MOE mix (MXFP4 experts), YaRN
+    qwen3next-q8_0.gguf  Qwen3-Next (`qwen3next`): Gated DeltaNet and gated attention layers: Q8_0
     tokens.json          llama.cpp's token ids for TOKENIZER_TEXTS: on tiny-f32.gguf's vocabulary,
-                         and on the demo's vocabulary under each pre-tokenizer of TOKENIZER_PRES
-                         (vocabulary-only GGUFs made here, tokenised by llama.cpp)
+                         on the demo's vocabulary under each pre-tokenizer of TOKENIZER_PRES
+                         (vocabulary-only GGUFs made here, tokenised by llama.cpp), and on each
+                         family fixture's vocabulary with its family's chat text (FAMILY_TEXTS)
+
+A shape's random weights depend only on its seed, its place among the distinct shapes of FIXTURES
+(so `--only` remakes the same files); the files depend also on the llama.cpp version.
 
 The synthetic tokenizer (pysmoe.tokenizer) is not one convert_hf_to_gguf.py recognises by its
-hash, so the conversion is told its pre-tokenizer (`--pre`, default qwen2, the family's): the
-GGUF's tokenizer is then whatever llama.cpp makes of those tokens, merges and pre name, which is
-what the import must reproduce. The weights depend only on the seeds; the files depend also on
-the llama.cpp version (recorded in each file's general.* metadata by the tools).
+hash, so the conversion is told its pre-tokenizer (`--pre`, default qwen2; FAMILY_PRE per family:
+glm4, gpt-4o): the GGUF's tokenizer is then whatever llama.cpp makes of those tokens, merges and
+pre name, which is what the import must reproduce.
 """
 from __future__ import annotations
 
@@ -54,6 +64,48 @@ K256 = dict(hidden_size=256, moe_intermediate_size=128, intermediate_size=256, n
 OLMOE = dict(model="olmoe", hidden_size=64, intermediate_size=64, num_experts=4, num_experts_per_tok=2,
              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5)
 
+# GLM-4.5 (llama.cpp's `glm4moe`): sigmoid router with e_score_correction_bias (exp_probs_b),
+# grouped selection, routed scaling, a shared expert, a leading dense layer, partial RoPE, q/k/v
+# biases; the first one with QK-norm (GLM-4.5) and 4 groups, the second without (GLM-4.5-Air).
+# The first carries one multi-token-prediction layer (blk.L.nextn.*), as the released checkpoints
+# and llama.cpp's files do (the import leaves it out); the second has none (the size limit).
+GLM = dict(model="glm4_moe", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+           num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
+           num_attention_heads=4, num_key_value_heads=2, head_dim=32, attention_bias=True, use_qk_norm=True,
+           routed_scaling_factor=2.5, n_group=4, topk_group=2, norm_topk_prob=True, rms_norm_eps=1e-5)
+GLM_AIR = dict(model="glm4_moe", hidden_size=256, intermediate_size=128, moe_intermediate_size=128,
+               n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+               num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+               attention_bias=True, use_qk_norm=False, routed_scaling_factor=1.0, n_group=1, topk_group=1,
+               norm_topk_prob=True, rms_norm_eps=1e-5, partial_rotary_factor=0.5, mtp=0)
+
+# Mixtral (llama.cpp's `llama` architecture with experts): its converter permutes the q/k rows for
+# llama.cpp's interleaved RoPE (the import undoes it row by row) and writes the SentencePiece
+# vocabulary (`tokenizer.ggml.model = llama`: scores, byte tokens, <s>/</s>/<unk>). Grouped-query
+# attention (2 heads, 1 kv head) so that q and k are permuted with different head counts.
+MIXTRAL = dict(model="mixtral", vocab_size=384, hidden_size=256, intermediate_size=64, num_local_experts=4,
+               num_experts_per_tok=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+               rms_norm_eps=1e-5)
+
+# gpt-oss (llama.cpp's `gpt-oss`): quantised by llama.cpp's MXFP4_MOE mix (experts MXFP4, as the
+# released files are); attention sinks, biases everywhere, a window of 4 on alternate layers, and
+# YaRN as the released config has it (no truncation of the correction range).
+GPT_OSS = dict(model="gpt_oss", hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+               max_position_embeddings=128, rms_norm_eps=1e-5,
+               rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 150000.0})
+
+# Qwen3-Next (llama.cpp's `qwen3next`): three Gated DeltaNet layers and one gated full-attention
+# layer, 2 key heads to 4 value heads, a shared expert with its sigmoid gate, partial RoPE. The
+# converter is run with --no-mtp (it insists on MTP tensors otherwise, which transformers' model has
+# none of).
+QWEN3_NEXT = dict(model="qwen3_next", hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                  num_experts_per_tok=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, shared_expert_intermediate_size=64,
+                  norm_topk_prob=True, rms_norm_eps=1e-6)
+
 FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself)
     "tiny-f32": (SMALL, None),
     "tiny-q8_0": (SMALL, "Q8_0"),
@@ -62,7 +114,15 @@ FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself
     "k256-iq4_xs": (K256, "IQ4_XS"),
     "k256-q5_k_m": (K256, "Q5_K_M"),
     "olmoe-q8_0": (OLMOE, "Q8_0"),
+    "glm4moe-q8_0": (GLM, "Q8_0"),
+    "glm4moe-q4_k_m": (GLM_AIR, "Q4_K_M"),
+    "mixtral-q4_k_m": (MIXTRAL, "Q4_K_M"),
+    "gpt-oss-mxfp4": (GPT_OSS, "MXFP4_MOE"),
+    "qwen3next-q8_0": (QWEN3_NEXT, "Q8_0"),
 }
+CONVERT_ARGS = {"qwen3_next": ["--no-mtp"]}  # extra convert_hf_to_gguf.py options per family
+# what convert_hf_to_gguf.py is told the pre-tokenizer is, per family (default: --pre)
+FAMILY_PRE = {"glm4_moe": "glm4", "gpt_oss": "gpt-4o"}
 
 # Text for the tokenizer check: prose, code, digits, whitespace runs, CRLF, contractions in
 # both cases, several scripts and emoji (a ZWJ sequence among them), and the special tokens.
@@ -80,6 +140,17 @@ TOKENIZER_TEXTS = [
     "",
     "!!!??? ... ---=== ((( ))) [[x]] {y} <z> @#$%^&* ~`|\\ /path/to/file.py:12",
 ]
+# Each family's own chat text, tokenised on its fixtures' vocabularies with TOKENIZER_TEXTS.
+FAMILY_TEXTS = {
+    "gpt_oss": "<|start|>system<|message|>You are ChatGPT.\nReasoning: low<|end|><|start|>user<|message|>What's 2+2?"
+               "<|end|><|start|>assistant<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant"
+               "<|channel|>final<|message|>4<|return|>",
+    "qwen3_next": "<|im_start|>system\nYou are Qwen.<|im_end|>\n<|im_start|>user\nWhat's 2+2?<|im_end|>\n"
+                  "<|im_start|>assistant\n<think>\n\n</think>\n\n4<|im_end|><|endoftext|>",
+    "mixtral": "<s>[INST] What is 2+2? Answer briefly. [/INST] 4</s><s>[INST] And 3+3?[/INST]",
+    "glm4_moe": "[gMASK]<sop><|system|>\nYou are a helpful assistant.<|user|>\nWhat's 2+2? Answer briefly."
+                "<|assistant|>\n<think>Simple.</think>\n4<|endoftext|><|observation|>",
+}
 # Pre-tokenizers checked on the demo's vocabulary (4,096 tokens, 3,837 merges).
 TOKENIZER_PRES = ("qwen2", "gpt-2", "llama-bpe", "qwen35", "glm4", "gpt-4o")
 
@@ -140,6 +211,12 @@ def golden_tokens(out_dir: Path, tmp: Path) -> Path:
         g = vocab_gguf(tmp / f"vocab-{pre}.gguf", demo, 4096, pre, out_dir / "tiny-f32.gguf")
         golden["demo"][pre] = llama_cpp_tokens(g, texts)
     golden["tiny-f32"] = llama_cpp_tokens(out_dir / "tiny-f32.gguf", texts)
+    golden["fixtures"] = {}
+    for name, (shape, _) in FIXTURES.items():  # each family's fixtures on their own vocabulary
+        family = shape.get("model", "qwen3_moe")
+        if family in FAMILY_TEXTS and (out_dir / f"{name}.gguf").exists():
+            ftexts = texts + [FAMILY_TEXTS[family]]
+            golden["fixtures"][name] = {"texts": ftexts, "ids": llama_cpp_tokens(out_dir / f"{name}.gguf", ftexts)}
     path = out_dir / "tokens.json"
     path.write_text(json.dumps(golden, ensure_ascii=False) + "\n", encoding="utf-8")
     return path
@@ -151,7 +228,7 @@ sys.path.insert(0, {dir!r})
 import convert_hf_to_gguf as c
 from conversion.base import TextModel
 TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
-sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outtype", "f32", "--outfile", {out!r}]
+sys.argv = ["convert_hf_to_gguf.py", {src!r}, "--outtype", "f32", "--outfile", {out!r}] + {extra!r}
 c.main()
 """
 
@@ -160,8 +237,17 @@ def hf_checkpoint(work: Path, shape: dict, seed: int) -> Path:
     from hf_models import make_hf_model
 
     shape = dict(shape)
-    if shape.pop("model", "qwen3_moe") == "olmoe":
+    family = shape.pop("model", "qwen3_moe")
+    if family == "olmoe":
         return olmoe_checkpoint(work, shape, seed)
+    if family == "glm4_moe":
+        return glm_checkpoint(work, shape, seed)
+    if family == "mixtral":
+        return mixtral_checkpoint(work, shape, seed)
+    if family == "gpt_oss":
+        return gpt_oss_checkpoint(work, shape, seed)
+    if family == "qwen3_next":
+        return qwen3_next_checkpoint(work, shape, seed)
     path, _ = make_hf_model(work, seed=seed, **shape)
     return path
 
@@ -185,10 +271,194 @@ def olmoe_checkpoint(work: Path, shape: dict, seed: int) -> Path:
     return path
 
 
-def convert_f32(llama_cpp: Path, src: Path, out: Path, pre: str) -> None:
+GLM_SPECIALS = ("[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>")
+
+
+def glm_checkpoint(work: Path, shape: dict, seed: int) -> Path:
+    """A random Glm4MoeForCausalLM saved by save_pretrained, with one multi-token-prediction layer
+    appended as zai-org's releases have it (model.layers.L: a full decoder layer plus eh_proj,
+    enorm, hnorm and shared_head.norm), GLM's chat template and special tokens."""
+    import torch
+    from hf_models import BASE_CONFIG
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    from pysmoe.tokenizer import build_synthetic_tokenizer
+
+    keys = ("vocab_size", "max_position_embeddings", "tie_word_embeddings")
+    kw = {**{k: BASE_CONFIG[k] for k in keys}, **shape}
+    rope = {"rope_type": "default", "rope_theta": 10000.0,
+            "partial_rotary_factor": kw.pop("partial_rotary_factor", 0.5)}
+    L, mtp = kw["num_hidden_layers"], kw.pop("mtp", 1)
+    kw.update(num_hidden_layers=L + mtp, rope_parameters=rope)  # the last one becomes the MTP layer
+    torch.manual_seed(seed)
+    model = Glm4MoeForCausalLM(Glm4MoeConfig(**kw)).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * (3.0 / p.shape[-1] ** 0.5))
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.1)
+    path = Path(work) / "hf"
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    H = kw["hidden_size"]
+    if mtp:
+        st = path / "model.safetensors"
+        w = load_file(st)
+        p = f"model.layers.{L}."
+        w[p + "eh_proj.weight"] = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5
+        for n in ("enorm", "hnorm", "shared_head.norm"):
+            w[p + n + ".weight"] = torch.rand(H, generator=g) + 0.5
+        save_file(w, st, metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(num_hidden_layers=L, num_nextn_predict_layers=mtp)
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    V = kw["vocab_size"]
+    tok = Tokenizer.from_str(build_synthetic_tokenizer(V - len(GLM_SPECIALS)))
+    tok.add_special_tokens(list(GLM_SPECIALS))
+    assert tok.get_vocab_size(with_added_tokens=True) <= V
+    tok.save(str(path / "tokenizer.json"))
+    template = (ROOT / "tests" / "data" / "glm4_moe_chat_template.jinja").read_text(encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072}, indent=2))
+    return path
+
+
+def qwen3_next_checkpoint(work: Path, shape: dict, seed: int) -> Path:
+    """A random Qwen3NextForCausalLM saved by save_pretrained (weights drawn as
+    tests/test_qwen_hybrid.py draws them: decays that neither vanish nor stay at 1, (1 + w) norms
+    around 0), with the synthetic tokenizer."""
+    import torch
+    from hf_models import BASE_CONFIG, write_tokenizer
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    kw = {k: BASE_CONFIG[k] for k in ("vocab_size", "max_position_embeddings", "tie_word_embeddings")}
+    kw.update(shape)
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    torch.manual_seed(seed)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**kw)).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=g) - 0.5)
+            elif name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=g) * 2 + 0.1))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * (3.0 / p.shape[-1] ** 0.5))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    path = Path(work) / "hf"
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    write_tokenizer(path, kw["vocab_size"])
+    return path
+
+
+HARMONY_SPECIALS = ("<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>", "<|call|>", "<|constrain|>")
+
+
+def gpt_oss_checkpoint(work: Path, shape: dict, seed: int) -> Path:
+    """A random GptOssForCausalLM saved by save_pretrained (float experts; llama.cpp's quantiser
+    makes them MXFP4), biases, sinks and norms random, with harmony's special tokens and chat
+    template."""
+    import torch
+    from hf_models import BASE_CONFIG
+    from tokenizers import Tokenizer
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from pysmoe.tokenizer import build_synthetic_tokenizer
+
+    kw = {"vocab_size": BASE_CONFIG["vocab_size"], "tie_word_embeddings": False, **shape}
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(GptOssConfig(**kw)).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith(("bias", "sinks")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif "experts" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.6)
+            elif "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    path = Path(work) / "hf"
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    V = kw["vocab_size"]
+    tok = Tokenizer.from_str(build_synthetic_tokenizer(V - len(HARMONY_SPECIALS)))
+    tok.add_special_tokens(list(HARMONY_SPECIALS))
+    assert tok.get_vocab_size(with_added_tokens=True) <= V
+    tok.save(str(path / "tokenizer.json"))
+    template = (ROOT / "tests" / "data" / "gpt_oss_chat_template.jinja").read_text(encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "eos_token": "<|return|>", "pad_token": "<|endoftext|>",
+         "bos_token": "<|start|>", "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 131072}, indent=2))
+    return path
+
+
+def sentencepiece_model(vocab_size: int) -> bytes:
+    """A SentencePiece BPE model (byte fallback, <unk> <s> </s> first, digits split, whitespace
+    kept: Mistral's options) trained on pysmoe's small corpus."""
+    import io
+
+    import sentencepiece as spm
+
+    corpus = (ROOT / "pysmoe" / "data" / "corpus.txt").read_text(encoding="utf-8").splitlines()
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus), model_writer=out, model_type="bpe", vocab_size=vocab_size,
+        byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        add_dummy_prefix=True, split_digits=True, allow_whitespace_only_pieces=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, num_threads=1, minloglevel=2)
+    return out.getvalue()
+
+
+def mixtral_checkpoint(work: Path, shape: dict, seed: int) -> Path:
+    """A random MixtralForCausalLM saved by save_pretrained (the released spelling:
+    block_sparse_moe.experts.E.w1/w2/w3), with a SentencePiece tokenizer.model and Mixtral's chat
+    template."""
+    import torch
+    from hf_models import BASE_CONFIG, randomize
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    keys = ("num_hidden_layers", "max_position_embeddings", "tie_word_embeddings")
+    kw = {**{k: BASE_CONFIG[k] for k in keys}, **shape}
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**kw)).float().eval()
+    randomize(model, seed)
+    path = Path(work) / "hf"
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    (path / "tokenizer.model").write_bytes(sentencepiece_model(kw["vocab_size"]))
+    template = (ROOT / "tests" / "data" / "mixtral_chat_template.jinja").read_text(encoding="utf-8")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "add_bos_token": True, "add_eos_token": False, "tokenizer_class": "LlamaTokenizer"}, indent=2))
+    return path
+
+
+def convert_f32(llama_cpp: Path, src: Path, out: Path, pre: str, extra: list | None = None) -> None:
     """convert_hf_to_gguf.py, in a child process with llama.cpp's own gguf-py first on its path."""
     env = dict(os.environ, PYTHONPATH=str(llama_cpp / "gguf-py"))
-    code = _CONVERT.format(dir=str(llama_cpp), pre=pre, src=str(src), out=str(out))
+    code = _CONVERT.format(dir=str(llama_cpp), pre=pre, src=str(src), out=str(out), extra=list(extra or []))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=llama_cpp)
 
 
@@ -221,15 +491,20 @@ def main(argv=None) -> int:
         if args.tokens_only:
             print(golden_tokens(args.out, tmp))
             return 0
+        # a shape's seed is its place among the distinct shapes of FIXTURES, whatever --only picks
+        seeds = {}
+        for shape, _ in FIXTURES.values():
+            seeds.setdefault(json.dumps(shape, sort_keys=True), len(seeds))
         for name, (shape, ftype) in FIXTURES.items():
             if args.only and name not in args.only:
                 continue
-            key = tuple(sorted(shape.items()))
+            key = json.dumps(shape, sort_keys=True)
             if key not in f32:
                 work = tmp / f"m{len(f32)}"
-                src = hf_checkpoint(work, shape, seed=len(f32))
+                src = hf_checkpoint(work, shape, seed=seeds[key])
                 f32[key] = work / "f32.gguf"
-                convert_f32(args.llama_cpp.resolve(), src, f32[key], args.pre)
+                pre = FAMILY_PRE.get(shape.get("model"), args.pre)
+                convert_f32(args.llama_cpp.resolve(), src, f32[key], pre, CONVERT_ARGS.get(shape.get("model")))
             out = args.out / f"{name}.gguf"
             if ftype is None:
                 out.write_bytes(f32[key].read_bytes())

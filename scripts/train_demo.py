@@ -23,6 +23,14 @@ so the data directory can be carried to a machine with a GPU that has no network
 dense matrices, f32 router and norms) and adds the first HELDOUT_SHIP_BYTES of the held-out text
 (bench/perplexity.py and tests/test_quality.py score it) and the training record.
 
+gpt-oss (issue 26: quality of MXFP4 experts on trained weights) is the same recipe with
+`train --family gpt_oss` (GPT_OSS_CONFIG: the demo's widths; one H200, 121 s); `--tiny` is the
+test fixture's size (58 s), shipped as tests/data/gpt_oss_trained with
+
+    python scripts/train_demo.py train --data build/demo-data --out build/oss-tiny-hf --family gpt_oss --tiny
+    python scripts/train_demo.py ship --data build/demo-data --hf build/oss-tiny-hf --hf-name build/oss-tiny-hf \
+        --out tests/data/gpt_oss_trained --experts q8 --dense q4 --fixture
+
 The demo shipped in pysmoe/data/demo/ was trained on one NVIDIA H200; see docs/demo.md for the cost and the
 losses.
 """
@@ -75,6 +83,47 @@ MODEL_CONFIG = dict(
     pad_token_id=0,                 # <|endoftext|>
 )
 ROPE_THETA = 10000.0
+
+# gpt-oss at the demo's size (issue 26, item 4: quality of MXFP4 experts on trained weights): the
+# family's pieces at small scale — sliding-window (128) layers alternating with full ones,
+# attention sinks, biases on attention and experts, the clamped SwiGLU, the router's top-k then
+# softmax, YaRN RoPE (factor 4 over 256 original positions) — with the demo's vocabulary and
+# widths. expert intermediate_size 128: a multiple of 32 (MXFP4) and of 64 (q4/q8).
+GPT_OSS_CONFIG = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=256,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    num_local_experts=16,
+    num_experts_per_tok=2,
+    sliding_window=128,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    attention_bias=True,
+    router_aux_loss_coef=0.01,
+    output_router_logits=True,
+    bos_token_id=None,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+GPT_OSS_ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 256}
+
+# --tiny: the same family at a test fixture's size (tests/test_quality.py's gpt-oss fixture):
+# two layers (one sliding, one full), 8 experts of 64, hidden 128.
+TINY = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1)
+TINY_EXPERTS = {"qwen3_moe": dict(num_experts=8, moe_intermediate_size=64),
+                "gpt_oss": dict(num_local_experts=8, intermediate_size=64,
+                                layer_types=["sliding_attention", "full_attention"])}
+
+FAMILIES = {"qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", MODEL_CONFIG,
+                          {"rope_type": "default", "rope_theta": ROPE_THETA}),
+            "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", GPT_OSS_CONFIG, GPT_OSS_ROPE)}
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -242,10 +291,19 @@ def prepare(args) -> None:
 
 # ---- training ----------------------------------------------------------------------------------
 
-def make_config():
-    from transformers import Qwen3MoeConfig
+def make_config(family: str = "qwen3_moe", tiny: bool = False):
+    """The transformers config of one family's model (--tiny: the fixture's size)."""
+    import transformers
 
-    return Qwen3MoeConfig(**MODEL_CONFIG, rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA})
+    _, config_cls, cfg, rope = FAMILIES[family]
+    cfg = {**cfg, **(TINY | TINY_EXPERTS[family] if tiny else {})}
+    return getattr(transformers, config_cls)(**cfg, rope_parameters=dict(rope))
+
+
+def make_model(family: str = "qwen3_moe", tiny: bool = False):
+    import transformers
+
+    return getattr(transformers, FAMILIES[family][0])(make_config(family, tiny))
 
 
 def batches(stream: np.ndarray, seq: int, batch: int, rng: np.random.Generator):
@@ -281,7 +339,6 @@ def evaluate(model, stream: np.ndarray, seq: int, device, max_windows: int | Non
 
 def train(args) -> None:
     import torch
-    from transformers import Qwen3MoeForCausalLM
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.manual_seed(args.seed)
@@ -291,7 +348,8 @@ def train(args) -> None:
     train_ids = np.fromfile(data / "train.u16", dtype=np.uint16)
     held_ids = np.fromfile(data / "heldout.u16", dtype=np.uint16)
 
-    model = Qwen3MoeForCausalLM(make_config()).to(device)
+    model = make_model(args.family, args.tiny).to(device)
+    aux_coef = model.config.router_aux_loss_coef
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params / 1e6:.2f} M parameters on {device}; {train_ids.size} training tokens, "
           f"{held_ids.size} held out", flush=True)
@@ -319,7 +377,7 @@ def train(args) -> None:
             out = model(input_ids=x[:, :-1])  # targets are the window shifted by one (below)
         logits = out.logits.float()
         lm = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
-        loss = lm + MODEL_CONFIG["router_aux_loss_coef"] * out.aux_loss
+        loss = lm + aux_coef * out.aux_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -332,7 +390,7 @@ def train(args) -> None:
             log.append(row)
             print(json.dumps(row), flush=True)
     train_s = time.time() - t0
-    final = {"params": n_params, "steps": args.steps, "batch": args.batch, "seq": args.seq, "lr": args.lr,
+    final = {"family": args.family, "tiny": args.tiny, "params": n_params, "steps": args.steps, "batch": args.batch, "seq": args.seq, "lr": args.lr,
              "seed": args.seed, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
              "train_seconds": round(train_s, 1),
              "train_loss": round(evaluate(model, train_ids[:held_ids.size * 2], args.seq, device), 4),
@@ -355,10 +413,18 @@ def ship(args) -> None:
     from pysmoe.convert import convert_checkpoint
 
     data, hf, out = Path(args.data), Path(args.hf), Path(args.out)
-    convert_checkpoint(hf, out, force=True, progress=False)
+    convert_checkpoint(hf, out, experts=args.experts, dense=args.dense, force=True, progress=False)
     source = json.loads((out / "source.json").read_text())
-    source["path"] = "scripts/train_demo.py train (build/demo-hf)"  # not this machine's folder
+    source["path"] = f"scripts/train_demo.py train ({args.hf_name})"  # not this machine's folder
     (out / "source.json").write_text(json.dumps(source, indent=2) + "\n")
+    training = json.loads((hf / "training.json").read_text())
+    corpus = json.loads((hf / "corpus.json").read_text())
+    (out / "training.json").write_text(json.dumps({"corpus": corpus, **training}, indent=2) + "\n")
+    if args.fixture:  # the tokenizer and the held-out text are the demo's (prepare is deterministic)
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            (out / name).unlink(missing_ok=True)
+        print(f"{out}: {sum(f.stat().st_size for f in out.iterdir()) / 1e6:.2f} MB")
+        return
     held, size = [], 0
     for para in (data / "heldout.txt").read_text(encoding="utf-8").split("\n"):
         size += len(para.encode()) + 1
@@ -366,9 +432,6 @@ def ship(args) -> None:
             break
         held.append(para)
     (out / "heldout.txt").write_text("\n".join(held) + "\n", encoding="utf-8")
-    training = json.loads((hf / "training.json").read_text())
-    corpus = json.loads((hf / "corpus.json").read_text())
-    (out / "training.json").write_text(json.dumps({"corpus": corpus, **training}, indent=2) + "\n")
     print(f"{out}: {sum(f.stat().st_size for f in out.iterdir()) / 1e6:.2f} MB")
 
 
@@ -386,10 +449,18 @@ def main(argv=None) -> int:
     t.add_argument("--seq", type=int, default=256)
     t.add_argument("--lr", type=float, default=3e-3)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_moe",
+                   help="the model's family: qwen3_moe (the demo) or gpt_oss (issue 26's MXFP4 quality table)")
+    t.add_argument("--tiny", action="store_true", help="a test fixture's size (two layers, 8 experts, hidden 128)")
     s = sub.add_parser("ship", help="convert the trained checkpoint into the demo vault, with held-out text")
     s.add_argument("--data", required=True)
     s.add_argument("--hf", required=True)
     s.add_argument("--out", required=True)
+    s.add_argument("--experts", help="expert format (default: the converter's, q4)")
+    s.add_argument("--dense", help="dense matrices' format (default: the converter's, q8)")
+    s.add_argument("--hf-name", default="build/demo-hf", help="how source.json names the checkpoint")
+    s.add_argument("--fixture", action="store_true",
+                   help="a test fixture: the vault, config and records only (tokenizer and held-out text: the demo's)")
     args = ap.parse_args(argv)
     {"prepare": prepare, "train": train, "ship": ship}[args.cmd](args)
     return 0

@@ -127,7 +127,7 @@ def test_layer_major_and_token_serial_are_bit_identical_on_the_gpu(tiny_vault, n
 
 
 def test_long_prompts_attend_in_splits_with_the_same_bits(tiny_vault):
-    """Flash attention takes positions in splits of 512 merged in order: 700 positions take two.
+    """Flash attention takes positions in splits of 128 merged in order: 700 positions take six.
     Token-serial steps (their splits side by side, then combined) and layer-major chunks (the
     splits in turn) give the same bits, and the result stays within the CPU's tolerance."""
     prompt = np.random.default_rng(12).integers(0, 512, 700).tolist()
@@ -415,9 +415,11 @@ def family(request, tiny_vault, tmp_path_factory):
     return request.param, vaults
 
 
-def test_gpt_oss_mxfp4_experts_are_refused_on_the_gpu_clearly(tiny_vault, tmp_path):
-    """The CUDA backend has no GGML/MXFP4 kernels yet: a released-style gpt-oss vault (MXFP4 experts
-    as stored) is refused at session creation, naming the format, and still runs on the CPU."""
+def test_gpt_oss_mxfp4_experts_run_on_the_gpu(tiny_vault, tmp_path):
+    """A released-style gpt-oss vault (MXFP4 experts as stored, csrc/cuda/ggml.cu) on the GPU: every
+    position's logits within ATOL/RTOL of the CPU's (the experts on the FP32 cores with f32
+    activations; sinks in the f32 attention kernel), and layer-major in chunks of 3 and 16, with
+    the experts in VRAM or streamed through two slots, gives token-serial's bits."""
     if not _cuda_available(tiny_vault):
         pytest.skip("no CUDA here")
     pytest.importorskip("torch")
@@ -428,10 +430,21 @@ def test_gpt_oss_mxfp4_experts_are_refused_on_the_gpu_clearly(tiny_vault, tmp_pa
     write_mxfp4_checkpoint(tmp_path / "released", model)
     vault = convert_checkpoint(tmp_path / "released", tmp_path / "vault", dense="f32", progress=False)
     with pysmoe.open_vault(vault) as v:
-        with pytest.raises(Unsupported, match="MXFP4"):
-            v.session(device="cuda")
-        with v.session() as s:
-            assert s.prefill([1, 2, 3]).shape == (v.config["vocab_size"],)
+        ids = np.random.default_rng(3).integers(0, v.config["vocab_size"], 29).tolist()
+        rows = list(range(len(ids)))
+        with v.session(chunk=16, activations="f32") as c:
+            cpu = c.prefill_logits(ids, rows=rows)
+        with _cuda_session(v, chunk=16, gpu_cache_bytes=1 << 30, prefill="token-serial") as g:
+            assert g.backend.startswith("cuda: ")
+            want = np.stack([g.decode(t) for t in ids])
+        err, top = float(np.max(np.abs(want - cpu))), float(np.max(np.abs(cpu)))
+        print(f"gpt-oss MXFP4: max|gpu - cpu| / max|logit| = {err / top:.3g}")
+        assert err <= ATOL + RTOL * top, (err, top)
+        for chunk in (3, 16):
+            for gpu in (1 << 30, 2 * v.blob_bytes):
+                with _cuda_session(v, chunk=chunk, gpu_cache_bytes=gpu) as a:
+                    got = a.prefill_logits(ids, rows=rows)
+                assert got.tobytes() == want.tobytes(), (chunk, gpu)
 
 
 def _forced(s, prompt, follow, layers, experts):

@@ -24,8 +24,9 @@ FORMATS = sorted(ggml_blocks.FORMATS)
 try:
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize as gguf_quantize
 except ImportError:  # the golden vectors stand in
-    gguf_dequantize = None
+    gguf_dequantize = gguf_quantize = None
 
 
 def c_dequantize(fmt: str, raw: np.ndarray, rows: int, cols: int) -> np.ndarray:
@@ -98,6 +99,61 @@ def test_non_finite_scales(fmt):
     assert np.isnan(w[1]).all()
     assert (np.isinf(w[0]) | np.isnan(w[0])).all() and np.isinf(w[0]).any()
     assert_same_values(w, ggml_blocks.dequantize(raw, fmt, rows, cols), fmt)
+
+
+def test_mxfp4_quantiser_by_hand():
+    """quantize_mxfp4's rule on one block worked out by hand: amax 7 gives e = floor(log2 7) − 2 +
+    127 = 127 (one E2M1 unit is 2^0); 7 saturates to 6; 0.75 is a tie between 0.5 and 1 and goes to
+    the smaller magnitude (llama.cpp's rule: OCP's round-half-to-even would give 1); −0.1 is 0
+    (code 0, not −0); a block of zeros gets e = 0."""
+    w = np.zeros((2, 32), np.float32)
+    w[0, :8] = [7.0, -7.0, 4.0, 0.75, -0.75, 2.9, -0.1, 1.5]
+    got = ggml_blocks.quantize_mxfp4(w).reshape(2, 17)
+    codes = np.zeros(32, np.uint8)
+    codes[:8] = [7, 15, 6, 1, 9, 5, 0, 3]  # E2M1: 0, .5, 1, 1.5, 2, 3, 4, 6; +8 negative
+    assert got[0, 0] == 127 and got[1, 0] == 0 and not got[1, 1:].any()
+    assert np.array_equal(got[0, 1:], codes[:16] | (codes[16:] << 4))
+    assert np.array_equal(ggml_blocks.dequantize(got, "MXFP4", 2, 32)[0, :8], [6, -6, 4, 0.5, -0.5, 3, 0, 1.5])
+    assert bytes(got.reshape(-1)) == quant.quantize(w, "MXFP4")  # the converter's path
+
+
+def test_mxfp4_quantiser_round_trip():
+    """Weights already on the MXFP4 grid come back as the same bytes; a weight within E2M1's range
+    (|w| ≤ 6 units of 2^(e−127)) is within half a step (a step is at most 2 units), and one past it
+    (up to 8 units: e puts amax there) saturates to ±6 units."""
+    rng = np.random.default_rng(7)
+    raw = ggml_blocks.random_blocks("MXFP4", 8, 256, 0.02, rng)
+    w = ggml_blocks.dequantize(raw, "MXFP4", 8, 256)
+    again = ggml_blocks.quantize_mxfp4(w)
+    assert np.array_equal(ggml_blocks.dequantize(again, "MXFP4", 8, 256), w)
+    x = (rng.standard_normal((8, 256)) * 0.02).astype(np.float32)
+    q = ggml_blocks.quantize_mxfp4(x)
+    y = ggml_blocks.dequantize(q, "MXFP4", 8, 256)
+    unit = np.ldexp(1.0, q.reshape(-1, 17)[:, 0].astype(int) - 127).repeat(32).reshape(8, 256)
+    inside = np.abs(x) <= 6 * unit
+    assert (np.abs(x - y)[inside] <= unit[inside]).all() and np.abs(x - y).max() > 0
+    assert (~inside).any() and np.array_equal(np.abs(y[~inside]), 6 * unit[~inside])
+    with pytest.raises(ValueError, match="finite"):
+        ggml_blocks.quantize_mxfp4(np.full((1, 32), np.inf, np.float32))
+
+
+@pytest.mark.skipif(gguf_quantize is None, reason="gguf-py is not installed (the hand-made block stands in)")
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_mxfp4_quantiser_matches_gguf(data):
+    """Byte for byte gguf-py's MXFP4 quantiser (llama.cpp's quantize_row_mxfp4_ref in numpy), on
+    random weights and on weights made of quarter units, which land on E2M1's ties."""
+    rows = data.draw(st.integers(1, 3), label="rows")
+    blocks = data.draw(st.integers(1, 3), label="blocks per row")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    rng = np.random.default_rng(seed)
+    scale = np.float32(2.0 ** data.draw(st.integers(-20, 10), label="log2 scale"))
+    if data.draw(st.booleans(), label="ties"):
+        w = rng.integers(-28, 29, size=(rows, blocks * 32)).astype(np.float32) * np.float32(0.25) * scale
+    else:
+        w = rng.standard_normal((rows, blocks * 32)).astype(np.float32) * scale
+    want = gguf_quantize(w, GGMLQuantizationType.MXFP4)
+    assert np.array_equal(ggml_blocks.quantize_mxfp4(w), want.reshape(rows, -1))
 
 
 def test_sizes_and_refusals():
@@ -243,3 +299,45 @@ def test_verify_names_non_finite_ggml_scales(make_vault, tmp_path):
     assert problems[1][3].startswith("down scales: 1 non-finite value(s) (NaN or inf), the first at row 3, block 0")
     with pysmoe.open_vault(src) as good:
         assert good.verify() == []
+
+
+# ------------------------------------------------------------------------- on the GPU (CUDA)
+
+def test_gpu_runs_every_ggml_format(ggml_vault):
+    """The three mixes hold all fourteen GGML formats as experts and dense tensors (embedding and
+    lm_head included). On device="cuda" (csrc/cuda/ggml.cu; skipped without a GPU): the prefill's
+    and three decode steps' logits within test_cuda's ATOL + RTOL_F16 of the CPU's (activations="f32":
+    the same dequantised weights, another summation order, and flash attention's f16 Q, K, V and P
+    for the head size 64); and on the GPU layer-major in chunks
+    of 1, 5 and 16, the experts in VRAM or streamed through two slots, gives token-serial's
+    logits and KV rows bit for bit."""
+    from pysmoe.errors import Unsupported
+    from test_cuda import ATOL, RTOL_F16
+
+    name, path = ggml_vault
+    with pysmoe.open_vault(path) as vault:
+        try:
+            vault.session(device="cuda").close()
+        except Unsupported as e:
+            pytest.skip(f"no CUDA here: {e}")
+        ids = [int(i) for i in np.random.default_rng(4).integers(0, vault.config["vocab_size"], 33)]
+        L = vault.config["num_hidden_layers"]
+
+        def run(device, prefill="layer-major", chunk=64, **kw):
+            with vault.session(device=device, prefill=prefill, activations="f32", context=256, chunk=chunk, **kw) as s:
+                out = [s.prefill(ids)]
+                out += [s.decode(int(np.argmax(out[-1]))) for _ in range(3)]
+                kv = [s.kv(layer) for layer in range(L)]
+            return np.stack(out), kv
+
+        cpu, _ = run("cpu")
+        want, want_kv = run("cuda", "token-serial", gpu_cache_bytes=1 << 30)
+        err, top = float(np.max(np.abs(want - cpu))), float(np.max(np.abs(cpu)))
+        print(f"{name}: max|gpu - cpu| / max|logit| = {err / top:.3g}")
+        assert np.isfinite(want).all() and err <= ATOL + RTOL_F16 * top, (name, err, top)
+        for chunk in (1, 5, 16):
+            for gpu in (1 << 30, 2 * vault.blob_bytes):
+                got, kv = run("cuda", chunk=chunk, gpu_cache_bytes=gpu)
+                assert got.tobytes() == want.tobytes(), (name, chunk, gpu)
+                for (ka, va), (kb, vb) in zip(kv, want_kv):
+                    assert ka.tobytes() == kb.tobytes() and va.tobytes() == vb.tobytes(), (name, chunk, gpu)

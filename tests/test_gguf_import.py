@@ -72,10 +72,26 @@ def test_config_is_the_checkpoints(name, vaults):
     if family == "olmoe":  # its expert width is intermediate_size; it never renormalises
         want.update(moe_intermediate_size=shape["intermediate_size"], norm_topk_prob=False,
                     head_dim=shape["hidden_size"] // shape["num_attention_heads"])
+    if family == "glm4_moe":  # n_routed_experts; the MTP layer is counted apart
+        want = {k: v for k, v in want.items() if k not in ("num_experts", "n_routed_experts", "mlp_only_layers", "mtp")}
+        want.update(num_experts=shape["n_routed_experts"], num_nextn_predict_layers=shape.get("mtp", 1),
+                    partial_rotary_factor=shape.get("partial_rotary_factor", 0.5),
+                    mlp_only_layers=list(range(shape["first_k_dense_replace"])))
+    if family == "mixtral":  # num_local_experts, each intermediate_size wide; always renormalised
+        want = {k: v for k, v in want.items() if k not in ("num_experts", "num_local_experts")}
+        want.update(num_experts=shape["num_local_experts"], moe_intermediate_size=shape["intermediate_size"],
+                    norm_topk_prob=True)
+    if family == "gpt_oss":  # each expert intermediate_size wide; window on alternate layers; YaRN
+        want = {k: v for k, v in want.items() if k not in ("num_experts", "num_local_experts", "norm_topk_prob")}
+        want.update(num_experts=shape["num_local_experts"], moe_intermediate_size=shape["intermediate_size"],
+                    layer_types=["sliding_attention", "full_attention"] * (shape["num_hidden_layers"] // 2),
+                    tie_word_embeddings=False)
+    if family == "qwen3_next":  # three Gated DeltaNet layers, then gated full attention; a quarter rotated
+        want.update(layer_types=["linear_attention"] * 3 + ["full_attention"], rotary_dim=shape["head_dim"] // 4)
     p = plan(GGUFModel(DATA / f"{name}.gguf"), check_types=False)
     for k, v in want.items():
         assert p.config[k] == v, k
-    assert p.config["rope_theta"] == 10000.0
+    assert p.config["rope_theta"] == {"mixtral": 1e6, "gpt_oss": 1.5e5}.get(family, 10000.0)
     assert p.config["model_type"] == family
 
 
@@ -86,28 +102,80 @@ def test_tensors_byte_for_byte(name, vaults):
     v = read_vault(_vault(vaults, name))
     r = gguf.GGUFReader(DATA / f"{name}.gguf")
     names = {"token_embd.weight": "embed_tokens", "output_norm.weight": "norm", "output.weight": "lm_head"}
-    E = v.config["num_experts"]
+    E, L = v.config["num_experts"], v.config["num_hidden_layers"]
     seen = 0
     for t in r.tensors:
         raw = bytes(r.data[t.data_offset:t.data_offset + int(t.n_bytes)])
-        if "_exps." in t.name:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= L:
+            assert v.config["num_nextn_predict_layers"] > 0  # a multi-token-prediction layer: left out
+        elif "_exps." in t.name:
             l, part = int(t.name.split(".")[1]), t.name.split(".")[2][4:-5]
+            part += "_bias" if t.name.endswith(".bias") else ""  # gpt-oss: the blob's f32 bias rows
             desc = {x.name: x for x in v.layer_expert_tensors[l]}[part]
             n = len(raw) // E
             for e in range(E):
                 blob = v.blob(l, e)
                 assert bytes(blob[desc.offset:desc.offset + desc.nbytes]) == raw[e * n:(e + 1) * n], (t.name, e)
+        elif t.name.split(".", 2)[-1] in ("attn_q.weight", "ssm_ba.weight", "ssm_a") and \
+                r.fields["general.architecture"].contents() == "qwen3next":
+            _check_qwen3next_split(t, raw, v)
         else:
-            vname = names.get(t.name) or _layer_name(t.name)
-            assert bytes(v.raw(vname)) == raw, t.name
+            vname = names.get(t.name) or _layer_name(t.name, r)
+            got = bytes(v.raw(vname))
+            heads = _permuted_heads(t.name, v.config, r)
+            if heads:  # llama.cpp's converter permuted the rows: the vault holds them un-permuted
+                rows = np.frombuffer(raw, np.uint8).reshape(int(t.shape[-1]), -1)
+                perm = _llama_cpp_permutation(rows.shape[0], heads)
+                mine = np.frombuffer(got, np.uint8).reshape(rows.shape)
+                assert all(bytes(mine[perm[g]]) == bytes(rows[g]) for g in range(len(perm))), t.name
+            else:
+                assert got == raw, t.name
         seen += 1
     assert seen == len(r.tensors)
 
 
-def _layer_name(gname: str) -> str:
+def _llama_cpp_permutation(n_rows: int, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute applied to row numbers: the original row each
+    row of llama.cpp's tensor holds (written from its definition, not from the importer's)."""
+    hd = n_rows // n_head
+    return np.arange(n_rows).reshape(n_head, 2, hd // 2).swapaxes(1, 2).reshape(-1)
+
+
+def _permuted_heads(gname: str, cfg: dict, r) -> int:
+    """The head count llama.cpp's converter permuted gname's rows with (0: not permuted)."""
+    if r.fields["general.architecture"].contents() != "llama":
+        return 0
+    return {"attn_q.weight": cfg["num_attention_heads"], "attn_k.weight": cfg["num_key_value_heads"]}.get(
+        gname.split(".", 2)[-1], 0)
+
+
+def _check_qwen3next_split(t, raw: bytes, v) -> None:
+    """Qwen3-Next's tensors the import cuts or transforms: attn_q (per head the query's rows then
+    the gate's) into q_proj and q_gate_proj, ssm_ba (per key head r rows of b then r of a) into
+    linear.b and linear.a — whole rows, byte for byte — and ssm_a = −exp(A_log) back to A_log."""
+    c, l, rest = v.config, t.name.split(".")[1], t.name.split(".", 2)[-1]
+    p = f"layers.{l}."
+    if rest == "ssm_a":
+        a = np.frombuffer(raw, np.float32)
+        a_log = np.frombuffer(bytes(v.raw(p + "linear.A_log")), np.float32)
+        assert np.allclose(-np.exp(a_log.astype(np.float64)), a, rtol=3e-7, atol=0), t.name
+        return
+    rows = np.frombuffer(raw, np.uint8).reshape(int(t.shape[-1]), -1)
+    if rest == "attn_q.weight":
+        n, per = c["num_attention_heads"], c["head_dim"]
+        parts = ("q_proj", "q_gate_proj")
+    else:
+        n, per = c["linear_num_key_heads"], c["linear_num_value_heads"] // c["linear_num_key_heads"]
+        parts = ("linear.b", "linear.a")
+    grouped = rows.reshape(n, 2, per, -1)
+    for i, part in enumerate(parts):
+        assert bytes(v.raw(p + part)) == grouped[:, i].tobytes(), (t.name, part)
+
+
+def _layer_name(gname: str, r) -> str:
     from pysmoe.convert.gguf import FAMILIES
     _, l, rest = gname.split(".", 2)
-    return f"layers.{l}.{FAMILIES['qwen3moe'].layer_tensors[rest]}"
+    return f"layers.{l}.{FAMILIES[r.fields['general.architecture'].contents()].layer_tensors[rest]}"
 
 
 def test_tokenizer_files_and_template(vaults):
@@ -130,8 +198,58 @@ def test_tokenizer_files_and_template(vaults):
 
 # ------------------------------------------------------------------------------ the oracle
 
+def _qwen3next_to_hf(w: dict, cfg: dict) -> tuple[dict, dict]:
+    """llama.cpp's qwen3next tensors (dequantised) -> transformers' Qwen3-Next names, undoing what
+    convert_hf_to_gguf.py did: norms stored as 1 + w, ssm_a = −exp(A_log), in_proj_qkvz split into
+    attn_qkv (q, k, v of all heads) and attn_gate (z), conv1d squeezed. Returns (the tensors left
+    for the shared mapping, the state made here)."""
+    rest, state = {}, {}
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    r = nv // nk
+    for name, a in w.items():
+        if name == "output_norm.weight":
+            state["model.norm.weight"] = a - 1
+            continue
+        if not name.startswith("blk."):
+            rest[name] = a
+            continue
+        _, l, part = name.split(".", 2)
+        p = f"model.layers.{l}."
+        ln = {"attn_norm.weight": "input_layernorm.weight",
+              "post_attention_norm.weight": "post_attention_layernorm.weight",
+              "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+        lin = {"ssm_ba.weight": "in_proj_ba.weight", "ssm_dt.bias": "dt_bias", "ssm_norm.weight": "norm.weight",
+               "ssm_out.weight": "out_proj.weight"}
+        sh = {f"ffn_{x}_shexp.weight": f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")}
+        if part in ln:
+            state[p + ln[part]] = a - 1
+        elif part in lin:
+            state[p + "linear_attn." + lin[part]] = a
+        elif part in sh:
+            state[p + sh[part]] = a
+        elif part == "ffn_gate_inp_shexp.weight":
+            state[p + "mlp.shared_expert_gate.weight"] = a.reshape(1, -1)
+        elif part == "ssm_a":
+            state[p + "linear_attn.A_log"] = np.log(-a)
+        elif part == "ssm_conv1d.weight":
+            state[p + "linear_attn.conv1d.weight"] = a[:, None, :]
+        elif part == "attn_gate.weight":
+            continue
+        elif part == "attn_qkv.weight":
+            q, k, v = a[:nk * dk], a[nk * dk:2 * nk * dk], a[2 * nk * dk:]
+            z = w[f"blk.{l}.attn_gate.weight"]
+            groups = [np.concatenate([q[g * dk:(g + 1) * dk], k[g * dk:(g + 1) * dk], v[g * r * dv:(g + 1) * r * dv],
+                                      z[g * r * dv:(g + 1) * r * dv]]) for g in range(nk)]
+            state[p + "linear_attn.in_proj_qkvz.weight"] = np.concatenate(groups)
+        else:
+            rest[name] = a
+    return rest, state
+
+
 def _dequantised_hf_model(path: Path, cfg: dict):
-    """transformers' Qwen3MoeForCausalLM holding the GGUF's weights as gguf-py dequantises them."""
+    """transformers' model of the family (Qwen3-MoE, OLMoE, GLM-4.5) holding the GGUF's weights as gguf-py
+    dequantises them (the multi-token-prediction layers left out, as transformers leaves them)."""
     import torch
     from hf_models import make_config
 
@@ -146,36 +264,108 @@ def _dequantised_hf_model(path: Path, cfg: dict):
         config._attn_implementation = "eager"
         config._experts_implementation = "eager"
         model = OlmoeForCausalLM(config).float().eval()
+    elif cfg["model_type"] == "glm4_moe":
+        from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+        kw = {k: cfg[k] for k in keys if k not in ("num_experts", "rope_theta")}
+        kw.update({k: cfg[k] for k in ("n_shared_experts", "first_k_dense_replace", "n_group", "topk_group",
+                                       "routed_scaling_factor", "use_qk_norm", "attention_bias")})
+        kw["n_routed_experts"] = cfg["num_experts"]
+        kw["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg["rope_theta"],
+                                 "partial_rotary_factor": cfg["partial_rotary_factor"]}
+        config = Glm4MoeConfig(**kw)
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
+        model = Glm4MoeForCausalLM(config).float().eval()
+    elif cfg["model_type"] == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+        kw = {k: cfg[k] for k in keys if k not in ("moe_intermediate_size", "num_experts", "norm_topk_prob",
+                                                   "rope_theta")}
+        kw.update(num_local_experts=cfg["num_experts"], intermediate_size=cfg["moe_intermediate_size"],
+                  rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"]})
+        config = MixtralConfig(**kw)
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
+        model = MixtralForCausalLM(config).float().eval()
+    elif cfg["model_type"] == "gpt_oss":
+        from transformers import GptOssConfig, GptOssForCausalLM
+        kw = {k: cfg[k] for k in keys if k not in ("moe_intermediate_size", "num_experts", "norm_topk_prob",
+                                                   "rope_theta")}
+        kw.update(num_local_experts=cfg["num_experts"], sliding_window=cfg["sliding_window"],
+                  layer_types=cfg["layer_types"], rope_parameters=cfg["rope_parameters"])
+        config = GptOssConfig(**kw)
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
+        model = GptOssForCausalLM(config).float().eval()
+    elif cfg["model_type"] == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+        kw = {k: cfg[k] for k in keys if k != "rope_theta"}
+        kw.update({k: cfg[k] for k in cfg if k.startswith("linear_")},
+                  layer_types=cfg["layer_types"],
+                  shared_expert_intermediate_size=cfg["shared_expert_intermediate_size"],
+                  rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"],
+                                   "partial_rotary_factor": cfg["rotary_dim"] / cfg["head_dim"]})
+        config = Qwen3NextConfig(**kw)
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
+        model = Qwen3NextForCausalLM(config).float().eval()
     else:
         from transformers import Qwen3MoeForCausalLM
         model = Qwen3MoeForCausalLM(make_config(**{k: cfg[k] for k in keys})).float().eval()
+    L, gpt_oss = cfg["num_hidden_layers"], cfg["model_type"] == "gpt_oss"
     r = gguf.GGUFReader(path)
-    w = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32) for t in r.tensors}
+    w = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32) for t in r.tensors
+         if not (t.name.startswith("blk.") and int(t.name.split(".")[1]) >= L)}  # no MTP layers
     hf = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
           "output.weight": "lm_head.weight"}
-    attn = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
-            "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
+    per_layer = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+                 "post_attention_norm.weight": "post_attention_layernorm.weight",
+                 "ffn_gate_inp.weight": "mlp.gate.weight", "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+                 "attn_sinks.weight": "self_attn.sinks",
+                 "ffn_down_exps.weight": "mlp.experts.down_proj",
+                 **{f"ffn_{p}.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+                 **{f"ffn_{p}_shexp.weight": f"mlp.shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")}}
+    for g, h in {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+                 "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}.items():
+        per_layer[g + ".weight"] = f"self_attn.{h}.weight"
+        per_layer[g + ".bias"] = f"self_attn.{h}.bias"
     state = {}
+    if cfg["model_type"] == "qwen3_next":
+        w, state = _qwen3next_to_hf(w, cfg)
     for name, a in w.items():
         if name in hf:
             state[hf[name]] = a
             continue
-        _, l, part, _ = name.split(".")
-        p = f"model.layers.{l}."
-        if part in attn:
-            state[p + "self_attn." + attn[part] + ".weight"] = a
-        elif part == "attn_norm":
-            state[p + "input_layernorm.weight"] = a
-        elif part == "ffn_norm":
-            state[p + "post_attention_layernorm.weight"] = a
-        elif part == "ffn_gate_inp":
-            state[p + "mlp.gate.weight"] = a
-        elif part == "ffn_down_exps":
-            state[p + "mlp.experts.down_proj"] = a
-    for l in range(cfg["num_hidden_layers"]):
+        _, l, rest = name.split(".", 2)
+        if rest.startswith(("ffn_gate_exps.", "ffn_up_exps.")) or (gpt_oss and rest.startswith("ffn_down_exps.")):
+            continue
+        if gpt_oss and rest.startswith("ffn_gate_inp."):
+            rest = rest.replace("ffn_gate_inp", "router")
+            state[f"model.layers.{l}.mlp.{rest}"] = a
+            continue
+        heads = _permuted_heads(name, cfg, r)
+        if heads:  # llama.cpp's row order -> the checkpoint's
+            b = np.empty_like(a)
+            b[_llama_cpp_permutation(a.shape[0], heads)] = a
+            a = b
+        state[f"model.layers.{l}.{per_layer[rest]}"] = a
+    for l in range(L):
+        if f"blk.{l}.ffn_gate_exps.weight" not in w:
+            continue
         g, u = w[f"blk.{l}.ffn_gate_exps.weight"], w[f"blk.{l}.ffn_up_exps.weight"]
-        state[f"model.layers.{l}.mlp.experts.gate_up_proj"] = np.concatenate([g, u], axis=1)
+        p = f"model.layers.{l}.mlp.experts."
+        if gpt_oss:  # x @ W with gate and up interleaved by column; down_proj [E, I, H]; biases
+            gu = np.empty((g.shape[0], g.shape[2], 2 * g.shape[1]), np.float32)
+            gu[..., 0::2], gu[..., 1::2] = g.transpose(0, 2, 1), u.transpose(0, 2, 1)
+            gb, ub = w[f"blk.{l}.ffn_gate_exps.bias"], w[f"blk.{l}.ffn_up_exps.bias"]
+            gub = np.empty((gb.shape[0], 2 * gb.shape[1]), np.float32)
+            gub[:, 0::2], gub[:, 1::2] = gb, ub
+            state.update({p + "gate_up_proj": gu, p + "gate_up_proj_bias": gub,
+                          p + "down_proj": w[f"blk.{l}.ffn_down_exps.weight"].transpose(0, 2, 1).copy(),
+                          p + "down_proj_bias": w[f"blk.{l}.ffn_down_exps.bias"]})
+        else:
+            state[p + "gate_up_proj"] = np.concatenate([g, u], axis=1)
     params = dict(model.named_parameters())
+    params.update((k, b) for k, b in model.named_buffers() if k.endswith("e_score_correction_bias"))
     with torch.no_grad():
         for k, a in state.items():
             assert params[k].shape == a.shape, (k, params[k].shape, a.shape)
@@ -204,14 +394,24 @@ def test_logits_against_transformers_on_the_dequantised_weights(name, vaults):
 
 # ------------------------------------------------------------------------------ refusals, splits
 
-def _rewrite(src: Path, out: Path, *, retype: dict | None = None, split_max_tensors: int = 0, drop=()):
+def _rewrite(src: Path, out: Path, *, retype: dict | None = None, split_max_tensors: int = 0, drop=(),
+             meta: dict | None = None):
     """Copy a GGUF with gguf-py's writer, optionally storing some tensors in another type
-    (zero blocks: only the planning reads them) or splitting it into several files."""
+    (zero blocks: only the planning reads them), splitting it into several files, or changing
+    metadata (meta: key -> (value, GGUFValueType[, sub_type]), or None to leave the key out)."""
     r = gguf.GGUFReader(src)
     arch = r.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(out, arch=arch, split_max_tensors=split_max_tensors)  # writes the arch itself
+    meta = meta or {}
+    for k, v in meta.items():
+        if v is not None and k not in r.fields:
+            w.add_key_value(k, *v)
     for k, f in r.fields.items():
         if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        if k in meta:
+            if meta[k] is not None:
+                w.add_key_value(k, *meta[k])
             continue
         vt = f.types[0]
         if vt == gguf.GGUFValueType.ARRAY:
@@ -261,6 +461,71 @@ def test_a_missing_or_unknown_tensor_is_named(tmp_path):
     bad = tmp_path / "bad.gguf"
     _rewrite(DATA / "tiny-f32.gguf", bad, drop=("blk.1.attn_k_norm.weight",))
     with pytest.raises(ConvertError, match=r"layers\.1\.k_norm missing"):
+        convert_checkpoint(bad, tmp_path / "v", progress=False)
+    assert not (tmp_path / "v").exists()
+
+
+_U32, _F32, _STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.STRING
+
+
+@pytest.mark.parametrize("fixture, meta, message", [
+    ("mixtral-q4_k_m", {"llama.expert_count": None, "llama.expert_used_count": None}, "dense Llama"),
+    ("mixtral-q4_k_m", {"llama.rope.dimension_count": (32, _U32)}, "RoPE over the whole head"),
+    ("glm4moe-q8_0", {"glm4moe.expert_gating_func": (1, _U32)}, "router is sigmoid"),
+    ("gpt-oss-mxfp4", {"gpt-oss.rope.scaling.yarn_ext_factor": (0.5, _F32)}, "yarn_ext_factor"),
+    ("gpt-oss-mxfp4", {"gpt-oss.rope.freq_base_swa": (10000.0, _F32)}, "one RoPE base"),
+    ("tiny-q8_0", {"qwen3moe.rope.scaling.type": ("yarn", _STR)}, "only plain RoPE"),
+    ("qwen3next-q8_0", {"qwen3next.ssm.state_size": None}, "lacks qwen3next.ssm.state_size"),
+])
+def test_a_family_the_engine_would_run_wrong_is_refused(fixture, meta, message, tmp_path):
+    """Metadata that asks for something the family's recipe does not compute is refused, before
+    anything is written, with a message naming it."""
+    bad = tmp_path / "bad.gguf"
+    _rewrite(DATA / f"{fixture}.gguf", bad, meta=meta)
+    with pytest.raises(ConvertError, match=message):
+        convert_checkpoint(bad, tmp_path / "v", progress=False)
+    assert not (tmp_path / "v").exists()
+
+
+def test_an_old_mixtral_file_with_one_tensor_per_expert_is_refused(tmp_path):
+    """llama.cpp's files before stacked experts (blk.N.ffn_gate.E.weight): named as such."""
+    r = gguf.GGUFReader(DATA / "mixtral-q4_k_m.gguf")
+    old = tmp_path / "old.gguf"
+    w = gguf.GGUFWriter(old, arch="llama")
+    for k, f in r.fields.items():
+        if k.startswith("GGUF.") or k == "general.architecture":
+            continue
+        vt = f.types[0]
+        if vt == gguf.GGUFValueType.ARRAY:
+            w.add_key_value(k, f.contents(), vt, sub_type=f.types[-1])
+        else:
+            w.add_key_value(k, f.contents(), vt)
+    for t in r.tensors:
+        data = np.asarray(t.data)
+        if "_exps." not in t.name:
+            w.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+            continue
+        for e in range(data.shape[0]):  # one tensor per expert, as before 2024
+            w.add_tensor(t.name.replace("_exps", f".{e}"), np.ascontiguousarray(data[e]), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConvertError, match=r"one tensor each \(blk\.0\.ffn_.*re-convert"):
+        convert_checkpoint(old, tmp_path / "v", progress=False)
+    assert not (tmp_path / "v").exists()
+
+
+def test_qwen35moe_is_refused_with_its_reason(tmp_path):
+    bad = tmp_path / "q35.gguf"
+    r = gguf.GGUFReader(DATA / "tiny-q8_0.gguf")
+    w = gguf.GGUFWriter(bad, arch="qwen35moe")
+    w.add_tensor("token_embd.weight", np.asarray(r.tensors[0].data), raw_dtype=r.tensors[0].tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ConvertError, match="qwen35moe.*value heads.*Hugging Face checkpoint"):
         convert_checkpoint(bad, tmp_path / "v", progress=False)
     assert not (tmp_path / "v").exists()
 
@@ -356,7 +621,8 @@ def test_tokenizer_against_llama_cpp_live(tmp_path):
         assert not bad, (pre, bad[:3])
 
 
-@pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "tiny-q4_0"])
+@pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "tiny-q4_0", "glm4moe-q4_k_m", "mixtral-q4_k_m",
+                                  "gpt-oss-mxfp4", "qwen3next-q8_0"])
 @pytest.mark.parametrize("activations", ["f32", "q8"])
 def test_layer_major_is_token_serial_on_an_imported_mix(name, activations, vaults):
     """A llama.cpp mix imported as stored keeps the engine's bit identity: a layer-major prefill
@@ -373,6 +639,37 @@ def test_layer_major_is_token_serial_on_an_imported_mix(name, activations, vault
                 first = s.prefill(ids)
                 out[mode] = np.concatenate([first, s.decode(ids[0])])
     assert out["layer-major"].tobytes() == out["token-serial"].tobytes()
+
+
+@pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "olmoe-q8_0", "glm4moe-q4_k_m", "mixtral-q4_k_m",
+                                  "gpt-oss-mxfp4", "qwen3next-q8_0"])
+def test_an_imported_mix_runs_on_the_gpu(name, vaults):
+    """llama.cpp's files on device="cuda" (skipped without a GPU): within test_cuda's ATOL/RTOL of
+    the CPU's f32-activation logits (flash attention's RTOL_F16 for head sizes 32/64/128), and
+    layer-major in chunks of 5 = token-serial bit for bit on the GPU."""
+    import pysmoe
+    from pysmoe.errors import Unsupported
+    from test_cuda import ATOL, RTOL, RTOL_F16
+
+    d = _vault(vaults, name)
+    cfg = json.loads((d / "config.json").read_text())
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, cfg["vocab_size"], 17)]
+    out = {}
+    with pysmoe.open_vault(d) as v:
+        try:
+            v.session(device="cuda").close()
+        except Unsupported as e:
+            pytest.skip(f"no CUDA here: {e}")
+        for dev, mode in (("cpu", "layer-major"), ("cuda", "layer-major"), ("cuda", "token-serial")):
+            with v.session(device=dev, chunk=5, activations="f32", prefill=mode) as s:
+                first = s.prefill(ids)
+                out[dev, mode] = np.stack([first, s.decode(ids[0])])
+    gpu, cpu = out["cuda", "token-serial"], out["cpu", "layer-major"]
+    assert out["cuda", "layer-major"].tobytes() == gpu.tobytes()
+    rtol = RTOL_F16 if cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]) in (32, 64, 128) else RTOL
+    err, top = float(np.max(np.abs(gpu - cpu))), float(np.max(np.abs(cpu)))
+    print(f"{name}: max|gpu - cpu| / max|logit| = {err / top:.3g}")
+    assert err <= ATOL + rtol * top, (name, err, top)
 
 
 def test_a_truncated_file_is_refused(tmp_path):
@@ -415,3 +712,114 @@ def test_corrupt_headers_give_a_convert_error_or_a_vault(tmp_path):
             convert_checkpoint(f, out, progress=False)
         except ConvertError:
             assert not out.exists()
+
+
+# ------------------------------------------------------------------------------ the families' own tokenizers
+
+def _family_fixtures():
+    path = DATA / "tokens.json"
+    return sorted(json.loads(path.read_text(encoding="utf-8")).get("fixtures", {})) if path.exists() else []
+
+
+@pytest.mark.parametrize("name", _family_fixtures())
+def test_family_tokenizer_encodes_as_llama_cpp_did(name):
+    """Each family fixture's vocabulary (its pre-tokenizer and special tokens, as llama.cpp's
+    converter wrote them) encodes the shared texts and the family's own chat text as llama.cpp did."""
+    g = _golden()["fixtures"][name]
+    enc = _encoder(DATA / f"{name}.gguf")
+    for text, want in zip(g["texts"], g["ids"]):
+        assert enc(text) == want, text[:80]
+
+
+@pytest.mark.parametrize("name", [n for n in FIXTURES if n.startswith(("glm4moe", "mixtral", "gpt-oss"))])
+def test_family_chat_template_renders_as_transformers(name, vaults):
+    """The chat template converted from tokenizer.chat_template renders, through pysmoe, the
+    text transformers renders from the same template, with a system prompt, a tool and a tool call."""
+    from transformers import PreTrainedTokenizerFast
+
+    from pysmoe.tokenizer import load_tokenizer
+
+    d = _vault(vaults, name)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    assert tc["chat_template"] == GGUFModel(DATA / f"{name}.gguf").meta["tokenizer.chat_template"]
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "a": {"type": "number"}, "b": {"type": "number"}}}}}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 2}}}]},
+            {"role": "tool", "content": "4"}]
+    kwargs = {}
+    if name.startswith("gpt-oss"):  # harmony: reasoning effort as a template kwarg, a thinking field
+        kwargs = {"reasoning_effort": "low"}
+        msgs[2] = {**msgs[2], "thinking": "Add them."}
+        msgs[3] = {"role": "tool", "content": "4", "name": "add"}
+    if name.startswith("mixtral"):  # user/assistant alternating, no tools
+        tools, msgs = None, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+                             {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), chat_template=tc["chat_template"],
+                                 bos_token=tc.get("bos_token"), eos_token=tc.get("eos_token"))
+    want = hf.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True, **kwargs)
+    got = load_tokenizer(d).apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True,
+                                                **kwargs)
+    start = {"mixtral": "<s>", "gpt-oss": "<|start|>system<|message|>", "glm4moe": "[gMASK]<sop>"}
+    assert got == want and want.startswith(start[name.rsplit("-", 1)[0]])
+
+
+@pytest.mark.parametrize("name", _family_fixtures())
+def test_family_tokenizer_against_llama_cpp_live(name):
+    """Where llama-cpp-python is installed: random strings of scripts, digits, whitespace runs,
+    the family's special tokens and byte-fallback characters, tokenised by both."""
+    pytest.importorskip("llama_cpp")
+    mk = _scripts()
+    path = DATA / f"{name}.gguf"
+    meta = GGUFModel(path).meta
+    specials = [t for t, ty in zip(meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]) if ty in (3, 4)]
+    rng = np.random.default_rng(1)
+    alphabet = list("abcXYZ  \t\n\r0123456789'.,!?-_▁") + ["é", "ß", "日", "本", "Ω", "й", "ع", "क", "🚀",
+                                                         "\u200d", "\u00a0", "'s", " the", "  ", "<0x41>"] + specials
+    texts = ["".join(rng.choice(alphabet, size=int(rng.integers(0, 40)))) for _ in range(300)]
+    enc = _encoder(path)
+    want = mk.llama_cpp_tokens(path, texts)
+    bad = [t for t, w in zip(texts, want) if enc(t) != w]
+    assert not bad, bad[:3]
+
+
+@pytest.mark.parametrize("model_type, size", [("bpe", 2000), ("unigram", 1500)])
+def test_sentencepiece_vocabularies_against_llama_cpp_live(model_type, size, tmp_path):
+    """Where llama-cpp-python and sentencepiece are installed: larger SentencePiece vocabularies
+    (trained here on the held-out text: BPE and Unigram scores, byte fallback, user-defined
+    tokens) as `llama` GGUF vocabularies, tokenised by llama.cpp and by the converted
+    tokenizer.json: random strings and the whole held-out text in 500-character pieces."""
+    pytest.importorskip("llama_cpp")
+    spm = pytest.importorskip("sentencepiece")
+    import io
+
+    mk = _scripts()
+    text = (Path(__file__).parents[1] / "pysmoe" / "data" / "demo" / "heldout.txt").read_text(encoding="utf-8")
+    out = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text.splitlines()), model_writer=out, model_type=model_type, vocab_size=size,
+        byte_fallback=True, character_coverage=0.9995, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        split_digits=True, allow_whitespace_only_pieces=True, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, num_threads=1, minloglevel=2, user_defined_symbols=["<|im_start|>"])
+    sp = spm.SentencePieceProcessor(model_proto=out.getvalue())
+    n = sp.vocab_size()
+    tokens = [sp.id_to_piece(i) for i in range(n)]
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i)
+             else 4 if tokens[i] == "<|im_start|>" else 1 for i in range(n)]
+    path = tmp_path / "spm.gguf"
+    A = gguf.GGUFValueType
+    _rewrite(DATA / "mixtral-q4_k_m.gguf", path, meta={
+        "tokenizer.ggml.tokens": (tokens, A.ARRAY, A.STRING), "llama.vocab_size": (n, A.UINT32),
+        "tokenizer.ggml.scores": ([sp.get_score(i) for i in range(n)], A.ARRAY, A.FLOAT32),
+        "tokenizer.ggml.token_type": (types, A.ARRAY, A.INT32)})
+    enc = _encoder(path)
+    rng = np.random.default_rng(2)
+    alphabet = list("abcXYZ  \t\n\r0123456789'.,!?-_▁") + ["é", "ß", "日", "Ω", "🚀", "\u00a0", " the", "  ",
+                                                         "<|im_start|>", "<s>", "</s>"]
+    texts = ["".join(rng.choice(alphabet, size=int(rng.integers(0, 40)))) for _ in range(300)]
+    texts += [text[i:i + 500] for i in range(0, len(text), 500)]
+    want = mk.llama_cpp_tokens(path, texts)
+    bad = [t for t, w in zip(texts, want) if enc(t) != w]
+    assert not bad, bad[:3]

@@ -208,6 +208,21 @@ def test_open_checks_dense_crc(copy):
         Opened(copy)
 
 
+@pytest.mark.parametrize("where", ["lane0-end", "lane1-head", "lane2", "lane3-head", "last"])
+def test_open_checks_dense_crc_in_every_lane(copy, where):
+    """The dense region is read and checked by one thread per checksum lane (vault.c load_dense):
+    a flipped byte anywhere, the start of a lane inside the previous lane's last page included,
+    fails the open."""
+    h = header((copy / "vault.bin").read_bytes())
+    n = h["dense_bytes"]
+    m = n // 32 * 8  # smoe_checksum_lanes: lane i starts at i*m
+    assert n >= 64 << 10 and m % 16384, "the tiny vault's lanes must start inside pages for this test"
+    at = {"lane0-end": m - 1, "lane1-head": m, "lane2": 2 * m + 5, "lane3-head": 3 * m + 1, "last": n - 1}[where]
+    flip(copy, h["dense_offset"] + at)
+    with pytest.raises(pysmoe.VaultError, match="dense region checksum"):
+        Opened(copy)
+
+
 def test_open_logs_through_callback(good, caplog):
     with caplog.at_level("DEBUG", logger="pysmoe"):
         with Opened(good):

@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const flo
  * O·corr + P·V by mma (p to f16). At the end l is the quad's sum (xor 1, then 2) and the output
  * O / l. A row's tiles are 0, 1, … up to its own position's, whichever rows share its block: a tile
  * wholly past its position changes none of its bits (corr = 1, p = 0). */
-enum { FA_WARPS = 4, FA_BN = 64, FA_SPLIT = 8 /* tiles a split */ };
+enum { FA_WARPS = 4, FA_BN = 64 };
 
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) { return h2_bits(__floats2half2_rn(lo, hi)); }
 
@@ -90,7 +90,7 @@ __device__ __forceinline__ float fa_mix(float X, float a, float x, float b) {
     return __fadd_rn(__fmul_rn(X, a), __fmul_rn(x, b));
 }
 
-/* Positions go in splits of FA_SPLIT tiles, each an online softmax from scratch, the splits then
+/* Positions go in splits of `split` tiles (fa_split), each an online softmax from scratch, the splits then
  * merged in order (fa_scales, fa_mix): so a row's bits do not depend on how many rows share its
  * block. PAR: split blockIdx.z only, its (m, l, o) to part (k_flash_combine merges them), for few
  * rows over many positions (decode); else every split in turn, O kept in shared memory. */
@@ -98,7 +98,8 @@ template <int HD, typename T, bool PAR>
 __global__ void __launch_bounds__(FA_WARPS * 32) k_flash(float *__restrict__ att, const float *__restrict__ q,
                                                          const T *__restrict__ k, const T *__restrict__ v,
                                                          uint32_t n, uint32_t heads, uint32_t kv_heads,
-                                                         const uint32_t *dpos, float *__restrict__ part) {
+                                                         const uint32_t *dpos, float *__restrict__ part,
+                                                         uint32_t split) {
     extern __shared__ float Os[]; /* (!PAR) per thread its 2 · HD / 4 output elements, [i · 128 + tid] */
     const uint32_t pos0 = *dpos;
     constexpr int KS = HD / 16, ND = HD / 8, NP = FA_BN / 8, LDK = HD + 8, LDV = FA_BN + 8;
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(FA_WARPS * 32) k_flash(float *__restrict__ att
             qa[kd][2 + h] = pack_h2(qr[8], qr[9]);
         }
     const float scale = (float)(1.0 / sqrt((double)HD));
-    const uint32_t nsplit = (ntiles + FA_SPLIT - 1) / FA_SPLIT;
+    const uint32_t nsplit = (ntiles + split - 1) / split;
     uint32_t z0 = 0, z1 = nsplit;
     if constexpr (PAR) {
         z0 = blockIdx.z, z1 = z0 + 1;
@@ -144,7 +145,7 @@ __global__ void __launch_bounds__(FA_WARPS * 32) k_flash(float *__restrict__ att
 #pragma unroll
             for (int e = 0; e < 4; e++) o[d][e] = 0.0f;
         float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.0f, 0.0f};
-        for (uint32_t tile = z * FA_SPLIT; tile < min(ntiles, (z + 1) * FA_SPLIT); tile++) {
+        for (uint32_t tile = z * split; tile < min(ntiles, (z + 1) * split); tile++) {
             const uint32_t p0 = tile * FA_BN;
             __syncthreads();
             /* K row by row (coalesced); V transposed, position fastest (conflict-free stores) */
@@ -282,10 +283,10 @@ __global__ void __launch_bounds__(FA_WARPS * 32) k_flash(float *__restrict__ att
  * column): the arithmetic of the sequential form, so the same bits. */
 template <int HD>
 __global__ void k_flash_combine(float *__restrict__ att, const float *__restrict__ part, uint32_t n, uint32_t heads,
-                                uint32_t kv_heads, uint32_t zmax, const uint32_t *dpos) {
+                                uint32_t kv_heads, uint32_t zmax, const uint32_t *dpos, uint32_t split) {
     const uint32_t gq = heads / kv_heads, r = blockIdx.x, tk = r / gq, hh = r % gq, c = threadIdx.x;
     (void)n;
-    const uint32_t kvh = blockIdx.y, qpos = *dpos + tk, nsplit = qpos / (FA_BN * FA_SPLIT) + 1;
+    const uint32_t kvh = blockIdx.y, qpos = *dpos + tk, nsplit = qpos / (FA_BN * split) + 1;
     const float *pr = part + ((size_t)kvh * (FA_WARPS * 16) + r) * zmax * (HD + 2);
     float M = -INFINITY, L = 0.0f, O = 0.0f;
     for (uint32_t z = 0; z < nsplit; z++, pr += HD + 2) {
@@ -297,6 +298,19 @@ __global__ void k_flash_combine(float *__restrict__ att, const float *__restrict
         M = Mn;
     }
     att[((size_t)tk * heads + kvh * gq + hh) * HD + c] = __fdiv_rn(O, L);
+}
+
+/* The tiles of a split: 2 (128 positions), so that a decode step over a long cache runs many
+ * splits side by side (each walking 2 tiles, not 8); SMOE_CUDA_FA_SPLIT=N (for comparisons; read
+ * once per process) takes N. Both forms of k_flash use it, so they agree for any N. */
+static uint32_t fa_split(void) {
+    static uint32_t v;
+    if (!v) {
+        const char *e = getenv("SMOE_CUDA_FA_SPLIT");
+        const long n = e ? strtol(e, NULL, 10) : 2;
+        v = n < 1 ? 1 : n > 64 ? 64 : (uint32_t)n;
+    }
+    return v;
 }
 
 static bool flash_head(uint32_t hd) {
@@ -331,8 +345,8 @@ static int launch_flash(cudaStream_t s, float *att, const float *q, const T *k, 
     /* few rows over a long cache: the splits side by side (a combine launch more; not worth it below 4) */
     if (part && zmax >= 4 && rows <= FA_WARPS * 16) {
         k_flash<HD, T, true><<<dim3(kv_heads, 1, zmax), FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos,
-                                                                              part);
-        k_flash_combine<HD><<<dim3(rows, kv_heads), HD, 0, s>>>(att, part, n, heads, kv_heads, zmax, dpos);
+                                                                              part, fa_split());
+        k_flash_combine<HD><<<dim3(rows, kv_heads), HD, 0, s>>>(att, part, n, heads, kv_heads, zmax, dpos, fa_split());
         return (int)cudaGetLastError();
     }
     constexpr int smem = HD / 8 * 4 * FA_WARPS * 32 * sizeof(float);
@@ -343,7 +357,7 @@ static int launch_flash(cudaStream_t s, float *att, const float *q, const T *k, 
         configured = true;
     }
     k_flash<HD, T, false><<<dim3(kv_heads, (rows + FA_WARPS * 16 - 1) / (FA_WARPS * 16)), FA_WARPS * 32, smem, s>>>(
-        att, q, k, v, n, heads, kv_heads, dpos, nullptr);
+        att, q, k, v, n, heads, kv_heads, dpos, nullptr, fa_split());
     return (int)cudaGetLastError();
 }
 
@@ -370,7 +384,7 @@ static int launch_attention(cudaStream_t s, float *att, const float *q, const T 
 
 extern "C" size_t smoe_cu_attention_part_floats(uint32_t kv_heads, uint32_t hd, uint32_t context) {
     if (!flash_head(hd)) return 0;
-    const uint32_t zmax = (context + FA_BN * FA_SPLIT - 1) / (FA_BN * FA_SPLIT);
+    const uint32_t zmax = (context + FA_BN * fa_split() - 1) / (FA_BN * fa_split());
     return (size_t)kv_heads * FA_WARPS * 16 * zmax * (hd + 2);
 }
 
@@ -380,7 +394,7 @@ extern "C" int smoe_cu_attention(smoe_cu_stream st, float *att, const float *q, 
                                  const uint8_t *sinks, uint8_t sinks_format, uint32_t window) {
     if (n == 0) return 0;
     cudaStream_t s = (cudaStream_t)st;
-    const uint32_t zmax = (context + FA_BN * FA_SPLIT - 1) / (FA_BN * FA_SPLIT);
+    const uint32_t zmax = (context + FA_BN * fa_split() - 1) / (FA_BN * fa_split());
     if (kv_type == 1)
         return launch_attention(s, att, q, (const __nv_bfloat16 *)k, (const __nv_bfloat16 *)v, n, heads, kv_heads, hd,
                                 pos0, dpos, part, zmax, sinks, sinks_format, window);

@@ -18,14 +18,17 @@
 
 /* ------------------------------------------------------------------------------ life cycle */
 
-/* Every dense matrix the kernels read 8 columns at a time from 16-byte aligned rows. */
+/* Every dense matrix the kernels read 8 columns at a time from 16-byte aligned rows; GGML block
+ * formats (ggml.cu) are read byte by byte, at any alignment. */
 static smoe_status check_tensor(const uint8_t *dense, const smoe_tensor *T, const char *what) {
     if (!T) return SMOE_OK;
     uint32_t bs, ts;
-    if (smoe_ggml_block(T->format, &bs, &ts))
-        return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s is stored as %s, a GGML block format, which the CUDA backend "
-                                               "has no kernels for yet (run this vault on the CPU: device \"cpu\")",
-                         what, smoe_format_name(T->format));
+    if (smoe_ggml_block(T->format, &bs, &ts)) {
+        if (T->cols % 8 != 0)
+            return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s (%s, %u × %u) is not a multiple of 8 columns", what,
+                             smoe_format_name(T->format), T->rows, T->cols);
+        return SMOE_OK;
+    }
     uint64_t at = T->data ? (uint64_t)(T->data - dense) : T->offset;
     if (T->cols % 8 != 0 || at % 16 != 0)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s (%u × %u at offset %llu) is not a multiple of 8 columns "
@@ -57,7 +60,8 @@ static smoe_status check_layout(const smoe_layout *lay, const uint8_t *dense) {
     for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++) {
         const smoe_layer_weights *L = &lay->layers[l];
         const smoe_tensor *mats[] = {L->q, L->k, L->v, L->o, L->router, L->mlp_gate, L->mlp_up, L->mlp_down,
-                                     L->shared_gate, L->shared_up, L->shared_down};
+                                     L->shared_gate, L->shared_up, L->shared_down, L->q_gate, L->shared_expert_gate,
+                                     L->lin_qkv, L->lin_z, L->lin_b, L->lin_a, L->lin_out};
         for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++)
             if ((st = check_tensor(dense, mats[i], "a layer's matrix")) != SMOE_OK) return st;
         const smoe_tensor *norms[] = {L->input_norm, L->post_norm, L->q_norm, L->k_norm};
@@ -73,9 +77,48 @@ static smoe_status check_layout(const smoe_layout *lay, const uint8_t *dense) {
             if (lay->xl[l].has[i] && (st = check_bias(&lay->xl[l].t[i], "an expert bias")) != SMOE_OK)
                 return st;
     }
-    if (lay->cfg.num_sparse_layers > 0)
-        for (int i = 0; i < 3; i++)
-            if ((st = check_tensor(dense, &lay->expert[i], "an expert matrix")) != SMOE_OK) return st;
+    for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++) /* each sparse layer's blob layout */
+        for (int i = 0; i < 3 && lay->layer_sparse[l]; i++)
+            if ((st = check_tensor(dense, &lay->xl[l].t[i], "an expert matrix")) != SMOE_OK) return st;
+    return SMOE_OK;
+}
+
+/* The Gated DeltaNet layers' conv, A_log, dt_bias and norm, widened to f32 on the host (any format
+ * the CPU reads) and uploaded once: lin_w, layer l's at lin_off[l]. */
+static smoe_status linear_weights(cuda_share *sh) {
+    const smoe_layout *lay = sh->lay;
+    const uint32_t L = lay->cfg.num_hidden_layers;
+    size_t total = 0;
+    sh->lin_off = malloc(L * sizeof *sh->lin_off);
+    if (!sh->lin_off) return smoe_fail(SMOE_ERR_NOMEM, "cuda: out of memory");
+    for (uint32_t l = 0; l < L; l++) {
+        const smoe_layer_weights *W = &lay->layers[l];
+        sh->lin_off[l] = -1;
+        if (W->attn != SMOE_ATTN_LINEAR) continue;
+        sh->lin_off[l] = (int64_t)total;
+        const smoe_tensor *t[] = {W->lin_conv, W->lin_a_log, W->lin_dt_bias, W->lin_norm};
+        for (int i = 0; i < 4; i++) total += (size_t)t[i]->rows * t[i]->cols;
+    }
+    if (total == 0) return SMOE_OK;
+    cuda_state tmp = {.sh = sh};
+    cuda_state *c = &tmp;
+    CU(smoe_cu_deltanet_setup());
+    float *host = malloc(total * sizeof *host);
+    if (!host) return smoe_fail(SMOE_ERR_NOMEM, "cuda: out of memory");
+    for (uint32_t l = 0; l < L; l++) {
+        if (sh->lin_off[l] < 0) continue;
+        const smoe_layer_weights *W = &lay->layers[l];
+        const smoe_tensor *t[] = {W->lin_conv, W->lin_a_log, W->lin_dt_bias, W->lin_norm};
+        float *o = host + sh->lin_off[l];
+        for (int i = 0; i < 4; i++)
+            for (uint32_t r = 0; r < t[i]->rows; r++, o += t[i]->cols) smoe_dequant_row(t[i], t[i]->data, r, o);
+    }
+    int err = smoe_cu_alloc((void **)&sh->lin_w, total * sizeof *host);
+    if (!err) err = smoe_cu_upload(sh->lin_w, host, total * sizeof *host, sh->cs);
+    if (!err) err = smoe_cu_stream_sync(sh->cs);
+    free(host);
+    CU(err);
+    sh->other_bytes += total * sizeof(float);
     return SMOE_OK;
 }
 
@@ -87,6 +130,8 @@ static void cuda_share_free(void *vsh) {
     smoe_cuda_tier_free(sh);
     for (int i = 0; i < RING; i++) smoe_cu_event_free(sh->ring[i]);
     smoe_cu_free(sh->dense);
+    smoe_cu_free(sh->lin_w);
+    free(sh->lin_off);
     for (uint32_t i = 0; i < sh->n_as; i++) smoe_cu_stream_free(sh->as[i]);
     smoe_cu_stream_free(sh->cs);
     smoe_cu_stream_free(sh->us);
@@ -118,7 +163,6 @@ static smoe_status cuda_share_new(const smoe_be_share_params *p, void **out) {
     sh->host_dense = p->dense;
     for (uint32_t l = 0; l < cf->num_hidden_layers; l++) {
         sh->plain_attention |= p->lay->layer_attn[l] == SMOE_ATTN_SLIDING || p->lay->layers[l].sinks;
-        if (!sh->xl && p->lay->layers[l].sparse) sh->xl = &p->lay->xl[l];
     }
     sh->streamer = p->streamer;
     sh->cache_bytes = p->device_cache_bytes;
@@ -144,6 +188,7 @@ static smoe_status cuda_share_new(const smoe_be_share_params *p, void **out) {
     sh->other_bytes = p->lay->dense_bytes;
     CU(smoe_cu_upload(sh->dense, p->dense, p->lay->dense_bytes, sh->cs));
     CU(smoe_cu_stream_sync(sh->cs));
+    if ((st = linear_weights(sh)) != SMOE_OK) return st;
     sh->broken = false;
     return SMOE_OK;
 }
@@ -155,7 +200,8 @@ static void cuda_session_free(void *b) {
     void *dbufs[] = {c->k, c->v, c->cos, c->sin, c->x, c->xn, c->q, c->att, c->router, c->topk_w, c->slot_out,
                      c->xg, c->hg, c->h, c->logits, c->topk_idx, c->routed, c->pass, c->idx, c->ks, c->vs, c->d_sv,
                      c->d_hist, c->d_sout, c->fa_part, c->a16, c->g16, c->h16, c->ae, c->ge, c->he,
-                     (void *)c->d_wtab, c->d_start, c->d_count, c->d_items, c->d_counts, c->d_used, c->d_bad};
+                     (void *)c->d_wtab, c->d_start, c->d_count, c->d_items, c->d_counts, c->d_used, c->d_bad,
+                     c->gate, c->mix, c->beta, c->decay, c->sgate, c->lin_s, c->lin_conv, c->snap_s, c->snap_conv};
     for (size_t i = 0; i < sizeof dbufs / sizeof dbufs[0]; i++) smoe_cu_free(dbufs[i]);
     smoe_cu_graph_free(c->graph);
     void *hbufs[] = {c->h_hist, c->h_sout, c->h_topk, c->h_routed, c->h_pass, c->h_idx, c->h_logits};
@@ -203,32 +249,47 @@ static smoe_status cuda_session_new(void *vsh, const smoe_be_session_params *p, 
     c->rot = c->lay->mp.rotary_dim;
     c->act = (smoe_cu_act_fn){p->act.kind == SMOE_ACT_SWIGLU_CLAMPED, p->act.alpha, p->act.limit};
     c->a16_of = -1;
+    c->lin = p->linear;
+    c->n_linear = p->n_linear;
+    c->linear_index = p->linear_index;
+    c->conv_dim = 2 * p->linear.k_heads * p->linear.k_dim + p->linear.v_heads * p->linear.v_dim;
+    bool gates = false; /* gated attention or a shared expert's gate */
     for (uint32_t l = 0; l < cf->num_hidden_layers; l++) {
         const smoe_layer_weights *L = &c->lay->layers[l];
+        gates |= L->q_gate || L->shared_expert_gate;
         const smoe_tensor *mats[] = {L->q, L->k, L->v, L->o, L->router, L->mlp_gate, L->mlp_up, L->mlp_down,
-                                     L->shared_gate, L->shared_up, L->shared_down};
+                                     L->shared_gate, L->shared_up, L->shared_down, L->q_gate, L->shared_expert_gate,
+                                     L->lin_qkv, L->lin_z, L->lin_b, L->lin_a, L->lin_out};
         for (size_t i = 0; i < sizeof mats / sizeof mats[0]; i++) c->any_tc |= mats[i] && smoe_cuda_tensor_cores(mats[i]);
     }
-    for (int i = 0; i < 3 && cf->num_sparse_layers; i++) c->any_tc |= smoe_cuda_tensor_cores(&c->lay->expert[i]);
+    for (uint32_t l = 0; l < cf->num_hidden_layers; l++)
+        for (int i = 0; i < 3 && c->lay->layer_sparse[l]; i++) c->any_tc |= smoe_cuda_tensor_cores(&c->lay->xl[l].t[i]);
     smoe_status st;
 
     const size_t C = p->chunk, H = cf->hidden_size, E = cf->num_experts, K = cf->num_experts_per_tok;
     const size_t L = cf->num_hidden_layers, half = c->rot / 2, ffn = c->ffn, V = cf->vocab_size;
     const size_t kv = L * p->context * c->kv_dim * c->kv_elem; /* bytes */
-    *kv_bytes = 2 * kv;
+    const size_t lin_v = (size_t)c->lin.v_heads * c->lin.v_dim, att_w = c->q_dim > lin_v ? c->q_dim : lin_v;
+    size_t a16_w = H > c->q_dim ? H : c->q_dim;
+    a16_w = a16_w > lin_v ? a16_w : lin_v; /* a DeltaNet's out-projection reads ATT at lin_v */
+    /* the recurrent states are the session's like its KV cache: counted with it (cpu_state.h) */
+    const size_t past = c->lin.conv_kernel ? c->lin.conv_kernel - 1 : 0;
+    c->lin_s_bytes = (size_t)c->n_linear * c->lin.v_heads * c->lin.k_dim * c->lin.v_dim * 4;
+    c->lin_conv_bytes = (size_t)c->n_linear * past * c->conv_dim * 4;
+    *kv_bytes = 2 * kv + 2 * (c->lin_s_bytes + c->lin_conv_bytes);
     const size_t R = SMOE_LOGIT_ROWS;
     c->idx_wtab_off = smoe_align_up(12 * E, 8);
     c->idx_rows_off = c->idx_wtab_off + E * sizeof(void *);
     c->idx_bytes = c->idx_rows_off + C * K * 4;
     struct { void *pp; size_t bytes; } planes[] = {
         {&c->k, kv}, {&c->v, kv}, {&c->cos, p->context * half * 4}, {&c->sin, p->context * half * 4},
-        {&c->x, C * H * 4}, {&c->xn, C * H * 4}, {&c->q, C * c->q_dim * 4}, {&c->att, C * c->q_dim * 4},
+        {&c->x, C * H * 4}, {&c->xn, C * H * 4}, {&c->q, C * c->q_dim * 4}, {&c->att, C * att_w * 4},
         {&c->router, C * E * 4}, {&c->topk_w, C * K * 4}, {&c->slot_out, C * K * H * 4}, {&c->xg, C * K * H * 4},
         {&c->hg, C * K * 2 * ffn * 4}, {&c->h, C * K * ffn * 4}, {&c->logits, R * V * 4},
         {&c->fa_part, smoe_cu_attention_part_floats(cf->num_key_value_heads, cf->head_dim, p->context) * 4},
         {&c->d_sv, V * 4}, {&c->d_hist, HIST_CAP * 4}, {&c->d_sout, sizeof(smoe_cu_sample_out)},
         {&c->topk_idx, C * K * 4}, {&c->routed, L * C * K * 4}, {&c->pass, (C + 1) * 4}, {&c->ks, C * c->kv_dim * 4},
-        {&c->vs, C * c->kv_dim * 4}, {&c->a16, C * (H > c->q_dim ? H : c->q_dim) * 2}, {&c->ae, C * 4},
+        {&c->vs, C * c->kv_dim * 4}, {&c->a16, C * a16_w * 2}, {&c->ae, C * 4},
         {&c->g16, C * K * H * 2}, {&c->ge, C * K * 4}, {&c->h16, C * K * ffn * 2}, {&c->he, C * K * 4},
         {&c->idx, c->idx_bytes}, {(void *)&c->d_wtab, E * sizeof(void *)}, {&c->d_start, E * 4},
         {&c->d_count, E * 4}, {&c->d_counts, E * 4}, {&c->d_used, L * 4}, {&c->d_bad, 4},
@@ -241,6 +302,26 @@ static smoe_status cuda_session_new(void *vsh, const smoe_be_session_params *p, 
         c->n_items_cap = b > c->n_items_cap ? b : c->n_items_cap;
     }
     if ((st = dalloc(c, &c->d_items, (size_t)c->n_items_cap * 4)) != SMOE_OK) return st;
+    if (gates || c->n_linear) {
+        struct { void *pp; size_t bytes; } hy[] = {
+            {&c->gate, C * att_w * 4}, {&c->sgate, C * 4}, {&c->mix, C * (c->conv_dim ? c->conv_dim : 1) * 4},
+            {&c->beta, C * (c->lin.v_heads ? c->lin.v_heads : 1) * 4},
+            {&c->decay, C * (c->lin.v_heads ? c->lin.v_heads : 1) * 4},
+        };
+        for (size_t i = 0; i < sizeof hy / sizeof hy[0]; i++)
+            if ((st = dalloc(c, hy[i].pp, hy[i].bytes)) != SMOE_OK) return st;
+    }
+    if (c->n_linear) {
+        struct { void *pp; size_t bytes; } sts[] = {
+            {&c->lin_s, c->lin_s_bytes}, {&c->snap_s, c->lin_s_bytes}, {&c->lin_conv, c->lin_conv_bytes},
+            {&c->snap_conv, c->lin_conv_bytes},
+        };
+        for (size_t i = 0; i < sizeof sts / sizeof sts[0]; i++)
+            if (sts[i].bytes && (st = dalloc(c, sts[i].pp, sts[i].bytes)) != SMOE_OK) return st;
+        /* position 0's states: zero (the engine starts there) */
+        if (c->lin_s_bytes) CU(smoe_cu_memset(c->lin_s, 0, c->lin_s_bytes, sh->cs));
+        if (c->lin_conv_bytes) CU(smoe_cu_memset(c->lin_conv, 0, c->lin_conv_bytes, sh->cs));
+    }
     CU(smoe_cu_upload(c->cos, p->rope_cos, p->context * half * 4, sh->cs));
     CU(smoe_cu_upload(c->sin, p->rope_sin, p->context * half * 4, sh->cs));
     struct { void *pp; size_t bytes; } pinned[] = {
@@ -300,23 +381,25 @@ static smoe_status cuda_norm(void *b, smoe_plane dst, smoe_plane src, const smoe
         CU(smoe_cu_rmsnorm_prep(c->sh->cs, out, x, n, H, smoe_cuda_dev(c, w), w->format, c->cfg->rms_norm_eps, c->a16,
                                 c->ae));
         c->a16_of = (int)dst;
+        c->a16_cols = H;
         return SMOE_OK;
     }
     CU(smoe_cu_rmsnorm(c->sh->cs, out, x, n, H, H, smoe_cuda_dev(c, w), w->format, c->cfg->rms_norm_eps));
     return SMOE_OK;
 }
 
+/* The input rows are W.cols wide and the outputs W.rows (the planes' widths for every family but the
+ * hybrids, whose gate and DeltaNet planes are written packed, as the CPU's are). */
 static smoe_status cuda_project(void *b, smoe_plane src, const smoe_proj *out, uint32_t n_out, uint32_t n) {
     cuda_state *c = b;
     smoe_status st;
     bool need = false; /* the outputs read the same rows: prepared once, for whichever needs it */
     for (uint32_t i = 0; i < n_out; i++) need |= smoe_cuda_tensor_cores(out[i].W);
     smoe_cu_act a;
-    if ((st = smoe_cuda_act(c, src, n, need, &a)) != SMOE_OK) return st;
+    if ((st = smoe_cuda_act_cols(c, src, n, out[0].W->cols, need, &a)) != SMOE_OK) return st;
     for (uint32_t i = 0; i < n_out; i++) {
         smoe_cuda_written(c, out[i].out);
-        if ((st = smoe_cuda_linear(c, out[i].W, &a, n, smoe_cuda_plane(c, out[i].out), smoe_cuda_plane_cols(c, out[i].out))) !=
-            SMOE_OK)
+        if ((st = smoe_cuda_linear(c, out[i].W, &a, n, smoe_cuda_plane(c, out[i].out), out[i].W->rows)) != SMOE_OK)
             return st;
     }
     return SMOE_OK;
@@ -377,6 +460,66 @@ static smoe_status cuda_bias(void *b, smoe_plane dst, const smoe_tensor *bias, u
     return SMOE_OK;
 }
 
+/* ------------------------------------------------------ the hybrids' ops (deltanet.cu) */
+
+static smoe_status cuda_sigmoid_gate(void *b, smoe_plane dst, smoe_plane gate, uint32_t width, uint32_t gate_width,
+                                     uint32_t n) {
+    cuda_state *c = b;
+    smoe_cuda_written(c, dst);
+    CU(smoe_cu_sigmoid_gate(c->sh->cs, smoe_cuda_plane(c, dst), smoe_cuda_plane(c, gate), width, gate_width, n));
+    return SMOE_OK;
+}
+
+/* Rows [0, n) of the pass in one launch per kernel (each walks them in token order), or a batch's
+ * rows one launch each, with their own sessions' states: the same arithmetic per row either way. */
+static smoe_status cuda_linear_attend(void *b, uint32_t l, const smoe_tensor *conv, const smoe_tensor *a_log,
+                                      const smoe_tensor *dt_bias, const smoe_tensor *norm, uint32_t n,
+                                      void *const *members) {
+    cuda_state *c = b;
+    const smoe_linear_shape *ln = &c->lin;
+    const int64_t off = c->sh->lin_off ? c->sh->lin_off[l] : -1;
+    if (c->n_linear == 0 || c->linear_index[l] < 0 || off < 0)
+        return smoe_fail(SMOE_ERR_INTERNAL, "cuda: layer %u has no linear-attention state", l);
+    const uint32_t K = ln->conv_kernel, vh = ln->v_heads, lin_v = vh * ln->v_dim;
+    if (conv->rows * conv->cols != c->conv_dim * K || a_log->cols != vh || dt_bias->cols != vh ||
+        norm->cols != ln->v_dim)
+        return smoe_fail(SMOE_ERR_INTERNAL, "cuda: layer %u's DeltaNet weights do not have the session's shape", l);
+    const float *cw = c->sh->lin_w + off, *A = cw + (size_t)c->conv_dim * K, *dt = A + vh, *nw = dt + vh;
+    smoe_cuda_written(c, SMOE_PL_MIX);
+    smoe_cuda_written(c, SMOE_PL_ATT);
+    const uint32_t rows = members ? n : 1;
+    for (uint32_t t = 0; t < rows; t++) {
+        const cuda_state *o = members ? members[t] : c;
+        const uint32_t m = members ? 1 : n;
+        const size_t li = (size_t)o->linear_index[l];
+        float *conv_state = o->lin_conv + li * (K ? K - 1 : 0) * c->conv_dim;
+        float *state = o->lin_s + li * vh * ln->k_dim * ln->v_dim;
+        CU(smoe_cu_deltanet_conv(c->sh->cs, c->mix + (size_t)t * c->conv_dim, m, conv_state, cw, ln->k_heads,
+                                 ln->k_dim, c->conv_dim, K));
+        CU(smoe_cu_deltanet_rule(c->sh->cs, c->att + (size_t)t * lin_v, c->mix + (size_t)t * c->conv_dim,
+                                 c->beta + (size_t)t * vh, c->decay + (size_t)t * vh, c->gate + (size_t)t * lin_v,
+                                 state, A, dt, nw, m, ln->k_heads, vh, ln->k_dim, ln->v_dim, c->cfg->rms_norm_eps));
+    }
+    return SMOE_OK;
+}
+
+static smoe_status cuda_state_op(void *b, smoe_state_op op) {
+    cuda_state *c = b;
+    if (c->n_linear == 0) return SMOE_OK;
+    smoe_cu_stream cs = c->sh->cs;
+    float *live[2] = {c->lin_s, c->lin_conv}, *snap[2] = {c->snap_s, c->snap_conv};
+    const size_t bytes[2] = {c->lin_s_bytes, c->lin_conv_bytes};
+    for (int i = 0; i < 2; i++) {
+        if (!bytes[i]) continue;
+        switch (op) {
+        case SMOE_STATE_RESET: CU(smoe_cu_memset(live[i], 0, bytes[i], cs)); break;
+        case SMOE_STATE_SAVE: CU(smoe_cu_copy(snap[i], live[i], bytes[i], cs)); break;
+        case SMOE_STATE_RESTORE: CU(smoe_cu_copy(live[i], snap[i], bytes[i], cs)); break;
+        }
+    }
+    return SMOE_OK;
+}
+
 static smoe_status cuda_add(void *b, smoe_plane dst, smoe_plane src, uint32_t n) {
     cuda_state *c = b;
     smoe_cuda_written(c, dst);
@@ -423,6 +566,7 @@ static smoe_status cuda_logits(void *b, const smoe_tensor *norm, const smoe_tens
         CU(smoe_cu_rmsnorm_prep(c->sh->cs, c->xn, x, m, H, smoe_cuda_dev(c, norm), norm->format, c->cfg->rms_norm_eps,
                                 c->a16, c->ae));
         c->a16_of = SMOE_PL_XN;
+        c->a16_cols = H;
         a.x16 = c->a16;
         a.xe = c->ae;
     } else {
@@ -507,21 +651,28 @@ static bool cuda_broken(void *b) {
     return c->broken || c->sh->broken;
 }
 
-/* The CUDA kernels implement the recipes of Qwen3-MoE, Mixtral, OLMoE, GLM-4.5 and gpt-oss: QK-norm
- * per head, over the whole projection or none, RoPE over all or the first rotary_dim dims of a head
- * (YaRN's tables are the engine's), attention biases, sinks and a sliding window, softmax routing,
- * the grouped sigmoid router (up to SMOE_CU_MAX_GROUPS groups) and top-k-then-softmax, shared
- * experts, expert biases and the clamped SwiGLU; one blob layout for every sparse layer. GGML block
- * formats (gpt-oss's MXFP4 experts among them) are refused by check_tensor. */
+/* The CUDA kernels implement the recipes of Qwen3-MoE, Mixtral, OLMoE, GLM-4.5, gpt-oss, Qwen3-Next
+ * and Qwen3.5-MoE: QK-norm per head, over the whole projection or none, RoPE over all or the first
+ * rotary_dim dims of a head (YaRN's tables are the engine's), attention biases, sinks and a sliding
+ * window, gated attention's output gate, the Gated DeltaNet (value heads up to 1024 wide), softmax
+ * routing, the grouped sigmoid router (up to SMOE_CU_MAX_GROUPS groups) and top-k-then-softmax,
+ * shared experts (with or without a sigmoid gate), expert biases and the clamped SwiGLU; blob
+ * layouts that may differ by layer (llama.cpp's mixes); q4, q8, bf16, f32 and the GGML block
+ * formats (ggml.cu). */
 static const char *cuda_lacks(const smoe_layout *lay) {
     const smoe_model_params *m = &lay->mp;
-    if (m->family > SMOE_FAMILY_GPT_OSS) return "this family's ops";
+    if (m->family > SMOE_FAMILY_QWEN3_5_MOE) return "this family's ops";
+    for (uint32_t l = 0; l < lay->cfg.num_hidden_layers; l++) {
+        const smoe_layer_weights *L = &lay->layers[l];
+        if (L->attn != SMOE_ATTN_LINEAR) continue;
+        if (L->lin_norm->cols > 1024) return "a Gated DeltaNet value head wider than 1024";
+        if (L->lin_conv->cols < 1) return "a Gated DeltaNet convolution without taps";
+    }
     if (m->qk_norm > SMOE_QK_NORM_WHOLE) return "this QK-norm";
     if (m->rotary_dim % 2 || m->rotary_dim > lay->cfg.head_dim) return "a RoPE over an odd or too wide rotary_dim";
     if (m->router_kind >= SMOE_ROUTER_KINDS) return "this router";
     if (m->router_kind == SMOE_ROUTER_SIGMOID_GROUP && m->n_group > SMOE_CU_MAX_GROUPS)
         return "a grouped router of more than 64 groups";
-    if (!lay->uniform_experts) return "blob layouts that differ between layers";
     return NULL;
 }
 
@@ -539,6 +690,9 @@ const smoe_backend smoe_backend_cuda = {
     .attend = cuda_attend,
     .add = cuda_add,
     .bias = cuda_bias,
+    .sigmoid_gate = cuda_sigmoid_gate,
+    .linear_attend = cuda_linear_attend,
+    .state = cuda_state_op,
     .mlp = cuda_mlp,
     .route = smoe_cuda_route,
     .route_grouped = smoe_cuda_route_grouped,

@@ -127,6 +127,23 @@ __device__ __forceinline__ void launch_item(const smoe_cu_rows &R, const smoe_cu
     *w = !R.items ? R.w : *count ? R.wtab[u] + (second ? R.woff2 : R.woff) : nullptr;
 }
 
+/* Programmatic dependent launch (sm_90 on): a kernel that calls pdl_trigger lets the next kernel
+ * in its stream, when that one is launched so (the one-token products: matmul.cu), start before it
+ * ends; that kernel reads only what was there before its predecessor began (its weights, its item
+ * lists) until pdl_wait returns, which is when the predecessor has finished and its writes are
+ * visible. Both are no-ops for a kernel not launched so, and below sm_90. */
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
 /* One m16n8k16 tensor-core product: f16 inputs, f32 accumulation (matmul.cu, attention.cu). */
 __device__ __forceinline__ void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -144,19 +161,34 @@ static inline bool env_on(const char *name) {
     return !(v && v[0] == '0');
 }
 
+/* The fixed tree of 256 partial sums (thread i's) of rms_row: s[i] += s[i + k] for k = 128, 64, …, 1,
+ * the last five levels by warp 0's shuffles (lane i adds lane i + k's: the same adds in the same
+ * order as the shared-memory levels they replace). Every thread gets the total. */
+__device__ __forceinline__ float tree256(float s) {
+    __shared__ float sh[256];
+    __shared__ float total;
+    sh[threadIdx.x] = s;
+    __syncthreads();
+    if (threadIdx.x < 128) sh[threadIdx.x] = __fadd_rn(sh[threadIdx.x], sh[threadIdx.x + 128]);
+    __syncthreads();
+    if (threadIdx.x < 64) sh[threadIdx.x] = __fadd_rn(sh[threadIdx.x], sh[threadIdx.x + 64]);
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = __fadd_rn(sh[threadIdx.x], sh[threadIdx.x + 32]);
+#pragma unroll
+        for (int k = 16; k > 0; k >>= 1) v = __fadd_rn(v, __shfl_down_sync(0xffffffffu, v, k));
+        if (threadIdx.x == 0) total = v;
+    }
+    __syncthreads();
+    return total;
+}
+
 /* One row by a block of 256 threads: the sum of squares strided by thread, then a tree. */
 __device__ __forceinline__ void rms_row(float *orow, const float *xr, uint32_t dim, const uint8_t *wt, uint8_t wfmt,
                                         float eps) {
-    __shared__ float sh[256];
     float s = 0.0f;
     for (uint32_t c = threadIdx.x; c < dim; c += 256) s = __fadd_rn(s, __fmul_rn(xr[c], xr[c]));
-    sh[threadIdx.x] = s;
-    __syncthreads();
-    for (int k = 128; k > 0; k >>= 1) {
-        if (threadIdx.x < (unsigned)k) sh[threadIdx.x] = __fadd_rn(sh[threadIdx.x], sh[threadIdx.x + k]);
-        __syncthreads();
-    }
-    const float r = 1.0f / sqrtf(sh[0] / (float)dim + eps);
+    const float r = 1.0f / sqrtf(tree256(s) / (float)dim + eps);
     for (uint32_t c = threadIdx.x; c < dim; c += 256) {
         const float wv = wfmt == FMT_F32 ? reinterpret_cast<const float *>(wt)[c]
                                          : __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(wt)[c] << 16);
@@ -164,23 +196,33 @@ __device__ __forceinline__ void rms_row(float *orow, const float *xr, uint32_t d
     }
 }
 
+/* The largest of 256 threads' values (exact in any order). */
+__device__ __forceinline__ float max256(float m) {
+    __shared__ float red[8];
+#pragma unroll
+    for (int k = 16; k > 0; k >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, k));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    m = red[0];
+#pragma unroll
+    for (int w = 1; w < 8; w++) m = fmaxf(m, red[w]);
+    return m;
+}
+
+/* The power of two e for a row whose largest |x| is m: m · 2^-e in [2^14, 2^15). */
+__device__ __forceinline__ int prep_exp(float m) {
+    int ex = 0;
+    if (m > 0.0f && isfinite(m)) frexpf(m, &ex); /* else 0, or a row holding inf/NaN (its outputs are not finite anyway) */
+    return max(ex - 15, -100);
+}
+
 /* One row to f16 by a block of 256 threads (k_prep: the rows of R, as the products take them),
  * scaled by the power of two that puts its largest |x| in [2^14, 2^15); xe holds the factor that
  * undoes it. The maximum is exact in any order. */
 __device__ __forceinline__ void prep_row(const float *xr, uint32_t cols, size_t row, __half *x16, float *xe) {
-    __shared__ float red[256];
     float m = 0.0f;
     for (uint32_t c = threadIdx.x; c < cols; c += 256) m = fmaxf(m, fabsf(xr[c]));
-    red[threadIdx.x] = m;
-    __syncthreads();
-    for (int k = 128; k > 0; k >>= 1) {
-        if (threadIdx.x < (unsigned)k) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + k]);
-        __syncthreads();
-    }
-    m = red[0];
-    int ex = 0;
-    if (m > 0.0f && isfinite(m)) frexpf(m, &ex); /* else 0, or a row holding inf/NaN (its outputs are not finite anyway) */
-    const int e = max(ex - 15, -100);
+    const int e = prep_exp(max256(m));
     const float down = ldexpf(1.0f, -e);
     __half *o = x16 + row * cols;
     /* within each 8 columns, the order 0 4 1 5 2 6 3 7 (k_tc's order) */

@@ -216,6 +216,35 @@ int smoe_cu_sample_select(smoe_cu_stream st, const float *logits, float *v, uint
 int smoe_cu_moe_sum(smoe_cu_stream st, float *x, const float *y, const float *w, uint32_t n, uint32_t K,
                     uint32_t hidden);
 
+/* deltanet.cu: the hybrids' ops (Qwen3-Next, Qwen3.5-MoE; backend.h's sigmoid_gate and linear_attend).
+ * y rows [0, n) (width floats each) *= sigmoid(g): elementwise (gate_width == width) or one gate per
+ * row (gate_width 1). */
+int smoe_cu_sigmoid_gate(smoe_cu_stream st, float *y, const float *g, uint32_t width, uint32_t gate_width,
+                         uint32_t n);
+/* A Gated DeltaNet's mix rows [0, n) (conv_dim = 2·k_heads·k_dim + v_heads·v_dim floats each) through
+ * the causal convolution (conv_w: conv_dim × kernel f32; conv_state: (kernel − 1, conv_dim), advanced
+ * by the n rows in order) and silu, in place; then each row's q heads L2-normed and scaled by
+ * 1/√k_dim, its k heads L2-normed. */
+int smoe_cu_deltanet_conv(smoe_cu_stream st, float *mix, uint32_t n, float *conv_state, const float *conv_w,
+                          uint32_t k_heads, uint32_t k_dim, uint32_t conv_dim, uint32_t kernel);
+/* Rows [0, n) in order through the gated delta rule per value head (state: v_heads × k_dim × v_dim
+ * f32, advanced), then each head's output RMS-normed · norm (v_dim f32) · silu(z): att and z rows
+ * v_heads·v_dim floats, beta and decay rows v_heads (the b and a projections), a_log and dt_bias
+ * v_heads f32 each. v_dim ≤ 1024. */
+/* Once per process before smoe_cu_deltanet_rule (at share creation): the shared memory it may use. */
+int smoe_cu_deltanet_setup(void);
+int smoe_cu_deltanet_rule(smoe_cu_stream st, float *att, const float *mix, const float *beta, const float *decay,
+                          const float *z, float *state, const float *a_log, const float *dt_bias, const float *norm,
+                          uint32_t n, uint32_t k_heads, uint32_t v_heads, uint32_t k_dim, uint32_t v_dim, float eps);
+
+/* ggml.cu: GGML block formats (smoe.h's SMOE_FMT_GGML_*: ggml_type + 32). 1 when T is one. */
+int smoe_cu_ggml(const smoe_cu_tensor *T);
+/* smoe_cu_matmul for a GGML tensor (f32 activations: a->x), and smoe_cu_embed for one. */
+int smoe_cu_matmul_ggml(smoe_cu_stream st, const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe_cu_act *a,
+                        float *y, size_t ldy);
+int smoe_cu_embed_ggml(smoe_cu_stream st, const smoe_cu_tensor *T, const uint8_t *w, const int32_t *ids, uint32_t n,
+                       float *x);
+
 #ifdef __cplusplus
 }
 #endif

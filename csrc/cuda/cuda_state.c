@@ -40,31 +40,44 @@ float *smoe_cuda_plane(cuda_state *c, smoe_plane p) {
     case SMOE_PL_V: return c->vs;
     case SMOE_PL_ATT: return c->att;
     case SMOE_PL_Y: return c->xg; /* its first chunk × hidden floats: free outside the MoE step */
-    case SMOE_PL_GATE:
-    case SMOE_PL_MIX:
-    case SMOE_PL_BETA:
-    case SMOE_PL_DECAY:
-    case SMOE_PL_SGATE: return NULL; /* gated attention, Gated DeltaNet, shared gates: refused at session creation */
+    case SMOE_PL_GATE: return c->gate;
+    case SMOE_PL_MIX: return c->mix;
+    case SMOE_PL_BETA: return c->beta;
+    case SMOE_PL_DECAY: return c->decay;
+    case SMOE_PL_SGATE: return c->sgate;
     }
     return NULL;
 }
 
-uint32_t smoe_cuda_plane_cols(const cuda_state *c, smoe_plane p) { return smoe_plane_width(c->cfg, p); }
+/* The hybrids' planes have widths of their own (their products write them packed, W.rows wide). */
+uint32_t smoe_cuda_plane_cols(const cuda_state *c, smoe_plane p) {
+    switch (p) {
+    case SMOE_PL_MIX: return c->conv_dim;
+    case SMOE_PL_BETA:
+    case SMOE_PL_DECAY: return c->lin.v_heads;
+    case SMOE_PL_SGATE: return 1;
+    default: return smoe_plane_width(c->cfg, p);
+    }
+}
 
-/* The f16 rows of plane src (rows [0, n)) into a16, unless it holds them already. */
-static smoe_status prep(cuda_state *c, smoe_plane src, uint32_t n) {
-    if (c->a16_of == (int)src) return SMOE_OK;
+/* The f16 rows of plane src (rows [0, n), cols wide) into a16, unless it holds them already. */
+static smoe_status prep(cuda_state *c, smoe_plane src, uint32_t n, uint32_t cols) {
+    if (c->a16_of == (int)src && c->a16_cols == cols) return SMOE_OK;
     smoe_cu_rows R = {.n = n};
-    const uint32_t cols = smoe_cuda_plane_cols(c, src);
     CU(smoe_cu_prep(c->sh->cs, smoe_cuda_plane(c, src), cols, cols, &R, c->a16, c->ae));
     c->a16_of = (int)src;
+    c->a16_cols = cols;
     return SMOE_OK;
 }
 
 smoe_status smoe_cuda_act(cuda_state *c, smoe_plane src, uint32_t n, bool need, smoe_cu_act *a) {
-    *a = (smoe_cu_act){.x = smoe_cuda_plane(c, src), .ldx = smoe_cuda_plane_cols(c, src)};
+    return smoe_cuda_act_cols(c, src, n, smoe_cuda_plane_cols(c, src), need, a);
+}
+
+smoe_status smoe_cuda_act_cols(cuda_state *c, smoe_plane src, uint32_t n, uint32_t cols, bool need, smoe_cu_act *a) {
+    *a = (smoe_cu_act){.x = smoe_cuda_plane(c, src), .ldx = cols};
     if (!need) return SMOE_OK;
-    smoe_status st = prep(c, src, n);
+    smoe_status st = prep(c, src, n, cols);
     if (st != SMOE_OK) return st;
     a->x16 = c->a16;
     a->xe = c->ae;

@@ -60,7 +60,10 @@ typedef struct {
     uint64_t epoch;
     bool graphs, gpu_sampling;
     bool plain_attention;      /* some layer has sinks or a sliding window: the plain attention kernel */
-    const smoe_expert_layout *xl; /* the first sparse layer's blob layout (every sparse layer's), or NULL */
+    /* The Gated DeltaNet layers' small weights widened to f32 once (conv, A_log, dt_bias, norm, in
+     * that order), layer l's at lin_w + lin_off[l] (−1: not a linear layer) */
+    float *lin_w;
+    int64_t *lin_off;          /* (layers) */
     /* counters */
     uint64_t uploads, upload_bytes, hits, misses, other_bytes;
     bool broken;
@@ -86,6 +89,7 @@ typedef struct {
     void *a16, *g16, *h16;
     float *ae, *ge, *he;
     int a16_of;
+    uint32_t a16_cols;         /* the width of those rows (a plane's products may read it at another) */
     bool any_tc;               /* some product takes f16 rows: norms into XN prepare them too */
     int32_t *topk_idx;         /* (chunk·K) the host path's ids */
     int32_t *routed;           /* (layers, chunk·K) ids of the layers routed on the device: n·K at l·n·K */
@@ -107,6 +111,7 @@ typedef struct {
     uint32_t items_used;       /* union positions run so far in this layer */
     bool idx_up;
     uint32_t union_rows;       /* n·K of the layer's union */
+    const smoe_expert_layout *xl_now; /* the blob layout of the layer whose MoE step is under way */
     /* pinned staging for what comes back */
     int32_t *h_topk, *h_routed;
     float *h_logits;           /* (SMOE_LOGIT_ROWS, vocab) */
@@ -122,6 +127,17 @@ typedef struct {
     int32_t *d_hist, *h_hist;
     smoe_cu_sample_out *d_sout, *h_sout;
     float *fa_part;            /* flash attention's splits side by side */
+    /* gated attention, a shared expert's gate and the Gated DeltaNet (deltanet.cu) */
+    float *gate;               /* (chunk, max(q_dim, lin value dim)) SMOE_PL_GATE */
+    float *mix;                /* (chunk, conv_dim) SMOE_PL_MIX */
+    float *beta, *decay;       /* (chunk, v_heads) SMOE_PL_BETA, SMOE_PL_DECAY */
+    float *sgate;              /* (chunk) SMOE_PL_SGATE */
+    smoe_linear_shape lin;
+    uint32_t conv_dim, n_linear;
+    const int32_t *linear_index; /* (layers) the engine's: layer l's state, −1 none */
+    /* the session's recurrent states and their snapshot, in VRAM (cpu_state.h's layout) */
+    float *lin_s, *lin_conv, *snap_s, *snap_conv;
+    size_t lin_s_bytes, lin_conv_bytes;
     uint64_t other_bytes;      /* this session's VRAM */
     bool broken;
 } cuda_state;
@@ -146,6 +162,9 @@ void smoe_cuda_written(cuda_state *c, smoe_plane p);
 /* *a: plane src's rows [0, n) as products read them, with their f16 rows prepared into a16 (unless
  * it holds them already) when need. */
 smoe_status smoe_cuda_act(cuda_state *c, smoe_plane src, uint32_t n, bool need, smoe_cu_act *a);
+/* The same for products that read the plane's rows `cols` floats wide (a DeltaNet's out-projection
+ * reads ATT at its value width). */
+smoe_status smoe_cuda_act_cols(cuda_state *c, smoe_plane src, uint32_t n, uint32_t cols, bool need, smoe_cu_act *a);
 /* h = SwiGLU of hg's halves for the rows of R, and the activation the down product reads. */
 smoe_status smoe_cuda_swiglu(cuda_state *c, bool need, bool expert, uint32_t I, const smoe_cu_rows *R,
                              smoe_cu_act *a);

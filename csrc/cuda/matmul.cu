@@ -16,6 +16,7 @@ __device__ __forceinline__ float dot8(float s, const float v[8], const float *x)
 template <int FMT>
 __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe_cu_rows R, const float *__restrict__ x,
                                                           size_t ldx, float *__restrict__ y, size_t ldy) {
+    pdl_trigger();
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const uint8_t *w;
     uint32_t start, count, bx, ycol;
@@ -26,6 +27,12 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe
     const uint32_t t0 = blockIdx.z * MM_TZ;
     if (t0 >= count) return;
     const uint32_t t1 = min(count, t0 + (uint32_t)MM_TZ), nw = T.cols / 8;
+    if (!R.items) { /* a dense product may start early (launch_fp32): its row into L2 meanwhile */
+        const size_t rowbytes = FMT == FMT_F32 ? 4 * (size_t)T.cols : FMT == FMT_BF16 ? 2 * (size_t)T.cols
+                                : FMT == FMT_Q8 ? (size_t)T.cols : T.cols / 2;
+        for (size_t ln = lane; 128 * ln < rowbytes; ln += 32) prefetch_l2(w + r * rowbytes + 128 * ln);
+    }
+    pdl_wait(); /* x is the predecessor's */
     for (uint32_t tb = t0; tb < t1; tb += MM_TT) {
         const uint32_t nt = min((uint32_t)MM_TT, t1 - tb);
         float acc[MM_TT];
@@ -293,71 +300,127 @@ __device__ __forceinline__ void tc_zero(float (&acc)[MT][NT][4]) {
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.0f;
 }
 
-/* Few tokens (decode, small experts): a block is `ranges` warps on one tile, warp r computing P_r
- * (its k-blocks loaded U at a time, then applied), warp 0 adding the others' in order. */
+/* Few tokens (decode, small experts): a block is `ranges` warps on `per` row tiles of one item in
+ * turn, warp r computing P_r of each tile (its k-blocks loaded U at a time, then applied), warp 0
+ * adding the others' in order (through one of two shared buffers, so the other warps go on to the
+ * next tile while warp 0 adds and stores). The item's blob, its rows, their output rows and
+ * scales are looked up once a block, not once a tile; the host picks `per` so that the launch is
+ * about one wave of blocks (launch_tc). Row block bx of an item (of nbx, twice the tensor's in a
+ * pair launch) multiplies rows 16·MT·bx' of the first tensor or, past half, of the second. */
 template <int FMT, int MT, int NT, int U>
 __global__ void __launch_bounds__(TC_MAXW * 32) k_tc(smoe_cu_tensor T, smoe_cu_rows R, const __half *__restrict__ x16,
                                                      const float *__restrict__ xe, float *__restrict__ y, size_t ldy,
-                                                     uint32_t ranges) {
-    __shared__ float part[TC_MAXW - 1][MT * NT * 4][32];
+                                                     uint32_t ranges, uint32_t nbx, uint32_t per) {
+    __shared__ float part[2][TC_MAXW - 1][MT * NT * 4][32];
+    pdl_trigger();
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const uint8_t *w;
-    uint32_t start, count, bx, ycol;
-    launch_item(R, T, &ycol, &bx, &w, &start, &count);
-    y += ycol;
-    const uint32_t t0 = blockIdx.z * (NT * 8), r0 = bx * (MT * 16);
-    if (t0 >= count || r0 >= T.rows) return; /* the whole block */
-    const uint32_t cols = T.cols, nkb = cols / 64, gs = __ffs(T.group) - 1;
-    const uint8_t *sc = w + T.scales_off, *bs = w + T.biases_off;
-    const uint8_t *wrow[MT][2];
-    size_t srow[MT][2];
-    tc_rows<FMT, MT>(T, w, r0, g, t, wrow, srow);
+    uint32_t start, count;
+    const uint32_t u = item_rows(R, &start, &count); /* item lists and weights: there before the predecessor */
+    const uint32_t t0 = blockIdx.z * (NT * 8), bx0 = blockIdx.x * per;
+    if (t0 >= count || bx0 >= nbx) return; /* the whole block */
+    const uint8_t *wi = !R.items ? R.w : R.wtab[u];
+    const uint32_t cols = T.cols, nkb = cols / 64, gs = __ffs(T.group) - 1, half = R.pair ? nbx / 2 : nbx;
+    const uint32_t kb0 = warp * nkb / ranges, kb1 = (warp + 1) * nkb / ranges, bx1 = min(nbx, bx0 + per);
+    /* The weights of tile bx for this warp's k-blocks into L2, ahead of their loads (the first two
+     * while the predecessor still runs): lane (g, t) takes rows g and g + 8 of each 16, t its
+     * 128-byte lines (t = 2, 3 also the scales' and biases'). */
+    auto prefetch = [&](uint32_t bx) {
+        if (bx >= bx1) return;
+        const bool sec = bx >= half;
+        const uint8_t *w = wi + (R.items ? (sec ? R.woff2 : R.woff) : 0);
+        const size_t rowbytes = FMT == FMT_Q4 ? cols / 2 : cols, kbytes = FMT == FMT_Q4 ? 32 : 64;
+        const uint32_t ng = cols >> gs, lines = (uint32_t)(((kb1 - kb0) * kbytes + 127) / 128);
+#pragma unroll
+        for (int i = 0; i < MT; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const uint32_t r = min((sec ? bx - half : bx) * (MT * 16) + 16 * i + g + 8 * h, T.rows - 1);
+                for (uint32_t ln = t; ln < lines; ln += 4) prefetch_l2(w + r * rowbytes + kbytes * kb0 + 128 * ln);
+                if (t >= 2) {
+                    const size_t sb = T.scale_format == SC_F32 ? 4 : 2;
+                    prefetch_l2(w + (t == 2 ? T.scales_off : T.biases_off) + sb * ((size_t)r * ng + ((64 * kb0) >> gs)));
+                }
+            }
+    };
+    prefetch(bx0);
+    prefetch(bx0 + 1);
+    pdl_wait(); /* from here on the predecessor's outputs (x16, xe) are there, and y may be written */
+    /* warp 0's outputs: the lane's token rows, where they go and the factor that undoes k_prep's */
+    uint32_t orow[NT][2];
+    float oxe[NT][2];
+    if (warp == 0)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const uint32_t tk = t0 + 8 * j + 2 * t + e, jj = start + min(tk, count - 1);
+                orow[j][e] = tk < count ? (R.yrow ? R.yrow[jj] : jj) : 0xFFFFFFFFu;
+                oxe[j][e] = xe[jj];
+            }
     const __half *xr[NT];
 #pragma unroll
     for (int j = 0; j < NT; j++) xr[j] = x16 + (size_t)(start + min(t0 + 8 * j + g, count - 1)) * cols + 16 * t;
-    float acc[MT][NT][4];
-    tc_zero(acc);
-    const uint32_t kb0 = warp * nkb / ranges, kb1 = (warp + 1) * nkb / ranges;
-    for (uint32_t kb = kb0; kb < kb1; kb += U) {
-        TcA<MT> fa[U];
-        uint4 xb[U][2][NT];
+    for (uint32_t bx = bx0; bx < bx1; bx++) { /* bounds uniform over the block: its barriers match */
+        prefetch(bx + 2);
+        const bool second = bx >= half;
+        const uint32_t r0 = (second ? bx - half : bx) * (MT * 16), ycol = second ? T.rows : 0;
+        const uint8_t *w = wi + (R.items ? (second ? R.woff2 : R.woff) : 0);
+        const uint8_t *sc = w + T.scales_off, *bs = w + T.biases_off;
+        const uint8_t *wrow[MT][2];
+        size_t srow[MT][2];
+        tc_rows<FMT, MT>(T, w, r0, g, t, wrow, srow);
+        float acc[MT][NT][4];
+        tc_zero(acc);
+        for (uint32_t kb = kb0; kb < kb1; kb += U) {
+            TcA<MT> fa[U];
+            uint4 xb[U][2][NT];
 #pragma unroll
-        for (int u = 0; u < U; u++)
-            if (kb + u < kb1) {
-                tc_load_a<FMT, MT>(fa[u], T, wrow, srow, sc, bs, kb + u, gs, t);
+            for (int uu = 0; uu < U; uu++)
+                if (kb + uu < kb1) {
+                    tc_load_a<FMT, MT>(fa[uu], T, wrow, srow, sc, bs, kb + uu, gs, t);
 #pragma unroll
-                for (int j = 0; j < NT; j++)
+                    for (int j = 0; j < NT; j++)
 #pragma unroll
-                    for (int h = 0; h < 2; h++)
-                        xb[u][h][j] = __ldg(reinterpret_cast<const uint4 *>(xr[j] + 64 * (size_t)(kb + u) + 8 * h));
-            }
+                        for (int h = 0; h < 2; h++)
+                            xb[uu][h][j] = __ldg(reinterpret_cast<const uint4 *>(xr[j] + 64 * (size_t)(kb + uu) + 8 * h));
+                }
 #pragma unroll
-        for (int u = 0; u < U; u++)
-            if (kb + u < kb1) {
-                tc_half<FMT, MT, NT>(fa[u], 0, xb[u][0], acc, NT);
-                tc_half<FMT, MT, NT>(fa[u], 1, xb[u][1], acc, NT);
-            }
+            for (int uu = 0; uu < U; uu++)
+                if (kb + uu < kb1) {
+                    tc_half<FMT, MT, NT>(fa[uu], 0, xb[uu][0], acc, NT);
+                    tc_half<FMT, MT, NT>(fa[uu], 1, xb[uu][1], acc, NT);
+                }
+        }
+        if (ranges > 1) {
+            float(*pb)[MT * NT * 4][32] = part[bx & 1];
+            if (warp > 0)
+#pragma unroll
+                for (int i = 0; i < MT; i++)
+#pragma unroll
+                    for (int j = 0; j < NT; j++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) pb[warp - 1][(i * NT + j) * 4 + e][lane] = acc[i][j][e];
+            __syncthreads();
+            if (warp > 0) continue;
+            for (uint32_t r = 1; r < ranges; r++)
+#pragma unroll
+                for (int i = 0; i < MT; i++)
+#pragma unroll
+                    for (int j = 0; j < NT; j++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++)
+                            acc[i][j][e] = __fadd_rn(acc[i][j][e], pb[r - 1][(i * NT + j) * 4 + e][lane]);
+        }
+#pragma unroll
+        for (int i = 0; i < MT; i++)
+#pragma unroll
+            for (int j = 0; j < NT; j++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const uint32_t r = r0 + 16 * i + g + 8 * (e >> 1), o = orow[j][e & 1];
+                    if (r < T.rows && o != 0xFFFFFFFFu) y[(size_t)o * ldy + ycol + r] = __fmul_rn(acc[i][j][e], oxe[j][e & 1]);
+                }
     }
-    if (ranges > 1) {
-        if (warp > 0)
-#pragma unroll
-            for (int i = 0; i < MT; i++)
-#pragma unroll
-                for (int j = 0; j < NT; j++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) part[warp - 1][(i * NT + j) * 4 + e][lane] = acc[i][j][e];
-        __syncthreads();
-        if (warp > 0) return;
-        for (uint32_t r = 1; r < ranges; r++)
-#pragma unroll
-            for (int i = 0; i < MT; i++)
-#pragma unroll
-                for (int j = 0; j < NT; j++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++)
-                        acc[i][j][e] = __fadd_rn(acc[i][j][e], part[r - 1][(i * NT + j) * 4 + e][lane]);
-    }
-    tc_store(acc, T, R, r0, t0, start, count, g, t, xe, y, ldy);
 }
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem) {
@@ -480,6 +543,7 @@ extern "C" int smoe_cu_tensor_cores(const smoe_cu_tensor *T) {
 }
 
 __global__ void k_prep(const float *x, size_t ldx, uint32_t cols, smoe_cu_rows R, __half *x16, float *xe) {
+    pdl_trigger();
     uint32_t start, count;
     item_rows(R, &start, &count);
     if (blockIdx.x >= count) return;
@@ -501,6 +565,44 @@ static uint32_t tc_ranges(uint32_t cols) {
     return nkb % 8 == 0 ? 8 : nkb % 4 == 0 ? 4 : nkb % 2 == 0 ? 2 : 1;
 }
 
+/* How many row tiles a k_tc block takes in turn: enough that the launch is about one wave of
+ * blocks (fit blocks an SM), so that an item's lookups and a block's start are paid once for
+ * several tiles, up to TC_PER_MAX. SMOE_CUDA_TC_PER=N (for comparisons) fixes it; 1 is a tile a
+ * block. Changes no bits. */
+enum { TC_PER_MAX = 4 };
+static uint32_t tc_per(uint32_t nbx, uint32_t others, uint32_t fit) {
+    static const int forced = getenv("SMOE_CUDA_TC_PER") ? atoi(getenv("SMOE_CUDA_TC_PER")) : 0;
+    static int sms;
+    if (forced > 0) return (uint32_t)forced < nbx ? (uint32_t)forced : nbx;
+    if (!sms) {
+        int dev = 0;
+        if (cudaGetDevice(&dev) != 0 || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != 0 || sms < 1)
+            sms = 1;
+    }
+    const uint64_t wave = (uint64_t)(fit ? fit : 1) * (uint32_t)sms;
+    uint64_t gx = wave / (others ? others : 1);
+    if (gx < 1) gx = 1;
+    if (gx > nbx) gx = nbx;
+    /* at most TC_PER_MAX: a block's tiles run one after another, and a launch of many items (a
+     * prompt's experts) would otherwise leave most of a wave to few long blocks */
+    const uint32_t per = (uint32_t)((nbx + gx - 1) / gx);
+    return per < (uint32_t)TC_PER_MAX ? per : (uint32_t)TC_PER_MAX;
+}
+
+/* The one-token products start early (programmatic dependent launch, cuda_common.cuh) on sm_90
+ * and later, for dense products and the device union's tiled lists (whose lists a kernel before
+ * the predecessor wrote); SMOE_CUDA_PDL=0 launches them plainly. Changes no bits. */
+static bool pdl_on(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char *e = getenv("SMOE_CUDA_PDL");
+        int dev = 0, major = 0;
+        on = !(e && e[0] == '0') && cudaGetDevice(&dev) == 0 &&
+             cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == 0 && major >= 9;
+    }
+    return on == 1;
+}
+
 template <int FMT>
 static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe_cu_act *a, float *y, size_t ldy,
                       uint32_t items, uint32_t m, cudaStream_t s) {
@@ -511,9 +613,24 @@ static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe
     static const int big = getenv("SMOE_CUDA_TILE") ? atoi(getenv("SMOE_CUDA_TILE")) : 0;
     const uint32_t px = R->pair ? 2 : 1; /* a pair launch: twice the row blocks (launch_item) */
 #define TC_SMALL(MT, NT, U)                                                                                            \
-    k_tc<FMT, MT, NT, U><<<dim3(px * ((T->rows + 16 * MT - 1) / (16 * MT)), items, (m + 8 * NT - 1) / (8 * NT)),      \
-                           32 * ranges,                                                                            \
-                           0, s>>>(*T, *R, x16, a->xe, y, ldy, ranges)
+    do {                                                                                                               \
+        static int fit[TC_MAXW + 1]; /* blocks of 32·ranges threads an SM can hold */                                  \
+        if (!fit[ranges] &&                                                                                            \
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&fit[ranges], k_tc<FMT, MT, NT, U>, 32 * ranges, 0) != 0)   \
+            fit[ranges] = 1;                                                                                           \
+        const uint32_t nbx = px * ((T->rows + 16 * MT - 1) / (16 * MT)), nz = (m + 8 * NT - 1) / (8 * NT);            \
+        const uint32_t per = tc_per(nbx, items * nz, (uint32_t)fit[ranges]);                                           \
+        cudaLaunchConfig_t cfg = {};                                                                                   \
+        cudaLaunchAttribute at[1];                                                                                     \
+        cfg.gridDim = dim3((nbx + per - 1) / per, items, nz);                                                          \
+        cfg.blockDim = dim3(32 * ranges);                                                                              \
+        cfg.stream = s;                                                                                                \
+        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;                                                 \
+        at[0].val.programmaticStreamSerializationAllowed = 1;                                                          \
+        cfg.attrs = at;                                                                                                \
+        cfg.numAttrs = pdl_on() && (!R->items || R->tile) ? 1 : 0;                                                     \
+        cudaLaunchKernelEx(&cfg, k_tc<FMT, MT, NT, U>, *T, *R, x16, a->xe, y, ldy, ranges, nbx, per);                  \
+    } while (0)
 #define TC_BIG(MT, NT)                                                                                                 \
     do {                                                                                                               \
         constexpr int smem = TB_STAGES * tb_stage_bytes<FMT, MT, NT>();                                                \
@@ -550,8 +667,16 @@ static void launch_fp32(const smoe_cu_tensor *T, const smoe_cu_rows *R, const sm
         dim3 grid(px * ((T->rows + MM_WARPS * RT - 1) / (MM_WARPS * RT)), items, (m + TT2 - 1) / TT2);
         k_matmul_tiled<FMT><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, a->x, a->ldx, y, ldy);
     } else {
-        dim3 grid(px * ((T->rows + MM_WARPS - 1) / MM_WARPS), items, (m + MM_TZ - 1) / MM_TZ);
-        k_matmul<FMT><<<grid, MM_WARPS * 32, 0, s>>>(*T, *R, a->x, a->ldx, y, ldy);
+        cudaLaunchConfig_t cfg = {};
+        cudaLaunchAttribute at[1];
+        cfg.gridDim = dim3(px * ((T->rows + MM_WARPS - 1) / MM_WARPS), items, (m + MM_TZ - 1) / MM_TZ);
+        cfg.blockDim = dim3(MM_WARPS * 32);
+        cfg.stream = s;
+        at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        at[0].val.programmaticStreamSerializationAllowed = 1;
+        cfg.attrs = at;
+        cfg.numAttrs = pdl_on() && !R->items ? 1 : 0; /* dense: the router of an f32 vault, say */
+        cudaLaunchKernelEx(&cfg, k_matmul<FMT>, *T, *R, a->x, a->ldx, y, ldy);
     }
 }
 
@@ -559,6 +684,7 @@ extern "C" int smoe_cu_matmul(smoe_cu_stream st, const smoe_cu_tensor *T, const 
                               float *y, size_t ldy) {
     const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
     if (items == 0 || m == 0) return 0;
+    if (smoe_cu_ggml(T)) return smoe_cu_matmul_ggml(st, T, R, a, y, ldy); /* GGML block formats: ggml.cu */
     cudaStream_t s = (cudaStream_t)st;
     if (smoe_cu_tensor_cores(T)) {
         if (!a->x16 || !a->xe) return (int)cudaErrorInvalidValue;

@@ -39,9 +39,9 @@ static bool same_layout(const smoe_cu_tensor *a, const smoe_cu_tensor *b) {
 /* The gathered rows of the union's experts, rows [0, total) of t·K + slot in c->rows: f16 rows
  * from XN's (prepared by its norm) for tensor-core products, f32 rows for the others. */
 static smoe_status gather_rows(cuda_state *c, uint32_t total) {
-    const smoe_layout *lay = c->lay;
+    const smoe_tensor *X = c->xl_now->t; /* the layer's blob layout (GGUF mixes differ by layer) */
     const uint32_t K = c->cfg->num_experts_per_tok, H = c->cfg->hidden_size;
-    const bool tg = smoe_cuda_tensor_cores(&lay->expert[0]), tu = smoe_cuda_tensor_cores(&lay->expert[1]);
+    const bool tg = smoe_cuda_tensor_cores(&X[0]), tu = smoe_cuda_tensor_cores(&X[1]);
     smoe_cu_act a;
     smoe_status st = smoe_cuda_act(c, SMOE_PL_XN, total / K, tg || tu, &a);
     if (st != SMOE_OK) return st;
@@ -52,25 +52,24 @@ static smoe_status gather_rows(cuda_state *c, uint32_t total) {
 
 /* gate, up, SwiGLU and down of the items of R; then the event that says their slots are free. */
 static smoe_status run_experts(cuda_state *c, const smoe_cu_rows *items, smoe_cu_event *done) {
-    const smoe_layout *lay = c->lay;
-    const uint32_t H = c->cfg->hidden_size, I = lay->expert[0].rows;
-    const smoe_cu_tensor g = smoe_cuda_desc(&lay->expert[0]), u = smoe_cuda_desc(&lay->expert[1]),
-                         d = smoe_cuda_desc(&lay->expert[2]);
+    const smoe_tensor *X = c->xl_now->t; /* the layer's blob layout (GGUF mixes differ by layer) */
+    const uint32_t H = c->cfg->hidden_size, I = X[0].rows;
+    const smoe_cu_tensor g = smoe_cuda_desc(&X[0]), u = smoe_cuda_desc(&X[1]), d = smoe_cuda_desc(&X[2]);
     smoe_cu_rows R = *items;
     const smoe_cu_act xg = {.x = c->xg, .ldx = H, .x16 = c->g16, .xe = c->ge}; /* gather_rows made them */
-    R.woff = lay->expert[0].offset;
+    R.woff = X[0].offset;
     if (same_layout(&g, &u)) { /* gate and up alike: one launch for both (a pair) */
         R.pair = 1;
-        R.woff2 = lay->expert[1].offset;
+        R.woff2 = X[1].offset;
         CU(smoe_cu_matmul(c->sh->cs, &g, &R, &xg, c->hg, 2 * (size_t)I));
         R.pair = 0;
     } else {
         CU(smoe_cu_matmul(c->sh->cs, &g, &R, &xg, c->hg, 2 * (size_t)I));
-        R.woff = lay->expert[1].offset;
+        R.woff = X[1].offset;
         CU(smoe_cu_matmul(c->sh->cs, &u, &R, &xg, c->hg + I, 2 * (size_t)I));
     }
-    const bool *has = c->sh->xl->has; /* every sparse layer's layout is the same (cuda_lacks) */
-    const smoe_tensor *t = lay->expert;
+    const bool *has = c->xl_now->has;
+    const smoe_tensor *t = X;
     if (has[SMOE_XT_GATE_BIAS]) /* gpt-oss: each expert's biases, from its blob, after its products */
         CU(smoe_cu_bias_items(c->sh->cs, c->hg, 2 * (size_t)I, 0, &R, t[SMOE_XT_GATE_BIAS].offset,
                               t[SMOE_XT_GATE_BIAS].format, I));
@@ -78,9 +77,9 @@ static smoe_status run_experts(cuda_state *c, const smoe_cu_rows *items, smoe_cu
         CU(smoe_cu_bias_items(c->sh->cs, c->hg, 2 * (size_t)I, I, &R, t[SMOE_XT_UP_BIAS].offset,
                               t[SMOE_XT_UP_BIAS].format, I));
     smoe_cu_act h;
-    smoe_status st = smoe_cuda_swiglu(c, smoe_cuda_tensor_cores(&lay->expert[2]), true, I, &R, &h);
+    smoe_status st = smoe_cuda_swiglu(c, smoe_cuda_tensor_cores(&X[2]), true, I, &R, &h);
     if (st != SMOE_OK) return st;
-    R.woff = lay->expert[2].offset;
+    R.woff = X[2].offset;
     R.yrow = c->rows;
     CU(smoe_cu_matmul(c->sh->cs, &d, &R, &h, c->slot_out, H));
     if (has[SMOE_XT_DOWN_BIAS])
@@ -142,6 +141,7 @@ smoe_status smoe_cuda_route(void *b, const smoe_route *r, uint32_t n, int32_t *i
 
 smoe_status smoe_cuda_experts_begin(void *b, const smoe_union *u) {
     cuda_state *c = b;
+    c->xl_now = &c->lay->xl[u->l];
     for (uint32_t p = 0; p < u->size; p++) {
         c->h_ustart[p] = u->start[p];
         c->h_ucount[p] = u->count[p];
@@ -214,6 +214,7 @@ smoe_status smoe_cuda_moe_resident(void *b, uint32_t l, const smoe_route *r, uin
     cuda_share *sh = c->sh;
     const uint32_t E = c->cfg->num_experts, H = c->cfg->hidden_size, nk = n * K;
     int32_t *idx = c->routed + (size_t)l * nk;
+    c->xl_now = &c->lay->xl[l];
     smoe_status st = route_on_device(c, r, n, idx);
     if (st != SMOE_OK) return st;
     const uint32_t tile = smoe_cuda_union_tile(n, K, E), n_items = smoe_cu_union_items(nk, E, tile);

@@ -1,13 +1,54 @@
 /* rows.cu — the kernels that work row by row: embedding, RMSNorm (with the f16 rows of its output), QK-norm and RoPE with the KV append, residual adds, gathers, SwiGLU (cuda_ops.h; the rule of cuda_common.cuh). */
 #include "cuda_common.cuh"
 
-/* k_rmsnorm then k_prep on rows [0, rows) in one launch: the same arithmetic, the same bits. */
+/* k_rmsnorm then k_prep on rows [0, rows) in one launch: the same arithmetic, the same bits. A row
+ * of up to RP_MAX·256 columns (a multiple of 256) stays in registers: thread i holds columns
+ * i + 256k, and the f16 row's order (0 4 1 5 2 6 3 7 within each 8) takes each value from a lane
+ * of the same warp; wider rows go through the output row in memory. */
+enum { RP_MAX = 16 };
 __global__ void k_rmsnorm_prep(float *out, const float *x, uint32_t dim, const uint8_t *wt, uint8_t wfmt, float eps,
                                __half *x16, float *xe) {
+    pdl_trigger(); /* a one-token product after it may begin loading its weights */
     const size_t row = blockIdx.x;
-    rms_row(out + row * dim, x + row * dim, dim, wt, wfmt, eps);
-    __syncthreads(); /* the row's outputs, written by every thread, before any is read */
-    prep_row(out + row * dim, dim, row, x16, xe);
+    if (dim % 256 != 0 || dim > RP_MAX * 256) {
+        rms_row(out + row * dim, x + row * dim, dim, wt, wfmt, eps);
+        __syncthreads(); /* the row's outputs, written by every thread, before any is read */
+        prep_row(out + row * dim, dim, row, x16, xe);
+        return;
+    }
+    const float *xr = x + row * dim;
+    const uint32_t nk = dim / 256, lane = threadIdx.x & 31;
+    float v[RP_MAX], wv[RP_MAX]; /* the weights loaded with the row, not after its sum */
+    float s = 0.0f;
+#pragma unroll
+    for (uint32_t k = 0; k < RP_MAX; k++)
+        if (k < nk) {
+            const uint32_t c = threadIdx.x + 256 * k;
+            v[k] = xr[c];
+            wv[k] = wfmt == FMT_F32 ? reinterpret_cast<const float *>(wt)[c]
+                                    : __uint_as_float((uint32_t)reinterpret_cast<const uint16_t *>(wt)[c] << 16);
+        }
+#pragma unroll
+    for (uint32_t k = 0; k < RP_MAX; k++)
+        if (k < nk) s = __fadd_rn(s, __fmul_rn(v[k], v[k]));
+    const float r = 1.0f / sqrtf(tree256(s) / (float)dim + eps);
+    float m = 0.0f;
+#pragma unroll
+    for (uint32_t k = 0; k < RP_MAX; k++)
+        if (k < nk) {
+            const uint32_t c = threadIdx.x + 256 * k;
+            v[k] = __fmul_rn(wv[k], __fmul_rn(v[k], r));
+            out[row * dim + c] = v[k];
+            m = fmaxf(m, fabsf(v[k]));
+        }
+    const int e = prep_exp(max256(m));
+    const float down = ldexpf(1.0f, -e);
+    const uint32_t src = (lane & ~7u) | (lane & 7u) >> 1 | (lane & 1u) << 2; /* 256k is a multiple of 8 */
+    __half *o = x16 + row * dim;
+#pragma unroll
+    for (uint32_t k = 0; k < RP_MAX; k++)
+        if (k < nk) o[threadIdx.x + 256 * k] = __float2half_rn(__fmul_rn(__shfl_sync(0xffffffffu, v[k], src), down));
+    if (threadIdx.x == 0) xe[row] = ldexpf(1.0f, e);
 }
 
 extern "C" int smoe_cu_rmsnorm_prep(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim,
@@ -42,6 +83,7 @@ __global__ void k_embed(smoe_cu_tensor T, const uint8_t *w, const int32_t *ids, 
 extern "C" int smoe_cu_embed(smoe_cu_stream st, const smoe_cu_tensor *T, const uint8_t *w, const int32_t *ids,
                              uint32_t n, float *x) {
     if (n == 0) return 0;
+    if (smoe_cu_ggml(T)) return smoe_cu_embed_ggml(st, T, w, ids, n, x); /* GGML block formats: ggml.cu */
     k_embed<<<n, 256, 0, (cudaStream_t)st>>>(*T, w, ids, x);
     return (int)cudaGetLastError();
 }
@@ -155,6 +197,7 @@ __global__ void k_gather(float *xg, const float *xn, const uint32_t *rows, uint3
 /* The same for rows prepared by k_prep: f16 rows (cols halves) and their scales. */
 __global__ void k_gather16(__half *g16, float *ge, const __half *a16, const float *ae, const uint32_t *rows, uint32_t K,
                            uint32_t cols) {
+    pdl_trigger();
     const uint32_t j = blockIdx.x, src = rows[j] / K;
     const uint4 *in = reinterpret_cast<const uint4 *>(a16 + (size_t)src * cols);
     uint4 *out = reinterpret_cast<uint4 *>(g16 + (size_t)j * cols);
@@ -232,6 +275,7 @@ extern "C" int smoe_cu_bias_items(smoe_cu_stream st, float *y, size_t ldy, uint3
 /* k_swiglu then k_prep, a row a block (grid as k_prep's): the same arithmetic, the same bits. */
 __global__ void k_swiglu_prep(float *h, const float *hg, uint32_t I, smoe_cu_rows R, smoe_cu_act_fn f, __half *h16,
                               float *he) {
+    pdl_trigger();
     uint32_t start, count;
     item_rows(R, &start, &count);
     if (blockIdx.x >= count) return;

@@ -17,7 +17,7 @@ def add_parser(p, name: str = "convert") -> None:
                    "(the first of a split set: NAME-00001-of-0000N.gguf)")
     p.add_argument("out", metavar="OUT", type=vault_out, help="vault directory to write (empty or new, unless --force)")
     p.add_argument("--experts", choices=FORMATS, help="expert format (default: q4 for a float checkpoint; "
-                   "as stored for MLX)")
+                   "as stored for MLX and for gpt-oss's MXFP4 release; MXFP4: llama.cpp's quantiser)")
     p.add_argument("--dense", choices=FORMATS, help="format of every dense matrix (default: the writer's / as stored)")
     p.add_argument("--attention", choices=FORMATS, help="format of q/k/v/o_proj (overrides --dense)")
     p.add_argument("--embed", choices=FORMATS, help="format of embed_tokens (overrides --dense)")

@@ -82,7 +82,7 @@ def convert_checkpoint(src, out_dir, experts: str | None = None, dense=None, sca
             group: int = quant.GROUP, progress: bool = False, force: bool = False, jobs: int | None = None) -> Path:
     """Convert the checkpoint in src (MLX or Hugging Face, see `detect`) into a vault at out_dir.
 
-    experts: expert format (q4, q8, bf16, f32); for an HF checkpoint default q4; for MLX only
+    experts: expert format (q4, q8, bf16, f32, MXFP4); for an HF checkpoint default q4; for MLX only
     for experts stored unquantised (quantised ones are copied as they are). dense: None (the
     writer's defaults for HF; as stored for MLX), one format for every dense matrix, or {role:
     format} with roles embed, lm_head, attention, router, mlp, norms. scale_dtype: f16, bf16 or
@@ -214,10 +214,11 @@ class _HfJob:
             return {"kind": "hf", "path": str(Path(self.ckpt.dir).resolve()), "dtype": self.dtype,
                     "quantization": {"experts": "MXFP4 as released (rearranged into ggml's blocks, not requantised)",
                                      "formats": ", ".join(f"{k} {v}" for k, v in self.formats.items())}}
-        return {"kind": "hf", "path": str(Path(self.ckpt.dir).resolve()), "dtype": self.dtype,
-                "quantization": {"quantiser": "mlx-affine",
-                                 "formats": ", ".join(f"{k} {v}" for k, v in self.formats.items()),
-                                 "group_size": self.group, "scale_dtype": self.scale_dtype}}
+        q = {"quantiser": "mlx-affine", "formats": ", ".join(f"{k} {v}" for k, v in self.formats.items()),
+             "group_size": self.group, "scale_dtype": self.scale_dtype}
+        if "MXFP4" in self.formats.values():
+            q["mxfp4_quantiser"] = "llama.cpp quantize_row_mxfp4_ref (ggml_blocks.quantize_mxfp4)"
+        return {"kind": "hf", "path": str(Path(self.ckpt.dir).resolve()), "dtype": self.dtype, "quantization": q}
 
 
 class _MlxJob:

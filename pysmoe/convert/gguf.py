@@ -55,6 +55,18 @@ class Family:
     # GGUF name after "blk.N." -> vault name after "layers.N."; "experts.gate" etc. for the
     # stacked experts. Every tensor of the file must be named here (or in GLOBAL_TENSORS).
     layer_tensors: dict = dataclasses.field(default_factory=dict)
+    # the family's own reading of the file, after the table's keys: (model, cfg) -> None, in place
+    derive: object = None
+    # vault tensor suffix -> the config key of its head count, for tensors whose rows llama.cpp's
+    # converter permuted per head (undone by unpermuted_rows)
+    permuted_rows: dict = dataclasses.field(default_factory=dict)
+    rope_scaling: tuple = ()    # rope.scaling.type values the family's derive reads (others refused)
+    # GGUF name after "blk.N." -> fn(cfg) -> {vault suffix: rows}: one file tensor cut into several
+    # vault tensors by whole rows (Qwen3-Next's attn_q = query and gate rows per head)
+    split_rows: dict = dataclasses.field(default_factory=dict)
+    # GGUF name after "blk.N." -> (vault suffix, fn(f32 array) -> f32 array): a float vector the
+    # converter transformed (Qwen3-Next's ssm_a = −exp(A_log)), transformed back
+    f32_values: dict = dataclasses.field(default_factory=dict)
 
 
 GLOBAL_TENSORS = {"token_embd.weight": "embed_tokens", "output_norm.weight": "norm", "output.weight": "lm_head"}
@@ -93,9 +105,218 @@ FAMILIES["olmoe"] = Family(
     # (the vault's olmoe recipe: the norms' shapes say so)
     fixed={"norm_topk_prob": False, "decoder_sparse_step": 1},
     layer_tensors=_QWEN3_LAYER)
-# The other families pysmoe runs come as one entry each: llama.cpp's glm4moe, llama (Mixtral: its
-# q/k rows are permuted for llama.cpp's interleaved RoPE and must be un-permuted row by row, which
-# a block type allows losslessly), and qwen35moe / qwen3next and gpt-oss once their recipes land.
+
+
+def _glm4moe(model: "GGUFModel", cfg: dict) -> None:
+    """GLM-4.5/4.6/Air: what llama.cpp's glm4moe reads beyond the table, and what it decides from
+    the tensors present (q/k/v biases, QK-norm). The multi-token-prediction layers llama.cpp's
+    converter appends (the last `nextn_predict_layers` blocks, blk.L.nextn.*) are left out, as
+    transformers leaves them out."""
+    meta, a = model.meta, "glm4moe"
+    gating = meta.get(f"{a}.expert_gating_func", 2)
+    if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        raise ConvertError(f"{a}.expert_gating_func {gating}: GLM-4.5's router is sigmoid (2)")
+    nextn = int(meta.get(f"{a}.nextn_predict_layers") or 0)
+    cfg["num_hidden_layers"] = int(cfg["num_hidden_layers"]) - nextn
+    if cfg["num_hidden_layers"] < 1:
+        raise ConvertError(f"{a}.block_count {cfg['num_hidden_layers'] + nextn} leaves no layer "
+                           f"beside {nextn} multi-token-prediction layers")
+    cfg["num_nextn_predict_layers"] = nextn
+    cfg["first_k_dense_replace"] = int(meta.get(f"{a}.leading_dense_block_count") or 0)
+    cfg["n_shared_experts"] = int(meta.get(f"{a}.expert_shared_count") or 0)
+    cfg["n_group"] = int(meta.get(f"{a}.expert_group_count") or 1)
+    cfg["topk_group"] = int(meta.get(f"{a}.expert_group_used_count") or 1)
+    # llama.cpp: no expert_weights_norm means no renormalising, a scale of 0 means none
+    cfg["norm_topk_prob"] = bool(meta.get(f"{a}.expert_weights_norm", False))
+    cfg["routed_scaling_factor"] = float(meta.get(f"{a}.expert_weights_scale") or 1.0)
+    hd = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    rot = int(meta.get(f"{a}.rope.dimension_count") or hd // 2)
+    if not 0 < rot <= hd or rot % 2:
+        raise ConvertError(f"{a}.rope.dimension_count {rot} does not fit head_dim {hd}")
+    cfg["partial_rotary_factor"] = rot / hd
+    cfg["use_qk_norm"] = "blk.0.attn_q_norm.weight" in model.tensors
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in model.tensors
+    cfg["mlp_only_layers"] = list(range(min(cfg["first_k_dense_replace"], cfg["num_hidden_layers"])))
+
+
+FAMILIES["glm4moe"] = Family(
+    arch="glm4moe", model_type="glm4_moe", architectures=("Glm4MoeForCausalLM",),
+    config=FAMILIES["qwen3moe"].config, optional=FAMILIES["qwen3moe"].optional,
+    fixed={"decoder_sparse_step": 1},
+    layer_tensors={**_QWEN3_LAYER, "attn_q.bias": "q_proj.bias", "attn_k.bias": "k_proj.bias",
+                   "attn_v.bias": "v_proj.bias", "post_attention_norm.weight": "post_attention_layernorm",
+                   "exp_probs_b.bias": "router.bias", "ffn_gate_shexp.weight": "shared.gate_proj",
+                   "ffn_up_shexp.weight": "shared.up_proj", "ffn_down_shexp.weight": "shared.down_proj"},
+    derive=_glm4moe)
+
+
+def _llama(model: "GGUFModel", cfg: dict) -> None:
+    """Mixtral as llama.cpp stores it: the `llama` architecture with experts (a dense Llama is not
+    a model pysmoe runs). llama.cpp's graph always renormalises the top-k softmax weights."""
+    a = "llama"
+    if not cfg.get("num_experts"):
+        raise ConvertError("a llama-architecture file without experts (llama.expert_count) is a dense Llama/"
+                           "Mistral: pysmoe runs Mixture-of-Experts models only")
+    scale = model.meta.get(f"{a}.expert_weights_scale")
+    if scale not in (None, 0.0, 1.0):
+        raise ConvertError(f"{a}.expert_weights_scale {scale}: Mixtral's experts are not scaled")
+    hd = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    rot = model.meta.get(f"{a}.rope.dimension_count")
+    if rot is not None and int(rot) != hd:
+        raise ConvertError(f"{a}.rope.dimension_count {rot}: only RoPE over the whole head ({hd}) is supported")
+
+
+FAMILIES["llama"] = Family(
+    arch="llama", model_type="mixtral", architectures=("MixtralForCausalLM",),
+    config=FAMILIES["olmoe"].config, optional=FAMILIES["qwen3moe"].optional + ("num_experts", "num_experts_per_tok"),
+    fixed={"norm_topk_prob": True, "decoder_sparse_step": 1},
+    layer_tensors={k: v for k, v in _QWEN3_LAYER.items() if k not in ("attn_q_norm.weight", "attn_k_norm.weight")},
+    derive=_llama,
+    # llama.cpp's converter permutes q and k rows for its interleaved RoPE (LlamaModel.permute):
+    # within each head, row 2i+j holds the original row j*hd/2+i. Undone row by row on import.
+    permuted_rows={"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"})
+
+
+def _gpt_oss(model: "GGUFModel", cfg: dict) -> None:
+    """gpt-oss as llama.cpp's `gpt-oss` (openai-moe) reads it: the sliding window on the layers
+    its swa pattern names (2 by default: window, full, window, ... as GptOssConfig's layer_types),
+    YaRN from rope.scaling.*, and what its graph fixes (the clamped SwiGLU 1.702/7.0, top-k then
+    softmax). YaRN's correction range is not truncated: gpt-oss's own definition (its config's
+    truncate: false), which transformers follows; ggml's rope always truncates it (floor/ceil)."""
+    meta, a = model.meta, "gpt-oss"
+    L = int(cfg["num_hidden_layers"])
+    cfg["sliding_window"] = int(meta.get(f"{a}.attention.sliding_window") or 0) or None
+    pattern = meta.get(f"{a}.attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):
+        if len(pattern) < L:
+            raise ConvertError(f"{a}.attention.sliding_window_pattern has {len(pattern)} entries for {L} layers")
+        swa = [bool(x) for x in pattern[:L]]
+    else:  # llama_hparams::set_swa_pattern(n, dense_first=false)
+        n = int(pattern)
+        swa = [n == 0 or l % n < n - 1 for l in range(L)]
+    cfg["layer_types"] = ["sliding_attention" if x else "full_attention" for x in swa]
+    base_swa = meta.get(f"{a}.rope.freq_base_swa")
+    if base_swa is not None and float(base_swa) != float(cfg.get("rope_theta", 10000.0)):
+        raise ConvertError(f"{a}.rope.freq_base_swa {base_swa} differs from rope.freq_base: pysmoe has one RoPE base")
+    rope = {"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))}
+    kind = meta.get(f"{a}.rope.scaling.type")
+    if kind == "yarn":
+        for k in ("rope.scaling.yarn_log_multiplier", "rope.scaling.attn_factor"):
+            if meta.get(f"{a}.{k}") not in (None, 0.0, 1.0):
+                raise ConvertError(f"{a}.{k} {meta[f'{a}.{k}']}: not gpt-oss's YaRN")
+        ext = meta.get(f"{a}.rope.scaling.yarn_ext_factor")
+        if ext not in (None, 1.0):
+            raise ConvertError(f"{a}.rope.scaling.yarn_ext_factor {ext}: only 1 (gpt-oss's) is supported")
+        factor = meta.get(f"{a}.rope.scaling.factor")
+        orig = meta.get(f"{a}.rope.scaling.original_context_length")
+        if not factor or not orig:
+            raise ConvertError(f"{a}.rope.scaling.type yarn without its factor and original_context_length")
+        rope.update(rope_type="yarn", factor=float(factor), original_max_position_embeddings=int(orig),
+                    beta_fast=float(meta.get(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+                    beta_slow=float(meta.get(f"{a}.rope.scaling.yarn_beta_slow", 1.0)), truncate=False)
+        af = meta.get(f"{a}.rope.scaling.yarn_attn_factor")
+        if af is not None:
+            rope["attention_factor"] = float(af)
+    elif kind not in (None, "none"):
+        raise ConvertError(f"{a}.rope.scaling.type {kind!r}: gpt-oss's RoPE is YaRN or plain")
+    cfg["rope_parameters"] = rope
+    cfg.pop("rope_theta", None)
+    cfg.update(swiglu_alpha=1.702, swiglu_limit=7.0, attention_bias=True)  # fixed in llama.cpp's graph
+    cfg["moe_intermediate_size"] = cfg["intermediate_size"]
+
+
+FAMILIES["gpt-oss"] = Family(
+    arch="gpt-oss", model_type="gpt_oss", architectures=("GptOssForCausalLM",),
+    config={**{k: v for k, v in FAMILIES["qwen3moe"].config.items()
+               if k not in ("moe_intermediate_size", "intermediate_size")},
+            "intermediate_size": "expert_feed_forward_length"},
+    optional=FAMILIES["qwen3moe"].optional,
+    fixed={"decoder_sparse_step": 1},
+    layer_tensors={**{k: v for k, v in _QWEN3_LAYER.items()
+                      if k not in ("attn_q_norm.weight", "attn_k_norm.weight", "ffn_norm.weight")},
+                   "attn_q.bias": "q_proj.bias", "attn_k.bias": "k_proj.bias", "attn_v.bias": "v_proj.bias",
+                   "attn_output.bias": "o_proj.bias", "attn_sinks.weight": "sinks",
+                   "post_attention_norm.weight": "post_attention_layernorm", "ffn_gate_inp.bias": "router.bias",
+                   "ffn_gate_exps.bias": "experts.gate_bias", "ffn_up_exps.bias": "experts.up_bias",
+                   "ffn_down_exps.bias": "experts.down_bias"},
+    derive=_gpt_oss, rope_scaling=("yarn",))
+
+
+def _qwen3next(model: "GGUFModel", cfg: dict) -> None:
+    """Qwen3-Next as llama.cpp's `qwen3next` reads it: the Gated DeltaNet sizes from ssm.*, the
+    layer kinds from attention.recurrent_layers (or full_attention_interval), the shared expert's
+    width, partial RoPE; its graph always renormalises the top-k weights. Multi-token-prediction
+    layers (nextn_predict_layers) are left out."""
+    meta, a = model.meta, "qwen3next"
+    nextn = int(meta.get(f"{a}.nextn_predict_layers") or 0)
+    L = int(cfg["num_hidden_layers"]) - nextn
+    if L < 1:
+        raise ConvertError(f"{a}.block_count leaves no layer beside {nextn} multi-token-prediction layers")
+    cfg["num_hidden_layers"], cfg["num_nextn_predict_layers"] = L, nextn
+    need = {k: meta.get(f"{a}.ssm.{k}") for k in ("conv_kernel", "state_size", "group_count", "time_step_rank",
+                                                   "inner_size")}
+    missing = [f"{a}.ssm.{k}" for k, v in need.items() if v is None]
+    if missing:
+        raise ConvertError("the file's metadata lacks " + ", ".join(missing))
+    nv = int(need["time_step_rank"])
+    if int(need["inner_size"]) % nv:
+        raise ConvertError(f"{a}.ssm.inner_size {need['inner_size']} is not a multiple of time_step_rank {nv}")
+    cfg.update(linear_conv_kernel_dim=int(need["conv_kernel"]), linear_key_head_dim=int(need["state_size"]),
+               linear_num_key_heads=int(need["group_count"]), linear_num_value_heads=nv,
+               linear_value_head_dim=int(need["inner_size"]) // nv)
+    rec = meta.get(f"{a}.attention.recurrent_layers")
+    if isinstance(rec, list):
+        if len(rec) < L:
+            raise ConvertError(f"{a}.attention.recurrent_layers has {len(rec)} entries for {L} layers")
+        cfg["layer_types"] = ["linear_attention" if x else "full_attention" for x in rec[:L]]
+    else:
+        cfg["full_attention_interval"] = int(meta.get(f"{a}.full_attention_interval") or 4)
+    cfg["shared_expert_intermediate_size"] = int(meta.get(f"{a}.expert_shared_feed_forward_length") or 0)
+    hd = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    cfg["partial_rotary_factor"] = int(meta.get(f"{a}.rope.dimension_count") or hd // 4) / hd
+    cfg["norm_topk_prob"] = True
+
+
+def _q_and_gate(cfg: dict) -> dict:
+    """attn_q holds per head the query's head_dim rows then the output gate's (as the checkpoint)."""
+    n, hd = cfg["num_attention_heads"], cfg["head_dim"]
+    base = np.arange(n)[:, None] * 2 * hd
+    return {"q_proj": (base + np.arange(hd)).ravel(), "q_gate_proj": (base + hd + np.arange(hd)).ravel()}
+
+
+def _b_and_a(cfg: dict) -> dict:
+    """ssm_ba is the checkpoint's in_proj_ba: per key head [b (r rows) | a (r rows)], r = nv/nk."""
+    nk = cfg["linear_num_key_heads"]
+    r = cfg["linear_num_value_heads"] // nk
+    base = np.arange(nk)[:, None] * 2 * r
+    return {"linear.b": (base + np.arange(r)).ravel(), "linear.a": (base + r + np.arange(r)).ravel()}
+
+
+def _a_log(a: np.ndarray) -> np.ndarray:
+    """llama.cpp's converter stores ssm_a = −exp(A_log); the vault keeps A_log: log(−a), in f64
+    then rounded to f32 (exp of it gives a back to within an ulp or two, not bit for bit)."""
+    return np.log(-a.astype(np.float64)).astype(np.float32)
+
+
+FAMILIES["qwen3next"] = Family(
+    arch="qwen3next", model_type="qwen3_next", architectures=("Qwen3NextForCausalLM",),
+    config=FAMILIES["qwen3moe"].config, optional=FAMILIES["qwen3moe"].optional,
+    fixed={"decoder_sparse_step": 1},
+    layer_tensors={**{k: v for k, v in _QWEN3_LAYER.items() if k != "ffn_norm.weight"},
+                   "post_attention_norm.weight": "post_attention_layernorm",
+                   "ffn_gate_shexp.weight": "shared.gate_proj", "ffn_up_shexp.weight": "shared.up_proj",
+                   "ffn_down_shexp.weight": "shared.down_proj", "ffn_gate_inp_shexp.weight": "shared_gate",
+                   "attn_qkv.weight": "linear.qkv", "attn_gate.weight": "linear.z",
+                   "ssm_conv1d.weight": "linear.conv", "ssm_dt.bias": "linear.dt_bias",
+                   "ssm_norm.weight": "linear.norm", "ssm_out.weight": "linear.out"},
+    derive=_qwen3next,
+    split_rows={"attn_q.weight": _q_and_gate, "ssm_ba.weight": _b_and_a},
+    f32_values={"ssm_a": ("linear.A_log", _a_log)})
+NOT_YET = {  # architectures pysmoe runs from safetensors but not yet from llama.cpp's files, and why
+    "qwen35moe": "not importable yet: llama.cpp's converter reorders Qwen3.5's value heads (grouped -> tiled) along "
+                 "the columns of ssm_out, which cannot be undone on block-quantised rows; convert the Hugging "
+                 "Face checkpoint instead (pysmoe convert DIR)",
+}
 
 
 # ------------------------------------------------------------------------------------ reading
@@ -207,6 +428,8 @@ class Plan:
     dense: dict            # vault name -> GTensor
     experts: dict          # layer -> {"gate"|"up"|"down": GTensor (E, rows, cols)}
     formats: dict          # vault name / "experts.part" -> format name
+    row_order: dict = dataclasses.field(default_factory=dict)  # vault name -> rows to take, in order
+    values: dict = dataclasses.field(default_factory=dict)     # vault name -> f32 array written instead
 
 
 def _config(model: GGUFModel, fam: Family) -> dict:
@@ -230,7 +453,7 @@ def _config(model: GGUFModel, fam: Family) -> dict:
     if missing:
         raise ConvertError("the file's metadata lacks " + ", ".join(missing))
     scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none") + fam.rope_scaling:
         raise ConvertError(f"{arch}.rope.scaling.type {scaling!r}: only plain RoPE is supported")
     vlen = meta.get(f"{arch}.attention.value_length")
     if vlen is not None and "head_dim" in cfg and vlen != cfg["head_dim"]:
@@ -241,14 +464,17 @@ def _config(model: GGUFModel, fam: Family) -> dict:
         cfg["num_key_value_heads"] = cfg["num_attention_heads"]
     cfg.setdefault("rope_theta", 10000.0)
     cfg.update(fam.fixed)
+    if fam.derive is not None:
+        fam.derive(model, cfg)
     emb = model.tensors.get("token_embd.weight")
     if emb is None:
         raise ConvertError("the file has no token_embd.weight")
     cfg["vocab_size"] = emb.shape[0]
     cfg["tie_word_embeddings"] = "output.weight" not in model.tensors
     L = int(cfg["num_hidden_layers"])
-    sparse = [f"blk.{l}.ffn_gate_inp.weight" in model.tensors for l in range(L)]
-    cfg["mlp_only_layers"] = [l for l in range(L) if not sparse[l]]
+    if "mlp_only_layers" not in cfg:
+        sparse = [f"blk.{l}.ffn_gate_inp.weight" in model.tensors for l in range(L)]
+        cfg["mlp_only_layers"] = [l for l in range(L) if not sparse[l]]
     cfg.setdefault("intermediate_size", cfg["moe_intermediate_size"])
     for k in ("bos", "eos", "padding"):
         i = meta.get(f"tokenizer.ggml.{k}_token_id")
@@ -264,6 +490,8 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
     from ..vaultio import dense_shapes, normalize_config
 
     fam = FAMILIES.get(model.arch)
+    if fam is None and model.arch in NOT_YET:
+        raise ConvertError(f"GGUF architecture {model.arch!r}: {NOT_YET[model.arch]}")
     if fam is None:
         raise ConvertError(f"GGUF architecture {model.arch!r} is not supported "
                            f"(supported: {', '.join(sorted(FAMILIES))})")
@@ -273,12 +501,28 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
         raise ConvertError(f"GGUF metadata: {exc}") from None
     L, E = cfg["num_hidden_layers"], cfg["num_experts"]
     H, I = cfg["hidden_size"], cfg["moe_intermediate_size"]
-    dense, experts, unknown = {}, {}, []
+    dense, experts, unknown, row_order, values = {}, {}, [], {}, {}
+    extra = L + int(cfg.get("num_nextn_predict_layers") or 0)  # layers llama.cpp keeps, pysmoe not
     for name, t in model.tensors.items():
         if name in GLOBAL_TENSORS:
             dense[GLOBAL_TENSORS[name]] = t
             continue
         m = re.match(r"^blk\.(\d+)\.(.+)$", name)
+        if m and L <= int(m[1]) < extra:
+            continue  # a multi-token-prediction layer: not part of the model's forward
+        if m and int(m[1]) < L and m[2] in fam.split_rows:
+            for part, rows in fam.split_rows[m[2]](cfg).items():
+                dense[f"layers.{m[1]}.{part}"] = t
+                row_order[f"layers.{m[1]}.{part}"] = rows
+            continue
+        if m and int(m[1]) < L and m[2] in fam.f32_values:
+            part, fn = fam.f32_values[m[2]]
+            if t.type != 0:
+                unknown.append(f"{name} ({t.type_name}; pysmoe reads it as F32 only)")
+                continue
+            dense[f"layers.{m[1]}.{part}"] = t
+            values[f"layers.{m[1]}.{part}"] = fn(np.frombuffer(t.data.tobytes(), np.float32))
+            continue
         role = fam.layer_tensors.get(m[2]) if m and int(m[1]) < L else None
         if role is None:
             unknown.append(name)
@@ -286,6 +530,11 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
             experts.setdefault(int(m[1]), {})[role.split(".")[1]] = t
         else:
             dense[f"layers.{m[1]}.{role}"] = t
+    per_expert = [n for n in unknown if re.match(r"^blk\.\d+\.ffn_(gate|up|down)\.\d+\.weight$", n)]
+    if per_expert:
+        raise ConvertError("experts stored one tensor each (" + _names(per_expert, 3) + "): llama.cpp's format "
+                           "before its stacked ffn_*_exps (2024); re-convert with a current llama.cpp, or convert "
+                           "the Hugging Face checkpoint")
     if unknown:
         raise ConvertError(f"tensors pysmoe does not know for {fam.arch}: " + _names(unknown))
     problems = []
@@ -296,17 +545,22 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
     for n, t in dense.items():
         if n not in want:
             problems.append(f"{t.name}: not expected in this model")
-        elif _matrix(t.shape) != want[n]:
+        elif (_matrix(t.shape) if n not in row_order else (len(row_order[n]), t.shape[-1])) != want[n]:
             problems.append(f"{t.name}: shape {t.shape}, expected {want[n]}")
     sparse = [l for l in range(L) if l not in cfg["mlp_only_layers"]]
     shapes = {"gate": (E, I, H), "up": (E, I, H), "down": (E, H, I)}
+    if cfg["model_type"] == "gpt_oss":  # each expert's biases ride in its blob, as f32 rows
+        shapes.update(gate_bias=(E, I), up_bias=(E, I), down_bias=(E, H))
     for l in sparse:
         parts = experts.get(l, {})
         for p, shape in shapes.items():
+            gname = f"blk.{l}.ffn_{p.split('_')[0]}_exps." + ("bias" if p.endswith("_bias") else "weight")
             if p not in parts:
-                problems.append(f"blk.{l}.ffn_{p}_exps.weight missing")
+                problems.append(f"{gname} missing")
             elif parts[p].shape != shape:
                 problems.append(f"{parts[p].name}: shape {parts[p].shape}, expected {shape}")
+            elif p.endswith("_bias") and parts[p].type != 0:
+                problems.append(f"{parts[p].name}: {parts[p].type_name}, expected F32")
     for l in experts:
         if l not in sparse:
             problems.append(f"blk.{l}: stacked experts in a layer without a router")
@@ -323,12 +577,37 @@ def plan(model: GGUFModel, check_types: bool = True) -> Plan:
     formats = {n: types[t.type] for n, t in dense.items()}
     for l, parts in experts.items():
         for p, t in parts.items():
-            formats[f"experts.{l}.{p}"] = types[t.type]
-    return Plan(fam, cfg, dense, experts, formats)
+            if not p.endswith("_bias"):  # the biases are the blob's f32 rows, not a format choice
+                formats[f"experts.{l}.{p}"] = types[t.type]
+    for n in dense:
+        key = fam.permuted_rows.get(n.rsplit(".", 1)[-1]) if n.startswith("layers.") else None
+        if key is not None:
+            row_order[n] = unpermuted_rows(dense[n].shape[0], int(cfg[key]))
+    return Plan(fam, cfg, dense, experts, formats, row_order, values)
 
 
 def _matrix(shape: tuple) -> tuple:
     return (1, shape[0]) if len(shape) == 1 else tuple(shape)
+
+
+def unpermuted_rows(n_rows: int, n_head: int) -> np.ndarray:
+    """For each original row, the row of llama.cpp's permuted tensor that holds it: in each head of
+    hd rows, llama.cpp's row 2i+j is the original row j*hd/2+i (convert_hf_to_gguf's
+    LlamaModel.permute). A permutation of whole rows: block-quantised rows move intact."""
+    hd = n_rows // n_head
+    return np.arange(n_rows).reshape(n_head, hd // 2, 2).transpose(0, 2, 1).reshape(-1)
+
+
+def dense_bytes(p: "Plan", name: str) -> np.ndarray:
+    """The bytes the vault stores for dense tensor name: the file's, rows reordered where the
+    family's converter permuted them."""
+    if name in p.values:
+        return p.values[name].view(np.uint8)
+    t = p.dense[name]
+    order = p.row_order.get(name)
+    if order is None:
+        return t.data
+    return t.data.reshape(t.shape[0], -1)[order].reshape(-1)
 
 
 def _all(dense, experts):
@@ -355,7 +634,8 @@ def _vault_formats(p: Plan) -> dict:
     formats = {n: fmt for n, fmt in p.formats.items() if not n.startswith("experts.")}
     for l, parts in p.experts.items():
         for part in parts:
-            formats[f"layers.{l}.experts.{part}"] = p.formats[f"experts.{l}.{part}"]
+            if not part.endswith("_bias"):
+                formats[f"layers.{l}.experts.{part}"] = p.formats[f"experts.{l}.{part}"]
     return formats
 
 
@@ -393,11 +673,11 @@ def convert_gguf(src, out_dir, progress: bool = True, force: bool = False) -> Pa
                          tokenizer_config=tok.tokenizer_config(model.meta)) as w:
             with Progress(total, "convert", unit="B", enabled=progress) as bar:
                 for name, t in p.dense.items():
-                    w.add_dense_raw(name, t.data)
+                    w.add_dense_raw(name, dense_bytes(p, name))
                     bar.update(t.data.nbytes)
                 for l in sorted(p.experts):
                     lay = w.layout.layer_expert[l]
-                    end = lay[2].offset + lay[2].nbytes
+                    end = lay[-1].offset + lay[-1].nbytes
                     parts = p.experts[l]
                     for e in range(p.config["num_experts"]):
                         blob = bytearray(end)

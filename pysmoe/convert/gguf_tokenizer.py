@@ -11,9 +11,18 @@ and the special tokens as added tokens, is the same function. The regexes below 
 adapted forms (case-insensitive contractions spelled out as classes), not the checkpoints'
 originals, so that both engines read the same pattern.
 
-Only BPE vocabularies are converted; SentencePiece (`llama`), WordPiece (`bert`), RWKV and
-UGM vocabularies are refused with a message naming the model, as are pre-tokenizers not in
-PRE_TOKENIZERS (one table entry each: llama.cpp's name -> its regexes and flags).
+llama.cpp's SentencePiece tokenizer (`tokenizer.ggml.model = "llama"`: Llama 2, Mistral,
+Mixtral) is: split at the special tokens the same way, prefix each remaining piece with a space
+(add_space_prefix, on unless the file says otherwise), write spaces as U+2581, then start from the
+UTF-8 characters and repeatedly merge the adjacent pair whose concatenation is a token of the
+highest score (the leftmost on a tie), and write what is left that is not a token as its
+<0xXX> byte tokens. A tokenizers BPE model with byte fallback whose merges are every pair (a, b)
+of tokens whose concatenation is a token, ranked by that token's score, with Prepend and Replace
+normalizers, is the same function (spm_tokenizer_json).
+
+WordPiece (`bert`), RWKV and UGM vocabularies are refused with a message naming the model, as are
+BPE pre-tokenizers not in PRE_TOKENIZERS (one table entry each: llama.cpp's name -> its regexes
+and flags).
 """
 from __future__ import annotations
 
@@ -61,6 +70,8 @@ def tokenizer_json(meta: dict) -> str:
     model = meta.get("tokenizer.ggml.model")
     if model is None:
         raise TokenizerError("the file has no tokenizer (no tokenizer.ggml.model)")
+    if model == "llama":
+        return spm_tokenizer_json(meta)
     if model != "gpt2":
         kind = {"llama": "SentencePiece (llama)", "bert": "WordPiece (bert)", "t5": "Unigram (t5)",
                 "rwkv": "RWKV", "plamo2": "PLaMo-2"}.get(model, repr(model))
@@ -110,6 +121,69 @@ def tokenizer_json(meta: dict) -> str:
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                   "ignore_merges": ignore_merges, "vocab": vocab, "merges": merges},
+    }
+    return json.dumps(doc, ensure_ascii=False)
+
+
+def _bos_processor(meta: dict, tokens: list, default: bool):
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if not meta.get("tokenizer.ggml.add_bos_token", default) or bos is None or not 0 <= bos < len(tokens):
+        return None
+    b = tokens[bos]
+    return {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": b, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {b: {"id": b, "ids": [bos], "tokens": [b]}}}
+
+
+def spm_tokenizer_json(meta: dict) -> str:
+    """tokenizer.json for a SentencePiece (`llama`) vocabulary, encoding as llama.cpp's
+    llm_tokenizer_spm does (the module's docstring says how)."""
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    n = len(tokens)
+    scores = list(meta.get("tokenizer.ggml.scores") or [0.0] * n)
+    types = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * n)
+    if len(scores) != n or len(types) != n:
+        raise TokenizerError(f"{n} tokens but {len(scores)} scores and {len(types)} token types")
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    missing = [f"<0x{b:02X}>" for b in range(256) if f"<0x{b:02X}>" not in vocab]
+    if missing:
+        raise TokenizerError(f"a SentencePiece vocabulary without byte tokens ({', '.join(missing[:3])}... "
+                             "missing): llama.cpp's byte fallback cannot be reproduced")
+    added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+              "normalized": False, "special": ty in (CONTROL, UNKNOWN)}
+             for i, (t, ty) in enumerate(zip(tokens, types))
+             if ty in (CONTROL, USER_DEFINED, UNKNOWN) and vocab.get(t) == i and t]
+    # every split of every token into two tokens, ranked by the token's score (ties: its id)
+    merges = []
+    for t, i in vocab.items():
+        if types[i] == BYTE:
+            continue
+        for k in range(1, len(t)):
+            a, b = t[:k], t[k:]
+            if a in vocab and b in vocab:
+                merges.append((-scores[i], i, k, a, b))
+    merges.sort()
+    unk = next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
+    space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    normalizers = [{"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]
+    decoders = [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"}]
+    if space_prefix:
+        normalizers.insert(0, {"type": "Prepend", "prepend": "\u2581"})
+        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    doc = {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+        "normalizer": {"type": "Sequence", "normalizers": normalizers},
+        "pre_tokenizer": None,
+        "post_processor": _bos_processor(meta, tokens, default=True),  # llama.cpp's SPM default: add BOS
+        "decoder": {"type": "Sequence", "decoders": decoders},
+        "model": {"type": "BPE", "dropout": None, "unk_token": unk, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True,
+                  "ignore_merges": False, "vocab": vocab, "merges": [[a, b] for *_, a, b in merges]},
     }
     return json.dumps(doc, ensure_ascii=False)
 

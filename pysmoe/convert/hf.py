@@ -39,7 +39,9 @@ from ..errors import SmoeError
 from . import qwen_hybrid
 from .safetensors_io import DTYPES, FLOATS, Checkpoint, SafetensorsError
 
-FORMATS = ("q4", "q8", "bf16", "f32")
+# MXFP4: gpt-oss's released format, made from float weights by ggml_blocks.quantize_mxfp4
+# (llama.cpp's rule); a released MXFP4 checkpoint's experts are imported as stored instead.
+FORMATS = ("q4", "q8", "bf16", "f32", "MXFP4")
 # Dense roles that can be given their own format (VaultWriter's roles), and those a single
 # `dense` format covers: the router stays f32 (it decides routing and is small), norms f32.
 DENSE_ROLES = ("embed", "lm_head", "attention", "mlp", "router", "norms")
@@ -160,6 +162,38 @@ def _list(names, limit: int = 20) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def _read_fp8(hf_dir: Path, ckpt: Checkpoint) -> None:
+    """An FP8 release (quantization_config.quant_method "fp8", e4m3 weights with block scales,
+    dynamic activation scales: Qwen3-*-FP8, GLM-4.5-FP8) is dequantised while converting: its
+    weights read as f32 (safetensors_io), then take the formats asked for like any float weight.
+    Any other quantisation method is refused by name."""
+    try:
+        q = json.loads((hf_dir / "config.json").read_text()).get("quantization_config")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return  # load_config reports an unreadable config.json
+    if not isinstance(q, dict) or ckpt.fp8 or not q:
+        return
+    method = q.get("quant_method")
+    if method != "fp8":
+        if method == "mxfp4":
+            return  # gpt-oss's released experts: its planner reads them as stored
+        raise ConvertError(f"{hf_dir}: quantization_config.quant_method {method!r} is not supported "
+                           "(FP8 releases with quant_method 'fp8' are dequantised; convert others from "
+                           "their bf16 checkpoint)")
+    if q.get("fmt", "e4m3") != "e4m3" or q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ConvertError(f"{hf_dir}: FP8 with fmt {q.get('fmt')!r} and activation_scheme "
+                           f"{q.get('activation_scheme')!r} is not supported (only e4m3 with dynamic "
+                           "activation scales, as Qwen's and GLM's FP8 releases are)")
+    block = q.get("weight_block_size")
+    if block is not None and not (isinstance(block, list) and len(block) == 2 and
+                                  all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConvertError(f"{hf_dir}: quantization_config.weight_block_size {block!r} is not two positive integers")
+    try:
+        ckpt.dequantize_fp8(tuple(block) if block else None)
+    except SafetensorsError as exc:
+        raise ConvertError(f"{hf_dir}: {exc}") from None
+
+
 def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Plan:
     """Read config.json (unless given, normalised) and the safetensors headers; map and check
     every tensor. Reads no tensor data."""
@@ -172,10 +206,11 @@ def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Pla
             raise ConvertError(str(exc)) from None
     if ckpt.duplicates:
         raise ConvertError(f"{hf_dir}: tensors stored more than once: {_list(ckpt.duplicates)}")
+    _read_fp8(hf_dir, ckpt)
     if cfg.get("model_type") == "gpt_oss":
         from . import gpt_oss
         return gpt_oss.plan(hf_dir, cfg, ckpt)
-    not_float = [f"{n} ({t.dtype})" for n, t in ckpt.tensors.items() if t.dtype not in FLOATS]
+    not_float = [f"{n} ({t.dtype})" for n, t in ckpt.tensors.items() if not ckpt.is_float(n)]
     if not_float:
         raise ConvertError(f"{hf_dir}: tensors that are not floats (an already quantised "
                            f"checkpoint that is not MLX's?): {_list(not_float)}")
@@ -299,6 +334,8 @@ def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Pla
         problems.append(f"weights missing from the checkpoint: {_list(missing)}")
     if problems:
         raise ConvertError(f"cannot convert {hf_dir}:\n  " + "\n  ".join(problems))
+    if ckpt.fp8:  # the vault holds no FP8: its config says nothing of the release's quantisation
+        cfg = {k: v for k, v in cfg.items() if k != "quantization_config"}
     return Plan(cfg, {k: dense[k] for k in want_dense}, experts)
 
 
@@ -369,4 +406,4 @@ def source_dtype(ckpt: Checkpoint, p: Plan) -> str:
     srcs = [s for parts in p.experts.values() for s in parts.values() if not getattr(s, "mxfp4", False)]
     srcs = srcs or list(p.dense.values())
     dt = ckpt.tensors[srcs[0].name].dtype if srcs else "F32"
-    return {"BF16": "bf16", "F16": "f16"}.get(dt, "f32")
+    return {"BF16": "bf16", "F16": "f16", "F8_E4M3": "bf16"}.get(dt, "f32")

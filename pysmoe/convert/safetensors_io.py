@@ -13,6 +13,13 @@ mapping stay in the process's resident set as they are touched, so peak RSS woul
 size of the checkpoint.) bf16, which numpy lacks, comes out as its u16 bits (`floats()` widens
 it to f32 exactly).
 
+FP8 releases (Qwen3-*-FP8, GLM-4.5-FP8 and the like: `quantization_config.quant_method = "fp8"`)
+store a linear map's weight as float8 e4m3 with a float scale per block of rows and columns
+(`NAME.weight_scale_inv`, despite its name the factor the stored values are multiplied by). After
+`Checkpoint.dequantize_fp8` such a weight reads through `floats()` and `rows()` as f32, each value
+`e4m3(w) * scale` rounded once in f32 (as transformers' and DeepSeek's dequantisation compute it),
+and its scale tensor is no longer listed: the converters see a float checkpoint.
+
 A checkpoint is one model.safetensors or the shards named by model.safetensors.index.json.
 Every offset and size in a header is checked against the file before use.
 """
@@ -36,6 +43,20 @@ DTYPES = {
     "F8_E4M3": "u1", "F8_E5M2": "u1",
 }
 FLOATS = ("F64", "F32", "F16", "BF16")
+FP8_SCALE = ".weight_scale_inv"
+
+
+def _e4m3_table() -> np.ndarray:
+    """The 256 values of float8 e4m3 ("fn": no infinities, NaN at S.1111.111), as f32."""
+    b = np.arange(256, dtype=np.uint32)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e, m = (b >> 3) & 0xF, (b & 7).astype(np.float64)
+    v = np.where(e == 0, m / 8 * 2.0 ** -6, (1 + m / 8) * 2.0 ** (e.astype(np.float64) - 7))
+    v = np.where((e == 15) & (m == 7), np.nan, v)
+    return (sign * v).astype(np.float32)
+
+
+E4M3 = _e4m3_table()
 _MAX_HEADER = 100 << 20
 
 
@@ -121,6 +142,19 @@ def _widen(a: np.ndarray, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
+def _scale_shape(shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, ...]:
+    """The scale tensor's shape for a weight of this shape in blocks (the last two axes)."""
+    if block is None:
+        return ()
+    return (*shape[:-2], *(-(-n // b) for n, b in zip(shape[-2:], block)))
+
+
+def _expand(s: np.ndarray, block: tuple[int, int], shape: tuple[int, ...]) -> np.ndarray:
+    """Block scales repeated over their blocks' (rows, columns), cut to shape's last two axes."""
+    s = np.repeat(np.repeat(s, block[0], axis=-2), block[1], axis=-1)
+    return s[..., : shape[-2], : shape[-1]]
+
+
 class Checkpoint:
     """Every tensor of a checkpoint directory, by name, read on demand."""
 
@@ -130,6 +164,7 @@ class Checkpoint:
         self.tensors: dict[str, TensorInfo] = {}
         self.duplicates: list[str] = []
         self._fds: dict[Path, int] = {}
+        self.fp8: dict[str, tuple[TensorInfo, tuple[int, int] | None]] = {}  # weight -> (scale, block)
         for f in self.files:
             tensors, _ = read_header(f)
             for name, info in tensors.items():
@@ -140,6 +175,39 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
 
+    def is_float(self, name: str) -> bool:
+        """Whether floats() reads this tensor: a float dtype, or FP8 with its scales."""
+        return self.tensors[name].dtype in FLOATS or name in self.fp8
+
+    def dequantize_fp8(self, block: tuple[int, int] | None) -> None:
+        """Read every F8_E4M3 tensor through its NAME_scale_inv as f32 (see the module's doc);
+        block: the scale's (rows, columns) per value, None for one scale per tensor. The scale
+        tensors leave `tensors`. Raises SafetensorsError naming every tensor that does not fit."""
+        bad = []
+        for name, t in list(self.tensors.items()):
+            if t.dtype == "F8_E5M2":
+                bad.append(f"{name} is F8_E5M2 (only e4m3 FP8 is read)")
+            if t.dtype != "F8_E4M3":
+                continue
+            scale = self.tensors.get(name[: -len(".weight")] + FP8_SCALE) if name.endswith(".weight") else None
+            if scale is None or scale.dtype not in FLOATS:
+                bad.append(f"{name} is FP8 without a float {FP8_SCALE[1:]} beside it")
+                continue
+            want = _scale_shape(t.shape, block)
+            if tuple(scale.shape) != want and not (block is None and scale.shape in ((), (1,))):
+                bad.append(f"{scale.name} is {list(scale.shape)}, want {list(want)} for {name} "
+                           f"{list(t.shape)} in blocks of {list(block) if block else 'the whole tensor'}")
+                continue
+            self.fp8[name] = (scale, block)
+        orphans = [n for n in self.tensors if n.endswith(FP8_SCALE)
+                   and n[: -len(FP8_SCALE)] + ".weight" not in self.fp8]
+        bad += [f"{n} scales no FP8 weight" for n in orphans if not bad]
+        if bad:
+            raise SafetensorsError("FP8 checkpoint: " + "; ".join(bad[:20]) +
+                                   (f" ... and {len(bad) - 20} more" if len(bad) > 20 else ""))
+        for scale, _ in self.fp8.values():
+            del self.tensors[scale.name]
+
     def _fd(self, path: Path) -> int:
         fd = self._fds.get(path)
         if fd is None:
@@ -149,7 +217,10 @@ class Checkpoint:
     def raw(self, name: str, index: int | None = None) -> np.ndarray:
         """The tensor as stored (bf16 as u16 bits), or its slice [index] along the first axis,
         read from the file into a new array."""
-        t = self.tensors[name]
+        return self._slice(self.tensors[name], index)
+
+    def _slice(self, t: TensorInfo, index: int | None) -> np.ndarray:
+        name = t.name
         dt = np.dtype(DTYPES[t.dtype])
         off, shape, n = t.start, t.shape, t.nbytes
         if index is not None:
@@ -172,16 +243,39 @@ class Checkpoint:
     def rows(self, name: str, r0: int, r1: int) -> np.ndarray:
         """Rows [r0, r1) of a 2-D float tensor as f32 (read from the file: contiguous bytes)."""
         t = self.tensors[name]
-        if len(t.shape) != 2 or not 0 <= r0 <= r1 <= t.shape[0] or t.dtype not in FLOATS:
+        if len(t.shape) != 2 or not 0 <= r0 <= r1 <= t.shape[0] or not self.is_float(name):
             raise SafetensorsError(f"{name} {t.dtype} {list(t.shape)}: no float rows [{r0}, {r1})")
         row = t.nbytes // t.shape[0]
         a = self._pread(t, t.start + r0 * row, (r1 - r0) * row).view(DTYPES[t.dtype]).reshape(r1 - r0, t.shape[1])
+        if name in self.fp8:
+            scale, block = self.fp8[name]
+            s = _widen(self._slice(scale, None), scale.dtype)
+            if block is not None:
+                b0 = r0 // block[0]
+                s = _expand(s[b0: -(-r1 // block[0])], block, (r1 - b0 * block[0], t.shape[1]))[r0 - b0 * block[0]:]
+            return self._fp8_values(name, a, s)
         return _widen(a, t.dtype)
+
+    def _fp8_values(self, name: str, a: np.ndarray, scale: np.ndarray) -> np.ndarray:
+        out = E4M3[a] * np.float32(scale) if np.ndim(scale) == 0 else E4M3[a] * scale
+        if np.isnan(out).any():
+            raise SafetensorsError(f"{name}: FP8 NaN (byte 0x7f or 0xff) among its values")
+        return out
 
     def floats(self, name: str, index=None) -> np.ndarray:
         """A float tensor as f32 (bf16 and f16 widen exactly); index: a slice number along the
         first axis, or a tuple (number, then numpy indices into that slice)."""
         t = self.tensors[name]
+        if name in self.fp8:
+            first = index[0] if isinstance(index, tuple) else index
+            if first is not None and len(t.shape) < 3:
+                raise SafetensorsError(f"{name}: an FP8 matrix is read whole or by rows(), not by index")
+            scale, block = self.fp8[name]
+            w = self.raw(name, first)
+            s = _widen(self._slice(scale, first if scale.shape and len(scale.shape) == len(t.shape) else None),
+                       scale.dtype)
+            a = self._fp8_values(name, w, s.reshape(()) if block is None else _expand(s, block, w.shape))
+            return a[index[1:]] if isinstance(index, tuple) else a
         if t.dtype not in FLOATS:
             raise SafetensorsError(f"{name}: dtype {t.dtype} is not a float")
         if isinstance(index, tuple):
