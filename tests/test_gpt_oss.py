@@ -395,3 +395,79 @@ def test_decode_batch_is_each_session_alone(f32_vault):
             s.close()
     for a, b in zip(alone, got):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+# ------------------------------------------------------------------------------ mlx-lm's conversions
+# mlx-lm 0.32's gpt-oss always truncates YaRN's correction range (it has no `truncate` key), where
+# transformers truncates only when asked (the released gpt-oss asks not to): the oracle's model
+# here truncates, so that mlx-lm's forward and transformers' are the same model.
+MLX_CASE = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4,
+                rope_parameters={**YARN, "truncate": True}, max_position_embeddings=256)
+MLX_WAYS = {
+    # the release as mlx-lm imports it: experts in MLX's mxfp4 mode, the rest bf16
+    "mxfp4": [dict()],
+    # as mlx-community's MXFP4-Q8 conversions: experts mxfp4, every other matrix affine 8-bit
+    "mxfp4_q8": [dict(quantize=True, q_bits=8, q_group_size=64)],
+    # mlx-lm's affine 4-bit conversion: the release dequantised by mlx-lm, then quantised (its
+    # float gpt-oss reader takes only the released layout: transformers' fused float experts
+    # are not one it loads)
+    "affine_q4": [dict(dequantize=True), dict(quantize=True, q_bits=4, q_group_size=64)],
+}
+
+
+@pytest.mark.parametrize("way", sorted(MLX_WAYS))
+def test_mlx_lm_conversion_imports_as_stored_and_runs_as_mlx_lm(way, tmp_path):
+    """mlx-lm's own conversion of a released-style MXFP4 gpt-oss imports without requantising
+    (every expert weight dequantises to exactly what mlx's own dequantize gives), and the engine
+    (f32 activations) gives mlx-lm's f32 logits at every position."""
+    mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed")
+    from mlx_lm.utils import load_model
+
+    from hf_models import write_tokenizer
+    from pysmoe.vaultio import read_vault
+
+    _, model = build_gpt_oss(tmp_path, **MLX_CASE)
+    src = tmp_path / "released"
+    write_mxfp4_checkpoint(src, model)
+    write_tokenizer(src, 320)
+    cj = src / "config.json"  # mlx-lm reads RoPE from rope_theta and rope_scaling
+    c = json.loads(cj.read_text())
+    c.update(rope_theta=c["rope_parameters"]["rope_theta"], rope_scaling=dict(c["rope_parameters"]))
+    cj.write_text(json.dumps(c))
+    for i, kw in enumerate(MLX_WAYS[way]):
+        mlx_lm.convert(str(src), str(tmp_path / f"mlx{i}"), dtype="bfloat16", **kw)
+        src = tmp_path / f"mlx{i}"
+    vault = convert_checkpoint(src, tmp_path / "v", progress=False)
+    v = read_vault(vault)
+    want_fmt = "q4" if way == "affine_q4" else "MXFP4"
+    assert v.family == "gpt_oss" and [t.format for t in v.expert_tensors][:3] == [want_fmt] * 3
+    if way == "mxfp4_q8":
+        assert v.tensors["layers.0.q_proj"].format == "q8" and v.tensors["lm_head"].format == "q8"
+    stored = mx.load(str(src / "model.safetensors"))
+    for layer, e in ((0, 0), (1, 5)):
+        for part, got in zip(("gate", "up", "down"), v.expert(layer, e)):
+            p = f"model.layers.{layer}.mlp.experts.{part}_proj."
+            if want_fmt == "MXFP4":
+                w = mx.dequantize(stored[p + "weight"][e], stored[p + "scales"][e], group_size=32, bits=4,
+                                  mode="mxfp4")
+            else:
+                w = mx.dequantize(stored[p + "weight"][e], stored[p + "scales"][e].astype(mx.float32),
+                                  stored[p + "biases"][e].astype(mx.float32), group_size=64, bits=4)
+            assert np.array_equal(got, np.array(w.astype(mx.float32))), (way, layer, e, part)
+    if way == "affine_q4":  # the float step between: mlx-lm's dequantised experts, imported as floats
+        f = read_vault(convert_checkpoint(tmp_path / "mlx0", tmp_path / "vf", progress=False))
+        floats = mx.load(str(tmp_path / "mlx0" / "model.safetensors"))
+        assert [t.format for t in f.expert_tensors][:3] == ["bf16"] * 3
+        got = f.expert(1, 2)[2]
+        assert np.array_equal(got, np.array(floats["model.layers.1.mlp.experts.down_proj.weight"][2].astype(mx.float32)))
+    ids = [int(i) for i in np.random.default_rng(3).integers(0, 320, size=12)]
+    m, _ = load_model(src)
+    m.set_dtype(mx.float32)
+    want = np.array(m(mx.array([ids]))[0].astype(mx.float32))
+    with pysmoe.open_vault(vault) as pv, pv.session(activations="f32") as s:
+        got = np.stack([s.prefill(ids[:1])] + [s.decode(i) for i in ids[1:]])
+    err = _rel(got, want)
+    print(f"gpt-oss {way}: max|engine - mlx-lm| / max|logit| = {err:.2e}")
+    assert err <= TOL

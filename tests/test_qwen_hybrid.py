@@ -535,3 +535,100 @@ def test_a_checkpoint_missing_or_misshaping_a_deltanet_tensor_is_refused(tmp_pat
         convert_checkpoint(path, tmp_path / "v", **F32)
     msg = str(e.value)
     assert "layers.0.linear.A_log" in msg and "in_proj_ba" in msg, msg
+
+
+# ------------------------------------------------------------------------------ mlx-lm's conversions
+MLX_CASES = {  # (case of CASES, mlx-lm's quantisation): mlx-lm follows full_attention_interval, not layer_types
+    "next_q4": ("next_base", 4),
+    "q35_q8": ("q35_base", 8),
+}
+
+
+def _fuse_experts(path) -> None:
+    """The released Qwen3.5 checkpoints' experts, stacked per layer: `experts.gate_up_proj`
+    [E, 2I, H] (gate rows then up rows) and `experts.down_proj` [E, H, I], which is what mlx-lm
+    reads (transformers saves one tensor per expert)."""
+    import re
+
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    out, per = {}, {}
+    for name, a in tensors.items():
+        m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", name)
+        if m:
+            per.setdefault(m.group(1), {}).setdefault(m.group(3), {})[int(m.group(2))] = a
+        else:
+            out[name] = a
+    for base, parts in per.items():
+        E = len(parts["gate"])
+        out[base + ".gate_up_proj"] = np.stack([np.concatenate([parts["gate"][e], parts["up"][e]]) for e in range(E)])
+        out[base + ".down_proj"] = np.stack([parts["down"][e] for e in range(E)])
+    save_file(out, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("name", sorted(MLX_CASES))
+def test_mlx_lm_conversion_imports_as_stored_and_runs_as_mlx_lm(name, tmp_path):
+    """mlx-lm's own quantised conversion of the family (Qwen3-Next as transformers saves it,
+    Qwen3.5 as the multimodal release spells it) imports without requantising: the experts, and
+    the rows a split projection takes, dequantise to exactly mlx's own dequantisation; and the
+    engine (f32 activations) gives mlx-lm's f32 logits at every position."""
+    mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
+    mlx_lm = pytest.importorskip("mlx_lm", reason="mlx-lm is not installed")
+    from mlx_lm.utils import load_model
+
+    from pysmoe.convert import qwen_hybrid
+    from pysmoe.vaultio import read_vault
+
+    case, bits = MLX_CASES[name]
+    family, over = CASES[case]
+    path, model = make_model(tmp_path, family, over, multimodal=family == "qwen3_5_moe")
+    if family == "qwen3_5_moe":
+        _fuse_experts(path)
+    if family == "qwen3_next":  # mlx-lm reads these at the top of config.json, as the release has them
+        cj = path / "config.json"
+        c = json.loads(cj.read_text())
+        c.update(rope_theta=c["rope_parameters"]["rope_theta"],
+                 partial_rotary_factor=c["rope_parameters"]["partial_rotary_factor"])
+        cj.write_text(json.dumps(c))
+    mlx_dir = tmp_path / "mlx"
+    mlx_lm.convert(str(path), str(mlx_dir), dtype="bfloat16", quantize=True, q_bits=bits, q_group_size=64)
+    vault = convert_checkpoint(mlx_dir, tmp_path / "v", progress=False)
+    v = read_vault(vault)
+    fmt = f"q{bits}"
+    assert v.family == family and [t.format for t in v.expert_tensors] == [fmt] * 3
+
+    stored = {}
+    for f in mlx_dir.glob("*.safetensors"):
+        stored.update(mx.load(str(f)))
+    pre = "language_model.model." if family == "qwen3_5_moe" else "model."
+
+    def deq(module, rows=None, e=None):
+        w, s, b = (stored[f"{pre}{module}.{k}"] for k in ("weight", "scales", "biases"))
+        if e is not None:
+            w, s, b = w[e], s[e], b[e]
+        a = np.array(mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=64, bits=bits))
+        return a if rows is None else a[rows]
+
+    for part, got in zip(("gate", "up", "down"), v.expert(1, 3)):
+        assert np.array_equal(got, deq(f"layers.1.mlp.switch_mlp.{part}_proj", e=3)), part
+    cfg = v.config
+    q, g = qwen_hybrid._q_rows(cfg)
+    assert np.array_equal(v.tensor("layers.3.q_proj"), deq("layers.3.self_attn.q_proj", q))
+    assert np.array_equal(v.tensor("layers.3.q_gate_proj"), deq("layers.3.self_attn.q_proj", g))
+    if family == "qwen3_next":
+        qkv, z = qwen_hybrid._qkvz_rows(qwen_hybrid.linear_dims(cfg))
+        assert np.array_equal(v.tensor("layers.0.linear.qkv"), deq("layers.0.linear_attn.in_proj_qkvz", qkv))
+        assert np.array_equal(v.tensor("layers.0.linear.z"), deq("layers.0.linear_attn.in_proj_qkvz", z))
+    else:
+        assert np.array_equal(v.tensor("layers.0.linear.z"), deq("layers.0.linear_attn.in_proj_z"))
+
+    ids = sample_ids(model.config.vocab_size, 16, seed=5)
+    m, _ = load_model(mlx_dir)
+    m.set_dtype(mx.float32)
+    want = np.array(m(mx.array([ids]))[0].astype(mx.float32))
+    with pysmoe.open_vault(vault) as pv, pv.session(activations="f32", threads=2) as s:
+        got = s.prefill_logits(ids, rows=list(range(len(ids))))
+    err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+    print(f"\n{name}: max|engine - mlx-lm| / max|logit| = {err:.3g}")
+    assert err <= TOL

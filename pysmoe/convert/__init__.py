@@ -245,10 +245,11 @@ class _MlxJob:
         # quantiser, scales in that tensor's dtype unless scale_dtype says otherwise);
         # quantised tensors stay exactly as stored.
         def asked(fmt: str | None, current, module: str):
-            if fmt is not None and quant.is_quantized(current.format) and fmt != current.format:
+            stored = current.format in ("q4", "q8", "MXFP4")  # quantised by MLX: copied as stored
+            if fmt is not None and stored and fmt != current.format:
                 log.warning("%s is stored as %s by MLX; it is copied as stored, not converted to %s",
                             module, current.format, fmt)
-            if fmt is None or quant.is_quantized(current.format):
+            if fmt is None or stored:
                 return current
             dtype = _SCALE_OF.get(ckpt.tensors[module + ".weight"].dtype, "f32") if module + ".weight" in ckpt \
                 else "f32"
@@ -256,8 +257,9 @@ class _MlxJob:
 
         for name, e in list(p.dense.items()):
             p.dense[name] = replace(e, fmt=asked(floats.get(role_of(name)), e.fmt, e.module))
+        self.stored = dict(p.experts)  # the experts' formats as MLX stored them
         for part in p.experts:
-            module = mlx.switch_module(p.config, p.sparse[0], part)
+            module = mlx.switch_module(p.config, p.sparse[0], part, p.prefix)
             p.experts[part] = asked(floats.get("experts"), p.experts[part], module)
         self.formats = p.formats()
         self.config = p.config
@@ -265,15 +267,15 @@ class _MlxJob:
         self.total = sum(e.nbytes for e in p.dense.values())
         for l in p.sparse:
             for part in ("gate", "up", "down"):
-                t = ckpt.tensors[f"{mlx.switch_module(p.config, l, part)}.weight"]
-                self.total += t.nbytes
-                for k in ("scales", "biases"):
-                    n = f"{mlx.switch_module(p.config, l, part)}.{k}"
-                    self.total += ckpt.tensors[n].nbytes if n in ckpt else 0
+                module = mlx.switch_module(p.config, l, part, p.prefix)
+                for k in ("weight", "scales", "biases", "bias"):
+                    self.total += ckpt.tensors[f"{module}.{k}"].nbytes if f"{module}.{k}" in ckpt else 0
         self._per_expert = self.total - sum(e.nbytes for e in p.dense.values())
         self._per_expert //= max(1, E * len(p.sparse))
 
     def write(self, writer, bar, jobs: int = 1) -> None:  # copies: bound by the disk, not the cores
+        import numpy as np
+
         from . import mlx
 
         p = self.plan
@@ -289,28 +291,36 @@ class _MlxJob:
         for l in p.sparse:
             entries = {}
             for part, (rows, cols) in shapes.items():
-                module = mlx.switch_module(cfg, l, part)
-                stored = mlx.Entry(module, rows, cols, p.experts[part],
-                                   f"{module}.scales" in self.ckpt, 0)
-                entries[part] = stored
+                module = mlx.switch_module(cfg, l, part, p.prefix)
+                stored = self.stored[part]
+                entries[part] = mlx.Entry(module, rows, cols, stored, stored.format in ("q4", "q8", "MXFP4"), 0)
+            layout = writer.layout.layer_expert[l]
             for e in range(cfg["num_experts"]):
-                if all(x.quantised for x in entries.values()) and all(
-                        writer.layout.expert[i].format == entries[k].fmt.format
-                        for i, k in enumerate(("gate", "up", "down"))):
-                    blob = bytearray(writer.layout.expert[2].offset + writer.layout.expert[2].nbytes)
-                    for t, part in zip(writer.layout.expert, ("gate", "up", "down")):
-                        blob[t.offset:t.offset + t.nbytes] = mlx.read_quantised(self.ckpt, entries[part], e)
-                    writer.add_expert_raw(l, e, bytes(blob))
-                else:
-                    mats = [self._expert_floats(entries[k], e) for k in ("gate", "up", "down")]
-                    writer.add_expert(l, e, *mats)
+                # a part stored quantised in the vault's format is copied as stored; any other is
+                # given as floats (a stored-quantised one decoded exactly) and quantised by the writer
+                raw, mats = {}, []
+                for t, part in zip(layout, ("gate", "up", "down")):
+                    x = entries[part]
+                    if x.quantised and t.format == x.fmt.format:
+                        raw[part] = np.frombuffer(mlx.read_quantised(self.ckpt, x, e), dtype=np.uint8)
+                        mats.append(None)
+                    else:
+                        mats.append(self._expert_floats(x, e))
+                biases = [self.ckpt.floats(f"{entries[k].module}.bias", e) for k in ("gate", "up", "down")] \
+                    if p.expert_bias else None
+                writer.add_expert_raw(l, e, writer.pack_expert(*mats, l, biases, raw))
                 bar.update(self._per_expert)
 
     def _expert_floats(self, entry, e):
+        import numpy as np
+
         from . import mlx
 
         if entry.quantised:  # mixing a stored-quantised part with float parts: decode exactly
             raw = mlx.read_quantised(self.ckpt, entry, e)
+            if entry.fmt.format == "MXFP4":
+                from .. import ggml_blocks
+                return ggml_blocks.dequantize(np.frombuffer(raw, dtype=np.uint8), "MXFP4", entry.rows, entry.cols)
             return quant.dequantize(raw, entry.fmt.format, entry.rows, entry.cols, entry.fmt.scale_dtype,
                                     entry.fmt.group)
         return mlx.read_float(self.ckpt, replace(entry, index=e))
