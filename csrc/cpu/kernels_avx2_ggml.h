@@ -195,6 +195,8 @@ INLINE void g_decode8(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
  * halves of a pair's columns (gp_codes, or a copy re-laid once per call, gp_relay). The integers
  * are the same, so the bits are. */
 
+enum { GP_XBYTES = 32768 }; /* stack for a tile of re-laid codes (n > 1): 16 tokens of 2048 columns */
+
 /* the u16 at p */
 INLINE uint64_t g_u16(const uint8_t *p) {
     uint16_t h;

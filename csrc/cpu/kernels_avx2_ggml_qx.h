@@ -22,8 +22,13 @@ GQ_ATTR INLINE void GQ(g_qx_rows)(const uint8_t fmt, const smoe_tensor *W, const
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
     __m256 tot[TT], bia[TT];
-    for (uint32_t t0 = 0; t0 < n; t0 += TT) {
-        const uint32_t nt = n - t0 < TT ? n - t0 : TT;
+    _Alignas(32) uint8_t xr[GP_XBYTES]; /* a tile's codes in pair order */
+    const uint32_t tt = cols <= MAXC && GP_XBYTES / cols < TT ? GP_XBYTES / cols : TT;
+    const bool relaid = cols <= MAXC;
+    for (uint32_t t0 = 0; t0 < n; t0 += tt) {
+        const uint32_t nt = n - t0 < tt ? n - t0 : tt;
+        if (relaid)
+            for (uint32_t t = 0; t < nt; t++) gp_relay((const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes, cols, xr + (size_t)t * cols);
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
             for (uint32_t t = 0; t < nt; t++) tot[t] = bia[t] = _mm256_setzero_ps();
@@ -129,6 +134,22 @@ GQ_ATTR INLINE __m256i GQ(gp_step)(const uint8_t fmt, const __m256i w[8], const 
     return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
 }
 
+/* gp_step for two tokens' re-laid codes x, x2 at once (each decoded register read once) */
+GQ_ATTR INLINE void GQ(gp_step2)(const uint8_t fmt, const __m256i w[8], const __m256i a[8], const __m256i s[8],
+                                 const uint8_t *x, const uint8_t *x2, __m256i *h, __m256i *h2) {
+    __m256i p[4], p2[4];
+    for (int i = 0; i < 4; i++) {
+#define GP_LD(b) _mm256_loadu_si256((const __m256i *)(const void *)(b))
+        p[i] = GQ(gp_pair)(fmt, w[2 * i], w[2 * i + 1], a[2 * i], a[2 * i + 1], s[2 * i], s[2 * i + 1], GP_LD(x + 64 * i),
+                           GP_LD(x + 64 * i + 32));
+        p2[i] = GQ(gp_pair)(fmt, w[2 * i], w[2 * i + 1], a[2 * i], a[2 * i + 1], s[2 * i], s[2 * i + 1], GP_LD(x2 + 64 * i),
+                            GP_LD(x2 + 64 * i + 32));
+#undef GP_LD
+    }
+    *h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    *h2 = _mm256_hadd_epi32(_mm256_hadd_epi32(p2[0], p2[1]), _mm256_hadd_epi32(p2[2], p2[3]));
+}
+
 /* The fast path's product (gp_takes formats, cols a multiple of 256): the reference's float
  * operations exactly as g_qx_rows. One token (and cols ≤ MAXC): x re-laid once into pair order
  * on the stack, rows one at a time, the weights of the row QX_AHEAD further prefetched as they
@@ -166,8 +187,13 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
         return;
     }
     __m256 tot[TT], bia[TT];
-    for (uint32_t t0 = 0; t0 < n; t0 += TT) {
-        const uint32_t nt = n - t0 < TT ? n - t0 : TT;
+    _Alignas(32) uint8_t xr[GP_XBYTES]; /* a tile's codes in pair order */
+    const uint32_t tt = cols <= MAXC && GP_XBYTES / cols < TT ? GP_XBYTES / cols : TT;
+    const bool relaid = cols <= MAXC;
+    for (uint32_t t0 = 0; t0 < n; t0 += tt) {
+        const uint32_t nt = n - t0 < tt ? n - t0 : tt;
+        if (relaid)
+            for (uint32_t t = 0; t < nt; t++) gp_relay((const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes, cols, xr + (size_t)t * cols);
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
             for (uint32_t t = 0; t < nt; t++) tot[t] = bia[t] = _mm256_setzero_ps();
@@ -176,10 +202,27 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                 gp_decode(fmt, row, k, q, &sigl, &mu, s);
                 if (!uns)
                     for (int i = 0; i < 8; i++) a[i] = _mm256_sign_epi8(q[i], q[i]);
-                for (uint32_t t = 0; t < nt; t++) {
-                    const uint8_t *ct = (const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes;
+                uint32_t t = 0;
+                if (relaid)
+                    for (; t + 2 <= nt; t += 2) {
+                        const uint8_t *ct = xr + (size_t)t * cols + 256 * (size_t)k;
+                        const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
+                        __m256i h, h2;
+                        GQ(gp_step2)(fmt, q, a, s, ct, ct + cols, &h, &h2);
+                        tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sigl, _mm256_loadu_ps(dt)), tot[t]);
+                        tot[t + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h2), _mm256_mul_ps(sigl, _mm256_loadu_ps(dt + z.d_floats)),
+                                                     tot[t + 1]);
+                        if (has_min) {
+                            const float *gt = X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k;
+                            bia[t] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(gt), bia[t]);
+                            bia[t + 1] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(gt + z.gsum_floats), bia[t + 1]);
+                        }
+                    }
+                for (; t < nt; t++) {
+                    const uint8_t *ct = relaid ? xr + (size_t)t * cols + 256 * (size_t)k
+                                               : (const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes;
                     const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
-                    const __m256 I = _mm256_cvtepi32_ps(GQ(gp_step)(fmt, q, a, s, ct, false, k));
+                    const __m256 I = _mm256_cvtepi32_ps(GQ(gp_step)(fmt, q, a, s, ct, relaid, k));
                     tot[t] = _mm256_fmadd_ps(I, _mm256_mul_ps(sigl, _mm256_loadu_ps(dt)), tot[t]);
                     if (has_min)
                         bia[t] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k), bia[t]);
