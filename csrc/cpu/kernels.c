@@ -62,6 +62,7 @@ void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *
 #if SMOE_HAVE_AVX2
 #if SMOE_HAVE_AVX512
     const unsigned a512 = n > 1 ? smoe_cpu_avx512() : 0; /* n = 1: AVX2's prefetching matvec (above) */
+    if ((a512 & SMOE_CPU_AVX512VNNI) && smoe_avx512_ggml_qx(W, w, X, n, y, ldy, r0, r1)) return; /* GGML formats */
     if ((a512 & SMOE_CPU_AVX512VNNI) ? smoe_avx512_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1)
         : (a512 & SMOE_CPU_AVX512)   ? smoe_avx512_matmul_rows_qx_bw(W, w, X, n, y, ldy, r0, r1)
                                      : false)
