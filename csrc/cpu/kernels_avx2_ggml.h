@@ -23,10 +23,16 @@ INLINE __m256i g_nibbles(const uint8_t *qs) {
 }
 
 /* The f16 at p, p + stride, … (8 of them) widened by vcvtph2ps: gb_f16q's values */
-INLINE __m256 g_f16x8(const uint8_t *p, size_t stride) {
-    uint16_t h[8];
-    for (int i = 0; i < 8; i++) memcpy(&h[i], p + stride * (size_t)i, 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)h));
+INLINE __m256 g_f16x8(const uint8_t *p, size_t stride) { /* gathered in two integers: no store to reload */
+    uint64_t a = 0, b = 0;
+    for (int i = 0; i < 4; i++) {
+        uint16_t h0, h1;
+        memcpy(&h0, p + stride * (size_t)i, 2);
+        memcpy(&h1, p + stride * (size_t)(i + 4), 2);
+        a |= (uint64_t)h0 << (16 * i);
+        b |= (uint64_t)h1 << (16 * i);
+    }
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)b, (long long)a));
 }
 
 INLINE float g_f16_1(const uint8_t *p) { return _mm256_cvtss_f32(g_f16x8(p, 0)); }
@@ -415,4 +421,61 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
     default: break; /* not taken (gp_takes) */
     }
     *sigl = _mm256_permutevar8x32_ps(sgv, lane_of);
+}
+
+/* ------------------------------------------------------------- dequantisation (f32 activations)
+ *
+ * 256 columns (step k) of a row as gb_dequant_block writes them, on vectors: the integers q from
+ * g_decode8 (plain block order), each block's scale from the scalar code of the reference (the same
+ * gb_f16 and the same products), then per weight the reference's operations — w = scale·(float)q,
+ * and for Q4_K / Q5_K w = (d1·(float)q) − dm, Q6_K's scale per 16 columns — without contraction,
+ * so the same floats. For the gp_takes formats. With x, one token's 256 activations, the weights
+ * are not stored but multiplied into acc (the order of f_block for one row and one token). */
+INLINE void g_dequant_step_fma(const uint8_t fmt, const uint8_t *row, uint32_t k, float *out, const float *x, __m256 *acc) {
+    __m256i q[8], sub[8];
+    __m256 sigl, mu;
+    g_decode8(fmt, row, k, q, &sigl, &mu, sub);
+    uint32_t bs = 32, ts = 0;
+    smoe_ggml_block(fmt, &bs, &ts);
+    const uint8_t *blk = row + (size_t)(256 / bs) * ts * k; /* the step's first block */
+    const bool kq = fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K;
+    const float d0 = gb_f16(blk + (fmt == SMOE_FMT_GGML_Q6_K ? 208 : 0)), dmin = kq ? gb_f16(blk + 2) : 0.0f;
+    for (int i = 0; i < 8; i++) {
+        _Alignas(32) int8_t qb[32];
+        _mm256_store_si256((__m256i *)(void *)qb, q[i]);
+        float s[4], dm = 0.0f; /* the scale of each 8 columns */
+        switch (fmt) {
+        case SMOE_FMT_GGML_Q4_K:
+        case SMOE_FMT_GGML_Q5_K: {
+            uint8_t sc, m;
+            gb_scale_min_k4(blk + 4, i, &sc, &m);
+            s[0] = d0 * (float)sc;
+            dm = dmin * (float)m;
+            break;
+        }
+        case SMOE_FMT_GGML_Q6_K: {
+            const int8_t *sc = (const int8_t *)(const void *)(blk + 192);
+            s[0] = s[1] = d0 * (float)sc[2 * i];
+            s[2] = s[3] = d0 * (float)sc[2 * i + 1];
+            break;
+        }
+        case SMOE_FMT_GGML_IQ4_XS: s[0] = d0 * (float)gb_scale_iq4xs(blk, i); break;
+        case SMOE_FMT_GGML_MXFP4: s[0] = gb_e8m0_half(blk[ts * i]); break;
+        default: s[0] = gb_f16(blk + ts * i); break; /* Q8_0, Q4_0, Q5_0, IQ4_NL */
+        }
+        if (fmt != SMOE_FMT_GGML_Q6_K) s[1] = s[2] = s[3] = s[0];
+        for (int c = 0; c < 4; c++) {
+            const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(qb + 8 * c))));
+            __m256 v = _mm256_mul_ps(_mm256_set1_ps(s[c]), qf);
+            if (fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K) v = _mm256_sub_ps(v, _mm256_set1_ps(dm));
+            if (x) /* one token (f_rows_1's order: acc = fma(w, x, acc) in column order) */
+                *acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + 32 * i + 8 * c), *acc);
+            else
+                _mm256_storeu_ps(out + 32 * i + 8 * c, v);
+        }
+    }
+}
+
+INLINE void g_dequant_step(const uint8_t fmt, const uint8_t *row, uint32_t k, float *out) {
+    g_dequant_step_fma(fmt, row, k, out, NULL, NULL);
 }

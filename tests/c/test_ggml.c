@@ -105,6 +105,26 @@ static void test_f32(int fi, uint32_t rows, uint32_t cols) {
     float *yr = malloc(sizeof(float) * ldy * N), *yf = malloc(sizeof(float) * ldy * N), *y = malloc(sizeof(float) * ldy * N);
     smoe_ref_matmul_rows(&g.t, g.bytes, x, ldx, N, yr, ldy, 0, rows);
     smoe_matmul_rows(&g.t, g.bytes, x, ldx, N, yf, ldy, 0, rows);
+#if SMOE_HAVE_AVX2
+    { /* AVX2 runs f32 rows in the order it runs a GGML format's: the rows dequantised by the
+         reference (gb_dequant_block) as an f32 tensor give the same bits, so the vector
+         dequantisation writes the reference's floats */
+        smoe_tensor tf = g.t;
+        tf.format = SMOE_FMT_F32;
+        tf.nbytes = (uint64_t)rows * cols * 4;
+        for (uint32_t n1 = 1; n1 <= N; n1 += N - 1) { /* one token, and all */
+            smoe_matmul_rows(&tf, (const uint8_t *)w, x, ldx, n1, y, ldy, 0, rows);
+            for (uint32_t t = 0; t < n1; t++)
+                for (uint32_t r = 0; r < rows; r++)
+                    if (f32_bits_of(y[t * ldy + r]) != f32_bits_of(yf[t * ldy + r])) {
+                        CHECK(0, "%s %ux%u f32 (n %u): y[t=%u, r=%u] = %a, on the reference's dequantised rows %a",
+                              FMTS[fi].name, rows, cols, n1, t, r, yf[t * ldy + r], y[t * ldy + r]);
+                        t = n1;
+                        break;
+                    }
+        }
+    }
+#endif
     int bad = 0;
     for (uint32_t t = 0; t < N && !bad; t++)
         for (uint32_t r = 0; r < rows; r++) {
