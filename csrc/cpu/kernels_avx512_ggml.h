@@ -30,6 +30,7 @@
 enum {
     G5_XBYTES = 32768, /* a tile's re-laid codes (stack) */
     G5_TT = 32,        /* tokens of a tile at most */
+    G5_DP = 128,       /* token pairs × steps of a tile at most (≤ 64 + MAXC / 512) */
 };
 
 /* [a | b] */
@@ -83,19 +84,31 @@ G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w
     const size_t step_bytes = (size_t)(256 / bs) * ts, row_bytes = (size_t)steps * step_bytes;
     const uint32_t tt = G5_XBYTES / cols < G5_TT ? G5_XBYTES / cols : G5_TT; /* ≥ 2: cols ≤ MAXC */
     _Alignas(64) uint8_t xr[G5_XBYTES];
-    __m256 tot[G5_TT], bia[G5_TT];
+    /* two tokens' d (and gsum) per step side by side, [token 2i's 8 | token 2i + 1's], so that the
+       float part runs on 16 lanes: np·steps ≤ (tt + 1) / 2 · cols / 256 ≤ G5_DP */
+    _Alignas(64) float dp[G5_DP * 16], gp[G5_DP * 16];
+    __m512 tot[G5_TT / 2], bia[G5_TT / 2];
     /* Q6_K: int16 lanes 2l, 2l + 1 ← sub-scale 2·B(l % 8) + h of the step (t[0], t[1]: h = 0) */
     static const int16_t sidx[32] __attribute__((aligned(64))) = {0, 0, 4, 4, 8, 8, 12, 12, 2, 2, 6, 6, 10, 10, 14, 14,
                                                                   0, 0, 4, 4, 8, 8, 12, 12, 2, 2, 6, 6, 10, 10, 14, 14};
     const __m512i sidx0 = _mm512_load_si512(sidx);
     const __m512i sidx1 = _mm512_add_epi16(sidx0, _mm512_set1_epi16(1));
     for (uint32_t t0 = 0; t0 < n; t0 += tt) {
-        const uint32_t nt = n - t0 < tt ? n - t0 : tt;
+        const uint32_t nt = n - t0 < tt ? n - t0 : tt, np = (nt + 1) / 2; /* token pairs; an odd last one twice */
         for (uint32_t t = 0; t < nt; t++)
             g5_relay_t((const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes, cols, xr + (size_t)t * cols);
+        for (uint32_t i = 0; i < np; i++)
+            for (uint32_t h = 0; h < 2; h++) {
+                const uint32_t t = 2 * i + h < nt ? 2 * i + h : 2 * i;
+                for (uint32_t k = 0; k < steps; k++) {
+                    memcpy(dp + 16 * ((size_t)i * steps + k) + 8 * h, X->d + (size_t)(t0 + t) * z.d_floats + 8 * k, 32);
+                    if (has_min)
+                        memcpy(gp + 16 * ((size_t)i * steps + k) + 8 * h, X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k, 32);
+                }
+            }
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
-            for (uint32_t t = 0; t < nt; t++) tot[t] = bia[t] = _mm256_setzero_ps();
+            for (uint32_t i = 0; i < np; i++) tot[i] = bia[i] = _mm512_setzero_ps();
             for (uint32_t k = 0; k < steps; k++) {
                 __m256i q[8], sub[8];
                 __m256 sigl, mu = _mm256_setzero_ps();
@@ -115,24 +128,36 @@ G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w
                     s[0] = _mm512_permutexvar_epi16(sidx0, sc16);
                     s[1] = _mm512_permutexvar_epi16(sidx1, sc16);
                 }
-                for (uint32_t t = 0; t < nt; t++) {
-                    const uint8_t *xt = xr + (size_t)t * cols + 256 * (size_t)k;
-                    __m512i acc = _mm512_setzero_si512();
-                    for (int m = 0; m < 4; m++) {
-                        __m512i xv = _mm512_loadu_si512(xt + 64 * m);
-                        if (!uns) xv = _mm512_mask_sub_epi8(xv, neg[m], _mm512_setzero_si512(), xv);
-                        acc = q6 ? _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(zt[m], xv), s[m / 2])
-                                 : _mm512_dpbusd_epi32(acc, zt[m], xv);
+                const __m512 sig2 = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(sigl)), _mm256_castps_pd(sigl), 1));
+                const __m512 mu2 = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(mu)), _mm256_castps_pd(mu), 1));
+                for (uint32_t i = 0; i < np; i++) {
+                    __m512i acc[2];
+                    for (uint32_t h = 0; h < 2; h++) {
+                        const uint32_t t = 2 * i + h < nt ? 2 * i + h : 2 * i;
+                        const uint8_t *xt = xr + (size_t)t * cols + 256 * (size_t)k;
+                        acc[h] = _mm512_setzero_si512();
+                        for (int m = 0; m < 4; m++) {
+                            __m512i xv = _mm512_loadu_si512(xt + 64 * m);
+                            if (!uns) xv = _mm512_mask_sub_epi8(xv, neg[m], _mm512_setzero_si512(), xv);
+                            acc[h] = q6 ? _mm512_dpwssd_epi32(acc[h], _mm512_maddubs_epi16(zt[m], xv), s[m / 2])
+                                        : _mm512_dpbusd_epi32(acc[h], zt[m], xv);
+                        }
                     }
-                    const __m256i I = _mm256_add_epi32(_mm512_castsi512_si256(acc), _mm512_extracti64x4_epi64(acc, 1));
-                    const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
-                    tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(sigl, _mm256_loadu_ps(dt)), tot[t]);
-                    if (has_min)
-                        bia[t] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k), bia[t]);
+                    /* [token 2i's lanes 0–7 + 8–15 | token 2i + 1's]: the 8 block sums of each */
+                    const __m512i I = _mm512_add_epi32(_mm512_shuffle_i64x2(acc[0], acc[1], 0x44),
+                                                       _mm512_shuffle_i64x2(acc[0], acc[1], 0xee));
+                    const size_t at = 16 * ((size_t)i * steps + k);
+                    tot[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(sig2, _mm512_load_ps(dp + at)), tot[i]);
+                    if (has_min) bia[i] = _mm512_fmadd_ps(mu2, _mm512_load_ps(gp + at), bia[i]);
                 }
             }
-            for (uint32_t t = 0; t < nt; t++)
-                y[(size_t)(t0 + t) * ldy + r] = has_min ? g5_hsum8(tot[t]) + g5_hsum8(bia[t]) : g5_hsum8(tot[t]);
+            for (uint32_t i = 0; i < np; i++)
+                for (uint32_t h = 0; h < 2 && 2 * i + h < nt; h++) {
+                    const __m512d td = _mm512_castps_pd(tot[i]), bd = _mm512_castps_pd(bia[i]);
+                    const __m256 tv = _mm256_castpd_ps(h ? _mm512_extractf64x4_pd(td, 1) : _mm512_castpd512_pd256(td));
+                    const __m256 bv = _mm256_castpd_ps(h ? _mm512_extractf64x4_pd(bd, 1) : _mm512_castpd512_pd256(bd));
+                    y[(size_t)(t0 + 2 * i + h) * ldy + r] = has_min ? g5_hsum8(tv) + g5_hsum8(bv) : g5_hsum8(tv);
+                }
         }
     }
 }
