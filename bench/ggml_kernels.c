@@ -6,7 +6,7 @@
  *   make lib && cc -O3 -std=c11 -ffp-contract=off -D_GNU_SOURCE -mavx2 -mfma -mf16c -Icsrc \
  *       bench/ggml_kernels.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_avx2.c \
  *       csrc/cpu/kernels_avx512.c csrc/cpu/kernels_neon.c csrc/cpu/cpu.c csrc/util.c -lm -pthread -o build/bench_ggml
- *   build/bench_ggml
+ *   build/bench_ggml [f32 [FORMAT]]     (f32: f32 activations, smoe_matmul_rows; FORMAT: only that row)
  *
  * Figures: medians of REPS runs timed by the thread's CPU time (the machine is shared); GB/s
  * counts the weight bytes read once per call, GFLOP/s 2·rows·cols·n. The random bytes are the
@@ -77,7 +77,7 @@ static smoe_tensor make(uint8_t f, uint32_t rows, uint32_t cols, uint8_t **mem) 
     return t;
 }
 
-static double run(uint8_t f, uint32_t rows, uint32_t cols, uint32_t n, double *gbs, double *gflops) {
+static double run(uint8_t f, uint32_t rows, uint32_t cols, uint32_t n, bool f32, double *gbs, double *gflops) {
     uint8_t *m;
     smoe_tensor W = make(f, rows, cols, &m);
     const uint32_t G = smoe_qx_group(&W);
@@ -89,9 +89,13 @@ static double run(uint8_t f, uint32_t rows, uint32_t cols, uint32_t n, double *g
     double t[REPS];
     for (int k = 0; k < REPS; k++) {
         const double t0 = now();
-        smoe_qx_prepare(x, cols, n, cols, f, G, codes, d, gs);
-        const smoe_qx X = {codes, d, gs, cols, G, f};
-        smoe_matmul_rows_qx(&W, m, &X, n, y, rows, 0, rows);
+        if (f32) {
+            smoe_matmul_rows(&W, m, x, cols, n, y, rows, 0, rows);
+        } else {
+            smoe_qx_prepare(x, cols, n, cols, f, G, codes, d, gs);
+            const smoe_qx X = {codes, d, gs, cols, G, f};
+            smoe_matmul_rows_qx(&W, m, &X, n, y, rows, 0, rows);
+        }
         t[k] = now() - t0;
     }
     qsort(t, REPS, sizeof *t, cmp);
@@ -101,7 +105,7 @@ static double run(uint8_t f, uint32_t rows, uint32_t cols, uint32_t n, double *g
     return t[REPS / 2];
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     static const struct {
         uint8_t f;
         const char *name;
@@ -110,11 +114,13 @@ int main(void) {
              {SMOE_FMT_GGML_Q4_0, "Q4_0"},      {SMOE_FMT_GGML_Q5_0, "Q5_0"},     {SMOE_FMT_GGML_IQ4_NL, "IQ4_NL"},
              {SMOE_FMT_GGML_IQ4_XS, "IQ4_XS"},  {SMOE_FMT_GGML_MXFP4, "MXFP4"},   {SMOE_FMT_GGML_Q3_K, "Q3_K"},
              {SMOE_FMT_GGML_Q2_K, "Q2_K"},      {SMOE_FMT_GGML_Q4_1, "Q4_1"},     {SMOE_FMT_GGML_Q5_1, "Q5_1"}};
-    printf("kernels %s; one thread; 8-bit activations\n", smoe_kernels());
+    const bool f32 = argc > 1 && strcmp(argv[1], "f32") == 0; /* f32 activations (smoe_matmul_rows) */
+    printf("kernels %s; one thread; %s activations\n", smoe_kernels(), f32 ? "f32" : "8-bit");
     printf("%-10s %22s %22s\n", "format", "n=1, 16384x2048", "n=64, 2048x2048");
     for (size_t i = 0; i < sizeof F / sizeof *F; i++) {
+        if (argc > 2 && strcmp(argv[2], F[i].name) != 0) continue; /* one format: its name */
         double g1, f1, g64, f64;
-        const double t1 = run(F[i].f, 16384, 2048, 1, &g1, &f1), t64 = run(F[i].f, 2048, 2048, 64, &g64, &f64);
+        const double t1 = run(F[i].f, 16384, 2048, 1, f32, &g1, &f1), t64 = run(F[i].f, 2048, 2048, 64, f32, &g64, &f64);
         printf("%-10s %7.2f ms %6.1f GB/s %7.2f ms %6.1f GFLOP/s\n", F[i].name, 1e3 * t1, g1, 1e3 * t64, f64);
     }
     return 0;

@@ -130,6 +130,9 @@ def test_ggml_kernels(build, variant):
     assert "test_ggml: ok" in out and f"isa {ISA}" in out
     if X86:  # the AVX-VNNI instance too, where the CPU has it
         assert ("ggml qx instance avx-vnni: checked" in out) == ("avx_vnni" in _cpu_flags()), out
+        flags = _cpu_flags()
+        has512vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags
+        assert ("ggml qx instance avx512vnni: checked" in out) == has512vnni, out
 
 
 @pytest.mark.skipif(not X86, reason="the AVX-512 kernels are x86-64's")

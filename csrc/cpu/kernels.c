@@ -101,6 +101,7 @@ void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *
     /* n = 1: the rule above, for q4 and q8 (the formats whose matrix-vector path it measured) */
     const bool mv = (W->format == SMOE_FMT_Q4 || W->format == SMOE_FMT_Q8) && matvec_avx512();
     const unsigned a512 = n > 1 || mv ? smoe_cpu_avx512() : 0;
+    if ((a512 & SMOE_CPU_AVX512VNNI) && smoe_avx512_ggml_qx(W, w, X, n, y, ldy, r0, r1)) return; /* GGML formats, n > 1 */
     if ((a512 & SMOE_CPU_AVX512VNNI) ? smoe_avx512_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1)
         : (a512 & SMOE_CPU_AVX512)   ? smoe_avx512_matmul_rows_qx_bw(W, w, X, n, y, ldy, r0, r1)
                                      : false)

@@ -689,6 +689,43 @@ static void f_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
     }
 }
 
+/* g_matmul for one token, a gp_takes format and whole 256-column steps: each row dequantised in
+ * registers and multiplied as it goes (f_block's order for one row and one token), no buffer. */
+INLINE void g_rows_1(const uint8_t fmt, const uint8_t *w, size_t row_bytes, uint32_t cols, const float *x, float *y,
+                     uint32_t r0, uint32_t r1) {
+    for (uint32_t r = r0; r < r1; r++) {
+        const uint8_t *row = w + (size_t)r * row_bytes;
+        __m256 acc = _mm256_setzero_ps();
+        for (uint32_t k = 0; k < cols / 256; k++) {
+            for (size_t b = 0; b < row_bytes / (cols / 256); b += 64)
+                _mm_prefetch((const char *)row + QX_AHEAD * row_bytes + k * (row_bytes / (cols / 256)) + b, _MM_HINT_T0);
+            g_dequant_step_fma(fmt, row, k, NULL, x + 256 * (size_t)k, &acc);
+        }
+        y[r] = hsum8(acc);
+    }
+}
+
+static bool g_matmul_1(const smoe_tensor *W, const uint8_t *w, const float *x, float *y, uint32_t r0, uint32_t r1) {
+    uint32_t bs = 32, ts = 0;
+    smoe_ggml_block(W->format, &bs, &ts);
+    const size_t row_bytes = (size_t)(W->cols / bs) * ts;
+    switch (W->format) {
+#define G1_CASE(f)                                                                                                     \
+    case f: g_rows_1(f, w, row_bytes, W->cols, x, y, r0, r1); return true;
+        G1_CASE(SMOE_FMT_GGML_Q4_0)
+        G1_CASE(SMOE_FMT_GGML_Q5_0)
+        G1_CASE(SMOE_FMT_GGML_Q8_0)
+        G1_CASE(SMOE_FMT_GGML_Q4_K)
+        G1_CASE(SMOE_FMT_GGML_Q5_K)
+        G1_CASE(SMOE_FMT_GGML_Q6_K)
+        G1_CASE(SMOE_FMT_GGML_IQ4_NL)
+        G1_CASE(SMOE_FMT_GGML_IQ4_XS)
+        G1_CASE(SMOE_FMT_GGML_MXFP4)
+#undef G1_CASE
+    }
+    return false;
+}
+
 /* f_matmul's order for a GGML block format: blocks of FCB columns of RB rows dequantised
  * (ggml_blocks.h, the reference's values) into a buffer and fed to f_block, for every n (one token
  * too: f_block's order is f_rows_1's). */
@@ -698,10 +735,12 @@ static void g_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
     uint32_t bs = 32, ts = 0;
     smoe_ggml_block(W->format, &bs, &ts);
     const size_t row_bytes = (size_t)(cols / bs) * ts;
+    const bool fast = gp_takes(W->format) && cols % 256 == 0;
     float wb[RB][FCB]; /* (block rows, block columns) dequantised */
     __m256 acc[TT][RB]; /* (tile tokens, block rows) */
     for (uint32_t t0 = 0; t0 < n; t0 += TT) {
         const uint32_t nt = n - t0 < TT ? n - t0 : TT;
+        if (nt == 1 && fast && g_matmul_1(W, w, x + (size_t)t0 * ldx, y + (size_t)t0 * ldy, r0, r1)) continue;
         for (uint32_t r = r0; r < r1; r += RB) {
             const uint32_t nr = r1 - r < RB ? r1 - r : RB;
             for (uint32_t t = 0; t < nt; t++)
@@ -711,7 +750,11 @@ static void g_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
                 const float *wr[RB];
                 for (uint32_t i = 0; i < nr; i++) {
                     const uint8_t *blk = w + (size_t)(r + i) * row_bytes + (size_t)(c0 / bs) * ts;
-                    for (uint32_t c = 0; c < nc; c += bs, blk += ts) gb_dequant_block(W->format, blk, wb[i] + c);
+                    if (fast) /* whole 256-column steps on vectors (kernels_avx2_ggml.h): the same floats */
+                        for (uint32_t c = 0; c < nc; c += 256)
+                            g_dequant_step(W->format, w + (size_t)(r + i) * row_bytes, (c0 + c) / 256, wb[i] + c);
+                    else
+                        for (uint32_t c = 0; c < nc; c += bs, blk += ts) gb_dequant_block(W->format, blk, wb[i] + c);
                     wr[i] = wb[i];
                 }
                 for (uint32_t tb = 0; tb < nt; tb += TB) {

@@ -23,10 +23,16 @@ INLINE __m256i g_nibbles(const uint8_t *qs) {
 }
 
 /* The f16 at p, p + stride, … (8 of them) widened by vcvtph2ps: gb_f16q's values */
-INLINE __m256 g_f16x8(const uint8_t *p, size_t stride) {
-    uint16_t h[8];
-    for (int i = 0; i < 8; i++) memcpy(&h[i], p + stride * (size_t)i, 2);
-    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)h));
+INLINE __m256 g_f16x8(const uint8_t *p, size_t stride) { /* gathered in two integers: no store to reload */
+    uint64_t a = 0, b = 0;
+    for (int i = 0; i < 4; i++) {
+        uint16_t h0, h1;
+        memcpy(&h0, p + stride * (size_t)i, 2);
+        memcpy(&h1, p + stride * (size_t)(i + 4), 2);
+        a |= (uint64_t)h0 << (16 * i);
+        b |= (uint64_t)h1 << (16 * i);
+    }
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)b, (long long)a));
 }
 
 INLINE float g_f16_1(const uint8_t *p) { return _mm256_cvtss_f32(g_f16x8(p, 0)); }
@@ -181,4 +187,295 @@ INLINE void g_decode8(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
     }
     *sigl = _mm256_permutevar8x32_ps(sgv, lane_of);
     if (!have_mu) *mu = _mm256_setzero_ps();
+}
+
+/* ---------------------------------------------------------------- the pair layout (fast path)
+ *
+ * The formats people's files hold (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, IQ4_NL, IQ4_XS, MXFP4) on
+ * rows of whole 256-column steps take a second form, q4's (kernels_avx2_qx.h): a step's 8 blocks
+ * as 4 pairs (2p, 2p + 1), each pair two registers, w[2p] = [block 2p columns 0–15 | block
+ * 2p + 1 columns 0–15] and w[2p + 1] = the same of columns 16–31. A pair's product then holds
+ * block 2p in its low 128 bits and 2p + 1 in its high ones, and three vphaddd of the 4 pairs give
+ * the 8 block sums straight in the reference's lane order (lane j: block 2·(j%4) + j/4) — instead
+ * of g_reduce8's 8 → 1 tree per block. The token's codes meet it in the same order: the two
+ * halves of a pair's columns (gp_codes, or a copy re-laid once per call, gp_relay). The integers
+ * are the same, so the bits are. */
+
+enum { GP_XBYTES = 32768 }; /* stack for a tile of re-laid codes (n > 1): 16 tokens of 2048 columns */
+
+/* the u16 at p */
+INLINE uint64_t g_u16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
+}
+
+/* The 8 f16 at p, p + stride, … widened (vcvtph2ps): gathered in two integers, no store. */
+INLINE __m256 gp_f16x8(const uint8_t *p, size_t stride) {
+    uint64_t a = 0, b = 0;
+    for (int i = 0; i < 4; i++) {
+        a |= g_u16(p + stride * (size_t)i) << (16 * i);
+        b |= g_u16(p + stride * (size_t)(i + 4)) << (16 * i);
+    }
+    return _mm256_cvtph_ps(_mm_set_epi64x((long long)b, (long long)a));
+}
+
+/* one f16 at p, in every lane */
+INLINE __m256 gp_f16_all(const uint8_t *p) {
+    return _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128((int)g_u16(p))));
+}
+
+/* [16 bytes at lo | 16 bytes at hi] */
+INLINE __m256i gp_lu2(const uint8_t *hi, const uint8_t *lo) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)lo)),
+                                   _mm_loadu_si128((const __m128i *)(const void *)hi), 1);
+}
+
+/* the 16 bytes at p in both halves */
+INLINE __m256i gp_bc(const uint8_t *p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)p)); }
+
+/* A token's codes for pair p of step k (x: its codes in column order): [columns 0–15 of block
+ * 2p | of 2p + 1], then columns 16–31 */
+INLINE void gp_codes(const uint8_t *x, uint32_t k, int p, __m256i *x0, __m256i *x1) {
+    const uint8_t *b = x + 256 * (size_t)k + 64 * p;
+    *x0 = gp_lu2(b + 32, b);
+    *x1 = gp_lu2(b + 48, b + 16);
+}
+
+/* The codes of a row of cols (a multiple of 256) re-laid in pair order: per 64 columns, 0–15,
+ * 32–47, 16–31, 48–63, so that gp_codes' two registers are plain loads. */
+INLINE void gp_relay(const uint8_t *x, uint32_t cols, uint8_t *out) {
+    for (uint32_t c = 0; c < cols; c += 64) {
+        const __m256i a = _mm256_loadu_si256((const __m256i *)(const void *)(x + c));
+        const __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)(x + c + 32));
+        _mm256_storeu_si256((__m256i *)(void *)(out + c), _mm256_permute2x128_si256(a, b, 0x20));
+        _mm256_storeu_si256((__m256i *)(void *)(out + c + 32), _mm256_permute2x128_si256(a, b, 0x31));
+    }
+}
+
+/* Whether the fast path takes the format; its properties there */
+INLINE bool gp_takes(uint8_t fmt) {
+    switch (fmt) {
+    case SMOE_FMT_GGML_Q4_K:
+    case SMOE_FMT_GGML_Q5_K:
+    case SMOE_FMT_GGML_Q6_K:
+    case SMOE_FMT_GGML_Q8_0:
+    case SMOE_FMT_GGML_Q4_0:
+    case SMOE_FMT_GGML_Q5_0:
+    case SMOE_FMT_GGML_IQ4_NL:
+    case SMOE_FMT_GGML_IQ4_XS:
+    case SMOE_FMT_GGML_MXFP4: return true;
+    }
+    return false;
+}
+/* |q| up to 127 or 128: two vpmaddubsw results may not be added in int16 */
+INLINE bool gp_big(uint8_t fmt) {
+    return fmt == SMOE_FMT_GGML_Q8_0 || fmt == SMOE_FMT_GGML_IQ4_NL || fmt == SMOE_FMT_GGML_IQ4_XS;
+}
+
+/* Step k of a row in the pair layout: w[8] (signed q, or 0..31 for Q4_K / Q5_K), σ in lane order,
+ * μ in plain order (Q4_K, Q5_K; else untouched), and for Q6_K the sub-scales as int16 registers
+ * matching w (sub[2p]: [block 2p's first | 2p + 1's first] ×8 each, sub[2p + 1] their seconds).
+ * The values are gb_qx_decode's. */
+INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i w[8], __m256 *sigl, __m256 *mu,
+                      __m256i sub[8]) {
+    const __m256i m15 = _mm256_set1_epi8(15), lane_of = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    __m256 sgv = _mm256_setzero_ps(); /* σ in plain order */
+    switch (fmt) {
+    case SMOE_FMT_GGML_Q8_0: {
+        const uint8_t *b0 = row + 34 * (size_t)(8 * k);
+        for (int p = 0; p < 4; p++) {
+            const uint8_t *a = b0 + 34 * 2 * p, *b = a + 34;
+            w[2 * p] = gp_lu2(b + 2, a + 2);
+            w[2 * p + 1] = gp_lu2(b + 18, a + 18);
+        }
+        sgv = gp_f16x8(b0, 34);
+        break;
+    }
+    case SMOE_FMT_GGML_Q4_0:
+    case SMOE_FMT_GGML_IQ4_NL:
+    case SMOE_FMT_GGML_MXFP4: {
+        const bool mx = fmt == SMOE_FMT_GGML_MXFP4;
+        const uint32_t ts = mx ? 17 : 18, o = mx ? 1 : 2;
+        const __m256i table = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)(const void *)(mx ? gb_kvalues_mxfp4 : gb_kvalues_iq4nl)));
+        const uint8_t *b0 = row + ts * (size_t)(8 * k);
+        for (int p = 0; p < 4; p++) {
+            const __m256i v = gp_lu2(b0 + ts * (2 * p + 1) + o, b0 + ts * 2 * p + o);
+            const __m256i lo = _mm256_and_si256(v, m15), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+            if (fmt == SMOE_FMT_GGML_Q4_0) {
+                w[2 * p] = _mm256_sub_epi8(lo, _mm256_set1_epi8(8));
+                w[2 * p + 1] = _mm256_sub_epi8(hi, _mm256_set1_epi8(8));
+            } else {
+                w[2 * p] = _mm256_shuffle_epi8(table, lo);
+                w[2 * p + 1] = _mm256_shuffle_epi8(table, hi);
+            }
+        }
+        if (mx) { /* 2^(e − 128): (e − 1) << 23, or 2^21 << e for e < 2 (subnormal) */
+            uint64_t eb = 0;
+            for (int i = 0; i < 8; i++) eb |= (uint64_t)b0[ts * i] << (8 * i);
+            const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)eb));
+            const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+            const __m256i sub2 = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+            sgv = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub2, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+        } else {
+            sgv = gp_f16x8(b0, ts);
+        }
+        break;
+    }
+    case SMOE_FMT_GGML_Q5_0: {
+        const uint8_t *b0 = row + 22 * (size_t)(8 * k);
+        const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll), sixteen = _mm256_set1_epi8(16);
+        const __m256i spread0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(2));
+        for (int p = 0; p < 4; p++) {
+            const uint8_t *a = b0 + 22 * 2 * p, *b = a + 22;
+            uint32_t ha, hb;
+            memcpy(&ha, a + 2, 4);
+            memcpy(&hb, b + 2, 4);
+            const __m256i h = _mm256_set_m128i(_mm_set1_epi32((int)hb), _mm_set1_epi32((int)ha));
+            const __m256i v = gp_lu2(b + 6, a + 6);
+            const __m256i h0 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, spread0), bit), bit), sixteen);
+            const __m256i h1 = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, spread1), bit), bit), sixteen);
+            w[2 * p] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(v, m15), h0), sixteen);
+            w[2 * p + 1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m15), h1), sixteen);
+        }
+        sgv = gp_f16x8(b0, 22);
+        break;
+    }
+    case SMOE_FMT_GGML_IQ4_XS: {
+        const uint8_t *blk = row + 136 * (size_t)k;
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(const void *)gb_kvalues_iq4nl));
+        for (int p = 0; p < 4; p++) { /* blocks 2p, 2p + 1: 32 bytes in a row */
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(blk + 8 + 32 * p));
+            w[2 * p] = _mm256_shuffle_epi8(table, _mm256_and_si256(v, m15));
+            w[2 * p + 1] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m15));
+        }
+        uint32_t lo4;
+        memcpy(&lo4, blk + 4, 4);
+        const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)lo4), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                            _mm256_set1_epi32(15));
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)g_u16(blk + 2)), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                            _mm256_set1_epi32(3));
+        const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+        sgv = _mm256_mul_ps(gp_f16_all(blk), _mm256_cvtepi32_ps(ls));
+        break;
+    }
+    case SMOE_FMT_GGML_Q4_K:
+    case SMOE_FMT_GGML_Q5_K: {
+        const bool q5 = fmt == SMOE_FMT_GGML_Q5_K;
+        const uint8_t *blk = row + (q5 ? 176 : 144) * (size_t)k, *qs = blk + (q5 ? 48 : 16);
+        const __m256i sh = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), one = _mm256_set1_epi8(1);
+        for (int p = 0; p < 4; p++) { /* 32 bytes: low nibbles = block 2p, high = block 2p + 1 */
+            w[2 * p] = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(qs + 32 * p), sh), m15);
+            w[2 * p + 1] = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(qs + 32 * p + 16), sh), m15);
+            if (q5) { /* bit 2p (2p + 1) of qh[c]: block 2p's (2p + 1's) fifth bit of column c */
+                const __m256i hs = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+                const __m256i h0 = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(blk + 16), hs), one);
+                const __m256i h1 = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(blk + 32), hs), one);
+                w[2 * p] = _mm256_or_si256(w[2 * p], _mm256_slli_epi16(h0, 4));
+                w[2 * p + 1] = _mm256_or_si256(w[2 * p + 1], _mm256_slli_epi16(h1, 4));
+            }
+        }
+        uint32_t u[3], sc[2], mm[2]; /* gb_scale_min_k4 on four bytes at a time */
+        memcpy(u, blk + 4, 12);
+        sc[0] = u[0] & 0x3f3f3f3fu;
+        mm[0] = u[1] & 0x3f3f3f3fu;
+        sc[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+        mm[1] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+        uint32_t ddm;
+        memcpy(&ddm, blk, 4);
+        const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ddm)); /* d, dmin */
+        const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)sc[1] << 32 | sc[0]))));
+        const __m256 mf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)mm[1] << 32 | mm[0]))));
+        sgv = _mm256_mul_ps(_mm256_broadcastss_ps(dd), scf);
+        *mu = _mm256_xor_ps(_mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dd)), mf), _mm256_set1_ps(-0.0f));
+        break;
+    }
+    case SMOE_FMT_GGML_Q6_K: {
+        const uint8_t *blk = row + 210 * (size_t)k;
+        const __m256i m3 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+        const __m256i scv = gp_bc(blk + 192); /* the 16 int8 sub-scales in both halves */
+        for (int p = 0; p < 4; p++) { /* blocks 4h + j, 4h + j + 1 of half h = p / 2, j = 2·(p % 2) */
+            const int h = p / 2, j = 2 * (p % 2);
+            const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
+            const __m256i hs = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 2, 2 * j + 2, 2 * j + 2, 2 * j + 2);
+            for (int c = 0; c < 2; c++) { /* columns 16c..16c + 16 of both blocks */
+                __m256i lo = gp_lu2(ql + 32 + 16 * c, ql + 16 * c);
+                if (p % 2) lo = _mm256_srli_epi16(lo, 4);
+                const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(qh + 16 * c), hs), m3);
+                w[2 * p + c] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(lo, m15), _mm256_slli_epi16(hi, 4)), off);
+                /* sub-scales 2b + c of blocks b = 2p, 2p + 1 (bytes 4p + c, 4p + 2 + c), sign-extended
+                   from the high byte of each int16 lane */
+                const __m256i ctl = _mm256_setr_epi8(
+                    -128, 4 * p + c, -128, 4 * p + c, -128, 4 * p + c, -128, 4 * p + c, -128, 4 * p + c, -128, 4 * p + c, -128,
+                    4 * p + c, -128, 4 * p + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c, -128,
+                    4 * p + 2 + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c);
+                sub[2 * p + c] = _mm256_srai_epi16(_mm256_shuffle_epi8(scv, ctl), 8);
+            }
+        }
+        sgv = gp_f16_all(blk + 208);
+        break;
+    }
+    default: break; /* not taken (gp_takes) */
+    }
+    *sigl = _mm256_permutevar8x32_ps(sgv, lane_of);
+}
+
+/* ------------------------------------------------------------- dequantisation (f32 activations)
+ *
+ * 256 columns (step k) of a row as gb_dequant_block writes them, on vectors: the integers q from
+ * g_decode8 (plain block order), each block's scale from the scalar code of the reference (the same
+ * gb_f16 and the same products), then per weight the reference's operations — w = scale·(float)q,
+ * and for Q4_K / Q5_K w = (d1·(float)q) − dm, Q6_K's scale per 16 columns — without contraction,
+ * so the same floats. For the gp_takes formats. With x, one token's 256 activations, the weights
+ * are not stored but multiplied into acc (the order of f_block for one row and one token). */
+INLINE void g_dequant_step_fma(const uint8_t fmt, const uint8_t *row, uint32_t k, float *out, const float *x, __m256 *acc) {
+    __m256i q[8], sub[8];
+    __m256 sigl, mu;
+    g_decode8(fmt, row, k, q, &sigl, &mu, sub);
+    uint32_t bs = 32, ts = 0;
+    smoe_ggml_block(fmt, &bs, &ts);
+    const uint8_t *blk = row + (size_t)(256 / bs) * ts * k; /* the step's first block */
+    const bool kq = fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K;
+    const float d0 = gb_f16(blk + (fmt == SMOE_FMT_GGML_Q6_K ? 208 : 0)), dmin = kq ? gb_f16(blk + 2) : 0.0f;
+    for (int i = 0; i < 8; i++) {
+        _Alignas(32) int8_t qb[32];
+        _mm256_store_si256((__m256i *)(void *)qb, q[i]);
+        float s[4], dm = 0.0f; /* the scale of each 8 columns */
+        switch (fmt) {
+        case SMOE_FMT_GGML_Q4_K:
+        case SMOE_FMT_GGML_Q5_K: {
+            uint8_t sc, m;
+            gb_scale_min_k4(blk + 4, i, &sc, &m);
+            s[0] = d0 * (float)sc;
+            dm = dmin * (float)m;
+            break;
+        }
+        case SMOE_FMT_GGML_Q6_K: {
+            const int8_t *sc = (const int8_t *)(const void *)(blk + 192);
+            s[0] = s[1] = d0 * (float)sc[2 * i];
+            s[2] = s[3] = d0 * (float)sc[2 * i + 1];
+            break;
+        }
+        case SMOE_FMT_GGML_IQ4_XS: s[0] = d0 * (float)gb_scale_iq4xs(blk, i); break;
+        case SMOE_FMT_GGML_MXFP4: s[0] = gb_e8m0_half(blk[ts * i]); break;
+        default: s[0] = gb_f16(blk + ts * i); break; /* Q8_0, Q4_0, Q5_0, IQ4_NL */
+        }
+        if (fmt != SMOE_FMT_GGML_Q6_K) s[1] = s[2] = s[3] = s[0];
+        for (int c = 0; c < 4; c++) {
+            const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(qb + 8 * c))));
+            __m256 v = _mm256_mul_ps(_mm256_set1_ps(s[c]), qf);
+            if (fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K) v = _mm256_sub_ps(v, _mm256_set1_ps(dm));
+            if (x) /* one token (f_rows_1's order: acc = fma(w, x, acc) in column order) */
+                *acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + 32 * i + 8 * c), *acc);
+            else
+                _mm256_storeu_ps(out + 32 * i + 8 * c, v);
+        }
+    }
+}
+
+INLINE void g_dequant_step(const uint8_t fmt, const uint8_t *row, uint32_t k, float *out) {
+    g_dequant_step_fma(fmt, row, k, out, NULL, NULL);
 }

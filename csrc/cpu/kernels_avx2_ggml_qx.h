@@ -22,8 +22,13 @@ GQ_ATTR INLINE void GQ(g_qx_rows)(const uint8_t fmt, const smoe_tensor *W, const
     const __m256i ones = _mm256_set1_epi16(1);
 #endif
     __m256 tot[TT], bia[TT];
-    for (uint32_t t0 = 0; t0 < n; t0 += TT) {
-        const uint32_t nt = n - t0 < TT ? n - t0 : TT;
+    _Alignas(32) uint8_t xr[GP_XBYTES]; /* a tile's codes in pair order */
+    const uint32_t tt = cols <= MAXC && GP_XBYTES / cols < TT ? GP_XBYTES / cols : TT;
+    const bool relaid = cols <= MAXC;
+    for (uint32_t t0 = 0; t0 < n; t0 += tt) {
+        const uint32_t nt = n - t0 < tt ? n - t0 : tt;
+        if (relaid)
+            for (uint32_t t = 0; t < nt; t++) gp_relay((const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes, cols, xr + (size_t)t * cols);
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
             for (uint32_t t = 0; t < nt; t++) tot[t] = bia[t] = _mm256_setzero_ps();
@@ -89,11 +94,155 @@ GQ_ATTR INLINE void GQ(g_qx_rows)(const uint8_t fmt, const smoe_tensor *W, const
     }
 }
 
+/* One pair's product (kernels_avx2_ggml.h, "the pair layout"): 8 int32 lanes, the low 4 summing
+ * block 2p's products, the high 4 block 2p + 1's. w: the pair's q; a: |q| (signed formats); s:
+ * Q6_K's sub-scales; x: the token's codes in pair order. */
+GQ_ATTR INLINE __m256i GQ(gp_pair)(const uint8_t fmt, const __m256i w0, const __m256i w1, const __m256i a0, const __m256i a1,
+                                   const __m256i s0, const __m256i s1, __m256i x0, __m256i x1) {
+    const bool uns = fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K, q6 = fmt == SMOE_FMT_GGML_Q6_K;
+    const __m256i u0 = uns ? w0 : a0, u1 = uns ? w1 : a1;
+    if (!uns) {
+        x0 = _mm256_sign_epi8(x0, w0);
+        x1 = _mm256_sign_epi8(x1, w1);
+    }
+#if GQ_VNNI
+    if (q6) return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(u0, x0), s0), _mm256_maddubs_epi16(u1, x1), s1);
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u0, x0), u1, x1);
+#else
+    const __m256i ones = _mm256_set1_epi16(1), m0 = _mm256_maddubs_epi16(u0, x0), m1 = _mm256_maddubs_epi16(u1, x1);
+    if (q6) return _mm256_add_epi32(_mm256_madd_epi16(m0, s0), _mm256_madd_epi16(m1, s1));
+    if (gp_big(fmt)) return _mm256_add_epi32(_mm256_madd_epi16(m0, ones), _mm256_madd_epi16(m1, ones));
+    return _mm256_madd_epi16(_mm256_add_epi16(m0, m1), ones); /* |q| ≤ 32: 4 products ≤ 16256 */
+#endif
+}
+
+/* The 8 block sums of a step (lane order) from its decoded row and a token's codes x (pair
+ * order: relaid, or read with gp_codes from column order at step k). */
+GQ_ATTR INLINE __m256i GQ(gp_step)(const uint8_t fmt, const __m256i w[8], const __m256i a[8], const __m256i s[8],
+                                   const uint8_t *x, bool relaid, uint32_t k) {
+    __m256i p[4];
+    for (int i = 0; i < 4; i++) {
+        __m256i x0, x1;
+        if (relaid) {
+            x0 = _mm256_loadu_si256((const __m256i *)(const void *)(x + 64 * i));
+            x1 = _mm256_loadu_si256((const __m256i *)(const void *)(x + 64 * i + 32));
+        } else {
+            gp_codes(x, k, i, &x0, &x1);
+        }
+        p[i] = GQ(gp_pair)(fmt, w[2 * i], w[2 * i + 1], a[2 * i], a[2 * i + 1], s[2 * i], s[2 * i + 1], x0, x1);
+    }
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+}
+
+/* gp_step for two tokens' re-laid codes x, x2 at once (each decoded register read once) */
+GQ_ATTR INLINE void GQ(gp_step2)(const uint8_t fmt, const __m256i w[8], const __m256i a[8], const __m256i s[8],
+                                 const uint8_t *x, const uint8_t *x2, __m256i *h, __m256i *h2) {
+    __m256i p[4], p2[4];
+    for (int i = 0; i < 4; i++) {
+#define GP_LD(b) _mm256_loadu_si256((const __m256i *)(const void *)(b))
+        p[i] = GQ(gp_pair)(fmt, w[2 * i], w[2 * i + 1], a[2 * i], a[2 * i + 1], s[2 * i], s[2 * i + 1], GP_LD(x + 64 * i),
+                           GP_LD(x + 64 * i + 32));
+        p2[i] = GQ(gp_pair)(fmt, w[2 * i], w[2 * i + 1], a[2 * i], a[2 * i + 1], s[2 * i], s[2 * i + 1], GP_LD(x2 + 64 * i),
+                            GP_LD(x2 + 64 * i + 32));
+#undef GP_LD
+    }
+    *h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    *h2 = _mm256_hadd_epi32(_mm256_hadd_epi32(p2[0], p2[1]), _mm256_hadd_epi32(p2[2], p2[3]));
+}
+
+/* The fast path's product (gp_takes formats, cols a multiple of 256): the reference's float
+ * operations exactly as g_qx_rows. One token (and cols ≤ MAXC): x re-laid once into pair order
+ * on the stack, rows one at a time, the weights of the row QX_AHEAD further prefetched as they
+ * stream past (kernels_avx2_qx.h's matrix-vector product); more: rows one at a time, each step
+ * decoded once for a tile of TT tokens, whose codes are read in place (gp_codes). */
+GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                                size_t ldy, uint32_t r0, uint32_t r1) {
+    const uint32_t cols = W->cols, steps = cols / 256;
+    uint32_t bs = 32, ts = 0;
+    smoe_ggml_block(fmt, &bs, &ts);
+    const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
+    const bool has_min = gb_has_min(fmt), uns = has_min;
+    const size_t step_bytes = (size_t)(256 / bs) * ts, row_bytes = steps * step_bytes;
+    __m256i q[8], a[8], s[8];
+    for (int i = 0; i < 8; i++) a[i] = s[i] = _mm256_setzero_si256();
+    if (n == 1 && cols <= MAXC) {
+        _Alignas(32) uint8_t xr[MAXC];
+        gp_relay(X->codes, cols, xr);
+        const size_t ahead = QX_AHEAD * row_bytes;
+        for (uint32_t r = r0; r < r1; r++) {
+            const uint8_t *row = w + (size_t)r * row_bytes;
+            __m256 tot = _mm256_setzero_ps(), bia = _mm256_setzero_ps();
+            for (uint32_t k = 0; k < steps; k++) {
+                for (size_t b = 0; b < step_bytes; b += 64) _mm_prefetch((const char *)row + ahead + k * step_bytes + b, _MM_HINT_T0);
+                __m256 sigl, mu = _mm256_setzero_ps();
+                gp_decode(fmt, row, k, q, &sigl, &mu, s);
+                if (!uns)
+                    for (int i = 0; i < 8; i++) a[i] = _mm256_sign_epi8(q[i], q[i]);
+                const __m256 I = _mm256_cvtepi32_ps(GQ(gp_step)(fmt, q, a, s, xr + 256 * (size_t)k, true, k));
+                tot = _mm256_fmadd_ps(I, _mm256_mul_ps(sigl, _mm256_loadu_ps(X->d + 8 * k)), tot);
+                if (has_min) bia = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + 8 * k), bia);
+            }
+            y[r] = has_min ? hsum8(tot) + hsum8(bia) : hsum8(tot);
+        }
+        return;
+    }
+    __m256 tot[TT], bia[TT];
+    _Alignas(32) uint8_t xr[GP_XBYTES]; /* a tile's codes in pair order */
+    const uint32_t tt = cols <= MAXC && GP_XBYTES / cols < TT ? GP_XBYTES / cols : TT;
+    const bool relaid = cols <= MAXC;
+    for (uint32_t t0 = 0; t0 < n; t0 += tt) {
+        const uint32_t nt = n - t0 < tt ? n - t0 : tt;
+        if (relaid)
+            for (uint32_t t = 0; t < nt; t++) gp_relay((const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes, cols, xr + (size_t)t * cols);
+        for (uint32_t r = r0; r < r1; r++) {
+            const uint8_t *row = w + (size_t)r * row_bytes;
+            for (uint32_t t = 0; t < nt; t++) tot[t] = bia[t] = _mm256_setzero_ps();
+            for (uint32_t k = 0; k < steps; k++) {
+                __m256 sigl, mu = _mm256_setzero_ps();
+                gp_decode(fmt, row, k, q, &sigl, &mu, s);
+                if (!uns)
+                    for (int i = 0; i < 8; i++) a[i] = _mm256_sign_epi8(q[i], q[i]);
+                uint32_t t = 0;
+                if (relaid)
+                    for (; t + 2 <= nt; t += 2) {
+                        const uint8_t *ct = xr + (size_t)t * cols + 256 * (size_t)k;
+                        const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
+                        __m256i h, h2;
+                        GQ(gp_step2)(fmt, q, a, s, ct, ct + cols, &h, &h2);
+                        tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sigl, _mm256_loadu_ps(dt)), tot[t]);
+                        tot[t + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h2), _mm256_mul_ps(sigl, _mm256_loadu_ps(dt + z.d_floats)),
+                                                     tot[t + 1]);
+                        if (has_min) {
+                            const float *gt = X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k;
+                            bia[t] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(gt), bia[t]);
+                            bia[t + 1] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(gt + z.gsum_floats), bia[t + 1]);
+                        }
+                    }
+                for (; t < nt; t++) {
+                    const uint8_t *ct = relaid ? xr + (size_t)t * cols + 256 * (size_t)k
+                                               : (const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes;
+                    const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
+                    const __m256 I = _mm256_cvtepi32_ps(GQ(gp_step)(fmt, q, a, s, ct, relaid, k));
+                    tot[t] = _mm256_fmadd_ps(I, _mm256_mul_ps(sigl, _mm256_loadu_ps(dt)), tot[t]);
+                    if (has_min)
+                        bia[t] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k), bia[t]);
+                }
+            }
+            for (uint32_t t = 0; t < nt; t++) y[(size_t)(t0 + t) * ldy + r] = has_min ? hsum8(tot[t]) + hsum8(bia[t]) : hsum8(tot[t]);
+        }
+    }
+}
+
 GQ_ATTR static bool GQ(g_matmul_qx)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                         uint32_t r0, uint32_t r1) {
     switch (W->format) {
 #define G_CASE(f)                                                                                                      \
-    case f: GQ(g_qx_rows)(f, W, w, X, n, y, ldy, r0, r1); return true;
+    case f:                                                                                                            \
+        if (gp_takes(f) && W->cols % 256 == 0)                                                                         \
+            GQ(gp_rows)(f, W, w, X, n, y, ldy, r0, r1);                                                                \
+        else                                                                                                           \
+            GQ(g_qx_rows)(f, W, w, X, n, y, ldy, r0, r1);                                                              \
+        return true;
         G_CASE(SMOE_FMT_GGML_Q4_0)
         G_CASE(SMOE_FMT_GGML_Q4_1)
         G_CASE(SMOE_FMT_GGML_Q5_0)

@@ -225,4 +225,6 @@ INLINE __m512i red4(__m512i a, __m512i b, __m512i c, __m512i d) {
 #undef QX_VNNI
 #undef QX_INLINE
 
+#include "kernels_avx512_ggml.h" /* the GGML block formats (smoe_avx512_ggml_qx) */
+
 #endif /* SMOE_HAVE_AVX512 */

@@ -92,6 +92,9 @@ bool smoe_avx512_matmul_rows_qx_bw(const smoe_tensor *W, const uint8_t *w, const
                                    size_t ldy, uint32_t r0, uint32_t r1);
 bool smoe_avx512_matmul_rows_qx_vnni(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                                      size_t ldy, uint32_t r0, uint32_t r1);
+/* kernels_avx512_ggml.h: the GGML block formats' product (AVX512-VNNI), the same contract */
+bool smoe_avx512_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                         uint32_t r0, uint32_t r1);
 #endif
 
 #if SMOE_HAVE_NEON

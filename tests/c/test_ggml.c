@@ -11,6 +11,7 @@
  *       dequantised (d·sub)·q, 4u·Σ|w·x| more;
  *   8-bit activations, dispatched against the reference: exact (bits), every n, every row split. */
 #include "cpu/ggml_blocks.h"
+#include "cpu/cpu.h"
 #include "cpu/kernels_isa.h"
 
 #include <math.h>
@@ -104,6 +105,26 @@ static void test_f32(int fi, uint32_t rows, uint32_t cols) {
     float *yr = malloc(sizeof(float) * ldy * N), *yf = malloc(sizeof(float) * ldy * N), *y = malloc(sizeof(float) * ldy * N);
     smoe_ref_matmul_rows(&g.t, g.bytes, x, ldx, N, yr, ldy, 0, rows);
     smoe_matmul_rows(&g.t, g.bytes, x, ldx, N, yf, ldy, 0, rows);
+#if SMOE_HAVE_AVX2
+    { /* AVX2 runs f32 rows in the order it runs a GGML format's: the rows dequantised by the
+         reference (gb_dequant_block) as an f32 tensor give the same bits, so the vector
+         dequantisation writes the reference's floats */
+        smoe_tensor tf = g.t;
+        tf.format = SMOE_FMT_F32;
+        tf.nbytes = (uint64_t)rows * cols * 4;
+        for (uint32_t n1 = 1; n1 <= N; n1 += N - 1) { /* one token, and all */
+            smoe_matmul_rows(&tf, (const uint8_t *)w, x, ldx, n1, y, ldy, 0, rows);
+            for (uint32_t t = 0; t < n1; t++)
+                for (uint32_t r = 0; r < rows; r++)
+                    if (f32_bits_of(y[t * ldy + r]) != f32_bits_of(yf[t * ldy + r])) {
+                        CHECK(0, "%s %ux%u f32 (n %u): y[t=%u, r=%u] = %a, on the reference's dequantised rows %a",
+                              FMTS[fi].name, rows, cols, n1, t, r, yf[t * ldy + r], y[t * ldy + r]);
+                        t = n1;
+                        break;
+                    }
+        }
+    }
+#endif
     int bad = 0;
     for (uint32_t t = 0; t < N && !bad; t++)
         for (uint32_t r = 0; r < rows; r++) {
@@ -244,6 +265,29 @@ static void test_qx(int fi, uint32_t rows, uint32_t cols) {
                     ok = false;
                     break;
                 }
+    }
+#endif
+#if SMOE_HAVE_AVX512
+    /* the AVX512-VNNI instance (kernels_avx512_ggml.h) where the CPU has it, every n from 1; a shape
+       or format it does not take says false (the AVX2 instance then runs) */
+    if (smoe_cpu_avx512_hw() & SMOE_CPU_AVX512VNNI) {
+        static int said;
+        for (uint32_t n = 1; n <= N; n += (n < 6 ? 1 : 7)) {
+            for (size_t i = 0; i < ldy * n; i++) y[i] = NAN;
+            const uint32_t cut = n % (rows + 1);
+            bool ok = smoe_avx512_ggml_qx(&g.t, g.bytes, &X, n, y, ldy, 0, cut);
+            ok = smoe_avx512_ggml_qx(&g.t, g.bytes, &X, n, y, ldy, cut, rows) && ok;
+            if (!ok) break; /* not taken: nothing to compare */
+            if (!said++) printf("ggml qx instance avx512vnni: checked\n");
+            for (uint32_t t = 0; t < n; t++)
+                for (uint32_t r = 0; r < rows; r++)
+                    if (f32_bits_of(y[t * ldy + r]) != f32_bits_of(yr[t * ldy + r])) {
+                        CHECK(0, "%s %ux%u qx, n %u: AVX512-VNNI y[t=%u, r=%u] = %a, reference %a", FMTS[fi].name, rows,
+                              cols, n, t, r, y[t * ldy + r], yr[t * ldy + r]);
+                        t = n;
+                        break;
+                    }
+        }
     }
 #endif
     /* batches and row cuts through the dispatcher: the same bits */
