@@ -746,6 +746,22 @@ def test_an_imported_mix_runs_on_the_gpu(name, vaults):
     assert err <= ATOL + rtol * top, (name, err, top)
 
 
+def test_the_gpu_refuses_value_heads_in_tiled_order(vaults):
+    """The CUDA backend's DeltaNet reads grouped order only: a qwen35moe vault (tiled) is refused at
+    session creation, naming why, where a qwen3next one (grouped) opens (skipped without a GPU)."""
+    import pysmoe
+    from pysmoe.errors import Unsupported
+
+    with pysmoe.open_vault(_vault(vaults, "qwen3next-q8_0")) as v:
+        try:
+            v.session(device="cuda").close()
+        except Unsupported as e:
+            pytest.skip(f"no CUDA here: {e}")
+    with pysmoe.open_vault(_vault(vaults, "qwen35moe-q8_0")) as v:
+        with pytest.raises(Unsupported, match="cuda.*value heads in tiled order"):
+            v.session(device="cuda")
+
+
 def test_a_truncated_file_is_refused(tmp_path):
     f = tmp_path / "cut.gguf"
     data = (DATA / "tiny-q8_0.gguf").read_bytes()
