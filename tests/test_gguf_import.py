@@ -557,6 +557,7 @@ _U32, _F32, _STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.G
     ("gpt-oss-mxfp4", {"gpt-oss.rope.freq_base_swa": (10000.0, _F32)}, "one RoPE base"),
     ("tiny-q8_0", {"qwen3moe.rope.scaling.type": ("yarn", _STR)}, "only plain RoPE"),
     ("qwen3next-q8_0", {"qwen3next.ssm.state_size": None}, "lacks qwen3next.ssm.state_size"),
+    ("qwen35moe-q8_0", {"qwen35moe.ssm.group_count": None}, "lacks qwen35moe.ssm.group_count"),
 ])
 def test_a_family_the_engine_would_run_wrong_is_refused(fixture, meta, message, tmp_path):
     """Metadata that asks for something the family's recipe does not compute is refused, before

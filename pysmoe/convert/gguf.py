@@ -331,8 +331,7 @@ def _qwen35moe(model: "GGUFModel", cfg: dict) -> None:
 
 FAMILIES["qwen35moe"] = dataclasses.replace(
     FAMILIES["qwen3next"], arch="qwen35moe", model_type="qwen3_5_moe", architectures=("Qwen3_5MoeForCausalLM",),
-    layer_tensors={**{k: v for k, v in FAMILIES["qwen3next"].layer_tensors.items()},
-                   "ssm_beta.weight": "linear.b", "ssm_alpha.weight": "linear.a"},
+    layer_tensors={**FAMILIES["qwen3next"].layer_tensors, "ssm_beta.weight": "linear.b", "ssm_alpha.weight": "linear.a"},
     derive=_qwen35moe, split_rows={"attn_q.weight": _q_and_gate})
 NOT_YET: dict = {}  # architectures pysmoe runs from safetensors but not yet from llama.cpp's files, and why
 
