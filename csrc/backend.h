@@ -55,10 +55,12 @@ typedef enum {
 
 /* A Gated DeltaNet's sizes (Qwen3-Next, Qwen3.5-MoE); all 0 for a model without linear attention.
  * Its q and k have k_heads heads of k_dim, its v and output v_heads heads of v_dim; value head h
- * reads key head h / (v_heads / k_heads). The convolution runs over conv_dim = 2·k_heads·k_dim +
- * v_heads·v_dim channels with conv_kernel taps. */
+ * reads key head h / (v_heads / k_heads) (grouped), or h mod k_heads when v_tiled (llama.cpp's
+ * qwen35moe order). The convolution runs over conv_dim = 2·k_heads·k_dim + v_heads·v_dim channels
+ * with conv_kernel taps. */
 typedef struct {
     uint32_t k_heads, v_heads, k_dim, v_dim, conv_kernel;
+    uint32_t v_tiled;
 } smoe_linear_shape;
 
 /* What a backend does to a session's recurrent states (`state`). */

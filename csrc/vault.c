@@ -528,13 +528,13 @@ static smoe_status parse_config(const uint8_t *c, smoe_config *cfg) {
 typedef enum { P_FAMILY, P_ROTARY_DIM, P_SLIDING_WINDOW, P_ROUTER_KIND, P_N_GROUP, P_TOPK_GROUP, P_ROUTED_SCALING,
                P_SHARED_INTERMEDIATE, P_ATTENTION_BIAS, P_QK_NORM, P_SWIGLU_ALPHA, P_SWIGLU_LIMIT, P_YARN_FACTOR,
                P_YARN_ORIGINAL_MAX, P_YARN_BETA_FAST, P_YARN_BETA_SLOW, P_YARN_ATTENTION_FACTOR, P_YARN_TRUNCATE,
-               P_LIN_K_HEADS, P_LIN_V_HEADS, P_LIN_K_DIM, P_LIN_V_DIM, P_LIN_CONV, N_PARAMS } param_id;
+               P_LIN_K_HEADS, P_LIN_V_HEADS, P_LIN_K_DIM, P_LIN_V_DIM, P_LIN_CONV, P_LIN_V_ORDER, N_PARAMS } param_id;
 static const char *const PARAM_KEY[N_PARAMS] = {
     "family", "rotary_dim", "sliding_window", "router_kind", "n_group", "topk_group", "routed_scaling_factor",
     "shared_intermediate_size", "attention_bias", "qk_norm", "swiglu_alpha", "swiglu_limit", "yarn_factor",
     "yarn_original_max_position", "yarn_beta_fast", "yarn_beta_slow", "yarn_attention_factor", "yarn_truncate",
     "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-    "linear_conv_kernel_dim",
+    "linear_conv_kernel_dim", "linear_value_head_order",
 };
 static const char *const FAMILY_NAME[SMOE_FAMILY_COUNT] = {
     "qwen3_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss", "qwen3_next", "qwen3_5_moe",
@@ -638,6 +638,7 @@ static smoe_status parse_params(const uint8_t *d, uint32_t n, smoe_layout *L) {
         case P_LIN_K_DIM: rc = param_int(pk, v, 1, 1024, &m->linear_k_dim); break;
         case P_LIN_V_DIM: rc = param_int(pk, v, 1, 1024, &m->linear_v_dim); break;
         case P_LIN_CONV: rc = param_int(pk, v, 1, 64, &m->linear_conv_kernel); break;
+        case P_LIN_V_ORDER: rc = param_int(pk, v, 0, 1, &m->linear_v_tiled); break;
         default: break;
         }
         if (rc) return rc;
@@ -656,6 +657,8 @@ static smoe_status parse_params(const uint8_t *d, uint32_t n, smoe_layout *L) {
     if (linear != sized || any != sized)
         return smoe_fail(SMOE_ERR_VAULT, "parameters: the linear_* sizes must be given, all of them, exactly when a "
                                          "layer is linear attention (%s)", linear ? "there is one" : "there is none");
+    if (m->linear_v_tiled && !sized)
+        return smoe_fail(SMOE_ERR_VAULT, "parameters: linear_value_head_order without a linear-attention layer");
     if (sized && m->linear_v_heads % m->linear_k_heads)
         return smoe_fail(SMOE_ERR_VAULT, "parameters: linear_num_value_heads %u is not a multiple of "
                                          "linear_num_key_heads %u", m->linear_v_heads, m->linear_k_heads);

@@ -69,6 +69,9 @@ typedef struct {
     /* The Gated DeltaNet of linear-attention layers (Qwen3-Next, Qwen3.5-MoE; 0 without): q and k
      * heads of linear_k_dim, v heads of linear_v_dim, a causal convolution of linear_conv_kernel taps */
     uint32_t linear_k_heads, linear_v_heads, linear_k_dim, linear_v_dim, linear_conv_kernel;
+    /* Which key head a value head reads: 0 grouped (v head h reads k head h / (v/k), the checkpoints'
+     * order), 1 tiled (k head h mod k_heads: llama.cpp's qwen35moe files) */
+    uint32_t linear_v_tiled;
 } smoe_model_params;
 
 typedef struct {

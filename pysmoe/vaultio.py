@@ -68,7 +68,7 @@ LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_hea
 PARAM_KEYS = ("family", "rotary_dim", "sliding_window", "router_kind", "n_group", "topk_group",
               "routed_scaling_factor", "shared_intermediate_size", "attention_bias", "qk_norm",
               "swiglu_alpha", "swiglu_limit", "yarn_factor", "yarn_original_max_position", "yarn_beta_fast",
-              "yarn_beta_slow", "yarn_attention_factor", "yarn_truncate") + LINEAR_KEYS
+              "yarn_beta_slow", "yarn_attention_factor", "yarn_truncate") + LINEAR_KEYS + ("linear_value_head_order",)
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5_moe")  # Gated DeltaNet + gated attention (convert/qwen_hybrid.py)
 ATTN_FULL, ATTN_SLIDING, ATTN_LINEAR = 0, 1, 2
 # gpt-oss's blobs hold each expert's biases after its matrices (f32 rows)
@@ -220,6 +220,12 @@ def family_params(cfg: dict) -> dict:
         p["shared_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
         if ATTN_LINEAR in layer_attention(cfg):
             p.update({k: int(cfg[k]) for k in LINEAR_KEYS})
+            # llama.cpp's qwen35moe files: value head h reads key head h mod k_heads (docs/gguf.md)
+            order = cfg.get("linear_value_head_order", "grouped")
+            if order not in ("grouped", "tiled"):
+                raise ValueError(f"linear_value_head_order {order!r}: grouped or tiled")
+            if order == "tiled":
+                p["linear_value_head_order"] = 1
     else:
         raise ValueError(f"model_type {mt!r}: this pysmoe cannot write its vault yet")
     return p
@@ -1063,7 +1069,8 @@ def info(path) -> str:
             lines.insert(3, f"linear     {sum(lin)} of {len(lin)} layers Gated DeltaNet: "
                             f"{int(p['linear_num_key_heads'])} q/k heads x {int(p['linear_key_head_dim'])}, "
                             f"{int(p['linear_num_value_heads'])} v heads x {int(p['linear_value_head_dim'])}, "
-                            f"conv {int(p['linear_conv_kernel_dim'])}; states + snapshot "
+                            f"conv {int(p['linear_conv_kernel_dim'])}"
+                            f"{', v heads tiled' if p.get('linear_value_head_order') else ''}; states + snapshot "
                             f"{_size(recurrent_state_bytes(cfg))} a session")
         def fmt(t: Tensor) -> str:  # q4/g64/bf16, f32
             return t.format + (f"/g{t.group}/{t.scale_format}" if quant.is_quantized(t.format) else "")

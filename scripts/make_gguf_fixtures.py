@@ -27,6 +27,9 @@ turned into an F32 GGUF by convert_hf_to_gguf.py, then quantised by llama.cpp:
                          SentencePiece vocabulary trained here: Q4_K_M
     gpt-oss-mxfp4.gguf   gpt-oss (`gpt-oss`): llama.cpp's MXFP4_MOE mix (MXFP4 experts), YaRN
     qwen3next-q8_0.gguf  Qwen3-Next (`qwen3next`): Gated DeltaNet and gated attention layers: Q8_0
+    qwen35moe-q8_0.gguf  Qwen3.5-MoE (`qwen35moe`): value heads in llama.cpp's tiled order: Q8_0
+    qwen35moe-q4_k_m.gguf  the same family, hidden 256: Q4_K_M (ssm_out's 64-wide v heads inside
+                         Q4_K's 256-blocks)
     tokens.json          llama.cpp's token ids for TOKENIZER_TEXTS: on tiny-f32.gguf's vocabulary,
                          on the demo's vocabulary under each pre-tokenizer of TOKENIZER_PRES
                          (vocabulary-only GGUFs made here, tokenised by llama.cpp), and on each
@@ -106,6 +109,15 @@ QWEN3_NEXT = dict(model="qwen3_next", hidden_size=64, intermediate_size=96, moe_
                   linear_num_key_heads=2, linear_num_value_heads=4, shared_expert_intermediate_size=64,
                   norm_topk_prob=True, rms_norm_eps=1e-6)
 
+# Qwen3.5-MoE (llama.cpp's `qwen35moe`, whose converter puts the value heads in tiled order): the
+# same layer mix, 2 key heads to 4 value heads (so grouped and tiled orders differ), every layer
+# sparse with a shared expert; and a hidden-256 one for Q4_K_M, its ssm_out 4 v heads of 64 wide.
+QWEN35 = dict(QWEN3_NEXT, model="qwen3_5_moe")
+del QWEN35["intermediate_size"], QWEN35["norm_topk_prob"]
+QWEN35_K256 = dict(QWEN35, hidden_size=256, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                   num_hidden_layers=2, full_attention_interval=2, head_dim=64, num_attention_heads=2,
+                   num_key_value_heads=1, num_experts=4, linear_key_head_dim=64, linear_value_head_dim=64)
+
 FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself)
     "tiny-f32": (SMALL, None),
     "tiny-q8_0": (SMALL, "Q8_0"),
@@ -119,8 +131,10 @@ FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself
     "mixtral-q4_k_m": (MIXTRAL, "Q4_K_M"),
     "gpt-oss-mxfp4": (GPT_OSS, "MXFP4_MOE"),
     "qwen3next-q8_0": (QWEN3_NEXT, "Q8_0"),
+    "qwen35moe-q8_0": (QWEN35, "Q8_0"),
+    "qwen35moe-q4_k_m": (QWEN35_K256, "Q4_K_M"),
 }
-CONVERT_ARGS = {"qwen3_next": ["--no-mtp"]}  # extra convert_hf_to_gguf.py options per family
+CONVERT_ARGS = {"qwen3_next": ["--no-mtp"], "qwen3_5_moe": ["--no-mtp"]}  # extra convert_hf_to_gguf.py options per family
 # what convert_hf_to_gguf.py is told the pre-tokenizer is, per family (default: --pre)
 FAMILY_PRE = {"glm4_moe": "glm4", "gpt_oss": "gpt-4o"}
 
@@ -147,6 +161,8 @@ FAMILY_TEXTS = {
                "<|channel|>final<|message|>4<|return|>",
     "qwen3_next": "<|im_start|>system\nYou are Qwen.<|im_end|>\n<|im_start|>user\nWhat's 2+2?<|im_end|>\n"
                   "<|im_start|>assistant\n<think>\n\n</think>\n\n4<|im_end|><|endoftext|>",
+    "qwen3_5_moe": "<|im_start|>user\nWhat's 2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n4"
+                   "<|im_end|>\n",
     "mixtral": "<s>[INST] What is 2+2? Answer briefly. [/INST] 4</s><s>[INST] And 3+3?[/INST]",
     "glm4_moe": "[gMASK]<sop><|system|>\nYou are a helpful assistant.<|user|>\nWhat's 2+2? Answer briefly."
                 "<|assistant|>\n<think>Simple.</think>\n4<|endoftext|><|observation|>",
@@ -246,8 +262,8 @@ def hf_checkpoint(work: Path, shape: dict, seed: int) -> Path:
         return mixtral_checkpoint(work, shape, seed)
     if family == "gpt_oss":
         return gpt_oss_checkpoint(work, shape, seed)
-    if family == "qwen3_next":
-        return qwen3_next_checkpoint(work, shape, seed)
+    if family in ("qwen3_next", "qwen3_5_moe"):
+        return qwen3_next_checkpoint(work, shape, seed, family)
     path, _ = make_hf_model(work, seed=seed, **shape)
     return path
 
@@ -335,19 +351,24 @@ def glm_checkpoint(work: Path, shape: dict, seed: int) -> Path:
     return path
 
 
-def qwen3_next_checkpoint(work: Path, shape: dict, seed: int) -> Path:
-    """A random Qwen3NextForCausalLM saved by save_pretrained (weights drawn as
+def qwen3_next_checkpoint(work: Path, shape: dict, seed: int, family: str = "qwen3_next") -> Path:
+    """A random Qwen3NextForCausalLM (or Qwen3_5MoeForCausalLM, the text model) saved by
+    save_pretrained (weights drawn as
     tests/test_qwen_hybrid.py draws them: decays that neither vanish nor stay at 1, (1 + w) norms
     around 0), with the synthetic tokenizer."""
     import torch
     from hf_models import BASE_CONFIG, write_tokenizer
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    import transformers
 
     kw = {k: BASE_CONFIG[k] for k in ("vocab_size", "max_position_embeddings", "tie_word_embeddings")}
     kw.update(shape)
     kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
     torch.manual_seed(seed)
-    model = Qwen3NextForCausalLM(Qwen3NextConfig(**kw)).float().eval()
+    if family == "qwen3_5_moe":
+        config, cls = transformers.Qwen3_5MoeTextConfig(**kw), transformers.Qwen3_5MoeForCausalLM
+    else:
+        config, cls = transformers.Qwen3NextConfig(**kw), transformers.Qwen3NextForCausalLM
+    model = cls(config).float().eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):

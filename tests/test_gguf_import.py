@@ -88,6 +88,12 @@ def test_config_is_the_checkpoints(name, vaults):
                     tie_word_embeddings=False)
     if family == "qwen3_next":  # three Gated DeltaNet layers, then gated full attention; a quarter rotated
         want.update(layer_types=["linear_attention"] * 3 + ["full_attention"], rotary_dim=shape["head_dim"] // 4)
+    if family == "qwen3_5_moe":  # every layer sparse, the last of each interval full; llama.cpp's v-head order
+        every = shape.get("full_attention_interval", 4)
+        want = {k: v for k, v in want.items() if k not in ("full_attention_interval", "intermediate_size")}
+        want.update(layer_types=["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                                 for i in range(shape["num_hidden_layers"])],
+                    rotary_dim=shape["head_dim"] // 4, norm_topk_prob=True, linear_value_head_order="tiled")
     p = plan(GGUFModel(DATA / f"{name}.gguf"), check_types=False)
     for k, v in want.items():
         assert p.config[k] == v, k
@@ -117,7 +123,7 @@ def test_tensors_byte_for_byte(name, vaults):
                 blob = v.blob(l, e)
                 assert bytes(blob[desc.offset:desc.offset + desc.nbytes]) == raw[e * n:(e + 1) * n], (t.name, e)
         elif t.name.split(".", 2)[-1] in ("attn_q.weight", "ssm_ba.weight", "ssm_a") and \
-                r.fields["general.architecture"].contents() == "qwen3next":
+                r.fields["general.architecture"].contents() in ("qwen3next", "qwen35moe"):
             _check_qwen3next_split(t, raw, v)
         else:
             vname = names.get(t.name) or _layer_name(t.name, r)
@@ -150,7 +156,7 @@ def _permuted_heads(gname: str, cfg: dict, r) -> int:
 
 
 def _check_qwen3next_split(t, raw: bytes, v) -> None:
-    """Qwen3-Next's tensors the import cuts or transforms: attn_q (per head the query's rows then
+    """Qwen3-Next's (and Qwen3.5-MoE's) tensors the import cuts or transforms: attn_q (per head the query's rows then
     the gate's) into q_proj and q_gate_proj, ssm_ba (per key head r rows of b then r of a) into
     linear.b and linear.a — whole rows, byte for byte — and ssm_a = −exp(A_log) back to A_log."""
     c, l, rest = v.config, t.name.split(".")[1], t.name.split(".", 2)[-1]
@@ -247,6 +253,67 @@ def _qwen3next_to_hf(w: dict, cfg: dict) -> tuple[dict, dict]:
     return rest, state
 
 
+def _grouped_from_tiled(nk: int, nv: int) -> np.ndarray:
+    """For each value head in grouped order (head j reads key head j / r, r = nv/nk), the head of
+    llama.cpp's tiled order holding it (tiled head i·nk + g reads key head g): written from the
+    definitions, not from the importer's (which keeps the tiled order)."""
+    r = nv // nk
+    return np.array([(j % r) * nk + j // r for j in range(nv)])
+
+
+def _qwen35moe_to_hf(w: dict, cfg: dict) -> tuple[dict, dict]:
+    """llama.cpp's qwen35moe tensors (dequantised, f32) -> transformers' Qwen3.5-MoE text model,
+    undoing what convert_hf_to_gguf.py did: norms as 1 + w, ssm_a = −exp(A_log), conv1d squeezed,
+    and the value heads put back from tiled into grouped order (v rows of the qkv projection and of
+    the convolution, z, b, a rows, A_log and dt_bias, ssm_out's columns)."""
+    rest, state = {}, {}
+    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    order = _grouped_from_tiled(nk, nv)
+    heads = lambda a, width, axis=0: np.take(  # noqa: E731
+        a.reshape(a.shape[:axis] + (nv, width) + a.shape[axis + 1:]), order, axis=axis).reshape(a.shape)
+    for name, a in w.items():
+        if name == "output_norm.weight":
+            state["model.norm.weight"] = a - 1
+            continue
+        if not name.startswith("blk."):
+            rest[name] = a
+            continue
+        _, l, part = name.split(".", 2)
+        p, lp = f"model.layers.{l}.", f"model.layers.{l}.linear_attn."
+        ln = {"attn_norm.weight": "input_layernorm.weight",
+              "post_attention_norm.weight": "post_attention_layernorm.weight",
+              "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+        sh = {f"ffn_{x}_shexp.weight": f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")}
+        if part in ln:
+            state[p + ln[part]] = a - 1
+        elif part in sh:
+            state[p + sh[part]] = a
+        elif part == "ffn_gate_inp_shexp.weight":
+            state[p + "mlp.shared_expert_gate.weight"] = a.reshape(1, -1)
+        elif part == "ssm_a":
+            state[lp + "A_log"] = heads(np.log(-a), 1)
+        elif part == "ssm_dt.bias":
+            state[lp + "dt_bias"] = heads(a, 1)
+        elif part == "ssm_norm.weight":
+            state[lp + "norm.weight"] = a
+        elif part in ("ssm_beta.weight", "ssm_alpha.weight"):
+            state[lp + {"ssm_beta.weight": "in_proj_b.weight", "ssm_alpha.weight": "in_proj_a.weight"}[part]] = \
+                heads(a, 1)
+        elif part == "attn_gate.weight":
+            state[lp + "in_proj_z.weight"] = heads(a, dv)
+        elif part in ("attn_qkv.weight", "ssm_conv1d.weight"):
+            qk = 2 * nk * dk
+            b = np.concatenate([a[:qk], heads(a[qk:], dv)])
+            state[lp + ("in_proj_qkv.weight" if part == "attn_qkv.weight" else "conv1d.weight")] = \
+                b if part == "attn_qkv.weight" else b[:, None, :]
+        elif part == "ssm_out.weight":
+            state[lp + "out_proj.weight"] = heads(a, dv, axis=1)
+        else:
+            rest[name] = a
+    return rest, state
+
+
 def _dequantised_hf_model(path: Path, cfg: dict):
     """transformers' model of the family (Qwen3-MoE, OLMoE, GLM-4.5) holding the GGUF's weights as gguf-py
     dequantises them (the multi-token-prediction layers left out, as transformers leaves them)."""
@@ -308,6 +375,18 @@ def _dequantised_hf_model(path: Path, cfg: dict):
         config._attn_implementation = "eager"
         config._experts_implementation = "eager"
         model = Qwen3NextForCausalLM(config).float().eval()
+    elif cfg["model_type"] == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+        kw = {k: cfg[k] for k in keys if k not in ("rope_theta", "intermediate_size", "norm_topk_prob")}
+        kw.update({k: cfg[k] for k in cfg if k.startswith("linear_") and k != "linear_value_head_order"},
+                  layer_types=cfg["layer_types"],
+                  shared_expert_intermediate_size=cfg["shared_expert_intermediate_size"],
+                  rope_parameters={"rope_type": "default", "rope_theta": cfg["rope_theta"],
+                                   "partial_rotary_factor": cfg["rotary_dim"] / cfg["head_dim"]})
+        config = Qwen3_5MoeTextConfig(**kw)
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
+        model = Qwen3_5MoeForCausalLM(config).float().eval()
     else:
         from transformers import Qwen3MoeForCausalLM
         model = Qwen3MoeForCausalLM(make_config(**{k: cfg[k] for k in keys})).float().eval()
@@ -331,6 +410,8 @@ def _dequantised_hf_model(path: Path, cfg: dict):
     state = {}
     if cfg["model_type"] == "qwen3_next":
         w, state = _qwen3next_to_hf(w, cfg)
+    if cfg["model_type"] == "qwen3_5_moe":
+        w, state = _qwen35moe_to_hf(w, cfg)
     for name, a in w.items():
         if name in hf:
             state[hf[name]] = a
@@ -476,6 +557,7 @@ _U32, _F32, _STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.G
     ("gpt-oss-mxfp4", {"gpt-oss.rope.freq_base_swa": (10000.0, _F32)}, "one RoPE base"),
     ("tiny-q8_0", {"qwen3moe.rope.scaling.type": ("yarn", _STR)}, "only plain RoPE"),
     ("qwen3next-q8_0", {"qwen3next.ssm.state_size": None}, "lacks qwen3next.ssm.state_size"),
+    ("qwen35moe-q8_0", {"qwen35moe.ssm.group_count": None}, "lacks qwen35moe.ssm.group_count"),
 ])
 def test_a_family_the_engine_would_run_wrong_is_refused(fixture, meta, message, tmp_path):
     """Metadata that asks for something the family's recipe does not compute is refused, before
@@ -516,18 +598,11 @@ def test_an_old_mixtral_file_with_one_tensor_per_expert_is_refused(tmp_path):
     assert not (tmp_path / "v").exists()
 
 
-def test_qwen35moe_is_refused_with_its_reason(tmp_path):
-    bad = tmp_path / "q35.gguf"
-    r = gguf.GGUFReader(DATA / "tiny-q8_0.gguf")
-    w = gguf.GGUFWriter(bad, arch="qwen35moe")
-    w.add_tensor("token_embd.weight", np.asarray(r.tensors[0].data), raw_dtype=r.tensors[0].tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ConvertError, match="qwen35moe.*value heads.*Hugging Face checkpoint"):
-        convert_checkpoint(bad, tmp_path / "v", progress=False)
-    assert not (tmp_path / "v").exists()
+def test_qwen35moe_keeps_llama_cpps_value_head_order(vaults):
+    """A qwen35moe vault says its value heads are tiled (vault parameter 1); a qwen3next one
+    (grouped, as the checkpoints) leaves the key out, as vaults written before it."""
+    assert read_vault(_vault(vaults, "qwen35moe-q8_0")).params["linear_value_head_order"] == 1
+    assert "linear_value_head_order" not in read_vault(_vault(vaults, "qwen3next-q8_0")).params
 
 
 def test_format_options_are_refused(tmp_path):
@@ -622,7 +697,7 @@ def test_tokenizer_against_llama_cpp_live(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "tiny-q4_0", "glm4moe-q4_k_m", "mixtral-q4_k_m",
-                                  "gpt-oss-mxfp4", "qwen3next-q8_0"])
+                                  "gpt-oss-mxfp4", "qwen3next-q8_0", "qwen35moe-q8_0", "qwen35moe-q4_k_m"])
 @pytest.mark.parametrize("activations", ["f32", "q8"])
 def test_layer_major_is_token_serial_on_an_imported_mix(name, activations, vaults):
     """A llama.cpp mix imported as stored keeps the engine's bit identity: a layer-major prefill
@@ -670,6 +745,22 @@ def test_an_imported_mix_runs_on_the_gpu(name, vaults):
     err, top = float(np.max(np.abs(gpu - cpu))), float(np.max(np.abs(cpu)))
     print(f"{name}: max|gpu - cpu| / max|logit| = {err / top:.3g}")
     assert err <= ATOL + rtol * top, (name, err, top)
+
+
+def test_the_gpu_refuses_value_heads_in_tiled_order(vaults):
+    """The CUDA backend's DeltaNet reads grouped order only: a qwen35moe vault (tiled) is refused at
+    session creation, naming why, where a qwen3next one (grouped) opens (skipped without a GPU)."""
+    import pysmoe
+    from pysmoe.errors import Unsupported
+
+    with pysmoe.open_vault(_vault(vaults, "qwen3next-q8_0")) as v:
+        try:
+            v.session(device="cuda").close()
+        except Unsupported as e:
+            pytest.skip(f"no CUDA here: {e}")
+    with pysmoe.open_vault(_vault(vaults, "qwen35moe-q8_0")) as v:
+        with pytest.raises(Unsupported, match="cuda.*value heads in tiled order"):
+            v.session(device="cuda")
 
 
 def test_a_truncated_file_is_refused(tmp_path):

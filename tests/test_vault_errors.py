@@ -266,6 +266,17 @@ def test_unknown_parameter(put, good_bytes):
     expect_error(put(seal(b)), "'family' is 0.5, must be an integer")
 
 
+def test_value_head_order_parameter(put, good_bytes):
+    """linear_value_head_order (llama.cpp's qwen35moe files) is 0 or 1, and only with linear layers."""
+    p = layout(good_bytes)["params"]
+    b = bytearray(good_bytes)
+    b[p + 8:p + 8 + 32] = b"linear_value_head_order".ljust(32, b"\0")
+    struct.pack_into("<d", b, p + 8 + 32, 2.0)
+    expect_error(put(seal(b)), "'linear_value_head_order' is 2, must be an integer in \\[0, 1\\]")
+    struct.pack_into("<d", b, p + 8 + 32, 1.0)
+    expect_error(put(seal(b)), "linear_value_head_order without a linear-attention layer")
+
+
 # ------------------------------------------------------------------------------ tensor tables
 
 def test_tensor_offset_past_dense_region(put, good_bytes):

@@ -347,7 +347,7 @@ static void linear_heads(void *ctx, uint32_t h0, uint32_t h1, uint32_t worker) {
     const float eps = c->cfg->rms_norm_eps;
     float *scratch = c->lin_scratch + (size_t)worker * dv;
     for (uint32_t h = h0; h < h1; h++) {
-        const uint32_t kh = h / per_k;
+        const uint32_t kh = ln->v_tiled ? h % ln->k_heads : h / per_k;
         const float A = -expf(t->a_log[h]);
         for (uint32_t r = 0; r < t->n; r++) {
             const cpu_state *o = owner(c, t->members, r);

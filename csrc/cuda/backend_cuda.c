@@ -668,6 +668,8 @@ static const char *cuda_lacks(const smoe_layout *lay) {
         if (L->lin_norm->cols > 1024) return "a Gated DeltaNet value head wider than 1024";
         if (L->lin_conv->cols < 1) return "a Gated DeltaNet convolution without taps";
     }
+    if (m->linear_v_tiled) /* deltanet.cu reads k head h / (v/k) only */
+        return "a Gated DeltaNet with its value heads in tiled order (llama.cpp's qwen35moe files)";
     if (m->qk_norm > SMOE_QK_NORM_WHOLE) return "this QK-norm";
     if (m->rotary_dim % 2 || m->rotary_dim > lay->cfg.head_dim) return "a RoPE over an odd or too wide rotary_dim";
     if (m->router_kind >= SMOE_ROUTER_KINDS) return "this router";

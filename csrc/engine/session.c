@@ -367,7 +367,7 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
         for (uint32_t l = 0; l < c->num_hidden_layers; l++) n_linear += s->linear_index[l] >= 0;
         const smoe_be_session_params bp = {
             .linear = n_linear ? (smoe_linear_shape){mp->linear_k_heads, mp->linear_v_heads, mp->linear_k_dim,
-                                                     mp->linear_v_dim, mp->linear_conv_kernel}
+                                                     mp->linear_v_dim, mp->linear_conv_kernel, mp->linear_v_tiled}
                                : (smoe_linear_shape){0},
             .n_linear = n_linear,
             .linear_index = s->linear_index,

@@ -246,8 +246,8 @@ def _qwen3next(model: "GGUFModel", cfg: dict) -> None:
     """Qwen3-Next as llama.cpp's `qwen3next` reads it: the Gated DeltaNet sizes from ssm.*, the
     layer kinds from attention.recurrent_layers (or full_attention_interval), the shared expert's
     width, partial RoPE; its graph always renormalises the top-k weights. Multi-token-prediction
-    layers (nextn_predict_layers) are left out."""
-    meta, a = model.meta, "qwen3next"
+    layers (nextn_predict_layers) are left out. Qwen3.5-MoE (`qwen35moe`) reads the same keys."""
+    meta, a = model.meta, model.arch
     nextn = int(meta.get(f"{a}.nextn_predict_layers") or 0)
     L = int(cfg["num_hidden_layers"]) - nextn
     if L < 1:
@@ -312,11 +312,28 @@ FAMILIES["qwen3next"] = Family(
     derive=_qwen3next,
     split_rows={"attn_q.weight": _q_and_gate, "ssm_ba.weight": _b_and_a},
     f32_values={"ssm_a": ("linear.A_log", _a_log)})
-NOT_YET = {  # architectures pysmoe runs from safetensors but not yet from llama.cpp's files, and why
-    "qwen35moe": "not importable yet: llama.cpp's converter reorders Qwen3.5's value heads (grouped -> tiled) along "
-                 "the columns of ssm_out, which cannot be undone on block-quantised rows; convert the Hugging "
-                 "Face checkpoint instead (pysmoe convert DIR)",
-}
+
+
+def _qwen35moe(model: "GGUFModel", cfg: dict) -> None:
+    """Qwen3.5/3.6-MoE as llama.cpp's `qwen35moe` reads it: Qwen3-Next's keys (every layer sparse),
+    and its converter's value-head order. That converter (conversion/qwen.py,
+    _LinearAttentionVReorderBase) moves the value heads from grouped order (v head j reads key head
+    j / r, r = v/k heads) to tiled order (j reads key head j mod k) in everything per value head:
+    the v rows of attn_qkv and conv1d, attn_gate's rows, ssm_beta/ssm_alpha's rows, ssm_a, ssm_dt,
+    and ssm_out's *columns*. A column permutation of block-quantised rows cannot be undone byte for
+    byte, so the vault keeps the file's order and says so (`linear_value_head_order` tiled, vault
+    parameter 1): the recipe's DeltaNet then pairs v head j with key head j mod k. Its
+    rope.dimension_sections (interleaved MRoPE) rotate text positions as plain partial RoPE."""
+    _qwen3next(model, cfg)
+    if cfg["linear_num_value_heads"] != cfg["linear_num_key_heads"]:  # (equal: the orders are one)
+        cfg["linear_value_head_order"] = "tiled"
+
+
+FAMILIES["qwen35moe"] = dataclasses.replace(
+    FAMILIES["qwen3next"], arch="qwen35moe", model_type="qwen3_5_moe", architectures=("Qwen3_5MoeForCausalLM",),
+    layer_tensors={**FAMILIES["qwen3next"].layer_tensors, "ssm_beta.weight": "linear.b", "ssm_alpha.weight": "linear.a"},
+    derive=_qwen35moe, split_rows={"attn_q.weight": _q_and_gate})
+NOT_YET: dict = {}  # architectures pysmoe runs from safetensors but not yet from llama.cpp's files, and why
 
 
 # ------------------------------------------------------------------------------------ reading
