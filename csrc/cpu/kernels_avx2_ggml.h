@@ -268,14 +268,45 @@ INLINE bool gp_takes(uint8_t fmt) {
     }
     return false;
 }
+/* Whether the 8-bit-activation fast path takes the format: gp_takes' and the low-bit K-quants
+ * Q2_K and Q3_K (their f32-activation product stays on g_decode8) */
+INLINE bool gp_takes_qx(uint8_t fmt) { return gp_takes(fmt) || fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q3_K; }
+/* Formats with int16 sub-scales per 16 columns (sub) */
+INLINE bool gp_has_sub(uint8_t fmt) {
+    return fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q2_K;
+}
+/* Formats whose q is unsigned (0..31), a valid u8 operand as it is */
+INLINE bool gp_unsigned(uint8_t fmt) {
+    return fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K || fmt == SMOE_FMT_GGML_Q2_K;
+}
 /* |q| up to 127 or 128: two vpmaddubsw results may not be added in int16 */
 INLINE bool gp_big(uint8_t fmt) {
     return fmt == SMOE_FMT_GGML_Q8_0 || fmt == SMOE_FMT_GGML_IQ4_NL || fmt == SMOE_FMT_GGML_IQ4_XS;
 }
 
-/* Step k of a row in the pair layout: w[8] (signed q, or 0..31 for Q4_K / Q5_K), σ in lane order,
- * μ in plain order (Q4_K, Q5_K; else untouched), and for Q6_K the sub-scales as int16 registers
- * matching w (sub[2p]: [block 2p's first | 2p + 1's first] ×8 each, sub[2p + 1] their seconds).
+/* The 16 bytes v (byte 2b + h: block b's value of half h, b < 8) as int16 registers matching the
+ * pair layout (sub[2p + c]: [block 2p's value c ×8 | 2p + 1's ×8]), sign-extended. */
+INLINE void gp_subs(const __m128i v, __m256i sub[8]) {
+    const __m256i scv = _mm256_broadcastsi128_si256(v);
+    for (int p = 0; p < 4; p++)
+        for (int c = 0; c < 2; c++) { /* bytes 4p + c, 4p + 2 + c into the high byte of each int16 lane */
+            const __m256i ctl = _mm256_setr_epi8(
+                -128, 4 * p + c, -128, 4 * p + c, -128, 4 * p + c, -128, 4 * p + c, -128, 4 * p + c, -128, 4 * p + c, -128,
+                4 * p + c, -128, 4 * p + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c, -128,
+                4 * p + 2 + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c);
+            sub[2 * p + c] = _mm256_srai_epi16(_mm256_shuffle_epi8(scv, ctl), 8);
+        }
+}
+
+/* Q2_K's mins of step k (one 256-column block) in the pair layout of gp_subs (gb_q2k_mins' m) */
+INLINE void gp_q2k_mins(const uint8_t *row, uint32_t k, __m256i m[8]) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(row + 84 * (size_t)k));
+    gp_subs(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)), m);
+}
+
+/* Step k of a row in the pair layout: w[8] (signed q, or 0..31 for Q4_K / Q5_K, 0..3 for Q2_K),
+ * σ in lane order, μ in plain order (Q4_K, Q5_K; for Q2_K ν = −dmin in every lane; else
+ * untouched), and for Q6_K, Q3_K, Q2_K the sub-scales as int16 registers matching w (gp_subs).
  * The values are gb_qx_decode's. */
 INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i w[8], __m256 *sigl, __m256 *mu,
                       __m256i sub[8]) {
@@ -418,7 +449,44 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
         sgv = gp_f16_all(blk + 208);
         break;
     }
-    default: break; /* not taken (gp_takes) */
+    case SMOE_FMT_GGML_Q2_K: { /* scales[16] (sub: low nibbles, mins: high), qs[64], d, dmin */
+        const uint8_t *blk = row + 84 * (size_t)k;
+        const __m256i m3 = _mm256_set1_epi8(3);
+        for (int p = 0; p < 4; p++) { /* blocks 2p, 2p + 1: 2-bit fields 2·(2p % 4), + 2 of qs half p / 2 */
+            const int sh = 4 * (p % 2);
+            const __m256i hs = _mm256_setr_epi32(sh, sh, sh, sh, sh + 2, sh + 2, sh + 2, sh + 2);
+            for (int c = 0; c < 2; c++)
+                w[2 * p + c] = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(blk + 16 + 32 * (p / 2) + 16 * c), hs), m3);
+        }
+        gp_subs(_mm_and_si128(_mm_loadu_si128((const __m128i *)(const void *)blk), _mm_set1_epi8(15)), sub);
+        sgv = gp_f16_all(blk + 80);
+        *mu = _mm256_xor_ps(gp_f16_all(blk + 82), _mm256_set1_ps(-0.0f));
+        break;
+    }
+    case SMOE_FMT_GGML_Q3_K: { /* hmask[32], qs[64], scales[12], d */
+        const uint8_t *blk = row + 110 * (size_t)k;
+        const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4);
+        for (int p = 0; p < 4; p++) {
+            const int sh = 4 * (p % 2);
+            const __m256i hs = _mm256_setr_epi32(sh, sh, sh, sh, sh + 2, sh + 2, sh + 2, sh + 2);
+            const __m256i ms = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+            for (int c = 0; c < 2; c++) { /* q = (low 2 bits | mask bit << 2) − 4 */
+                const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(blk + 32 + 32 * (p / 2) + 16 * c), hs), m3);
+                const __m256i hb = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(blk + 16 * c), ms), one);
+                w[2 * p + c] = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 2)), four);
+            }
+        }
+        uint32_t u[3], a[4]; /* gb_scale_q3k on four bytes at a time: scale j in byte j of a */
+        memcpy(u, blk + 96, 12);
+        a[0] = (u[0] & 0x0f0f0f0fu) | ((u[2] & 0x03030303u) << 4);
+        a[1] = (u[1] & 0x0f0f0f0fu) | (((u[2] >> 2) & 0x03030303u) << 4);
+        a[2] = ((u[0] >> 4) & 0x0f0f0f0fu) | (((u[2] >> 4) & 0x03030303u) << 4);
+        a[3] = ((u[1] >> 4) & 0x0f0f0f0fu) | (((u[2] >> 6) & 0x03030303u) << 4);
+        gp_subs(_mm_sub_epi8(_mm_loadu_si128((const __m128i *)(const void *)a), _mm_set1_epi8(32)), sub);
+        sgv = gp_f16_all(blk + 108);
+        break;
+    }
+    default: break; /* not taken (gp_takes_qx) */
     }
     *sigl = _mm256_permutevar8x32_ps(sgv, lane_of);
 }

@@ -96,10 +96,10 @@ GQ_ATTR INLINE void GQ(g_qx_rows)(const uint8_t fmt, const smoe_tensor *W, const
 
 /* One pair's product (kernels_avx2_ggml.h, "the pair layout"): 8 int32 lanes, the low 4 summing
  * block 2p's products, the high 4 block 2p + 1's. w: the pair's q; a: |q| (signed formats); s:
- * Q6_K's sub-scales; x: the token's codes in pair order. */
+ * the sub-scales (Q6_K, Q3_K, Q2_K); x: the token's codes in pair order. */
 GQ_ATTR INLINE __m256i GQ(gp_pair)(const uint8_t fmt, const __m256i w0, const __m256i w1, const __m256i a0, const __m256i a1,
                                    const __m256i s0, const __m256i s1, __m256i x0, __m256i x1) {
-    const bool uns = fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K, q6 = fmt == SMOE_FMT_GGML_Q6_K;
+    const bool uns = gp_unsigned(fmt), q6 = gp_has_sub(fmt);
     const __m256i u0 = uns ? w0 : a0, u1 = uns ? w1 : a1;
     if (!uns) {
         x0 = _mm256_sign_epi8(x0, w0);
@@ -134,6 +134,30 @@ GQ_ATTR INLINE __m256i GQ(gp_step)(const uint8_t fmt, const __m256i w[8], const 
     return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
 }
 
+/* Q2_K's min sums of a step (lane order): per block Σ_h m_h·Σ_{c ∈ half h} code_c, m in the pair
+ * layout (gp_q2k_mins), x as gp_step's */
+GQ_ATTR INLINE __m256i GQ(gp_msum)(const __m256i m[8], const uint8_t *x, bool relaid, uint32_t k) {
+    const __m256i ones8 = _mm256_set1_epi8(1);
+    __m256i p[4];
+    for (int i = 0; i < 4; i++) {
+        __m256i x0, x1;
+        if (relaid) {
+            x0 = _mm256_loadu_si256((const __m256i *)(const void *)(x + 64 * i));
+            x1 = _mm256_loadu_si256((const __m256i *)(const void *)(x + 64 * i + 32));
+        } else {
+            gp_codes(x, k, i, &x0, &x1);
+        }
+#if GQ_VNNI
+        p[i] = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x0), m[2 * i]), _mm256_maddubs_epi16(ones8, x1),
+                                       m[2 * i + 1]);
+#else
+        p[i] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x0), m[2 * i]),
+                                _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x1), m[2 * i + 1]));
+#endif
+    }
+    return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+}
+
 /* gp_step for two tokens' re-laid codes x, x2 at once (each decoded register read once) */
 GQ_ATTR INLINE void GQ(gp_step2)(const uint8_t fmt, const __m256i w[8], const __m256i a[8], const __m256i s[8],
                                  const uint8_t *x, const uint8_t *x2, __m256i *h, __m256i *h2) {
@@ -150,7 +174,7 @@ GQ_ATTR INLINE void GQ(gp_step2)(const uint8_t fmt, const __m256i w[8], const __
     *h2 = _mm256_hadd_epi32(_mm256_hadd_epi32(p2[0], p2[1]), _mm256_hadd_epi32(p2[2], p2[3]));
 }
 
-/* The fast path's product (gp_takes formats, cols a multiple of 256): the reference's float
+/* The fast path's product (gp_takes_qx formats, cols a multiple of 256): the reference's float
  * operations exactly as g_qx_rows. One token (and cols ≤ MAXC): x re-laid once into pair order
  * on the stack, rows one at a time, the weights of the row QX_AHEAD further prefetched as they
  * stream past (kernels_avx2_qx.h's matrix-vector product); more: rows one at a time, each step
@@ -161,10 +185,10 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
     uint32_t bs = 32, ts = 0;
     smoe_ggml_block(fmt, &bs, &ts);
     const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
-    const bool has_min = gb_has_min(fmt), uns = has_min;
+    const bool has_min = gb_has_min(fmt), uns = gp_unsigned(fmt), q2k = fmt == SMOE_FMT_GGML_Q2_K;
     const size_t step_bytes = (size_t)(256 / bs) * ts, row_bytes = steps * step_bytes;
-    __m256i q[8], a[8], s[8];
-    for (int i = 0; i < 8; i++) a[i] = s[i] = _mm256_setzero_si256();
+    __m256i q[8], a[8], s[8], mq[8]; /* mq: Q2_K's mins */
+    for (int i = 0; i < 8; i++) a[i] = s[i] = mq[i] = _mm256_setzero_si256();
     if (n == 1 && cols <= MAXC) {
         _Alignas(32) uint8_t xr[MAXC];
         gp_relay(X->codes, cols, xr);
@@ -181,8 +205,13 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                 const __m256 I = _mm256_cvtepi32_ps(GQ(gp_step)(fmt, q, a, s, xr + 256 * (size_t)k, true, k));
                 tot = _mm256_fmadd_ps(I, _mm256_mul_ps(sigl, _mm256_loadu_ps(X->d + 8 * k)), tot);
                 if (has_min) bia = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + 8 * k), bia);
+                if (q2k) {
+                    gp_q2k_mins(row, k, mq);
+                    const __m256 M = _mm256_cvtepi32_ps(GQ(gp_msum)(mq, xr + 256 * (size_t)k, true, k));
+                    bia = _mm256_fmadd_ps(M, _mm256_mul_ps(mu, _mm256_loadu_ps(X->d + 8 * k)), bia);
+                }
             }
-            y[r] = has_min ? hsum8(tot) + hsum8(bia) : hsum8(tot);
+            y[r] = has_min || q2k ? hsum8(tot) + hsum8(bia) : hsum8(tot);
         }
         return;
     }
@@ -202,8 +231,9 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                 gp_decode(fmt, row, k, q, &sigl, &mu, s);
                 if (!uns)
                     for (int i = 0; i < 8; i++) a[i] = _mm256_sign_epi8(q[i], q[i]);
+                if (q2k) gp_q2k_mins(row, k, mq);
                 uint32_t t = 0;
-                if (relaid)
+                if (relaid && !q2k)
                     for (; t + 2 <= nt; t += 2) {
                         const uint8_t *ct = xr + (size_t)t * cols + 256 * (size_t)k;
                         const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
@@ -226,9 +256,13 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                     tot[t] = _mm256_fmadd_ps(I, _mm256_mul_ps(sigl, _mm256_loadu_ps(dt)), tot[t]);
                     if (has_min)
                         bia[t] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k), bia[t]);
+                    if (q2k)
+                        bia[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(GQ(gp_msum)(mq, ct, relaid, k)), _mm256_mul_ps(mu, _mm256_loadu_ps(dt)),
+                                                 bia[t]);
                 }
             }
-            for (uint32_t t = 0; t < nt; t++) y[(size_t)(t0 + t) * ldy + r] = has_min ? hsum8(tot[t]) + hsum8(bia[t]) : hsum8(tot[t]);
+            for (uint32_t t = 0; t < nt; t++)
+                y[(size_t)(t0 + t) * ldy + r] = has_min || q2k ? hsum8(tot[t]) + hsum8(bia[t]) : hsum8(tot[t]);
         }
     }
 }
@@ -238,7 +272,7 @@ GQ_ATTR static bool GQ(g_matmul_qx)(const smoe_tensor *W, const uint8_t *w, cons
     switch (W->format) {
 #define G_CASE(f)                                                                                                      \
     case f:                                                                                                            \
-        if (gp_takes(f) && W->cols % 256 == 0)                                                                         \
+        if (gp_takes_qx(f) && W->cols % 256 == 0)                                                                         \
             GQ(gp_rows)(f, W, w, X, n, y, ldy, r0, r1);                                                                \
         else                                                                                                           \
             GQ(g_qx_rows)(f, W, w, X, n, y, ldy, r0, r1);                                                              \
