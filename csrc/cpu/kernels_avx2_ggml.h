@@ -298,10 +298,28 @@ INLINE void gp_subs(const __m128i v, __m256i sub[8]) {
         }
 }
 
-/* Q2_K's mins of step k (one 256-column block) in the pair layout of gp_subs (gb_q2k_mins' m) */
-INLINE void gp_q2k_mins(const uint8_t *row, uint32_t k, __m256i m[8]) {
+/* Q2_K's min term needs Σ_{c ∈ half h} code_c per 16 columns, which does not depend on the row:
+ * a token's 16-column sums (column order, int16: |Σ| ≤ 16·127) are taken once, and a step's 8
+ * block sums Σ_h m_h·s_h are then one vpmaddwd of its 16 mins (plain order) against them. */
+INLINE void gp_halfsums(const uint8_t *x, uint32_t cols, int16_t *hs) {
+    for (uint32_t j = 0; j < cols / 16; j++) {
+        int s = 0;
+        for (int c = 0; c < 16; c++) s += (int8_t)x[16 * j + c];
+        hs[j] = (int16_t)s;
+    }
+}
+
+/* Q2_K's 16 mins of step k (gb_q2k_mins' m, byte 2b + h) as int16 */
+INLINE __m256i gp_q2k_mins(const uint8_t *row, uint32_t k) {
     const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(row + 84 * (size_t)k));
-    gp_subs(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)), m);
+    return _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)));
+}
+
+/* The step's 8 min sums (lane order, as float: exact integers) from its mins m and the token's 16
+ * half sums hs of the step */
+INLINE __m256 gp_q2k_msum(const __m256i m, const int16_t *hs) {
+    const __m256i b = _mm256_madd_epi16(m, _mm256_loadu_si256((const __m256i *)(const void *)hs));
+    return _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)));
 }
 
 /* Step k of a row in the pair layout: w[8] (signed q, or 0..31 for Q4_K / Q5_K, 0..3 for Q2_K),

@@ -134,30 +134,6 @@ GQ_ATTR INLINE __m256i GQ(gp_step)(const uint8_t fmt, const __m256i w[8], const 
     return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
 }
 
-/* Q2_K's min sums of a step (lane order): per block Σ_h m_h·Σ_{c ∈ half h} code_c, m in the pair
- * layout (gp_q2k_mins), x as gp_step's */
-GQ_ATTR INLINE __m256i GQ(gp_msum)(const __m256i m[8], const uint8_t *x, bool relaid, uint32_t k) {
-    const __m256i ones8 = _mm256_set1_epi8(1);
-    __m256i p[4];
-    for (int i = 0; i < 4; i++) {
-        __m256i x0, x1;
-        if (relaid) {
-            x0 = _mm256_loadu_si256((const __m256i *)(const void *)(x + 64 * i));
-            x1 = _mm256_loadu_si256((const __m256i *)(const void *)(x + 64 * i + 32));
-        } else {
-            gp_codes(x, k, i, &x0, &x1);
-        }
-#if GQ_VNNI
-        p[i] = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x0), m[2 * i]), _mm256_maddubs_epi16(ones8, x1),
-                                       m[2 * i + 1]);
-#else
-        p[i] = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x0), m[2 * i]),
-                                _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, x1), m[2 * i + 1]));
-#endif
-    }
-    return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-}
-
 /* gp_step for two tokens' re-laid codes x, x2 at once (each decoded register read once) */
 GQ_ATTR INLINE void GQ(gp_step2)(const uint8_t fmt, const __m256i w[8], const __m256i a[8], const __m256i s[8],
                                  const uint8_t *x, const uint8_t *x2, __m256i *h, __m256i *h2) {
@@ -187,11 +163,13 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
     const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
     const bool has_min = gb_has_min(fmt), uns = gp_unsigned(fmt), q2k = fmt == SMOE_FMT_GGML_Q2_K;
     const size_t step_bytes = (size_t)(256 / bs) * ts, row_bytes = steps * step_bytes;
-    __m256i q[8], a[8], s[8], mq[8]; /* mq: Q2_K's mins */
-    for (int i = 0; i < 8; i++) a[i] = s[i] = mq[i] = _mm256_setzero_si256();
+    __m256i q[8], a[8], s[8], mq = _mm256_setzero_si256(); /* mq: Q2_K's mins */
+    for (int i = 0; i < 8; i++) a[i] = s[i] = _mm256_setzero_si256();
     if (n == 1 && cols <= MAXC) {
         _Alignas(32) uint8_t xr[MAXC];
+        int16_t hs[MAXC / 16]; /* Q2_K: the half sums */
         gp_relay(X->codes, cols, xr);
+        if (q2k) gp_halfsums(X->codes, cols, hs);
         const size_t ahead = QX_AHEAD * row_bytes;
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
@@ -205,11 +183,9 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                 const __m256 I = _mm256_cvtepi32_ps(GQ(gp_step)(fmt, q, a, s, xr + 256 * (size_t)k, true, k));
                 tot = _mm256_fmadd_ps(I, _mm256_mul_ps(sigl, _mm256_loadu_ps(X->d + 8 * k)), tot);
                 if (has_min) bia = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + 8 * k), bia);
-                if (q2k) {
-                    gp_q2k_mins(row, k, mq);
-                    const __m256 M = _mm256_cvtepi32_ps(GQ(gp_msum)(mq, xr + 256 * (size_t)k, true, k));
-                    bia = _mm256_fmadd_ps(M, _mm256_mul_ps(mu, _mm256_loadu_ps(X->d + 8 * k)), bia);
-                }
+                if (q2k)
+                    bia = _mm256_fmadd_ps(gp_q2k_msum(gp_q2k_mins(row, k), hs + 16 * k), _mm256_mul_ps(mu, _mm256_loadu_ps(X->d + 8 * k)),
+                                          bia);
             }
             y[r] = has_min || q2k ? hsum8(tot) + hsum8(bia) : hsum8(tot);
         }
@@ -217,12 +193,17 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
     }
     __m256 tot[TT], bia[TT];
     _Alignas(32) uint8_t xr[GP_XBYTES]; /* a tile's codes in pair order */
+    int16_t hs[GP_XBYTES / 16];         /* Q2_K: its half sums (relaid; else a step's, hs1) */
     const uint32_t tt = cols <= MAXC && GP_XBYTES / cols < TT ? GP_XBYTES / cols : TT;
     const bool relaid = cols <= MAXC;
     for (uint32_t t0 = 0; t0 < n; t0 += tt) {
         const uint32_t nt = n - t0 < tt ? n - t0 : tt;
         if (relaid)
-            for (uint32_t t = 0; t < nt; t++) gp_relay((const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes, cols, xr + (size_t)t * cols);
+            for (uint32_t t = 0; t < nt; t++) {
+                const uint8_t *xt = (const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes;
+                gp_relay(xt, cols, xr + (size_t)t * cols);
+                if (q2k) gp_halfsums(xt, cols, hs + (size_t)t * (cols / 16));
+            }
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
             for (uint32_t t = 0; t < nt; t++) tot[t] = bia[t] = _mm256_setzero_ps();
@@ -231,9 +212,9 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                 gp_decode(fmt, row, k, q, &sigl, &mu, s);
                 if (!uns)
                     for (int i = 0; i < 8; i++) a[i] = _mm256_sign_epi8(q[i], q[i]);
-                if (q2k) gp_q2k_mins(row, k, mq);
+                if (q2k) mq = gp_q2k_mins(row, k);
                 uint32_t t = 0;
-                if (relaid && !q2k)
+                if (relaid)
                     for (; t + 2 <= nt; t += 2) {
                         const uint8_t *ct = xr + (size_t)t * cols + 256 * (size_t)k;
                         const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
@@ -247,6 +228,12 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                             bia[t] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(gt), bia[t]);
                             bia[t + 1] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(gt + z.gsum_floats), bia[t + 1]);
                         }
+                        if (q2k) {
+                            const int16_t *h = hs + (size_t)t * (cols / 16) + 16 * k;
+                            bia[t] = _mm256_fmadd_ps(gp_q2k_msum(mq, h), _mm256_mul_ps(mu, _mm256_loadu_ps(dt)), bia[t]);
+                            bia[t + 1] = _mm256_fmadd_ps(gp_q2k_msum(mq, h + cols / 16), _mm256_mul_ps(mu, _mm256_loadu_ps(dt + z.d_floats)),
+                                                         bia[t + 1]);
+                        }
                     }
                 for (; t < nt; t++) {
                     const uint8_t *ct = relaid ? xr + (size_t)t * cols + 256 * (size_t)k
@@ -256,9 +243,12 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                     tot[t] = _mm256_fmadd_ps(I, _mm256_mul_ps(sigl, _mm256_loadu_ps(dt)), tot[t]);
                     if (has_min)
                         bia[t] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k), bia[t]);
-                    if (q2k)
-                        bia[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(GQ(gp_msum)(mq, ct, relaid, k)), _mm256_mul_ps(mu, _mm256_loadu_ps(dt)),
-                                                 bia[t]);
+                    if (q2k) {
+                        int16_t hs1[16];
+                        if (!relaid) gp_halfsums(ct + 256 * (size_t)k, 256, hs1);
+                        const int16_t *h = relaid ? hs + (size_t)t * (cols / 16) + 16 * k : hs1;
+                        bia[t] = _mm256_fmadd_ps(gp_q2k_msum(mq, h), _mm256_mul_ps(mu, _mm256_loadu_ps(dt)), bia[t]);
+                    }
                 }
             }
             for (uint32_t t = 0; t < nt; t++)
