@@ -270,14 +270,18 @@ INLINE bool gp_takes(uint8_t fmt) {
 }
 /* Whether the 8-bit-activation fast path takes the format: gp_takes' and the low-bit K-quants
  * Q2_K and Q3_K (their f32-activation product stays on g_decode8) */
-INLINE bool gp_takes_qx(uint8_t fmt) { return gp_takes(fmt) || fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q3_K; }
+INLINE bool gp_takes_qx(uint8_t fmt) {
+    return gp_takes(fmt) || fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q4_1 ||
+           fmt == SMOE_FMT_GGML_Q5_1;
+}
 /* Formats with int16 sub-scales per 16 columns (sub) */
 INLINE bool gp_has_sub(uint8_t fmt) {
     return fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q2_K;
 }
 /* Formats whose q is unsigned (0..31), a valid u8 operand as it is */
 INLINE bool gp_unsigned(uint8_t fmt) {
-    return fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K || fmt == SMOE_FMT_GGML_Q2_K;
+    return fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K || fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q4_1 ||
+           fmt == SMOE_FMT_GGML_Q5_1;
 }
 /* |q| up to 127 or 128: two vpmaddubsw results may not be added in int16 */
 INLINE bool gp_big(uint8_t fmt) {
@@ -391,6 +395,33 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
             w[2 * p + 1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m15), h1), sixteen);
         }
         sgv = gp_f16x8(b0, 22);
+        break;
+    }
+    case SMOE_FMT_GGML_Q4_1:
+    case SMOE_FMT_GGML_Q5_1: { /* d, m, (qh,) qs: q = nibble (| fifth bit << 4), σ = d, μ = m */
+        const bool q5 = fmt == SMOE_FMT_GGML_Q5_1;
+        const uint32_t ts = q5 ? 24 : 20, o = q5 ? 8 : 4;
+        const uint8_t *b0 = row + ts * (size_t)(8 * k);
+        const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll), sixteen = _mm256_set1_epi8(16);
+        const __m256i spread0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(2));
+        for (int p = 0; p < 4; p++) {
+            const uint8_t *a = b0 + ts * 2 * p, *b = a + ts;
+            const __m256i v = gp_lu2(b + o, a + o);
+            w[2 * p] = _mm256_and_si256(v, m15);
+            w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+            if (q5) {
+                uint32_t ha, hb;
+                memcpy(&ha, a + 4, 4);
+                memcpy(&hb, b + 4, 4);
+                const __m256i h = _mm256_set_m128i(_mm_set1_epi32((int)hb), _mm_set1_epi32((int)ha));
+                w[2 * p] = _mm256_or_si256(w[2 * p], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, spread0), bit), bit), sixteen));
+                w[2 * p + 1] = _mm256_or_si256(w[2 * p + 1], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, spread1), bit), bit), sixteen));
+            }
+        }
+        sgv = gp_f16x8(b0, ts);
+        *mu = gp_f16x8(b0 + 2, ts);
         break;
     }
     case SMOE_FMT_GGML_IQ4_XS: {
