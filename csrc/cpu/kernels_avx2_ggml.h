@@ -11,8 +11,8 @@
  * free; the float operations are the reference's: tot = fma((float)I, σ·d, tot) per lane, bia =
  * fma(μ, gsum, bia), y = hsum8(tot) (+ hsum8(bia)).
  *
- * The decoders (g_decode8) work on vectors for every format but Q3_K, which takes gb_qx_decode,
- * the reference's own (the same values either way: integers and the same rounded products). */
+ * The decoders (g_decode8) work on vectors for every format but Q2_K, Q3_K, Q4_1, Q5_1, which take
+ * gb_qx_decode, the reference's own (the same values either way: integers and the same rounded products). */
 
 
 /* 32 int8 of one block: low nibbles of 16 bytes (columns 0–15) then high nibbles (16–31) */
@@ -191,8 +191,9 @@ INLINE void g_decode8(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
 
 /* ---------------------------------------------------------------- the pair layout (fast path)
  *
- * The formats people's files hold (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, IQ4_NL, IQ4_XS, MXFP4) on
- * rows of whole 256-column steps take a second form, q4's (kernels_avx2_qx.h): a step's 8 blocks
+ * The formats people's files hold (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, IQ4_NL, IQ4_XS, MXFP4; for
+ * the 8-bit-activation product also Q2_K, Q3_K, Q4_1, Q5_1: gp_takes_qx) on rows of whole
+ * 256-column steps take a second form, q4's (kernels_avx2_qx.h): a step's 8 blocks
  * as 4 pairs (2p, 2p + 1), each pair two registers, w[2p] = [block 2p columns 0–15 | block
  * 2p + 1 columns 0–15] and w[2p + 1] = the same of columns 16–31. A pair's product then holds
  * block 2p in its low 128 bits and 2p + 1 in its high ones, and three vphaddd of the 4 pairs give
