@@ -11,8 +11,8 @@
  * free; the float operations are the reference's: tot = fma((float)I, σ·d, tot) per lane, bia =
  * fma(μ, gsum, bia), y = hsum8(tot) (+ hsum8(bia)).
  *
- * The decoders (g_decode8) work on vectors for every format but Q3_K, which takes gb_qx_decode,
- * the reference's own (the same values either way: integers and the same rounded products). */
+ * The decoders (g_decode8) work on vectors for every format but Q2_K, Q3_K, Q4_1, Q5_1, which take
+ * gb_qx_decode, the reference's own (the same values either way: integers and the same rounded products). */
 
 
 /* 32 int8 of one block: low nibbles of 16 bytes (columns 0–15) then high nibbles (16–31) */
@@ -191,8 +191,9 @@ INLINE void g_decode8(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
 
 /* ---------------------------------------------------------------- the pair layout (fast path)
  *
- * The formats people's files hold (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, IQ4_NL, IQ4_XS, MXFP4) on
- * rows of whole 256-column steps take a second form, q4's (kernels_avx2_qx.h): a step's 8 blocks
+ * The formats people's files hold (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0, IQ4_NL, IQ4_XS, MXFP4; for
+ * the 8-bit-activation product also Q2_K, Q3_K, Q4_1, Q5_1: gp_takes_qx) on rows of whole
+ * 256-column steps take a second form, q4's (kernels_avx2_qx.h): a step's 8 blocks
  * as 4 pairs (2p, 2p + 1), each pair two registers, w[2p] = [block 2p columns 0–15 | block
  * 2p + 1 columns 0–15] and w[2p + 1] = the same of columns 16–31. A pair's product then holds
  * block 2p in its low 128 bits and 2p + 1 in its high ones, and three vphaddd of the 4 pairs give
@@ -268,14 +269,67 @@ INLINE bool gp_takes(uint8_t fmt) {
     }
     return false;
 }
+/* Whether the 8-bit-activation fast path takes the format: gp_takes' and the low-bit K-quants
+ * Q2_K and Q3_K (their f32-activation product stays on g_decode8) */
+INLINE bool gp_takes_qx(uint8_t fmt) {
+    return gp_takes(fmt) || fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q4_1 ||
+           fmt == SMOE_FMT_GGML_Q5_1;
+}
+/* Formats with int16 sub-scales per 16 columns (sub) */
+INLINE bool gp_has_sub(uint8_t fmt) {
+    return fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q2_K;
+}
+/* Formats whose q is unsigned (0..31), a valid u8 operand as it is */
+INLINE bool gp_unsigned(uint8_t fmt) {
+    return fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K || fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q4_1 ||
+           fmt == SMOE_FMT_GGML_Q5_1;
+}
 /* |q| up to 127 or 128: two vpmaddubsw results may not be added in int16 */
 INLINE bool gp_big(uint8_t fmt) {
     return fmt == SMOE_FMT_GGML_Q8_0 || fmt == SMOE_FMT_GGML_IQ4_NL || fmt == SMOE_FMT_GGML_IQ4_XS;
 }
 
-/* Step k of a row in the pair layout: w[8] (signed q, or 0..31 for Q4_K / Q5_K), σ in lane order,
- * μ in plain order (Q4_K, Q5_K; else untouched), and for Q6_K the sub-scales as int16 registers
- * matching w (sub[2p]: [block 2p's first | 2p + 1's first] ×8 each, sub[2p + 1] their seconds).
+/* The 16 bytes v (byte 2b + h: block b's value of half h, b < 8) as int16 registers matching the
+ * pair layout (sub[2p + c]: [block 2p's value c ×8 | 2p + 1's ×8]), sign-extended. */
+INLINE void gp_subs(const __m128i v, __m256i sub[8]) {
+    const __m256i scv = _mm256_broadcastsi128_si256(v);
+    for (int p = 0; p < 4; p++)
+        for (int c = 0; c < 2; c++) { /* bytes 4p + c, 4p + 2 + c into the high byte of each int16 lane */
+            const __m256i ctl = _mm256_setr_epi8(
+                -128, 4 * p + c, -128, 4 * p + c, -128, 4 * p + c, -128, 4 * p + c, -128, 4 * p + c, -128, 4 * p + c, -128,
+                4 * p + c, -128, 4 * p + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c, -128,
+                4 * p + 2 + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c, -128, 4 * p + 2 + c);
+            sub[2 * p + c] = _mm256_srai_epi16(_mm256_shuffle_epi8(scv, ctl), 8);
+        }
+}
+
+/* Q2_K's min term needs Σ_{c ∈ half h} code_c per 16 columns, which does not depend on the row:
+ * a token's 16-column sums (column order, int16: |Σ| ≤ 16·127) are taken once, and a step's 8
+ * block sums Σ_h m_h·s_h are then one vpmaddwd of its 16 mins (plain order) against them. */
+INLINE void gp_halfsums(const uint8_t *x, uint32_t cols, int16_t *hs) {
+    for (uint32_t j = 0; j < cols / 16; j++) {
+        int s = 0;
+        for (int c = 0; c < 16; c++) s += (int8_t)x[16 * j + c];
+        hs[j] = (int16_t)s;
+    }
+}
+
+/* Q2_K's 16 mins of step k (gb_q2k_mins' m, byte 2b + h) as int16 */
+INLINE __m256i gp_q2k_mins(const uint8_t *row, uint32_t k) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)(const void *)(row + 84 * (size_t)k));
+    return _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)));
+}
+
+/* The step's 8 min sums (lane order, as float: exact integers) from its mins m and the token's 16
+ * half sums hs of the step */
+INLINE __m256 gp_q2k_msum(const __m256i m, const int16_t *hs) {
+    const __m256i b = _mm256_madd_epi16(m, _mm256_loadu_si256((const __m256i *)(const void *)hs));
+    return _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)));
+}
+
+/* Step k of a row in the pair layout: w[8] (signed q, or 0..31 for Q4_K / Q5_K, 0..3 for Q2_K),
+ * σ in lane order, μ in plain order (Q4_K, Q5_K; for Q2_K ν = −dmin in every lane; else
+ * untouched), and for Q6_K, Q3_K, Q2_K the sub-scales as int16 registers matching w (gp_subs).
  * The values are gb_qx_decode's. */
 INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i w[8], __m256 *sigl, __m256 *mu,
                       __m256i sub[8]) {
@@ -342,6 +396,33 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
             w[2 * p + 1] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m15), h1), sixteen);
         }
         sgv = gp_f16x8(b0, 22);
+        break;
+    }
+    case SMOE_FMT_GGML_Q4_1:
+    case SMOE_FMT_GGML_Q5_1: { /* d, m, (qh,) qs: q = nibble (| fifth bit << 4), σ = d, μ = m */
+        const bool q5 = fmt == SMOE_FMT_GGML_Q5_1;
+        const uint32_t ts = q5 ? 24 : 20, o = q5 ? 8 : 4;
+        const uint8_t *b0 = row + ts * (size_t)(8 * k);
+        const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll), sixteen = _mm256_set1_epi8(16);
+        const __m256i spread0 = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0,
+                                                 1, 1, 1, 1, 1, 1, 1, 1);
+        const __m256i spread1 = _mm256_add_epi8(spread0, _mm256_set1_epi8(2));
+        for (int p = 0; p < 4; p++) {
+            const uint8_t *a = b0 + ts * 2 * p, *b = a + ts;
+            const __m256i v = gp_lu2(b + o, a + o);
+            w[2 * p] = _mm256_and_si256(v, m15);
+            w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m15);
+            if (q5) {
+                uint32_t ha, hb;
+                memcpy(&ha, a + 4, 4);
+                memcpy(&hb, b + 4, 4);
+                const __m256i h = _mm256_set_m128i(_mm_set1_epi32((int)hb), _mm_set1_epi32((int)ha));
+                w[2 * p] = _mm256_or_si256(w[2 * p], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, spread0), bit), bit), sixteen));
+                w[2 * p + 1] = _mm256_or_si256(w[2 * p + 1], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(h, spread1), bit), bit), sixteen));
+            }
+        }
+        sgv = gp_f16x8(b0, ts);
+        *mu = gp_f16x8(b0 + 2, ts);
         break;
     }
     case SMOE_FMT_GGML_IQ4_XS: {
@@ -418,7 +499,44 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
         sgv = gp_f16_all(blk + 208);
         break;
     }
-    default: break; /* not taken (gp_takes) */
+    case SMOE_FMT_GGML_Q2_K: { /* scales[16] (sub: low nibbles, mins: high), qs[64], d, dmin */
+        const uint8_t *blk = row + 84 * (size_t)k;
+        const __m256i m3 = _mm256_set1_epi8(3);
+        for (int p = 0; p < 4; p++) { /* blocks 2p, 2p + 1: 2-bit fields 2·(2p % 4), + 2 of qs half p / 2 */
+            const int sh = 4 * (p % 2);
+            const __m256i hs = _mm256_setr_epi32(sh, sh, sh, sh, sh + 2, sh + 2, sh + 2, sh + 2);
+            for (int c = 0; c < 2; c++)
+                w[2 * p + c] = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(blk + 16 + 32 * (p / 2) + 16 * c), hs), m3);
+        }
+        gp_subs(_mm_and_si128(_mm_loadu_si128((const __m128i *)(const void *)blk), _mm_set1_epi8(15)), sub);
+        sgv = gp_f16_all(blk + 80);
+        *mu = _mm256_xor_ps(gp_f16_all(blk + 82), _mm256_set1_ps(-0.0f));
+        break;
+    }
+    case SMOE_FMT_GGML_Q3_K: { /* hmask[32], qs[64], scales[12], d */
+        const uint8_t *blk = row + 110 * (size_t)k;
+        const __m256i m3 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1), four = _mm256_set1_epi8(4);
+        for (int p = 0; p < 4; p++) {
+            const int sh = 4 * (p % 2);
+            const __m256i hs = _mm256_setr_epi32(sh, sh, sh, sh, sh + 2, sh + 2, sh + 2, sh + 2);
+            const __m256i ms = _mm256_setr_epi32(2 * p, 2 * p, 2 * p, 2 * p, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1);
+            for (int c = 0; c < 2; c++) { /* q = (low 2 bits | mask bit << 2) − 4 */
+                const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(blk + 32 + 32 * (p / 2) + 16 * c), hs), m3);
+                const __m256i hb = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(blk + 16 * c), ms), one);
+                w[2 * p + c] = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 2)), four);
+            }
+        }
+        uint32_t u[3], a[4]; /* gb_scale_q3k on four bytes at a time: scale j in byte j of a */
+        memcpy(u, blk + 96, 12);
+        a[0] = (u[0] & 0x0f0f0f0fu) | ((u[2] & 0x03030303u) << 4);
+        a[1] = (u[1] & 0x0f0f0f0fu) | (((u[2] >> 2) & 0x03030303u) << 4);
+        a[2] = ((u[0] >> 4) & 0x0f0f0f0fu) | (((u[2] >> 4) & 0x03030303u) << 4);
+        a[3] = ((u[1] >> 4) & 0x0f0f0f0fu) | (((u[2] >> 6) & 0x03030303u) << 4);
+        gp_subs(_mm_sub_epi8(_mm_loadu_si128((const __m128i *)(const void *)a), _mm_set1_epi8(32)), sub);
+        sgv = gp_f16_all(blk + 108);
+        break;
+    }
+    default: break; /* not taken (gp_takes_qx) */
     }
     *sigl = _mm256_permutevar8x32_ps(sgv, lane_of);
 }

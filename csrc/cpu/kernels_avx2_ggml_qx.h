@@ -96,10 +96,10 @@ GQ_ATTR INLINE void GQ(g_qx_rows)(const uint8_t fmt, const smoe_tensor *W, const
 
 /* One pair's product (kernels_avx2_ggml.h, "the pair layout"): 8 int32 lanes, the low 4 summing
  * block 2p's products, the high 4 block 2p + 1's. w: the pair's q; a: |q| (signed formats); s:
- * Q6_K's sub-scales; x: the token's codes in pair order. */
+ * the sub-scales (Q6_K, Q3_K, Q2_K); x: the token's codes in pair order. */
 GQ_ATTR INLINE __m256i GQ(gp_pair)(const uint8_t fmt, const __m256i w0, const __m256i w1, const __m256i a0, const __m256i a1,
                                    const __m256i s0, const __m256i s1, __m256i x0, __m256i x1) {
-    const bool uns = fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K, q6 = fmt == SMOE_FMT_GGML_Q6_K;
+    const bool uns = gp_unsigned(fmt), q6 = gp_has_sub(fmt);
     const __m256i u0 = uns ? w0 : a0, u1 = uns ? w1 : a1;
     if (!uns) {
         x0 = _mm256_sign_epi8(x0, w0);
@@ -150,7 +150,7 @@ GQ_ATTR INLINE void GQ(gp_step2)(const uint8_t fmt, const __m256i w[8], const __
     *h2 = _mm256_hadd_epi32(_mm256_hadd_epi32(p2[0], p2[1]), _mm256_hadd_epi32(p2[2], p2[3]));
 }
 
-/* The fast path's product (gp_takes formats, cols a multiple of 256): the reference's float
+/* The fast path's product (gp_takes_qx formats, cols a multiple of 256): the reference's float
  * operations exactly as g_qx_rows. One token (and cols ≤ MAXC): x re-laid once into pair order
  * on the stack, rows one at a time, the weights of the row QX_AHEAD further prefetched as they
  * stream past (kernels_avx2_qx.h's matrix-vector product); more: rows one at a time, each step
@@ -161,13 +161,15 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
     uint32_t bs = 32, ts = 0;
     smoe_ggml_block(fmt, &bs, &ts);
     const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
-    const bool has_min = gb_has_min(fmt), uns = has_min;
+    const bool has_min = gb_has_min(fmt), uns = gp_unsigned(fmt), q2k = fmt == SMOE_FMT_GGML_Q2_K;
     const size_t step_bytes = (size_t)(256 / bs) * ts, row_bytes = steps * step_bytes;
-    __m256i q[8], a[8], s[8];
+    __m256i q[8], a[8], s[8], mq = _mm256_setzero_si256(); /* mq: Q2_K's mins */
     for (int i = 0; i < 8; i++) a[i] = s[i] = _mm256_setzero_si256();
     if (n == 1 && cols <= MAXC) {
         _Alignas(32) uint8_t xr[MAXC];
+        int16_t hs[MAXC / 16]; /* Q2_K: the half sums */
         gp_relay(X->codes, cols, xr);
+        if (q2k) gp_halfsums(X->codes, cols, hs);
         const size_t ahead = QX_AHEAD * row_bytes;
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
@@ -181,19 +183,27 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                 const __m256 I = _mm256_cvtepi32_ps(GQ(gp_step)(fmt, q, a, s, xr + 256 * (size_t)k, true, k));
                 tot = _mm256_fmadd_ps(I, _mm256_mul_ps(sigl, _mm256_loadu_ps(X->d + 8 * k)), tot);
                 if (has_min) bia = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + 8 * k), bia);
+                if (q2k)
+                    bia = _mm256_fmadd_ps(gp_q2k_msum(gp_q2k_mins(row, k), hs + 16 * k), _mm256_mul_ps(mu, _mm256_loadu_ps(X->d + 8 * k)),
+                                          bia);
             }
-            y[r] = has_min ? hsum8(tot) + hsum8(bia) : hsum8(tot);
+            y[r] = has_min || q2k ? hsum8(tot) + hsum8(bia) : hsum8(tot);
         }
         return;
     }
     __m256 tot[TT], bia[TT];
     _Alignas(32) uint8_t xr[GP_XBYTES]; /* a tile's codes in pair order */
+    int16_t hs[GP_XBYTES / 16];         /* Q2_K: its half sums (relaid; else a step's, hs1) */
     const uint32_t tt = cols <= MAXC && GP_XBYTES / cols < TT ? GP_XBYTES / cols : TT;
     const bool relaid = cols <= MAXC;
     for (uint32_t t0 = 0; t0 < n; t0 += tt) {
         const uint32_t nt = n - t0 < tt ? n - t0 : tt;
         if (relaid)
-            for (uint32_t t = 0; t < nt; t++) gp_relay((const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes, cols, xr + (size_t)t * cols);
+            for (uint32_t t = 0; t < nt; t++) {
+                const uint8_t *xt = (const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes;
+                gp_relay(xt, cols, xr + (size_t)t * cols);
+                if (q2k) gp_halfsums(xt, cols, hs + (size_t)t * (cols / 16));
+            }
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
             for (uint32_t t = 0; t < nt; t++) tot[t] = bia[t] = _mm256_setzero_ps();
@@ -202,6 +212,7 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                 gp_decode(fmt, row, k, q, &sigl, &mu, s);
                 if (!uns)
                     for (int i = 0; i < 8; i++) a[i] = _mm256_sign_epi8(q[i], q[i]);
+                if (q2k) mq = gp_q2k_mins(row, k);
                 uint32_t t = 0;
                 if (relaid)
                     for (; t + 2 <= nt; t += 2) {
@@ -217,6 +228,12 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                             bia[t] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(gt), bia[t]);
                             bia[t + 1] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(gt + z.gsum_floats), bia[t + 1]);
                         }
+                        if (q2k) {
+                            const int16_t *h = hs + (size_t)t * (cols / 16) + 16 * k;
+                            bia[t] = _mm256_fmadd_ps(gp_q2k_msum(mq, h), _mm256_mul_ps(mu, _mm256_loadu_ps(dt)), bia[t]);
+                            bia[t + 1] = _mm256_fmadd_ps(gp_q2k_msum(mq, h + cols / 16), _mm256_mul_ps(mu, _mm256_loadu_ps(dt + z.d_floats)),
+                                                         bia[t + 1]);
+                        }
                     }
                 for (; t < nt; t++) {
                     const uint8_t *ct = relaid ? xr + (size_t)t * cols + 256 * (size_t)k
@@ -226,9 +243,16 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                     tot[t] = _mm256_fmadd_ps(I, _mm256_mul_ps(sigl, _mm256_loadu_ps(dt)), tot[t]);
                     if (has_min)
                         bia[t] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k), bia[t]);
+                    if (q2k) {
+                        int16_t hs1[16];
+                        if (!relaid) gp_halfsums(ct + 256 * (size_t)k, 256, hs1);
+                        const int16_t *h = relaid ? hs + (size_t)t * (cols / 16) + 16 * k : hs1;
+                        bia[t] = _mm256_fmadd_ps(gp_q2k_msum(mq, h), _mm256_mul_ps(mu, _mm256_loadu_ps(dt)), bia[t]);
+                    }
                 }
             }
-            for (uint32_t t = 0; t < nt; t++) y[(size_t)(t0 + t) * ldy + r] = has_min ? hsum8(tot[t]) + hsum8(bia[t]) : hsum8(tot[t]);
+            for (uint32_t t = 0; t < nt; t++)
+                y[(size_t)(t0 + t) * ldy + r] = has_min || q2k ? hsum8(tot[t]) + hsum8(bia[t]) : hsum8(tot[t]);
         }
     }
 }
@@ -238,7 +262,7 @@ GQ_ATTR static bool GQ(g_matmul_qx)(const smoe_tensor *W, const uint8_t *w, cons
     switch (W->format) {
 #define G_CASE(f)                                                                                                      \
     case f:                                                                                                            \
-        if (gp_takes(f) && W->cols % 256 == 0)                                                                         \
+        if (gp_takes_qx(f) && W->cols % 256 == 0)                                                                         \
             GQ(gp_rows)(f, W, w, X, n, y, ldy, r0, r1);                                                                \
         else                                                                                                           \
             GQ(g_qx_rows)(f, W, w, X, n, y, ldy, r0, r1);                                                              \
