@@ -180,14 +180,20 @@ def test_layer_major_is_token_serial_bit_for_bit(case):
         assert np.array_equal(tail.view(np.uint32), want[15:].view(np.uint32))
 
 
-def test_rewind_to_mid_prompt_gives_a_fresh_runs_logits(case):
+def _cpu(v, **kw):
+    return v.session(threads=2, **kw)
+
+
+def check_rewinds(case, open_session) -> None:
+    """Rewinds before, past and onto a snapshot (and below one, which is then not used again)
+    give a fresh run's bits: the states restored from the snapshot or recomputed from position 0."""
     name, vault, model = case
     ids = sample_ids(model.config.vocab_size, 30, seed=3)
     other = sample_ids(model.config.vocab_size, 12, seed=4)
     with pysmoe.open_vault(vault) as v:
-        with v.session(chunk=8, threads=2) as fresh:
+        with open_session(v, chunk=8) as fresh:
             want = fresh.prefill_logits(ids[:13] + other, rows=list(range(13, 25)))
-        with v.session(chunk=8, threads=2) as s:
+        with open_session(v, chunk=8) as s:
             s.prefill(ids)                      # snapshot at 30
             for t in other[:3]:
                 s.decode(t)
@@ -198,7 +204,7 @@ def test_rewind_to_mid_prompt_gives_a_fresh_runs_logits(case):
             s.rewind(17)
             again = np.stack([s.decode(t) for t in other[4:8]])
             assert np.array_equal(again.view(np.uint32), want[4:8].view(np.uint32)), name
-        with v.session(chunk=8, threads=2) as s:  # a snapshot a rewind went below is not used again
+        with open_session(v, chunk=8) as s:  # a snapshot a rewind went below is not used again
             s.prefill(ids[:20])                 # snapshot at 20
             s.rewind(13)
             for t in other[:9]:                 # decoded, no new snapshot: position 22
@@ -206,7 +212,7 @@ def test_rewind_to_mid_prompt_gives_a_fresh_runs_logits(case):
             s.rewind(21)                        # past 20, but the snapshot's ids are gone
             got = np.stack([s.decode(t) for t in other[8:12]])
             assert np.array_equal(got.view(np.uint32), want[8:12].view(np.uint32)), name
-        with v.session(chunk=8, threads=2) as s:  # the chat case: back to the end of the prompt
+        with open_session(v, chunk=8) as s:  # the chat case: back to the end of the prompt
             s.prefill(ids[:13])                 # snapshot at 13
             for t in ids[13:20]:
                 s.decode(t)
@@ -215,7 +221,12 @@ def test_rewind_to_mid_prompt_gives_a_fresh_runs_logits(case):
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
 
 
-def test_batched_decode_equals_each_alone(case):
+def test_rewind_to_mid_prompt_gives_a_fresh_runs_logits(case):
+    check_rewinds(case, _cpu)
+
+
+def check_batched_decode(case, open_session) -> None:
+    """Sessions of one share decode together, each row with its own states, as each alone."""
     name, vault, model = case
     V = model.config.vocab_size
     prompts = [sample_ids(V, 9, seed=10), sample_ids(V, 4, seed=11), sample_ids(V, 13, seed=12)]
@@ -223,10 +234,10 @@ def test_batched_decode_equals_each_alone(case):
     with pysmoe.open_vault(vault) as v:
         alone = []
         for p, st in zip(prompts, steps):
-            with v.session(chunk=16, threads=2) as s:
+            with open_session(v, chunk=16) as s:
                 s.prefill(p)
                 alone.append(np.stack([s.decode(t) for t in st]))
-        with v.session(chunk=16, threads=2) as lead:
+        with open_session(v, chunk=16) as lead:
             others = [v.session(share_cache=lead, chunk=16) for _ in range(2)]
             ss = [lead] + others
             for s, p in zip(ss, prompts):
@@ -237,6 +248,10 @@ def test_batched_decode_equals_each_alone(case):
                     assert np.array_equal(out[i].view(np.uint32), alone[i][j].view(np.uint32)), (name, i, j)
             for o in others:
                 o.close()
+
+
+def test_batched_decode_equals_each_alone(case):
+    check_batched_decode(case, _cpu)
 
 
 def test_the_vision_tower_and_mtp_are_left_out(tmp_path):
@@ -410,56 +425,13 @@ def test_gpu_agrees_with_the_cpu_and_its_own_paths(case):
 
 
 def test_gpu_rewinds_to_a_fresh_runs_bits(case):
-    """The states on the GPU follow rewinds as the CPU's do: restored from the snapshot or
-    recomputed from position 0, the next logits are a fresh run's bits."""
-    name, vault, model = case
-    ids = sample_ids(model.config.vocab_size, 30, seed=3)
-    other = sample_ids(model.config.vocab_size, 12, seed=4)
-    with pysmoe.open_vault(vault) as v:
-        with _gpu(v, chunk=8) as fresh:
-            want = fresh.prefill_logits(ids[:13] + other, rows=list(range(13, 25)))
-        with _gpu(v, chunk=8) as s:
-            s.prefill(ids)                      # snapshot at 30
-            for t in other[:3]:
-                s.decode(t)
-            s.rewind(13)                        # before the snapshot: recomputed from position 0
-            got = s.prefill_logits(other, rows=list(range(12)))
-            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
-            s.rewind(17)                        # the snapshot (at 25) is past it: recomputed again
-            again = np.stack([s.decode(t) for t in other[4:8]])
-            assert np.array_equal(again.view(np.uint32), want[4:8].view(np.uint32)), name
-        with _gpu(v, chunk=8) as s:             # the chat case: back to the snapshot
-            s.prefill(ids[:13])                 # snapshot at 13
-            for t in ids[13:20]:
-                s.decode(t)
-            s.rewind(13)
-            got = s.prefill_logits(other, rows=list(range(12)))
-            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), name
+    """The states on the GPU follow rewinds as the CPU's do."""
+    check_rewinds(case, _gpu)
 
 
 def test_gpu_batched_decode_equals_each_alone(case):
     """Sessions of one share decoding together on the GPU, each row with its own states."""
-    name, vault, model = case
-    V = model.config.vocab_size
-    prompts = [sample_ids(V, 9, seed=10), sample_ids(V, 4, seed=11), sample_ids(V, 13, seed=12)]
-    steps = [sample_ids(V, 5, seed=20 + i) for i in range(3)]
-    with pysmoe.open_vault(vault) as v:
-        alone = []
-        for p, st_ in zip(prompts, steps):
-            with _gpu(v, chunk=16) as s:
-                s.prefill(p)
-                alone.append(np.stack([s.decode(t) for t in st_]))
-        with _gpu(v, chunk=16) as lead:
-            others = [v.session(share_cache=lead, chunk=16) for _ in range(2)]
-            ss = [lead] + others
-            for s, p in zip(ss, prompts):
-                s.prefill(p)
-            for j in range(5):
-                out = pysmoe.decode_batch(ss, [steps[i][j] for i in range(3)])
-                for i in range(3):
-                    assert np.array_equal(out[i].view(np.uint32), alone[i][j].view(np.uint32)), (name, i, j)
-            for o in others:
-                o.close()
+    check_batched_decode(case, _gpu)
 
 
 def test_gpu_quantized_hybrids(q4_hybrids):
