@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -26,19 +25,9 @@ import pysmoe  # noqa: E402
 from pysmoe._ffi import lib  # noqa: E402
 from pysmoe.bench import DirectReader, floor_rates, loadavg, machine_info, make_prompt  # noqa: E402
 
-from disk_floor import FLOOR_BYTES, floor_sweep, union_offsets  # noqa: E402  (bench/, this script's folder)
+from disk_floor import FLOOR_BYTES, drop_caches, floor_sweep, union_offsets  # noqa: E402  (bench/, this script's folder)
 
 MiB = 1 << 20
-
-
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def main() -> int:

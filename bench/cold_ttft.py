@@ -39,20 +39,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
+from disk_floor import drop_caches  # noqa: E402  (bench/, this script's folder)
+
 MiB = 1 << 20
 FLOOR_PATTERNS = "blobs:4,blobs:16,blobs:32,runs16:4,runs16:8"
 SESSION_KEYS = {"io_threads": int, "coalesce_bytes": int, "verify_blobs": lambda x: x not in ("0", "off", "false"),
                 "chunk": int}
-
-
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def parse_setting(text: str) -> tuple[str, dict, dict]:

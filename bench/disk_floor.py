@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,6 +35,17 @@ MiB = 1 << 20
 FLOOR_DEPTHS = (1, 4, 8, 16, 32)
 FLOOR_BYTES = 256 * MiB  # per pattern and pass: 24 patterns × 2 passes ≈ 12 GiB read per prompt length
 FLOOR_SPANS = ((4, (1, 4, 16, 32)), (16, (1, 4, 16, 32)), (64, (1, 4, 8)))  # MiB, depths (≤ 512 MiB in flight)
+
+
+def drop_caches() -> bool:
+    """Sync and drop the page cache (root only); False where it cannot."""
+    try:
+        subprocess.run(["sync"], check=True)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
 
 
 def floor_patterns(io_threads: int, coalesce_bytes: int, blob_bytes: int) -> list[tuple]:
