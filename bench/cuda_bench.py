@@ -9,9 +9,12 @@
    length (a fresh prompt per repeat, median) and decode tokens/s, against the HBM floor (bytes of
    weights one token touches / measured HBM bandwidth);
 3. budget: a VRAM expert cache of `budget` × the experts, the rest in the host cache (pinned, warm):
-   TTFT at 45 and the longest length and decode tokens/s, against the host-to-device floor (bytes
-   uploaded in the run / pinned bandwidth), and layer-major against token-serial at 45 tokens
-   (each session's host cache warmed by the same layer-major prefills);
+   TTFT at each length and decode tokens/s, against the host-to-device floor (bytes uploaded in
+   the run / pinned bandwidth), the session's host cache warmed by two prefills first. With --vram-gb G[,G...] the budget is a
+   whole GPU of G GiB instead (issue 30, item 2): the expert cache is G GiB less what the session
+   holds besides (dense weights, KV cache, planes: vram_other_bytes), less the CUDA context and
+   --vram-reserve-gb of slack; each budget is reported with the VRAM the process really held
+   (torch.cuda.mem_get_info at its peak);
 4. cold: TTFT at 45 tokens from the disk (page cache dropped, empty caches), against the disk floor
    (bytes read / O_DIRECT bandwidth of vault.bin measured just before).
 Medians of --repeats runs; the contenders of 3. alternate within each repeat."""
@@ -143,6 +146,61 @@ def profile(s, v, n, after=45):
     print(f"prefill {n}\n" + pr.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
 
 
+def run_budget(a, v, common, lengths, name, value, gpu, lim):
+    """TTFT at each length and decode tok/s with a VRAM expert cache of gpu bytes, the host cache warm."""
+    bw = lim["h2d_Bps"][int(2.5 * (1 << 20))]
+    peak = [0]
+
+    def note_vram():
+        try:
+            import torch
+            free, total = torch.cuda.mem_get_info()
+            peak[0] = max(peak[0], total - free)
+        except Exception:  # no torch: the figure is left out
+            pass
+    s = v.session(device="cuda", gpu_cache_bytes=gpu, **common)
+    for p in prompts(v, max(lengths), 2, 5):  # the host cache warm: every expert those prompts touch is in RAM
+        timed_prefill(s, p)
+    note_vram()
+    bud = {"budget": name, "value": value, "gpu_cache_bytes": gpu, "ttft": {}, "floor_s": {}, "uploaded_bytes": {}}
+    for n in sorted(set(lengths) | {45}):
+        ts, fl, ub = [], [], []
+        for p in prompts(v, n, a.repeats, 1000 + n):
+            d0 = s.device_stats()["upload_bytes"]
+            t, _ = timed_prefill(s, p)
+            d = s.device_stats()["upload_bytes"] - d0
+            ts.append(t)
+            fl.append(d / bw)
+            ub.append(d)
+        note_vram()
+        key = f"layer-major@{n}"
+        bud["ttft"][key] = statistics.median(ts)
+        bud["floor_s"][key] = statistics.median(fl)
+        bud["uploaded_bytes"][key] = statistics.median(ub)
+        print("budget", name, key, bud["ttft"][key], bud["floor_s"][key], flush=True)
+    dec, fl, hits = [], [], []
+    for p in prompts(v, 45, a.repeats, 11):
+        _, first = timed_prefill(s, p)
+        st0 = s.device_stats()
+        tps = timed_decode(s, first, a.decode)
+        st = s.device_stats()
+        d = st["upload_bytes"] - st0["upload_bytes"]
+        dec.append(tps)
+        fl.append(a.decode / (d / bw) if d else float("inf"))
+        uses = (st["vram_hits"] - st0["vram_hits"]) + (st["vram_misses"] - st0["vram_misses"])
+        hits.append((st["vram_hits"] - st0["vram_hits"]) / uses if uses else 1.0)
+    note_vram()
+    bud["decode_tps"] = statistics.median(dec)
+    bud["decode_floor_tps"] = statistics.median(fl)
+    bud["decode_vram_hit_rate"] = statistics.median(hits)
+    bud["h2d_Bps"] = bw
+    bud["backend"] = s.backend
+    bud["vram_peak_bytes"] = peak[0]
+    s.close()
+    print("budget", json.dumps(bud), flush=True)
+    return bud
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("vault")
@@ -150,6 +208,10 @@ def main():
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", type=float, default=0.1)
+    ap.add_argument("--vram-gb", default="",
+                    help="comma list of whole-GPU VRAM budgets in GiB for the budget part (replaces --budget there)")
+    ap.add_argument("--vram-reserve-gb", type=float, default=0.5,
+                    help="slack kept free under each --vram-gb budget besides the CUDA context")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list of parts to skip: resident,budget")
     ap.add_argument("--cold-repeats", type=int, default=1)
@@ -214,50 +276,23 @@ def main():
                 profile(s, v, a.profile, a.profile_after)
 
     if "budget" not in skip:
-        gpu = int(a.budget * experts)
-        bw = lim["h2d_Bps"][int(2.5 * (1 << 20))]
-        ls = {}
-        for path in ("layer-major", "token-serial"):
-            ls[path] = v.session(device="cuda", gpu_cache_bytes=gpu, prefill=path, **common)
-        for s in ls.values():  # each host cache warm: every expert those prompts touch is in RAM
-            path, s.prefill_path = s.prefill_path, "layer-major"
-            for p in prompts(v, longest, 2, 5):
-                timed_prefill(s, p)
-            s.prefill_path = path
-        bud = {"gpu_cache_bytes": gpu, "ttft": {}, "floor_s": {}, "uploaded_bytes": {}}
-        for n in sorted({45, longest}):
-            paths = ("layer-major", "token-serial") if n == 45 else ("layer-major",)
-            for path in paths:
-                s = ls[path]
-                ts, fl, ub = [], [], []
-                for p in prompts(v, n, a.repeats, 1000 + n):
-                    d0 = s.device_stats()["upload_bytes"]
-                    t, _ = timed_prefill(s, p)
-                    d = s.device_stats()["upload_bytes"] - d0
-                    ts.append(t)
-                    fl.append(d / bw)
-                    ub.append(d)
-                bud["ttft"][f"{path}@{n}"] = statistics.median(ts)
-                bud["floor_s"][f"{path}@{n}"] = statistics.median(fl)
-                bud["uploaded_bytes"][f"{path}@{n}"] = statistics.median(ub)
-                print("budget", path, n, bud["ttft"][f"{path}@{n}"], bud["floor_s"][f"{path}@{n}"], flush=True)
-        s = ls["layer-major"]
-        dec, fl = [], []
-        for p in prompts(v, 45, a.repeats, 11):
-            _, first = timed_prefill(s, p)
-            d0 = s.device_stats()["upload_bytes"]
-            tps = timed_decode(s, first, a.decode)
-            d = s.device_stats()["upload_bytes"] - d0
-            dec.append(tps)
-            fl.append(a.decode / (d / bw) if d else float("inf"))
-        bud["decode_tps"] = statistics.median(dec)
-        bud["decode_floor_tps"] = statistics.median(fl)
-        bud["h2d_Bps"] = bw
-        bud["backend"] = s.backend
-        out["budget"] = bud
-        for s in ls.values():
-            s.close()
-        print("budget", json.dumps(bud), flush=True)
+        budgets = [("fraction", a.budget, int(a.budget * experts))]
+        if a.vram_gb:
+            import torch
+            torch.cuda.empty_cache()  # limits()' buffers back to the driver
+            free0, total = torch.cuda.mem_get_info()
+            context = total - free0  # the CUDA context (torch's and libsmoe's share the primary one)
+            with v.session(device="cuda", gpu_cache_bytes=v.blob_bytes, **common) as probe:
+                other = probe.device_stats()["vram_other_bytes"]
+            budgets = []
+            for g in (float(x) for x in a.vram_gb.split(",")):
+                cache = int(g * (1 << 30) - context - other - a.vram_reserve_gb * (1 << 30))
+                budgets.append((f"{g:g} GiB", g, min(max(cache, v.blob_bytes), experts + v.blob_bytes)))
+            out["vram"] = {"context_bytes": context, "other_bytes": other, "total_bytes": total}
+            print("vram", json.dumps(out["vram"]), flush=True)
+        out["budgets"] = [run_budget(a, v, common, lengths, name, value, gpu, lim)
+                          for name, value, gpu in budgets]
+        out["budget"] = out["budgets"][0]
     if "cold" not in skip:
         gpu = int(a.budget * experts)
         cold = {"disk_Bps": disk_bandwidth(a.vault), "dropped_page_cache": drop_page_cache(), "runs": []}

@@ -12,6 +12,9 @@
 # the same machine, it skips what is done (the build, the GGUF): a build cut short by a call's time
 # limit goes on where it stopped. LLAMA_STEPS=build stops after the build, LLAMA_STEPS=build,export
 # after the export (to build while the GPU does other work, and bench later on the warm machine).
+# LLAMA_BENCH_ARGS replaces llama-bench's arguments (not -m and -o); with LLAMA_NCMOE="0 8 ..." it runs
+# once per --n-cpu-moe value (that many layers' experts kept in host RAM, on the CPU) and records each
+# run's peak VRAM (nvidia-smi every 100 ms) beside its rows: llama.cpp on a GPU smaller than the model.
 set -o pipefail
 [ $# -ge 2 ] || { sed -n 2,12p "$0"; exit 2; }
 SRC=$1
@@ -40,24 +43,39 @@ STEPS=${LLAMA_STEPS:-build,export,bench}
 [[ $STEPS == *export* ]] || exit 0
 
 t0=$(date +%s)
-if [ ! -s "$W/model.gguf" ]; then
-    PYTHONPATH="$W/gguf-py${PYTHONPATH:+:$PYTHONPATH}" python3 scripts/export_gguf.py "$VAULT" "$W/model.part.gguf" \
+MODEL="$W/$(basename "$VAULT").gguf" # one GGUF a vault, so that a second vault gets its own
+if [ ! -s "$MODEL" ]; then
+    PYTHONPATH="$W/gguf-py${PYTHONPATH:+:$PYTHONPATH}" python3 scripts/export_gguf.py "$VAULT" "$MODEL.part" \
         --threads "$(nproc)" >"$OUT/export.log" 2>&1 || { tail -20 "$OUT/export.log"; exit 1; }
-    mv "$W/model.part.gguf" "$W/model.gguf" # whole or not at all: a call cut short starts the export again
+    mv "$MODEL.part" "$MODEL" # whole or not at all: a call cut short starts the export again
 fi
-echo "GGUF written in $(($(date +%s) - t0)) s: $(du -h "$W/model.gguf" | cut -f1)"
+echo "GGUF written in $(($(date +%s) - t0)) s: $(du -h "$MODEL" | cut -f1)"
 [[ $STEPS == *bench* ]] || exit 0
 
-"$W/build/bin/llama-bench" -m "$W/model.gguf" -ngl 99 -fa 0,1 -b 2048 -ub 512,1024 -p 45,256,1024 -n 32 -r 3 \
-    -o json "$@" >"$OUT/llama-bench.json" 2>"$OUT/llama-bench.log" || { tail -20 "$OUT/llama-bench.log"; exit 1; }
-python3 - "$OUT/llama-bench.json" <<'EOF'
+read -r -a ARGS <<<"${LLAMA_BENCH_ARGS:--ngl 99 -fa 0,1 -b 2048 -ub 512,1024 -p 45,256,1024 -n 32 -r 3}"
+JSONS=()
+for N in ${LLAMA_NCMOE:-none}; do
+    tag=${N/none/all}
+    NC=()
+    [ "$N" = none ] || NC=(-ncmoe "$N")
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$OUT/vram-$tag.log" 2>/dev/null &
+    poll=$!
+    "$W/build/bin/llama-bench" -m "$MODEL" "${ARGS[@]}" "${NC[@]}" -o json "$@" >"$OUT/llama-bench-$tag.json" \
+        2>"$OUT/llama-bench-$tag.log"
+    rc=$?
+    kill "$poll" 2>/dev/null
+    [ $rc = 0 ] || { tail -20 "$OUT/llama-bench-$tag.log"; exit 1; }
+    echo "n_cpu_moe=$tag: peak VRAM $(sort -n "$OUT/vram-$tag.log" | tail -1) MiB"
+    JSONS+=("$OUT/llama-bench-$tag.json")
+done
+python3 - "${JSONS[@]}" <<'EOF'
 import json, sys
-rows = json.load(open(sys.argv[1]))
+rows = [r for f in sys.argv[1:] for r in json.load(open(f))]
 best = {}
 for r in rows:
     test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
-    setting = f"fa={int(r.get('flash_attn', 0))} ub={r.get('n_ubatch')}"
-    print(f"{test:8s} {setting:14s} {r['avg_ts']:10.1f} tok/s (± {r.get('stddev_ts', 0):.1f})")
+    setting = f"fa={int(r.get('flash_attn', 0))} ub={r.get('n_ubatch')} t={r.get('n_threads')} ncmoe={r.get('n_cpu_moe', 0)}"
+    print(f"{test:8s} {setting:32s} {r['avg_ts']:10.1f} tok/s (± {r.get('stddev_ts', 0):.1f})")
     if r["avg_ts"] > best.get(test, (0, ""))[0]:
         best[test] = (r["avg_ts"], setting)
 print("llama.cpp at its best: " + json.dumps({t: {"tok_s": round(v, 1), "setting": s} for t, (v, s) in best.items()}))
