@@ -228,6 +228,39 @@ def test_a_chunk_uploads_each_union_expert_once(mini_vault):
             assert s.device_stats()["uploads"] == before
 
 
+def test_a_vram_cache_smaller_than_a_prompts_experts_keeps_each_layers_share(mini_vault, monkeypatch):
+    """A prompt's union is most of each layer's experts. With 3/4 of the experts in VRAM, a second
+    prefill of the same prompt uploads only what does not fit in each layer's share of the slots;
+    with one LRU list over all layers (SMOE_CUDA_VRAM_LRU=global) each layer's misses evict what the
+    next layer needs and it re-uploads nearly everything. The bits are the same either way."""
+    rng = np.random.default_rng(5)
+    runs = {}
+    for policy in ("shares", "global"):
+        if policy == "global":
+            monkeypatch.setenv("SMOE_CUDA_VRAM_LRU", "global")
+        with pysmoe.open_vault(mini_vault) as v:
+            prompt = rng.integers(0, v.config["vocab_size"], 45).tolist() if policy == "shares" else runs["prompt"]
+            runs["prompt"] = prompt
+            layers, experts = v.config["num_hidden_layers"], v.config["num_experts"]
+            gpu = layers * experts * v.blob_bytes * 3 // 4
+            with _cuda_session(v, chunk=64, gpu_cache_bytes=gpu, cache_bytes=1 << 30) as s:
+                s.prefill(prompt)
+                unions = s.stats()["union_sizes"]
+                d = s.device_stats()
+                assert d["vram_slots"] == layers * experts * 3 // 4
+                share = d["vram_slots"] // layers
+                s.reset()
+                logits = s.prefill(prompt)
+                again = s.device_stats()["uploads"] - d["uploads"]
+                runs[policy] = (again, logits.tobytes(), sum(max(0, u - share) for u in unions), sum(unions))
+    again, first, missing, union = runs["shares"]
+    assert missing > 0 and union > 2 * missing  # the case: most of each union fits in a share
+    assert again <= missing
+    g_again, g_first, _, _ = runs["global"]
+    assert g_again > 2 * missing  # what the shares mend
+    assert first == g_first
+
+
 def test_a_small_vram_budget_gives_the_same_bits(mini_vault):
     rng = np.random.default_rng(4)
     with pysmoe.open_vault(mini_vault) as v:

@@ -41,7 +41,13 @@ typedef struct {
     uint32_t n_vslots;
     int32_t *vslot_of;         /* (layers × experts) */
     int64_t *vslot_key;        /* (n_vslots) −1: empty */
-    uint32_t *prev, *next;     /* LRU list over slots, sentinel n_vslots; head = least recent */
+    /* LRU lists over the slots, one a sparse layer (each layer its share of the slots) or one for
+     * all (SMOE_CUDA_VRAM_LRU=global, or fewer than 2 slots a layer): list j's sentinel is
+     * n_vslots + j, its head the least recent; slot_list[slot] and list_of[layer] say which list. */
+    uint32_t *prev, *next;     /* (n_vslots + n_lists) */
+    uint32_t n_lists, batch;   /* batch: the most fills in flight in one layer (tier_batch) */
+    uint32_t *slot_list;       /* (n_vslots) */
+    uint32_t *list_of;         /* (layers) */
     smoe_cu_event *vslot_ev;   /* (n_vslots) the event after the last product that read it, or NULL */
     uint32_t *resident;        /* (layers) experts of the layer in VRAM */
     bool fills_pending;        /* fills since the compute stream last waited for them */
