@@ -242,6 +242,24 @@ static inline bool gb_takes_codes(uint8_t fmt) {
     return false;
 }
 
+/* The activation block type ggml's CPU backend quantises x into for products with this format (its
+ * type_traits_cpu[].vec_dot_type), which smoe_qx_prepare imitates for the GGML formats: Q8_1 for
+ * Q4_1 and Q5_1, Q8_K for the K-quants and IQ4_XS, Q8_0 for the rest. */
+enum { GB_ACT_Q8_0, GB_ACT_Q8_1, GB_ACT_Q8_K };
+static inline int gb_act_type(uint8_t fmt) {
+    switch (fmt) {
+    case SMOE_FMT_GGML_Q4_1:
+    case SMOE_FMT_GGML_Q5_1: return GB_ACT_Q8_1;
+    case SMOE_FMT_GGML_Q2_K:
+    case SMOE_FMT_GGML_Q3_K:
+    case SMOE_FMT_GGML_Q4_K:
+    case SMOE_FMT_GGML_Q5_K:
+    case SMOE_FMT_GGML_Q6_K:
+    case SMOE_FMT_GGML_IQ4_XS: return GB_ACT_Q8_K;
+    }
+    return GB_ACT_Q8_0;
+}
+
 /* Whether the format carries a min (μ ≠ 0): Q4_1, Q5_1, Q4_K, Q5_K (their q are non-negative). */
 static inline bool gb_has_min(uint8_t fmt) {
     return fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K || fmt == SMOE_FMT_GGML_Q4_1 ||

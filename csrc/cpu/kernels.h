@@ -25,8 +25,12 @@ void smoe_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x, si
  * in the fixed order kernels_ref.c states. Integer sums are exact, so only that float order
  * matters, and it depends on cols and the group size only: never on n, the rows or the threads.
  *
- * smoe_qx_prepare fills the three arrays for n tokens for weights of format wfmt (q8 or q4: the
- * code layout differs) and group size `group` (32, 64 or 128: the group sums differ), with the
+ * The GGML block formats take their activations as ggml's CPU backend quantises them for that
+ * weight type (Q8_0, Q8_1 or Q8_K blocks: kernels_ref.c, ref_ggml_prepare), so an imported GGUF
+ * computes what llama.cpp computes on it, up to the order of float sums.
+ *
+ * smoe_qx_prepare fills the three arrays for n tokens for weights of format wfmt (q8, q4 or a GGML
+ * format: the code layout differs) and group size `group` (32, 64 or 128: the group sums differ), with the
  * sizes smoe_qx_sizes gives per token. Only gsum_floats depends on the group, and it is largest
  * for group 32, so planes sized for (cols, q8, 32) hold any product of cols or fewer columns. */
 typedef struct {
@@ -35,7 +39,7 @@ typedef struct {
     const float *gsum;  /* (n, gsum_floats) group sums, zero-padded to a multiple of 8 */
     uint32_t cols;
     uint32_t group;     /* the weights' group size the sums were made for */
-    uint8_t wformat;    /* SMOE_FMT_Q8 or SMOE_FMT_Q4 */
+    uint8_t wformat;    /* SMOE_FMT_Q8, SMOE_FMT_Q4 or the GGML format they were made for */
 } smoe_qx;
 
 typedef struct {

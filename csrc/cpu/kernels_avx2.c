@@ -410,6 +410,80 @@ INLINE __m256 qx_sigma(const uint32_t G, const float *s, uint32_t g) {
 #undef QX_VNNI
 #endif
 
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+/* kernels_ref.c's ref_ggml_prepare on vectors, the same bytes: max|x| per scale group
+ * (order-free; Q8_K then finds the first x of that magnitude for its sign), codes rounded by
+ * cvtps (round-half-even, as nearbyintf), d through F16C (nearest-even, as f32_to_f16). A token
+ * holding an inf or a NaN is handed to the reference whole. */
+static bool ggml_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, void *codes,
+                         float *d, float *gsum) {
+    if (cols % 32) return false;
+    const smoe_qx_size z = smoe_qx_sizes(cols, wformat, 32);
+    const int act = gb_act_type(wformat);
+    const uint32_t nb = cols / 32, span = act == GB_ACT_Q8_K ? 8 : 1;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), big = _mm256_set1_ps(3.4028234664e38f);
+    const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), top = _mm256_set1_epi32(127);
+    for (uint32_t t = 0; t < n; t++) {
+        const float *xt = x + (size_t)t * ldx;
+        int8_t *ct = (int8_t *)codes + (size_t)t * z.code_bytes;
+        float *dt = d + (size_t)t * z.d_floats, *st = gsum + (size_t)t * z.gsum_floats;
+        __m256 bad = _mm256_setzero_ps();
+        for (uint32_t c = 0; c < cols; c += 8)
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(xt + c), absmask), big, _CMP_NLE_UQ));
+        if (_mm256_movemask_ps(bad)) {
+            smoe_ref_qx_prepare(xt, ldx, 1, cols, wformat, 32, ct, dt, st);
+            continue;
+        }
+        memset(ct + 32 * (size_t)nb, 0, z.code_bytes - 32 * (size_t)nb);
+        memset(dt, 0, sizeof(float) * z.d_floats);
+        memset(st + nb, 0, sizeof(float) * (z.gsum_floats - nb));
+        for (uint32_t B0 = 0; B0 < nb; B0 += span) {
+            const uint32_t nB = nb - B0 < span ? nb - B0 : span;
+            const float *xs = xt + 32 * (size_t)B0;
+            __m256 a = _mm256_setzero_ps();
+            for (uint32_t c = 0; c < 32 * nB; c += 8) a = _mm256_max_ps(a, _mm256_and_ps(_mm256_loadu_ps(xs + c), absmask));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const float m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+            if (!(m >= 0x1p-100f)) {
+                memset(ct + 32 * (size_t)B0, 0, 32 * (size_t)nB);
+                for (uint32_t i = 0; i < nB; i++) st[B0 + i] = 0.0f;
+                continue;
+            }
+            float iscale = 127.0f / m, dq = 0.0f;
+            const float dr = m / 127.0f;
+            if (act == GB_ACT_Q8_K) {
+                uint32_t c = 0;
+                while (fabsf(xs[c]) != m) c++; /* the first x of largest |x| */
+                iscale = -127.0f / xs[c];
+                dq = 1.0f / iscale;
+            } else {
+                dq = _cvtsh_ss(_cvtss_sh(dr, 0));
+            }
+            const __m256 mul = _mm256_set1_ps(iscale);
+            for (uint32_t i = 0; i < nB; i++) {
+                const uint32_t B = B0 + i;
+                const float *xb = xt + 32 * (size_t)B;
+                __m256i q[4];
+                for (int k = 0; k < 4; k++)
+                    q[k] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * k), mul)), top);
+                const int32_t S = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+                const __m256i c01 = _mm256_packs_epi32(q[0], q[1]), c23 = _mm256_packs_epi32(q[2], q[3]);
+                _mm256_storeu_si256((__m256i *)(void *)(ct + 32 * (size_t)B),
+                                    _mm256_permutevar8x32_epi32(_mm256_packs_epi16(c01, c23), perm));
+                dt[8 * (B / 8) + (B / 2) % 4 + 4 * (B % 2)] = dq;
+                st[B] = act == GB_ACT_Q8_1 ? _cvtsh_ss(_cvtss_sh(dr * (float)S, 0)) : dq * (float)S;
+            }
+        }
+    }
+    return true;
+}
+
 /* smoe_ref_qx_prepare on vectors, the same bytes: max|x| per 32 columns (order-free), codes
  * rounded by cvtps (round-half-even, as nearbyintf), packed into the layout of kernels_ref.c, the
  * group sums in group_sums' order. A block holding an inf or a NaN goes to the scalar code; a
@@ -417,8 +491,9 @@ INLINE __m256 qx_sigma(const uint32_t G, const float *s, uint32_t g) {
  * block gets d = 0 and codes 0 as the reference gives it. */
 bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
                           void *codes, float *d, float *gsum) {
+    if (gb_takes_codes(wformat)) return ggml_prepare(x, ldx, n, cols, wformat, codes, d, gsum);
     if (cols % 32 || !group_ok(group) || cols % group) return false;
-    const bool q8 = wformat == SMOE_FMT_Q8, ggml = gb_takes_codes(wformat);
+    const bool q8 = wformat == SMOE_FMT_Q8;
     const smoe_qx_size z = smoe_qx_sizes(cols, wformat, group);
     const uint32_t nu = (cols + 63) / 64, up = (uint32_t)z.d_floats / 2; /* units, and padded to 4 */
     const float tiny = 0x1p-100f;
@@ -473,14 +548,6 @@ bool smoe_avx2_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols,
                     const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[j], q[j + 4]), 0xd8);
                     _mm256_storeu_si256((__m256i *)(void *)(ct + 128 * (size_t)g + 32 * j), p);
                 }
-            } else if (ggml) { /* columns 0–31 | 32–63 as int8, in order */
-                const __m256i c0 = _mm256_packs_epi32(q[0], q[1]), c1 = _mm256_packs_epi32(q[2], q[3]);
-                const __m256i c2 = _mm256_packs_epi32(q[4], q[5]), c3 = _mm256_packs_epi32(q[6], q[7]);
-                const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-                const __m256i lo = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(c0, c1), perm);
-                const __m256i hi = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(c2, c3), perm);
-                _mm256_storeu_si256((__m256i *)(void *)(ct + 64 * (size_t)g), lo);
-                _mm256_storeu_si256((__m256i *)(void *)(ct + 64 * (size_t)g + 32), hi);
             } else { /* columns 0–15, 32–47 | 16–31, 48–63 as int8 */
                 const __m256i c0 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8); /* 0–15 */
                 const __m256i c1 = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8); /* 16–31 */

@@ -348,7 +348,8 @@ void smoe_ref_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x
  * both halves of a padding unit) is empty: d = 0 and codes 0.
  *
  * Quantising x (smoe_qx_prepare; the AVX2 version gives the same bytes, tested), per token, per
- * block b of 32 columns: m = max|x_c|; d = m / 127; codes round-half-even(x_c · (127 / m)),
+ * block b of 32 columns (q4 and q8 weights; the GGML formats: ref_ggml_prepare below): m = max|x_c|;
+ * d = m / 127; codes round-half-even(x_c · (127 / m)),
  * which lie in [−127, 127]. A block with m < 2⁻¹⁰⁰ (or m = 0) gets d = 0 and codes 0; one with
  * an infinite or NaN x gets d = that value (NaN for a NaN) and codes 0, so the output is not
  * finite either. The group sum gsum_g (g < cols/G) is the f32 sum of the group's G x in the
@@ -356,7 +357,7 @@ void smoe_ref_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *x
  * zeros after, up to a multiple of 8.
  *
  * Layout of one token's codes, per unit:
- *   q4 weights, int8:  columns 0–15, 32–47, 16–31, 48–63  (GGML formats: 0–63 in order)
+ *   q4 weights, int8:  columns 0–15, 32–47, 16–31, 48–63
  *   q8 weights, int16: columns 0–7, 32–39, 8–15, 40–47, 16–23, 48–55, 24–31, 56–63
  * — the orders in which AVX2 unpacks 64 of a row's weight codes, so that each 128-bit half of a
  * product holds one block. d, per 4 units k: d[8k + j] = d of unit 4k + j%4, block j/4.
@@ -393,9 +394,92 @@ static inline uint32_t qx_pos(uint32_t c, bool q8) {
 
 static inline float hsum8_ref(const float l[8]) { return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])); }
 
+static inline uint16_t f32_to_f16(float f);
+
+/* f rounded to IEEE half (nearest-even) and widened back */
+static inline float f16_round(float f) {
+    const uint16_t h = f32_to_f16(f);
+    uint8_t b[2];
+    memcpy(b, &h, 2);
+    return gb_f16(b);
+}
+
+/* Where block B (columns 32B…32B+31) of a token keeps its d (the layout above). */
+static inline uint32_t qx_dpos(uint32_t B) { return 8 * (B / 8) + (B / 2) % 4 + 4 * (B % 2); }
+
+/* The GGML formats' activations, quantised as ggml's CPU backend quantises them for the weight type
+ * (gb_act_type; its x86 code), so that a product differs from llama.cpp's only in the order of its
+ * float sums. Codes in column order; per block B of 32 columns d_B, and gsum_B the block's
+ * dequantised sum, which meets the weights' mins:
+ *   Q8_0 (Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4; ggml's AVX2 quantize_row_q8_0): m = max|x| over the
+ *     block; codes round-half-even(x · (127 / m)); d = m / 127 rounded to f16 (the d ggml's dot
+ *     products read); gsum = d · Σ codes.
+ *   Q8_1 (Q4_1, Q5_1; quantize_row_q8_1): the same codes and d; gsum = f16((m / 127) · Σ codes),
+ *     ggml's s.
+ *   Q8_K (the K-quants and IQ4_XS; quantize_row_q8_K_ref): per 256 columns (8 blocks), M the first
+ *     x of largest |x|; iscale = −127 / M; codes min(127, round-half-even(iscale · x)); every block's
+ *     d = 1 / iscale; gsum = d · Σ codes (ggml's −dmin·d·Σ m·bsums, regrouped).
+ * As for q4/q8: a scale group whose m is below 2⁻¹⁰⁰ gets d = 0 and codes 0; one holding an inf or
+ * NaN gets codes 0, and each of its blocks d = its first NaN (else inf, else 0), so the output is not
+ * finite either. Blocks past cols: d = gsum = 0, codes 0. */
+static void ref_ggml_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, void *codes,
+                             float *d, float *gsum) {
+    const smoe_qx_size z = smoe_qx_sizes(cols, wformat, 32);
+    const uint32_t nb = cols / 32, act = (uint32_t)gb_act_type(wformat), span = act == GB_ACT_Q8_K ? 8 : 1;
+    const float tiny = ldexpf(1.0f, QX_TINY_EXP);
+    for (uint32_t t = 0; t < n; t++) {
+        const float *xt = x + (size_t)t * ldx;
+        int8_t *ct = (int8_t *)codes + (size_t)t * z.code_bytes;
+        float *dt = d + (size_t)t * z.d_floats, *st = gsum + (size_t)t * z.gsum_floats;
+        memset(ct, 0, z.code_bytes);
+        memset(dt, 0, sizeof(float) * z.d_floats);
+        memset(st, 0, sizeof(float) * z.gsum_floats);
+        for (uint32_t B0 = 0; B0 < nb; B0 += span) {
+            const uint32_t nB = nb - B0 < span ? nb - B0 : span;
+            float m = 0.0f, M = 0.0f, bad[8] = {0};
+            bool anybad = false;
+            for (uint32_t i = 0; i < nB; i++) {
+                for (uint32_t c = 0; c < 32; c++) {
+                    const float v = xt[32 * (B0 + i) + c], a = fabsf(v);
+                    if (a != a)
+                        bad[i] = a; /* NaN wins */
+                    else if (a == INFINITY && bad[i] == 0.0f)
+                        bad[i] = a;
+                    else if (a > m)
+                        m = a, M = v;
+                }
+                anybad |= bad[i] != 0.0f;
+            }
+            if (anybad) {
+                for (uint32_t i = 0; i < nB; i++) dt[qx_dpos(B0 + i)] = bad[i];
+                continue;
+            }
+            if (!(m >= tiny)) continue;
+            const float iscale = act == GB_ACT_Q8_K ? -127.0f / M : 127.0f / m;
+            const float dr = m / 127.0f, dq = act == GB_ACT_Q8_K ? 1.0f / iscale : f16_round(dr);
+            for (uint32_t i = 0; i < nB; i++) {
+                const uint32_t B = B0 + i;
+                int32_t S = 0;
+                for (uint32_t c = 0; c < 32; c++) {
+                    int v = (int)nearbyintf(xt[32 * B + c] * iscale);
+                    v = v > 127 ? 127 : v;
+                    ct[32 * B + c] = (int8_t)v;
+                    S += v;
+                }
+                dt[qx_dpos(B)] = dq;
+                st[B] = act == GB_ACT_Q8_1 ? f16_round(dr * (float)S) : dq * (float)S;
+            }
+        }
+    }
+}
+
 void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
                          void *codes, float *d, float *gsum) {
-    const bool q8 = wformat == SMOE_FMT_Q8, ggml = gb_takes_codes(wformat);
+    if (gb_takes_codes(wformat)) {
+        ref_ggml_prepare(x, ldx, n, cols, wformat, codes, d, gsum);
+        return;
+    }
+    const bool q8 = wformat == SMOE_FMT_Q8;
     const smoe_qx_size z = smoe_qx_sizes(cols, wformat, group);
     const uint32_t up = qx_units(cols), ng = cols / group;
     const float tiny = ldexpf(1.0f, QX_TINY_EXP);
@@ -424,7 +508,7 @@ void smoe_ref_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, 
                 dt[8 * (u / 4) + u % 4 + 4 * b] = bad != 0.0f ? bad : zero ? 0.0f : m / 127.0f;
                 for (uint32_t c = 0; c < 32; c++) {
                     const int v = zero ? 0 : (int)nearbyintf(xb[c] * id);
-                    const uint32_t at = u * QX_UNIT + (ggml ? 32 * b + c : qx_pos(32 * b + c, q8));
+                    const uint32_t at = u * QX_UNIT + qx_pos(32 * b + c, q8);
                     if (q8)
                         c16[at] = (int16_t)v;
                     else
@@ -450,9 +534,9 @@ bool smoe_qx_takes(const smoe_tensor *W) {
 
 uint32_t smoe_qx_group(const smoe_tensor *W) { return gb_takes_codes(W->format) ? 32 : W->group; }
 
-/* The GGML block formats (ggml_blocks.h) take codes prepared for group 32 as q4's are, except
- * that the int8 codes lie in plain column order (column c at byte c of the token's codes: a
- * block's 32 codes are one 32-byte load); d and gsum as above, per block of 32. With (q, sub, σ,
+/* The GGML block formats (ggml_blocks.h) take int8 codes in plain column order (column c at byte c
+ * of the token's codes: a block's 32 codes are one 32-byte load), d and gsum per block of 32 in the
+ * layout above, quantised as ggml quantises them (ref_ggml_prepare). With (q, sub, σ,
  * μ) a row's form of block b (gb_qx_decode) and I_b = Σ_{h=0,1} sub_{b,h}·Σ_{c ∈ half h of block b} q_c·code_c
  * (exact), the product for one (row, token) is
  *   tot[j] = +0;  for k = 0, 1, …:  b = 8k + 2·(j%4) + j/4   (the block whose d is d[8k + j]),

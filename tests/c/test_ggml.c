@@ -210,7 +210,7 @@ static void test_qx(int fi, uint32_t rows, uint32_t cols) {
                 }
                 kern += (double)sigma[b] * db * (double)I;
                 mag += fabs((double)sigma[b] * db * (double)I);
-                qerr += qabs * db * 0.5;
+                qerr += qabs * fabs(db) * 0.5; /* d < 0 where ggml's Q8_K scale flips the codes' sign */
                 if (fmt == SMOE_FMT_GGML_Q2_K) { /* its mins against the codes: ν·d·Σ_h m_h·Σ code */
                     int16_t mm[2];
                     const double nu = gb_q2k_mins(g.bytes + (size_t)r * (cols / bs) * ts, b, mm);
@@ -218,12 +218,13 @@ static void test_qx(int fi, uint32_t rows, uint32_t cols) {
                     for (uint32_t c = 0; c < 32; c++) M += (long)mm[c / 16] * ct[32 * b + c];
                     kern += nu * db * (double)M;
                     mag += fabs(nu * db * (double)M);
-                    qerr += 16 * fabs(nu) * (mm[0] + mm[1]) * db * 0.5;
+                    qerr += 16 * fabs(nu) * (mm[0] + mm[1]) * fabs(db) * 0.5;
                 }
                 if (gb_has_min(fmt)) {
                     kern += (double)mu[b] * gs[t * z.gsum_floats + b];
                     mag += fabs((double)mu[b] * gs[t * z.gsum_floats + b]);
                     for (uint32_t c = 0; c < 32; c++) mmag += fabs((double)mu[b] * x[t * ldx + 32 * b + c]);
+                    qerr += fabs((double)mu[b]) * 32 * fabs(db) * 0.5; /* gsum: the codes' sum, not x's */
                 }
             }
             for (uint32_t c = 0; c < cols; c++) {
@@ -349,32 +350,63 @@ static void test_qx(int fi, uint32_t rows, uint32_t cols) {
     free(g.alloc);
 }
 
-/* the dispatched smoe_qx_prepare (AVX2 where built) against the reference for a GGML format: the
- * same bytes (codes in column order), with zero, tiny, inf and NaN blocks among random ones */
+/* the dispatched smoe_qx_prepare (AVX2 where built) against the reference for a GGML format of each
+ * activation type (Q4_K: ggml's Q8_K, Q4_1: Q8_1, Q8_0: Q8_0): the same bytes (codes in column
+ * order), with zero, tiny, inf and NaN blocks among random ones; and the codes and scales ggml's
+ * quantisers give (kernels_ref.c, ref_ggml_prepare) */
 static void test_prepare_same_bytes(void) {
     static const uint32_t colss[] = {32, 96, 256, 2080};
-    for (size_t ci = 0; ci < sizeof colss / sizeof *colss; ci++) {
-        const uint32_t cols = colss[ci], n = 7;
-        const smoe_qx_size z = smoe_qx_sizes(cols, SMOE_FMT_GGML_Q4_K, 32);
-        float *x = malloc(sizeof(float) * cols * n);
-        for (size_t i = 0; i < (size_t)cols * n; i++) x[i] = rndf(-3, 3);
-        for (uint32_t c = 0; c < 32; c++) x[c] = 0.0f, x[cols + c] = 1e-35f * (float)c;
-        x[2 * cols + 3] = INFINITY;
-        x[3 * cols + cols - 1] = NAN;
-        uint8_t *cr = calloc(z.code_bytes, n), *cf = calloc(z.code_bytes, n);
-        float *dr = calloc(z.d_floats * n, sizeof(float)), *df = calloc(z.d_floats * n, sizeof(float));
-        float *sr = calloc(z.gsum_floats * n, sizeof(float)), *sf = calloc(z.gsum_floats * n, sizeof(float));
-        smoe_ref_qx_prepare(x, cols, n, cols, SMOE_FMT_GGML_Q4_K, 32, cr, dr, sr);
-        smoe_qx_prepare(x, cols, n, cols, SMOE_FMT_GGML_Q4_K, 32, cf, df, sf);
-        CHECK(memcmp(cr, cf, z.code_bytes * n) == 0, "prepare for GGML, cols %u: codes differ", cols);
-        CHECK(memcmp(dr, df, sizeof(float) * z.d_floats * n) == 0, "prepare for GGML, cols %u: d differs", cols);
-        CHECK(memcmp(sr, sf, sizeof(float) * z.gsum_floats * n) == 0, "prepare for GGML, cols %u: sums differ", cols);
-        for (uint32_t c = 0; c < 32; c++) { /* column order: token 4's code c is about x_c / d of block 0 */
-            const float want = x[4 * cols + c] / dr[4 * z.d_floats];
-            CHECK(fabsf((float)((int8_t *)cr)[4 * z.code_bytes + c] - want) <= 0.51f, "GGML codes: column %u", c);
+    static const uint8_t fmts[] = {SMOE_FMT_GGML_Q4_K, SMOE_FMT_GGML_Q4_1, SMOE_FMT_GGML_Q8_0};
+    for (size_t fi = 0; fi < sizeof fmts / sizeof *fmts; fi++)
+        for (size_t ci = 0; ci < sizeof colss / sizeof *colss; ci++) {
+            const uint8_t fmt = fmts[fi];
+            const int act = gb_act_type(fmt);
+            const uint32_t cols = colss[ci], n = 7, nb = cols / 32;
+            const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
+            float *x = malloc(sizeof(float) * cols * n);
+            for (size_t i = 0; i < (size_t)cols * n; i++) x[i] = rndf(-3, 3);
+            for (uint32_t c = 0; c < 32; c++) x[c] = 0.0f, x[cols + c] = 1e-35f * (float)c;
+            x[2 * cols + 3] = INFINITY;
+            x[3 * cols + cols - 1] = NAN;
+            x[5 * cols + 7] = 9.0f, x[5 * cols + 9] = -9.0f; /* ties of |x|: Q8_K takes the first one's sign */
+            uint8_t *cr = calloc(z.code_bytes, n), *cf = calloc(z.code_bytes, n);
+            float *dr = calloc(z.d_floats * n, sizeof(float)), *df = calloc(z.d_floats * n, sizeof(float));
+            float *sr = calloc(z.gsum_floats * n, sizeof(float)), *sf = calloc(z.gsum_floats * n, sizeof(float));
+            smoe_ref_qx_prepare(x, cols, n, cols, fmt, 32, cr, dr, sr);
+            smoe_qx_prepare(x, cols, n, cols, fmt, 32, cf, df, sf);
+            CHECK(memcmp(cr, cf, z.code_bytes * n) == 0, "prepare for GGML %u, cols %u: codes differ", fmt, cols);
+            CHECK(memcmp(dr, df, sizeof(float) * z.d_floats * n) == 0, "prepare for GGML %u, cols %u: d differs", fmt, cols);
+            CHECK(memcmp(sr, sf, sizeof(float) * z.gsum_floats * n) == 0, "prepare for GGML %u, cols %u: sums differ", fmt,
+                  cols);
+            for (uint32_t t = 4; t < n; t++)
+                for (uint32_t b = 0; b < nb; b++) {
+                    const int8_t *cb = (const int8_t *)cr + t * z.code_bytes + 32 * b;
+                    const float db = dr[t * z.d_floats + 8 * (b / 8) + (b / 2) % 4 + 4 * (b % 2)];
+                    const float *xb = x + (size_t)t * cols + 32 * b;
+                    int S = 0, top = 0;
+                    for (uint32_t c = 0; c < 32; c++) {
+                        S += cb[c];
+                        top = abs(cb[c]) > top ? abs(cb[c]) : top;
+                        CHECK(fabsf((float)cb[c] - xb[c] / db) <= 0.51f + 1e-3f * fabsf(xb[c] / db),
+                              "GGML %u codes: token %u column %u: %d for x/d = %g", fmt, t, 32 * b + c, cb[c], xb[c] / db);
+                    }
+                    if (act == GB_ACT_Q8_K) { /* one d per 256 columns, of the sign that gives the max −127 */
+                        const float d0 = dr[t * z.d_floats + 8 * (b / 8)];
+                        CHECK(db == d0, "Q8_K: block %u's d %g, its 256's %g", b, db, d0);
+                        CHECK(t != 5 || b != 0 || (cb[7] == -127 && cb[9] == 127), "Q8_K: the first max's sign");
+                    } else {
+                        CHECK((float)(_Float16)db == db, "GGML %u: d %g is not an f16", fmt, db);
+                        CHECK(top == 127, "GGML %u: block max code %d", fmt, top);
+                    }
+                    const float g = sr[t * z.gsum_floats + b];
+                    if (act == GB_ACT_Q8_1) /* ggml's s: f16((m/127)·S), d being f16(m/127) */
+                        CHECK((float)(_Float16)g == g && fabsf(g - db * (float)S) <= 0x1p-10f * fabsf(db * (float)S) + 1e-30f,
+                              "Q8_1: s %g for d·S %g", g, db * (float)S);
+                    else
+                        CHECK(g == db * (float)S, "GGML %u: gsum %g, want d·S %g", fmt, g, db * (float)S);
+                }
+            free(x), free(cr), free(cf), free(dr), free(df), free(sr), free(sf);
         }
-        free(x), free(cr), free(cf), free(dr), free(df), free(sr), free(sf);
-    }
 }
 
 int main(void) {
