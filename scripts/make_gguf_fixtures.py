@@ -7,7 +7,10 @@ tests (tests/test_gguf_import.py), so that CI needs no llama.cpp build.
 DIR is llama.cpp's source tree (convert_hf_to_gguf.py and gguf-py/ in it): the one inside
 llama-cpp-python's source package will do (`pip download --no-deps --no-binary :all:
 llama-cpp-python`, then unpack; it is vendor/llama.cpp). Quantising needs llama-cpp-python
-installed (its `llama_model_quantize`, the same code as the `llama-quantize` tool).
+installed (its `llama_model_quantize`, the same code as the `llama-quantize` tool). logits.npz
+needs a build whose CPU path quantises activations as x86's AVX2 code does: `CMAKE_ARGS="-DGGML_NATIVE=OFF
+-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install llama-cpp-python` (a native build on a
+CPU with AMX takes ggml's AMX kernels, which fault where the hypervisor does not enable AMX).
 
 Each fixture is a tiny random model of its family (transformers) saved by `save_pretrained`,
 turned into an F32 GGUF by convert_hf_to_gguf.py, then quantised by llama.cpp:
@@ -30,6 +33,10 @@ turned into an F32 GGUF by convert_hf_to_gguf.py, then quantised by llama.cpp:
     qwen35moe-q8_0.gguf  Qwen3.5-MoE (`qwen35moe`): value heads in llama.cpp's tiled order: Q8_0
     qwen35moe-q4_k_m.gguf  the same family, hidden 256: Q4_K_M (ssm_out's 64-wide v heads inside
                          Q4_K's 256-blocks)
+    logits.npz           llama.cpp's own logits on each fixture (LOGIT_IDS after a BOS-free start,
+                         every position, f32 KV cache, one thread): at LOGIT_PICKS vocabulary ids
+                         (a fixed random 64 and llama.cpp's top 8) and max|logit| per position, for
+                         the check that pysmoe's 8-bit activations compute as ggml does
     tokens.json          llama.cpp's token ids for TOKENIZER_TEXTS: on tiny-f32.gguf's vocabulary,
                          on the demo's vocabulary under each pre-tokenizer of TOKENIZER_PRES
                          (vocabulary-only GGUFs made here, tokenised by llama.cpp), and on each
@@ -52,6 +59,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -235,6 +244,54 @@ def golden_tokens(out_dir: Path, tmp: Path) -> Path:
             golden["fixtures"][name] = {"texts": ftexts, "ids": llama_cpp_tokens(out_dir / f"{name}.gguf", ftexts)}
     path = out_dir / "tokens.json"
     path.write_text(json.dumps(golden, ensure_ascii=False) + "\n", encoding="utf-8")
+    return path
+
+
+LOGIT_POSITIONS = 20  # ids: np.random.default_rng(3).integers(0, vocab, 20), as the transformers test takes
+
+
+def llama_cpp_logits(gguf_path: Path, ids: list[int]) -> np.ndarray:
+    """llama.cpp's logits at every position of ids: f32 K and V (no f16 rounding of the cache),
+    flash attention off, one thread, one batch."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=64, n_batch=64, n_ubatch=64, n_threads=1,
+                          n_threads_batch=1, logits_all=True, type_k=llama_cpp.GGML_TYPE_F32,
+                          type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False, verbose=False)
+    try:
+        llm.eval(ids)
+        return np.array(llm.scores[:len(ids)], dtype=np.float32)
+    finally:
+        llm.close()
+
+
+def golden_logits(out_dir: Path) -> Path:
+    """logits.npz: per fixture, `NAME.ids` (the prompt), `NAME.picks` (per position the vocabulary
+    ids kept: 64 drawn once per fixture, then llama.cpp's top 8), `NAME.logits` (its logits there)
+    and `NAME.scale` (max|logit| per position)."""
+    import gguf
+
+    arrays = {}
+    for name in FIXTURES:
+        path = out_dir / f"{name}.gguf"
+        if not path.exists():
+            continue
+        r = gguf.GGUFReader(path)
+        vocab = len(r.fields["tokenizer.ggml.tokens"].data)
+        ids = [int(i) for i in np.random.default_rng(3).integers(0, vocab, LOGIT_POSITIONS)]
+        try:
+            full = llama_cpp_logits(path, ids)
+        except ValueError as e:  # olmoe-q8_0: llama.cpp wants k_norm as wide as q_norm (no GQA)
+            print(f"{name}: llama.cpp cannot run it ({e}); no logits recorded")
+            continue
+        drawn = np.random.default_rng(11).choice(vocab, 64, replace=False)
+        picks = np.stack([np.concatenate([drawn, np.argsort(-row, kind="stable")[:8]]) for row in full])
+        arrays[f"{name}.ids"] = np.array(ids, np.int32)
+        arrays[f"{name}.picks"] = picks.astype(np.int32)
+        arrays[f"{name}.logits"] = np.take_along_axis(full, picks, axis=1)
+        arrays[f"{name}.scale"] = np.max(np.abs(full), axis=1)
+    path = out_dir / "logits.npz"
+    np.savez_compressed(path, **arrays)
     return path
 
 
@@ -503,7 +560,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "gguf")
     ap.add_argument("--pre", default="qwen2", help="tokenizer.ggml.pre to write (default qwen2)")
     ap.add_argument("--only", nargs="*", help="fixture names to make (default all)")
-    ap.add_argument("--tokens-only", action="store_true", help="remake tokens.json alone")
+    ap.add_argument("--tokens-only", action="store_true", help="remake tokens.json and logits.npz alone")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -511,6 +568,7 @@ def main(argv=None) -> int:
         f32 = {}
         if args.tokens_only:
             print(golden_tokens(args.out, tmp))
+            print(golden_logits(args.out))
             return 0
         # a shape's seed is its place among the distinct shapes of FIXTURES, whatever --only picks
         seeds = {}
@@ -533,6 +591,7 @@ def main(argv=None) -> int:
                 quantize(f32[key], out, ftype)
             print(f"{out}: {out.stat().st_size} bytes")
         print(golden_tokens(args.out, tmp))
+        print(golden_logits(args.out))
     return 0
 
 
