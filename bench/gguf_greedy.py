@@ -10,11 +10,14 @@ quantiser, and imported by `pysmoe convert`. For each of --prompts windows of th
 logits) and from pysmoe with f32 and with 8-bit activations; the table gives how many
 continuations agree in full, and the mean number of ids equal before the first difference.
 
-Why they may differ on quantised files: ggml quantises the activations of a product to the weight
-type's vec_dot_type (Q8_0 blocks of 32 with an f16 scale and roundf for Q8_0/Q4_0/Q5_0/IQ4_NL/
-MXFP4 weights; Q8_K blocks of 256 with an f32 scale from the signed maximum for the K-quants and
-IQ4_XS), pysmoe's q8 mode always uses blocks of 32 with an f32 scale and round-half-even
-(csrc/cpu/kernels.h, smoe_qx_prepare); with f32 activations pysmoe does not round them at all.
+ggml quantises the activations of a product to the weight type's vec_dot_type (Q8_0 blocks of 32
+with an f16 scale for Q8_0/Q4_0/Q5_0/IQ4_NL/MXFP4 weights; Q8_K blocks of 256 with an f32 scale
+from the signed maximum for the K-quants and IQ4_XS), and so does pysmoe's default 8-bit mode for
+the GGML types (csrc/cpu/kernels_ref.c, ref_ggml_prepare): the two differ only in the order of
+float sums. With f32 activations pysmoe does not round them at all, so those continuations differ
+from llama.cpp's wherever the rounding decides a near-tie. llama.cpp runs with its KV cache in f32
+(--llama-kv f32, the default here, as pysmoe's); with its own default f16 cache it also rounds K,
+V and the queries to f16.
 """
 from __future__ import annotations
 
@@ -48,6 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--llama-kv", choices=("f32", "f16"), default="f32",
+                    help="llama.cpp's KV cache: f32 (default, as pysmoe's) or f16 (llama.cpp's own default)")
     ap.add_argument("--json", type=Path, help="write the rows here too")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="smoe-gguf-greedy-"))
@@ -62,12 +67,13 @@ def main(argv=None) -> int:
         same = {"f32": [], "q8": [], "q8 vs f32": []}
         for w in windows[:args.prompts]:
             prompt = [int(t) for t in w[:args.prompt_len]]
-            ref = llama_cpp_greedy(gg, prompt, args.tokens, args.threads)
+            ref = llama_cpp_greedy(gg, prompt, args.tokens, args.threads, args.llama_kv)
             mine = {act: engine_greedy(vault, prompt, args.tokens, act) for act in ("f32", "q8")}
             same["f32"].append(first_difference(ref, mine["f32"]))
             same["q8"].append(first_difference(ref, mine["q8"]))
             same["q8 vs f32"].append(first_difference(mine["f32"], mine["q8"]))
-        row = {"file": ftype, "prompts": len(same["f32"]), "tokens": args.tokens, "first_difference": same}
+        row = {"file": ftype, "prompts": len(same["f32"]), "tokens": args.tokens, "llama_kv": args.llama_kv,
+               "first_difference": same}
         for k, v in same.items():
             row[f"{k}: all equal"] = sum(x == args.tokens for x in v)
             row[f"{k}: mean equal prefix"] = sum(v) / len(v)

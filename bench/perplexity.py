@@ -198,12 +198,17 @@ def llama_cpp_tokens(gguf_path, text: str) -> list[int]:
         llm.close()
 
 
-def llama_cpp_greedy(gguf_path, prompt: list[int], n: int, threads: int = 2) -> list[int]:
-    """n greedy ids after prompt, through llama.cpp (argmax of its logits, no sampler)."""
+def llama_cpp_greedy(gguf_path, prompt: list[int], n: int, threads: int = 2, kv: str = "f32") -> list[int]:
+    """n greedy ids after prompt, through llama.cpp (argmax of its logits, no sampler). kv "f32":
+    its KV cache in f32 and flash attention off, as pysmoe's default KV cache (llama.cpp's own
+    default, "f16", rounds K and V to f16 and, in attention, the queries too)."""
     import llama_cpp
 
+    kw = {}
+    if kv == "f32":
+        kw = dict(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32, flash_attn=False)
     llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=len(prompt) + n, n_batch=len(prompt) + n,
-                          n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False)
+                          n_threads=threads, n_threads_batch=threads, logits_all=True, verbose=False, **kw)
     out = []
     try:
         llm.eval(list(prompt))
