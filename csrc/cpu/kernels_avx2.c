@@ -380,6 +380,9 @@ enum {
 #ifndef QX_AHEAD
 #define QX_AHEAD 4 /* rows ahead the matrix-vector product prefetches its weights */
 #endif
+#ifndef QX_BATCH_AHEAD
+#define QX_BATCH_AHEAD 2 /* rows ahead the GGML formats' batched product prefetches its weights */
+#endif
 
 /* σ of kernels_ref.c for units [g, g+4): lane j the scale of the group holding block j/4 of unit
  * g + j%4, from s, the row's scales by group (zero-padded to a multiple of 8, which covers every

@@ -31,6 +31,9 @@ GQ_ATTR INLINE void GQ(g_qx_rows)(const uint8_t fmt, const smoe_tensor *W, const
             for (uint32_t t = 0; t < nt; t++) gp_relay((const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes, cols, xr + (size_t)t * cols);
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
+            if (r + QX_BATCH_AHEAD < r1) /* rows on, while this one computes (bench/RESULTS.md) */
+                for (size_t b = 0; b < row_bytes; b += 64)
+                    _mm_prefetch((const char *)row + QX_BATCH_AHEAD * row_bytes + b, _MM_HINT_T0);
             for (uint32_t t = 0; t < nt; t++) tot[t] = bia[t] = _mm256_setzero_ps();
             for (uint32_t k = 0; k < steps; k++) {
                 __m256i q[8], qa[8], sub[8];
@@ -206,6 +209,9 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
             }
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
+            if (r + QX_BATCH_AHEAD < r1) /* rows on, while this one computes (bench/RESULTS.md) */
+                for (size_t b = 0; b < row_bytes; b += 64)
+                    _mm_prefetch((const char *)row + QX_BATCH_AHEAD * row_bytes + b, _MM_HINT_T0);
             for (uint32_t t = 0; t < nt; t++) tot[t] = bia[t] = _mm256_setzero_ps();
             for (uint32_t k = 0; k < steps; k++) {
                 __m256 sigl, mu = _mm256_setzero_ps();

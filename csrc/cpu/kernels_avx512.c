@@ -83,7 +83,10 @@ enum {
 #ifndef QX512_AHEAD
 #define QX512_AHEAD 4 /* rows ahead the matrix-vector product prefetches its weights */
 #endif
-enum { AHEAD = QX512_AHEAD };
+#ifndef QX512_BATCH_AHEAD
+#define QX512_BATCH_AHEAD 2 /* rows ahead the batched products prefetch their weights (0: none) */
+#endif
+enum { AHEAD = QX512_AHEAD, BATCH_AHEAD = QX512_BATCH_AHEAD };
 
 INLINE bool group_ok(uint32_t G) { return G == 32 || G == 64 || G == 128; }
 

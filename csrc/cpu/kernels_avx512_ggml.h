@@ -108,6 +108,9 @@ G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w
             }
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
+            if (r + BATCH_AHEAD < r1) /* rows on, while this one computes, as the q4/q8 product does */
+                for (size_t b = 0; b < row_bytes; b += 64)
+                    _mm_prefetch((const char *)row + BATCH_AHEAD * row_bytes + b, _MM_HINT_T0);
             for (uint32_t i = 0; i < np; i++) tot[i] = bia[i] = _mm512_setzero_ps();
             for (uint32_t k = 0; k < steps; k++) {
                 __m256i q[8], sub[8];

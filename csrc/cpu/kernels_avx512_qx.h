@@ -202,6 +202,9 @@ QX_ATTR bool QX(smoe_avx512_matmul_rows_qx)(const smoe_tensor *W, const uint8_t 
         }
         for (uint32_t r = r0; r < r1; r += 2) {
             const uint32_t rr[2] = {r, r + 1 < r1 ? r + 1 : r}; /* an odd last row: twice */
+            if (BATCH_AHEAD && r + BATCH_AHEAD + 2 <= r1) /* the pair BATCH_AHEAD rows on, as the matvec does */
+                for (size_t b = 0; b < 2 * rb; b += 64)
+                    _mm_prefetch((const char *)w + (size_t)(r + BATCH_AHEAD) * rb + b, _MM_HINT_T0);
             for (int i = 0; i < 2; i++) {
                 load_scales(sb[i], scales + sbytes * (size_t)rr[i] * ng, ng, W->scale_format, upto);
                 load_scales(bb[i], biases + sbytes * (size_t)rr[i] * ng, ng, W->scale_format, ng8);
