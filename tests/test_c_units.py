@@ -28,6 +28,7 @@ import os
 import platform
 import shutil
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -63,22 +64,43 @@ SANITIZER_RUNS = "1000"  # consecutive pool runs per thread count under a saniti
 
 @pytest.fixture(scope="module")
 def build(tmp_path_factory):
+    """make(program, variant) -> the test program built. Each engine source is compiled once per
+    variant (objects shared by every program of that variant, the missing ones compiled side by
+    side, a process a core), so a variant's programs pay for the engine once, not once each."""
     assert shutil.which("gcc"), "gcc is needed to build the C unit tests"
     out = tmp_path_factory.mktemp("c_units")
-    built = {}
+    built, objects = {}, {}
+
+    def compile_cmd(variant: str, *args: str) -> list:
+        isa = [] if variant == "portable" else ISA_FLAGS
+        return ["gcc", *FLAGS, *isa, *BUILDS[variant], *args]
+
+    def gcc(cmd: list) -> None:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=_no_preload())
+        assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
+
+    def objs(variant: str, sources: list) -> list:
+        todo = []
+        for src in sources:
+            if (src, variant) not in objects:
+                o = out / variant / (str(src.relative_to(CSRC)).replace("/", "_")[:-2] + ".o")
+                o.parent.mkdir(exist_ok=True)
+                todo.append((src, o))
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as ex:
+            list(ex.map(lambda so: gcc(compile_cmd(variant, "-c", str(so[0]), "-o", str(so[1]))), todo))
+        for src, o in todo:
+            objects[(src, variant)] = o
+        return [objects[(src, variant)] for src in sources]
 
     def make(program: str, variant: str) -> Path:
         key = (program, variant)
         if key not in built:
             exe = out / f"{program}_{variant}"
-            isa = [] if variant == "portable" else ISA_FLAGS
             # the CPU-check build and test_paths link the whole engine (smoe_open_vault etc.)
             whole = variant == "cpuhook" or program in ("test_paths", "test_threads")
-            sources = ALL_SOURCES if whole else LIB_SOURCES
-            cmd = ["gcc", *FLAGS, *isa, *BUILDS[variant], str(ROOT / "tests" / "c" / f"{program}.c"),
-                   *map(str, sources), "-lm", "-o", str(exe)]
-            r = subprocess.run(cmd, capture_output=True, text=True, env=_no_preload())
-            assert r.returncode == 0, f"{' '.join(cmd)}\n{r.stderr}"
+            linked = objs(variant, ALL_SOURCES if whole else LIB_SOURCES)
+            gcc(compile_cmd(variant, str(ROOT / "tests" / "c" / f"{program}.c"), *map(str, linked), "-lm", "-o",
+                            str(exe)))
             built[key] = exe
         return built[key]
 
