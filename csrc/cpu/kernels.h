@@ -56,6 +56,14 @@ void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint
 bool smoe_qx_takes(const smoe_tensor *W);
 uint32_t smoe_qx_group(const smoe_tensor *W);
 
+/* Whether one smoe_qx_prepare of x serves the products of both a and b (the same columns, and the
+ * same codes: one format and group, or two GGML formats of one activation type, ggml_blocks.h's
+ * gb_act_type); tensors whose products take f32 inputs: of one format. */
+bool smoe_qx_shared(const smoe_tensor *a, const smoe_tensor *b);
+
+/* Where block B (columns 32B…32B+31) of a token keeps its d: kernels_ref.c's layout. */
+static inline uint32_t smoe_qx_dpos(uint32_t B) { return 8 * (B / 8) + (B / 2) % 4 + 4 * (B % 2); }
+
 /* y[t·ldy + r] for t in [0, n), r in [r0, r1), W q8 or q4 with W->cols == X->cols and the same
  * format and group as X was prepared for. */
 void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,

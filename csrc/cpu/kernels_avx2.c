@@ -479,7 +479,7 @@ static bool ggml_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, 
                 const __m256i c01 = _mm256_packs_epi32(q[0], q[1]), c23 = _mm256_packs_epi32(q[2], q[3]);
                 _mm256_storeu_si256((__m256i *)(void *)(ct + 32 * (size_t)B),
                                     _mm256_permutevar8x32_epi32(_mm256_packs_epi16(c01, c23), perm));
-                dt[8 * (B / 8) + (B / 2) % 4 + 4 * (B % 2)] = dq;
+                dt[smoe_qx_dpos(B)] = dq;
                 st[B] = act == GB_ACT_Q8_1 ? _cvtsh_ss(_cvtss_sh(dr * (float)S, 0)) : dq * (float)S;
             }
         }

@@ -404,9 +404,6 @@ static inline float f16_round(float f) {
     return gb_f16(b);
 }
 
-/* Where block B (columns 32B…32B+31) of a token keeps its d (the layout above). */
-static inline uint32_t qx_dpos(uint32_t B) { return 8 * (B / 8) + (B / 2) % 4 + 4 * (B % 2); }
-
 /* The GGML formats' activations, quantised as ggml's CPU backend quantises them for the weight type
  * (gb_act_type; its x86 code), so that a product differs from llama.cpp's only in the order of its
  * float sums. Codes in column order; per block B of 32 columns d_B, and gsum_B the block's
@@ -451,7 +448,7 @@ static void ref_ggml_prepare(const float *x, size_t ldx, uint32_t n, uint32_t co
                 anybad |= bad[i] != 0.0f;
             }
             if (anybad) {
-                for (uint32_t i = 0; i < nB; i++) dt[qx_dpos(B0 + i)] = bad[i];
+                for (uint32_t i = 0; i < nB; i++) dt[smoe_qx_dpos(B0 + i)] = bad[i];
                 continue;
             }
             if (!(m >= tiny)) continue;
@@ -466,7 +463,7 @@ static void ref_ggml_prepare(const float *x, size_t ldx, uint32_t n, uint32_t co
                     ct[32 * B + c] = (int8_t)v;
                     S += v;
                 }
-                dt[qx_dpos(B)] = dq;
+                dt[smoe_qx_dpos(B)] = dq;
                 st[B] = act == GB_ACT_Q8_1 ? f16_round(dr * (float)S) : dq * (float)S;
             }
         }
@@ -533,6 +530,13 @@ bool smoe_qx_takes(const smoe_tensor *W) {
 }
 
 uint32_t smoe_qx_group(const smoe_tensor *W) { return gb_takes_codes(W->format) ? 32 : W->group; }
+
+bool smoe_qx_shared(const smoe_tensor *a, const smoe_tensor *b) {
+    if (a->cols != b->cols) return false;
+    if (gb_takes_codes(a->format) && gb_takes_codes(b->format))
+        return gb_act_type(a->format) == gb_act_type(b->format);
+    return a->format == b->format && a->group == b->group;
+}
 
 /* The GGML block formats (ggml_blocks.h) take int8 codes in plain column order (column c at byte c
  * of the token's codes: a block's 32 codes are one 32-byte load), d and gsum per block of 32 in the

@@ -78,10 +78,12 @@ static void parts_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
     }
 }
 
-/* What the session's qx planes hold: the codes of `x` for weights of `qx.wformat` and `qx.group`, or nothing
- * (x NULL). Products that share one input (q, k, v; gate, up) quantise it once. */
+/* What the session's qx planes hold: the codes of `x` for the products of W (and of every tensor
+ * smoe_qx_shared pairs with it), or nothing (x NULL). Products that share one input (q, k, v; gate,
+ * up) quantise it once. */
 typedef struct {
     const float *x;
+    const smoe_tensor *W;
     smoe_qx qx;
 } qx_planes;
 
@@ -92,18 +94,14 @@ static const smoe_qx *prepare(cpu_state *s, const smoe_tensor *W, const float *x
     if (s->float_activations || !smoe_qx_takes(W))
         return NULL;
     const uint32_t G = smoe_qx_group(W);
-    if (pl->x != x || pl->qx.cols != W->cols || pl->qx.wformat != W->format || pl->qx.group != G) {
+    if (pl->x != x || !smoe_qx_shared(pl->W, W)) {
         smoe_qx_prepare(x, W->cols, n, W->cols, W->format, G, s->qx_codes, s->qx_d, s->qx_gsum);
         SMOE_PROF_LAP(SMOE_P_QX);
-        *pl = (qx_planes){x, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, G, W->format}};
+        *pl = (qx_planes){x, W, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, G, W->format}};
     }
     return &pl->qx;
 }
 
-/* True when a and b take the same input codes (or both f32 inputs), so one prepare serves both. */
-static bool same_codes(const smoe_tensor *a, const smoe_tensor *b) {
-    return a->format == b->format && a->group == b->group && a->cols == b->cols;
-}
 
 /* Row grain keeps each thread's rows a multiple of 16: splits never cut a cache line of y. */
 enum { ROW_GRAIN = 16 };
@@ -175,14 +173,14 @@ static void swiglu_mlp(cpu_state *s, const ffn_weights *f, const smoe_act *act, 
     uint32_t I = gate->rows;
     qx_planes pl = {0};
     const smoe_qx *qg = prepare(s, gate, x, n, &pl);
-    if (qg && up->format != gate->format && smoe_qx_takes(up)) {
+    if (qg && !smoe_qx_shared(gate, up) && smoe_qx_takes(up)) {
         /* gate and up want different codes and there is one set of planes: one after the other */
         linear_task tg = {gate, wg, x, qg, n, s->hg, 2 * (size_t)I};
         smoe_pool_run(s->pool, linear_rows, &tg, I, ROW_GRAIN);
         linear_task tu = {up, wu, x, prepare(s, up, x, n, &pl), n, s->hg + I, 2 * (size_t)I};
         smoe_pool_run(s->pool, linear_rows, &tu, I, ROW_GRAIN);
     } else {
-        /* up takes gate's codes (the same format), or its own when gate takes none */
+        /* up takes gate's codes (smoe_qx_shared), or its own when gate takes none */
         gate_up_task t = {gate, up, wg, wu, x, qg, NULL, n, s->hg};
         t.qu = prepare(s, up, x, n, &pl);
         smoe_pool_run(s->pool, gate_up_rows, &t, 2 * I, ROW_GRAIN);
@@ -201,9 +199,12 @@ static void swiglu_mlp(cpu_state *s, const ffn_weights *f, const smoe_act *act, 
 smoe_status smoe_cpu_project(void *b, smoe_plane src, const smoe_proj *out, uint32_t n_out, uint32_t n) {
     cpu_state *s = b;
     const float *x = smoe_cpu_plane(s, src);
-    qx_planes pl = {0}; /* products of one input share one quantisation of it when their formats agree */
+    qx_planes pl = {0}; /* products of one input share one quantisation of it where smoe_qx_shared says */
     bool one_run = n == 1 && n_out > 1 && n_out <= MAX_PARTS;
-    for (uint32_t i = 1; one_run && i < n_out; i++) one_run = same_codes(out[0].W, out[i].W);
+    /* one run when the parts share their codes and cost the same a row (one format), so an even
+       split of the rows is an even split of the work */
+    for (uint32_t i = 1; one_run && i < n_out; i++)
+        one_run = smoe_qx_shared(out[0].W, out[i].W) && out[i].W->format == out[0].W->format;
     if (one_run) {
         /* one token: the products in one pool run */
         const smoe_qx *qx = prepare(s, out[0].W, x, 1, &pl);
@@ -422,7 +423,7 @@ smoe_status smoe_cpu_experts(void *b, const smoe_union *un, const uint32_t *item
     /* the experts with at most SMALL routed rows, two pool runs per batch of them (when gate and
      * up take the same codes: the one set of code planes serves both); the others one by one */
     uint32_t small[MAX_PARTS / 2], ns = 0, rows = 0;
-    const bool batch = same_codes(eg, eu);
+    const bool batch = smoe_qx_shared(eg, eu);
     for (uint32_t i = 0; i < m; i++) {
         const uint32_t p = items[i], c = un->count[p];
         if (!batch || c > SMALL) {

@@ -381,7 +381,7 @@ static void test_prepare_same_bytes(void) {
             for (uint32_t t = 4; t < n; t++)
                 for (uint32_t b = 0; b < nb; b++) {
                     const int8_t *cb = (const int8_t *)cr + t * z.code_bytes + 32 * b;
-                    const float db = dr[t * z.d_floats + 8 * (b / 8) + (b / 2) % 4 + 4 * (b % 2)];
+                    const float db = dr[t * z.d_floats + smoe_qx_dpos(b)];
                     const float *xb = x + (size_t)t * cols + 32 * b;
                     int S = 0, top = 0;
                     for (uint32_t c = 0; c < 32; c++) {
