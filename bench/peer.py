@@ -820,6 +820,14 @@ def mode_cold(vault, gguf, args, log):
     v = open_vault(vault)
     vocab = v.config["vocab_size"]
     cache = int(args.cache_frac * v.expert_bytes)
+    if args.budget_mib is not None:  # a fixed budget: the cache is what fills it
+        with v.session(cache_bytes=0, threads=args.threads, context=args.ctx) as s:
+            base = s.stats()["resident_bytes"]
+        cache = int(args.budget_mib * MiB) - base
+        if cache < v.blob_bytes * v.num_sparse_layers:
+            raise SystemExit(f"--budget-mib {args.budget_mib:g}: pysmoe needs {base / MiB:,.1f} MiB without a cache "
+                             f"and a blob a sparse layer more")
+        args.cache_frac = cache / v.expert_bytes
     with v.session(cache_bytes=cache, threads=args.threads, context=args.ctx) as s:
         budget = s.stats()["resident_bytes"]
     model_bytes = v.file_bytes
@@ -1089,6 +1097,10 @@ def main(argv=None) -> int:
                     help="cold mode: stop a run's decode after this many seconds (at least one step; tokens/s over "
                          "the steps made) -- llama.cpp under a budget can take minutes for 16 tokens")
     ap.add_argument("--cache-frac", type=float, default=0.1, help="pysmoe cache for the cold mode, of the expert bytes")
+    ap.add_argument("--budget-mib", type=float, default=None,
+                    help="cold mode: the budget itself, in MiB (instead of --cache-frac): pysmoe's cache is what "
+                         "fills it beside its resident bytes without one, so that runs of two vault layouts (or "
+                         "versions) meet llama.cpp at the same memory")
     ap.add_argument("--readahead-kb", default="128,8192", type=lambda s: [int(x) for x in s.split(",") if x],
                     help="cold mode: the block-device read_ahead_kb values to run at (the disk holding the vault and "
                          "GGUF; restored afterwards); the first is the headline")

@@ -142,6 +142,7 @@ typedef struct {
 typedef struct {
     const smoe_layout *lay;          /* weights; dense ones in host memory (tensor->data) */
     const uint8_t *dense;            /* the vault's dense region (lay->dense_bytes) */
+    smoe_vault *vault;               /* a paged embedding's rows (smoe_vault_embed_row, smoe_vault_load_paged) */
     uint32_t threads;                /* compute threads (cpu) */
     uint64_t device_cache_bytes;     /* the device tier's budget (cuda: gpu_cache_bytes) */
     smoe_streamer *streamer;         /* the host tier, whose slots a device may pin; NULL without experts */

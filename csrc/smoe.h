@@ -151,6 +151,7 @@ typedef struct {
     uint64_t file_bytes;
     bool norm_topk_prob;
     bool tie_word_embeddings;
+    uint64_t paged_bytes; /* the embedding, left on disk and read a row at a time (0: it is in dense_bytes) */
 } smoe_config;
 
 /* Opens DIR/vault.bin, validates header and tables, loads and checks the dense region.

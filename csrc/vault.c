@@ -1,13 +1,14 @@
 /* vault.c — reading a vault: parse and validate vault.bin, load the dense region, verify.
  *
- * The format (version 3, version 2 still read; docs/vault.md is the full text and the contract).
+ * The format (version 4, versions 2 and 3 still read; docs/vault.md is the full text and the contract).
  * Every checksum is smoe_checksum (CRC-32C over 4 lanes, util.c; docs/vault.md section 6).
  *
- *   1. Header, bytes [0, 256): magic "SMOEVLT\0", version 3 (or 2), header_crc (checksum of
+ *   1. Header, bytes [0, 256): magic "SMOEVLT\0", version 4 (or 3, 2), header_crc (checksum of
  *      [0, table_offset + table_bytes) with the crc field read as 0), file_size (exact),
  *      table_offset (256), table_bytes (≤ 64 MiB), dense_offset (16 KiB multiple, after the
  *      tables), dense_bytes, dense_crc, n_tensors, blob_bytes (the largest layer's blob, 16 KiB
- *      multiple, 0 iff no sparse layer), n_blobs (layers × experts); everything else zero.
+ *      multiple, 0 iff no sparse layer), n_blobs (layers × experts); v4: paged_bytes, page_bytes
+ *      (the embedding on disk, 4.1); everything else zero.
  *   2. Tables, exactly table_bytes, in this order:
  *      2.1 config block (96 bytes): the model's sizes, flags, rms_norm_eps, rope_theta;
  *      2.2 (v3) parameters: u32 n, u32 0, n × {char key[32], f64}: family, qk_norm, rotary_dim,
@@ -18,14 +19,16 @@
  *      2.5 dense tensors: n_tensors descriptors, each name the family and parameters call for
  *          present exactly once with its shape;
  *      2.6 blob table: n_blobs × {u64 offset, u32 crc, u32 0}, index layer × experts + expert;
- *          offset 0 for dense layers, else a 16 KiB multiple past the dense region.
+ *          offset 0 for dense layers, else a 16 KiB multiple past the dense region;
+ *      2.7 (v4) page checksums: ⌈paged_bytes / page_bytes⌉ × u32, padded to 8.
  *      A descriptor is 64 bytes: char name[40] (NUL-padded), u8 format (f32, bf16, q8, q4),
  *      u8 scale_format (none for f32/bf16; f16, bf16 or f32 for q8/q4), u16 group_size (32, 64
  *      or 128 for q8/q4, 0 otherwise), u32 rows, u32 cols, u32 0, u64 offset (multiple of 64;
  *      dense: from dense_offset, blob: from the blob start).
  *   3. Tensor bytes: row-major; q8/q4 (cols % group_size == 0) store codes, scales, biases, each
  *      part starting at a 64-byte boundary from the tensor's offset; w = scale·q + bias per group.
- *   4. Dense region (loaded at open, dense_crc checked), then the blobs, each its layer's length.
+ *   4. Dense region (loaded at open, dense_crc checked; a paged embedding, its tail, is not: its rows
+ *      are read when a pass needs them, each page checked), then the blobs, each its layer's length.
  *
  * The file is untrusted: smoe_vault_parse checks every number against the file size and the
  * rules above before anything uses it, and is a pure function of the bytes so a fuzzer can
@@ -61,13 +64,15 @@
 #define MAX_DIM 65536u
 #define MAX_VOCAB (1u << 24)
 #define VERIFY_CHUNK (16u << 20) /* bytes per pread in smoe_verify_vault */
-#define VAULT_VERSION 3u
+#define VAULT_VERSION 4u
 #define PARAMS_HEAD_BYTES 8u   /* u32 count, u32 0 */
 #define PARAM_BYTES 40u        /* char key[32], f64 value */
 #define PARAM_KEY_BYTES 32u
 #define MAX_PARAMS 256u
 #define LAYOUT_ENTRY_BYTES 16u /* u64 blob bytes, u32 descriptors, u32 0 */
 #define HEADER_CRC_AT 12u /* header_crc's offset: read as zero by its own checksum */
+#define MIN_PAGE_BYTES 4096u    /* a paged embedding's checksummed page (4.1) */
+#define MAX_PAGE_BYTES (1u << 20)
 
 static const char MAGIC[8] = {'S', 'M', 'O', 'E', 'V', 'L', 'T', '\0'};
 
@@ -386,6 +391,7 @@ void smoe_layout_free(smoe_layout *L) {
     if (!L) return;
     smoe_free(L->layers);
     smoe_free(L->blob_crc);
+    smoe_free(L->page_crc);
     smoe_free(L->blob_offset);
     smoe_free(L->names);
     smoe_free(L->tensors);
@@ -399,7 +405,7 @@ void smoe_layout_free(smoe_layout *L) {
 uint64_t smoe_vault_head_bytes(const uint8_t *h) {
     if (!h || memcmp(h, MAGIC, 8)) return 0;
     uint32_t version = rd32(h + 8);
-    if (version != 2 && version != VAULT_VERSION) return 0;
+    if (version < 2 || version > VAULT_VERSION) return 0;
     uint64_t table_offset = rd64(h + 24), table_bytes = rd64(h + 32);
     if (table_offset != HEADER_BYTES || table_bytes > MAX_TABLE_BYTES) return 0;
     return table_offset + table_bytes;
@@ -418,7 +424,7 @@ static smoe_status parse_header(const uint8_t *b, size_t len, uint64_t real_size
     if (version == 1)
         return smoe_fail(SMOE_ERR_VAULT, "vault format version 1 is no longer supported; re-create it with "
                                          "`pysmoe convert` or `pysmoe synth`");
-    if (version != 2 && version != VAULT_VERSION)
+    if (version < 2 || version > VAULT_VERSION)
         return smoe_fail(SMOE_ERR_VAULT,
                          version > VAULT_VERSION
                              ? "vault format version %u needs a newer pysmoe (this libsmoe reads versions 2 to %u)"
@@ -434,6 +440,10 @@ static smoe_status parse_header(const uint8_t *b, size_t len, uint64_t real_size
     L->n_tensors = rd32(b + 60);
     L->blob_bytes = rd64(b + 64);
     L->n_blobs = rd32(b + 72);
+    if (version >= 4) {
+        L->paged_bytes = rd64(b + 80);
+        L->page_bytes = rd32(b + 88);
+    }
     if (L->table_offset != HEADER_BYTES)
         return smoe_fail(SMOE_ERR_VAULT, "header: table_offset %llu, must be 256", (unsigned long long)L->table_offset);
     if (L->table_bytes < CONFIG_BYTES || L->table_bytes > MAX_TABLE_BYTES)
@@ -454,7 +464,8 @@ static smoe_status parse_header(const uint8_t *b, size_t len, uint64_t real_size
     if (real_size > L->file_size)
         return smoe_fail(SMOE_ERR_VAULT, "the file is %llu bytes, its header says %llu (trailing bytes)",
                          (unsigned long long)real_size, (unsigned long long)L->file_size);
-    if (rd32(b + 76) || !all_zero(b + 80, HEADER_BYTES - 80))
+    const size_t used = version >= 4 ? 92 : 80; /* v4: paged_bytes, page_bytes */
+    if (rd32(b + 76) || !all_zero(b + used, HEADER_BYTES - used))
         return smoe_fail(SMOE_ERR_VAULT, "header: reserved bytes not zero");
     if (L->dense_offset % SMOE_PAGE || L->dense_offset < table_end)
         return smoe_fail(SMOE_ERR_VAULT, "header: dense_offset %llu must be a multiple of %u at or past the tables' end %llu",
@@ -466,6 +477,24 @@ static smoe_status parse_header(const uint8_t *b, size_t len, uint64_t real_size
     if (L->blob_bytes % SMOE_PAGE)
         return smoe_fail(SMOE_ERR_VAULT, "header: blob_bytes %llu not a multiple of %u",
                          (unsigned long long)L->blob_bytes, SMOE_PAGE);
+    if ((L->paged_bytes == 0) != (L->page_bytes == 0))
+        return smoe_fail(SMOE_ERR_VAULT, "header: paged_bytes %llu with page_bytes %u (both 0, or neither)",
+                         (unsigned long long)L->paged_bytes, L->page_bytes);
+    if (L->paged_bytes) {
+        const uint32_t pb = L->page_bytes;
+        if (pb < MIN_PAGE_BYTES || pb > MAX_PAGE_BYTES || (pb & (pb - 1)))
+            return smoe_fail(SMOE_ERR_VAULT, "header: page_bytes %u must be a power of two in [%u, %u]", pb,
+                             MIN_PAGE_BYTES, MAX_PAGE_BYTES);
+        if (L->paged_bytes > L->dense_bytes || (L->dense_bytes - L->paged_bytes) % SMOE_PAGE)
+            return smoe_fail(SMOE_ERR_VAULT, "header: paged_bytes %llu must be the dense region's (%llu bytes) last "
+                             "bytes, starting at a multiple of %u", (unsigned long long)L->paged_bytes,
+                             (unsigned long long)L->dense_bytes, SMOE_PAGE);
+        const uint64_t pages = L->paged_bytes / pb + (L->paged_bytes % pb != 0);
+        if (pages > MAX_TABLE_BYTES / 4)
+            return smoe_fail(SMOE_ERR_VAULT, "header: %llu pages of %u bytes do not fit the tables",
+                             (unsigned long long)pages, pb);
+        L->n_pages = (uint32_t)pages;
+    }
     return SMOE_OK;
 }
 
@@ -968,6 +997,37 @@ static smoe_status parse_blob_table(const uint8_t *d, smoe_layout *L) {
     return rc;
 }
 
+/* ---------------------------------------------------- the embedding on disk (4.1, 2.7) */
+
+/* Where a paged region may be and what it holds: exactly the untied embedding, the dense
+ * region's tail, no other tensor in it; then its page checksums (2.7). */
+static smoe_status parse_page_table(const uint8_t *d, smoe_layout *L) {
+    if (!L->paged_bytes) return SMOE_OK;
+    const uint64_t start = L->dense_bytes - L->paged_bytes;
+    const smoe_tensor *E = L->embed;
+    if (L->cfg.tie_word_embeddings)
+        return smoe_fail(SMOE_ERR_VAULT, "header: paged_bytes %llu, but the embedding is tied to lm_head (a tied "
+                         "embedding stays in memory)", (unsigned long long)L->paged_bytes);
+    if (E->offset != start || E->nbytes > L->paged_bytes || L->paged_bytes - E->nbytes >= 64)
+        return smoe_fail(SMOE_ERR_VAULT, "header: the paged region [%llu, +%llu) of the dense region must hold "
+                         "embed_tokens exactly (it is [%llu, +%llu))", (unsigned long long)start,
+                         (unsigned long long)L->paged_bytes, (unsigned long long)E->offset,
+                         (unsigned long long)E->nbytes);
+    for (uint32_t i = 0; i < L->n_tensors; i++) {
+        const smoe_tensor *t = &L->tensors[i];
+        char pn[40];
+        if (t != E && t->offset + t->nbytes > start)
+            return smoe_fail(SMOE_ERR_VAULT, "dense tensor '%s' reaches into the paged embedding (past byte %llu)",
+                             printable(L->names[i], pn), (unsigned long long)start);
+    }
+    L->page_crc = smoe_alloc((size_t)L->n_pages * sizeof *L->page_crc, 64);
+    if (!L->page_crc) return smoe_fail(SMOE_ERR_NOMEM, "cannot allocate %u page checksums", L->n_pages);
+    for (uint32_t k = 0; k < L->n_pages; k++) L->page_crc[k] = rd32(d + 4 * (size_t)k);
+    if (!all_zero(d + 4 * (size_t)L->n_pages, (L->n_pages & 1) * 4u))
+        return smoe_fail(SMOE_ERR_VAULT, "page checksums: padding not zero");
+    return SMOE_OK;
+}
+
 /* ------------------------------------------------------------------ the tables in order */
 
 static smoe_status parse_all(const uint8_t *b, size_t len, uint64_t real_size, smoe_layout *L) {
@@ -1051,7 +1111,9 @@ static smoe_status parse_all(const uint8_t *b, size_t len, uint64_t real_size, s
     if (L->n_tensors != want_tensors)
         return smoe_fail(SMOE_ERR_VAULT, "header: n_tensors %u, this %s vault has %llu dense tensors", L->n_tensors,
                          smoe_family_name(L->mp.family), (unsigned long long)want_tensors);
-    uint64_t want_table = pos + (uint64_t)L->n_tensors * DESC_BYTES + (uint64_t)L->n_blobs * BLOB_ENTRY_BYTES;
+    const uint64_t page_table = smoe_align_up((uint64_t)L->n_pages * 4, 8);
+    uint64_t want_table =
+        pos + (uint64_t)L->n_tensors * DESC_BYTES + (uint64_t)L->n_blobs * BLOB_ENTRY_BYTES + page_table;
     if (tb != want_table)
         return smoe_fail(SMOE_ERR_VAULT, "header: table_bytes %llu, the tables it describes take %llu",
                          (unsigned long long)tb, (unsigned long long)want_table);
@@ -1065,8 +1127,9 @@ static smoe_status parse_all(const uint8_t *b, size_t len, uint64_t real_size, s
 
     const uint8_t *dense = t + pos;
     const uint8_t *blobs = dense + (size_t)L->n_tensors * DESC_BYTES;
-    if ((rc = parse_dense_table(dense, L))) return rc;
-    return parse_blob_table(blobs, L);
+    const uint8_t *pages = blobs + (size_t)L->n_blobs * BLOB_ENTRY_BYTES;
+    if ((rc = parse_dense_table(dense, L)) || (rc = parse_blob_table(blobs, L))) return rc;
+    return parse_page_table(pages, L);
 }
 
 smoe_status smoe_vault_parse(const uint8_t *bytes, size_t len, uint64_t file_size, smoe_layout *out) {
@@ -1289,11 +1352,13 @@ static smoe_status load(smoe_vault *v, int fd) {
         return smoe_fail(SMOE_ERR_NOMEM, "%s: cannot allocate %llu bytes for the dense weights", path,
                          (unsigned long long)L->dense_bytes);
     uint32_t crc = 0;
-    if ((rc = load_dense(fd, path, v->dense, L->dense_offset, L->dense_bytes, &crc))) return rc;
+    /* A paged embedding (the region's tail, 4.1) stays on disk: its pages of the buffer are never touched */
+    if ((rc = load_dense(fd, path, v->dense, L->dense_offset, L->dense_bytes - L->paged_bytes, &crc))) return rc;
     if (crc != L->dense_crc)
         return smoe_fail(SMOE_ERR_VAULT, "%s: dense region checksum mismatch (computed %08x, header says %08x)", path, crc,
                          L->dense_crc);
-    for (uint32_t i = 0; i < L->n_tensors; i++) v->lay.tensors[i].data = v->dense + L->tensors[i].offset;
+    for (uint32_t i = 0; i < L->n_tensors; i++)
+        if (!L->paged_bytes || &L->tensors[i] != L->embed) v->lay.tensors[i].data = v->dense + L->tensors[i].offset;
     return SMOE_OK;
 }
 
@@ -1317,6 +1382,10 @@ smoe_status smoe_open_vault(const char *dir, smoe_vault **out) {
     smoe_vault *v = smoe_alloc(sizeof *v, 64);
     if (!v) return smoe_fail(SMOE_ERR_NOMEM, "cannot allocate a vault");
     v->fd = -1;
+    if (pthread_mutex_init(&v->paged_mu, NULL) != 0) {
+        smoe_free(v);
+        return smoe_fail(SMOE_ERR_NOMEM, "cannot create a vault's lock");
+    }
     v->dir = dup_str(dir, "");
     v->path = dup_str(dir, "/vault.bin");
     if (!v->dir || !v->path) {
@@ -1346,9 +1415,11 @@ smoe_status smoe_open_vault(const char *dir, smoe_vault **out) {
         smoe_close_vault(v);
         return rc;
     }
-    smoe_log(SMOE_LOG_INFO, "opened %s: %u layers (%u sparse), %u experts, %.1f MiB dense, %.1f MiB per blob", v->path,
-             v->lay.cfg.num_hidden_layers, v->lay.cfg.num_sparse_layers, v->lay.cfg.num_experts,
-             (double)v->lay.dense_bytes / (1 << 20), (double)v->lay.blob_bytes / (1 << 20));
+    smoe_log(SMOE_LOG_INFO,
+             "opened %s: %u layers (%u sparse), %u experts, %.1f MiB dense (%.1f MiB of embedding on disk), %.1f MiB "
+             "per blob", v->path, v->lay.cfg.num_hidden_layers, v->lay.cfg.num_sparse_layers, v->lay.cfg.num_experts,
+             (double)(v->lay.dense_bytes - v->lay.paged_bytes) / (1 << 20), (double)v->lay.paged_bytes / (1 << 20),
+             (double)v->lay.blob_bytes / (1 << 20));
     *out = v;
     return SMOE_OK;
 }
@@ -1356,6 +1427,7 @@ smoe_status smoe_open_vault(const char *dir, smoe_vault **out) {
 void smoe_close_vault(smoe_vault *v) {
     if (!v) return;
     if (v->fd >= 0) close(v->fd);
+    pthread_mutex_destroy(&v->paged_mu);
     smoe_free(v->dense);
     smoe_layout_free(&v->lay);
     smoe_free(v->path);
@@ -1371,7 +1443,8 @@ smoe_status smoe_vault_config(const smoe_vault *v, smoe_config *out) {
     /* A caller built against an older header gets the prefix it knows; a newer one keeps the
      * fields this library does not know about. */
     smoe_config c = v->lay.cfg;
-    c.dense_bytes = v->lay.dense_bytes;
+    c.dense_bytes = v->lay.dense_bytes - v->lay.paged_bytes;
+    c.paged_bytes = v->lay.paged_bytes;
     c.blob_bytes = v->lay.blob_bytes;
     c.file_bytes = v->lay.file_size;
     memcpy(out, &c, size < sizeof c ? size : sizeof c);
@@ -1386,6 +1459,122 @@ smoe_status smoe_vault_layer_is_sparse(const smoe_vault *v, uint32_t layer, bool
                          v->lay.cfg.num_hidden_layers);
     *out = v->lay.layer_sparse[layer];
     return SMOE_OK;
+}
+
+/* ------------------------------------------------------------------- the embedding on disk
+ *
+ * A paged embedding (4.1) is read a row at a time: each of the row's parts (a q8/q4 row's codes,
+ * scales and biases; any other format's one run of bytes) from the pages that hold it, each page
+ * read whole and checked against its checksum before a byte of it is used, and the parts copied
+ * into an image of a one-row tensor that smoe_dequant_row reads as it reads any tensor. */
+
+typedef struct {
+    const smoe_vault *v;
+    uint8_t *page; /* page_bytes */
+    int64_t held;  /* the page in it, −1: none */
+} page_reader;
+
+static smoe_status page_get(page_reader *r, uint64_t k) {
+    if (r->held == (int64_t)k) return SMOE_OK;
+    const smoe_layout *L = &r->v->lay;
+    const uint64_t at = (uint64_t)k * L->page_bytes, len = L->paged_bytes - at < L->page_bytes ? L->paged_bytes - at
+                                                                                            : L->page_bytes;
+    const uint64_t off = L->dense_offset + (L->dense_bytes - L->paged_bytes) + at;
+    r->held = -1;
+    smoe_status rc = read_exact(r->v->fd, r->v->path, r->page, len, off);
+    if (rc) return rc;
+    if (smoe_checksum(r->page, len) != L->page_crc[k])
+        return smoe_fail(SMOE_ERR_IO, "%s: the embedding's page %llu (%llu bytes at %llu) fails its checksum: the file "
+                         "is damaged (`pysmoe verify` lists what is)", r->v->path, (unsigned long long)k,
+                         (unsigned long long)len, (unsigned long long)off);
+    r->held = (int64_t)k;
+    return SMOE_OK;
+}
+
+/* Bytes [at, at + n) of the paged region into dst, page by page. */
+static smoe_status paged_copy(page_reader *r, uint64_t at, uint64_t n, uint8_t *dst) {
+    const uint32_t pb = r->v->lay.page_bytes;
+    while (n) {
+        const uint64_t k = at / pb, in = at % pb, take = pb - in < n ? pb - in : n;
+        smoe_status rc = page_get(r, k);
+        if (rc) return rc;
+        memcpy(dst, r->page + in, (size_t)take);
+        dst += take, at += take, n -= take;
+    }
+    return SMOE_OK;
+}
+
+/* Rows [r0, r0 + n) of the paged embedding as an n-row tensor *slice (same format) at image
+ * (slice->nbytes bytes). */
+static smoe_status paged_rows(page_reader *r, uint32_t r0, uint32_t n, smoe_tensor *slice, uint8_t *image) {
+    const smoe_tensor *E = r->v->lay.embed;
+    if (!tensor_init(slice, E->format, E->scale_format, E->group, n, E->cols))
+        return smoe_fail(SMOE_ERR_INTERNAL, "a slice of the embedding has no size");
+    if (!is_quant(E->format)) { /* rows of whole elements or blocks, back to back */
+        const uint64_t rb = E->nbytes / E->rows;
+        return paged_copy(r, (uint64_t)r0 * rb, (uint64_t)n * rb, image);
+    }
+    const uint64_t cb = E->format == SMOE_FMT_Q8 ? E->cols : E->cols / 2;
+    const uint64_t sb = scale_part_bytes(E->scale_format, E->group, 1, E->cols);
+    smoe_status rc = paged_copy(r, (uint64_t)r0 * cb, (uint64_t)n * cb, image);
+    if (rc == SMOE_OK) rc = paged_copy(r, E->scales_off + (uint64_t)r0 * sb, (uint64_t)n * sb, image + slice->scales_off);
+    if (rc == SMOE_OK) rc = paged_copy(r, E->biases_off + (uint64_t)r0 * sb, (uint64_t)n * sb, image + slice->biases_off);
+    return rc;
+}
+
+uint64_t smoe_vault_row_scratch_bytes(const smoe_layout *L) {
+    if (!L->paged_bytes) return 0;
+    const smoe_tensor *E = L->embed;
+    return L->page_bytes + smoe_tensor_bytes(E->format, E->scale_format, E->group, 1, E->cols);
+}
+
+smoe_status smoe_vault_embed_row(const smoe_vault *v, uint32_t row, uint8_t *scratch, float *out) {
+    const smoe_layout *L = &v->lay;
+    if (!L->paged_bytes) return smoe_fail(SMOE_ERR_INTERNAL, "smoe_vault_embed_row: the embedding is in memory");
+    if (row >= L->embed->rows)
+        return smoe_fail(SMOE_ERR_INVALID_ARG, "token id %u out of range (vocabulary %u)", row, L->embed->rows);
+    page_reader r = {v, scratch, -1};
+    smoe_tensor one;
+    uint8_t *image = scratch + L->page_bytes;
+    smoe_status rc = paged_rows(&r, row, 1, &one, image);
+    if (rc) return rc;
+    smoe_dequant_row(&one, image, 0, out);
+    return SMOE_OK;
+}
+
+smoe_status smoe_vault_load_paged(smoe_vault *v) {
+    smoe_layout *L = &v->lay;
+    if (!L->paged_bytes) return SMOE_OK;
+    smoe_status rc = SMOE_OK;
+    pthread_mutex_lock(&v->paged_mu);
+    if (!v->paged_loaded) {
+        uint8_t *base = v->dense + (L->dense_bytes - L->paged_bytes);
+        for (uint32_t k = 0; k < L->n_pages && rc == SMOE_OK; k++) {
+            /* each page read in place and checked, as page_get does into its buffer */
+            const uint64_t at = (uint64_t)k * L->page_bytes;
+            const uint64_t len = L->paged_bytes - at < L->page_bytes ? L->paged_bytes - at : L->page_bytes;
+            const uint64_t off = L->dense_offset + (L->dense_bytes - L->paged_bytes) + at;
+            rc = read_exact(v->fd, v->path, base + at, len, off);
+            if (rc == SMOE_OK && smoe_checksum(base + at, len) != L->page_crc[k])
+                rc = smoe_fail(SMOE_ERR_IO, "%s: the embedding's page %u (%llu bytes at %llu) fails its checksum: the "
+                               "file is damaged (`pysmoe verify` lists what is)", v->path, k,
+                               (unsigned long long)len, (unsigned long long)off);
+        }
+        if (rc == SMOE_OK) {
+            for (uint32_t i = 0; i < L->n_tensors; i++)
+                if (&L->tensors[i] == L->embed) L->tensors[i].data = base;
+            v->paged_loaded = true;
+        }
+    }
+    pthread_mutex_unlock(&v->paged_mu);
+    return rc;
+}
+
+uint64_t smoe_vault_resident_bytes(const smoe_vault *v) {
+    pthread_mutex_lock((pthread_mutex_t *)&v->paged_mu);
+    const bool loaded = v->paged_loaded;
+    pthread_mutex_unlock((pthread_mutex_t *)&v->paged_mu);
+    return v->lay.dense_bytes - (loaded ? 0 : v->lay.paged_bytes);
 }
 
 /* ---------------------------------------------------------------------------------- verify */
@@ -1477,7 +1666,7 @@ static void ggml_scale_at(uint8_t format, int at[2]) {
 
 /* Reports a GGML tensor (t's bytes at base) with an inf or NaN among its blocks' f16 scales. */
 static void check_ggml_values(verify_ctx *x, const smoe_tensor *t, const uint8_t *base, const char *name,
-                              int32_t layer, int32_t expert) {
+                              int32_t layer, int32_t expert, uint64_t row0) {
     uint32_t bs, ts;
     int at[2];
     if (!smoe_ggml_block(t->format, &bs, &ts)) return;
@@ -1490,15 +1679,16 @@ static void check_ggml_values(verify_ctx *x, const smoe_tensor *t, const uint8_t
     if (!bad) return;
     char why[160];
     snprintf(why, sizeof why, "%s scales: %llu non-finite value(s) (NaN or inf), the first at row %llu, block %llu",
-             name, (unsigned long long)bad, (unsigned long long)(first / bpr), (unsigned long long)(first % bpr));
+             name, (unsigned long long)bad, (unsigned long long)(row0 + first / bpr), (unsigned long long)(first % bpr));
     report(x, "values", layer, expert, why);
 }
 
-/* Reports a quantised tensor whose scales or biases (t's bytes at base) are not all finite. */
-static void check_values(verify_ctx *x, const smoe_tensor *t, const uint8_t *base, const char *name, int32_t layer,
-                         int32_t expert) {
+/* Reports a quantised tensor whose scales or biases (t's bytes at base) are not all finite; t
+ * may be a slice of rows from row0 on (the report counts rows from there). */
+static void check_values_from(verify_ctx *x, const smoe_tensor *t, const uint8_t *base, const char *name,
+                              int32_t layer, int32_t expert, uint64_t row0) {
     if (!is_quant(t->format)) {
-        check_ggml_values(x, t, base, name, layer, expert);
+        check_ggml_values(x, t, base, name, layer, expert, row0);
         return;
     }
     uint64_t gpr = t->cols / t->group, count = (uint64_t)t->rows * gpr;
@@ -1509,10 +1699,63 @@ static void check_values(verify_ctx *x, const smoe_tensor *t, const uint8_t *bas
         if (!bad) continue;
         char why[160];
         snprintf(why, sizeof why, "%s %s: %llu non-finite value(s) (NaN or inf), the first at row %llu, group %llu",
-                 name, part_name[k], (unsigned long long)bad, (unsigned long long)(first / gpr),
+                 name, part_name[k], (unsigned long long)bad, (unsigned long long)(row0 + first / gpr),
                  (unsigned long long)(first % gpr));
         report(x, "values", layer, expert, why);
     }
+}
+
+static void check_values(verify_ctx *x, const smoe_tensor *t, const uint8_t *base, const char *name, int32_t layer,
+                         int32_t expert) {
+    check_values_from(x, t, base, name, layer, expert, 0);
+}
+
+/* A paged embedding: every page against its checksum, then its values slice by slice (rows read
+ * as a session reads them; only when every page is sound). buf: VERIFY_CHUNK bytes at least. */
+static smoe_status verify_paged(const smoe_vault *v, uint8_t *buf, uint64_t buf_bytes, verify_ctx *x) {
+    const smoe_layout *L = &v->lay;
+    if (!L->paged_bytes) return SMOE_OK;
+    const uint64_t base = L->dense_offset + (L->dense_bytes - L->paged_bytes);
+    uint32_t bad = 0;
+    for (uint32_t k = 0; k < L->n_pages;) {
+        /* as many whole pages as buf holds in one read */
+        const uint32_t per = (uint32_t)(buf_bytes / L->page_bytes);
+        const uint32_t m = L->n_pages - k < per ? L->n_pages - k : per;
+        const uint64_t at = (uint64_t)k * L->page_bytes;
+        const uint64_t want = L->paged_bytes - at < (uint64_t)m * L->page_bytes ? L->paged_bytes - at
+                                                                                : (uint64_t)m * L->page_bytes;
+        int64_t got = smoe_pread_full(v->fd, buf, want, base + at);
+        if (got < 0)
+            return smoe_fail(SMOE_ERR_IO, "%s: read at %llu failed: %s", x->path, (unsigned long long)(base + at),
+                             strerror(errno));
+        for (uint32_t j = 0; j < m; j++) {
+            const uint64_t lo = (uint64_t)j * L->page_bytes;
+            const uint64_t len = want - lo < L->page_bytes ? want - lo : L->page_bytes;
+            char why[96];
+            if ((uint64_t)got < lo + len) snprintf(why, sizeof why, "page %u: cut short by the end of the file", k + j);
+            else if (smoe_checksum(buf + lo, len) != L->page_crc[k + j])
+                snprintf(why, sizeof why, "page %u: checksum mismatch", k + j);
+            else continue;
+            bad++;
+            report(x, "embedding", -1, -1, why);
+        }
+        k += m;
+    }
+    if (bad) return SMOE_OK;
+    const smoe_tensor *E = L->embed;
+    const uint64_t row_bytes = smoe_tensor_bytes(E->format, E->scale_format, E->group, 1, E->cols);
+    uint64_t per = (buf_bytes - L->page_bytes) / (row_bytes + 192); /* a slice's parts each padded to 64 */
+    if (per == 0) per = 1;
+    page_reader r = {v, buf, -1};
+    for (uint32_t r0 = 0; r0 < E->rows;) {
+        const uint32_t n = E->rows - r0 < per ? E->rows - r0 : (uint32_t)per;
+        smoe_tensor slice;
+        smoe_status rc = paged_rows(&r, r0, n, &slice, buf + L->page_bytes);
+        if (rc) return rc;
+        check_values_from(x, &slice, buf + L->page_bytes, "embed_tokens", -1, -1, r0);
+        r0 += n;
+    }
+    return SMOE_OK;
 }
 
 /* Every blob, read a run of whole blobs at a time (buf holds at least one): its checksum and its
@@ -1579,12 +1822,16 @@ smoe_status smoe_verify_vault(const smoe_vault *v, smoe_verify_fn fn, void *user
     if (cut) report(&x, "header", -1, -1, "cut short by the end of the file");
     else if (sum != rd32(stored)) report(&x, "header", -1, -1, "checksum mismatch");
 
-    if ((rc = checksum_range(fd, v->path, buf, L->dense_offset, L->dense_bytes, &sum, &cut))) goto done;
+    if ((rc = checksum_range(fd, v->path, buf, L->dense_offset, L->dense_bytes - L->paged_bytes, &sum, &cut)))
+        goto done;
     if (cut) report(&x, "dense", -1, -1, "cut short by the end of the file");
     else if (sum != L->dense_crc) report(&x, "dense", -1, -1, "checksum mismatch");
-    /* The dense tensors as the engine uses them (they matched dense_crc at open). */
+    /* The dense tensors as the engine uses them (they matched dense_crc at open); a paged
+     * embedding from the file */
     for (uint32_t i = 0; i < L->n_tensors; i++)
-        check_values(&x, &L->tensors[i], L->tensors[i].data, L->names[i], -1, -1);
+        if (!L->paged_bytes || &L->tensors[i] != L->embed)
+            check_values(&x, &L->tensors[i], L->tensors[i].data, L->names[i], -1, -1);
+    if ((rc = verify_paged(v, buf, buf_bytes, &x))) goto done;
 
     if ((rc = verify_blobs(fd, v, buf, buf_bytes, &x))) goto done;
     rc = x.bad ? smoe_fail(SMOE_ERR_VAULT, "%s: %u problem(s) found", v->path, x.bad) : SMOE_OK;

@@ -4,6 +4,8 @@
 
 #include "internal.h"
 
+#include <pthread.h>
+
 /* One tensor: a dense tensor (data points into the dense region in memory) or an expert-blob
  * tensor (data is NULL; offset is relative to the blob's start). */
 typedef struct {
@@ -114,7 +116,13 @@ typedef struct {
     uint64_t file_size, table_offset, table_bytes, dense_offset, dense_bytes;
     uint64_t blob_bytes;     /* the largest layer's blob (the streamer's slot size) */
     uint32_t dense_crc, n_tensors, n_blobs;
-    uint32_t version;        /* of the file: 2 or 3 */
+    uint32_t version;        /* of the file: 2, 3 or 4 */
+    /* Version 4, the embedding on disk (docs/vault.md 4.1): the dense region's last paged_bytes
+     * bytes hold the (untied) embedding, read row by row when a pass needs them and checked page by
+     * page against page_crc, not loaded at open nor covered by dense_crc. 0: all of it in memory. */
+    uint64_t paged_bytes;
+    uint32_t page_bytes, n_pages; /* a power of two in [4 KiB, 1 MiB]; ceil(paged_bytes / page_bytes) */
+    uint32_t *page_crc;      /* (n_pages) */
     smoe_model_params mp;
     uint8_t *layer_sparse;   /* (layers) */
     uint8_t *layer_attn;     /* (layers) smoe_attn_kind */
@@ -158,8 +166,22 @@ struct smoe_vault {
     int fd;               /* vault.bin as opened: sessions read blobs through this file, not the path */
     smoe_file_id id;      /* of fd at open */
     smoe_layout lay;
-    uint8_t *dense;       /* (dense_bytes) 16 KiB aligned, loaded at open */
+    uint8_t *dense;       /* (dense_bytes) 16 KiB aligned, loaded at open but for a paged embedding */
+    pthread_mutex_t paged_mu; /* smoe_vault_load_paged's */
+    bool paged_loaded;    /* the paged embedding is in dense too (a backend that needs it whole asked) */
 };
+
+/* The embedding on disk (lay.paged_bytes ≠ 0). Rows come from the file page by page, each page
+ * checked against its checksum (a mismatch: SMOE_ERR_IO naming the page; nothing is kept, so the
+ * next call reads it again). The scratch a reader needs: smoe_vault_row_scratch_bytes. */
+uint64_t smoe_vault_row_scratch_bytes(const smoe_layout *L);
+/* Row `row` of the embedding, dequantised into out (hidden_size floats), read from the file. */
+smoe_status smoe_vault_embed_row(const smoe_vault *v, uint32_t row, uint8_t *scratch, float *out);
+/* Reads the paged embedding whole into the dense region (once; thread-safe) and points the
+ * embedding's data at it: for a backend that keeps the embedding table itself (cuda). */
+smoe_status smoe_vault_load_paged(smoe_vault *v);
+/* Dense bytes the vault holds in memory: the dense region, less a paged embedding not loaded. */
+uint64_t smoe_vault_resident_bytes(const smoe_vault *v);
 
 /* fd's identity (fstat); false with errno set if fstat fails. */
 bool smoe_file_id_of(int fd, smoe_file_id *out);

@@ -46,6 +46,7 @@ uint64_t dense_bytes;
 uint64_t file_bytes;
 bool norm_topk_prob;
 bool tie_word_embeddings;
+uint64_t paged_bytes;
 } smoe_config;
 smoe_status smoe_open_vault(const char *dir, smoe_vault **out);
 void smoe_close_vault(smoe_vault *vault);

@@ -129,7 +129,8 @@ class Vault:
         c.struct_size = ffi.sizeof("smoe_config")
         check(lib.smoe_vault_config(self._h, c))
         self.blob_bytes = int(c.blob_bytes)
-        self.dense_bytes = int(c.dense_bytes)
+        self.dense_bytes = int(c.dense_bytes)  # in memory; a paged embedding is not (paged_bytes)
+        self.paged_bytes = int(c.paged_bytes)  # the embedding left on disk, read a row at a time
         self.file_bytes = int(c.file_bytes)
         self.num_sparse_layers = int(c.num_sparse_layers)
         # The checkpoint's own config.json names, with the engine's values authoritative.
@@ -180,8 +181,8 @@ class Vault:
 
     def verify(self) -> list[tuple[str, int, int, str]]:
         """Check every checksum and that every quantised tensor's scales and biases are finite.
-        Returns the problems as (kind, layer, expert, what) — kind "header", "dense", "blob" or
-        "values", layer and expert -1 outside blobs, what in words; [] if sound."""
+        Returns the problems as (kind, layer, expert, what) — kind "header", "dense", "embedding"
+        (a page of a paged embedding), "blob" or "values", layer and expert -1 outside blobs, what in words; [] if sound."""
         bad = []
 
         @ffi.callback("void(const char *, int32_t, int32_t, const char *, void *)")

@@ -618,7 +618,8 @@ def synth(path, preset: str = "tiny", seed: int = 0, layers: int | None = None, 
           routing: str = "uniform", progress: bool = False, *, formats: dict | None = None,
           overrides: dict | None = None, scale_dtype: str = "f16", overlap: float | None = None,
           top20_share: float | None = None, stay: float | None = None, temperature: float | None = None,
-          topics: int | None = None, specific_dims: int | None = None, force: bool = False) -> pathlib.Path:
+          topics: int | None = None, specific_dims: int | None = None, force: bool = False,
+          paged_embedding: bool = True) -> pathlib.Path:
     """Write a random vault to directory path and return it.
 
     preset: a key of PRESETS; layers truncates it; experts: the expert format; routing:
@@ -630,7 +631,8 @@ def synth(path, preset: str = "tiny", seed: int = 0, layers: int | None = None, 
     The vault is written beside path and renamed into place when complete and verified
     (pysmoe.vaultdir.staged): a non-empty path is refused (TargetExists) unless force.
     Bad arguments raise ValueError before anything is written. progress: bars on stderr (off by
-    default: `pysmoe synth` turns them on).
+    default: `pysmoe synth` turns them on). paged_embedding: an untied embedding stays on disk,
+    read a row at a time (docs/vault.md 4.1); False keeps it in memory.
     """
     knobs = dict(overlap=overlap, top20_share=top20_share, stay=stay, temperature=temperature,
                  topics=topics, specific_dims=specific_dims)
@@ -639,7 +641,7 @@ def synth(path, preset: str = "tiny", seed: int = 0, layers: int | None = None, 
     tok_json = build_synthetic_tokenizer(cfg["vocab_size"])
     with staged(path, force) as tmp:
         with VaultWriter(tmp, cfg, formats=fmts, scale_dtype=scale_dtype, tokenizer_json=tok_json,
-                         tokenizer_config=synthetic_tokenizer_config()) as writer:
+                         tokenizer_config=synthetic_tokenizer_config(), paged_embedding=paged_embedding) as writer:
             lay = writer.layout
             dense_total = sum(t.rows * t.cols for t in lay.tensors.values())
             with Progress(dense_total, f"{path.name}: dense", unit="weights", enabled=progress) as bar:

@@ -32,8 +32,8 @@ from .errors import VaultError
 from .quant import FORMAT_CODE, FORMAT_NAME, SCALE_CODE, SCALE_NAME, align
 
 MAGIC = b"SMOEVLT\0"
-VERSION = 3
-READ_VERSIONS = (2, 3)
+VERSION = 4
+READ_VERSIONS = (2, 3, 4)
 HEADER_BYTES = 256
 BLOB_ALIGN = 16384
 CONFIG_BYTES = 96
@@ -41,10 +41,11 @@ DESC_BYTES = 64
 BLOB_ENTRY_BYTES = 16
 NAME_BYTES = 40
 MAX_TABLE_BYTES = 64 << 20
+PAGE_BYTES = 4096  # a paged embedding's checksummed page (docs/vault.md 4.1)
 
 DEFAULT_CONTEXT = 4096  # the CLI's --context, capped by the model's max_position_embeddings
 
-_HEADER = struct.Struct("<8sIIQQQQQIIQII")  # through `reserved` at 76; zeros to 256
+_HEADER = struct.Struct("<8sIIQQQQQIIQIIQI")  # through page_bytes at 88 (v4); zeros to 256
 _CONFIG = struct.Struct("<12IfId")           # 64 bytes; zeros to 96
 _DESC = struct.Struct("<40sBBHIIIQ")          # 64 bytes
 _BLOB = struct.Struct("<QII")                 # 16 bytes
@@ -400,6 +401,12 @@ class Layout:
     params: dict = dataclasses.field(default_factory=dict)  # the parameter table (family_params)
     layer_expert: tuple = ()      # (layers) each layer's (gate, up, down) Tensors; () for dense layers
     layer_blob_bytes: tuple = ()  # (layers) each layer's blob length; 0 for dense layers
+    paged_bytes: int = 0          # the embedding left on disk: the dense region's tail (docs/vault.md 4.1)
+    page_bytes: int = 0
+
+    @property
+    def n_pages(self) -> int:
+        return -(-self.paged_bytes // self.page_bytes) if self.paged_bytes else 0
 
     @property
     def n_blobs(self) -> int:
@@ -441,10 +448,12 @@ def _sized(name: str, tf: TensorFormat, rows: int, cols: int, offset: int) -> Te
 
 
 def compute_layout(cfg: dict, formats: dict | None = None, scale_dtype: str = "f16",
-                   group: int = quant.GROUP) -> Layout:
+                   group: int = quant.GROUP, paged_embedding: bool = True) -> Layout:
     """Where every byte of a vault of this config goes (docs/vault.md section 5). formats maps
     a role, a dense tensor's name or `experts.gate|up|down` to a format name or a
-    TensorFormat; scale_dtype and group are the defaults for q4/q8 entries given by name."""
+    TensorFormat; scale_dtype and group are the defaults for q4/q8 entries given by name.
+    paged_embedding: an untied embedding goes last in the dense region, read from disk a row at a
+    time (4.1); False keeps it in memory like the rest."""
     cfg = normalize_config(cfg)
     _check_limits(cfg)
     if scale_dtype not in quant.SCALE_DTYPES:
@@ -460,22 +469,35 @@ def compute_layout(cfg: dict, formats: dict | None = None, scale_dtype: str = "f
     if unknown:
         raise ValueError("formats names neither a role nor a tensor: " + ", ".join(sorted(unknown)))
     n_parts = len(EXPERT_PARTS) + (len(EXPERT_BIAS_PARTS) if params["family"] == FAMILIES["gpt_oss"] else 0)
+
+    def fmt_of(name: str) -> TensorFormat:
+        return fmts.get(name, fmts[role_of(name)])
+
+    paged = paged_embedding and not cfg["tie_word_embeddings"]
+    if paged:  # the embedding last, at a 16 KiB boundary: its pages are the region's tail
+        shapes = [s for s in shapes if s[0] != "embed_tokens"] + [s for s in shapes if s[0] == "embed_tokens"]
+        name, rows, cols = shapes[-1]
+        paged_bytes = align(_sized(name, fmt_of(name), rows, cols, 0).nbytes, quant.ALIGN)
+    else:
+        paged_bytes = 0
+    n_pages = -(-paged_bytes // PAGE_BYTES)
     table_bytes = (CONFIG_BYTES + _PARAMS_HEAD.size + _PARAM.size * len(params) + align(L, 8)
                    + _LAYOUT.size * L + n_parts * DESC_BYTES * sum(sparse) + DESC_BYTES * len(shapes)
-                   + BLOB_ENTRY_BYTES * L * E)
+                   + BLOB_ENTRY_BYTES * L * E + align(4 * n_pages, 8))
     if table_bytes > MAX_TABLE_BYTES:
         raise ValueError(f"table region of {table_bytes} bytes exceeds 64 MiB")
     dense_offset = align(HEADER_BYTES + table_bytes, BLOB_ALIGN)
 
     tensors, rel = {}, 0
     for name, rows, cols in shapes:
-        tf = fmts.get(name, fmts[role_of(name)])
+        tf = fmt_of(name)
         if role_of(name) == "norms" and tf.format not in ("f32", "bf16"):
             raise ValueError(f"{name}: norm vectors must be f32 or bf16, not {tf.format}")
-        rel = align(rel, quant.ALIGN)
+        rel = align(rel, BLOB_ALIGN if paged and name == "embed_tokens" else quant.ALIGN)
         tensors[name] = _sized(name, tf, rows, cols, dense_offset + rel)
         rel += tensors[name].nbytes
     dense_bytes = align(rel, quant.ALIGN)
+    assert not paged or dense_bytes - paged_bytes == tensors["embed_tokens"].offset - dense_offset
 
     h, m = cfg["hidden_size"], cfg["moe_intermediate_size"]
 
@@ -512,7 +534,8 @@ def compute_layout(cfg: dict, formats: dict | None = None, scale_dtype: str = "f
                 blob_offsets.append(0)
     file_size = pos if any_sparse else dense_offset + dense_bytes
     return Layout(cfg, sparse, table_bytes, dense_offset, dense_bytes, tensors, expert,
-                  blob_bytes, tuple(blob_offsets), file_size, params, layer_expert, layer_blob_bytes)
+                  blob_bytes, tuple(blob_offsets), file_size, params, layer_expert, layer_blob_bytes,
+                  paged_bytes, PAGE_BYTES if paged_bytes else 0)
 
 
 def _name_bytes(name: str) -> bytes:
@@ -564,8 +587,8 @@ class VaultWriter:
 
     def __init__(self, out_dir, config: dict, *, formats: dict | None = None, scale_dtype: str = "f16",
                  group: int = quant.GROUP, tokenizer_json: str | None = None,
-                 tokenizer_config: dict | None = None):
-        self.layout = compute_layout(config, formats, scale_dtype, group)
+                 tokenizer_config: dict | None = None, paged_embedding: bool = True):
+        self.layout = compute_layout(config, formats, scale_dtype, group, paged_embedding)
         self.config = self.layout.config
         self.scale_dtype = scale_dtype
         self.tokenizer_json = tokenizer_json
@@ -725,12 +748,24 @@ class VaultWriter:
 
     # -- finishing
     def _dense_crc(self) -> int:
-        n = self.layout.dense_bytes
+        n = self.layout.dense_bytes - self.layout.paged_bytes  # a paged embedding has its own (4.1)
         if n == 0:
             return checksum(b"")
         # dense_offset is a 16 KiB multiple, so a valid mmap offset on every platform
         with mmap.mmap(self._fd, n, prot=mmap.PROT_READ, offset=self.layout.dense_offset) as m:
             return checksum(m)
+
+    def _page_crcs(self) -> list[int]:
+        lay = self.layout
+        if not lay.paged_bytes:
+            return []
+        start = lay.dense_offset + lay.dense_bytes - lay.paged_bytes  # a 16 KiB multiple
+        with mmap.mmap(self._fd, lay.paged_bytes, prot=mmap.PROT_READ, offset=start) as m:
+            mv = memoryview(m)
+            try:
+                return [checksum(mv[k:k + lay.page_bytes]) for k in range(0, lay.paged_bytes, lay.page_bytes)]
+            finally:
+                mv.release()
 
     def _tables(self) -> bytes:
         lay, cfg = self.layout, self.config
@@ -747,6 +782,8 @@ class VaultWriter:
         for l in range(L):
             for e in range(E):
                 parts.append(_BLOB.pack(lay.blob_offset(l, e), self._blob_crc.get((l, e), 0), 0))
+        pages = self._page_crcs()
+        parts.append(struct.pack(f"<{len(pages)}I", *pages).ljust(align(4 * len(pages), 8), b"\0"))
         tables = b"".join(parts)
         assert len(tables) == lay.table_bytes
         return tables
@@ -755,7 +792,8 @@ class VaultWriter:
         lay, cfg = self.layout, self.config
         h = _HEADER.pack(MAGIC, VERSION, header_crc, lay.file_size, HEADER_BYTES, lay.table_bytes,
                          lay.dense_offset, lay.dense_bytes, dense_crc, len(lay.tensors),
-                         lay.blob_bytes, cfg["num_hidden_layers"] * cfg["num_experts"], 0)
+                         lay.blob_bytes, cfg["num_hidden_layers"] * cfg["num_experts"], 0,
+                         lay.paged_bytes, lay.page_bytes)
         return h.ljust(HEADER_BYTES, b"\0")
 
     def close(self) -> None:
@@ -824,6 +862,13 @@ class Header:
     n_tensors: int
     blob_bytes: int
     n_blobs: int
+    reserved: int = 0
+    paged_bytes: int = 0  # version 4 (docs/vault.md 4.1); 0 before
+    page_bytes: int = 0
+
+    @property
+    def n_pages(self) -> int:
+        return -(-self.paged_bytes // self.page_bytes) if self.paged_bytes else 0
 
 
 def _parse_desc(raw: bytes, base: int = 0) -> Tensor:
@@ -895,7 +940,7 @@ class VaultFile:
         if f[1] not in READ_VERSIONS:
             raise VaultFormatError(f"{self.path}: vault version {f[1]}, this reader knows "
                                    f"{', '.join(map(str, READ_VERSIONS))}")
-        self.header = Header(*f[1:12])
+        self.header = Header(*f[1:15])
         h = self.header
         if h.file_size != size:
             raise VaultFormatError(f"{self.path}: {size} bytes, header says {h.file_size} (truncated?)")
@@ -951,6 +996,8 @@ class VaultFile:
                               count=h.n_blobs, offset=pos)
         self.blob_offsets = blobs["offset"].astype(np.int64)
         self.blob_crcs = blobs["crc"].astype(np.int64)
+        pos += BLOB_ENTRY_BYTES * h.n_blobs
+        self.page_crcs = np.frombuffer(tab, dtype="<u4", count=h.n_pages, offset=pos).astype(np.int64)
         bin_cfg = _config_from_block(tab, self.sparse)
         bin_cfg["model_type"] = self.family
         cj = self.dir / "config.json"
@@ -1000,8 +1047,13 @@ class VaultFile:
         head[12:16] = b"\0\0\0\0"
         if checksum(head) != h.header_crc:
             bad.append("header")
-        if _crc(self.mm, h.dense_offset, h.dense_bytes) != h.dense_crc:
+        if _crc(self.mm, h.dense_offset, h.dense_bytes - h.paged_bytes) != h.dense_crc:
             bad.append("dense")
+        start = h.dense_offset + h.dense_bytes - h.paged_bytes
+        for k, crc in enumerate(self.page_crcs):
+            at = start + k * h.page_bytes
+            if _crc(self.mm, at, min(h.page_bytes, start + h.paged_bytes - at)) != crc:
+                bad.append(f"embedding page {k}")
         E = self.binary_config["num_experts"]
         for i, off in enumerate(self.blob_offsets):
             if self.sparse[i // E] and _crc(self.mm, int(off), self.layer_blob_bytes[i // E]) != self.blob_crcs[i]:
@@ -1057,11 +1109,16 @@ def info(path) -> str:
                  f"{' (renormalised)' if cfg['norm_topk_prob'] else ''}; dense MLP {cfg['intermediate_size']}",
                  f"recipe     {_recipe_line(v)}",
                  f"file       {_size(h.file_size)} ({h.file_size} bytes)",
-                 f"dense      {_size(h.dense_bytes)} in {h.n_tensors} tensors (resident)",
+                 f"dense      {_size(h.dense_bytes - h.paged_bytes)} in {h.n_tensors - bool(h.paged_bytes)} "
+                 f"tensors (resident)",
                  f"blobs      {n_sparse * E} x {_size(h.blob_bytes)} = {_size(E * sum(v.layer_blob_bytes))}",
                  f"kv cache   {_size(kv_per_token * 4)} per token in f32, {_size(kv_per_token * 2)} in bf16/f16 "
                  f"(a session reserves its whole context: by default {context:,} tokens = "
                  f"{_size(kv_per_token * 4 * context)} in f32)"]
+        if h.paged_bytes:
+            lines.insert(lines.index(next(x for x in lines if x.startswith("dense"))) + 1,
+                         f"embedding  {_size(h.paged_bytes)} on disk, read a row at a time "
+                         f"({_size(h.page_bytes)} pages, each checked)")
         lin = [k == ATTN_LINEAR for k in v.attention_kinds]
         if any(lin):
             from .memory import recurrent_state_bytes

@@ -28,14 +28,21 @@ def layer_kinds(cfg):
 def header(buf):
     """The header fields of vault.bin bytes, by docs/vault.md section 1."""
     names = ("magic", "version", "header_crc", "file_size", "table_offset", "table_bytes", "dense_offset",
-             "dense_bytes", "dense_crc", "n_tensors", "blob_bytes", "n_blobs")
-    return dict(zip(names, struct.unpack_from("<8sIIQQQQQIIQI", buf, 0)))
+             "dense_bytes", "dense_crc", "n_tensors", "blob_bytes", "n_blobs", "reserved", "paged_bytes",
+             "page_bytes")
+    return dict(zip(names, struct.unpack_from("<8sIIQQQQQIIQIIQI", buf, 0)))
+
+
+def page_table_bytes(h):
+    """Bytes of the page checksums (2.7) that close the tables of a version-4 vault."""
+    n = -(-h["paged_bytes"] // h["page_bytes"]) if h["paged_bytes"] else 0
+    return (4 * n + 7) // 8 * 8
 
 
 def blob_entries(buf):
     """[(offset, crc)] of the blob table, index layer × experts + expert."""
     h = header(buf)
-    end = h["table_offset"] + h["table_bytes"]
+    end = h["table_offset"] + h["table_bytes"] - page_table_bytes(h)
     start = end - 16 * h["n_blobs"]
     return [struct.unpack_from("<QI", buf, start + 16 * i) for i in range(h["n_blobs"])]
 
@@ -107,7 +114,8 @@ def test_open_and_config(good):
         buf = (good / "vault.bin").read_bytes()
         h = header(buf)
         assert c.file_bytes == len(buf) == h["file_size"]
-        assert c.dense_bytes == h["dense_bytes"]
+        assert h["paged_bytes"] > 0 and h["page_bytes"] == 4096  # the untied embedding is left on disk
+        assert c.dense_bytes == h["dense_bytes"] - h["paged_bytes"] and c.paged_bytes == h["paged_bytes"]
         assert c.blob_bytes == h["blob_bytes"] and c.blob_bytes % 16384 == 0
         assert c.struct_size == ffi.sizeof("smoe_config")
 
@@ -182,7 +190,7 @@ def test_verify_reports_dense_and_header(copy):
     buf = (copy / "vault.bin").read_bytes()
     h = header(buf)
     with Opened(copy) as v:
-        flip(copy, h["dense_offset"] + h["dense_bytes"] - 1)
+        flip(copy, h["dense_offset"] + h["dense_bytes"] - h["paged_bytes"] - 1)  # the last byte dense_crc covers
         assert verify(v) == (lib.SMOE_ERR_VAULT, [("dense", -1, -1)])
         flip(copy, h["table_offset"] + 5)
         assert verify(v) == (lib.SMOE_ERR_VAULT, [("header", -1, -1), ("dense", -1, -1)])
@@ -208,12 +216,22 @@ def test_open_checks_dense_crc(copy):
         Opened(copy)
 
 
+@pytest.fixture
+def copy_in_memory(make_vault, tmp_path):
+    """The tiny model with its embedding in memory: a dense region whose lanes start inside pages."""
+    dst = tmp_path / "vault"
+    shutil.copytree(make_vault("tiny_in_memory", preset="tiny", seed=0, paged_embedding=False), dst)
+    return dst
+
+
 @pytest.mark.parametrize("where", ["lane0-end", "lane1-head", "lane2", "lane3-head", "last"])
-def test_open_checks_dense_crc_in_every_lane(copy, where):
+def test_open_checks_dense_crc_in_every_lane(copy_in_memory, where):
     """The dense region is read and checked by one thread per checksum lane (vault.c load_dense):
     a flipped byte anywhere, the start of a lane inside the previous lane's last page included,
     fails the open."""
+    copy = copy_in_memory
     h = header((copy / "vault.bin").read_bytes())
+    assert h["paged_bytes"] == 0
     n = h["dense_bytes"]
     m = n // 32 * 8  # smoe_checksum_lanes: lane i starts at i*m
     assert n >= 64 << 10 and m % 16384, "the tiny vault's lanes must start inside pages for this test"

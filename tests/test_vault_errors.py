@@ -21,6 +21,7 @@ from pysmoe._ffi import check, ffi, lib
 # Header field offsets (docs/vault.md section 1).
 VERSION, HEADER_CRC, FILE_SIZE, TABLE_OFFSET, TABLE_BYTES = 8, 12, 16, 24, 32
 DENSE_OFFSET, DENSE_BYTES, DENSE_CRC, N_TENSORS, BLOB_BYTES, N_BLOBS = 40, 48, 56, 60, 64, 72
+PAGED_BYTES, PAGE_BYTES = 80, 88  # version 4
 CONFIG = 256  # the config block opens the table region
 DESC = 64
 
@@ -66,7 +67,8 @@ def layout(buf):
         pos += 16 + DESC * n
     dense = pos
     blobs = dense + DESC * u32(buf, N_TENSORS)
-    return dict(params=params, kinds=kinds, layouts=layouts, expert=expert, dense=dense, blobs=blobs)
+    pages = blobs + 16 * u32(buf, N_BLOBS)
+    return dict(params=params, kinds=kinds, layouts=layouts, expert=expert, dense=dense, blobs=blobs, pages=pages)
 
 
 def dense_index(buf, name):
@@ -172,9 +174,9 @@ def test_wrong_magic(put, good_bytes):
 
 def test_wrong_version(put, good_bytes):
     b = bytearray(good_bytes)
-    struct.pack_into("<I", b, VERSION, 4)
-    expect_error(put(seal(b)), "version 4 needs a newer pysmoe")
-    expect_error(put(b), "version 4 needs a newer pysmoe")  # the version speaks before the checksum
+    struct.pack_into("<I", b, VERSION, 5)
+    expect_error(put(seal(b)), "version 5 needs a newer pysmoe")
+    expect_error(put(b), "version 5 needs a newer pysmoe")  # the version speaks before the checksum
 
 
 def test_version_1_says_re_create(put, good_bytes):
@@ -419,19 +421,22 @@ def test_fuzz_truncation(fuzz_dir, good_bytes, length):
 
 
 def as_version_2(buf):
-    """A version-3 Qwen3-MoE vault's bytes rewritten as the version-2 file of the same model: no
-    parameter table, one expert layout (3 descriptors) for every sparse layer; dense region and
-    blobs where they were."""
+    """A version-3 or 4 Qwen3-MoE vault's bytes rewritten as the version-2 file of the same model:
+    no parameter table, one expert layout (3 descriptors) for every sparse layer, no page checksums
+    (a paged embedding joins the dense region's checksum); dense region and blobs where they were."""
     lay = layout(buf)
     layers = u32(buf, CONFIG + 8)
     kinds = bytes(buf[lay["kinds"]:lay["layouts"]])
     tables = bytes(buf[CONFIG:CONFIG + 96]) + kinds + bytes(buf[lay["expert"]:lay["expert"] + 3 * DESC])
-    tables += bytes(buf[lay["dense"]:table_end(buf)])
+    tables += bytes(buf[lay["dense"]:lay["pages"]])
     assert all(k in (0, 1) for k in kinds[:layers])
     b = bytearray(buf)
     b[CONFIG:table_end(buf)] = tables + bytes(table_end(buf) - CONFIG - len(tables))
     struct.pack_into("<I", b, VERSION, 2)
     struct.pack_into("<Q", b, TABLE_BYTES, len(tables))
+    d0, n = u64(buf, DENSE_OFFSET), u64(buf, DENSE_BYTES)
+    struct.pack_into("<I", b, DENSE_CRC, checksum_ref.checksum(bytes(buf[d0:d0 + n])))
+    b[PAGED_BYTES:PAGE_BYTES + 4] = bytes(12)
     return seal(b)
 
 
@@ -462,3 +467,55 @@ def test_a_family_this_build_does_not_know_is_refused_at_open(good, good_bytes, 
     (d / "vault.bin").write_bytes(bytes(seal(b)))
     with pytest.raises(pysmoe.VaultError, match="family"):
         pysmoe.open_vault(d)
+
+
+# ------------------------------------------------------------- the paged embedding (4.1, 2.7)
+
+def test_paged_region_rules(put, good_bytes):
+    """What the header says of a paged embedding is checked before a byte of it is used."""
+    paged, page = u64(good_bytes, PAGED_BYTES), u32(good_bytes, PAGE_BYTES)
+    assert paged and page == 4096
+
+    def with_fields(paged_bytes, page_bytes):
+        b = bytearray(good_bytes)
+        struct.pack_into("<QI", b, PAGED_BYTES, paged_bytes, page_bytes)
+        return seal(b)
+
+    expect_error(put(with_fields(paged, 3000)), "page_bytes 3000 must be a power of two")
+    expect_error(put(with_fields(paged, 2048)), "page_bytes 2048 must be a power of two in")
+    expect_error(put(with_fields(paged, 0)), "both 0, or neither")
+    expect_error(put(with_fields(paged + 64, page)), "must be the dense region's .* last bytes")
+    # a whole page more: the table of page checksums no longer matches what it describes
+    expect_error(put(with_fields(paged + 16384, page)), "table_bytes")
+    # not a page in the header's reserved bytes either
+    b = bytearray(good_bytes)
+    b[92] = 1
+    expect_error(put(seal(b)), "reserved bytes not zero")
+
+
+def test_page_table_padding_and_checksums(put, good_bytes, tmp_path):
+    n_pages = -(-u64(good_bytes, PAGED_BYTES) // u32(good_bytes, PAGE_BYTES))
+    assert n_pages % 2 == 1, "the tiny vault's page table must end in padding for this test"
+    pages = layout(good_bytes)["pages"]
+    b = bytearray(good_bytes)
+    b[pages + 4 * n_pages] = 1
+    expect_error(put(seal(b)), "page checksums: padding not zero")
+    # a wrong page checksum opens (the embedding is not read at open) and is named by verify
+    b = bytearray(good_bytes)
+    b[pages + 4] ^= 1
+    path = put(seal(b))
+    with pysmoe.open_vault(path) as v:
+        assert v.verify() == [("embedding", -1, -1, "page 1: checksum mismatch")]
+
+
+def test_a_paged_region_holds_the_embedding_alone(put, good_bytes):
+    """A tensor moved into the paged region, or the embedding moved out of it, is refused."""
+    d0 = u64(good_bytes, DENSE_OFFSET)
+    start = u64(good_bytes, DENSE_BYTES) - u64(good_bytes, PAGED_BYTES)
+    b = bytearray(good_bytes)
+    struct.pack_into("<Q", b, dense_index(b, "norm") + 56, start)  # the final norm's offset into the tail
+    expect_error(put(seal(b)), "'norm' reaches into the paged embedding")
+    b = bytearray(good_bytes)
+    struct.pack_into("<Q", b, dense_index(b, "embed_tokens") + 56, start - 16384)
+    expect_error(put(seal(b)), "must hold embed_tokens exactly")
+    assert d0 % 16384 == 0

@@ -71,16 +71,17 @@ def test_round_trip(tmp_path, formats, scale_dtype):
 
 def _header(raw: bytes) -> dict:
     names = ("magic", "version", "header_crc", "file_size", "table_offset", "table_bytes", "dense_offset",
-             "dense_bytes", "dense_crc", "n_tensors", "blob_bytes", "n_blobs", "reserved")
-    return dict(zip(names, struct.unpack_from("<8sIIQQQQQIIQII", raw, 0)))
+             "dense_bytes", "dense_crc", "n_tensors", "blob_bytes", "n_blobs", "reserved", "paged_bytes",
+             "page_bytes")
+    return dict(zip(names, struct.unpack_from("<8sIIQQQQQIIQIIQI", raw, 0)))
 
 
 def test_bytes_follow_the_spec(tmp_path):
     layout, want, _ = _write_model(tmp_path)
     raw = (tmp_path / "vault.bin").read_bytes()
     h = _header(raw)
-    assert h["magic"] == b"SMOEVLT\0" and h["version"] == 3 and h["reserved"] == 0
-    assert raw[80:256] == bytes(176)
+    assert h["magic"] == b"SMOEVLT\0" and h["version"] == 4 and h["reserved"] == 0
+    assert raw[92:256] == bytes(164)
     assert h["file_size"] == len(raw) == layout.file_size
     assert h["table_offset"] == 256
     assert h["dense_offset"] % 16384 == 0 and h["dense_offset"] >= 256 + h["table_bytes"]
@@ -91,7 +92,18 @@ def test_bytes_follow_the_spec(tmp_path):
     head = bytearray(raw[:256 + h["table_bytes"]])
     head[12:16] = bytes(4)
     assert checksum_ref.checksum(head) == h["header_crc"]
-    assert checksum(raw[h["dense_offset"]:h["dense_offset"] + h["dense_bytes"]]) == h["dense_crc"]
+    # the untied embedding is the dense region's tail, on disk, checked page by page (4.1, 2.7)
+    emb = layout.tensors["embed_tokens"]
+    start = h["dense_offset"] + h["dense_bytes"] - h["paged_bytes"]
+    assert h["page_bytes"] == 4096 and emb.offset == start and start % 16384 == 0
+    assert h["paged_bytes"] == (emb.nbytes + 63) // 64 * 64
+    assert all(t.offset + t.nbytes <= start for n, t in layout.tensors.items() if n != "embed_tokens")
+    assert checksum(raw[h["dense_offset"]:start]) == h["dense_crc"]
+    n_pages = -(-h["paged_bytes"] // 4096)
+    table_end = 256 + h["table_bytes"]
+    page_crcs = struct.unpack_from(f"<{n_pages}I", raw, table_end - (4 * n_pages + 7) // 8 * 8)
+    assert list(page_crcs) == [checksum(raw[a:min(a + 4096, start + h["paged_bytes"])])
+                               for a in range(start, start + h["paged_bytes"], 4096)]
 
     # config block
     t = 256
@@ -156,7 +168,7 @@ def test_bytes_follow_the_spec(tmp_path):
         assert crc == checksum(raw[off:off + h["blob_bytes"]])
         seen.append(off)
     assert len(set(seen)) == len(seen) and sorted(seen) == seen  # (layer, expert) order, distinct
-    assert t + 16 * h["n_blobs"] == 256 + h["table_bytes"]
+    assert t + 16 * h["n_blobs"] + (4 * n_pages + 7) // 8 * 8 == 256 + h["table_bytes"]  # then the page crcs
 
 
 def test_side_files(tmp_path):
@@ -175,7 +187,8 @@ def test_missing_tensors_raise_and_leave_no_header(tmp_path):
     with pytest.raises(ValueError, match="incomplete") as e:
         w.close()
     msg = str(e.value)
-    assert "embed_tokens" in msg and "more tensors" in msg and "norm," not in msg.split("embed_tokens")[0]
+    names = msg.split(": ", 1)[1].split(" and ")[0].split(", ")
+    assert names[0] == "layers.0.input_layernorm" and "more tensors" in msg and "norm" not in names
     assert "3 experts of layer 0 (1, 2, 3)" in msg and "4 experts of layer 2" in msg
     assert "expert (0, 1)" in w.missing() and "norm" not in w.missing()
     with pytest.raises(V.VaultFormatError, match="bad magic"):

@@ -19,6 +19,7 @@ static smoe_status cpu_share_new(const smoe_be_share_params *p, void **out) {
     cpu_share *sh = smoe_alloc(sizeof *sh, 64);
     if (!sh) return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the session");
     sh->lay = p->lay;
+    sh->vault = p->vault;
     smoe_status st = smoe_pool_new(p->threads, &sh->pool);
     if (st != SMOE_OK) {
         smoe_free(sh);
@@ -38,7 +39,7 @@ static void cpu_share_free(void *vsh) {
 static void cpu_session_free(void *b) {
     cpu_state *c = b;
     if (!c) return;
-    void *bufs[] = {c->ids, c->k_cache, c->v_cache, c->x, c->xn, c->q, c->k, c->v, c->att, c->yg, c->scores,
+    void *bufs[] = {c->ids, c->row_scratch, c->k_cache, c->v_cache, c->x, c->xn, c->q, c->k, c->v, c->att, c->yg, c->scores,
                     c->router, c->topk_w, c->route_scratch, c->slot_out, c->xg, c->hg, c->h, c->qx_codes, c->qx_d,
                     c->qx_gsum, c->logits, c->bias, c->gate, c->mix, c->beta, c->decay, c->sgate, c->lin_s,
                     c->lin_conv, c->snap_s, c->snap_conv, c->lin_w, c->lin_row, c->lin_scratch};
@@ -91,6 +92,7 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
     *kv_bytes = 2 * kv * c->kv_elem;
     uint64_t *pb = plane_bytes;
     c->ids = plane(pb, C, sizeof(int32_t), &ok);
+    if (sh->lay->paged_bytes) c->row_scratch = plane(pb, smoe_vault_row_scratch_bytes(sh->lay), 1, &ok);
     c->x = plane(pb, C * H, sizeof(float), &ok);
     c->xn = plane(pb, C * H, sizeof(float), &ok);
     c->q = plane(pb, C * c->q_dim, sizeof(float), &ok);
@@ -181,8 +183,15 @@ static smoe_status cpu_stage(void *b, const int32_t *ids, uint32_t n, uint32_t p
 static smoe_status cpu_embed(void *b, uint32_t n) {
     cpu_state *c = b;
     const smoe_tensor *E = c->lay->embed;
-    for (uint32_t i = 0; i < n; i++)
-        smoe_dequant_row(E, E->data, (uint32_t)c->ids[i], c->x + (size_t)i * c->cfg->hidden_size);
+    const size_t H = c->cfg->hidden_size;
+    if (c->lay->paged_bytes) { /* on disk: each row read and checked (vault.c) */
+        for (uint32_t i = 0; i < n; i++) {
+            smoe_status st = smoe_vault_embed_row(c->sh->vault, (uint32_t)c->ids[i], c->row_scratch, c->x + i * H);
+            if (st != SMOE_OK) return st;
+        }
+        return SMOE_OK;
+    }
+    for (uint32_t i = 0; i < n; i++) smoe_dequant_row(E, E->data, (uint32_t)c->ids[i], c->x + i * H);
     return SMOE_OK;
 }
 

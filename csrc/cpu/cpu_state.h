@@ -9,6 +9,7 @@
 typedef struct {
     smoe_pool *pool;
     const smoe_layout *lay;
+    const smoe_vault *vault; /* rows of a paged embedding */
 } cpu_share;
 
 typedef struct {
@@ -27,6 +28,7 @@ typedef struct {
     smoe_act act;          /* the experts' activation */
     uint32_t pos0;         /* the staged pass's first position */
     int32_t *ids;          /* (chunk) its ids */
+    uint8_t *row_scratch;  /* a paged embedding's page and row (smoe_vault_row_scratch_bytes); NULL without */
 
     void *k_cache, *v_cache; /* (layers, context, kv_dim) of kv_dtype; K after norm and RoPE */
 

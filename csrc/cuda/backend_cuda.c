@@ -149,7 +149,9 @@ static smoe_status cuda_share_new(const smoe_be_share_params *p, void **out) {
     if (major < 8) /* mma.sync m16n8k16 and cp.async: the build's oldest target is sm_80 */
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s has compute capability %d.%d; pysmoe's CUDA kernels need 8.0 "
                          "(Ampere) or newer", name, major, minor);
-    smoe_status st = check_layout(p->lay, p->dense);
+    /* the embedding table on the GPU whole: a paged one (docs/vault.md 4.1) read into the dense region first */
+    smoe_status st = p->vault ? smoe_vault_load_paged(p->vault) : SMOE_OK;
+    if (st == SMOE_OK) st = check_layout(p->lay, p->dense);
     if (st != SMOE_OK) return st;
     if (cf->num_experts > 1024)
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %u experts; the routing kernel takes up to 1024", cf->num_experts);

@@ -150,6 +150,7 @@ static smoe_status share_new(smoe_vault *vault, const smoe_session_params *p, co
         const smoe_be_share_params bp = {
             .lay = &vault->lay,
             .dense = vault->dense,
+            .vault = vault,
             .threads = p->threads,
             .device_cache_bytes = p->gpu_cache_bytes,
             .streamer = sh->streamer,

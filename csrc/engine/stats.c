@@ -48,7 +48,7 @@ static smoe_status stats_claimed(const smoe_session *s, smoe_counters *out) {
     c.decode_s = s->decode_s;
     c.tokens_prefilled = s->tokens_prefilled;
     c.tokens_decoded = s->tokens_decoded;
-    c.dense_bytes = s->lay->dense_bytes;
+    c.dense_bytes = smoe_vault_resident_bytes(s->vault);
     c.kv_bytes = s->kv_bytes;
     c.plane_bytes = s->plane_bytes;
     c.resident_bytes = c.dense_bytes + c.cache_bytes + c.kv_bytes + c.plane_bytes;

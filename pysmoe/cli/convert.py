@@ -28,6 +28,8 @@ def add_parser(p, name: str = "convert") -> None:
                    help="group size of q4/q8 tensors made here (default 64)")
     p.add_argument("--jobs", type=positive_int, default=None,
                    help="processes that quantise a float checkpoint's experts (default: one a core)")
+    p.add_argument("--embedding-in-memory", dest="paged_embedding", action="store_false",
+                   help="keep the embedding table in memory (default: left on disk, each token's row read when needed; docs/vault.md 4.1)")
     p.add_argument("--force", action="store_true", help="replace a non-empty OUT (only once the new vault is complete)")
     p.add_argument("--quiet", "--no-progress", dest="progress", action="store_false", help="no progress bar")
 
@@ -39,5 +41,6 @@ def run(args) -> int:
         if getattr(args, role):
             dense[role] = getattr(args, role)
     convert_checkpoint(args.src, args.out, experts=args.experts, dense=dense or None, scale_dtype=args.scale_dtype,
-                       group=args.group, progress=args.progress, force=args.force, jobs=args.jobs)
+                       group=args.group, progress=args.progress, force=args.force, jobs=args.jobs,
+                       paged_embedding=args.paged_embedding)
     return 0

@@ -38,6 +38,8 @@ def add_parser(parser, name: str = "synth"):
     g.add_argument("--topics", type=int_range(1), default=None, help="topic count (default min(64, hidden/16, vocab/8))")
     g.add_argument("--specific-dims", type=int_range(1), default=None,
                    help="token-specific routing channels (default max(16, topics))")
+    p.add_argument("--embedding-in-memory", dest="paged_embedding", action="store_false",
+                   help="keep the embedding table in memory (default: left on disk, each token's row read when needed; docs/vault.md 4.1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
     return p
@@ -54,7 +56,8 @@ def run(args) -> int:
         print(f"pysmoe synth: error: {e}", file=sys.stderr)
         return 2
     out = synth(args.out, preset=args.preset, seed=args.seed, layers=args.layers, experts=args.experts,
-                routing=args.routing, progress=not args.quiet, force=args.force, **knobs)
+                routing=args.routing, progress=not args.quiet, force=args.force,
+                paged_embedding=args.paged_embedding, **knobs)
     size = (out / "vault.bin").stat().st_size
     print(f"wrote {out} ({size / 2 ** 20:,.1f} MiB) in {time.monotonic() - t0:.1f} s")
     return 0

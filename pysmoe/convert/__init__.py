@@ -79,7 +79,8 @@ def _target(out: Path, force: bool):
 
 
 def convert_checkpoint(src, out_dir, experts: str | None = None, dense=None, scale_dtype: str | None = None,
-            group: int = quant.GROUP, progress: bool = False, force: bool = False, jobs: int | None = None) -> Path:
+            group: int = quant.GROUP, progress: bool = False, force: bool = False, jobs: int | None = None,
+            paged_embedding: bool = True) -> Path:
     """Convert the checkpoint in src (MLX or Hugging Face, see `detect`) into a vault at out_dir.
 
     experts: expert format (q4, q8, bf16, f32, MXFP4); for an HF checkpoint default q4; for MLX only
@@ -88,8 +89,10 @@ def convert_checkpoint(src, out_dir, experts: str | None = None, dense=None, sca
     format} with roles embed, lm_head, attention, router, mlp, norms. scale_dtype: f16, bf16 or
     f32 for the q4/q8 tensors made here; default the checkpoint's dtype (as MLX does). group:
     their group size (32, 64, 128). jobs: processes that quantise a float checkpoint's experts
-    (default one a core; 1 = this process alone); the vault's bytes do not depend on it. Raises
-    ConvertError before writing anything when the checkpoint cannot be converted."""
+    (default one a core; 1 = this process alone); the vault's bytes do not depend on it.
+    paged_embedding: an untied embedding stays on disk, read a row at a time (docs/vault.md 4.1);
+    False keeps it in memory. Raises ConvertError before writing anything when the checkpoint
+    cannot be converted."""
     from ..progress import Progress
     from ..vaultio import VaultWriter
 
@@ -103,7 +106,7 @@ def convert_checkpoint(src, out_dir, experts: str | None = None, dense=None, sca
     if kind == "gguf":
         _only_defaults(experts, dense, scale_dtype, group)
         from .gguf import convert_gguf
-        return convert_gguf(src, out_dir, progress=progress, force=force)
+        return convert_gguf(src, out_dir, progress=progress, force=force, paged_embedding=paged_embedding)
     try:
         ckpt = Checkpoint(src)
     except SafetensorsError as exc:
@@ -116,7 +119,7 @@ def convert_checkpoint(src, out_dir, experts: str | None = None, dense=None, sca
             job = _HfJob(src, ckpt, experts, dense, scale_dtype, group)
         with _target(out_dir, force) as target:
             with VaultWriter(target, job.config, formats=job.formats, scale_dtype=job.scale_dtype,
-                             group=group) as writer:
+                             group=group, paged_embedding=paged_embedding) as writer:
                 with Progress(job.total, "convert", unit="B", enabled=progress) as bar:
                     job.write(writer, bar, jobs)
             _side_files(src, target)

@@ -663,9 +663,10 @@ def _type_counts(p: Plan) -> dict:
     return dict(sorted(counts.items()))
 
 
-def convert_gguf(src, out_dir, progress: bool = True, force: bool = False) -> Path:
+def convert_gguf(src, out_dir, progress: bool = True, force: bool = False, paged_embedding: bool = True) -> Path:
     """Convert the GGUF model at src (one file, or the first of a split set) into a vault at
-    out_dir. Raises ConvertError before writing anything when it cannot be converted."""
+    out_dir (paged_embedding: as convert_checkpoint's). Raises ConvertError before writing anything
+    when it cannot be converted."""
     from ..progress import Progress
     from ..vaultdir import staged
     from ..vaultio import VaultWriter
@@ -681,13 +682,13 @@ def convert_gguf(src, out_dir, progress: bool = True, force: bool = False) -> Pa
     formats = _vault_formats(p)
     from ..vaultio import compute_layout
     try:
-        compute_layout(p.config, formats)
+        compute_layout(p.config, formats, paged_embedding=paged_embedding)
     except ValueError as exc:
         raise ConvertError(f"{src}: {exc}") from None
     total = sum(t.data.nbytes for t in _all(p.dense, p.experts))
     with staged(out_dir, force) as target:
         with VaultWriter(target, p.config, formats=formats, tokenizer_json=tokenizer,
-                         tokenizer_config=tok.tokenizer_config(model.meta)) as w:
+                         tokenizer_config=tok.tokenizer_config(model.meta), paged_embedding=paged_embedding) as w:
             with Progress(total, "convert", unit="B", enabled=progress) as bar:
                 for name, t in p.dense.items():
                     w.add_dense_raw(name, dense_bytes(p, name))
