@@ -822,7 +822,8 @@ def mode_cold(vault, gguf, args, log):
     cache = int(args.cache_frac * v.expert_bytes)
     if args.budget_mib is not None:  # a fixed budget: the cache is what fills it
         with v.session(cache_bytes=0, threads=args.threads, context=args.ctx) as s:
-            base = s.stats()["resident_bytes"]
+            st = s.stats()
+            base = st["resident_bytes"] - st["cache_bytes"]  # the engine's least cache is counted in `cache`
         cache = int(args.budget_mib * MiB) - base
         if cache < v.blob_bytes * v.num_sparse_layers:
             raise SystemExit(f"--budget-mib {args.budget_mib:g}: pysmoe needs {base / MiB:,.1f} MiB without a cache "
