@@ -821,13 +821,22 @@ def mode_cold(vault, gguf, args, log):
     vocab = v.config["vocab_size"]
     cache = int(args.cache_frac * v.expert_bytes)
     if args.budget_mib is not None:  # a fixed budget: the cache is what fills it
-        with v.session(cache_bytes=0, threads=args.threads, context=args.ctx) as s:
-            st = s.stats()
-            base = st["resident_bytes"] - st["cache_bytes"]  # the engine's least cache is counted in `cache`
-        cache = int(args.budget_mib * MiB) - base
-        if cache < v.blob_bytes * v.num_sparse_layers:
-            raise SystemExit(f"--budget-mib {args.budget_mib:g}: pysmoe needs {base / MiB:,.1f} MiB without a cache "
-                             f"and a blob a sparse layer more")
+        want = int(args.budget_mib * MiB)
+
+        def resident(c):
+            with v.session(cache_bytes=c, threads=args.threads, context=args.ctx) as s:
+                return s.stats()["resident_bytes"]
+
+        # the largest cache (in whole blobs) whose resident bytes stay within the budget: the engine
+        # rounds a budget to slots and keeps a least number of them, so search rather than subtract
+        lo, hi = 0, max(0, want) // v.blob_bytes + 1
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if resident(mid * v.blob_bytes) <= want else (lo, mid)
+        cache = lo * v.blob_bytes
+        if resident(cache) > want:
+            raise SystemExit(f"--budget-mib {args.budget_mib:g}: pysmoe needs {resident(cache) / MiB:,.1f} MiB "
+                             f"with its least cache")
         args.cache_frac = cache / v.expert_bytes
     with v.session(cache_bytes=cache, threads=args.threads, context=args.ctx) as s:
         budget = s.stats()["resident_bytes"]

@@ -45,6 +45,7 @@ pub struct smoe_config {
     pub file_bytes: u64,
     pub norm_topk_prob: bool,
     pub tie_word_embeddings: bool,
+    pub paged_bytes: u64,
 }
 
 #[repr(C)]
