@@ -5,7 +5,7 @@ against the honest I/O floor read in the same repeats.
         --setting base: --setting io8:io_threads=8 --setting new:lib=/tmp/libsmoe-new.so --json OUT.json
 
 A setting is NAME:KEY=VALUE,... where each KEY is a session parameter (io_threads, coalesce_bytes,
-verify_blobs, chunk) or `lib` (a libsmoe.so to run through SMOE_LIB) or `env` (NAME=VALUE pairs
+verify_blobs, chunk, prefill: layer-major or token-serial) or `lib` (a libsmoe.so to run through SMOE_LIB) or `env` (NAME=VALUE pairs
 joined by '+', for the worker's environment). Per prompt length, cache fraction and repeat, the
 contenders run in an order that rotates from one repeat to the next: every setting cold, and the
 I/O floor's reads. As root the page cache is dropped before each (`sync; echo 3 >
@@ -44,7 +44,7 @@ from disk_floor import drop_caches  # noqa: E402  (bench/, this script's folder)
 MiB = 1 << 20
 FLOOR_PATTERNS = "blobs:4,blobs:16,blobs:32,runs16:4,runs16:8"
 SESSION_KEYS = {"io_threads": int, "coalesce_bytes": int, "verify_blobs": lambda x: x not in ("0", "off", "false"),
-                "chunk": int}
+                "chunk": int, "prefill": str}
 
 
 def parse_setting(text: str) -> tuple[str, dict, dict]:
@@ -83,7 +83,7 @@ def worker(a) -> int:
     s = v.session(cache_bytes=cache, threads=a.threads, context=a.n + 1, direct_io=True,
                   **{"chunk": max(a.n, 1), **kw})
     session_s = time.perf_counter() - t0
-    s.prefill_path = "layer-major"
+    s.prefill_path = kw.get("prefill", "layer-major")
     if a.resident:
         s.prefill(ids)
         s.reset()
