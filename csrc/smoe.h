@@ -155,6 +155,11 @@ typedef struct {
 } smoe_config;
 
 /* Opens DIR/vault.bin, validates header and tables, loads and checks the dense region.
+ * An embedding left on disk (docs/vault.md 4.1) is not read; a large untied lm_head (16 MiB or
+ * more) is read by a thread of the vault's after this returns, beside the first pass's work, and
+ * the dense region's checksum checked then: every pass waits for it before its logits, and a
+ * mismatch found then fails that pass (SMOE_ERR_VAULT, the position where it was) and every later
+ * one, as it fails this open for the rest of the region.
  * A vault.bin that is not a regular file (a FIFO, a device) is refused without blocking.
  * The vault keeps the file open: its sessions read blobs from that very file (the same inode)
  * even if DIR/vault.bin is later renamed over, never mixing another file's blobs with the loaded
@@ -473,6 +478,8 @@ SMOE_API smoe_status smoe_cache_clear(smoe_session *session);
  *
  * What the library reads from the environment: each only takes away or narrows, for measuring
  * and testing; none is needed to run a model.
+ *   SMOE_DENSE_DEFER_MIN=BYTES an untied lm_head this large or larger is read after the open
+ *                              returns (default 16 MiB; 1 defers any, a huge value none)
  *   SMOE_NO_AVX512=1           the CPU kernels do not use AVX-512 (smoe_kernels says which run)
  *   SMOE_NO_VNNI=1             nor AVX-VNNI / AVX512-VNNI
  *   SMOE_MATVEC=avx2|avx512    one token's products (decode) on the AVX2 or the AVX-512 kernels

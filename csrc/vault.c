@@ -48,6 +48,7 @@
 #include <fcntl.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1308,6 +1309,130 @@ static smoe_status load_dense(int fd, const char *path, uint8_t *buf, uint64_t o
     return SMOE_OK;
 }
 
+/* ---------------------------------------------------------------- a deferred lm_head
+ *
+ * lm_head is used by the logits alone, at the end of a pass; for a large vocabulary it is also
+ * the largest dense tensor (a3b's: 315 MiB, two thirds of what stays in memory once the embedding
+ * is paged). So an untied lm_head of at least DEFER_MIN bytes (SMOE_DENSE_DEFER_MIN in the
+ * environment overrides it) is read by a thread of the vault's own once open has read the rest,
+ * beside the first pass's work, into its place in the dense region; then dense_crc is checked over
+ * the whole loaded region in memory (smoe_checksum: the same value open computes). Every pass
+ * waits for that (smoe_vault_dense_ready) before its logits and before it ends, so no result of
+ * unchecked weights leaves the library: a mismatch fails that pass (the position where it was)
+ * and every later one, as it would have failed the open. */
+
+#define DEFER_MIN (16u << 20)
+
+typedef struct {
+    int fd_direct, fd_buffered;
+    uint8_t *buf;
+    uint64_t off, n;     /* the region's file offset and loaded bytes */
+    const uint64_t (*span)[2];
+    uint32_t n_span;
+    _Atomic uint64_t next; /* the next DENSE_CHUNK over the spans, counted through them */
+    int err;
+} dense_spans;
+
+/* Reads whole DENSE_CHUNKs of the spans (page-aligned [a, b) of the region) until none is left;
+ * several threads may run it on one dense_spans. */
+static void *dense_spans_main(void *arg) {
+    dense_spans *d = arg;
+    for (;;) {
+        uint64_t k = atomic_fetch_add(&d->next, 1), at = 0, len = 0;
+        for (uint32_t i = 0; i < d->n_span; i++) {
+            const uint64_t chunks = (d->span[i][1] - d->span[i][0] + DENSE_CHUNK - 1) / DENSE_CHUNK;
+            if (k < chunks) {
+                at = d->span[i][0] + k * DENSE_CHUNK;
+                len = d->span[i][1] - at < DENSE_CHUNK ? d->span[i][1] - at : DENSE_CHUNK;
+                break;
+            }
+            k -= chunks;
+        }
+        if (len == 0) return NULL;
+        dense_lane r = {d->fd_direct, d->fd_buffered, d->buf, d->off, d->n, 0, 0, 0, 0, NULL, 0, 0};
+        const uint64_t need = d->n > at ? (d->n - at < len ? d->n - at : len) : 0;
+        const int e = dense_read(&r, d->buf + at, at, len, need);
+        if (e) {
+            d->err = e;
+            return NULL;
+        }
+    }
+}
+
+/* Reads the spans with `threads` threads (1: this one); 0, an errno or −1 (short). */
+static int read_spans(int fd, uint8_t *buf, uint64_t off, uint64_t n, const uint64_t (*span)[2], uint32_t n_span,
+                      int threads) {
+    dense_spans d = {dense_open_direct(fd), fd, buf, off, n, span, n_span, 0, 0};
+    pthread_t th[DENSE_LANES];
+    int started = 0;
+    for (int i = 1; i < threads && i <= DENSE_LANES; i++)
+        if (pthread_create(&th[started], NULL, dense_spans_main, &d) == 0) started++;
+    dense_spans_main(&d);
+    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    if (d.fd_direct >= 0) close(d.fd_direct);
+    return d.err;
+}
+
+static void dense_settle(smoe_vault *v, smoe_status err, const char *msg) {
+    pthread_mutex_lock(&v->dense_mu);
+    v->dense_err = err;
+    if (err) snprintf(v->dense_msg, sizeof v->dense_msg, "%s", msg);
+    atomic_store(&v->dense_state, err ? -1 : 1);
+    pthread_cond_broadcast(&v->dense_cv);
+    pthread_mutex_unlock(&v->dense_mu);
+}
+
+static void *deferred_main(void *arg) {
+    smoe_vault *v = arg;
+    const smoe_layout *L = &v->lay;
+    const uint64_t n = L->dense_bytes - L->paged_bytes, span[1][2] = {{v->defer_lo, v->defer_hi}};
+    const int e = read_spans(v->fd, v->dense, L->dense_offset, n, span, 1, 1);
+    char msg[512];
+    if (e) {
+        snprintf(msg, sizeof msg, e > 0 ? "%s: read of lm_head (%llu bytes of the dense region at %llu) failed: %s"
+                                        : "%s: read of lm_head (%llu bytes of the dense region at %llu) came back "
+                                          "short: the file shrank%s",
+                 v->path, (unsigned long long)(v->defer_hi - v->defer_lo), (unsigned long long)v->defer_lo,
+                 e > 0 ? strerror(e) : "");
+        dense_settle(v, SMOE_ERR_IO, msg);
+        return NULL;
+    }
+    const uint32_t crc = smoe_checksum(v->dense, n);
+    if (crc != L->dense_crc) {
+        snprintf(msg, sizeof msg, "%s: dense region checksum mismatch (computed %08x, header says %08x)", v->path, crc,
+                 L->dense_crc);
+        dense_settle(v, SMOE_ERR_VAULT, msg);
+        return NULL;
+    }
+    dense_settle(v, SMOE_OK, NULL);
+    return NULL;
+}
+
+smoe_status smoe_vault_dense_ready(smoe_vault *v) {
+    int state = atomic_load(&v->dense_state);
+    if (state == 0) {
+        pthread_mutex_lock(&v->dense_mu);
+        while ((state = atomic_load(&v->dense_state)) == 0) pthread_cond_wait(&v->dense_cv, &v->dense_mu);
+        pthread_mutex_unlock(&v->dense_mu);
+    }
+    return state > 0 ? SMOE_OK : smoe_fail(v->dense_err, "%s", v->dense_msg);
+}
+
+/* The bytes of lm_head that open leaves to deferred_main ([lo, hi) of the region, whole pages),
+ * or false: tied, small, or a region too small to split. */
+static bool defer_span(const smoe_layout *L, uint64_t *lo, uint64_t *hi) {
+    const uint64_t n = L->dense_bytes - L->paged_bytes, cap = smoe_align_up(n, SMOE_PAGE);
+    const smoe_tensor *H = L->lm_head;
+    uint64_t min = DEFER_MIN;
+    const char *env = getenv("SMOE_DENSE_DEFER_MIN");
+    if (env && *env) min = strtoull(env, NULL, 10);
+    if (L->cfg.tie_word_embeddings || H->nbytes < min || n < DENSE_PARALLEL_MIN) return false;
+    *lo = H->offset / SMOE_PAGE * SMOE_PAGE;
+    *hi = smoe_align_up(H->offset + H->nbytes, SMOE_PAGE);
+    if (*hi > cap) *hi = cap;
+    return *hi > *lo;
+}
+
 /* The whole of open once the file is open: header, tables, dense region. */
 static smoe_status load(smoe_vault *v, int fd) {
     const char *path = v->path;
@@ -1351,14 +1476,35 @@ static smoe_status load(smoe_vault *v, int fd) {
     if (!v->dense)
         return smoe_fail(SMOE_ERR_NOMEM, "%s: cannot allocate %llu bytes for the dense weights", path,
                          (unsigned long long)L->dense_bytes);
-    uint32_t crc = 0;
+    for (uint32_t i = 0; i < L->n_tensors; i++)
+        if (!L->paged_bytes || &L->tensors[i] != L->embed) v->lay.tensors[i].data = v->dense + L->tensors[i].offset;
     /* A paged embedding (the region's tail, 4.1) stays on disk: its pages of the buffer are never touched */
-    if ((rc = load_dense(fd, path, v->dense, L->dense_offset, L->dense_bytes - L->paged_bytes, &crc))) return rc;
+    const uint64_t held = L->dense_bytes - L->paged_bytes, cap = smoe_align_up(held, SMOE_PAGE);
+    uint64_t lo, hi;
+    if (defer_span(L, &lo, &hi)) {
+        /* all but lm_head now, in parallel; lm_head and the checksum by deferred_main */
+        const uint64_t span[2][2] = {{0, lo}, {hi, cap}};
+        const int e = read_spans(fd, v->dense, L->dense_offset, held, span, 2, DENSE_LANES);
+        if (e > 0)
+            return smoe_fail(SMOE_ERR_IO, "%s: read of the dense region (%llu bytes at %llu) failed: %s", path,
+                             (unsigned long long)held, (unsigned long long)L->dense_offset, strerror(e));
+        if (e < 0)
+            return smoe_fail(SMOE_ERR_IO, "%s: read of the dense region (%llu bytes at %llu) came back short: the file "
+                             "shrank", path, (unsigned long long)held, (unsigned long long)L->dense_offset);
+        v->defer_lo = lo, v->defer_hi = hi;
+        if (pthread_create(&v->dense_th, NULL, deferred_main, v) == 0) {
+            v->dense_th_live = true;
+            return SMOE_OK;
+        }
+        deferred_main(v); /* no thread: read it here */
+        return smoe_vault_dense_ready(v);
+    }
+    uint32_t crc = 0;
+    if ((rc = load_dense(fd, path, v->dense, L->dense_offset, held, &crc))) return rc;
     if (crc != L->dense_crc)
         return smoe_fail(SMOE_ERR_VAULT, "%s: dense region checksum mismatch (computed %08x, header says %08x)", path, crc,
                          L->dense_crc);
-    for (uint32_t i = 0; i < L->n_tensors; i++)
-        if (!L->paged_bytes || &L->tensors[i] != L->embed) v->lay.tensors[i].data = v->dense + L->tensors[i].offset;
+    atomic_store(&v->dense_state, 1);
     return SMOE_OK;
 }
 
@@ -1386,6 +1532,18 @@ smoe_status smoe_open_vault(const char *dir, smoe_vault **out) {
         smoe_free(v);
         return smoe_fail(SMOE_ERR_NOMEM, "cannot create a vault's lock");
     }
+    if (pthread_mutex_init(&v->dense_mu, NULL) != 0) {
+        pthread_mutex_destroy(&v->paged_mu);
+        smoe_free(v);
+        return smoe_fail(SMOE_ERR_NOMEM, "cannot create a vault's lock");
+    }
+    if (pthread_cond_init(&v->dense_cv, NULL) != 0) {
+        pthread_mutex_destroy(&v->dense_mu);
+        pthread_mutex_destroy(&v->paged_mu);
+        smoe_free(v);
+        return smoe_fail(SMOE_ERR_NOMEM, "cannot create a vault's lock");
+    }
+    atomic_init(&v->dense_state, 0);
     v->dir = dup_str(dir, "");
     v->path = dup_str(dir, "/vault.bin");
     if (!v->dir || !v->path) {
@@ -1426,7 +1584,10 @@ smoe_status smoe_open_vault(const char *dir, smoe_vault **out) {
 
 void smoe_close_vault(smoe_vault *v) {
     if (!v) return;
+    if (v->dense_th_live) pthread_join(v->dense_th, NULL); /* it reads through v->fd into v->dense */
     if (v->fd >= 0) close(v->fd);
+    pthread_cond_destroy(&v->dense_cv);
+    pthread_mutex_destroy(&v->dense_mu);
     pthread_mutex_destroy(&v->paged_mu);
     smoe_free(v->dense);
     smoe_layout_free(&v->lay);
@@ -1801,6 +1962,7 @@ smoe_status smoe_verify_vault(const smoe_vault *v, smoe_verify_fn fn, void *user
     const smoe_layout *L = &v->lay;
     verify_ctx x = {fn, user, 0, v->path};
     int fd = v->fd; /* the file this vault opened, as it is on disk now */
+    (void)smoe_vault_dense_ready((smoe_vault *)v); /* a deferred lm_head in memory (its check is redone below) */
 #ifdef POSIX_FADV_SEQUENTIAL
     posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
 #endif

@@ -5,6 +5,7 @@
 #include "internal.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 
 /* One tensor: a dense tensor (data points into the dense region in memory) or an expert-blob
  * tensor (data is NULL; offset is relative to the blob's start). */
@@ -169,7 +170,23 @@ struct smoe_vault {
     uint8_t *dense;       /* (dense_bytes) 16 KiB aligned, loaded at open but for a paged embedding */
     pthread_mutex_t paged_mu; /* smoe_vault_load_paged's */
     bool paged_loaded;    /* the paged embedding is in dense too (a backend that needs it whole asked) */
+    /* A deferred lm_head (vault.c): its bytes [defer_lo, defer_hi) of dense read by dense_th after
+     * open returns, then dense_crc checked over the loaded region; dense_state 0 while that runs,
+     * 1 when sound, −1 when it failed (dense_err, dense_msg). */
+    pthread_t dense_th;
+    bool dense_th_live;
+    pthread_mutex_t dense_mu;
+    pthread_cond_t dense_cv;
+    _Atomic int dense_state;
+    smoe_status dense_err;
+    char dense_msg[512];
+    uint64_t defer_lo, defer_hi;
 };
+
+/* SMOE_OK once every dense byte the vault holds in memory is loaded and has matched dense_crc:
+ * at once, but while a deferred lm_head is still arriving, when this waits for it; the error it
+ * met otherwise (every time). A pass calls it before its logits and before it ends. */
+smoe_status smoe_vault_dense_ready(smoe_vault *v);
 
 /* The embedding on disk (lay.paged_bytes ≠ 0). Rows come from the file page by page, each page
  * checked against its checksum (a mismatch: SMOE_ERR_IO naming the page; nothing is kept, so the

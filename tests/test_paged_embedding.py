@@ -118,3 +118,38 @@ def test_verify_reads_the_paged_rows_values(make_vault, tmp_path):
 def test_a_tied_embedding_stays_in_memory(make_vault):
     v = pysmoe.open_vault(make_vault("tied", preset="tiny", seed=0, overrides={"tie_word_embeddings": True}))
     assert v.paged_bytes == 0 and header(v.path)["paged_bytes"] == 0
+
+
+# ------------------------------------------------------------------ a deferred lm_head (vault.c)
+
+def test_a_deferred_lm_head_gives_the_same_bits(make_vault, monkeypatch):
+    """lm_head read beside the first pass (forced here for the tiny model: SMOE_DENSE_DEFER_MIN)
+    and read at open: the same logits."""
+    path = make_vault("paged_q8", preset="tiny", seed=3, formats={"embed": "q8"})
+    ids = [int(i) for i in np.random.default_rng(2).integers(0, 512, 40)]
+    out = []
+    for defer in ("", "1"):
+        monkeypatch.setenv("SMOE_DENSE_DEFER_MIN", defer or str(1 << 40))
+        with pysmoe.open_vault(path) as v, v.session(context=64) as s:
+            out.append((s.prefill(ids), s.decode(7)))
+    assert np.array_equal(out[0][0], out[1][0]) and np.array_equal(out[0][1], out[1][1])
+
+
+def test_a_damaged_deferred_lm_head_fails_every_pass_not_the_open(make_vault, monkeypatch, tmp_path):
+    src = make_vault("paged_q8", preset="tiny", seed=3, formats={"embed": "q8"})
+    copy = tmp_path / "v"
+    shutil.copytree(src, copy)
+    flip(copy, V.read_vault(copy).tensors["lm_head"].offset + 100)
+    monkeypatch.setenv("SMOE_DENSE_DEFER_MIN", str(1 << 40))
+    with pytest.raises(pysmoe.VaultError, match="dense region checksum mismatch"):
+        pysmoe.open_vault(copy)  # read at open: the open fails, as before
+    monkeypatch.setenv("SMOE_DENSE_DEFER_MIN", "1")
+    with pysmoe.open_vault(copy) as v, v.session(context=64) as s:  # opens: lm_head still arriving
+        for _ in range(2):
+            with pytest.raises(pysmoe.VaultError, match="dense region checksum mismatch"):
+                s.prefill([1, 2, 3])
+            assert s.position == 0
+        with pytest.raises(pysmoe.VaultError, match="dense region checksum mismatch"):
+            s.decode(5)
+        assert s.position == 0
+        assert ("dense", -1, -1, "checksum mismatch") in v.verify()

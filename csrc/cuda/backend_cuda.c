@@ -150,7 +150,8 @@ static smoe_status cuda_share_new(const smoe_be_share_params *p, void **out) {
         return smoe_fail(SMOE_ERR_UNSUPPORTED, "cuda: %s has compute capability %d.%d; pysmoe's CUDA kernels need 8.0 "
                          "(Ampere) or newer", name, major, minor);
     /* the embedding table on the GPU whole: a paged one (docs/vault.md 4.1) read into the dense region first */
-    smoe_status st = p->vault ? smoe_vault_load_paged(p->vault) : SMOE_OK;
+    smoe_status st = p->vault ? smoe_vault_dense_ready(p->vault) : SMOE_OK; /* lm_head in (vault.c) */
+    if (st == SMOE_OK && p->vault) st = smoe_vault_load_paged(p->vault);
     if (st == SMOE_OK) st = check_layout(p->lay, p->dense);
     if (st != SMOE_OK) return st;
     if (cf->num_experts > 1024)

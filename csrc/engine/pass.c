@@ -37,6 +37,8 @@ static smoe_status walk(smoe_session *s, uint32_t n) {
         /* position unchanged on failure: the pass's KV rows are rewritten next time */
         if ((st = smoe_session_check_cancel(s, l)) == SMOE_OK) st = smoe_layer(s, l, n, NULL);
     }
+    /* every dense weight in and checked (a deferred lm_head: vault.c) before logits or the end */
+    if (st == SMOE_OK) st = smoe_vault_dense_ready(s->vault);
     return st;
 }
 
@@ -88,8 +90,10 @@ smoe_status smoe_pass_end(smoe_session *s, uint32_t n, smoe_session *const *owne
     const uint32_t L = s->cfg.num_hidden_layers, K = s->cfg.num_experts_per_tok;
     bool any = false;
     for (uint32_t l = 0; l < L; l++) any |= m->deferred[l];
+    const smoe_status ready = smoe_vault_dense_ready(s->vault); /* a pass ends on checked weights alone */
     smoe_status st = SMOE_OK;
     if (s->backend->pass_end) st = smoe_be_status(s, s->backend->pass_end(s->be, n, any ? m->routed : NULL));
+    if (st == SMOE_OK) st = ready;
     if (!any) return st;
     const uint32_t E = s->cfg.num_experts;
     for (uint32_t l = 0; l < L; l++) {
