@@ -23,6 +23,14 @@ def header(path):
                 page_bytes=f[14])
 
 
+@pytest.fixture
+def paged_copy(make_vault, tmp_path):
+    """A copy of the tiny model with its q8 embedding on disk, to damage."""
+    copy = tmp_path / "v"
+    shutil.copytree(make_vault("paged_q8", preset="tiny", seed=3, formats={"embed": "q8"}), copy)
+    return copy
+
+
 def paged_start(h):
     return h["dense_offset"] + h["dense_bytes"] - h["paged_bytes"]
 
@@ -55,10 +63,8 @@ def test_the_same_bits_as_in_memory(make_vault, fmt):
         assert paged.dense_bytes <= held.dense_bytes - table.nbytes + 16384  # less the table (and its alignment)
 
 
-def test_a_damaged_page_fails_the_call_that_reads_it_and_loses_nothing(make_vault, tmp_path):
-    src = make_vault("paged_q8", preset="tiny", seed=3, formats={"embed": "q8"})
-    copy = tmp_path / "v"
-    shutil.copytree(src, copy)
+def test_a_damaged_page_fails_the_call_that_reads_it_and_loses_nothing(paged_copy):
+    copy = paged_copy
     h = header(copy)
     hidden = pysmoe.open_vault(copy).config["hidden_size"]
     row = 300  # q8: the codes of row r are bytes [r·hidden, (r+1)·hidden) of the tensor
@@ -86,11 +92,9 @@ def test_a_damaged_page_fails_the_call_that_reads_it_and_loses_nothing(make_vaul
         assert vault.verify() == []
 
 
-def test_verify_reads_the_paged_rows_values(make_vault, tmp_path):
+def test_verify_reads_the_paged_rows_values(paged_copy):
     """A NaN scale in a paged row, its page checksum made to match: verify names the row."""
-    src = make_vault("paged_q8", preset="tiny", seed=3, formats={"embed": "q8"})
-    copy = tmp_path / "v"
-    shutil.copytree(src, copy)
+    copy = paged_copy
     h = header(copy)
     t = V.read_vault(copy).tensors["embed_tokens"]
     groups = t.cols // t.group
@@ -135,10 +139,8 @@ def test_a_deferred_lm_head_gives_the_same_bits(make_vault, monkeypatch):
     assert np.array_equal(out[0][0], out[1][0]) and np.array_equal(out[0][1], out[1][1])
 
 
-def test_a_damaged_deferred_lm_head_fails_every_pass_not_the_open(make_vault, monkeypatch, tmp_path):
-    src = make_vault("paged_q8", preset="tiny", seed=3, formats={"embed": "q8"})
-    copy = tmp_path / "v"
-    shutil.copytree(src, copy)
+def test_a_damaged_deferred_lm_head_fails_every_pass_not_the_open(paged_copy, monkeypatch):
+    copy = paged_copy
     flip(copy, V.read_vault(copy).tensors["lm_head"].offset + 100)
     monkeypatch.setenv("SMOE_DENSE_DEFER_MIN", str(1 << 40))
     with pytest.raises(pysmoe.VaultError, match="dense region checksum mismatch"):
