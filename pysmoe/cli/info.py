@@ -40,7 +40,8 @@ def run(args) -> int:
             return 0
         if args.json:
             print(json.dumps({"config": vault.config, "blob_bytes": vault.blob_bytes, "dense_bytes": vault.dense_bytes,
-                              "expert_bytes": vault.expert_bytes, "file_bytes": vault.file_bytes}, indent=1))
+                              "paged_bytes": vault.paged_bytes, "expert_bytes": vault.expert_bytes,
+                              "file_bytes": vault.file_bytes}, indent=1))
         else:
             print(info(args.vault))
     return 0
