@@ -1544,6 +1544,7 @@ smoe_status smoe_open_vault(const char *dir, smoe_vault **out) {
         return smoe_fail(SMOE_ERR_NOMEM, "cannot create a vault's lock");
     }
     atomic_init(&v->dense_state, 0);
+    atomic_init(&v->paged_loaded, false);
     v->dir = dup_str(dir, "");
     v->path = dup_str(dir, "/vault.bin");
     if (!v->dir || !v->path) {
@@ -1635,21 +1636,29 @@ typedef struct {
     int64_t held;  /* the page in it, −1: none */
 } page_reader;
 
+/* The paged region's file offset. */
+static uint64_t paged_start(const smoe_layout *L) { return L->dense_offset + (L->dense_bytes - L->paged_bytes); }
+
+/* Page k of the paged region into dst (page_bytes, the last page shorter), checked. */
+static smoe_status read_page(const smoe_vault *v, uint64_t k, uint8_t *dst) {
+    const smoe_layout *L = &v->lay;
+    const uint64_t at = k * L->page_bytes, len = L->paged_bytes - at < L->page_bytes ? L->paged_bytes - at
+                                                                                  : L->page_bytes;
+    const uint64_t off = paged_start(L) + at;
+    smoe_status rc = read_exact(v->fd, v->path, dst, len, off);
+    if (rc == SMOE_OK && smoe_checksum(dst, len) != L->page_crc[k])
+        rc = smoe_fail(SMOE_ERR_IO, "%s: the embedding's page %llu (%llu bytes at %llu) fails its checksum: the file "
+                       "is damaged (`pysmoe verify` lists what is)", v->path, (unsigned long long)k,
+                       (unsigned long long)len, (unsigned long long)off);
+    return rc;
+}
+
 static smoe_status page_get(page_reader *r, uint64_t k) {
     if (r->held == (int64_t)k) return SMOE_OK;
-    const smoe_layout *L = &r->v->lay;
-    const uint64_t at = (uint64_t)k * L->page_bytes, len = L->paged_bytes - at < L->page_bytes ? L->paged_bytes - at
-                                                                                            : L->page_bytes;
-    const uint64_t off = L->dense_offset + (L->dense_bytes - L->paged_bytes) + at;
     r->held = -1;
-    smoe_status rc = read_exact(r->v->fd, r->v->path, r->page, len, off);
-    if (rc) return rc;
-    if (smoe_checksum(r->page, len) != L->page_crc[k])
-        return smoe_fail(SMOE_ERR_IO, "%s: the embedding's page %llu (%llu bytes at %llu) fails its checksum: the file "
-                         "is damaged (`pysmoe verify` lists what is)", r->v->path, (unsigned long long)k,
-                         (unsigned long long)len, (unsigned long long)off);
-    r->held = (int64_t)k;
-    return SMOE_OK;
+    smoe_status rc = read_page(r->v, k, r->page);
+    if (rc == SMOE_OK) r->held = (int64_t)k;
+    return rc;
 }
 
 /* Bytes [at, at + n) of the paged region into dst, page by page. */
@@ -1708,23 +1717,13 @@ smoe_status smoe_vault_load_paged(smoe_vault *v) {
     if (!L->paged_bytes) return SMOE_OK;
     smoe_status rc = SMOE_OK;
     pthread_mutex_lock(&v->paged_mu);
-    if (!v->paged_loaded) {
+    if (!atomic_load(&v->paged_loaded)) {
         uint8_t *base = v->dense + (L->dense_bytes - L->paged_bytes);
-        for (uint32_t k = 0; k < L->n_pages && rc == SMOE_OK; k++) {
-            /* each page read in place and checked, as page_get does into its buffer */
-            const uint64_t at = (uint64_t)k * L->page_bytes;
-            const uint64_t len = L->paged_bytes - at < L->page_bytes ? L->paged_bytes - at : L->page_bytes;
-            const uint64_t off = L->dense_offset + (L->dense_bytes - L->paged_bytes) + at;
-            rc = read_exact(v->fd, v->path, base + at, len, off);
-            if (rc == SMOE_OK && smoe_checksum(base + at, len) != L->page_crc[k])
-                rc = smoe_fail(SMOE_ERR_IO, "%s: the embedding's page %u (%llu bytes at %llu) fails its checksum: the "
-                               "file is damaged (`pysmoe verify` lists what is)", v->path, k,
-                               (unsigned long long)len, (unsigned long long)off);
-        }
+        for (uint32_t k = 0; k < L->n_pages && rc == SMOE_OK; k++) /* each page in place, checked */
+            rc = read_page(v, k, base + (uint64_t)k * L->page_bytes);
         if (rc == SMOE_OK) {
-            for (uint32_t i = 0; i < L->n_tensors; i++)
-                if (&L->tensors[i] == L->embed) L->tensors[i].data = base;
-            v->paged_loaded = true;
+            L->tensors[L->embed - L->tensors].data = base;
+            atomic_store(&v->paged_loaded, true);
         }
     }
     pthread_mutex_unlock(&v->paged_mu);
@@ -1732,10 +1731,7 @@ smoe_status smoe_vault_load_paged(smoe_vault *v) {
 }
 
 uint64_t smoe_vault_resident_bytes(const smoe_vault *v) {
-    pthread_mutex_lock((pthread_mutex_t *)&v->paged_mu);
-    const bool loaded = v->paged_loaded;
-    pthread_mutex_unlock((pthread_mutex_t *)&v->paged_mu);
-    return v->lay.dense_bytes - (loaded ? 0 : v->lay.paged_bytes);
+    return v->lay.dense_bytes - (atomic_load(&v->paged_loaded) ? 0 : v->lay.paged_bytes);
 }
 
 /* ---------------------------------------------------------------------------------- verify */
@@ -1876,7 +1872,7 @@ static void check_values(verify_ctx *x, const smoe_tensor *t, const uint8_t *bas
 static smoe_status verify_paged(const smoe_vault *v, uint8_t *buf, uint64_t buf_bytes, verify_ctx *x) {
     const smoe_layout *L = &v->lay;
     if (!L->paged_bytes) return SMOE_OK;
-    const uint64_t base = L->dense_offset + (L->dense_bytes - L->paged_bytes);
+    const uint64_t base = paged_start(L);
     uint32_t bad = 0;
     for (uint32_t k = 0; k < L->n_pages;) {
         /* as many whole pages as buf holds in one read */

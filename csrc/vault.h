@@ -169,7 +169,7 @@ struct smoe_vault {
     smoe_layout lay;
     uint8_t *dense;       /* (dense_bytes) 16 KiB aligned, loaded at open but for a paged embedding */
     pthread_mutex_t paged_mu; /* smoe_vault_load_paged's */
-    bool paged_loaded;    /* the paged embedding is in dense too (a backend that needs it whole asked) */
+    _Atomic bool paged_loaded; /* the paged embedding is in dense too (a backend that needs it whole asked) */
     /* A deferred lm_head (vault.c): its bytes [defer_lo, defer_hi) of dense read by dense_th after
      * open returns, then dense_crc checked over the loaded region; dense_state 0 while that runs,
      * 1 when sound, −1 when it failed (dense_err, dense_msg). */

@@ -405,10 +405,6 @@ class Layout:
     page_bytes: int = 0
 
     @property
-    def n_pages(self) -> int:
-        return -(-self.paged_bytes // self.page_bytes) if self.paged_bytes else 0
-
-    @property
     def n_blobs(self) -> int:
         return len(self.blob_offsets)
 
