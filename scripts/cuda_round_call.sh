@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call (~10 min) for issue 30: run from the repository root on a GPU machine with these carried
-# (device run carry=[".peer", ".whl", ".ab", ".llbin"] in the session that made them):
+# (device run carry=[".whl", ".ab", ".llbin"], made in the session that calls):
 #   .whl/   cffi, pycparser, gguf wheels for the machine's Python (pip download --python-version 3.12 ...)
 #   .ab/    a worktree of main cut to csrc/, pysmoe/, Makefile, setup files and bench/cuda_bench.py: the A side
 #   .llbin/llbin.tar.xz  from scripts/llama_cuda_local.sh
