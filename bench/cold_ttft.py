@@ -5,8 +5,8 @@ against the honest I/O floor read in the same repeats.
         --setting base: --setting io8:io_threads=8 --setting new:lib=/tmp/libsmoe-new.so --json OUT.json
 
 A setting is NAME:KEY=VALUE,... where each KEY is a session parameter (io_threads, coalesce_bytes,
-verify_blobs, chunk, prefill: layer-major or token-serial) or `lib` (a libsmoe.so to run through SMOE_LIB) or `env` (NAME=VALUE pairs
-joined by '+', for the worker's environment). Per prompt length, cache fraction and repeat, the
+verify_blobs, chunk, prefill: layer-major or token-serial) or `lib` (a libsmoe.so to run through
+SMOE_LIB) or `env` (NAME=VALUE pairs joined by '+', for the worker's environment). Per prompt length, cache fraction and repeat, the
 contenders run in an order that rotates from one repeat to the next: every setting cold, and the
 I/O floor's reads. As root the page cache is dropped before each (`sync; echo 3 >
 /proc/sys/vm/drop_caches`), so each run's vault open reads the dense weights from the disk too.

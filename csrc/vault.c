@@ -1267,6 +1267,15 @@ static int dense_open_direct(int fd) {
 
 /* Reads the dense region [off, off + n) into buf (a whole number of SMOE_PAGE pages) and its
  * smoe_checksum into *crc. */
+/* The failure of a read of the dense region (n bytes at off): e an errno, or −1 (came back short). */
+static smoe_status dense_read_failed(const char *path, uint64_t n, uint64_t off, int e) {
+    if (e > 0)
+        return smoe_fail(SMOE_ERR_IO, "%s: read of the dense region (%llu bytes at %llu) failed: %s", path,
+                         (unsigned long long)n, (unsigned long long)off, strerror(e));
+    return smoe_fail(SMOE_ERR_IO, "%s: read of the dense region (%llu bytes at %llu) came back short: the file shrank",
+                     path, (unsigned long long)n, (unsigned long long)off);
+}
+
 static smoe_status load_dense(int fd, const char *path, uint8_t *buf, uint64_t off, uint64_t n, uint32_t *crc) {
     if (n >= DENSE_PARALLEL_MIN) {
         const uint64_t cap = smoe_align_up(n, SMOE_PAGE);
@@ -1290,12 +1299,7 @@ static smoe_status load_dense(int fd, const char *path, uint8_t *buf, uint64_t o
         if (started == DENSE_LANES) {
             uint32_t c[DENSE_LANES];
             for (int i = 0; i < DENSE_LANES; i++) {
-                if (d[i].err > 0)
-                    return smoe_fail(SMOE_ERR_IO, "%s: read of the dense region (%llu bytes at %llu) failed: %s", path,
-                                     (unsigned long long)n, (unsigned long long)off, strerror(d[i].err));
-                if (d[i].err < 0)
-                    return smoe_fail(SMOE_ERR_IO, "%s: read of the dense region (%llu bytes at %llu) came back short: "
-                                     "the file shrank", path, (unsigned long long)n, (unsigned long long)off);
+                if (d[i].err) return dense_read_failed(path, n, off, d[i].err);
                 c[i] = d[i].crc;
             }
             *crc = smoe_checksum_combine(c);
@@ -1485,12 +1489,7 @@ static smoe_status load(smoe_vault *v, int fd) {
         /* all but lm_head now, in parallel; lm_head and the checksum by deferred_main */
         const uint64_t span[2][2] = {{0, lo}, {hi, cap}};
         const int e = read_spans(fd, v->dense, L->dense_offset, held, span, 2, DENSE_LANES);
-        if (e > 0)
-            return smoe_fail(SMOE_ERR_IO, "%s: read of the dense region (%llu bytes at %llu) failed: %s", path,
-                             (unsigned long long)held, (unsigned long long)L->dense_offset, strerror(e));
-        if (e < 0)
-            return smoe_fail(SMOE_ERR_IO, "%s: read of the dense region (%llu bytes at %llu) came back short: the file "
-                             "shrank", path, (unsigned long long)held, (unsigned long long)L->dense_offset);
+        if (e) return dense_read_failed(path, held, L->dense_offset, e);
         v->defer_lo = lo, v->defer_hi = hi;
         if (pthread_create(&v->dense_th, NULL, deferred_main, v) == 0) {
             v->dense_th_live = true;
