@@ -750,7 +750,7 @@ def test_layer_major_is_token_serial_on_an_imported_mix(name, activations, vault
 
 
 @pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "olmoe-q8_0", "glm4moe-q4_k_m", "mixtral-q4_k_m",
-                                  "gpt-oss-mxfp4", "qwen3next-q8_0"])
+                                  "gpt-oss-mxfp4", "qwen3next-q8_0", "qwen35moe-q8_0", "qwen35moe-q4_k_m"])
 def test_an_imported_mix_runs_on_the_gpu(name, vaults):
     """llama.cpp's files on device="cuda" (skipped without a GPU): within test_cuda's ATOL/RTOL of
     the CPU's f32-activation logits (flash attention's RTOL_F16 for head sizes 32/64/128), and
@@ -778,22 +778,6 @@ def test_an_imported_mix_runs_on_the_gpu(name, vaults):
     err, top = float(np.max(np.abs(gpu - cpu))), float(np.max(np.abs(cpu)))
     print(f"{name}: max|gpu - cpu| / max|logit| = {err / top:.3g}")
     assert err <= ATOL + rtol * top, (name, err, top)
-
-
-def test_the_gpu_refuses_value_heads_in_tiled_order(vaults):
-    """The CUDA backend's DeltaNet reads grouped order only: a qwen35moe vault (tiled) is refused at
-    session creation, naming why, where a qwen3next one (grouped) opens (skipped without a GPU)."""
-    import pysmoe
-    from pysmoe.errors import Unsupported
-
-    with pysmoe.open_vault(_vault(vaults, "qwen3next-q8_0")) as v:
-        try:
-            v.session(device="cuda").close()
-        except Unsupported as e:
-            pytest.skip(f"no CUDA here: {e}")
-    with pysmoe.open_vault(_vault(vaults, "qwen35moe-q8_0")) as v:
-        with pytest.raises(Unsupported, match="cuda.*value heads in tiled order"):
-            v.session(device="cuda")
 
 
 def test_a_truncated_file_is_refused(tmp_path):

@@ -501,7 +501,8 @@ static smoe_status cuda_linear_attend(void *b, uint32_t l, const smoe_tensor *co
                                  ln->k_dim, c->conv_dim, K));
         CU(smoe_cu_deltanet_rule(c->sh->cs, c->att + (size_t)t * lin_v, c->mix + (size_t)t * c->conv_dim,
                                  c->beta + (size_t)t * vh, c->decay + (size_t)t * vh, c->gate + (size_t)t * lin_v,
-                                 state, A, dt, nw, m, ln->k_heads, vh, ln->k_dim, ln->v_dim, c->cfg->rms_norm_eps));
+                                 state, A, dt, nw, m, ln->k_heads, vh, ln->k_dim, ln->v_dim, ln->v_tiled,
+                                 c->cfg->rms_norm_eps));
     }
     return SMOE_OK;
 }
@@ -671,8 +672,6 @@ static const char *cuda_lacks(const smoe_layout *lay) {
         if (L->lin_norm->cols > 1024) return "a Gated DeltaNet value head wider than 1024";
         if (L->lin_conv->cols < 1) return "a Gated DeltaNet convolution without taps";
     }
-    if (m->linear_v_tiled) /* deltanet.cu reads k head h / (v/k) only */
-        return "a Gated DeltaNet with its value heads in tiled order (llama.cpp's qwen35moe files)";
     if (m->qk_norm > SMOE_QK_NORM_WHOLE) return "this QK-norm";
     if (m->rotary_dim % 2 || m->rotary_dim > lay->cfg.head_dim) return "a RoPE over an odd or too wide rotary_dim";
     if (m->router_kind >= SMOE_ROUTER_KINDS) return "this router";

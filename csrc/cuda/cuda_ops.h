@@ -230,12 +230,14 @@ int smoe_cu_deltanet_conv(smoe_cu_stream st, float *mix, uint32_t n, float *conv
 /* Rows [0, n) in order through the gated delta rule per value head (state: v_heads × k_dim × v_dim
  * f32, advanced), then each head's output RMS-normed · norm (v_dim f32) · silu(z): att and z rows
  * v_heads·v_dim floats, beta and decay rows v_heads (the b and a projections), a_log and dt_bias
- * v_heads f32 each. v_dim ≤ 1024. */
+ * v_heads f32 each. v_dim ≤ 1024. Value head h reads key head h / (v_heads / k_heads), or
+ * h mod k_heads when v_tiled (backend.h's smoe_linear_shape). */
 /* Once per process before smoe_cu_deltanet_rule (at share creation): the shared memory it may use. */
 int smoe_cu_deltanet_setup(void);
 int smoe_cu_deltanet_rule(smoe_cu_stream st, float *att, const float *mix, const float *beta, const float *decay,
                           const float *z, float *state, const float *a_log, const float *dt_bias, const float *norm,
-                          uint32_t n, uint32_t k_heads, uint32_t v_heads, uint32_t k_dim, uint32_t v_dim, float eps);
+                          uint32_t n, uint32_t k_heads, uint32_t v_heads, uint32_t k_dim, uint32_t v_dim,
+                          uint32_t v_tiled, float eps);
 
 /* ggml.cu: GGML block formats (smoe.h's SMOE_FMT_GGML_*: ggml_type + 32). 1 when T is one. */
 int smoe_cu_ggml(const smoe_cu_tensor *T);

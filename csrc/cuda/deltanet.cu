@@ -91,12 +91,13 @@ struct delta_args {
     uint32_t n, conv_dim, k_heads, v_heads, dk, dv;
     float eps;
     int in_smem;
+    uint32_t v_tiled; /* value head h reads key head h mod k_heads (llama.cpp's qwen35moe order), else h / (v/k) */
 };
 
 __global__ void k_delta(delta_args a) {
     extern __shared__ float sm[];
     const uint32_t h = blockIdx.x, j = threadIdx.x, dk = a.dk, dv = a.dv, nw = blockDim.x / 32;
-    const uint32_t kh = h / (a.v_heads / a.k_heads);
+    const uint32_t kh = a.v_tiled ? h % a.k_heads : h / (a.v_heads / a.k_heads);
     const size_t key_dim = (size_t)a.k_heads * dk, vdim = (size_t)a.v_heads * dv;
     float *qs = sm, *ks = sm + dk, *red = ks + dk; /* red: nw + 1 floats */
     float *Sg = a.state + (size_t)h * dk * dv, *S = Sg;
@@ -173,7 +174,7 @@ extern "C" int smoe_cu_deltanet_setup(void) {
 extern "C" int smoe_cu_deltanet_rule(smoe_cu_stream st, float *att, const float *mix, const float *beta,
                                      const float *decay, const float *z, float *state, const float *a_log,
                                      const float *dt_bias, const float *norm, uint32_t n, uint32_t k_heads,
-                                     uint32_t v_heads, uint32_t k_dim, uint32_t v_dim, float eps) {
+                                     uint32_t v_heads, uint32_t k_dim, uint32_t v_dim, uint32_t v_tiled, float eps) {
     if (n == 0) return 0;
     if (delta_optin < 0) return (int)cudaErrorInitializationError; /* smoe_cu_deltanet_setup first */
     /* the shared-memory choice: a function of the shape and the device alone */
@@ -181,7 +182,7 @@ extern "C" int smoe_cu_deltanet_rule(smoe_cu_stream st, float *att, const float 
     const int in_smem = whole <= (size_t)delta_optin;
     const size_t smem = in_smem ? whole : small;
     delta_args a = {mix, beta, decay, z, a_log, dt_bias, norm, att, state, n, 2 * k_heads * k_dim + v_heads * v_dim,
-                    k_heads, v_heads, k_dim, v_dim, eps, in_smem};
+                    k_heads, v_heads, k_dim, v_dim, eps, in_smem, v_tiled};
     const uint32_t threads = (v_dim + 31) / 32 * 32;
     k_delta<<<v_heads, threads, smem, (cudaStream_t)st>>>(a);
     return (int)cudaGetLastError();
