@@ -17,11 +17,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/site
 { nvidia-smi; lscpu | grep -E "Model name|^CPU\(s\)|Flags"; nvcc --version | tail -2; } > $OUT/info.txt 2>&1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-(python3 -m pysmoe synth /tmp/a3b --preset a3b --layers 48 --quiet --force > $OUT/synth.log 2>&1; el synth >> $OUT/synth.log
+rm -f /tmp/ready /tmp/built; (while [ ! -f /tmp/built ]; do sleep 1; done; python3 -m pysmoe synth /tmp/a3b --preset a3b --layers 48 --quiet --force > $OUT/synth.log 2>&1; el synth >> $OUT/synth.log
  python3 scripts/export_gguf.py /tmp/a3b /tmp/a3b.gguf --threads 8 > $OUT/export.log 2>&1; el "export rc=$?" >> $OUT/synth.log; touch /tmp/ready) &
 (python3 -c "import tarfile; tarfile.open('.llbin/llbin.tar.xz').extractall('/tmp')"; make -C .ab -j6 CUDA=1 lib > $OUT/build-main.log 2>&1; echo "main build rc=$?" >> $OUT/build-main.log) &
 make -j10 CUDA=1 lib > $OUT/build.log 2>&1 || { tail -30 $OUT/build.log; exit 1; }
-el "build: warnings $(grep -c -i warning $OUT/build.log)"
+touch /tmp/built; el "build: warnings $(grep -c -i warning $OUT/build.log)"
 (env -u CUDA_ARCH make -j4 CUDA=1 BUILD=/tmp/build-fat /tmp/build-fat/libsmoe.so > $OUT/build-fat.log 2>&1; echo "fat build rc=$?" >> $OUT/build-fat.log) &
 SMOE_CUDA_PDL=2 SMOE_CUDA_MULTI=1 timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_qwen_hybrid.py tests/test_ggml_formats.py tests/test_gguf_import.py tests/test_paged_embedding.py -k "gpu or cuda" 2>&1 | tail -8 | tee $OUT/tests-pdl2-multi.log
 el tests-pdl2-multi
