@@ -8,6 +8,7 @@ template <typename T>
 __global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const float *q, const T *k, const T *v,
                                                            uint32_t heads, uint32_t kv_heads, uint32_t hd, uint32_t pos0,
                                                            const uint8_t *sinks, uint8_t sfmt, uint32_t window) {
+    pdl_enter();
     extern __shared__ float sm[];
     __shared__ float red[ATT_THREADS];
     const uint32_t h = blockIdx.x, t = blockIdx.y, seen = pos0 + t + 1;
@@ -100,6 +101,7 @@ __global__ void __launch_bounds__(FA_WARPS * 32) k_flash(float *__restrict__ att
                                                          uint32_t n, uint32_t heads, uint32_t kv_heads,
                                                          const uint32_t *dpos, float *__restrict__ part,
                                                          uint32_t split) {
+    pdl_enter();
     extern __shared__ float Os[]; /* (!PAR) per thread its 2 · HD / 4 output elements, [i · 128 + tid] */
     const uint32_t pos0 = *dpos;
     constexpr int KS = HD / 16, ND = HD / 8, NP = FA_BN / 8, LDK = HD + 8, LDV = FA_BN + 8;
@@ -284,6 +286,7 @@ __global__ void __launch_bounds__(FA_WARPS * 32) k_flash(float *__restrict__ att
 template <int HD>
 __global__ void k_flash_combine(float *__restrict__ att, const float *__restrict__ part, uint32_t n, uint32_t heads,
                                 uint32_t kv_heads, uint32_t zmax, const uint32_t *dpos, uint32_t split) {
+    pdl_enter();
     const uint32_t gq = heads / kv_heads, r = blockIdx.x, tk = r / gq, hh = r % gq, c = threadIdx.x;
     (void)n;
     const uint32_t kvh = blockIdx.y, qpos = *dpos + tk, nsplit = qpos / (FA_BN * split) + 1;
@@ -344,9 +347,9 @@ static int launch_flash(cudaStream_t s, float *att, const float *q, const T *k, 
     const uint32_t rows = n * (heads / kv_heads);
     /* few rows over a long cache: the splits side by side (a combine launch more; not worth it below 4) */
     if (part && zmax >= 4 && rows <= FA_WARPS * 16) {
-        k_flash<HD, T, true><<<dim3(kv_heads, 1, zmax), FA_WARPS * 32, 0, s>>>(att, q, k, v, n, heads, kv_heads, dpos,
+        launch_k(PDL_ALL, k_flash<HD, T, true>, dim3(kv_heads, 1, zmax), dim3(FA_WARPS * 32), 0, s, att, q, k, v, n, heads, kv_heads, dpos,
                                                                               part, fa_split());
-        k_flash_combine<HD><<<dim3(rows, kv_heads), HD, 0, s>>>(att, part, n, heads, kv_heads, zmax, dpos, fa_split());
+        launch_k(PDL_ALL, k_flash_combine<HD>, dim3(rows, kv_heads), dim3(HD), 0, s, att, part, n, heads, kv_heads, zmax, dpos, fa_split());
         return (int)cudaGetLastError();
     }
     constexpr int smem = HD / 8 * 4 * FA_WARPS * 32 * sizeof(float);
@@ -356,7 +359,7 @@ static int launch_flash(cudaStream_t s, float *att, const float *q, const T *k, 
         if (e != cudaSuccess) return (int)e;
         configured = true;
     }
-    k_flash<HD, T, false><<<dim3(kv_heads, (rows + FA_WARPS * 16 - 1) / (FA_WARPS * 16)), FA_WARPS * 32, smem, s>>>(
+    launch_k(PDL_ALL, k_flash<HD, T, false>, dim3(kv_heads, (rows + FA_WARPS * 16 - 1) / (FA_WARPS * 16)), dim3(FA_WARPS * 32), smem, s, 
         att, q, k, v, n, heads, kv_heads, dpos, nullptr, fa_split());
     return (int)cudaGetLastError();
 }
@@ -377,7 +380,7 @@ static int launch_attention(cudaStream_t s, float *att, const float *q, const T 
         configured = 1;
     }
     size_t smem = (size_t)(hd + pos0 + n) * sizeof(float);
-    k_attention<T><<<dim3(heads, n), ATT_THREADS, smem, s>>>(att, q, k, v, heads, kv_heads, hd, pos0, sinks, sfmt,
+    launch_k(PDL_ALL, k_attention<T>, dim3(heads, n), dim3(ATT_THREADS), smem, s, att, q, k, v, heads, kv_heads, hd, pos0, sinks, sfmt,
                                                              window);
     return (int)cudaGetLastError();
 }

@@ -128,10 +128,13 @@ __device__ __forceinline__ void launch_item(const smoe_cu_rows &R, const smoe_cu
 }
 
 /* Programmatic dependent launch (sm_90 on): a kernel that calls pdl_trigger lets the next kernel
- * in its stream, when that one is launched so (the one-token products: matmul.cu), start before it
- * ends; that kernel reads only what was there before its predecessor began (its weights, its item
- * lists) until pdl_wait returns, which is when the predecessor has finished and its writes are
- * visible. Both are no-ops for a kernel not launched so, and below sm_90. */
+ * in its stream, when that one is launched so, start before it ends; that kernel reads only what was
+ * there before its predecessor's predecessor ended until pdl_wait returns, which is when the
+ * predecessor has finished and its writes are visible. Both are no-ops for a kernel not launched
+ * so, and below sm_90. The products (matmul.cu) trigger at once and prefetch their weights before
+ * they wait; every other kernel that may be launched so begins with pdl_enter — wait, then trigger —
+ * so that a kernel that starts early behind it finds the one before it finished (what the products'
+ * early reads rely on), and a grid never ends before its predecessor has. */
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -141,6 +144,33 @@ __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
+}
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_trigger();
+}
+
+/* Which launches start early (runtime.cu, read once per process; 0 below sm_90): 0 none
+ * (SMOE_CUDA_PDL=0), 1 the one-token products, 2 (SMOE_CUDA_PDL=2) every kernel of the step that
+ * begins with pdl_enter too. Changes no bits. */
+extern "C" int smoe_cu_pdl_level(void);
+#define PDL_ALL (smoe_cu_pdl_level() >= 2)
+
+/* k<<<grid, block, smem, s>>>(args...), launched to start early when pdl (see above). */
+template <typename... P, typename... A>
+static inline void launch_k(bool pdl, void (*k)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                            A... args) {
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at[1];
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = s;
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = at;
+    cfg.numAttrs = pdl ? 1 : 0;
+    cudaLaunchKernelEx(&cfg, k, args...);
 }
 __device__ __forceinline__ void prefetch_l2(const void *p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 

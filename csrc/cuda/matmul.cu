@@ -22,10 +22,11 @@ __global__ void __launch_bounds__(MM_WARPS * 32) k_matmul(smoe_cu_tensor T, smoe
     uint32_t start, count, bx, ycol;
     launch_item(R, T, &ycol, &bx, &w, &start, &count);
     y += ycol;
-    const uint32_t r = bx * MM_WARPS + warp;
-    if (r >= T.rows) return;
-    const uint32_t t0 = blockIdx.z * MM_TZ;
-    if (t0 >= count) return;
+    const uint32_t r = bx * MM_WARPS + warp, t0 = blockIdx.z * MM_TZ;
+    if (r >= T.rows || t0 >= count) { /* not before the predecessor has ended (cuda_common.cuh) */
+        pdl_wait();
+        return;
+    }
     const uint32_t t1 = min(count, t0 + (uint32_t)MM_TZ), nw = T.cols / 8;
     if (!R.items) { /* a dense product may start early (launch_fp32): its row into L2 meanwhile */
         const size_t rowbytes = FMT == FMT_F32 ? 4 * (size_t)T.cols : FMT == FMT_BF16 ? 2 * (size_t)T.cols
@@ -317,7 +318,10 @@ __global__ void __launch_bounds__(TC_MAXW * 32) k_tc(smoe_cu_tensor T, smoe_cu_r
     uint32_t start, count;
     const uint32_t u = item_rows(R, &start, &count); /* item lists and weights: there before the predecessor */
     const uint32_t t0 = blockIdx.z * (NT * 8), bx0 = blockIdx.x * per;
-    if (t0 >= count || bx0 >= nbx) return; /* the whole block */
+    if (t0 >= count || bx0 >= nbx) { /* the whole block (not before its predecessor has ended: cuda_common.cuh) */
+        pdl_wait();
+        return;
+    }
     const uint8_t *wi = !R.items ? R.w : R.wtab[u];
     const uint32_t cols = T.cols, nkb = cols / 64, gs = __ffs(T.group) - 1, half = R.pair ? nbx / 2 : nbx;
     const uint32_t kb0 = warp * nkb / ranges, kb1 = (warp + 1) * nkb / ranges, bx1 = min(nbx, bx0 + per);
@@ -543,7 +547,7 @@ extern "C" int smoe_cu_tensor_cores(const smoe_cu_tensor *T) {
 }
 
 __global__ void k_prep(const float *x, size_t ldx, uint32_t cols, smoe_cu_rows R, __half *x16, float *xe) {
-    pdl_trigger();
+    pdl_enter();
     uint32_t start, count;
     item_rows(R, &start, &count);
     if (blockIdx.x >= count) return;
@@ -555,7 +559,7 @@ extern "C" int smoe_cu_prep(smoe_cu_stream st, const float *x, size_t ldx, uint3
                             void *x16, float *xe) {
     const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
     if (items == 0 || m == 0) return 0;
-    k_prep<<<dim3(m, items), 256, 0, (cudaStream_t)st>>>(x, ldx, cols, *R, (__half *)x16, xe);
+    launch_k(PDL_ALL, k_prep, dim3(m, items), dim3(256), 0, (cudaStream_t)st, x, ldx, cols, *R, (__half *)x16, xe);
     return (int)cudaGetLastError();
 }
 
@@ -592,16 +596,7 @@ static uint32_t tc_per(uint32_t nbx, uint32_t others, uint32_t fit) {
 /* The one-token products start early (programmatic dependent launch, cuda_common.cuh) on sm_90
  * and later, for dense products and the device union's tiled lists (whose lists a kernel before
  * the predecessor wrote); SMOE_CUDA_PDL=0 launches them plainly. Changes no bits. */
-static bool pdl_on(void) {
-    static int on = -1;
-    if (on < 0) {
-        const char *e = getenv("SMOE_CUDA_PDL");
-        int dev = 0, major = 0;
-        on = !(e && e[0] == '0') && cudaGetDevice(&dev) == 0 &&
-             cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == 0 && major >= 9;
-    }
-    return on == 1;
-}
+static bool pdl_on(void) { return smoe_cu_pdl_level() >= 1; }
 
 template <int FMT>
 static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe_cu_act *a, float *y, size_t ldy,
@@ -644,8 +639,17 @@ static void launch_tc(const smoe_cu_tensor *T, const smoe_cu_rows *R, const smoe
                                   (m + 8 * NT - 1) / (8 * NT)),                                                        \
                              TB_WARPS * 32, smem, s>>>(*T, *R, x16, a->xe, y, ldy, ranges);                             \
     } while (0)
-    if (m <= 8)
+    /* SMOE_CUDA_TC_MT (1, 2 or 4: 16·MT rows a warp's tile) for few tokens, for comparisons: more rows
+     * a tile keep more of a warp's weights in flight */
+    static const int mt = getenv("SMOE_CUDA_TC_MT") ? atoi(getenv("SMOE_CUDA_TC_MT")) : 1;
+    if (m <= 8 && mt == 4)
+        TC_SMALL(4, 1, 4);
+    else if (m <= 8 && mt == 2)
+        TC_SMALL(2, 1, 4);
+    else if (m <= 8)
         TC_SMALL(1, 1, 4);
+    else if (m <= 16 && mt >= 2)
+        TC_SMALL(2, 2, 4);
     else if (m <= 16)
         TC_SMALL(1, 2, 4);
     else if (m <= 32 || big == 1)

@@ -5,6 +5,7 @@
  * any order (ties: the lower index), the softmax's sum is each lane's in index order and then the
  * butterfly, the renormalisation's in slot order. */
 __global__ void k_route(float *logits, uint32_t n, uint32_t E, uint32_t K, int renorm, int32_t *idx, float *w) {
+    pdl_enter();
     const uint32_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
     if (t >= n) return;
     float *p = logits + (size_t)t * E;
@@ -58,7 +59,7 @@ extern "C" int smoe_cu_route(smoe_cu_stream st, const float *logits, uint32_t n,
                              int32_t *idx, float *w) {
     if (n == 0) return 0;
     if (E > 32 * 32) return (int)cudaErrorInvalidValue;
-    k_route<<<(n + 3) / 4, 128, 0, (cudaStream_t)st>>>((float *)logits, n, E, K, renorm, idx, w);
+    launch_k(PDL_ALL, k_route, dim3((n + 3) / 4), dim3(128), 0, (cudaStream_t)st, (float *)logits, n, E, K, renorm, idx, w);
     return (int)cudaGetLastError();
 }
 
@@ -84,6 +85,7 @@ __device__ __forceinline__ float sg_choice(const float *p, const uint8_t *bias, 
 __global__ void k_route_grouped(const float *logits, uint32_t n, uint32_t E, const uint8_t *bias, uint8_t bfmt,
                                 uint32_t n_group, uint32_t topk_group, uint32_t K, int renorm, float scale,
                                 int32_t *idx, float *w) {
+    pdl_enter();
     const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n) return;
     const float *p = logits + (size_t)t * E;
@@ -141,7 +143,7 @@ extern "C" int smoe_cu_route_grouped(smoe_cu_stream st, const float *logits, uin
                                      int32_t *idx, float *w) {
     if (n == 0) return 0;
     if (K > E || n_group > SMOE_CU_MAX_GROUPS || (n_group > 1 && E % n_group != 0)) return (int)cudaErrorInvalidValue;
-    k_route_grouped<<<(n + 127) / 128, 128, 0, (cudaStream_t)st>>>(logits, n, E, bias, bias_format, n_group, topk_group, K,
+    launch_k(PDL_ALL, k_route_grouped, dim3((n + 127) / 128), dim3(128), 0, (cudaStream_t)st, logits, n, E, bias, bias_format, n_group, topk_group, K,
                                                                    renorm, scale, idx, w);
     return (int)cudaGetLastError();
 }
@@ -150,6 +152,7 @@ extern "C" int smoe_cu_route_grouped(smoe_cu_stream st, const float *logits, uin
  * the K largest logits in turn (NaN ranks as −inf; ties, the lower index), best first, then a
  * softmax over those K in slot order. */
 __global__ void k_route_topk_softmax(const float *logits, uint32_t n, uint32_t E, uint32_t K, int32_t *idx, float *w) {
+    pdl_enter();
     const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n) return;
     const float *p = logits + (size_t)t * E;
@@ -184,7 +187,7 @@ extern "C" int smoe_cu_route_topk_softmax(smoe_cu_stream st, const float *logits
                                           int32_t *idx, float *w) {
     if (n == 0) return 0;
     if (K == 0 || K > E) return (int)cudaErrorInvalidValue;
-    k_route_topk_softmax<<<(n + 127) / 128, 128, 0, (cudaStream_t)st>>>(logits, n, E, K, idx, w);
+    launch_k(PDL_ALL, k_route_topk_softmax, dim3((n + 127) / 128), dim3(128), 0, (cudaStream_t)st, logits, n, E, K, idx, w);
     return (int)cudaGetLastError();
 }
 
@@ -206,6 +209,7 @@ __global__ void __launch_bounds__(UNION_WARPS * 32) k_union(const int32_t *idx, 
                                                             const uint8_t **wtab, uint32_t *start, uint32_t *count,
                                                             uint32_t *items, uint32_t *rows, uint32_t *counts,
                                                             uint32_t *used, uint32_t *bad) {
+    pdl_enter();
     __shared__ uint32_t wc[UNION_WARPS][1024], cnt[1024], base[1024], tbase[1024], n_tiles;
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const uint32_t seg = (nk + UNION_WARPS * 32 - 1) / (UNION_WARPS * 32) * 32, i0 = warp * seg;
@@ -272,6 +276,7 @@ __global__ void __launch_bounds__(UNION_WARPS * 32) k_union(const int32_t *idx, 
 __global__ void k_union1(const int32_t *idx, uint32_t nk, uint32_t E, uint32_t n_items, const uint8_t *const *vtab,
                          const uint8_t **wtab, uint32_t *start, uint32_t *count, uint32_t *items, uint32_t *rows,
                          uint32_t *counts, uint32_t *used, uint32_t *bad) {
+    pdl_enter();
     const uint32_t k = threadIdx.x;
     if (k < nk) {
         int32_t e = idx[k];
@@ -304,16 +309,17 @@ extern "C" int smoe_cu_union(smoe_cu_stream st, const int32_t *idx, uint32_t nk,
     if (E == 0 || E > 1024 || tile == 0 || tile > 0xFFFFu || n_items < smoe_cu_union_items(nk, E, tile))
         return (int)cudaErrorInvalidValue;
     if (tile == 1 && nk <= 32 && n_items <= 32) /* one token: its K ids are distinct (top-k) */
-        k_union1<<<1, 32, 0, (cudaStream_t)st>>>(idx, nk, E, n_items, vtab, wtab, start, count, items, rows, counts,
+        launch_k(PDL_ALL, k_union1, dim3(1), dim3(32), 0, (cudaStream_t)st, idx, nk, E, n_items, vtab, wtab, start, count, items, rows, counts,
                                                 used, bad);
     else
-        k_union<<<1, UNION_WARPS * 32, 0, (cudaStream_t)st>>>(idx, nk, E, tile, n_items, vtab, wtab, start, count,
+        launch_k(PDL_ALL, k_union, dim3(1), dim3(UNION_WARPS * 32), 0, (cudaStream_t)st, idx, nk, E, tile, n_items, vtab, wtab, start, count,
                                                              items, rows, counts, used, bad);
     return (int)cudaGetLastError();
 }
 
 /* One thread an element (block (t, column chunk)): one token's sum is spread over the GPU. */
 __global__ void k_moe_sum(float *x, const float *y, const float *w, uint32_t K, uint32_t hidden) {
+    pdl_enter();
     const uint32_t t = blockIdx.x, c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= hidden) return;
     float acc = 0.0f;
@@ -325,6 +331,6 @@ __global__ void k_moe_sum(float *x, const float *y, const float *w, uint32_t K, 
 extern "C" int smoe_cu_moe_sum(smoe_cu_stream st, float *x, const float *y, const float *w, uint32_t n, uint32_t K,
                                uint32_t hidden) {
     if (n == 0) return 0;
-    k_moe_sum<<<dim3(n, (hidden + 127) / 128), 128, 0, (cudaStream_t)st>>>(x, y, w, K, hidden);
+    launch_k(PDL_ALL, k_moe_sum, dim3(n, (hidden + 127) / 128), dim3(128), 0, (cudaStream_t)st, x, y, w, K, hidden);
     return (int)cudaGetLastError();
 }

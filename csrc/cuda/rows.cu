@@ -8,7 +8,7 @@
 enum { RP_MAX = 16 };
 __global__ void k_rmsnorm_prep(float *out, const float *x, uint32_t dim, const uint8_t *wt, uint8_t wfmt, float eps,
                                __half *x16, float *xe) {
-    pdl_trigger(); /* a one-token product after it may begin loading its weights */
+    pdl_enter();
     const size_t row = blockIdx.x;
     if (dim % 256 != 0 || dim > RP_MAX * 256) {
         rms_row(out + row * dim, x + row * dim, dim, wt, wfmt, eps);
@@ -54,13 +54,14 @@ __global__ void k_rmsnorm_prep(float *out, const float *x, uint32_t dim, const u
 extern "C" int smoe_cu_rmsnorm_prep(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim,
                                     const uint8_t *weight, uint8_t weight_format, float eps, void *x16, float *xe) {
     if (rows == 0) return 0;
-    k_rmsnorm_prep<<<rows, 256, 0, (cudaStream_t)st>>>(out, x, dim, weight, weight_format, eps, (__half *)x16, xe);
+    launch_k(PDL_ALL, k_rmsnorm_prep, dim3(rows), dim3(256), 0, (cudaStream_t)st, out, x, dim, weight, weight_format, eps, (__half *)x16, xe);
     return (int)cudaGetLastError();
 }
 
 /* --------------------------------------------------------------------------- embedding */
 
 __global__ void k_embed(smoe_cu_tensor T, const uint8_t *w, const int32_t *ids, float *x) {
+    pdl_enter();
     const uint32_t t = blockIdx.x, r = (uint32_t)ids[t];
     const size_t rc = (size_t)r * T.cols;
     for (uint32_t c = threadIdx.x; c < T.cols; c += blockDim.x) {
@@ -84,20 +85,21 @@ extern "C" int smoe_cu_embed(smoe_cu_stream st, const smoe_cu_tensor *T, const u
                              uint32_t n, float *x) {
     if (n == 0) return 0;
     if (smoe_cu_ggml(T)) return smoe_cu_embed_ggml(st, T, w, ids, n, x); /* GGML block formats: ggml.cu */
-    k_embed<<<n, 256, 0, (cudaStream_t)st>>>(*T, w, ids, x);
+    launch_k(PDL_ALL, k_embed, dim3(n), dim3(256), 0, (cudaStream_t)st, *T, w, ids, x);
     return (int)cudaGetLastError();
 }
 
 /* ----------------------------------------------------------------------------- rmsnorm */
 
 __global__ void k_rmsnorm(float *out, const float *x, uint32_t dim, size_t ld, const uint8_t *wt, uint8_t wfmt, float eps) {
+    pdl_enter();
     rms_row(out + (size_t)blockIdx.x * ld, x + (size_t)blockIdx.x * ld, dim, wt, wfmt, eps);
 }
 
 extern "C" int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim, size_t ld,
                                const uint8_t *weight, uint8_t weight_format, float eps) {
     if (rows == 0) return 0;
-    k_rmsnorm<<<rows, 256, 0, (cudaStream_t)st>>>(out, x, dim, ld, weight, weight_format, eps);
+    launch_k(PDL_ALL, k_rmsnorm, dim3(rows), dim3(256), 0, (cudaStream_t)st, out, x, dim, ld, weight, weight_format, eps);
     return (int)cudaGetLastError();
 }
 
@@ -112,6 +114,7 @@ template <typename T>
 __global__ void k_qk_post(float *q, float *ks, const float *vs, T *kc, T *vc, uint32_t heads, uint32_t kv_heads,
                           uint32_t hd, uint32_t rot, const uint8_t *qw, uint8_t qfmt, const uint8_t *kw, uint8_t kfmt,
                           float eps, const float *cs, const float *sn, const uint32_t *pos0) {
+    pdl_enter();
     const uint32_t per = heads + kv_heads, t = blockIdx.x / per, h = blockIdx.x % per, half = rot / 2;
     const bool isq = h < heads;
     float *row = isq ? q + ((size_t)t * heads + h) * hd : ks + ((size_t)t * kv_heads + (h - heads)) * hd;
@@ -146,7 +149,7 @@ extern "C" int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const flo
     const dim3 grid(n * (heads + kv_heads));
     cudaStream_t s = (cudaStream_t)st;
 #define QK_POST(T)                                                                                                     \
-    k_qk_post<T><<<grid, 256, 0, s>>>(q, ks, vs, (T *)k, (T *)v, heads, kv_heads, hd, rot, q_norm, q_norm_format,    \
+    launch_k(PDL_ALL, k_qk_post<T>, dim3(grid), dim3(256), 0, s, q, ks, vs, (T *)k, (T *)v, heads, kv_heads, hd, rot, q_norm, q_norm_format,    \
                                       k_norm, k_norm_format, eps, cos, sin, pos0)
     if (kv_type == 1)
         QK_POST(__nv_bfloat16);
@@ -161,12 +164,14 @@ extern "C" int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const flo
 /* ------------------------------------------------------------------------ small kernels */
 
 __global__ void k_add(float *x, const float *y, size_t count) {
+    pdl_enter();
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < count) x[i] = __fadd_rn(x[i], y[i]);
 }
 
 /* y[t·W + c] += b[c] (f32 or bf16, W entries), t < n. */
 __global__ void k_bias(float *y, const uint8_t *b, uint8_t bfmt, uint32_t W, size_t count) {
+    pdl_enter();
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= count) return;
     const uint32_t c = (uint32_t)(i % W);
@@ -179,17 +184,18 @@ extern "C" int smoe_cu_bias(smoe_cu_stream st, float *y, uint32_t n, uint32_t W,
                             uint8_t bias_format) {
     const size_t count = (size_t)n * W;
     if (count == 0) return 0;
-    k_bias<<<(unsigned)((count + 255) / 256), 256, 0, (cudaStream_t)st>>>(y, bias, bias_format, W, count);
+    launch_k(PDL_ALL, k_bias, dim3((unsigned)((count + 255) / 256)), dim3(256), 0, (cudaStream_t)st, y, bias, bias_format, W, count);
     return (int)cudaGetLastError();
 }
 
 extern "C" int smoe_cu_add(smoe_cu_stream st, float *x, const float *y, size_t count) {
     if (count == 0) return 0;
-    k_add<<<(unsigned)((count + 255) / 256), 256, 0, (cudaStream_t)st>>>(x, y, count);
+    launch_k(PDL_ALL, k_add, dim3((unsigned)((count + 255) / 256)), dim3(256), 0, (cudaStream_t)st, x, y, count);
     return (int)cudaGetLastError();
 }
 
 __global__ void k_gather(float *xg, const float *xn, const uint32_t *rows, uint32_t K, uint32_t hidden) {
+    pdl_enter();
     const uint32_t j = blockIdx.x, src = rows[j] / K;
     for (uint32_t c = threadIdx.x; c < hidden; c += blockDim.x) xg[(size_t)j * hidden + c] = xn[(size_t)src * hidden + c];
 }
@@ -197,7 +203,7 @@ __global__ void k_gather(float *xg, const float *xn, const uint32_t *rows, uint3
 /* The same for rows prepared by k_prep: f16 rows (cols halves) and their scales. */
 __global__ void k_gather16(__half *g16, float *ge, const __half *a16, const float *ae, const uint32_t *rows, uint32_t K,
                            uint32_t cols) {
-    pdl_trigger();
+    pdl_enter();
     const uint32_t j = blockIdx.x, src = rows[j] / K;
     const uint4 *in = reinterpret_cast<const uint4 *>(a16 + (size_t)src * cols);
     uint4 *out = reinterpret_cast<uint4 *>(g16 + (size_t)j * cols);
@@ -208,14 +214,14 @@ __global__ void k_gather16(__half *g16, float *ge, const __half *a16, const floa
 extern "C" int smoe_cu_gather16(smoe_cu_stream st, void *g16, float *ge, const void *a16, const float *ae,
                                 const uint32_t *rows, uint32_t K, uint32_t total, uint32_t cols) {
     if (total == 0) return 0;
-    k_gather16<<<total, 128, 0, (cudaStream_t)st>>>((__half *)g16, ge, (const __half *)a16, ae, rows, K, cols);
+    launch_k(PDL_ALL, k_gather16, dim3(total), dim3(128), 0, (cudaStream_t)st, (__half *)g16, ge, (const __half *)a16, ae, rows, K, cols);
     return (int)cudaGetLastError();
 }
 
 extern "C" int smoe_cu_gather(smoe_cu_stream st, float *xg, const float *xn, const uint32_t *rows, uint32_t K,
                               uint32_t total, uint32_t hidden) {
     if (total == 0) return 0;
-    k_gather<<<total, 256, 0, (cudaStream_t)st>>>(xg, xn, rows, K, hidden);
+    launch_k(PDL_ALL, k_gather, dim3(total), dim3(256), 0, (cudaStream_t)st, xg, xn, rows, K, hidden);
     return (int)cudaGetLastError();
 }
 
@@ -230,6 +236,7 @@ __device__ __forceinline__ float act_of(float g, float u, smoe_cu_act_fn f) {
 }
 
 __global__ void k_swiglu(float *h, const float *hg, uint32_t I, smoe_cu_rows R, smoe_cu_act_fn f) {
+    pdl_enter();
     uint32_t start, count;
     item_rows(R, &start, &count);
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -243,7 +250,7 @@ extern "C" int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint
     const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
     if (items == 0 || m == 0) return 0;
     dim3 grid((unsigned)(((size_t)m * I + 255) / 256), items);
-    k_swiglu<<<grid, 256, 0, (cudaStream_t)st>>>(h, hg, I, *R, f);
+    launch_k(PDL_ALL, k_swiglu, dim3(grid), dim3(256), 0, (cudaStream_t)st, h, hg, I, *R, f);
     return (int)cudaGetLastError();
 }
 
@@ -251,6 +258,7 @@ extern "C" int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint
  * bf16), from column col0, for the rows of each item (an expert's gate, up or down bias). */
 __global__ void k_bias_items(float *y, size_t ldy, uint32_t col0, smoe_cu_rows R, uint64_t off, uint8_t fmt,
                              uint32_t cols) {
+    pdl_enter();
     uint32_t start, count;
     const uint32_t u = item_rows(R, &start, &count);
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -268,14 +276,14 @@ extern "C" int smoe_cu_bias_items(smoe_cu_stream st, float *y, size_t ldy, uint3
                                   uint64_t off, uint8_t bias_format, uint32_t cols) {
     if (!R->items || R->n_items == 0 || R->max_count == 0) return 0;
     dim3 grid((unsigned)(((size_t)R->max_count * cols + 255) / 256), R->n_items);
-    k_bias_items<<<grid, 256, 0, (cudaStream_t)st>>>(y, ldy, col0, *R, off, bias_format, cols);
+    launch_k(PDL_ALL, k_bias_items, dim3(grid), dim3(256), 0, (cudaStream_t)st, y, ldy, col0, *R, off, bias_format, cols);
     return (int)cudaGetLastError();
 }
 
 /* k_swiglu then k_prep, a row a block (grid as k_prep's): the same arithmetic, the same bits. */
 __global__ void k_swiglu_prep(float *h, const float *hg, uint32_t I, smoe_cu_rows R, smoe_cu_act_fn f, __half *h16,
                               float *he) {
-    pdl_trigger();
+    pdl_enter();
     uint32_t start, count;
     item_rows(R, &start, &count);
     if (blockIdx.x >= count) return;
@@ -289,6 +297,6 @@ extern "C" int smoe_cu_swiglu_prep(smoe_cu_stream st, float *h, const float *hg,
                                    smoe_cu_act_fn f, void *h16, float *he) {
     const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
     if (items == 0 || m == 0) return 0;
-    k_swiglu_prep<<<dim3(m, items), 256, 0, (cudaStream_t)st>>>(h, hg, I, *R, f, (__half *)h16, he);
+    launch_k(PDL_ALL, k_swiglu_prep, dim3(m, items), dim3(256), 0, (cudaStream_t)st, h, hg, I, *R, f, (__half *)h16, he);
     return (int)cudaGetLastError();
 }

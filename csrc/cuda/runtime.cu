@@ -87,3 +87,15 @@ extern "C" int smoe_cu_stream_wait(smoe_cu_stream st, smoe_cu_event ev) {
     return (int)cudaStreamWaitEvent((cudaStream_t)st, (cudaEvent_t)ev, 0);
 }
 extern "C" int smoe_cu_last_error(void) { return (int)cudaGetLastError(); }
+
+extern "C" int smoe_cu_pdl_level(void) {
+    static int level = -1;
+    if (level < 0) {
+        const char *e = getenv("SMOE_CUDA_PDL");
+        int dev = 0, major = 0;
+        const bool sm90 = cudaGetDevice(&dev) == 0 &&
+                          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == 0 && major >= 9;
+        level = !sm90 || (e && e[0] == '0') ? 0 : e && e[0] == '2' ? 2 : 1;
+    }
+    return level;
+}
