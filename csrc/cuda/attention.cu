@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(ATT_THREADS) k_attention(float *att, const flo
  * O·corr + P·V by mma (p to f16). At the end l is the quad's sum (xor 1, then 2) and the output
  * O / l. A row's tiles are 0, 1, … up to its own position's, whichever rows share its block: a tile
  * wholly past its position changes none of its bits (corr = 1, p = 0). */
-enum { FA_WARPS = 4, FA_BN = 64 };
+enum { FA_WARPS = 4, FA_BN = 64, FA_STAGE = 8 };
 
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) { return h2_bits(__floats2half2_rn(lo, hi)); }
 
@@ -150,22 +150,33 @@ __global__ void __launch_bounds__(FA_WARPS * 32) k_flash(float *__restrict__ att
         for (uint32_t tile = z * split; tile < min(ntiles, (z + 1) * split); tile++) {
             const uint32_t p0 = tile * FA_BN;
             __syncthreads();
-            /* K row by row (coalesced); V transposed, position fastest (conflict-free stores) */
-            for (uint32_t i = threadIdx.x; i < FA_BN * (HD / 4); i += FA_WARPS * 32) {
-                const uint32_t p = i / (HD / 4), d = 4 * (i % (HD / 4));
-                __half2 a = __float2half2_rn(0.0f), b = a;
-                if (p0 + p <= last) kv_h4(k + (size_t)(p0 + p) * kv_dim + (size_t)kvh * HD + d, &a, &b);
-                *reinterpret_cast<__half2 *>(Ks + p * LDK + d) = a;
-                *reinterpret_cast<__half2 *>(Ks + p * LDK + d + 2) = b;
-            }
-            for (uint32_t i = threadIdx.x; i < FA_BN * (HD / 4); i += FA_WARPS * 32) {
-                const uint32_t p = i % FA_BN, d = 4 * (i / FA_BN);
-                __half2 a = __float2half2_rn(0.0f), b = a;
-                if (p0 + p <= last) kv_h4(v + (size_t)(p0 + p) * kv_dim + (size_t)kvh * HD + d, &a, &b);
-                Vt[(d + 0) * LDV + p] = __low2half(a);
-                Vt[(d + 1) * LDV + p] = __high2half(a);
-                Vt[(d + 2) * LDV + p] = __low2half(b);
-                Vt[(d + 3) * LDV + p] = __high2half(b);
+            /* K row by row (coalesced); V transposed, position fastest (conflict-free stores); each
+             * thread's loads issued FA_STAGE at a time before any is stored, not one round trip each */
+            constexpr int PER = FA_BN * (HD / 4) / (FA_WARPS * 32), NB = PER < FA_STAGE ? PER : FA_STAGE;
+            static_assert(PER * FA_WARPS * 32 == FA_BN * (HD / 4) && PER % NB == 0, "a tile in whole rounds");
+#pragma unroll
+            for (int j0 = 0; j0 < PER; j0 += NB) {
+                __half2 ka[NB][2], va[NB][2];
+#pragma unroll
+                for (int j = 0; j < NB; j++) {
+                    const uint32_t i = threadIdx.x + (j0 + j) * FA_WARPS * 32;
+                    const uint32_t p = i / (HD / 4), d = 4 * (i % (HD / 4)), pv = i % FA_BN, dv = 4 * (i / FA_BN);
+                    ka[j][0] = ka[j][1] = va[j][0] = va[j][1] = __float2half2_rn(0.0f);
+                    if (p0 + p <= last) kv_h4(k + (size_t)(p0 + p) * kv_dim + (size_t)kvh * HD + d, &ka[j][0], &ka[j][1]);
+                    if (p0 + pv <= last)
+                        kv_h4(v + (size_t)(p0 + pv) * kv_dim + (size_t)kvh * HD + dv, &va[j][0], &va[j][1]);
+                }
+#pragma unroll
+                for (int j = 0; j < NB; j++) {
+                    const uint32_t i = threadIdx.x + (j0 + j) * FA_WARPS * 32;
+                    const uint32_t p = i / (HD / 4), d = 4 * (i % (HD / 4)), pv = i % FA_BN, dv = 4 * (i / FA_BN);
+                    *reinterpret_cast<__half2 *>(Ks + p * LDK + d) = ka[j][0];
+                    *reinterpret_cast<__half2 *>(Ks + p * LDK + d + 2) = ka[j][1];
+                    Vt[(dv + 0) * LDV + pv] = __low2half(va[j][0]);
+                    Vt[(dv + 1) * LDV + pv] = __high2half(va[j][0]);
+                    Vt[(dv + 2) * LDV + pv] = __low2half(va[j][1]);
+                    Vt[(dv + 3) * LDV + pv] = __high2half(va[j][1]);
+                }
             }
             __syncthreads();
             if (!active) continue;

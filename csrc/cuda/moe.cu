@@ -1,38 +1,52 @@
 /* moe.cu — the MoE step's kernels: routing, the union formed on the device, the experts' weighted sum (cuda_ops.h; the rule of cuda_common.cuh). */
 #include "cuda_common.cuh"
 
-/* One warp per token: lane l holds experts l, l + 32, …; the max and the top-k picks are exact in
- * any order (ties: the lower index), the softmax's sum is each lane's in index order and then the
- * butterfly, the renormalisation's in slot order. */
-__global__ void k_route(float *logits, uint32_t n, uint32_t E, uint32_t K, int renorm, int32_t *idx, float *w) {
+/* One warp per token: lane l holds experts l, l + 32, … (NJ a lane, in registers); the max and the
+ * top-k picks are exact in any order (ties: the lower index), the softmax's sum is each lane's in
+ * index order and then the butterfly, the renormalisation's in slot order (every lane adds the
+ * picks as they are made; lane k keeps pick k). Nothing is read back from memory: each step is a
+ * shuffle, not a round trip through L2. */
+template <int NJ>
+__global__ void k_route(const float *logits, uint32_t n, uint32_t E, uint32_t K, int renorm, int32_t *idx, float *w) {
     pdl_enter();
     const uint32_t t = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x & 31;
     if (t >= n) return;
-    float *p = logits + (size_t)t * E;
+    const float *p = logits + (size_t)t * E;
+    float v[NJ];
     float m = -INFINITY;
-    for (uint32_t i = lane; i < E; i += 32) m = fmaxf(m, p[i]);
+#pragma unroll
+    for (int j = 0; j < NJ; j++) {
+        const uint32_t i = lane + 32 * j;
+        v[j] = i < E ? p[i] : -INFINITY;
+        if (i < E) m = fmaxf(m, v[j]);
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     float sum = 0.0f;
-    for (uint32_t i = lane; i < E; i += 32) {
-        const float e = expf(__fsub_rn(p[i], m));
-        p[i] = e;
-        sum = __fadd_rn(sum, e);
-    }
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+        if (lane + 32 * j < E) {
+            v[j] = expf(__fsub_rn(v[j], m));
+            sum = __fadd_rn(sum, v[j]);
+        }
     sum = warp_sum(sum);
-    for (uint32_t i = lane; i < E; i += 32) p[i] = __fdiv_rn(p[i], sum);
-    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < NJ; j++)
+        if (lane + 32 * j < E) v[j] = __fdiv_rn(v[j], sum);
     uint32_t taken = 0; /* bit j: expert lane + 32j was picked */
-    int32_t *it = idx + (size_t)t * K;
-    float *wt = w + (size_t)t * K;
+    float tot = 0.0f, mine_w = 0.0f;
+    int32_t mine_i = -1;
     for (uint32_t k = 0; k < K; k++) {
         float bv = -INFINITY;
         int32_t bi = -1;
-        for (uint32_t i = lane, j = 0; i < E; i += 32, j++)
-            if (!(taken >> j & 1u) && (bi < 0 || p[i] > bv)) {
-                bv = p[i];
+#pragma unroll
+        for (int j = 0; j < NJ; j++) {
+            const uint32_t i = lane + 32 * j;
+            if (i < E && !(taken >> j & 1u) && (bi < 0 || v[j] > bv)) {
+                bv = v[j];
                 bi = (int32_t)i;
             }
+        }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
@@ -43,23 +57,29 @@ __global__ void k_route(float *logits, uint32_t n, uint32_t E, uint32_t K, int r
             }
         }
         if (bi >= 0 && (uint32_t)bi % 32 == lane) taken |= 1u << (bi / 32);
-        if (lane == 0) {
-            it[k] = bi;
-            wt[k] = bv;
-        }
+        tot = __fadd_rn(tot, bv);
+        if (lane == k) mine_w = bv, mine_i = bi;
     }
-    if (lane == 0 && renorm) {
-        float tot = 0.0f;
-        for (uint32_t k = 0; k < K; k++) tot = __fadd_rn(tot, wt[k]);
-        for (uint32_t k = 0; k < K; k++) wt[k] = __fdiv_rn(wt[k], tot);
+    if (lane < K) {
+        idx[(size_t)t * K + lane] = mine_i;
+        w[(size_t)t * K + lane] = renorm ? __fdiv_rn(mine_w, tot) : mine_w;
     }
 }
 
 extern "C" int smoe_cu_route(smoe_cu_stream st, const float *logits, uint32_t n, uint32_t E, uint32_t K, int renorm,
                              int32_t *idx, float *w) {
     if (n == 0) return 0;
-    if (E > 32 * 32) return (int)cudaErrorInvalidValue;
-    launch_k(PDL_ALL, k_route, dim3((n + 3) / 4), dim3(128), 0, (cudaStream_t)st, (float *)logits, n, E, K, renorm, idx, w);
+    if (E > 32 * 32 || K > 32) return (int)cudaErrorInvalidValue;
+    const dim3 g((n + 3) / 4), b(128);
+    cudaStream_t s = (cudaStream_t)st;
+    if (E <= 4 * 32)
+        launch_k(PDL_ALL, k_route<4>, g, b, 0, s, logits, n, E, K, renorm, idx, w);
+    else if (E <= 8 * 32)
+        launch_k(PDL_ALL, k_route<8>, g, b, 0, s, logits, n, E, K, renorm, idx, w);
+    else if (E <= 16 * 32)
+        launch_k(PDL_ALL, k_route<16>, g, b, 0, s, logits, n, E, K, renorm, idx, w);
+    else
+        launch_k(PDL_ALL, k_route<32>, g, b, 0, s, logits, n, E, K, renorm, idx, w);
     return (int)cudaGetLastError();
 }
 
