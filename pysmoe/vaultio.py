@@ -959,6 +959,10 @@ class VaultFile:
         kinds = tab[pos:pos + L]
         self.sparse = [bool(b & 1) for b in kinds]
         self.attention_kinds = [b >> 1 for b in kinds]
+        linear, sized = ATTN_LINEAR in self.attention_kinds, [bool(self.params.get(k)) for k in LINEAR_KEYS]
+        if linear != all(sized) or any(sized) != all(sized):  # as vault.c's parse_params refuses it
+            raise VaultFormatError(f"{self.path}: parameters: the linear_* sizes must be given, all of them, exactly "
+                                   f"when a layer is linear attention ({'there is one' if linear else 'there is none'})")
         pos += align(L, 8)
         self.layer_expert_tensors: list[tuple] = []
         self.layer_blob_bytes: list[int] = []

@@ -85,3 +85,13 @@ def test_crash_file_in_version_2_reaches_the_bad_name_and_is_a_vault_error(tmp_p
     (d / "vault.bin").write_bytes(as_version_2(CRASH.read_bytes().replace(b"mlp\xc5up_proj", b"mlp.up_proj")))
     with pytest.raises(VaultFormatError, match="tensor layers.3.q_proj outside the dense region"):
         read_vault(d)
+
+
+def test_a_linear_layer_without_its_sizes_is_a_vault_error(tiny_vault, tmp_path):
+    """A layer kind turned to linear attention (a Gated DeltaNet) in a vault without the linear_*
+    sizes: refused as vault.c refuses it, not a KeyError in info (the mutation hypothesis found,
+    seed 1064407)."""
+    shutil.copy(tiny_vault / "config.json", tmp_path / "config.json")
+    (tmp_path / "vault.bin").write_bytes(mutate((tiny_vault / "vault.bin").read_bytes(), random.Random(1064407)))
+    with pytest.raises(VaultFormatError, match="linear_"):
+        read_vault(tmp_path)
