@@ -226,9 +226,14 @@ fuzz: lib $(VENV)/.stamp-base $(FUZZ_DRIVER)
 	# and a vault of another family (vault v3's parameters, biases, shared experts: GLM-4.5's recipe)
 	$(PY) -c "import pysmoe; pysmoe.open_vault('$(BUILD)/fuzz-seed-glm').close()" 2>/dev/null || \
 	  $(PY) -m pysmoe synth $(BUILD)/fuzz-seed-glm --preset tiny-glm --force
-	$(FUZZ_DRIVER) $(FUZZ_ITERS) $(FUZZ_OUT) $(BUILD)/fuzz-seed/vault.bin $(BUILD)/fuzz-seed-glm/vault.bin
+	# and a hybrid (Gated DeltaNet layers, the linear_* parameters), imported from its GGUF fixture
+	$(PY) -c "import pysmoe; pysmoe.open_vault('$(BUILD)/fuzz-seed-q35').close()" 2>/dev/null || \
+	  $(PY) -m pysmoe convert tests/data/gguf/qwen35moe-q8_0.gguf $(BUILD)/fuzz-seed-q35 --force
+	$(FUZZ_DRIVER) $(FUZZ_ITERS) $(FUZZ_OUT) $(BUILD)/fuzz-seed/vault.bin $(BUILD)/fuzz-seed-glm/vault.bin \
+	  $(BUILD)/fuzz-seed-q35/vault.bin
 	PYTHONPATH=$(CURDIR) $(PY) tests/fuzz_vaultio.py $$(( $(FUZZ_ITERS) / 20 )) $(BUILD)/fuzz-seed $(FUZZ_OUT)
 	PYTHONPATH=$(CURDIR) $(PY) tests/fuzz_vaultio.py $$(( $(FUZZ_ITERS) / 20 )) $(BUILD)/fuzz-seed-glm $(FUZZ_OUT)
+	PYTHONPATH=$(CURDIR) $(PY) tests/fuzz_vaultio.py $$(( $(FUZZ_ITERS) / 20 )) $(BUILD)/fuzz-seed-q35 $(FUZZ_OUT)
 
 # Not part of `make test`: it needs a cross compiler and qemu-user (apt), which CI does not install.
 neon-check:

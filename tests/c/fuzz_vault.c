@@ -51,12 +51,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         uint64_t sum = lay.embed->nbytes + lay.final_norm->nbytes + lay.lm_head->nbytes;
         for (uint32_t l = 0; l < lay.cfg.num_hidden_layers; l++) {
             const smoe_layer_weights *w = &lay.layers[l];
-            sum += w->q->rows + w->k->rows + w->v->rows + w->o->rows;
+            if (w->attn == SMOE_ATTN_LINEAR) /* a Gated DeltaNet in place of q, k, v, o: every tensor present */
+                sum += w->lin_qkv->rows + w->lin_z->rows + w->lin_b->rows + w->lin_a->rows + w->lin_conv->cols +
+                       w->lin_a_log->cols + w->lin_dt_bias->cols + w->lin_norm->cols + w->lin_out->rows;
+            else
+                sum += w->q->rows + w->k->rows + w->v->rows + w->o->rows;
             sum += w->input_norm->cols + w->post_norm->cols;
             sum += w->sparse ? w->router->rows : w->mlp_gate->rows + w->mlp_up->rows + w->mlp_down->rows;
             /* the tensors the vault's parameters call for, present exactly when they say */
             const smoe_tensor *opt[] = {w->q_norm, w->k_norm, w->q_bias, w->k_bias, w->v_bias, w->o_bias,
-                                        w->router_bias, w->shared_gate, w->shared_up, w->shared_down};
+                                        w->router_bias, w->shared_gate, w->shared_up, w->shared_down,
+                                        w->sinks, w->q_gate, w->shared_expert_gate};
             for (size_t i = 0; i < sizeof opt / sizeof *opt; i++) sum += opt[i] ? opt[i]->cols : 0;
             const smoe_expert_layout *x = &lay.xl[l];
             for (int i = 0; i < SMOE_XT_COUNT; i++) sum += x->has[i] ? x->t[i].offset + x->t[i].nbytes : 0;
