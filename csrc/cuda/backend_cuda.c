@@ -676,6 +676,7 @@ static const char *cuda_lacks(const smoe_layout *lay) {
     if (m->rotary_dim % 2 || m->rotary_dim > lay->cfg.head_dim) return "a RoPE over an odd or too wide rotary_dim";
     if (m->router_kind >= SMOE_ROUTER_KINDS) return "this router";
     if (lay->cfg.num_experts_per_tok > 32) return "more than 32 experts a token"; /* moe.cu's k_route */
+    if (lay->cfg.num_experts > 32 * 32) return "more than 1,024 experts a layer";  /* k_route: 32 a lane */
     if (m->router_kind == SMOE_ROUTER_SIGMOID_GROUP && m->n_group > SMOE_CU_MAX_GROUPS)
         return "a grouped router of more than 64 groups";
     return NULL;
