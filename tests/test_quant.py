@@ -136,7 +136,9 @@ def _bound(w, fmt, sd):
     """Largest error allowed per element: a step (half a step of rounding; or, at the far end
     of the group, what MLX's moving the scale so that zero is a code can clip: at most
     levels·step/(2·|q0|) with |q0| >= levels/2), plus what rounding scale and bias to the
-    stored dtype can cost at the group's ends."""
+    stored dtype can cost at the group's ends — relatively (eps), or for an f16 scale below f16's
+    smallest normal (6.1e-5: q8 groups of weights ~1e-3 wide) absolutely, half its subnormal
+    spacing 2^-24 times the largest code."""
     rows, cols = w.shape
     g = w.reshape(rows, cols // 64, 64).astype(np.float64)
     lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
@@ -144,7 +146,8 @@ def _bound(w, fmt, sd):
     step = (hi - lo) / levels
     eps = 2.0 ** -11 if sd == "f16" else 2.0 ** -8
     edge = np.maximum(np.abs(lo), np.abs(hi))
-    b = step * (1 + 2 * eps) + eps * (edge + levels * step) * 2 + 1e-7 * (np.abs(hi) + np.abs(lo))
+    sub = levels * 2.0 ** -25 if sd == "f16" else 0.0
+    b = step * (1 + 2 * eps) + eps * (edge + levels * step) * 2 + sub + 1e-7 * (np.abs(hi) + np.abs(lo))
     return np.broadcast_to(b, g.shape).reshape(rows, cols)
 
 
@@ -158,6 +161,16 @@ def test_quantised_round_trip_error(rows, groups, seed, scale, offset, fmt, sd):
     r = Q.dequantize(Q.quantize(w, fmt, sd), fmt, rows, cols, sd)
     assert r.dtype == np.float32 and r.shape == (rows, cols)
     assert np.all(np.abs(r.astype(np.float64) - w) <= _bound(w, fmt, sd))
+
+
+def test_round_trip_error_with_a_subnormal_f16_scale():
+    """q8 over a group 4e-3 wide: the f16 scale (1.7e-5) is subnormal, so it rounds by up to 2^-25
+    absolutely, which the far codes multiply (hypothesis found it: seed 189713285, scale 1e-3)."""
+    w = (np.random.default_rng(189713285).standard_normal((1, 64)) * 1e-3).astype(np.float32)
+    r = Q.dequantize(Q.quantize(w, "q8", "f16"), "q8", 1, 64, "f16")
+    err = np.abs(r.astype(np.float64) - w)
+    assert (w.max() - w.min()) / 255 < 2.0 ** -14 and err.max() > (w.max() - w.min()) / 255  # the case
+    assert np.all(err <= _bound(w, "q8", "f16"))
 
 
 @settings(max_examples=30, deadline=None)
