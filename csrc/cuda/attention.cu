@@ -358,9 +358,10 @@ static int launch_flash(cudaStream_t s, float *att, const float *q, const T *k, 
     const uint32_t rows = n * (heads / kv_heads);
     /* few rows over a long cache: the splits side by side (a combine launch more; not worth it below 4) */
     if (part && zmax >= 4 && rows <= FA_WARPS * 16) {
-        launch_k(PDL_ALL, k_flash<HD, T, true>, dim3(kv_heads, 1, zmax), dim3(FA_WARPS * 32), 0, s, att, q, k, v, n, heads, kv_heads, dpos,
-                                                                              part, fa_split());
-        launch_k(PDL_ALL, k_flash_combine<HD>, dim3(rows, kv_heads), dim3(HD), 0, s, att, part, n, heads, kv_heads, zmax, dpos, fa_split());
+        launch_k(PDL_ALL, k_flash<HD, T, true>, dim3(kv_heads, 1, zmax), dim3(FA_WARPS * 32), 0, s, att, q, k, v, n,
+                 heads, kv_heads, dpos, part, fa_split());
+        launch_k(PDL_ALL, k_flash_combine<HD>, dim3(rows, kv_heads), dim3(HD), 0, s, att, part, n, heads, kv_heads,
+                 zmax, dpos, fa_split());
         return (int)cudaGetLastError();
     }
     constexpr int smem = HD / 8 * 4 * FA_WARPS * 32 * sizeof(float);
@@ -370,8 +371,8 @@ static int launch_flash(cudaStream_t s, float *att, const float *q, const T *k, 
         if (e != cudaSuccess) return (int)e;
         configured = true;
     }
-    launch_k(PDL_ALL, k_flash<HD, T, false>, dim3(kv_heads, (rows + FA_WARPS * 16 - 1) / (FA_WARPS * 16)), dim3(FA_WARPS * 32), smem, s, 
-        att, q, k, v, n, heads, kv_heads, dpos, nullptr, fa_split());
+    launch_k(PDL_ALL, k_flash<HD, T, false>, dim3(kv_heads, (rows + FA_WARPS * 16 - 1) / (FA_WARPS * 16)),
+             dim3(FA_WARPS * 32), smem, s, att, q, k, v, n, heads, kv_heads, dpos, nullptr, fa_split());
     return (int)cudaGetLastError();
 }
 
@@ -391,8 +392,8 @@ static int launch_attention(cudaStream_t s, float *att, const float *q, const T 
         configured = 1;
     }
     size_t smem = (size_t)(hd + pos0 + n) * sizeof(float);
-    launch_k(PDL_ALL, k_attention<T>, dim3(heads, n), dim3(ATT_THREADS), smem, s, att, q, k, v, heads, kv_heads, hd, pos0, sinks, sfmt,
-                                                             window);
+    launch_k(PDL_ALL, k_attention<T>, dim3(heads, n), dim3(ATT_THREADS), smem, s, att, q, k, v, heads, kv_heads, hd,
+             pos0, sinks, sfmt, window);
     return (int)cudaGetLastError();
 }
 

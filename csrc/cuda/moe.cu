@@ -163,8 +163,8 @@ extern "C" int smoe_cu_route_grouped(smoe_cu_stream st, const float *logits, uin
                                      int32_t *idx, float *w) {
     if (n == 0) return 0;
     if (K > E || n_group > SMOE_CU_MAX_GROUPS || (n_group > 1 && E % n_group != 0)) return (int)cudaErrorInvalidValue;
-    launch_k(PDL_ALL, k_route_grouped, dim3((n + 127) / 128), dim3(128), 0, (cudaStream_t)st, logits, n, E, bias, bias_format, n_group, topk_group, K,
-                                                                   renorm, scale, idx, w);
+    launch_k(PDL_ALL, k_route_grouped, dim3((n + 127) / 128), dim3(128), 0, (cudaStream_t)st, logits, n, E, bias,
+             bias_format, n_group, topk_group, K, renorm, scale, idx, w);
     return (int)cudaGetLastError();
 }
 
@@ -207,7 +207,8 @@ extern "C" int smoe_cu_route_topk_softmax(smoe_cu_stream st, const float *logits
                                           int32_t *idx, float *w) {
     if (n == 0) return 0;
     if (K == 0 || K > E) return (int)cudaErrorInvalidValue;
-    launch_k(PDL_ALL, k_route_topk_softmax, dim3((n + 127) / 128), dim3(128), 0, (cudaStream_t)st, logits, n, E, K, idx, w);
+    launch_k(PDL_ALL, k_route_topk_softmax, dim3((n + 127) / 128), dim3(128), 0, (cudaStream_t)st, logits, n, E, K, idx,
+             w);
     return (int)cudaGetLastError();
 }
 
@@ -329,11 +330,11 @@ extern "C" int smoe_cu_union(smoe_cu_stream st, const int32_t *idx, uint32_t nk,
     if (E == 0 || E > 1024 || tile == 0 || tile > 0xFFFFu || n_items < smoe_cu_union_items(nk, E, tile))
         return (int)cudaErrorInvalidValue;
     if (tile == 1 && nk <= 32 && n_items <= 32) /* one token: its K ids are distinct (top-k) */
-        launch_k(PDL_ALL, k_union1, dim3(1), dim3(32), 0, (cudaStream_t)st, idx, nk, E, n_items, vtab, wtab, start, count, items, rows, counts,
-                                                used, bad);
+        launch_k(PDL_ALL, k_union1, dim3(1), dim3(32), 0, (cudaStream_t)st, idx, nk, E, n_items, vtab, wtab, start,
+                 count, items, rows, counts, used, bad);
     else
-        launch_k(PDL_ALL, k_union, dim3(1), dim3(UNION_WARPS * 32), 0, (cudaStream_t)st, idx, nk, E, tile, n_items, vtab, wtab, start, count,
-                                                             items, rows, counts, used, bad);
+        launch_k(PDL_ALL, k_union, dim3(1), dim3(UNION_WARPS * 32), 0, (cudaStream_t)st, idx, nk, E, tile, n_items,
+                 vtab, wtab, start, count, items, rows, counts, used, bad);
     return (int)cudaGetLastError();
 }
 

@@ -54,7 +54,8 @@ __global__ void k_rmsnorm_prep(float *out, const float *x, uint32_t dim, const u
 extern "C" int smoe_cu_rmsnorm_prep(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim,
                                     const uint8_t *weight, uint8_t weight_format, float eps, void *x16, float *xe) {
     if (rows == 0) return 0;
-    launch_k(PDL_ALL, k_rmsnorm_prep, dim3(rows), dim3(256), 0, (cudaStream_t)st, out, x, dim, weight, weight_format, eps, (__half *)x16, xe);
+    launch_k(PDL_ALL, k_rmsnorm_prep, dim3(rows), dim3(256), 0, (cudaStream_t)st, out, x, dim, weight, weight_format,
+             eps, (__half *)x16, xe);
     return (int)cudaGetLastError();
 }
 
@@ -99,7 +100,8 @@ __global__ void k_rmsnorm(float *out, const float *x, uint32_t dim, size_t ld, c
 extern "C" int smoe_cu_rmsnorm(smoe_cu_stream st, float *out, const float *x, uint32_t rows, uint32_t dim, size_t ld,
                                const uint8_t *weight, uint8_t weight_format, float eps) {
     if (rows == 0) return 0;
-    launch_k(PDL_ALL, k_rmsnorm, dim3(rows), dim3(256), 0, (cudaStream_t)st, out, x, dim, ld, weight, weight_format, eps);
+    launch_k(PDL_ALL, k_rmsnorm, dim3(rows), dim3(256), 0, (cudaStream_t)st, out, x, dim, ld, weight, weight_format,
+             eps);
     return (int)cudaGetLastError();
 }
 
@@ -149,8 +151,8 @@ extern "C" int smoe_cu_qk_post(smoe_cu_stream st, float *q, float *ks, const flo
     const dim3 grid(n * (heads + kv_heads));
     cudaStream_t s = (cudaStream_t)st;
 #define QK_POST(T)                                                                                                     \
-    launch_k(PDL_ALL, k_qk_post<T>, dim3(grid), dim3(256), 0, s, q, ks, vs, (T *)k, (T *)v, heads, kv_heads, hd, rot, q_norm, q_norm_format,    \
-                                      k_norm, k_norm_format, eps, cos, sin, pos0)
+    launch_k(PDL_ALL, k_qk_post<T>, grid, dim3(256), 0, s, q, ks, vs, (T *)k, (T *)v, heads, kv_heads, hd, rot,        \
+             q_norm, q_norm_format, k_norm, k_norm_format, eps, cos, sin, pos0)
     if (kv_type == 1)
         QK_POST(__nv_bfloat16);
     else if (kv_type == 2)
@@ -184,7 +186,8 @@ extern "C" int smoe_cu_bias(smoe_cu_stream st, float *y, uint32_t n, uint32_t W,
                             uint8_t bias_format) {
     const size_t count = (size_t)n * W;
     if (count == 0) return 0;
-    launch_k(PDL_ALL, k_bias, dim3((unsigned)((count + 255) / 256)), dim3(256), 0, (cudaStream_t)st, y, bias, bias_format, W, count);
+    launch_k(PDL_ALL, k_bias, dim3((unsigned)((count + 255) / 256)), dim3(256), 0, (cudaStream_t)st, y, bias,
+             bias_format, W, count);
     return (int)cudaGetLastError();
 }
 
@@ -214,7 +217,8 @@ __global__ void k_gather16(__half *g16, float *ge, const __half *a16, const floa
 extern "C" int smoe_cu_gather16(smoe_cu_stream st, void *g16, float *ge, const void *a16, const float *ae,
                                 const uint32_t *rows, uint32_t K, uint32_t total, uint32_t cols) {
     if (total == 0) return 0;
-    launch_k(PDL_ALL, k_gather16, dim3(total), dim3(128), 0, (cudaStream_t)st, (__half *)g16, ge, (const __half *)a16, ae, rows, K, cols);
+    launch_k(PDL_ALL, k_gather16, dim3(total), dim3(128), 0, (cudaStream_t)st, (__half *)g16, ge, (const __half *)a16,
+             ae, rows, K, cols);
     return (int)cudaGetLastError();
 }
 
@@ -250,7 +254,7 @@ extern "C" int smoe_cu_swiglu(smoe_cu_stream st, float *h, const float *hg, uint
     const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
     if (items == 0 || m == 0) return 0;
     dim3 grid((unsigned)(((size_t)m * I + 255) / 256), items);
-    launch_k(PDL_ALL, k_swiglu, dim3(grid), dim3(256), 0, (cudaStream_t)st, h, hg, I, *R, f);
+    launch_k(PDL_ALL, k_swiglu, grid, dim3(256), 0, (cudaStream_t)st, h, hg, I, *R, f);
     return (int)cudaGetLastError();
 }
 
@@ -276,7 +280,8 @@ extern "C" int smoe_cu_bias_items(smoe_cu_stream st, float *y, size_t ldy, uint3
                                   uint64_t off, uint8_t bias_format, uint32_t cols) {
     if (!R->items || R->n_items == 0 || R->max_count == 0) return 0;
     dim3 grid((unsigned)(((size_t)R->max_count * cols + 255) / 256), R->n_items);
-    launch_k(PDL_ALL, k_bias_items, dim3(grid), dim3(256), 0, (cudaStream_t)st, y, ldy, col0, *R, off, bias_format, cols);
+    launch_k(PDL_ALL, k_bias_items, grid, dim3(256), 0, (cudaStream_t)st, y, ldy, col0, *R, off, bias_format,
+             cols);
     return (int)cudaGetLastError();
 }
 
@@ -297,6 +302,7 @@ extern "C" int smoe_cu_swiglu_prep(smoe_cu_stream st, float *h, const float *hg,
                                    smoe_cu_act_fn f, void *h16, float *he) {
     const uint32_t items = R->items ? R->n_items : 1, m = R->items ? R->max_count : R->n;
     if (items == 0 || m == 0) return 0;
-    launch_k(PDL_ALL, k_swiglu_prep, dim3(m, items), dim3(256), 0, (cudaStream_t)st, h, hg, I, *R, f, (__half *)h16, he);
+    launch_k(PDL_ALL, k_swiglu_prep, dim3(m, items), dim3(256), 0, (cudaStream_t)st, h, hg, I, *R, f, (__half *)h16,
+             he);
     return (int)cudaGetLastError();
 }
