@@ -6,9 +6,9 @@ against the honest I/O floor read in the same repeats.
 
 A setting is NAME:KEY=VALUE,... where each KEY is a session parameter (io_threads, coalesce_bytes,
 verify_blobs, chunk, prefill: layer-major or token-serial) or `lib` (a libsmoe.so to run through
-SMOE_LIB) or `env` (NAME=VALUE pairs joined by '+', for the worker's environment). Per prompt length, cache fraction and repeat, the
-contenders run in an order that rotates from one repeat to the next: every setting cold, and the
-I/O floor's reads. As root the page cache is dropped before each (`sync; echo 3 >
+SMOE_LIB) or `env` (NAME=VALUE pairs joined by '+', for the worker's environment). Per prompt
+length, cache fraction and repeat, the contenders run in an order that rotates from one repeat to
+the next: every setting cold, and the I/O floor's reads. As root the page cache is dropped before each (`sync; echo 3 >
 /proc/sys/vm/drop_caches`), so each run's vault open reads the dense weights from the disk too.
 
 A cold run is a fresh worker process (this script with --worker): open the vault (timed: load),

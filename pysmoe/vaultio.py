@@ -959,8 +959,8 @@ class VaultFile:
         kinds = tab[pos:pos + L]
         self.sparse = [bool(b & 1) for b in kinds]
         self.attention_kinds = [b >> 1 for b in kinds]
-        linear, sized = ATTN_LINEAR in self.attention_kinds, [bool(self.params.get(k)) for k in LINEAR_KEYS]
-        if linear != all(sized) or any(sized) != all(sized):  # as vault.c's parse_params refuses it
+        linear = ATTN_LINEAR in self.attention_kinds
+        if any(bool(self.params.get(k)) != linear for k in LINEAR_KEYS):  # as vault.c's parse_params refuses it
             raise VaultFormatError(f"{self.path}: parameters: the linear_* sizes must be given, all of them, exactly "
                                    f"when a layer is linear attention ({'there is one' if linear else 'there is none'})")
         pos += align(L, 8)
