@@ -177,6 +177,14 @@ typedef struct smoe_backend {
     /* The pass's ids (host array) and its first position, for embed and attend. */
     smoe_status (*stage)(void *b, const int32_t *ids, uint32_t n, uint32_t pos0);
     smoe_status (*embed)(void *b, uint32_t n); /* X rows [0, n) ← embedding rows of the staged ids */
+    /* Optional. The ops that follow, up to the next call, see rows [r0, r0 + n) of the planes and of
+     * the staged pass (positions pos0 + r0 on) as their rows [0, n); r0 = 0 restores the whole pass,
+     * as `stage` does. Only the planes an attention block and routing touch (X, XN, Q, K, V, ATT,
+     * Y, the routing's rows) need follow it: layer.c runs a layer's softmax attention and routing a
+     * part of the rows at a time with it, so that the first part's expert reads are in flight while
+     * the next part computes (engine/layer.c, "parts"); the experts and combine run at r0 = 0. NULL:
+     * a layer runs in one part. */
+    void (*rows_at)(void *b, uint32_t r0);
     /* dst rows = rmsnorm(src rows) · w (1 × the planes' width: hidden for X/XN/Y; Q or K for a
      * QK-norm over the whole projection, dst == src). */
     smoe_status (*norm)(void *b, smoe_plane dst, smoe_plane src, const smoe_tensor *w, uint32_t n);

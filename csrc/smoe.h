@@ -271,6 +271,12 @@ typedef struct {
                                per 32 values, as llama.cpp does; true: they stay f32 and the
                                dequantised weights multiply them exactly (slower). Either way both
                                prefill paths agree bit for bit. */
+    uint32_t part_rows;    /* rows per part of a layer-major pass: a sparse layer's attention and
+                              routing run a part at a time, each part's expert reads fired as it
+                              routes, so the disk reads while the next part computes (docs/streamer.md
+                              "Parts"); the experts still run once over all the rows. 0 (default): the
+                              engine's choice, up to 8 parts of at least 8 rows; ≥ chunk: one part.
+                              The bits are the same for every value. */
 } smoe_session_params;
 
 SMOE_API smoe_session_params smoe_session_default_params(void);

@@ -93,6 +93,7 @@ uint64_t gpu_cache_bytes;
 bool direct_io;
 bool verify_blobs;
 bool float_activations;
+uint32_t part_rows;
 } smoe_session_params;
 smoe_session_params smoe_session_default_params(void);
 smoe_status smoe_session_new(smoe_vault *vault, const smoe_session_params *params,

@@ -198,11 +198,12 @@ class Vault:
                 prefill: str = "layer-major", context: int = 4096, io_threads: int = 4,
                 direct_io: bool = True, verify_blobs: bool = True, activations: str = "q8",
                 share_cache: "Session | None" = None, coalesce_bytes: int | None = None,
-                kv_dtype: str | None = None, device: str | None = None, gpu_cache_bytes: int = 0) -> "Session":
+                kv_dtype: str | None = None, device: str | None = None, gpu_cache_bytes: int = 0,
+                part_rows: int = 0) -> "Session":
         return Session(self, cache_bytes=cache_bytes, threads=threads, chunk=chunk, prefill=prefill,
                        context=context, io_threads=io_threads, direct_io=direct_io, verify_blobs=verify_blobs,
                        activations=activations, share_cache=share_cache, coalesce_bytes=coalesce_bytes,
-                       kv_dtype=kv_dtype, device=device, gpu_cache_bytes=gpu_cache_bytes)
+                       kv_dtype=kv_dtype, device=device, gpu_cache_bytes=gpu_cache_bytes, part_rows=part_rows)
 
     def close(self) -> None:
         """Close the vault; safe twice. Sessions still open keep it alive until they close."""
@@ -264,12 +265,17 @@ class Session:
     the dequantised weights whatever `activations` says; its logits agree with the CPU's within a
     tolerance (docs/gpu.md), its two prefill paths bit for bit. `backend` names the device.
 
+    part_rows: rows per part of a layer-major pass (0: the engine's choice). A sparse layer's
+    attention and routing run a part of the rows at a time, each part's expert reads fired as it
+    routes, so that the disk reads while the next part computes; the experts still run once over
+    all the rows, and the bits are the same for every value (docs/streamer.md "Parts").
+
     One method runs at a time (the module's docstring says what happens otherwise)."""
 
     def __init__(self, vault: Vault, *, cache_bytes=0, threads=None, chunk=None, prefill="layer-major",
                  context=4096, io_threads=4, direct_io=True, verify_blobs=True, activations="q8",
                  share_cache: "Session | None" = None, coalesce_bytes=None, kv_dtype=None, device=None,
-                 gpu_cache_bytes=0):
+                 gpu_cache_bytes=0, part_rows=0):
         if prefill not in PREFILL_PATHS:
             raise InvalidArgument(f"prefill must be one of {PREFILL_PATHS}, not {prefill!r}")
         if activations not in ACTIVATIONS:
@@ -290,6 +296,7 @@ class Session:
         io_threads = _int_arg("io_threads", io_threads, 1, U32)
         threads = None if threads is None else _int_arg("threads", threads, 1, U32)
         coalesce_bytes = None if coalesce_bytes is None else _int_arg("coalesce_bytes", coalesce_bytes, 0, U64)
+        part_rows = _int_arg("part_rows", part_rows, 0, U32)
         self.vault = vault  # strong reference: the vault outlives the session
         p = lib.smoe_session_default_params()
         p.cache_bytes = cache_bytes
@@ -312,6 +319,7 @@ class Session:
             p.kv_dtype = KV_DTYPES.index(kv_dtype)
         p.device = DEVICES.index(device)
         p.gpu_cache_bytes = gpu_cache_bytes
+        p.part_rows = part_rows
         params = ffi.new("smoe_session_params *", p)
         out = ffi.new("smoe_session **")
         if share_cache is None:

@@ -204,7 +204,8 @@ def test_layer_major_is_bit_identical_to_token_serial(family_vaults, data):
         acts = data.draw(st.sampled_from(["f32", "q8"]), label="activations")
         kw = dict(threads=threads, cache_bytes=budget, kv_dtype=kv_dtype, activations=acts)
         assert_identical(run_path(vault, ids, "token-serial", **kw),
-                         run_path(vault, ids, "layer-major", chunk=chunk, **kw))
+                         run_path(vault, ids, "layer-major", chunk=chunk,
+                                  part_rows=data.draw(st.integers(0, 8), label="part_rows"), **kw))
 
 
 def test_glm_synth_presets_and_info(tiny_glm_vault):

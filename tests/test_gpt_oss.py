@@ -327,7 +327,7 @@ def f32_vault(tmp_path_factory):
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_layer_major_is_token_serial_bit_for_bit(f32_vault, mxfp4, data):
-    """For any prompt, chunk, thread count, cache budget, KV type and activation mode, on an f32 and
+    """For any prompt, chunk, parts, thread count, cache budget, KV type and activation mode, on an f32 and
     an MXFP4 gpt-oss vault: the same logits, continuations and KV cache, bit for bit."""
     vault = data.draw(st.sampled_from([f32_vault, mxfp4[1]]), label="vault")
     n = data.draw(st.integers(1, 40), label="prompt length")
@@ -337,7 +337,8 @@ def test_layer_major_is_token_serial_bit_for_bit(f32_vault, mxfp4, data):
               kv_dtype=data.draw(st.sampled_from(pysmoe.KV_DTYPES), label="kv_dtype"),
               activations=data.draw(st.sampled_from(["f32", "q8"]), label="activations"))
     a = _run(vault, ids, "token-serial", **kw)
-    b = _run(vault, ids, "layer-major", chunk=data.draw(st.integers(1, 24), label="chunk"), **kw)
+    b = _run(vault, ids, "layer-major", chunk=data.draw(st.integers(1, 24), label="chunk"),
+             part_rows=data.draw(st.integers(0, 8), label="part_rows"), **kw)
     assert np.array_equal(a[0].view(np.uint32), b[0].view(np.uint32)) and a[1] == b[1]
     for (ka, va), (kb, vb) in zip(a[2], b[2]):
         assert np.array_equal(ka.view(np.uint32), kb.view(np.uint32))

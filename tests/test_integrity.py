@@ -43,15 +43,16 @@ def test_blobs_are_checked_by_default():
     assert inspect.signature(pysmoe.Vault.session).parameters["verify_blobs"].default is True
 
 
+@pytest.mark.parametrize("part_rows", [0, 1 << 20])  # the engine's parts (5 of 8 rows here), one part
 @pytest.mark.parametrize("how", ["prefill", "decode"])
-def test_flipped_blob_byte_after_open_is_a_read_error(tiny_vault, tmp_path, how):
+def test_flipped_blob_byte_after_open_is_a_read_error(tiny_vault, tmp_path, how, part_rows):
     copy = tmp_path / "v"
     shutil.copytree(tiny_vault, copy)
     r = V.read_vault(copy)
     layer = next(l for l in range(len(r.sparse)) if r.sparse[l])
     offsets = [r.blob_offset(layer, e) for e in range(r.binary_config["num_experts"])]
     r.close()
-    with pysmoe.open_vault(copy) as vault, vault.session(direct_io=False) as s:
+    with pysmoe.open_vault(copy) as vault, vault.session(direct_io=False, part_rows=part_rows) as s:
         ids = ids_for(vault, 40)  # 40 tokens route to every expert of a 16-expert layer
 
         def start():  # cold, at the position the call under test starts from

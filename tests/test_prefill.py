@@ -57,7 +57,8 @@ def test_layer_major_is_bit_identical_to_token_serial(tiny_vault, data):
     kv_dtype = data.draw(st.sampled_from(pysmoe.KV_DTYPES), label="kv_dtype")
     serial = run_path(vault, ids, "token-serial", threads=threads, cache_bytes=budgets(vault)[budget],
                       kv_dtype=kv_dtype)
-    batched = run_path(vault, ids, "layer-major", threads=threads, chunk=chunk,
+    part_rows = data.draw(st.integers(0, 16), label="part_rows")  # 0: the engine's choice
+    batched = run_path(vault, ids, "layer-major", threads=threads, chunk=chunk, part_rows=part_rows,
                        cache_bytes=budgets(vault)[budget], kv_dtype=kv_dtype)
     assert_identical(serial, batched)
     assert_kv_of_dtype(serial[2], kv_dtype)
@@ -194,8 +195,8 @@ def test_coalesced_reads_read_the_same_blobs_in_fewer_requests(tiny_vault, max_r
     assert s0["blob_reads"] == s1["blob_reads"] and s0["bytes_read"] == s1["bytes_read"]
     assert s0["read_requests"] == s0["blob_reads"]
     assert s1["read_requests"] < s1["blob_reads"]
-    # A chunk alone (no decode step after it): one request per run of each layer's union.
-    with vault.session(cache_bytes=vault.expert_bytes, chunk=len(ids),
+    # A chunk alone (no decode step after it), in one part: one request per run of each layer's union.
+    with vault.session(cache_bytes=vault.expert_bytes, chunk=len(ids), part_rows=len(ids),
                        coalesce_bytes=max_run * vault.blob_bytes) as s:
         arr = np.asarray(ids[:-1], dtype=np.int32)
         check(lib.smoe_prefill_chunk(s.handle, ffi.cast("int32_t *", ffi.from_buffer(arr)), len(arr), ffi.NULL, ffi.NULL))

@@ -36,9 +36,12 @@ static void cpu_share_free(void *vsh) {
     smoe_free(sh);
 }
 
+static void cpu_rows_at(void *b, uint32_t r0);
+
 static void cpu_session_free(void *b) {
     cpu_state *c = b;
     if (!c) return;
+    cpu_rows_at(c, 0); /* the planes' own addresses */
     void *bufs[] = {c->ids, c->row_scratch, c->k_cache, c->v_cache, c->x, c->xn, c->q, c->k, c->v, c->att, c->yg, c->scores,
                     c->router, c->topk_w, c->route_scratch, c->slot_out, c->xg, c->hg, c->h, c->qx_codes, c->qx_d,
                     c->qx_gsum, c->logits, c->bias, c->gate, c->mix, c->beta, c->decay, c->sgate, c->lin_s,
@@ -173,8 +176,31 @@ static inline void *kv_row(const cpu_state *c, void *cache, uint32_t l, uint32_t
 
 /* ------------------------------------------------------------------------------- a pass */
 
+/* The row planes an attention block and routing use, their ids and positions moved to row r0
+ * (backend.h's rows_at); from the current r0, so any order of calls ends where it is asked. */
+static void cpu_rows_at(void *b, uint32_t r0) {
+    cpu_state *c = b;
+    if (r0 == c->r0) return;
+    const smoe_config *cf = c->cfg;
+    const ptrdiff_t d = (ptrdiff_t)r0 - (ptrdiff_t)c->r0;
+    const ptrdiff_t H = cf->hidden_size, E = cf->num_experts, K = cf->num_experts_per_tok;
+    c->x += d * H;
+    c->xn += d * H;
+    c->yg += d * H;
+    c->q += d * (ptrdiff_t)c->q_dim;
+    c->att += d * (ptrdiff_t)c->q_dim;
+    c->k += d * (ptrdiff_t)c->kv_dim;
+    c->v += d * (ptrdiff_t)c->kv_dim;
+    c->router += d * E;
+    c->topk_w += d * K;
+    c->ids += d;
+    c->pos0 = (uint32_t)((ptrdiff_t)c->pos0 + d);
+    c->r0 = r0;
+}
+
 static smoe_status cpu_stage(void *b, const int32_t *ids, uint32_t n, uint32_t pos0) {
     cpu_state *c = b;
+    cpu_rows_at(c, 0);
     memcpy(c->ids, ids, n * sizeof *ids);
     c->pos0 = pos0;
     return SMOE_OK;
@@ -490,6 +516,7 @@ const smoe_backend smoe_backend_cpu = {
     .session_free = cpu_session_free,
     .stage = cpu_stage,
     .embed = cpu_embed,
+    .rows_at = cpu_rows_at,
     .norm = cpu_norm,
     .project = smoe_cpu_project,
     .attend = cpu_attend,

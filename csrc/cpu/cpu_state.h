@@ -26,7 +26,8 @@ typedef struct {
     bool float_activations;
     const float *rope_cos, *rope_sin; /* (context, head_dim/2), the engine's */
     smoe_act act;          /* the experts' activation */
-    uint32_t pos0;         /* the staged pass's first position */
+    uint32_t pos0;         /* the staged pass's first position (plus r0 after rows_at(r0)) */
+    uint32_t r0;           /* rows_at's first row: the row planes below and ids start there */
     int32_t *ids;          /* (chunk) its ids */
     uint8_t *row_scratch;  /* a paged embedding's page and row (smoe_vault_row_scratch_bytes); NULL without */
 

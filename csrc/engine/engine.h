@@ -57,6 +57,9 @@ typedef struct {
     int32_t *routed;       /* (layers, chunk·K) ids of the layers a device ran alone, from pass_end */
     bool *deferred;        /* (layers) which layers those are in the running pass */
     uint32_t *sizes_out;   /* (layers) where the running pass records its union sizes, or NULL */
+    uint32_t size, next;   /* the running step's union so far; its first position not yet acquired */
+    bool acquiring;        /* no acquire of the running step has yet found the streamer out of slots */
+    uint32_t reads;        /* positions of the running step whose weights must come from the disk */
 } smoe_moe_state;
 
 /* A family's recipe: what the layer (layer.c) and the MoE step (moe.c) do differently per model
@@ -165,6 +168,15 @@ smoe_status smoe_layer_ffn(smoe_session *s, uint32_t l, uint32_t n, smoe_session
  * the tiers and run on its rows as its weights arrive, combined into X in top-k order. Row t's
  * routing counts for owners[t] (NULL: for s). On failure every slot it held is released. */
 smoe_status smoe_moe_step(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *owners);
+/* The same step in pieces, for a layer that routes its rows a part at a time (layer.c): begin;
+ * route for each part, in row order (rows [r0, r0 + nr) of XN as the backend's rows [0, nr), its
+ * reads fired); then finish over all n rows (the experts as they arrive, combine). A failed route
+ * has released what the step held; smoe_moe_drop releases it after a failure between routes. The
+ * union, its order and every row's sum are those of the step in one piece. */
+void smoe_moe_begin(smoe_session *s);
+smoe_status smoe_moe_route(smoe_session *s, uint32_t l, uint32_t r0, uint32_t nr, smoe_session *const *owners);
+smoe_status smoe_moe_finish(smoe_session *s, uint32_t l, uint32_t n);
+void smoe_moe_drop(smoe_session *s);
 /* Counts routed ids (n·K of layer l) for their rows' owners; the number of distinct experts. */
 uint32_t smoe_moe_count(smoe_session *s, uint32_t l, uint32_t n, const int32_t *ids, smoe_session *const *owners);
 

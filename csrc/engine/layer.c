@@ -108,6 +108,23 @@ smoe_status smoe_layer_attention(smoe_session *s, uint32_t l, uint32_t n, smoe_s
 }
 
 
+/* After a sparse layer's routed experts (combined into X): its shared expert, if it has one, on
+ * the same normed rows (GLM), scaled by sigmoid(shared_gate · x) where the family has that gate
+ * (Qwen3-Next, Qwen3.5-MoE). */
+static smoe_status shared_expert(smoe_session *s, const smoe_layer_weights *L, uint32_t n) {
+    const smoe_backend *be = s->backend;
+    void *b = s->be;
+    if (!L->shared_gate) return SMOE_OK;
+    TRY(be->mlp(b, SMOE_PL_Y, SMOE_PL_XN, L->shared_gate, L->shared_up, L->shared_down, n));
+    if (L->shared_expert_gate) {
+        const smoe_proj g = {L->shared_expert_gate, SMOE_PL_SGATE};
+        TRY(be->project(b, SMOE_PL_XN, &g, 1, n));
+        TRY(be->sigmoid_gate(b, SMOE_PL_Y, SMOE_PL_SGATE, s->cfg.hidden_size, 1, n));
+    }
+    TRY(be->add(b, SMOE_PL_X, SMOE_PL_Y, n));
+    return SMOE_OK;
+}
+
 smoe_status smoe_layer_ffn(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *rows) {
     const smoe_backend *be = s->backend;
     void *b = s->be;
@@ -115,23 +132,60 @@ smoe_status smoe_layer_ffn(smoe_session *s, uint32_t l, uint32_t n, smoe_session
     TRY(be->norm(b, SMOE_PL_XN, SMOE_PL_X, L->post_norm, n));
     if (L->sparse) {
         smoe_status st = smoe_moe_step(s, l, n, rows);
-        if (st != SMOE_OK || !L->shared_gate) return st;
-        /* the shared expert on the same normed rows, beside the routed ones (GLM), scaled by
-         * sigmoid(shared_gate · x) where the family has that gate (Qwen3-Next, Qwen3.5-MoE) */
-        TRY(be->mlp(b, SMOE_PL_Y, SMOE_PL_XN, L->shared_gate, L->shared_up, L->shared_down, n));
-        if (L->shared_expert_gate) {
-            const smoe_proj g = {L->shared_expert_gate, SMOE_PL_SGATE};
-            TRY(be->project(b, SMOE_PL_XN, &g, 1, n));
-            TRY(be->sigmoid_gate(b, SMOE_PL_Y, SMOE_PL_SGATE, s->cfg.hidden_size, 1, n));
-        }
-    } else {
-        TRY(be->mlp(b, SMOE_PL_Y, SMOE_PL_XN, L->mlp_gate, L->mlp_up, L->mlp_down, n));
+        return st != SMOE_OK ? st : shared_expert(s, L, n);
     }
+    TRY(be->mlp(b, SMOE_PL_Y, SMOE_PL_XN, L->mlp_gate, L->mlp_up, L->mlp_down, n));
     TRY(be->add(b, SMOE_PL_X, SMOE_PL_Y, n));
     return SMOE_OK;
 }
 
+/* Parts. A sparse layer's reads can start only once its rows have routed, and routing waits for
+ * the attention block of every row: with the whole pass in one part the disk idles through each
+ * layer's attention (for 256 rows of an a3b-shaped layer, 46 of its ~210 ms, cold). So where the
+ * backend can (rows_at), a layer-major pass of enough rows runs its attention block and routing a
+ * part of the rows at a time, in row order, each part's reads fired as it routes — the disk
+ * reads the first part's experts while the next part computes — and then the experts and
+ * combine over all the rows as one step, so each expert is still read once and applied once to
+ * every row routed to it. Attention is causal: a part's rows see the KV rows that the earlier
+ * parts stored at this layer, as they would in one part; every op computes each row the same
+ * whatever rows it is given; so the bits do not change (tests/test_parts.py). When the first
+ * part fires no read (its experts all cached) the rest go in one part: parts cost a re-read of
+ * the attention's weights each. Not for linear attention (its rows carry state) or gated
+ * attention, nor for a batch of sessions. */
+enum { PART_ROWS_MIN = 8, PARTS_MAX = 8 }; /* bench/RESULTS.md "Parts" */
+
+/* Rows per part of layer l for a pass of n rows; n: one part. */
+static uint32_t part_rows(const smoe_session *s, const smoe_layer_weights *L, uint32_t n, smoe_session *const *rows) {
+    if (rows || !s->backend->rows_at || !L->sparse || L->attn == SMOE_ATTN_LINEAR || L->q_gate) return n;
+    if (s->params.part_rows) return s->params.part_rows < n ? s->params.part_rows : n;
+    uint32_t parts = n / PART_ROWS_MIN;
+    if (parts > PARTS_MAX) parts = PARTS_MAX;
+    return parts <= 1 ? n : (n + parts - 1) / parts;
+}
+
+static smoe_status layer_in_parts(smoe_session *s, uint32_t l, uint32_t n, uint32_t per) {
+    const smoe_backend *be = s->backend;
+    void *b = s->be;
+    const smoe_layer_weights *L = &s->lay->layers[l];
+    smoe_status st = SMOE_OK;
+    smoe_moe_begin(s);
+    for (uint32_t r0 = 0, nr = per; st == SMOE_OK && r0 < n; r0 += nr) {
+        if (r0 > 0 && s->moe.reads == 0) nr = n - r0; /* every expert so far cached: no read to overlap */
+        if (nr > n - r0) nr = n - r0;
+        be->rows_at(b, r0);
+        st = smoe_layer_attention(s, l, nr, NULL);
+        if (st == SMOE_OK) st = smoe_be_status(s, be->norm(b, SMOE_PL_XN, SMOE_PL_X, L->post_norm, nr));
+        if (st == SMOE_OK) st = smoe_moe_route(s, l, r0, nr, NULL); /* on failure it has dropped the step */
+        else smoe_moe_drop(s);
+    }
+    be->rows_at(b, 0);
+    if (st == SMOE_OK) st = smoe_moe_finish(s, l, n);
+    return st != SMOE_OK ? st : shared_expert(s, L, n);
+}
+
 smoe_status smoe_layer(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *rows) {
+    const uint32_t per = part_rows(s, &s->lay->layers[l], n, rows);
+    if (per < n) return layer_in_parts(s, l, n, per);
     smoe_status st = smoe_layer_attention(s, l, n, rows);
     return st != SMOE_OK ? st : smoe_layer_ffn(s, l, n, rows);
 }

@@ -68,26 +68,24 @@ static void forget_positions(smoe_moe_state *m, uint32_t nu) {
     for (uint32_t u = 0; u < nu; u++) m->pos_of[m->expert[u]] = -1;
 }
 
-/* The union of ids (n rows of K) into s->moe, acquiring as it goes: first the device tier's
- * hits (touched), then a host slot for each expert the device lacks, in union order while the
- * streamer has slots (*next_acquire: the first position not yet tried). Counts each row's
- * routing for its owner. SMOE_ERR_INTERNAL for an id out of range. */
-static smoe_status form_union(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *owners, uint32_t *size,
-                              uint32_t *next_acquire) {
+/* Rows [r0, r0 + nr) of the routing (m->ids) into the union, acquiring as it goes: first the
+ * device tier's hits (touched), then a host slot for each expert the device lacks, in union order
+ * while the streamer has slots (m->next: the first position not yet tried). Counts each row's
+ * routing for its owner. The union grows over the calls of one step (its parts, layer.c): m->size,
+ * m->next and pos_of carry from one to the next. SMOE_ERR_INTERNAL for an id out of range. */
+static smoe_status union_add(smoe_session *s, uint32_t l, uint32_t r0, uint32_t nr, smoe_session *const *owners) {
     smoe_moe_state *m = &s->moe;
     const smoe_backend *be = s->backend;
     const uint32_t E = s->cfg.num_experts, K = s->cfg.num_experts_per_tok;
-    uint32_t nu = 0, acq = 0;
-    bool acquiring = true;
-    for (uint32_t t = 0; t < n; t++) {
+    smoe_status st = SMOE_OK;
+    uint32_t nu = m->size, acq = m->next;
+    for (uint32_t t = r0; t < r0 + nr && st == SMOE_OK; t++) {
         uint64_t *counts = (owners ? owners[t] : s)->expert_counts + (size_t)l * E;
         for (uint32_t k = 0; k < K; k++) {
             const int32_t e = m->ids[(size_t)t * K + k];
             if (e < 0 || (uint32_t)e >= E) {
-                forget_positions(m, nu);
-                *size = nu;
-                *next_acquire = acq;
-                return smoe_fail(SMOE_ERR_INTERNAL, "layer %u: routing gave expert %d, outside [0, %u)", l, e, E);
+                st = smoe_fail(SMOE_ERR_INTERNAL, "layer %u: routing gave expert %d, outside [0, %u)", l, e, E);
+                break;
             }
             counts[e]++;
             if (m->pos_of[e] >= 0) {
@@ -106,27 +104,34 @@ static smoe_status form_union(smoe_session *s, uint32_t l, uint32_t n, smoe_sess
                 continue;
             }
             /* fire the read at once while slots allow; the rest are acquired as slots free up */
-            if (acquiring && acq == u) {
+            if (m->acquiring && acq == u) {
                 const int slot = smoe_streamer_acquire(s->streamer, l, (uint32_t)e);
+                if (slot >= 0 && !smoe_streamer_ready(s->streamer, slot)) m->reads++;
                 if (slot >= 0) {
                     m->slot[u] = slot;
                     m->state[u] = PENDING;
                     acq++;
                 } else {
-                    acquiring = false;
+                    m->acquiring = false;
+                    m->reads++; /* out of slots: this one, at least, is read later */
                     if (slot < -1) { /* a key the streamer refuses: its message is set */
-                        forget_positions(m, nu);
-                        *size = nu;
-                        *next_acquire = acq;
-                        return SMOE_ERR_INTERNAL;
+                        st = SMOE_ERR_INTERNAL;
+                        break;
                     }
                 }
             }
         }
     }
-    /* each position's rows, grouped, increasing within one */
+    m->size = nu;
+    m->next = acq;
+    return st;
+}
+
+/* Each union position's rows of the pass's n, grouped, increasing within one; pos_of back to −1
+ * (its state between steps). */
+static void union_group(smoe_moe_state *m, uint32_t n, uint32_t K) {
     uint32_t off = 0;
-    for (uint32_t u = 0; u < nu; u++) {
+    for (uint32_t u = 0; u < m->size; u++) {
         m->start[u] = off;
         off += m->count[u];
         m->count[u] = 0;
@@ -135,10 +140,7 @@ static smoe_status form_union(smoe_session *s, uint32_t l, uint32_t n, smoe_sess
         const uint32_t u = (uint32_t)m->pos_of[m->ids[r]];
         m->rows[m->start[u] + m->count[u]++] = r;
     }
-    forget_positions(m, nu);
-    *size = nu;
-    *next_acquire = acq;
-    return SMOE_OK;
+    forget_positions(m, m->size);
 }
 
 /* Acquires host slots for positions [*next, size) that need one, in order, while the streamer
@@ -157,30 +159,64 @@ static smoe_status acquire_more(smoe_session *s, uint32_t l, uint32_t size, uint
     return SMOE_OK;
 }
 
+/* The layer's routing rule for the backend's route ops. */
+static smoe_route route_of(const smoe_session *s, uint32_t l) {
+    const smoe_layer_weights *L = &s->lay->layers[l];
+    return (smoe_route){L->router, L->router_bias, s->cfg.num_experts_per_tok, s->recipe.route, s->cfg.norm_topk_prob};
+}
+
+void smoe_moe_begin(smoe_session *s) {
+    s->moe.size = 0;
+    s->moe.next = 0;
+    s->moe.acquiring = true;
+    s->moe.reads = 0;
+}
+
+void smoe_moe_drop(smoe_session *s) {
+    forget_positions(&s->moe, s->moe.size);
+    abandon(s, s->moe.size, 0);
+    s->moe.size = 0;
+}
+
+smoe_status smoe_moe_route(smoe_session *s, uint32_t l, uint32_t r0, uint32_t nr, smoe_session *const *owners) {
+    const smoe_backend *be = s->backend;
+    smoe_moe_state *m = &s->moe;
+    const smoe_layer_weights *L = &s->lay->layers[l];
+    const smoe_route r = route_of(s, l);
+    int32_t *ids = m->ids + (size_t)r0 * r.K;
+    smoe_status st = s->recipe.route == SMOE_ROUTER_SIGMOID_GROUP
+                         ? be->route_grouped(s->be, L->router, L->router_bias, r.K, r.renorm, nr, ids)
+                         : be->route(s->be, &r, nr, ids);
+    if ((st = smoe_be_status(s, st)) == SMOE_OK) st = union_add(s, l, r0, nr, owners);
+    smoe_streamer_submit(s->streamer); /* the reads acquired above, coalesced where adjacent */
+    SMOE_PROF_LAP(SMOE_P_ROUTE);
+    if (st != SMOE_OK) smoe_moe_drop(s);
+    return st;
+}
+
 smoe_status smoe_moe_step(smoe_session *s, uint32_t l, uint32_t n, smoe_session *const *owners) {
+    const smoe_backend *be = s->backend;
+    if (be->moe_resident && be->tier_resident(s->be, l)) {
+        const smoe_route r = route_of(s, l);
+        s->moe.deferred[l] = true;
+        return smoe_be_status(s, be->moe_resident(s->be, l, &r, n));
+    }
+    smoe_moe_begin(s);
+    smoe_status st = smoe_moe_route(s, l, 0, n, owners);
+    return st != SMOE_OK ? st : smoe_moe_finish(s, l, n);
+}
+
+smoe_status smoe_moe_finish(smoe_session *s, uint32_t l, uint32_t n) {
     const smoe_backend *be = s->backend;
     void *b = s->be;
     smoe_moe_state *m = &s->moe;
-    const smoe_layer_weights *L = &s->lay->layers[l];
-    const smoe_route r = {L->router, L->router_bias, s->cfg.num_experts_per_tok, s->recipe.route, s->cfg.norm_topk_prob};
-    smoe_status st;
-
-    if (be->moe_resident && be->tier_resident(b, l)) {
-        m->deferred[l] = true;
-        return smoe_be_status(s, be->moe_resident(b, l, &r, n));
-    }
-    st = s->recipe.route == SMOE_ROUTER_SIGMOID_GROUP
-             ? be->route_grouped(b, L->router, L->router_bias, r.K, r.renorm, n, m->ids)
-             : be->route(b, &r, n, m->ids);
-    if ((st = smoe_be_status(s, st)) != SMOE_OK) return st;
-
-    uint32_t size = 0, next = 0;
-    st = form_union(s, l, n, owners, &size, &next);
+    const uint32_t K = s->cfg.num_experts_per_tok, size = m->size;
+    uint32_t next = m->next;
+    smoe_status st = SMOE_OK;
+    union_group(m, n, K);
     if (m->sizes_out) m->sizes_out[l] = size;
-    smoe_streamer_submit(s->streamer); /* the reads acquired above, coalesced where adjacent */
-    SMOE_PROF_LAP(SMOE_P_ROUTE);
     const smoe_union un = {l, n, size, m->expert, m->start, m->count, m->rows, m->w};
-    if (st == SMOE_OK && be->experts_begin) st = smoe_be_status(s, be->experts_begin(b, &un));
+    if (be->experts_begin) st = smoe_be_status(s, be->experts_begin(b, &un));
 
     /* the device's hits, in one call */
     uint32_t nb = 0, n_held = 0, left = size;
@@ -263,5 +299,5 @@ smoe_status smoe_moe_step(smoe_session *s, uint32_t l, uint32_t n, smoe_session 
         abandon(s, size, n_held);
         return st;
     }
-    return smoe_be_status(s, be->combine(b, r.K, n));
+    return smoe_be_status(s, be->combine(b, K, n));
 }

@@ -64,6 +64,7 @@ pub struct smoe_session_params {
     pub direct_io: bool,
     pub verify_blobs: bool,
     pub float_activations: bool,
+    pub part_rows: u32,
 }
 
 extern "C" {
