@@ -1675,20 +1675,48 @@ static smoe_status paged_copy(page_reader *r, uint64_t at, uint64_t n, uint8_t *
 
 /* Rows [r0, r0 + n) of the paged embedding as an n-row tensor *slice (same format) at image
  * (slice->nbytes bytes). */
+/* Where rows [r0, r0 + n) of the paged embedding lie in the paged region: the spans of its parts
+ * (a q8/q4 tensor's codes, scales and biases; any other format's one run of bytes); how many. */
+static uint32_t paged_spans(const smoe_tensor *E, uint32_t r0, uint32_t n, uint64_t at[3], uint64_t len[3]) {
+    if (!is_quant(E->format)) { /* rows of whole elements or blocks, back to back */
+        const uint64_t rb = E->nbytes / E->rows;
+        at[0] = (uint64_t)r0 * rb, len[0] = (uint64_t)n * rb;
+        return 1;
+    }
+    const uint64_t cb = E->format == SMOE_FMT_Q8 ? E->cols : E->cols / 2;
+    const uint64_t sb = scale_part_bytes(E->scale_format, E->group, 1, E->cols);
+    at[0] = (uint64_t)r0 * cb, len[0] = (uint64_t)n * cb;
+    at[1] = E->scales_off + (uint64_t)r0 * sb, len[1] = (uint64_t)n * sb;
+    at[2] = E->biases_off + (uint64_t)r0 * sb, len[2] = (uint64_t)n * sb;
+    return 3;
+}
+
 static smoe_status paged_rows(page_reader *r, uint32_t r0, uint32_t n, smoe_tensor *slice, uint8_t *image) {
     const smoe_tensor *E = r->v->lay.embed;
     if (!tensor_init(slice, E->format, E->scale_format, E->group, n, E->cols))
         return smoe_fail(SMOE_ERR_INTERNAL, "a slice of the embedding has no size");
-    if (!is_quant(E->format)) { /* rows of whole elements or blocks, back to back */
-        const uint64_t rb = E->nbytes / E->rows;
-        return paged_copy(r, (uint64_t)r0 * rb, (uint64_t)n * rb, image);
-    }
-    const uint64_t cb = E->format == SMOE_FMT_Q8 ? E->cols : E->cols / 2;
-    const uint64_t sb = scale_part_bytes(E->scale_format, E->group, 1, E->cols);
-    smoe_status rc = paged_copy(r, (uint64_t)r0 * cb, (uint64_t)n * cb, image);
-    if (rc == SMOE_OK) rc = paged_copy(r, E->scales_off + (uint64_t)r0 * sb, (uint64_t)n * sb, image + slice->scales_off);
-    if (rc == SMOE_OK) rc = paged_copy(r, E->biases_off + (uint64_t)r0 * sb, (uint64_t)n * sb, image + slice->biases_off);
+    uint64_t at[3], len[3];
+    const uint32_t parts = paged_spans(E, r0, n, at, len);
+    uint8_t *dst[3] = {image, image + slice->scales_off, image + slice->biases_off};
+    smoe_status rc = SMOE_OK;
+    for (uint32_t i = 0; i < parts && rc == SMOE_OK; i++) rc = paged_copy(r, at[i], len[i], dst[i]);
     return rc;
+}
+
+void smoe_vault_embed_prefetch(const smoe_vault *v, const int32_t *ids, uint32_t n) {
+#ifdef POSIX_FADV_WILLNEED
+    const smoe_layout *L = &v->lay;
+    if (!L->paged_bytes) return;
+    for (uint32_t i = 0; i < n; i++) {
+        if (ids[i] < 0 || (uint32_t)ids[i] >= L->embed->rows) continue; /* smoe_vault_embed_row refuses it */
+        uint64_t at[3], len[3];
+        const uint32_t parts = paged_spans(L->embed, (uint32_t)ids[i], 1, at, len);
+        for (uint32_t j = 0; j < parts; j++)
+            (void)posix_fadvise(v->fd, (off_t)(paged_start(L) + at[j]), (off_t)len[j], POSIX_FADV_WILLNEED);
+    }
+#else
+    (void)v, (void)ids, (void)n;
+#endif
 }
 
 uint64_t smoe_vault_row_scratch_bytes(const smoe_layout *L) {

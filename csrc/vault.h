@@ -194,6 +194,10 @@ smoe_status smoe_vault_dense_ready(smoe_vault *v);
 uint64_t smoe_vault_row_scratch_bytes(const smoe_layout *L);
 /* Row `row` of the embedding, dequantised into out (hidden_size floats), read from the file. */
 smoe_status smoe_vault_embed_row(const smoe_vault *v, uint32_t row, uint8_t *scratch, float *out);
+/* Asks the OS to start reading the pages of these ids' rows (posix_fadvise WILLNEED), so that the
+ * row reads after it find them read or in flight together, not one disk round trip each. Only
+ * the rows asked for; ids out of range are skipped. */
+void smoe_vault_embed_prefetch(const smoe_vault *v, const int32_t *ids, uint32_t n);
 /* Reads the paged embedding whole into the dense region (once; thread-safe) and points the
  * embedding's data at it: for a backend that keeps the embedding table itself (cuda). */
 smoe_status smoe_vault_load_paged(smoe_vault *v);

@@ -211,6 +211,7 @@ static smoe_status cpu_embed(void *b, uint32_t n) {
     const smoe_tensor *E = c->lay->embed;
     const size_t H = c->cfg->hidden_size;
     if (c->lay->paged_bytes) { /* on disk: each row read and checked (vault.c) */
+        if (n > 1) smoe_vault_embed_prefetch(c->sh->vault, c->ids, n);
         for (uint32_t i = 0; i < n; i++) {
             smoe_status st = smoe_vault_embed_row(c->sh->vault, (uint32_t)c->ids[i], c->row_scratch, c->x + i * H);
             if (st != SMOE_OK) return st;
