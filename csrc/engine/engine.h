@@ -60,6 +60,8 @@ typedef struct {
     uint32_t size, next;   /* the running step's union so far; its first position not yet acquired */
     bool acquiring;        /* no acquire of the running step has yet found the streamer out of slots */
     uint32_t reads;        /* positions of the running step whose weights must come from the disk */
+    bool streaming;        /* the running pass's last sparse layer read from the disk (true before
+                              its first): the next one routes in parts (layer.c) */
 } smoe_moe_state;
 
 /* A family's recipe: what the layer (layer.c) and the MoE step (moe.c) do differently per model

@@ -214,6 +214,7 @@ smoe_status smoe_moe_finish(smoe_session *s, uint32_t l, uint32_t n) {
     uint32_t next = m->next;
     smoe_status st = SMOE_OK;
     union_group(m, n, K);
+    m->streaming = m->reads > 0;
     if (m->sizes_out) m->sizes_out[l] = size;
     const smoe_union un = {l, n, size, m->expert, m->start, m->count, m->rows, m->w};
     if (be->experts_begin) st = smoe_be_status(s, be->experts_begin(b, &un));

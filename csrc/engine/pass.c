@@ -33,6 +33,7 @@ smoe_status smoe_check_tokens(const smoe_session *s, const int32_t *ids, uint32_
 static smoe_status walk(smoe_session *s, uint32_t n) {
     smoe_status st = smoe_be_status(s, s->backend->embed(s->be, n));
     SMOE_PROF_LAP(SMOE_P_EMBED);
+    s->moe.streaming = true; /* until a sparse layer finds every expert it needs retained */
     for (uint32_t l = 0; st == SMOE_OK && l < s->cfg.num_hidden_layers; l++) {
         /* position unchanged on failure: the pass's KV rows are rewritten next time */
         if ((st = smoe_session_check_cancel(s, l)) == SMOE_OK) st = smoe_layer(s, l, n, NULL);
