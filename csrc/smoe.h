@@ -88,7 +88,7 @@ extern "C" {
  *   rest. Such growth still bumps SMOE_VERSION_STRING's MINOR.
  * SMOE_VERSION_STRING is the release, MAJOR.MINOR.PATCH; its MINOR.PATCH end the shared object's
  * version (libsmoe.so.ABI.MINOR.PATCH). */
-#define SMOE_ABI_VERSION 5
+#define SMOE_ABI_VERSION 6
 #define SMOE_VERSION_STRING "0.1.0"
 
 typedef enum {

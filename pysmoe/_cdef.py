@@ -1,7 +1,7 @@
 """The C declarations the binding uses: generated from csrc/smoe.h and csrc/smoe_testing.h by scripts/gen_cdef.py."""
 
 CDEF = """
-#define SMOE_ABI_VERSION 5
+#define SMOE_ABI_VERSION 6
 typedef enum {
 SMOE_OK = 0,
 SMOE_ERR_INVALID_ARG = -1,

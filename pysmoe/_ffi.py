@@ -16,7 +16,7 @@ import cffi
 from ._cdef import CDEF
 from .errors import BY_CODE, SmoeError
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 ffi = cffi.FFI()
 ffi.cdef(CDEF)

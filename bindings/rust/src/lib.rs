@@ -21,7 +21,7 @@ use std::path::Path;
 use std::ptr::{self, NonNull};
 
 /// The SMOE_ABI_VERSION this crate was written for; [`Vault::open`] refuses any other library.
-pub const ABI_VERSION: i32 = 5;
+pub const ABI_VERSION: i32 = 6;
 
 /// A failed libsmoe call: its status (`smoe_status`, negative) and the library's message.
 #[derive(Clone, Debug, PartialEq, Eq)]

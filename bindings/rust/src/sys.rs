@@ -1,6 +1,6 @@
 //! The raw C ABI of csrc/smoe.h, written out by hand: only what the safe wrapper uses.
 //!
-//! The structs mirror the header's for SMOE_ABI_VERSION 5 (`crate::ABI_VERSION`); the wrapper
+//! The structs mirror the header's for SMOE_ABI_VERSION 6 (`crate::ABI_VERSION`); the wrapper
 //! refuses a library of another ABI before it calls anything that passes them, and
 //! tests/test_bindings.py fails when smoe.h's SMOE_ABI_VERSION and this crate's drift apart.
 #![allow(non_camel_case_types)]
