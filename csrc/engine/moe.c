@@ -18,6 +18,11 @@
  * and the sum's order depend only on the routing: so layer-major, token-serial and batched passes
  * give the same bits, on every backend.
  *
+ * Steps 1 and 2 may come in parts (smoe_moe_route per part of the rows, in row order: layer.c's
+ * parts, whose attention runs between them): the union grows part by part in the same order of
+ * first appearance and is acquired in the same order, so steps 3–5 (smoe_moe_finish) see what one
+ * piece would have given them.
+ *
  * A backend whose device tier holds every expert of the layer may run the whole step itself
  * (moe_resident): no host round trip, the routed ids coming back once per pass (pass.c settles
  * their counts). The step's bookkeeping then is the same, a pass later.
