@@ -4,8 +4,8 @@ against the honest I/O floor read in the same repeats.
     python bench/cold_ttft.py VAULT --lengths 45,256 --cache-fracs 0.1,0 --repeats 3 --threads 2 \\
         --setting base: --setting io8:io_threads=8 --setting new:lib=/tmp/libsmoe-new.so --json OUT.json
 
-A setting is NAME:KEY=VALUE,... where each KEY is a session parameter (io_threads, coalesce_bytes,
-verify_blobs, chunk, prefill: layer-major or token-serial) or `lib` (a libsmoe.so to run through
+A setting is NAME:KEY=VALUE,... where each KEY is a session parameter (threads, io_threads,
+coalesce_bytes, part_rows, verify_blobs, chunk, prefill: layer-major or token-serial) or `lib` (a libsmoe.so to run through
 SMOE_LIB) or `env` (NAME=VALUE pairs joined by '+', for the worker's environment). Per prompt
 length, cache fraction and repeat, the contenders run in an order that rotates from one repeat to
 the next: every setting cold, and the I/O floor's reads. As root the page cache is dropped before each (`sync; echo 3 >
@@ -47,7 +47,7 @@ from disk_floor import drop_caches  # noqa: E402  (bench/, this script's folder)
 
 MiB = 1 << 20
 FLOOR_PATTERNS = "blobs:4,blobs:16,blobs:32,runs16:4,runs16:8"
-SESSION_KEYS = {"io_threads": int, "coalesce_bytes": int, "part_rows": int, "verify_blobs": lambda x: x not in ("0", "off", "false"),
+SESSION_KEYS = {"threads": int, "io_threads": int, "coalesce_bytes": int, "part_rows": int, "verify_blobs": lambda x: x not in ("0", "off", "false"),
                 "chunk": int, "prefill": str}
 
 
@@ -84,7 +84,7 @@ def worker(a) -> int:
     ids = make_prompt(v.config["vocab_size"], a.n)
     cache = v.expert_bytes + v.blob_bytes * v.num_sparse_layers if a.resident else int(a.cache_frac * v.expert_bytes)
     t0 = time.perf_counter()
-    s = v.session(cache_bytes=cache, threads=a.threads, context=a.n + 1, direct_io=True,
+    s = v.session(cache_bytes=cache, threads=kw.pop("threads", a.threads), context=a.n + 1, direct_io=True,
                   **{"chunk": max(a.n, 1), **kw})
     session_s = time.perf_counter() - t0
     s.prefill_path = kw.get("prefill", "layer-major")
