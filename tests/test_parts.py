@@ -33,6 +33,21 @@ def prefill_reads(vault, ids, **kw):
     return {k: st[k] for k in KEYS}
 
 
+def test_parts_submit_their_reads_as_they_route(tiny_vault):
+    """Parts are not only bit-neutral but there: each part submits its own reads, so a cold pass in
+    parts of one row issues more (shorter) read requests than in one part, for the same blobs."""
+    vault = pysmoe.open_vault(tiny_vault)
+    ids = [int(i) for i in np.random.default_rng(13).integers(0, vault.config["vocab_size"], size=40)]
+    counts = {}
+    for part_rows in (40, 1):
+        with vault.session(threads=2, chunk=40, cache_bytes=vault.expert_bytes * 2, part_rows=part_rows,
+                           context=64) as s:
+            s.prefill(ids)
+            counts[part_rows] = s.stats()
+    assert counts[1]["blob_reads"] == counts[40]["blob_reads"]
+    assert counts[1]["read_requests"] > counts[40]["read_requests"]
+
+
 def test_parts_on_a_glm_vault(tiny_glm_vault):
     """Biases, the grouped sigmoid router and the shared expert after the parts' routing."""
     vault = pysmoe.open_vault(tiny_glm_vault)
