@@ -5,11 +5,12 @@ against the honest I/O floor read in the same repeats.
         --setting base: --setting io8:io_threads=8 --setting new:lib=/tmp/libsmoe-new.so --json OUT.json
 
 A setting is NAME:KEY=VALUE,... where each KEY is a session parameter (threads, io_threads,
-coalesce_bytes, part_rows, verify_blobs, chunk, prefill: layer-major or token-serial) or `lib` (a libsmoe.so to run through
-SMOE_LIB) or `env` (NAME=VALUE pairs joined by '+', for the worker's environment). Per prompt
-length, cache fraction and repeat, the contenders run in an order that rotates from one repeat to
-the next: every setting cold, and the I/O floor's reads. As root the page cache is dropped before each (`sync; echo 3 >
-/proc/sys/vm/drop_caches`), so each run's vault open reads the dense weights from the disk too.
+coalesce_bytes, part_rows, verify_blobs, chunk, prefill: layer-major or token-serial) or `lib` (a
+libsmoe.so to run through SMOE_LIB) or `env` (NAME=VALUE pairs joined by '+', for the worker's
+environment). Per prompt length, cache fraction and repeat, the contenders run in an order that
+rotates from one repeat to the next: every setting cold, and the I/O floor's reads. As root the
+page cache is dropped before each (`sync; echo 3 > /proc/sys/vm/drop_caches`), so each run's vault
+open reads the dense weights from the disk too.
 
 A cold run is a fresh worker process (this script with --worker): open the vault (timed: load),
 make the session (timed), prefill the prompt layer-major (timed: TTFT), with Direct I/O; it reports
@@ -47,8 +48,8 @@ from disk_floor import drop_caches  # noqa: E402  (bench/, this script's folder)
 
 MiB = 1 << 20
 FLOOR_PATTERNS = "blobs:4,blobs:16,blobs:32,runs16:4,runs16:8"
-SESSION_KEYS = {"threads": int, "io_threads": int, "coalesce_bytes": int, "part_rows": int, "verify_blobs": lambda x: x not in ("0", "off", "false"),
-                "chunk": int, "prefill": str}
+SESSION_KEYS = {"threads": int, "io_threads": int, "coalesce_bytes": int, "part_rows": int,
+                "verify_blobs": lambda x: x not in ("0", "off", "false"), "chunk": int, "prefill": str}
 
 
 def parse_setting(text: str) -> tuple[str, dict, dict]:
@@ -83,8 +84,9 @@ def worker(a) -> int:
     open_s = time.perf_counter() - t0
     ids = make_prompt(v.config["vocab_size"], a.n)
     cache = v.expert_bytes + v.blob_bytes * v.num_sparse_layers if a.resident else int(a.cache_frac * v.expert_bytes)
+    threads = kw.pop("threads", a.threads)
     t0 = time.perf_counter()
-    s = v.session(cache_bytes=cache, threads=kw.pop("threads", a.threads), context=a.n + 1, direct_io=True,
+    s = v.session(cache_bytes=cache, threads=threads, context=a.n + 1, direct_io=True,
                   **{"chunk": max(a.n, 1), **kw})
     session_s = time.perf_counter() - t0
     s.prefill_path = kw.get("prefill", "layer-major")
@@ -142,18 +144,13 @@ def floor_requests(pattern: str, union: list, blob_bytes: int) -> tuple[list, in
     return reqs, int(depth)
 
 
-def deferred_bytes(vpath: str, tied: bool, env: dict) -> int:
+def deferred_bytes(head_bytes: int, env: dict) -> int:
     """Bytes of the dense region that the open leaves for the first pass to wait on (vault.c: an
     untied lm_head of SMOE_DENSE_DEFER_MIN bytes or more, default 16 MiB, read beside the pass):
-    the pass cannot end before they are read, so they are part of its I/O floor."""
-    from pysmoe import vaultio
-    v = vaultio.read_vault(vpath)
-    try:
-        head = v.tensors.get("lm_head")
-        limit = int(env.get("SMOE_DENSE_DEFER_MIN", os.environ.get("SMOE_DENSE_DEFER_MIN", 16 * MiB)))
-        return head.nbytes if head is not None and not tied and head.nbytes >= limit else 0
-    finally:
-        v.close()
+    the pass cannot end before they are read, so they are part of its I/O floor. head_bytes: the
+    untied lm_head's size, 0 without one."""
+    limit = int(env.get("SMOE_DENSE_DEFER_MIN", os.environ.get("SMOE_DENSE_DEFER_MIN", 16 * MiB)))
+    return head_bytes if head_bytes >= limit else 0
 
 
 def main() -> int:
@@ -188,11 +185,15 @@ def main() -> int:
     lengths = [int(x) for x in a.lengths.split(",")]
     fracs = [float(x) for x in a.cache_fracs.split(",")]
     patterns = [p for p in a.floor_patterns.split(",") if p]
+    from pysmoe import vaultio
     v = pysmoe.open_vault(a.vault)
     blob_bytes, vpath = v.blob_bytes, str(v.path)
-    tied = bool(v.config.get("tie_word_embeddings"))
     v.close()
-    deferred = {name: deferred_bytes(vpath, tied, env) for name, _, env in settings}
+    vf = vaultio.read_vault(vpath)
+    head = vf.tensors.get("lm_head")  # none when tied
+    head_bytes = head.nbytes if head is not None and not vf.config.get("tie_word_embeddings") else 0
+    vf.close()
+    deferred = {name: deferred_bytes(head_bytes, env) for name, _, env in settings}
     reader = DirectReader(vpath, 4)
     trace = open(a.trace, "a") if a.trace else None
     rec = {"machine": machine_info(), "loadavg_before": loadavg(), "vault": vpath, "threads": a.threads,

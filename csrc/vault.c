@@ -1673,8 +1673,6 @@ static smoe_status paged_copy(page_reader *r, uint64_t at, uint64_t n, uint8_t *
     return SMOE_OK;
 }
 
-/* Rows [r0, r0 + n) of the paged embedding as an n-row tensor *slice (same format) at image
- * (slice->nbytes bytes). */
 /* Where rows [r0, r0 + n) of the paged embedding lie in the paged region: the spans of its parts
  * (a q8/q4 tensor's codes, scales and biases; any other format's one run of bytes); how many. */
 static uint32_t paged_spans(const smoe_tensor *E, uint32_t r0, uint32_t n, uint64_t at[3], uint64_t len[3]) {
@@ -1691,6 +1689,8 @@ static uint32_t paged_spans(const smoe_tensor *E, uint32_t r0, uint32_t n, uint6
     return 3;
 }
 
+/* Rows [r0, r0 + n) of the paged embedding as an n-row tensor *slice (same format) at image
+ * (slice->nbytes bytes). */
 static smoe_status paged_rows(page_reader *r, uint32_t r0, uint32_t n, smoe_tensor *slice, uint8_t *image) {
     const smoe_tensor *E = r->v->lay.embed;
     if (!tensor_init(slice, E->format, E->scale_format, E->group, n, E->cols))

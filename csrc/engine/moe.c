@@ -111,8 +111,8 @@ static smoe_status union_add(smoe_session *s, uint32_t l, uint32_t r0, uint32_t 
             /* fire the read at once while slots allow; the rest are acquired as slots free up */
             if (m->acquiring && acq == u) {
                 const int slot = smoe_streamer_acquire(s->streamer, l, (uint32_t)e);
-                if (slot >= 0 && !smoe_streamer_ready(s->streamer, slot)) m->reads++;
                 if (slot >= 0) {
+                    m->reads += !smoe_streamer_ready(s->streamer, slot); /* a miss: its read is fired */
                     m->slot[u] = slot;
                     m->state[u] = PENDING;
                     acq++;
