@@ -113,7 +113,10 @@ int main(int argc, char **argv) {
              {SMOE_FMT_GGML_Q5_K, "Q5_K"},      {SMOE_FMT_GGML_Q6_K, "Q6_K"},     {SMOE_FMT_GGML_Q8_0, "Q8_0"},
              {SMOE_FMT_GGML_Q4_0, "Q4_0"},      {SMOE_FMT_GGML_Q5_0, "Q5_0"},     {SMOE_FMT_GGML_IQ4_NL, "IQ4_NL"},
              {SMOE_FMT_GGML_IQ4_XS, "IQ4_XS"},  {SMOE_FMT_GGML_MXFP4, "MXFP4"},   {SMOE_FMT_GGML_Q3_K, "Q3_K"},
-             {SMOE_FMT_GGML_Q2_K, "Q2_K"},      {SMOE_FMT_GGML_Q4_1, "Q4_1"},     {SMOE_FMT_GGML_Q5_1, "Q5_1"}};
+             {SMOE_FMT_GGML_Q2_K, "Q2_K"},      {SMOE_FMT_GGML_Q4_1, "Q4_1"},     {SMOE_FMT_GGML_Q5_1, "Q5_1"},
+             {SMOE_FMT_GGML_IQ2_XXS, "IQ2_XXS"}, {SMOE_FMT_GGML_IQ2_XS, "IQ2_XS"}, {SMOE_FMT_GGML_IQ2_S, "IQ2_S"},
+             {SMOE_FMT_GGML_IQ3_XXS, "IQ3_XXS"}, {SMOE_FMT_GGML_IQ3_S, "IQ3_S"},   {SMOE_FMT_GGML_IQ1_S, "IQ1_S"},
+             {SMOE_FMT_GGML_IQ1_M, "IQ1_M"}};
     const bool f32 = argc > 1 && strcmp(argv[1], "f32") == 0; /* f32 activations (smoe_matmul_rows) */
     printf("kernels %s; one thread; %s activations\n", smoe_kernels(), f32 ? "f32" : "8-bit");
     printf("%-10s %22s %22s\n", "format", "n=1, 16384x2048", "n=64, 2048x2048");

@@ -192,7 +192,7 @@ SMOE_API uint32_t smoe_checksum(const void *data, size_t n);
 
 /* Tensor formats (docs/vault.md section 3). The GGML block formats are numbered 32 + ggml's own
  * enum ggml_type: rows of cols/block_size blocks laid out exactly as ggml lays them out (block
- * size 32, or 256 for the K-quants and IQ4_XS; F16 a block of one), scale_format none and group 0;
+ * size 32, or 256 for the K-quants and the IQ formats but IQ4_NL; F16 a block of one), scale_format none and group 0;
  * they dequantise exactly as gguf-py's gguf.quants.dequantize does. */
 typedef enum {
     SMOE_FMT_F32 = 0,
@@ -210,8 +210,15 @@ typedef enum {
     SMOE_FMT_GGML_Q4_K = 44,
     SMOE_FMT_GGML_Q5_K = 45,
     SMOE_FMT_GGML_Q6_K = 46,
+    SMOE_FMT_GGML_IQ2_XXS = 48,
+    SMOE_FMT_GGML_IQ2_XS = 49,
+    SMOE_FMT_GGML_IQ3_XXS = 50,
+    SMOE_FMT_GGML_IQ1_S = 51,
     SMOE_FMT_GGML_IQ4_NL = 52,
+    SMOE_FMT_GGML_IQ3_S = 53,
+    SMOE_FMT_GGML_IQ2_S = 54,
     SMOE_FMT_GGML_IQ4_XS = 55,
+    SMOE_FMT_GGML_IQ1_M = 61,
     SMOE_FMT_GGML_MXFP4 = 71
 } smoe_format;
 typedef enum { SMOE_SCALE_NONE = 0, SMOE_SCALE_F16 = 1, SMOE_SCALE_BF16 = 2, SMOE_SCALE_F32 = 3 } smoe_scale_format;

@@ -199,6 +199,13 @@ const char *smoe_format_name(uint8_t f) {
     case SMOE_FMT_GGML_Q6_K: return "Q6_K";
     case SMOE_FMT_GGML_IQ4_NL: return "IQ4_NL";
     case SMOE_FMT_GGML_IQ4_XS: return "IQ4_XS";
+    case SMOE_FMT_GGML_IQ2_XXS: return "IQ2_XXS";
+    case SMOE_FMT_GGML_IQ2_XS: return "IQ2_XS";
+    case SMOE_FMT_GGML_IQ2_S: return "IQ2_S";
+    case SMOE_FMT_GGML_IQ3_XXS: return "IQ3_XXS";
+    case SMOE_FMT_GGML_IQ3_S: return "IQ3_S";
+    case SMOE_FMT_GGML_IQ1_S: return "IQ1_S";
+    case SMOE_FMT_GGML_IQ1_M: return "IQ1_M";
     case SMOE_FMT_GGML_MXFP4: return "MXFP4";
     }
     return f <= SMOE_FMT_Q4 ? names[f] : "?";
@@ -1829,7 +1836,8 @@ static uint64_t count_nonfinite(const uint8_t *p, uint64_t count, uint8_t scale_
 }
 
 /* Where a GGML block format's f16 scales sit in its block (d, and dmin where it has one); -1:
- * none (F16 holds values, not scales; MXFP4's e8m0 scale is always finite). */
+ * none (F16 holds values, not scales; MXFP4's e8m0 scale is always finite; IQ1_M's d is spread
+ * over the top nibbles of its scale words, gb_iq1m_d, and is not checked). */
 static void ggml_scale_at(uint8_t format, int at[2]) {
     at[0] = at[1] = -1;
     switch (format) {
@@ -1837,7 +1845,13 @@ static void ggml_scale_at(uint8_t format, int at[2]) {
     case SMOE_FMT_GGML_Q5_0:
     case SMOE_FMT_GGML_Q8_0:
     case SMOE_FMT_GGML_IQ4_NL:
-    case SMOE_FMT_GGML_IQ4_XS: at[0] = 0; break;
+    case SMOE_FMT_GGML_IQ4_XS:
+    case SMOE_FMT_GGML_IQ2_XXS:
+    case SMOE_FMT_GGML_IQ2_XS:
+    case SMOE_FMT_GGML_IQ2_S:
+    case SMOE_FMT_GGML_IQ3_XXS:
+    case SMOE_FMT_GGML_IQ3_S:
+    case SMOE_FMT_GGML_IQ1_S: at[0] = 0; break;
     case SMOE_FMT_GGML_Q4_1:
     case SMOE_FMT_GGML_Q5_1:
     case SMOE_FMT_GGML_Q4_K:

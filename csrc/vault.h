@@ -231,6 +231,13 @@ static inline bool smoe_ggml_block(uint8_t format, uint32_t *block, uint32_t *by
     case SMOE_FMT_GGML_Q6_K: b = 256, t = 210; break;
     case SMOE_FMT_GGML_IQ4_NL: t = 18; break;
     case SMOE_FMT_GGML_IQ4_XS: b = 256, t = 136; break;
+    case SMOE_FMT_GGML_IQ2_XXS: b = 256, t = 66; break;
+    case SMOE_FMT_GGML_IQ2_XS: b = 256, t = 74; break;
+    case SMOE_FMT_GGML_IQ2_S: b = 256, t = 82; break;
+    case SMOE_FMT_GGML_IQ3_XXS: b = 256, t = 98; break;
+    case SMOE_FMT_GGML_IQ3_S: b = 256, t = 110; break;
+    case SMOE_FMT_GGML_IQ1_S: b = 256, t = 50; break;
+    case SMOE_FMT_GGML_IQ1_M: b = 256, t = 56; break;
     case SMOE_FMT_GGML_MXFP4: t = 17; break;
     default: b = t = 0; break;
     }

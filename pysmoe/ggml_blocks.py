@@ -31,10 +31,21 @@ FORMATS = {
     "Q4_K": (44, 256, 144),
     "Q5_K": (45, 256, 176),
     "Q6_K": (46, 256, 210),
+    "IQ2_XXS": (48, 256, 66),
+    "IQ2_XS": (49, 256, 74),
+    "IQ3_XXS": (50, 256, 98),
+    "IQ1_S": (51, 256, 50),
     "IQ4_NL": (52, 32, 18),
+    "IQ3_S": (53, 256, 110),
+    "IQ2_S": (54, 256, 82),
     "IQ4_XS": (55, 256, 136),
+    "IQ1_M": (61, 256, 56),
     "MXFP4": (71, 32, 17),
 }
+# The codebook formats: their values come from grids that gguf-py defines (libsmoe holds the same,
+# csrc/cpu/ggml_iq_grids.c, written from gguf-py by scripts/gen_iq_grids.py); in numpy they are
+# dequantised by gguf-py itself.
+CODEBOOK_FORMATS = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
 GGML_TYPE_BASE = 32  # vault format = 32 + ggml_type
 
 KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
@@ -163,6 +174,13 @@ def _dequant_blocks(fmt: str, b: np.ndarray) -> np.ndarray:
         h = (hm.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
         q = ql.reshape(n, 256).astype(np.int16) - 4 * (1 - h.reshape(n, 256).astype(np.int16))
         return (dl * q.reshape(n, 16, 16).astype(_F)).reshape(n, 256)
+    if fmt in CODEBOOK_FORMATS:
+        try:
+            from gguf.constants import GGMLQuantizationType
+            from gguf.quants import dequantize as gguf_dequantize
+        except ImportError as e:
+            raise ImportError(f"dequantising {fmt} in numpy takes gguf-py's codebooks: pip install 'pysmoe[gguf]'") from e
+        return gguf_dequantize(np.ascontiguousarray(b).reshape(-1), GGMLQuantizationType[fmt]).reshape(n, -1)
     raise ValueError(f"unknown GGML format {fmt!r}")
 
 
@@ -291,4 +309,12 @@ def random_blocks(fmt: str, rows: int, cols: int, std: float, rng: np.random.Gen
         b[:, 82:84] = _f16_bytes(d * _F(1.5))
     elif fmt == "Q3_K":
         b[:, 108:110] = _f16_bytes(_F(std / (2.29 * 18.5)) * jit)
+    elif fmt == "IQ1_M":  # d in the top nibbles of the four scale words
+        h = _f16_bytes(_F(std / 7.2) * jit).view("<u2").astype(np.uint16).reshape(n, 1)
+        sc = np.ascontiguousarray(b[:, 48:56]).view("<u2") & np.uint16(0x0FFF)
+        sc |= ((h >> (4 * np.arange(4, dtype=np.uint16))) & 15) << 12
+        b[:, 48:56] = sc.view(np.uint8)
+    elif fmt in CODEBOOK_FORMATS:  # random grid entries, signs and scales: values' std at d = 1
+        code_std = {"IQ2_XXS": 53.2, "IQ2_XS": 55.9, "IQ2_S": 56.4, "IQ3_XXS": 142.5, "IQ3_S": 140.3, "IQ1_S": 7.19}[fmt]
+        b[:, 0:2] = _f16_bytes(_F(std / code_std) * jit)
     return b.reshape(-1)

@@ -23,6 +23,11 @@ turned into an F32 GGUF by convert_hf_to_gguf.py, then quantised by llama.cpp:
                          is too short for a 256-block, its fallbacks Q5_0/Q8_0, per layer)
     k256-iq4_xs.gguf     hidden 256: IQ4_XS (IQ4_NL where rows are 128)
     k256-q5_k_m.gguf     hidden 256: Q5_K_M (Q5_K, Q6_K and fallbacks)
+    k256-iq.gguf         hidden 256, every matrix 256 columns wide: the seven codebook types of the
+                         low-bit mixes (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S) spread
+                         over experts, attention, embedding and lm_head (IQ_MIX), each tensor
+                         quantised by llama.cpp's own ggml_quantize_chunk with a flat importance
+                         matrix (llama_model_quantize refuses the IQ1/IQ2 types without one)
     glm4moe-q8_0.gguf    GLM-4.5 (`glm4moe`): QK-norm, 4 expert groups, a shared expert, a dense
                          first layer, biases, and one multi-token-prediction layer: Q8_0
     glm4moe-q4_k_m.gguf  GLM-4.5-Air-like, hidden 256: Q4_K_M
@@ -127,13 +132,29 @@ QWEN35_K256 = dict(QWEN35, hidden_size=256, moe_intermediate_size=32, shared_exp
                    num_hidden_layers=2, full_attention_interval=2, head_dim=64, num_attention_heads=2,
                    num_key_value_heads=1, num_experts=4, linear_key_head_dim=64, linear_value_head_dim=64)
 
-FIXTURES = {  # name -> (shape, llama_ftype name or None for the F32 file itself)
+# every matrix a whole number of 256-blocks wide (o_proj: 4 heads of 64; down: 256)
+K256_IQ = dict(K256, moe_intermediate_size=256, num_attention_heads=4)
+# GGUF tensor name (its layer as {l}) -> ggml type per layer, for IQ_MIX; the rest stays F32
+IQ_MIX = {
+    "token_embd.weight": "IQ3_S",
+    "output.weight": "IQ3_XXS",
+    "blk.{l}.ffn_gate_exps.weight": ("IQ2_XXS", "IQ1_S"),
+    "blk.{l}.ffn_up_exps.weight": ("IQ2_XS", "IQ1_M"),
+    "blk.{l}.ffn_down_exps.weight": ("IQ3_XXS", "IQ2_S"),
+    "blk.{l}.attn_q.weight": ("IQ3_S", "IQ2_S"),
+    "blk.{l}.attn_k.weight": ("IQ3_S", "IQ2_XS"),
+    "blk.{l}.attn_v.weight": ("IQ3_XXS", "IQ2_XXS"),
+    "blk.{l}.attn_output.weight": ("IQ2_S", "IQ3_S"),
+}
+
+FIXTURES = {  # name -> (shape, llama_ftype name, "IQ_MIX", or None for the F32 file itself)
     "tiny-f32": (SMALL, None),
     "tiny-q8_0": (SMALL, "Q8_0"),
     "tiny-q4_0": (SMALL, "Q4_0"),
     "k256-q4_k_m": (K256, "Q4_K_M"),
     "k256-iq4_xs": (K256, "IQ4_XS"),
     "k256-q5_k_m": (K256, "Q5_K_M"),
+    "k256-iq": (K256_IQ, "IQ_MIX"),
     "olmoe-q8_0": (OLMOE, "Q8_0"),
     "glm4moe-q8_0": (GLM, "Q8_0"),
     "glm4moe-q4_k_m": (GLM_AIR, "Q4_K_M"),
@@ -554,6 +575,50 @@ def quantize(src: Path, out: Path, ftype: str) -> None:
         raise SystemExit(f"llama_model_quantize {ftype} failed ({rc})")
 
 
+def quantize_mix(src: Path, out: Path, mix: dict) -> None:
+    """src's metadata and tensors into out, the tensors mix names quantised to their types by
+    llama.cpp's ggml_quantize_chunk (from llama-cpp-python's libggml-base), with an importance
+    matrix of ones where the type asks for one."""
+    import ctypes
+
+    import gguf
+    import llama_cpp
+
+    ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    ggml.ggml_quantize_chunk.restype = ctypes.c_size_t
+    ggml.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    want = {}
+    for pattern, types in mix.items():
+        for l, t in enumerate(types if isinstance(types, tuple) else (types,)):
+            want[pattern.format(l=l)] = gguf.GGMLQuantizationType[t]
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
+    for name, f in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        w.add_key_value(name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        data = np.ascontiguousarray(t.data, np.float32)
+        qt = want.pop(t.name, None)
+        if qt is None:
+            w.add_tensor(t.name, data)
+            continue
+        cols = int(t.shape[0])
+        rows = data.size // cols
+        bs, ts = gguf.GGML_QUANT_SIZES[qt]
+        q = np.zeros(rows * (cols // bs) * ts, np.uint8)
+        imatrix = np.ones(cols, np.float32)
+        n = ggml.ggml_quantize_chunk(int(qt), data.ctypes.data, q.ctypes.data, 0, rows, cols, imatrix.ctypes.data)
+        assert n == q.size, (t.name, n, q.size)
+        w.add_tensor(t.name, q.reshape(*data.shape[:-1], -1), raw_dtype=qt)  # the shape in bytes
+    assert not want, f"tensors not in the file: {sorted(want)}"
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-cpp", type=Path, required=True, help="llama.cpp source tree")
@@ -587,6 +652,8 @@ def main(argv=None) -> int:
             out = args.out / f"{name}.gguf"
             if ftype is None:
                 out.write_bytes(f32[key].read_bytes())
+            elif ftype == "IQ_MIX":
+                quantize_mix(f32[key], out, IQ_MIX)
             else:
                 quantize(f32[key], out, ftype)
             print(f"{out}: {out.stat().st_size} bytes")

@@ -79,6 +79,56 @@ def test_dequantisation_matches_gguf(data):
     assert_same_values(c_dequantize(fmt, raw, rows, cols), want, f"{fmt} libsmoe")
 
 
+def _set_grid_index(fmt: str, blk: np.ndarray, i: int, idx: int) -> None:
+    """Write grid index idx for group i of a codebook format's block (groups of 8 columns, of 4 for
+    the IQ3 formats), where the format keeps it (csrc/cpu/ggml_blocks.h, gb_iq_part)."""
+    if fmt == "IQ2_XXS":
+        blk[2 + 8 * (i // 4) + i % 4] = idx
+    elif fmt == "IQ3_XXS":
+        blk[2 + i] = idx
+    elif fmt == "IQ2_XS":
+        q = int(blk[2 + 2 * i]) | int(blk[3 + 2 * i]) << 8
+        q = (q & ~511) | idx
+        blk[2 + 2 * i], blk[3 + 2 * i] = q & 255, q >> 8
+    elif fmt == "IQ2_S":
+        blk[2 + i] = idx & 255
+        sh = 2 * (i % 4)
+        blk[66 + i // 4] = (int(blk[66 + i // 4]) & ~(3 << sh) & 255) | (idx >> 8) << sh
+    elif fmt == "IQ3_S":
+        blk[2 + i] = idx & 255
+        sh = i % 8
+        blk[66 + i // 8] = (int(blk[66 + i // 8]) & ~(1 << sh) & 255) | (idx >> 8) << sh
+    elif fmt == "IQ1_S":
+        blk[2 + i] = idx & 255
+        at, sh = 34 + 2 * (i // 4), 3 * (i % 4)
+        q = int(blk[at]) | int(blk[at + 1]) << 8
+        q = (q & ~(7 << sh)) | (idx >> 8) << sh
+        blk[at], blk[at + 1] = q & 255, q >> 8
+    else:  # IQ1_M
+        blk[i] = idx & 255
+        sh = 4 * (i % 2)
+        blk[32 + i // 2] = (int(blk[32 + i // 2]) & ~(7 << sh) & 255) | (idx >> 8) << sh
+
+
+@pytest.mark.skipif(gguf_dequantize is None, reason="gguf-py is not installed")
+@pytest.mark.parametrize("fmt", ggml_blocks.CODEBOOK_FORMATS)
+def test_every_codebook_entry_matches_gguf(fmt):
+    """libsmoe's codebooks (csrc/cpu/ggml_iq_grids.h) entry by entry: blocks whose grid indices run
+    through every entry, each under random signs and scales, dequantised as gguf-py does."""
+    _, _, ts = ggml_blocks.FORMATS[fmt]
+    entries = {"IQ2_XXS": 256, "IQ2_XS": 512, "IQ2_S": 1024, "IQ3_XXS": 256, "IQ3_S": 512, "IQ1_S": 2048, "IQ1_M": 2048}[fmt]
+    groups = 64 if fmt in ("IQ3_XXS", "IQ3_S") else 32
+    rng = np.random.default_rng(5)
+    blocks = ggml_blocks.random_blocks(fmt, entries // groups, 256, 1.0, rng).reshape(-1, ts)
+    for i in range(entries):
+        _set_grid_index(fmt, blocks[i // groups], i % groups, i)
+    raw = blocks.reshape(-1)
+    rows = blocks.shape[0]
+    want = gguf_dequantize(raw.reshape(rows, -1), GGMLQuantizationType[fmt]).reshape(rows, 256)
+    assert np.isfinite(want).all() and np.count_nonzero(want) > want.size // 2
+    assert_same_values(c_dequantize(fmt, raw, rows, 256), want, f"{fmt} libsmoe")
+
+
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "IQ4_NL", "MXFP4"])
 def test_non_finite_scales(fmt):
     """An inf scale gives ±inf where the code is not zero and NaN where it is (inf·0); a NaN
@@ -168,8 +218,8 @@ def test_sizes_and_refusals():
         check(lib.smoe_dequantize(34, 0, 0, 1, 16, ffi.from_buffer(raw), 9, ffi.new("float[16]")))
     with pytest.raises(pysmoe.SmoeError, match="invalid format"):  # a GGML format takes no scale format
         check(lib.smoe_dequantize(34, 1, 0, 1, 32, ffi.from_buffer(raw), 18, ffi.new("float[32]")))
-    with pytest.raises(pysmoe.SmoeError, match="invalid format"):  # ggml_type 16 (IQ2_XXS) is not one of them
-        check(lib.smoe_dequantize(48, 0, 0, 1, 256, ffi.from_buffer(np.zeros(66, np.uint8)), 66, ffi.new("float[256]")))
+    with pytest.raises(pysmoe.SmoeError, match="invalid format"):  # ggml_type 34 (TQ1_0) is not one of them
+        check(lib.smoe_dequantize(66, 0, 0, 1, 256, ffi.from_buffer(np.zeros(54, np.uint8)), 54, ffi.new("float[256]")))
 
 
 # ----------------------------------------------------------------------------------- vaults
@@ -185,6 +235,9 @@ MIXES = {
                                             "mlp": "IQ4_XS", "experts.down": "Q3_K"}),
     "f16": dict(experts="Q2_K", formats={"experts.up": "F16", "experts.down": "Q5_1", "attention": "F16",
                                          "embed": "Q8_0", "lm_head": "Q4_1", "mlp": "Q4_K"}),
+    # the codebook formats of the low-bit mixes (Unsloth's UD-IQ1_S ... UD-IQ3_XXS)
+    "iq": dict(experts="IQ2_XXS", formats={"experts.up": "IQ1_S", "experts.down": "IQ3_S", "attention": "IQ3_XXS",
+                                           "embed": "IQ1_M", "lm_head": "IQ2_XS", "mlp": "IQ2_S"}),
 }
 
 
@@ -304,7 +357,7 @@ def test_verify_names_non_finite_ggml_scales(make_vault, tmp_path):
 # ------------------------------------------------------------------------- on the GPU (CUDA)
 
 def test_gpu_runs_every_ggml_format(ggml_vault):
-    """The three mixes hold all fourteen GGML formats as experts and dense tensors (embedding and
+    """The four mixes hold all twenty-one GGML formats as experts and dense tensors (embedding and
     lm_head included). On device="cuda" (csrc/cuda/ggml.cu; skipped without a GPU): the prefill's
     and three decode steps' logits within test_cuda's ATOL + RTOL_F16 of the CPU's (activations="f32":
     the same dequantised weights, another summation order, and flash attention's f16 Q, K, V and P

@@ -729,7 +729,7 @@ def test_tokenizer_against_llama_cpp_live(tmp_path):
         assert not bad, (pre, bad[:3])
 
 
-@pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "tiny-q4_0", "glm4moe-q4_k_m", "mixtral-q4_k_m",
+@pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "k256-iq", "tiny-q4_0", "glm4moe-q4_k_m", "mixtral-q4_k_m",
                                   "gpt-oss-mxfp4", "qwen3next-q8_0", "qwen35moe-q8_0", "qwen35moe-q4_k_m"])
 @pytest.mark.parametrize("activations", ["f32", "q8"])
 def test_layer_major_is_token_serial_on_an_imported_mix(name, activations, vaults):
@@ -749,7 +749,7 @@ def test_layer_major_is_token_serial_on_an_imported_mix(name, activations, vault
     assert out["layer-major"].tobytes() == out["token-serial"].tobytes()
 
 
-@pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "olmoe-q8_0", "glm4moe-q4_k_m", "mixtral-q4_k_m",
+@pytest.mark.parametrize("name", ["k256-q4_k_m", "k256-iq4_xs", "k256-iq", "olmoe-q8_0", "glm4moe-q4_k_m", "mixtral-q4_k_m",
                                   "gpt-oss-mxfp4", "qwen3next-q8_0", "qwen35moe-q8_0", "qwen35moe-q4_k_m"])
 def test_an_imported_mix_runs_on_the_gpu(name, vaults):
     """llama.cpp's files on device="cuda" (skipped without a GPU): within test_cuda's ATOL/RTOL of

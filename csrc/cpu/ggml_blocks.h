@@ -29,6 +29,12 @@
  *     Q2_K  q = 2-bit (0..3)      sub = the two 4-bit scales, σ = d, and a min per 16 columns:
  *           w_c = d·sub_h·q_c − dmin·m_h, whose min term takes the activation codes too
  *           (gb_q2k_mins: ν·Σ_h m_h·Σ_{c ∈ half h} code_c, ν = −dmin; kernels_ref.c)
+ * and the IQ1/IQ2/IQ3 formats (gb_iq_part: a codebook entry g per 8 or 4 columns, its signs,
+ * a 3- or 4-bit scale ls per 32 or 16 columns; every one an integer multiple of d/8):
+ *     IQ2_XXS, IQ2_XS, IQ2_S  w = d·(ls + ½)/4·(±g)   q = ±g   sub = 2·ls + 1   σ = d/8
+ *     IQ3_XXS                 w = d·(ls + ½)/2·(±g)   q = ±g   sub = 2·ls + 1   σ = d/4
+ *     IQ3_S                   w = d·(2·ls + 1)·(±g)   q = ±g   sub = 2·ls + 1   σ = d
+ *     IQ1_S, IQ1_M            w = d·(2·ls + 1)·(g ± ⅛) q = 8·g ± 1 sub = 2·ls + 1 σ = d/8
  * F16 has no such form: its products take f32 activations. */
 #ifndef SMOE_GGML_BLOCKS_H
 #define SMOE_GGML_BLOCKS_H
@@ -94,6 +100,121 @@ static inline int gb_scale_iq4xs(const uint8_t *blk, int i) {
     uint16_t h;
     memcpy(&h, blk + 2, 2);
     return (((blk[4 + i / 2] >> (4 * (i % 2))) & 15) | (((h >> (2 * i)) & 3) << 4)) - 32;
+}
+
+/* The IQ formats' codebooks (ggml_iq_grids.h, from gguf-py; defined in kernels_ref.c): entry i's
+ * byte j is value j. */
+extern const uint64_t gb_iq2xxs_grid[256], gb_iq2xs_grid[512], gb_iq2s_grid[1024], gb_iq1s_grid[2048];
+extern const uint32_t gb_iq3xxs_grid[256], gb_iq3s_grid[512];
+
+/* The signs of 8 values from a 7-bit index: its bits, and an eighth that makes the count of minus
+ * signs even (gguf-py's ksigns table). */
+static inline unsigned gb_ksigns(unsigned i) { return i | (unsigned)(__builtin_popcount(i) & 1) << 7; }
+
+static inline uint32_t gb_u16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
+}
+
+static inline uint32_t gb_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* IQ1_M's f16 d: the top nibbles of its four scale words, at blk + 48 */
+static inline void gb_iq1m_d(const uint8_t *blk, uint8_t out[2]) {
+    const uint16_t h = (uint16_t)((gb_u16(blk + 48) >> 12) | ((gb_u16(blk + 50) >> 8) & 0xF0u) |
+                                  ((gb_u16(blk + 52) >> 4) & 0xF00u) | (gb_u16(blk + 54) & 0xF000u));
+    memcpy(out, &h, 2);
+}
+
+/* Whether fmt is one of the codebook formats IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S */
+static inline bool gb_is_iq(uint8_t fmt) {
+    switch (fmt) {
+    case SMOE_FMT_GGML_IQ2_XXS:
+    case SMOE_FMT_GGML_IQ2_XS:
+    case SMOE_FMT_GGML_IQ2_S:
+    case SMOE_FMT_GGML_IQ3_XXS:
+    case SMOE_FMT_GGML_IQ3_S:
+    case SMOE_FMT_GGML_IQ1_S:
+    case SMOE_FMT_GGML_IQ1_M: return true;
+    }
+    return false;
+}
+
+/* Part k (< 8, 32 columns) of an IQ block at blk, unpacked: g[c] the codebook's value for column c
+ * (8..43 or 4..62 or 1..15 for IQ2/IQ3, −1/0/1 for IQ1), neg[c] its sign bit (IQ2/IQ3: the value's
+ * sign; IQ1: the sign of the ⅛ added to its group of 8), ls[h] the scale of 16-column half h (the
+ * same for both halves where the format has one per 32), dbits the block's f16 d. */
+static inline void gb_iq_part(uint8_t fmt, const uint8_t *blk, int k, int8_t g[32], uint8_t neg[32], int ls[2],
+                              uint8_t dbits[2]) {
+    uint32_t sg[4] = {0, 0, 0, 0}; /* sign bits of the 4 groups of 8 (IQ1: 0 or 0xFF) */
+    memcpy(dbits, blk, 2);
+    memset(g, 0, 32);
+    ls[0] = ls[1] = 0;
+    switch (fmt) {
+    case SMOE_FMT_GGML_IQ2_XXS: {
+        const uint32_t idx = gb_u32(blk + 2 + 8 * k), aux = gb_u32(blk + 6 + 8 * k);
+        ls[0] = ls[1] = (int)(aux >> 28);
+        for (int l = 0; l < 4; l++) {
+            memcpy(g + 8 * l, &gb_iq2xxs_grid[(idx >> (8 * l)) & 255], 8);
+            sg[l] = gb_ksigns((aux >> (7 * l)) & 127);
+        }
+        break;
+    }
+    case SMOE_FMT_GGML_IQ2_XS:
+        for (int l = 0; l < 4; l++) {
+            const uint32_t q = gb_u16(blk + 2 + 2 * (4 * k + l));
+            memcpy(g + 8 * l, &gb_iq2xs_grid[q & 511], 8);
+            sg[l] = gb_ksigns(q >> 9);
+        }
+        ls[0] = blk[66 + k] & 15, ls[1] = blk[66 + k] >> 4;
+        break;
+    case SMOE_FMT_GGML_IQ2_S:
+        for (int l = 0; l < 4; l++) {
+            memcpy(g + 8 * l, &gb_iq2s_grid[blk[2 + 4 * k + l] | ((blk[66 + k] >> (2 * l)) & 3) << 8], 8);
+            sg[l] = blk[34 + 4 * k + l];
+        }
+        ls[0] = blk[74 + k] & 15, ls[1] = blk[74 + k] >> 4;
+        break;
+    case SMOE_FMT_GGML_IQ3_XXS: {
+        const uint32_t aux = gb_u32(blk + 66 + 4 * k);
+        ls[0] = ls[1] = (int)(aux >> 28);
+        for (int l = 0; l < 4; l++) {
+            memcpy(g + 8 * l, &gb_iq3xxs_grid[blk[2 + 8 * k + 2 * l]], 4);
+            memcpy(g + 8 * l + 4, &gb_iq3xxs_grid[blk[3 + 8 * k + 2 * l]], 4);
+            sg[l] = gb_ksigns((aux >> (7 * l)) & 127);
+        }
+        break;
+    }
+    case SMOE_FMT_GGML_IQ3_S:
+        for (int m = 0; m < 8; m++)
+            memcpy(g + 4 * m, &gb_iq3s_grid[blk[2 + 8 * k + m] | ((blk[66 + k] >> m) & 1) << 8], 4);
+        for (int l = 0; l < 4; l++) sg[l] = blk[74 + 4 * k + l];
+        ls[0] = ls[1] = (blk[106 + k / 2] >> (4 * (k % 2))) & 15;
+        break;
+    case SMOE_FMT_GGML_IQ1_S: {
+        const uint32_t h = gb_u16(blk + 34 + 2 * k);
+        for (int l = 0; l < 4; l++) {
+            memcpy(g + 8 * l, &gb_iq1s_grid[blk[2 + 4 * k + l] | ((h >> (3 * l)) & 7) << 8], 8);
+            sg[l] = h >> 15 ? 0xFF : 0;
+        }
+        ls[0] = ls[1] = (int)((h >> 12) & 7);
+        break;
+    }
+    case SMOE_FMT_GGML_IQ1_M:
+        for (int l = 0; l < 4; l++) {
+            const uint32_t nib = (blk[32 + 2 * k + l / 2] >> (4 * (l % 2))) & 15;
+            memcpy(g + 8 * l, &gb_iq1s_grid[blk[4 * k + l] | (nib & 7) << 8], 8);
+            sg[l] = nib >> 3 ? 0xFF : 0;
+        }
+        for (int h = 0; h < 2; h++) ls[h] = (int)((gb_u16(blk + 48 + 2 * ((2 * k + h) / 4)) >> (3 * ((2 * k + h) % 4))) & 7);
+        gb_iq1m_d(blk, dbits);
+        break;
+    }
+    for (int c = 0; c < 32; c++) neg[c] = (uint8_t)((sg[c / 8] >> (c % 8)) & 1);
 }
 
 /* One block at src, dequantised into out (block_size floats): gguf-py's operations. */
@@ -217,6 +338,37 @@ static inline void gb_dequant_block(uint8_t fmt, const uint8_t *src, float *out)
         }
         return;
     }
+    case SMOE_FMT_GGML_IQ2_XXS:
+    case SMOE_FMT_GGML_IQ2_XS:
+    case SMOE_FMT_GGML_IQ2_S:
+    case SMOE_FMT_GGML_IQ3_XXS:
+    case SMOE_FMT_GGML_IQ3_S:
+    case SMOE_FMT_GGML_IQ1_S:
+    case SMOE_FMT_GGML_IQ1_M: {
+        const bool iq1 = fmt == SMOE_FMT_GGML_IQ1_S || fmt == SMOE_FMT_GGML_IQ1_M;
+        for (int k = 0; k < 8; k++) {
+            int8_t g[32];
+            uint8_t neg[32], dbits[2];
+            int ls[2];
+            gb_iq_part(fmt, src, k, g, neg, ls, dbits);
+            const float d = gb_f16(dbits);
+            for (int c = 0; c < 32; c++) {
+                const int l = ls[c / 16];
+                float v;
+                if (iq1) { /* dl·(g + δ) */
+                    const float dl = d * (float)(2 * l + 1), gd = (float)g[c] + (neg[c] ? -0.125f : 0.125f);
+                    v = dl * gd;
+                } else {
+                    float db = fmt == SMOE_FMT_GGML_IQ3_S ? d * (float)(1 + 2 * l) : d * (0.5f + (float)l);
+                    if (fmt != SMOE_FMT_GGML_IQ3_S) db = db * (fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.5f : 0.25f);
+                    v = db * (float)g[c];
+                    if (neg[c]) v = -v;
+                }
+                out[32 * k + c] = v;
+            }
+        }
+        return;
+    }
     default: /* the vault parser admits no other format */
         return;
     }
@@ -239,12 +391,12 @@ static inline bool gb_takes_codes(uint8_t fmt) {
     case SMOE_FMT_GGML_IQ4_XS:
     case SMOE_FMT_GGML_MXFP4: return true;
     }
-    return false;
+    return gb_is_iq(fmt);
 }
 
 /* The activation block type ggml's CPU backend quantises x into for products with this format (its
  * type_traits_cpu[].vec_dot_type), which smoe_qx_prepare imitates for the GGML formats: Q8_1 for
- * Q4_1 and Q5_1, Q8_K for the K-quants and IQ4_XS, Q8_0 for the rest. */
+ * Q4_1 and Q5_1, Q8_K for the K-quants and the 256-column IQ formats, Q8_0 for the rest. */
 enum { GB_ACT_Q8_0, GB_ACT_Q8_1, GB_ACT_Q8_K };
 static inline int gb_act_type(uint8_t fmt) {
     switch (fmt) {
@@ -257,7 +409,13 @@ static inline int gb_act_type(uint8_t fmt) {
     case SMOE_FMT_GGML_Q6_K:
     case SMOE_FMT_GGML_IQ4_XS: return GB_ACT_Q8_K;
     }
-    return GB_ACT_Q8_0;
+    return gb_is_iq(fmt) ? GB_ACT_Q8_K : GB_ACT_Q8_0;
+}
+
+/* Whether the format's integer form has sub-scales other than 1 (sub: Q6_K, Q3_K, Q2_K and the
+ * codebook formats) */
+static inline bool gb_has_sub(uint8_t fmt) {
+    return fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q2_K || gb_is_iq(fmt);
 }
 
 /* Whether the format carries a min (μ ≠ 0): Q4_1, Q5_1, Q4_K, Q5_K (their q are non-negative). */
@@ -379,6 +537,26 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
             sub[2 * i] = (int16_t)gb_scale_q3k(blk + 96, 2 * k);
             sub[2 * i + 1] = (int16_t)gb_scale_q3k(blk + 96, 2 * k + 1);
             sigma[i] = gb_f16q(blk + 108);
+            break;
+        }
+        case SMOE_FMT_GGML_IQ2_XXS:
+        case SMOE_FMT_GGML_IQ2_XS:
+        case SMOE_FMT_GGML_IQ2_S:
+        case SMOE_FMT_GGML_IQ3_XXS:
+        case SMOE_FMT_GGML_IQ3_S:
+        case SMOE_FMT_GGML_IQ1_S:
+        case SMOE_FMT_GGML_IQ1_M: {
+            const bool iq1 = fmt == SMOE_FMT_GGML_IQ1_S || fmt == SMOE_FMT_GGML_IQ1_M;
+            int8_t g[32];
+            uint8_t neg[32], dbits[2];
+            int ls[2];
+            gb_iq_part(fmt, blk, k, g, neg, ls, dbits);
+            for (int l = 0; l < 32; l++)
+                qi[l] = (int8_t)(iq1 ? 8 * g[l] + (neg[l] ? -1 : 1) : neg[l] ? -g[l] : g[l]);
+            sub[2 * i] = (int16_t)(2 * ls[0] + 1);
+            sub[2 * i + 1] = (int16_t)(2 * ls[1] + 1);
+            const float d = gb_f16q(dbits);
+            sigma[i] = fmt == SMOE_FMT_GGML_IQ3_S ? d : d * (fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.25f : 0.125f);
             break;
         }
         default:

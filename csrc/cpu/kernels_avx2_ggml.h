@@ -11,7 +11,8 @@
  * free; the float operations are the reference's: tot = fma((float)I, σ·d, tot) per lane, bia =
  * fma(μ, gsum, bia), y = hsum8(tot) (+ hsum8(bia)).
  *
- * The decoders (g_decode8) work on vectors for every format but Q2_K, Q3_K, Q4_1, Q5_1, which take
+ * The decoders (g_decode8) work on vectors for every format but Q2_K, Q3_K, Q4_1, Q5_1 and the
+ * codebook formats (IQ1_S ... IQ3_S), which take
  * gb_qx_decode, the reference's own (the same values either way: integers and the same rounded products). */
 
 
@@ -55,7 +56,7 @@ INLINE __m256i g_reduce8(const __m256i p[8]) {
 
 /* Blocks [8k, 8k + 8) of a row (one 256-column block, or eight 32-column ones) in registers'
  * reach: q (plain order, 32 per block), σ in lane order (lane j: block 2·(j%4) + j/4), μ in plain
- * order, and for the formats with sub-scales (Q6_K, Q3_K) each block's two as a vector. The values
+ * order, and for the formats with sub-scales (gb_has_sub) each block's two as a vector. The values
  * are gb_qx_decode's. */
 INLINE void g_decode8(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i q[8], __m256 *sigl, __m256 *mu,
                       __m256i sub[8]) {
@@ -171,7 +172,7 @@ INLINE void g_decode8(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
         sgv = _mm256_set1_ps(g_f16_1(blk + 208));
         break;
     }
-    default: { /* Q2_K, Q3_K, Q4_1, Q5_1: the reference's decoder */
+    default: { /* Q2_K, Q3_K, Q4_1, Q5_1, the IQ codebook formats: the reference's decoder */
         int8_t qb[8 * 32];
         int16_t sb[16];
         float sg[8], m[8];

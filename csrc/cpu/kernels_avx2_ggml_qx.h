@@ -14,7 +14,7 @@ GQ_ATTR INLINE void GQ(g_qx_rows)(const uint8_t fmt, const smoe_tensor *W, const
     smoe_ggml_block(fmt, &bs, &ts);
     const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
     const bool q2k = fmt == SMOE_FMT_GGML_Q2_K; /* its mins per 16 columns: a second integer sum, M */
-    const bool has_min = gb_has_min(fmt), has_sub = fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K || q2k;
+    const bool has_min = gb_has_min(fmt), has_sub = gb_has_sub(fmt);
     const bool unsigned_q = has_min || q2k; /* Q4_1, Q5_1, Q4_K, Q5_K, Q2_K: 0..31, a valid u8 operand as they are */
     const __m256i ones8 = _mm256_set1_epi8(1);
     const size_t row_bytes = (size_t)(cols / bs) * ts;
@@ -286,6 +286,13 @@ GQ_ATTR static bool GQ(g_matmul_qx)(const smoe_tensor *W, const uint8_t *w, cons
         G_CASE(SMOE_FMT_GGML_IQ4_NL)
         G_CASE(SMOE_FMT_GGML_IQ4_XS)
         G_CASE(SMOE_FMT_GGML_MXFP4)
+        G_CASE(SMOE_FMT_GGML_IQ2_XXS)
+        G_CASE(SMOE_FMT_GGML_IQ2_XS)
+        G_CASE(SMOE_FMT_GGML_IQ2_S)
+        G_CASE(SMOE_FMT_GGML_IQ3_XXS)
+        G_CASE(SMOE_FMT_GGML_IQ3_S)
+        G_CASE(SMOE_FMT_GGML_IQ1_S)
+        G_CASE(SMOE_FMT_GGML_IQ1_M)
 #undef G_CASE
     }
     return false;

@@ -46,6 +46,7 @@
  */
 #include "ggml_blocks.h"
 #include "kernels_isa.h"
+#include "ggml_iq_grids.h" /* the IQ codebooks, defined here */
 
 #include <math.h>
 #include <string.h>

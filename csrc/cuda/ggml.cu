@@ -16,8 +16,14 @@
 
 enum {
     G_F16 = 33, G_Q4_0 = 34, G_Q4_1 = 35, G_Q5_0 = 38, G_Q5_1 = 39, G_Q8_0 = 40, G_Q2_K = 42, G_Q3_K = 43,
-    G_Q4_K = 44, G_Q5_K = 45, G_Q6_K = 46, G_IQ4_NL = 52, G_IQ4_XS = 55, G_MXFP4 = 71
+    G_Q4_K = 44, G_Q5_K = 45, G_Q6_K = 46, G_IQ2_XXS = 48, G_IQ2_XS = 49, G_IQ3_XXS = 50, G_IQ1_S = 51,
+    G_IQ4_NL = 52, G_IQ3_S = 53, G_IQ2_S = 54, G_IQ4_XS = 55, G_IQ1_M = 61, G_MXFP4 = 71
 };
+
+/* The IQ formats' codebooks (cpu/ggml_iq_grids.h, from gguf-py), as device arrays: cu_gb_iq2xxs_grid, ... */
+#define GB_GRID(type, name) __device__ const type cu_##name
+#include "../cpu/ggml_iq_grids.h"
+#undef GB_GRID
 
 __constant__ int8_t kv_iq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 __constant__ int8_t kv_mxfp4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
@@ -39,6 +45,13 @@ __host__ __device__ __forceinline__ void g_block(uint32_t fmt, uint32_t *bs, uin
     case G_Q6_K: b = 256, t = 210; break;
     case G_IQ4_NL: t = 18; break;
     case G_IQ4_XS: b = 256, t = 136; break;
+    case G_IQ2_XXS: b = 256, t = 66; break;
+    case G_IQ2_XS: b = 256, t = 74; break;
+    case G_IQ2_S: b = 256, t = 82; break;
+    case G_IQ3_XXS: b = 256, t = 98; break;
+    case G_IQ3_S: b = 256, t = 110; break;
+    case G_IQ1_S: b = 256, t = 50; break;
+    case G_IQ1_M: b = 256, t = 56; break;
     case G_MXFP4: t = 17; break;
     default: b = 0; break;
     }
@@ -55,6 +68,86 @@ __device__ __forceinline__ uint32_t g_u32(const uint8_t *p) {
 }
 
 __device__ __forceinline__ float g_mul(float a, float b) { return __fmul_rn(a, b); }
+
+__device__ __forceinline__ uint32_t g_u16(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8; }
+
+/* 7 sign bits and an eighth that makes the count of minus signs even (cpu/ggml_blocks.h, gb_ksigns) */
+__device__ __forceinline__ uint32_t g_ksigns(uint32_t i) { return i | (uint32_t)(__popc(i) & 1) << 7; }
+
+/* The 8 columns [8l, 8l + 8) of part k (32 columns) of an IQ codebook block, dequantised as
+ * gb_dequant_block does (cpu/ggml_blocks.h, gb_iq_part: the same fields): a word is one group of 8,
+ * one codebook entry (two for the 4-wide IQ3 grids) and one sign byte or ⅛ sign. */
+__device__ __forceinline__ void g_iq_word(uint32_t fmt, const uint8_t *blk, uint32_t k, uint32_t l, float v[8]) {
+    int8_t g[8];
+    uint32_t sg = 0, ls = 0;
+    uint64_t e = 0;
+    const uint32_t h = l / 2; /* the word's 16-column half */
+    uint16_t dbits = (uint16_t)g_u16(blk);
+    switch (fmt) {
+    case G_IQ2_XXS: {
+        const uint32_t aux = g_u32(blk + 6 + 8 * k);
+        e = cu_gb_iq2xxs_grid[blk[2 + 8 * k + l]];
+        sg = g_ksigns((aux >> (7 * l)) & 127), ls = aux >> 28;
+        break;
+    }
+    case G_IQ2_XS: {
+        const uint32_t q = g_u16(blk + 2 + 2 * (4 * k + l));
+        e = cu_gb_iq2xs_grid[q & 511];
+        sg = g_ksigns(q >> 9), ls = (blk[66 + k] >> (4 * h)) & 15;
+        break;
+    }
+    case G_IQ2_S:
+        e = cu_gb_iq2s_grid[blk[2 + 4 * k + l] | ((blk[66 + k] >> (2 * l)) & 3) << 8];
+        sg = blk[34 + 4 * k + l], ls = (blk[74 + k] >> (4 * h)) & 15;
+        break;
+    case G_IQ3_XXS: {
+        const uint32_t aux = g_u32(blk + 66 + 4 * k);
+        e = (uint64_t)cu_gb_iq3xxs_grid[blk[2 + 8 * k + 2 * l]] | (uint64_t)cu_gb_iq3xxs_grid[blk[3 + 8 * k + 2 * l]] << 32;
+        sg = g_ksigns((aux >> (7 * l)) & 127), ls = aux >> 28;
+        break;
+    }
+    case G_IQ3_S: {
+        const uint32_t qh = blk[66 + k], m = 2 * l;
+        e = (uint64_t)cu_gb_iq3s_grid[blk[2 + 8 * k + m] | ((qh >> m) & 1) << 8] |
+            (uint64_t)cu_gb_iq3s_grid[blk[3 + 8 * k + m] | ((qh >> (m + 1)) & 1) << 8] << 32;
+        sg = blk[74 + 4 * k + l], ls = (blk[106 + k / 2] >> (4 * (k % 2))) & 15;
+        break;
+    }
+    case G_IQ1_S: {
+        const uint32_t q = g_u16(blk + 34 + 2 * k);
+        e = cu_gb_iq1s_grid[blk[2 + 4 * k + l] | ((q >> (3 * l)) & 7) << 8];
+        sg = q >> 15, ls = (q >> 12) & 7;
+        break;
+    }
+    default: { /* G_IQ1_M: d in the top nibbles of the scale words at 48 */
+        const uint32_t nib = (blk[32 + 2 * k + l / 2] >> (4 * (l % 2))) & 15, s = 2 * k + h;
+        e = cu_gb_iq1s_grid[blk[4 * k + l] | (nib & 7) << 8];
+        sg = nib >> 3, ls = (g_u16(blk + 48 + 2 * (s / 4)) >> (3 * (s % 4))) & 7;
+        dbits = (uint16_t)((g_u16(blk + 48) >> 12) | ((g_u16(blk + 50) >> 8) & 0xF0u) | ((g_u16(blk + 52) >> 4) & 0xF00u) |
+                           (g_u16(blk + 54) & 0xF000u));
+        break;
+    }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) g[j] = (int8_t)(e >> (8 * j));
+    const float d = __half2float(__ushort_as_half(dbits));
+    if (fmt == G_IQ1_S || fmt == G_IQ1_M) { /* dl·(g + δ) */
+        const float dl = g_mul(d, (float)(2 * ls + 1)), delta = sg ? -0.125f : 0.125f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = g_mul(dl, __fadd_rn((float)g[j], delta));
+        return;
+    }
+    float db;
+    if (fmt == G_IQ3_S)
+        db = g_mul(d, (float)(1 + 2 * ls));
+    else
+        db = g_mul(g_mul(d, __fadd_rn(0.5f, (float)ls)), fmt == G_IQ3_XXS ? 0.5f : 0.25f);
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        const float x = g_mul(db, (float)g[j]);
+        v[j] = (sg >> j) & 1 ? -x : x;
+    }
+}
 
 /* The 8 columns of word wi (columns 8wi … 8wi + 7) of a row starting at row, dequantised. */
 __device__ __forceinline__ void g_word(uint32_t fmt, const uint8_t *row, uint32_t wi, float v[8]) {
@@ -192,6 +285,13 @@ __device__ __forceinline__ void g_word(uint32_t fmt, const uint8_t *row, uint32_
         }
         return;
     }
+    case G_IQ2_XXS:
+    case G_IQ2_XS:
+    case G_IQ2_S:
+    case G_IQ3_XXS:
+    case G_IQ3_S:
+    case G_IQ1_S:
+    case G_IQ1_M: g_iq_word(fmt, blk, e0 / 32, (e0 % 32) / 8, v); return;
     default:
 #pragma unroll
         for (int k = 0; k < 8; k++) v[k] = 0.0f; /* refused before any launch (smoe_cu_ggml) */

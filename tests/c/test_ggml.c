@@ -7,8 +7,8 @@
  *   f32 activations, reference and dispatched: |y − ref| ≤ 4·(cols/8 + 16)·u·Σ|w·x| + 1e-30;
  *   8-bit activations, reference: against the exact sum of its own terms Σ_b σ_b·d_b·I_b (+ μ_b·gsum_b),
  *       4·(cols/256 + 16)·u·Σ|terms|; against ref, that plus the quantisation bound Σ_c |σ·sub·q_c|·d_b/2
- *       (+ 16·u·Σ|μ·x|) — and for Q6_K/Q3_K, whose integer form σ·(sub·q) rounds differently from the
- *       dequantised (d·sub)·q, 4u·Σ|w·x| more;
+ *       (+ 16·u·Σ|μ·x|) — and for Q6_K/Q3_K and the IQ codebook formats, whose integer form σ·(sub·q)
+ *       rounds differently from the dequantised (d·sub)·q, 4u·Σ|w·x| more;
  *   8-bit activations, dispatched against the reference: exact (bits), every n, every row split. */
 #include "cpu/ggml_blocks.h"
 #include "cpu/cpu.h"
@@ -44,6 +44,10 @@ static const struct {
     {SMOE_FMT_GGML_Q4_K, "Q4_K", {0, 2}},    {SMOE_FMT_GGML_Q5_K, "Q5_K", {0, 2}},
     {SMOE_FMT_GGML_Q6_K, "Q6_K", {208, -1}}, {SMOE_FMT_GGML_IQ4_NL, "IQ4_NL", {0, -1}},
     {SMOE_FMT_GGML_IQ4_XS, "IQ4_XS", {0, -1}}, {SMOE_FMT_GGML_MXFP4, "MXFP4", {0, -1}},
+    {SMOE_FMT_GGML_IQ2_XXS, "IQ2_XXS", {0, -1}}, {SMOE_FMT_GGML_IQ2_XS, "IQ2_XS", {0, -1}},
+    {SMOE_FMT_GGML_IQ2_S, "IQ2_S", {0, -1}}, {SMOE_FMT_GGML_IQ3_XXS, "IQ3_XXS", {0, -1}},
+    {SMOE_FMT_GGML_IQ3_S, "IQ3_S", {0, -1}}, {SMOE_FMT_GGML_IQ1_S, "IQ1_S", {0, -1}},
+    {SMOE_FMT_GGML_IQ1_M, "IQ1_M", {-1, -1}}, /* its d: the top nibbles of its scale words (make_g) */
 };
 enum { NFMT = sizeof FMTS / sizeof FMTS[0] };
 
@@ -78,6 +82,16 @@ static gtensor make_g(int fi, uint32_t rows, uint32_t cols) {
             }
             const uint16_t h = rnd_f16();
             memcpy(g.bytes + b * ts + at, &h, 2);
+        }
+    if (g.t.format == SMOE_FMT_GGML_IQ1_M)
+        for (uint64_t b = 0; b < g.t.nbytes / ts; b++) {
+            const uint16_t h = rnd_f16();
+            for (int i = 0; i < 4; i++) {
+                uint16_t w;
+                memcpy(&w, g.bytes + b * ts + 48 + 2 * i, 2);
+                w = (uint16_t)((w & 0x0FFFu) | ((h >> (4 * i)) & 15u) << 12);
+                memcpy(g.bytes + b * ts + 48 + 2 * i, &w, 2);
+            }
         }
     g.t.data = g.bytes;
     return g;
@@ -191,7 +205,7 @@ static void test_qx(int fi, uint32_t rows, uint32_t cols) {
     float *sigma = malloc(sizeof(float) * nb), *mu = malloc(sizeof(float) * nb);
     uint32_t bs, ts;
     smoe_ggml_block(fmt, &bs, &ts);
-    const int inexact_form = fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K;
+    const int inexact_form = fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K || gb_is_iq(fmt);
     int reported = 0;
     for (uint32_t r = 0; r < rows; r++) {
         gb_qx_decode(fmt, g.bytes + (size_t)r * (cols / bs) * ts, 0, nb, q, sub, sigma, mu);
@@ -435,7 +449,7 @@ int main(void) {
         const smoe_tensor probe = {.format = FMTS[fi].fmt, .cols = cols};
         if (smoe_qx_takes(&probe)) test_qx(fi, 5, cols);
     }
-    CHECK(codes_formats == 13, "%d formats take 8-bit codes, expected 13 (all but F16)", codes_formats);
+    CHECK(codes_formats == NFMT - 1, "%d formats take 8-bit codes, expected %d (all but F16)", codes_formats, NFMT - 1);
     if (failures) {
         fprintf(stderr, "test_ggml: %d failure(s)\n", failures);
         return 1;
