@@ -108,8 +108,16 @@ extern const uint64_t gb_iq2xxs_grid[256], gb_iq2xs_grid[512], gb_iq2s_grid[1024
 extern const uint32_t gb_iq3xxs_grid[256], gb_iq3s_grid[512];
 
 /* The signs of 8 values from a 7-bit index: its bits, and an eighth that makes the count of minus
- * signs even (gguf-py's ksigns table). */
-static inline unsigned gb_ksigns(unsigned i) { return i | (unsigned)(__builtin_popcount(i) & 1) << 7; }
+ * signs even (gguf-py's ksigns table; scripts/gen_iq_grids.py checks the rule), as a table the
+ * compiler builds (a popcount is a library call where the build does not target POPCNT). */
+#define GB_KS(i) ((i) | ((((i) ^ (i) >> 1 ^ (i) >> 2 ^ (i) >> 3 ^ (i) >> 4 ^ (i) >> 5 ^ (i) >> 6) & 1) << 7))
+#define GB_KS8(i) GB_KS(i), GB_KS((i) + 1), GB_KS((i) + 2), GB_KS((i) + 3), GB_KS((i) + 4), GB_KS((i) + 5), GB_KS((i) + 6), GB_KS((i) + 7)
+#define GB_KS32(i) GB_KS8(i), GB_KS8((i) + 8), GB_KS8((i) + 16), GB_KS8((i) + 24)
+static const uint8_t gb_ksigns_table[128] = {GB_KS32(0), GB_KS32(32), GB_KS32(64), GB_KS32(96)};
+#undef GB_KS32
+#undef GB_KS8
+#undef GB_KS
+static inline unsigned gb_ksigns(unsigned i) { return gb_ksigns_table[i & 127]; }
 
 static inline uint32_t gb_u16(const uint8_t *p) {
     uint16_t h;
@@ -144,22 +152,24 @@ static inline bool gb_is_iq(uint8_t fmt) {
     return false;
 }
 
-/* Part k (< 8, 32 columns) of an IQ block at blk, unpacked: g[c] the codebook's value for column c
- * (8..43 or 4..62 or 1..15 for IQ2/IQ3, −1/0/1 for IQ1), neg[c] its sign bit (IQ2/IQ3: the value's
- * sign; IQ1: the sign of the ⅛ added to its group of 8), ls[h] the scale of 16-column half h (the
- * same for both halves where the format has one per 32), dbits the block's f16 d. */
-static inline void gb_iq_part(uint8_t fmt, const uint8_t *blk, int k, int8_t g[32], uint8_t neg[32], int ls[2],
-                              uint8_t dbits[2]) {
-    uint32_t sg[4] = {0, 0, 0, 0}; /* sign bits of the 4 groups of 8 (IQ1: 0 or 0xFF) */
+/* Part k (< 8, 32 columns) of an IQ block at blk, as stored: e[l] the codebook entry (or, for the
+ * 4-wide IQ3 grids, the two entries) of its group l of 8 columns, byte j the value of column
+ * 8l + j (8..43 or 4..62 or 1..15 for IQ2/IQ3, int8 −1/0/1 for IQ1); byte l of *signs the group's
+ * sign bits (IQ2/IQ3: bit j the sign of column 8l + j; IQ1: 0xFF where the group adds −⅛, 0 for
+ * +⅛); ls[h] the scale of 16-column half h (the same for both halves where the format has one per
+ * 32); dbits the block's f16 d. The vector decoders read the same fields. */
+static inline __attribute__((always_inline)) void gb_iq_fields(uint8_t fmt, const uint8_t *blk, int k, uint64_t e[4], uint32_t *signs, int ls[2],
+                                uint8_t dbits[2]) {
+    uint32_t sg[4] = {0, 0, 0, 0};
     memcpy(dbits, blk, 2);
-    memset(g, 0, 32);
     ls[0] = ls[1] = 0;
+    for (int l = 0; l < 4; l++) e[l] = 0;
     switch (fmt) {
     case SMOE_FMT_GGML_IQ2_XXS: {
         const uint32_t idx = gb_u32(blk + 2 + 8 * k), aux = gb_u32(blk + 6 + 8 * k);
         ls[0] = ls[1] = (int)(aux >> 28);
         for (int l = 0; l < 4; l++) {
-            memcpy(g + 8 * l, &gb_iq2xxs_grid[(idx >> (8 * l)) & 255], 8);
+            e[l] = gb_iq2xxs_grid[(idx >> (8 * l)) & 255];
             sg[l] = gb_ksigns((aux >> (7 * l)) & 127);
         }
         break;
@@ -167,14 +177,14 @@ static inline void gb_iq_part(uint8_t fmt, const uint8_t *blk, int k, int8_t g[3
     case SMOE_FMT_GGML_IQ2_XS:
         for (int l = 0; l < 4; l++) {
             const uint32_t q = gb_u16(blk + 2 + 2 * (4 * k + l));
-            memcpy(g + 8 * l, &gb_iq2xs_grid[q & 511], 8);
+            e[l] = gb_iq2xs_grid[q & 511];
             sg[l] = gb_ksigns(q >> 9);
         }
         ls[0] = blk[66 + k] & 15, ls[1] = blk[66 + k] >> 4;
         break;
     case SMOE_FMT_GGML_IQ2_S:
         for (int l = 0; l < 4; l++) {
-            memcpy(g + 8 * l, &gb_iq2s_grid[blk[2 + 4 * k + l] | ((blk[66 + k] >> (2 * l)) & 3) << 8], 8);
+            e[l] = gb_iq2s_grid[blk[2 + 4 * k + l] | ((blk[66 + k] >> (2 * l)) & 3) << 8];
             sg[l] = blk[34 + 4 * k + l];
         }
         ls[0] = blk[74 + k] & 15, ls[1] = blk[74 + k] >> 4;
@@ -183,22 +193,26 @@ static inline void gb_iq_part(uint8_t fmt, const uint8_t *blk, int k, int8_t g[3
         const uint32_t aux = gb_u32(blk + 66 + 4 * k);
         ls[0] = ls[1] = (int)(aux >> 28);
         for (int l = 0; l < 4; l++) {
-            memcpy(g + 8 * l, &gb_iq3xxs_grid[blk[2 + 8 * k + 2 * l]], 4);
-            memcpy(g + 8 * l + 4, &gb_iq3xxs_grid[blk[3 + 8 * k + 2 * l]], 4);
+            e[l] = gb_iq3xxs_grid[blk[2 + 8 * k + 2 * l]] | (uint64_t)gb_iq3xxs_grid[blk[3 + 8 * k + 2 * l]] << 32;
             sg[l] = gb_ksigns((aux >> (7 * l)) & 127);
         }
         break;
     }
-    case SMOE_FMT_GGML_IQ3_S:
-        for (int m = 0; m < 8; m++)
-            memcpy(g + 4 * m, &gb_iq3s_grid[blk[2 + 8 * k + m] | ((blk[66 + k] >> m) & 1) << 8], 4);
-        for (int l = 0; l < 4; l++) sg[l] = blk[74 + 4 * k + l];
+    case SMOE_FMT_GGML_IQ3_S: {
+        const uint32_t qh = blk[66 + k];
+        for (int l = 0; l < 4; l++) {
+            const uint32_t m = 2 * (uint32_t)l;
+            e[l] = gb_iq3s_grid[blk[2 + 8 * k + m] | ((qh >> m) & 1) << 8] |
+                   (uint64_t)gb_iq3s_grid[blk[3 + 8 * k + m] | ((qh >> (m + 1)) & 1) << 8] << 32;
+            sg[l] = blk[74 + 4 * k + l];
+        }
         ls[0] = ls[1] = (blk[106 + k / 2] >> (4 * (k % 2))) & 15;
         break;
+    }
     case SMOE_FMT_GGML_IQ1_S: {
         const uint32_t h = gb_u16(blk + 34 + 2 * k);
         for (int l = 0; l < 4; l++) {
-            memcpy(g + 8 * l, &gb_iq1s_grid[blk[2 + 4 * k + l] | ((h >> (3 * l)) & 7) << 8], 8);
+            e[l] = gb_iq1s_grid[blk[2 + 4 * k + l] | ((h >> (3 * l)) & 7) << 8];
             sg[l] = h >> 15 ? 0xFF : 0;
         }
         ls[0] = ls[1] = (int)((h >> 12) & 7);
@@ -207,14 +221,26 @@ static inline void gb_iq_part(uint8_t fmt, const uint8_t *blk, int k, int8_t g[3
     case SMOE_FMT_GGML_IQ1_M:
         for (int l = 0; l < 4; l++) {
             const uint32_t nib = (blk[32 + 2 * k + l / 2] >> (4 * (l % 2))) & 15;
-            memcpy(g + 8 * l, &gb_iq1s_grid[blk[4 * k + l] | (nib & 7) << 8], 8);
+            e[l] = gb_iq1s_grid[blk[4 * k + l] | (nib & 7) << 8];
             sg[l] = nib >> 3 ? 0xFF : 0;
         }
         for (int h = 0; h < 2; h++) ls[h] = (int)((gb_u16(blk + 48 + 2 * ((2 * k + h) / 4)) >> (3 * ((2 * k + h) % 4))) & 7);
         gb_iq1m_d(blk, dbits);
         break;
     }
-    for (int c = 0; c < 32; c++) neg[c] = (uint8_t)((sg[c / 8] >> (c % 8)) & 1);
+    *signs = sg[0] | sg[1] << 8 | sg[2] << 16 | sg[3] << 24;
+}
+
+/* The same part unpacked: g[c] column c's codebook value, neg[c] its sign bit (IQ1: its ⅛'s). */
+static inline void gb_iq_part(uint8_t fmt, const uint8_t *blk, int k, int8_t g[32], uint8_t neg[32], int ls[2],
+                              uint8_t dbits[2]) {
+    uint64_t e[4];
+    uint32_t signs;
+    gb_iq_fields(fmt, blk, k, e, &signs, ls, dbits);
+    for (int c = 0; c < 32; c++) {
+        g[c] = (int8_t)(uint8_t)(e[c / 8] >> (8 * (c % 8)));
+        neg[c] = (uint8_t)((signs >> c) & 1);
+    }
 }
 
 /* One block at src, dequantised into out (block_size floats): gguf-py's operations. */

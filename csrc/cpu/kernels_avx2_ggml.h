@@ -11,9 +11,10 @@
  * free; the float operations are the reference's: tot = fma((float)I, σ·d, tot) per lane, bia =
  * fma(μ, gsum, bia), y = hsum8(tot) (+ hsum8(bia)).
  *
- * The decoders (g_decode8) work on vectors for every format but Q2_K, Q3_K, Q4_1, Q5_1 and the
- * codebook formats (IQ1_S ... IQ3_S), which take
- * gb_qx_decode, the reference's own (the same values either way: integers and the same rounded products). */
+ * The decoders (g_decode8) work on vectors for every format but Q2_K, Q3_K, Q4_1, Q5_1, which take
+ * gb_qx_decode, the reference's own (the same values either way: integers and the same rounded
+ * products); the codebook formats (IQ1_S ... IQ3_S) read their fields with the reference's
+ * gb_iq_fields and expand them on vectors (g_iq_decode8). */
 
 
 /* 32 int8 of one block: low nibbles of 16 bytes (columns 0–15) then high nibbles (16–31) */
@@ -52,6 +53,46 @@ INLINE __m256i g_reduce8(const __m256i p[8]) {
     const __m256i a = _mm256_hadd_epi32(s01, s23), b = _mm256_hadd_epi32(s45, s67);
     /* a: p0..p3 halves of the low 128 bits, then of the high; b likewise for p4..p7 */
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* g_pm8[b]: the 8 bytes ±1 of sign byte b (byte j −1 where bit j is set), built by the compiler */
+#define G_PM1(b, j) ((((b) >> (j)) & 1) ? 0xFFull << (8 * (j)) : 1ull << (8 * (j)))
+#define G_PM8(b) (G_PM1(b, 0) | G_PM1(b, 1) | G_PM1(b, 2) | G_PM1(b, 3) | G_PM1(b, 4) | G_PM1(b, 5) | G_PM1(b, 6) | G_PM1(b, 7))
+#define G_PM8x4(b) G_PM8(b), G_PM8((b) + 1), G_PM8((b) + 2), G_PM8((b) + 3)
+#define G_PM8x16(b) G_PM8x4(b), G_PM8x4((b) + 4), G_PM8x4((b) + 8), G_PM8x4((b) + 12)
+#define G_PM8x64(b) G_PM8x16(b), G_PM8x16((b) + 16), G_PM8x16((b) + 32), G_PM8x16((b) + 48)
+static const uint64_t g_pm8[256] = {G_PM8x64(0), G_PM8x64(64), G_PM8x64(128), G_PM8x64(192)};
+#undef G_PM8x64
+#undef G_PM8x16
+#undef G_PM8x4
+#undef G_PM8
+#undef G_PM1
+
+/* The codebook formats' step k (one 256-column block): per part i of 32 columns, its 4 codebook
+ * entries as one register, signed by its sign bytes (IQ2/IQ3: q = ±g), or 8·g ± 1 (IQ1); the
+ * sub-scales 2·ls + 1 of its halves; σ = d·(1/8, 1/4 or 1) in every lane. gb_iq_fields reads the
+ * fields, so the integers are gb_qx_decode's. */
+INLINE void g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], __m256i sub[8], __m256 *sgv) {
+    const bool iq1 = fmt == SMOE_FMT_GGML_IQ1_S || fmt == SMOE_FMT_GGML_IQ1_M;
+    uint8_t dbits[2] = {0, 0};
+    for (int i = 0; i < 8; i++) {
+        uint64_t e[4];
+        uint32_t sg;
+        int ls[2];
+        gb_iq_fields(fmt, blk, i, e, &sg, ls, dbits);
+        const __m256i g = _mm256_set_epi64x((long long)e[3], (long long)e[2], (long long)e[1], (long long)e[0]);
+        const __m256i pm = _mm256_set_epi64x((long long)g_pm8[sg >> 24], (long long)g_pm8[(sg >> 16) & 255],
+                                             (long long)g_pm8[(sg >> 8) & 255], (long long)g_pm8[sg & 255]);
+        if (iq1) {
+            const __m256i g2 = _mm256_add_epi8(g, g), g4 = _mm256_add_epi8(g2, g2);
+            q[i] = _mm256_add_epi8(_mm256_add_epi8(g4, g4), pm);
+        } else {
+            q[i] = _mm256_sign_epi8(g, pm);
+        }
+        sub[i] = _mm256_set_m128i(_mm_set1_epi16((short)(2 * ls[1] + 1)), _mm_set1_epi16((short)(2 * ls[0] + 1)));
+    }
+    const float d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((int)gb_u16(dbits))));
+    *sgv = _mm256_set1_ps(fmt == SMOE_FMT_GGML_IQ3_S ? d : d * (fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.25f : 0.125f));
 }
 
 /* Blocks [8k, 8k + 8) of a row (one 256-column block, or eight 32-column ones) in registers'
@@ -172,7 +213,19 @@ INLINE void g_decode8(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
         sgv = _mm256_set1_ps(g_f16_1(blk + 208));
         break;
     }
-    default: { /* Q2_K, Q3_K, Q4_1, Q5_1, the IQ codebook formats: the reference's decoder */
+    case SMOE_FMT_GGML_IQ2_XXS:
+    case SMOE_FMT_GGML_IQ2_XS:
+    case SMOE_FMT_GGML_IQ2_S:
+    case SMOE_FMT_GGML_IQ3_XXS:
+    case SMOE_FMT_GGML_IQ3_S:
+    case SMOE_FMT_GGML_IQ1_S:
+    case SMOE_FMT_GGML_IQ1_M: {
+        uint32_t bs, ts;
+        smoe_ggml_block(fmt, &bs, &ts);
+        g_iq_decode8(fmt, row + (size_t)ts * k, q, sub, &sgv);
+        break;
+    }
+    default: { /* Q2_K, Q3_K, Q4_1, Q5_1: the reference's decoder */
         int8_t qb[8 * 32];
         int16_t sb[16];
         float sg[8], m[8];
