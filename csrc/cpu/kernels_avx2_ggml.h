@@ -13,8 +13,8 @@
  *
  * The decoders (g_decode8) work on vectors for every format but Q2_K, Q3_K, Q4_1, Q5_1, which take
  * gb_qx_decode, the reference's own (the same values either way: integers and the same rounded
- * products); the codebook formats (IQ1_S ... IQ3_S) read their fields with the reference's
- * gb_iq_fields and expand them on vectors (g_iq_decode8). */
+ * products). The codebook formats (IQ1_S ... IQ3_S) always take the pair layout (gp_decode's
+ * g_iq_decode8). */
 
 
 /* 32 int8 of one block: low nibbles of 16 bytes (columns 0–15) then high nibbles (16–31) */
@@ -62,37 +62,128 @@ INLINE __m256i g_reduce8(const __m256i p[8]) {
 #define G_PM8x16(b) G_PM8x4(b), G_PM8x4((b) + 4), G_PM8x4((b) + 8), G_PM8x4((b) + 12)
 #define G_PM8x64(b) G_PM8x16(b), G_PM8x16((b) + 16), G_PM8x16((b) + 32), G_PM8x16((b) + 48)
 static const uint64_t g_pm8[256] = {G_PM8x64(0), G_PM8x64(64), G_PM8x64(128), G_PM8x64(192)};
+/* g_kpm[i]: g_pm8 of the sign byte of 7-bit index i (gb_ksigns) */
+#define G_KS(i) ((i) | ((((i) ^ (i) >> 1 ^ (i) >> 2 ^ (i) >> 3 ^ (i) >> 4 ^ (i) >> 5 ^ (i) >> 6) & 1) << 7))
+#define G_KPM(i) G_PM8(G_KS(i))
+#define G_KPMx4(b) G_KPM(b), G_KPM((b) + 1), G_KPM((b) + 2), G_KPM((b) + 3)
+#define G_KPMx16(b) G_KPMx4(b), G_KPMx4((b) + 4), G_KPMx4((b) + 8), G_KPMx4((b) + 12)
+static const uint64_t g_kpm[128] = {G_KPMx16(0), G_KPMx16(16), G_KPMx16(32), G_KPMx16(48), G_KPMx16(64), G_KPMx16(80), G_KPMx16(96), G_KPMx16(112)};
+#undef G_KPMx16
+#undef G_KPMx4
+#undef G_KPM
+#undef G_KS
 #undef G_PM8x64
 #undef G_PM8x16
 #undef G_PM8x4
 #undef G_PM8
 #undef G_PM1
 
-/* The codebook formats' step k (one 256-column block): per part i of 32 columns, its 4 codebook
- * entries as one register, signed by its sign bytes (IQ2/IQ3: q = ±g), or 8·g ± 1 (IQ1); the
- * sub-scales 2·ls + 1 of its halves; σ = d·(1/8, 1/4 or 1) in every lane. gb_iq_fields reads the
- * fields, so the integers are gb_qx_decode's. */
-INLINE void g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], __m256i sub[8], __m256 *sgv) {
+/* The codebook formats' step (one 256-column block at blk): per part i of 32 columns, its 4
+ * codebook entries as one register, signed by its sign bits (IQ2/IQ3: q = ±g) or 8·g ± 1 (IQ1);
+ * byte 2i + h of *sbv the sub-scale 2·ls + 1 of its half h (built in registers: bytes stored one
+ * by one and loaded as a vector would stall the load); σ = d·(1/8, 1/4 or 1), the return value. The
+ * fields are read where gb_iq_fields (ggml_blocks.h) reads them, so the integers are gb_qx_decode's
+ * (tests/c/test_ggml.c compares the products bit for bit). The IQ3 grids' 8 entries a part come
+ * from one vpgatherdd (3.4 against 5.4 ms for IQ3_S with 8 loads, bench/ggml_kernels.c n = 1 on the
+ * Xeon; the IQ2 and IQ1 grids' 4 through a 64-bit gather were slower: bench/RESULTS.md). */
+INLINE float g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], __m128i *sbv) {
     const bool iq1 = fmt == SMOE_FMT_GGML_IQ1_S || fmt == SMOE_FMT_GGML_IQ1_M;
-    uint8_t dbits[2] = {0, 0};
+    uint8_t dbits[2] = {blk[0], blk[1]};
+    uint64_t ls8 = 0; /* the formats with a scale per 32: part i's in byte i */
     for (int i = 0; i < 8; i++) {
-        uint64_t e[4];
-        uint32_t sg;
-        int ls[2];
-        gb_iq_fields(fmt, blk, i, e, &sg, ls, dbits);
-        const __m256i g = _mm256_set_epi64x((long long)e[3], (long long)e[2], (long long)e[1], (long long)e[0]);
-        const __m256i pm = _mm256_set_epi64x((long long)g_pm8[sg >> 24], (long long)g_pm8[(sg >> 16) & 255],
-                                             (long long)g_pm8[(sg >> 8) & 255], (long long)g_pm8[sg & 255]);
+        __m256i g, pm;
+        if (fmt == SMOE_FMT_GGML_IQ2_XXS || fmt == SMOE_FMT_GGML_IQ3_XXS) {
+            const bool two = fmt == SMOE_FMT_GGML_IQ2_XXS;
+            const uint32_t aux = gb_u32(blk + (two ? 6 + 8 * i : 66 + 4 * i));
+            if (two) {
+                const uint8_t *ix = blk + 2 + 8 * i;
+                g = _mm256_set_epi64x((long long)gb_iq2xxs_grid[ix[3]], (long long)gb_iq2xxs_grid[ix[2]],
+                                      (long long)gb_iq2xxs_grid[ix[1]], (long long)gb_iq2xxs_grid[ix[0]]);
+            } else {
+                const __m256i ix = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(blk + 2 + 8 * i)));
+                g = _mm256_i32gather_epi32((const int *)(const void *)gb_iq3xxs_grid, ix, 4);
+            }
+            pm = _mm256_set_epi64x((long long)g_kpm[(aux >> 21) & 127], (long long)g_kpm[(aux >> 14) & 127],
+                                   (long long)g_kpm[(aux >> 7) & 127], (long long)g_kpm[aux & 127]);
+            ls8 |= (uint64_t)(aux >> 28) << (8 * i);
+        } else if (fmt == SMOE_FMT_GGML_IQ2_XS) {
+            const uint8_t *p = blk + 2 + 8 * i;
+            const uint32_t q0 = gb_u16(p), q1 = gb_u16(p + 2), q2 = gb_u16(p + 4), q3 = gb_u16(p + 6);
+            g = _mm256_set_epi64x((long long)gb_iq2xs_grid[q3 & 511], (long long)gb_iq2xs_grid[q2 & 511],
+                                  (long long)gb_iq2xs_grid[q1 & 511], (long long)gb_iq2xs_grid[q0 & 511]);
+            pm = _mm256_set_epi64x((long long)g_kpm[q3 >> 9], (long long)g_kpm[q2 >> 9], (long long)g_kpm[q1 >> 9],
+                                   (long long)g_kpm[q0 >> 9]);
+        } else if (fmt == SMOE_FMT_GGML_IQ2_S || fmt == SMOE_FMT_GGML_IQ3_S) {
+            const bool two = fmt == SMOE_FMT_GGML_IQ2_S;
+            const uint8_t *ix = blk + 2 + (two ? 4 : 8) * i;
+            const uint32_t qh = blk[66 + i];
+            if (two)
+                g = _mm256_set_epi64x((long long)gb_iq2s_grid[ix[3] | (qh << 2 & 0x300)], (long long)gb_iq2s_grid[ix[2] | (qh << 4 & 0x300)],
+                                      (long long)gb_iq2s_grid[ix[1] | (qh << 6 & 0x300)], (long long)gb_iq2s_grid[ix[0] | (qh << 8 & 0x300)]);
+            else
+                g = _mm256_i32gather_epi32(
+                    (const int *)(const void *)gb_iq3s_grid,
+                    _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)ix)),
+                                    _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32((int)qh), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)),
+                                                     _mm256_set1_epi32(256))),
+                    4);
+            const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                                    3, 3, 3, 3, 3, 3, 3, 3);
+            const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
+            const uint32_t sg = gb_u32(blk + (two ? 34 : 74) + 4 * i);
+            pm = _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)sg), spread), bit), bit),
+                                 _mm256_set1_epi8(1));
+        } else if (fmt == SMOE_FMT_GGML_IQ1_S) {
+            const uint32_t h = gb_u16(blk + 34 + 2 * i);
+            const uint8_t *ix = blk + 2 + 4 * i;
+            g = _mm256_set_epi64x((long long)gb_iq1s_grid[ix[3] | (h >> 1 & 0x700)], (long long)gb_iq1s_grid[ix[2] | (h << 2 & 0x700)],
+                                  (long long)gb_iq1s_grid[ix[1] | (h << 5 & 0x700)], (long long)gb_iq1s_grid[ix[0] | (h << 8 & 0x700)]);
+            pm = _mm256_set1_epi8((char)(1 - 2 * (int)(h >> 15)));
+            ls8 |= (uint64_t)((h >> 12) & 7) << (8 * i);
+        } else { /* IQ1_M */
+            const uint32_t n0 = blk[32 + 2 * i], n1 = blk[33 + 2 * i];
+            const uint8_t *ix = blk + 4 * i;
+            g = _mm256_set_epi64x((long long)gb_iq1s_grid[ix[3] | (n1 << 4 & 0x700)], (long long)gb_iq1s_grid[ix[2] | (n1 << 8 & 0x700)],
+                                  (long long)gb_iq1s_grid[ix[1] | (n0 << 4 & 0x700)], (long long)gb_iq1s_grid[ix[0] | (n0 << 8 & 0x700)]);
+            /* −1 bytes where a group's ⅛ is negative: the nibbles' bit 3 spread over the group's 8 bytes
+               (a branch per group would be random data's mispredict) */
+            const uint64_t ones = 0x0101010101010101ull;
+            pm = _mm256_set_epi64x((long long)(ones | ((n1 >> 7) & 1) * 0xFEFEFEFEFEFEFEFEull),
+                                   (long long)(ones | ((n1 >> 3) & 1) * 0xFEFEFEFEFEFEFEFEull),
+                                   (long long)(ones | ((n0 >> 7) & 1) * 0xFEFEFEFEFEFEFEFEull),
+                                   (long long)(ones | ((n0 >> 3) & 1) * 0xFEFEFEFEFEFEFEFEull));
+        }
         if (iq1) {
             const __m256i g2 = _mm256_add_epi8(g, g), g4 = _mm256_add_epi8(g2, g2);
             q[i] = _mm256_add_epi8(_mm256_add_epi8(g4, g4), pm);
         } else {
             q[i] = _mm256_sign_epi8(g, pm);
         }
-        sub[i] = _mm256_set_m128i(_mm_set1_epi16((short)(2 * ls[1] + 1)), _mm_set1_epi16((short)(2 * ls[0] + 1)));
     }
+    __m128i ls; /* byte 2i + h: ls of part i's half h */
+    const __m128i m15 = _mm_set1_epi8(15);
+    if (fmt == SMOE_FMT_GGML_IQ2_XS || fmt == SMOE_FMT_GGML_IQ2_S) { /* 8 bytes of two nibbles */
+        const __m128i v = _mm_loadl_epi64((const __m128i *)(const void *)(blk + (fmt == SMOE_FMT_GGML_IQ2_XS ? 66 : 74)));
+        ls = _mm_unpacklo_epi8(_mm_and_si128(v, m15), _mm_and_si128(_mm_srli_epi16(v, 4), m15));
+    } else if (fmt == SMOE_FMT_GGML_IQ3_S) { /* 4 bytes of two nibbles, one per part */
+        const __m128i v = _mm_cvtsi32_si128((int)gb_u32(blk + 106));
+        const __m128i l = _mm_unpacklo_epi8(_mm_and_si128(v, m15), _mm_and_si128(_mm_srli_epi16(v, 4), m15));
+        ls = _mm_unpacklo_epi8(l, l);
+    } else if (fmt == SMOE_FMT_GGML_IQ1_M) { /* 16 3-bit fields in the low 12 bits of 4 words */
+        uint64_t lo = 0, hi = 0;
+        for (int j = 0; j < 8; j++) {
+            lo |= (uint64_t)((gb_u16(blk + 48 + 2 * (j / 4)) >> (3 * (j % 4))) & 7) << (8 * j);
+            hi |= (uint64_t)((gb_u16(blk + 52 + 2 * (j / 4)) >> (3 * (j % 4))) & 7) << (8 * j);
+        }
+        ls = _mm_set_epi64x((long long)hi, (long long)lo);
+        gb_iq1m_d(blk, dbits);
+    } else { /* one per part, for both halves */
+        const __m128i v = _mm_cvtsi64_si128((long long)ls8);
+        ls = _mm_unpacklo_epi8(v, v);
+    }
+    *sbv = _mm_add_epi8(_mm_add_epi8(ls, ls), _mm_set1_epi8(1));
     const float d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((int)gb_u16(dbits))));
-    *sgv = _mm256_set1_ps(fmt == SMOE_FMT_GGML_IQ3_S ? d : d * (fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.25f : 0.125f));
+    return fmt == SMOE_FMT_GGML_IQ3_S ? d : d * (fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.25f : 0.125f);
 }
 
 /* Blocks [8k, 8k + 8) of a row (one 256-column block, or eight 32-column ones) in registers'
@@ -213,19 +304,7 @@ INLINE void g_decode8(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
         sgv = _mm256_set1_ps(g_f16_1(blk + 208));
         break;
     }
-    case SMOE_FMT_GGML_IQ2_XXS:
-    case SMOE_FMT_GGML_IQ2_XS:
-    case SMOE_FMT_GGML_IQ2_S:
-    case SMOE_FMT_GGML_IQ3_XXS:
-    case SMOE_FMT_GGML_IQ3_S:
-    case SMOE_FMT_GGML_IQ1_S:
-    case SMOE_FMT_GGML_IQ1_M: {
-        uint32_t bs, ts;
-        smoe_ggml_block(fmt, &bs, &ts);
-        g_iq_decode8(fmt, row + (size_t)ts * k, q, sub, &sgv);
-        break;
-    }
-    default: { /* Q2_K, Q3_K, Q4_1, Q5_1: the reference's decoder */
+    default: { /* Q2_K, Q3_K, Q4_1, Q5_1 (and the codebook formats, which take gp_decode): the reference's decoder */
         int8_t qb[8 * 32];
         int16_t sb[16];
         float sg[8], m[8];
@@ -323,16 +402,15 @@ INLINE bool gp_takes(uint8_t fmt) {
     }
     return false;
 }
-/* Whether the 8-bit-activation fast path takes the format: gp_takes' and the low-bit K-quants
- * Q2_K and Q3_K (their f32-activation product stays on g_decode8) */
+/* Whether the 8-bit-activation fast path takes the format: gp_takes', the low-bit K-quants Q2_K
+ * and Q3_K, Q4_1, Q5_1 and the codebook formats (their f32-activation products stay on
+ * g_decode8 or the reference's dequantisation) */
 INLINE bool gp_takes_qx(uint8_t fmt) {
     return gp_takes(fmt) || fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q4_1 ||
-           fmt == SMOE_FMT_GGML_Q5_1;
+           fmt == SMOE_FMT_GGML_Q5_1 || gb_is_iq(fmt);
 }
 /* Formats with int16 sub-scales per 16 columns (sub) */
-INLINE bool gp_has_sub(uint8_t fmt) {
-    return fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q2_K;
-}
+INLINE bool gp_has_sub(uint8_t fmt) { return gb_has_sub(fmt); }
 /* Formats whose q is unsigned (0..31), a valid u8 operand as it is */
 INLINE bool gp_unsigned(uint8_t fmt) {
     return fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K || fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q4_1 ||
@@ -551,6 +629,25 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
             }
         }
         sgv = gp_f16_all(blk + 208);
+        break;
+    }
+    case SMOE_FMT_GGML_IQ2_XXS:
+    case SMOE_FMT_GGML_IQ2_XS:
+    case SMOE_FMT_GGML_IQ2_S:
+    case SMOE_FMT_GGML_IQ3_XXS:
+    case SMOE_FMT_GGML_IQ3_S:
+    case SMOE_FMT_GGML_IQ1_S:
+    case SMOE_FMT_GGML_IQ1_M: { /* the plain parts, paired: [2p cols 0–15 | 2p + 1 cols 0–15], then 16–31 */
+        uint32_t bs, ts;
+        smoe_ggml_block(fmt, &bs, &ts);
+        __m256i q[8];
+        __m128i sv;
+        sgv = _mm256_set1_ps(g_iq_decode8(fmt, row + (size_t)ts * k, q, &sv));
+        for (int p = 0; p < 4; p++) {
+            w[2 * p] = _mm256_permute2x128_si256(q[2 * p], q[2 * p + 1], 0x20);
+            w[2 * p + 1] = _mm256_permute2x128_si256(q[2 * p], q[2 * p + 1], 0x31);
+        }
+        gp_subs(sv, sub);
         break;
     }
     case SMOE_FMT_GGML_Q2_K: { /* scales[16] (sub: low nibbles, mins: high), qs[64], d, dmin */
