@@ -6,7 +6,9 @@ byte. The vault numbers each format 32 + ggml's enum ggml_type. `dequantize` giv
 gguf-py's `gguf.quants.dequantize` gives, bit for bit (the same f32 operations in the same order;
 tests/test_ggml_formats.py checks it against gguf-py where installed and against golden vectors),
 and libsmoe's kernels dequantise the same way (csrc/cpu/ggml_blocks.h). A block whose f16 scale
-is inf or NaN dequantises by IEEE arithmetic (inf·0 = NaN).
+is inf or NaN dequantises by IEEE arithmetic (inf·0 = NaN). The codebook formats (IQ1_S ... IQ3_S,
+CODEBOOK_FORMATS) index tables that gguf-py defines: numpy leaves them to gguf-py itself (an
+ImportError names the extra to install), libsmoe holds a copy written from gguf-py's.
 
 Tensors arrive in these formats from a GGUF file (or from gpt-oss's MXFP4, rearranged
 losslessly). The one quantiser here is `quantize_mxfp4`, for float experts converted to MXFP4

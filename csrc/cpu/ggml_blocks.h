@@ -243,8 +243,38 @@ static inline void gb_iq_part(uint8_t fmt, const uint8_t *blk, int k, int8_t g[3
     }
 }
 
+/* An IQ block at src dequantised into out (256 floats): gguf-py's operations */
+static inline void gb_iq_dequant(uint8_t fmt, const uint8_t *src, float *out) {
+    const bool iq1 = fmt == SMOE_FMT_GGML_IQ1_S || fmt == SMOE_FMT_GGML_IQ1_M;
+    for (int k = 0; k < 8; k++) {
+        int8_t g[32];
+        uint8_t neg[32], dbits[2];
+        int ls[2];
+        gb_iq_part(fmt, src, k, g, neg, ls, dbits);
+        const float d = gb_f16(dbits);
+        for (int c = 0; c < 32; c++) {
+            const int l = ls[c / 16];
+            float v;
+            if (iq1) { /* dl·(g + δ) */
+                const float dl = d * (float)(2 * l + 1), gd = (float)g[c] + (neg[c] ? -0.125f : 0.125f);
+                v = dl * gd;
+            } else {
+                float db = fmt == SMOE_FMT_GGML_IQ3_S ? d * (float)(1 + 2 * l) : d * (0.5f + (float)l);
+                if (fmt != SMOE_FMT_GGML_IQ3_S) db = db * (fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.5f : 0.25f);
+                v = db * (float)g[c];
+                if (neg[c]) v = -v;
+            }
+            out[32 * k + c] = v;
+        }
+    }
+}
+
 /* One block at src, dequantised into out (block_size floats): gguf-py's operations. */
 static inline void gb_dequant_block(uint8_t fmt, const uint8_t *src, float *out) {
+    if (gb_is_iq(fmt)) {
+        gb_iq_dequant(fmt, src, out);
+        return;
+    }
     switch (fmt) {
     case SMOE_FMT_GGML_F16: out[0] = gb_f16(src); return;
     case SMOE_FMT_GGML_Q4_0: {
@@ -364,37 +394,6 @@ static inline void gb_dequant_block(uint8_t fmt, const uint8_t *src, float *out)
         }
         return;
     }
-    case SMOE_FMT_GGML_IQ2_XXS:
-    case SMOE_FMT_GGML_IQ2_XS:
-    case SMOE_FMT_GGML_IQ2_S:
-    case SMOE_FMT_GGML_IQ3_XXS:
-    case SMOE_FMT_GGML_IQ3_S:
-    case SMOE_FMT_GGML_IQ1_S:
-    case SMOE_FMT_GGML_IQ1_M: {
-        const bool iq1 = fmt == SMOE_FMT_GGML_IQ1_S || fmt == SMOE_FMT_GGML_IQ1_M;
-        for (int k = 0; k < 8; k++) {
-            int8_t g[32];
-            uint8_t neg[32], dbits[2];
-            int ls[2];
-            gb_iq_part(fmt, src, k, g, neg, ls, dbits);
-            const float d = gb_f16(dbits);
-            for (int c = 0; c < 32; c++) {
-                const int l = ls[c / 16];
-                float v;
-                if (iq1) { /* dl·(g + δ) */
-                    const float dl = d * (float)(2 * l + 1), gd = (float)g[c] + (neg[c] ? -0.125f : 0.125f);
-                    v = dl * gd;
-                } else {
-                    float db = fmt == SMOE_FMT_GGML_IQ3_S ? d * (float)(1 + 2 * l) : d * (0.5f + (float)l);
-                    if (fmt != SMOE_FMT_GGML_IQ3_S) db = db * (fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.5f : 0.25f);
-                    v = db * (float)g[c];
-                    if (neg[c]) v = -v;
-                }
-                out[32 * k + c] = v;
-            }
-        }
-        return;
-    }
     default: /* the vault parser admits no other format */
         return;
     }
@@ -450,6 +449,21 @@ static inline bool gb_has_min(uint8_t fmt) {
            fmt == SMOE_FMT_GGML_Q5_1;
 }
 
+/* Part k of an IQ block at blk in the integer form (the header's table): q, its two sub-scales, σ */
+static inline void gb_iq_qx_part(uint8_t fmt, const uint8_t *blk, int k, int8_t *qi, int16_t sub[2], float *sigma) {
+    const bool iq1 = fmt == SMOE_FMT_GGML_IQ1_S || fmt == SMOE_FMT_GGML_IQ1_M;
+    int8_t g[32];
+    uint8_t neg[32], dbits[2];
+    int ls[2];
+    gb_iq_part(fmt, blk, k, g, neg, ls, dbits);
+    for (int l = 0; l < 32; l++)
+        qi[l] = (int8_t)(iq1 ? 8 * g[l] + (neg[l] ? -1 : 1) : neg[l] ? -g[l] : g[l]);
+    sub[0] = (int16_t)(2 * ls[0] + 1);
+    sub[1] = (int16_t)(2 * ls[1] + 1);
+    const float d = gb_f16q(dbits);
+    *sigma = fmt == SMOE_FMT_GGML_IQ3_S ? d : d * (fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.25f : 0.125f);
+}
+
 /* The header's form of blocks [b0, b0 + nb) of 32 columns of a row (row: the row's first byte; b0
  * and nb multiples of 8 for the 256-column formats): q[32·i + c], sub[2·i + h], sigma[i], mu[i]
  * for block b0 + i. A format without a min writes mu = 0. */
@@ -464,6 +478,10 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
         int8_t *qi = q + 32 * (size_t)i;
         sub[2 * i] = sub[2 * i + 1] = 1;
         mu[i] = 0.0f;
+        if (gb_is_iq(fmt)) {
+            gb_iq_qx_part(fmt, blk, k, qi, sub + 2 * i, sigma + i);
+            continue;
+        }
         switch (fmt) {
         case SMOE_FMT_GGML_Q4_0:
         case SMOE_FMT_GGML_Q5_0: {
@@ -563,26 +581,6 @@ static inline void gb_qx_decode(uint8_t fmt, const uint8_t *row, uint32_t b0, ui
             sub[2 * i] = (int16_t)gb_scale_q3k(blk + 96, 2 * k);
             sub[2 * i + 1] = (int16_t)gb_scale_q3k(blk + 96, 2 * k + 1);
             sigma[i] = gb_f16q(blk + 108);
-            break;
-        }
-        case SMOE_FMT_GGML_IQ2_XXS:
-        case SMOE_FMT_GGML_IQ2_XS:
-        case SMOE_FMT_GGML_IQ2_S:
-        case SMOE_FMT_GGML_IQ3_XXS:
-        case SMOE_FMT_GGML_IQ3_S:
-        case SMOE_FMT_GGML_IQ1_S:
-        case SMOE_FMT_GGML_IQ1_M: {
-            const bool iq1 = fmt == SMOE_FMT_GGML_IQ1_S || fmt == SMOE_FMT_GGML_IQ1_M;
-            int8_t g[32];
-            uint8_t neg[32], dbits[2];
-            int ls[2];
-            gb_iq_part(fmt, blk, k, g, neg, ls, dbits);
-            for (int l = 0; l < 32; l++)
-                qi[l] = (int8_t)(iq1 ? 8 * g[l] + (neg[l] ? -1 : 1) : neg[l] ? -g[l] : g[l]);
-            sub[2 * i] = (int16_t)(2 * ls[0] + 1);
-            sub[2 * i + 1] = (int16_t)(2 * ls[1] + 1);
-            const float d = gb_f16q(dbits);
-            sigma[i] = fmt == SMOE_FMT_GGML_IQ3_S ? d : d * (fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.25f : 0.125f);
             break;
         }
         default:

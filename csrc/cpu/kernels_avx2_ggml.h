@@ -631,25 +631,6 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
         sgv = gp_f16_all(blk + 208);
         break;
     }
-    case SMOE_FMT_GGML_IQ2_XXS:
-    case SMOE_FMT_GGML_IQ2_XS:
-    case SMOE_FMT_GGML_IQ2_S:
-    case SMOE_FMT_GGML_IQ3_XXS:
-    case SMOE_FMT_GGML_IQ3_S:
-    case SMOE_FMT_GGML_IQ1_S:
-    case SMOE_FMT_GGML_IQ1_M: { /* the plain parts, paired: [2p cols 0–15 | 2p + 1 cols 0–15], then 16–31 */
-        uint32_t bs, ts;
-        smoe_ggml_block(fmt, &bs, &ts);
-        __m256i q[8];
-        __m128i sv;
-        sgv = _mm256_set1_ps(g_iq_decode8(fmt, row + (size_t)ts * k, q, &sv));
-        for (int p = 0; p < 4; p++) {
-            w[2 * p] = _mm256_permute2x128_si256(q[2 * p], q[2 * p + 1], 0x20);
-            w[2 * p + 1] = _mm256_permute2x128_si256(q[2 * p], q[2 * p + 1], 0x31);
-        }
-        gp_subs(sv, sub);
-        break;
-    }
     case SMOE_FMT_GGML_Q2_K: { /* scales[16] (sub: low nibbles, mins: high), qs[64], d, dmin */
         const uint8_t *blk = row + 84 * (size_t)k;
         const __m256i m3 = _mm256_set1_epi8(3);
@@ -687,7 +668,20 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
         sgv = gp_f16_all(blk + 108);
         break;
     }
-    default: break; /* not taken (gp_takes_qx) */
+    default:
+        if (gb_is_iq(fmt)) { /* the plain parts, paired: [2p cols 0–15 | 2p + 1 cols 0–15], then 16–31 */
+            uint32_t bs, ts;
+            smoe_ggml_block(fmt, &bs, &ts);
+            __m256i q[8];
+            __m128i sv;
+            sgv = _mm256_set1_ps(g_iq_decode8(fmt, row + (size_t)ts * k, q, &sv));
+            for (int p = 0; p < 4; p++) {
+                w[2 * p] = _mm256_permute2x128_si256(q[2 * p], q[2 * p + 1], 0x20);
+                w[2 * p + 1] = _mm256_permute2x128_si256(q[2 * p], q[2 * p + 1], 0x31);
+            }
+            gp_subs(sv, sub);
+        }
+        break; /* another: not taken (gp_takes_qx) */
     }
     *sigl = _mm256_permutevar8x32_ps(sgv, lane_of);
 }
