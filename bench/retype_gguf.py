@@ -40,6 +40,9 @@ def main(argv=None) -> int:
     _, bs, ts = ggml_blocks.FORMATS[args.type]
     rng = np.random.default_rng(args.seed)
     r = gguf.GGUFReader(args.src)
+    for t in r.tensors:  # before anything is written
+        if EXPERTS.search(t.name) and int(t.shape[0]) % bs:
+            raise SystemExit(f"{t.name}: {int(t.shape[0])} columns, not a whole number of {args.type} blocks ({bs})")
     w = gguf.GGUFWriter(args.out, r.fields["general.architecture"].contents())
     for name, f in r.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
@@ -52,8 +55,6 @@ def main(argv=None) -> int:
             continue
         cols = int(t.shape[0])
         rows = int(np.prod([int(s) for s in t.shape[1:]]))
-        if cols % bs:
-            raise SystemExit(f"{t.name}: {cols} columns, not a whole number of {args.type} blocks ({bs})")
         sample = gguf.quants.dequantize(np.asarray(t.data).reshape(rows, -1)[:64], t.tensor_type)
         std = float(np.std(sample)) or 0.02
         data = ggml_blocks.random_blocks(args.type, rows, cols, std, rng).reshape(*np.asarray(t.data).shape[:-1], -1)

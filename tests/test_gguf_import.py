@@ -931,3 +931,40 @@ def test_sentencepiece_vocabularies_against_llama_cpp_live(model_type, size, tmp
     want = mk.llama_cpp_tokens(path, texts)
     bad = [t for t, w in zip(texts, want) if enc(t) != w]
     assert not bad, bad[:3]
+
+
+def test_retype_gguf_rewrites_only_the_experts(tmp_path):
+    """bench/retype_gguf.py (a benchmark's model of one GGML type): the stacked experts become
+    random blocks of the type with about the std of the tensors they replace, every other tensor
+    and every metadata key is copied as it was, and the file imports and runs."""
+    import sys
+
+    import pysmoe
+
+    gguf = pytest.importorskip("gguf")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_scripts import load
+
+    src, out = DATA / "k256-iq.gguf", tmp_path / "iq1s.gguf"
+    assert load("retype_gguf").main([str(src), str(out), "--type", "IQ1_S", "--seed", "3"]) == 0
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(out)
+    assert {k: f.contents() for k, f in a.fields.items() if not k.startswith("GGUF.")} == \
+           {k: f.contents() for k, f in b.fields.items() if not k.startswith("GGUF.")}
+    tb = {t.name: t for t in b.tensors}
+    assert set(tb) == {t.name for t in a.tensors}
+    for t in a.tensors:
+        u = tb[t.name]
+        assert [int(x) for x in u.shape] == [int(x) for x in t.shape], t.name
+        if "_exps." in t.name:
+            assert u.tensor_type.name == "IQ1_S", t.name
+            want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).std()
+            got = gguf.quants.dequantize(np.asarray(u.data), u.tensor_type).std()
+            assert 0.5 * want < got < 2 * want, (t.name, want, got)
+        else:
+            assert u.tensor_type == t.tensor_type and np.asarray(u.data).tobytes() == np.asarray(t.data).tobytes(), t.name
+    vault = convert_checkpoint(out, tmp_path / "v", progress=False)
+    with pysmoe.open_vault(vault) as v, v.session() as s:
+        assert np.isfinite(s.prefill([1, 2, 3])).all()
+    with pytest.raises(SystemExit, match="columns"):  # Q4_K_M's 128-wide down_proj holds no 256-block
+        load("retype_gguf").main([str(DATA / "k256-q4_k_m.gguf"), str(tmp_path / "x.gguf"), "--type", "IQ2_XXS"])
+    assert not (tmp_path / "x.gguf").exists()  # refused before anything was written
