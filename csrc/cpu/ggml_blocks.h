@@ -30,11 +30,13 @@
  *           w_c = d·sub_h·q_c − dmin·m_h, whose min term takes the activation codes too
  *           (gb_q2k_mins: ν·Σ_h m_h·Σ_{c ∈ half h} code_c, ν = −dmin; kernels_ref.c)
  * and the IQ1/IQ2/IQ3 formats (gb_iq_part: a codebook entry g per 8 or 4 columns, its signs,
- * a 3- or 4-bit scale ls per 32 or 16 columns; every one an integer multiple of d/8):
- *     IQ2_XXS, IQ2_XS, IQ2_S  w = d·(ls + ½)/4·(±g)   q = ±g   sub = 2·ls + 1   σ = d/8
- *     IQ3_XXS                 w = d·(ls + ½)/2·(±g)   q = ±g   sub = 2·ls + 1   σ = d/4
- *     IQ3_S                   w = d·(2·ls + 1)·(±g)   q = ±g   sub = 2·ls + 1   σ = d
- *     IQ1_S, IQ1_M            w = d·(2·ls + 1)·(g ± ⅛) q = 8·g ± 1 sub = 2·ls + 1 σ = d/8
+ * a 3- or 4-bit scale ls per 32 or 16 columns; every one an integer multiple of d/8), with
+ * f = 1/8, 1/4, 1 below; a scale per 32 goes into σ = (d·(2·ls + 1))·f (sub = 1, the cheaper
+ * product without sub-scales), one per 16 into sub = 2·ls_h + 1 with σ = d·f:
+ *     IQ2_XXS (per 32), IQ2_XS, IQ2_S (per 16)   w = d·(ls + ½)/4·(±g)    q = ±g       f = 1/8
+ *     IQ3_XXS (per 32)                          w = d·(ls + ½)/2·(±g)    q = ±g       f = 1/4
+ *     IQ3_S (per 32)                            w = d·(2·ls + 1)·(±g)    q = ±g       f = 1
+ *     IQ1_S (per 32), IQ1_M (per 16)            w = d·(2·ls + 1)·(g ± ⅛) q = 8·g ± 1  f = 1/8
  * F16 has no such form: its products take f32 activations. */
 #ifndef SMOE_GGML_BLOCKS_H
 #define SMOE_GGML_BLOCKS_H
@@ -437,10 +439,18 @@ static inline int gb_act_type(uint8_t fmt) {
     return gb_is_iq(fmt) ? GB_ACT_Q8_K : GB_ACT_Q8_0;
 }
 
-/* Whether the format's integer form has sub-scales other than 1 (sub: Q6_K, Q3_K, Q2_K and the
- * codebook formats) */
+/* Whether a codebook format has one scale per 32 columns (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S), which its
+ * integer form folds into σ; the others have one per 16 (IQ2_XS, IQ2_S, IQ1_M), sub-scales */
+static inline bool gb_iq_scale32(uint8_t fmt) {
+    return fmt == SMOE_FMT_GGML_IQ2_XXS || fmt == SMOE_FMT_GGML_IQ3_XXS || fmt == SMOE_FMT_GGML_IQ3_S ||
+           fmt == SMOE_FMT_GGML_IQ1_S;
+}
+
+/* Whether the format's integer form has sub-scales other than 1 (sub: Q6_K, Q3_K, Q2_K, IQ2_XS,
+ * IQ2_S, IQ1_M) */
 static inline bool gb_has_sub(uint8_t fmt) {
-    return fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q2_K || gb_is_iq(fmt);
+    return fmt == SMOE_FMT_GGML_Q6_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q2_K ||
+           (gb_is_iq(fmt) && !gb_iq_scale32(fmt));
 }
 
 /* Whether the format carries a min (μ ≠ 0): Q4_1, Q5_1, Q4_K, Q5_K (their q are non-negative). */
@@ -458,10 +468,15 @@ static inline void gb_iq_qx_part(uint8_t fmt, const uint8_t *blk, int k, int8_t 
     gb_iq_part(fmt, blk, k, g, neg, ls, dbits);
     for (int l = 0; l < 32; l++)
         qi[l] = (int8_t)(iq1 ? 8 * g[l] + (neg[l] ? -1 : 1) : neg[l] ? -g[l] : g[l]);
-    sub[0] = (int16_t)(2 * ls[0] + 1);
-    sub[1] = (int16_t)(2 * ls[1] + 1);
-    const float d = gb_f16q(dbits);
-    *sigma = fmt == SMOE_FMT_GGML_IQ3_S ? d : d * (fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.25f : 0.125f);
+    const float d = gb_f16q(dbits), f = fmt == SMOE_FMT_GGML_IQ3_S ? 1.0f : fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.25f : 0.125f;
+    if (gb_iq_scale32(fmt)) { /* one scale per 32: in σ */
+        sub[0] = sub[1] = 1;
+        *sigma = d * (float)(2 * ls[0] + 1) * f;
+    } else {
+        sub[0] = (int16_t)(2 * ls[0] + 1);
+        sub[1] = (int16_t)(2 * ls[1] + 1);
+        *sigma = d * f;
+    }
 }
 
 /* The header's form of blocks [b0, b0 + nb) of 32 columns of a row (row: the row's first byte; b0

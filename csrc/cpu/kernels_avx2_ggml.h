@@ -81,12 +81,13 @@ static const uint64_t g_kpm[128] = {G_KPMx16(0), G_KPMx16(16), G_KPMx16(32), G_K
 /* The codebook formats' step (one 256-column block at blk): per part i of 32 columns, its 4
  * codebook entries as one register, signed by its sign bits (IQ2/IQ3: q = ±g) or 8·g ± 1 (IQ1);
  * byte 2i + h of *sbv the sub-scale 2·ls + 1 of its half h (built in registers: bytes stored one
- * by one and loaded as a vector would stall the load); σ = d·(1/8, 1/4 or 1), the return value. The
+ * by one and loaded as a vector would stall the load); σ in plain order, the return value (d·f, or
+ * (d·(2·ls + 1))·f for the formats with a scale per 32, whose products then take no sub-scales). The
  * fields are read where gb_iq_fields (ggml_blocks.h) reads them, so the integers are gb_qx_decode's
  * (tests/c/test_ggml.c compares the products bit for bit). The IQ3 grids' 8 entries a part come
  * from one vpgatherdd (3.4 against 5.4 ms for IQ3_S with 8 loads, bench/ggml_kernels.c n = 1 on the
  * Xeon; the IQ2 and IQ1 grids' 4 through a 64-bit gather were slower: bench/RESULTS.md). */
-INLINE float g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], __m128i *sbv) {
+INLINE __m256 g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], __m128i *sbv) {
     const bool iq1 = fmt == SMOE_FMT_GGML_IQ1_S || fmt == SMOE_FMT_GGML_IQ1_M;
     uint8_t dbits[2] = {blk[0], blk[1]};
     uint64_t ls8 = 0; /* the formats with a scale per 32: part i's in byte i */
@@ -183,7 +184,10 @@ INLINE float g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], _
     }
     *sbv = _mm_add_epi8(_mm_add_epi8(ls, ls), _mm_set1_epi8(1));
     const float d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((int)gb_u16(dbits))));
-    return fmt == SMOE_FMT_GGML_IQ3_S ? d : d * (fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.25f : 0.125f);
+    const float f = fmt == SMOE_FMT_GGML_IQ3_S ? 1.0f : fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.25f : 0.125f;
+    if (!gb_iq_scale32(fmt)) return _mm256_set1_ps(d * f);
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_shuffle_epi8(*sbv, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1))));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), sc), _mm256_set1_ps(f)); /* (d·(2·ls + 1))·f, in plain order */
 }
 
 /* Blocks [8k, 8k + 8) of a row (one 256-column block, or eight 32-column ones) in registers'
@@ -674,12 +678,12 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
             smoe_ggml_block(fmt, &bs, &ts);
             __m256i q[8];
             __m128i sv;
-            sgv = _mm256_set1_ps(g_iq_decode8(fmt, row + (size_t)ts * k, q, &sv));
+            sgv = g_iq_decode8(fmt, row + (size_t)ts * k, q, &sv);
             for (int p = 0; p < 4; p++) {
                 w[2 * p] = _mm256_permute2x128_si256(q[2 * p], q[2 * p + 1], 0x20);
                 w[2 * p + 1] = _mm256_permute2x128_si256(q[2 * p], q[2 * p + 1], 0x31);
             }
-            gp_subs(sv, sub);
+            if (gb_has_sub(fmt)) gp_subs(sv, sub);
         }
         break; /* another: not taken (gp_takes_qx) */
     }
