@@ -195,9 +195,12 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
         return;
     }
     __m256 tot[TT], bia[TT];
-    _Alignas(32) uint8_t xr[GP_XBYTES]; /* a tile's codes in pair order */
-    int16_t hs[GP_XBYTES / 16];         /* Q2_K: its half sums (relaid; else a step's, hs1) */
-    const uint32_t tt = cols <= MAXC && GP_XBYTES / cols < TT ? GP_XBYTES / cols : TT;
+    /* a tile's codes in pair order: twice the bytes for the codebook formats, whose decoding costs
+       more than the codes' trip out of L1 (bench/RESULTS.md); the others use the first GP_XBYTES */
+    _Alignas(32) uint8_t xr[2 * GP_XBYTES];
+    int16_t hs[GP_XBYTES / 16]; /* Q2_K: its half sums (relaid; else a step's, hs1) */
+    const uint32_t xbytes = gb_is_iq(fmt) ? 2 * GP_XBYTES : GP_XBYTES;
+    const uint32_t tt = cols <= MAXC && xbytes / cols < TT ? xbytes / cols : TT;
     const bool relaid = cols <= MAXC;
     for (uint32_t t0 = 0; t0 < n; t0 += tt) {
         const uint32_t nt = n - t0 < tt ? n - t0 : tt;
