@@ -146,13 +146,14 @@ INLINE __m256 g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], 
             const uint8_t *ix = blk + 4 * i;
             g = _mm256_set_epi64x((long long)gb_iq1s_grid[ix[3] | (n1 << 4 & 0x700)], (long long)gb_iq1s_grid[ix[2] | (n1 << 8 & 0x700)],
                                   (long long)gb_iq1s_grid[ix[1] | (n0 << 4 & 0x700)], (long long)gb_iq1s_grid[ix[0] | (n0 << 8 & 0x700)]);
-            /* −1 bytes where a group's ⅛ is negative: the nibbles' bit 3 spread over the group's 8 bytes
-               (a branch per group would be random data's mispredict) */
-            const uint64_t ones = 0x0101010101010101ull;
-            pm = _mm256_set_epi64x((long long)(ones | ((n1 >> 7) & 1) * 0xFEFEFEFEFEFEFEFEull),
-                                   (long long)(ones | ((n1 >> 3) & 1) * 0xFEFEFEFEFEFEFEFEull),
-                                   (long long)(ones | ((n0 >> 7) & 1) * 0xFEFEFEFEFEFEFEFEull),
-                                   (long long)(ones | ((n0 >> 3) & 1) * 0xFEFEFEFEFEFEFEFEull));
+            /* −1 bytes where a group's ⅛ is negative: bit 3 of each nibble, spread over its group's
+               8 bytes (byte l of sg for group l; a branch per group would mispredict on random bits) */
+            const uint32_t nb = n0 | n1 << 8;
+            const uint32_t sg = ((nb >> 3) & 1) * 0xFFu | ((nb >> 7) & 1) * 0xFF00u | ((nb >> 11) & 1) * 0xFF0000u |
+                                ((nb >> 15) & 1) * 0xFF000000u;
+            const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
+                                                    3, 3, 3, 3, 3, 3, 3, 3);
+            pm = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)sg), spread), _mm256_set1_epi8(1));
         }
         if (iq1) {
             const __m256i g2 = _mm256_add_epi8(g, g), g4 = _mm256_add_epi8(g2, g2);
@@ -171,12 +172,14 @@ INLINE __m256 g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], 
         const __m128i l = _mm_unpacklo_epi8(_mm_and_si128(v, m15), _mm_and_si128(_mm_srli_epi16(v, 4), m15));
         ls = _mm_unpacklo_epi8(l, l);
     } else if (fmt == SMOE_FMT_GGML_IQ1_M) { /* 16 3-bit fields in the low 12 bits of 4 words */
-        uint64_t lo = 0, hi = 0;
-        for (int j = 0; j < 8; j++) {
-            lo |= (uint64_t)((gb_u16(blk + 48 + 2 * (j / 4)) >> (3 * (j % 4))) & 7) << (8 * j);
-            hi |= (uint64_t)((gb_u16(blk + 52 + 2 * (j / 4)) >> (3 * (j % 4))) & 7) << (8 * j);
-        }
-        ls = _mm_set_epi64x((long long)hi, (long long)lo);
+        const __m128i w = _mm_loadl_epi64((const __m128i *)(const void *)(blk + 48)); /* u16 w0..w3 */
+        /* 32-bit lanes: field j of word j/4 shifted down, for j = 0..7 then 8..15 */
+        const __m256i sh = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9);
+        const __m256i lo = _mm256_srlv_epi32(_mm256_cvtepu16_epi32(_mm_shuffle_epi8(w, _mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3))), sh);
+        const __m256i hi = _mm256_srlv_epi32(_mm256_cvtepu16_epi32(_mm_shuffle_epi8(w, _mm_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7))), sh);
+        const __m256i f = _mm256_and_si256(_mm256_packus_epi32(lo, hi), _mm256_set1_epi16(7)); /* [lo0-3 hi0-3 | lo4-7 hi4-7] */
+        const __m256i fo = _mm256_permute4x64_epi64(f, 0xD8);                                  /* lo0-7, hi0-7 */
+        ls = _mm_packus_epi16(_mm256_castsi256_si128(fo), _mm256_extracti128_si256(fo, 1));
         gb_iq1m_d(blk, dbits);
     } else { /* one per part, for both halves */
         const __m128i v = _mm_cvtsi64_si128((long long)ls8);
