@@ -112,13 +112,13 @@ extern const uint32_t gb_iq3xxs_grid[256], gb_iq3s_grid[512];
 /* The signs of 8 values from a 7-bit index: its bits, and an eighth that makes the count of minus
  * signs even (gguf-py's ksigns table; scripts/gen_iq_grids.py checks the rule), as a table the
  * compiler builds (a popcount is a library call where the build does not target POPCNT). */
-#define GB_KS(i) ((i) | ((((i) ^ (i) >> 1 ^ (i) >> 2 ^ (i) >> 3 ^ (i) >> 4 ^ (i) >> 5 ^ (i) >> 6) & 1) << 7))
-#define GB_KS8(i) GB_KS(i), GB_KS((i) + 1), GB_KS((i) + 2), GB_KS((i) + 3), GB_KS((i) + 4), GB_KS((i) + 5), GB_KS((i) + 6), GB_KS((i) + 7)
+#define GB_KSIGNS(i) ((i) | ((((i) ^ (i) >> 1 ^ (i) >> 2 ^ (i) >> 3 ^ (i) >> 4 ^ (i) >> 5 ^ (i) >> 6) & 1) << 7))
+#define GB_KS8(i) GB_KSIGNS(i), GB_KSIGNS((i) + 1), GB_KSIGNS((i) + 2), GB_KSIGNS((i) + 3), GB_KSIGNS((i) + 4), \
+                  GB_KSIGNS((i) + 5), GB_KSIGNS((i) + 6), GB_KSIGNS((i) + 7)
 #define GB_KS32(i) GB_KS8(i), GB_KS8((i) + 8), GB_KS8((i) + 16), GB_KS8((i) + 24)
 static const uint8_t gb_ksigns_table[128] = {GB_KS32(0), GB_KS32(32), GB_KS32(64), GB_KS32(96)};
 #undef GB_KS32
 #undef GB_KS8
-#undef GB_KS
 static inline unsigned gb_ksigns(unsigned i) { return gb_ksigns_table[i & 127]; }
 
 static inline uint32_t gb_u16(const uint8_t *p) {
@@ -152,6 +152,15 @@ static inline bool gb_is_iq(uint8_t fmt) {
     case SMOE_FMT_GGML_IQ1_M: return true;
     }
     return false;
+}
+
+/* Whether fmt is IQ1_S or IQ1_M (values g ± ⅛, not ±g) */
+static inline bool gb_iq1(uint8_t fmt) { return fmt == SMOE_FMT_GGML_IQ1_S || fmt == SMOE_FMT_GGML_IQ1_M; }
+
+/* The power of two f of a codebook format's integer form (the header's table): σ = d·f, or
+ * (d·(2·ls + 1))·f where the format has one scale per 32 */
+static inline float gb_iq_f(uint8_t fmt) {
+    return fmt == SMOE_FMT_GGML_IQ3_S ? 1.0f : fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.25f : 0.125f;
 }
 
 /* Part k (< 8, 32 columns) of an IQ block at blk, as stored: e[l] the codebook entry (or, for the
@@ -247,7 +256,7 @@ static inline void gb_iq_part(uint8_t fmt, const uint8_t *blk, int k, int8_t g[3
 
 /* An IQ block at src dequantised into out (256 floats): gguf-py's operations */
 static inline void gb_iq_dequant(uint8_t fmt, const uint8_t *src, float *out) {
-    const bool iq1 = fmt == SMOE_FMT_GGML_IQ1_S || fmt == SMOE_FMT_GGML_IQ1_M;
+    const bool iq1 = gb_iq1(fmt);
     for (int k = 0; k < 8; k++) {
         int8_t g[32];
         uint8_t neg[32], dbits[2];
@@ -461,14 +470,14 @@ static inline bool gb_has_min(uint8_t fmt) {
 
 /* Part k of an IQ block at blk in the integer form (the header's table): q, its two sub-scales, σ */
 static inline void gb_iq_qx_part(uint8_t fmt, const uint8_t *blk, int k, int8_t *qi, int16_t sub[2], float *sigma) {
-    const bool iq1 = fmt == SMOE_FMT_GGML_IQ1_S || fmt == SMOE_FMT_GGML_IQ1_M;
+    const bool iq1 = gb_iq1(fmt);
     int8_t g[32];
     uint8_t neg[32], dbits[2];
     int ls[2];
     gb_iq_part(fmt, blk, k, g, neg, ls, dbits);
     for (int l = 0; l < 32; l++)
         qi[l] = (int8_t)(iq1 ? 8 * g[l] + (neg[l] ? -1 : 1) : neg[l] ? -g[l] : g[l]);
-    const float d = gb_f16q(dbits), f = fmt == SMOE_FMT_GGML_IQ3_S ? 1.0f : fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.25f : 0.125f;
+    const float d = gb_f16q(dbits), f = gb_iq_f(fmt);
     if (gb_iq_scale32(fmt)) { /* one scale per 32: in σ */
         sub[0] = sub[1] = 1;
         *sigma = d * (float)(2 * ls[0] + 1) * f;

@@ -55,28 +55,32 @@ INLINE __m256i g_reduce8(const __m256i p[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* g_pm8[b]: the 8 bytes ±1 of sign byte b (byte j −1 where bit j is set), built by the compiler */
+/* g_kpm[i]: the 8 bytes ±1 of the sign byte of 7-bit index i (gb_ksigns; byte j −1 where bit j is
+ * set), built by the compiler */
 #define G_PM1(b, j) ((((b) >> (j)) & 1) ? 0xFFull << (8 * (j)) : 1ull << (8 * (j)))
 #define G_PM8(b) (G_PM1(b, 0) | G_PM1(b, 1) | G_PM1(b, 2) | G_PM1(b, 3) | G_PM1(b, 4) | G_PM1(b, 5) | G_PM1(b, 6) | G_PM1(b, 7))
-#define G_PM8x4(b) G_PM8(b), G_PM8((b) + 1), G_PM8((b) + 2), G_PM8((b) + 3)
-#define G_PM8x16(b) G_PM8x4(b), G_PM8x4((b) + 4), G_PM8x4((b) + 8), G_PM8x4((b) + 12)
-#define G_PM8x64(b) G_PM8x16(b), G_PM8x16((b) + 16), G_PM8x16((b) + 32), G_PM8x16((b) + 48)
-static const uint64_t g_pm8[256] = {G_PM8x64(0), G_PM8x64(64), G_PM8x64(128), G_PM8x64(192)};
-/* g_kpm[i]: g_pm8 of the sign byte of 7-bit index i (gb_ksigns) */
-#define G_KS(i) ((i) | ((((i) ^ (i) >> 1 ^ (i) >> 2 ^ (i) >> 3 ^ (i) >> 4 ^ (i) >> 5 ^ (i) >> 6) & 1) << 7))
-#define G_KPM(i) G_PM8(G_KS(i))
+#define G_KPM(i) G_PM8(GB_KSIGNS(i))
 #define G_KPMx4(b) G_KPM(b), G_KPM((b) + 1), G_KPM((b) + 2), G_KPM((b) + 3)
 #define G_KPMx16(b) G_KPMx4(b), G_KPMx4((b) + 4), G_KPMx4((b) + 8), G_KPMx4((b) + 12)
 static const uint64_t g_kpm[128] = {G_KPMx16(0), G_KPMx16(16), G_KPMx16(32), G_KPMx16(48), G_KPMx16(64), G_KPMx16(80), G_KPMx16(96), G_KPMx16(112)};
 #undef G_KPMx16
 #undef G_KPMx4
 #undef G_KPM
-#undef G_KS
-#undef G_PM8x64
-#undef G_PM8x16
-#undef G_PM8x4
 #undef G_PM8
 #undef G_PM1
+
+/* byte j of the result: byte j / 8 of v (each of v's 4 bytes spread over 8) */
+INLINE __m256i g_spread4(uint32_t v) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3,
+                                            3, 3, 3, 3, 3, 3);
+    return _mm256_shuffle_epi8(_mm256_set1_epi32((int)v), spread);
+}
+
+/* byte j of the result: 0xFF where bit j % 8 of byte j / 8 of v is set, else 0 */
+INLINE __m256i g_bits32(uint32_t v) {
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(g_spread4(v), bit), bit);
+}
 
 /* The codebook formats' step (one 256-column block at blk): per part i of 32 columns, its 4
  * codebook entries as one register, signed by its sign bits (IQ2/IQ3: q = ±g) or 8·g ± 1 (IQ1);
@@ -88,7 +92,7 @@ static const uint64_t g_kpm[128] = {G_KPMx16(0), G_KPMx16(16), G_KPMx16(32), G_K
  * from one vpgatherdd (3.4 against 5.4 ms for IQ3_S with 8 loads, bench/ggml_kernels.c n = 1 on the
  * Xeon; the IQ2 and IQ1 grids' 4 through a 64-bit gather were slower: bench/RESULTS.md). */
 INLINE __m256 g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], __m128i *sbv) {
-    const bool iq1 = fmt == SMOE_FMT_GGML_IQ1_S || fmt == SMOE_FMT_GGML_IQ1_M;
+    const bool iq1 = gb_iq1(fmt);
     uint8_t dbits[2] = {blk[0], blk[1]};
     uint64_t ls8 = 0; /* the formats with a scale per 32: part i's in byte i */
     for (int i = 0; i < 8; i++) {
@@ -128,12 +132,7 @@ INLINE __m256 g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], 
                                     _mm256_and_si256(_mm256_sllv_epi32(_mm256_set1_epi32((int)qh), _mm256_setr_epi32(8, 7, 6, 5, 4, 3, 2, 1)),
                                                      _mm256_set1_epi32(256))),
                     4);
-            const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
-                                                    3, 3, 3, 3, 3, 3, 3, 3);
-            const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
-            const uint32_t sg = gb_u32(blk + (two ? 34 : 74) + 4 * i);
-            pm = _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)sg), spread), bit), bit),
-                                 _mm256_set1_epi8(1));
+            pm = _mm256_or_si256(g_bits32(gb_u32(blk + (two ? 34 : 74) + 4 * i)), _mm256_set1_epi8(1));
         } else if (fmt == SMOE_FMT_GGML_IQ1_S) {
             const uint32_t h = gb_u16(blk + 34 + 2 * i);
             const uint8_t *ix = blk + 2 + 4 * i;
@@ -151,9 +150,7 @@ INLINE __m256 g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], 
             const uint32_t nb = n0 | n1 << 8;
             const uint32_t sg = ((nb >> 3) & 1) * 0xFFu | ((nb >> 7) & 1) * 0xFF00u | ((nb >> 11) & 1) * 0xFF0000u |
                                 ((nb >> 15) & 1) * 0xFF000000u;
-            const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2,
-                                                    3, 3, 3, 3, 3, 3, 3, 3);
-            pm = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)sg), spread), _mm256_set1_epi8(1));
+            pm = _mm256_or_si256(g_spread4(sg), _mm256_set1_epi8(1));
         }
         if (iq1) {
             const __m256i g2 = _mm256_add_epi8(g, g), g4 = _mm256_add_epi8(g2, g2);
@@ -187,7 +184,7 @@ INLINE __m256 g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], 
     }
     *sbv = _mm_add_epi8(_mm_add_epi8(ls, ls), _mm_set1_epi8(1));
     const float d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((int)gb_u16(dbits))));
-    const float f = fmt == SMOE_FMT_GGML_IQ3_S ? 1.0f : fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.25f : 0.125f;
+    const float f = gb_iq_f(fmt);
     if (!gb_iq_scale32(fmt)) return _mm256_set1_ps(d * f);
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_shuffle_epi8(*sbv, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1))));
     return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(d), sc), _mm256_set1_ps(f)); /* (d·(2·ls + 1))·f, in plain order */
@@ -231,14 +228,9 @@ INLINE void g_decode8(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
         break;
     }
     case SMOE_FMT_GGML_Q5_0: {
-        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
-                                                3, 3, 3, 3, 3, 3, 3);
-        const __m256i bit = _mm256_set1_epi64x(0x8040201008040201ll);
         for (int i = 0; i < 8; i++) {
             const uint8_t *blk = row + 22 * (size_t)(8 * k + i);
-            uint32_t qh;
-            memcpy(&qh, blk + 2, 4);
-            const __m256i hb = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread), bit), bit);
+            const __m256i hb = g_bits32(gb_u32(blk + 2));
             q[i] = _mm256_sub_epi8(_mm256_or_si256(g_nibbles(blk + 6), _mm256_and_si256(hb, _mm256_set1_epi8(16))),
                                    _mm256_set1_epi8(16));
         }
