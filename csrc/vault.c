@@ -1835,11 +1835,10 @@ static uint64_t count_nonfinite(const uint8_t *p, uint64_t count, uint8_t scale_
     return bad;
 }
 
-/* Where a GGML block format's f16 scales sit in its block (d, and dmin where it has one); -1:
- * none (F16 holds values, not scales; MXFP4's e8m0 scale is always finite; IQ1_M's d is spread
- * over the top nibbles of its scale words, gb_iq1m_d, and is not checked). */
-static void ggml_scale_at(uint8_t format, int at[2]) {
-    at[0] = at[1] = -1;
+/* The bits of the f16 scales of a GGML block at blk (d, and dmin where it has one) into h; how
+ * many. None for F16 (values, not scales) and MXFP4 (its e8m0 scale is always finite). */
+static int ggml_scales(uint8_t format, const uint8_t *blk, uint16_t h[2]) {
+    int at[2] = {-1, -1};
     switch (format) {
     case SMOE_FMT_GGML_Q4_0:
     case SMOE_FMT_GGML_Q5_0:
@@ -1859,21 +1858,27 @@ static void ggml_scale_at(uint8_t format, int at[2]) {
     case SMOE_FMT_GGML_Q2_K: at[0] = 80, at[1] = 82; break;
     case SMOE_FMT_GGML_Q3_K: at[0] = 108; break;
     case SMOE_FMT_GGML_Q6_K: at[0] = 208; break;
+    case SMOE_FMT_GGML_IQ1_M: h[0] = smoe_ggml_iq1m_d(blk); return 1; /* spread over four words */
     }
+    int n = 0;
+    for (int k = 0; k < 2; k++)
+        if (at[k] >= 0) h[n++] = rd16(blk + at[k]);
+    return n;
 }
 
 /* Reports a GGML tensor (t's bytes at base) with an inf or NaN among its blocks' f16 scales. */
 static void check_ggml_values(verify_ctx *x, const smoe_tensor *t, const uint8_t *base, const char *name,
                               int32_t layer, int32_t expert, uint64_t row0) {
     uint32_t bs, ts;
-    int at[2];
     if (!smoe_ggml_block(t->format, &bs, &ts)) return;
-    ggml_scale_at(t->format, at);
     const uint64_t bpr = t->cols / bs, blocks = (uint64_t)t->rows * bpr;
     uint64_t bad = 0, first = 0;
-    for (uint64_t b = 0; b < blocks; b++)
-        for (int k = 0; k < 2; k++)
-            if (at[k] >= 0 && (rd16(base + b * ts + (uint64_t)at[k]) & 0x7C00u) == 0x7C00u && bad++ == 0) first = b;
+    for (uint64_t b = 0; b < blocks; b++) {
+        uint16_t h[2];
+        const int n = ggml_scales(t->format, base + b * ts, h);
+        for (int k = 0; k < n; k++)
+            if ((h[k] & 0x7C00u) == 0x7C00u && bad++ == 0) first = b;
+    }
     if (!bad) return;
     char why[160];
     snprintf(why, sizeof why, "%s scales: %llu non-finite value(s) (NaN or inf), the first at row %llu, block %llu",

@@ -6,6 +6,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <string.h>
 
 /* One tensor: a dense tensor (data points into the dense region in memory) or an expert-blob
  * tensor (data is NULL; offset is relative to the blob's start). */
@@ -244,6 +245,14 @@ static inline bool smoe_ggml_block(uint8_t format, uint32_t *block, uint32_t *by
     *block = b;
     *bytes = t;
     return b != 0;
+}
+
+/* IQ1_M's f16 d (its bits): the top nibbles of the four scale words at blk + 48, the block's one
+ * scale not kept in one place */
+static inline uint16_t smoe_ggml_iq1m_d(const uint8_t *blk) {
+    uint16_t w[4];
+    memcpy(w, blk + 48, 8);
+    return (uint16_t)((w[0] >> 12) | ((w[1] >> 8) & 0xF0u) | ((w[2] >> 4) & 0xF00u) | (w[3] & 0xF000u));
 }
 
 /* "f32", "bf16", "q8", "q4" or ggml's name of a GGML format ("Q4_K", ...); "?" for any other. */

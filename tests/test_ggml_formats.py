@@ -354,6 +354,38 @@ def test_verify_names_non_finite_ggml_scales(make_vault, tmp_path):
         assert good.verify() == []
 
 
+def test_verify_reads_iq1m_scattered_scale(make_vault, tmp_path):
+    """IQ1_M keeps its f16 d in the top nibbles of four scale words: a NaN written there is found
+    and named like any other block's scale."""
+    from pysmoe import vaultio as V
+
+    src = make_vault("ggml_iq", preset="tiny", seed=7, overrides=SHAPE, **MIXES["iq"])
+    r = V.read_vault(src)
+    try:
+        with V.VaultWriter(tmp_path / "bad", r.config, formats=MIXES["iq"]["formats"] | {
+                "experts": MIXES["iq"]["experts"]}) as w:
+            for name, t in r.tensors.items():
+                raw = bytearray(r.raw(name))
+                if name == "embed_tokens":  # IQ1_M, 56-byte blocks of 256: row 2, block 0
+                    blk = 2 * (t.cols // 256) * 56
+                    words = np.frombuffer(bytes(raw[blk + 48:blk + 56]), "<u2") & 0x0FFF
+                    h = int(np.frombuffer(np.float16(np.nan).tobytes(), "<u2")[0])
+                    words = words | (np.array([(h >> (4 * i)) & 15 for i in range(4)], np.uint16) << 12)
+                    raw[blk + 48:blk + 56] = words.astype("<u2").tobytes()
+                w.add_dense_raw(name, raw)
+            for l in range(len(r.sparse)):
+                for e in range(r.binary_config["num_experts"] if r.sparse[l] else 0):
+                    w.add_expert_raw(l, e, r.blob(l, e))
+    finally:
+        r.close()
+    with pysmoe.open_vault(tmp_path / "bad") as vault:
+        problems = vault.verify()
+    assert [(k, l, e) for k, l, e, _ in problems] == [("values", -1, -1)], problems
+    assert problems[0][3].startswith("embed_tokens scales: 1 non-finite value(s) (NaN or inf), the first at row 2, block 0")
+    with pysmoe.open_vault(src) as good:
+        assert good.verify() == []
+
+
 # ------------------------------------------------------------------------- on the GPU (CUDA)
 
 def test_gpu_runs_every_ggml_format(ggml_vault):

@@ -133,13 +133,6 @@ static inline uint32_t gb_u32(const uint8_t *p) {
     return v;
 }
 
-/* IQ1_M's f16 d: the top nibbles of its four scale words, at blk + 48 */
-static inline void gb_iq1m_d(const uint8_t *blk, uint8_t out[2]) {
-    const uint16_t h = (uint16_t)((gb_u16(blk + 48) >> 12) | ((gb_u16(blk + 50) >> 8) & 0xF0u) |
-                                  ((gb_u16(blk + 52) >> 4) & 0xF00u) | (gb_u16(blk + 54) & 0xF000u));
-    memcpy(out, &h, 2);
-}
-
 /* Whether fmt is one of the codebook formats IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S */
 static inline bool gb_is_iq(uint8_t fmt) {
     switch (fmt) {
@@ -236,7 +229,8 @@ static inline __attribute__((always_inline)) void gb_iq_fields(uint8_t fmt, cons
             sg[l] = nib >> 3 ? 0xFF : 0;
         }
         for (int h = 0; h < 2; h++) ls[h] = (int)((gb_u16(blk + 48 + 2 * ((2 * k + h) / 4)) >> (3 * ((2 * k + h) % 4))) & 7);
-        gb_iq1m_d(blk, dbits);
+        const uint16_t d = smoe_ggml_iq1m_d(blk);
+        memcpy(dbits, &d, 2);
         break;
     }
     *signs = sg[0] | sg[1] << 8 | sg[2] << 16 | sg[3] << 24;

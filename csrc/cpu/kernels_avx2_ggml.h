@@ -93,7 +93,7 @@ INLINE __m256i g_bits32(uint32_t v) {
  * Xeon; the IQ2 and IQ1 grids' 4 through a 64-bit gather were slower: bench/RESULTS.md). */
 INLINE __m256 g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], __m128i *sbv) {
     const bool iq1 = gb_iq1(fmt);
-    uint8_t dbits[2] = {blk[0], blk[1]};
+    uint32_t dh = gb_u16(blk); /* the f16 d (IQ1_M: below) */
     uint64_t ls8 = 0; /* the formats with a scale per 32: part i's in byte i */
     for (int i = 0; i < 8; i++) {
         __m256i g, pm;
@@ -177,13 +177,13 @@ INLINE __m256 g_iq_decode8(const uint8_t fmt, const uint8_t *blk, __m256i q[8], 
         const __m256i f = _mm256_and_si256(_mm256_packus_epi32(lo, hi), _mm256_set1_epi16(7)); /* [lo0-3 hi0-3 | lo4-7 hi4-7] */
         const __m256i fo = _mm256_permute4x64_epi64(f, 0xD8);                                  /* lo0-7, hi0-7 */
         ls = _mm_packus_epi16(_mm256_castsi256_si128(fo), _mm256_extracti128_si256(fo, 1));
-        gb_iq1m_d(blk, dbits);
+        dh = smoe_ggml_iq1m_d(blk);
     } else { /* one per part, for both halves */
         const __m128i v = _mm_cvtsi64_si128((long long)ls8);
         ls = _mm_unpacklo_epi8(v, v);
     }
     *sbv = _mm_add_epi8(_mm_add_epi8(ls, ls), _mm_set1_epi8(1));
-    const float d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((int)gb_u16(dbits))));
+    const float d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128((int)dh)));
     const float f = gb_iq_f(fmt);
     if (!gb_iq_scale32(fmt)) return _mm256_set1_ps(d * f);
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_shuffle_epi8(*sbv, _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, -1, -1, -1, -1, -1, -1, -1, -1))));
