@@ -30,6 +30,9 @@ def main(argv=None) -> int:
 
     from pysmoe import ggml_blocks
 
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from export_gguf import copy_fields
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("src")
     ap.add_argument("out")
@@ -44,10 +47,7 @@ def main(argv=None) -> int:
         if EXPERTS.search(t.name) and int(t.shape[0]) % bs:
             raise SystemExit(f"{t.name}: {int(t.shape[0])} columns, not a whole number of {args.type} blocks ({bs})")
     w = gguf.GGUFWriter(args.out, r.fields["general.architecture"].contents())
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        w.add_key_value(name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    copy_fields(r, w)
     n = 0
     for t in r.tensors:
         if not EXPERTS.search(t.name):

@@ -45,7 +45,7 @@ FORMATS = {
     "MXFP4": (71, 32, 17),
 }
 # The codebook formats: their values come from grids that gguf-py defines (libsmoe holds the same,
-# csrc/cpu/ggml_iq_grids.c, written from gguf-py by scripts/gen_iq_grids.py); in numpy they are
+# csrc/cpu/ggml_iq_grids.h, written from gguf-py by scripts/gen_iq_grids.py); in numpy they are
 # dequantised by gguf-py itself.
 CODEBOOK_FORMATS = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
 GGML_TYPE_BASE = 32  # vault format = 32 + ggml_type
@@ -265,6 +265,15 @@ def _pack_k4(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     return out
 
 
+def set_iq1m_d(blocks: np.ndarray, d) -> None:
+    """Write f16 d (one value, or one per block) into IQ1_M blocks (n, 56) u8, in place: its four
+    nibbles are the top ones of the scale words at bytes 48..56 (their low 12 bits kept)."""
+    h = np.ascontiguousarray(np.asarray(d, "<f2").reshape(-1, 1)).view("<u2").astype(np.uint16)
+    sc = np.ascontiguousarray(blocks[:, 48:56]).view("<u2") & np.uint16(0x0FFF)
+    sc |= ((h >> (4 * np.arange(4, dtype=np.uint16))) & 15) << 12
+    blocks[:, 48:56] = sc.view(np.uint8)
+
+
 def random_blocks(fmt: str, rows: int, cols: int, std: float, rng: np.random.Generator) -> np.ndarray:
     """A random rows × cols tensor of format fmt (u8 bytes, nbytes long) whose weights have about
     this std and a mean near 0: random codes, scales set per block (synthetic vaults, tests and
@@ -312,10 +321,7 @@ def random_blocks(fmt: str, rows: int, cols: int, std: float, rng: np.random.Gen
     elif fmt == "Q3_K":
         b[:, 108:110] = _f16_bytes(_F(std / (2.29 * 18.5)) * jit)
     elif fmt == "IQ1_M":  # d in the top nibbles of the four scale words
-        h = _f16_bytes(_F(std / 7.2) * jit).view("<u2").astype(np.uint16).reshape(n, 1)
-        sc = np.ascontiguousarray(b[:, 48:56]).view("<u2") & np.uint16(0x0FFF)
-        sc |= ((h >> (4 * np.arange(4, dtype=np.uint16))) & 15) << 12
-        b[:, 48:56] = sc.view(np.uint8)
+        set_iq1m_d(b, _F(std / 7.2) * jit)
     elif fmt in CODEBOOK_FORMATS:  # random grid entries, signs and scales: values' std at d = 1
         code_std = {"IQ2_XXS": 53.2, "IQ2_XS": 55.9, "IQ2_S": 56.4, "IQ3_XXS": 142.5, "IQ3_S": 140.3, "IQ1_S": 7.19}[fmt]
         b[:, 0:2] = _f16_bytes(_F(std / code_std) * jit)

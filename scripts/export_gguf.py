@@ -63,6 +63,18 @@ def _gguf():
     return gguf
 
 
+def copy_fields(r, w, skip: tuple = ()) -> None:
+    """Every metadata key of GGUFReader r into GGUFWriter w, with its value type, except the
+    reader's own GGUF.* fields, general.architecture (the writer's constructor writes it) and keys
+    starting with one of skip."""
+    gguf = _gguf()
+    for k, f in r.fields.items():
+        if k.startswith(("GGUF.", "general.architecture") + tuple(skip)):
+            continue
+        array = f.types[0] == gguf.GGUFValueType.ARRAY
+        w.add_key_value(k, f.contents(), f.types[0], sub_type=f.types[-1] if array else None)
+
+
 def _qtype(name: str):
     g = _gguf().GGMLQuantizationType
     return {"q4_0": g.Q4_0, "q4_1": g.Q4_1, "q8_0": g.Q8_0, "f16": g.F16, "f32": g.F32}[name]

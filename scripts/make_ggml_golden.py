@@ -22,17 +22,9 @@ from pysmoe import ggml_blocks  # noqa: E402
 
 
 # where each format's (first) f16 scale sits in its block; MXFP4's e8m0 scale is never inf or NaN,
-# IQ1_M's d is spread over the top nibbles of four words (iq1m_d)
+# IQ1_M's d is spread over the top nibbles of four words (ggml_blocks.set_iq1m_d)
 SCALE_AT = {"F16": 0, "Q4_0": 0, "Q4_1": 0, "Q5_0": 0, "Q5_1": 0, "Q8_0": 0, "Q2_K": 80, "Q3_K": 108, "Q4_K": 0, "Q5_K": 0, "Q6_K": 208,
             "IQ4_NL": 0, "IQ4_XS": 0, "IQ2_XXS": 0, "IQ2_XS": 0, "IQ2_S": 0, "IQ3_XXS": 0, "IQ3_S": 0, "IQ1_S": 0}
-
-
-def iq1m_d(blk: np.ndarray, d: np.float16) -> None:
-    """Set an IQ1_M block's d: its 4 nibbles in the top of the scale words at bytes 48..56."""
-    h = int(np.frombuffer(d.tobytes(), "<u2")[0])
-    w = blk[48:56].copy().view("<u2") & 0x0FFF
-    w |= np.array([(h >> (4 * i)) & 15 for i in range(4)], np.uint16) << 12
-    blk[48:56] = w.view(np.uint8)
 
 
 def main() -> None:
@@ -50,8 +42,7 @@ def main() -> None:
             blocks[1, at:at + 2] = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
         if fmt == "IQ1_M":
             blocks = raw.reshape(-1, ts)
-            iq1m_d(blocks[0], np.float16(-np.inf))
-            iq1m_d(blocks[1], np.float16(np.nan))
+            ggml_blocks.set_iq1m_d(blocks[:2], [-np.inf, np.nan])
         with np.errstate(invalid="ignore", over="ignore"):
             want = dequantize(raw, GGMLQuantizationType[fmt]).reshape(2 * rows, cols)
         out[f"{fmt}_bytes"] = raw

@@ -208,19 +208,12 @@ def vocab_gguf(out: Path, tokenizer_dir: Path, vocab_size: int, pre: str, hparam
     import gguf
 
     sys.path.insert(0, str(ROOT / "scripts"))
-    from export_gguf import tokenizer_fields
+    from export_gguf import copy_fields, tokenizer_fields
 
     tok = tokenizer_fields(Path(tokenizer_dir), vocab_size)
     r = gguf.GGUFReader(hparams_from)
-    arch = r.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(out, arch=arch)
-    for k, f in r.fields.items():
-        if k.startswith(("GGUF.", "tokenizer.", "general.architecture")):
-            continue
-        if f.types[0] == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(k, f.contents(), f.types[0], sub_type=f.types[-1])
-        else:
-            w.add_key_value(k, f.contents(), f.types[0])
+    w = gguf.GGUFWriter(out, arch=r.fields["general.architecture"].contents())
+    copy_fields(r, w, skip=("tokenizer.",))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)
     w.add_token_list(tok["tokens"])
@@ -584,6 +577,9 @@ def quantize_mix(src: Path, out: Path, mix: dict) -> None:
     import gguf
     import llama_cpp
 
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from export_gguf import copy_fields
+
     ggml = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
     ggml.ggml_quantize_chunk.restype = ctypes.c_size_t
     ggml.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
@@ -594,10 +590,7 @@ def quantize_mix(src: Path, out: Path, mix: dict) -> None:
             want[pattern.format(l=l)] = gguf.GGMLQuantizationType[t]
     r = gguf.GGUFReader(src)
     w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
-    for name, f in r.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        w.add_key_value(name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    copy_fields(r, w)
     for t in r.tensors:
         data = np.ascontiguousarray(t.data, np.float32)
         qt = want.pop(t.name, None)

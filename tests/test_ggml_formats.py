@@ -368,10 +368,9 @@ def test_verify_reads_iq1m_scattered_scale(make_vault, tmp_path):
                 raw = bytearray(r.raw(name))
                 if name == "embed_tokens":  # IQ1_M, 56-byte blocks of 256: row 2, block 0
                     blk = 2 * (t.cols // 256) * 56
-                    words = np.frombuffer(bytes(raw[blk + 48:blk + 56]), "<u2") & 0x0FFF
-                    h = int(np.frombuffer(np.float16(np.nan).tobytes(), "<u2")[0])
-                    words = words | (np.array([(h >> (4 * i)) & 15 for i in range(4)], np.uint16) << 12)
-                    raw[blk + 48:blk + 56] = words.astype("<u2").tobytes()
+                    block = np.frombuffer(bytes(raw[blk:blk + 56]), np.uint8).copy().reshape(1, 56)
+                    ggml_blocks.set_iq1m_d(block, np.nan)
+                    raw[blk:blk + 56] = block.tobytes()
                 w.add_dense_raw(name, raw)
             for l in range(len(r.sparse)):
                 for e in range(r.binary_config["num_experts"] if r.sparse[l] else 0):
