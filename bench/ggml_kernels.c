@@ -69,7 +69,7 @@ static smoe_tensor make(uint8_t f, uint32_t rows, uint32_t cols, uint8_t **mem) 
             case SMOE_FMT_GGML_Q6_K: p[208] = 0, p[209] = 0x1c; break;
             case SMOE_FMT_GGML_Q3_K: p[108] = 0, p[109] = 0x1c; break;
             case SMOE_FMT_GGML_Q2_K: p[80] = p[82] = 0, p[81] = p[83] = 0x1c; break;
-            case SMOE_FMT_GGML_IQ1_M: /* d = 0x1c00 in the top nibbles of the scale words at 48 (gb_iq1m_d) */
+            case SMOE_FMT_GGML_IQ1_M: /* d = 0x1c00 in the top nibbles of the scale words at 48 (smoe_ggml_iq1m_d) */
                 for (int i = 0; i < 4; i++) p[49 + 2 * i] = (uint8_t)((p[49 + 2 * i] & 0x0f) | (((0x1c00 >> (4 * i)) & 15) << 4));
                 break;
             default: p[0] = 0, p[1] = 0x1c, p[2] = 0, p[3] = 0x1c; break; /* d (and dmin / m where there is one) */

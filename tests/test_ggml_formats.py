@@ -115,9 +115,11 @@ def _set_grid_index(fmt: str, blk: np.ndarray, i: int, idx: int) -> None:
 def test_every_codebook_entry_matches_gguf(fmt):
     """libsmoe's codebooks (csrc/cpu/ggml_iq_grids.h) entry by entry: blocks whose grid indices run
     through every entry, each under random signs and scales, dequantised as gguf-py does."""
+    import gguf.quants
+
     _, _, ts = ggml_blocks.FORMATS[fmt]
-    entries = {"IQ2_XXS": 256, "IQ2_XS": 512, "IQ2_S": 1024, "IQ3_XXS": 256, "IQ3_S": 512, "IQ1_S": 2048, "IQ1_M": 2048}[fmt]
-    groups = 64 if fmt in ("IQ3_XXS", "IQ3_S") else 32
+    entries, width = getattr(gguf.quants, fmt).grid_shape  # codebook entries, values per entry
+    groups = 256 // width
     rng = np.random.default_rng(5)
     blocks = ggml_blocks.random_blocks(fmt, entries // groups, 256, 1.0, rng).reshape(-1, ts)
     for i in range(entries):
