@@ -458,6 +458,22 @@ INLINE __m256 gp_q2k_msum(const __m256i m, const int16_t *hs) {
     return _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)));
 }
 
+/* Q2_K's 16 sub-scales of the block at blk (byte 2b + h: block b's half h), 0..15 */
+INLINE __m128i gp_q2k_subs(const uint8_t *blk) {
+    return _mm_and_si128(_mm_loadu_si128((const __m128i *)(const void *)blk), _mm_set1_epi8(15));
+}
+
+/* Q3_K's 16 sub-scales of the block at blk (byte 2b + h), −32..31: gb_scale_q3k on four bytes at a time */
+INLINE __m128i gp_q3k_subs(const uint8_t *blk) {
+    uint32_t u[3], a[4]; /* scale j in byte j of a */
+    memcpy(u, blk + 96, 12);
+    a[0] = (u[0] & 0x0f0f0f0fu) | ((u[2] & 0x03030303u) << 4);
+    a[1] = (u[1] & 0x0f0f0f0fu) | (((u[2] >> 2) & 0x03030303u) << 4);
+    a[2] = ((u[0] >> 4) & 0x0f0f0f0fu) | (((u[2] >> 4) & 0x03030303u) << 4);
+    a[3] = ((u[1] >> 4) & 0x0f0f0f0fu) | (((u[2] >> 6) & 0x03030303u) << 4);
+    return _mm_sub_epi8(_mm_loadu_si128((const __m128i *)(const void *)a), _mm_set1_epi8(32));
+}
+
 /* Step k of a row in the pair layout: w[8] (signed q, or 0..31 for Q4_K / Q5_K, 0..3 for Q2_K),
  * σ in lane order, μ in plain order (Q4_K, Q5_K; for Q2_K ν = −dmin in every lane; else
  * untouched), and for Q6_K, Q3_K, Q2_K the sub-scales as int16 registers matching w (gp_subs).
@@ -639,7 +655,7 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
             for (int c = 0; c < 2; c++)
                 w[2 * p + c] = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(blk + 16 + 32 * (p / 2) + 16 * c), hs), m3);
         }
-        gp_subs(_mm_and_si128(_mm_loadu_si128((const __m128i *)(const void *)blk), _mm_set1_epi8(15)), sub);
+        gp_subs(gp_q2k_subs(blk), sub);
         sgv = gp_f16_all(blk + 80);
         *mu = _mm256_xor_ps(gp_f16_all(blk + 82), _mm256_set1_ps(-0.0f));
         break;
@@ -657,13 +673,7 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
                 w[2 * p + c] = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 2)), four);
             }
         }
-        uint32_t u[3], a[4]; /* gb_scale_q3k on four bytes at a time: scale j in byte j of a */
-        memcpy(u, blk + 96, 12);
-        a[0] = (u[0] & 0x0f0f0f0fu) | ((u[2] & 0x03030303u) << 4);
-        a[1] = (u[1] & 0x0f0f0f0fu) | (((u[2] >> 2) & 0x03030303u) << 4);
-        a[2] = ((u[0] >> 4) & 0x0f0f0f0fu) | (((u[2] >> 4) & 0x03030303u) << 4);
-        a[3] = ((u[1] >> 4) & 0x0f0f0f0fu) | (((u[2] >> 6) & 0x03030303u) << 4);
-        gp_subs(_mm_sub_epi8(_mm_loadu_si128((const __m128i *)(const void *)a), _mm_set1_epi8(32)), sub);
+        gp_subs(gp_q3k_subs(blk), sub);
         sgv = gp_f16_all(blk + 108);
         break;
     }

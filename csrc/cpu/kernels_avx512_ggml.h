@@ -3,20 +3,23 @@
  * end of kernels_avx512.c; kernels.c calls it for n > 1 where the CPU has AVX512-VNNI (n = 1 takes
  * the AVX2 instance's prefetching matrix-vector product, as q4 and q8 do).
  *
- * Formats and shapes: those of the AVX2 fast path (gp_takes: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, Q5_0,
- * IQ4_NL, IQ4_XS, MXFP4) on rows of whole 256-column steps and at most MAXC columns; anything else
- * is not taken (false: the AVX2 instance runs), a choice by shape only.
+ * Formats and shapes: those of the AVX2 fast path (gp_takes_qx: Q4_K, Q5_K, Q6_K, Q8_0, Q4_0,
+ * Q5_0, IQ4_NL, IQ4_XS, MXFP4, Q2_K, Q3_K, Q4_1, Q5_1 and the codebook formats IQ1_S … IQ3_S) on
+ * rows of whole 256-column steps and at most MAXC columns; anything else is not taken (false: the
+ * AVX2 instance runs), a choice by shape only.
  *
- * How: a row's step of 256 columns is decoded by the AVX2 decoder (kernels_avx2_ggml.h,
- * g_decode8: 8 blocks of 32 int8 in column order, σ in the reference's lane order, μ), paired
+ * How: a row's step of 256 columns is decoded by the AVX2 decoders (kernels_avx2_ggml.h,
+ * through g5_decode: 8 blocks of 32 int8 in column order, σ in the reference's lane order, μ), paired
  * into 512-bit registers and transposed (g5_transpose) so that each 32-bit lane holds 4 columns of
  * ONE block, the block of the reference's lane (l mod 8); the token's codes are transposed the same
  * way once per tile (g5_relay_t). Four vpdpbusd per step then leave each lane a partial sum of its
  * block, and one add of the two 256-bit halves gives the 8 block sums in the reference's lane order
  * (lane j: block 2·(j%4) + j/4) — no reduction tree per token, the transposition paid once per row
  * step and once per token. The signed formats take |q| and the codes negated where q < 0 (AVX-512
- * has no vpsignb); Q6_K's sub-scales multiply vpmaddubsw's int16 pairs in vpdpwssd. The float part
- * is the reference's, lane for lane: tot = fma((float)I, σ·d, tot), bia = fma(μ, gsum, bia),
+ * has no vpsignb); the sub-scales (Q6_K's, Q3_K's, Q2_K's; IQ2_XS', IQ2_S', IQ1_M's 2·ls + 1)
+ * multiply vpmaddubsw's int16 pairs in vpdpwssd, and Q2_K's mins meet each token's 16-column sums
+ * in one vpmaddwd (gp_q2k_msum's integers). The float part is the reference's, lane for lane:
+ * tot = fma((float)I, σ·d, tot), bia = fma(μ, gsum, bia) (Q2_K: fma(M, ν·d, bia)),
  * y = hsum8(tot) (+ hsum8(bia)). Integer sums are exact, so the bits are the reference's. */
 
 #ifndef SMOE_AVX512_EMULATE
@@ -28,9 +31,9 @@
 #define G5_INLINE static inline __attribute__((always_inline)) G5
 
 enum {
-    G5_XBYTES = 32768, /* a tile's re-laid codes (stack) */
+    G5_XBYTES = 32768, /* a tile's re-laid codes (stack; the codebook formats take twice it, as on AVX2) */
     G5_TT = 32,        /* tokens of a tile at most */
-    G5_DP = 128,       /* token pairs × steps of a tile at most (≤ 64 + MAXC / 512) */
+    G5_DP = 2 * G5_XBYTES / 512 + MAXC / 512, /* token pairs × steps of a tile at most */
 };
 
 /* [a | b] */
@@ -74,25 +77,58 @@ G5_INLINE void g5_relay_t(const uint8_t *x, uint32_t cols, uint8_t *out) {
     }
 }
 
+/* Step k of a row for the transposed layout: q in plain block order (32 int8 a block), σ in the
+ * reference's lane order, μ in plain order (Q4_K, Q5_K, Q4_1, Q5_1; Q2_K's ν = −dmin), and for the
+ * formats with sub-scales their 16 bytes (2b + h: block b's half h). The same values as the AVX2
+ * decoders': g_decode8 where it has a vector decoder, g_iq_decode8, and for Q2_K, Q3_K, Q4_1, Q5_1
+ * gp_decode's pair layout undone (block 2p = the low halves of the pair's two registers). */
+G5_INLINE void g5_decode(const uint8_t fmt, const uint8_t *row, size_t step_bytes, uint32_t k, __m256i q[8], __m256 *sigl,
+                         __m256 *mu, __m128i *sc) {
+    const uint8_t *blk = row + step_bytes * k;
+    if (gb_is_iq(fmt)) {
+        *sigl = _mm256_permutevar8x32_ps(g_iq_decode8(fmt, blk, q, sc), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+    } else if (fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q4_1 ||
+               fmt == SMOE_FMT_GGML_Q5_1) {
+        __m256i w[8], sub[8];
+        gp_decode(fmt, row, k, w, sigl, mu, sub);
+        for (int p = 0; p < 4; p++) {
+            q[2 * p] = _mm256_permute2x128_si256(w[2 * p], w[2 * p + 1], 0x20);
+            q[2 * p + 1] = _mm256_permute2x128_si256(w[2 * p], w[2 * p + 1], 0x31);
+        }
+        if (fmt == SMOE_FMT_GGML_Q2_K) *sc = gp_q2k_subs(blk);
+        if (fmt == SMOE_FMT_GGML_Q3_K) *sc = gp_q3k_subs(blk);
+    } else {
+        __m256i sub[8];
+        g_decode8(fmt, row, k, q, sigl, mu, sub);
+        if (fmt == SMOE_FMT_GGML_Q6_K) *sc = _mm_loadu_si128((const __m128i *)(const void *)(blk + 192));
+    }
+}
+
 G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                        size_t ldy, uint32_t r0, uint32_t r1) {
     const uint32_t cols = W->cols, steps = cols / 256;
     uint32_t bs = 32, ts = 0;
     smoe_ggml_block(fmt, &bs, &ts);
     const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
-    const bool has_min = gb_has_min(fmt), uns = has_min, q6 = fmt == SMOE_FMT_GGML_Q6_K;
+    const bool q2k = fmt == SMOE_FMT_GGML_Q2_K; /* its mins per 16 columns: a second integer sum */
+    const bool has_min = gb_has_min(fmt), uns = gp_unsigned(fmt), has_sub = gb_has_sub(fmt), has_bia = has_min || q2k;
     const size_t step_bytes = (size_t)(256 / bs) * ts, row_bytes = (size_t)steps * step_bytes;
-    const uint32_t tt = G5_XBYTES / cols < G5_TT ? G5_XBYTES / cols : G5_TT; /* ≥ 2: cols ≤ MAXC */
-    _Alignas(64) uint8_t xr[G5_XBYTES];
-    /* two tokens' d (and gsum) per step side by side, [token 2i's 8 | token 2i + 1's], so that the
-       float part runs on 16 lanes: np·steps ≤ (tt + 1) / 2 · cols / 256 ≤ G5_DP */
+    /* the codebook formats' decoding costs more than the codes' trip out of L1: a longer tile */
+    const uint32_t xbytes = gb_is_iq(fmt) ? 2 * G5_XBYTES : G5_XBYTES;
+    const uint32_t tt = xbytes / cols < G5_TT ? xbytes / cols : G5_TT; /* ≥ 2: cols ≤ MAXC */
+    _Alignas(64) uint8_t xr[2 * G5_XBYTES];
+    /* two tokens' d (and gsum; Q2_K: half sums) per step side by side, [token 2i's | token 2i + 1's],
+       so that the float part runs on 16 lanes: np·steps ≤ (tt + 1) / 2 · cols / 256 ≤ G5_DP */
     _Alignas(64) float dp[G5_DP * 16], gp[G5_DP * 16];
+    _Alignas(64) int16_t hp[q2k ? G5_DP * 32 : 1];
     __m512 tot[G5_TT / 2], bia[G5_TT / 2];
-    /* Q6_K: int16 lanes 2l, 2l + 1 ← sub-scale 2·B(l % 8) + h of the step (t[0], t[1]: h = 0) */
+    /* sub-scales: int16 lanes 2l, 2l + 1 ← sub-scale 2·B(l % 8) + h of the step (t[0], t[1]: h = 0) */
     static const int16_t sidx[32] __attribute__((aligned(64))) = {0, 0, 4, 4, 8, 8, 12, 12, 2, 2, 6, 6, 10, 10, 14, 14,
                                                                   0, 0, 4, 4, 8, 8, 12, 12, 2, 2, 6, 6, 10, 10, 14, 14};
     const __m512i sidx0 = _mm512_load_si512(sidx);
     const __m512i sidx1 = _mm512_add_epi16(sidx0, _mm512_set1_epi16(1));
+    /* Q2_K's min sums: vpmaddwd's block b in lane b of each token's half, to the lane order */
+    const __m512i lane16 = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
     for (uint32_t t0 = 0; t0 < n; t0 += tt) {
         const uint32_t nt = n - t0 < tt ? n - t0 : tt, np = (nt + 1) / 2; /* token pairs; an odd last one twice */
         for (uint32_t t = 0; t < nt; t++)
@@ -100,10 +136,12 @@ G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w
         for (uint32_t i = 0; i < np; i++)
             for (uint32_t h = 0; h < 2; h++) {
                 const uint32_t t = 2 * i + h < nt ? 2 * i + h : 2 * i;
+                const uint8_t *xt = (const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes;
                 for (uint32_t k = 0; k < steps; k++) {
-                    memcpy(dp + 16 * ((size_t)i * steps + k) + 8 * h, X->d + (size_t)(t0 + t) * z.d_floats + 8 * k, 32);
-                    if (has_min)
-                        memcpy(gp + 16 * ((size_t)i * steps + k) + 8 * h, X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k, 32);
+                    const size_t at = (size_t)i * steps + k;
+                    memcpy(dp + 16 * at + 8 * h, X->d + (size_t)(t0 + t) * z.d_floats + 8 * k, 32);
+                    if (has_min) memcpy(gp + 16 * at + 8 * h, X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k, 32);
+                    if (q2k) gp_halfsums(xt + 256 * (size_t)k, 256, hp + 32 * at + 16 * h);
                 }
             }
         for (uint32_t r = r0; r < r1; r++) {
@@ -113,9 +151,10 @@ G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w
                     _mm_prefetch((const char *)row + BATCH_AHEAD * row_bytes + b, _MM_HINT_T0);
             for (uint32_t i = 0; i < np; i++) tot[i] = bia[i] = _mm512_setzero_ps();
             for (uint32_t k = 0; k < steps; k++) {
-                __m256i q[8], sub[8];
+                __m256i q[8];
                 __m256 sigl, mu = _mm256_setzero_ps();
-                g_decode8(fmt, row, k, q, &sigl, &mu, sub);
+                __m128i sc = _mm_setzero_si128();
+                g5_decode(fmt, row, step_bytes, k, q, &sigl, &mu, &sc);
                 __m512i v[4], zt[4], s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
                 __mmask64 neg[4] = {0, 0, 0, 0};
                 for (int i = 0; i < 4; i++) v[i] = g5_cat(q[2 * i], q[2 * i + 1]);
@@ -125,11 +164,15 @@ G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w
                         neg[m] = _mm512_movepi8_mask(zt[m]);
                         zt[m] = _mm512_abs_epi8(zt[m]);
                     }
-                if (q6) {
-                    const __m512i sc16 = _mm512_castsi256_si512(
-                        _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(const void *)(row + step_bytes * k + 192))));
+                if (has_sub) { /* int8 (Q6_K, Q3_K: signed; the others' are below 32) */
+                    const __m512i sc16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc));
                     s[0] = _mm512_permutexvar_epi16(sidx0, sc16);
                     s[1] = _mm512_permutexvar_epi16(sidx1, sc16);
+                }
+                __m512i mq = _mm512_setzero_si512(); /* Q2_K: the step's 16 mins, for both tokens */
+                if (q2k) {
+                    const __m256i m = gp_q2k_mins(row, k);
+                    mq = g5_cat(m, m);
                 }
                 const __m512 sig2 = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(sigl)), _mm256_castps_pd(sigl), 1));
                 const __m512 mu2 = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(mu)), _mm256_castps_pd(mu), 1));
@@ -142,16 +185,21 @@ G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w
                         for (int m = 0; m < 4; m++) {
                             __m512i xv = _mm512_loadu_si512(xt + 64 * m);
                             if (!uns) xv = _mm512_mask_sub_epi8(xv, neg[m], _mm512_setzero_si512(), xv);
-                            acc[h] = q6 ? _mm512_dpwssd_epi32(acc[h], _mm512_maddubs_epi16(zt[m], xv), s[m / 2])
-                                        : _mm512_dpbusd_epi32(acc[h], zt[m], xv);
+                            acc[h] = has_sub ? _mm512_dpwssd_epi32(acc[h], _mm512_maddubs_epi16(zt[m], xv), s[m / 2])
+                                             : _mm512_dpbusd_epi32(acc[h], zt[m], xv);
                         }
                     }
                     /* [token 2i's lanes 0–7 + 8–15 | token 2i + 1's]: the 8 block sums of each */
                     const __m512i I = _mm512_add_epi32(_mm512_shuffle_i64x2(acc[0], acc[1], 0x44),
                                                        _mm512_shuffle_i64x2(acc[0], acc[1], 0xee));
-                    const size_t at = 16 * ((size_t)i * steps + k);
-                    tot[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(sig2, _mm512_load_ps(dp + at)), tot[i]);
-                    if (has_min) bia[i] = _mm512_fmadd_ps(mu2, _mm512_load_ps(gp + at), bia[i]);
+                    const size_t at = (size_t)i * steps + k;
+                    const __m512 dv = _mm512_load_ps(dp + 16 * at);
+                    tot[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(I), _mm512_mul_ps(sig2, dv), tot[i]);
+                    if (has_min) bia[i] = _mm512_fmadd_ps(mu2, _mm512_load_ps(gp + 16 * at), bia[i]);
+                    if (q2k) { /* gp_q2k_msum of both tokens: Σ_h m_h·(their codes' half sums), per block */
+                        const __m512i M = _mm512_permutexvar_epi32(lane16, _mm512_madd_epi16(mq, _mm512_load_si512(hp + 32 * at)));
+                        bia[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(M), _mm512_mul_ps(mu2, dv), bia[i]);
+                    }
                 }
             }
             for (uint32_t i = 0; i < np; i++)
@@ -159,7 +207,7 @@ G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w
                     const __m512d td = _mm512_castps_pd(tot[i]), bd = _mm512_castps_pd(bia[i]);
                     const __m256 tv = _mm256_castpd_ps(h ? _mm512_extractf64x4_pd(td, 1) : _mm512_castpd512_pd256(td));
                     const __m256 bv = _mm256_castpd_ps(h ? _mm512_extractf64x4_pd(bd, 1) : _mm512_castpd512_pd256(bd));
-                    y[(size_t)(t0 + 2 * i + h) * ldy + r] = has_min ? g5_hsum8(tv) + g5_hsum8(bv) : g5_hsum8(tv);
+                    y[(size_t)(t0 + 2 * i + h) * ldy + r] = has_bia ? g5_hsum8(tv) + g5_hsum8(bv) : g5_hsum8(tv);
                 }
         }
     }
@@ -167,7 +215,7 @@ G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w
 
 G5 bool smoe_avx512_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                             uint32_t r0, uint32_t r1) {
-    if (W->cols % 256 || W->cols > MAXC || !gp_takes(W->format)) return false;
+    if (W->cols % 256 || W->cols > MAXC || !gp_takes_qx(W->format)) return false;
     switch (W->format) {
 #define G5_CASE(f)                                                                                                     \
     case f: g5_rows(f, W, w, X, n, y, ldy, r0, r1); return true;
@@ -180,6 +228,17 @@ G5 bool smoe_avx512_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_q
         G5_CASE(SMOE_FMT_GGML_IQ4_NL)
         G5_CASE(SMOE_FMT_GGML_IQ4_XS)
         G5_CASE(SMOE_FMT_GGML_MXFP4)
+        G5_CASE(SMOE_FMT_GGML_Q2_K)
+        G5_CASE(SMOE_FMT_GGML_Q3_K)
+        G5_CASE(SMOE_FMT_GGML_Q4_1)
+        G5_CASE(SMOE_FMT_GGML_Q5_1)
+        G5_CASE(SMOE_FMT_GGML_IQ2_XXS)
+        G5_CASE(SMOE_FMT_GGML_IQ2_XS)
+        G5_CASE(SMOE_FMT_GGML_IQ2_S)
+        G5_CASE(SMOE_FMT_GGML_IQ3_XXS)
+        G5_CASE(SMOE_FMT_GGML_IQ3_S)
+        G5_CASE(SMOE_FMT_GGML_IQ1_S)
+        G5_CASE(SMOE_FMT_GGML_IQ1_M)
 #undef G5_CASE
     }
     return false;
