@@ -119,8 +119,13 @@ G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w
     _Alignas(64) uint8_t xr[2 * G5_XBYTES];
     /* two tokens' d (and gsum; Q2_K: half sums) per step side by side, [token 2i's | token 2i + 1's],
        so that the float part runs on 16 lanes: np·steps ≤ (tt + 1) / 2 · cols / 256 ≤ G5_DP */
-    _Alignas(64) float dp[G5_DP * 16], gp[G5_DP * 16];
-    _Alignas(64) int16_t hp[q2k ? G5_DP * 32 : 1];
+    _Alignas(64) float dp[G5_DP * 16];
+    union { /* gsum (the formats with a min) or Q2_K's 16-column sums: never both */
+        float g[G5_DP * 16];
+        int16_t h[G5_DP * 32];
+    } gh __attribute__((aligned(64)));
+    float *const gp = gh.g;
+    int16_t *const hp = gh.h;
     __m512 tot[G5_TT / 2], bia[G5_TT / 2];
     /* sub-scales: int16 lanes 2l, 2l + 1 ← sub-scale 2·B(l % 8) + h of the step (t[0], t[1]: h = 0) */
     static const int16_t sidx[32] __attribute__((aligned(64))) = {0, 0, 4, 4, 8, 8, 12, 12, 2, 2, 6, 6, 10, 10, 14, 14,
