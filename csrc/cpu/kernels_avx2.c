@@ -759,7 +759,7 @@ static void f_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
     }
 }
 
-/* g_matmul for one token, a gp_takes format and whole 256-column steps: each row dequantised in
+/* g_matmul for one token, a gp_takes_qx format and whole 256-column steps: each row dequantised in
  * registers and multiplied as it goes (f_block's order for one row and one token), no buffer. */
 INLINE void g_rows_1(const uint8_t fmt, const uint8_t *w, size_t row_bytes, uint32_t cols, const float *x, float *y,
                      uint32_t r0, uint32_t r1) {
@@ -791,6 +791,17 @@ static bool g_matmul_1(const smoe_tensor *W, const uint8_t *w, const float *x, f
         G1_CASE(SMOE_FMT_GGML_IQ4_NL)
         G1_CASE(SMOE_FMT_GGML_IQ4_XS)
         G1_CASE(SMOE_FMT_GGML_MXFP4)
+        G1_CASE(SMOE_FMT_GGML_Q2_K)
+        G1_CASE(SMOE_FMT_GGML_Q3_K)
+        G1_CASE(SMOE_FMT_GGML_Q4_1)
+        G1_CASE(SMOE_FMT_GGML_Q5_1)
+        G1_CASE(SMOE_FMT_GGML_IQ2_XXS)
+        G1_CASE(SMOE_FMT_GGML_IQ2_XS)
+        G1_CASE(SMOE_FMT_GGML_IQ2_S)
+        G1_CASE(SMOE_FMT_GGML_IQ3_XXS)
+        G1_CASE(SMOE_FMT_GGML_IQ3_S)
+        G1_CASE(SMOE_FMT_GGML_IQ1_S)
+        G1_CASE(SMOE_FMT_GGML_IQ1_M)
 #undef G1_CASE
     }
     return false;
@@ -805,7 +816,7 @@ static void g_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
     uint32_t bs = 32, ts = 0;
     smoe_ggml_block(W->format, &bs, &ts);
     const size_t row_bytes = (size_t)(cols / bs) * ts;
-    const bool fast = gp_takes(W->format) && cols % 256 == 0;
+    const bool fast = gp_takes_qx(W->format) && cols % 256 == 0;
     float wb[RB][FCB]; /* (block rows, block columns) dequantised */
     __m256 acc[TT][RB]; /* (tile tokens, block rows) */
     for (uint32_t t0 = 0; t0 < n; t0 += TT) {

@@ -695,51 +695,127 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
     *sigl = _mm256_permutevar8x32_ps(sgv, lane_of);
 }
 
+/* Step k of a row, for every format of the 8-bit fast path (gp_takes_qx), with q in plain block
+ * order (32 int8 a block; the AVX512-VNNI product's transposed layout and the f32 dequantisation
+ * start from it), σ in the reference's lane order, μ in plain order (Q4_K, Q5_K, Q4_1, Q5_1; Q2_K's
+ * ν = −dmin), and for the formats with sub-scales their 16 bytes (2b + h: block b's half h). The same values as the AVX2
+ * decoders': g_decode8 where it has a vector decoder, g_iq_decode8, and for Q2_K, Q3_K, Q4_1, Q5_1
+ * gp_decode's pair layout undone (block 2p = the low halves of the pair's two registers). */
+INLINE void g_decode8_plain(const uint8_t fmt, const uint8_t *row, size_t step_bytes, uint32_t k, __m256i q[8],
+                            __m256 *sigl, __m256 *mu, __m128i *sc) {
+    const uint8_t *blk = row + step_bytes * k;
+    if (gb_is_iq(fmt)) {
+        *sigl = _mm256_permutevar8x32_ps(g_iq_decode8(fmt, blk, q, sc), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+    } else if (fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q4_1 ||
+               fmt == SMOE_FMT_GGML_Q5_1) {
+        __m256i w[8], sub[8];
+        for (int i = 0; i < 8; i++) w[i] = _mm256_setzero_si256(); /* fmt may not be a constant here (g_matmul) */
+        gp_decode(fmt, row, k, w, sigl, mu, sub);
+        for (int p = 0; p < 4; p++) {
+            q[2 * p] = _mm256_permute2x128_si256(w[2 * p], w[2 * p + 1], 0x20);
+            q[2 * p + 1] = _mm256_permute2x128_si256(w[2 * p], w[2 * p + 1], 0x31);
+        }
+        if (fmt == SMOE_FMT_GGML_Q2_K) *sc = gp_q2k_subs(blk);
+        if (fmt == SMOE_FMT_GGML_Q3_K) *sc = gp_q3k_subs(blk);
+    } else {
+        __m256i sub[8];
+        g_decode8(fmt, row, k, q, sigl, mu, sub);
+        if (fmt == SMOE_FMT_GGML_Q6_K) *sc = _mm_loadu_si128((const __m128i *)(const void *)(blk + 192));
+    }
+}
+
 /* ------------------------------------------------------------- dequantisation (f32 activations)
  *
  * 256 columns (step k) of a row as gb_dequant_block writes them, on vectors: the integers q from
- * g_decode8 (plain block order), each block's scale from the scalar code of the reference (the same
- * gb_f16 and the same products), then per weight the reference's operations — w = scale·(float)q,
- * and for Q4_K / Q5_K w = (d1·(float)q) − dm, Q6_K's scale per 16 columns — without contraction,
- * so the same floats. For the gp_takes formats. With x, one token's 256 activations, the weights
- * are not stored but multiplied into acc (the order of f_block for one row and one token). */
+ * g_decode8_plain (plain block order), each 8 columns' scale s and additive term a from the scalar
+ * code of the reference (the same gb_f16 and the same products), then per weight the reference's
+ * operations without contraction, so the same floats:
+ *   w = s·(float)q                       Q8_0, Q4_0, Q5_0, IQ4_NL, IQ4_XS, MXFP4, Q6_K, Q3_K, IQ2/IQ3
+ *   w = (s·(float)q) + a                 Q4_K, Q5_K, Q2_K (a = −dmin·m: x − y is x + (−y)), Q4_1, Q5_1 (a = m)
+ *   w = s·((float)q·⅛)                   IQ1_S, IQ1_M (q = 8·g ± 1: g ± ⅛ exactly)
+ * The codebook formats' q are ±g, and s·(−g) = −(s·g), the reference's negation; their s is
+ * gguf-py's db from 2·ls + 1 (g_iq_decode8's sub-scale bytes): d·(0.5 + ls) = d·((2·ls + 1)·½).
+ * With x, one token's 256 activations, the weights are not stored but multiplied into acc (the
+ * order of f_block for one row and one token). */
 INLINE void g_dequant_step_fma(const uint8_t fmt, const uint8_t *row, uint32_t k, float *out, const float *x, __m256 *acc) {
-    __m256i q[8], sub[8];
-    __m256 sigl, mu;
-    g_decode8(fmt, row, k, q, &sigl, &mu, sub);
     uint32_t bs = 32, ts = 0;
     smoe_ggml_block(fmt, &bs, &ts);
-    const uint8_t *blk = row + (size_t)(256 / bs) * ts * k; /* the step's first block */
-    const bool kq = fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K;
-    const float d0 = gb_f16(blk + (fmt == SMOE_FMT_GGML_Q6_K ? 208 : 0)), dmin = kq ? gb_f16(blk + 2) : 0.0f;
+    const size_t step_bytes = (size_t)(256 / bs) * ts;
+    const uint8_t *blk = row + step_bytes * k; /* the step's first block */
+    __m256i q[8];
+    __m256 sigl, mu;
+    __m128i scv = _mm_setzero_si128();
+    g_decode8_plain(fmt, row, step_bytes, k, q, &sigl, &mu, &scv);
+    const bool iq = gb_is_iq(fmt), iq1 = iq && gb_iq1(fmt);
+    const bool add = gb_has_min(fmt) || fmt == SMOE_FMT_GGML_Q2_K;
+    float d0 = 0.0f, dmin = 0.0f;
+    switch (fmt) {
+    case SMOE_FMT_GGML_Q4_K:
+    case SMOE_FMT_GGML_Q5_K: d0 = gb_f16(blk), dmin = gb_f16(blk + 2); break;
+    case SMOE_FMT_GGML_Q6_K: d0 = gb_f16(blk + 208); break;
+    case SMOE_FMT_GGML_Q2_K: d0 = gb_f16(blk + 80), dmin = gb_f16(blk + 82); break;
+    case SMOE_FMT_GGML_Q3_K: d0 = gb_f16(blk + 108); break;
+    case SMOE_FMT_GGML_IQ4_XS: d0 = gb_f16(blk); break;
+    default:
+        if (iq) {
+            uint8_t dbits[2];
+            const uint16_t dh = fmt == SMOE_FMT_GGML_IQ1_M ? smoe_ggml_iq1m_d(blk) : (uint16_t)gb_u16(blk);
+            memcpy(dbits, &dh, 2);
+            d0 = gb_f16(dbits);
+        }
+        break;
+    }
+    uint8_t sb[16]; /* the sub-scale bytes, 2i + h (Q6_K, Q3_K: int8; Q2_K: two nibbles; IQ: 2·ls + 1) */
+    _mm_storeu_si128((__m128i *)(void *)sb, scv);
     for (int i = 0; i < 8; i++) {
         _Alignas(32) int8_t qb[32];
         _mm256_store_si256((__m256i *)(void *)qb, q[i]);
-        float s[4], dm = 0.0f; /* the scale of each 8 columns */
-        switch (fmt) {
-        case SMOE_FMT_GGML_Q4_K:
-        case SMOE_FMT_GGML_Q5_K: {
-            uint8_t sc, m;
-            gb_scale_min_k4(blk + 4, i, &sc, &m);
-            s[0] = d0 * (float)sc;
-            dm = dmin * (float)m;
-            break;
-        }
-        case SMOE_FMT_GGML_Q6_K: {
-            const int8_t *sc = (const int8_t *)(const void *)(blk + 192);
-            s[0] = s[1] = d0 * (float)sc[2 * i];
-            s[2] = s[3] = d0 * (float)sc[2 * i + 1];
-            break;
-        }
-        case SMOE_FMT_GGML_IQ4_XS: s[0] = d0 * (float)gb_scale_iq4xs(blk, i); break;
-        case SMOE_FMT_GGML_MXFP4: s[0] = gb_e8m0_half(blk[ts * i]); break;
-        default: s[0] = gb_f16(blk + ts * i); break; /* Q8_0, Q4_0, Q5_0, IQ4_NL */
-        }
-        if (fmt != SMOE_FMT_GGML_Q6_K) s[1] = s[2] = s[3] = s[0];
+        float s[4], a[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* the scale and additive term of each 8 columns */
         for (int c = 0; c < 4; c++) {
-            const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(qb + 8 * c))));
+            const int h = 2 * i + c / 2; /* this 8 columns' 16-column half */
+            switch (fmt) {
+            case SMOE_FMT_GGML_Q4_K:
+            case SMOE_FMT_GGML_Q5_K: {
+                uint8_t sc, m;
+                gb_scale_min_k4(blk + 4, i, &sc, &m);
+                s[c] = d0 * (float)sc;
+                a[c] = -(dmin * (float)m);
+                break;
+            }
+            case SMOE_FMT_GGML_Q6_K: s[c] = d0 * (float)(int8_t)sb[h]; break;
+            case SMOE_FMT_GGML_Q2_K:
+                s[c] = d0 * (float)(sb[h] & 15);
+                a[c] = -(dmin * (float)(blk[h] >> 4));
+                break;
+            case SMOE_FMT_GGML_Q3_K: s[c] = d0 * (float)(int8_t)sb[h]; break;
+            case SMOE_FMT_GGML_Q4_1:
+            case SMOE_FMT_GGML_Q5_1:
+                s[c] = gb_f16(blk + ts * i);
+                a[c] = gb_f16(blk + ts * i + 2);
+                break;
+            case SMOE_FMT_GGML_IQ4_XS: s[c] = d0 * (float)gb_scale_iq4xs(blk, i); break;
+            case SMOE_FMT_GGML_MXFP4: s[c] = gb_e8m0_half(blk[ts * i]); break;
+            case SMOE_FMT_GGML_Q8_0:
+            case SMOE_FMT_GGML_Q4_0:
+            case SMOE_FMT_GGML_Q5_0:
+            case SMOE_FMT_GGML_IQ4_NL: s[c] = gb_f16(blk + ts * i); break;
+            default: { /* the codebook formats: 2·ls + 1 of the half */
+                const float b = (float)sb[h];
+                if (iq1)
+                    s[c] = d0 * b;
+                else if (fmt == SMOE_FMT_GGML_IQ3_S)
+                    s[c] = d0 * b;
+                else
+                    s[c] = (d0 * (b * 0.5f)) * (fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.5f : 0.25f);
+                break;
+            }
+            }
+        }
+        for (int c = 0; c < 4; c++) {
+            __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(qb + 8 * c))));
+            if (iq1) qf = _mm256_mul_ps(qf, _mm256_set1_ps(0.125f));
             __m256 v = _mm256_mul_ps(_mm256_set1_ps(s[c]), qf);
-            if (fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K) v = _mm256_sub_ps(v, _mm256_set1_ps(dm));
+            if (add) v = _mm256_add_ps(v, _mm256_set1_ps(a[c]));
             if (x) /* one token (f_rows_1's order: acc = fma(w, x, acc) in column order) */
                 *acc = _mm256_fmadd_ps(v, _mm256_loadu_ps(x + 32 * i + 8 * c), *acc);
             else

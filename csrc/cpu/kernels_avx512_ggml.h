@@ -9,7 +9,7 @@
  * AVX2 instance runs), a choice by shape only.
  *
  * How: a row's step of 256 columns is decoded by the AVX2 decoders (kernels_avx2_ggml.h,
- * through g5_decode: 8 blocks of 32 int8 in column order, σ in the reference's lane order, μ), paired
+ * through g_decode8_plain: 8 blocks of 32 int8 in column order, σ in the reference's lane order, μ), paired
  * into 512-bit registers and transposed (g5_transpose) so that each 32-bit lane holds 4 columns of
  * ONE block, the block of the reference's lane (l mod 8); the token's codes are transposed the same
  * way once per tile (g5_relay_t). Four vpdpbusd per step then leave each lane a partial sum of its
@@ -77,33 +77,6 @@ G5_INLINE void g5_relay_t(const uint8_t *x, uint32_t cols, uint8_t *out) {
     }
 }
 
-/* Step k of a row for the transposed layout: q in plain block order (32 int8 a block), σ in the
- * reference's lane order, μ in plain order (Q4_K, Q5_K, Q4_1, Q5_1; Q2_K's ν = −dmin), and for the
- * formats with sub-scales their 16 bytes (2b + h: block b's half h). The same values as the AVX2
- * decoders': g_decode8 where it has a vector decoder, g_iq_decode8, and for Q2_K, Q3_K, Q4_1, Q5_1
- * gp_decode's pair layout undone (block 2p = the low halves of the pair's two registers). */
-G5_INLINE void g5_decode(const uint8_t fmt, const uint8_t *row, size_t step_bytes, uint32_t k, __m256i q[8], __m256 *sigl,
-                         __m256 *mu, __m128i *sc) {
-    const uint8_t *blk = row + step_bytes * k;
-    if (gb_is_iq(fmt)) {
-        *sigl = _mm256_permutevar8x32_ps(g_iq_decode8(fmt, blk, q, sc), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
-    } else if (fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q4_1 ||
-               fmt == SMOE_FMT_GGML_Q5_1) {
-        __m256i w[8], sub[8];
-        gp_decode(fmt, row, k, w, sigl, mu, sub);
-        for (int p = 0; p < 4; p++) {
-            q[2 * p] = _mm256_permute2x128_si256(w[2 * p], w[2 * p + 1], 0x20);
-            q[2 * p + 1] = _mm256_permute2x128_si256(w[2 * p], w[2 * p + 1], 0x31);
-        }
-        if (fmt == SMOE_FMT_GGML_Q2_K) *sc = gp_q2k_subs(blk);
-        if (fmt == SMOE_FMT_GGML_Q3_K) *sc = gp_q3k_subs(blk);
-    } else {
-        __m256i sub[8];
-        g_decode8(fmt, row, k, q, sigl, mu, sub);
-        if (fmt == SMOE_FMT_GGML_Q6_K) *sc = _mm_loadu_si128((const __m128i *)(const void *)(blk + 192));
-    }
-}
-
 G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                        size_t ldy, uint32_t r0, uint32_t r1) {
     const uint32_t cols = W->cols, steps = cols / 256;
@@ -159,7 +132,7 @@ G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w
                 __m256i q[8];
                 __m256 sigl, mu = _mm256_setzero_ps();
                 __m128i sc = _mm_setzero_si128();
-                g5_decode(fmt, row, step_bytes, k, q, &sigl, &mu, &sc);
+                g_decode8_plain(fmt, row, step_bytes, k, q, &sigl, &mu, &sc);
                 __m512i v[4], zt[4], s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
                 __mmask64 neg[4] = {0, 0, 0, 0};
                 for (int i = 0; i < 4; i++) v[i] = g5_cat(q[2 * i], q[2 * i + 1]);
