@@ -807,6 +807,38 @@ static bool g_matmul_1(const smoe_tensor *W, const uint8_t *w, const float *x, f
     return false;
 }
 
+/* Steps [k0, k0 + nk) of a row of a gp_takes_qx format dequantised into out (g_dequant_step with
+ * the format a constant: the decoder and the scales' switch inlined per format) */
+static void g_dequant_steps(uint8_t fmt, const uint8_t *row, uint32_t k0, uint32_t nk, float *out) {
+    switch (fmt) {
+#define GD_CASE(f)                                                                                                     \
+    case f:                                                                                                            \
+        for (uint32_t k = 0; k < nk; k++) g_dequant_step(f, row, k0 + k, out + 256 * (size_t)k);                       \
+        return;
+        GD_CASE(SMOE_FMT_GGML_Q4_0)
+        GD_CASE(SMOE_FMT_GGML_Q5_0)
+        GD_CASE(SMOE_FMT_GGML_Q8_0)
+        GD_CASE(SMOE_FMT_GGML_Q4_K)
+        GD_CASE(SMOE_FMT_GGML_Q5_K)
+        GD_CASE(SMOE_FMT_GGML_Q6_K)
+        GD_CASE(SMOE_FMT_GGML_IQ4_NL)
+        GD_CASE(SMOE_FMT_GGML_IQ4_XS)
+        GD_CASE(SMOE_FMT_GGML_MXFP4)
+        GD_CASE(SMOE_FMT_GGML_Q2_K)
+        GD_CASE(SMOE_FMT_GGML_Q3_K)
+        GD_CASE(SMOE_FMT_GGML_Q4_1)
+        GD_CASE(SMOE_FMT_GGML_Q5_1)
+        GD_CASE(SMOE_FMT_GGML_IQ2_XXS)
+        GD_CASE(SMOE_FMT_GGML_IQ2_XS)
+        GD_CASE(SMOE_FMT_GGML_IQ2_S)
+        GD_CASE(SMOE_FMT_GGML_IQ3_XXS)
+        GD_CASE(SMOE_FMT_GGML_IQ3_S)
+        GD_CASE(SMOE_FMT_GGML_IQ1_S)
+        GD_CASE(SMOE_FMT_GGML_IQ1_M)
+#undef GD_CASE
+    }
+}
+
 /* f_matmul's order for a GGML block format: blocks of FCB columns of RB rows dequantised
  * (ggml_blocks.h, the reference's values) into a buffer and fed to f_block, for every n (one token
  * too: f_block's order is f_rows_1's). */
@@ -832,8 +864,7 @@ static void g_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
                 for (uint32_t i = 0; i < nr; i++) {
                     const uint8_t *blk = w + (size_t)(r + i) * row_bytes + (size_t)(c0 / bs) * ts;
                     if (fast) /* whole 256-column steps on vectors (kernels_avx2_ggml.h): the same floats */
-                        for (uint32_t c = 0; c < nc; c += 256)
-                            g_dequant_step(W->format, w + (size_t)(r + i) * row_bytes, (c0 + c) / 256, wb[i] + c);
+                        g_dequant_steps(W->format, w + (size_t)(r + i) * row_bytes, c0 / 256, nc / 256, wb[i]);
                     else
                         for (uint32_t c = 0; c < nc; c += bs, blk += ts) gb_dequant_block(W->format, blk, wb[i] + c);
                     wr[i] = wb[i];

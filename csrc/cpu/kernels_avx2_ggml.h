@@ -765,14 +765,18 @@ INLINE void g_dequant_step_fma(const uint8_t fmt, const uint8_t *row, uint32_t k
         }
         break;
     }
-    uint8_t sb[16]; /* the sub-scale bytes, 2i + h (Q6_K, Q3_K: int8; Q2_K: two nibbles; IQ: 2·ls + 1) */
-    _mm_storeu_si128((__m128i *)(void *)sb, scv);
+    uint8_t sb[16] = {0}; /* the sub-scale bytes, 2i + h (Q6_K, Q3_K: int8; Q2_K: two nibbles; IQ: 2·ls + 1) */
+    if (gb_has_sub(fmt) || iq) _mm_storeu_si128((__m128i *)(void *)sb, scv);
     for (int i = 0; i < 8; i++) {
         _Alignas(32) int8_t qb[32];
         _mm256_store_si256((__m256i *)(void *)qb, q[i]);
         float s[4], a[4] = {0.0f, 0.0f, 0.0f, 0.0f}; /* the scale and additive term of each 8 columns */
-        for (int c = 0; c < 4; c++) {
-            const int h = 2 * i + c / 2; /* this 8 columns' 16-column half */
+        for (int c = 0; c < 4; c += 2) {
+            if (c && !gb_has_sub(fmt)) { /* one scale for the block's 32 columns */
+                s[2] = s[0], a[2] = a[0];
+                break;
+            }
+            const int h = 2 * i + c / 2; /* these 16 columns' index among the step's halves */
             switch (fmt) {
             case SMOE_FMT_GGML_Q4_K:
             case SMOE_FMT_GGML_Q5_K: {
@@ -811,6 +815,7 @@ INLINE void g_dequant_step_fma(const uint8_t fmt, const uint8_t *row, uint32_t k
             }
             }
         }
+        s[1] = s[0], a[1] = a[0], s[3] = s[2], a[3] = a[2];
         for (int c = 0; c < 4; c++) {
             __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(qb + 8 * c))));
             if (iq1) qf = _mm256_mul_ps(qf, _mm256_set1_ps(0.125f));
