@@ -415,6 +415,13 @@ INLINE bool gp_unsigned(uint8_t fmt) {
     return fmt == SMOE_FMT_GGML_Q4_K || fmt == SMOE_FMT_GGML_Q5_K || fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q4_1 ||
            fmt == SMOE_FMT_GGML_Q5_1;
 }
+/* The pair layout's offset for Q6_K: q + 32 is non-negative, a u8 operand as it is, so gp_decode
+ * leaves q + off and the products take Σ sub·(q + off)·x − off·Σ_h sub_h·(the codes' 16-column
+ * sums): the same integer as Σ sub·q·x (exact sums), for fewer operations than |q| and the codes'
+ * signs (bench/RESULTS.md; Q3_K's q + 4 was slower for one token) */
+INLINE int gp_off(uint8_t fmt) { return fmt == SMOE_FMT_GGML_Q6_K ? 32 : 0; }
+/* Whether the pair layout's q are u8 operands: gp_unsigned's formats and those with gp_off */
+INLINE bool gp_pair_unsigned(uint8_t fmt) { return gp_unsigned(fmt) || gp_off(fmt); }
 /* |q| up to 127 or 128: two vpmaddubsw results may not be added in int16 */
 INLINE bool gp_big(uint8_t fmt) {
     return fmt == SMOE_FMT_GGML_Q8_0 || fmt == SMOE_FMT_GGML_IQ4_NL || fmt == SMOE_FMT_GGML_IQ4_XS;
@@ -434,9 +441,10 @@ INLINE void gp_subs(const __m128i v, __m256i sub[8]) {
         }
 }
 
-/* Q2_K's min term needs Σ_{c ∈ half h} code_c per 16 columns, which does not depend on the row:
- * a token's 16-column sums (column order, int16: |Σ| ≤ 16·127) are taken once, and a step's 8
- * block sums Σ_h m_h·s_h are then one vpmaddwd of its 16 mins (plain order) against them. */
+/* Q2_K's min term (and gp_off's) needs Σ_{c ∈ half h} code_c per 16 columns, which does not
+ * depend on the row: a token's 16-column sums (column order, int16: |Σ| ≤ 16·127) are taken once,
+ * and a step's 8 block sums Σ_h m_h·s_h are then one vpmaddwd of its 16 mins (plain order) against
+ * them. */
 INLINE void gp_halfsums(const uint8_t *x, uint32_t cols, int16_t *hs) {
     for (uint32_t j = 0; j < cols / 16; j++) {
         int s = 0;
@@ -451,12 +459,14 @@ INLINE __m256i gp_q2k_mins(const uint8_t *row, uint32_t k) {
     return _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(15)));
 }
 
-/* The step's 8 min sums (lane order, as float: exact integers) from its mins m and the token's 16
- * half sums hs of the step */
-INLINE __m256 gp_q2k_msum(const __m256i m, const int16_t *hs) {
+/* The step's 8 min sums (lane order) from its 16 mins m and the token's 16 half sums hs of the step */
+INLINE __m256i gp_msum(const __m256i m, const int16_t *hs) {
     const __m256i b = _mm256_madd_epi16(m, _mm256_loadu_si256((const __m256i *)(const void *)hs));
-    return _mm256_cvtepi32_ps(_mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)));
+    return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
 }
+
+/* gp_msum as float (exact integers): Q2_K's */
+INLINE __m256 gp_q2k_msum(const __m256i m, const int16_t *hs) { return _mm256_cvtepi32_ps(gp_msum(m, hs)); }
 
 /* Q2_K's 16 sub-scales of the block at blk (byte 2b + h: block b's half h), 0..15 */
 INLINE __m128i gp_q2k_subs(const uint8_t *blk) {
@@ -474,12 +484,18 @@ INLINE __m128i gp_q3k_subs(const uint8_t *blk) {
     return _mm_sub_epi8(_mm_loadu_si128((const __m128i *)(const void *)a), _mm_set1_epi8(32));
 }
 
-/* Step k of a row in the pair layout: w[8] (signed q, or 0..31 for Q4_K / Q5_K, 0..3 for Q2_K),
+/* gp_off's 16 "mins" of a Q6_K step, 32·sub-scale, as int16 (|32·sub| ≤ 4096), from its 16
+ * sub-scale bytes sc (2b + h; gp_decode's) */
+INLINE __m256i gp_off_mins(const __m128i sc) { return _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5); }
+
+/* Step k of a row in the pair layout: w[8] (signed q, or 0..31 for Q4_K / Q5_K, 0..3 for Q2_K,
+ * q + gp_off for Q6_K),
  * σ in lane order, μ in plain order (Q4_K, Q5_K; for Q2_K ν = −dmin in every lane; else
- * untouched), and for Q6_K, Q3_K, Q2_K the sub-scales as int16 registers matching w (gp_subs).
+ * untouched), and for Q6_K, Q3_K, Q2_K the sub-scales as int16 registers matching w (gp_subs) and
+ * their 16 bytes (2b + h) in *scb.
  * The values are gb_qx_decode's. */
 INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i w[8], __m256 *sigl, __m256 *mu,
-                      __m256i sub[8]) {
+                      __m256i sub[8], __m128i *scb) {
     const __m256i m15 = _mm256_set1_epi8(15), lane_of = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     __m256 sgv = _mm256_setzero_ps(); /* σ in plain order */
     switch (fmt) {
@@ -623,8 +639,9 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
     }
     case SMOE_FMT_GGML_Q6_K: {
         const uint8_t *blk = row + 210 * (size_t)k;
-        const __m256i m3 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+        const __m256i m3 = _mm256_set1_epi8(3);
         const __m256i scv = gp_bc(blk + 192); /* the 16 int8 sub-scales in both halves */
+        *scb = _mm256_castsi256_si128(scv);
         for (int p = 0; p < 4; p++) { /* blocks 4h + j, 4h + j + 1 of half h = p / 2, j = 2·(p % 2) */
             const int h = p / 2, j = 2 * (p % 2);
             const uint8_t *ql = blk + 64 * h, *qh = blk + 128 + 32 * h;
@@ -633,7 +650,7 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
                 __m256i lo = gp_lu2(ql + 32 + 16 * c, ql + 16 * c);
                 if (p % 2) lo = _mm256_srli_epi16(lo, 4);
                 const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(qh + 16 * c), hs), m3);
-                w[2 * p + c] = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(lo, m15), _mm256_slli_epi16(hi, 4)), off);
+                w[2 * p + c] = _mm256_or_si256(_mm256_and_si256(lo, m15), _mm256_slli_epi16(hi, 4)); /* q + 32 (gp_off) */
                 /* sub-scales 2b + c of blocks b = 2p, 2p + 1 (bytes 4p + c, 4p + 2 + c), sign-extended
                    from the high byte of each int16 lane */
                 const __m256i ctl = _mm256_setr_epi8(
@@ -655,7 +672,8 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
             for (int c = 0; c < 2; c++)
                 w[2 * p + c] = _mm256_and_si256(_mm256_srlv_epi32(gp_bc(blk + 16 + 32 * (p / 2) + 16 * c), hs), m3);
         }
-        gp_subs(gp_q2k_subs(blk), sub);
+        *scb = gp_q2k_subs(blk);
+        gp_subs(*scb, sub);
         sgv = gp_f16_all(blk + 80);
         *mu = _mm256_xor_ps(gp_f16_all(blk + 82), _mm256_set1_ps(-0.0f));
         break;
@@ -673,7 +691,8 @@ INLINE void gp_decode(const uint8_t fmt, const uint8_t *row, uint32_t k, __m256i
                 w[2 * p + c] = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 2)), four);
             }
         }
-        gp_subs(gp_q3k_subs(blk), sub);
+        *scb = gp_q3k_subs(blk);
+        gp_subs(*scb, sub);
         sgv = gp_f16_all(blk + 108);
         break;
     }
@@ -710,13 +729,11 @@ INLINE void g_decode8_plain(const uint8_t fmt, const uint8_t *row, size_t step_b
                fmt == SMOE_FMT_GGML_Q5_1) {
         __m256i w[8], sub[8];
         for (int i = 0; i < 8; i++) w[i] = _mm256_setzero_si256(); /* fmt may not be a constant here (g_matmul) */
-        gp_decode(fmt, row, k, w, sigl, mu, sub);
+        gp_decode(fmt, row, k, w, sigl, mu, sub, sc);
         for (int p = 0; p < 4; p++) {
             q[2 * p] = _mm256_permute2x128_si256(w[2 * p], w[2 * p + 1], 0x20);
             q[2 * p + 1] = _mm256_permute2x128_si256(w[2 * p], w[2 * p + 1], 0x31);
         }
-        if (fmt == SMOE_FMT_GGML_Q2_K) *sc = gp_q2k_subs(blk);
-        if (fmt == SMOE_FMT_GGML_Q3_K) *sc = gp_q3k_subs(blk);
     } else {
         __m256i sub[8];
         g_decode8(fmt, row, k, q, sigl, mu, sub);

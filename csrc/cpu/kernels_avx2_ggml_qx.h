@@ -102,7 +102,7 @@ GQ_ATTR INLINE void GQ(g_qx_rows)(const uint8_t fmt, const smoe_tensor *W, const
  * the sub-scales (Q6_K, Q3_K, Q2_K); x: the token's codes in pair order. */
 GQ_ATTR INLINE __m256i GQ(gp_pair)(const uint8_t fmt, const __m256i w0, const __m256i w1, const __m256i a0, const __m256i a1,
                                    const __m256i s0, const __m256i s1, __m256i x0, __m256i x1) {
-    const bool uns = gp_unsigned(fmt), q6 = gp_has_sub(fmt);
+    const bool uns = gp_pair_unsigned(fmt), q6 = gp_has_sub(fmt);
     const __m256i u0 = uns ? w0 : a0, u1 = uns ? w1 : a1;
     if (!uns) {
         x0 = _mm256_sign_epi8(x0, w0);
@@ -164,15 +164,16 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
     uint32_t bs = 32, ts = 0;
     smoe_ggml_block(fmt, &bs, &ts);
     const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
-    const bool has_min = gb_has_min(fmt), uns = gp_unsigned(fmt), q2k = fmt == SMOE_FMT_GGML_Q2_K;
+    const bool has_min = gb_has_min(fmt), uns = gp_pair_unsigned(fmt), q2k = fmt == SMOE_FMT_GGML_Q2_K;
+    const bool off = gp_off(fmt) != 0, halves = q2k || off; /* the codes' 16-column sums wanted */
     const size_t step_bytes = (size_t)(256 / bs) * ts, row_bytes = steps * step_bytes;
     __m256i q[8], a[8], s[8], mq = _mm256_setzero_si256(); /* mq: Q2_K's mins */
     for (int i = 0; i < 8; i++) a[i] = s[i] = _mm256_setzero_si256();
     if (n == 1 && cols <= MAXC) {
         _Alignas(32) uint8_t xr[MAXC];
-        int16_t hs[MAXC / 16]; /* Q2_K: the half sums */
+        int16_t hs[MAXC / 16]; /* Q2_K, gp_off: the half sums */
         gp_relay(X->codes, cols, xr);
-        if (q2k) gp_halfsums(X->codes, cols, hs);
+        if (halves) gp_halfsums(X->codes, cols, hs);
         const size_t ahead = QX_AHEAD * row_bytes;
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
@@ -180,10 +181,13 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
             for (uint32_t k = 0; k < steps; k++) {
                 for (size_t b = 0; b < step_bytes; b += 64) _mm_prefetch((const char *)row + ahead + k * step_bytes + b, _MM_HINT_T0);
                 __m256 sigl, mu = _mm256_setzero_ps();
-                gp_decode(fmt, row, k, q, &sigl, &mu, s);
+                __m128i scb = _mm_setzero_si128(); /* the sub-scale bytes (gp_off's mins) */
+                gp_decode(fmt, row, k, q, &sigl, &mu, s, &scb);
                 if (!uns)
                     for (int i = 0; i < 8; i++) a[i] = _mm256_sign_epi8(q[i], q[i]);
-                const __m256 I = _mm256_cvtepi32_ps(GQ(gp_step)(fmt, q, a, s, xr + 256 * (size_t)k, true, k));
+                __m256i Ii = GQ(gp_step)(fmt, q, a, s, xr + 256 * (size_t)k, true, k);
+                if (off) Ii = _mm256_sub_epi32(Ii, gp_msum(gp_off_mins(scb), hs + 16 * k));
+                const __m256 I = _mm256_cvtepi32_ps(Ii);
                 tot = _mm256_fmadd_ps(I, _mm256_mul_ps(sigl, _mm256_loadu_ps(X->d + 8 * k)), tot);
                 if (has_min) bia = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + 8 * k), bia);
                 if (q2k)
@@ -198,7 +202,7 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
     /* a tile's codes in pair order: twice the bytes for the codebook formats, whose decoding costs
        more than the codes' trip out of L1 (bench/RESULTS.md); the others use the first GP_XBYTES */
     _Alignas(32) uint8_t xr[2 * GP_XBYTES];
-    int16_t hs[GP_XBYTES / 16]; /* Q2_K: its half sums (relaid; else a step's, hs1) */
+    int16_t hs[GP_XBYTES / 16]; /* Q2_K, gp_off: the half sums (relaid; else a step's, hs1) */
     const uint32_t xbytes = gb_is_iq(fmt) ? 2 * GP_XBYTES : GP_XBYTES;
     const uint32_t tt = cols <= MAXC && xbytes / cols < TT ? xbytes / cols : TT;
     const bool relaid = cols <= MAXC;
@@ -208,7 +212,7 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
             for (uint32_t t = 0; t < nt; t++) {
                 const uint8_t *xt = (const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes;
                 gp_relay(xt, cols, xr + (size_t)t * cols);
-                if (q2k) gp_halfsums(xt, cols, hs + (size_t)t * (cols / 16));
+                if (halves) gp_halfsums(xt, cols, hs + (size_t)t * (cols / 16));
             }
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
@@ -218,10 +222,12 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
             for (uint32_t t = 0; t < nt; t++) tot[t] = bia[t] = _mm256_setzero_ps();
             for (uint32_t k = 0; k < steps; k++) {
                 __m256 sigl, mu = _mm256_setzero_ps();
-                gp_decode(fmt, row, k, q, &sigl, &mu, s);
+                __m128i scb = _mm_setzero_si128();
+                gp_decode(fmt, row, k, q, &sigl, &mu, s, &scb);
                 if (!uns)
                     for (int i = 0; i < 8; i++) a[i] = _mm256_sign_epi8(q[i], q[i]);
                 if (q2k) mq = gp_q2k_mins(row, k);
+                if (off) mq = gp_off_mins(scb);
                 uint32_t t = 0;
                 if (relaid)
                     for (; t + 2 <= nt; t += 2) {
@@ -229,6 +235,11 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                         const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
                         __m256i h, h2;
                         GQ(gp_step2)(fmt, q, a, s, ct, ct + cols, &h, &h2);
+                        if (off) {
+                            const int16_t *hh = hs + (size_t)t * (cols / 16) + 16 * k;
+                            h = _mm256_sub_epi32(h, gp_msum(mq, hh));
+                            h2 = _mm256_sub_epi32(h2, gp_msum(mq, hh + cols / 16));
+                        }
                         tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(sigl, _mm256_loadu_ps(dt)), tot[t]);
                         tot[t + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h2), _mm256_mul_ps(sigl, _mm256_loadu_ps(dt + z.d_floats)),
                                                      tot[t + 1]);
@@ -248,16 +259,15 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
                     const uint8_t *ct = relaid ? xr + (size_t)t * cols + 256 * (size_t)k
                                                : (const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes;
                     const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
-                    const __m256 I = _mm256_cvtepi32_ps(GQ(gp_step)(fmt, q, a, s, ct, relaid, k));
-                    tot[t] = _mm256_fmadd_ps(I, _mm256_mul_ps(sigl, _mm256_loadu_ps(dt)), tot[t]);
+                    int16_t hs1[16]; /* the step's 16-column sums (Q2_K, gp_off) */
+                    if (halves && !relaid) gp_halfsums(ct + 256 * (size_t)k, 256, hs1);
+                    const int16_t *h = relaid ? hs + (size_t)t * (cols / 16) + 16 * k : hs1;
+                    __m256i Ii = GQ(gp_step)(fmt, q, a, s, ct, relaid, k);
+                    if (off) Ii = _mm256_sub_epi32(Ii, gp_msum(mq, h));
+                    tot[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Ii), _mm256_mul_ps(sigl, _mm256_loadu_ps(dt)), tot[t]);
                     if (has_min)
                         bia[t] = _mm256_fmadd_ps(mu, _mm256_loadu_ps(X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k), bia[t]);
-                    if (q2k) {
-                        int16_t hs1[16];
-                        if (!relaid) gp_halfsums(ct + 256 * (size_t)k, 256, hs1);
-                        const int16_t *h = relaid ? hs + (size_t)t * (cols / 16) + 16 * k : hs1;
-                        bia[t] = _mm256_fmadd_ps(gp_q2k_msum(mq, h), _mm256_mul_ps(mu, _mm256_loadu_ps(dt)), bia[t]);
-                    }
+                    if (q2k) bia[t] = _mm256_fmadd_ps(gp_q2k_msum(mq, h), _mm256_mul_ps(mu, _mm256_loadu_ps(dt)), bia[t]);
                 }
             }
             for (uint32_t t = 0; t < nt; t++)
