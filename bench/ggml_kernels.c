@@ -7,6 +7,9 @@
  *       bench/ggml_kernels.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_avx2.c \
  *       csrc/cpu/kernels_avx512.c csrc/cpu/kernels_neon.c csrc/cpu/cpu.c csrc/util.c -lm -pthread -o build/bench_ggml
  *   build/bench_ggml [f32 [FORMAT]]     (f32: f32 activations, smoe_matmul_rows; FORMAT: only that row)
+ *   build/bench_ggml shape ROWS COLS N... [FORMAT]   (8-bit activations at one shape, each n given:
+ *                                        e.g. 3072 2048 1 4 16 for a3b's gate and up at a prefill's
+ *                                        tokens an expert; the last argument a format name: only it)
  *
  * Figures: medians of REPS runs timed by the thread's CPU time (the machine is shared); GB/s
  * counts the weight bytes read once per call, GFLOP/s 2·rows·cols·n. The random bytes are the
@@ -120,6 +123,22 @@ int main(int argc, char **argv) {
              {SMOE_FMT_GGML_IQ2_XXS, "IQ2_XXS"}, {SMOE_FMT_GGML_IQ2_XS, "IQ2_XS"}, {SMOE_FMT_GGML_IQ2_S, "IQ2_S"},
              {SMOE_FMT_GGML_IQ3_XXS, "IQ3_XXS"}, {SMOE_FMT_GGML_IQ3_S, "IQ3_S"},   {SMOE_FMT_GGML_IQ1_S, "IQ1_S"},
              {SMOE_FMT_GGML_IQ1_M, "IQ1_M"}};
+    if (argc > 4 && strcmp(argv[1], "shape") == 0) { /* shape ROWS COLS N... [FORMAT] */
+        const uint32_t rows = (uint32_t)atoi(argv[2]), cols = (uint32_t)atoi(argv[3]);
+        const bool named = atoi(argv[argc - 1]) == 0; /* a format name, not an n */
+        const int nend = named ? argc - 1 : argc;
+        printf("kernels %s; one thread; 8-bit activations; %u x %u\n", smoe_kernels(), rows, cols);
+        for (int a = 4; a < nend; a++) {
+            const uint32_t n = (uint32_t)atoi(argv[a]);
+            for (size_t i = 0; i < sizeof F / sizeof *F; i++) {
+                if (named && strcmp(argv[argc - 1], F[i].name) != 0) continue;
+                double g, fl;
+                const double t = run(F[i].f, rows, cols, n, false, &g, &fl);
+                printf("n=%-4u %-10s %8.3f ms %9.2f us/token\n", n, F[i].name, 1e3 * t, 1e6 * t / n);
+            }
+        }
+        return 0;
+    }
     const bool f32 = argc > 1 && strcmp(argv[1], "f32") == 0; /* f32 activations (smoe_matmul_rows) */
     printf("kernels %s; one thread; %s activations\n", smoe_kernels(), f32 ? "f32" : "8-bit");
     printf("%-10s %22s %22s\n", "format", "n=1, 16384x2048", "n=64, 2048x2048");
