@@ -473,15 +473,17 @@ INLINE __m128i gp_q2k_subs(const uint8_t *blk) {
     return _mm_and_si128(_mm_loadu_si128((const __m128i *)(const void *)blk), _mm_set1_epi8(15));
 }
 
-/* Q3_K's 16 sub-scales of the block at blk (byte 2b + h), −32..31: gb_scale_q3k on four bytes at a time */
+/* Q3_K's 16 sub-scales of the block at blk (byte 2b + h), −32..31: gb_scale_q3k four bytes at a
+ * time, in registers — dword j = (u[j % 2] >> 4·(j / 2)) & 0x0f0f0f0f | ((u[2] >> 2j) & 0x03030303) << 4
+ * of the scale words u[0..3) (built in an array and loaded as a vector, a store-forwarding stall
+ * cost 1.0 of a one-token product's 2.6 ms: bench/RESULTS.md) */
 INLINE __m128i gp_q3k_subs(const uint8_t *blk) {
-    uint32_t u[3], a[4]; /* scale j in byte j of a */
-    memcpy(u, blk + 96, 12);
-    a[0] = (u[0] & 0x0f0f0f0fu) | ((u[2] & 0x03030303u) << 4);
-    a[1] = (u[1] & 0x0f0f0f0fu) | (((u[2] >> 2) & 0x03030303u) << 4);
-    a[2] = ((u[0] >> 4) & 0x0f0f0f0fu) | (((u[2] >> 4) & 0x03030303u) << 4);
-    a[3] = ((u[1] >> 4) & 0x0f0f0f0fu) | (((u[2] >> 6) & 0x03030303u) << 4);
-    return _mm_sub_epi8(_mm_loadu_si128((const __m128i *)(const void *)a), _mm_set1_epi8(32));
+    uint32_t u2;
+    memcpy(&u2, blk + 104, 4);
+    const __m128i u01 = _mm_shuffle_epi32(_mm_loadl_epi64((const __m128i *)(const void *)(blk + 96)), 0x44); /* u0 u1 u0 u1 */
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(u01, _mm_setr_epi32(0, 0, 4, 4)), _mm_set1_epi8(15));
+    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)u2), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+    return _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi32(hi, 4)), _mm_set1_epi8(32));
 }
 
 /* gp_off's 16 "mins" of a Q6_K step, 32·sub-scale, as int16 (|32·sub| ≤ 4096), from its 16
