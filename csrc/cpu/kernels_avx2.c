@@ -782,26 +782,7 @@ static bool g_matmul_1(const smoe_tensor *W, const uint8_t *w, const float *x, f
     switch (W->format) {
 #define G1_CASE(f)                                                                                                     \
     case f: g_rows_1(f, w, row_bytes, W->cols, x, y, r0, r1); return true;
-        G1_CASE(SMOE_FMT_GGML_Q4_0)
-        G1_CASE(SMOE_FMT_GGML_Q5_0)
-        G1_CASE(SMOE_FMT_GGML_Q8_0)
-        G1_CASE(SMOE_FMT_GGML_Q4_K)
-        G1_CASE(SMOE_FMT_GGML_Q5_K)
-        G1_CASE(SMOE_FMT_GGML_Q6_K)
-        G1_CASE(SMOE_FMT_GGML_IQ4_NL)
-        G1_CASE(SMOE_FMT_GGML_IQ4_XS)
-        G1_CASE(SMOE_FMT_GGML_MXFP4)
-        G1_CASE(SMOE_FMT_GGML_Q2_K)
-        G1_CASE(SMOE_FMT_GGML_Q3_K)
-        G1_CASE(SMOE_FMT_GGML_Q4_1)
-        G1_CASE(SMOE_FMT_GGML_Q5_1)
-        G1_CASE(SMOE_FMT_GGML_IQ2_XXS)
-        G1_CASE(SMOE_FMT_GGML_IQ2_XS)
-        G1_CASE(SMOE_FMT_GGML_IQ2_S)
-        G1_CASE(SMOE_FMT_GGML_IQ3_XXS)
-        G1_CASE(SMOE_FMT_GGML_IQ3_S)
-        G1_CASE(SMOE_FMT_GGML_IQ1_S)
-        G1_CASE(SMOE_FMT_GGML_IQ1_M)
+        GP_FORMATS(G1_CASE)
 #undef G1_CASE
     }
     return false;
@@ -815,26 +796,7 @@ static void g_dequant_steps(uint8_t fmt, const uint8_t *row, uint32_t k0, uint32
     case f:                                                                                                            \
         for (uint32_t k = 0; k < nk; k++) g_dequant_step(f, row, k0 + k, out + 256 * (size_t)k);                       \
         return;
-        GD_CASE(SMOE_FMT_GGML_Q4_0)
-        GD_CASE(SMOE_FMT_GGML_Q5_0)
-        GD_CASE(SMOE_FMT_GGML_Q8_0)
-        GD_CASE(SMOE_FMT_GGML_Q4_K)
-        GD_CASE(SMOE_FMT_GGML_Q5_K)
-        GD_CASE(SMOE_FMT_GGML_Q6_K)
-        GD_CASE(SMOE_FMT_GGML_IQ4_NL)
-        GD_CASE(SMOE_FMT_GGML_IQ4_XS)
-        GD_CASE(SMOE_FMT_GGML_MXFP4)
-        GD_CASE(SMOE_FMT_GGML_Q2_K)
-        GD_CASE(SMOE_FMT_GGML_Q3_K)
-        GD_CASE(SMOE_FMT_GGML_Q4_1)
-        GD_CASE(SMOE_FMT_GGML_Q5_1)
-        GD_CASE(SMOE_FMT_GGML_IQ2_XXS)
-        GD_CASE(SMOE_FMT_GGML_IQ2_XS)
-        GD_CASE(SMOE_FMT_GGML_IQ2_S)
-        GD_CASE(SMOE_FMT_GGML_IQ3_XXS)
-        GD_CASE(SMOE_FMT_GGML_IQ3_S)
-        GD_CASE(SMOE_FMT_GGML_IQ1_S)
-        GD_CASE(SMOE_FMT_GGML_IQ1_M)
+        GP_FORMATS(GD_CASE)
 #undef GD_CASE
     }
 }

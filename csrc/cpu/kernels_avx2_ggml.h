@@ -386,27 +386,24 @@ INLINE void gp_relay(const uint8_t *x, uint32_t cols, uint8_t *out) {
     }
 }
 
-/* Whether the fast path takes the format; its properties there */
-INLINE bool gp_takes(uint8_t fmt) {
+/* The formats of the fast path (every GGML block format but F16), X(format) each: the one list
+ * the kernels' per-format switches (the format a constant in each case) and gp_takes_qx expand */
+#define GP_FORMATS(X)                                                                                                  \
+    X(SMOE_FMT_GGML_Q4_0) X(SMOE_FMT_GGML_Q4_1) X(SMOE_FMT_GGML_Q5_0) X(SMOE_FMT_GGML_Q5_1) X(SMOE_FMT_GGML_Q8_0)      \
+    X(SMOE_FMT_GGML_Q2_K) X(SMOE_FMT_GGML_Q3_K) X(SMOE_FMT_GGML_Q4_K) X(SMOE_FMT_GGML_Q5_K) X(SMOE_FMT_GGML_Q6_K)      \
+    X(SMOE_FMT_GGML_IQ4_NL) X(SMOE_FMT_GGML_IQ4_XS) X(SMOE_FMT_GGML_MXFP4) X(SMOE_FMT_GGML_IQ2_XXS)                    \
+    X(SMOE_FMT_GGML_IQ2_XS) X(SMOE_FMT_GGML_IQ2_S) X(SMOE_FMT_GGML_IQ3_XXS) X(SMOE_FMT_GGML_IQ3_S)                      \
+    X(SMOE_FMT_GGML_IQ1_S) X(SMOE_FMT_GGML_IQ1_M)
+
+/* Whether the fast path takes the format (on rows of whole 256-column steps): the 8-bit-activation
+ * products (pair layout; AVX512-VNNI's transposed one) and the f32 ones' vector dequantisation */
+INLINE bool gp_takes_qx(uint8_t fmt) {
     switch (fmt) {
-    case SMOE_FMT_GGML_Q4_K:
-    case SMOE_FMT_GGML_Q5_K:
-    case SMOE_FMT_GGML_Q6_K:
-    case SMOE_FMT_GGML_Q8_0:
-    case SMOE_FMT_GGML_Q4_0:
-    case SMOE_FMT_GGML_Q5_0:
-    case SMOE_FMT_GGML_IQ4_NL:
-    case SMOE_FMT_GGML_IQ4_XS:
-    case SMOE_FMT_GGML_MXFP4: return true;
+#define GP_TAKES(f) case f:
+        GP_FORMATS(GP_TAKES) return true;
+#undef GP_TAKES
     }
     return false;
-}
-/* Whether the 8-bit-activation fast path takes the format: gp_takes', the low-bit K-quants Q2_K
- * and Q3_K, Q4_1, Q5_1 and the codebook formats (their f32-activation products stay on
- * g_decode8 or the reference's dequantisation) */
-INLINE bool gp_takes_qx(uint8_t fmt) {
-    return gp_takes(fmt) || fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q4_1 ||
-           fmt == SMOE_FMT_GGML_Q5_1 || gb_is_iq(fmt);
 }
 /* Formats with int16 sub-scales per 16 columns (sub) */
 INLINE bool gp_has_sub(uint8_t fmt) { return gb_has_sub(fmt); }
@@ -730,7 +727,6 @@ INLINE void g_decode8_plain(const uint8_t fmt, const uint8_t *row, size_t step_b
     } else if (fmt == SMOE_FMT_GGML_Q2_K || fmt == SMOE_FMT_GGML_Q3_K || fmt == SMOE_FMT_GGML_Q4_1 ||
                fmt == SMOE_FMT_GGML_Q5_1) {
         __m256i w[8], sub[8];
-        for (int i = 0; i < 8; i++) w[i] = _mm256_setzero_si256(); /* fmt may not be a constant here (g_matmul) */
         gp_decode(fmt, row, k, w, sigl, mu, sub, sc);
         for (int p = 0; p < 4; p++) {
             q[2 * p] = _mm256_permute2x128_si256(w[2 * p], w[2 * p + 1], 0x20);

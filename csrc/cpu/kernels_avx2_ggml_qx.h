@@ -281,31 +281,12 @@ GQ_ATTR static bool GQ(g_matmul_qx)(const smoe_tensor *W, const uint8_t *w, cons
     switch (W->format) {
 #define G_CASE(f)                                                                                                      \
     case f:                                                                                                            \
-        if (gp_takes_qx(f) && W->cols % 256 == 0)                                                                         \
+        if (W->cols % 256 == 0)                                                                                        \
             GQ(gp_rows)(f, W, w, X, n, y, ldy, r0, r1);                                                                \
         else                                                                                                           \
             GQ(g_qx_rows)(f, W, w, X, n, y, ldy, r0, r1);                                                              \
         return true;
-        G_CASE(SMOE_FMT_GGML_Q4_0)
-        G_CASE(SMOE_FMT_GGML_Q4_1)
-        G_CASE(SMOE_FMT_GGML_Q5_0)
-        G_CASE(SMOE_FMT_GGML_Q5_1)
-        G_CASE(SMOE_FMT_GGML_Q8_0)
-        G_CASE(SMOE_FMT_GGML_Q2_K)
-        G_CASE(SMOE_FMT_GGML_Q3_K)
-        G_CASE(SMOE_FMT_GGML_Q4_K)
-        G_CASE(SMOE_FMT_GGML_Q5_K)
-        G_CASE(SMOE_FMT_GGML_Q6_K)
-        G_CASE(SMOE_FMT_GGML_IQ4_NL)
-        G_CASE(SMOE_FMT_GGML_IQ4_XS)
-        G_CASE(SMOE_FMT_GGML_MXFP4)
-        G_CASE(SMOE_FMT_GGML_IQ2_XXS)
-        G_CASE(SMOE_FMT_GGML_IQ2_XS)
-        G_CASE(SMOE_FMT_GGML_IQ2_S)
-        G_CASE(SMOE_FMT_GGML_IQ3_XXS)
-        G_CASE(SMOE_FMT_GGML_IQ3_S)
-        G_CASE(SMOE_FMT_GGML_IQ1_S)
-        G_CASE(SMOE_FMT_GGML_IQ1_M)
+        GP_FORMATS(G_CASE)
 #undef G_CASE
     }
     return false;

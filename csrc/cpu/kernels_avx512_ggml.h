@@ -193,30 +193,11 @@ G5_INLINE void g5_rows(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w
 
 G5 bool smoe_avx512_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                             uint32_t r0, uint32_t r1) {
-    if (W->cols % 256 || W->cols > MAXC || !gp_takes_qx(W->format)) return false;
+    if (W->cols % 256 || W->cols > MAXC) return false;
     switch (W->format) {
 #define G5_CASE(f)                                                                                                     \
     case f: g5_rows(f, W, w, X, n, y, ldy, r0, r1); return true;
-        G5_CASE(SMOE_FMT_GGML_Q4_0)
-        G5_CASE(SMOE_FMT_GGML_Q5_0)
-        G5_CASE(SMOE_FMT_GGML_Q8_0)
-        G5_CASE(SMOE_FMT_GGML_Q4_K)
-        G5_CASE(SMOE_FMT_GGML_Q5_K)
-        G5_CASE(SMOE_FMT_GGML_Q6_K)
-        G5_CASE(SMOE_FMT_GGML_IQ4_NL)
-        G5_CASE(SMOE_FMT_GGML_IQ4_XS)
-        G5_CASE(SMOE_FMT_GGML_MXFP4)
-        G5_CASE(SMOE_FMT_GGML_Q2_K)
-        G5_CASE(SMOE_FMT_GGML_Q3_K)
-        G5_CASE(SMOE_FMT_GGML_Q4_1)
-        G5_CASE(SMOE_FMT_GGML_Q5_1)
-        G5_CASE(SMOE_FMT_GGML_IQ2_XXS)
-        G5_CASE(SMOE_FMT_GGML_IQ2_XS)
-        G5_CASE(SMOE_FMT_GGML_IQ2_S)
-        G5_CASE(SMOE_FMT_GGML_IQ3_XXS)
-        G5_CASE(SMOE_FMT_GGML_IQ3_S)
-        G5_CASE(SMOE_FMT_GGML_IQ1_S)
-        G5_CASE(SMOE_FMT_GGML_IQ1_M)
+        GP_FORMATS(G5_CASE)
 #undef G5_CASE
     }
     return false;
