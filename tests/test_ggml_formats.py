@@ -319,35 +319,47 @@ def test_the_parser_checks_ggml_descriptors(tmp_path, make_vault, edit, match):
         pysmoe.open_vault(bad)
 
 
-def test_verify_names_non_finite_ggml_scales(make_vault, tmp_path):
-    """pysmoe verify reports an inf or NaN f16 scale of a GGML tensor (a dense Q8_0 one and a blob's
-    Q6_K down), naming the tensor, the row and the block; the vault still opens."""
+def _rewritten(src, dst, mix: str, dense=None, blob=None):
+    """dst: the vault at src written again (the same mix), each dense tensor's and each expert blob's
+    bytes first passed to dense(name, tensor, raw) / blob(layer, expert, tensors, raw), which may
+    change them in place (bytearrays)."""
     from pysmoe import vaultio as V
 
-    src = make_vault("ggml_q4km", preset="tiny", seed=7, overrides=SHAPE, **MIXES["q4km"])
-    nan = np.frombuffer(np.float16(np.nan).tobytes(), np.uint8)
     r = V.read_vault(src)
     try:
-        with V.VaultWriter(tmp_path / "bad", r.config, formats=MIXES["q4km"]["formats"] | {
-                "experts": MIXES["q4km"]["experts"]}) as w:
+        with V.VaultWriter(dst, r.config, formats=MIXES[mix]["formats"] | {"experts": MIXES[mix]["experts"]}) as w:
             for name, t in r.tensors.items():
                 raw = bytearray(r.raw(name))
-                if name == "layers.1.q_proj":  # Q8_0, 34-byte blocks: row 1, block 2
-                    at = (1 * (t.cols // 32) + 2) * 34
-                    raw[at:at + 2] = nan.tobytes()
+                if dense:
+                    dense(name, t, raw)
                 w.add_dense_raw(name, raw)
-            E = r.binary_config["num_experts"]
             for l in range(len(r.sparse)):
-                for e in range(E if r.sparse[l] else 0):
+                for e in range(r.binary_config["num_experts"] if r.sparse[l] else 0):
                     raw = bytearray(r.blob(l, e))
-                    if (l, e) == (2, 5):
-                        t = next(t for t in r.expert_tensors if t.name == "down")  # Q6_K: d at 208
-                        raw[t.offset + 3 * 210 + 208:t.offset + 3 * 210 + 210] = np.frombuffer(
-                            np.float16(np.inf).tobytes(), np.uint8).tobytes()
+                    if blob:
+                        blob(l, e, r.expert_tensors, raw)
                     w.add_expert_raw(l, e, raw)
     finally:
         r.close()
-    with pysmoe.open_vault(tmp_path / "bad") as vault:
+    return dst
+
+
+def test_verify_names_non_finite_ggml_scales(make_vault, tmp_path):
+    """pysmoe verify reports an inf or NaN f16 scale of a GGML tensor (a dense Q8_0 one and a blob's
+    Q6_K down), naming the tensor, the row and the block; the vault still opens."""
+    src = make_vault("ggml_q4km", preset="tiny", seed=7, overrides=SHAPE, **MIXES["q4km"])
+
+    def dense(name, t, raw):
+        if name == "layers.1.q_proj":  # Q8_0, 34-byte blocks: row 1, block 2
+            at = (1 * (t.cols // 32) + 2) * 34
+            raw[at:at + 2] = np.float16(np.nan).tobytes()
+
+    def blob(l, e, tensors, raw):
+        if (l, e) == (2, 5):
+            t = next(t for t in tensors if t.name == "down")  # Q6_K: d at 208
+            raw[t.offset + 3 * 210 + 208:t.offset + 3 * 210 + 210] = np.float16(np.inf).tobytes()
+
+    with pysmoe.open_vault(_rewritten(src, tmp_path / "bad", "q4km", dense, blob)) as vault:
         problems = vault.verify()
     assert [(k, l, e) for k, l, e, _ in problems] == [("values", -1, -1), ("values", 2, 5)], problems
     assert problems[0][3].startswith("layers.1.q_proj scales: 1 non-finite value(s) (NaN or inf), the first at row 1, block 2")
@@ -359,27 +371,16 @@ def test_verify_names_non_finite_ggml_scales(make_vault, tmp_path):
 def test_verify_reads_iq1m_scattered_scale(make_vault, tmp_path):
     """IQ1_M keeps its f16 d in the top nibbles of four scale words: a NaN written there is found
     and named like any other block's scale."""
-    from pysmoe import vaultio as V
-
     src = make_vault("ggml_iq", preset="tiny", seed=7, overrides=SHAPE, **MIXES["iq"])
-    r = V.read_vault(src)
-    try:
-        with V.VaultWriter(tmp_path / "bad", r.config, formats=MIXES["iq"]["formats"] | {
-                "experts": MIXES["iq"]["experts"]}) as w:
-            for name, t in r.tensors.items():
-                raw = bytearray(r.raw(name))
-                if name == "embed_tokens":  # IQ1_M, 56-byte blocks of 256: row 2, block 0
-                    blk = 2 * (t.cols // 256) * 56
-                    block = np.frombuffer(bytes(raw[blk:blk + 56]), np.uint8).copy().reshape(1, 56)
-                    ggml_blocks.set_iq1m_d(block, np.nan)
-                    raw[blk:blk + 56] = block.tobytes()
-                w.add_dense_raw(name, raw)
-            for l in range(len(r.sparse)):
-                for e in range(r.binary_config["num_experts"] if r.sparse[l] else 0):
-                    w.add_expert_raw(l, e, r.blob(l, e))
-    finally:
-        r.close()
-    with pysmoe.open_vault(tmp_path / "bad") as vault:
+
+    def dense(name, t, raw):
+        if name == "embed_tokens":  # IQ1_M, 56-byte blocks of 256: row 2, block 0
+            blk = 2 * (t.cols // 256) * 56
+            block = np.frombuffer(bytes(raw[blk:blk + 56]), np.uint8).copy().reshape(1, 56)
+            ggml_blocks.set_iq1m_d(block, np.nan)
+            raw[blk:blk + 56] = block.tobytes()
+
+    with pysmoe.open_vault(_rewritten(src, tmp_path / "bad", "iq", dense)) as vault:
         problems = vault.verify()
     assert [(k, l, e) for k, l, e, _ in problems] == [("values", -1, -1)], problems
     assert problems[0][3].startswith("embed_tokens scales: 1 non-finite value(s) (NaN or inf), the first at row 2, block 0")
