@@ -801,12 +801,12 @@ INLINE void g_dequant_step_fma(const uint8_t fmt, const uint8_t *row, uint32_t k
                 a[c] = -(dmin * (float)m);
                 break;
             }
-            case SMOE_FMT_GGML_Q6_K: s[c] = d0 * (float)(int8_t)sb[h]; break;
+            case SMOE_FMT_GGML_Q6_K:
+            case SMOE_FMT_GGML_Q3_K: s[c] = d0 * (float)(int8_t)sb[h]; break;
             case SMOE_FMT_GGML_Q2_K:
                 s[c] = d0 * (float)(sb[h] & 15);
                 a[c] = -(dmin * (float)(blk[h] >> 4));
                 break;
-            case SMOE_FMT_GGML_Q3_K: s[c] = d0 * (float)(int8_t)sb[h]; break;
             case SMOE_FMT_GGML_Q4_1:
             case SMOE_FMT_GGML_Q5_1:
                 s[c] = gb_f16(blk + ts * i);
@@ -820,11 +820,9 @@ INLINE void g_dequant_step_fma(const uint8_t fmt, const uint8_t *row, uint32_t k
             case SMOE_FMT_GGML_IQ4_NL: s[c] = gb_f16(blk + ts * i); break;
             default: { /* the codebook formats: 2·ls + 1 of the half */
                 const float b = (float)sb[h];
-                if (iq1)
+                if (iq1 || fmt == SMOE_FMT_GGML_IQ3_S) /* d·(2·ls + 1) */
                     s[c] = d0 * b;
-                else if (fmt == SMOE_FMT_GGML_IQ3_S)
-                    s[c] = d0 * b;
-                else
+                else /* (d·(0.5 + ls))·¼, IQ3_XXS ·½ */
                     s[c] = (d0 * (b * 0.5f)) * (fmt == SMOE_FMT_GGML_IQ3_XXS ? 0.5f : 0.25f);
                 break;
             }
