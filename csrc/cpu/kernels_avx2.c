@@ -363,10 +363,11 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
  *
  * The matrix-vector product (n = 1, decode) takes one row at a time, one sequential stream (four
  * interleaved rows read 16-25 % slower from DRAM and L3 alike on Zen 5: bench/RESULTS.md, "One
- * row at a time"), reads its codes in place and prefetches the same bytes of the rows QX_AHEAD
- * further on as it goes (bench/RESULTS.md, "Resident decode and short
- * prefill on AVX2": ×1.5 on a3b-shaped decode; with the hardware prefetcher alone, four
- * interleaved row streams read well below the memory's bandwidth, long rows and short alike); for q4 it takes x in the order of the nibbles (qx_nibble_order) so the codes
+ * row at a time"), reads its codes in place and prefetches into L2 the bytes QX_AHEAD_BYTES
+ * further on as it goes (bench/RESULTS.md, "Resident decode and short prefill on AVX2": ×1.5 on
+ * a3b-shaped decode; with the hardware prefetcher alone, four interleaved row streams read well
+ * below the memory's bandwidth, long rows and short alike; the hint and distance below); for q4
+ * it takes x in the order of the nibbles (qx_nibble_order) so the codes
  * need no unpacking. The plain batched q4 product sums the four units' int16 products in int16
  * (hadd_epi16, no overflow) before one widening madd (qx_h4_s16). None of this changes an integer,
  * so none changes a bit. */
@@ -377,8 +378,18 @@ enum {
     MAXU = MAXC / 64, /* units of 64 columns of the widest row */
 };
 
-#ifndef QX_AHEAD
-#define QX_AHEAD 4 /* rows ahead the matrix-vector product prefetches its weights */
+/* How far on the matrix-vector products prefetch their weights, in bytes, and into L2 (the hint
+ * T1), not L1: on the Xeon (Sapphire Rapids class, 2 threads, weights from DRAM) into L1 four rows
+ * on they read at 70-88 % of the plain read rate, into L2 at 95-110 %; decode's products there
+ * (bench/RESULTS.md, "The one-token product's prefetch into L2"), ms a token into L1 / into L2:
+ * this file's q4/q8 matvec (forced with SMOE_MATVEC=avx2) q/k/v/o 10.0-10.5 / 8.0-9.2, lm_head
+ * 17.8-20.3 / 15.6-16.9; the GGML one on a GGUF vault 8.7-9.1 / 7.7-8.0 and 17.2-17.6 / 15.6-16.7.
+ * AMD CPUs not measured with it (Zen 5 measured the prefetch into L1: ×2.4 over none). */
+#ifndef QX_AHEAD_BYTES
+#define QX_AHEAD_BYTES 3072 /* the q4/q8 matvec (6144 read 5-10 % slower here) */
+#endif
+#ifndef GQ_AHEAD_BYTES
+#define GQ_AHEAD_BYTES 6144 /* the GGML formats' matvecs (8-bit and f32 activations) */
 #endif
 #ifndef QX_BATCH_AHEAD
 #define QX_BATCH_AHEAD 2 /* rows ahead the GGML formats' batched product prefetches its weights */
@@ -768,7 +779,7 @@ INLINE void g_rows_1(const uint8_t fmt, const uint8_t *w, size_t row_bytes, uint
         __m256 acc = _mm256_setzero_ps();
         for (uint32_t k = 0; k < cols / 256; k++) {
             for (size_t b = 0; b < row_bytes / (cols / 256); b += 64)
-                _mm_prefetch((const char *)row + QX_AHEAD * row_bytes + k * (row_bytes / (cols / 256)) + b, _MM_HINT_T0);
+                _mm_prefetch((const char *)row + GQ_AHEAD_BYTES + k * (row_bytes / (cols / 256)) + b, _MM_HINT_T1);
             g_dequant_step_fma(fmt, row, k, NULL, x + 256 * (size_t)k, &acc);
         }
         y[r] = hsum8(acc);

@@ -155,8 +155,8 @@ GQ_ATTR INLINE void GQ(gp_step2)(const uint8_t fmt, const __m256i w[8], const __
 
 /* The fast path's product (gp_takes_qx formats, cols a multiple of 256): the reference's float
  * operations exactly as g_qx_rows. One token (and cols ≤ MAXC): x re-laid once into pair order
- * on the stack, rows one at a time, the weights of the row QX_AHEAD further prefetched as they
- * stream past (kernels_avx2_qx.h's matrix-vector product); more: rows one at a time, each step
+ * on the stack, rows one at a time, the weights GQ_AHEAD_BYTES further prefetched into L2 as they
+ * stream past (kernels_avx2.c says why); more: rows one at a time, each step
  * decoded once for a tile of TT tokens, whose codes are read in place (gp_codes). */
 GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                                 size_t ldy, uint32_t r0, uint32_t r1) {
@@ -174,12 +174,11 @@ GQ_ATTR INLINE void GQ(gp_rows)(const uint8_t fmt, const smoe_tensor *W, const u
         int16_t hs[MAXC / 16]; /* Q2_K, gp_off: the half sums */
         gp_relay(X->codes, cols, xr);
         if (halves) gp_halfsums(X->codes, cols, hs);
-        const size_t ahead = QX_AHEAD * row_bytes;
         for (uint32_t r = r0; r < r1; r++) {
             const uint8_t *row = w + (size_t)r * row_bytes;
             __m256 tot = _mm256_setzero_ps(), bia = _mm256_setzero_ps();
             for (uint32_t k = 0; k < steps; k++) {
-                for (size_t b = 0; b < step_bytes; b += 64) _mm_prefetch((const char *)row + ahead + k * step_bytes + b, _MM_HINT_T0);
+                for (size_t b = 0; b < step_bytes; b += 64) _mm_prefetch((const char *)row + GQ_AHEAD_BYTES + k * step_bytes + b, _MM_HINT_T1);
                 __m256 sigl, mu = _mm256_setzero_ps();
                 __m128i scb = _mm_setzero_si128(); /* the sub-scale bytes (gp_off's mins) */
                 gp_decode(fmt, row, k, q, &sigl, &mu, s, &scb);

@@ -135,12 +135,12 @@ QX_ATTR INLINE __m256i QX(qx_h4_s16)(const __m256i s0, const __m256i s1, const _
  * bytes per unit), units past nu (cols / 64, a whole number here) taken as zero; otherwise as
  * qx_block. For q4, x is in nibble order (qx_nibble_order). */
 QX_ATTR INLINE __m256 QX(qx_row_1)(const bool q8, const uint32_t G, const uint8_t *w, const float *s, const uint8_t *x,
-                                  const float *d, uint32_t nu, uint32_t up, size_t ahead) {
+                                  const float *d, uint32_t nu, uint32_t up) {
     const size_t wb = q8 ? 64 : 32, xb = q8 ? 128 : 64;
     __m256 acc = _mm256_setzero_ps();
     for (uint32_t g = 0; g < up; g += 4) {
-        /* the same bytes of a later row: a prefetch never faults, past the end included */
-        for (size_t b = 0; b < 4 * wb; b += 64) _mm_prefetch((const char *)w + ahead + g * wb + b, _MM_HINT_T0);
+        /* later rows' bytes, into L2: a prefetch never faults, past the end included */
+        for (size_t b = 0; b < 4 * wb; b += 64) _mm_prefetch((const char *)w + QX_AHEAD_BYTES + g * wb + b, _MM_HINT_T1);
         __m256i p[4];
         for (uint32_t k = 0; k < 4; k++)
             p[k] = g + k >= nu ? _mm256_setzero_si256()
@@ -228,7 +228,6 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
     if (n == 1 && cols % 64 == 0) { /* matrix-vector: a row at a time, codes read in place */
         float sv[MAXG], bv[MAXG]; /* the row's scales, biases by group */
         const uint8_t *x = X->codes;
-        const size_t ahead = QX_AHEAD * row_bytes;
         if (!q8) {
             for (uint32_t g = 0; g < cols / 64; g++) QX(qx_nibble_order)(x + 64 * (size_t)g, cw[0] + 64 * (size_t)g);
             x = cw[0]; /* the unpacked-codes buffer is free in this branch */
@@ -240,8 +239,8 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
             load_scales(bv, biases + sbytes * (size_t)r * ng, ng, W->scale_format);
             switch (q8 + G * 16) { /* q8 and G constant in each instance of the row product */
 #define CASE(G) \
-    case G * 16: acc = QX(qx_row_1)(false, G, wr, sv, x, X->d, cols / 64, up, ahead); break; \
-    case G * 16 + 1: acc = QX(qx_row_1)(true, G, wr, sv, x, X->d, cols / 64, up, ahead); break;
+    case G * 16: acc = QX(qx_row_1)(false, G, wr, sv, x, X->d, cols / 64, up); break; \
+    case G * 16 + 1: acc = QX(qx_row_1)(true, G, wr, sv, x, X->d, cols / 64, up); break;
                 CASE(32) CASE(64) CASE(128)
 #undef CASE
             }

@@ -39,7 +39,7 @@
  *    block Q%2), whose reference lane is CMAP below.
  *
  * One token (n = 1) has its own path, the matrix-vector product (qx_matvec): one row at a time,
- * read in place and prefetched AHEAD rows on, two groups of 4 units per 16-lane register of
+ * read in place and prefetched into L2 AHEAD_BYTES on, two groups of 4 units per 16-lane register of
  * integer sums, whose halves go into the one 8-lane fma chain in turn (kernels.c says on which
  * CPUs decode takes it rather than the AVX2 one).
  *
@@ -81,12 +81,16 @@ enum {
 };
 
 #ifndef QX512_AHEAD
-#define QX512_AHEAD 4 /* rows ahead the matrix-vector product prefetches its weights */
+/* bytes ahead the matrix-vector product prefetches its weights, into L2 (bench/RESULTS.md, "The
+   one-token product's prefetch into L2"): on the Xeon, 2 threads, weights from DRAM, into L1 four
+   rows on (4 KiB of q4, 8 KiB of q8) it read at 80-88 % of the plain read rate, into L2 6 KiB on
+   at 100-110 % (the plain read has no prefetch); 4 and 8 KiB on were slower for q4 */
+#define QX512_AHEAD 6144
 #endif
 #ifndef QX512_BATCH_AHEAD
 #define QX512_BATCH_AHEAD 2 /* rows ahead the batched products prefetch their weights (0: none) */
 #endif
-enum { AHEAD = QX512_AHEAD, BATCH_AHEAD = QX512_BATCH_AHEAD };
+enum { AHEAD_BYTES = QX512_AHEAD, BATCH_AHEAD = QX512_BATCH_AHEAD };
 
 INLINE bool group_ok(uint32_t G) { return G == 32 || G == 64 || G == 128; }
 

@@ -123,15 +123,15 @@ QX_INLINE __m512 QX(qx_mv_sigma)(const uint32_t G, const float *s, uint32_t h) {
 
 /* One row against one token: tot of kernels_ref.c, its 8 lanes in the reference order, the groups
  * of 4 units two at a time (one 16-lane register of integer sums, whose two halves then go into
- * the same 8-lane fma chain one after the other: the reference's order exactly). ahead: how far on
- * the same bytes are prefetched. */
+ * the same 8-lane fma chain one after the other: the reference's order exactly). The bytes AHEAD_BYTES
+ * on are prefetched into L2 as it goes (past the row: the next rows'; a prefetch never faults). */
 QX_INLINE __m256 QX(qx_mv_row)(const bool q8, const uint32_t G, const uint8_t *row, size_t rb, const float *s,
-                               const uint8_t *x, const float *d, uint32_t ngr, size_t ahead, __m512i cinv) {
+                               const uint8_t *x, const float *d, uint32_t ngr, __m512i cinv) {
     const size_t step = q8 ? 512 : 256; /* weight bytes of 8 units */
     __m256 tot = _mm256_setzero_ps();
     uint32_t h = 0;
     for (; 2 * h + 2 <= ngr; h++) {
-        for (size_t b = 0; b < step; b += 64) _mm_prefetch((const char *)row + ahead + step * h + b, _MM_HINT_T0);
+        for (size_t b = 0; b < step; b += 64) _mm_prefetch((const char *)row + AHEAD_BYTES + step * h + b, _MM_HINT_T1);
         const __m512 f = _mm512_permutexvar_ps(cinv, _mm512_cvtepi32_ps(QX(qx_mv_step)(true, q8, row, rb, x, h)));
         const __m512 sd = _mm512_mul_ps(QX(qx_mv_sigma)(G, s, h), _mm512_loadu_ps(d + 16 * (size_t)h));
         tot = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm512_castps512_ps256(sd), tot);
@@ -147,7 +147,7 @@ QX_INLINE __m256 QX(qx_mv_row)(const bool q8, const uint32_t G, const uint8_t *r
 }
 
 /* The matrix-vector product (n = 1, decode's): one row at a time (one sequential stream), its
- * codes read in place, the same bytes AHEAD rows on prefetched as it goes — the AVX2 matvec's way
+ * codes read in place, the bytes AHEAD_BYTES on prefetched as it goes — the AVX2 matvec's way
  * (kernels_avx2.c says why each) — with x's codes re-laid once per call. The integers are those
  * of the batched path and the fma chain is the reference's, so the bits are the same. */
 QX_ATTR static bool QX(qx_matvec)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, float *y, uint32_t r0,
@@ -166,8 +166,8 @@ QX_ATTR static bool QX(qx_matvec)(const smoe_tensor *W, const uint8_t *w, const 
         load_scales(sv, scales + sbytes * (size_t)r * ng, ng, W->scale_format, 2 * up + SPAD);
         load_scales(bv, biases + sbytes * (size_t)r * ng, ng, W->scale_format, ng8);
         const uint8_t *row = w + (size_t)r * rb;
-        const __m256 tot = q8 ? QX(qx_mv_row)(true, G, row, rb, sv, xb, X->d, ngr, AHEAD * rb, cinv)
-                              : QX(qx_mv_row)(false, G, row, rb, sv, xb, X->d, ngr, AHEAD * rb, cinv);
+        const __m256 tot = q8 ? QX(qx_mv_row)(true, G, row, rb, sv, xb, X->d, ngr, cinv)
+                              : QX(qx_mv_row)(false, G, row, rb, sv, xb, X->d, ngr, cinv);
         y[r] = hsum8(tot) + bias_dot(bv, X->gsum, ng8);
     }
     return true;
