@@ -9,6 +9,7 @@
 #include <stdint.h>
 
 #define SMOE_PAGE 16384u /* Direct I/O alignment: macOS pages are 16 KiB */
+#define SMOE_HUGE ((size_t)2 << 20) /* a transparent huge page (x86-64, arm64 with 4 KiB pages) */
 
 #if defined(__GNUC__)
 #define SMOE_PRINTF(a, b) __attribute__((format(printf, a, b)))
@@ -27,6 +28,11 @@ void *smoe_alloc(size_t bytes, size_t align);
 /* The same, not zeroed: for buffers never read before they are written (the KV cache), whose
  * pages the OS then maps only as they are first written. Freed with smoe_free. */
 void *smoe_alloc_untouched(size_t bytes, size_t align);
+/* Untouched too, for the large buffers the products stream through (the dense weights, the
+ * cache's slots): aligned to SMOE_HUGE and, on Linux, marked for transparent huge pages
+ * (madvise MADV_HUGEPAGE: the kernel's "madvise" setting, the one most distributions ship, gives
+ * them only to regions that ask). Freed with smoe_free. */
+void *smoe_alloc_huge(size_t bytes);
 void smoe_free(void *p);
 
 double smoe_now(void); /* monotonic seconds */

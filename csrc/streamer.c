@@ -164,6 +164,7 @@ struct smoe_streamer {
     smoe_streamer_params p; /* path, blob_offset and blob_crc are the caller's (must outlive) */
     uint32_t n_keys;
     slot_t *slots;   /* (n_slots) */
+    uint8_t *arena;  /* the slots' bytes, one after another (n_slots · blob_bytes) */
     int32_t *index;  /* (n_layers × n_experts) key → slot, −1 = not retained */
     uint32_t *layer_count; /* (n_layers) retained slots per layer */
     uint64_t *layer_use;   /* (n_layers) clock at the layer's last acquire */
@@ -435,8 +436,7 @@ void smoe_streamer_free(smoe_streamer *s) {
     stop_threads(s);
     if (s->fd_direct >= 0) close(s->fd_direct);
     if (s->fd_buffered >= 0) close(s->fd_buffered);
-    if (s->slots)
-        for (uint32_t i = 0; i < s->p.n_slots; i++) smoe_free(s->slots[i].data);
+    smoe_free(s->arena);
     waitword_destroy(&s->completed);
     waitword_destroy(&s->queued);
     smoe_free(s->threads);
@@ -578,22 +578,29 @@ smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out
     }
     for (uint32_t k = 0; k < n_keys; k++) s->index[k] = -1;
     for (uint32_t i = 0; i < cap; i++) atomic_init(&s->ring[i], 0);
+    /* Untouched (a slot's bytes are read only once a read has filled them: READY): the kernel
+     * maps a slot's pages when its first read lands in them, in the I/O threads, beside the
+     * compute, and only for the slots a run uses. Touching every page here instead made the
+     * session 0.2-0.3 s slower to create for a 608 MiB cache and load + TTFT 3-12 % slower on
+     * the Xeon (bench/RESULTS.md, "The slots' pages"). One arena on huge pages (smoe_alloc_huge:
+     * the products stream through the slots). */
+    if (p->n_slots && (size_t)p->blob_bytes > SIZE_MAX / p->n_slots) {
+        smoe_streamer_free(s);
+        return smoe_fail(SMOE_ERR_NOMEM, "streamer: %u slots of %llu bytes overflow the address space", p->n_slots,
+                         (unsigned long long)p->blob_bytes);
+    }
+    s->arena = p->n_slots ? smoe_alloc_huge((size_t)p->n_slots * (size_t)p->blob_bytes) : NULL;
+    if (p->n_slots && !s->arena) {
+        smoe_streamer_free(s);
+        return smoe_fail(SMOE_ERR_NOMEM, "streamer: cannot allocate %u slots of %llu bytes", p->n_slots,
+                         (unsigned long long)p->blob_bytes);
+    }
     for (uint32_t i = 0; i < p->n_slots; i++) {
         slot_t *sl = &s->slots[i];
         atomic_init(&sl->state, SLOT_EMPTY);
         sl->key = -1;
         sl->next = -1;
-        /* Untouched (a slot's bytes are read only once a read has filled them: READY): the kernel
-         * maps a slot's pages when its first read lands in them, in the I/O threads, beside the
-         * compute, and only for the slots a run uses. Touching every page here instead made the
-         * session 0.2-0.3 s slower to create for a 608 MiB cache and load + TTFT 3-12 % slower on
-         * the Xeon (bench/RESULTS.md, "The slots' pages"). */
-        sl->data = smoe_alloc_untouched((size_t)p->blob_bytes, SMOE_PAGE);
-        if (!sl->data) {
-            smoe_streamer_free(s);
-            return smoe_fail(SMOE_ERR_NOMEM, "streamer: cannot allocate %u slots of %llu bytes", p->n_slots,
-                             (unsigned long long)p->blob_bytes);
-        }
+        sl->data = s->arena + (size_t)i * (size_t)p->blob_bytes;
     }
 
     char eb[128];
