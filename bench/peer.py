@@ -1133,6 +1133,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-repack-warm", action="store_true", help="warm llama.cpp without its CPU weight repacking")
     ap.add_argument("--repack-cold", action="store_true",
                     help="cold llama.cpp with repacking (copies the experts to anonymous memory: OOM in the cgroup)")
+    ap.add_argument("--thp", choices=("always", "madvise", "never"), default=None,
+                    help="the system's transparent huge pages setting for the run (root; restored afterwards): "
+                         "pysmoe asks for huge pages for its weights itself (madvise), llama.cpp gets them for its "
+                         "repacked weights only under always (default: leave the setting as it is)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tmp", default="/tmp")
     ap.add_argument("--json", default=None)
@@ -1198,6 +1202,8 @@ def main(argv=None) -> int:
                                                           default=str) + "\n")
     args.save_partial = save_partial
     old_term = signal.signal(signal.SIGTERM, _sigterm)
+    thp_was = _thp(args.thp)
+    res["thp"] = _thp(None)
     try:
         for m in modes:
             fn = {"check": mode_check, "warm": mode_warm_blocks if args.blocks else mode_warm, "cold": mode_cold}[m]
@@ -1207,16 +1213,38 @@ def main(argv=None) -> int:
                 pathlib.Path(args.json).write_text(json.dumps(dict(res, partial=True), indent=1, default=str) + "\n")
     finally:
         signal.signal(signal.SIGTERM, old_term)
+        if args.thp:
+            _thp(thp_was)
     res["loadavg_end"] = list(os.getloadavg())
     print(table(res))
     if (res.get("warm") or {}).get("alternated") is False:
         print("warm ran in blocks, NOT alternated (--blocks): all pysmoe repeats, then all llama.cpp repeats, one "
               "engine in memory at a time; the load average of each block is in the JSON (warm.blocks).")
     print(f"load average: start {res['loadavg_start']}, end {res['loadavg_end']} ({os.cpu_count()} CPUs, "
-          f"{res['cpu_model']})")
+          f"{res['cpu_model']}; transparent huge pages: {res['thp']})")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(dict(res, partial=False), indent=1, default=str) + "\n")
     return 0
+
+
+THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp(mode):
+    """The system's transparent huge pages setting ("always [madvise] never": the bracketed one), set to
+    mode first when mode is given; returns the setting before, None where the kernel has none."""
+    try:
+        was = THP.read_text().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        if mode:
+            raise SystemExit(f"--thp {mode}: this kernel has no {THP}")
+        return None
+    if mode and mode != was:
+        try:
+            THP.write_text(mode)
+        except OSError as e:
+            raise SystemExit(f"--thp {mode}: cannot write {THP} ({e.strerror}; root only)")
+    return was
 
 
 def _cpu_model() -> str | None:

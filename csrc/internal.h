@@ -28,10 +28,10 @@ void *smoe_alloc(size_t bytes, size_t align);
 /* The same, not zeroed: for buffers never read before they are written (the KV cache), whose
  * pages the OS then maps only as they are first written. Freed with smoe_free. */
 void *smoe_alloc_untouched(size_t bytes, size_t align);
-/* Untouched too, for the large buffers the products stream through (the dense weights, the
- * cache's slots): aligned to SMOE_HUGE and, on Linux, marked for transparent huge pages
- * (madvise MADV_HUGEPAGE: the kernel's "madvise" setting, the one most distributions ship, gives
- * them only to regions that ask). Freed with smoe_free. */
+/* Untouched too, for the cache's slots, which the products stream through: aligned to SMOE_HUGE,
+ * whole huge pages, and on Linux marked for transparent huge pages (madvise MADV_HUGEPAGE: the
+ * kernel's "madvise" setting, the one most distributions ship, gives them only to regions that
+ * ask). SMOE_HUGE_PAGES=0 in the environment: no advice. Freed with smoe_free. */
 void *smoe_alloc_huge(size_t bytes);
 void smoe_free(void *p);
 

@@ -101,17 +101,22 @@ void *smoe_alloc_untouched(size_t bytes, size_t align) {
 }
 
 /* A decode step reads every weight it uses once, ~0.7 GB for a3b cut to 8 layers: on 4 KiB pages that
- * is a TLB miss and a page walk every 4 KiB, which the hardware prefetchers do not cross. On 2 MiB
- * pages the Xeon's resident decode went from 30.7-32.8 to 38.2-38.7 tok/s (bench/RESULTS.md, "Huge
- * pages"). Whole huge pages: the size rounded up to SMOE_HUGE (under 2 MiB more, for buffers of
- * hundreds). The advice is a hint: where the kernel has none to give, the pages are small. */
+ * is a TLB miss and a page walk every 4 KiB, which the hardware prefetchers do not cross. The
+ * cache's slots on 2 MiB pages: with a 10 % cache a step went from 110-116 to 95-97 ms on the Xeon,
+ * with every expert cached from 33.5-34.3 to 35.7-36.1 tok/s, a cold first pass no slower
+ * (bench/RESULTS.md, "Huge pages"). The dense weights too gave 37.6-38.5 tok/s, but that VM maps
+ * a fresh huge page at 0.3-0.9 GB/s against 2.3-3.3 for small ones, which cost a cold 256-token
+ * TTFT ~0.5 s whether they were marked at once or collapsed once read: they stay on small pages.
+ * Whole huge pages: the size rounded up to SMOE_HUGE (under 2 MiB more, for a cache of hundreds).
+ * The advice is a hint: where the kernel has none to give, the pages are small. */
 void *smoe_alloc_huge(size_t bytes) {
     if (bytes < SMOE_HUGE) return smoe_alloc_untouched(bytes, SMOE_PAGE);
     const size_t whole = (bytes + SMOE_HUGE - 1) & ~(size_t)(SMOE_HUGE - 1);
     if (whole < bytes) return NULL; /* wrapped */
     void *p = smoe_alloc_untouched(whole, SMOE_HUGE);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-    if (p) (void)madvise(p, whole, MADV_HUGEPAGE);
+    const char *off = getenv("SMOE_HUGE_PAGES"); /* "0": no advice (to measure, or to opt out) */
+    if (p && !(off && strcmp(off, "0") == 0)) (void)madvise(p, whole, MADV_HUGEPAGE);
 #endif
     return p;
 }

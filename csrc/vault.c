@@ -1482,9 +1482,10 @@ static smoe_status load(smoe_vault *v, int fd) {
 
     const smoe_layout *L = &v->lay;
     /* untouched: every byte is read over before use (the pages come in as the reads land); a
-     * whole number of pages, so the last Direct I/O request ends inside the buffer; on huge pages
-     * (smoe_alloc_huge: the products stream through it) */
-    v->dense = smoe_alloc_huge(smoe_align_up(L->dense_bytes ? L->dense_bytes : 1, SMOE_PAGE));
+     * whole number of pages, so the last Direct I/O request ends inside the buffer. Small pages:
+     * huge ones here made decode faster but a cold first pass slower on the Xeon's VM (the cache's
+     * slots take them: smoe_alloc_huge says why) */
+    v->dense = smoe_alloc_untouched(smoe_align_up(L->dense_bytes ? L->dense_bytes : 1, SMOE_PAGE), SMOE_PAGE);
     if (!v->dense)
         return smoe_fail(SMOE_ERR_NOMEM, "%s: cannot allocate %llu bytes for the dense weights", path,
                          (unsigned long long)L->dense_bytes);
