@@ -31,7 +31,8 @@ void *smoe_alloc_untouched(size_t bytes, size_t align);
 /* Untouched too, for the cache's slots, which the products stream through: aligned to SMOE_HUGE,
  * whole huge pages, and on Linux marked for transparent huge pages (madvise MADV_HUGEPAGE: the
  * kernel's "madvise" setting, the one most distributions ship, gives them only to regions that
- * ask). SMOE_HUGE_PAGES=0 in the environment: no advice. Freed with smoe_free. */
+ * ask) where memory is not tight (util.c says when). SMOE_HUGE_PAGES=0 in the environment: never;
+ * 1: always. Freed with smoe_free. */
 void *smoe_alloc_huge(size_t bytes);
 void smoe_free(void *p);
 

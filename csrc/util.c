@@ -104,19 +104,92 @@ void *smoe_alloc_untouched(size_t bytes, size_t align) {
  * is a TLB miss and a page walk every 4 KiB, which the hardware prefetchers do not cross. The
  * cache's slots on 2 MiB pages: with a 10 % cache a step went from 110-116 to 95-97 ms on the Xeon,
  * with every expert cached from 33.5-34.3 to 35.7-36.1 tok/s, a cold first pass no slower
- * (bench/RESULTS.md, "Huge pages"). The dense weights too gave 37.6-38.5 tok/s, but that VM maps
- * a fresh huge page at 0.3-0.9 GB/s against 2.3-3.3 for small ones, which cost a cold 256-token
- * TTFT ~0.5 s whether they were marked at once or collapsed once read: they stay on small pages.
- * Whole huge pages: the size rounded up to SMOE_HUGE (under 2 MiB more, for a cache of hundreds).
- * The advice is a hint: where the kernel has none to give, the pages are small. */
+ * (bench/RESULTS.md, "Huge pages"). But where memory is tight they cost: in a cgroup as large as
+ * the cache plus the dense weights (the same memory as llama.cpp) a cold 256-token pass took 2.4-2.6
+ * s against 1.65 and decode fell 9.2-9.5 -> 6.4-7.3 tok/s (each huge page charged at the limit means
+ * reclaim). So the advice is given only where the buffer is at most half the memory free to this
+ * process (mem_free). The dense weights stay on small pages: that VM maps a fresh huge page at
+ * 0.3-0.9 GB/s against 2.3-3.3 for small ones, which cost a cold 256-token TTFT ~0.5 s whether they
+ * were marked at once or collapsed once read. Whole huge pages: the size rounded up to SMOE_HUGE
+ * (under 2 MiB more, for a cache of hundreds). The advice is a hint: where the kernel has none to
+ * give, the pages are small. */
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+/* A number read from a file (the first field), or UINT64_MAX where it says "max" or cannot be read. */
+static uint64_t file_u64(const char *path) {
+    FILE *f = fopen(path, "r");
+    if (!f) return UINT64_MAX;
+    unsigned long long x = 0;
+    const int ok = fscanf(f, "%llu", &x) == 1;
+    fclose(f);
+    return ok ? (uint64_t)x : UINT64_MAX;
+}
+
+/* The room below the memory limits of the cgroup at `cg` (a path under `root`) and of each parent
+ * below the root: the least of limit − usage, read from the files `max` and `cur`. */
+static uint64_t cgroup_room(const char *root, char *cg, const char *max_file, const char *cur_file) {
+    uint64_t best = UINT64_MAX;
+    char path[1024];
+    for (size_t len = strlen(cg); len > 1;) {
+        cg[len] = 0;
+        snprintf(path, sizeof path, "%s%s/%s", root, cg, max_file);
+        const uint64_t max = file_u64(path);
+        snprintf(path, sizeof path, "%s%s/%s", root, cg, cur_file);
+        const uint64_t cur = file_u64(path);
+        if (max != UINT64_MAX && cur != UINT64_MAX) {
+            const uint64_t left = max > cur ? max - cur : 0;
+            if (left < best) best = left;
+        }
+        char *slash = strrchr(cg, '/');
+        if (!slash) break;
+        len = (size_t)(slash - cg);
+    }
+    return best;
+}
+
+/* Bytes this process can still take: MemAvailable, and below the memory limits of its cgroup and
+ * their parents (cgroup v2, or v1's memory controller), each limit less that cgroup's usage.
+ * UINT64_MAX where nothing says. */
+static uint64_t mem_free(void) {
+    uint64_t best = UINT64_MAX;
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (f) {
+        char line[256];
+        unsigned long long kb;
+        while (fgets(line, sizeof line, f))
+            if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) best = (uint64_t)kb * 1024;
+        fclose(f);
+    }
+    f = fopen("/proc/self/cgroup", "r");
+    if (f) {
+        char line[512], cg[512];
+        while (fgets(line, sizeof line, f)) {
+            line[strcspn(line, "\n")] = 0;
+            const char *v1 = strstr(line, ":memory:");
+            uint64_t room = UINT64_MAX;
+            if (strncmp(line, "0::", 3) == 0) {
+                snprintf(cg, sizeof cg, "%s", line + 3);
+                room = cgroup_room("/sys/fs/cgroup", cg, "memory.max", "memory.current");
+            } else if (v1) {
+                snprintf(cg, sizeof cg, "%s", v1 + 8);
+                room = cgroup_room("/sys/fs/cgroup/memory", cg, "memory.limit_in_bytes", "memory.usage_in_bytes");
+            }
+            if (room < best) best = room;
+        }
+        fclose(f);
+    }
+    return best;
+}
+#endif
+
 void *smoe_alloc_huge(size_t bytes) {
     if (bytes < SMOE_HUGE) return smoe_alloc_untouched(bytes, SMOE_PAGE);
     const size_t whole = (bytes + SMOE_HUGE - 1) & ~(size_t)(SMOE_HUGE - 1);
     if (whole < bytes) return NULL; /* wrapped */
     void *p = smoe_alloc_untouched(whole, SMOE_HUGE);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-    const char *off = getenv("SMOE_HUGE_PAGES"); /* "0": no advice (to measure, or to opt out) */
-    if (p && !(off && strcmp(off, "0") == 0)) (void)madvise(p, whole, MADV_HUGEPAGE);
+    const char *env = getenv("SMOE_HUGE_PAGES"); /* "0": never advise; "1": always (to measure, or to choose) */
+    const bool off = env && strcmp(env, "0") == 0, on = env && strcmp(env, "1") == 0;
+    if (p && !off && (on || mem_free() / 2 >= whole)) (void)madvise(p, whole, MADV_HUGEPAGE);
 #endif
     return p;
 }
