@@ -164,14 +164,21 @@ static uint64_t mem_free(void) {
         char line[512], cg[512];
         while (fgets(line, sizeof line, f)) {
             line[strcspn(line, "\n")] = 0;
-            const char *v1 = strstr(line, ":memory:");
+            /* "ID:CONTROLLERS:PATH": v2's is "0::PATH", v1's memory controller one of a list */
+            char *ctl = strchr(line, ':'), *path = ctl ? strchr(ctl + 1, ':') : NULL;
+            if (!path) continue;
+            *ctl++ = 0;
+            *path++ = 0;
+            snprintf(cg, sizeof cg, "%s", path);
             uint64_t room = UINT64_MAX;
-            if (strncmp(line, "0::", 3) == 0) {
-                snprintf(cg, sizeof cg, "%s", line + 3);
+            if (strcmp(line, "0") == 0 && !*ctl) {
                 room = cgroup_room("/sys/fs/cgroup", cg, "memory.max", "memory.current");
-            } else if (v1) {
-                snprintf(cg, sizeof cg, "%s", v1 + 8);
-                room = cgroup_room("/sys/fs/cgroup/memory", cg, "memory.limit_in_bytes", "memory.usage_in_bytes");
+            } else {
+                char *save = NULL;
+                for (char *c = strtok_r(ctl, ",", &save); c; c = strtok_r(NULL, ",", &save))
+                    if (strcmp(c, "memory") == 0)
+                        room = cgroup_room("/sys/fs/cgroup/memory", cg, "memory.limit_in_bytes",
+                                           "memory.usage_in_bytes");
             }
             if (room < best) best = room;
         }

@@ -80,17 +80,17 @@ enum {
     TB = 4,             /* tokens of a register block */
 };
 
-#ifndef QX512_AHEAD
+#ifndef QX512_AHEAD_BYTES
 /* bytes ahead the matrix-vector product prefetches its weights, into L2 (bench/RESULTS.md, "The
    one-token product's prefetch into L2"): on the Xeon, 2 threads, weights from DRAM, into L1 four
    rows on (4 KiB of q4, 8 KiB of q8) it read at 80-88 % of the plain read rate, into L2 6 KiB on
    at 100-110 % (the plain read has no prefetch); 4 and 8 KiB on were slower for q4 */
-#define QX512_AHEAD 6144
+#define QX512_AHEAD_BYTES 6144
 #endif
 #ifndef QX512_BATCH_AHEAD
 #define QX512_BATCH_AHEAD 2 /* rows ahead the batched products prefetch their weights (0: none) */
 #endif
-enum { AHEAD_BYTES = QX512_AHEAD, BATCH_AHEAD = QX512_BATCH_AHEAD };
+enum { AHEAD_BYTES = QX512_AHEAD_BYTES, BATCH_AHEAD = QX512_BATCH_AHEAD };
 
 INLINE bool group_ok(uint32_t G) { return G == 32 || G == 64 || G == 128; }
 
