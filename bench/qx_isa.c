@@ -6,6 +6,7 @@
  *       csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_avx2.c csrc/cpu/kernels_avx512.c csrc/cpu/cpu.c csrc/util.c -lm -pthread -o build/qx_isa
  *   build/qx_isa [q4|q8 [group]]      (default q4, group 64)
  *   build/qx_isa mv [q4|q8 [group [MiB]]]   (one token, every instance: matvec_main below)
+ *   build/qx_isa amx [q4|q8 [group]]         (batches: AVX512-VNNI against AMX, amx_main below)
  *
  * Shapes: n = 1 on 32768 × 2048 (32 MiB of q4 codes: the weights stream from memory, as decode
  * reads its experts), n = 2, 4, 8 and 64 on 768 × 2048 (an a3b expert's gate; the batched product
@@ -250,7 +251,86 @@ static int matvec_main(uint8_t format, uint32_t G, size_t mib) {
     return 0;
 }
 
+/* ---------------------------------------------------------------- batches: AVX512-VNNI against AMX
+ * `qx_isa amx q4|q8 [group]`: n = 2 … 256 tokens on an a3b expert's gate (768 × 2048) and down
+ * (2048 × 768) and on a q projection (4096 × 2048), the two instances alternated rep by rep
+ * (medians of REPS, wall clock), their outputs compared bit for bit. */
+static int amx_main(uint8_t format, uint32_t G) {
+#if SMOE_HAVE_AMX
+    if (!smoe_cpu_amx_hw() || !(smoe_cpu_avx512_hw() & SMOE_CPU_AVX512VNNI)) {
+        printf("this CPU (or OS) lacks AMX-INT8 or AVX512-VNNI: nothing to compare\n");
+        return 0;
+    }
+    const qx_fn fv = smoe_avx512_matmul_rows_qx_vnni, fa = smoe_avx512_amx_matmul_rows_qx;
+    printf("format %s, group %u, f16 scales; avx512vnni against amx; median of %d reps, wall clock\n",
+           format == SMOE_FMT_Q4 ? "q4" : "q8", G, REPS);
+    printf("%-5s %-11s %-7s %12s %12s %8s\n", "n", "shape", "threads", "avx512vnni", "amx", "speedup");
+    static const uint32_t shapes[][2] = {{768, 2048}, {2048, 768}, {4096, 2048}};
+    static const uint32_t ns[] = {2, 4, 6, 8, 12, 16, 32, 64, 256};
+    for (size_t sh = 0; sh < sizeof shapes / sizeof *shapes; sh++)
+        for (size_t si = 0; si < sizeof ns / sizeof *ns; si++) {
+            const uint32_t n = ns[si], rows = shapes[sh][0], cols = shapes[sh][1];
+            void *alloc;
+            smoe_tensor W = make_q(format, G, rows, cols, &alloc);
+            const smoe_qx_size z = smoe_qx_sizes(cols, format, G);
+            float *x = malloc(sizeof(float) * cols * n);
+            for (size_t i = 0; i < (size_t)cols * n; i++) x[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
+            void *codes = aligned_alloc(64, (z.code_bytes * n + 63) / 64 * 64);
+            float *d = malloc(sizeof(float) * z.d_floats * n), *gs = malloc(sizeof(float) * z.gsum_floats * n);
+            smoe_qx_prepare(x, cols, n, cols, format, G, codes, d, gs);
+            const smoe_qx X = {codes, d, gs, cols, G, format};
+            float *yv = malloc(sizeof(float) * rows * n), *ya = malloc(sizeof(float) * rows * n);
+            fv(&W, W.data, &X, n, yv, rows, 0, rows);
+            fa(&W, W.data, &X, n, ya, rows, 0, rows);
+            if (memcmp(yv, ya, sizeof(float) * rows * n) != 0) {
+                printf("n %u %ux%u: the two instances' outputs differ\n", n, rows, cols);
+#ifndef AMX_EXP
+                return 1;
+#endif
+            }
+            for (int threads = 1; threads <= 2; threads++) {
+                const double probe = time_calls(fv, &W, &X, n, yv, threads, 1);
+                int calls = (int)(0.02 / probe);
+                if (calls < 1) calls = 1;
+                double tv[REPS], ta[REPS];
+                for (int r = 0; r < REPS; r++) {
+                    if (r % 2 == 0) {
+                        tv[r] = time_calls(fv, &W, &X, n, yv, threads, calls);
+                        ta[r] = time_calls(fa, &W, &X, n, ya, threads, calls);
+                    } else {
+                        ta[r] = time_calls(fa, &W, &X, n, ya, threads, calls);
+                        tv[r] = time_calls(fv, &W, &X, n, yv, threads, calls);
+                    }
+                }
+                qsort(tv, REPS, sizeof *tv, cmp_double);
+                qsort(ta, REPS, sizeof *ta, cmp_double);
+                char shape[32];
+                snprintf(shape, sizeof shape, "%ux%u", rows, cols);
+                printf("%-5u %-11s %-7d %9.1f us %9.1f us %7.2fx\n", n, shape, threads, tv[REPS / 2] * 1e6,
+                       ta[REPS / 2] * 1e6, tv[REPS / 2] / ta[REPS / 2]);
+                fflush(stdout);
+            }
+            free(x);
+            free(codes);
+            free(d);
+            free(gs);
+            free(yv);
+            free(ya);
+            free(alloc);
+        }
+    return 0;
+#else
+    (void)format;
+    (void)G;
+    printf("this build has no AMX kernel\n");
+    return 0;
+#endif
+}
+
 int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "amx") == 0)
+        return amx_main(argc > 2 && strcmp(argv[2], "q8") == 0 ? SMOE_FMT_Q8 : SMOE_FMT_Q4,
+                        argc > 3 ? (uint32_t)atoi(argv[3]) : 64);
     if (argc > 1 && strcmp(argv[1], "mv") == 0)
         return matvec_main(argc > 2 && strcmp(argv[2], "q8") == 0 ? SMOE_FMT_Q8 : SMOE_FMT_Q4,
                            argc > 3 ? (uint32_t)atoi(argv[3]) : 64, argc > 4 ? (size_t)atoi(argv[4]) : 1024);

@@ -113,6 +113,7 @@ SMOE_API const char *smoe_version(void);
 /* The kernels this build runs on this CPU: "avx2+avx512vnni", "avx2+avx512", "avx2+avx-vnni",
  * "avx2", "neon" or "portable" (the part after "+": the 8-bit-activation products' instance,
  * picked at run time; SMOE_NO_AVX512=1 and SMOE_NO_VNNI=1 in the environment take it away),
+ * with "+amx" after it where batched q4/q8 products run on AMX tiles (SMOE_NO_AMX=1: not),
  * followed by ", cuda" in a library built with the CUDA backend (`make CUDA=1`; whether a GPU is
  * there shows when a session asks for one). A session on another device
  * (smoe_session_params.device) says what it runs on with smoe_session_backend. */
@@ -495,6 +496,9 @@ SMOE_API smoe_status smoe_cache_clear(smoe_session *session);
  *                              returns (default 16 MiB; 1 defers any, a huge value none)
  *   SMOE_NO_AVX512=1           the CPU kernels do not use AVX-512 (smoe_kernels says which run)
  *   SMOE_NO_VNNI=1             nor AVX-VNNI / AVX512-VNNI
+ *   SMOE_NO_AMX=1              nor AMX tiles (batched q4/q8 products on Sapphire Rapids and later)
+ *   SMOE_AMX_MIN_N=N           the batch (tokens) from which q4/q8 products take AMX (default 8;
+ *                              the same bits either way)
  *   SMOE_MATVEC=avx2|avx512    one token's products (decode) on the AVX2 or the AVX-512 kernels
  *                              (default: by CPU, csrc/cpu/kernels.c; the same bits either way)
  *   SMOE_RETENTION=lru|lrfu|lrfu:H  the host cache's victim order within a layer (default lrfu,

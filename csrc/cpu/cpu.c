@@ -27,6 +27,10 @@
 #if SMOE_HAVE_AVX512
 #include <cpuid.h>
 #endif
+#if SMOE_HAVE_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if SMOE_HAVE_AVX2 && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC push_options
@@ -94,6 +98,49 @@ unsigned smoe_cpu_avx512(void) {
         atomic_store_explicit(&avx512_use, use, memory_order_relaxed);
     }
     return (unsigned)use;
+}
+
+/* AMX: cpuid leaf 7 EDX bits 24 (AMX-TILE) and 25 (AMX-INT8); XCR0 bits 17 and 18 (the tile
+ * configuration and data); and Linux's grant of the tile data to this process (without it the
+ * first tile instruction is killed with SIGILL). Asked at most once. */
+#if SMOE_HAVE_AMX && !defined(SMOE_AVX512_EMULATE)
+static _Atomic int amx_hw = -1;
+#endif
+
+bool smoe_cpu_amx_hw(void) {
+#if defined(SMOE_AVX512_EMULATE) /* tests/c/avx512_emu.h emulates the tiles too */
+    return true;
+#elif SMOE_HAVE_AMX
+    int have = atomic_load_explicit(&amx_hw, memory_order_acquire);
+    if (have < 0) {
+        have = 0;
+        unsigned a, b, c, d;
+        if (smoe_cpu_avx512_hw() & SMOE_CPU_AVX512) {
+            __cpuid_count(7, 0, a, b, c, d);
+            unsigned lo, hi;
+            __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+            (void)hi;
+            enum { ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+            have = (d >> 24 & 1) && (d >> 25 & 1) && (lo & 0x60000u) == 0x60000u &&
+                   syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        }
+        atomic_store_explicit(&amx_hw, have, memory_order_release);
+    }
+    return have > 0;
+#else
+    return false;
+#endif
+}
+
+static _Atomic int amx_use = -1;
+
+bool smoe_cpu_amx(void) {
+    int use = atomic_load_explicit(&amx_use, memory_order_relaxed);
+    if (use < 0) {
+        use = !env_set("SMOE_NO_AMX") && (smoe_cpu_avx512() & SMOE_CPU_AVX512) && smoe_cpu_amx_hw();
+        atomic_store_explicit(&amx_use, use, memory_order_relaxed);
+    }
+    return use > 0;
 }
 
 #if SMOE_HAVE_AVX2 && defined(__GNUC__) && !defined(__clang__)

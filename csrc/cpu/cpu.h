@@ -18,6 +18,13 @@ enum { SMOE_CPU_AVX512 = 1, SMOE_CPU_AVX512VNNI = 2 };
 unsigned smoe_cpu_avx512(void);
 unsigned smoe_cpu_avx512_hw(void);
 
+/* Whether the AMX-INT8 kernel (kernels_avx512_amx.h) may run here: AVX-512 as above, cpuid's
+ * AMX-TILE and AMX-INT8, XCR0's tile state, and Linux's permission for this process to use the
+ * tile data (arch_prctl ARCH_REQ_XCOMP_PERM, asked once: a process-wide grant). SMOE_NO_AMX=1 (or
+ * SMOE_NO_AVX512=1) gives false. Cached. smoe_cpu_amx_hw: without the environment. */
+bool smoe_cpu_amx(void);
+bool smoe_cpu_amx_hw(void);
+
 #ifdef SMOE_CPU_TEST_HOOKS
 extern int smoe_cpu_test_lacks_isa; /* tests only: 1 = pretend the CPU lacks what the build needs */
 #endif

@@ -47,6 +47,10 @@ const char *smoe_kernels_isa(void) { return SMOE_HAVE_AVX2 ? "avx2" : SMOE_HAVE_
 const char *smoe_kernels(void) {
 #if SMOE_HAVE_AVX2
     const unsigned a512 = smoe_cpu_avx512();
+#if SMOE_HAVE_AMX
+    if ((a512 & SMOE_CPU_AVX512VNNI) && smoe_cpu_amx()) return "avx2+avx512vnni+amx" SMOE_KERNELS_DEVICES;
+    if (smoe_cpu_amx()) return "avx2+avx512+amx" SMOE_KERNELS_DEVICES;
+#endif
     if (a512 & SMOE_CPU_AVX512VNNI) return "avx2+avx512vnni" SMOE_KERNELS_DEVICES;
     if (a512 & SMOE_CPU_AVX512) return "avx2+avx512" SMOE_KERNELS_DEVICES;
     if (smoe_avx2_qx_vnni()) return "avx2+avx-vnni" SMOE_KERNELS_DEVICES;
@@ -94,9 +98,46 @@ static bool matvec_avx512(void) {
 }
 #endif
 
+#if SMOE_HAVE_AMX
+#ifndef SMOE_AMX_MIN_N
+#define SMOE_AMX_MIN_N 8 /* tokens from which q4/q8 products take the AMX kernel (bench/RESULTS.md, "AMX") */
+#endif
+/* SMOE_AMX_MIN_N, or the environment's (a positive integer; to measure and test) */
+static _Atomic int amx_min = -1;
+
+static uint32_t amx_min_n(void) {
+    int v = atomic_load_explicit(&amx_min, memory_order_relaxed);
+    if (v < 0) {
+        const char *e = getenv("SMOE_AMX_MIN_N");
+        const long l = e ? strtol(e, NULL, 10) : 0;
+        v = l > 0 && l < (1L << 30) ? (int)l : SMOE_AMX_MIN_N;
+        atomic_store_explicit(&amx_min, v, memory_order_relaxed);
+    }
+    return (uint32_t)v;
+}
+#endif
+
 void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                          uint32_t r0, uint32_t r1) {
 #if SMOE_HAVE_AVX2
+#if SMOE_HAVE_AMX
+    /* AMX takes tiles of 16 tokens: a last tile of fewer than amx_min_n() tokens costs it as much as
+     * a full one, so those few go to the kernels below (each (row, token) has the same bits whoever
+     * computes it) */
+    const uint32_t amin = amx_min_n();
+    if (n >= amin && (W->format == SMOE_FMT_Q4 || W->format == SMOE_FMT_Q8) && smoe_cpu_amx()) {
+        const uint32_t rest = n > 16 && n % 16 < amin ? n % 16 : 0, na = n - rest;
+        if (smoe_avx512_amx_matmul_rows_qx(W, w, X, na, y, ldy, r0, r1)) {
+            if (rest) {
+                const smoe_qx_size z = smoe_qx_sizes(X->cols, X->wformat, X->group);
+                const smoe_qx Xr = {(const uint8_t *)X->codes + (size_t)na * z.code_bytes, X->d + (size_t)na * z.d_floats,
+                                    X->gsum + (size_t)na * z.gsum_floats, X->cols, X->group, X->wformat};
+                smoe_matmul_rows_qx(W, w, &Xr, rest, y + (size_t)na * ldy, ldy, r0, r1);
+            }
+            return;
+        }
+    }
+#endif
 #if SMOE_HAVE_AVX512
     /* n = 1: the rule above, for q4 and q8 (the formats whose matrix-vector path it measured) */
     const bool mv = (W->format == SMOE_FMT_Q4 || W->format == SMOE_FMT_Q8) && matvec_avx512();

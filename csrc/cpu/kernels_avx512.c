@@ -234,4 +234,8 @@ INLINE __m512i red4(__m512i a, __m512i b, __m512i c, __m512i d) {
 
 #include "kernels_avx512_ggml.h" /* the GGML block formats (smoe_avx512_ggml_qx) */
 
+#if SMOE_HAVE_AMX
+#include "kernels_avx512_amx.h" /* q4 and q8 on AMX tiles (smoe_avx512_amx_matmul_rows_qx) */
+#endif
+
 #endif /* SMOE_HAVE_AVX512 */

@@ -35,6 +35,15 @@
 #define SMOE_HAVE_AVX512 0
 #endif
 
+/* AMX-INT8 instance of the q4/q8 product, picked at run time (kernels_avx512_amx.h; GCC ≥ 11,
+ * Clang ≥ 12; Linux, whose permission to use the tile data cpu.c asks for) */
+#if SMOE_HAVE_AVX512 && defined(__linux__) &&                                                                          \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#define SMOE_HAVE_AMX 1
+#else
+#define SMOE_HAVE_AMX 0
+#endif
+
 /* AArch64 Advanced SIMD is part of every arm64 CPU: no flag, no runtime check (kernels_neon.c). */
 #if defined(__aarch64__) && defined(__ARM_NEON) && !defined(SMOE_PORTABLE)
 #define SMOE_HAVE_NEON 1
@@ -95,6 +104,13 @@ bool smoe_avx512_matmul_rows_qx_vnni(const smoe_tensor *W, const uint8_t *w, con
 /* kernels_avx512_ggml.h: the GGML block formats' product (AVX512-VNNI), the same contract */
 bool smoe_avx512_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                          uint32_t r0, uint32_t r1);
+#endif
+
+#if SMOE_HAVE_AMX
+/* kernels_avx512_amx.h: q4 and q8 (false for another format or shape), the same contract; only
+ * where smoe_cpu_amx() (cpu.h) says so */
+bool smoe_avx512_amx_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                                    size_t ldy, uint32_t r0, uint32_t r1);
 #endif
 
 #if SMOE_HAVE_NEON

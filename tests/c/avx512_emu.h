@@ -265,6 +265,72 @@ EMU __m512 emu_cvtepi32_ps(__m512i va) {
     EMU_OUT(__m512, r) return out_;
 }
 
+EMU __m512 emu_add_ps(__m512 va, __m512 vb) {
+    EMU_IN(float, 16, a, va);
+    EMU_IN(float, 16, b, vb);
+    for (int i = 0; i < 16; i++) a[i] = a[i] + b[i];
+    EMU_OUT(__m512, a) return out_;
+}
+EMU __m512 emu_set1_ps(float f) {
+    float a[16];
+    for (int i = 0; i < 16; i++) a[i] = f;
+    EMU_OUT(__m512, a) return out_;
+}
+
+/* AMX: eight tiles of up to 16 rows of 64 bytes, shaped by the last _tile_loadconfig (per thread,
+ * as the hardware's). A tile instruction without a configuration aborts, where the CPU would
+ * raise #UD; tdpbusd checks its operands' shapes as the CPU does. */
+#include <stdlib.h>
+static _Thread_local struct {
+    uint8_t t[8][16][64];
+    uint8_t rows[8];
+    uint16_t colsb[8];
+    int configured;
+} emu_amx;
+EMU void emu_tile_loadconfig(const void *cfg) {
+    const uint8_t *c = cfg;
+    if (c[0] != 1) abort(); /* palette 1 */
+    for (int i = 0; i < 8; i++) {
+        uint16_t cb;
+        memcpy(&cb, c + 16 + 2 * i, 2);
+        emu_amx.colsb[i] = cb;
+        emu_amx.rows[i] = c[48 + i];
+        if (cb > 64 || emu_amx.rows[i] > 16) abort();
+    }
+    memset(emu_amx.t, 0, sizeof emu_amx.t);
+    emu_amx.configured = 1;
+}
+EMU void emu_tile_release(void) { emu_amx.configured = 0; }
+EMU void emu_tile_loadd(int dst, const void *base, size_t stride) {
+    if (!emu_amx.configured) abort();
+    memset(emu_amx.t[dst], 0, sizeof emu_amx.t[dst]);
+    for (int r = 0; r < emu_amx.rows[dst]; r++) memcpy(emu_amx.t[dst][r], (const uint8_t *)base + r * stride, emu_amx.colsb[dst]);
+}
+EMU void emu_tile_stored(int src, void *base, size_t stride) {
+    if (!emu_amx.configured) abort();
+    for (int r = 0; r < emu_amx.rows[src]; r++) memcpy((uint8_t *)base + r * stride, emu_amx.t[src][r], emu_amx.colsb[src]);
+}
+EMU void emu_tile_zero(int dst) {
+    if (!emu_amx.configured) abort();
+    memset(emu_amx.t[dst], 0, sizeof emu_amx.t[dst]);
+}
+/* C[m][n] += Σ_k (u8) A[m][k] · (s8) B[k/4][4n + k%4], int32 (wrapping), as TDPBUSD */
+EMU void emu_tile_dpbusd(int c, int a, int b) {
+    if (!emu_amx.configured) abort();
+    const int M = emu_amx.rows[c], N = emu_amx.colsb[c] / 4, K = emu_amx.colsb[a];
+    if (emu_amx.rows[a] != M || emu_amx.rows[b] != K / 4 || emu_amx.colsb[b] != emu_amx.colsb[c] || K % 4) abort();
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            int32_t acc;
+            memcpy(&acc, emu_amx.t[c][m] + 4 * n, 4);
+            uint32_t u = (uint32_t)acc;
+            for (int k = 0; k < K; k++)
+                u += (uint32_t)((int32_t)emu_amx.t[a][m][k] * (int32_t)(int8_t)emu_amx.t[b][k / 4][4 * n + k % 4]);
+            acc = (int32_t)u;
+            memcpy(emu_amx.t[c][m] + 4 * n, &acc, 4);
+        }
+}
+
 #undef _mm512_loadu_si512
 #undef _mm512_load_si512
 #undef _mm512_store_si512
@@ -354,5 +420,23 @@ EMU __m512 emu_cvtepi32_ps(__m512i va) {
 #define _mm512_fmadd_ps emu_fmadd_ps
 #define _mm512_mul_ps emu_mul_ps
 #define _mm512_cvtepi32_ps emu_cvtepi32_ps
+#undef _mm512_storeu_si512
+#undef _mm512_add_ps
+#undef _mm512_set1_ps
+#define _mm512_storeu_si512 emu_store_si512
+#define _mm512_add_ps emu_add_ps
+#define _mm512_set1_ps emu_set1_ps
+#undef _tile_loadconfig
+#undef _tile_release
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_zero
+#undef _tile_dpbusd
+#define _tile_loadconfig emu_tile_loadconfig
+#define _tile_release emu_tile_release
+#define _tile_loadd emu_tile_loadd
+#define _tile_stored emu_tile_stored
+#define _tile_zero emu_tile_zero
+#define _tile_dpbusd emu_tile_dpbusd
 
 #endif

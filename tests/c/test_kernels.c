@@ -1062,7 +1062,8 @@ static void test_groups(void) {
 }
 
 /* Every instance of the 8-bit-activation product that this build has and this CPU runs — AVX2
- * plain and AVX-VNNI (kernels_avx2_qx.h), AVX-512 F+BW and AVX512-VNNI (kernels_avx512_qx.h) —
+ * plain and AVX-VNNI (kernels_avx2_qx.h), AVX-512 F+BW and AVX512-VNNI (kernels_avx512_qx.h),
+ * AMX (kernels_avx512_amx.h) —
  * against the reference, bit for bit: q4 and q8, groups 32, 64 and 128, f16/bf16/f32 scales, row
  * counts that are no multiple of any block, cols ending in a half unit or a partial pair of
  * units, every n from 1 to 70 on the small shapes (and some n on the wide ones), whole and split
@@ -1076,8 +1077,8 @@ static void test_qx_instances(void) {
         const char *name;
         qx_instance fn;
         const char *lacks; /* NULL: present and checked; else why not */
-    } inst[4] = {{"avx2", NULL, "not built"}, {"avx-vnni", NULL, "not built"}, {"avx512", NULL, "not built"},
-                 {"avx512vnni", NULL, "not built"}};
+    } inst[5] = {{"avx2", NULL, "not built"}, {"avx-vnni", NULL, "not built"}, {"avx512", NULL, "not built"},
+                 {"avx512vnni", NULL, "not built"}, {"amx", NULL, "not built"}};
 #if SMOE_HAVE_AVX2
     inst[0].fn = smoe_avx2_matmul_rows_qx_plain;
     inst[0].lacks = NULL;
@@ -1093,15 +1094,20 @@ static void test_qx_instances(void) {
     inst[3].fn = smoe_avx512_matmul_rows_qx_vnni;
     inst[3].lacks = (hw & SMOE_CPU_AVX512VNNI) ? NULL : "CPU or OS lacks AVX512-VNNI";
 #endif
+#if SMOE_HAVE_AMX
+    inst[4].fn = smoe_avx512_amx_matmul_rows_qx;
+    inst[4].lacks = smoe_cpu_amx_hw() ? NULL : "CPU or OS lacks AMX-INT8 (or Linux's grant of its tiles)";
+#endif
+    enum { NINST = sizeof inst / sizeof *inst };
     int any = 0;
-    for (int i = 0; i < 4; i++) any |= inst[i].lacks == NULL;
+    for (int i = 0; i < NINST; i++) any |= inst[i].lacks == NULL;
     static const uint8_t sfs[3] = {SMOE_SCALE_F16, SMOE_SCALE_BF16, SMOE_SCALE_F32};
     static const struct {
         uint32_t G, rows, cols;
         int sweep; /* every n in 1..70, else n in {1, 2, 5, 17, 70} */
     } shapes[] = {{32, 1, 32, 1},    {32, 13, 96, 1},  {32, 7, 160, 1},   {32, 3, 2080, 0},  {64, 5, 64, 1},
                   {64, 13, 192, 1},  {64, 9, 448, 1},  {64, 37, 2112, 0}, {128, 3, 128, 1},  {128, 11, 384, 1},
-                  {128, 5, 2176, 0}, {64, 3, 16384, 0}};
+                  {128, 5, 2176, 0}, {32, 19, 4096, 0}, {64, 3, 16384, 0}};
     enum { NMAX = 70 };
     size_t cases = 0;
     for (size_t si = 0; si < sizeof shapes / sizeof *shapes && any; si++)
@@ -1121,12 +1127,16 @@ static void test_qx_instances(void) {
             smoe_ref_matmul_rows_qx(&tt.t, tt.bytes, &X, NMAX, yr, ldy, 0, rows);
             for (uint32_t n = 1; n <= NMAX; n++) {
                 if (!shapes[si].sweep && n != 1 && n != 2 && n != 5 && n != 17 && n != NMAX) continue;
-                for (int i = 0; i < 4; i++) {
+                for (int i = 0; i < NINST; i++) {
                     if (inst[i].lacks) continue;
                     for (size_t k = 0; k < ldy * n; k++) yi[k] = NAN;
                     const uint32_t cut = n % (rows + 1);
                     bool ok = inst[i].fn(&tt.t, tt.bytes, &X, n, yi, ldy, 0, cut);
                     ok = inst[i].fn(&tt.t, tt.bytes, &X, n, yi, ldy, cut, rows) && ok;
+                    if (i == 4 && cols > 4096) { /* AMX takes rows of up to 4096 columns (its scratch is on the stack) */
+                        CHECK(!ok, "qx instance amx took %u columns", cols);
+                        continue;
+                    }
                     CHECK(ok, "qx instance %s refused %ux%u G %u", inst[i].name, rows, cols, G);
                     cases++;
                     for (uint32_t t = 0; t < n && ok; t++) {
@@ -1150,7 +1160,7 @@ static void test_qx_instances(void) {
             free(tt.alloc);
         }
     /* one line per instance: checked, or skipped and why */
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < NINST; i++)
         if (inst[i].lacks)
             printf("qx instance %s: skipped (%s)\n", inst[i].name, inst[i].lacks);
         else
