@@ -120,6 +120,44 @@ static smoe_tensor make_q(uint8_t format, uint32_t G, uint32_t rows, uint32_t co
     return t;
 }
 
+/* n tokens of random x prepared as codes for a fresh rows × cols matrix of format and group G */
+typedef struct {
+    smoe_tensor W;
+    void *alloc, *codes;
+    float *x, *d, *gs;
+    smoe_qx X;
+} qx_case;
+
+static qx_case make_case(uint8_t format, uint32_t G, uint32_t rows, uint32_t cols, uint32_t n) {
+    qx_case c;
+    c.W = make_q(format, G, rows, cols, &c.alloc);
+    const smoe_qx_size z = smoe_qx_sizes(cols, format, G);
+    c.x = malloc(sizeof(float) * cols * n);
+    for (size_t i = 0; i < (size_t)cols * n; i++) c.x[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
+    c.codes = aligned_alloc(64, (z.code_bytes * n + 63) / 64 * 64);
+    c.d = malloc(sizeof(float) * z.d_floats * n);
+    c.gs = malloc(sizeof(float) * z.gsum_floats * n);
+    smoe_qx_prepare(c.x, cols, n, cols, format, G, c.codes, c.d, c.gs);
+    c.X = (smoe_qx){c.codes, c.d, c.gs, cols, G, format};
+    return c;
+}
+
+/* a and b on the case's n tokens, all rows, into ya and yb: whether they gave the same bits */
+static bool same_bits(qx_fn a, qx_fn b, const qx_case *c, uint32_t n, float *ya, float *yb) {
+    const uint32_t rows = c->W.rows;
+    a(&c->W, c->W.data, &c->X, n, ya, rows, 0, rows);
+    b(&c->W, c->W.data, &c->X, n, yb, rows, 0, rows);
+    return memcmp(ya, yb, sizeof(float) * rows * n) == 0;
+}
+
+static void free_case(qx_case *c) {
+    free(c->x);
+    free(c->codes);
+    free(c->d);
+    free(c->gs);
+    free(c->alloc);
+}
+
 /* ---------------------------------------------------------------- one token: every instance
  * `qx_isa mv q4|q8 [group [MiB]]`: the matrix-vector product (n = 1) of every instance this CPU
  * runs — plain AVX2, AVX-VNNI, AVX-512 F+BW, AVX512-VNNI — and the plain read, on three shapes:
@@ -270,19 +308,11 @@ static int amx_main(uint8_t format, uint32_t G) {
     for (size_t sh = 0; sh < sizeof shapes / sizeof *shapes; sh++)
         for (size_t si = 0; si < sizeof ns / sizeof *ns; si++) {
             const uint32_t n = ns[si], rows = shapes[sh][0], cols = shapes[sh][1];
-            void *alloc;
-            smoe_tensor W = make_q(format, G, rows, cols, &alloc);
-            const smoe_qx_size z = smoe_qx_sizes(cols, format, G);
-            float *x = malloc(sizeof(float) * cols * n);
-            for (size_t i = 0; i < (size_t)cols * n; i++) x[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
-            void *codes = aligned_alloc(64, (z.code_bytes * n + 63) / 64 * 64);
-            float *d = malloc(sizeof(float) * z.d_floats * n), *gs = malloc(sizeof(float) * z.gsum_floats * n);
-            smoe_qx_prepare(x, cols, n, cols, format, G, codes, d, gs);
-            const smoe_qx X = {codes, d, gs, cols, G, format};
+            qx_case c = make_case(format, G, rows, cols, n);
+            const smoe_tensor W = c.W;
+            const smoe_qx X = c.X;
             float *yv = malloc(sizeof(float) * rows * n), *ya = malloc(sizeof(float) * rows * n);
-            fv(&W, W.data, &X, n, yv, rows, 0, rows);
-            fa(&W, W.data, &X, n, ya, rows, 0, rows);
-            if (memcmp(yv, ya, sizeof(float) * rows * n) != 0) {
+            if (!same_bits(fv, fa, &c, n, yv, ya)) {
                 printf("n %u %ux%u: the two instances' outputs differ\n", n, rows, cols);
                 return 1;
             }
@@ -308,13 +338,9 @@ static int amx_main(uint8_t format, uint32_t G) {
                        ta[REPS / 2] * 1e6, tv[REPS / 2] / ta[REPS / 2]);
                 fflush(stdout);
             }
-            free(x);
-            free(codes);
-            free(d);
-            free(gs);
+            free_case(&c);
             free(yv);
             free(ya);
-            free(alloc);
         }
     return 0;
 #else
@@ -350,19 +376,11 @@ int main(int argc, char **argv) {
     const uint32_t ns[] = {1, 2, 4, 8, 64};
     for (size_t si = 0; si < sizeof ns / sizeof ns[0]; si++) {
         const uint32_t n = ns[si], rows = n == 1 ? 32768 : 768, cols = 2048;
-        void *alloc;
-        smoe_tensor W = make_q(format, G, rows, cols, &alloc);
-        const smoe_qx_size z = smoe_qx_sizes(cols, format, G);
-        float *x = malloc(sizeof(float) * cols * n);
-        for (size_t i = 0; i < (size_t)cols * n; i++) x[i] = (float)((int)(rnd() % 2001) - 1000) * 1e-3f;
-        void *codes = aligned_alloc(64, (z.code_bytes * n + 63) / 64 * 64);
-        float *d = malloc(sizeof(float) * z.d_floats * n), *gs = malloc(sizeof(float) * z.gsum_floats * n);
-        smoe_qx_prepare(x, cols, n, cols, format, G, codes, d, gs);
-        const smoe_qx X = {codes, d, gs, cols, G, format};
+        qx_case c = make_case(format, G, rows, cols, n);
+        const smoe_tensor W = c.W;
+        const smoe_qx X = c.X;
         float *y2 = malloc(sizeof(float) * rows * n), *y5 = malloc(sizeof(float) * rows * n);
-        f2(&W, W.data, &X, n, y2, rows, 0, rows);
-        f512(&W, W.data, &X, n, y5, rows, 0, rows);
-        if (memcmp(y2, y5, sizeof(float) * rows * n) != 0) {
+        if (!same_bits(f2, f512, &c, n, y2, y5)) {
             printf("n %u: the two instances' outputs differ\n", n);
             return 1;
         }
@@ -389,13 +407,9 @@ int main(int argc, char **argv) {
             printf("%-6u %-14s %-7d %9.1f us %9.1f us %7.2fx %9.1f us\n", n, shape, threads, t2[REPS / 2] * 1e6,
                    t5[REPS / 2] * 1e6, t2[REPS / 2] / t5[REPS / 2], tr[REPS / 2] * 1e6);
         }
-        free(x);
-        free(codes);
-        free(d);
-        free(gs);
+        free_case(&c);
         free(y2);
         free(y5);
-        free(alloc);
     }
 #endif
     return 0;
