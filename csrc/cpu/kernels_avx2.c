@@ -368,13 +368,25 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
  * a3b-shaped decode; with the hardware prefetcher alone, four interleaved row streams read well
  * below the memory's bandwidth, long rows and short alike; the hint and distance below); for q4
  * it takes x in the order of the nibbles (qx_nibble_order) so the codes
- * need no unpacking. The plain batched q4 product sums the four units' int16 products in int16
+ * need no unpacking. A few tokens (2 to QX_SMALL_N4 for q4, QX_SMALL_N8 for q8: the tokens a short
+ * prompt routes to one expert) go the same way, a row at a time with its codes read in place and
+ * unpacked once for up to 4 (q4) or 3 (q8) tokens (qx_row_T): the batched product's unpacked copy
+ * of each row cost more than the products it fed (bench/RESULTS.md, "A few tokens a row": ×1.2-1.8
+ * on Zen 3). The plain batched q4 product sums the four units' int16 products in int16
  * (hadd_epi16, no overflow) before one widening madd (qx_h4_s16). None of this changes an integer,
  * so none changes a bit. */
 
+#ifndef QX_SMALL_N4
+#define QX_SMALL_N4 6 /* the most tokens the q4 product takes a row at a time (7 and 8: slower) */
+#endif
+#ifndef QX_SMALL_N8
+#define QX_SMALL_N8 3 /* the same for q8 (4 tokens a pass spill; 3 + 1 no faster than batched) */
+#endif
 enum {
     QRB = 4,    /* rows of a block of the batched product (bench/RESULTS.md: 4 × 1 measured best) */
     QTB = 1,    /* tokens of a block */
+    QSB = 4,    /* tokens of a row's pass in the few-token product (qx_row_T), q4; q8 takes one fewer */
+    QX_SMALL_MAX = QX_SMALL_N4 > QX_SMALL_N8 ? QX_SMALL_N4 : QX_SMALL_N8,
     MAXU = MAXC / 64, /* units of 64 columns of the widest row */
 };
 

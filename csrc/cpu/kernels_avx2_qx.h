@@ -104,14 +104,26 @@ QX_ATTR INLINE void QX(qx_nibble_order)(const uint8_t *x, uint8_t *out) {
     _mm256_storeu_si256((__m256i *)(void *)(out + 32), _mm256_unpackhi_epi64(s0, s1));
 }
 
+/* One unit's stored codes as qx_p_q4 (q4: low and high nibbles, x in nibble order) and qx_p_raw
+ * (q8: qx_codes) take them */
+QX_ATTR INLINE void QX(qx_codes_nib)(const bool q8, const uint8_t *w, __m256i c[4]) {
+    if (q8) {
+        QX(qx_codes)(true, w, c);
+        return;
+    }
+    const __m256i m = _mm256_set1_epi8(0x0f);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)w);
+    c[0] = _mm256_and_si256(b, m);
+    c[1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+}
+
 /* P of one q4 unit straight from its stored codes, x in nibble order (qx_nibble_order): the low
  * nibbles meet the even columns, the high the odd, each 128-bit half one 32-column block as in
  * qx_p. No unpacking: the same integers as qx_p_raw, two shuffles fewer. */
 QX_ATTR INLINE __m256i QX(qx_p_q4)(const uint8_t *w, const uint8_t *x) {
-    const __m256i m = _mm256_set1_epi8(0x0f);
-    const __m256i b = _mm256_loadu_si256((const __m256i *)(const void *)w);
-    const __m256i lo = _mm256_and_si256(b, m), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-    return QX_U8S8(lo, _mm256_loadu_si256((const __m256i *)(const void *)x), hi,
+    __m256i c[4];
+    QX(qx_codes_nib)(false, w, c);
+    return QX_U8S8(c[0], _mm256_loadu_si256((const __m256i *)(const void *)x), c[1],
                    _mm256_loadu_si256((const __m256i *)(const void *)(x + 32)));
 }
 
@@ -151,6 +163,47 @@ QX_ATTR INLINE __m256 QX(qx_row_1)(const bool q8, const uint32_t G, const uint8_
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), sd, acc);
     }
     return acc;
+}
+
+/* One row against T ≤ QSB tokens, its codes read where they are stored and unpacked once for all T
+ * (a few tokens routed to one expert: the batched product's unpacked copy of the row costs more
+ * than the products it feeds). Otherwise as qx_row_1: x[j] token j's codes (q4: in nibble order),
+ * d[j] its block scales, acc[j] its float lanes. The plain q4 products are summed in int16 as
+ * qx_h4_s16 sums them (pairs of units, then the two pairs), the rest in int32 as qx_row_1. */
+QX_ATTR INLINE void QX(qx_row_T)(const int T, const bool q8, const uint32_t G, const uint8_t *w, const float *s,
+                                 const uint8_t *const *x, const float *const *d, uint32_t nu, uint32_t up,
+                                 __m256 acc[QSB]) {
+    const size_t wb = q8 ? 64 : 32, xb = q8 ? 128 : 64;
+    const bool s16 = !QX_VNNI && !q8;
+    for (int j = 0; j < T; j++) acc[j] = _mm256_setzero_ps();
+    for (uint32_t g = 0; g < up; g += 4) {
+        for (size_t b = 0; b < 4 * wb; b += 64) _mm_prefetch((const char *)w + QX_AHEAD_BYTES + g * wb + b, _MM_HINT_T1);
+        __m256i h[QSB][2]; /* token j: units g, g+1 summed pairwise, then g+2, g+3 */
+        for (uint32_t k = 0; k < 4; k++) {
+            const bool in = g + k < nu;
+            __m256i c[4];
+            if (in) QX(qx_codes_nib)(q8, w + (g + k) * wb, c);
+            for (int j = 0; j < T; j++) {
+                const uint8_t *xj = x[j] + (g + k) * xb;
+                __m256i p = _mm256_setzero_si256();
+#define LDU(o) _mm256_loadu_si256((const __m256i *)(const void *)(xj + (o)))
+#if QX_VNNI
+                if (in) p = q8 ? QX(qx_dot)(true, c, xj) : QX_U8S8(c[0], LDU(0), c[1], LDU(32));
+#else
+                if (in) p = q8 ? QX(qx_dot)(true, c, xj) : QX(qx_s16)(c[0], LDU(0), c[1], LDU(32));
+#endif
+#undef LDU
+                h[j][k / 2] = k % 2 == 0 ? p : s16 ? _mm256_hadd_epi16(h[j][k / 2], p) : _mm256_hadd_epi32(h[j][k / 2], p);
+            }
+        }
+        const __m256 s4 = qx_sigma(G, s, g);
+        for (int j = 0; j < T; j++) {
+            const __m256i hj = s16 ? _mm256_madd_epi16(_mm256_hadd_epi16(h[j][0], h[j][1]), _mm256_set1_epi16(1))
+                                   : _mm256_hadd_epi32(h[j][0], h[j][1]);
+            const __m256 sd = _mm256_mul_ps(s4, _mm256_loadu_ps(d[j] + 2 * g));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hj), sd, acc[j]);
+        }
+    }
 }
 
 /* R rows × T tokens over up units (a multiple of 4): tot[i][j] += the scaled block sums.
@@ -211,6 +264,53 @@ QX_ATTR static void QX(qx_block_any)(int R, int T, bool q8, uint32_t G, const ui
     }
 }
 
+/* A few tokens (n ≤ QX_SMALL_N4 for q4, QX_SMALL_N8 for q8; cols a multiple of 64): a row at a
+ * time, its codes read in place (qx_row_T), QSB (q4) or QSB − 1 (q8) tokens a pass over it. Its own
+ * function, not inlined: the batched product's frame and code stay as they were (bench/RESULTS.md,
+ * "A few tokens a row"). */
+QX_ATTR __attribute__((noinline)) static void QX(qx_rows_few)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X,
+                                                              uint32_t n, float *y, size_t ldy, uint32_t r0, uint32_t r1) {
+    const uint32_t G = W->group, cols = W->cols, ng = cols / G, ng8 = (ng + 7) & ~7u;
+    const bool q8 = W->format == SMOE_FMT_Q8;
+    const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
+    const uint32_t up = (uint32_t)z.d_floats / 2, tile = q8 ? QSB - 1 : QSB;
+    const size_t row_bytes = q8 ? cols : cols / 2, sbytes = scale_bytes(W->scale_format);
+    const uint8_t *scales = w + W->scales_off, *biases = w + W->biases_off;
+    _Alignas(32) uint8_t xn[QX_SMALL_MAX][MAXC]; /* q4: the tokens' codes in nibble order */
+    const uint8_t *xt[QX_SMALL_MAX];
+    const float *dt[QX_SMALL_MAX];
+    float sv[MAXG], bv[MAXG]; /* the row's scales, biases by group */
+    for (uint32_t j = 0; j < n; j++) {
+        const uint8_t *xj = (const uint8_t *)X->codes + (size_t)j * z.code_bytes;
+        if (!q8) {
+            for (uint32_t g = 0; g < cols / 64; g++) QX(qx_nibble_order)(xj + 64 * (size_t)g, xn[j] + 64 * (size_t)g);
+            xj = xn[j];
+        }
+        xt[j] = xj;
+        dt[j] = X->d + (size_t)j * z.d_floats;
+    }
+    for (uint32_t r = r0; r < r1; r++) {
+        const uint8_t *wr = w + (size_t)r * row_bytes;
+        load_scales(sv, scales + sbytes * (size_t)r * ng, ng, W->scale_format);
+        load_scales(bv, biases + sbytes * (size_t)r * ng, ng, W->scale_format);
+        for (uint32_t t = 0; t < n; t += tile) {
+            const uint32_t nt = n - t < tile ? n - t : tile;
+            __m256 acc[QSB]; /* set by the case below (the switch covers every T and G taken) */
+            switch ((int)nt * 8 + q8 + (int)G * 16) {
+#define CASE4(T, G) case G * 16 + T * 8: QX(qx_row_T)(T, false, G, wr, sv, xt + t, dt + t, cols / 64, up, acc); break;
+#define CASE8(T, G) case G * 16 + T * 8 + 1: QX(qx_row_T)(T, true, G, wr, sv, xt + t, dt + t, cols / 64, up, acc); break;
+#define CASES(T) CASE4(T, 32) CASE4(T, 64) CASE4(T, 128) CASE8(T, 32) CASE8(T, 64) CASE8(T, 128)
+                CASES(1) CASES(2) CASES(3) CASE4(4, 32) CASE4(4, 64) CASE4(4, 128)
+#undef CASES
+#undef CASE8
+#undef CASE4
+            }
+            for (uint32_t j = 0; j < nt; j++)
+                y[(size_t)(t + j) * ldy + r] = hsum8(acc[j]) + bias_dot(bv, X->gsum + (size_t)(t + j) * z.gsum_floats, ng8);
+        }
+    }
+}
+
 QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                               size_t ldy, uint32_t r0, uint32_t r1) {
     const uint32_t G = W->group, cols = W->cols;
@@ -246,6 +346,10 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
             }
             y[r] = hsum8(acc) + bias_dot(bv, X->gsum, ng8);
         }
+        return true;
+    }
+    if (n <= (q8 ? QX_SMALL_N8 : QX_SMALL_N4) && cols % 64 == 0) {
+        QX(qx_rows_few)(W, w, X, n, y, ldy, r0, r1);
         return true;
     }
     for (uint32_t r = r0; r < r1; r += QRB) {

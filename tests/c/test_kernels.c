@@ -895,21 +895,31 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t G, uint32_t
     for (int vnni = 0; vnni < 1 + SMOE_HAVE_AVXVNNI; vnni++) {
         if (vnni && !__builtin_cpu_supports("avxvnni")) continue;
         float *yi = malloc(sizeof(float) * ldy * N);
+        /* all N at once (the batched product), then in batches of 1 to 7 (the matrix-vector and the
+           few-token products, a row at a time) */
+        for (uint32_t bs = 0; bs <= 7; bs++) {
+            const uint32_t step = bs ? bs : N;
+            for (uint32_t t0 = 0; t0 < N; t0 += step) {
+                const uint32_t nt = N - t0 < step ? N - t0 : step;
+                const smoe_qx Xt = {(const uint8_t *)codes + t0 * z.code_bytes, d + t0 * z.d_floats,
+                                    gs + t0 * z.gsum_floats, cols, G, format};
 #if SMOE_HAVE_AVXVNNI
-        if (vnni)
-            smoe_avx2_matmul_rows_qx_vnni(W, tt.bytes, &X, N, yi, ldy, 0, rows);
-        else
+                if (vnni)
+                    smoe_avx2_matmul_rows_qx_vnni(W, tt.bytes, &Xt, nt, yi + (size_t)t0 * ldy, ldy, 0, rows);
+                else
 #endif
-            smoe_avx2_matmul_rows_qx_plain(W, tt.bytes, &X, N, yi, ldy, 0, rows);
-        for (uint32_t t = 0; t < N; t++)
-            for (uint32_t r = 0; r < rows; r++)
-                if (f32_bits(yi[t * ldy + r]) != f32_bits(yr[t * ldy + r])) {
-                    CHECK(0, "qx %s %ux%u: the %s instance gives y[t=%u, r=%u] = %a, reference %a",
-                          fmt_name_g(format, sf, G), rows, cols, vnni ? "VNNI" : "plain AVX2", t, r, yi[t * ldy + r],
-                          yr[t * ldy + r]);
-                    t = N;
-                    break;
-                }
+                    smoe_avx2_matmul_rows_qx_plain(W, tt.bytes, &Xt, nt, yi + (size_t)t0 * ldy, ldy, 0, rows);
+            }
+            for (uint32_t t = 0; t < N; t++)
+                for (uint32_t r = 0; r < rows; r++)
+                    if (f32_bits(yi[t * ldy + r]) != f32_bits(yr[t * ldy + r])) {
+                        CHECK(0, "qx %s %ux%u: the %s instance in batches of %u gives y[t=%u, r=%u] = %a, reference %a",
+                              fmt_name_g(format, sf, G), rows, cols, vnni ? "VNNI" : "plain AVX2", step, t, r,
+                              yi[t * ldy + r], yr[t * ldy + r]);
+                        t = N;
+                        break;
+                    }
+        }
         free(yi);
     }
 #endif
@@ -924,7 +934,7 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t G, uint32_t
 
     /* batch sizes and row splits: the same bits */
     float *y = malloc(sizeof(float) * rows * N);
-    const uint32_t batch_sizes[] = {1, 3, 17};
+    const uint32_t batch_sizes[] = {1, 2, 3, 4, 6, 17};
     for (size_t bi = 0; bi < sizeof batch_sizes / sizeof *batch_sizes; bi++) {
         for (uint32_t t0 = 0; t0 < N; t0 += batch_sizes[bi]) {
             const uint32_t nt = N - t0 < batch_sizes[bi] ? N - t0 : batch_sizes[bi];
