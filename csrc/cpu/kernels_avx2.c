@@ -382,13 +382,28 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
 #ifndef QX_SMALL_N8
 #define QX_SMALL_N8 3 /* the same for q8 (4 tokens a pass spill; 3 + 1 no faster than batched) */
 #endif
+#ifndef QX_LANES_N8
+#define QX_LANES_N8 16 /* the fewest tokens the plain q8 product takes in lanes by block (12: 0.93-1.04x) */
+#endif
+/* The tokens' codes the q8 product in lanes by block takes a pass over the rows, in bytes (on the
+ * stack; 64 KiB: ×1.14-1.28 at 256 tokens, 128 and 256 KiB alike, ×1.2-1.6), and a row block's
+ * columns it takes at a time, in units (32, 4 KiB of lanes a row: 4096 columns ×1.3-1.5 where in
+ * one piece ×1.0-1.1; 16 slower) */
+#ifndef QX_XTILE_BYTES
+#define QX_XTILE_BYTES 131072
+#endif
+#ifndef QX_KC_UNITS
+#define QX_KC_UNITS 32
+#endif
 enum {
+    QX_XTILE_MAX = 64, /* tokens of that tile at most */
     QRB = 4,    /* rows of a block of the batched product (bench/RESULTS.md: 4 × 1 measured best) */
     QTB = 1,    /* tokens of a block */
     QSB = 4,    /* tokens of a row's pass in the few-token product (qx_row_T), q4; q8 takes one fewer */
     QX_SMALL_MAX = QX_SMALL_N4 > QX_SMALL_N8 ? QX_SMALL_N4 : QX_SMALL_N8,
     MAXU = MAXC / 64, /* units of 64 columns of the widest row */
 };
+_Static_assert(QX_XTILE_BYTES >= MAXU * 128, "a tile of the q8 lanes product holds at least one token's codes");
 
 /* How far on the matrix-vector products prefetch their weights, in bytes, and into L2 (the hint
  * T1), not L1: on the Xeon (Sapphire Rapids class, 2 threads, weights from DRAM) into L1 four rows

@@ -264,6 +264,148 @@ QX_ATTR static void QX(qx_block_any)(int R, int T, bool q8, uint32_t G, const ui
     }
 }
 
+#if !QX_VNNI
+/* The plain q8 batched product in lanes by block (n ≥ QX_LANES_N8): a group of 4 units (8 blocks
+ * of 32 columns) is held as 16 vectors of int16, lane L = k + 4b of each holding block b of unit
+ * k — the lanes of the block sums and of d (qx_sigma) — vector V its columns 2V and 2V + 1. A
+ * block's sum is then the vertical sum of its lane over the 16 madds, with no horizontal adds:
+ * the same exact integers as qx_block, so the same bits. The rows and the tokens' codes are
+ * both rearranged into it before the products; the tokens a tile at a time (rearranged once into
+ * a stack buffer that stays in L2), the rows QRB at a time within a tile, and each row block's
+ * columns QX_KC_UNITS at a time over the tile's tokens, so that its codes stay in L1 (the float
+ * accumulators carried over, the units still in order). bench/RESULTS.md, "q8 in lanes by block":
+ * ×1.3-1.5 at 45-256 tokens on Zen 3; at fewer than 16 tokens the rearranging costs what it
+ * saves. The q4 product in this layout was slower than qx_block's (0.74-0.94×): it stays there. */
+
+/* A 4 × 4 transpose of int32 elements in each 128-bit half: v[p] element k ← v[k] element p. */
+QX_ATTR INLINE void QX(qx_t4)(__m256i v[4]) {
+    const __m256i a = _mm256_unpacklo_epi32(v[0], v[1]), b = _mm256_unpackhi_epi32(v[0], v[1]);
+    const __m256i c = _mm256_unpacklo_epi32(v[2], v[3]), d = _mm256_unpackhi_epi32(v[2], v[3]);
+    v[0] = _mm256_unpacklo_epi64(a, c);
+    v[1] = _mm256_unpackhi_epi64(a, c);
+    v[2] = _mm256_unpacklo_epi64(b, d);
+    v[3] = _mm256_unpackhi_epi64(b, d);
+}
+
+/* Four units' q8 codes in the layout of qx_codes (c[k][u]: unit k's vector u, which holds in half
+ * b the column pairs 4u..4u+3 of block b) stored at dst in lanes by block: transposing the units'
+ * vectors u gives vectors 4u..4u+3. */
+QX_ATTR INLINE void QX(qx_store_lanes)(__m256i c[4][4], uint8_t *dst) {
+    for (int u = 0; u < 4; u++) {
+        __m256i v[4] = {c[0][u], c[1][u], c[2][u], c[3][u]};
+        QX(qx_t4)(v);
+        for (int p = 0; p < 4; p++) _mm256_store_si256((__m256i *)(void *)(dst + 32 * (4 * u + p)), v[p]);
+    }
+}
+
+/* A row of `cols` columns' q8 codes for units [0, up) in lanes by block (512 bytes per 4 units),
+ * zeros past cols; a last half unit is read through a zero-padded copy, as in qx_unpack. */
+QX_ATTR static void QX(qx_unpack_lanes)(uint8_t *dst, const uint8_t *row, uint32_t cols, uint32_t up) {
+    const uint32_t nw = (cols + 63) / 64; /* units holding columns */
+    for (uint32_t g = 0; g < up; g += 4) {
+        __m256i c[4][4];
+        for (uint32_t k = 0; k < 4; k++) {
+            for (int u = 0; u < 4; u++) c[k][u] = _mm256_setzero_si256();
+            if (g + k >= nw) continue;
+            const uint8_t *src = row + 64 * (size_t)(g + k);
+            _Alignas(32) uint8_t half[64];
+            if (64 * (g + k) + 64 > cols) {
+                memcpy(half, src, 32);
+                memset(half + 32, 0, 32);
+                src = half;
+            }
+            QX(qx_codes)(true, src, c[k]);
+        }
+        QX(qx_store_lanes)(c, dst + 128 * (size_t)g);
+    }
+}
+
+/* R rows × one token over units [g0, g1) (multiples of 4), in lanes by block: acc[i] row i's float
+ * lanes, carried in and out (qx_block's chain, unit group by unit group). */
+QX_ATTR INLINE void QX(qx_block_lanes)(const int R, const uint32_t G, const uint8_t *const *w, const float *const *s,
+                                     const uint8_t *x, const float *d, uint32_t g0, uint32_t g1, __m256 *acc_io) {
+    __m256 acc[QRB];
+    for (int i = 0; i < R; i++) acc[i] = acc_io[i];
+    for (uint32_t g = g0; g < g1; g += 4) {
+        const size_t o = 128 * (size_t)g;
+        __m256i I[QRB];
+        for (int i = 0; i < R; i++) I[i] = _mm256_setzero_si256();
+        for (int V = 0; V < 16; V++) {
+            const __m256i xv = _mm256_load_si256((const __m256i *)(const void *)(x + o + 32 * V));
+            for (int i = 0; i < R; i++)
+                I[i] = _mm256_add_epi32(
+                    I[i], _mm256_madd_epi16(_mm256_load_si256((const __m256i *)(const void *)(w[i] + o + 32 * V)), xv));
+        }
+        const __m256 dv = _mm256_loadu_ps(d + 2 * g);
+        for (int i = 0; i < R; i++)
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I[i]), _mm256_mul_ps(qx_sigma(G, s[i], g), dv), acc[i]);
+    }
+    for (int i = 0; i < R; i++) acc_io[i] = acc[i];
+}
+
+QX_ATTR static void QX(qx_block_lanes_any)(int R, uint32_t G, const uint8_t *const *w, const float *const *s,
+                                           const uint8_t *x, const float *d, uint32_t g0, uint32_t g1, __m256 *acc) {
+    switch (R * 256 + (int)G) {
+#define CASE(r, G) case r * 256 + G: QX(qx_block_lanes)(r, G, w, s, x, d, g0, g1, acc); break;
+#define CASES(G) CASE(4, G) CASE(3, G) CASE(2, G) CASE(1, G)
+        CASES(32) CASES(64) CASES(128)
+#undef CASES
+#undef CASE
+    }
+}
+
+QX_ATTR __attribute__((noinline)) static void QX(qx_rows_lanes)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X,
+                                                                uint32_t n, float *y, size_t ldy, uint32_t r0, uint32_t r1) {
+    const uint32_t G = W->group, cols = W->cols, ng = cols / G, ng8 = (ng + 7) & ~7u;
+    const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
+    const uint32_t up = (uint32_t)z.d_floats / 2;
+    const size_t sbytes = scale_bytes(W->scale_format);
+    const uint8_t *scales = w + W->scales_off, *biases = w + W->biases_off;
+    const uint32_t tile = QX_XTILE_BYTES / z.code_bytes < QX_XTILE_MAX ? QX_XTILE_BYTES / z.code_bytes : QX_XTILE_MAX;
+    _Alignas(32) uint8_t xl[QX_XTILE_BYTES];   /* the tile's codes in lanes by block */
+    _Alignas(32) uint8_t cw[QRB][MAXU * 128];  /* a row block's */
+    float sb[QRB][MAXG], bb[QRB][MAXG];        /* its scales, biases by group */
+    __m256 acc[QX_XTILE_MAX][QRB];
+    for (uint32_t t0 = 0; t0 < n; t0 += tile) {
+        const uint32_t nt = n - t0 < tile ? n - t0 : tile;
+        for (uint32_t j = 0; j < nt; j++) {
+            const uint8_t *xj = (const uint8_t *)X->codes + (size_t)(t0 + j) * z.code_bytes;
+            for (uint32_t g = 0; g < up; g += 4) {
+                __m256i c[4][4];
+                for (int k = 0; k < 4; k++)
+                    for (int u = 0; u < 4; u++)
+                        c[k][u] = _mm256_loadu_si256((const __m256i *)(const void *)(xj + 128 * (size_t)(g + k) + 32 * u));
+                QX(qx_store_lanes)(c, xl + (size_t)j * z.code_bytes + 128 * (size_t)g);
+            }
+        }
+        for (uint32_t r = r0; r < r1; r += QRB) {
+            const uint32_t nr = r1 - r < QRB ? r1 - r : QRB;
+            const uint8_t *wr[QRB];
+            const float *sr[QRB];
+            for (uint32_t i = 0; i < nr; i++) {
+                QX(qx_unpack_lanes)(cw[i], w + (size_t)(r + i) * cols, cols, up);
+                load_scales(sb[i], scales + sbytes * (size_t)(r + i) * ng, ng, W->scale_format);
+                load_scales(bb[i], biases + sbytes * (size_t)(r + i) * ng, ng, W->scale_format);
+                wr[i] = cw[i];
+                sr[i] = sb[i];
+            }
+            for (uint32_t j = 0; j < nt; j++)
+                for (uint32_t i = 0; i < nr; i++) acc[j][i] = _mm256_setzero_ps();
+            for (uint32_t g0 = 0; g0 < up; g0 += QX_KC_UNITS) {
+                const uint32_t g1 = up - g0 < QX_KC_UNITS ? up : g0 + QX_KC_UNITS;
+                for (uint32_t j = 0; j < nt; j++)
+                    QX(qx_block_lanes_any)((int)nr, G, wr, sr, xl + (size_t)j * z.code_bytes,
+                                           X->d + (size_t)(t0 + j) * z.d_floats, g0, g1, acc[j]);
+            }
+            for (uint32_t j = 0; j < nt; j++)
+                for (uint32_t i = 0; i < nr; i++)
+                    y[(size_t)(t0 + j) * ldy + r + i] =
+                        hsum8(acc[j][i]) + bias_dot(bb[i], X->gsum + (size_t)(t0 + j) * z.gsum_floats, ng8);
+        }
+    }
+}
+#endif
+
 /* A few tokens (n ≤ QX_SMALL_N4 for q4, QX_SMALL_N8 for q8; cols a multiple of 64): a row at a
  * time, its codes read in place (qx_row_T), QSB (q4) or QSB − 1 (q8) tokens a pass over it. Its own
  * function, not inlined: the batched product's frame and code stay as they were (bench/RESULTS.md,
@@ -352,6 +494,12 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
         QX(qx_rows_few)(W, w, X, n, y, ldy, r0, r1);
         return true;
     }
+#if !QX_VNNI
+    if (q8 && n >= QX_LANES_N8) {
+        QX(qx_rows_lanes)(W, w, X, n, y, ldy, r0, r1);
+        return true;
+    }
+#endif
     for (uint32_t r = r0; r < r1; r += QRB) {
         const uint32_t nr = r1 - r < QRB ? r1 - r : QRB;
         for (uint32_t i = 0; i < nr; i++) {
