@@ -774,10 +774,12 @@ def cold_run(limit, start, ids, n_decode, tag, decode_max_s=None):
     return rec
 
 
-def find_pysmoe_limit(budget, run_at, log, resolution=8 * MiB):
+def find_pysmoe_limit(budget, run_at, log, resolution=8 * MiB, confirm=2):
     """The smallest cgroup limit (to `resolution`) at which pysmoe's worker survives one run of the
     longest prompt and the decode, starting at `budget` (its own resident_bytes): first the budget,
-    then budget + 16, 32, 64, ... MiB until a run survives, then bisection. Also one run under a
+    then budget + 16, 32, 64, ... MiB until a run survives, then bisection; then `confirm` more runs
+    at the limit found, raised by `resolution` each time one is killed (a run once survived a limit
+    that a later one did not: the peak moves a few MiB from run to run). Also one run under a
     generous limit (2 × budget + 1 GiB) for the cgroup's unconstrained peak. Returns a dict."""
     trials = []
 
@@ -810,6 +812,12 @@ def find_pysmoe_limit(budget, run_at, log, resolution=8 * MiB):
                 found = mid
             else:
                 lo = mid
+    ok_in_a_row = 0
+    while found is not None and ok_in_a_row < confirm and found - budget <= 4 << 30:
+        if trial(found):
+            ok_in_a_row += 1
+        else:
+            found, ok_in_a_row = found + resolution, 0
     return {"budget_bytes": budget, "limit_bytes": found, "extra_bytes": None if found is None else found - budget,
             "unconstrained_peak_bytes": unconstrained["cgroup_peak_bytes"] if free else None,
             "unconstrained_vm_hwm_bytes": unconstrained["vm_hwm_bytes"] if free else None, "trials": trials}

@@ -300,6 +300,23 @@ def test_peer_keeps_pysmoe_avx2_apart_from_llama_variants():
     assert "against its AVX2 ones" in table and "| 10 | 1.000 / 0.250 | 0.25× | 4.00 / 8.00 | 0.50× |" in table
 
 
+def test_peer_limit_search_confirms_the_limit_it_finds():
+    # a run once survived a cgroup limit that later runs did not: the search reports a limit only
+    # after `confirm` more runs there survive, raising it by its resolution while one is killed
+    peer = _load("peer")
+    MiB, budget, calls = 1 << 20, 1000 << 20, []
+
+    def run_at(limit):
+        calls.append(limit)
+        lucky = limit == budget + 16 * MiB and calls.count(limit) == 1
+        return {"error": None if lucky or limit >= budget + 20 * MiB else "killed", "cgroup_peak_bytes": limit}
+
+    fit = peer.find_pysmoe_limit(budget, run_at, lambda msg: None)
+    assert fit["limit_bytes"] == budget + 24 * MiB and fit["extra_bytes"] == 24 * MiB
+    assert [(t["limit_bytes"] - budget) // MiB for t in fit["trials"][1:]] == [0, 16, 8, 16, 24, 24]
+    assert [t["survived"] for t in fit["trials"][-2:]] == [True, True]
+
+
 def test_bench_prompt_ids(tiny_vault, tmp_path, capsys):
     import numpy as np
     from pysmoe.bench import run_bench
