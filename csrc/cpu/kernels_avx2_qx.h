@@ -274,8 +274,11 @@ QX_ATTR static void QX(qx_block_any)(int R, int T, bool q8, uint32_t G, const ui
  * a stack buffer that stays in L2), the rows QRB at a time within a tile, and each row block's
  * columns QX_KC_UNITS at a time over the tile's tokens, so that its codes stay in L1 (the float
  * accumulators carried over, the units still in order). bench/RESULTS.md, "q8 in lanes by block":
- * ×1.3-1.5 at 45-256 tokens on Zen 3; at fewer than 16 tokens the rearranging costs what it
- * saves. The q4 product in this layout was slower than qx_block's (0.74-0.94×): it stays there. */
+ * the kernel ×1.2-1.3 at 16 tokens and ×1.5-1.6 at 256 on Zen 3; at fewer than 16 tokens the
+ * rearranging costs what it saves. The q4 product in this layout was slower than qx_block's
+ * (0.74-0.94×): it stays there. Each thread rearranges the tokens' codes for its own rows' call
+ * (n tokens' code bytes against their products with all its rows; not measured apart): doing it
+ * once in smoe_qx_prepare would change the layout every other instance and backend reads. */
 
 /* A 4 × 4 transpose of int32 elements in each 128-bit half: v[p] element k ← v[k] element p. */
 QX_ATTR INLINE void QX(qx_t4)(__m256i v[4]) {

@@ -221,8 +221,10 @@ smoe_status smoe_pool_new(uint32_t threads, smoe_pool **out) {
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
-    /* The kernels keep blocks of unpacked weights on the stack (up to ~200 KB): give workers a
-     * stack of at least SMOE_WORKER_STACK whatever the platform's default (musl's is 128 KB). */
+    /* The kernels keep blocks of unpacked weights and tokens' codes on the stack (up to ~300 KB:
+     * the AVX2 q8 product in lanes by block): give workers a stack of at least SMOE_WORKER_STACK
+     * whatever the platform's default (musl's is 128 KB). The calling thread runs range 0 on its
+     * own stack, which needs as much. */
     pthread_attr_t attr;
     int err = pthread_attr_init(&attr);
     size_t stack = 0;
