@@ -369,18 +369,34 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
  * below the memory's bandwidth, long rows and short alike; the hint and distance below); for q4
  * it takes x in the order of the nibbles (qx_nibble_order) so the codes
  * need no unpacking. A few tokens (2 to QX_SMALL_N4 for q4, QX_SMALL_N8 for q8: the tokens a short
- * prompt routes to one expert) go the same way, a row at a time with its codes read in place and
+ * prompt routes to one expert, and a short prompt's attention) go the same way, a row at a time with its codes read in place and
  * unpacked once for up to 4 (q4) or 3 (q8) tokens (qx_row_T): the batched product's unpacked copy
  * of each row cost more than the products it fed (bench/RESULTS.md, "A few tokens a row": ×1.2-1.8
  * on Zen 3). The plain batched q4 product sums the four units' int16 products in int16
  * (hadd_epi16, no overflow) before one widening madd (qx_h4_s16). None of this changes an integer,
  * so none changes a bit. */
 
+/* The most tokens the q4 and q8 products take a row at a time (qx_rows_few), plain AVX2: on Zen 3
+ * passes of 4 (q4) or 3 (q8) tokens over a row in registers beat the batched product up to ~24 q4
+ * tokens (1.1-1.3x at 7-24 on a gate's shape, 0.93-0.98x at 32-128) and every q8 count below the
+ * lanes product's (1.1-1.4x at 4-12; bench/RESULTS.md, "More tokens a row"). The AVX-VNNI
+ * instance keeps the limits measured before (not measured since: no CPU with it at hand). */
 #ifndef QX_SMALL_N4
-#define QX_SMALL_N4 6 /* the most tokens the q4 product takes a row at a time (7 and 8: slower) */
+#define QX_SMALL_N4 24
 #endif
 #ifndef QX_SMALL_N8
-#define QX_SMALL_N8 3 /* the same for q8 (4 tokens a pass spill; 3 + 1 no faster than batched) */
+#define QX_SMALL_N8 15
+#endif
+#ifndef QX_SMALL_N4_VNNI
+#define QX_SMALL_N4_VNNI 6
+#endif
+#ifndef QX_SMALL_N8_VNNI
+#define QX_SMALL_N8_VNNI 3
+#endif
+/* The q4 tokens' codes in nibble order the few-token product keeps on the stack: n · cols bytes at
+ * most (more go batched): 24 tokens of 4096 columns, 6 of the widest rows. */
+#ifndef QX_FEW_XN_BYTES
+#define QX_FEW_XN_BYTES 98304
 #endif
 #ifndef QX_LANES_N8
 #define QX_LANES_N8 16 /* the fewest tokens the plain q8 product takes in lanes by block (12: 0.93-1.04x) */
@@ -400,10 +416,12 @@ enum {
     QRB = 4,    /* rows of a block of the batched product (bench/RESULTS.md: 4 × 1 measured best) */
     QTB = 1,    /* tokens of a block */
     QSB = 4,    /* tokens of a row's pass in the few-token product (qx_row_T), q4; q8 takes one fewer */
-    QX_SMALL_MAX = QX_SMALL_N4 > QX_SMALL_N8 ? QX_SMALL_N4 : QX_SMALL_N8,
+    QX_SMALL_MAX = QX_SMALL_N4 > QX_SMALL_N8 ? QX_SMALL_N4 : QX_SMALL_N8, /* the plain limits are the larger */
     MAXU = MAXC / 64, /* units of 64 columns of the widest row */
 };
 _Static_assert(QX_XTILE_BYTES >= MAXU * 128, "a tile of the q8 lanes product holds at least one token's codes");
+_Static_assert(QX_SMALL_N4_VNNI <= QX_SMALL_MAX && QX_SMALL_N8_VNNI <= QX_SMALL_MAX, "the few-token product's arrays hold every instance's tokens");
+_Static_assert(QX_FEW_XN_BYTES >= MAXC, "the few-token product takes a token of the widest rows");
 
 /* How far on the matrix-vector products prefetch their weights, in bytes, and into L2 (the hint
  * T1), not L1: on the Xeon (Sapphire Rapids class, 2 threads, weights from DRAM) into L1 four rows

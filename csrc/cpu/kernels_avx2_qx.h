@@ -409,7 +409,8 @@ QX_ATTR __attribute__((noinline)) static void QX(qx_rows_lanes)(const smoe_tenso
 }
 #endif
 
-/* A few tokens (n ≤ QX_SMALL_N4 for q4, QX_SMALL_N8 for q8; cols a multiple of 64): a row at a
+/* A few tokens (n ≤ QX_SMALL_N4 for q4, QX_SMALL_N8 for q8, the VNNI instance's own limits; q4's
+ * n · cols ≤ QX_FEW_XN_BYTES; cols a multiple of 64): a row at a
  * time, its codes read in place (qx_row_T), QSB (q4) or QSB − 1 (q8) tokens a pass over it. Its own
  * function, not inlined: the batched product's frame and code stay as they were (bench/RESULTS.md,
  * "A few tokens a row"). */
@@ -421,15 +422,16 @@ QX_ATTR __attribute__((noinline)) static void QX(qx_rows_few)(const smoe_tensor 
     const uint32_t up = (uint32_t)z.d_floats / 2, tile = q8 ? QSB - 1 : QSB;
     const size_t row_bytes = q8 ? cols : cols / 2, sbytes = scale_bytes(W->scale_format);
     const uint8_t *scales = w + W->scales_off, *biases = w + W->biases_off;
-    _Alignas(32) uint8_t xn[QX_SMALL_MAX][MAXC]; /* q4: the tokens' codes in nibble order */
+    _Alignas(32) uint8_t xn[QX_FEW_XN_BYTES]; /* q4: the tokens' codes in nibble order, cols bytes each */
     const uint8_t *xt[QX_SMALL_MAX];
     const float *dt[QX_SMALL_MAX];
     float sv[MAXG], bv[MAXG]; /* the row's scales, biases by group */
     for (uint32_t j = 0; j < n; j++) {
         const uint8_t *xj = (const uint8_t *)X->codes + (size_t)j * z.code_bytes;
         if (!q8) {
-            for (uint32_t g = 0; g < cols / 64; g++) QX(qx_nibble_order)(xj + 64 * (size_t)g, xn[j] + 64 * (size_t)g);
-            xj = xn[j];
+            uint8_t *xnj = xn + (size_t)j * cols;
+            for (uint32_t g = 0; g < cols / 64; g++) QX(qx_nibble_order)(xj + 64 * (size_t)g, xnj + 64 * (size_t)g);
+            xj = xnj;
         }
         xt[j] = xj;
         dt[j] = X->d + (size_t)j * z.d_floats;
@@ -493,7 +495,8 @@ QX_ATTR bool QX(smoe_avx2_matmul_rows_qx)(const smoe_tensor *W, const uint8_t *w
         }
         return true;
     }
-    if (n <= (q8 ? QX_SMALL_N8 : QX_SMALL_N4) && cols % 64 == 0) {
+    const uint32_t few = QX_VNNI ? (q8 ? QX_SMALL_N8_VNNI : QX_SMALL_N4_VNNI) : (q8 ? QX_SMALL_N8 : QX_SMALL_N4);
+    if (n <= few && cols % 64 == 0 && (q8 || (size_t)n * cols <= QX_FEW_XN_BYTES)) {
         QX(qx_rows_few)(W, w, X, n, y, ldy, r0, r1);
         return true;
     }
