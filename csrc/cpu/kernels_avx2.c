@@ -369,10 +369,10 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
  * below the memory's bandwidth, long rows and short alike; the hint and distance below); for q4
  * it takes x in the order of the nibbles (qx_nibble_order) so the codes
  * need no unpacking. A few tokens (2 to QX_SMALL_N4 for q4, QX_SMALL_N8 for q8: the tokens a short
- * prompt routes to one expert, and a short prompt's attention) go the same way, a row at a time with its codes read in place and
- * unpacked once for up to 4 (q4) or 3 (q8) tokens (qx_row_T): the batched product's unpacked copy
- * of each row cost more than the products it fed (bench/RESULTS.md, "A few tokens a row": ×1.2-1.8
- * on Zen 3). The plain batched q4 product sums the four units' int16 products in int16
+ * prompt routes to one expert, and a short prompt's attention) go the same way, a row at a time
+ * with its codes read in place and unpacked once for a pass of up to 4 (q4) or 3 (q8) tokens
+ * (qx_row_T): the batched product's unpacked copy of each row cost more than the products it fed
+ * (bench/RESULTS.md, "A few tokens a row": ×1.2-1.8 on Zen 3). The plain batched q4 product sums the four units' int16 products in int16
  * (hadd_epi16, no overflow) before one widening madd (qx_h4_s16). None of this changes an integer,
  * so none changes a bit. */
 
@@ -416,11 +416,12 @@ enum {
     QRB = 4,    /* rows of a block of the batched product (bench/RESULTS.md: 4 × 1 measured best) */
     QTB = 1,    /* tokens of a block */
     QSB = 4,    /* tokens of a row's pass in the few-token product (qx_row_T), q4; q8 takes one fewer */
-    QX_SMALL_MAX = QX_SMALL_N4 > QX_SMALL_N8 ? QX_SMALL_N4 : QX_SMALL_N8, /* the plain limits are the larger */
+    QX_SMALL_MAX = QX_SMALL_N4 > QX_SMALL_N8 ? QX_SMALL_N4 : QX_SMALL_N8,
     MAXU = MAXC / 64, /* units of 64 columns of the widest row */
 };
 _Static_assert(QX_XTILE_BYTES >= MAXU * 128, "a tile of the q8 lanes product holds at least one token's codes");
-_Static_assert(QX_SMALL_N4_VNNI <= QX_SMALL_MAX && QX_SMALL_N8_VNNI <= QX_SMALL_MAX, "the few-token product's arrays hold every instance's tokens");
+_Static_assert(QX_SMALL_N4_VNNI <= QX_SMALL_MAX && QX_SMALL_N8_VNNI <= QX_SMALL_MAX,
+               "the few-token product's arrays hold every instance's tokens");
 _Static_assert(QX_FEW_XN_BYTES >= MAXC, "the few-token product takes a token of the widest rows");
 
 /* How far on the matrix-vector products prefetch their weights, in bytes, and into L2 (the hint
