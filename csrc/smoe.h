@@ -120,6 +120,16 @@ SMOE_API const char *smoe_version(void);
 SMOE_API const char *smoe_kernels(void);
 SMOE_API int smoe_abi_version(void);
 
+/* Bytes this process can still take without swapping or meeting a memory cgroup's limit (a
+ * container's, a systemd unit's MemoryMax): the least of Linux's MemAvailable and, for the
+ * process's memory cgroup (v2, or v1's memory controller) and each parent with a limit, that
+ * limit (v2: memory.max and memory.high) less the group's usage plus its inactive file pages.
+ * Where there is no /proc/meminfo, half the physical memory. `where` (cap bytes, may be NULL)
+ * gets what set the figure: "MemAvailable", "half the RAM" or "cgroup v2 limit of /sys/fs/...".
+ * SMOE_ERR_UNSUPPORTED (and 0) where nothing says. What pysmoe sizes its default cache from, and
+ * what decides whether the cache's slots are put on huge pages. */
+SMOE_API smoe_status smoe_memory_available(uint64_t *bytes, char *where, size_t cap);
+
 /* Log levels passed to the callback. */
 enum { SMOE_LOG_DEBUG = 0, SMOE_LOG_INFO = 1, SMOE_LOG_WARN = 2, SMOE_LOG_ERROR = 3 };
 typedef void (*smoe_log_fn)(int level, const char *message, void *user);

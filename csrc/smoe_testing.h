@@ -22,6 +22,11 @@ SMOE_API smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale
 SMOE_API smoe_status smoe_session_read_kv(const smoe_session *session, uint32_t layer, uint32_t start,
                                           uint32_t n, float *k, float *v);
 
+/* smoe_memory_available over other files: meminfo for /proc/meminfo, proc_cgroup for
+ * /proc/self/cgroup, cgroup_root for /sys/fs/cgroup (tests give it a tree of their own). */
+SMOE_API smoe_status smoe_memory_available_at(const char *meminfo, const char *proc_cgroup, const char *cgroup_root,
+                                              uint64_t *bytes, char *where, size_t cap);
+
 #ifdef __cplusplus
 }
 #endif

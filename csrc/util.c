@@ -1,6 +1,7 @@
 /* util.c — what every module shares: status strings, the per-thread error message, the log
  * callback, aligned memory, the clock and the checksum (CRC-32C). Nothing here knows about models. */
 #include "internal.h"
+#include "smoe_testing.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -9,6 +10,7 @@
 #include <time.h>
 #include <errno.h>
 #include <unistd.h>
+#include <sys/stat.h>
 #if defined(__linux__)
 #include <sys/mman.h>
 #endif
@@ -100,21 +102,9 @@ void *smoe_alloc_untouched(size_t bytes, size_t align) {
     return p;
 }
 
-/* A decode step reads every weight it uses once, ~0.7 GB for a3b cut to 8 layers: on 4 KiB pages that
- * is a TLB miss and a page walk every 4 KiB, which the hardware prefetchers do not cross. The
- * cache's slots on 2 MiB pages: with a 10 % cache a step went from 110-116 to 95-97 ms on the Xeon,
- * with every expert cached from 33.5-34.3 to 35.7-36.1 tok/s, a cold first pass no slower
- * (bench/RESULTS.md, "Huge pages"). But where memory is tight they cost: in a cgroup as large as
- * the cache plus the dense weights (the same memory as llama.cpp) a cold 256-token pass took 2.4-2.6
- * s against 1.65 and decode fell 9.2-9.5 -> 6.4-7.3 tok/s (each huge page charged at the limit means
- * reclaim). So the advice is given only where the buffer is at most half the memory free to this
- * process (mem_free). The dense weights stay on small pages: that VM maps a fresh huge page at
- * 0.3-0.9 GB/s against 2.3-3.3 for small ones, which cost a cold 256-token TTFT ~0.5 s whether they
- * were marked at once or collapsed once read. Whole huge pages: the size rounded up to SMOE_HUGE
- * (under 2 MiB more, for a cache of hundreds). The advice is a hint: where the kernel has none to
- * give, the pages are small. */
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-/* A number read from a file (the first field), or UINT64_MAX where it says "max" or cannot be read. */
+/* ------------------------------------------------------- memory this process can still take */
+
+/* A number read from a file (its first field), or UINT64_MAX where it says "max" or cannot be read. */
 static uint64_t file_u64(const char *path) {
     FILE *f = fopen(path, "r");
     if (!f) return UINT64_MAX;
@@ -124,44 +114,103 @@ static uint64_t file_u64(const char *path) {
     return ok ? (uint64_t)x : UINT64_MAX;
 }
 
-/* The room below the memory limits of the cgroup at `cg` (a path under `root`) and of each parent
- * below the root: the least of limit − usage, read from the files `max` and `cur`. */
-static uint64_t cgroup_room(const char *root, char *cg, const char *max_file, const char *cur_file) {
-    uint64_t best = UINT64_MAX;
-    char path[1024];
-    for (size_t len = strlen(cg); len > 1;) {
-        cg[len] = 0;
-        snprintf(path, sizeof path, "%s%s/%s", root, cg, max_file);
-        const uint64_t max = file_u64(path);
-        snprintf(path, sizeof path, "%s%s/%s", root, cg, cur_file);
-        const uint64_t cur = file_u64(path);
-        if (max != UINT64_MAX && cur != UINT64_MAX) {
-            const uint64_t left = max > cur ? max - cur : 0;
-            if (left < best) best = left;
-        }
-        char *slash = strrchr(cg, '/');
-        if (!slash) break;
-        len = (size_t)(slash - cg);
-    }
-    return best;
+/* The value of `key` in a file of "key value" lines (memory.stat), or UINT64_MAX. */
+static uint64_t stat_u64(const char *path, const char *key) {
+    FILE *f = fopen(path, "r");
+    if (!f) return UINT64_MAX;
+    char line[256], k[128];
+    unsigned long long x;
+    uint64_t out = UINT64_MAX;
+    while (out == UINT64_MAX && fgets(line, sizeof line, f))
+        if (sscanf(line, "%127s %llu", k, &x) == 2 && strcmp(k, key) == 0) out = (uint64_t)x;
+    fclose(f);
+    return out;
 }
 
-/* Bytes this process can still take: MemAvailable, and below the memory limits of its cgroup and
- * their parents (cgroup v2, or v1's memory controller), each limit less that cgroup's usage.
- * UINT64_MAX where nothing says. */
-static uint64_t mem_free(void) {
+/* cgroup v1 writes "no limit" as 2^63 less a page */
+#define NO_LIMIT ((uint64_t)1 << 62)
+
+/* The room below one cgroup's limits (folder dir): the least limit (v2: memory.max, memory.high;
+ * v1: memory.limit_in_bytes) less its usage plus its inactive file pages, the page cache reclaim
+ * takes first; UINT64_MAX where it has no limit or says nothing readable. */
+static uint64_t group_room(const char *dir, bool v1) {
+    char p[1280];
+    uint64_t limit;
+    if (v1) {
+        snprintf(p, sizeof p, "%s/memory.limit_in_bytes", dir);
+        limit = file_u64(p);
+    } else {
+        snprintf(p, sizeof p, "%s/memory.max", dir);
+        limit = file_u64(p);
+        snprintf(p, sizeof p, "%s/memory.high", dir);
+        const uint64_t high = file_u64(p);
+        if (high < limit) limit = high;
+    }
+    if (limit >= NO_LIMIT) return UINT64_MAX;
+    snprintf(p, sizeof p, "%s/%s", dir, v1 ? "memory.usage_in_bytes" : "memory.current");
+    const uint64_t usage = file_u64(p);
+    if (usage == UINT64_MAX) return UINT64_MAX;
+    snprintf(p, sizeof p, "%s/memory.stat", dir);
+    uint64_t inactive = v1 ? stat_u64(p, "total_inactive_file") : UINT64_MAX;
+    if (inactive == UINT64_MAX) inactive = stat_u64(p, "inactive_file");
+    if (inactive >= NO_LIMIT) inactive = 0;
+    return limit + inactive > usage ? limit + inactive - usage : 0;
+}
+
+/* The least room of the cgroup at `path` under `base` and of each parent up to base, those whose
+ * folders exist (in a container without a cgroup namespace the process's path is not under the
+ * mount, whose root is then the container's group); its folder into where. */
+static uint64_t tree_room(const char *base, const char *path, bool v1, char *where, size_t cap) {
+    char cg[512], dir[1100];
+    snprintf(cg, sizeof cg, "%s", path);
     uint64_t best = UINT64_MAX;
-    FILE *f = fopen("/proc/meminfo", "r");
+    for (;;) {
+        size_t len = strlen(cg);
+        while (len > 0 && cg[len - 1] == '/') cg[--len] = 0;
+        snprintf(dir, sizeof dir, "%s%s", base, cg);
+        struct stat st;
+        if (stat(dir, &st) == 0 && S_ISDIR(st.st_mode)) {
+            const uint64_t room = group_room(dir, v1);
+            if (room < best) {
+                best = room;
+                if (where && cap) snprintf(where, cap, "cgroup %s limit of %s", v1 ? "v1" : "v2", dir);
+            }
+        }
+        char *slash = strrchr(cg, '/');
+        if (!len || !slash) return best;
+        *slash = 0;
+    }
+}
+
+smoe_status smoe_memory_available_at(const char *meminfo, const char *proc_cgroup, const char *cgroup_root,
+                                     uint64_t *bytes, char *where, size_t cap) {
+    if (!bytes) return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_memory_available: bytes is NULL");
+    if (where && cap) where[0] = 0;
+    uint64_t best = UINT64_MAX;
+    FILE *f = fopen(meminfo, "r");
     if (f) {
         char line[256];
         unsigned long long kb;
         while (fgets(line, sizeof line, f))
-            if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) best = (uint64_t)kb * 1024;
+            if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) {
+                best = (uint64_t)kb * 1024;
+                if (where && cap) snprintf(where, cap, "MemAvailable");
+            }
         fclose(f);
     }
-    f = fopen("/proc/self/cgroup", "r");
+#if defined(_SC_PHYS_PAGES)
+    if (best == UINT64_MAX) { /* macOS and other Unixes: no MemAvailable; half the physical memory */
+        const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+        if (pages > 0 && page > 0) {
+            best = (uint64_t)pages * (uint64_t)page / 2;
+            if (where && cap) snprintf(where, cap, "half the RAM");
+        }
+    }
+#endif
+    f = fopen(proc_cgroup, "r");
     if (f) {
-        char line[512], cg[512];
+        char line[640], v1base[1024], room_where[1280];
+        snprintf(v1base, sizeof v1base, "%s/memory", cgroup_root);
         while (fgets(line, sizeof line, f)) {
             line[strcspn(line, "\n")] = 0;
             /* "ID:CONTROLLERS:PATH": v2's is "0::PATH", v1's memory controller one of a list */
@@ -169,25 +218,47 @@ static uint64_t mem_free(void) {
             if (!path) continue;
             *ctl++ = 0;
             *path++ = 0;
-            snprintf(cg, sizeof cg, "%s", path);
             uint64_t room = UINT64_MAX;
             if (strcmp(line, "0") == 0 && !*ctl) {
-                room = cgroup_room("/sys/fs/cgroup", cg, "memory.max", "memory.current");
+                room = tree_room(cgroup_root, path, false, room_where, sizeof room_where);
             } else {
                 char *save = NULL;
                 for (char *c = strtok_r(ctl, ",", &save); c; c = strtok_r(NULL, ",", &save))
                     if (strcmp(c, "memory") == 0)
-                        room = cgroup_room("/sys/fs/cgroup/memory", cg, "memory.limit_in_bytes",
-                                           "memory.usage_in_bytes");
+                        room = tree_room(v1base, path, true, room_where, sizeof room_where);
             }
-            if (room < best) best = room;
+            if (room < best) {
+                best = room;
+                if (where && cap) snprintf(where, cap, "%s", room_where);
+            }
         }
         fclose(f);
     }
-    return best;
+    if (best == UINT64_MAX) {
+        *bytes = 0;
+        return smoe_fail(SMOE_ERR_UNSUPPORTED, "no measure of available memory on this system");
+    }
+    *bytes = best;
+    return SMOE_OK;
 }
-#endif
 
+smoe_status smoe_memory_available(uint64_t *bytes, char *where, size_t cap) {
+    return smoe_memory_available_at("/proc/meminfo", "/proc/self/cgroup", "/sys/fs/cgroup", bytes, where, cap);
+}
+
+/* A decode step reads every weight it uses once, ~0.7 GB for a3b cut to 8 layers: on 4 KiB pages that
+ * is a TLB miss and a page walk every 4 KiB, which the hardware prefetchers do not cross. The
+ * cache's slots on 2 MiB pages: with a 10 % cache a step went from 110-116 to 95-97 ms on the Xeon,
+ * with every expert cached from 33.5-34.3 to 35.7-36.1 tok/s, a cold first pass no slower
+ * (bench/RESULTS.md, "Huge pages"). But where memory is tight they cost: in a cgroup as large as
+ * the cache plus the dense weights (the same memory as llama.cpp) a cold 256-token pass took 2.4-2.6
+ * s against 1.65 and decode fell 9.2-9.5 -> 6.4-7.3 tok/s (each huge page charged at the limit means
+ * reclaim). So the advice is given only where the buffer is at most half the memory free to this
+ * process (smoe_memory_available). The dense weights stay on small pages: that VM maps a fresh huge
+ * page at 0.3-0.9 GB/s against 2.3-3.3 for small ones, which cost a cold 256-token TTFT ~0.5 s whether they
+ * were marked at once or collapsed once read. Whole huge pages: the size rounded up to SMOE_HUGE
+ * (under 2 MiB more, for a cache of hundreds). The advice is a hint: where the kernel has none to
+ * give, the pages are small. */
 void *smoe_alloc_huge(size_t bytes) {
     if (bytes < SMOE_HUGE) return smoe_alloc_untouched(bytes, SMOE_PAGE);
     const size_t whole = (bytes + SMOE_HUGE - 1) & ~(size_t)(SMOE_HUGE - 1);
@@ -196,7 +267,9 @@ void *smoe_alloc_huge(size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     const char *env = getenv("SMOE_HUGE_PAGES"); /* "0": never advise; "1": always (to measure, or to choose) */
     const bool off = env && strcmp(env, "0") == 0, on = env && strcmp(env, "1") == 0;
-    if (p && !off && (on || mem_free() / 2 >= whole)) (void)madvise(p, whole, MADV_HUGEPAGE);
+    uint64_t room = 0;
+    const bool fits = smoe_memory_available(&room, NULL, 0) == SMOE_OK && room / 2 >= whole;
+    if (p && !off && (on || fits)) (void)madvise(p, whole, MADV_HUGEPAGE);
 #endif
     return p;
 }

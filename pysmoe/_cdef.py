@@ -21,6 +21,7 @@ const char *smoe_last_error(void);
 const char *smoe_version(void);
 const char *smoe_kernels(void);
 int smoe_abi_version(void);
+smoe_status smoe_memory_available(uint64_t *bytes, char *where, size_t cap);
 enum { SMOE_LOG_DEBUG = 0, SMOE_LOG_INFO = 1, SMOE_LOG_WARN = 2, SMOE_LOG_ERROR = 3 };
 typedef void (*smoe_log_fn)(int level, const char *message, void *user);
 void smoe_set_log_callback(smoe_log_fn fn, void *user);
@@ -186,4 +187,6 @@ smoe_status smoe_dequantize(smoe_format format, smoe_scale_format scale_format, 
 uint32_t rows, uint32_t cols, const void *data, size_t nbytes, float *out);
 smoe_status smoe_session_read_kv(const smoe_session *session, uint32_t layer, uint32_t start,
 uint32_t n, float *k, float *v);
+smoe_status smoe_memory_available_at(const char *meminfo, const char *proc_cgroup, const char *cgroup_root,
+uint64_t *bytes, char *where, size_t cap);
 """

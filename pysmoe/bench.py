@@ -93,6 +93,14 @@ def _meminfo(key: str) -> float | None:
     return None
 
 
+def _available_mib() -> float | None:
+    """Memory available now, MiB: MemAvailable or the memory cgroup's room, the less
+    (pysmoe.memory.available_memory)."""
+    from .memory import available_memory
+    avail = available_memory()
+    return None if avail is None else avail / MiB
+
+
 def loadavg() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -322,7 +330,7 @@ class Bench:
                 # Every expert, and a slot more per sparse layer, so that the budget is never the limit
                 # -- unless that would not fit in this machine's available memory next to the cold cache.
                 want = v.expert_bytes + v.blob_bytes * v.num_sparse_layers
-                avail = _meminfo("MemAvailable")
+                avail = _available_mib()
                 if avail is not None:
                     room = int(avail * MiB) - self.cache_bytes - (3 << 29)
                     if want > room:
@@ -636,7 +644,7 @@ def budget_decode_run(v, pct, ids, n_tokens, *, threads, chunk, io_threads, cont
 
 def _budget_room(v, pct) -> str | None:
     """Why a session at pct % would not fit in available memory now, or None."""
-    avail = _meminfo("MemAvailable")
+    avail = _available_mib()
     if avail is None:
         return None
     need = budget_slots(v, pct) * v.blob_bytes + MEM_MARGIN

@@ -8,13 +8,13 @@ experts (about 2x slower decode than with a cache). The default is
 
 rounded down to whole blobs. "Available" is measured after the vault is open, so the dense
 weights are already out of it: Linux's MemAvailable (free memory plus what the kernel can
-reclaim), elsewhere half the physical memory. Direct I/O bypasses the page cache, so blobs do not
-also sit there. FRACTION leaves the rest to the user's other programs.
+reclaim), or less where the process's memory cgroup (a container's limit, a systemd unit's
+MemoryMax) leaves less; elsewhere half the physical memory. Direct I/O bypasses the page cache,
+so blobs do not also sit there. FRACTION leaves the rest to the user's other programs.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 
 from .kvdtype import KV_ELEM_BYTES, default_kv_dtype
 
@@ -22,18 +22,30 @@ FRACTION = 0.5
 
 
 def available_memory() -> int | None:
-    """Bytes of memory a new allocation can get without swapping, or None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:  # macOS and other Unixes: no MemAvailable; take half the physical memory
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
-    except (ValueError, OSError, AttributeError):
-        return None
+    """Bytes of memory a new allocation can get without swapping or meeting its cgroup's limit,
+    or None if unknown."""
+    return memory_headroom()[0]
+
+
+def memory_headroom(meminfo: str | None = None, proc_cgroup: str | None = None,
+                    cgroup_root: str | None = None) -> tuple[int | None, str]:
+    """(bytes available, what set them) from the library's smoe_memory_available: the least of
+    MemAvailable and the room below the limits of this process's memory cgroup and its parents
+    (limit - usage + inactive file pages; v2 or v1), half the RAM where there is no MemAvailable;
+    (None, "memory unknown") where nothing says. The paths stand in for /proc/meminfo,
+    /proc/self/cgroup and /sys/fs/cgroup (tests)."""
+    from ._ffi import ffi, lib
+    out = ffi.new("uint64_t *")
+    where = ffi.new("char[]", 1280)
+    if meminfo is None and proc_cgroup is None and cgroup_root is None:
+        rc = lib.smoe_memory_available(out, where, len(where))
+    else:
+        rc = lib.smoe_memory_available_at((meminfo or "/proc/meminfo").encode(),
+                                          (proc_cgroup or "/proc/self/cgroup").encode(),
+                                          (cgroup_root or "/sys/fs/cgroup").encode(), out, where, len(where))
+    if rc != 0:
+        return None, "memory unknown"
+    return int(out[0]), ffi.string(where).decode(errors="replace")
 
 
 def kv_bytes(config: dict, context: int, kv_dtype: str | None = None) -> int:
@@ -93,10 +105,16 @@ class CacheChoice:
     available: int | None    # memory available when it was chosen
     all_experts: int         # bytes of every blob: more than this is never needed
     one_token: int           # bytes of one token's experts: the floor
+    source: str = "given"    # what set `available` (memory_headroom: MemAvailable, a cgroup's limit...)
 
     def describe(self) -> str:
         mib, gib = 1 << 20, 1 << 30
-        avail = f"{self.available / gib:.1f} GiB available" if self.available is not None else "memory unknown"
+        if self.available is None:
+            avail = "memory unknown"
+        else:
+            size = (f"{self.available / gib:.1f} GiB" if self.available >= 10 * gib
+                    else f"{self.available / mib:,.0f} MiB")
+            avail = f"{size} available ({self.source})"
         return (f"cache budget {self.bytes / mib:,.0f} MiB (auto: {avail}, all experts "
                 f"{self.all_experts / mib:,.0f} MiB; --cache-mb to change)")
 
@@ -111,8 +129,9 @@ def choose_cache(vault, context: int, chunk: int = 256, available: int | None = 
     blob = vault.blob_bytes
     all_experts = vault.expert_bytes
     one_token = min(all_experts, cfg["num_experts_per_tok"] * vault.num_sparse_layers * blob)
+    source = "given"
     if available is None:
-        available = available_memory()
+        available, source = memory_headroom()
     if available is None:
         want = one_token
     else:
@@ -121,7 +140,8 @@ def choose_cache(vault, context: int, chunk: int = 256, available: int | None = 
     want = min(want, all_experts)
     if blob:
         want -= want % blob
-    return CacheChoice(bytes=max(want, 0), available=available, all_experts=all_experts, one_token=one_token)
+    return CacheChoice(bytes=max(want, 0), available=available, all_experts=all_experts, one_token=one_token,
+                       source=source)
 
 
 def default_cache_bytes(vault, context: int, chunk: int = 256, kv_dtype: str | None = None) -> int:

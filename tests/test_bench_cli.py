@@ -143,7 +143,7 @@ def test_bench_decode_budget_skipped_without_memory(tiny_vault, monkeypatch):
     from pysmoe.engine import open_vault
     with open_vault(tiny_vault) as v:
         room = (bench.MEM_MARGIN + bench.budget_slots(v, 0) * v.blob_bytes) / bench.MiB
-    monkeypatch.setattr(bench, "_meminfo", lambda key: room)
+    monkeypatch.setattr(bench, "_available_mib", lambda: room)
     res = run_bench(tiny_vault, [], ttft=False, decode_budgets=[0, 100], budget_prompt=4, decode_tokens=2,
                     repeats=1, threads=1)
     low, full = res["decode_budgets"]["budgets"]

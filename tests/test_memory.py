@@ -3,6 +3,7 @@ less KV and planes, and never below one token's experts."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 import pysmoe
 from pysmoe.memory import FRACTION, available_memory, choose_cache, default_cache_bytes, kv_bytes, plane_bytes
@@ -53,3 +54,112 @@ def test_the_default_chunk_follows_the_cache(tiny_vault):
         with v.session(cache_bytes=0, chunk=1024, context=2048) as s:   # an explicit chunk is kept
             assert s.chunk == 1024
             assert np.array_equal(s.prefill(ids), a)   # the same bits for any chunk
+
+
+# ------------------------------------------------------------------ the memory cgroup's room
+
+def _write_tree(root, files: dict):
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+def _room(tmp_path, meminfo="meminfo"):
+    from pysmoe.memory import memory_headroom
+    return memory_headroom(str(tmp_path / meminfo), str(tmp_path / "self"), str(tmp_path / "cg"))
+
+
+def test_cgroup_v2_room_is_the_tightest_level(tmp_path):
+    cg = tmp_path / "cg"
+    _write_tree(tmp_path, {
+        "meminfo": "MemTotal:  8000000 kB\nMemAvailable:  4000000 kB\n",
+        "self": "0::/user.slice/app.service\n",
+        "cg/memory.stat": "inactive_file 999\n",                       # the root: no limit files
+        "cg/user.slice/memory.max": "max\n",
+        "cg/user.slice/memory.current": "5000000000\n",
+        "cg/user.slice/app.service/memory.max": "1000000000\n",
+        "cg/user.slice/app.service/memory.high": "max\n",
+        "cg/user.slice/app.service/memory.current": "300000000\n",
+        "cg/user.slice/app.service/memory.stat": "anon 250000000\nfile 50000000\ninactive_file 40000000\n",
+    })
+    leaf = cg / "user.slice/app.service"
+    assert _room(tmp_path) == (1000000000 - 300000000 + 40000000, f"cgroup v2 limit of {leaf}")
+    (leaf / "memory.high").write_text("600000000\n")                      # a lower high limit binds
+    assert _room(tmp_path)[0] == 600000000 - 300000000 + 40000000
+    (cg / "user.slice/memory.max").write_text("5100000000\n")              # the parent is tighter still
+    assert _room(tmp_path) == (100000000, f"cgroup v2 limit of {cg / 'user.slice'}")
+    (cg / "user.slice/memory.max").write_text("4000000000\n")              # over its limit: no room, not < 0
+    assert _room(tmp_path)[0] == 0
+    for f in ("user.slice/memory.max", "user.slice/app.service/memory.max", "user.slice/app.service/memory.high"):
+        (cg / f).write_text("max\n")
+    assert _room(tmp_path) == (4000000 * 1024, "MemAvailable")               # no limit anywhere
+    (cg / "user.slice/app.service/memory.max").write_text(f"{8 << 40}\n")   # a limit above MemAvailable
+    assert _room(tmp_path) == (4000000 * 1024, "MemAvailable")
+
+
+def test_cgroup_v1_room_and_a_container_mount(tmp_path):
+    cg = tmp_path / "cg"
+    _write_tree(tmp_path, {
+        "meminfo": "MemAvailable: 4000000 kB\n",
+        "self": "12:pids:/docker/abc\n4:blkio,memory:/docker/abc\n0::/\n",
+        # in a container the group's own path is not under the mount: its root is the group
+        "cg/memory/memory.limit_in_bytes": "536870912\n",
+        "cg/memory/memory.usage_in_bytes": "134217728\n",
+        "cg/memory/memory.stat": "cache 0\ninactive_file 1\ntotal_inactive_file 4096\n",
+    })
+    assert _room(tmp_path) == (536870912 - 134217728 + 4096, f"cgroup v1 limit of {cg / 'memory'}")
+    (cg / "memory/memory.limit_in_bytes").write_text(f"{(1 << 63) - 4096}\n")   # v1's "no limit"
+    assert _room(tmp_path) == (4000000 * 1024, "MemAvailable")
+    (cg / "memory/memory.limit_in_bytes").write_text("lots\n")                  # unreadable: no limit taken
+    assert _room(tmp_path) == (4000000 * 1024, "MemAvailable")
+    (cg / "memory/memory.limit_in_bytes").write_text("536870912\n")
+    (cg / "memory/memory.usage_in_bytes").unlink()                               # no usage: no answer from it
+    assert _room(tmp_path) == (4000000 * 1024, "MemAvailable")
+    (tmp_path / "self").write_text("not a cgroup line\n")
+    assert _room(tmp_path) == (4000000 * 1024, "MemAvailable")
+    # no /proc/meminfo: half the RAM (a system where sysconf says it), else unknown
+    avail, source = _room(tmp_path, meminfo="missing")
+    assert (avail is None and source == "memory unknown") or (avail > 0 and source == "half the RAM")
+
+
+def _child_cgroup(limit: int):
+    """A memory-limited child of this process's cgroup (bench/peer.py's MemCgroup), or skip."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    try:
+        from peer import MemCgroup
+        return MemCgroup(limit, name=f"smoe-test-memory-{os.getpid()}")
+    except (OSError, PermissionError, IndexError) as e:
+        pytest.skip(f"no memory cgroup to make here: {e}")
+
+
+def test_the_default_cache_fits_a_real_cgroup(tiny_vault):
+    # In a group limited to 160 MiB, available_memory() (and so the default cache) is bounded by
+    # the group's room, not the machine's; `pysmoe run` says so and runs.
+    import json
+    import os
+    import subprocess
+    import sys
+    limit = 160 << 20
+    cg = _child_cgroup(limit)
+    try:
+        def join():
+            with open(cg.procs_file, "w") as f:
+                f.write("0")
+        code = ("from pysmoe.memory import memory_headroom; a, s = memory_headroom(); "
+                "print(a); print(s)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=join,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        avail, source = out.stdout.split("\n")[:2]
+        assert 0 < int(avail) <= limit and source.startswith("cgroup") and "smoe-test-memory" in source
+        run = subprocess.run([sys.executable, "-m", "pysmoe", "run", "--vault", str(tiny_vault), "--ids", "1,2,3",
+                              "--max-tokens", "3", "--json"], capture_output=True, text=True, preexec_fn=join,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr
+        assert "cache budget" in run.stderr and "cgroup" in run.stderr
+        assert json.loads(run.stdout)["resident_bytes"] <= FRACTION * limit
+    finally:
+        cg.remove()
