@@ -1,18 +1,19 @@
 /* pool.c — the compute worker pool (pool.h).
  *
- * threads − 1 persistent workers; the caller of smoe_pool_run is worker 0. A run is published
- * through one atomic generation counter: the caller writes the task (fn, ctx, n, grain), sets
- * `pending` to the number of workers, re-arms one claim flag per worker range, and increments
- * `gen`. Workers watching `gen` see the new value, claim their range (an atomic exchange on
- * its flag), run it and decrement `pending`. The caller runs range 0 and then claims every
- * range still unclaimed and runs it itself: when there are more threads than free cores (or a
- * worker is slow to wake), the work does not wait for a descheduled thread. Which thread runs a
- * range never changes its result (kernels.h), only who does the arithmetic. No mutex is taken
- * on this path.
+ * threads − 1 persistent workers; the caller of smoe_pool_run is worker 0. A run's items are cut
+ * into chunks (up to CHUNKS_PER_THREAD a thread, whole grains), and every thread, the caller too,
+ * claims chunk after chunk until none is left: a thread that is slowed (a busier core, a vCPU the
+ * host took away) or dealt the costlier rows (an expert with more tokens) leaves its share to the
+ * others instead of making them wait. Which thread runs a chunk never changes its result
+ * (kernels.h), only who does the arithmetic. No mutex is taken on this path.
  *
- * A worker that saw generation k and was descheduled may claim a range of run k+1: the caller
- * writes the task before re-arming the flags, and the claim's acquire makes it visible, so the
- * worker runs run k+1's range correctly and counts it in run k+1's `pending`.
+ * A run is published through one atomic generation counter: the caller writes the task (fn, ctx,
+ * n, chunk), zeroes `done`, stores the claim word `next` — the new generation, the chunk count and
+ * the next chunk's index in one 64-bit word — and increments `gen`. A claim is a compare-exchange
+ * on `next` that succeeds only for the generation the claimer saw and an index below the count,
+ * so a worker that saw generation k and was descheduled can never take a chunk of run k+1 with
+ * run k's idea of it; its acquire makes the task fields visible, and they stay put until the chunk
+ * it claimed is counted in `done`, which the caller waits for before it returns.
  *
  * Waiting spins briefly (runs of one decode step come back to back) and then sleeps: on Linux
  * on a futex on the very word being watched, elsewhere on a condition variable. A sleeper first
@@ -44,6 +45,16 @@
  * the thread being waited for gets the core), then sleep. */
 enum { SPIN_PAUSE = 2048, SPIN_YIELD = 64, MAX_THREADS = 1024 };
 
+/* Chunks a thread's share is cut into: enough that a slow or overloaded thread's share is taken
+ * over, few enough that a claim (one compare-exchange) and a product's per-call set-up stay small
+ * against a chunk's work. */
+enum { CHUNKS_PER_THREAD = 4 };
+
+/* The claim word: generation (bits 40–63, its low 24 bits), chunk count (20–39), next index (0–19). */
+#define CLAIM_WORD(gen, count, index) \
+    ((uint64_t)((gen) & 0xFFFFFFu) << 40 | (uint64_t)(count) << 20 | (uint64_t)(index))
+enum { MAX_CHUNKS = (1 << 20) - 1 };
+
 typedef struct {
     smoe_pool *pool;
     uint32_t index; /* worker number, 1 .. threads−1 */
@@ -55,16 +66,16 @@ struct smoe_pool {
     worker_arg *args;     /* (threads − 1) */
     uint32_t started;     /* workers created so far */
 
-    /* the task of the current generation: written by the caller before gen is bumped */
+    /* the task of the current generation: written by the caller before `next` and gen */
     smoe_task_fn fn;
     void *ctx;
-    uint32_t n, grain;
+    uint32_t n, chunk; /* items, and items per chunk (a multiple of the run's grain) */
 
     _Atomic uint32_t gen;             /* bumped once per run (and once at shutdown) */
-    _Atomic uint32_t *claimed;        /* (threads) per range: 0 armed, 1 taken; [0] unused */
-    _Atomic uint32_t pending;         /* workers still running this generation */
+    _Atomic uint64_t next;            /* the claim word (CLAIM_WORD) */
+    _Atomic uint32_t done;            /* chunks of this generation finished */
     _Atomic uint32_t sleepers;        /* workers asleep (or about to be) on gen */
-    _Atomic uint32_t caller_sleeping; /* the caller asleep (or about to be) on pending */
+    _Atomic uint32_t caller_sleeping; /* the caller asleep (or about to be) on done */
     _Atomic bool stop;
 
 #if !SMOE_POOL_FUTEX
@@ -119,29 +130,33 @@ static void word_wake(smoe_pool *p, _Atomic uint32_t *word) {
 #endif
 }
 
-/* Range of worker w: the ceil(n/grain) grains are dealt out as evenly as possible, the lower
- * workers taking the extra ones, so with little work the caller (worker 0) gets some. */
-static void worker_range(uint32_t n, uint32_t grain, uint32_t threads, uint32_t w, uint32_t *begin, uint32_t *end) {
-    const uint64_t grains = ((uint64_t)n + grain - 1) / grain;
-    const uint64_t base = grains / threads, extra = grains % threads;
-    const uint64_t g0 = w * base + (w < extra ? w : extra);
-    const uint64_t g1 = g0 + base + (w < extra ? 1 : 0);
-    const uint64_t b = g0 * grain, e = g1 * grain;
-    *begin = (uint32_t)(b < n ? b : n);
-    *end = (uint32_t)(e < n ? e : n);
+/* Claims the next chunk of generation gen: its index and the run's chunk count, or false when the
+ * run has none left or is not gen's. */
+static bool claim(smoe_pool *p, uint32_t gen, uint32_t *index, uint32_t *count) {
+    uint64_t v = atomic_load_explicit(&p->next, memory_order_acquire);
+    for (;;) {
+        const uint32_t i = (uint32_t)(v & 0xFFFFF), c = (uint32_t)(v >> 20 & 0xFFFFF);
+        if ((uint32_t)(v >> 40) != (gen & 0xFFFFFFu) || i >= c) return false;
+        if (atomic_compare_exchange_weak_explicit(&p->next, &v, v + 1, memory_order_acq_rel, memory_order_acquire)) {
+            *index = i;
+            *count = c;
+            return true;
+        }
+    }
 }
 
-static void run_range(smoe_pool *p, uint32_t w) {
-    uint32_t b, e;
-    worker_range(p->n, p->grain, p->threads, w, &b, &e);
-    if (b < e) p->fn(p->ctx, b, e, w);
-}
-
-/* Runs range w unless someone already took it; true if this thread ran it. */
-static bool claim_and_run(smoe_pool *p, uint32_t w) {
-    if (atomic_exchange_explicit(&p->claimed[w], 1, memory_order_acq_rel) != 0) return false;
-    run_range(p, w);
-    return true;
+/* Claims and runs chunks of generation gen until none is left; the number run. A worker's last
+ * one wakes the caller if it sleeps. */
+static uint32_t run_chunks(smoe_pool *p, uint32_t gen, uint32_t w) {
+    uint32_t i, count, ran = 0;
+    while (claim(p, gen, &i, &count)) {
+        const uint32_t b = i * p->chunk, e = p->n - b < p->chunk ? p->n : b + p->chunk;
+        p->fn(p->ctx, b, e, w);
+        ran++;
+        if (w != 0 && atomic_fetch_add(&p->done, 1) + 1 == count && atomic_load(&p->caller_sleeping))
+            word_wake(p, &p->done);
+    }
+    return ran;
 }
 
 static void *worker_main(void *arg) {
@@ -158,8 +173,7 @@ static void *worker_main(void *arg) {
         }
         seen = g;
         if (atomic_load_explicit(&p->stop, memory_order_acquire)) return NULL;
-        if (claim_and_run(p, a->index) && atomic_fetch_sub(&p->pending, 1) == 1 && atomic_load(&p->caller_sleeping))
-            word_wake(p, &p->pending);
+        (void)run_chunks(p, g, a->index);
     }
 }
 
@@ -182,7 +196,6 @@ void smoe_pool_free(smoe_pool *pool) {
     pthread_cond_destroy(&pool->cv);
     pthread_mutex_destroy(&pool->mu);
 #endif
-    smoe_free(pool->claimed);
     smoe_free(pool->args);
     smoe_free(pool->tids);
     smoe_free(pool);
@@ -197,7 +210,8 @@ smoe_status smoe_pool_new(uint32_t threads, smoe_pool **out) {
     if (!p) return smoe_fail(SMOE_ERR_NOMEM, "worker pool: out of memory");
     p->threads = threads;
     atomic_init(&p->gen, 0);
-    atomic_init(&p->pending, 0);
+    atomic_init(&p->next, CLAIM_WORD(0, 0, 0));
+    atomic_init(&p->done, 0);
     atomic_init(&p->sleepers, 0);
     atomic_init(&p->caller_sleeping, 0);
     atomic_init(&p->stop, false);
@@ -211,8 +225,7 @@ smoe_status smoe_pool_new(uint32_t threads, smoe_pool **out) {
     }
     p->tids = smoe_alloc(sizeof *p->tids * (threads - 1), 64);
     p->args = smoe_alloc(sizeof *p->args * (threads - 1), 64);
-    p->claimed = smoe_alloc(sizeof *p->claimed * threads, 64);
-    if (!p->tids || !p->args || !p->claimed) {
+    if (!p->tids || !p->args) {
         smoe_pool_free(p);
         return smoe_fail(SMOE_ERR_NOMEM, "worker pool: out of memory");
     }
@@ -255,25 +268,34 @@ void smoe_pool_run(smoe_pool *pool, smoe_task_fn fn, void *ctx, uint32_t n, uint
         fn(ctx, 0, n, 0);
         return;
     }
+    /* chunks of whole grains, at most CHUNKS_PER_THREAD a thread (and MAX_CHUNKS) */
+    const uint64_t grains = ((uint64_t)n + grain - 1) / grain;
+    uint64_t want = (uint64_t)pool->threads * CHUNKS_PER_THREAD;
+    if (want > MAX_CHUNKS) want = MAX_CHUNKS;
+    const uint64_t per = (grains + want - 1) / want;
+    const uint32_t chunk = (uint32_t)(per * grain < n ? per * grain : n);
+    const uint32_t count = (uint32_t)(((uint64_t)n + chunk - 1) / chunk);
     pool->fn = fn;
     pool->ctx = ctx;
     pool->n = n;
-    pool->grain = grain;
-    atomic_store(&pool->pending, pool->threads - 1);
-    for (uint32_t w = 1; w < pool->threads; w++) /* seq_cst: after the task fields above */
-        atomic_store(&pool->claimed[w], 0);
+    pool->chunk = chunk;
+    atomic_store(&pool->done, 0);
+    const uint32_t g = atomic_load(&pool->gen) + 1; /* the generation publish() makes */
+    atomic_store(&pool->next, CLAIM_WORD(g, count, 0)); /* seq_cst: after the task fields above */
     publish(pool);
-    run_range(pool, 0);
-    for (uint32_t w = 1; w < pool->threads; w++)
-        if (claim_and_run(pool, w)) atomic_fetch_sub(&pool->pending, 1);
+    const uint32_t mine = run_chunks(pool, g, 0);
     const double wait0 = SMOE_PROF_NOW();
     (void)wait0;
-    uint32_t left, rounds = 0;
-    while ((left = atomic_load_explicit(&pool->pending, memory_order_acquire)) != 0) {
-        if (spin(&rounds)) continue;
+    uint32_t d = atomic_fetch_add(&pool->done, mine) + mine, rounds = 0;
+    while (d != count) {
+        if (spin(&rounds)) {
+            d = atomic_load_explicit(&pool->done, memory_order_acquire);
+            continue;
+        }
         atomic_store(&pool->caller_sleeping, 1);
-        if ((left = atomic_load(&pool->pending)) != 0) word_wait(pool, &pool->pending, left);
+        if ((d = atomic_load(&pool->done)) != count) word_wait(pool, &pool->done, d);
         atomic_store(&pool->caller_sleeping, 0);
+        d = atomic_load(&pool->done);
     }
     SMOE_PROF_ADD(SMOE_P_POOL_WAIT, SMOE_PROF_NOW() - wait0);
     SMOE_PROF_ADD(SMOE_P_POOL_RUNS, 0.0);

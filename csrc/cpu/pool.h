@@ -16,9 +16,10 @@ smoe_status smoe_pool_new(uint32_t threads, smoe_pool **out);
 void smoe_pool_free(smoe_pool *pool);
 uint32_t smoe_pool_threads(const smoe_pool *pool);
 
-/* Splits [0, n) into contiguous ranges, one per worker (range boundaries are multiples of grain
- * except at n), runs them in parallel, the caller taking range 0, and returns when all are
- * done. Never allocates. Not reentrant: fn must not call smoe_pool_run. */
+/* Splits [0, n) into contiguous chunks (boundaries at multiples of grain except at n; a few a
+ * thread), which the threads, the caller among them, claim one after another and run in parallel;
+ * returns when all are done. fn may be called several times a run on one thread, with its own
+ * worker number each time. Never allocates. Not reentrant: fn must not call smoe_pool_run. */
 void smoe_pool_run(smoe_pool *pool, smoe_task_fn fn, void *ctx, uint32_t n, uint32_t grain);
 
 #endif

@@ -18,12 +18,14 @@
 
 /* ---------------------------------------------------------------------------------- pool */
 
-enum { MAX_ITEMS = 5000, MAX_W = 8 };
+enum { MAX_ITEMS = 5000, MAX_W = 8, MAX_CALLS = 64 };
 
 typedef struct {
     _Atomic uint32_t hits[MAX_ITEMS];
     uint64_t partial[MAX_W]; /* per worker: Σ f(i) over its items */
-    uint32_t begin[MAX_W], end[MAX_W], calls[MAX_W];
+    uint32_t calls[MAX_W];
+    _Atomic uint32_t n_calls;
+    uint32_t begin[MAX_CALLS], end[MAX_CALLS]; /* each call's range, in the order the calls began */
     _Atomic uint32_t bad_worker;
 } pool_ctx;
 
@@ -36,8 +38,11 @@ static void task(void *vctx, uint32_t begin, uint32_t end, uint32_t worker) {
         return;
     }
     c->calls[worker]++;
-    c->begin[worker] = begin;
-    c->end[worker] = end;
+    const uint32_t k = atomic_fetch_add(&c->n_calls, 1);
+    if (k < MAX_CALLS) {
+        c->begin[k] = begin;
+        c->end[k] = end;
+    }
     for (uint32_t i = begin; i < end; i++) {
         atomic_fetch_add(&c->hits[i], 1);
         c->partial[worker] += f_item(i);
@@ -49,7 +54,8 @@ static void sleep_ms(long ms) {
     nanosleep(&ts, NULL);
 }
 
-/* One run checked: every item once, ranges contiguous and on grain boundaries, the sum right. */
+/* One run checked: every item once, each call a chunk on grain boundaries, the chunks of one size
+ * (the last one shorter), at most 4 a thread, the sum right. */
 static void check_run(smoe_pool *pool, pool_ctx *c, uint32_t n, uint32_t grain) {
     memset(c, 0, sizeof *c);
     smoe_pool_run(pool, task, c, n, grain);
@@ -63,24 +69,53 @@ static void check_run(smoe_pool *pool, pool_ctx *c, uint32_t n, uint32_t grain) 
     }
     for (uint32_t w = 0; w < MAX_W; w++) {
         sum += c->partial[w];
-        CHECK(c->calls[w] <= 1, "worker %u called %u times", w, c->calls[w]);
-        if (c->calls[w]) {
-            CHECK(w < threads, "worker %u of %u ran", w, threads);
-            CHECK(c->begin[w] < c->end[w], "empty range given to fn");
-            CHECK(c->begin[w] % g == 0 && (c->end[w] % g == 0 || c->end[w] == n), "range [%u, %u) not on grain %u",
-                  c->begin[w], c->end[w], g);
+        CHECK(!c->calls[w] || w < threads, "worker %u of %u ran", w, threads);
+    }
+    const uint32_t calls = atomic_load(&c->n_calls);
+    CHECK(n == 0 ? calls == 0 : calls >= 1 && calls <= 4 * threads, "threads %u n %u: %u calls", threads, n, calls);
+    uint32_t chunk = 0;
+    for (uint32_t k = 0; k < calls && k < MAX_CALLS; k++) {
+        const uint32_t b = c->begin[k], e = c->end[k];
+        CHECK(b < e, "empty range given to fn");
+        CHECK(b % g == 0 && (e % g == 0 || e == n), "range [%u, %u) not on grain %u", b, e, g);
+        if (e != n) {
+            CHECK(chunk == 0 || e - b == chunk, "threads %u n %u: chunks of %u and %u items", threads, n, chunk, e - b);
+            chunk = e - b;
         }
     }
-    /* contiguous and in worker order: worker w's range starts where the previous one ended */
-    uint32_t at = 0;
-    for (uint32_t w = 0; w < MAX_W; w++)
-        if (c->calls[w]) {
-            CHECK(c->begin[w] == at, "worker %u starts at %u, expected %u", w, c->begin[w], at);
-            at = c->end[w];
-        }
-    CHECK(n == 0 || c->calls[0] == 1, "the caller (worker 0) did not take the first range");
+    CHECK(n <= g || threads == 1 || calls > 1 || n <= chunk, "threads %u n %u grain %u: one call", threads, n, g);
     CHECK(sum == want, "threads %u n %u: sum %llu, want %llu", threads, n, (unsigned long long)sum,
           (unsigned long long)want);
+}
+
+/* A thread that stalls hands its chunks to the others: worker 1, given a chunk, holds it until the
+ * caller has run every other chunk (5 s at most, then the check fails), which the caller can do
+ * only if chunks are claimed, not dealt out in advance. */
+typedef struct {
+    _Atomic uint32_t by[MAX_W];
+} stall_ctx;
+
+static void stall_task(void *vctx, uint32_t begin, uint32_t end, uint32_t worker) {
+    stall_ctx *c = vctx;
+    (void)begin;
+    (void)end;
+    atomic_fetch_add(&c->by[worker < MAX_W ? worker : 0], 1);
+    if (worker == 1)
+        for (int ms = 0; ms < 5000 && atomic_load(&c->by[0]) < 7; ms++) sleep_ms(1);
+}
+
+static void test_pool_stall(void) {
+    smoe_pool *pool = NULL;
+    if (smoe_pool_new(2, &pool) != SMOE_OK) {
+        CHECK(0, "pool_new: %s", smoe_last_error());
+        return;
+    }
+    stall_ctx c;
+    memset(&c, 0, sizeof c);
+    smoe_pool_run(pool, stall_task, &c, 8, 1);
+    const uint32_t w0 = atomic_load(&c.by[0]), w1 = atomic_load(&c.by[1]);
+    CHECK(w0 + w1 == 8 && w1 <= 1, "chunks run: %u by the caller, %u by the stalled worker", w0, w1);
+    smoe_pool_free(pool);
 }
 
 static int pool_runs = 10000; /* argv[1] lowers it for the sanitizer builds */
@@ -367,6 +402,7 @@ int main(int argc, char **argv) {
     if (argc > 1) pool_runs = atoi(argv[1]);
     double t0 = smoe_now();
     test_pool();
+    test_pool_stall();
     double t1 = smoe_now();
     test_sampler();
     test_mask();
