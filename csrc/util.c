@@ -267,9 +267,9 @@ void *smoe_alloc_huge(size_t bytes) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     const char *env = getenv("SMOE_HUGE_PAGES"); /* "0": never advise; "1": always (to measure, or to choose) */
     const bool off = env && strcmp(env, "0") == 0, on = env && strcmp(env, "1") == 0;
-    uint64_t room = 0;
-    const bool fits = smoe_memory_available(&room, NULL, 0) == SMOE_OK && room / 2 >= whole;
-    if (p && !off && (on || fits)) (void)madvise(p, whole, MADV_HUGEPAGE);
+    uint64_t room = 0; /* read only when it decides: the files under /proc and /sys are not free */
+    if (p && !off && (on || (smoe_memory_available(&room, NULL, 0) == SMOE_OK && room / 2 >= whole)))
+        (void)madvise(p, whole, MADV_HUGEPAGE);
 #endif
     return p;
 }
