@@ -111,12 +111,14 @@ INLINE float bf16_1(const uint8_t *p) {
 INLINE size_t scale_bytes(uint8_t sf) { return sf == SMOE_SCALE_F32 ? 4 : 2; }
 
 /* dst[g] = the ng scales (or biases; f16, bf16 or f32) at src as f32 (exactly); zeros after, up
- * to a multiple of 8 */
-static void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf) {
+ * to a multiple of 8. A last part of fewer than 8 is one vector too: its whole 32-bit pairs by a
+ * masked load (nothing past src's ng values is read), an odd last value put in beside them. */
+INLINE void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf) {
     uint32_t g = 0;
     if (sf == SMOE_SCALE_F32) {
         memcpy(dst, src, 4 * (size_t)ng);
-        g = ng;
+        for (g = ng; g % 8; g++) dst[g] = 0.0f;
+        return;
     }
     for (; g + 8 <= ng; g += 8) {
         __m128i h = _mm_loadu_si128((const __m128i *)(const void *)(src + 2 * g));
@@ -124,12 +126,20 @@ static void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf)
                                         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
         _mm256_storeu_ps(dst + g, f);
     }
-    for (; g < ng; g++) {
-        uint16_t h;
-        memcpy(&h, src + 2 * g, 2);
-        dst[g] = sf == SMOE_SCALE_F16 ? _cvtsh_ss(h) : bf16_1(src + 2 * g);
+    if (g < ng) {
+        const uint32_t m = ng - g; /* 1 to 7 values */
+        const __m128i lane = _mm_setr_epi32(0, 1, 2, 3);
+        __m128i h = _mm_maskload_epi32((const int *)(const void *)(src + 2 * g),
+                                       _mm_cmpgt_epi32(_mm_set1_epi32((int)(m / 2)), lane));
+        if (m % 2) {
+            uint16_t last;
+            memcpy(&last, src + 2 * (g + m - 1), 2);
+            h = _mm_or_si128(h, _mm_and_si128(_mm_set1_epi32(last), _mm_cmpeq_epi32(_mm_set1_epi32((int)(m / 2)), lane)));
+        }
+        __m256 f = sf == SMOE_SCALE_F16 ? _mm256_cvtph_ps(h)
+                                        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        _mm256_storeu_ps(dst + g, f);
     }
-    for (; g % 8; g++) dst[g] = 0.0f;
 }
 
 /* X[g] = Σ of group g (G columns) of x, the order of the essay; zeros after, up to a multiple of 8 */
