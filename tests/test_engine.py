@@ -376,3 +376,18 @@ def test_c_example_reports_errors(tmp_path):
     exe = os.environ.get("SMOE_EXAMPLE") or os.path.join(os.path.dirname(__file__), "..", "build", "smoe_generate")
     out = subprocess.run([exe, str(tmp_path), "4", "1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "smoe_open_vault" in out.stderr
+
+
+def test_steps_shared_between_threads_keep_the_bits(make_vault):
+    """A prompt long enough that quantising a product's input and the experts' activation go to the
+    worker pool (products.c, SPLIT_VALUES: 256 tokens of hidden 1,024; experts of 32+ rows of 512):
+    the same logits at 1, 2 and 3 threads, and the same as feeding the ids one at a time."""
+    vault = pysmoe.open_vault(make_vault("mini2", preset="mini", seed=0, layers=2))
+    ids = ids_for(vault, 256)
+    got = {}
+    for threads in (1, 2, 3):
+        with vault.session(threads=threads, cache_bytes=vault.expert_bytes) as s:
+            got[threads] = s.prefill(ids)
+    with vault.session(threads=2, cache_bytes=vault.expert_bytes) as s:
+        serial = serial_logits(s, ids)[-1]
+    assert got[1].tobytes() == got[2].tobytes() == got[3].tobytes() == serial.tobytes()

@@ -90,12 +90,49 @@ typedef struct {
 /* x (n, W.cols) as the 8-bit codes W's product takes, prepared in the session's planes unless
  * they hold them already; NULL when W multiplies f32 inputs (f32/bf16 weights, or
  * float_activations). */
+/* Below this many values, work between two products (quantising their input, the activation)
+ * stays on the caller: a pool run's wake-up and barrier would cost more than the threads save.
+ * Above it, a prompt's rows go to the threads: with many threads these steps, each a few percent
+ * of a prefill on one, were a fifth of it (bench/RESULTS.md, "The steps between the products"). */
+enum { SPLIT_VALUES = 16384 };
+
+typedef struct {
+    const float *x;
+    size_t ldx;
+    uint32_t cols, group;
+    uint8_t format;
+    smoe_qx_size z;
+    void *codes;
+    float *d, *gsum;
+} qx_task;
+
+static void qx_rows(void *ctx, uint32_t t0, uint32_t t1, uint32_t worker) {
+    (void)worker;
+    const qx_task *t = ctx;
+    smoe_qx_prepare(t->x + (size_t)t0 * t->ldx, t->ldx, t1 - t0, t->cols, t->format, t->group,
+                    (uint8_t *)t->codes + (size_t)t0 * t->z.code_bytes, t->d + (size_t)t0 * t->z.d_floats,
+                    t->gsum + (size_t)t0 * t->z.gsum_floats);
+}
+
+/* smoe_qx_prepare of n rows of x (row stride ldx) into the session's planes, the rows shared
+ * between the threads when there are enough: each row's codes depend on that row alone, so the
+ * bytes are the same either way. */
+static void qx_prepare(cpu_state *s, const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t format,
+                       uint32_t group) {
+    if (n < 2 || (size_t)n * cols < SPLIT_VALUES) {
+        smoe_qx_prepare(x, ldx, n, cols, format, group, s->qx_codes, s->qx_d, s->qx_gsum);
+        return;
+    }
+    qx_task t = {x, ldx, cols, group, format, smoe_qx_sizes(cols, format, group), s->qx_codes, s->qx_d, s->qx_gsum};
+    smoe_pool_run(s->pool, qx_rows, &t, n, 1);
+}
+
 static const smoe_qx *prepare(cpu_state *s, const smoe_tensor *W, const float *x, uint32_t n, qx_planes *pl) {
     if (s->float_activations || !smoe_qx_takes(W))
         return NULL;
     const uint32_t G = smoe_qx_group(W);
     if (pl->x != x || !smoe_qx_shared(pl->W, W)) {
-        smoe_qx_prepare(x, W->cols, n, W->cols, W->format, G, s->qx_codes, s->qx_d, s->qx_gsum);
+        qx_prepare(s, x, W->cols, n, W->cols, W->format, G);
         SMOE_PROF_LAP(SMOE_P_QX);
         *pl = (qx_planes){x, W, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, G, W->format}};
     }
@@ -127,14 +164,33 @@ static void add_bias(cpu_state *s, const smoe_tensor *bias, const uint8_t *wb, f
 }
 
 /* The activation between gate/up and down of n rows: h (n, I) from hg (n, 2I), gate then up. */
-static void activate(const smoe_act *act, float *h, const float *hg, uint32_t I, uint32_t n) {
-    for (uint32_t i = 0; i < n; i++) {
-        const float *g = hg + (size_t)i * 2 * I, *u = g + I;
-        if (act->kind == SMOE_ACT_SWIGLU_CLAMPED)
-            smoe_swiglu_clamped(h + (size_t)i * I, g, u, I, act->alpha, act->limit);
+typedef struct {
+    const smoe_act *act;
+    float *h;
+    const float *hg;
+    uint32_t I;
+} act_task;
+
+/* Rows [r0, r1) of the activation: each value depends on its own gate and up alone. */
+static void act_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
+    (void)worker;
+    const act_task *t = ctx;
+    const uint32_t I = t->I;
+    for (uint32_t i = r0; i < r1; i++) {
+        const float *g = t->hg + (size_t)i * 2 * I, *u = g + I;
+        if (t->act->kind == SMOE_ACT_SWIGLU_CLAMPED)
+            smoe_swiglu_clamped(t->h + (size_t)i * I, g, u, I, t->act->alpha, t->act->limit);
         else
-            smoe_swiglu(h + (size_t)i * I, g, u, I);
+            smoe_swiglu(t->h + (size_t)i * I, g, u, I);
     }
+}
+
+static void activate(cpu_state *s, const smoe_act *act, float *h, const float *hg, uint32_t I, uint32_t n) {
+    act_task t = {act, h, hg, I};
+    if (n < 2 || (size_t)n * I < SPLIT_VALUES)
+        act_rows(&t, 0, n, 0);
+    else
+        smoe_pool_run(s->pool, act_rows, &t, n, 1);
 }
 
 /* Gate and up of one expert (or dense MLP) in one dispatch: rows [0, I) are gate, [I, 2I) up;
@@ -188,7 +244,7 @@ static void swiglu_mlp(cpu_state *s, const ffn_weights *f, const smoe_act *act, 
     if (f->gate_b) add_bias(s, f->gate_b, f->wgb, s->hg, 2 * (size_t)I, n);
     if (f->up_b) add_bias(s, f->up_b, f->wub, s->hg + I, 2 * (size_t)I, n);
     SMOE_PROF_LAP(SMOE_P_GATE_UP);
-    activate(act, s->h, s->hg, I, n);
+    activate(s, act, s->h, s->hg, I, n);
     SMOE_PROF_LAP(SMOE_P_SWIGLU);
     smoe_cpu_linear(s, SMOE_P_DOWN, down, wd, s->h, n, out);
     if (f->down_b) add_bias(s, f->down_b, f->wdb, out, down->rows, n);
@@ -360,7 +416,7 @@ static void run_small_experts(cpu_state *s, const smoe_union *un, const uint32_t
     smoe_qx_size z = {0};
     if (codes) {
         z = smoe_qx_sizes(H, g->format, gG);
-        smoe_qx_prepare(src, H, src_n, H, g->format, gG, s->qx_codes, s->qx_d, s->qx_gsum);
+        qx_prepare(s, src, H, src_n, H, g->format, gG);
         SMOE_PROF_LAP(SMOE_P_QX);
     }
     for (uint32_t k = 0; k < m; k++) {
@@ -384,13 +440,13 @@ static void run_small_experts(cpu_state *s, const smoe_union *un, const uint32_t
         if (f.gate_b) add_bias(s, f.gate_b, f.wgb, hk, 2 * (size_t)I, c);
         if (f.up_b) add_bias(s, f.up_b, f.wub, hk + I, 2 * (size_t)I, c);
     }
-    activate(&s->act, s->h, s->hg, I, R);
+    activate(s, &s->act, s->h, s->hg, I, R);
     SMOE_PROF_LAP(SMOE_P_SWIGLU);
 
     const bool dcodes = !s->float_activations && smoe_qx_takes(d);
     if (dcodes) {
         z = smoe_qx_sizes(I, d->format, dG);
-        smoe_qx_prepare(s->h, I, R, I, d->format, dG, s->qx_codes, s->qx_d, s->qx_gsum);
+        qx_prepare(s, s->h, I, R, I, d->format, dG);
         SMOE_PROF_LAP(SMOE_P_QX);
     }
     /* one row: straight into its slot_out row; more: into yg's rows [first[k], …), copied below */
