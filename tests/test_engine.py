@@ -378,11 +378,13 @@ def test_c_example_reports_errors(tmp_path):
     assert out.returncode == 1 and "smoe_open_vault" in out.stderr
 
 
-def test_steps_shared_between_threads_keep_the_bits(make_vault):
+@pytest.mark.parametrize("experts", ["q4", "Q4_K"])
+def test_steps_shared_between_threads_keep_the_bits(make_vault, experts):
     """A prompt long enough that quantising a product's input and the experts' activation go to the
     worker pool (products.c, SPLIT_VALUES: 256 tokens of hidden 1,024; experts of 32+ rows of 512):
-    the same logits at 1, 2 and 3 threads, and the same as feeding the ids one at a time."""
-    vault = pysmoe.open_vault(make_vault("mini2", preset="mini", seed=0, layers=2))
+    the same logits at 1, 2 and 3 threads, and the same as feeding the ids one at a time. Q4_K: a
+    GGML format, whose inputs are quantised as ggml does (Q8_K, blocks of 256)."""
+    vault = pysmoe.open_vault(make_vault(f"mini2_{experts}", preset="mini", seed=0, layers=2, experts=experts))
     ids = ids_for(vault, 256)
     got = {}
     for threads in (1, 2, 3):
