@@ -87,13 +87,11 @@ typedef struct {
     smoe_qx qx;
 } qx_planes;
 
-/* x (n, W.cols) as the 8-bit codes W's product takes, prepared in the session's planes unless
- * they hold them already; NULL when W multiplies f32 inputs (f32/bf16 weights, or
- * float_activations). */
 /* Below this many values, work between two products (quantising their input, the activation)
  * stays on the caller: a pool run's wake-up and barrier would cost more than the threads save.
  * Above it, a prompt's rows go to the threads: with many threads these steps, each a few percent
- * of a prefill on one, were a fifth of it (bench/RESULTS.md, "The steps between the products"). */
+ * of a prefill on one, were 13 % of a 256-token one at 16 (bench/RESULTS.md, "A 16-core Sapphire
+ * Rapids"). */
 enum { SPLIT_VALUES = 16384 };
 
 typedef struct {
@@ -127,6 +125,9 @@ static void qx_prepare(cpu_state *s, const float *x, size_t ldx, uint32_t n, uin
     smoe_pool_run(s->pool, qx_rows, &t, n, 1);
 }
 
+/* x (n, W.cols) as the 8-bit codes W's product takes, prepared in the session's planes unless
+ * they hold them already; NULL when W multiplies f32 inputs (f32/bf16 weights, or
+ * float_activations). */
 static const smoe_qx *prepare(cpu_state *s, const smoe_tensor *W, const float *x, uint32_t n, qx_planes *pl) {
     if (s->float_activations || !smoe_qx_takes(W))
         return NULL;
