@@ -110,6 +110,12 @@ INLINE float bf16_1(const uint8_t *p) {
 /* bytes of one scale or bias */
 INLINE size_t scale_bytes(uint8_t sf) { return sf == SMOE_SCALE_F32 ? 4 : 2; }
 
+/* 8 f16 or bf16 values as f32, exactly */
+INLINE __m256 widen8(__m128i h, uint8_t sf) {
+    return sf == SMOE_SCALE_F16 ? _mm256_cvtph_ps(h)
+                                : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 /* dst[g] = the ng scales (or biases; f16, bf16 or f32) at src as f32 (exactly); zeros after, up
  * to a multiple of 8. A last part of fewer than 8 is one vector too: its whole 32-bit pairs by a
  * masked load (nothing past src's ng values is read), an odd last value put in beside them. */
@@ -120,12 +126,8 @@ INLINE void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf)
         for (g = ng; g % 8; g++) dst[g] = 0.0f;
         return;
     }
-    for (; g + 8 <= ng; g += 8) {
-        __m128i h = _mm_loadu_si128((const __m128i *)(const void *)(src + 2 * g));
-        __m256 f = sf == SMOE_SCALE_F16 ? _mm256_cvtph_ps(h)
-                                        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        _mm256_storeu_ps(dst + g, f);
-    }
+    for (; g + 8 <= ng; g += 8)
+        _mm256_storeu_ps(dst + g, widen8(_mm_loadu_si128((const __m128i *)(const void *)(src + 2 * g)), sf));
     if (g < ng) {
         const uint32_t m = ng - g; /* 1 to 7 values */
         const __m128i lane = _mm_setr_epi32(0, 1, 2, 3);
@@ -136,9 +138,7 @@ INLINE void load_scales(float *dst, const uint8_t *src, uint32_t ng, uint8_t sf)
             memcpy(&last, src + 2 * (g + m - 1), 2);
             h = _mm_or_si128(h, _mm_and_si128(_mm_set1_epi32(last), _mm_cmpeq_epi32(_mm_set1_epi32((int)(m / 2)), lane)));
         }
-        __m256 f = sf == SMOE_SCALE_F16 ? _mm256_cvtph_ps(h)
-                                        : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-        _mm256_storeu_ps(dst + g, f);
+        _mm256_storeu_ps(dst + g, widen8(h, sf));
     }
 }
 

@@ -94,6 +94,9 @@ typedef struct {
  * Rapids"). */
 enum { SPLIT_VALUES = 16384 };
 
+/* Whether n rows of `per_row` values each go to the pool (SPLIT_VALUES) */
+static inline bool split_rows(uint32_t n, uint32_t per_row) { return n >= 2 && (size_t)n * per_row >= SPLIT_VALUES; }
+
 typedef struct {
     const float *x;
     size_t ldx;
@@ -117,7 +120,7 @@ static void qx_rows(void *ctx, uint32_t t0, uint32_t t1, uint32_t worker) {
  * bytes are the same either way. */
 static void qx_prepare(cpu_state *s, const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t format,
                        uint32_t group) {
-    if (n < 2 || (size_t)n * cols < SPLIT_VALUES) {
+    if (!split_rows(n, cols)) {
         smoe_qx_prepare(x, ldx, n, cols, format, group, s->qx_codes, s->qx_d, s->qx_gsum);
         return;
     }
@@ -188,10 +191,10 @@ static void act_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
 
 static void activate(cpu_state *s, const smoe_act *act, float *h, const float *hg, uint32_t I, uint32_t n) {
     act_task t = {act, h, hg, I};
-    if (n < 2 || (size_t)n * I < SPLIT_VALUES)
-        act_rows(&t, 0, n, 0);
-    else
+    if (split_rows(n, I))
         smoe_pool_run(s->pool, act_rows, &t, n, 1);
+    else
+        act_rows(&t, 0, n, 0);
 }
 
 /* Gate and up of one expert (or dense MLP) in one dispatch: rows [0, I) are gate, [I, 2I) up;
