@@ -99,7 +99,7 @@ static double run(uint8_t f, uint32_t rows, uint32_t cols, uint32_t n, bool f32,
             smoe_matmul_rows(&W, m, x, cols, n, y, rows, 0, rows);
         } else {
             smoe_qx_prepare(x, cols, n, cols, f, G, codes, d, gs);
-            const smoe_qx X = {codes, d, gs, cols, G, f};
+            const smoe_qx X = {codes, d, gs, cols, G, f, NULL};
             smoe_matmul_rows_qx(&W, m, &X, n, y, rows, 0, rows);
         }
         t[k] = now() - t0;

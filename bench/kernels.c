@@ -228,7 +228,7 @@ static double time_once(mm_ctx *c) {
     if (!c->fn) {
         uint32_t cols = c->m->t.cols;
         smoe_qx_prepare(c->x, cols, c->n, cols, c->m->t.format, c->m->t.group, c->codes, c->d, c->gsum);
-        c->qx = (smoe_qx){c->codes, c->d, c->gsum, cols, c->m->t.group, c->m->t.format};
+        c->qx = (smoe_qx){c->codes, c->d, c->gsum, cols, c->m->t.group, c->m->t.format, NULL};
     }
     run_threads(c->threads, mm_body, c);
     return now() - t;

@@ -7,6 +7,7 @@
  *   build/qx_isa [q4|q8 [group]]      (default q4, group 64)
  *   build/qx_isa mv [q4|q8 [group [MiB]]]   (one token, every instance: matvec_main below)
  *   build/qx_isa amx [q4|q8 [group]]         (batches: AVX512-VNNI against AMX, amx_main below)
+ *   build/qx_isa scale [MAX_THREADS]          (1 … MAX_THREADS threads on one product: scale_main below)
  *
  * Shapes: n = 1 on 32768 × 2048 (32 MiB of q4 codes: the weights stream from memory, as decode
  * reads its experts), n = 2, 4, 8 and 64 on 768 × 2048 (an a3b expert's gate; the batched product
@@ -27,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 enum { REPS = 9 };
 
@@ -138,7 +140,7 @@ static qx_case make_case(uint8_t format, uint32_t G, uint32_t rows, uint32_t col
     c.d = malloc(sizeof(float) * z.d_floats * n);
     c.gs = malloc(sizeof(float) * z.gsum_floats * n);
     smoe_qx_prepare(c.x, cols, n, cols, format, G, c.codes, c.d, c.gs);
-    c.X = (smoe_qx){c.codes, c.d, c.gs, cols, G, format};
+    c.X = (smoe_qx){c.codes, c.d, c.gs, cols, G, format, NULL};
     return c;
 }
 
@@ -249,7 +251,7 @@ static int matvec_main(uint8_t format, uint32_t G, size_t mib) {
         void *codes = aligned_alloc(64, (z.code_bytes + 63) / 64 * 64);
         float *d = malloc(sizeof(float) * z.d_floats), *gs = malloc(sizeof(float) * z.gsum_floats);
         smoe_qx_prepare(x, cols, 1, cols, format, G, codes, d, gs);
-        const smoe_qx X = {codes, d, gs, cols, G, format};
+        const smoe_qx X = {codes, d, gs, cols, G, format, NULL};
         float *y0 = malloc(sizeof(float) * rows), *y = malloc(sizeof(float) * rows);
         c[0].fn(&W[0], W[0].data, &X, 1, y0, rows, 0, rows);
         for (int k = 1; k + 1 < nc; k++) {
@@ -351,10 +353,183 @@ static int amx_main(uint8_t format, uint32_t G) {
 #endif
 }
 
+/* ------------------------------------------------------------- many threads on one product
+ * `qx_isa scale [MAX]`: how a product's time falls as threads share its rows (1, 2, 4, … up to MAX,
+ * default the CPU count), each thread a slice of rows at a multiple of 16 (the pool's split), for
+ * the shapes of an a3b prefill: q8 4096 × 2048 (q), 256 tokens; q4 1536 × 2048 (an expert's gate
+ * and up in one run) and 2048 × 768 (its down), 16 tokens. Beside them two probes of the machine
+ * itself, every thread the same loop on registers alone: 512-bit FMAs (how many cores do vector
+ * work at once: hyperthreads share one) and, where AMX runs, tile products (whether the threads
+ * share AMX units). Per figure: the median of REPS reps, wall clock, and the speedup over 1 thread. */
+typedef struct {
+    qx_fn fn;
+    const smoe_tensor *W;
+    const smoe_qx *X;
+    uint32_t n, r0, r1;
+    float *y;
+    int calls;
+    int probe; /* 0: the product; 1: FMA loop; 2: tile loop */
+    double sink;
+} scale_work;
+
+static __attribute__((target("avx512f"))) double fma_loop(int iters) {
+    __m512 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm512_set1_ps(1.0f + i * 1e-3f);
+    const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
+    for (int k = 0; k < iters; k++)
+        for (int i = 0; i < 8; i++) a[i] = _mm512_fmadd_ps(a[i], m, c);
+    __m512 s = a[0];
+    for (int i = 1; i < 8; i++) s = _mm512_add_ps(s, a[i]);
+    return _mm512_reduce_add_ps(s);
+}
+
+#if SMOE_HAVE_AMX
+static __attribute__((target("amx-tile,amx-int8"))) double tile_loop(int iters) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = 16;
+        cfg.colsb[i] = 64;
+    }
+    _Alignas(64) static const uint8_t src[16 * 64] = {1};
+    _Alignas(64) int32_t out[16 * 16];
+    _tile_loadconfig(&cfg);
+    _tile_loadd(4, src, 64);
+    _tile_loadd(5, src, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < iters; k++) {
+        _tile_dpbusd(0, 4, 5);
+        _tile_dpbusd(1, 4, 5);
+        _tile_dpbusd(2, 4, 5);
+        _tile_dpbusd(3, 4, 5);
+    }
+    _tile_stored(0, out, 64);
+    _tile_release();
+    return out[0];
+}
+#endif
+
+static void *scale_main_thread(void *p) {
+    scale_work *w = p;
+    if (w->probe == 1)
+        w->sink = fma_loop(w->calls);
+#if SMOE_HAVE_AMX
+    else if (w->probe == 2)
+        w->sink = tile_loop(w->calls);
+#endif
+    else
+        for (int i = 0; i < w->calls; i++) w->fn(w->W, w->W->data, w->X, w->n, w->y, w->W->rows, w->r0, w->r1);
+    return NULL;
+}
+
+/* seconds per call (per `calls` iterations of a probe) with `threads` threads */
+static double scale_time(qx_fn fn, const smoe_tensor *W, const smoe_qx *X, uint32_t n, float *y, int threads,
+                         int calls, int probe) {
+    scale_work w[256];
+    pthread_t tid[256];
+    const uint32_t rows = W ? W->rows : 0, per = (rows / 16 + (uint32_t)threads - 1) / (uint32_t)threads * 16;
+    for (int i = 0; i < threads; i++) {
+        uint32_t r0 = (uint32_t)i * per, r1 = r0 + per;
+        if (r0 > rows) r0 = rows;
+        if (r1 > rows || i == threads - 1) r1 = rows;
+        w[i] = (scale_work){fn, W, X, n, r0, r1, y, calls, probe, 0};
+    }
+    const double t = smoe_now();
+    for (int i = 1; i < threads; i++) pthread_create(&tid[i], NULL, scale_main_thread, &w[i]);
+    scale_main_thread(&w[0]);
+    for (int i = 1; i < threads; i++) pthread_join(tid[i], NULL);
+    return (smoe_now() - t) / (probe ? 1 : calls);
+}
+
+static double scale_median(qx_fn fn, const smoe_tensor *W, const smoe_qx *X, uint32_t n, float *y, int threads,
+                           int calls, int probe) {
+    double t[REPS];
+    for (int r = 0; r < REPS; r++) t[r] = scale_time(fn, W, X, n, y, threads, calls, probe);
+    qsort(t, REPS, sizeof *t, cmp_double);
+    return t[REPS / 2];
+}
+
+static void scale_row(const char *name, qx_fn fn, const smoe_tensor *W, const smoe_qx *X, uint32_t n, float *y,
+                      int max_threads, int probe) {
+    int calls = probe == 1 ? 2000000 : probe ? 200000 : 1;
+    if (!probe) {
+        const double one = scale_time(fn, W, X, n, y, 1, 1, 0);
+        calls = (int)(0.03 / one);
+        if (calls < 1) calls = 1;
+    }
+    double t1 = 0;
+    printf("%-34s", name);
+    for (int T = 1; T <= max_threads; T *= 2) {
+        const double t = scale_median(fn, W, X, n, y, T, probe ? calls : calls * T, probe);
+        if (T == 1) t1 = t;
+        /* a probe: every thread the same work, so T × the 1-thread work in t */
+        const double speed = probe ? T * t1 / t : t1 / t;
+        printf(" %4d: %8.1f us %5.2fx", T, t * 1e6, speed);
+        fflush(stdout);
+        if (T * 2 > max_threads && T != max_threads) T = max_threads / 2;
+    }
+    printf("\n");
+}
+
+static int scale_main(int max_threads) {
+#if SMOE_HAVE_AVX512
+    const unsigned a512 = smoe_cpu_avx512_hw();
+    if (!(a512 & SMOE_CPU_AVX512VNNI)) {
+        printf("this CPU (or OS) lacks AVX512-VNNI: nothing to scale\n");
+        return 0;
+    }
+    if (max_threads < 1 || max_threads > 256) max_threads = 1;
+    printf("1 … %d threads; median of %d reps, wall clock; speedup over 1 thread\n", max_threads, REPS);
+    scale_row("probe: 512-bit FMA loop", NULL, NULL, NULL, 0, NULL, max_threads, 1);
+#if SMOE_HAVE_AMX
+    const bool amx = smoe_cpu_amx();
+    if (amx) scale_row("probe: tile product loop", NULL, NULL, NULL, 0, NULL, max_threads, 2);
+#else
+    const bool amx = false;
+#endif
+    static const struct {
+        uint8_t format;
+        uint32_t rows, cols, n;
+        const char *name;
+    } cases[] = {{SMOE_FMT_Q8, 4096, 2048, 256, "q8 4096x2048 n=256"},
+                 {SMOE_FMT_Q4, 1536, 2048, 16, "q4 1536x2048 n=16"},
+                 {SMOE_FMT_Q4, 2048, 768, 16, "q4 2048x768 n=16"}};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        qx_case c = make_case(cases[i].format, 64, cases[i].rows, cases[i].cols, cases[i].n);
+        float *y = malloc(sizeof(float) * cases[i].rows * cases[i].n);
+        char name[64];
+        snprintf(name, sizeof name, "%s vnni", cases[i].name);
+        scale_row(name, smoe_avx512_matmul_rows_qx_vnni, &c.W, &c.X, cases[i].n, y, max_threads, 0);
+#if SMOE_HAVE_AMX
+        if (amx) {
+            snprintf(name, sizeof name, "%s amx", cases[i].name);
+            scale_row(name, smoe_avx512_amx_matmul_rows_qx, &c.W, &c.X, cases[i].n, y, max_threads, 0);
+        }
+#endif
+        free(y);
+        free_case(&c);
+    }
+#else
+    (void)max_threads;
+    printf("this build has no AVX-512 kernels\n");
+#endif
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc > 1 && strcmp(argv[1], "amx") == 0)
         return amx_main(argc > 2 && strcmp(argv[2], "q8") == 0 ? SMOE_FMT_Q8 : SMOE_FMT_Q4,
                         argc > 3 ? (uint32_t)atoi(argv[3]) : 64);
+    if (argc > 1 && strcmp(argv[1], "scale") == 0)
+        return scale_main(argc > 2 ? atoi(argv[2]) : (int)sysconf(_SC_NPROCESSORS_ONLN));
     if (argc > 1 && strcmp(argv[1], "mv") == 0)
         return matvec_main(argc > 2 && strcmp(argv[2], "q8") == 0 ? SMOE_FMT_Q8 : SMOE_FMT_Q4,
                            argc > 3 ? (uint32_t)atoi(argv[3]) : 64, argc > 4 ? (size_t)atoi(argv[4]) : 1024);

@@ -44,7 +44,7 @@ static void cpu_session_free(void *b) {
     cpu_rows_at(c, 0); /* the planes' own addresses */
     void *bufs[] = {c->ids, c->row_scratch, c->k_cache, c->v_cache, c->x, c->xn, c->q, c->k, c->v, c->att, c->yg, c->scores,
                     c->router, c->topk_w, c->route_scratch, c->slot_out, c->xg, c->hg, c->h, c->qx_codes, c->qx_d,
-                    c->qx_gsum, c->logits, c->bias, c->gate, c->mix, c->beta, c->decay, c->sgate, c->lin_s,
+                    c->qx_gsum, c->qx_tiles, c->logits, c->bias, c->gate, c->mix, c->beta, c->decay, c->sgate, c->lin_s,
                     c->lin_conv, c->snap_s, c->snap_conv, c->lin_w, c->lin_row, c->lin_scratch};
     for (size_t i = sizeof bufs / sizeof bufs[0]; i-- > 0;) smoe_free(bufs[i]);
     smoe_free(c);
@@ -122,6 +122,8 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
         c->qx_codes = plane(pb, C * z.code_bytes, 1, &ok);
         c->qx_d = plane(pb, C * z.d_floats, sizeof(float), &ok);
         c->qx_gsum = plane(pb, C * z.gsum_floats, sizeof(float), &ok);
+        c->qx_tiles_bytes = smoe_qx_tiles_cap(cols, (uint32_t)C);
+        if (c->qx_tiles_bytes) c->qx_tiles = plane(pb, c->qx_tiles_bytes, 1, &ok);
     }
     c->logits = plane(pb, (size_t)SMOE_LOGIT_ROWS * cf->vocab_size, sizeof(float), &ok);
     {

@@ -52,6 +52,8 @@ typedef struct {
     void *qx_codes;  /* (chunk, ·) the input of the next q8/q4 product as 8-bit codes (kernels.h) */
     float *qx_d;     /* (chunk, ·) their block scales */
     float *qx_gsum;  /* (chunk, ·) their group sums */
+    void *qx_tiles;  /* the same codes packed for the AMX kernel (smoe_qx_tiles), or NULL: no AMX here */
+    size_t qx_tiles_bytes;
     float *logits;   /* (SMOE_LOGIT_ROWS, vocab) */
     float *bias;     /* (bias_rows + heads) one product's bias row widened, then attention's sink logits */
     uint32_t bias_rows;

@@ -115,23 +115,65 @@ static uint32_t amx_min_n(void) {
     }
     return (uint32_t)v;
 }
+
+/* How many of n tokens the AMX kernel takes: 0 below amx_min_n(); else all but a last tile of
+ * fewer than amx_min_n() tokens (a short tile costs it as much as a full one), which go to the
+ * kernels after it (each (row, token) has the same bits whoever computes it) */
+static uint32_t amx_tokens(uint32_t n) {
+    const uint32_t amin = amx_min_n();
+    if (n < amin) return 0;
+    return n > 16 && n % 16 < amin ? n - n % 16 : n;
+}
 #endif
+
+size_t smoe_qx_tiles_bytes(const smoe_qx *X, uint32_t n, uint32_t *items) {
+    *items = 0;
+#if SMOE_HAVE_AMX
+    const uint32_t na = amx_tokens(n);
+    if (na && smoe_cpu_amx()) return smoe_avx512_amx_tiles_bytes(X->cols, X->wformat, X->group, na, items);
+#else
+    (void)X;
+    (void)n;
+#endif
+    return 0;
+}
+
+void smoe_qx_tiles(const smoe_qx *X, uint32_t n, void *buf, uint32_t i0, uint32_t i1) {
+#if SMOE_HAVE_AMX
+    const uint32_t na = amx_tokens(n);
+    if (na) smoe_avx512_amx_tiles(X, na, buf, i0, i1);
+#else
+    (void)X;
+    (void)n;
+    (void)buf;
+    (void)i0;
+    (void)i1;
+#endif
+}
+
+size_t smoe_qx_tiles_cap(uint32_t cols, uint32_t n) {
+#if SMOE_HAVE_AMX
+    if (smoe_cpu_amx()) return smoe_avx512_amx_tiles_cap(cols, n);
+#else
+    (void)cols;
+    (void)n;
+#endif
+    return 0;
+}
 
 void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                          uint32_t r0, uint32_t r1) {
 #if SMOE_HAVE_AVX2
 #if SMOE_HAVE_AMX
-    /* AMX takes tiles of 16 tokens: a last tile of fewer than amx_min_n() tokens costs it as much as
-     * a full one, so those few go to the kernels below (each (row, token) has the same bits whoever
-     * computes it) */
-    const uint32_t amin = amx_min_n();
-    if (n >= amin && (W->format == SMOE_FMT_Q4 || W->format == SMOE_FMT_Q8) && smoe_cpu_amx()) {
-        const uint32_t rest = n > 16 && n % 16 < amin ? n % 16 : 0, na = n - rest;
+    /* AMX takes tiles of 16 tokens (amx_tokens: the rest to the kernels below) */
+    const uint32_t na = amx_tokens(n);
+    if (na && (W->format == SMOE_FMT_Q4 || W->format == SMOE_FMT_Q8) && smoe_cpu_amx()) {
+        const uint32_t rest = n - na;
         if (smoe_avx512_amx_matmul_rows_qx(W, w, X, na, y, ldy, r0, r1)) {
             if (rest) {
                 const smoe_qx_size z = smoe_qx_sizes(X->cols, X->wformat, X->group);
                 const smoe_qx Xr = {(const uint8_t *)X->codes + (size_t)na * z.code_bytes, X->d + (size_t)na * z.d_floats,
-                                    X->gsum + (size_t)na * z.gsum_floats, X->cols, X->group, X->wformat};
+                                    X->gsum + (size_t)na * z.gsum_floats, X->cols, X->group, X->wformat, NULL};
                 smoe_matmul_rows_qx(W, w, &Xr, rest, y + (size_t)na * ldy, ldy, r0, r1);
             }
             return;

@@ -40,6 +40,7 @@ typedef struct {
     uint32_t cols;
     uint32_t group;     /* the weights' group size the sums were made for */
     uint8_t wformat;    /* SMOE_FMT_Q8, SMOE_FMT_Q4 or the GGML format they were made for */
+    const void *tiles;  /* the same codes packed for the AMX kernel (smoe_qx_tiles), or NULL */
 } smoe_qx;
 
 typedef struct {
@@ -60,6 +61,16 @@ uint32_t smoe_qx_group(const smoe_tensor *W);
  * same codes: one format and group, or two GGML formats of one activation type, ggml_blocks.h's
  * gb_act_type); tensors whose products take f32 inputs: of one format. */
 bool smoe_qx_shared(const smoe_tensor *a, const smoe_tensor *b);
+
+/* The codes of n tokens packed once for the AMX kernel, where the product of n tokens of X will
+ * run there (kernels.c's dispatch; else 0): its bytes and its work items, which smoe_qx_tiles
+ * packs a range of (any split: the same bytes) into buf; then X->tiles = buf. Every product and
+ * thread that takes X reads them instead of each packing its own (the same bits either way).
+ * smoe_qx_tiles_cap: the bytes a buffer needs for any X of up to cols columns and n tokens (0
+ * where this CPU runs no AMX). */
+size_t smoe_qx_tiles_bytes(const smoe_qx *X, uint32_t n, uint32_t *items);
+void smoe_qx_tiles(const smoe_qx *X, uint32_t n, void *buf, uint32_t i0, uint32_t i1);
+size_t smoe_qx_tiles_cap(uint32_t cols, uint32_t n);
 
 /* Where block B (columns 32B…32B+31) of a token keeps its d: kernels_ref.c's layout. */
 static inline uint32_t smoe_qx_dpos(uint32_t B) { return 8 * (B / 8) + (B / 2) % 4 + 4 * (B % 2); }

@@ -14,15 +14,19 @@
  * done with the 16 tokens of a tile in the 16 lanes of a register: the same fma on each lane, in
  * the same order, and the lane sums of hsum8 as whole-register adds in its tree.
  *
- * Loops: token tiles of 16, then panels of 16 rows, then the blocks (a q4 panel is unpacked
- * once per token tile). Rows of up to AMAXC columns (the scratch is on the stack, ~170 KB).
+ * Loops: panels of 16 rows, then token tiles of 16, then the blocks, where X brings its codes
+ * packed (X->tiles: smoe_avx512_amx_tiles, once for every product and thread that takes that X —
+ * each panel is unpacked and its scales loaded once for all the tokens); else token tiles, each
+ * packed here, then panels (a q4 panel unpacked once per token tile). Rows of up to AMAXC
+ * columns (the scratch is on the stack, ~170 KB).
  * Layouts:
  *  - A (weights): q8 rows are read by the tile loads in place (32 bytes of a row per block,
  *    stride = the row's bytes); q4 rows are unpacked to bytes, 16 rows at a time, each block as
  *    [low nibbles of its 16 bytes | high nibbles] (its even columns, then its odd ones).
  *  - B (codes): per tile of 16 tokens and block, 8 rows of 64 bytes, VNNI-packed: row kk holds
  *    4 codes of each token (K positions 4kk … 4kk + 3, in A's column order), the token's dword
- *    at 4n.
+ *    at 4n. A token tile's packed form: B of its blocks, then their d (block, 16 tokens), then its
+ *    group sums (group, 16 tokens); tokens past n zeros (amx_tile_bytes a tile).
  *  - C: 16 rows × 16 tokens of int32, stored to the stack and read back a row at a time.
  * Tiles: tmm0, tmm1 C; tmm2, tmm3 A; tmm4, tmm5 B (two blocks in flight). The tile state is
  * configured at each call's start and released at its end (so a thread's context switches save
@@ -54,16 +58,92 @@ AMX_INLINE void amx_epilogue(const int32_t *cb, const float *sig, size_t ls, con
     }
 }
 
+/* What the kernel and the packing share of X's shape */
+typedef struct {
+    uint32_t up, ngr, nblk, ng8; /* units of 64 columns, spans of 256 (4 units), blocks, groups padded to 8 */
+    smoe_qx_size z;
+    size_t tile; /* bytes of a packed token tile */
+} amx_shape;
+
+/* X's shape, false where the kernel does not take it (format, group, width) */
+static AMX_ATTR bool amx_shape_of(uint32_t cols, uint8_t format, uint32_t G, amx_shape *g) {
+    if (!(format == SMOE_FMT_Q4 || format == SMOE_FMT_Q8) || !group_ok(G) || cols % G || cols > AMAXC) return false;
+    g->z = smoe_qx_sizes(cols, format, G);
+    g->up = (uint32_t)g->z.d_floats / 2;
+    g->ngr = g->up / 4;
+    g->nblk = 2 * g->up;
+    g->ng8 = (cols / G + 7) & ~7u;
+    g->tile = (size_t)g->nblk * 512 + sizeof(float) * AN * ((size_t)g->nblk + g->ng8);
+    return true;
+}
+
+/* Spans [s0, s1) (256 columns each: blocks 8s … 8s + 7) of token tile T of X's n tokens into its
+ * packed form at tile (and the tile's group sums with span 0) */
+static AMX_ATTR void amx_pack(const smoe_qx *X, const amx_shape *g, uint32_t n, uint32_t T, uint32_t s0, uint32_t s1,
+                              uint8_t *tile) {
+    const bool q8 = X->wformat == SMOE_FMT_Q8;
+    const uint32_t t0 = AN * T, nt = n - t0 < AN ? n - t0 : AN, b0 = 8 * s0, b1 = 8 * s1;
+    uint8_t *bt = tile;
+    float *dt = (float *)(void *)(tile + (size_t)g->nblk * 512), *gt = dt + (size_t)g->nblk * AN;
+    _Alignas(64) uint8_t xb[AMAXU * 64]; /* one token's re-laid codes (its spans [s0, s1)) */
+    memset(bt + (size_t)b0 * 512, 0, (size_t)(b1 - b0) * 512);
+    memset(dt + (size_t)b0 * AN, 0, sizeof(float) * AN * (b1 - b0));
+    if (s0 == 0) memset(gt, 0, sizeof(float) * AN * g->ng8);
+    for (uint32_t tn = 0; tn < nt; tn++) {
+        const size_t t = t0 + tn;
+        relayout(xb + 256 * (size_t)s0, (const uint8_t *)X->codes + t * g->z.code_bytes + (q8 ? 512 : 256) * (size_t)s0,
+                 4 * (s1 - s0), q8);
+        for (uint32_t b = b0; b < b1; b++) {
+            uint8_t *tb = bt + (size_t)b * 512 + 4 * tn;
+            /* the block's 32 codes in A's column order: q8 column order; q4 even columns, then odd */
+            const uint8_t *lo = q8 ? xb + AK * (size_t)b : xb + 128 * (size_t)(b / 4) + 16 * (b % 4);
+            const uint8_t *hi = q8 ? lo + 16 : lo + 64;
+            for (int kk = 0; kk < 4; kk++) {
+                memcpy(tb + 64 * kk, lo + 4 * kk, 4);
+                memcpy(tb + 64 * (kk + 4), hi + 4 * kk, 4);
+            }
+            dt[(size_t)b * AN + tn] = X->d[t * g->z.d_floats + smoe_qx_dpos(b)];
+        }
+        if (s0 == 0)
+            for (uint32_t k = 0; k < g->ng8; k++) gt[(size_t)k * AN + tn] = X->gsum[t * g->z.gsum_floats + k];
+    }
+}
+
+AMX_ATTR size_t smoe_avx512_amx_tiles_bytes(uint32_t cols, uint8_t format, uint32_t G, uint32_t n, uint32_t *items) {
+    amx_shape g;
+    if (!amx_shape_of(cols, format, G, &g) || n == 0) return 0;
+    const uint32_t ntiles = (n + AN - 1) / AN;
+    *items = ntiles * g.ngr;
+    return ntiles * g.tile;
+}
+
+AMX_ATTR size_t smoe_avx512_amx_tiles_cap(uint32_t cols, uint32_t n) {
+    amx_shape g;
+    const uint32_t c = cols < AMAXC ? (cols + 31) / 32 * 32 : AMAXC; /* wider rows: not the kernel's */
+    if (n == 0 || c == 0 || !amx_shape_of(c, SMOE_FMT_Q8, 32, &g)) return 0; /* group 32: the most group sums */
+    return (size_t)(n + AN - 1) / AN * g.tile;
+}
+
+AMX_ATTR void smoe_avx512_amx_tiles(const smoe_qx *X, uint32_t n, void *buf, uint32_t i0, uint32_t i1) {
+    amx_shape g;
+    if (!amx_shape_of(X->cols, X->wformat, X->group, &g)) return;
+    /* item i: span i % ngr of tile i / ngr; a run of items within one tile packed at once */
+    while (i0 < i1) {
+        const uint32_t T = i0 / g.ngr, s0 = i0 % g.ngr, s1 = (i1 - T * g.ngr < g.ngr) ? i1 - T * g.ngr : g.ngr;
+        amx_pack(X, &g, n, T, s0, s1, (uint8_t *)buf + T * g.tile);
+        i0 = T * g.ngr + s1;
+    }
+}
+
 AMX_ATTR bool smoe_avx512_amx_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n,
                                              float *y, size_t ldy, uint32_t r0, uint32_t r1) {
     const uint32_t G = W->group, cols = W->cols;
-    if (!(W->format == SMOE_FMT_Q4 || W->format == SMOE_FMT_Q8) || !group_ok(G) || cols % G || cols > AMAXC || n == 0)
-        return false;
+    amx_shape g;
+    if (!amx_shape_of(cols, W->format, G, &g) || n == 0) return false;
     if (r0 >= r1) return true;
     const bool q8 = W->format == SMOE_FMT_Q8;
-    const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
-    const uint32_t ng = cols / G, ng8 = (ng + 7) & ~7u, up = (uint32_t)z.d_floats / 2, ngr = up / 4;
-    const uint32_t nblk = 2 * up, upto = 2 * up + SPAD;
+    const uint32_t ng = cols / G, ng8 = g.ng8, up = g.up, ngr = g.ngr;
+    const uint32_t nblk = g.nblk, upto = 2 * up + SPAD;
     const size_t rb = q8 ? cols : cols / 2, sbytes = sf_bytes(W->scale_format), lda = (size_t)nblk * AK;
     const size_t ls = upto + 16, lb = ng8 + 16; /* a row's σ and biases as load_scales writes them (zeros after) */
     const uint8_t *scales = w + W->scales_off, *biases = w + W->biases_off;
@@ -75,12 +155,10 @@ AMX_ATTR bool smoe_avx512_amx_matmul_rows_qx(const smoe_tensor *W, const uint8_t
     for (uint32_t j = 0, q = 0; j < 8; j++)
         for (uint32_t k = 0; k < ngr; k++) order[q++] = (uint16_t)(2 * (4 * k + j % 4) + j / 4);
 
-    /* stack, ~170 KB at AMAXC: B of a token tile, the unpacked panel, and their floats */
-    _Alignas(64) uint8_t bt[2 * AMAXU * 512];       /* (blocks) B tiles of the token tile */
+    /* stack, ~170 KB at AMAXC: a token tile packed (where X brings none), the unpacked panel, and
+     * their floats */
+    _Alignas(64) uint8_t own[2 * AMAXU * 512 + sizeof(float) * AN * (2 * AMAXU + AMAXG)];
     _Alignas(64) uint8_t ap[AM * 2 * AMAXU * AK];   /* (16 rows, blocks · 32) unpacked weights */
-    _Alignas(64) uint8_t xb[AMAXU * 64];            /* one token's re-laid codes */
-    _Alignas(64) float dt[2 * AMAXU * AN];          /* (blocks, 16 tokens) d */
-    _Alignas(64) float gt[AMAXG * AN];              /* (groups, 16 tokens) group sums */
     _Alignas(64) float sg[AM * (AMAXG + 2 * SPAD)]; /* (16 rows, groups) σ, ls apart */
     _Alignas(64) float bi[AM * (AMAXG + SPAD)];     /* (16 rows, groups) biases, lb apart */
     _Alignas(64) int32_t cb[2][2][AM * AN];         /* two pairs of blocks' C */
@@ -101,29 +179,11 @@ AMX_ATTR bool smoe_avx512_amx_matmul_rows_qx(const smoe_tensor *W, const uint8_t
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     const __m512i i0 = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), i1 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
 
-    for (uint32_t t0 = 0; t0 < n; t0 += AN) {
-        const uint32_t nt = n - t0 < AN ? n - t0 : AN;
-        /* B, d and the group sums of the token tile (tokens past n: zeros) */
-        memset(bt, 0, (size_t)nblk * 512);
-        memset(dt, 0, sizeof(float) * nblk * AN);
-        memset(gt, 0, sizeof(float) * ng8 * AN);
-        for (uint32_t tn = 0; tn < nt; tn++) {
-            const size_t t = t0 + tn;
-            relayout(xb, (const uint8_t *)X->codes + t * z.code_bytes, up, q8);
-            for (uint32_t b = 0; b < nblk; b++) {
-                uint8_t *tile = bt + (size_t)b * 512 + 4 * tn;
-                /* the block's 32 codes in A's column order: q8 column order; q4 even columns, then odd */
-                const uint8_t *lo = q8 ? xb + AK * (size_t)b : xb + 128 * (size_t)(b / 4) + 16 * (b % 4);
-                const uint8_t *hi = q8 ? lo + 16 : lo + 64;
-                for (int kk = 0; kk < 4; kk++) {
-                    memcpy(tile + 64 * kk, lo + 4 * kk, 4);
-                    memcpy(tile + 64 * (kk + 4), hi + 4 * kk, 4);
-                }
-                dt[(size_t)b * AN + tn] = X->d[t * z.d_floats + smoe_qx_dpos(b)];
-            }
-            for (uint32_t g = 0; g < ng8; g++) gt[(size_t)g * AN + tn] = X->gsum[t * z.gsum_floats + g];
-        }
-
+    /* token tiles [T0, T0 + per): every tile at once where X brings them packed, else one at a time,
+     * packed here */
+    const uint32_t ntiles = (n + AN - 1) / AN, per = X->tiles ? ntiles : 1;
+    for (uint32_t T0 = 0; T0 < ntiles; T0 += per) {
+        if (!X->tiles) amx_pack(X, &g, n, T0, 0, ngr, own);
         for (uint32_t rp = r0; rp < r1; rp += AM) {
             const uint32_t mr = r1 - rp < AM ? r1 - rp : AM;
             /* σ by group and the biases of the panel's rows (rows past r1: zeros) */
@@ -163,6 +223,11 @@ AMX_ATTR bool smoe_avx512_amx_matmul_rows_qx(const smoe_tensor *W, const uint8_t
                     }
                 }
             }
+            for (uint32_t T = T0; T < T0 + per; T++) {
+            /* B, d and the group sums of token tile T */
+            const uint8_t *bt = X->tiles ? (const uint8_t *)X->tiles + T * g.tile : own;
+            const float *dt = (const float *)(const void *)(bt + (size_t)nblk * 512), *gt = dt + (size_t)nblk * AN;
+            const uint32_t t0 = AN * T, nt = n - t0 < AN ? n - t0 : AN;
             /* The blocks in `order`, two at a time, software-pipelined: the tile products of the
              * next pair are issued and stored before the float work of this pair reads its C
              * (stored a pair earlier, so its stores have landed). */
@@ -222,6 +287,7 @@ AMX_ATTR bool smoe_avx512_amx_matmul_rows_qx(const smoe_tensor *W, const uint8_t
                 float out[AN];
                 _mm512_storeu_ps(out, _mm512_add_ps(main_, bias));
                 for (uint32_t tn = 0; tn < nt; tn++) y[(t0 + tn) * ldy + rp + m] = out[tn];
+            }
             }
         }
     }

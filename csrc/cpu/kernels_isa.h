@@ -111,6 +111,11 @@ bool smoe_avx512_ggml_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *
  * where smoe_cpu_amx() (cpu.h) says so */
 bool smoe_avx512_amx_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                                     size_t ldy, uint32_t r0, uint32_t r1);
+/* The AMX kernel's packed form of n tokens' codes (smoe_qx_tiles, kernels.h): its bytes and work
+ * items (0: the kernel does not take codes of this shape), and items [i0, i1) of it into buf */
+size_t smoe_avx512_amx_tiles_bytes(uint32_t cols, uint8_t format, uint32_t G, uint32_t n, uint32_t *items);
+size_t smoe_avx512_amx_tiles_cap(uint32_t cols, uint32_t n); /* the most bytes for ≤ cols columns, ≤ n tokens */
+void smoe_avx512_amx_tiles(const smoe_qx *X, uint32_t n, void *buf, uint32_t i0, uint32_t i1);
 #endif
 
 #if SMOE_HAVE_NEON

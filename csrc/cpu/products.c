@@ -128,9 +128,33 @@ static void qx_prepare(cpu_state *s, const float *x, size_t ldx, uint32_t n, uin
     smoe_pool_run(s->pool, qx_rows, &t, n, 1);
 }
 
+typedef struct {
+    const smoe_qx *qx;
+    uint32_t n;
+    void *buf;
+} tiles_task;
+
+static void tiles_items(void *ctx, uint32_t i0, uint32_t i1, uint32_t worker) {
+    (void)worker;
+    const tiles_task *t = ctx;
+    smoe_qx_tiles(t->qx, t->n, t->buf, i0, i1);
+}
+
+/* qx's n tokens packed once for the AMX kernel into the session's tile plane, where its products
+ * will run there (kernels.h, smoe_qx_tiles): the pieces split between the threads, then every
+ * product and thread that takes qx reads them, instead of each packing its own. */
+static void pack_tiles(cpu_state *s, smoe_qx *qx, uint32_t n) {
+    uint32_t items = 0;
+    const size_t bytes = smoe_qx_tiles_bytes(qx, n, &items);
+    if (bytes == 0 || bytes > s->qx_tiles_bytes) return;
+    tiles_task t = {qx, n, s->qx_tiles};
+    smoe_pool_run(s->pool, tiles_items, &t, items, 1);
+    qx->tiles = s->qx_tiles;
+}
+
 /* x (n, W.cols) as the 8-bit codes W's product takes, prepared in the session's planes unless
- * they hold them already; NULL when W multiplies f32 inputs (f32/bf16 weights, or
- * float_activations). */
+ * they hold them already (and packed for the AMX kernel where it takes them); NULL when W
+ * multiplies f32 inputs (f32/bf16 weights, or float_activations). */
 static const smoe_qx *prepare(cpu_state *s, const smoe_tensor *W, const float *x, uint32_t n, qx_planes *pl) {
     if (s->float_activations || !smoe_qx_takes(W))
         return NULL;
@@ -138,7 +162,8 @@ static const smoe_qx *prepare(cpu_state *s, const smoe_tensor *W, const float *x
     if (pl->x != x || !smoe_qx_shared(pl->W, W)) {
         qx_prepare(s, x, W->cols, n, W->cols, W->format, G);
         SMOE_PROF_LAP(SMOE_P_QX);
-        *pl = (qx_planes){x, W, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, G, W->format}};
+        *pl = (qx_planes){x, W, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, G, W->format, NULL}};
+        pack_tiles(s, &pl->qx, n);
     }
     return &pl->qx;
 }
@@ -427,7 +452,7 @@ static void run_small_experts(cpu_state *s, const smoe_union *un, const uint32_t
         const uint32_t t = src_row[k], c = first[k + 1] - first[k];
         float *hk = s->hg + (size_t)first[k] * 2 * I;
         const smoe_qx qx = {(const uint8_t *)s->qx_codes + t * z.code_bytes, s->qx_d + t * z.d_floats,
-                            s->qx_gsum + t * z.gsum_floats, H, gG, g->format};
+                            s->qx_gsum + t * z.gsum_floats, H, gG, g->format, NULL};
         const float *xk = src + (size_t)t * H;
         parts[2 * k] = (product_part){g, blob[k] + g->offset, xk, qx, codes, hk, c, 2 * (size_t)I, 2 * k * I};
         parts[2 * k + 1] =
@@ -457,7 +482,7 @@ static void run_small_experts(cpu_state *s, const smoe_union *un, const uint32_t
     for (uint32_t k = 0; k < m; k++) {
         const uint32_t f0 = first[k], c = first[k + 1] - f0;
         const smoe_qx qx = {(const uint8_t *)s->qx_codes + f0 * z.code_bytes, s->qx_d + f0 * z.d_floats,
-                            s->qx_gsum + f0 * z.gsum_floats, I, dG, d->format};
+                            s->qx_gsum + f0 * z.gsum_floats, I, dG, d->format, NULL};
         float *y = c == 1 ? s->slot_out + (size_t)un->rows[un->start[p[k]]] * H : s->yg + (size_t)f0 * H;
         parts[k] = (product_part){d, blob[k] + d->offset, s->h + (size_t)f0 * I, qx, dcodes, y, c, H, k * H};
     }

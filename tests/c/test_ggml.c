@@ -194,7 +194,7 @@ static void test_qx(int fi, uint32_t rows, uint32_t cols) {
     void *codes = aligned_alloc(64, (z.code_bytes * N + 63) / 64 * 64);
     float *d = malloc(sizeof(float) * z.d_floats * N), *gs = malloc(sizeof(float) * z.gsum_floats * N);
     smoe_qx_prepare(x, ldx, N, cols, fmt, 32, codes, d, gs);
-    const smoe_qx X = {codes, d, gs, cols, 32, fmt};
+    const smoe_qx X = {codes, d, gs, cols, 32, fmt, NULL};
     float *yr = malloc(sizeof(float) * ldy * N), *yf = malloc(sizeof(float) * ldy * N), *y = malloc(sizeof(float) * ldy * N);
     for (size_t i = 0; i < ldy * N; i++) yr[i] = yf[i] = NAN;
     smoe_ref_matmul_rows_qx(&g.t, g.bytes, &X, N, yr, ldy, 0, rows);
@@ -311,7 +311,7 @@ static void test_qx(int fi, uint32_t rows, uint32_t cols) {
         for (uint32_t t0 = 0; t0 < N; t0 += batch[bi]) {
             const uint32_t nt = N - t0 < batch[bi] ? N - t0 : batch[bi], cut = (uint32_t)(rnd() % (rows + 1));
             const smoe_qx Xt = {(const uint8_t *)codes + t0 * z.code_bytes, d + t0 * z.d_floats,
-                                gs + t0 * z.gsum_floats, cols, 32, fmt};
+                                gs + t0 * z.gsum_floats, cols, 32, fmt, NULL};
             smoe_matmul_rows_qx(&g.t, g.bytes, &Xt, nt, y + t0 * ldy, ldy, 0, cut);
             smoe_matmul_rows_qx(&g.t, g.bytes, &Xt, nt, y + t0 * ldy, ldy, cut, rows);
         }

@@ -817,7 +817,7 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t G, uint32_t
     void *codes = aligned_alloc(64, align64(z.code_bytes * N));
     float *d = malloc(sizeof(float) * z.d_floats * N), *gs = malloc(sizeof(float) * z.gsum_floats * N);
     smoe_qx_prepare(x, ldx, N, cols, format, G, codes, d, gs);
-    const smoe_qx X = {codes, d, gs, cols, G, format};
+    const smoe_qx X = {codes, d, gs, cols, G, format, NULL};
 
     /* the codes and scales, against the documentation */
     int bad = 0;
@@ -902,7 +902,7 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t G, uint32_t
             for (uint32_t t0 = 0; t0 < N; t0 += step) {
                 const uint32_t nt = N - t0 < step ? N - t0 : step;
                 const smoe_qx Xt = {(const uint8_t *)codes + t0 * z.code_bytes, d + t0 * z.d_floats,
-                                    gs + t0 * z.gsum_floats, cols, G, format};
+                                    gs + t0 * z.gsum_floats, cols, G, format, NULL};
 #if SMOE_HAVE_AVXVNNI
                 if (vnni)
                     smoe_avx2_matmul_rows_qx_vnni(W, tt.bytes, &Xt, nt, yi + (size_t)t0 * ldy, ldy, 0, rows);
@@ -939,7 +939,7 @@ static void test_matmul_qx_case(uint8_t format, uint8_t sf, uint32_t G, uint32_t
         for (uint32_t t0 = 0; t0 < N; t0 += batch_sizes[bi]) {
             const uint32_t nt = N - t0 < batch_sizes[bi] ? N - t0 : batch_sizes[bi];
             const smoe_qx Xt = {(const uint8_t *)codes + t0 * z.code_bytes, d + t0 * z.d_floats,
-                                gs + t0 * z.gsum_floats, cols, G, format};
+                                gs + t0 * z.gsum_floats, cols, G, format, NULL};
             uint32_t cut = (uint32_t)(rnd() % (rows + 1)), cut2 = (uint32_t)(rnd() % (rows + 1));
             if (cut2 < cut) { uint32_t tmp = cut; cut = cut2; cut2 = tmp; }
             smoe_matmul_rows_qx(W, tt.bytes, &Xt, nt, y + (size_t)t0 * rows, rows, 0, cut);
@@ -1082,13 +1082,36 @@ static void test_groups(void) {
 typedef bool (*qx_instance)(const smoe_tensor *, const uint8_t *, const smoe_qx *, uint32_t, float *, size_t, uint32_t,
                             uint32_t);
 
+#if SMOE_HAVE_AMX
+/* The AMX kernel on X's codes packed first (smoe_avx512_amx_tiles), in three uneven pieces over a
+ * buffer of junk, as the engine's threads pack them: the packed form must give the same bits. */
+static bool amx_packed(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                       uint32_t r0, uint32_t r1) {
+    uint32_t items = 0;
+    const size_t bytes = smoe_avx512_amx_tiles_bytes(X->cols, X->wformat, X->group, n, &items);
+    if (bytes == 0) return smoe_avx512_amx_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1); /* refuses the same */
+    CHECK(bytes <= smoe_avx512_amx_tiles_cap(X->cols, n), "amx tiles: %zu bytes above the cap", bytes);
+    uint8_t *buf = aligned_alloc(64, align64(bytes));
+    memset(buf, 0xa5, bytes);
+    const uint32_t a = items / 3, b = items - items / 4;
+    smoe_avx512_amx_tiles(X, n, buf, b, items);
+    smoe_avx512_amx_tiles(X, n, buf, 0, a);
+    smoe_avx512_amx_tiles(X, n, buf, a, b);
+    smoe_qx Xt = *X;
+    Xt.tiles = buf;
+    const bool ok = smoe_avx512_amx_matmul_rows_qx(W, w, &Xt, n, y, ldy, r0, r1);
+    free(buf);
+    return ok;
+}
+#endif
+
 static void test_qx_instances(void) {
     struct {
         const char *name;
         qx_instance fn;
         const char *lacks; /* NULL: present and checked; else why not */
-    } inst[5] = {{"avx2", NULL, "not built"}, {"avx-vnni", NULL, "not built"}, {"avx512", NULL, "not built"},
-                 {"avx512vnni", NULL, "not built"}, {"amx", NULL, "not built"}};
+    } inst[6] = {{"avx2", NULL, "not built"},       {"avx-vnni", NULL, "not built"}, {"avx512", NULL, "not built"},
+                 {"avx512vnni", NULL, "not built"}, {"amx", NULL, "not built"},      {"amx-packed", NULL, "not built"}};
 #if SMOE_HAVE_AVX2
     inst[0].fn = smoe_avx2_matmul_rows_qx_plain;
     inst[0].lacks = NULL;
@@ -1107,6 +1130,8 @@ static void test_qx_instances(void) {
 #if SMOE_HAVE_AMX
     inst[4].fn = smoe_avx512_amx_matmul_rows_qx;
     inst[4].lacks = smoe_cpu_amx_hw() ? NULL : "CPU or OS lacks AMX-INT8 (or Linux's grant of its tiles)";
+    inst[5].fn = amx_packed;
+    inst[5].lacks = inst[4].lacks;
 #endif
     enum { NINST = sizeof inst / sizeof *inst };
     int any = 0;
@@ -1133,7 +1158,7 @@ static void test_qx_instances(void) {
             void *codes = aligned_alloc(64, align64(z.code_bytes * NMAX));
             for (size_t i = 0; i < (size_t)cols * NMAX; i++) x[i] = rndf(-1, 1) * (rnd() % 5 == 0 ? 30.0f : 1.0f);
             smoe_qx_prepare(x, cols, NMAX, cols, f, G, codes, d, gs);
-            const smoe_qx X = {codes, d, gs, cols, G, f};
+            const smoe_qx X = {codes, d, gs, cols, G, f, NULL};
             smoe_ref_matmul_rows_qx(&tt.t, tt.bytes, &X, NMAX, yr, ldy, 0, rows);
             for (uint32_t n = 1; n <= NMAX; n++) {
                 if (!shapes[si].sweep && n != 1 && n != 2 && n != 5 && n != 17 && n != NMAX) continue;
@@ -1143,7 +1168,7 @@ static void test_qx_instances(void) {
                     const uint32_t cut = n % (rows + 1);
                     bool ok = inst[i].fn(&tt.t, tt.bytes, &X, n, yi, ldy, 0, cut);
                     ok = inst[i].fn(&tt.t, tt.bytes, &X, n, yi, ldy, cut, rows) && ok;
-                    if (i == 4 && cols > 4096) { /* AMX takes rows of up to 4096 columns (its scratch is on the stack) */
+                    if (i >= 4 && cols > 4096) { /* AMX takes rows of up to 4096 columns (its scratch is on the stack) */
                         CHECK(!ok, "qx instance amx took %u columns", cols);
                         continue;
                     }
