@@ -122,7 +122,8 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
         c->qx_codes = plane(pb, C * z.code_bytes, 1, &ok);
         c->qx_d = plane(pb, C * z.d_floats, sizeof(float), &ok);
         c->qx_gsum = plane(pb, C * z.gsum_floats, sizeof(float), &ok);
-        c->qx_tiles_bytes = smoe_qx_tiles_cap(cols, (uint32_t)C);
+        /* a batch of experts packs each one's tokens from a tile of its own: up to one more a batch */
+        c->qx_tiles_bytes = smoe_qx_tiles_cap(cols, (uint32_t)C + 16 * CPU_BATCH_EXPERTS);
         if (c->qx_tiles_bytes) c->qx_tiles = plane(pb, c->qx_tiles_bytes, 1, &ok);
     }
     c->logits = plane(pb, (size_t)SMOE_LOGIT_ROWS * cf->vocab_size, sizeof(float), &ok);

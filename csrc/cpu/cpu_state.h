@@ -12,6 +12,10 @@ typedef struct {
     const smoe_vault *vault; /* rows of a paged embedding */
 } cpu_share;
 
+/* The most experts products.c runs in one batch (their products two pool runs, gate and up of
+ * all, then down of all); the tile plane holds their codes packed one expert apart. */
+enum { CPU_BATCH_EXPERTS = 64 };
+
 typedef struct {
     cpu_share *sh;
     smoe_pool *pool;       /* sh->pool */

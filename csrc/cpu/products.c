@@ -4,10 +4,10 @@
  * Every product goes through smoe_matmul_rows / smoe_matmul_rows_qx, whose per-element reduction
  * is fixed (kernels.h), over rows split between threads at multiples of 16: which thread computes
  * a row never changes its value. So an expert's outputs are the same whichever `experts` call ran
- * it and with whatever other experts: one routed to one or two (token, slot) rows (every expert of
- * a decode step; most of a short prefill's) goes with up to 63 others into two pool runs — gate
- * and up of all of them, each on its own rows' codes, then down of all — the same kernel calls on
- * the same inputs as its own product would make, with 2 wake-ups and barriers instead of 2 per
+ * it and with whatever other experts: up to 64 of them (every expert of a decode step; a prompt
+ * chunk's in batches of up to chunk routed rows) go into two pool runs of products — gate and up
+ * of all of them, each on its own rows' codes, then down of all — the same kernel calls on the
+ * same inputs as its own product would make, with 2 wake-ups and barriers instead of 2 per
  * expert; q, k and v of one token share one run the same way. */
 #include "cpu/cpu_state.h"
 #include "prof.h"
@@ -41,11 +41,17 @@ static void linear_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
     matmul(t->W, t->w, t->x, t->qx, t->n, t->y, t->ldy, r0, r1);
 }
 
+/* Row grain keeps each thread's rows a multiple of 16: splits never cut a cache line of y (nor an
+ * AMX panel). */
+enum { ROW_GRAIN = 16 };
+
 /* Several products in one pool run: part i is W[i] on its own n[i] rows of input (f32 x[i] or codes
- * qx[i]) into y[i], its rows numbered after the previous parts' in the run's items. Which thread computes a
- * row never changes its value (kernels.h), so one run gives each part the bits it would get alone,
- * with one wake-up and one barrier instead of one per product. */
-enum { MAX_PARTS = 128 };
+ * qx[i]) into y[i]. Its panels of ROW_GRAIN rows are w[i] items each of the run (w: the part's cost
+ * a panel, its tokens; so the threads' even shares of items are even shares of work), after the
+ * previous parts' items. Which thread computes a row never changes its value (kernels.h), so one
+ * run gives each part the bits it would get alone, with one wake-up and one barrier instead of
+ * one per product. */
+enum { MAX_PARTS = 2 * CPU_BATCH_EXPERTS };
 
 typedef struct {
     const smoe_tensor *W;
@@ -57,6 +63,7 @@ typedef struct {
     uint32_t n;     /* its rows of x (tokens) */
     size_t ldy;     /* y's row stride */
     uint32_t first; /* its first item in the run */
+    uint32_t per;   /* its items a panel */
 } product_part;
 
 typedef struct {
@@ -64,18 +71,32 @@ typedef struct {
     uint32_t n_parts;
 } parts_task;
 
-static void parts_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
+/* A part's items: its panels × per */
+static inline uint32_t part_items(const smoe_tensor *W, uint32_t per) {
+    return (W->rows + ROW_GRAIN - 1) / ROW_GRAIN * per;
+}
+
+/* Items [i0, i1): in each part they meet, the panels whose first item lies in the range (an item
+ * boundary inside a panel gives the whole panel to the range after it) */
+static void parts_rows(void *ctx, uint32_t i0, uint32_t i1, uint32_t worker) {
     (void)worker;
     const parts_task *t = ctx;
     uint32_t i = 0;
-    while (i + 1 < t->n_parts && t->parts[i + 1].first <= r0) i++;
-    for (; i < t->n_parts && r0 < r1; i++) {
+    while (i + 1 < t->n_parts && t->parts[i + 1].first <= i0) i++;
+    for (; i < t->n_parts && t->parts[i].first < i1; i++) {
         const product_part *p = &t->parts[i];
-        const uint32_t end = p->first + p->W->rows, e = r1 < end ? r1 : end;
-        if (r0 < e)
-            matmul(p->W, p->w, p->x, p->has_qx ? &p->qx : NULL, p->n, p->y, p->ldy, r0 - p->first, e - p->first);
-        r0 = e;
+        const uint32_t rows = p->W->rows, a = i0 > p->first ? i0 - p->first : 0, b = i1 - p->first;
+        const uint32_t p0 = (a + p->per - 1) / p->per, p1 = (b + p->per - 1) / p->per;
+        const uint32_t r0 = p0 * ROW_GRAIN < rows ? p0 * ROW_GRAIN : rows, r1 = p1 * ROW_GRAIN < rows ? p1 * ROW_GRAIN : rows;
+        if (r0 < r1) matmul(p->W, p->w, p->x, p->has_qx ? &p->qx : NULL, p->n, p->y, p->ldy, r0, r1);
     }
+}
+
+/* The parts in one pool run (their first items already set) */
+static void run_parts(cpu_state *s, const product_part *parts, uint32_t n_parts) {
+    const product_part *last = &parts[n_parts - 1];
+    parts_task t = {parts, n_parts};
+    smoe_pool_run(s->pool, parts_rows, &t, last->first + part_items(last->W, last->per), 1);
 }
 
 /* What the session's qx planes hold: the codes of `x` for the products of W (and of every tensor
@@ -129,27 +150,46 @@ static void qx_prepare(cpu_state *s, const float *x, size_t ldx, uint32_t n, uin
 }
 
 typedef struct {
-    const smoe_qx *qx;
-    uint32_t n;
-    void *buf;
+    smoe_qx *const *qx;
+    const uint32_t *n;
+    void *const *buf;
+    const uint32_t *first; /* (m + 1) qx k's items are [first[k], first[k + 1]) */
+    uint32_t m;
 } tiles_task;
 
 static void tiles_items(void *ctx, uint32_t i0, uint32_t i1, uint32_t worker) {
     (void)worker;
     const tiles_task *t = ctx;
-    smoe_qx_tiles(t->qx, t->n, t->buf, i0, i1);
+    for (uint32_t k = 0; k < t->m && i0 < i1; k++) {
+        const uint32_t a = t->first[k], b = t->first[k + 1];
+        if (i0 >= b) continue;
+        const uint32_t e = i1 < b ? i1 : b;
+        smoe_qx_tiles(t->qx[k], t->n[k], t->buf[k], i0 - a, e - a);
+        i0 = e;
+    }
 }
 
-/* qx's n tokens packed once for the AMX kernel into the session's tile plane, where its products
- * will run there (kernels.h, smoe_qx_tiles): the pieces split between the threads, then every
- * product and thread that takes qx reads them, instead of each packing its own. */
-static void pack_tiles(cpu_state *s, smoe_qx *qx, uint32_t n) {
-    uint32_t items = 0;
-    const size_t bytes = smoe_qx_tiles_bytes(qx, n, &items);
-    if (bytes == 0 || bytes > s->qx_tiles_bytes) return;
-    tiles_task t = {qx, n, s->qx_tiles};
-    smoe_pool_run(s->pool, tiles_items, &t, items, 1);
-    qx->tiles = s->qx_tiles;
+/* The codes of qx[k] (n[k] tokens each, k < m) packed once for the AMX kernel into the session's
+ * tile plane, one after the other, where their products will run there (kernels.h,
+ * smoe_qx_tiles): the pieces split between the threads, then every product and thread that takes
+ * qx[k] reads them, instead of each packing its own. Those past the plane's room pack their own. */
+static void pack_tiles(cpu_state *s, smoe_qx *const *qx, const uint32_t *n, uint32_t m) {
+    uint32_t first[CPU_BATCH_EXPERTS + 1], k = 0;
+    void *buf[CPU_BATCH_EXPERTS];
+    size_t at = 0;
+    first[0] = 0;
+    for (; k < m && k < CPU_BATCH_EXPERTS; k++) {
+        uint32_t items = 0;
+        const size_t bytes = smoe_qx_tiles_bytes(qx[k], n[k], &items);
+        if (bytes == 0 || at + bytes > s->qx_tiles_bytes) break;
+        buf[k] = (uint8_t *)s->qx_tiles + at;
+        at += bytes;
+        first[k + 1] = first[k] + items;
+    }
+    if (k == 0) return;
+    tiles_task t = {qx, n, buf, first, k};
+    smoe_pool_run(s->pool, tiles_items, &t, first[k], 1);
+    for (uint32_t j = 0; j < k; j++) qx[j]->tiles = buf[j];
 }
 
 /* x (n, W.cols) as the 8-bit codes W's product takes, prepared in the session's planes unless
@@ -163,14 +203,12 @@ static const smoe_qx *prepare(cpu_state *s, const smoe_tensor *W, const float *x
         qx_prepare(s, x, W->cols, n, W->cols, W->format, G);
         SMOE_PROF_LAP(SMOE_P_QX);
         *pl = (qx_planes){x, W, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, G, W->format, NULL}};
-        pack_tiles(s, &pl->qx, n);
+        smoe_qx *q = &pl->qx;
+        pack_tiles(s, &q, &n, 1);
     }
     return &pl->qx;
 }
 
-
-/* Row grain keeps each thread's rows a multiple of 16: splits never cut a cache line of y. */
-enum { ROW_GRAIN = 16 };
 
 static void linear_with(cpu_state *s, int stage, const smoe_tensor *W, const uint8_t *w, const float *x, uint32_t n,
                         float *y, qx_planes *pl) {
@@ -294,15 +332,14 @@ smoe_status smoe_cpu_project(void *b, smoe_plane src, const smoe_proj *out, uint
         /* one token: the products in one pool run */
         const smoe_qx *qx = prepare(s, out[0].W, x, 1, &pl);
         product_part parts[MAX_PARTS];
-        uint32_t rows = 0;
+        uint32_t items = 0;
         for (uint32_t i = 0; i < n_out; i++) {
             parts[i] = (product_part){out[i].W,  out[i].W->data, x, {0}, qx != NULL, smoe_cpu_plane(s, out[i].out),
-                                      1,         out[i].W->rows, rows};
+                                      1,         out[i].W->rows, items, 1};
             if (qx) parts[i].qx = *qx;
-            rows += out[i].W->rows;
+            items += part_items(out[i].W, 1);
         }
-        parts_task t = {parts, n_out};
-        smoe_pool_run(s->pool, parts_rows, &t, rows, ROW_GRAIN);
+        run_parts(s, parts, n_out);
     } else {
         for (uint32_t i = 0; i < n_out; i++)
             linear_with(s, SMOE_P_QKV, out[i].W, out[i].W->data, x, n, smoe_cpu_plane(s, out[i].out), &pl);
@@ -393,35 +430,36 @@ static void run_expert(cpu_state *s, const smoe_union *un, uint32_t p, const uin
     SMOE_PROF_LAP(SMOE_P_GATHER);
 }
 
-/* Experts with at most SMALL routed (token, slot) rows are batched by run_small_experts: a short
- * prompt's (8–45 tokens on a3b's 128 experts, top 8: most see one or two tokens) and every expert
- * of a decode step. Larger ones get their own two pool runs (run_expert), each split evenly over
- * the threads: in a batch a part goes whole to one thread, so parts of very different cost per
- * row would load the threads unevenly. */
-enum { SMALL = 2 };
-
-/* Union positions p[0..m) routed at most SMALL (token, slot) rows each, Σ rows ≤ chunk and
- * 2m ≤ MAX_PARTS, in two pool runs: gate and up of all of them, each on its own rows' codes, then
- * down of all, each on its own silu(gate)·up rows. An expert's input rows are its tokens' rows of
+/* Union positions p[0..m) (Σ routed rows ≤ chunk, m ≤ CPU_BATCH_EXPERTS) in two pool runs of
+ * products: gate and up of all of them, each on its own rows' codes, then down of all, each on
+ * its own silu(gate)·up rows; each part's panels weighted by its rows, so that the threads' even
+ * shares of the run are even shares of its work. An expert's input rows are its tokens' rows of
  * xn where every expert has one (each token's codes prepared once), else gathered into xg, expert
- * by expert (and quantised there: per row, the codes any call gives). Each output lands in its
- * (token, slot) row of slot_out as run_expert puts it, by the same kernel calls on the same inputs
- * (n = the expert's rows, as run_expert's): the same bits. */
-static void run_small_experts(cpu_state *s, const smoe_union *un, const uint32_t *p, uint32_t m) {
+ * by expert (and quantised there: per row, the codes any call gives). Quantising, packing for
+ * AMX (each expert's codes from a tile of its own) and the activation are one pool run each for
+ * the whole batch too. Each output lands in its (token, slot) row of slot_out as run_expert puts
+ * it, by the same kernel calls on the same inputs (n = the expert's rows, as run_expert's): the
+ * same bits. */
+static void run_experts(cpu_state *s, const smoe_union *un, const uint32_t *p, uint32_t m) {
     const smoe_layout *lay = s->lay;
     const smoe_tensor *x = smoe_expert_of(lay, un->l);
     const smoe_tensor *g = &x[SMOE_XT_GATE], *up = &x[SMOE_XT_UP], *d = &x[SMOE_XT_DOWN];
     const uint32_t H = s->cfg->hidden_size, K = s->cfg->num_experts_per_tok, I = g->rows;
     product_part parts[MAX_PARTS];
-    const uint8_t *blob[MAX_PARTS / 2];
-    uint32_t first[MAX_PARTS / 2 + 1]; /* expert k's rows are [first[k], first[k + 1]) of h, hg */
-    uint32_t src_row[MAX_PARTS / 2];   /* and its first input row in src */
+    const uint8_t *blob[CPU_BATCH_EXPERTS];
+    uint32_t first[CPU_BATCH_EXPERTS + 1]; /* expert k's rows are [first[k], first[k + 1]) of h, hg */
+    uint32_t src_row[CPU_BATCH_EXPERTS];   /* and its first input row in src */
+    uint32_t cnt[CPU_BATCH_EXPERTS];       /* its rows */
+    smoe_qx qx[CPU_BATCH_EXPERTS];         /* its codes */
+    smoe_qx *qxp[CPU_BATCH_EXPERTS];
     bool gather = false;
     first[0] = 0;
     for (uint32_t k = 0; k < m; k++) {
         blob[k] = un->w[p[k]];
-        first[k + 1] = first[k] + un->count[p[k]];
-        gather |= un->count[p[k]] > 1;
+        cnt[k] = un->count[p[k]];
+        first[k + 1] = first[k] + cnt[k];
+        gather |= cnt[k] > 1;
+        qxp[k] = &qx[k];
     }
     const uint32_t R = first[m];
     const float *src = s->xn;
@@ -429,7 +467,7 @@ static void run_small_experts(cpu_state *s, const smoe_union *un, const uint32_t
     if (gather) {
         for (uint32_t k = 0; k < m; k++) {
             const uint32_t *rows = un->rows + un->start[p[k]];
-            for (uint32_t j = 0; j < un->count[p[k]]; j++)
+            for (uint32_t j = 0; j < cnt[k]; j++)
                 memcpy(s->xg + (size_t)(first[k] + j) * H, s->xn + (size_t)(rows[j] / K) * H, H * sizeof(float));
             src_row[k] = first[k];
         }
@@ -446,28 +484,32 @@ static void run_small_experts(cpu_state *s, const smoe_union *un, const uint32_t
     if (codes) {
         z = smoe_qx_sizes(H, g->format, gG);
         qx_prepare(s, src, H, src_n, H, g->format, gG);
+        for (uint32_t k = 0; k < m; k++) {
+            const uint32_t t = src_row[k];
+            qx[k] = (smoe_qx){(const uint8_t *)s->qx_codes + t * z.code_bytes, s->qx_d + t * z.d_floats,
+                              s->qx_gsum + t * z.gsum_floats, H, gG, g->format, NULL};
+        }
+        pack_tiles(s, qxp, cnt, m);
         SMOE_PROF_LAP(SMOE_P_QX);
     }
+    uint32_t items = 0;
     for (uint32_t k = 0; k < m; k++) {
-        const uint32_t t = src_row[k], c = first[k + 1] - first[k];
+        const uint32_t c = cnt[k];
         float *hk = s->hg + (size_t)first[k] * 2 * I;
-        const smoe_qx qx = {(const uint8_t *)s->qx_codes + t * z.code_bytes, s->qx_d + t * z.d_floats,
-                            s->qx_gsum + t * z.gsum_floats, H, gG, g->format, NULL};
-        const float *xk = src + (size_t)t * H;
-        parts[2 * k] = (product_part){g, blob[k] + g->offset, xk, qx, codes, hk, c, 2 * (size_t)I, 2 * k * I};
-        parts[2 * k + 1] =
-            (product_part){up, blob[k] + up->offset, xk, qx, codes, hk + I, c, 2 * (size_t)I, (2 * k + 1) * I};
+        const float *xk = src + (size_t)src_row[k] * H;
+        parts[2 * k] = (product_part){g, blob[k] + g->offset, xk, qx[k], codes, hk, c, 2 * (size_t)I, items, c};
+        items += part_items(g, c);
+        parts[2 * k + 1] = (product_part){up, blob[k] + up->offset, xk, qx[k], codes, hk + I, c, 2 * (size_t)I, items, c};
+        items += part_items(up, c);
     }
-    parts_task task = {parts, 2 * m};
-    smoe_pool_run(s->pool, parts_rows, &task, 2 * m * I, ROW_GRAIN);
+    run_parts(s, parts, 2 * m);
     SMOE_PROF_LAP(SMOE_P_GATE_UP);
 
     for (uint32_t k = 0; k < m; k++) {
         const ffn_weights f = expert_weights(s, un->l, blob[k]);
         float *hk = s->hg + (size_t)first[k] * 2 * I;
-        const uint32_t c = first[k + 1] - first[k];
-        if (f.gate_b) add_bias(s, f.gate_b, f.wgb, hk, 2 * (size_t)I, c);
-        if (f.up_b) add_bias(s, f.up_b, f.wub, hk + I, 2 * (size_t)I, c);
+        if (f.gate_b) add_bias(s, f.gate_b, f.wgb, hk, 2 * (size_t)I, cnt[k]);
+        if (f.up_b) add_bias(s, f.up_b, f.wub, hk + I, 2 * (size_t)I, cnt[k]);
     }
     activate(s, &s->act, s->h, s->hg, I, R);
     SMOE_PROF_LAP(SMOE_P_SWIGLU);
@@ -476,21 +518,26 @@ static void run_small_experts(cpu_state *s, const smoe_union *un, const uint32_t
     if (dcodes) {
         z = smoe_qx_sizes(I, d->format, dG);
         qx_prepare(s, s->h, I, R, I, d->format, dG);
+        for (uint32_t k = 0; k < m; k++) {
+            const uint32_t f0 = first[k];
+            qx[k] = (smoe_qx){(const uint8_t *)s->qx_codes + f0 * z.code_bytes, s->qx_d + f0 * z.d_floats,
+                              s->qx_gsum + f0 * z.gsum_floats, I, dG, d->format, NULL};
+        }
+        pack_tiles(s, qxp, cnt, m);
         SMOE_PROF_LAP(SMOE_P_QX);
     }
     /* one row: straight into its slot_out row; more: into yg's rows [first[k], …), copied below */
+    items = 0;
     for (uint32_t k = 0; k < m; k++) {
-        const uint32_t f0 = first[k], c = first[k + 1] - f0;
-        const smoe_qx qx = {(const uint8_t *)s->qx_codes + f0 * z.code_bytes, s->qx_d + f0 * z.d_floats,
-                            s->qx_gsum + f0 * z.gsum_floats, I, dG, d->format, NULL};
+        const uint32_t f0 = first[k], c = cnt[k];
         float *y = c == 1 ? s->slot_out + (size_t)un->rows[un->start[p[k]]] * H : s->yg + (size_t)f0 * H;
-        parts[k] = (product_part){d, blob[k] + d->offset, s->h + (size_t)f0 * I, qx, dcodes, y, c, H, k * H};
+        parts[k] = (product_part){d, blob[k] + d->offset, s->h + (size_t)f0 * I, qx[k], dcodes, y, c, H, items, c};
+        items += part_items(d, c);
     }
-    task.n_parts = m;
-    smoe_pool_run(s->pool, parts_rows, &task, m * H, ROW_GRAIN);
+    run_parts(s, parts, m);
     for (uint32_t k = 0; k < m; k++) {
         const ffn_weights f = expert_weights(s, un->l, blob[k]);
-        const uint32_t c = first[k + 1] - first[k];
+        const uint32_t c = cnt[k];
         if (f.down_b) add_bias(s, f.down_b, f.wdb, (float *)parts[k].y, H, c);
         if (c > 1) {
             const uint32_t *rows = un->rows + un->start[p[k]];
@@ -505,24 +552,24 @@ smoe_status smoe_cpu_experts(void *b, const smoe_union *un, const uint32_t *item
     cpu_state *s = b;
     const smoe_tensor *x = smoe_expert_of(s->lay, un->l);
     const smoe_tensor *eg = &x[SMOE_XT_GATE], *eu = &x[SMOE_XT_UP];
-    /* the experts with at most SMALL routed rows, two pool runs per batch of them (when gate and
-     * up take the same codes: the one set of code planes serves both); the others one by one */
-    uint32_t small[MAX_PARTS / 2], ns = 0, rows = 0;
+    /* batches of up to CPU_BATCH_EXPERTS experts and chunk routed rows, when gate and up take the
+     * same codes (the one set of code planes serves both); else one by one */
     const bool batch = smoe_qx_shared(eg, eu);
+    uint32_t group[CPU_BATCH_EXPERTS], ns = 0, rows = 0;
     for (uint32_t i = 0; i < m; i++) {
         const uint32_t p = items[i], c = un->count[p];
-        if (!batch || c > SMALL) {
+        if (!batch) {
             run_expert(s, un, p, un->w[p]);
             continue;
         }
-        if (ns == MAX_PARTS / 2 || rows + c > s->chunk) {
-            run_small_experts(s, un, small, ns);
+        if (ns && (ns == CPU_BATCH_EXPERTS || rows + c > s->chunk)) {
+            run_experts(s, un, group, ns);
             ns = rows = 0;
         }
-        small[ns++] = p;
+        group[ns++] = p;
         rows += c;
     }
-    if (ns) run_small_experts(s, un, small, ns);
+    if (ns) run_experts(s, un, group, ns);
     return SMOE_OK;
 }
 
