@@ -43,7 +43,7 @@ static void cpu_session_free(void *b) {
     if (!c) return;
     cpu_rows_at(c, 0); /* the planes' own addresses */
     void *bufs[] = {c->ids, c->row_scratch, c->k_cache, c->v_cache, c->x, c->xn, c->q, c->k, c->v, c->att, c->yg, c->scores,
-                    c->router, c->topk_w, c->route_scratch, c->slot_out, c->xg, c->hg, c->h, c->qx_codes, c->qx_d,
+                    c->router, c->topk_w, c->route_scratch, c->slot_out, c->xg, c->xrow, c->hg, c->h, c->qx_codes, c->qx_d,
                     c->qx_gsum, c->qx_tiles, c->logits, c->bias, c->gate, c->mix, c->beta, c->decay, c->sgate, c->lin_s,
                     c->lin_conv, c->snap_s, c->snap_conv, c->lin_w, c->lin_row, c->lin_scratch};
     for (size_t i = sizeof bufs / sizeof bufs[0]; i-- > 0;) smoe_free(bufs[i]);
@@ -111,6 +111,7 @@ static smoe_status cpu_session_new(void *vsh, const smoe_be_session_params *p, v
     c->route_scratch = plane(pb, E, sizeof(float), &ok);
     c->slot_out = plane(pb, C * K * H, sizeof(float), &ok);
     c->xg = plane(pb, C * H, sizeof(float), &ok);
+    c->xrow = plane(pb, C, sizeof(uint32_t), &ok);
     c->hg = plane(pb, C * 2 * c->ffn, sizeof(float), &ok);
     c->h = plane(pb, C * c->ffn, sizeof(float), &ok);
     {

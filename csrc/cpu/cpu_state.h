@@ -51,6 +51,7 @@ typedef struct {
     float *route_scratch; /* (experts) the grouped router's choice scores */
     float *slot_out; /* (chunk, top_k, hidden) each routed expert's output, summed in slot order */
     float *xg;       /* (chunk, hidden) the rows routed to one expert, gathered */
+    uint32_t *xrow;  /* (chunk) a batch of experts' input rows: the row of xn each one is */
     float *hg;       /* (chunk, 2·ffn) gate rows then up rows of one expert / dense MLP */
     float *h;        /* (chunk, ffn) silu(gate)·up */
     void *qx_codes;  /* (chunk, ·) the input of the next q8/q4 product as 8-bit codes (kernels.h) */

@@ -121,6 +121,7 @@ static inline bool split_rows(uint32_t n, uint32_t per_row) { return n >= 2 && (
 typedef struct {
     const float *x;
     size_t ldx;
+    const uint32_t *row; /* row j of the codes is row row[j] of x; NULL: row j */
     uint32_t cols, group;
     uint8_t format;
     smoe_qx_size z;
@@ -131,22 +132,34 @@ typedef struct {
 static void qx_rows(void *ctx, uint32_t t0, uint32_t t1, uint32_t worker) {
     (void)worker;
     const qx_task *t = ctx;
-    smoe_qx_prepare(t->x + (size_t)t0 * t->ldx, t->ldx, t1 - t0, t->cols, t->format, t->group,
-                    (uint8_t *)t->codes + (size_t)t0 * t->z.code_bytes, t->d + (size_t)t0 * t->z.d_floats,
-                    t->gsum + (size_t)t0 * t->z.gsum_floats);
-}
-
-/* smoe_qx_prepare of n rows of x (row stride ldx) into the session's planes, the rows shared
- * between the threads when there are enough: each row's codes depend on that row alone, so the
- * bytes are the same either way. */
-static void qx_prepare(cpu_state *s, const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t format,
-                       uint32_t group) {
-    if (!split_rows(n, cols)) {
-        smoe_qx_prepare(x, ldx, n, cols, format, group, s->qx_codes, s->qx_d, s->qx_gsum);
+    const smoe_qx_size z = t->z;
+    if (!t->row) {
+        smoe_qx_prepare(t->x + (size_t)t0 * t->ldx, t->ldx, t1 - t0, t->cols, t->format, t->group,
+                        (uint8_t *)t->codes + (size_t)t0 * z.code_bytes, t->d + (size_t)t0 * z.d_floats,
+                        t->gsum + (size_t)t0 * z.gsum_floats);
         return;
     }
-    qx_task t = {x, ldx, cols, group, format, smoe_qx_sizes(cols, format, group), s->qx_codes, s->qx_d, s->qx_gsum};
-    smoe_pool_run(s->pool, qx_rows, &t, n, 1);
+    for (uint32_t j = t0; j < t1; j++)
+        smoe_qx_prepare(t->x + (size_t)t->row[j] * t->ldx, t->ldx, 1, t->cols, t->format, t->group,
+                        (uint8_t *)t->codes + (size_t)j * z.code_bytes, t->d + (size_t)j * z.d_floats,
+                        t->gsum + (size_t)j * z.gsum_floats);
+}
+
+/* smoe_qx_prepare of n rows of x (row stride ldx; row j of the codes from row row[j] of x, or row
+ * j where row is NULL) into the session's planes, the rows shared between the threads when there
+ * are enough: each row's codes depend on that row alone, so the bytes are the same either way. */
+static void qx_prepare_rows(cpu_state *s, const float *x, size_t ldx, const uint32_t *row, uint32_t n, uint32_t cols,
+                            uint8_t format, uint32_t group) {
+    qx_task t = {x, ldx, row, cols, group, format, smoe_qx_sizes(cols, format, group), s->qx_codes, s->qx_d, s->qx_gsum};
+    if (split_rows(n, cols))
+        smoe_pool_run(s->pool, qx_rows, &t, n, 1);
+    else
+        qx_rows(&t, 0, n, 0);
+}
+
+static void qx_prepare(cpu_state *s, const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t format,
+                       uint32_t group) {
+    qx_prepare_rows(s, x, ldx, NULL, n, cols, format, group);
 }
 
 typedef struct {
@@ -430,6 +443,22 @@ static void run_expert(cpu_state *s, const smoe_union *un, uint32_t p, const uin
     SMOE_PROF_LAP(SMOE_P_GATHER);
 }
 
+/* Rows of yg into their (token, slot) rows of slot_out: row j to rows[j] (UINT32_MAX: none) */
+typedef struct {
+    float *dst;
+    const float *src;
+    const uint32_t *rows;
+    uint32_t H;
+} scatter_task;
+
+static void scatter_rows(void *ctx, uint32_t j0, uint32_t j1, uint32_t worker) {
+    (void)worker;
+    const scatter_task *t = ctx;
+    for (uint32_t j = j0; j < j1; j++)
+        if (t->rows[j] != UINT32_MAX)
+            memcpy(t->dst + (size_t)t->rows[j] * t->H, t->src + (size_t)j * t->H, t->H * sizeof(float));
+}
+
 /* Union positions p[0..m) (Σ routed rows ≤ chunk, m ≤ CPU_BATCH_EXPERTS) in two pool runs of
  * products: gate and up of all of them, each on its own rows' codes, then down of all, each on
  * its own silu(gate)·up rows; each part's panels weighted by its rows, so that the threads' even
@@ -462,28 +491,34 @@ static void run_experts(cpu_state *s, const smoe_union *un, const uint32_t *p, u
         qxp[k] = &qx[k];
     }
     const uint32_t R = first[m];
+    const bool codes = !s->float_activations && smoe_qx_takes(g);
     const float *src = s->xn;
     uint32_t src_n = un->n;
+    const uint32_t *src_of = NULL; /* with codes: the gathered rows' rows of xn, quantised from there */
     if (gather) {
         for (uint32_t k = 0; k < m; k++) {
             const uint32_t *rows = un->rows + un->start[p[k]];
-            for (uint32_t j = 0; j < cnt[k]; j++)
-                memcpy(s->xg + (size_t)(first[k] + j) * H, s->xn + (size_t)(rows[j] / K) * H, H * sizeof(float));
+            for (uint32_t j = 0; j < cnt[k]; j++) s->xrow[first[k] + j] = rows[j] / K;
             src_row[k] = first[k];
         }
-        src = s->xg;
+        if (codes) {
+            src_of = s->xrow;
+        } else {
+            for (uint32_t j = 0; j < R; j++)
+                memcpy(s->xg + (size_t)j * H, s->xn + (size_t)s->xrow[j] * H, H * sizeof(float));
+            src = s->xg;
+        }
         src_n = R;
         SMOE_PROF_LAP(SMOE_P_GATHER);
     } else {
         for (uint32_t k = 0; k < m; k++) src_row[k] = un->rows[un->start[p[k]]] / K;
     }
 
-    const bool codes = !s->float_activations && smoe_qx_takes(g);
     const uint32_t gG = smoe_qx_group(g), dG = smoe_qx_group(d);
     smoe_qx_size z = {0};
     if (codes) {
         z = smoe_qx_sizes(H, g->format, gG);
-        qx_prepare(s, src, H, src_n, H, g->format, gG);
+        qx_prepare_rows(s, src, H, src_of, src_n, H, g->format, gG);
         for (uint32_t k = 0; k < m; k++) {
             const uint32_t t = src_row[k];
             qx[k] = (smoe_qx){(const uint8_t *)s->qx_codes + t * z.code_bytes, s->qx_d + t * z.d_floats,
@@ -496,7 +531,7 @@ static void run_experts(cpu_state *s, const smoe_union *un, const uint32_t *p, u
     for (uint32_t k = 0; k < m; k++) {
         const uint32_t c = cnt[k];
         float *hk = s->hg + (size_t)first[k] * 2 * I;
-        const float *xk = src + (size_t)src_row[k] * H;
+        const float *xk = codes ? NULL : src + (size_t)src_row[k] * H; /* with codes, x is not read */
         parts[2 * k] = (product_part){g, blob[k] + g->offset, xk, qx[k], codes, hk, c, 2 * (size_t)I, items, c};
         items += part_items(g, c);
         parts[2 * k + 1] = (product_part){up, blob[k] + up->offset, xk, qx[k], codes, hk + I, c, 2 * (size_t)I, items, c};
@@ -537,15 +572,23 @@ static void run_experts(cpu_state *s, const smoe_union *un, const uint32_t *p, u
     run_parts(s, parts, m);
     for (uint32_t k = 0; k < m; k++) {
         const ffn_weights f = expert_weights(s, un->l, blob[k]);
-        const uint32_t c = cnt[k];
-        if (f.down_b) add_bias(s, f.down_b, f.wdb, (float *)parts[k].y, H, c);
-        if (c > 1) {
-            const uint32_t *rows = un->rows + un->start[p[k]];
-            for (uint32_t j = 0; j < c; j++)
-                memcpy(s->slot_out + (size_t)rows[j] * H, parts[k].y + (size_t)j * H, H * sizeof(float));
-        }
+        if (f.down_b) add_bias(s, f.down_b, f.wdb, (float *)parts[k].y, H, cnt[k]);
     }
     SMOE_PROF_LAP(SMOE_P_DOWN);
+    if (gather) {
+        /* the outputs in yg (experts of more than one row) into their slot_out rows; xrow now
+           says where (one-row experts wrote theirs there already) */
+        for (uint32_t k = 0; k < m; k++) {
+            const uint32_t *rows = un->rows + un->start[p[k]];
+            for (uint32_t j = 0; j < cnt[k]; j++) s->xrow[first[k] + j] = cnt[k] > 1 ? rows[j] : UINT32_MAX;
+        }
+        scatter_task t = {s->slot_out, s->yg, s->xrow, H};
+        if (split_rows(R, H))
+            smoe_pool_run(s->pool, scatter_rows, &t, R, 1);
+        else
+            scatter_rows(&t, 0, R, 0);
+        SMOE_PROF_LAP(SMOE_P_GATHER);
+    }
 }
 
 smoe_status smoe_cpu_experts(void *b, const smoe_union *un, const uint32_t *items, uint32_t m) {
