@@ -362,13 +362,8 @@ static int amx_main(uint8_t format, uint32_t G) {
  * work at once: hyperthreads share one) and, where AMX runs, tile products (whether the threads
  * share AMX units). Per figure: the median of REPS reps, wall clock, and the speedup over 1 thread. */
 typedef struct {
-    qx_fn fn;
-    const smoe_tensor *W;
-    const smoe_qx *X;
-    uint32_t n, r0, r1;
-    float *y;
-    int calls;
-    int probe; /* 0: the product; 1: FMA loop; 2: tile loop */
+    work w;    /* the product's calls, as time_calls makes them */
+    int probe; /* 0: the product; 1: FMA loop; 2: tile loop (w.calls iterations) */
     double sink;
 } scale_work;
 
@@ -420,13 +415,13 @@ static __attribute__((target("amx-tile,amx-int8"))) double tile_loop(int iters) 
 static void *scale_main_thread(void *p) {
     scale_work *w = p;
     if (w->probe == 1)
-        w->sink = fma_loop(w->calls);
+        w->sink = fma_loop(w->w.calls);
 #if SMOE_HAVE_AMX
     else if (w->probe == 2)
-        w->sink = tile_loop(w->calls);
+        w->sink = tile_loop(w->w.calls);
 #endif
     else
-        for (int i = 0; i < w->calls; i++) w->fn(w->W, w->W->data, w->X, w->n, w->y, w->W->rows, w->r0, w->r1);
+        work_main(&w->w);
     return NULL;
 }
 
@@ -440,7 +435,7 @@ static double scale_time(qx_fn fn, const smoe_tensor *W, const smoe_qx *X, uint3
         uint32_t r0 = (uint32_t)i * per, r1 = r0 + per;
         if (r0 > rows) r0 = rows;
         if (r1 > rows || i == threads - 1) r1 = rows;
-        w[i] = (scale_work){fn, W, X, n, r0, r1, y, calls, probe, 0};
+        w[i] = (scale_work){{fn, W, X, n, r0, r1, y, calls}, probe, 0};
     }
     const double t = smoe_now();
     for (int i = 1; i < threads; i++) pthread_create(&tid[i], NULL, scale_main_thread, &w[i]);
