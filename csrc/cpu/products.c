@@ -46,9 +46,9 @@ static void linear_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
 enum { ROW_GRAIN = 16 };
 
 /* Several products in one pool run: part i is W[i] on its own n[i] rows of input (f32 x[i] or codes
- * qx[i]) into y[i]. Its panels of ROW_GRAIN rows are w[i] items each of the run (w: the part's cost
- * a panel, its tokens; so the threads' even shares of items are even shares of work), after the
- * previous parts' items. Which thread computes a row never changes its value (kernels.h), so one
+ * qx[i]) into y[i]. Its panels of ROW_GRAIN rows are per[i] items each of the run (per: the part's
+ * cost a panel, its tokens; so the threads' even shares of items are even shares of work), after
+ * the previous parts' items. Which thread computes a row never changes its value (kernels.h), so one
  * run gives each part the bits it would get alone, with one wake-up and one barrier instead of
  * one per product. */
 enum { MAX_PARTS = 2 * CPU_BATCH_EXPERTS };
