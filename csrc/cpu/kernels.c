@@ -171,9 +171,7 @@ void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *
         const uint32_t rest = n - na;
         if (smoe_avx512_amx_matmul_rows_qx(W, w, X, na, y, ldy, r0, r1)) {
             if (rest) {
-                const smoe_qx_size z = smoe_qx_sizes(X->cols, X->wformat, X->group);
-                const smoe_qx Xr = {(const uint8_t *)X->codes + (size_t)na * z.code_bytes, X->d + (size_t)na * z.d_floats,
-                                    X->gsum + (size_t)na * z.gsum_floats, X->cols, X->group, X->wformat, NULL};
+                const smoe_qx Xr = smoe_qx_from(X, na);
                 smoe_matmul_rows_qx(W, w, &Xr, rest, y + (size_t)na * ldy, ldy, r0, r1);
             }
             return;

@@ -51,6 +51,13 @@ smoe_qx_size smoe_qx_sizes(uint32_t cols, uint8_t wformat, uint32_t group);
 void smoe_qx_prepare(const float *x, size_t ldx, uint32_t n, uint32_t cols, uint8_t wformat, uint32_t group,
                      void *codes, float *d, float *gsum);
 
+/* X's tokens from t0 on, a view of its arrays (without packed tiles: those are X's whole) */
+static inline smoe_qx smoe_qx_from(const smoe_qx *X, uint32_t t0) {
+    const smoe_qx_size z = smoe_qx_sizes(X->cols, X->wformat, X->group);
+    return (smoe_qx){(const uint8_t *)X->codes + (size_t)t0 * z.code_bytes, X->d + (size_t)t0 * z.d_floats,
+                     X->gsum + (size_t)t0 * z.gsum_floats, X->cols, X->group, X->wformat, NULL};
+}
+
 /* Whether W's products take 8-bit activation codes: q8, q4 and the GGML block formats that
  * ggml_blocks.h gives an integer form (all but F16, whose products take f32 inputs); and
  * the group those codes' sums are made for (the GGML formats take the codes of q4 with group 32). */

@@ -26,7 +26,7 @@
  *  - B (codes): per tile of 16 tokens and block, 8 rows of 64 bytes, VNNI-packed: row kk holds
  *    4 codes of each token (K positions 4kk … 4kk + 3, in A's column order), the token's dword
  *    at 4n. A token tile's packed form: B of its blocks, then their d (block, 16 tokens), then its
- *    group sums (group, 16 tokens); tokens past n zeros (amx_tile_bytes a tile).
+ *    group sums (group, 16 tokens); tokens past n zeros (amx_shape's `tile` bytes a tile).
  *  - C: 16 rows × 16 tokens of int32, stored to the stack and read back a row at a time.
  * Tiles: tmm0, tmm1 C; tmm2, tmm3 A; tmm4, tmm5 B (two blocks in flight). The tile state is
  * configured at each call's start and released at its end (so a thread's context switches save

@@ -205,6 +205,11 @@ static void pack_tiles(cpu_state *s, smoe_qx *const *qx, const uint32_t *n, uint
     for (uint32_t j = 0; j < k; j++) qx[j]->tiles = buf[j];
 }
 
+/* The session's code planes as codes of cols columns made for (format, group), from row 0 */
+static smoe_qx planes_qx(const cpu_state *s, uint32_t cols, uint32_t group, uint8_t format) {
+    return (smoe_qx){s->qx_codes, s->qx_d, s->qx_gsum, cols, group, format, NULL};
+}
+
 /* x (n, W.cols) as the 8-bit codes W's product takes, prepared in the session's planes unless
  * they hold them already (and packed for the AMX kernel where it takes them); NULL when W
  * multiplies f32 inputs (f32/bf16 weights, or float_activations). */
@@ -215,7 +220,7 @@ static const smoe_qx *prepare(cpu_state *s, const smoe_tensor *W, const float *x
     if (pl->x != x || !smoe_qx_shared(pl->W, W)) {
         qx_prepare(s, x, W->cols, n, W->cols, W->format, G);
         SMOE_PROF_LAP(SMOE_P_QX);
-        *pl = (qx_planes){x, W, {s->qx_codes, s->qx_d, s->qx_gsum, W->cols, G, W->format, NULL}};
+        *pl = (qx_planes){x, W, planes_qx(s, W->cols, G, W->format)};
         smoe_qx *q = &pl->qx;
         pack_tiles(s, &q, &n, 1);
     }
@@ -515,15 +520,10 @@ static void run_experts(cpu_state *s, const smoe_union *un, const uint32_t *p, u
     }
 
     const uint32_t gG = smoe_qx_group(g), dG = smoe_qx_group(d);
-    smoe_qx_size z = {0};
     if (codes) {
-        z = smoe_qx_sizes(H, g->format, gG);
         qx_prepare_rows(s, src, H, src_of, src_n, H, g->format, gG);
-        for (uint32_t k = 0; k < m; k++) {
-            const uint32_t t = src_row[k];
-            qx[k] = (smoe_qx){(const uint8_t *)s->qx_codes + t * z.code_bytes, s->qx_d + t * z.d_floats,
-                              s->qx_gsum + t * z.gsum_floats, H, gG, g->format, NULL};
-        }
+        const smoe_qx all = planes_qx(s, H, gG, g->format);
+        for (uint32_t k = 0; k < m; k++) qx[k] = smoe_qx_from(&all, src_row[k]);
         pack_tiles(s, qxp, cnt, m);
         SMOE_PROF_LAP(SMOE_P_QX);
     }
@@ -551,13 +551,9 @@ static void run_experts(cpu_state *s, const smoe_union *un, const uint32_t *p, u
 
     const bool dcodes = !s->float_activations && smoe_qx_takes(d);
     if (dcodes) {
-        z = smoe_qx_sizes(I, d->format, dG);
         qx_prepare(s, s->h, I, R, I, d->format, dG);
-        for (uint32_t k = 0; k < m; k++) {
-            const uint32_t f0 = first[k];
-            qx[k] = (smoe_qx){(const uint8_t *)s->qx_codes + f0 * z.code_bytes, s->qx_d + f0 * z.d_floats,
-                              s->qx_gsum + f0 * z.gsum_floats, I, dG, d->format, NULL};
-        }
+        const smoe_qx all = planes_qx(s, I, dG, d->format);
+        for (uint32_t k = 0; k < m; k++) qx[k] = smoe_qx_from(&all, first[k]);
         pack_tiles(s, qxp, cnt, m);
         SMOE_PROF_LAP(SMOE_P_QX);
     }
