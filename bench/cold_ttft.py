@@ -26,7 +26,10 @@ lm_head read beside the first pass, vault.c) — over the best rate of all of th
 engine's own runs (bytes read / TTFT): no run can beat it. That best rate is the largest of many
 samples, most of them 256 MiB of the sweep, on a disk whose rate moves by ±20 % within minutes;
 so beside it the ratio to a like-for-like floor: the same bytes at the median rate of the fastest
-whole-union pattern, read in the same repeats as the engine's runs (/rd med). --compute-floor adds
+whole-union pattern, read in the same repeats as the engine's runs (/rd med); and the ratio paired
+repeat by repeat (/rep fl): each run's TTFT over its bytes at the best rate seen in its own repeat
+(its own and the whole-union patterns' reads, minutes apart at most), the median of those — the
+disk's swings between repeats then cancel instead of setting the floor. --compute-floor adds
 a warm worker per length whose cache holds every expert (one prefill, then the timed one): TTFT /
 max(I/O floor, compute floor) is then reported beside TTFT / I/O floor.
 """
@@ -269,10 +272,17 @@ def main() -> int:
                 io_fl = min([(ub + db) / (best[0] * 1e9)] + t)
                 fl_s = max(io_fl, fl) if cf else io_fl
                 rd = med[med_p] * (ub + db) / ub if med_p else None
+                # paired: each run against the best rate of its own repeat (its own read included)
+                paired = []
+                for x in xs:
+                    rate = max([x["bytes_read"] / x["ttft_s"] / 1e9]
+                               + [f["gbps"] for fs in fl_runs.values() for f in fs if f["rep"] == x["rep"]])
+                    paired.append(x["ttft_s"] / min((ub + db) / (rate * 1e9), x["ttft_s"]))
                 row[name] = {"ttft_s": statistics.median(t), "min": min(t), "max": max(t), "deferred_bytes": db,
                              "io_floor_s": io_fl, "over_io_floor": statistics.median(t) / io_fl,
                              "over_floor": statistics.median(t) / fl_s,
                              "union_read_s": rd, "over_union_read": statistics.median(t) / rd if rd else None,
+                             "over_rep_floor": statistics.median(paired),
                              "open_s": statistics.median([x["open_s"] for x in xs]),
                              "load_plus_ttft_s": statistics.median([x["open_s"] + x["session_s"] + x["ttft_s"]
                                                                     for x in xs]),
@@ -286,7 +296,7 @@ def main() -> int:
     print(f"\n{rec['machine'].get('cpu_model')}, {rec['machine']['cpus']} CPUs; load {rec['loadavg_before']} -> "
           f"{rec['loadavg_after']}; threads {a.threads}; median of {a.repeats} (min-max); a fresh process per run")
     hdr = (f"{'tokens':>6} {'cache':>5} {'MiB':>9} {'I/O fl s':>8} {'GB/s':>5} {'comp fl':>7} {'setting':<12} "
-           f"{'TTFT s':>20} {'/I/O fl':>7} {'/floor':>6} {'/rd med':>7} {'io_wait':>7} {'open s':>6} {'requests':>8}")
+           f"{'TTFT s':>20} {'/I/O fl':>7} {'/floor':>6} {'/rd med':>7} {'/rep fl':>7} {'io_wait':>7} {'open s':>6} {'requests':>8}")
     print(hdr)
     print("-" * len(hdr))
     for row in rec["rows"]:
@@ -297,11 +307,12 @@ def main() -> int:
             print(f"{row['n']:>6} {row['cache_frac']:>5.0%} {(row['union_bytes'] + x['deferred_bytes']) / MiB:>9,.0f} "
                   f"{x['io_floor_s']:>8.2f} {row['floor_gbps']:>5.2f} {(f'{cf:.2f}' if cf else '-'):>7} {name:<12} "
                   f"{x['ttft_s']:>6.2f} ({x['min']:.2f}-{x['max']:.2f}) {x['over_io_floor']:>7.2f} "
-                  f"{x['over_floor']:>6.2f} {(f'{rd:.2f}' if rd else '-'):>7} {x['io_wait_s']:>7.2f} {x['open_s']:>6.2f} "
+                  f"{x['over_floor']:>6.2f} {(f'{rd:.2f}' if rd else '-'):>7} {x['over_rep_floor']:>7.2f} {x['io_wait_s']:>7.2f} {x['open_s']:>6.2f} "
                   f"{x['read_requests']:>8.0f}")
     print("MiB: the prompt's union of expert blobs and the dense bytes the open left to the pass (a deferred "
           "lm_head); I/O fl: those at the best rate seen; /rd med: TTFT over their time at the median rate of "
-          "the fastest whole-union read pattern, alternated with the runs")
+          "the fastest whole-union read pattern, alternated with the runs; /rep fl: the median over the runs of "
+          "TTFT over those bytes at the best rate seen in the run's own repeat")
     for row in rec["rows"]:
         print(f"{row['n']:>6} tokens, cache {row['cache_frac']:.0%}: I/O floor set by {row['floor_set_by']}; "
               f"whole-union read {row['union_read_by']}, median {row['union_read_s'] or 0:.2f} s")
