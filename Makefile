@@ -82,7 +82,11 @@ else
   LIBNAME   := libsmoe.so
   LIBSONAME := libsmoe.so.$(ABI)
   LIBREAL   := libsmoe.so.$(SOVERSION)
-  SHARED     = -shared -Wl,-soname,$(LIBSONAME)
+  # -z nodelete: a host that unloads the library (dlclose; cffi's and ctypes' libraries at the
+  # interpreter's exit) must not unmap code that the vault's reader, the streamer's or the pool's
+  # threads still run (a segfault at exit otherwise). On macOS the Objective-C (Metal) image is
+  # never unloaded.
+  SHARED     = -shared -Wl,-soname,$(LIBSONAME) -Wl,-z,nodelete
   BUILD_ID  :=
   HERE      := $$ORIGIN
 endif

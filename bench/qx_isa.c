@@ -8,6 +8,7 @@
  *   build/qx_isa mv [q4|q8 [group [MiB]]]   (one token, every instance: matvec_main below)
  *   build/qx_isa amx [q4|q8 [group]]         (batches: AVX512-VNNI against AMX, amx_main below)
  *   build/qx_isa scale [MAX_THREADS]          (1 … MAX_THREADS threads on one product: scale_main below)
+ *   build/qx_isa rate                         (every instance this CPU runs, one thread: rate_main below)
  *
  * Shapes: n = 1 on 32768 × 2048 (32 MiB of q4 codes: the weights stream from memory, as decode
  * reads its experts), n = 2, 4, 8 and 64 on 768 × 2048 (an a3b expert's gate; the batched product
@@ -519,7 +520,65 @@ static int scale_main(int max_threads) {
     return 0;
 }
 
+/* One thread, each instance this CPU runs (AVX2 plain; AVX2 with AVX-VNNI, AVX-512 and AMX where
+ * present) on the products of an a3b prefill: q8 4096 × 2048 (q, the dense projections) at 256, 45
+ * and 16 tokens; q4 768 × 2048 (an expert's gate) at 16, 4 and 2. G multiply-adds a second (rows ×
+ * cols × n over the median time of a call), so that a kernel can be set against the CPU's peak. */
+static int rate_main(void) {
+    typedef struct {
+        const char *name;
+        qx_fn fn;
+    } inst;
+    inst is[5];
+    int ni = 0;
+    is[ni++] = (inst){"avx2", smoe_avx2_matmul_rows_qx_plain};
+    if (smoe_avx2_qx_vnni()) is[ni++] = (inst){"avx2+avx-vnni", smoe_avx2_matmul_rows_qx_vnni};
+#if SMOE_HAVE_AVX512
+    const unsigned a512 = smoe_cpu_avx512_hw();
+    if (a512 & SMOE_CPU_AVX512VNNI)
+        is[ni++] = (inst){"avx512vnni", smoe_avx512_matmul_rows_qx_vnni};
+    else if (a512 & SMOE_CPU_AVX512)
+        is[ni++] = (inst){"avx512", smoe_avx512_matmul_rows_qx_bw};
+#if SMOE_HAVE_AMX
+    if (smoe_cpu_amx()) is[ni++] = (inst){"amx", smoe_avx512_amx_matmul_rows_qx};
+#endif
+#endif
+    static const struct {
+        uint8_t format;
+        uint32_t rows, cols, n;
+    } cases[] = {{SMOE_FMT_Q8, 4096, 2048, 256}, {SMOE_FMT_Q8, 4096, 2048, 45}, {SMOE_FMT_Q8, 4096, 2048, 16},
+                 {SMOE_FMT_Q4, 768, 2048, 16},   {SMOE_FMT_Q4, 768, 2048, 4},   {SMOE_FMT_Q4, 768, 2048, 2}};
+    printf("one thread; G multiply-adds a second (median of %d reps, wall clock); group 64, f16 scales\n", REPS);
+    printf("%-22s", "product");
+    for (int i = 0; i < ni; i++) printf(" %14s", is[i].name);
+    printf("\n");
+    for (size_t k = 0; k < sizeof cases / sizeof *cases; k++) {
+        qx_case c = make_case(cases[k].format, 64, cases[k].rows, cases[k].cols, cases[k].n);
+        float *y = malloc(sizeof(float) * cases[k].rows * cases[k].n);
+        char name[64];
+        snprintf(name, sizeof name, "%s %ux%u n=%u", cases[k].format == SMOE_FMT_Q8 ? "q8" : "q4", cases[k].rows,
+                 cases[k].cols, cases[k].n);
+        printf("%-22s", name);
+        for (int i = 0; i < ni; i++) {
+            const double one = time_calls(is[i].fn, &c.W, &c.X, cases[k].n, y, 1, 1);
+            int calls = (int)(0.02 / one);
+            if (calls < 1) calls = 1;
+            double t[REPS];
+            for (int r = 0; r < REPS; r++) t[r] = time_calls(is[i].fn, &c.W, &c.X, cases[k].n, y, 1, calls);
+            qsort(t, REPS, sizeof *t, cmp_double);
+            printf(" %14.1f", (double)cases[k].rows * cases[k].cols * cases[k].n / t[REPS / 2] * 1e-9);
+            fflush(stdout);
+        }
+        printf("\n");
+        free(y);
+        free_case(&c);
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "rate") == 0)
+        return rate_main();
     if (argc > 1 && strcmp(argv[1], "amx") == 0)
         return amx_main(argc > 2 && strcmp(argv[2], "q8") == 0 ? SMOE_FMT_Q8 : SMOE_FMT_Q4,
                         argc > 3 ? (uint32_t)atoi(argv[3]) : 64);

@@ -2,8 +2,12 @@
 by page and checked, a damaged page an error that names it and loses nothing."""
 from __future__ import annotations
 
+import os
+import pathlib
 import shutil
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -155,3 +159,29 @@ def test_a_damaged_deferred_lm_head_fails_every_pass_not_the_open(paged_copy, mo
             s.decode(5)
         assert s.position == 0
         assert ("dense", -1, -1, "checksum mismatch") in v.verify()
+
+
+_UNLOAD = r"""
+import ctypes, _ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+vault = ctypes.c_void_p()
+st = lib.smoe_open_vault(sys.argv[2].encode(), ctypes.byref(vault))  # lm_head still arriving
+assert st == 0, st
+_ctypes.dlclose(lib._handle)  # what cffi and ctypes do to a library at the interpreter's exit
+mapped = any(sys.argv[1].rsplit("/", 1)[-1] in line for line in open("/proc/self/maps"))
+print("mapped" if mapped else "unmapped", flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="-z nodelete and /proc/self/maps are Linux's")
+def test_a_host_that_unloads_the_library_keeps_its_threads_alive(make_vault):
+    """A vault left open (its lm_head reader running) in a host that dlcloses the library and
+    exits: the library stays mapped (-z nodelete) instead of unmapping the code its threads run
+    (a segfault at exit before)."""
+    path = make_vault("paged_q8", preset="tiny", seed=3, formats={"embed": "q8"})
+    lib = pathlib.Path(pysmoe.__file__).parent / "libsmoe.so"
+    env = {**os.environ, "SMOE_DENSE_DEFER_MIN": "1"}
+    r = subprocess.run([sys.executable, "-c", _UNLOAD, str(lib), str(path)], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["mapped"]
