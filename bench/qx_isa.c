@@ -513,6 +513,20 @@ static int scale_main(int max_threads) {
         free(y);
         free_case(&c);
     }
+    /* The few-token experts of a short prompt: 64 experts' gates (49152 × 2048 q4, 56 MiB with
+     * scales: from memory) at 1 and 2 tokens, beside the same bytes merely read — how close the
+     * products come to the machine's memory bandwidth at each thread count. */
+    {
+        qx_case c = make_case(SMOE_FMT_Q4, 64, 49152, 2048, 2);
+        float *y = malloc(sizeof(float) * 49152 * 2);
+        printf("(64 experts' gates: %.1f MB each call)\n", c.W.nbytes / 1e6);
+        scale_row("read only, 64 experts' gates", read_only, &c.W, &c.X, 1, y, max_threads, 0);
+        scale_row("q4 64 experts n=1 vnni", smoe_avx512_matmul_rows_qx_vnni, &c.W, &c.X, 1, y, max_threads, 0);
+        scale_row("q4 64 experts n=2 vnni", smoe_avx512_matmul_rows_qx_vnni, &c.W, &c.X, 2, y, max_threads, 0);
+        scale_row("q4 64 experts n=1 avx2", smoe_avx2_matmul_rows_qx, &c.W, &c.X, 1, y, max_threads, 0);
+        free(y);
+        free_case(&c);
+    }
 #else
     (void)max_threads;
     printf("this build has no AVX-512 kernels\n");
