@@ -88,13 +88,18 @@ def _join_cgroup(procs):
 
 def _pysmoe_worker_main(args) -> int:
     """Runs in the child: join the cgroup first, then open the vault and a session with a cache of
-    --cache-bytes (timed as load), then serve one or more runs. The cold mode's pysmoe side."""
+    --cache-bytes (timed as load; < 0: the cache `pysmoe run` would choose here, pysmoe.memory's
+    default under this cgroup's limit), then serve one or more runs. The cold mode's pysmoe side."""
     if args.cgroup_procs:
         _join_cgroup(args.cgroup_procs)
     t0 = time.perf_counter()
     from pysmoe import open_vault
     v = open_vault(args.vault)
-    s = v.session(cache_bytes=args.cache_bytes, threads=args.threads, context=args.ctx)
+    cache = args.cache_bytes
+    if cache < 0:
+        from pysmoe.memory import default_cache_bytes
+        cache = default_cache_bytes(v, args.ctx)
+    s = v.session(cache_bytes=cache, threads=args.threads, context=args.ctx)
     s.clear_cache()
     load_s = time.perf_counter() - t0
 
@@ -110,7 +115,7 @@ def _pysmoe_worker_main(args) -> int:
         rec = pysmoe_run(s, np.array(req["ids"], dtype=np.int32), req.get("decode", 0), req.get("decode_max_s"))
         st = s.stats()
         rec.update(direct_io=st["direct_io"], resident_bytes=st["resident_bytes"], bytes_read=st["bytes_read"],
-                   vm_hwm_bytes=_vm_hwm())
+                   vm_hwm_bytes=_vm_hwm(), cache_bytes=cache)
         reply(rec)
     s.close()
     v.close()
@@ -870,8 +875,11 @@ def mode_cold(vault, gguf, args, log):
         log(f"cold: {info['readahead_note']}")
     cold_llama = [(p, t) for p, t in llama_variants(args)]
 
+    own_cache = args.pysmoe_limit == "own-cache"
+
     def pysmoe_at(limit, ids, tag):
-        return cold_run(limit, lambda procs: PysmoeWorker(vault, cache, args.threads, args.ctx, cgroup_procs=procs,
+        wcache = -1 if own_cache else cache  # -1: the worker's own choice under its limit
+        return cold_run(limit, lambda procs: PysmoeWorker(vault, wcache, args.threads, args.ctx, cgroup_procs=procs,
                                                           verbose=args.verbose), ids, args.decode_tokens, tag,
                         args.decode_max_s)
 
@@ -892,6 +900,9 @@ def mode_cold(vault, gguf, args, log):
         if fit["limit_bytes"] is None:
             log("cold: SKIPPED: pysmoe did not survive a limit of its budget + 4 GiB")
             return {"skipped": "pysmoe killed at every cgroup limit tried", "pysmoe_fit": fit, **info}
+    elif own_cache:
+        fit = {"budget_bytes": budget, "limit_bytes": budget, "extra_bytes": 0, "trials": [],
+               "note": "not searched: pysmoe in the budget itself, with the cache it chooses there"}
     else:
         fit = {"budget_bytes": budget, "limit_bytes": budget, "extra_bytes": 0, "trials": [], "note": "not searched"}
     info["pysmoe_fit"] = fit
@@ -1122,9 +1133,11 @@ def main(argv=None) -> int:
     ap.add_argument("--readahead-kb", default="128,8192", type=lambda s: [int(x) for x in s.split(",") if x],
                     help="cold mode: the block-device read_ahead_kb values to run at (the disk holding the vault and "
                          "GGUF; restored afterwards); the first is the headline")
-    ap.add_argument("--pysmoe-limit", choices=("find", "budget"), default="find",
+    ap.add_argument("--pysmoe-limit", choices=("find", "budget", "own-cache"), default="find",
                     help="cold mode: pysmoe's cgroup limit: the smallest it survives, searched up from its budget "
-                         "(find), or exactly its budget (budget; a kill is then recorded as an error)")
+                         "(find), or exactly its budget (budget; a kill is then recorded as an error), or exactly "
+                         "llama.cpp's and with the cache pysmoe chooses itself within it, as `pysmoe run` does "
+                         "without --cache-mb (own-cache: the same memory for both, pysmoe as a user meets it)")
     ap.add_argument("--ctx", type=int, default=None,
                     help="context of both engines (sizes pysmoe's KV and llama.cpp's; default: 512, or the longest "
                          "prompt + decode tokens + 2 when that is more)")

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+import pysmoe
 from pysmoe.bench import DirectReader, format_table, make_prompt, run_bench
 from pysmoe.cli import main
 
@@ -422,3 +423,26 @@ def test_peer_on_one_gguf_file_for_both_engines(tmp_path):
     res = json.loads(out.read_text())
     assert pathlib.Path(res["vault"]).parent == tmp_path and (pathlib.Path(res["vault"]) / "vault.bin").exists()
     assert res["check"]["positions"] == 12 and res["check"]["corr_median"] > 0.999
+
+
+def test_peer_cold_worker_chooses_its_own_cache(sparse_vault):
+    """--pysmoe-limit own-cache: the cold worker (no cgroup here) given a cache of -1 opens its
+    session with pysmoe.memory's default for the memory it sees, as `pysmoe run` does, and says
+    which; a cache it is given is used as given."""
+    import numpy as np
+    peer = _load("peer")
+    v = pysmoe.open_vault(sparse_vault)
+    blob, every = v.blob_bytes, v.expert_bytes
+    v.close()
+    got = {}
+    for given in (-1, 3 * blob):
+        w = peer.PysmoeWorker(sparse_vault, given, 1, 64)
+        try:
+            rec = w.call(op="run", ids=np.arange(1, 9).tolist(), decode=2)
+        finally:
+            w.close()
+        assert rec["ttft_s"] > 0 and len(rec["tokens"]) == 3
+        got[given] = rec["cache_bytes"]
+    assert got[3 * blob] == 3 * blob
+    # the tiny vault fits any machine's default: every expert (whole blobs)
+    assert got[-1] == every and got[-1] % blob == 0
