@@ -213,24 +213,37 @@ static double mv_time(qx_fn fn, smoe_tensor *W, size_t nw, const smoe_qx *X, flo
     return threads == 2 && w[1].cpu > w[0].cpu ? w[1].cpu : w[0].cpu;
 }
 
-static int matvec_main(uint8_t format, uint32_t G, size_t mib) {
-    const char *cpu = getenv("SMOE_PROF_CPU");
-    mv_cpu = cpu && *cpu && strcmp(cpu, "0") != 0;
-    typedef struct {
-        const char *name;
-        qx_fn fn;
-    } contender;
-    contender c[5];
+typedef struct {
+    const char *name;
+    qx_fn fn;
+} contender;
+
+/* The product's instances this CPU runs, into c (6 at most): AVX2, AVX2 with AVX-VNNI, AVX-512 F+BW
+ * (where `bw`, or where AVX512-VNNI is missing), AVX512-VNNI, and AMX (where `amx`). */
+static int cpu_instances(contender *c, bool bw, bool amx) {
     int nc = 0;
     c[nc++] = (contender){"avx2", smoe_avx2_matmul_rows_qx_plain};
 #if SMOE_HAVE_AVXVNNI
-    if (__builtin_cpu_supports("avxvnni")) c[nc++] = (contender){"avx-vnni", smoe_avx2_matmul_rows_qx_vnni};
+    if (smoe_avx2_qx_vnni()) c[nc++] = (contender){"avx-vnni", smoe_avx2_matmul_rows_qx_vnni};
 #endif
 #if SMOE_HAVE_AVX512
     const unsigned a512 = smoe_cpu_avx512_hw();
-    if (a512 & SMOE_CPU_AVX512) c[nc++] = (contender){"avx512", smoe_avx512_matmul_rows_qx_bw};
+    if ((a512 & SMOE_CPU_AVX512) && (bw || !(a512 & SMOE_CPU_AVX512VNNI)))
+        c[nc++] = (contender){"avx512", smoe_avx512_matmul_rows_qx_bw};
     if (a512 & SMOE_CPU_AVX512VNNI) c[nc++] = (contender){"avx512vnni", smoe_avx512_matmul_rows_qx_vnni};
+#if SMOE_HAVE_AMX
+    if (amx && smoe_cpu_amx()) c[nc++] = (contender){"amx", smoe_avx512_amx_matmul_rows_qx};
 #endif
+#endif
+    (void)amx;
+    return nc;
+}
+
+static int matvec_main(uint8_t format, uint32_t G, size_t mib) {
+    const char *cpu = getenv("SMOE_PROF_CPU");
+    mv_cpu = cpu && *cpu && strcmp(cpu, "0") != 0;
+    contender c[7];
+    int nc = cpu_instances(c, true, false);
     c[nc++] = (contender){"read only", read_only};
     printf("one token (n = 1), format %s, group %u, f16 scales, a pool of %zu MiB of distinct matrices; GB/s of weight "
            "bytes, median of %d reps (min-max), %s\n",
@@ -539,24 +552,8 @@ static int scale_main(int max_threads) {
  * and 16 tokens; q4 768 × 2048 (an expert's gate) at 16, 4 and 2. G multiply-adds a second (rows ×
  * cols × n over the median time of a call), so that a kernel can be set against the CPU's peak. */
 static int rate_main(void) {
-    typedef struct {
-        const char *name;
-        qx_fn fn;
-    } inst;
-    inst is[5];
-    int ni = 0;
-    is[ni++] = (inst){"avx2", smoe_avx2_matmul_rows_qx_plain};
-    if (smoe_avx2_qx_vnni()) is[ni++] = (inst){"avx2+avx-vnni", smoe_avx2_matmul_rows_qx_vnni};
-#if SMOE_HAVE_AVX512
-    const unsigned a512 = smoe_cpu_avx512_hw();
-    if (a512 & SMOE_CPU_AVX512VNNI)
-        is[ni++] = (inst){"avx512vnni", smoe_avx512_matmul_rows_qx_vnni};
-    else if (a512 & SMOE_CPU_AVX512)
-        is[ni++] = (inst){"avx512", smoe_avx512_matmul_rows_qx_bw};
-#if SMOE_HAVE_AMX
-    if (smoe_cpu_amx()) is[ni++] = (inst){"amx", smoe_avx512_amx_matmul_rows_qx};
-#endif
-#endif
+    contender is[6];
+    const int ni = cpu_instances(is, false, true);
     static const struct {
         uint8_t format;
         uint32_t rows, cols, n;
