@@ -934,6 +934,7 @@ def mode_cold(vault, gguf, args, log):
                 ps = res_ra[n]["pysmoe"]
                 ps["direct_io"] = all(r.get("direct_io") for r in runs["pysmoe"] if "error" not in r)
                 ps["limit_mib"] = plimit / MiB
+                ps["cache_mib"] = [r["cache_bytes"] / MiB for r in runs["pysmoe"] if "cache_bytes" in r]
                 for c in contenders:
                     tgt = ps if c == "pysmoe" else res_ra[n]["llama.cpp_variants"][c]
                     tgt["cgroup_peak_mib"] = max((r.get("cgroup_peak_bytes") or 0) for r in runs[c]) / MiB
