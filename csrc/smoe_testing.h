@@ -27,6 +27,12 @@ SMOE_API smoe_status smoe_session_read_kv(const smoe_session *session, uint32_t 
 SMOE_API smoe_status smoe_memory_available_at(const char *meminfo, const char *proc_cgroup, const char *cgroup_root,
                                               uint64_t *bytes, char *where, size_t cap);
 
+/* Adds delta to the bytes smoe_memory_available holds back as promised but not yet in use (a
+ * vault's lm_head still being read beside the first pass: its pages are not yet counted by
+ * MemAvailable or the cgroup) and returns the new total. The library adds and removes its own;
+ * tests add theirs to see smoe_memory_available move. */
+SMOE_API uint64_t smoe_memory_promised(int64_t delta);
+
 #ifdef __cplusplus
 }
 #endif

@@ -4,6 +4,7 @@
 #include "smoe_testing.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -242,8 +243,21 @@ smoe_status smoe_memory_available_at(const char *meminfo, const char *proc_cgrou
     return SMOE_OK;
 }
 
+/* Memory already promised and not yet touched: a deferred lm_head's buffer before its read lands
+ * (vault.c). A session sized right after the open would otherwise count it as free. */
+static _Atomic uint64_t promised;
+
+uint64_t smoe_memory_promised(int64_t delta) {
+    if (delta >= 0) return atomic_fetch_add(&promised, (uint64_t)delta) + (uint64_t)delta;
+    return atomic_fetch_sub(&promised, (uint64_t)-delta) - (uint64_t)-delta;
+}
+
 smoe_status smoe_memory_available(uint64_t *bytes, char *where, size_t cap) {
-    return smoe_memory_available_at("/proc/meminfo", "/proc/self/cgroup", "/sys/fs/cgroup", bytes, where, cap);
+    const smoe_status st =
+        smoe_memory_available_at("/proc/meminfo", "/proc/self/cgroup", "/sys/fs/cgroup", bytes, where, cap);
+    const uint64_t p = atomic_load(&promised);
+    if (st == SMOE_OK) *bytes = *bytes > p ? *bytes - p : 0;
+    return st;
 }
 
 /* A decode step reads every weight it uses once, ~0.7 GB for a3b cut to 8 layers: on 4 KiB pages that

@@ -1385,6 +1385,7 @@ static int read_spans(int fd, uint8_t *buf, uint64_t off, uint64_t n, const uint
 }
 
 static void dense_settle(smoe_vault *v, smoe_status err, const char *msg) {
+    smoe_memory_promised(-(int64_t)(v->defer_hi - v->defer_lo)); /* its pages are in (or never will be) */
     pthread_mutex_lock(&v->dense_mu);
     v->dense_err = err;
     if (err) snprintf(v->dense_msg, sizeof v->dense_msg, "%s", msg);
@@ -1500,6 +1501,7 @@ static smoe_status load(smoe_vault *v, int fd) {
         const int e = read_spans(fd, v->dense, L->dense_offset, held, span, 2, DENSE_LANES);
         if (e) return dense_read_failed(path, held, L->dense_offset, e);
         v->defer_lo = lo, v->defer_hi = hi;
+        smoe_memory_promised((int64_t)(hi - lo)); /* until dense_settle: not free for a cache sized now */
         if (pthread_create(&v->dense_th, NULL, deferred_main, v) == 0) {
             v->dense_th_live = true;
             return SMOE_OK;

@@ -189,4 +189,5 @@ smoe_status smoe_session_read_kv(const smoe_session *session, uint32_t layer, ui
 uint32_t n, float *k, float *v);
 smoe_status smoe_memory_available_at(const char *meminfo, const char *proc_cgroup, const char *cgroup_root,
 uint64_t *bytes, char *where, size_t cap);
+uint64_t smoe_memory_promised(int64_t delta);
 """
