@@ -7,7 +7,8 @@ experts (about 2x slower decode than with a cache). The default is
         max(one token's experts, FRACTION x (available memory - KV cache - planes)))
 
 rounded down to whole blobs. "Available" is measured after the vault is open, so the dense
-weights are already out of it: Linux's MemAvailable (free memory plus what the kernel can
+weights are already out of it (an lm_head still being read beside the first pass too: the library
+holds its bytes back until they land): Linux's MemAvailable (free memory plus what the kernel can
 reclaim), or less where the process's memory cgroup (a container's limit, a systemd unit's
 MemoryMax) leaves less; elsewhere half the physical memory. Direct I/O bypasses the page cache,
 so blobs do not also sit there. FRACTION leaves the rest to the user's other programs.
