@@ -3,7 +3,6 @@ by page and checked, a damaged page an error that names it and loses nothing."""
 from __future__ import annotations
 
 import os
-import pathlib
 import shutil
 import struct
 import subprocess
@@ -179,7 +178,7 @@ def test_a_host_that_unloads_the_library_keeps_its_threads_alive(make_vault):
     exits: the library stays mapped (-z nodelete) instead of unmapping the code its threads run
     (a segfault at exit before)."""
     path = make_vault("paged_q8", preset="tiny", seed=3, formats={"embed": "q8"})
-    lib = pathlib.Path(pysmoe.__file__).parent / "libsmoe.so"
+    from pysmoe._ffi import LIB_PATH as lib  # the build under test (SMOE_LIB under `make asan`)
     env = {**os.environ, "SMOE_DENSE_DEFER_MIN": "1"}
     r = subprocess.run([sys.executable, "-c", _UNLOAD, str(lib), str(path)], capture_output=True, text=True,
                        env=env, timeout=120)
