@@ -876,9 +876,9 @@ def mode_cold(vault, gguf, args, log):
     cold_llama = [(p, t) for p, t in llama_variants(args)]
 
     own_cache = args.pysmoe_limit == "own-cache"
+    wcache = -1 if own_cache else cache  # -1: the worker's own choice under its limit
 
     def pysmoe_at(limit, ids, tag):
-        wcache = -1 if own_cache else cache  # -1: the worker's own choice under its limit
         return cold_run(limit, lambda procs: PysmoeWorker(vault, wcache, args.threads, args.ctx, cgroup_procs=procs,
                                                           verbose=args.verbose), ids, args.decode_tokens, tag,
                         args.decode_max_s)
@@ -900,11 +900,10 @@ def mode_cold(vault, gguf, args, log):
         if fit["limit_bytes"] is None:
             log("cold: SKIPPED: pysmoe did not survive a limit of its budget + 4 GiB")
             return {"skipped": "pysmoe killed at every cgroup limit tried", "pysmoe_fit": fit, **info}
-    elif own_cache:
-        fit = {"budget_bytes": budget, "limit_bytes": budget, "extra_bytes": 0, "trials": [],
-               "note": "not searched: pysmoe in the budget itself, with the cache it chooses there"}
     else:
-        fit = {"budget_bytes": budget, "limit_bytes": budget, "extra_bytes": 0, "trials": [], "note": "not searched"}
+        fit = {"budget_bytes": budget, "limit_bytes": budget, "extra_bytes": 0, "trials": [],
+               "note": "not searched" + (": pysmoe in the budget itself, with the cache it chooses there"
+                                         if own_cache else "")}
     info["pysmoe_fit"] = fit
     plimit = fit["limit_bytes"]
     log(f"cold: pysmoe runs in a cgroup of {plimit / MiB:,.1f} MiB (its budget + {fit['extra_bytes'] / MiB:,.1f} MiB), "
