@@ -38,10 +38,11 @@
  *    then holds, for row s/2, the sum of quarter Q of pair s%2: the block (unit 2(s%2) + Q/2,
  *    block Q%2), whose reference lane is CMAP below.
  *
- * One token (n = 1) has its own path, the matrix-vector product (qx_matvec): one row at a time,
- * read in place and prefetched into L2 AHEAD_BYTES on, two groups of 4 units per 16-lane register of
- * integer sums, whose halves go into the one 8-lane fma chain in turn (kernels.c says on which
- * CPUs decode takes it rather than the AVX2 one).
+ * One token (n = 1) and a few (up to FEW_N4 / FEW_N8) have their own path (qx_rows_few): one row at
+ * a time, read in place and prefetched into L2 AHEAD_BYTES on, its weights loaded once per pass of up
+ * to TB tokens, two groups of 4 units per 16-lane register of integer sums, whose halves go into
+ * each token's one 8-lane fma chain in turn (kernels.c says on which CPUs decode takes it rather
+ * than the AVX2 one).
  *
  * Shapes: rows two at a time (an odd last row is computed twice, written once), tokens in
  * register blocks of up to TB, in tiles whose re-laid codes fit XBYTES of stack. Rows of more
@@ -90,7 +91,28 @@ enum {
 #ifndef QX512_BATCH_AHEAD
 #define QX512_BATCH_AHEAD 2 /* rows ahead the batched products prefetch their weights (0: none) */
 #endif
-enum { AHEAD_BYTES = QX512_AHEAD_BYTES, BATCH_AHEAD = QX512_BATCH_AHEAD };
+/* The most tokens the q4 and q8 products take a row at a time (qx_rows_few, as n = 1 is) rather
+   batched, and the bytes of their re-laid codes that path keeps on the stack (bench/RESULTS.md, "A
+   few tokens a row on AVX-512") */
+#ifndef QX512_FEW_N4
+#define QX512_FEW_N4 8
+#endif
+#ifndef QX512_FEW_N8
+#define QX512_FEW_N8 4
+#endif
+#ifndef QX512_FEW_XBYTES
+#define QX512_FEW_XBYTES 65536
+#endif
+enum {
+    AHEAD_BYTES = QX512_AHEAD_BYTES,
+    BATCH_AHEAD = QX512_BATCH_AHEAD,
+    FEW_N4 = QX512_FEW_N4,
+    FEW_N8 = QX512_FEW_N8,
+    FEW_MAX = FEW_N4 > FEW_N8 ? FEW_N4 : FEW_N8,
+    FEW_XBYTES = QX512_FEW_XBYTES,
+};
+_Static_assert(FEW_XBYTES >= MAXU * 64, "the row-at-a-time path takes one token of the widest rows");
+_Static_assert(FEW_MAX >= 1 && FEW_MAX <= 64, "the row-at-a-time path's token arrays");
 
 INLINE bool group_ok(uint32_t G) { return G == 32 || G == 64 || G == 128; }
 

@@ -82,28 +82,40 @@ QX_ATTR static void QX(qx_block_any)(int T, bool q8, const uint8_t *w0, const ui
     }
 }
 
-/* The integer block sums of two groups of 4 units (units 8h .. 8h + 8 of one row; only the first
- * group when !two), in red4's lane order: lane 4Q + s the sum of quarter Q of pair s (pairs 0, 1
- * the first group's, 2, 3 the second's) — so cinv puts them in [first group's reference lanes |
- * second's], as it does a row pair's. Weights read in place (load_w: zeros past rb). */
-QX_INLINE __m512i QX(qx_mv_step)(const bool two, const bool q8, const uint8_t *row, size_t rb, const uint8_t *x,
-                                  uint32_t h) {
+/* The weights of groups of 4 units 2h and 2h + 1 of one row (only the first group when !two), read
+ * in place (load_w: zeros past rb) and made ready for any token's codes: q4 pair s's low nibbles in
+ * lo[s] and high ones in hi[s]; q8 pair s's two 64-column halves. */
+QX_INLINE void QX(qx_mv_load)(const bool two, const bool q8, const uint8_t *row, size_t rb, uint32_t h, __m512i *lo,
+                              __m512i *hi) {
     const __m512i m = _mm512_set1_epi8(0x0f);
+    for (int s = 0; s < (two ? 4 : 2); s++) {
+        const size_t pair = 4 * (size_t)h + (size_t)s; /* 128 columns: q4 64 bytes, q8 128 */
+        if (!q8) {
+            const __m512i v = load_w(row, 64 * pair, rb);
+            lo[s] = _mm512_and_si512(v, m);
+            hi[s] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m);
+        } else {
+            lo[s] = load_w(row, 128 * pair, rb);
+            hi[s] = load_w(row, 128 * pair + 64, rb);
+        }
+    }
+}
+
+/* The integer block sums of those groups (qx_mv_load's weights) against one token's re-laid codes
+ * x, in red4's lane order: lane 4Q + s the sum of quarter Q of pair s (pairs 0, 1 the first group's,
+ * 2, 3 the second's) — so cinv puts them in [first group's reference lanes | second's], as it does
+ * a row pair's. */
+QX_INLINE __m512i QX(qx_mv_dot)(const bool two, const bool q8, const __m512i *lo, const __m512i *hi, const uint8_t *x,
+                                uint32_t h) {
     __m512i p[4];
     for (int s = 0; s < 4; s++) {
         if (!two && s >= 2) {
             p[s] = _mm512_setzero_si512();
             continue;
         }
-        const size_t pair = 4 * (size_t)h + (size_t)s; /* 128 columns: q4 64 bytes, q8 128 */
-        if (!q8) {
-            const __m512i v = load_w(row, 64 * pair, rb);
-            p[s] = QX_Q4(_mm512_and_si512(v, m), _mm512_load_si512(x + 128 * pair),
-                         _mm512_and_si512(_mm512_srli_epi16(v, 4), m), _mm512_load_si512(x + 128 * pair + 64));
-        } else {
-            p[s] = fold(QX_Q8(load_w(row, 128 * pair, rb), _mm512_load_si512(x + 128 * pair)),
-                        QX_Q8(load_w(row, 128 * pair + 64, rb), _mm512_load_si512(x + 128 * pair + 64)));
-        }
+        const size_t pair = 4 * (size_t)h + (size_t)s;
+        const __m512i x0 = _mm512_load_si512(x + 128 * pair), x1 = _mm512_load_si512(x + 128 * pair + 64);
+        p[s] = q8 ? fold(QX_Q8(lo[s], x0), QX_Q8(hi[s], x1)) : QX_Q4(lo[s], x0, hi[s], x1);
     }
     return red4(p[0], p[1], p[2], p[3]);
 }
@@ -121,54 +133,94 @@ QX_INLINE __m512 QX(qx_mv_sigma)(const uint32_t G, const float *s, uint32_t h) {
                                  _mm512_loadu_ps(s + 4 * (size_t)h));
 }
 
-/* One row against one token: tot of kernels_ref.c, its 8 lanes in the reference order, the groups
- * of 4 units two at a time (one 16-lane register of integer sums, whose two halves then go into
- * the same 8-lane fma chain one after the other: the reference's order exactly). The bytes AHEAD_BYTES
- * on are prefetched into L2 as it goes (past the row: the next rows'; a prefetch never faults). */
-QX_INLINE __m256 QX(qx_mv_row)(const bool q8, const uint32_t G, const uint8_t *row, size_t rb, const float *s,
-                               const uint8_t *x, const float *d, uint32_t ngr, __m512i cinv) {
+/* One row against T tokens (xs[j], ds[j]: token j's re-laid codes and its d): tot[j] of
+ * kernels_ref.c, its 8 lanes in the reference order. The groups of 4 units go two at a time (one
+ * 16-lane register of integer sums, whose two halves then go into the same 8-lane fma chain one
+ * after the other: the reference's order exactly); each pair of groups' weights is loaded once for
+ * the T tokens. Where pf, the bytes AHEAD_BYTES on are prefetched into L2 as it goes (past the
+ * row: the next rows'; a prefetch never faults). */
+QX_INLINE void QX(qx_mv_row)(const int T, const bool pf, const bool q8, const uint32_t G, const uint8_t *row, size_t rb,
+                             const float *s, const uint8_t *const *xs, const float *const *ds, uint32_t ngr,
+                             __m512i cinv, __m256 *tot) {
     const size_t step = q8 ? 512 : 256; /* weight bytes of 8 units */
-    __m256 tot = _mm256_setzero_ps();
+    for (int j = 0; j < T; j++) tot[j] = _mm256_setzero_ps();
     uint32_t h = 0;
     for (; 2 * h + 2 <= ngr; h++) {
-        for (size_t b = 0; b < step; b += 64) _mm_prefetch((const char *)row + AHEAD_BYTES + step * h + b, _MM_HINT_T1);
-        const __m512 f = _mm512_permutexvar_ps(cinv, _mm512_cvtepi32_ps(QX(qx_mv_step)(true, q8, row, rb, x, h)));
-        const __m512 sd = _mm512_mul_ps(QX(qx_mv_sigma)(G, s, h), _mm512_loadu_ps(d + 16 * (size_t)h));
-        tot = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm512_castps512_ps256(sd), tot);
-        tot = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)),
-                              _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sd), 1)), tot);
+        if (pf)
+            for (size_t b = 0; b < step; b += 64) _mm_prefetch((const char *)row + AHEAD_BYTES + step * h + b, _MM_HINT_T1);
+        __m512i lo[4], hi[4];
+        QX(qx_mv_load)(true, q8, row, rb, h, lo, hi);
+        const __m512 sig = QX(qx_mv_sigma)(G, s, h);
+        for (int j = 0; j < T; j++) {
+            const __m512 f = _mm512_permutexvar_ps(cinv, _mm512_cvtepi32_ps(QX(qx_mv_dot)(true, q8, lo, hi, xs[j], h)));
+            const __m512 sd = _mm512_mul_ps(sig, _mm512_loadu_ps(ds[j] + 16 * (size_t)h));
+            tot[j] = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm512_castps512_ps256(sd), tot[j]);
+            tot[j] = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(f), 1)),
+                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sd), 1)), tot[j]);
+        }
     }
     if (2 * h < ngr) { /* an odd last group of 4 units: its d alone (no read past the token's) */
-        const __m512 f = _mm512_permutexvar_ps(cinv, _mm512_cvtepi32_ps(QX(qx_mv_step)(false, q8, row, rb, x, h)));
-        const __m256 sd = _mm256_mul_ps(_mm512_castps512_ps256(QX(qx_mv_sigma)(G, s, h)), _mm256_loadu_ps(d + 16 * (size_t)h));
-        tot = _mm256_fmadd_ps(_mm512_castps512_ps256(f), sd, tot);
+        __m512i lo[4], hi[4];
+        QX(qx_mv_load)(false, q8, row, rb, h, lo, hi);
+        const __m256 sig = _mm512_castps512_ps256(QX(qx_mv_sigma)(G, s, h));
+        for (int j = 0; j < T; j++) {
+            const __m512 f = _mm512_permutexvar_ps(cinv, _mm512_cvtepi32_ps(QX(qx_mv_dot)(false, q8, lo, hi, xs[j], h)));
+            tot[j] = _mm256_fmadd_ps(_mm512_castps512_ps256(f), _mm256_mul_ps(sig, _mm256_loadu_ps(ds[j] + 16 * (size_t)h)),
+                                     tot[j]);
+        }
     }
-    return tot;
 }
 
-/* The matrix-vector product (n = 1, decode's): one row at a time (one sequential stream), its
- * codes read in place, the bytes AHEAD_BYTES on prefetched as it goes — the AVX2 matvec's way
- * (kernels_avx2.c says why each) — with x's codes re-laid once per call. The integers are those
- * of the batched path and the fma chain is the reference's, so the bits are the same. */
-QX_ATTR static bool QX(qx_matvec)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, float *y, uint32_t r0,
-                                  uint32_t r1) {
+QX_ATTR static void QX(qx_mv_row_any)(int T, bool pf, bool q8, uint32_t G, const uint8_t *row, size_t rb,
+                                      const float *s, const uint8_t *const *xs, const float *const *ds, uint32_t ngr,
+                                      __m512i cinv, __m256 *tot) {
+    switch (T * 4 + pf * 2 + q8) {
+#define CASE(t, p)                                                                                                     \
+    case t * 4 + p * 2: QX(qx_mv_row)(t, p, false, G, row, rb, s, xs, ds, ngr, cinv, tot); break;                      \
+    case t * 4 + p * 2 + 1: QX(qx_mv_row)(t, p, true, G, row, rb, s, xs, ds, ngr, cinv, tot); break;
+        CASE(1, 1) CASE(2, 1) CASE(3, 1) CASE(4, 1) CASE(1, 0) CASE(2, 0) CASE(3, 0) CASE(4, 0)
+#undef CASE
+    }
+}
+
+/* The matrix-vector product (n = 1, decode's) and the few-token one (n ≤ FEW_N4 / FEW_N8: the
+ * tokens a short prompt routes to one expert): one row at a time (one sequential stream), its codes
+ * read in place once for each pass of up to TB tokens (the row is in L1 for the passes after the
+ * first), the bytes AHEAD_BYTES on prefetched as it goes — the AVX2 matvec's way (kernels_avx2.c
+ * says why each) — with the tokens' codes re-laid once per call. The batched path below re-reads a
+ * pair of rows' weights from L1 per block of tokens too, but prefetches them only a pair of rows on,
+ * too near for weights from memory (bench/RESULTS.md, "A few tokens a row on AVX-512"). The
+ * integers are those of the batched path and each (row, token)'s fma chain is the reference's, so
+ * the bits are the same. The caller keeps n · up · 64 ≤ FEW_XBYTES. */
+QX_ATTR static bool QX(qx_rows_few)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                                    size_t ldy, uint32_t r0, uint32_t r1) {
     const uint32_t G = W->group, cols = W->cols;
     const bool q8 = W->format == SMOE_FMT_Q8;
     const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
     const uint32_t ng = cols / G, ng8 = (ng + 7) & ~7u, up = (uint32_t)z.d_floats / 2, ngr = up / 4;
     const size_t rb = q8 ? cols : cols / 2, sbytes = sf_bytes(W->scale_format);
     const uint8_t *scales = w + W->scales_off, *biases = w + W->biases_off;
-    _Alignas(64) uint8_t xb[MAXU * 64]; /* the token's re-laid codes */
+    _Alignas(64) uint8_t xb[FEW_XBYTES]; /* the tokens' re-laid codes, up · 64 bytes each */
+    const uint8_t *xs[FEW_MAX];
+    const float *ds[FEW_MAX];
     float sv[MAXG + 2 * SPAD], bv[MAXG + 2 * SPAD];
     const __m512i cinv = _mm512_load_si512(cinv_lanes);
-    relayout(xb, X->codes, up, q8);
+    for (uint32_t t = 0; t < n; t++) {
+        relayout(xb + (size_t)t * 64 * up, (const uint8_t *)X->codes + (size_t)t * z.code_bytes, up, q8);
+        xs[t] = xb + (size_t)t * 64 * up;
+        ds[t] = X->d + (size_t)t * z.d_floats;
+    }
     for (uint32_t r = r0; r < r1; r++) {
         load_scales(sv, scales + sbytes * (size_t)r * ng, ng, W->scale_format, 2 * up + SPAD);
         load_scales(bv, biases + sbytes * (size_t)r * ng, ng, W->scale_format, ng8);
         const uint8_t *row = w + (size_t)r * rb;
-        const __m256 tot = q8 ? QX(qx_mv_row)(true, G, row, rb, sv, xb, X->d, ngr, cinv)
-                              : QX(qx_mv_row)(false, G, row, rb, sv, xb, X->d, ngr, cinv);
-        y[r] = hsum8(tot) + bias_dot(bv, X->gsum, ng8);
+        for (uint32_t t = 0; t < n; t += TB) {
+            const uint32_t nb = n - t < TB ? n - t : TB;
+            __m256 tot[TB];
+            QX(qx_mv_row_any)((int)nb, t == 0, q8, G, row, rb, sv, xs + t, ds + t, ngr, cinv, tot);
+            for (uint32_t j = 0; j < nb; j++)
+                y[(t + j) * ldy + r] = hsum8(tot[j]) + bias_dot(bv, X->gsum + (t + j) * z.gsum_floats, ng8);
+        }
     }
     return true;
 }
@@ -177,9 +229,10 @@ QX_ATTR bool QX(smoe_avx512_matmul_rows_qx)(const smoe_tensor *W, const uint8_t 
                                             float *y, size_t ldy, uint32_t r0, uint32_t r1) {
     const uint32_t G = W->group, cols = W->cols;
     if (!group_ok(G) || cols % G || cols > MAXC) return false;
-    if (n == 1) return QX(qx_matvec)(W, w, X, y, r0, r1);
     const bool q8 = W->format == SMOE_FMT_Q8;
     const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
+    if (n == 1 || (n <= (q8 ? FEW_N8 : FEW_N4) && (size_t)n * 64 * (z.d_floats / 2) <= FEW_XBYTES))
+        return QX(qx_rows_few)(W, w, X, n, y, ldy, r0, r1);
     const uint32_t ng = cols / G, ng8 = (ng + 7) & ~7u, up = (uint32_t)z.d_floats / 2, ngr = up / 4;
     const uint32_t upto = 2 * up + SPAD; /* scales read by sigma2 at most, any G */
     const size_t rb = q8 ? cols : cols / 2, sbytes = sf_bytes(W->scale_format);
