@@ -9,7 +9,7 @@
  *   build/qx_isa amx [q4|q8 [group]]         (batches: AVX512-VNNI against AMX, amx_main below)
  *   build/qx_isa scale [MAX_THREADS]          (1 … MAX_THREADS threads on one product: scale_main below)
  *   build/qx_isa rate                         (every instance this CPU runs, one thread: rate_main below)
- *   build/qx_isa few [THREADS]                (n = 1 … 16 from memory, 1 and THREADS threads: few_main below)
+ *   build/qx_isa few [THREADS]                (n = 1 … 16 from memory, batched against row at a time: few_main below)
  *
  * Shapes: n = 1 on 32768 × 2048 (32 MiB of q4 codes: the weights stream from memory, as decode
  * reads its experts), n = 2, 4, 8 and 64 on 768 × 2048 (an a3b expert's gate; the batched product
@@ -592,10 +592,10 @@ static int rate_main(void) {
  * `qx_isa few [THREADS]`: the AVX512-VNNI product at n = 1, 2, 3, 4, 6, 8, 12, 16 on weights that
  * stream from memory — 64 experts' gates (49152 × 2048 q4), their downs (131072 × 768 q4) and 16
  * layers' q8 query projections (32768 × 2048, 64 MiB) — at 1 and THREADS threads (each its share of
- * the rows), as GB/s of weight bytes (codes + scales + biases; median of REPS), beside the same
- * bytes merely read. Which path a given n takes is the build's (QX512_FEW_N4 / QX512_FEW_N8): build
- * twice and run the two alternately to compare. A hash of the outputs closes each line (two builds
- * must print the same). */
+ * the rows), batched against row at a time (smoe_avx512_few_limits 1 and 16), alternated rep by
+ * rep: GB/s of weight bytes (codes + scales + biases; medians of REPS) and the median of the reps'
+ * ratios, row at a time over batched; beside them the same bytes merely read. The two paths'
+ * outputs are compared bit for bit. */
 static int few_main(int threads) {
 #if SMOE_HAVE_AVX512
     if (!(smoe_cpu_avx512_hw() & SMOE_CPU_AVX512VNNI)) {
@@ -612,48 +612,49 @@ static int few_main(int threads) {
     } cases[] = {{SMOE_FMT_Q4, 49152, 2048, "q4 gates 49152x2048"},
                  {SMOE_FMT_Q4, 131072, 768, "q4 downs 131072x768"},
                  {SMOE_FMT_Q8, 32768, 2048, "q8 32768x2048"}};
-#define STR_(x) #x
-#define STR(x) STR_(x)
-#ifdef QX512_FEW_N4
-    const char *few4 = STR(QX512_FEW_N4);
-#else
-    const char *few4 = "default";
-#endif
-#ifdef QX512_FEW_N8
-    const char *few8 = STR(QX512_FEW_N8);
-#else
-    const char *few8 = "default";
-#endif
-#undef STR
-#undef STR_
-    printf("GB/s of weights at 1 / %d threads (median of %d); built with QX512_FEW_N4 %s, QX512_FEW_N8 %s\n", threads,
-           REPS, few4, few8);
+    printf("GB/s of weights (median of %d reps, alternated): batched, row at a time, ratio; 1 | %d threads\n", REPS,
+           threads);
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         qx_case c = make_case(cases[i].format, 64, cases[i].rows, cases[i].cols, NMAX);
-        float *y = malloc(sizeof(float) * cases[i].rows * NMAX);
+        const size_t ny = (size_t)cases[i].rows * NMAX;
+        float *ya = malloc(sizeof(float) * ny), *yb = malloc(sizeof(float) * ny);
         const double gb = (double)c.W.nbytes * 1e-9;
         printf("%-22s read only", cases[i].name);
         for (int T = 1; T <= threads; T = T == threads ? threads + 1 : threads) {
-            const double one = scale_time(read_only, &c.W, &c.X, 1, y, 1, 1, 0);
+            const double one = scale_time(read_only, &c.W, &c.X, 1, ya, 1, 1, 0);
             const int calls = one > 0.03 ? 1 : (int)(0.03 / one);
-            printf(" %7.1f", gb / scale_median(read_only, &c.W, &c.X, 1, y, T, calls * T, 0));
+            printf(" %7.1f%16s", gb / scale_median(read_only, &c.W, &c.X, 1, ya, T, calls * T, 0), "");
         }
         printf("\n");
         for (int k = 0; k < NN; k++) {
             const uint32_t n = ns[k];
             printf("%-22s n=%-6u", cases[i].name, n);
             for (int T = 1; T <= threads; T = T == threads ? threads + 1 : threads) {
-                const double one = scale_time(smoe_avx512_matmul_rows_qx_vnni, &c.W, &c.X, n, y, 1, 1, 0);
-                const int calls = one > 0.03 ? 1 : (int)(0.03 / one);
-                printf(" %7.1f", gb / scale_median(smoe_avx512_matmul_rows_qx_vnni, &c.W, &c.X, n, y, T, calls * T, 0));
+                smoe_avx512_few_limits(1, 1);
+                const double one = scale_time(smoe_avx512_matmul_rows_qx_vnni, &c.W, &c.X, n, ya, 1, 1, 0);
+                const int calls = (one > 0.03 ? 1 : (int)(0.03 / one)) * T;
+                double ta[REPS], tb[REPS], r[REPS];
+                for (int rep = 0; rep < REPS; rep++) {
+                    smoe_avx512_few_limits(1, 1);
+                    ta[rep] = scale_time(smoe_avx512_matmul_rows_qx_vnni, &c.W, &c.X, n, ya, T, calls, 0);
+                    smoe_avx512_few_limits(NMAX, NMAX);
+                    tb[rep] = scale_time(smoe_avx512_matmul_rows_qx_vnni, &c.W, &c.X, n, yb, T, calls, 0);
+                    r[rep] = ta[rep] / tb[rep];
+                }
+                qsort(ta, REPS, sizeof *ta, cmp_double);
+                qsort(tb, REPS, sizeof *tb, cmp_double);
+                qsort(r, REPS, sizeof *r, cmp_double);
+                printf(" %7.1f %7.1f %5.2fx", gb / ta[REPS / 2], gb / tb[REPS / 2], r[REPS / 2]);
                 fflush(stdout);
             }
-            uint64_t h = 1469598103934665603ull;
-            const uint8_t *b = (const uint8_t *)y;
-            for (size_t j = 0; j < sizeof(float) * cases[i].rows * n; j++) h = (h ^ b[j]) * 1099511628211ull;
-            printf("  hash %016llx\n", (unsigned long long)h);
+            smoe_avx512_few_limits(1, 1);
+            smoe_avx512_matmul_rows_qx_vnni(&c.W, c.W.data, &c.X, n, ya, cases[i].rows, 0, cases[i].rows);
+            smoe_avx512_few_limits(NMAX, NMAX);
+            smoe_avx512_matmul_rows_qx_vnni(&c.W, c.W.data, &c.X, n, yb, cases[i].rows, 0, cases[i].rows);
+            printf("  %s\n", memcmp(ya, yb, sizeof(float) * cases[i].rows * n) ? "BITS DIFFER" : "same bits");
         }
-        free(y);
+        free(ya);
+        free(yb);
         free_case(&c);
     }
 #else

@@ -140,7 +140,8 @@ def test_kernels(build, variant):
         flags = _cpu_flags()
         has512 = {"avx512f", "avx512bw", "avx512vl"} <= flags
         for name, present in (("avx2", True), ("avx-vnni", "avx_vnni" in flags), ("avx512", has512),
-                              ("avx512vnni", has512 and "avx512_vnni" in flags),
+                              ("avx512vnni", has512 and "avx512_vnni" in flags), ("avx512-few", has512),
+                              ("avx512vnni-few", has512 and "avx512_vnni" in flags),
                               ("amx", has512 and {"amx_tile", "amx_int8"} <= flags),
                               ("amx-packed", has512 and {"amx_tile", "amx_int8"} <= flags)):
             assert f"qx instance {name}: {'checked' if present else 'skipped'}" in out, out
@@ -164,6 +165,7 @@ def test_kernels_avx512_logic_emulated(build):
     out = run(build("test_kernels", "avx512emu"))
     assert "test_kernels: ok" in out
     assert "qx instance avx512: checked" in out and "qx instance avx512vnni: checked" in out, out
+    assert "qx instance avx512-few: checked" in out and "qx instance avx512vnni-few: checked" in out, out
     assert "qx instance amx: checked" in out and "qx instance amx-packed: checked" in out, out
 
 

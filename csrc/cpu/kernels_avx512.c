@@ -38,7 +38,7 @@
  *    then holds, for row s/2, the sum of quarter Q of pair s%2: the block (unit 2(s%2) + Q/2,
  *    block Q%2), whose reference lane is CMAP below.
  *
- * One token (n = 1) and a few (up to FEW_N4 / FEW_N8) have their own path (qx_rows_few): one row at
+ * One token (n = 1) and a few (few_path) have their own path (qx_rows_few): one row at
  * a time, read in place and prefetched into L2 AHEAD_BYTES on, its weights loaded once per pass of up
  * to TB tokens, two groups of 4 units per 16-lane register of integer sums, whose halves go into
  * each token's one 8-lane fma chain in turn (kernels.c says on which CPUs decode takes it rather
@@ -57,6 +57,7 @@
 
 #if SMOE_HAVE_AVX512
 
+#include <stdatomic.h>
 #include <string.h>
 
 #ifndef SMOE_AVX512_EMULATE
@@ -92,8 +93,8 @@ enum {
 #define QX512_BATCH_AHEAD 2 /* rows ahead the batched products prefetch their weights (0: none) */
 #endif
 /* The most tokens the q4 and q8 products take a row at a time (qx_rows_few, as n = 1 is) rather
-   batched, and the bytes of their re-laid codes that path keeps on the stack (bench/RESULTS.md, "A
-   few tokens a row on AVX-512") */
+   batched, at start (smoe_avx512_few_limits changes them), and the bytes of their re-laid codes
+   that path keeps on the stack (bench/RESULTS.md, "A few tokens a row on AVX-512") */
 #ifndef QX512_FEW_N4
 #define QX512_FEW_N4 8
 #endif
@@ -106,13 +107,25 @@ enum {
 enum {
     AHEAD_BYTES = QX512_AHEAD_BYTES,
     BATCH_AHEAD = QX512_BATCH_AHEAD,
-    FEW_N4 = QX512_FEW_N4,
-    FEW_N8 = QX512_FEW_N8,
-    FEW_MAX = FEW_N4 > FEW_N8 ? FEW_N4 : FEW_N8,
+    FEW_MAX = 16, /* the most tokens qx_rows_few takes (its arrays) */
     FEW_XBYTES = QX512_FEW_XBYTES,
 };
 _Static_assert(FEW_XBYTES >= MAXU * 64, "the row-at-a-time path takes one token of the widest rows");
-_Static_assert(FEW_MAX >= 1 && FEW_MAX <= 64, "the row-at-a-time path's token arrays");
+_Static_assert(QX512_FEW_N4 >= 1 && QX512_FEW_N4 <= FEW_MAX && QX512_FEW_N8 >= 1 && QX512_FEW_N8 <= FEW_MAX,
+               "the row-at-a-time path's token limits");
+
+static _Atomic uint32_t few_n4 = QX512_FEW_N4, few_n8 = QX512_FEW_N8;
+
+void smoe_avx512_few_limits(uint32_t n4, uint32_t n8) {
+    atomic_store_explicit(&few_n4, n4 == 0 ? QX512_FEW_N4 : n4 > FEW_MAX ? FEW_MAX : n4, memory_order_relaxed);
+    atomic_store_explicit(&few_n8, n8 == 0 ? QX512_FEW_N8 : n8 > FEW_MAX ? FEW_MAX : n8, memory_order_relaxed);
+}
+
+/* whether n tokens of a q4 (q8) product with `up` units a row take the row-at-a-time path */
+static inline bool few_path(uint32_t n, bool q8, uint32_t up) {
+    const uint32_t lim = atomic_load_explicit(q8 ? &few_n8 : &few_n4, memory_order_relaxed);
+    return n == 1 || (n <= lim && (size_t)n * 64 * up <= FEW_XBYTES);
+}
 
 INLINE bool group_ok(uint32_t G) { return G == 32 || G == 64 || G == 128; }
 

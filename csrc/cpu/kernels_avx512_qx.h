@@ -183,15 +183,15 @@ QX_ATTR static void QX(qx_mv_row_any)(int T, bool pf, bool q8, uint32_t G, const
     }
 }
 
-/* The matrix-vector product (n = 1, decode's) and the few-token one (n ≤ FEW_N4 / FEW_N8: the
- * tokens a short prompt routes to one expert): one row at a time (one sequential stream), its codes
+/* The matrix-vector product (n = 1, decode's) and the few-token one (few_path: the tokens a short
+ * prompt routes to one expert): one row at a time (one sequential stream), its codes
  * read in place once for each pass of up to TB tokens (the row is in L1 for the passes after the
  * first), the bytes AHEAD_BYTES on prefetched as it goes — the AVX2 matvec's way (kernels_avx2.c
  * says why each) — with the tokens' codes re-laid once per call. The batched path below re-reads a
  * pair of rows' weights from L1 per block of tokens too, but prefetches them only a pair of rows on,
  * too near for weights from memory (bench/RESULTS.md, "A few tokens a row on AVX-512"). The
  * integers are those of the batched path and each (row, token)'s fma chain is the reference's, so
- * the bits are the same. The caller keeps n · up · 64 ≤ FEW_XBYTES. */
+ * the bits are the same. The caller keeps n ≤ FEW_MAX and n · up · 64 ≤ FEW_XBYTES. */
 QX_ATTR static bool QX(qx_rows_few)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                                     size_t ldy, uint32_t r0, uint32_t r1) {
     const uint32_t G = W->group, cols = W->cols;
@@ -231,7 +231,7 @@ QX_ATTR bool QX(smoe_avx512_matmul_rows_qx)(const smoe_tensor *W, const uint8_t 
     if (!group_ok(G) || cols % G || cols > MAXC) return false;
     const bool q8 = W->format == SMOE_FMT_Q8;
     const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
-    if (n == 1 || (n <= (q8 ? FEW_N8 : FEW_N4) && (size_t)n * 64 * (z.d_floats / 2) <= FEW_XBYTES))
+    if (few_path(n, q8, (uint32_t)z.d_floats / 2))
         return QX(qx_rows_few)(W, w, X, n, y, ldy, r0, r1);
     const uint32_t ng = cols / G, ng8 = (ng + 7) & ~7u, up = (uint32_t)z.d_floats / 2, ngr = up / 4;
     const uint32_t upto = 2 * up + SPAD; /* scales read by sigma2 at most, any G */

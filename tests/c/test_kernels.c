@@ -1082,6 +1082,25 @@ static void test_groups(void) {
 typedef bool (*qx_instance)(const smoe_tensor *, const uint8_t *, const smoe_qx *, uint32_t, float *, size_t, uint32_t,
                             uint32_t);
 
+#if SMOE_HAVE_AVX512
+/* The AVX-512 instances with every n up to 16 taken a row at a time (smoe_avx512_few_limits), so
+ * that path's bits are checked at each n it may be given, not only below the build's limits */
+static bool avx512_few_bw(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                          uint32_t r0, uint32_t r1) {
+    smoe_avx512_few_limits(16, 16);
+    const bool ok = smoe_avx512_matmul_rows_qx_bw(W, w, X, n, y, ldy, r0, r1);
+    smoe_avx512_few_limits(1, 1); /* the batched path for every n > 1 (the instances above) */
+    return ok;
+}
+static bool avx512_few_vnni(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                            uint32_t r0, uint32_t r1) {
+    smoe_avx512_few_limits(16, 16);
+    const bool ok = smoe_avx512_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1);
+    smoe_avx512_few_limits(1, 1);
+    return ok;
+}
+#endif
+
 #if SMOE_HAVE_AMX
 /* The AMX kernel on X's codes packed first (smoe_avx512_amx_tiles), in three uneven pieces over a
  * buffer of junk, as the engine's threads pack them: the packed form must give the same bits. */
@@ -1110,8 +1129,9 @@ static void test_qx_instances(void) {
         const char *name;
         qx_instance fn;
         const char *lacks; /* NULL: present and checked; else why not */
-    } inst[6] = {{"avx2", NULL, "not built"},       {"avx-vnni", NULL, "not built"}, {"avx512", NULL, "not built"},
-                 {"avx512vnni", NULL, "not built"}, {"amx", NULL, "not built"},      {"amx-packed", NULL, "not built"}};
+    } inst[8] = {{"avx2", NULL, "not built"},       {"avx-vnni", NULL, "not built"}, {"avx512", NULL, "not built"},
+                 {"avx512vnni", NULL, "not built"}, {"amx", NULL, "not built"},      {"amx-packed", NULL, "not built"},
+                 {"avx512-few", NULL, "not built"}, {"avx512vnni-few", NULL, "not built"}};
 #if SMOE_HAVE_AVX2
     inst[0].fn = smoe_avx2_matmul_rows_qx_plain;
     inst[0].lacks = NULL;
@@ -1126,6 +1146,11 @@ static void test_qx_instances(void) {
     inst[2].lacks = (hw & SMOE_CPU_AVX512) ? NULL : "CPU or OS lacks AVX-512 F/BW/VL";
     inst[3].fn = smoe_avx512_matmul_rows_qx_vnni;
     inst[3].lacks = (hw & SMOE_CPU_AVX512VNNI) ? NULL : "CPU or OS lacks AVX512-VNNI";
+    inst[6].fn = avx512_few_bw;
+    inst[6].lacks = inst[2].lacks;
+    inst[7].fn = avx512_few_vnni;
+    inst[7].lacks = inst[3].lacks;
+    smoe_avx512_few_limits(1, 1); /* "avx512", "avx512vnni": the batched path for n > 1 */
 #endif
 #if SMOE_HAVE_AMX
     inst[4].fn = smoe_avx512_amx_matmul_rows_qx;
@@ -1163,12 +1188,12 @@ static void test_qx_instances(void) {
             for (uint32_t n = 1; n <= NMAX; n++) {
                 if (!shapes[si].sweep && n != 1 && n != 2 && n != 5 && n != 17 && n != NMAX) continue;
                 for (int i = 0; i < NINST; i++) {
-                    if (inst[i].lacks) continue;
+                    if (inst[i].lacks || (i >= 6 && n > 16)) continue;
                     for (size_t k = 0; k < ldy * n; k++) yi[k] = NAN;
                     const uint32_t cut = n % (rows + 1);
                     bool ok = inst[i].fn(&tt.t, tt.bytes, &X, n, yi, ldy, 0, cut);
                     ok = inst[i].fn(&tt.t, tt.bytes, &X, n, yi, ldy, cut, rows) && ok;
-                    if (i >= 4 && cols > 4096) { /* AMX takes rows of up to 4096 columns (its scratch is on the stack) */
+                    if ((i == 4 || i == 5) && cols > 4096) { /* AMX takes rows of up to 4096 columns (its scratch is on the stack) */
                         CHECK(!ok, "qx instance amx took %u columns", cols);
                         continue;
                     }
@@ -1194,6 +1219,9 @@ static void test_qx_instances(void) {
             free(codes);
             free(tt.alloc);
         }
+#if SMOE_HAVE_AVX512
+    smoe_avx512_few_limits(0, 0); /* the build's own, for the dispatched kernels' tests */
+#endif
     /* one line per instance: checked, or skipped and why */
     for (int i = 0; i < NINST; i++)
         if (inst[i].lacks)
