@@ -9,7 +9,7 @@
  *   build/qx_isa amx [q4|q8 [group]]         (batches: AVX512-VNNI against AMX, amx_main below)
  *   build/qx_isa scale [MAX_THREADS]          (1 … MAX_THREADS threads on one product: scale_main below)
  *   build/qx_isa rate                         (every instance this CPU runs, one thread: rate_main below)
- *   build/qx_isa few [THREADS]                (n = 1 … 16 from memory, batched against row at a time: few_main below)
+ *   build/qx_isa few [THREADS]                (n = 1 … 8 from memory, batched against row at a time: few_main below)
  *
  * Shapes: n = 1 on 32768 × 2048 (32 MiB of q4 codes: the weights stream from memory, as decode
  * reads its experts), n = 2, 4, 8 and 64 on 768 × 2048 (an a3b expert's gate; the batched product
@@ -589,10 +589,10 @@ static int rate_main(void) {
 }
 
 /* ---------------------------------------------------------------- a few tokens from memory
- * `qx_isa few [THREADS]`: the AVX512-VNNI product at n = 1, 2, 3, 4, 6, 8, 12, 16 on weights that
+ * `qx_isa few [THREADS]`: the AVX512-VNNI product at n = 1, 2, 3, 4, 6, 8 on weights that
  * stream from memory — 64 experts' gates (49152 × 2048 q4), their downs (131072 × 768 q4) and 16
  * layers' q8 query projections (32768 × 2048, 64 MiB) — at 1 and THREADS threads (each its share of
- * the rows), batched against row at a time (smoe_avx512_few_limits 1 and 16), alternated rep by
+ * the rows), batched against row at a time (smoe_avx512_few_limits 1 and 8), alternated rep by
  * rep: GB/s of weight bytes (codes + scales + biases; medians of REPS) and the median of the reps'
  * ratios, row at a time over batched; beside them the same bytes merely read. The two paths'
  * outputs are compared bit for bit. */
@@ -603,8 +603,8 @@ static int few_main(int threads) {
         return 0;
     }
     if (threads < 1 || threads > 256) threads = 1;
-    static const uint32_t ns[] = {1, 2, 3, 4, 6, 8, 12, 16};
-    enum { NN = sizeof ns / sizeof *ns, NMAX = 16 };
+    static const uint32_t ns[] = {1, 2, 3, 4, 6, 8};
+    enum { NN = sizeof ns / sizeof *ns, NMAX = 8 };
     static const struct {
         uint8_t format;
         uint32_t rows, cols;

@@ -107,7 +107,7 @@ enum {
 enum {
     AHEAD_BYTES = QX512_AHEAD_BYTES,
     BATCH_AHEAD = QX512_BATCH_AHEAD,
-    FEW_MAX = 16, /* the most tokens qx_rows_few takes (its arrays) */
+    FEW_MAX = 2 * TB, /* the most tokens qx_rows_few takes: two passes */
     FEW_XBYTES = QX512_FEW_XBYTES,
 };
 _Static_assert(FEW_XBYTES >= MAXU * 64, "the row-at-a-time path takes one token of the widest rows");
@@ -115,6 +115,8 @@ _Static_assert(QX512_FEW_N4 >= 1 && QX512_FEW_N4 <= FEW_MAX && QX512_FEW_N8 >= 1
                "the row-at-a-time path's token limits");
 
 static _Atomic uint32_t few_n4 = QX512_FEW_N4, few_n8 = QX512_FEW_N8;
+
+_Static_assert(TB == 4, "qx_rows_few's passes (its cases) and qx_block_any's blocks are of up to 4 tokens");
 
 void smoe_avx512_few_limits(uint32_t n4, uint32_t n8) {
     atomic_store_explicit(&few_n4, n4 == 0 ? QX512_FEW_N4 : n4 > FEW_MAX ? FEW_MAX : n4, memory_order_relaxed);

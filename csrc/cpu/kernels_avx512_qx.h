@@ -171,56 +171,65 @@ QX_INLINE void QX(qx_mv_row)(const int T, const bool pf, const bool q8, const ui
     }
 }
 
-QX_ATTR static void QX(qx_mv_row_any)(int T, bool pf, bool q8, uint32_t G, const uint8_t *row, size_t rb,
-                                      const float *s, const uint8_t *const *xs, const float *const *ds, uint32_t ngr,
-                                      __m512i cinv, __m256 *tot) {
-    switch (T * 4 + pf * 2 + q8) {
-#define CASE(t, p)                                                                                                     \
-    case t * 4 + p * 2: QX(qx_mv_row)(t, p, false, G, row, rb, s, xs, ds, ngr, cinv, tot); break;                      \
-    case t * 4 + p * 2 + 1: QX(qx_mv_row)(t, p, true, G, row, rb, s, xs, ds, ngr, cinv, tot); break;
-        CASE(1, 1) CASE(2, 1) CASE(3, 1) CASE(4, 1) CASE(1, 0) CASE(2, 0) CASE(3, 0) CASE(4, 0)
-#undef CASE
+/* Rows r0 .. r1 against n = T + T2 tokens (T2 = 0, or T = TB): per row its scales, then one pass
+ * of T tokens over its weights (prefetching ahead) and, where T2, a second of T2 (from L1). */
+QX_INLINE void QX(qx_few_rows)(const int T, const int T2, const bool q8, const uint32_t G, const uint8_t *w, size_t rb,
+                               const uint8_t *scales, const uint8_t *biases, uint8_t sf, uint32_t ng, uint32_t up,
+                               const uint8_t *const *xs, const float *const *ds, const float *const *gs,
+                               uint32_t r0, uint32_t r1, float *y, size_t ldy) {
+    const size_t sbytes = sf_bytes(sf);
+    const uint32_t ng8 = (ng + 7) & ~7u, ngr = up / 4;
+    const __m512i cinv = _mm512_load_si512(cinv_lanes);
+    float sv[MAXG + 2 * SPAD], bv[MAXG + 2 * SPAD];
+    for (uint32_t r = r0; r < r1; r++) {
+        load_scales(sv, scales + sbytes * (size_t)r * ng, ng, sf, 2 * up + SPAD);
+        load_scales(bv, biases + sbytes * (size_t)r * ng, ng, sf, ng8);
+        const uint8_t *row = w + (size_t)r * rb;
+        __m256 tot[TB];
+        QX(qx_mv_row)(T, true, q8, G, row, rb, sv, xs, ds, ngr, cinv, tot);
+        for (int j = 0; j < T; j++) y[(size_t)j * ldy + r] = hsum8(tot[j]) + bias_dot(bv, gs[j], ng8);
+        if (T2) {
+            QX(qx_mv_row)(T2, false, q8, G, row, rb, sv, xs + T, ds + T, ngr, cinv, tot);
+            for (int j = 0; j < T2; j++) y[(size_t)(T + j) * ldy + r] = hsum8(tot[j]) + bias_dot(bv, gs[T + j], ng8);
+        }
     }
 }
 
-/* The matrix-vector product (n = 1, decode's) and the few-token one (few_path: the tokens a short
- * prompt routes to one expert): one row at a time (one sequential stream), its codes
- * read in place once for each pass of up to TB tokens (the row is in L1 for the passes after the
- * first), the bytes AHEAD_BYTES on prefetched as it goes — the AVX2 matvec's way (kernels_avx2.c
- * says why each) — with the tokens' codes re-laid once per call. The batched path below re-reads a
- * pair of rows' weights from L1 per block of tokens too, but prefetches them only a pair of rows on,
- * too near for weights from memory (bench/RESULTS.md, "A few tokens a row on AVX-512"). The
- * integers are those of the batched path and each (row, token)'s fma chain is the reference's, so
- * the bits are the same. The caller keeps n ≤ FEW_MAX and n · up · 64 ≤ FEW_XBYTES. */
+/* The matrix-vector product (n = 1, decode's) and the few-token one (few_path: n ≤ FEW_MAX, the
+ * tokens a short prompt routes to one expert): one row at a time (one sequential stream), its codes
+ * read in place once for each pass of up to TB tokens (the row is in L1 for the second), the bytes
+ * AHEAD_BYTES on prefetched as it goes — the AVX2 matvec's way (kernels_avx2.c says why each) — with
+ * the tokens' codes re-laid once per call and the passes' shape chosen once per call (so that each
+ * row loop is straight code: a call per row cost short rows ~20 %, bench/RESULTS.md, "A few tokens a
+ * row on AVX-512"). The batched path below re-reads a pair of rows' weights from L1 per block of
+ * tokens too, but prefetches them only a pair of rows on. The integers are those of the batched
+ * path and each (row, token)'s fma chain is the reference's, so the bits are the same. The caller
+ * keeps n · up · 64 ≤ FEW_XBYTES. */
 QX_ATTR static bool QX(qx_rows_few)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                                     size_t ldy, uint32_t r0, uint32_t r1) {
     const uint32_t G = W->group, cols = W->cols;
     const bool q8 = W->format == SMOE_FMT_Q8;
     const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
-    const uint32_t ng = cols / G, ng8 = (ng + 7) & ~7u, up = (uint32_t)z.d_floats / 2, ngr = up / 4;
-    const size_t rb = q8 ? cols : cols / 2, sbytes = sf_bytes(W->scale_format);
+    const uint32_t ng = cols / G, up = (uint32_t)z.d_floats / 2;
+    const size_t rb = q8 ? cols : cols / 2;
     const uint8_t *scales = w + W->scales_off, *biases = w + W->biases_off;
+    const uint8_t sf = W->scale_format;
     _Alignas(64) uint8_t xb[FEW_XBYTES]; /* the tokens' re-laid codes, up · 64 bytes each */
     const uint8_t *xs[FEW_MAX];
-    const float *ds[FEW_MAX];
-    float sv[MAXG + 2 * SPAD], bv[MAXG + 2 * SPAD];
-    const __m512i cinv = _mm512_load_si512(cinv_lanes);
+    const float *ds[FEW_MAX], *gs[FEW_MAX];
     for (uint32_t t = 0; t < n; t++) {
         relayout(xb + (size_t)t * 64 * up, (const uint8_t *)X->codes + (size_t)t * z.code_bytes, up, q8);
         xs[t] = xb + (size_t)t * 64 * up;
         ds[t] = X->d + (size_t)t * z.d_floats;
+        gs[t] = X->gsum + (size_t)t * z.gsum_floats;
     }
-    for (uint32_t r = r0; r < r1; r++) {
-        load_scales(sv, scales + sbytes * (size_t)r * ng, ng, W->scale_format, 2 * up + SPAD);
-        load_scales(bv, biases + sbytes * (size_t)r * ng, ng, W->scale_format, ng8);
-        const uint8_t *row = w + (size_t)r * rb;
-        for (uint32_t t = 0; t < n; t += TB) {
-            const uint32_t nb = n - t < TB ? n - t : TB;
-            __m256 tot[TB];
-            QX(qx_mv_row_any)((int)nb, t == 0, q8, G, row, rb, sv, xs + t, ds + t, ngr, cinv, tot);
-            for (uint32_t j = 0; j < nb; j++)
-                y[(t + j) * ldy + r] = hsum8(tot[j]) + bias_dot(bv, X->gsum + (t + j) * z.gsum_floats, ng8);
-        }
+    switch (n * 2 + q8) {
+#define CASE(nn, t, t2)                                                                                                \
+    case nn * 2: QX(qx_few_rows)(t, t2, false, G, w, rb, scales, biases, sf, ng, up, xs, ds, gs, r0, r1, y, ldy); break; \
+    case nn * 2 + 1: QX(qx_few_rows)(t, t2, true, G, w, rb, scales, biases, sf, ng, up, xs, ds, gs, r0, r1, y, ldy); break;
+        CASE(1, 1, 0) CASE(2, 2, 0) CASE(3, 3, 0) CASE(4, 4, 0) CASE(5, 4, 1) CASE(6, 4, 2) CASE(7, 4, 3) CASE(8, 4, 4)
+#undef CASE
+    default: return false;
     }
     return true;
 }

@@ -101,7 +101,7 @@ bool smoe_avx512_matmul_rows_qx_bw(const smoe_tensor *W, const uint8_t *w, const
                                    size_t ldy, uint32_t r0, uint32_t r1);
 bool smoe_avx512_matmul_rows_qx_vnni(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                                      size_t ldy, uint32_t r0, uint32_t r1);
-/* The most tokens (1 … 16) the two above take a row at a time, as one token, rather than batched:
+/* The most tokens (1 … 8) the two above take a row at a time, as one token, rather than batched:
  * q4 and q8 (0: the build's, QX512_FEW_N4 / QX512_FEW_N8, as at start; to measure and test, never
  * while a product runs) */
 void smoe_avx512_few_limits(uint32_t n4, uint32_t n8);

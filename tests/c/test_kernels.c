@@ -1083,18 +1083,18 @@ typedef bool (*qx_instance)(const smoe_tensor *, const uint8_t *, const smoe_qx 
                             uint32_t);
 
 #if SMOE_HAVE_AVX512
-/* The AVX-512 instances with every n up to 16 taken a row at a time (smoe_avx512_few_limits), so
+/* The AVX-512 instances with every n up to 8 taken a row at a time (smoe_avx512_few_limits), so
  * that path's bits are checked at each n it may be given, not only below the build's limits */
 static bool avx512_few_bw(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                           uint32_t r0, uint32_t r1) {
-    smoe_avx512_few_limits(16, 16);
+    smoe_avx512_few_limits(8, 8);
     const bool ok = smoe_avx512_matmul_rows_qx_bw(W, w, X, n, y, ldy, r0, r1);
     smoe_avx512_few_limits(1, 1); /* the batched path for every n > 1 (the instances above) */
     return ok;
 }
 static bool avx512_few_vnni(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                             uint32_t r0, uint32_t r1) {
-    smoe_avx512_few_limits(16, 16);
+    smoe_avx512_few_limits(8, 8);
     const bool ok = smoe_avx512_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1);
     smoe_avx512_few_limits(1, 1);
     return ok;
@@ -1188,7 +1188,7 @@ static void test_qx_instances(void) {
             for (uint32_t n = 1; n <= NMAX; n++) {
                 if (!shapes[si].sweep && n != 1 && n != 2 && n != 5 && n != 17 && n != NMAX) continue;
                 for (int i = 0; i < NINST; i++) {
-                    if (inst[i].lacks || (i >= 6 && n > 16)) continue;
+                    if (inst[i].lacks || (i >= 6 && n > 8)) continue;
                     for (size_t k = 0; k < ldy * n; k++) yi[k] = NAN;
                     const uint32_t cut = n % (rows + 1);
                     bool ok = inst[i].fn(&tt.t, tt.bytes, &X, n, yi, ldy, 0, cut);
