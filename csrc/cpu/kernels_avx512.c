@@ -38,9 +38,9 @@
  *    then holds, for row s/2, the sum of quarter Q of pair s%2: the block (unit 2(s%2) + Q/2,
  *    block Q%2), whose reference lane is CMAP below.
  *
- * One token (n = 1) and a few (few_path) have their own path (qx_rows_few): one row at
- * a time, read in place and prefetched into L2 AHEAD_BYTES on, its weights loaded once per pass of up
- * to TB tokens, two groups of 4 units per 16-lane register of integer sums, whose halves go into
+ * One token (n = 1) and a few (few_path: up to 6 of q8 by default) have their own path
+ * (qx_rows_few): one row at a time, read in place and prefetched into L2 AHEAD_BYTES on, its weights
+ * loaded once per pass of up to TB tokens, two groups of 4 units per 16-lane register of integer sums, whose halves go into
  * each token's one 8-lane fma chain in turn (kernels.c says on which CPUs decode takes it rather
  * than the AVX2 one).
  *
@@ -94,12 +94,16 @@ enum {
 #endif
 /* The most tokens the q4 and q8 products take a row at a time (qx_rows_few, as n = 1 is) rather
    batched, at start (smoe_avx512_few_limits changes them), and the bytes of their re-laid codes
-   that path keeps on the stack (bench/RESULTS.md, "A few tokens a row on AVX-512") */
+   that path keeps on the stack. On the Emerald Rapids (bench/RESULTS.md, "A few tokens a row on
+   AVX-512"), weights from memory, row at a time over batched: q8 1.03-1.40x at 2-6 tokens, 16 and 4
+   threads, 12 of 12 figures (0.80-1.26x at 8); q4 0.91-1.18x (gates) and 0.80-0.93x (downs) at 2-4
+   tokens — measured with a call per row, since removed — so q4 stays batched until measured again
+   (`qx_isa few`). */
 #ifndef QX512_FEW_N4
-#define QX512_FEW_N4 8
+#define QX512_FEW_N4 1
 #endif
 #ifndef QX512_FEW_N8
-#define QX512_FEW_N8 4
+#define QX512_FEW_N8 6
 #endif
 #ifndef QX512_FEW_XBYTES
 #define QX512_FEW_XBYTES 65536

@@ -199,10 +199,11 @@ QX_INLINE void QX(qx_few_rows)(const int T, const int T2, const bool q8, const u
  * tokens a short prompt routes to one expert): one row at a time (one sequential stream), its codes
  * read in place once for each pass of up to TB tokens (the row is in L1 for the second), the bytes
  * AHEAD_BYTES on prefetched as it goes — the AVX2 matvec's way (kernels_avx2.c says why each) — with
- * the tokens' codes re-laid once per call and the passes' shape chosen once per call (so that each
- * row loop is straight code: a call per row cost short rows ~20 %, bench/RESULTS.md, "A few tokens a
- * row on AVX-512"). The batched path below re-reads a pair of rows' weights from L1 per block of
- * tokens too, but prefetches them only a pair of rows on. The integers are those of the batched
+ * the tokens' codes re-laid once per call and the passes' shape chosen once per call, so that each
+ * row loop is straight code (with a call and a switch per row, one token on 384-byte rows read
+ * 18-25 % slower in one build than another: bench/RESULTS.md, "A few tokens a row on AVX-512").
+ * The batched path below re-reads a pair of rows' weights from L1 per block of tokens too, but
+ * prefetches them only a pair of rows on. The integers are those of the batched
  * path and each (row, token)'s fma chain is the reference's, so the bits are the same. The caller
  * keeps n · up · 64 ≤ FEW_XBYTES. */
 QX_ATTR static bool QX(qx_rows_few)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
