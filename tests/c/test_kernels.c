@@ -1085,19 +1085,20 @@ typedef bool (*qx_instance)(const smoe_tensor *, const uint8_t *, const smoe_qx 
 #if SMOE_HAVE_AVX512
 /* The AVX-512 instances with every n up to 8 taken a row at a time (smoe_avx512_few_limits), so
  * that path's bits are checked at each n it may be given, not only below the build's limits */
-static bool avx512_few_bw(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
-                          uint32_t r0, uint32_t r1) {
+static bool few8(qx_instance fn, const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                 size_t ldy, uint32_t r0, uint32_t r1) {
     smoe_avx512_few_limits(8, 8);
-    const bool ok = smoe_avx512_matmul_rows_qx_bw(W, w, X, n, y, ldy, r0, r1);
+    const bool ok = fn(W, w, X, n, y, ldy, r0, r1);
     smoe_avx512_few_limits(1, 1); /* the batched path for every n > 1 (the instances above) */
     return ok;
 }
+static bool avx512_few_bw(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
+                          uint32_t r0, uint32_t r1) {
+    return few8(smoe_avx512_matmul_rows_qx_bw, W, w, X, n, y, ldy, r0, r1);
+}
 static bool avx512_few_vnni(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y, size_t ldy,
                             uint32_t r0, uint32_t r1) {
-    smoe_avx512_few_limits(8, 8);
-    const bool ok = smoe_avx512_matmul_rows_qx_vnni(W, w, X, n, y, ldy, r0, r1);
-    smoe_avx512_few_limits(1, 1);
-    return ok;
+    return few8(smoe_avx512_matmul_rows_qx_vnni, W, w, X, n, y, ldy, r0, r1);
 }
 #endif
 
