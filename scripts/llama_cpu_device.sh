@@ -2,8 +2,10 @@
 # pysmoe against llama.cpp's native CPU build on the device machine's host CPU (no network there):
 #   bash scripts/llama_cpu_device.sh build                          # lib, llama.cpp, vault, GGUF, smoke tests
 #   bash scripts/llama_cpu_device.sh warm THREADS LLAMA_THREADS [TASKSET_CPUS] [REPEATS]
-# run from the repository root, with three ignored folders carried (bench/RESULTS.md, "A 16-core
-# Sapphire Rapids", says how they were made):
+#   bash scripts/llama_cpu_device.sh qx                             # bench/qx_isa few 16, few 4, mv: this tree and .peer/old
+#   bash scripts/llama_cpu_device.sh prep [OLD_REV]                 # here, not there: makes the folders below
+# run from the repository root, with three ignored folders carried (`prep` makes them on this
+# machine from the package registries; .peer/old, the sources of OLD_REV for `qx`, from git):
 #   .peer/llama.cpp-min.tar.gz  vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist, its top level
 #                               (CMakeLists.txt CMakePresets.json cmake common ggml src include vendor
 #                               tools gguf-py licenses LICENSE app): 10 MB
@@ -15,9 +17,25 @@
 # dies at its first std::stringstream), it preloads g++'s own. `warm` runs bench/peer.py's warm mode
 # (llama.cpp's default OpenMP policy) and writes its JSON to $OUT.
 export PYTHONUNBUFFERED=1
+if [ "$1" = prep ]; then # on the developer's machine (network to the registries), before the device call
+    set -e
+    rm -rf .peer/sd && mkdir -p .peer/sd .whl
+    python3 -m pip download -q --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d .peer/sd
+    tar xzf .peer/sd/llama_cpp_python-0.3.36.tar.gz -C .peer/sd
+    S=.peer/sd/llama_cpp_python-0.3.36
+    (cd $S/vendor/llama.cpp && tar czf ../../../../llama.cpp-min.tar.gz CMakeLists.txt CMakePresets.json cmake common \
+        ggml src include vendor tools gguf-py licenses LICENSE app)
+    rm -rf .peer/py && mkdir -p .peer/py && cp -r $S/llama_cpp .peer/py/ && rm -rf .peer/py/llama_cpp/lib .peer/py/llama_cpp/server
+    rm -rf .peer/sd
+    python3 -m pip download -q --only-binary :all: --python-version 3.12 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_17_x86_64 cffi pycparser diskcache -d .whl
+    if [ -n "$2" ]; then rm -rf .peer/old && mkdir -p .peer/old && git archive "$2" csrc bench/qx_isa.c | tar -x -C .peer/old; fi
+    ls -la .peer .whl
+    exit 0
+fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+[ "$1" = qx ] || python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 W=/tmp/ll
 export PYTHONPATH=/tmp/py:/tmp/site
 T0=$(date +%s)
@@ -40,6 +58,22 @@ build_llama() { # $1: build dir, $2: extra C/CXX flags, $3: extra link flags
 }
 
 case $1 in
+qx) # the 8-bit-activation product from memory, this tree against .peer/old where prep put one
+    QX="bench/qx_isa.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_avx2.c csrc/cpu/kernels_avx512.c csrc/cpu/cpu.c csrc/util.c"
+    QF="-O3 -std=c11 -ffp-contract=off -D_GNU_SOURCE -mavx2 -mfma -mf16c -Icsrc"
+    mkdir -p build && cc $QF $QX -lm -pthread -o build/qx_isa || exit 1
+    [ -d .peer/old ] && { (cd .peer/old && cc $QF $QX -lm -pthread -o /tmp/qx_old) || exit 1; }
+    grep -m1 'model name' /proc/cpuinfo; nproc
+    {
+        for i in 1 2; do el "few $(nproc), run $i"; build/qx_isa few "$(nproc)"; done
+        el "few 4"; build/qx_isa few 4
+        for i in 1 2; do
+            el "mv q4, this tree ($i)"; build/qx_isa mv q4
+            [ -x /tmp/qx_old ] && { el "mv q4, .peer/old ($i)"; /tmp/qx_old mv q4; }
+        done
+    } 2>&1 | tee "$OUT/qx.txt"
+    el done
+    ;;
 build)
     [ -f /tmp/build-done ] && { el "built before"; exit 0; }
     lscpu >"$OUT/lscpu.txt"; grep -m1 flags /proc/cpuinfo | tr ' ' '\n' | grep -E 'avx512|amx|vnni' | tr '\n' ' '; echo
