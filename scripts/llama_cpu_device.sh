@@ -2,15 +2,15 @@
 # pysmoe against llama.cpp's native CPU build on the device machine's host CPU (no network there):
 #   bash scripts/llama_cpu_device.sh build                          # lib, llama.cpp, vault, GGUF, smoke tests
 #   bash scripts/llama_cpu_device.sh warm THREADS LLAMA_THREADS [TASKSET_CPUS] [REPEATS]
-#   bash scripts/llama_cpu_device.sh qx                             # bench/qx_isa few 16, few 4, mv: this tree and .peer/old
+#   bash scripts/llama_cpu_device.sh qx                             # bench/qx_isa few NPROC, few 4, mv q4: this tree and .peer/old
 #   bash scripts/llama_cpu_device.sh prep [OLD_REV]                 # here, not there: makes the folders below
 # run from the repository root, with three ignored folders carried (`prep` makes them on this
 # machine from the package registries; .peer/old, the sources of OLD_REV for `qx`, from git):
 #   .peer/llama.cpp-min.tar.gz  vendor/llama.cpp of the llama-cpp-python 0.3.36 sdist, its top level
 #                               (CMakeLists.txt CMakePresets.json cmake common ggml src include vendor
 #                               tools gguf-py licenses LICENSE app): 10 MB
-#   .peer/py                    that sdist's llama_cpp/ (without lib/ and server/) and diskcache/
-#   .whl                        cffi and pycparser wheels for the machine's Python (cp312)
+#   .peer/py                    that sdist's llama_cpp/ (without lib/ and server/)
+#   .whl                        cffi, pycparser and diskcache wheels for the machine's Python (cp312)
 # `build` makes pysmoe's library, llama.cpp's shared libraries (GGML_NATIVE=ON), the a3b vault cut to
 # 8 layers (pysmoe synth, seed 0) and its GGUF (scripts/export_gguf.py), and checks both engines run;
 # where the image's Python has loaded an older libstdc++ than its g++ builds against (llama.cpp then
