@@ -98,7 +98,7 @@ enum {
    AVX-512"), weights from memory, row at a time over batched: q8 1.03-1.40x at 2-6 tokens, 16 and 4
    threads, 12 of 12 figures (0.80-1.26x at 8). q4 in the final form (the same machine, a day later,
    `qx_isa few 16` twice and `few 4`): gates 1.01-1.34x at 2-4 tokens (18 of 18), downs 0.96-1.09x,
-   both below 1 from 6 tokens on; the engine's 45-token prefill at 16 threads 1.01-1.09x faster with
+   the downs below 1 from 6 tokens on; the engine's 45-token prefill at 16 threads 1.01-1.09x faster with
    q4 up to 4 tokens a row (three alternated rounds), 8 tokens unchanged. */
 #ifndef QX512_FEW_N4
 #define QX512_FEW_N4 4
