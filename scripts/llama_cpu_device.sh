@@ -3,6 +3,7 @@
 #   bash scripts/llama_cpu_device.sh build                          # lib, llama.cpp, vault, GGUF, smoke tests
 #   bash scripts/llama_cpu_device.sh warm THREADS LLAMA_THREADS [TASKSET_CPUS] [REPEATS]
 #   bash scripts/llama_cpu_device.sh qx                             # bench/qx_isa few NPROC, few 4, mv q4: this tree and .peer/old
+#   bash scripts/llama_cpu_device.sh ab "CFLAGS" [PROMPTS] [THREADS]  # decode_profile as built, against with CFLAGS
 #   bash scripts/llama_cpu_device.sh prep [OLD_REV]                 # here, not there: makes the folders below
 # run from the repository root, with three ignored folders carried (`prep` makes them on this
 # machine from the package registries; .peer/old, the sources of OLD_REV for `qx`, from git):
@@ -35,7 +36,7 @@ if [ "$1" = prep ]; then # on the developer's machine (network to the registries
 fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-[ "$1" = qx ] || python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+[ "$1" = qx ] || [ "$1" = ab ] || python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 W=/tmp/ll
 export PYTHONPATH=/tmp/py:/tmp/site
 T0=$(date +%s)
@@ -58,6 +59,24 @@ build_llama() { # $1: build dir, $2: extra C/CXX flags, $3: extra link flags
 }
 
 case $1 in
+ab) # the engine's prefill, two builds of bench/decode_profile alternated (3 rounds, medians of 7 each):
+    # A as the tree builds it, B with the extra compiler flags $2 (e.g. -DQX512_FEW_N8=8); the
+    # environment passes through (SMOE_NO_AMX=1 for a CPU without AMX); needs the vault of `build`
+    DS="csrc/[a-z]*.c csrc/engine/*.c csrc/cpu/*.c bench/decode_profile.c"
+    DF="-std=c11 -O3 -g -ffp-contract=off -D_GNU_SOURCE -DSMOE_PROFILE=1 -mavx2 -mfma -mf16c -pthread -Icsrc"
+    mkdir -p build
+    cc $DF $DS -lm -o build/dp_a & cc $DF $2 $DS -lm -o build/dp_b || exit 1
+    wait $! || exit 1
+    TH=${4:-$(nproc)}
+    for r in 1 2 3; do
+        for n in $(echo "${3:-8,45}" | tr , ' '); do
+            for v in a b; do
+                echo "round $r, $n tokens, $v: $(timeout 60 build/dp_$v /tmp/a3b8p "$TH" "$n" 1 7 | grep -m1 'prefill (layer')"
+            done
+        done
+    done
+    el done
+    ;;
 qx) # the 8-bit-activation product from memory, this tree against .peer/old where prep put one
     QX="bench/qx_isa.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_avx2.c csrc/cpu/kernels_avx512.c csrc/cpu/cpu.c csrc/util.c"
     QF="-O3 -std=c11 -ffp-contract=off -D_GNU_SOURCE -mavx2 -mfma -mf16c -Icsrc"
