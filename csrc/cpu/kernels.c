@@ -22,7 +22,7 @@
  *    ("AVX-512 on Zen 5"); this one not measured there, so the AVX2 instance stays.
  * SMOE_MATVEC=avx2 or avx512 forces one (to measure and test; avx512 only where the AVX-512
  * instances run at all). A few tokens (2 or more) always take the AVX-512 instance where it runs;
- * there up to 6 q8 tokens go a row at a time as one token does (kernels_avx512.c, few_path), the
+ * there up to 4 q4 and 6 q8 tokens go a row at a time as one token does (kernels_avx512.c, few_path), the
  * AVX2 instance's few-token path (kernels_avx2.c) serving CPUs without AVX-512.
  *
  * The reference kernels (kernels_ref.c) and the instruction-set files (kernels_avx2.c,

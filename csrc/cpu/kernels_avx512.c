@@ -38,7 +38,7 @@
  *    then holds, for row s/2, the sum of quarter Q of pair s%2: the block (unit 2(s%2) + Q/2,
  *    block Q%2), whose reference lane is CMAP below.
  *
- * One token (n = 1) and a few (few_path: up to 6 of q8 by default) have their own path
+ * One token (n = 1) and a few (few_path: up to 4 of q4, 6 of q8 by default) have their own path
  * (qx_rows_few): one row at a time, read in place and prefetched into L2 AHEAD_BYTES on, its weights
  * loaded once per pass of up to TB tokens, two groups of 4 units per 16-lane register of integer sums, whose halves go into
  * each token's one 8-lane fma chain in turn (kernels.c says on which CPUs decode takes it rather
@@ -96,7 +96,7 @@ enum {
    batched, at start (smoe_avx512_few_limits changes them), and the bytes of their re-laid codes
    that path keeps on the stack. On the Emerald Rapids (bench/RESULTS.md, "A few tokens a row on
    AVX-512"), weights from memory, row at a time over batched: q8 1.03-1.40x at 2-6 tokens, 16 and 4
-   threads, 12 of 12 figures (0.80-1.26x at 8). q4 in the final form (the same machine, a day later,
+   threads, 12 of 12 figures (0.80-1.26x at 8 in that first form, 1.14-1.25x in the final one). q4 in the final form (the same machine, a day later,
    `qx_isa few 16` twice and `few 4`): gates 1.01-1.34x at 2-4 tokens (18 of 18), downs 0.96-1.09x,
    the downs below 1 from 6 tokens on; the engine's 45-token prefill at 16 threads 1.01-1.09x faster with
    q4 up to 4 tokens a row (three alternated rounds), 8 tokens unchanged. */
