@@ -96,10 +96,11 @@ enum {
    batched, at start (smoe_avx512_few_limits changes them), and the bytes of their re-laid codes
    that path keeps on the stack. On the Emerald Rapids (bench/RESULTS.md, "A few tokens a row on
    AVX-512"), weights from memory, row at a time over batched: q8 1.03-1.40x at 2-6 tokens, 16 and 4
-   threads, 12 of 12 figures (0.80-1.26x at 8 in that first form, 1.14-1.25x in the final one). q4 in the final form (the same machine, a day later,
-   `qx_isa few 16` twice and `few 4`): gates 1.01-1.34x at 2-4 tokens (18 of 18), downs 0.96-1.09x,
-   the downs below 1 from 6 tokens on; the engine's 45-token prefill at 16 threads 1.01-1.09x faster with
-   q4 up to 4 tokens a row (three alternated rounds), 8 tokens unchanged. */
+   threads, 12 of 12 figures (at 8: 0.80-1.26x with a call per row, 1.14-1.25x in the present
+   form). q4 in the present form (the same machine, a day later, `qx_isa few 16` twice and `few 4`):
+   gates 1.01-1.34x at 2-4 tokens (18 of 18), downs 0.96-1.09x, the downs below 1 from 6 tokens on;
+   the engine's 45-token prefill at 16 threads 1.01-1.09x faster with q4 up to 4 tokens a row (three
+   alternated rounds), 8 tokens unchanged. */
 #ifndef QX512_FEW_N4
 #define QX512_FEW_N4 4
 #endif
