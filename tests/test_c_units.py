@@ -145,6 +145,8 @@ def test_kernels(build, variant):
                               ("amx", has512 and {"amx_tile", "amx_int8"} <= flags),
                               ("amx-packed", has512 and {"amx_tile", "amx_int8"} <= flags)):
             assert f"qx instance {name}: {'checked' if present else 'skipped'}" in out, out
+        amx = has512 and {"amx_tile", "amx_int8"} <= flags
+        assert f"amx tile configuration kept: {'checked' if amx else 'skipped'}" in out, out
 
 
 @pytest.mark.parametrize("variant", ["O2", "asan"])
@@ -167,6 +169,7 @@ def test_kernels_avx512_logic_emulated(build):
     assert "qx instance avx512: checked" in out and "qx instance avx512vnni: checked" in out, out
     assert "qx instance avx512-few: checked" in out and "qx instance avx512vnni-few: checked" in out, out
     assert "qx instance amx: checked" in out and "qx instance amx-packed: checked" in out, out
+    assert "amx tile configuration kept: checked" in out, out  # the caller's tile state given back
 
 
 @pytest.mark.parametrize("variant", ["O2", "O3", "asan"])

@@ -29,8 +29,14 @@
  *    group sums (group, 16 tokens); tokens past n zeros (amx_shape's `tile` bytes a tile).
  *  - C: 16 rows × 16 tokens of int32, stored to the stack and read back a row at a time.
  * Tiles: tmm0, tmm1 C; tmm2, tmm3 A; tmm4, tmm5 B (two blocks in flight). The tile state is
- * configured at each call's start and released at its end (so a thread's context switches save
- * no tile data between calls). */
+ * configured at each call's start and, at its end, given back as the call found it: released
+ * where no configuration was loaded (so a thread's context switches save no tile data between
+ * calls), else the caller's configuration loaded again. The calling thread may be a host's: a
+ * library beside this one in the process (llama.cpp's ggml) loads its configuration once per
+ * thread and keeps using it, and its next tile instruction on a released state is an illegal
+ * instruction (SIGILL, seen on a Xeon model 207 with llama-cpp-python 0.3.36 in one process). Only
+ * the configuration comes back: the tiles' data is zeroed, which no caller can have relied on
+ * across a foreign call. */
 
 #define AMX_ATTR TARGET("avx512f,avx512bw,avx512vl,amx-tile,amx-int8")
 #define AMX_INLINE static inline __attribute__((always_inline)) AMX_ATTR
@@ -164,7 +170,8 @@ AMX_ATTR bool smoe_avx512_amx_matmul_rows_qx(const smoe_tensor *W, const uint8_t
     _Alignas(64) int32_t cb[2][2][AM * AN];         /* two pairs of blocks' C */
     _Alignas(64) float tot[8][AM * AN];             /* the lanes' totals of a panel's tile */
 
-    amx_tilecfg cfg;
+    _Alignas(64) amx_tilecfg prev, cfg;
+    _tile_storeconfig(&prev); /* all zeros where none is loaded */
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int i = 0; i < 2; i++) {
@@ -291,9 +298,23 @@ AMX_ATTR bool smoe_avx512_amx_matmul_rows_qx(const smoe_tensor *W, const uint8_t
             }
         }
     }
-    _tile_release();
+    if (prev.palette)
+        _tile_loadconfig(&prev);
+    else
+        _tile_release();
     return true;
 }
 
+/* Tests only: the calling thread's tile configuration, loaded (cfg NULL: released) and stored (64
+ * bytes; all zeros where none is loaded), to check that the product gives it back as it found it */
+AMX_ATTR void smoe_avx512_amx_tilecfg_set(const void *cfg) {
+    if (cfg)
+        _tile_loadconfig(cfg);
+    else
+        _tile_release();
+}
+AMX_ATTR void smoe_avx512_amx_tilecfg_get(void *cfg) { _tile_storeconfig(cfg); }
+
 #undef AMX_INLINE
 #undef AMX_ATTR
+

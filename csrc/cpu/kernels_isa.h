@@ -120,6 +120,9 @@ bool smoe_avx512_amx_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, cons
 size_t smoe_avx512_amx_tiles_bytes(uint32_t cols, uint8_t format, uint32_t G, uint32_t n, uint32_t *items);
 size_t smoe_avx512_amx_tiles_cap(uint32_t cols, uint32_t n); /* the most bytes for ≤ cols columns, ≤ n tokens */
 void smoe_avx512_amx_tiles(const smoe_qx *X, uint32_t n, void *buf, uint32_t i0, uint32_t i1);
+/* tests only: the calling thread's tile configuration loaded (NULL: released) and stored, 64 bytes */
+void smoe_avx512_amx_tilecfg_set(const void *cfg);
+void smoe_avx512_amx_tilecfg_get(void *cfg);
 #endif
 
 #if SMOE_HAVE_NEON

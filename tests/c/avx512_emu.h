@@ -286,6 +286,7 @@ static _Thread_local struct {
     uint8_t rows[8];
     uint16_t colsb[8];
     int configured;
+    uint8_t cfg[64]; /* as loaded, for _tile_storeconfig */
 } emu_amx;
 EMU void emu_tile_loadconfig(const void *cfg) {
     const uint8_t *c = cfg;
@@ -298,9 +299,17 @@ EMU void emu_tile_loadconfig(const void *cfg) {
         if (cb > 64 || emu_amx.rows[i] > 16) abort();
     }
     memset(emu_amx.t, 0, sizeof emu_amx.t);
+    memcpy(emu_amx.cfg, c, 64);
     emu_amx.configured = 1;
 }
 EMU void emu_tile_release(void) { emu_amx.configured = 0; }
+/* STTILECFG: the configuration as loaded, or 64 zero bytes where none is */
+EMU void emu_tile_storeconfig(void *cfg) {
+    if (emu_amx.configured)
+        memcpy(cfg, emu_amx.cfg, 64);
+    else
+        memset(cfg, 0, 64);
+}
 EMU void emu_tile_loadd(int dst, const void *base, size_t stride) {
     if (!emu_amx.configured) abort();
     memset(emu_amx.t[dst], 0, sizeof emu_amx.t[dst]);
@@ -427,12 +436,14 @@ EMU void emu_tile_dpbusd(int c, int a, int b) {
 #define _mm512_add_ps emu_add_ps
 #define _mm512_set1_ps emu_set1_ps
 #undef _tile_loadconfig
+#undef _tile_storeconfig
 #undef _tile_release
 #undef _tile_loadd
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbusd
 #define _tile_loadconfig emu_tile_loadconfig
+#define _tile_storeconfig emu_tile_storeconfig
 #define _tile_release emu_tile_release
 #define _tile_loadd emu_tile_loadd
 #define _tile_stored emu_tile_stored

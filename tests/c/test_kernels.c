@@ -1125,6 +1125,55 @@ static bool amx_packed(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X,
 }
 #endif
 
+#if SMOE_HAVE_AMX
+/* The AMX product gives the calling thread's tile configuration back as it found it: a host's own
+ * configuration (a library beside this one, as llama.cpp's ggml, loads one per thread and keeps
+ * using it: a released state under its next tile instruction is SIGILL) loaded again, and none
+ * left where there was none. Where the CPU runs AMX, or under the emulation. */
+static void test_amx_keeps_callers_tiles(void) {
+    if (!smoe_cpu_amx_hw()) {
+        printf("amx tile configuration kept: skipped (no AMX)\n");
+        return;
+    }
+    test_tensor tt = make_tensor(SMOE_FMT_Q4, SMOE_SCALE_F16, 64, 37, 2048, 0);
+    enum { N = 32 };
+    const smoe_qx_size z = smoe_qx_sizes(2048, SMOE_FMT_Q4, 64);
+    float *x = malloc(sizeof(float) * 2048 * N), *d = malloc(sizeof(float) * z.d_floats * N);
+    float *gs = malloc(sizeof(float) * z.gsum_floats * N), *y = malloc(sizeof(float) * 37 * N);
+    void *codes = aligned_alloc(64, align64(z.code_bytes * N));
+    for (size_t i = 0; i < (size_t)2048 * N; i++) x[i] = rndf(-1, 1);
+    smoe_qx_prepare(x, 2048, N, 2048, SMOE_FMT_Q4, 64, codes, d, gs);
+    const smoe_qx X = {codes, d, gs, 2048, 64, SMOE_FMT_Q4, NULL};
+    /* a host's configuration: palette 1, shapes unlike the kernel's */
+    _Alignas(64) uint8_t host[64], now[64], zeros[64];
+    memset(host, 0, sizeof host);
+    memset(zeros, 0, sizeof zeros);
+    host[0] = 1;
+    for (int i = 0; i < 8; i++) {
+        const uint16_t cb = (uint16_t)(4 * (i + 1));
+        memcpy(host + 16 + 2 * i, &cb, 2);
+        host[48 + i] = (uint8_t)(2 + i);
+    }
+    smoe_avx512_amx_tilecfg_set(host);
+    CHECK(smoe_avx512_amx_matmul_rows_qx(&tt.t, tt.bytes, &X, N, y, 37, 0, 37), "amx refused 37x2048");
+    memset(now, 0xa5, sizeof now);
+    smoe_avx512_amx_tilecfg_get(now);
+    CHECK(memcmp(now, host, 64) == 0, "amx product left the caller's tile configuration changed");
+    smoe_avx512_amx_tilecfg_set(NULL);
+    CHECK(smoe_avx512_amx_matmul_rows_qx(&tt.t, tt.bytes, &X, N, y, 37, 0, 37), "amx refused 37x2048");
+    memset(now, 0xa5, sizeof now);
+    smoe_avx512_amx_tilecfg_get(now);
+    CHECK(memcmp(now, zeros, 64) == 0, "amx product left a tile configuration loaded where there was none");
+    printf("amx tile configuration kept: checked\n");
+    free(x);
+    free(d);
+    free(gs);
+    free(y);
+    free(codes);
+    free(tt.alloc);
+}
+#endif
+
 static void test_qx_instances(void) {
     struct {
         const char *name;
@@ -1243,6 +1292,9 @@ int main(int argc, char **argv) {
     {
         const uint64_t seed = rng_state; /* its own draws: the checksums below stay what they were */
         test_qx_instances();
+#if SMOE_HAVE_AMX
+        test_amx_keeps_callers_tiles();
+#endif
         rng_state = seed;
     }
     {
