@@ -10,6 +10,7 @@
  *   build/qx_isa scale [MAX_THREADS]          (1 … MAX_THREADS threads on one product: scale_main below)
  *   build/qx_isa rate                         (every instance this CPU runs, one thread: rate_main below)
  *   build/qx_isa few [THREADS]                (n = 1 … 8 from memory, batched against row at a time: few_main below)
+ *   build/qx_isa read [MAX_THREADS [MiB]]     (a plain read of MiB from memory at 1, 2, 4 … threads: read_main below)
  *
  * Shapes: n = 1 on 32768 × 2048 (32 MiB of q4 codes: the weights stream from memory, as decode
  * reads its experts), n = 2, 4, 8 and 64 on 768 × 2048 (an a3b expert's gate; the batched product
@@ -664,7 +665,70 @@ static int few_main(int threads) {
     return 0;
 }
 
+/* The machine's plain read rate from memory: one buffer of `mib` MiB (past every cache), written
+ * once, then summed with 256-bit loads by T threads, each its own contiguous share, T = 1, 2, 4 …
+ * max_threads (and max_threads itself); median of REPS reps, wall clock from the first thread's
+ * start to the last one's end. What a product bound by reading its weights can reach at best: the
+ * floor that a prefill of a few tokens, which reads each routed expert once, is measured against. */
+typedef struct {
+    const uint8_t *p;
+    size_t len;
+    uint64_t sink;
+} read_share;
+
+static void *read_share_main(void *arg) {
+    read_share *r = arg;
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    for (size_t i = 0; i + 128 <= r->len; i += 128) {
+        acc0 = _mm256_add_epi64(acc0, _mm256_load_si256((const __m256i *)(r->p + i)));
+        acc1 = _mm256_add_epi64(acc1, _mm256_load_si256((const __m256i *)(r->p + i + 32)));
+        acc2 = _mm256_add_epi64(acc2, _mm256_load_si256((const __m256i *)(r->p + i + 64)));
+        acc3 = _mm256_add_epi64(acc3, _mm256_load_si256((const __m256i *)(r->p + i + 96)));
+    }
+    acc0 = _mm256_add_epi64(_mm256_add_epi64(acc0, acc1), _mm256_add_epi64(acc2, acc3));
+    r->sink = (uint64_t)_mm256_extract_epi64(acc0, 0) + (uint64_t)_mm256_extract_epi64(acc0, 3);
+    return NULL;
+}
+
+static double read_time(const uint8_t *buf, size_t len, int threads) {
+    read_share sh[256];
+    pthread_t tid[256];
+    const size_t per = len / (size_t)threads / 4096 * 4096;
+    for (int i = 0; i < threads; i++) sh[i] = (read_share){buf + (size_t)i * per, per, 0};
+    const double t = smoe_now();
+    for (int i = 1; i < threads; i++) pthread_create(&tid[i], NULL, read_share_main, &sh[i]);
+    read_share_main(&sh[0]);
+    for (int i = 1; i < threads; i++) pthread_join(tid[i], NULL);
+    return (smoe_now() - t) / ((double)per * (double)threads);
+}
+
+static int read_main(int max_threads, size_t mib) {
+    if (max_threads < 1 || max_threads > 256) max_threads = 1;
+    const size_t len = mib << 20;
+    uint8_t *buf = aligned_alloc(4096, len);
+    if (!buf) {
+        printf("cannot allocate %zu MiB\n", mib);
+        return 1;
+    }
+    for (size_t i = 0; i < len; i++) buf[i] = (uint8_t)(i * 2654435761u >> 13);
+    printf("plain read of %zu MiB from memory, 256-bit loads; median of %d reps, wall clock\n", mib, REPS);
+    for (int T = 1; T <= max_threads; T = T * 2 > max_threads && T != max_threads ? max_threads : T * 2) {
+        double t[REPS];
+        for (int r = 0; r < REPS; r++) t[r] = read_time(buf, len, T);
+        qsort(t, REPS, sizeof *t, cmp_double);
+        printf("%3d threads: %6.1f GB/s (min–max %.1f–%.1f)\n", T, 1e-9 / t[REPS / 2], 1e-9 / t[REPS - 1],
+               1e-9 / t[0]);
+        fflush(stdout);
+        if (T == max_threads) break;
+    }
+    free(buf);
+    return 0;
+}
+
 int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "read") == 0)
+        return read_main(argc > 2 ? atoi(argv[2]) : (int)sysconf(_SC_NPROCESSORS_ONLN),
+                         argc > 3 ? (size_t)atoi(argv[3]) : 2048);
     if (argc > 1 && strcmp(argv[1], "rate") == 0)
         return rate_main();
     if (argc > 1 && strcmp(argv[1], "few") == 0)

@@ -4,6 +4,7 @@
 #   bash scripts/llama_cpu_device.sh warm THREADS LLAMA_THREADS [TASKSET_CPUS] [REPEATS]
 #   bash scripts/llama_cpu_device.sh qx                             # bench/qx_isa few NPROC, few 4, mv q4: this tree and .peer/old
 #   bash scripts/llama_cpu_device.sh ab "CFLAGS" [PROMPTS] [THREADS]  # decode_profile as built, against with CFLAGS
+#   bash scripts/llama_cpu_device.sh read                           # qx_isa read: the plain read rate, 1 … NPROC threads
 #   bash scripts/llama_cpu_device.sh prep [OLD_REV]                 # here, not there: makes the folders below
 # run from the repository root, with three ignored folders carried (`prep` makes them on this
 # machine from the package registries; .peer/old, the sources of OLD_REV for `qx`, from git):
@@ -16,7 +17,8 @@
 # 8 layers (pysmoe synth, seed 0) and its GGUF (scripts/export_gguf.py), and checks both engines run;
 # where the image's Python has loaded an older libstdc++ than its g++ builds against (llama.cpp then
 # dies at its first std::stringstream), it preloads g++'s own. `warm` runs bench/peer.py's warm mode
-# (llama.cpp's default OpenMP policy) and writes its JSON to $OUT.
+# (llama.cpp's default OpenMP policy; SETTLE=MS in the environment: peer.py's --settle-ms) and
+# writes its JSON to $OUT.
 export PYTHONUNBUFFERED=1
 if [ "$1" = prep ]; then # on the developer's machine (network to the registries), before the device call
     set -e
@@ -36,7 +38,7 @@ if [ "$1" = prep ]; then # on the developer's machine (network to the registries
 fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-[ "$1" = qx ] || [ "$1" = ab ] || python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+[ "$1" = qx ] || [ "$1" = ab ] || [ "$1" = read ] || python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
 W=/tmp/ll
 export PYTHONPATH=/tmp/py:/tmp/site
 T0=$(date +%s)
@@ -61,7 +63,14 @@ build_llama() { # $1: build dir, $2: extra C/CXX flags, $3: extra link flags
 case $1 in
 ab) # the engine's prefill, two builds of bench/decode_profile alternated (3 rounds, medians of 7 each):
     # A as the tree builds it, B with the extra compiler flags $2 (e.g. -DQX512_FEW_N8=8); the
-    # environment passes through (SMOE_NO_AMX=1 for a CPU without AMX); needs the vault of `build`
+    # environment passes through (SMOE_NO_AMX=1 for a CPU without AMX); makes the vault of `build`
+    # (not llama.cpp) where it is missing
+    if [ ! -d /tmp/a3b8p ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl || exit 1
+        make lib -j"$(nproc)" >"$OUT/make.log" 2>&1 || { tail -30 "$OUT/make.log"; exit 1; }
+        python3 -m pysmoe synth /tmp/a3b8p --preset a3b --layers 8 --quiet >"$OUT/synth.log" 2>&1 || { tail "$OUT/synth.log"; exit 1; }
+        el "vault synthesised"
+    fi
     DS="csrc/[a-z]*.c csrc/engine/*.c csrc/cpu/*.c bench/decode_profile.c"
     DF="-std=c11 -O3 -g -ffp-contract=off -D_GNU_SOURCE -DSMOE_PROFILE=1 -mavx2 -mfma -mf16c -pthread -Icsrc"
     mkdir -p build
@@ -76,6 +85,12 @@ ab) # the engine's prefill, two builds of bench/decode_profile alternated (3 rou
         done
     done
     el done
+    ;;
+read) # the machine's plain read rate from memory (the floor of a product bound by its weights)
+    mkdir -p build && cc -O3 -std=c11 -ffp-contract=off -D_GNU_SOURCE -mavx2 -mfma -mf16c -Icsrc bench/qx_isa.c \
+        csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_avx2.c csrc/cpu/kernels_avx512.c csrc/cpu/cpu.c \
+        csrc/util.c -lm -pthread -o build/qx_isa || exit 1
+    build/qx_isa read "$(nproc)" 2048 | tee "$OUT/read.txt"
     ;;
 qx) # the 8-bit-activation product from memory, this tree against .peer/old where prep put one
     QX="bench/qx_isa.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_avx2.c csrc/cpu/kernels_avx512.c csrc/cpu/cpu.c csrc/util.c"
@@ -140,7 +155,7 @@ warm)
     el "peer warm threads $TH llama $LT taskset '${TS}'"
     timeout "${LIMIT:-560}" "${PRE[@]}" python3 bench/peer.py /tmp/a3b8p --gguf /tmp/a3b8.gguf --modes warm --prompt-lengths 8,45,256 \
         --threads "$TH" --llama-threads "$LT" --omp-policies default --repeats "$R" --decode-tokens 16 \
-        --thp always --json "$OUT/peer-warm-t$TH${TS:+-c$TS}.json" 2>&1 | tail -40
+        --thp always ${SETTLE:+--settle-ms "$SETTLE"} --json "$OUT/peer-warm-t$TH${TS:+-c$TS}${SETTLE:+-s$SETTLE}.json" 2>&1 | tail -40
     el done
     ;;
 esac
