@@ -617,6 +617,8 @@ def mode_warm(vault, gguf, args, log):
             runs = {c: [] for c, _, _ in contenders}
             for r in range(args.repeats):
                 for c, e, t in _rotated(contenders, r):
+                    if args.settle_ms:
+                        time.sleep(args.settle_ms / 1000)
                     runs[c].append(dict(engines[e].run(ids, t), load_s=engines[e].load_s))
             out[n] = _summary(runs, n, args.decode_tokens)
             out[n]["pysmoe"].update(engines["pysmoe"].extra())
@@ -1121,6 +1123,11 @@ def main(argv=None) -> int:
                     help="llama.cpp under each of these libgomp wait policies (default: OMP_WAIT_POLICY unset, "
                          "spinning for a while at barriers; passive; active), alternated; its best is compared")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--settle-ms", type=float, default=100,
+                    help="warm: the process tree left idle this long before each timed run, so that no run "
+                         "starts beside the threads of the one before it still spinning (libgomp's default "
+                         "wait policy spins 5-15 ms after each parallel region before it sleeps: bench/peer.md); "
+                         "0 = back to back, as before 7 Dec 2026")
     ap.add_argument("--decode-tokens", type=int, default=16)
     ap.add_argument("--decode-max-s", type=float, default=None,
                     help="cold mode: stop a run's decode after this many seconds (at least one step; tokens/s over "
@@ -1208,7 +1215,7 @@ def main(argv=None) -> int:
            "threads": args.threads, "repeats": args.repeats, "decode_tokens": args.decode_tokens,
            "prompt_lengths": args.prompt_lengths, "ctx": args.ctx, "cache_frac": args.cache_frac,
            "readahead_kb": args.readahead_kb, "decode_max_s": args.decode_max_s, "pysmoe_limit": args.pysmoe_limit,
-           "warm_blocks": args.blocks, "loadavg_start": list(os.getloadavg()), "cpus": os.cpu_count(),
+           "warm_blocks": args.blocks, "settle_ms": args.settle_ms, "loadavg_start": list(os.getloadavg()), "cpus": os.cpu_count(),
            "cpu_model": _cpu_model(), "pysmoe_activations": "q8", "pysmoe_kernels": _pysmoe_kernels(),
            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     try:
