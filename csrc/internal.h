@@ -4,6 +4,7 @@
 
 #include "smoe.h"
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -41,6 +42,13 @@ double smoe_now(void); /* monotonic seconds */
 /* Reads up to n bytes at off into buf, looping over short reads and EINTR. Returns the bytes
  * read (fewer than n only at end of file) or −1 with errno set. */
 int64_t smoe_pread_full(int fd, void *buf, uint64_t n, uint64_t off);
+/* Starts one of the library's own threads (pool workers, I/O threads, the dense loaders): every
+ * signal blocked in it, so that a process-directed signal reaches the host's threads (Python's
+ * SIGINT, a server's sigwait) and never interrupts the library's reads; a stack of at least
+ * min_stack bytes (0: the platform's default); named `name` where the OS names threads (Linux:
+ * what top -H and gdb show; 15 characters at most). Returns pthread_create's error (0: started).
+ * The creating thread's own mask is as it was. */
+int smoe_thread_start(pthread_t *thread, const char *name, size_t min_stack, void *(*fn)(void *), void *arg);
 
 /* CRC-32C (Castagnoli), continued from crc (start with 0: smoe_crc32c(0, "123456789", 9) is
  * 0xE3069283); the fastest implementation this CPU has. */

@@ -618,7 +618,7 @@ smoe_status smoe_streamer_new(const smoe_streamer_params *p, smoe_streamer **out
     }
 
     for (uint32_t i = 0; i < p->io_threads; i++) {
-        int e = pthread_create(&s->threads[i], NULL, io_main, s);
+        int e = smoe_thread_start(&s->threads[i], "smoe-io", 0, io_main, s);
         if (e != 0) {
             smoe_streamer_free(s);
             return smoe_fail(SMOE_ERR_NOMEM, "streamer: cannot start I/O thread %u of %u: %s", i + 1,

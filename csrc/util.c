@@ -4,6 +4,7 @@
 #include "smoe_testing.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -456,6 +457,28 @@ const char *smoe_checksum_impl(void) { return crc_get(SMOE_CRC_BEST)->name; }
 
 /* Reads up to n bytes at off, looping over short reads and EINTR. Returns the bytes read (less
  * than n only at end of file) or -1 with errno set. */
+int smoe_thread_start(pthread_t *thread, const char *name, size_t min_stack, void *(*fn)(void *), void *arg) {
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old); /* the new thread inherits it */
+    pthread_attr_t attr;
+    int err = pthread_attr_init(&attr);
+    if (!err) {
+        size_t stack = 0;
+        if (min_stack && pthread_attr_getstacksize(&attr, &stack) == 0 && stack < min_stack)
+            pthread_attr_setstacksize(&attr, min_stack);
+        err = pthread_create(thread, &attr, fn, arg);
+        pthread_attr_destroy(&attr);
+#ifdef __linux__
+        if (!err && name) pthread_setname_np(*thread, name); /* a name is a courtesy: its failure is not one */
+#else
+        (void)name;
+#endif
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return err;
+}
+
 int64_t smoe_pread_full(int fd, void *buf, uint64_t n, uint64_t off) {
     uint8_t *p = buf;
     uint64_t done = 0;

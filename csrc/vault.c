@@ -1297,7 +1297,7 @@ static smoe_status load_dense(int fd, const char *path, uint8_t *buf, uint64_t o
             const uint64_t lo = smoe_align_up(b[i], SMOE_PAGE), hi = smoe_align_up(b[i + 1], SMOE_PAGE);
             d[i] = (dense_lane){fdd, fd, buf, off, n, lo, hi < cap ? hi : cap, b[i], b[i + 1],
                                 heads + (size_t)i * SMOE_PAGE, 0, 0};
-            if (pthread_create(&th[i], NULL, dense_lane_main, &d[i]) != 0) break;
+            if (smoe_thread_start(&th[i], "smoe-dense", 0, dense_lane_main, &d[i]) != 0) break;
             started++;
         }
         for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
@@ -1377,7 +1377,7 @@ static int read_spans(int fd, uint8_t *buf, uint64_t off, uint64_t n, const uint
     pthread_t th[DENSE_LANES];
     int started = 0;
     for (int i = 1; i < threads && i <= DENSE_LANES; i++)
-        if (pthread_create(&th[started], NULL, dense_spans_main, &d) == 0) started++;
+        if (smoe_thread_start(&th[started], "smoe-dense", 0, dense_spans_main, &d) == 0) started++;
     dense_spans_main(&d);
     for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
     if (d.fd_direct >= 0) close(d.fd_direct);
@@ -1502,7 +1502,7 @@ static smoe_status load(smoe_vault *v, int fd) {
         if (e) return dense_read_failed(path, held, L->dense_offset, e);
         v->defer_lo = lo, v->defer_hi = hi;
         smoe_memory_promised((int64_t)(hi - lo)); /* until dense_settle: not free for a cache sized now */
-        if (pthread_create(&v->dense_th, NULL, deferred_main, v) == 0) {
+        if (smoe_thread_start(&v->dense_th, "smoe-dense", 0, deferred_main, v) == 0) {
             v->dense_th_live = true;
             return SMOE_OK;
         }

@@ -4,6 +4,10 @@ libsmoe claims a session per call with an atomic flag (SMOE_ERR_BUSY for a secon
 binding does the same per method (Busy) and makes close() cancel and wait for a running method.
 cancel() stops a running prefill between layers (Cancelled), the position where it was.
 """
+import pathlib
+import re
+import signal
+import sys
 import threading
 import time
 
@@ -223,3 +227,28 @@ def test_busy_is_a_runtime_error_and_leaves_the_running_call_alone(tiny_vault):
             s._lock.release()
         s.decode(1)
         assert s.position == 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+def test_library_threads_are_named_and_block_every_signal(tiny_vault):
+    """The library's own threads (pool workers, I/O threads) carry a name (top -H, gdb) and block
+    every signal, so that a process-directed signal (Ctrl-C, a server's SIGTERM) reaches the
+    host's threads, never theirs."""
+    want = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGPIPE)
+    with pysmoe.open_vault(tiny_vault) as vault, vault.session(threads=3) as s:
+        s.prefill([1, 2, 3, 4, 5, 6, 7, 8])
+        masks = {}
+        for task in pathlib.Path("/proc/self/task").iterdir():
+            try:
+                comm, status = (task / "comm").read_text().strip(), (task / "status").read_text()
+            except OSError:  # a thread that ended meanwhile
+                continue
+            if comm.startswith("smoe-"):
+                masks.setdefault(comm, []).append(int(re.search(r"^SigBlk:\s*([0-9a-f]+)", status, re.M).group(1), 16))
+        main_mask = int(re.search(r"^SigBlk:\s*([0-9a-f]+)", pathlib.Path(f"/proc/self/task/{threading.get_native_id()}/status")
+                                  .read_text(), re.M).group(1), 16)
+    assert len(masks.get("smoe-pool", [])) == 2 and masks.get("smoe-io"), masks
+    for comm, ms in masks.items():
+        for m in ms:
+            assert all(m >> (int(sig) - 1) & 1 for sig in want), f"{comm}: SigBlk {m:016x}"
+    assert not main_mask >> (int(signal.SIGINT) - 1) & 1  # the caller's own mask left as it was

@@ -27,7 +27,6 @@
 
 #include <pthread.h>
 #include <sched.h>
-#include <signal.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 
@@ -229,29 +228,19 @@ smoe_status smoe_pool_new(uint32_t threads, smoe_pool **out) {
         smoe_pool_free(p);
         return smoe_fail(SMOE_ERR_NOMEM, "worker pool: out of memory");
     }
-    /* Workers block every signal, so the host (Python's SIGINT handling) sees them on its own
-     * threads; they inherit the mask of the creating thread. */
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old);
-    /* The kernels keep blocks of unpacked weights and tokens' codes on the stack (up to ~300 KB:
-     * the AVX2 q8 product in lanes by block): give workers a stack of at least SMOE_WORKER_STACK
-     * whatever the platform's default (musl's is 128 KB). The calling thread runs range 0 on its
-     * own stack, which needs as much. */
-    pthread_attr_t attr;
-    int err = pthread_attr_init(&attr);
-    size_t stack = 0;
-    if (!err && pthread_attr_getstacksize(&attr, &stack) == 0 && stack < SMOE_WORKER_STACK)
-        pthread_attr_setstacksize(&attr, SMOE_WORKER_STACK);
-    for (uint32_t i = 0; !err && i < threads - 1; i++) {
+    /* Workers block every signal (smoe_thread_start), so the host (Python's SIGINT handling) sees
+     * them on its own threads. The kernels keep blocks of unpacked weights and tokens' codes on
+     * the stack (up to ~300 KB: the AVX2 q8 product in lanes by block): workers get a stack of at
+     * least SMOE_WORKER_STACK whatever the platform's default (musl's is 128 KB). The calling
+     * thread runs range 0 on its own stack, which needs as much. */
+    int err = 0;
+    for (uint32_t i = 0; i < threads - 1; i++) {
         p->args[i].pool = p;
         p->args[i].index = i + 1;
-        err = pthread_create(&p->tids[i], &attr, worker_main, &p->args[i]);
+        err = smoe_thread_start(&p->tids[i], "smoe-pool", SMOE_WORKER_STACK, worker_main, &p->args[i]);
         if (err) break;
         p->started++;
     }
-    pthread_attr_destroy(&attr);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (err) {
         smoe_pool_free(p);
         return smoe_fail(SMOE_ERR_NOMEM, "worker pool: cannot start thread %u of %u (error %d)", p->started + 1,
