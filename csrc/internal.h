@@ -49,6 +49,9 @@ int64_t smoe_pread_full(int fd, void *buf, uint64_t n, uint64_t off);
  * what top -H and gdb show; 15 characters at most). Returns pthread_create's error (0: started).
  * The creating thread's own mask is as it was. */
 int smoe_thread_start(pthread_t *thread, const char *name, size_t min_stack, void *(*fn)(void *), void *arg);
+/* This process's id, for a handle to record at its creation: a vault or session used after a
+ * fork() in the child has none of its threads there (smoe.h, "Processes"). */
+int smoe_process_id(void);
 
 /* CRC-32C (Castagnoli), continued from crc (start with 0: smoe_crc32c(0, "123456789", 9) is
  * 0xE3069283); the fastest implementation this CPU has. */

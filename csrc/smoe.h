@@ -46,6 +46,21 @@
  *     The Python binding enforces this (Session.close() cancels and waits).
  *   - Different sessions, of one vault or of several, may run calls at the same time; sessions
  *     sharing one cache (smoe_session_new_shared) take turns for the calls that use it.
+ *   - The library's own threads (a session's workers and I/O threads, a vault's loaders) block
+ *     every signal, so process-directed signals reach the host's threads; on Linux they are
+ *     named smoe-pool, smoe-io and smoe-dense.
+ *
+ * Processes (fork)
+ *   - A session belongs to the process that made it: after fork() its threads are not in the
+ *     child. There every call on an inherited session returns SMOE_ERR_INVALID_ARG saying so,
+ *     as does smoe_session_new_shared with it as the sibling; smoe_session_free of it frees
+ *     nothing in the child and returns at once (the child's copy of its memory goes with the
+ *     child).
+ *   - A vault opened before the fork serves the child: smoe_session_new on it there makes a
+ *     session of the child's own (the dense weights stay shared with the parent, copy-on-write),
+ *     unless the fork came while the vault was still reading lm_head in its own thread (a large
+ *     lm_head read beside the first pass), which that call then reports (SMOE_ERR_INVALID_ARG);
+ *     smoe_close_vault in the child frees the child's copy without waiting for that thread.
  */
 #ifndef SMOE_H
 #define SMOE_H

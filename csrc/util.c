@@ -457,6 +457,8 @@ const char *smoe_checksum_impl(void) { return crc_get(SMOE_CRC_BEST)->name; }
 
 /* Reads up to n bytes at off, looping over short reads and EINTR. Returns the bytes read (less
  * than n only at end of file) or -1 with errno set. */
+int smoe_process_id(void) { return (int)getpid(); }
+
 int smoe_thread_start(pthread_t *thread, const char *name, size_t min_stack, void *(*fn)(void *), void *arg) {
     sigset_t all, old;
     sigfillset(&all);

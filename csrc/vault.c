@@ -1422,6 +1422,11 @@ static void *deferred_main(void *arg) {
 
 smoe_status smoe_vault_dense_ready(smoe_vault *v) {
     int state = atomic_load(&v->dense_state);
+    if (state == 0 && v->pid != smoe_process_id()) /* forked while dense_th read: it is not here */
+        return smoe_fail(SMOE_ERR_INVALID_ARG,
+                         "the vault was opened in process %d, which forked this one (%d) while the vault was still "
+                         "reading lm_head in a thread the fork did not copy: open the vault again in this process",
+                         v->pid, smoe_process_id());
     if (state == 0) {
         pthread_mutex_lock(&v->dense_mu);
         while ((state = atomic_load(&v->dense_state)) == 0) pthread_cond_wait(&v->dense_cv, &v->dense_mu);
@@ -1555,6 +1560,7 @@ smoe_status smoe_open_vault(const char *dir, smoe_vault **out) {
     }
     atomic_init(&v->dense_state, 0);
     atomic_init(&v->paged_loaded, false);
+    v->pid = smoe_process_id();
     v->dir = dup_str(dir, "");
     v->path = dup_str(dir, "/vault.bin");
     if (!v->dir || !v->path) {
@@ -1595,7 +1601,8 @@ smoe_status smoe_open_vault(const char *dir, smoe_vault **out) {
 
 void smoe_close_vault(smoe_vault *v) {
     if (!v) return;
-    if (v->dense_th_live) pthread_join(v->dense_th, NULL); /* it reads through v->fd into v->dense */
+    /* it reads through v->fd into v->dense; in a forked child it is the parent's, not here */
+    if (v->dense_th_live && v->pid == smoe_process_id()) pthread_join(v->dense_th, NULL);
     if (v->fd >= 0) close(v->fd);
     pthread_cond_destroy(&v->dense_cv);
     pthread_mutex_destroy(&v->dense_mu);

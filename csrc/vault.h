@@ -176,6 +176,7 @@ struct smoe_vault {
      * 1 when sound, −1 when it failed (dense_err, dense_msg). */
     pthread_t dense_th;
     bool dense_th_live;
+    int pid; /* the process that opened it (smoe_process_id): dense_th is its thread */
     pthread_mutex_t dense_mu;
     pthread_cond_t dense_cv;
     _Atomic int dense_state;

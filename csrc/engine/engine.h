@@ -90,6 +90,7 @@ struct smoe_session {
     uint32_t pos;    /* tokens in the KV cache; stored with set_pos (smoe_session_position loads it) */
     bool broken;
     _Atomic int busy;   /* 1 while a call runs (smoe_session_enter .. smoe_session_leave) */
+    int pid;            /* the process that made it (smoe_process_id): its pool's and streamer's threads are there */
     _Atomic int cancel; /* set by smoe_session_cancel, cleared by smoe_session_enter */
 
     int32_t *history;         /* (context) ids at each position */
@@ -188,6 +189,11 @@ uint32_t smoe_moe_count(smoe_session *s, uint32_t l, uint32_t n, const int32_t *
  * when another call holds it; otherwise clears any cancel request. fn names the call. */
 static inline smoe_status smoe_session_enter(const smoe_session *cs, const char *fn) {
     smoe_session *s = (smoe_session *)cs; /* the claim is not part of the session's value */
+    if (s->pid != smoe_process_id()) /* a fork's child: the session's threads stayed in the parent */
+        return smoe_fail(SMOE_ERR_INVALID_ARG,
+                         "%s: this session was made in process %d and this is process %d, a fork of it: the "
+                         "session's threads are not here; make a new session in this process",
+                         fn, s->pid, smoe_process_id());
     int idle = 0;
     if (!atomic_compare_exchange_strong_explicit(&s->busy, &idle, 1, memory_order_acquire, memory_order_relaxed))
         return smoe_fail(SMOE_ERR_BUSY, "%s: another call is running on this session", fn);

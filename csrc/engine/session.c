@@ -291,6 +291,8 @@ static smoe_status engine_planes(smoe_session *s) {
 void smoe_session_free(smoe_session *s) {
     if (!s)
         return;
+    if (s->pid != smoe_process_id())
+        return; /* a fork's child: freeing would wait for threads that are not here; its copy goes with it */
     if (s->be)
         s->backend->session_free(s->be); /* first: it may hold the share's device and slots */
     share_drop(s->share);
@@ -319,6 +321,13 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
     *out = NULL;
     if (!vault)
         return smoe_fail(SMOE_ERR_INVALID_ARG, "smoe_session_new: vault is NULL");
+    if (sibling && sibling->pid != smoe_process_id())
+        return smoe_fail(SMOE_ERR_INVALID_ARG,
+                         "smoe_session_new_shared: the sibling was made in process %d and this is process %d, a fork "
+                         "of it: its worker threads and cache readers are not here; make a session from the vault",
+                         sibling->pid, smoe_process_id());
+    if (vault->pid != smoe_process_id() && atomic_load(&vault->dense_state) == 0)
+        return smoe_vault_dense_ready(vault); /* forked while the vault still read in a thread: says so */
     smoe_session_params p;
     smoe_status st = read_params(params, &p);
     if (st != SMOE_OK)
@@ -348,6 +357,7 @@ static smoe_status session_new(smoe_vault *vault, const smoe_session_params *par
         return smoe_fail(SMOE_ERR_NOMEM, "out of memory for the session");
     atomic_init(&s->busy, 0);
     atomic_init(&s->cancel, 0);
+    s->pid = smoe_process_id();
     s->vault = vault;
     s->lay = &vault->lay;
     s->cfg = *c;
