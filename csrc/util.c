@@ -455,8 +455,6 @@ uint32_t smoe_crc32c_with(int which, uint32_t crc, const void *data, size_t n) {
 
 const char *smoe_checksum_impl(void) { return crc_get(SMOE_CRC_BEST)->name; }
 
-/* Reads up to n bytes at off, looping over short reads and EINTR. Returns the bytes read (less
- * than n only at end of file) or -1 with errno set. */
 int smoe_process_id(void) { return (int)getpid(); }
 
 int smoe_thread_start(pthread_t *thread, const char *name, size_t min_stack, void *(*fn)(void *), void *arg) {
@@ -481,6 +479,8 @@ int smoe_thread_start(pthread_t *thread, const char *name, size_t min_stack, voi
     return err;
 }
 
+/* Reads up to n bytes at off, looping over short reads and EINTR. Returns the bytes read (less
+ * than n only at end of file) or -1 with errno set. */
 int64_t smoe_pread_full(int fd, void *buf, uint64_t n, uint64_t off) {
     uint8_t *p = buf;
     uint64_t done = 0;
