@@ -11,15 +11,29 @@ import os
 import pathlib
 import sys
 
-import cffi
-
 from ._cdef import CDEF
 from .errors import BY_CODE, SmoeError
 
 ABI_VERSION = 6
 
-ffi = cffi.FFI()
-ffi.cdef(CDEF)
+
+def _make_ffi():
+    """The declarations as the build parsed them (_smoe_cffi, written by _ffi_build.py: ~3 ms to
+    load) while they match CDEF; else CDEF parsed here (~70 ms)."""
+    try:
+        from . import _smoe_cffi
+        from ._ffi_build import cdef_sha256
+        if getattr(_smoe_cffi, "CDEF_SHA256", None) == cdef_sha256(CDEF):
+            return _smoe_cffi.ffi
+    except Exception:  # not written (make lib alone), or by a cffi this one cannot load: parse
+        pass
+    import cffi
+    f = cffi.FFI()
+    f.cdef(CDEF)
+    return f
+
+
+ffi = _make_ffi()
 
 _log = logging.getLogger("pysmoe")
 
@@ -53,7 +67,7 @@ lib, LIB_PATH = _load()
 _LEVELS = {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR}
 
 
-@ffi.callback("void(int, const char *, void *)")
+@ffi.callback("smoe_log_fn")
 def _on_log(level, message, _user):
     try:
         _log.log(_LEVELS.get(level, logging.INFO), ffi.string(message).decode("utf-8", "replace"))

@@ -185,7 +185,7 @@ class Vault:
         (a page of a paged embedding), "blob" or "values", layer and expert -1 outside blobs, what in words; [] if sound."""
         bad = []
 
-        @ffi.callback("void(const char *, int32_t, int32_t, const char *, void *)")
+        @ffi.callback("smoe_verify_fn")
         def on_bad(kind, layer, expert, what, _user):
             bad.append((ffi.string(kind).decode(), layer, expert, ffi.string(what).decode("utf-8", "replace")))
 

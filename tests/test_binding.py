@@ -27,6 +27,39 @@ def test_cdef_is_generated_from_the_header():
     assert "smoe_prefill_chunk" in CDEF and "smoe_decode_step" in CDEF
 
 
+def test_precompiled_cdef_matches_and_a_stale_one_is_not_used(tmp_path, monkeypatch):
+    """pysmoe/_ffi_build.py's module (the cdef parsed at build time) declares what parsing CDEF
+    declares; _ffi uses it only while its CDEF_SHA256 is the current cdef's, else it parses."""
+    import sys
+    import types
+
+    import cffi
+
+    from pysmoe import _ffi, _ffi_build
+    path = _ffi_build.write(tmp_path)
+    spec = importlib.util.spec_from_file_location("pysmoe._smoe_cffi_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.CDEF_SHA256 == _ffi_build.cdef_sha256(CDEF)
+    parsed = cffi.FFI()
+    parsed.cdef(CDEF)
+    for name in ("smoe_session_params", "smoe_config", "smoe_counters", "smoe_sampler_params", "smoe_proj"):
+        if name in CDEF:
+            assert mod.ffi.sizeof(name) == parsed.sizeof(name), name
+            assert [f[0] for f in mod.ffi.typeof(name).fields] == [f[0] for f in parsed.typeof(name).fields], name
+    for name in ("smoe_log_fn", "smoe_verify_fn"):  # the callbacks' types, as the binding names them
+        assert mod.ffi.typeof(name).cname == parsed.typeof(name).cname, name
+    # the module that _ffi picks: the written one while it matches, a parse when it is stale
+    monkeypatch.setitem(sys.modules, "pysmoe._smoe_cffi", mod)
+    monkeypatch.setattr(pysmoe, "_smoe_cffi", mod, raising=False)
+    assert _ffi._make_ffi() is mod.ffi
+    stale = types.SimpleNamespace(ffi=mod.ffi, CDEF_SHA256="0" * 64)
+    monkeypatch.setitem(sys.modules, "pysmoe._smoe_cffi", stale)
+    monkeypatch.setattr(pysmoe, "_smoe_cffi", stale, raising=False)
+    got = _ffi._make_ffi()
+    assert got is not mod.ffi and got.sizeof("smoe_session_params") == parsed.sizeof("smoe_session_params")
+
+
 def test_every_public_function_is_exported():
     import re
     headers = "".join((ROOT / "csrc" / h).read_text() for h in ("smoe.h", "smoe_testing.h"))

@@ -98,6 +98,7 @@ def test_sdist_builds_a_wheel_that_runs_in_a_fresh_venv(tmp_path):
     libname = "libsmoe.dylib" if sys.platform == "darwin" else "libsmoe.so"
     with zipfile.ZipFile(wheel) as z:
         assert f"pysmoe/{libname}" in z.namelist()
+        assert "pysmoe/_smoe_cffi.py" in z.namelist()  # the cdef parsed at build time (pysmoe/_ffi_build.py)
         info = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/WHEEL"))).decode()
         meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
     assert "Root-Is-Purelib: false" in info
@@ -114,8 +115,10 @@ def test_sdist_builds_a_wheel_that_runs_in_a_fresh_venv(tmp_path):
 
     away = tmp_path / "elsewhere"
     away.mkdir()
-    lib = _run([str(py), "-c", "import pysmoe._ffi as f; print(f.LIB_PATH)"], cwd=away, env=_clean_env())
-    assert pathlib.Path(lib.stdout.strip()).resolve() == (venv.resolve() / pathlib.Path(site).relative_to(venv)
+    lib = _run([str(py), "-c", "import sys, pysmoe._ffi as f; print(f.LIB_PATH); print('pycparser' in sys.modules)"],
+               cwd=away, env=_clean_env())
+    assert lib.stdout.split()[1] == "False", "the wheel's binding parsed its cdef at import"
+    assert pathlib.Path(lib.stdout.split()[0]).resolve() == (venv.resolve() / pathlib.Path(site).relative_to(venv)
                                                           / "pysmoe" / libname).resolve()
     cmd = ["-m", "pysmoe", "run", "--prompt", "The quick brown fox", "--max-tokens", "12"]
     got = _run([str(py), *cmd], cwd=away, env=_clean_env(), timeout=300)

@@ -73,7 +73,7 @@ def verify(v):
     """(status, [(kind, layer, expert)]) of smoe_verify_vault."""
     bad = []
 
-    @ffi.callback("void(const char *, int32_t, int32_t, const char *, void *)")
+    @ffi.callback("smoe_verify_fn")
     def on_bad(kind, layer, expert, _what, _user):
         bad.append((ffi.string(kind).decode(), layer, expert))
 
