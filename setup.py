@@ -11,7 +11,7 @@ faster kernels picked at run time) and PORTABLE=1 / CUDA=1 stay in one place. Wh
     `make run` and `make test` do) it runs `make lib`, which puts the library in pysmoe/.
   - Beside the library it writes pysmoe/_smoe_cffi.py, the binding's cdef parsed once
     (pysmoe/_ffi_build.py: cffi's out-of-line ABI mode, pure Python), which saves every import of
-    the engine ~70 ms of parsing; without cffi in the build environment it says so and the
+    the engine ~50 ms of parsing; without cffi in the build environment it says so and the
     binding parses at import, as before.
   - The distribution counts as having extension modules, so the wheel is platform-specific
     (py3-none-<platform>): libsmoe is loaded through cffi's ABI mode and does not depend on the

@@ -19,7 +19,7 @@ ABI_VERSION = 6
 
 def _make_ffi():
     """The declarations as the build parsed them (_smoe_cffi, written by _ffi_build.py: ~3 ms to
-    load) while they match CDEF; else CDEF parsed here (~70 ms)."""
+    load) while they match CDEF; else CDEF parsed here (~50 ms)."""
     try:
         from . import _smoe_cffi
         from ._ffi_build import cdef_sha256

@@ -1,6 +1,6 @@
 """Writes pysmoe/_smoe_cffi.py: the binding's declarations (_cdef.CDEF) parsed once, when the
 package is built, instead of at every import (cffi's out-of-line ABI mode: a pure-Python module,
-no compiler). Parsing the cdef at import costs ~70 ms (pycparser's import and its parse; ~120 ms
+no compiler). Parsing the cdef at import costs ~50 ms (pycparser's import and its parse; ~120 ms
 with a cold page cache) of every `import pysmoe`'s engine and every `python -m pysmoe`; loading
 the written module costs ~3 ms.
 
