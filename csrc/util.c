@@ -85,12 +85,30 @@ void smoe_log(int level, const char *fmt, ...) {
 
 /* ---------------------------------------------------------------------------------- memory */
 
+/* Zeroed. On Linux the whole pages of a large buffer are not written but handed back to the kernel
+ * (MADV_DONTNEED: malloc's memory is private and anonymous, so each reads as zeros and is mapped
+ * only when first touched); only the ends that share a page with other memory are written. A
+ * session's planes (72 MB for a3b at a 256-token chunk) were written at creation, 21-35 ms of page
+ * faults and every page resident, though a short prompt touches a few of them (bench/RESULTS.md,
+ * "A session's planes"). */
 void *smoe_alloc(size_t bytes, size_t align) {
     if (align < sizeof(void *)) align = sizeof(void *);
     if (align & (align - 1)) return NULL;
     if (bytes == 0) bytes = 1; /* a unique pointer, so NULL always means failure */
     void *p = NULL;
     if (posix_memalign(&p, align, bytes) != 0) return NULL;
+#if defined(__linux__) && defined(MADV_DONTNEED)
+    enum { LAZY_MIN = 256 * 1024 };
+    if (bytes >= LAZY_MIN) {
+        const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE), a = (uintptr_t)p, end = a + bytes;
+        const uintptr_t lo = (a + pg - 1) & ~(pg - 1), hi = end & ~(pg - 1);
+        if (pg && !(pg & (pg - 1)) && madvise((void *)lo, hi - lo, MADV_DONTNEED) == 0) {
+            memset(p, 0, lo - a);
+            memset((void *)hi, 0, end - hi);
+            return p;
+        }
+    }
+#endif
     memset(p, 0, bytes);
     return p;
 }

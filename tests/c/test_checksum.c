@@ -1,7 +1,8 @@
-/* test_checksum.c — smoe_checksum and CRC-32C: every implementation this build has gives the same
- * value, on random lengths 0..100k at misaligned addresses; the known CRC-32C check value; the
- * 4-lane definition of docs/vault.md written out with the plain CRC; with the argument "speed",
- * GB/s on one core. Built by tests/test_c_units.py against util.c alone; by hand:
+/* test_checksum.c — util.c alone: smoe_checksum and CRC-32C: every implementation this build has
+ * gives the same value, on random lengths 0..100k at misaligned addresses; the known CRC-32C check
+ * value; the 4-lane definition of docs/vault.md written out with the plain CRC; with the argument
+ * "speed", GB/s on one core. And smoe_alloc: zeroed at every size and alignment, also where malloc
+ * hands back memory just freed dirty, and (Linux) a large buffer's pages not made resident. Built by tests/test_c_units.py against util.c alone; by hand:
  *   gcc -O2 -mavx2 -pthread -D_GNU_SOURCE -Icsrc tests/c/test_checksum.c csrc/util.c -o /tmp/t && /tmp/t speed */
 #include "check.h"
 #include "internal.h"
@@ -9,6 +10,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 static uint64_t rng = 0x9E3779B97F4A7C15ull;
 static uint64_t next(void) {
@@ -36,6 +41,54 @@ static uint32_t checksum_spec(const uint8_t *p, size_t n) {
         for (int b = 0; b < 4; b++) lanes[4 * i + b] = (uint8_t)(c >> (8 * b));
     }
     return crc32c_bitwise(lanes, 16);
+}
+
+/* smoe_alloc's contract: aligned and zeroed, whatever malloc hands back (fresh pages or a chunk just
+ * freed full of 0xA5: a freed large chunk raises glibc's mmap threshold, so the next one of that
+ * size comes from the heap, written). On Linux a 64 MiB buffer's pages are mostly not resident
+ * after it (util.c gives its whole pages back rather than writing them): mincore counts them. */
+static void check_alloc(void) {
+    static const size_t sizes[] = {1, 100, 4095, 4096, 65537, 256 * 1024 - 1, 256 * 1024, 256 * 1024 + 17,
+                                   (1u << 20) + 12345, 5u << 20, 40u << 20};
+    static const size_t aligns[] = {8, 64, 4096, 16384};
+    for (int round = 0; round < 3; round++)
+        for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++)
+            for (size_t a = 0; a < sizeof aligns / sizeof *aligns; a++) {
+                const size_t n = sizes[i], al = aligns[a];
+                uint8_t *dirty = malloc(n + 64);
+                CHECK(dirty != NULL, "malloc %zu", n);
+                if (!dirty) return;
+                memset(dirty, 0xA5, n + 64);
+                free(dirty);
+                uint8_t *p = smoe_alloc(n, al);
+                CHECK(p != NULL, "smoe_alloc %zu", n);
+                if (!p) return;
+                CHECK((uintptr_t)p % al == 0, "smoe_alloc %zu align %zu: %p", n, al, (void *)p);
+                size_t bad = n;
+                for (size_t k = 0; k < n && bad == n; k++)
+                    if (p[k]) bad = k;
+                CHECK(bad == n, "smoe_alloc %zu align %zu round %d: byte %zu is %u", n, al, round, bad, p[bad]);
+                memset(p, 0x5A, n); /* dirty for the next round's malloc */
+                smoe_free(p);
+            }
+#if defined(__linux__)
+    const size_t big = 64u << 20, pg = (size_t)sysconf(_SC_PAGESIZE);
+    uint8_t *p = smoe_alloc(big, 64);
+    CHECK(p != NULL, "smoe_alloc 64 MiB");
+    if (!p) return;
+    const uintptr_t lo = ((uintptr_t)p + pg - 1) & ~(uintptr_t)(pg - 1);
+    const size_t pages = ((uintptr_t)p + big - lo) / pg;
+    unsigned char *vec = malloc(pages);
+    size_t resident = 0;
+    if (vec && mincore((void *)lo, pages * pg, vec) == 0)
+        for (size_t k = 0; k < pages; k++) resident += vec[k] & 1;
+    else
+        resident = SIZE_MAX;
+    CHECK(resident < pages / 4, "a fresh 64 MiB smoe_alloc has %zu of its %zu pages resident", resident, pages);
+    CHECK(p[0] == 0 && p[big / 2] == 0 && p[big - 1] == 0, "64 MiB zeroed");
+    free(vec);
+    smoe_free(p);
+#endif
 }
 
 int main(int argc, char **argv) {
@@ -94,6 +147,7 @@ int main(int argc, char **argv) {
     free(mb);
     }
     free(buf);
+    check_alloc();
     if (!failures) printf("test_checksum: ok (%d cases)\n", cases);
     return failures != 0;
 }
