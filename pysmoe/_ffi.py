@@ -22,8 +22,7 @@ def _make_ffi():
     load) while they match CDEF; else CDEF parsed here (~50 ms)."""
     try:
         from . import _smoe_cffi
-        from ._ffi_build import cdef_sha256
-        if getattr(_smoe_cffi, "CDEF_SHA256", None) == cdef_sha256(CDEF):
+        if getattr(_smoe_cffi, "CDEF", None) == CDEF:
             return _smoe_cffi.ffi
     except Exception:  # not written (make lib alone), or by a cffi this one cannot load: parse
         pass

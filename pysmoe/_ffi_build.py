@@ -5,25 +5,21 @@ with a cold page cache) of every `import pysmoe`'s engine and every `python -m p
 the written module costs ~3 ms.
 
 setup.py's build_ext runs write() next to the library it builds (the checkout's pysmoe/ in an
-editable install, the wheel's otherwise). The module ends with CDEF's SHA-256, so that _ffi.py
-uses it only while it matches the cdef it would parse (a checkout whose _cdef.py changed since
-falls back to parsing, as it does where the module was never written: `make lib` alone, an
-unbuilt source tree).
+editable install, the wheel's otherwise). The module ends with the CDEF text it was written from,
+so that _ffi.py uses it only while that is the cdef it would parse (a checkout whose _cdef.py
+changed since falls back to parsing, as it does where the module was never written: `make lib`
+alone, an unbuilt source tree). The text itself, not a hash of it: comparing 7 KB costs nothing,
+and hashlib's OpenSSL would cost every import 4-8 ms after a page-cache drop.
 
     python -m pysmoe._ffi_build [DIR]     (default: this package's folder)
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import pathlib
 import sys
 
 MODULE = "_smoe_cffi"
-
-
-def cdef_sha256(cdef: str) -> str:
-    return hashlib.sha256(cdef.encode()).hexdigest()
 
 
 def write(directory: str | os.PathLike) -> pathlib.Path:
@@ -40,8 +36,8 @@ def write(directory: str | os.PathLike) -> pathlib.Path:
     try:
         ffi.emit_python_code(str(tmp))
         with open(tmp, "a", encoding="utf-8") as f:
-            f.write(f"\n# the SHA-256 of pysmoe._cdef.CDEF that this module was written from (pysmoe/_ffi_build.py)\n"
-                    f"CDEF_SHA256 = {cdef_sha256(CDEF)!r}\n")
+            f.write(f"\n# pysmoe._cdef.CDEF as this module was written from it (pysmoe/_ffi_build.py)\n"
+                    f"CDEF = {CDEF!r}\n")
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)

@@ -29,7 +29,7 @@ def test_cdef_is_generated_from_the_header():
 
 def test_precompiled_cdef_matches_and_a_stale_one_is_not_used(tmp_path, monkeypatch):
     """pysmoe/_ffi_build.py's module (the cdef parsed at build time) declares what parsing CDEF
-    declares; _ffi uses it only while its CDEF_SHA256 is the current cdef's, else it parses."""
+    declares; _ffi uses it only while the CDEF it carries is the current one, else it parses."""
     import sys
     import types
 
@@ -40,7 +40,7 @@ def test_precompiled_cdef_matches_and_a_stale_one_is_not_used(tmp_path, monkeypa
     spec = importlib.util.spec_from_file_location("pysmoe._smoe_cffi_test", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    assert mod.CDEF_SHA256 == _ffi_build.cdef_sha256(CDEF)
+    assert mod.CDEF == CDEF
     parsed = cffi.FFI()
     parsed.cdef(CDEF)
     for name in ("smoe_session_params", "smoe_config", "smoe_counters", "smoe_sampler_params", "smoe_proj"):
@@ -53,7 +53,7 @@ def test_precompiled_cdef_matches_and_a_stale_one_is_not_used(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "pysmoe._smoe_cffi", mod)
     monkeypatch.setattr(pysmoe, "_smoe_cffi", mod, raising=False)
     assert _ffi._make_ffi() is mod.ffi
-    stale = types.SimpleNamespace(ffi=mod.ffi, CDEF_SHA256="0" * 64)
+    stale = types.SimpleNamespace(ffi=mod.ffi, CDEF=CDEF.replace("smoe_decode_step", "smoe_decode_steps"))
     monkeypatch.setitem(sys.modules, "pysmoe._smoe_cffi", stale)
     monkeypatch.setattr(pysmoe, "_smoe_cffi", stale, raising=False)
     got = _ffi._make_ffi()
