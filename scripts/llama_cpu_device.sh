@@ -5,6 +5,7 @@
 #   bash scripts/llama_cpu_device.sh qx                             # bench/qx_isa few NPROC, few 4, mv q4: this tree and .peer/old
 #   bash scripts/llama_cpu_device.sh ab "CFLAGS" [PROMPTS] [THREADS]  # decode_profile as built, against with CFLAGS
 #   bash scripts/llama_cpu_device.sh read                           # qx_isa read: the plain read rate, 1 … NPROC threads
+#   bash scripts/llama_cpu_device.sh cold [THREADS] [REPEATS]       # bench/cold_ttft.py at 45, 256 tokens (after build)
 #   bash scripts/llama_cpu_device.sh prep [OLD_REV]                 # here, not there: makes the folders below
 # run from the repository root, with three ignored folders carried (`prep` makes them on this
 # machine from the package registries; .peer/old, the sources of OLD_REV for `qx`, from git):
@@ -84,6 +85,14 @@ ab) # the engine's prefill, two builds of bench/decode_profile alternated (3 rou
             done
         done
     done
+    el done
+    ;;
+cold) # issue 31 item 2 on this host's disk and cores: cold TTFT against the I/O floor and the
+    # compute floor (bench/cold_ttft.py: a fresh process after a page-cache drop each run, 10 % cache)
+    TH=${2:-$(nproc)}
+    el "cold_ttft threads $TH"
+    timeout "${LIMIT:-560}" python3 bench/cold_ttft.py /tmp/a3b8p --lengths 45,256 --cache-fracs 0.1 --repeats "${3:-5}" \
+        --threads "$TH" --compute-floor --json "$OUT/cold-t$TH.json" 2>&1 | tail -30
     el done
     ;;
 read) # the machine's plain read rate from memory (the floor of a product bound by its weights)
