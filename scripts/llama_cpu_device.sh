@@ -90,6 +90,8 @@ ab) # the engine's prefill, two builds of bench/decode_profile alternated (3 rou
 cold) # issue 31 item 2 on this host's disk and cores: cold TTFT against the I/O floor and the
     # compute floor (bench/cold_ttft.py: a fresh process after a page-cache drop each run, 10 % cache)
     TH=${2:-$(nproc)}
+    df -T /tmp | tail -1
+    if df -T /tmp | tail -1 | grep -q tmpfs; then echo "cold: /tmp is in memory here: no cold read to time"; exit 1; fi
     el "cold_ttft threads $TH"
     timeout "${LIMIT:-560}" python3 bench/cold_ttft.py /tmp/a3b8p --lengths 45,256 --cache-fracs 0.1 --repeats "${3:-5}" \
         --threads "$TH" --compute-floor --json "$OUT/cold-t$TH.json" 2>&1 | tail -30
