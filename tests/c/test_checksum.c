@@ -2,7 +2,8 @@
  * gives the same value, on random lengths 0..100k at misaligned addresses; the known CRC-32C check
  * value; the 4-lane definition of docs/vault.md written out with the plain CRC; with the argument
  * "speed", GB/s on one core. And smoe_alloc: zeroed at every size and alignment, also where malloc
- * hands back memory just freed dirty, and (Linux) a large buffer's pages not made resident. Built by tests/test_c_units.py against util.c alone; by hand:
+ * hands back memory just freed dirty, and (Linux) a large buffer's pages not made resident. Built
+ * by tests/test_c_units.py against util.c alone; by hand:
  *   gcc -O2 -mavx2 -pthread -D_GNU_SOURCE -Icsrc tests/c/test_checksum.c csrc/util.c -o /tmp/t && /tmp/t speed */
 #include "check.h"
 #include "internal.h"
