@@ -34,6 +34,7 @@ cold   the model does not fit: budget = pysmoe's stats()["resident_bytes"] with 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import pathlib
@@ -294,6 +295,41 @@ class PysmoeWorker(Worker):
 
 # ================================================================== memory cgroup
 
+HOST_LEAF = "smoe-peer-host"
+
+
+def _delegate(parent: str, controller: str) -> None:
+    """Enables `controller` for the children of cgroup v2 group `parent`. cgroup v2 lets a group
+    other than the root hand a controller to its children only while it holds no process itself
+    (writing cgroup.subtree_control fails with EBUSY): where it does (a container or VM whose
+    processes sit in one group), they all move first into a leaf child, HOST_LEAF, beside the
+    limited groups this script makes."""
+    sub = os.path.join(parent, "cgroup.subtree_control")
+    if controller in open(sub).read().split():
+        return
+    try:
+        with open(sub, "w") as f:
+            f.write("+" + controller)
+        return
+    except OSError as e:
+        if e.errno != errno.EBUSY:
+            raise
+    leaf = os.path.join(parent, HOST_LEAF)
+    os.makedirs(leaf, exist_ok=True)
+    for _ in range(5):  # processes may fork while they move
+        pids = open(os.path.join(parent, "cgroup.procs")).read().split()
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+                    f.write(pid)
+            except OSError:  # gone meanwhile, or not movable (then the write below says so)
+                pass
+    with open(sub, "w") as f:
+        f.write("+" + controller)
+
+
 class MemCgroup:
     """A memory-limited child cgroup of this process's own group (v1 or v2), or a reason why not."""
 
@@ -322,14 +358,13 @@ class MemCgroup:
         elif fstype == "cgroup2fs":
             self.version = 2
             rel = [l.split(":", 2)[2] for l in lines if l.startswith("0::")][0]
+            if os.path.basename(rel) == HOST_LEAF:  # moved there by _delegate: its parent delegates
+                rel = os.path.dirname(rel)
             parent = "/sys/fs/cgroup" + rel
             ctl = open(os.path.join(parent, "cgroup.controllers")).read().split()
             if "memory" not in ctl:
                 raise OSError(f"cgroup v2: the memory controller is not available in {parent}")
-            sub = os.path.join(parent, "cgroup.subtree_control")
-            if "memory" not in open(sub).read().split():
-                with open(sub, "w") as f:  # fails if parent has processes and is not the root
-                    f.write("+memory")
+            _delegate(parent, "memory")
             self.path = os.path.join(parent, name)
             os.makedirs(self.path, exist_ok=True)
             self._write("memory.max", self.limit)
