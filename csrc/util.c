@@ -92,11 +92,9 @@ void smoe_log(int level, const char *fmt, ...) {
  * faults and every page resident, though a short prompt touches a few of them (bench/RESULTS.md,
  * "A session's planes"). */
 void *smoe_alloc(size_t bytes, size_t align) {
-    if (align < sizeof(void *)) align = sizeof(void *);
-    if (align & (align - 1)) return NULL;
-    if (bytes == 0) bytes = 1; /* a unique pointer, so NULL always means failure */
-    void *p = NULL;
-    if (posix_memalign(&p, align, bytes) != 0) return NULL;
+    if (bytes == 0) bytes = 1; /* as smoe_alloc_untouched takes it: the byte it gives is zeroed too */
+    void *p = smoe_alloc_untouched(bytes, align);
+    if (!p) return NULL;
 #if defined(__linux__) && defined(MADV_DONTNEED)
     enum { LAZY_MIN = 256 * 1024 };
     if (bytes >= LAZY_MIN) {
@@ -116,7 +114,7 @@ void *smoe_alloc(size_t bytes, size_t align) {
 void *smoe_alloc_untouched(size_t bytes, size_t align) {
     if (align < sizeof(void *)) align = sizeof(void *);
     if (align & (align - 1)) return NULL;
-    if (bytes == 0) bytes = 1;
+    if (bytes == 0) bytes = 1; /* a unique pointer, so NULL always means failure */
     void *p = NULL;
     if (posix_memalign(&p, align, bytes) != 0) return NULL;
     return p;
