@@ -24,6 +24,7 @@
 #include "sample.h"
 
 #include <math.h>
+#include <string.h>
 
 /* ---------------------------------------------------------------------------------- rng */
 
@@ -72,11 +73,36 @@ static inline float clean(float x) { return x != x ? -INFINITY : x; }
 /* a ranks before b: larger value, or equal value and lower id — a strict total order */
 static inline bool better(const float *v, int32_t a, int32_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); }
 
+/* x's bits as an int whose signed order is x's order (−0 just below +0); x not NaN */
+static inline int32_t order_key(float x) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    return (int32_t)(b ^ ((uint32_t)((int32_t)b >> 31) & 0x7fffffffu));
+}
+
+/* The first index of the largest of v[0..n) (n > 0, no NaN): the largest as an integer maximum
+ * over order keys, then the first value equal to it (as floats: −0 == +0), blocks of 32 compared
+ * at once. Both loops vectorise; a compare-and-branch scan was 95 µs over a 151,936-id
+ * vocabulary on a Zen 2 core, this 19 (bench/RESULTS.md, "Greedy sampling"). */
 static uint32_t argmax(const float *v, uint32_t n) {
-    uint32_t best = 0;
-    for (uint32_t i = 1; i < n; i++)
-        if (v[i] > v[best]) best = i;
-    return best;
+    int32_t m = INT32_MIN;
+    for (uint32_t i = 0; i < n; i++) {
+        const int32_t k = order_key(v[i]);
+        m = k > m ? k : m;
+    }
+    const uint32_t mb = (uint32_t)m ^ ((uint32_t)(m >> 31) & 0x7fffffffu); /* the key's inverse */
+    float top;
+    memcpy(&top, &mb, sizeof top);
+    enum { BLOCK = 32 };
+    uint32_t i = 0;
+    for (; i + BLOCK <= n; i += BLOCK) {
+        uint32_t hit = 0;
+        for (uint32_t j = 0; j < BLOCK; j++) hit |= (uint32_t)(v[i + j] == top);
+        if (hit) break;
+    }
+    for (; i < n; i++)
+        if (v[i] == top) return i;
+    return 0;
 }
 
 /* heap[0..size) is a heap whose root is the worst entry; restores it below position i */

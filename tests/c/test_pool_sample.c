@@ -222,6 +222,25 @@ static void test_sampler(void) {
     CHECK(sample1(&g, tie, 6, NULL, 0) == 1, "greedy tie → lowest id");
     const float nan_first[3] = {NAN, 1.0f, 0.5f};
     CHECK(sample1(&g, nan_first, 3, NULL, 0) == 1, "greedy skips NaN");
+    /* greedy against a plain scan for the first maximum (NaN as −inf, −0 == +0), over lengths
+       that end inside, at and past the argmax's blocks of 32, with ties, zeros of both signs,
+       infinities and NaN drawn often */
+    for (int t = 0; t < 3000; t++) {
+        static float v[300];
+        const uint32_t n = 1 + (uint32_t)(rnd01() * 299);
+        for (uint32_t i = 0; i < n; i++) {
+            const int r = (int)(rnd01() * 8);
+            v[i] = r == 0 ? -INFINITY : r == 1 ? 0.0f : r == 2 ? -0.0f : r == 3 ? NAN
+                 : r == 4 && t % 7 == 0 ? INFINITY : (float)(int)(rnd01() * 5) - 2.0f;
+        }
+        uint32_t want = 0;
+        for (uint32_t i = 1; i < n; i++) {
+            const float b = v[want] != v[want] ? -INFINITY : v[want], x = v[i] != v[i] ? -INFINITY : v[i];
+            if (x > b) want = i;
+        }
+        const int32_t got = sample1(&g, v, n, NULL, 0);
+        CHECK(got == (int32_t)want, "greedy over %u values: id %d, the first maximum is %u", n, got, want);
+    }
 
     /* repetition penalty: each distinct id once, over the window only */
     const float rep[3] = {3.0f, 1.5f, -1.0f};
