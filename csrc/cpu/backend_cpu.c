@@ -388,7 +388,7 @@ static void linear_heads(void *ctx, uint32_t h0, uint32_t h1, uint32_t worker) {
     float *scratch = c->lin_scratch + (size_t)worker * dv;
     for (uint32_t h = h0; h < h1; h++) {
         const uint32_t kh = ln->v_tiled ? h % ln->k_heads : h / per_k;
-        const float A = -smoe_exp(t->a_log[h]);
+        const float A = -expf(t->a_log[h]);
         for (uint32_t r = 0; r < t->n; r++) {
             const cpu_state *o = owner(c, t->members, r);
             const float *mix = c->mix + (size_t)r * c->conv_dim;
@@ -397,7 +397,7 @@ static void linear_heads(void *ctx, uint32_t h0, uint32_t h1, uint32_t worker) {
             const float g = A * smoe_softplus(c->decay[(size_t)r * ln->v_heads + h] + t->dt_bias[h]);
             const float beta = smoe_sigmoid(c->beta[(size_t)r * ln->v_heads + h]);
             float *out = c->att + (size_t)r * vdim + (size_t)h * dv;
-            smoe_delta_step(out, lin_state(o, t->l, h), q, k, v, smoe_exp(g), beta, dk, dv, scratch);
+            smoe_delta_step(out, lin_state(o, t->l, h), q, k, v, expf(g), beta, dk, dv, scratch);
             smoe_rmsnorm_gated(out, out, c->gate + (size_t)r * vdim + (size_t)h * dv, t->norm, dv, eps);
         }
     }

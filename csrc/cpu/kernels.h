@@ -154,10 +154,6 @@ void smoe_topk(const float *p, uint32_t n, uint32_t k, bool renorm, int32_t *idx
  * router (GptOssTopKRouter). */
 void smoe_topk_softmax(const float *logits, uint32_t n, uint32_t k, int32_t *idx, float *val);
 
-/* e^x within 1 ulp for every float x, the same bits on every CPU and ISA: the exp of the kernels
- * below (softmax, silu, sigmoid), in place of libm's expf (kernels_ref.c says how) */
-float smoe_exp(float x);
-
 /* h[i] = silu(g[i]) · u[i] */
 void smoe_swiglu(float *h, const float *g, const float *u, uint32_t n);
 

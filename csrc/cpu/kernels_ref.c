@@ -38,9 +38,8 @@
  *
  * Numerics follow Hugging Face transformers' Qwen3-MoE in float32: RMSNorm is
  * weight · (x · 1/sqrt(mean(x²) + eps)); attention scales scores by head_dim^-0.5 rounded to
- * float; softmax is max-subtracted with exp, each entry divided by the sum; silu(g) is
- * g / (1 + exp(-g)); the router's top-k weights are divided by their sum. exp is exp_f32 below
- * (within 1 ulp of the true value over every float), the same bits wherever it runs.
+ * float; softmax is max-subtracted with expf, each entry divided by the sum; silu(g) is
+ * g / (1 + expf(-g)); the router's top-k weights are divided by their sum.
  *
  * Assumes a little-endian host (the vault is little-endian and is used in place).
  *
@@ -67,53 +66,7 @@ static inline float f32_from_bits(uint32_t u) {
     return f;
 }
 
-static inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
 static inline float bf16_to_f32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
-
-/* Lanes of a select: a where mask is all ones, b where it is zero (masks from cmp_mask). */
-static inline float select_f32(uint32_t mask, float a, float b) {
-    return f32_from_bits((f32_bits(a) & mask) | (f32_bits(b) & ~mask));
-}
-static inline uint32_t cmp_mask(bool c) { return -(uint32_t)c; }
-
-/* e^x in float, within 1 ulp of the true value for every float x (tests/c/test_kernels.c sweeps
- * them all): 2^n · p(r) with n = round(x · log2 e), r = x − n · ln 2 in two parts (Cody and
- * Waite), and p Cephes' expf polynomial; 2^n applied as two powers of two so that it reaches the
- * subnormals and the top of the range; +inf from 88.7228394 (0x1.62e43p+6, the first float above
- * ln FLT_MAX), +0 below −103.97…, NaN for NaN. Only
- * multiplies, adds and integer steps, no branch and no table: a loop of it vectorises under any
- * ISA flags, and every instance — the AVX2 or NEON body the compiler makes, its scalar tail —
- * gives the same bits (the build contracts no multiply-add). libm's expf is a call per value
- * that no loop vectorises, ~3× slower in the SwiGLU (bench/RESULTS.md, "exp").
- */
-static inline float exp_f32(float x) {
-    const float hi = 88.72283935546875f, lo = -103.97208404541015625f;
-    const uint32_t over = cmp_mask(x > hi), under = cmp_mask(x < lo);
-    const float c = select_f32(over, hi, select_f32(under, lo, x)); /* NaN stays NaN */
-    const float magic = 12582912.0f;                                 /* 1.5 · 2^23: + it rounds to an integer */
-    const float t = c * 1.44269504088896341f + magic;
-    const float n = t - magic;
-    const int32_t ni = (int32_t)(f32_bits(t) - f32_bits(magic)); /* n as an integer, −150 … 128 */
-    float r = c - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    const int32_t n1 = ni >> 1, n2 = ni - n1; /* each −75 … 64: 2^n1, 2^n2 are normal floats */
-    const float e = p * f32_from_bits((uint32_t)(n1 + 127) << 23) * f32_from_bits((uint32_t)(n2 + 127) << 23);
-    return select_f32(over, INFINITY, select_f32(under, 0.0f, e));
-}
-
-float smoe_exp(float x) { return exp_f32(x); }
 
 /* IEEE half → float, exactly, without relying on F16C. */
 static inline float f16_to_f32(uint16_t h) {
@@ -730,9 +683,11 @@ void smoe_softmax(float *x, uint32_t n) {
     float m = x[0];
     for (uint32_t i = 1; i < n; i++)
         if (x[i] > m) m = x[i];
-    for (uint32_t i = 0; i < n; i++) x[i] = exp_f32(x[i] - m); /* apart from the sum: this loop vectorises */
     float sum = 0.0f;
-    for (uint32_t i = 0; i < n; i++) sum += x[i];
+    for (uint32_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        sum += x[i];
+    }
     for (uint32_t i = 0; i < n; i++) x[i] = x[i] / sum;
 }
 
@@ -740,14 +695,22 @@ void smoe_softmax_sink(float *x, uint32_t n, float sink) {
     float m = sink;
     for (uint32_t i = 0; i < n; i++)
         if (x[i] > m) m = x[i];
-    for (uint32_t i = 0; i < n; i++) x[i] = exp_f32(x[i] - m);
     float sum = 0.0f;
-    for (uint32_t i = 0; i < n; i++) sum += x[i];
-    sum += exp_f32(sink - m); /* + 0 exactly when sink is −inf: smoe_softmax's bits */
+    for (uint32_t i = 0; i < n; i++) {
+        x[i] = expf(x[i] - m);
+        sum += x[i];
+    }
+    sum += expf(sink - m); /* + 0 exactly when sink is −inf: smoe_softmax's bits */
     for (uint32_t i = 0; i < n; i++) x[i] = x[i] / sum;
 }
 
 /* ------------------------------------------------------------------------------ KV cache */
+
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
 
 static inline uint16_t f32_to_bf16(float f) {
     const uint32_t x = f32_bits(f);
@@ -861,7 +824,7 @@ void smoe_topk(const float *p, uint32_t n, uint32_t k, bool renorm, int32_t *idx
 void smoe_swiglu(float *h, const float *g, const float *u, uint32_t n) {
     for (uint32_t i = 0; i < n; i++) {
         const float gi = g[i];
-        float silu = gi / (1.0f + exp_f32(-gi));
+        float silu = gi / (1.0f + expf(-gi));
         h[i] = silu * u[i];
     }
 }
@@ -873,12 +836,11 @@ void smoe_topk_softmax(const float *logits, uint32_t n, uint32_t k, int32_t *idx
 
 void smoe_swiglu_clamped(float *h, const float *g, const float *u, uint32_t n, float alpha, float limit) {
     for (uint32_t i = 0; i < n; i++) {
-        /* comparisons, not fminf: a NaN stays a NaN, as torch's clamp keeps it (selects by mask,
-           not branches: the loop vectorises) */
-        const float gi = select_f32(cmp_mask(g[i] > limit), limit, g[i]);
-        const float ui = select_f32(cmp_mask(u[i] > limit), limit, select_f32(cmp_mask(u[i] < -limit), -limit, u[i]));
+        /* comparisons, not fminf: a NaN stays a NaN, as torch's clamp keeps it */
+        const float gi = g[i] > limit ? limit : g[i];
+        const float ui = u[i] > limit ? limit : u[i] < -limit ? -limit : u[i];
         const float ga = gi * alpha;
-        const float sig = 1.0f / (1.0f + exp_f32(-ga));
+        const float sig = 1.0f / (1.0f + expf(-ga));
         const float glu = gi * sig;
         const float u1 = ui + 1.0f;
         h[i] = u1 * glu;
@@ -915,7 +877,7 @@ void smoe_add_bias(float *y, const smoe_tensor *w) {
 void smoe_route_sigmoid_group(const float *logits, uint32_t E, const smoe_tensor *bias, uint32_t n_group,
                               uint32_t topk_group, uint32_t k, bool renorm, float scale, int32_t *idx, float *val,
                               float *c) {
-    for (uint32_t e = 0; e < E; e++) c[e] = 1.0f / (1.0f + exp_f32(-logits[e]));
+    for (uint32_t e = 0; e < E; e++) c[e] = 1.0f / (1.0f + expf(-logits[e]));
     smoe_add_bias(c, bias);
     if (n_group > 1 && topk_group < n_group) {
         const uint32_t per = E / n_group;
@@ -937,7 +899,7 @@ void smoe_route_sigmoid_group(const float *logits, uint32_t E, const smoe_tensor
     smoe_topk(c, E, k, false, idx, val);
     float sum = 0.0f;
     for (uint32_t j = 0; j < k; j++) {
-        val[j] = 1.0f / (1.0f + exp_f32(-logits[idx[j]]));
+        val[j] = 1.0f / (1.0f + expf(-logits[idx[j]]));
         sum += val[j];
     }
     for (uint32_t j = 0; j < k; j++) {
@@ -948,9 +910,9 @@ void smoe_route_sigmoid_group(const float *logits, uint32_t E, const smoe_tensor
 
 /* ------------------------------------------------------------------------ Gated DeltaNet */
 
-float smoe_sigmoid(float x) { return 1.0f / (1.0f + exp_f32(-x)); }
+float smoe_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
-float smoe_softplus(float x) { return x > 20.0f ? x : log1pf(exp_f32(x)); }
+float smoe_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
 
 void smoe_conv1d_step(float *out, float *state, const float *x, const float *w, uint32_t ch, uint32_t kernel) {
     const uint32_t past = kernel - 1;
@@ -959,7 +921,7 @@ void smoe_conv1d_step(float *out, float *state, const float *x, const float *w, 
         float acc = 0.0f;
         for (uint32_t j = 0; j < past; j++) acc += wc[j] * state[(size_t)j * ch + c];
         acc += wc[past] * x[c];
-        out[c] = acc / (1.0f + exp_f32(-acc));
+        out[c] = acc / (1.0f + expf(-acc));
     }
     if (past == 0) return;
     memmove(state, state + ch, (size_t)(past - 1) * ch * sizeof *state);
@@ -1003,6 +965,6 @@ void smoe_rmsnorm_gated(float *out, const float *x, const float *z, const float 
     const float inv = 1.0f / sqrtf(ss / (float)dim + eps);
     for (uint32_t i = 0; i < dim; i++) {
         const float zi = z[i];
-        out[i] = w[i] * (x[i] * inv) * (zi / (1.0f + exp_f32(-zi)));
+        out[i] = w[i] * (x[i] * inv) * (zi / (1.0f + expf(-zi)));
     }
 }

@@ -27,7 +27,6 @@
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
-#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -741,86 +740,6 @@ static void test_topk(void) {
     }
 }
 
-/* Kernels with one instance (no dispatched one): their outputs into both hashes */
-static void hash_both(const float *v, size_t n) {
-    const int was = hashing_fast;
-    for (hashing_fast = 0; hashing_fast < 2; hashing_fast++) hash_floats(v, n);
-    hashing_fast = was;
-}
-
-/* smoe_exp: within 1 ulp of exp (in double, then the float's ulp at that magnitude; subnormals'
- * ulp 2^-149) on every 251st float of the whole range, the limits exactly; its outputs go into
- * the checksum, so that every build (vectorised, scalar, -O2, -O3) must give the same bits. */
-static void test_exp(void) {
-    enum { STEP = 251, CHUNK = 4096 };
-    float buf[CHUNK];
-    uint32_t nb = 0;
-    double worst = 0;
-    float worst_x = 0;
-    for (uint64_t b = 0; b <= 0xffffffffull; b += STEP) {
-        const float x = bits_f32((uint32_t)b), e = smoe_exp(x);
-        buf[nb++] = e;
-        if (nb == CHUNK) {
-            hash_both(buf, nb);
-            nb = 0;
-        }
-        if (x != x) {
-            CHECK(e != e, "exp(NaN %08x) = %g", (unsigned)b, e);
-            continue;
-        }
-        const double ref = exp((double)x);
-        const float rf = (float)ref;
-        if (rf == 0 || isinf(rf)) {
-            CHECK(e == rf || fabs(e - ref) <= 0x1p-149, "exp(%a) = %a, want %a", x, e, rf);
-            continue;
-        }
-        const double ulp = ldexp(1.0, rf < 0x1p-126f ? -149 : ilogb(rf) - 23), d = fabs(e - ref) / ulp;
-        if (d > worst) {
-            worst = d;
-            worst_x = x;
-        }
-    }
-    hash_both(buf, nb);
-    CHECK(worst <= 1.0, "exp: %.3f ulp at %a", worst, worst_x);
-    CHECK(smoe_exp(0.0f) == 1.0f && smoe_exp(-0.0f) == 1.0f, "exp(±0) = %g, %g", smoe_exp(0.0f), smoe_exp(-0.0f));
-    CHECK(smoe_exp(INFINITY) == INFINITY && smoe_exp(-INFINITY) == 0.0f, "exp(±inf) = %g, %g", smoe_exp(INFINITY),
-          smoe_exp(-INFINITY));
-    /* 0x1.62e42ep+6 is the last float below ln FLT_MAX = 88.722839052…, the next one overflows */
-    CHECK(smoe_exp(0x1.62e42ep+6f) <= FLT_MAX && smoe_exp(0x1.62e430p+6f) == INFINITY && smoe_exp(-104.0f) == 0.0f,
-          "exp at the ends of the range: %a, %a, %a", smoe_exp(0x1.62e42ep+6f), smoe_exp(0x1.62e430p+6f),
-          smoe_exp(-104.0f));
-    CHECK(smoe_exp(-103.0f) > 0.0f, "exp(-103) = %a (a subnormal)", smoe_exp(-103.0f));
-}
-
-/* The loops of exp (swiglu, softmax) give each value the bits of smoe_exp called on it alone: the
- * vectorised body and its scalar tail are one function. */
-static void test_exp_loops_same_bits(void) {
-    enum { N = 1003 };
-    float g[N], u[N], h[N], x[N];
-    for (uint32_t i = 0; i < N; i++) {
-        g[i] = rndf(-40, 40);
-        u[i] = rndf(-2, 2);
-        x[i] = rndf(-30, 30);
-    }
-    g[5] = NAN;
-    g[6] = 200.0f;
-    g[7] = -200.0f;
-    smoe_swiglu(h, g, u, N);
-    for (uint32_t i = 0; i < N; i++) {
-        const float silu = g[i] / (1.0f + smoe_exp(-g[i])), want = silu * u[i];
-        CHECK(f32_bits(h[i]) == f32_bits(want), "swiglu [%u] g=%g: %a, one by one %a", i, g[i], h[i], want);
-    }
-    hash_both(h, N);
-    float m = x[0];
-    for (uint32_t i = 1; i < N; i++) m = x[i] > m ? x[i] : m;
-    float e[N], sum = 0.0f;
-    for (uint32_t i = 0; i < N; i++) sum += e[i] = smoe_exp(x[i] - m);
-    smoe_softmax(x, N);
-    for (uint32_t i = 0; i < N; i++)
-        CHECK(f32_bits(x[i]) == f32_bits(e[i] / sum), "softmax [%u]: %a, one by one %a", i, x[i], e[i] / sum);
-    hash_both(x, N);
-}
-
 static void test_swiglu_axpy(void) {
     const uint32_t n = 1000;
     float g[1000], u[1000], h[1000], y[1000], y0[1000];
@@ -1396,8 +1315,6 @@ int main(int argc, char **argv) {
     hashing_fast = 0;
     test_topk();
     test_swiglu_axpy();
-    test_exp();
-    test_exp_loops_same_bits();
     hash_set = 1;
     test_groups();
     hashing_fast = 0;
