@@ -83,7 +83,8 @@ static inline int32_t order_key(float x) {
 /* The first index of the largest of v[0..n) (n > 0, no NaN): the largest as an integer maximum
  * over order keys, then the first value equal to it (as floats: −0 == +0), blocks of 32 compared
  * at once. Both loops vectorise; a compare-and-branch scan was 95 µs over a 151,936-id
- * vocabulary on a Zen 2 core, this 19 (bench/RESULTS.md, "Greedy sampling"). */
+ * vocabulary on a Zen 2 core, this 19 (bench/RESULTS.md, "The activation on the pool, and greedy's
+ * argmax vectorised"). */
 static uint32_t argmax(const float *v, uint32_t n) {
     int32_t m = INT32_MIN;
     for (uint32_t i = 0; i < n; i++) {
