@@ -73,37 +73,41 @@ static inline float clean(float x) { return x != x ? -INFINITY : x; }
 /* a ranks before b: larger value, or equal value and lower id — a strict total order */
 static inline bool better(const float *v, int32_t a, int32_t b) { return v[a] > v[b] || (v[a] == v[b] && a < b); }
 
-/* x's bits as an int whose signed order is x's order (−0 just below +0); x not NaN */
+/* x's bits as an int whose signed order is x's order, with NaN as −inf (as `clean` makes it) and
+ * −0 as +0, so that keys are equal exactly where the (cleaned) floats are: integer steps only. */
 static inline int32_t order_key(float x) {
     uint32_t b;
     memcpy(&b, &x, sizeof b);
-    return (int32_t)(b ^ ((uint32_t)((int32_t)b >> 31) & 0x7fffffffu));
+    const int32_t k = (int32_t)(b ^ ((uint32_t)((int32_t)b >> 31) & 0x7fffffffu));
+    const int32_t neg_inf = (int32_t)(0xff800000u ^ 0x7fffffffu);
+    return (b & 0x7fffffffu) > 0x7f800000u ? neg_inf : k == -1 ? 0 : k;
 }
 
-/* The first index of the largest of v[0..n) (n > 0, no NaN): the largest as an integer maximum
- * over order keys, then the first value equal to it (as floats: −0 == +0), blocks of 32 compared
- * at once. Both loops vectorise; a compare-and-branch scan was 95 µs over a 151,936-id
- * vocabulary on a Zen 2 core, this 19 (bench/RESULTS.md, "The activation on the pool, and greedy's
- * argmax vectorised"). */
+/* How many of b[0..KEY_BLOCK) have key m. Out of line: inlined, the compiler vectorised the loop
+ * over blocks instead of this one, element by element (5× slower). */
+enum { KEY_BLOCK = 64 };
+__attribute__((noinline)) static uint32_t key_hits(const float *b, int32_t m) {
+    uint32_t hits = 0;
+    for (uint32_t j = 0; j < KEY_BLOCK; j++) hits += (uint32_t)(order_key(b[j]) == m);
+    return hits;
+}
+
+/* The first index of the largest of v[0..n) (n > 0; NaN counts as −inf, −0 as +0): the largest
+ * key as an integer maximum, then the least index holding it as an integer minimum — two passes
+ * without a branch, both of which the compiler vectorises. The scan that stopped at each new
+ * maximum took 95 µs over a 151,936-id vocabulary on a Zen 2 core (bench/RESULTS.md, "The
+ * activation on the pool, and greedy's argmax vectorised"). */
 static uint32_t argmax(const float *v, uint32_t n) {
     int32_t m = INT32_MIN;
     for (uint32_t i = 0; i < n; i++) {
         const int32_t k = order_key(v[i]);
         m = k > m ? k : m;
     }
-    const uint32_t mb = (uint32_t)m ^ ((uint32_t)(m >> 31) & 0x7fffffffu); /* the key's inverse */
-    float top;
-    memcpy(&top, &mb, sizeof top);
-    enum { BLOCK = 32 };
     uint32_t i = 0;
-    for (; i + BLOCK <= n; i += BLOCK) {
-        uint32_t hit = 0;
-        for (uint32_t j = 0; j < BLOCK; j++) hit |= (uint32_t)(v[i + j] == top);
-        if (hit) break;
-    }
-    for (; i < n; i++)
-        if (v[i] == top) return i;
-    return 0;
+    for (; i + KEY_BLOCK <= n; i += KEY_BLOCK)
+        if (key_hits(v + i, m)) break;
+    while (order_key(v[i]) != m) i++; /* the block holds it (or the tail does) */
+    return i;
 }
 
 /* heap[0..size) is a heap whose root is the worst entry; restores it below position i */
@@ -201,11 +205,16 @@ int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const 
                     uint32_t n_history, float *scratch, int32_t *scratch_idx) {
     if (vocab == 0) return -1;
     const smoe_sampler_params *p = &s->p;
+    const float pen = p->repetition_penalty;
+    const bool repeat = pen > 0.0f && pen != 1.0f && p->repetition_window > 0 && history && n_history > 0;
+    const bool counted = (p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f) && s->counts && s->n_drawn > 0;
+    /* greedy with nothing to change a logit: the argmax of the logits as they are, no copy */
+    if (!(p->temperature > 0.0f) && !repeat && !counted && !s->masked) return (int32_t)argmax(logits, vocab);
+
     float *v = scratch; /* (vocab) working logits */
     for (uint32_t i = 0; i < vocab; i++) v[i] = clean(logits[i]);
 
-    const float pen = p->repetition_penalty;
-    if (pen > 0.0f && pen != 1.0f && p->repetition_window > 0 && history) {
+    if (repeat) {
         const uint32_t w = n_history < p->repetition_window ? n_history : p->repetition_window;
         for (uint32_t h = n_history - w; h < n_history; h++) {
             const int32_t id = history[h];
@@ -217,7 +226,7 @@ int32_t smoe_sample(smoe_sampler *s, const float *logits, uint32_t vocab, const 
             v[id] = v[id] > 0.0f ? v[id] / pen : v[id] * pen;
         }
     }
-    if ((p->presence_penalty != 0.0f || p->frequency_penalty != 0.0f) && s->counts)
+    if (counted)
         for (uint32_t i = 0; i < s->n_drawn; i++) {
             const int32_t id = s->drawn[i];
             if ((uint32_t)id >= vocab) continue;
