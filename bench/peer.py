@@ -305,8 +305,9 @@ def _delegate(parent: str, controller: str) -> None:
     processes sit in one group), they all move first into a leaf child, HOST_LEAF, beside the
     limited groups this script makes."""
     sub = os.path.join(parent, "cgroup.subtree_control")
-    if controller in open(sub).read().split():
-        return
+    with open(sub) as f:
+        if controller in f.read().split():
+            return
     try:
         with open(sub, "w") as f:
             f.write("+" + controller)
@@ -317,7 +318,8 @@ def _delegate(parent: str, controller: str) -> None:
     leaf = os.path.join(parent, HOST_LEAF)
     os.makedirs(leaf, exist_ok=True)
     for _ in range(5):  # processes may fork while they move
-        pids = open(os.path.join(parent, "cgroup.procs")).read().split()
+        with open(os.path.join(parent, "cgroup.procs")) as f:
+            pids = f.read().split()
         if not pids:
             break
         for pid in pids:

@@ -115,8 +115,11 @@ typedef struct {
  * Rapids"). */
 enum { SPLIT_VALUES = 16384 };
 
+/* Whether n rows of `per_row` values each go to the pool: at least two rows and `from` values */
+static inline bool split_from(uint32_t n, uint32_t per_row, size_t from) { return n >= 2 && (size_t)n * per_row >= from; }
+
 /* Whether n rows of `per_row` values each go to the pool (SPLIT_VALUES) */
-static inline bool split_rows(uint32_t n, uint32_t per_row) { return n >= 2 && (size_t)n * per_row >= SPLIT_VALUES; }
+static inline bool split_rows(uint32_t n, uint32_t per_row) { return split_from(n, per_row, SPLIT_VALUES); }
 
 /* The activation costs a libm expf a value, ~4× what quantising one does: its rows go to the pool
  * from a quarter of SPLIT_VALUES, so that a decode step's (its top-k experts' rows, 8 × 768 for
@@ -278,7 +281,7 @@ static void act_rows(void *ctx, uint32_t r0, uint32_t r1, uint32_t worker) {
 
 static void activate(cpu_state *s, const smoe_act *act, float *h, const float *hg, uint32_t I, uint32_t n) {
     act_task t = {act, h, hg, I};
-    if (n >= 2 && (size_t)n * I >= ACT_SPLIT_VALUES)
+    if (split_from(n, I, ACT_SPLIT_VALUES))
         smoe_pool_run(s->pool, act_rows, &t, n, 1);
     else
         act_rows(&t, 0, n, 0);

@@ -223,7 +223,7 @@ static void test_sampler(void) {
     const float nan_first[3] = {NAN, 1.0f, 0.5f};
     CHECK(sample1(&g, nan_first, 3, NULL, 0) == 1, "greedy skips NaN");
     /* greedy against a plain scan for the first maximum (NaN as −inf, −0 == +0), over lengths
-       that end inside, at and past the argmax's blocks of 32, with ties, zeros of both signs,
+       that end inside, at and past the argmax's blocks of 64 (KEY_BLOCK), with ties, zeros of both signs,
        infinities and NaN drawn often */
     for (int t = 0; t < 3000; t++) {
         static float v[300];
