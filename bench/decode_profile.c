@@ -12,7 +12,8 @@
  * DECODE tokens (timed per stage). Prints the per-stage table of the median repeat of each (by
  * wall time) and the cache misses of the timed runs (0 means every expert was resident).
  * SMOE_PROF_CPU=1 in the environment: the stages in the caller's thread CPU time (meaningful with
- * THREADS=1 on a shared machine: what each stage costs, whatever else runs). */
+ * THREADS=1 on a shared machine: what each stage costs, whatever else runs). SMOE_PART_ROWS=N: the
+ * session's part_rows (smoe.h; 0 or unset: the engine's choice). */
 #include "prof.h"
 #include "smoe.h"
 
@@ -89,6 +90,8 @@ int main(int argc, char **argv) {
     smoe_session_params sp = smoe_session_default_params();
     sp.threads = threads;
     sp.context = 1024;
+    const char *pr = getenv("SMOE_PART_ROWS");
+    if (pr && *pr) sp.part_rows = (uint32_t)atoi(pr);
     char path[4096];
     snprintf(path, sizeof path, "%s/vault.bin", argv[1]);
     struct stat sb;
