@@ -82,6 +82,19 @@ def _vm_hwm():
     return None
 
 
+def _kib_fields(path, names):
+    """{name: bytes} of the `name: N kB` lines of a /proc file (smaps_rollup, meminfo); {} where unreadable."""
+    out = {}
+    try:
+        for line in open(path):
+            k, _, rest = line.partition(":")
+            if k in names and rest.split():
+                out[k] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
 def _join_cgroup(procs):
     with open(procs, "w") as f:
         f.write(str(os.getpid()))
@@ -647,6 +660,12 @@ def mode_warm(vault, gguf, args, log):
             log(f"warm: llama.cpp ({pol}) loaded in {engines[pol].load_s:.2f} s")
         log(f"warm: pysmoe cache {engines['pysmoe'].cache / MiB:,.0f} MiB (every expert); contenders, rotated run by "
             f"run: {', '.join(c for c, _, _ in contenders)}")
+        # pysmoe runs in this process: how much of it is on huge pages, and what the page cache is
+        # still writing back (a machine's first minutes after a build), as the runs start
+        mem = _kib_fields("/proc/self/smaps_rollup", ("Rss", "AnonHugePages"))
+        mem.update(_kib_fields("/proc/meminfo", ("Dirty", "Writeback", "MemFree")))
+        out["memory_at_start_mib"] = {k: round(v / MiB) for k, v in mem.items()}
+        log("warm: at the start " + ", ".join(f"{k} {v:,} MiB" for k, v in out["memory_at_start_mib"].items()))
         for n in args.prompt_lengths:
             ids = make_prompt(vocab, n, args.seed)
             for _, e, t in contenders:
