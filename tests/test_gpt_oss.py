@@ -241,6 +241,21 @@ def test_q4_experts_from_a_float_checkpoint(tmp_path):
     assert _rel(lm, ref) < TOL
 
 
+def test_tied_checkpoint_with_a_stray_lm_head_converts_with_a_warning(tmp_path, caplog):
+    """config.json says the embedding is tied but the files hold an lm_head: it is left out, as
+    transformers leaves it, and the converter says so (the rule the Qwen converter follows)."""
+    import logging
+
+    path, _ = build_gpt_oss(tmp_path, **CASES["yarn"])
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    with caplog.at_level(logging.WARNING, logger="pysmoe.convert"):
+        vault = convert_checkpoint(path, tmp_path / "vault", experts="f32", dense="f32", progress=False, jobs=1)
+    assert "lm_head.weight is not used" in caplog.text
+    vf = pysmoe.vaultio.read_vault(vault)
+    assert "lm_head" not in vf.tensors and "embed_tokens" in vf.tensors
+
+
 # ------------------------------------------------------------------------------ MXFP4 experts, as released
 def write_mxfp4_checkpoint(path, model, seed=0):
     """model's weights with its experts replaced by random MXFP4 blocks and scales, written as the

@@ -185,14 +185,10 @@ def plan(hf_dir: Path, cfg: dict, ckpt) -> "hf.Plan":
         if name in expert_names or hf._IGNORED.fullmatch(name):
             continue
         m = hf._LAYER.fullmatch(name)
-        if name == "model.embed_tokens.weight":
-            target = "embed_tokens"
-        elif name == "model.norm.weight":
-            target = "norm"
-        elif name == "lm_head.weight":
-            if cfg["tie_word_embeddings"]:
+        if (top := hf.top_level_target(name, cfg, hf_dir)) is not None:
+            if not top:
                 continue
-            target = "lm_head"
+            target = top
         elif m and int(m.group(1)) < L and layer_dense_name(m.group(2)):
             target = f"layers.{m.group(1)}.{layer_dense_name(m.group(2))}"
         else:

@@ -155,6 +155,20 @@ _DENSE_IN_LAYER = {
 # Buffers some exporters save that are not weights (recomputed from rope_theta).
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq")
 
+# The model-level tensors, outside every layer: HF name -> vault name
+_TOP_LEVEL = {"model.embed_tokens.weight": "embed_tokens", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+
+
+def top_level_target(name: str, cfg: dict, hf_dir) -> str | None:
+    """The vault name of a model-level tensor (the embedding, the final norm, lm_head); "" for an
+    lm_head that tie_word_embeddings leaves unused (said in a warning); None for any other name."""
+    target = _TOP_LEVEL.get(name)
+    if target == "lm_head" and cfg["tie_word_embeddings"]:
+        log.warning("%s: tie_word_embeddings is set, so lm_head.weight is not used "
+                    "(transformers ties it to embed_tokens too)", hf_dir)
+        return ""
+    return target
+
 
 def _list(names, limit: int = 20) -> str:
     names = sorted(names)
@@ -255,16 +269,10 @@ def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Pla
             m = _LAYER.fullmatch("model." + inner)  # experts and routers: as Qwen3-MoE's
         else:
             m = _LAYER.fullmatch(name)
-        if name == "model.embed_tokens.weight":
-            target = "embed_tokens"
-        elif name == "model.norm.weight":
-            target = "norm"
-        elif name == "lm_head.weight":
-            if cfg["tie_word_embeddings"]:
-                log.warning("%s: tie_word_embeddings is set, so lm_head.weight is not used "
-                            "(transformers ties it to embed_tokens too)", hf_dir)
+        if (top := top_level_target(name, cfg, hf_dir)) is not None:
+            if not top:
                 continue
-            target = "lm_head"
+            target = top
         elif _IGNORED.fullmatch(name):
             continue
         elif m and cfg["model_type"] == "glm4_moe" and int(m.group(1)) >= L:
