@@ -4,7 +4,7 @@
 #                                        # (GGML_NATIVE), the a3b vaults and their GGUF
 #   bash scripts/peer_local.sh all       # ~40 min: every run below, one after another
 #   bash scripts/peer_local.sh warm|cold|ttft|floor|matvec   # one of them
-# Where the built things go: PEER_DIR (default build/peer: ~9 GB). Results: bench/results/
+# Where the built things go: PEER_DIR (default build/peer: ~12 GB). Results: bench/results/
 # peer31-TAG-*.json and *.txt, TAG the CPU (e.g. amd-f25m17); the commands are the ones the
 # RESULTS.md sections quote. Run it on a quiet machine; every ratio comes from one alternated run.
 #   warm    item 1: everything in memory, 8/45/256 tokens, both OpenMP policies, 9 repeats, twice
