@@ -150,6 +150,16 @@ def _check_float_format(role: str, fmt: str | None) -> str | None:
     return fmt
 
 
+def plan_checkpoint(src, cfg: dict | None = None, ckpt: Checkpoint | None = None):
+    """The plan of a Hugging Face checkpoint folder, by its family's planner (gpt-oss has its own;
+    every other model type hf.plan's)."""
+    cfg = load_config(Path(src)) if cfg is None else cfg
+    if cfg.get("model_type") == "gpt_oss":
+        from . import gpt_oss
+        return gpt_oss.plan(src, cfg, ckpt)
+    return plan(src, cfg, ckpt)
+
+
 class _HfJob:
     def __init__(self, src, ckpt, experts, dense, scale_dtype, group):
         from ..vaultio import compute_layout
@@ -157,7 +167,7 @@ class _HfJob:
 
         self.kind = "hf"
         cfg = load_config(src)
-        self.plan = plan(src, cfg, ckpt)
+        self.plan = plan_checkpoint(src, cfg, ckpt)
         from .gpt_oss import is_mxfp4
         self.mxfp4 = is_mxfp4(self.plan)
         if self.mxfp4 and experts not in (None, "MXFP4"):

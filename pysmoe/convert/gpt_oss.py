@@ -64,7 +64,7 @@ def split_gate_up(w: np.ndarray, interleaved_axis: int) -> tuple[np.ndarray, np.
     return gate, w[tuple(sl)]
 
 
-# ---- planning a gpt-oss checkpoint (hf.plan hands it over for model_type gpt_oss) -------------
+# ---- planning a gpt-oss checkpoint (convert.plan_checkpoint picks it for model_type gpt_oss) -
 
 _ATTN = {f"self_attn.{p}_proj.{k}": f"{p}_proj" + ("" if k == "weight" else ".bias")
          for p in "qkvo" for k in ("weight", "bias")}
@@ -162,13 +162,14 @@ def layer_dense_name(rest: str) -> str | None:
     return _LAYER_DENSE.get(rest)
 
 
-def plan(hf_dir: Path, cfg: dict, ckpt) -> "hf.Plan":
+def plan(hf_dir: Path, cfg: dict | None = None, ckpt=None) -> "hf.Plan":
     """hf.plan for a gpt-oss checkpoint: every tensor mapped (dense ones to hf.Source, experts to
     Part), shapes checked against config.json and the vault's dense list; ConvertError listing
     every problem, before anything is read."""
     from ..vaultio import dense_shapes, layer_kinds
     from . import hf
 
+    hf_dir, cfg, ckpt = hf.open_checkpoint(hf_dir, cfg, ckpt)
     want_dense = {n: (cols,) if rows == 1 else (rows, cols) for n, rows, cols in dense_shapes(cfg)}
     L, E, H, I = cfg["num_hidden_layers"], cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
     sparse = [l for l, s in enumerate(layer_kinds(cfg)) if s]

@@ -208,9 +208,10 @@ def _read_fp8(hf_dir: Path, ckpt: Checkpoint) -> None:
         raise ConvertError(f"{hf_dir}: {exc}") from None
 
 
-def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Plan:
-    """Read config.json (unless given, normalised) and the safetensors headers; map and check
-    every tensor. Reads no tensor data."""
+def open_checkpoint(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> tuple[Path, dict, Checkpoint]:
+    """What every family's plan starts from: the folder, its config.json (unless given,
+    normalised) and its safetensors headers, checked for tensors stored twice, FP8 weights' block
+    scales paired. Reads no tensor data."""
     hf_dir = Path(hf_dir)
     cfg = load_config(hf_dir) if cfg is None else cfg
     if ckpt is None:
@@ -221,9 +222,16 @@ def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Pla
     if ckpt.duplicates:
         raise ConvertError(f"{hf_dir}: tensors stored more than once: {_list(ckpt.duplicates)}")
     _read_fp8(hf_dir, ckpt)
+    return hf_dir, cfg, ckpt
+
+
+def plan(hf_dir, cfg: dict | None = None, ckpt: Checkpoint | None = None) -> Plan:
+    """Read config.json (unless given, normalised) and the safetensors headers; map and check
+    every tensor. Reads no tensor data. For every model type but gpt_oss, whose tensors
+    gpt_oss.plan maps (convert.plan_checkpoint chooses)."""
+    hf_dir, cfg, ckpt = open_checkpoint(hf_dir, cfg, ckpt)
     if cfg.get("model_type") == "gpt_oss":
-        from . import gpt_oss
-        return gpt_oss.plan(hf_dir, cfg, ckpt)
+        raise ConvertError(f"{hf_dir}: a gpt-oss checkpoint: its plan is gpt_oss.plan (convert.plan_checkpoint)")
     not_float = [f"{n} ({t.dtype})" for n, t in ckpt.tensors.items() if not ckpt.is_float(n)]
     if not_float:
         raise ConvertError(f"{hf_dir}: tensors that are not floats (an already quantised "
