@@ -198,3 +198,32 @@ def test_api_key_by_x_api_key_or_bearer(tiny_vault):
         assert status == 200
     finally:
         s.close()
+
+
+def test_a_disconnect_without_streaming_frees_the_slot(served):
+    """A non-streamed /v1/messages writes nothing until its end: the server learns of a client that
+    went away from the receive channel alone, and must cancel the job. The tiny vault may end a
+    reply (end of sequence) before the close reaches the server: such an attempt is retried."""
+    import socket
+    import time
+
+    body = json.dumps({"model": "tiny", "max_tokens": 250, "temperature": 1.0,
+                       "messages": [{"role": "user", "content": "Tell a long story " * 20}]}).encode()
+    for _ in range(8):
+        served.wait_idle()
+        before = served.raw("GET", "/metrics")[1]["requests"]
+        with socket.create_connection(("127.0.0.1", served.port)) as sock:
+            sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            deadline = time.monotonic() + 60
+            while served.raw("GET", "/health")[1]["running"] == 0:  # until it runs, or has run
+                if served.raw("GET", "/metrics")[1]["requests"] != before:
+                    break
+                assert time.monotonic() < deadline
+                time.sleep(0.002)
+        served.wait_idle()
+        after = served.raw("GET", "/metrics")[1]["requests"]
+        if after.get("cancelled", 0) == before.get("cancelled", 0) + 1:
+            return
+        assert sum(after.values()) == sum(before.values()) + 1, (before, after)  # it ended on its own first
+    pytest.fail("every attempt's reply ended before the client could disconnect")

@@ -328,8 +328,7 @@ def routes(server) -> list[Route]:
         if req.stream:
             return StreamingResponse(_stream(server, job, text, events, head), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        from .app import _watch_disconnect
-        watcher = asyncio.create_task(_watch_disconnect(request, sched, choices))
+        watcher = asyncio.create_task(server.watch_disconnect(request, choices))
         blocks = _Blocks()
         try:
             while True:

@@ -247,6 +247,15 @@ class Server:
             self.scheduler.submit(job)
         return choices, events
 
+    async def watch_disconnect(self, request: Request, choices) -> None:
+        """Cancel the jobs when the client goes away (a non-streamed request: nothing is written
+        until the end, so the receive channel is the only sign)."""
+        while not all(job.finished for job, _ in choices):
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                _cancel_all(self.scheduler, choices)
+                return
+
     def error_of(self, e: Exception) -> APIError:
         if isinstance(e, APIError):
             return e
@@ -304,16 +313,6 @@ def _usage(choices, n: int) -> dict:
     completion = sum(j.generated for j, _ in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(j.reused for j in firsts)}}
-
-
-async def _watch_disconnect(request: Request, scheduler: Scheduler, choices) -> None:
-    """Cancel the jobs when the client goes away (a non-streamed request: nothing is written
-    until the end, so the receive channel is the only sign)."""
-    while not all(job.finished for job, _ in choices):
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            _cancel_all(scheduler, choices)
-            return
 
 
 def build_app(server: Server) -> Starlette:
@@ -392,7 +391,7 @@ def build_app(server: Server) -> Starlette:
             return StreamingResponse(_stream(server, choices, events, head, req),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        watcher = asyncio.create_task(_watch_disconnect(request, sched, choices))
+        watcher = asyncio.create_task(server.watch_disconnect(request, choices))
         reasons: dict[int, str] = {}
         try:
             while len(reasons) < len(choices):
