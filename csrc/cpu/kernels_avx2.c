@@ -61,6 +61,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -412,12 +413,29 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
 #define QX_LANES_N8 16 /* the fewest tokens the plain q8 product takes in lanes by block (12: 0.93-1.04x) */
 #endif
 /* The tokens' codes the q8 product in lanes by block takes a pass over the rows, in bytes (on the
- * stack; 64 KiB: ×1.14-1.28 at 256 tokens, 128 and 256 KiB alike, ×1.2-1.6), and a row block's
- * columns it takes at a time, in units (32, 4 KiB of lanes a row: 4096 columns ×1.3-1.5 where in
- * one piece ×1.0-1.1; 16 slower) */
+ * stack; Zen 3: 64 KiB ×1.14-1.28 at 256 tokens, 128 and 256 KiB alike, ×1.2-1.6; Zen 2: 256 KiB
+ * ×1.04-1.06 the kernel at 45 and 256 tokens, a row's codes re-laid once a tile), at most QX_XTILE_BYTES
+ * and half the core's L2 (qx_xtile_bytes), and a row block's columns it takes at a time, in units
+ * (32, 4 KiB of lanes a row: 4096 columns ×1.3-1.5 where in one piece ×1.0-1.1; 16 slower) */
 #ifndef QX_XTILE_BYTES
-#define QX_XTILE_BYTES 131072
+#define QX_XTILE_BYTES 262144
 #endif
+enum { QX_XTILE_MIN = 131072 };
+
+/* The tile's bytes: half a core's L2 as the C library reports it, between QX_XTILE_MIN and
+ * QX_XTILE_BYTES (QX_XTILE_MIN where it cannot say). Only the tiling changes with it, never a value. */
+static uint32_t qx_xtile_bytes(void) {
+    static _Atomic uint32_t bytes;
+    uint32_t b = atomic_load_explicit(&bytes, memory_order_relaxed);
+    if (b) return b;
+    long l2 = 0;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    b = l2 / 2 > QX_XTILE_BYTES ? QX_XTILE_BYTES : l2 / 2 > QX_XTILE_MIN ? (uint32_t)(l2 / 2) : QX_XTILE_MIN;
+    atomic_store_explicit(&bytes, b, memory_order_relaxed);
+    return b;
+}
 #ifndef QX_KC_UNITS
 #define QX_KC_UNITS 32
 #endif

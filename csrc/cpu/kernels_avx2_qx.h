@@ -366,7 +366,7 @@ QX_ATTR __attribute__((noinline)) static void QX(qx_rows_lanes)(const smoe_tenso
     const uint32_t up = (uint32_t)z.d_floats / 2;
     const size_t sbytes = scale_bytes(W->scale_format);
     const uint8_t *scales = w + W->scales_off, *biases = w + W->biases_off;
-    const uint32_t tile = QX_XTILE_BYTES / z.code_bytes < QX_XTILE_MAX ? QX_XTILE_BYTES / z.code_bytes : QX_XTILE_MAX;
+    const uint32_t xb = qx_xtile_bytes(), tile = xb / z.code_bytes < QX_XTILE_MAX ? xb / z.code_bytes : QX_XTILE_MAX;
     _Alignas(32) uint8_t xl[QX_XTILE_BYTES];   /* the tile's codes in lanes by block */
     _Alignas(32) uint8_t cw[QRB][MAXU * 128];  /* a row block's */
     float sb[QRB][MAXG], bb[QRB][MAXG];        /* its scales, biases by group */

@@ -230,7 +230,7 @@ smoe_status smoe_pool_new(uint32_t threads, smoe_pool **out) {
     }
     /* Workers block every signal (smoe_thread_start), so the host (Python's SIGINT handling) sees
      * them on its own threads. The kernels keep blocks of unpacked weights and tokens' codes on
-     * the stack (up to ~300 KB: the AVX2 q8 product in lanes by block): workers get a stack of at
+     * the stack (up to ~410 KB: the AVX2 q8 product in lanes by block): workers get a stack of at
      * least SMOE_WORKER_STACK whatever the platform's default (musl's is 128 KB). The calling
      * thread runs range 0 on its own stack, which needs as much. */
     int err = 0;
