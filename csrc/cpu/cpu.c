@@ -21,15 +21,17 @@
 #include "internal.h"
 #include "kernels_isa.h"
 
+#include <fcntl.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #if SMOE_HAVE_AVX512
 #include <cpuid.h>
 #endif
 #if SMOE_HAVE_AMX
 #include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #if SMOE_HAVE_AVX2 && defined(__GNUC__) && !defined(__clang__)
@@ -141,6 +143,74 @@ bool smoe_cpu_amx(void) {
         atomic_store_explicit(&amx_use, use, memory_order_relaxed);
     }
     return use > 0;
+}
+
+#ifdef __linux__
+/* A sysfs file's first line into buf (NUL-terminated); false where it cannot be read. */
+static bool read_line(const char *path, char *buf, size_t cap) {
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    const ssize_t n = read(fd, buf, cap - 1);
+    close(fd);
+    if (n <= 0) return false;
+    buf[n] = 0;
+    buf[strcspn(buf, "\n")] = 0;
+    return true;
+}
+
+/* The CPUs a list such as "0-1,32,34-35" names */
+static uint32_t list_count(const char *s) {
+    uint32_t count = 0;
+    while (*s) {
+        char *end;
+        const unsigned long a = strtoul(s, &end, 10);
+        if (end == s) return 0;
+        unsigned long b = a;
+        if (*end == '-') {
+            const char *t = end + 1;
+            b = strtoul(t, &end, 10);
+            if (end == t || b < a) return 0;
+        }
+        count += (uint32_t)(b - a + 1);
+        if (*end != ',') return *end ? 0 : count;
+        s = end + 1;
+        if (!*s) return 0; /* a trailing comma */
+    }
+    return count;
+}
+#endif
+
+#if defined(SMOE_CPU_TEST_HOOKS) && defined(__linux__)
+uint32_t smoe_cpu_test_list_count(const char *s) { return list_count(s); }
+#endif
+
+static _Atomic int64_t l2_thread = -1;
+
+uint32_t smoe_cpu_l2_per_thread(void) {
+    int64_t v = atomic_load_explicit(&l2_thread, memory_order_relaxed);
+    if (v >= 0) return (uint32_t)v;
+    v = 0;
+#ifdef __linux__
+    for (int i = 0; i < 8 && v == 0; i++) {
+        char path[96], buf[256];
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
+        if (!read_line(path, buf, sizeof buf)) break;
+        if (strcmp(buf, "2") != 0) continue;
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/type", i);
+        if (!read_line(path, buf, sizeof buf) || strcmp(buf, "Instruction") == 0) continue;
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/size", i);
+        if (!read_line(path, buf, sizeof buf)) break;
+        char *end;
+        uint64_t size = strtoull(buf, &end, 10);
+        size <<= *end == 'K' ? 10 : *end == 'M' ? 20 : 0;
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/shared_cpu_list", i);
+        const uint32_t sharers = read_line(path, buf, sizeof buf) ? list_count(buf) : 0;
+        if (sharers && size / sharers <= UINT32_MAX) v = (int64_t)(size / sharers);
+        break;
+    }
+#endif
+    atomic_store_explicit(&l2_thread, v, memory_order_relaxed);
+    return (uint32_t)v;
 }
 
 #if SMOE_HAVE_AVX2 && defined(__GNUC__) && !defined(__clang__)

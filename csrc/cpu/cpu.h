@@ -25,8 +25,16 @@ unsigned smoe_cpu_avx512_hw(void);
 bool smoe_cpu_amx(void);
 bool smoe_cpu_amx_hw(void);
 
+/* The bytes of L2 one hardware thread has: cpu0's L2 over the CPUs that share it (Linux's sysfs:
+ * two SMT siblings share one core's L2), so that a kernel's per-thread tile fits beside its
+ * sibling's; 0 where unknown. Read once and cached. Only tile sizes follow it, never a value. */
+uint32_t smoe_cpu_l2_per_thread(void);
+
 #ifdef SMOE_CPU_TEST_HOOKS
 extern int smoe_cpu_test_lacks_isa; /* tests only: 1 = pretend the CPU lacks what the build needs */
+#ifdef __linux__
+uint32_t smoe_cpu_test_list_count(const char *list); /* tests only: the CPUs a sysfs list names, 0 if malformed */
+#endif
 #endif
 
 #endif

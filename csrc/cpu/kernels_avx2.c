@@ -50,6 +50,7 @@
  * is relative to M = Σ_c (|s_g·q_c| + |b_g|)·|x_c|, not to Σ|w_c·x_c|; see tests/c/test_kernels.c.
  */
 #include "kernels_isa.h"
+#include "cpu.h"
 
 #if SMOE_HAVE_AVX2
 
@@ -61,7 +62,6 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -415,26 +415,19 @@ static void q_matmul(const smoe_tensor *W, const uint8_t *w, const float *x, siz
 /* The tokens' codes the q8 product in lanes by block takes a pass over the rows, in bytes (on the
  * stack; Zen 3: 64 KiB ×1.14-1.28 at 256 tokens, 128 and 256 KiB alike, ×1.2-1.6; Zen 2: 256 KiB
  * ×1.04-1.06 the kernel at 45 and 256 tokens, a row's codes re-laid once a tile), at most QX_XTILE_BYTES
- * and half the core's L2 (qx_xtile_bytes), and a row block's columns it takes at a time, in units
+ * and half a hardware thread's L2 (qx_xtile_bytes), and a row block's columns it takes at a time, in units
  * (32, 4 KiB of lanes a row: 4096 columns ×1.3-1.5 where in one piece ×1.0-1.1; 16 slower) */
 #ifndef QX_XTILE_BYTES
 #define QX_XTILE_BYTES 262144
 #endif
 enum { QX_XTILE_MIN = 131072 };
 
-/* The tile's bytes: half a core's L2 as the C library reports it, between QX_XTILE_MIN and
- * QX_XTILE_BYTES (QX_XTILE_MIN where it cannot say). Only the tiling changes with it, never a value. */
+/* The tile's bytes: half the L2 a hardware thread has (smoe_cpu_l2_per_thread: a core's L2 over
+ * its SMT siblings), between QX_XTILE_MIN and QX_XTILE_BYTES (QX_XTILE_MIN where unknown). Only
+ * the tiling changes with it, never a value. */
 static uint32_t qx_xtile_bytes(void) {
-    static _Atomic uint32_t bytes;
-    uint32_t b = atomic_load_explicit(&bytes, memory_order_relaxed);
-    if (b) return b;
-    long l2 = 0;
-#ifdef _SC_LEVEL2_CACHE_SIZE
-    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-#endif
-    b = l2 / 2 > QX_XTILE_BYTES ? QX_XTILE_BYTES : l2 / 2 > QX_XTILE_MIN ? (uint32_t)(l2 / 2) : QX_XTILE_MIN;
-    atomic_store_explicit(&bytes, b, memory_order_relaxed);
-    return b;
+    const uint32_t half = smoe_cpu_l2_per_thread() / 2;
+    return half > QX_XTILE_BYTES ? QX_XTILE_BYTES : half > QX_XTILE_MIN ? half : QX_XTILE_MIN;
 }
 #ifndef QX_KC_UNITS
 #define QX_KC_UNITS 32

@@ -780,6 +780,23 @@ static int test_cpu_check(void) {
               smoe_last_error());
     }
     smoe_cpu_test_lacks_isa = 0;
+#ifdef __linux__
+    /* the sysfs CPU lists smoe_cpu_l2_per_thread counts an L2's sharers in */
+    static const struct {
+        const char *list;
+        uint32_t count;
+    } lists[] = {{"0", 1}, {"0-1", 2}, {"0,64", 2}, {"0-1,32,34-35", 5}, {"7-7", 1}, {"", 0}, {"x", 0},
+                 {"3-1", 0}, {"0-", 0}, {"0,", 0}, {"0;1", 0}};
+    for (size_t i = 0; i < sizeof lists / sizeof *lists; i++)
+        CHECK(smoe_cpu_test_list_count(lists[i].list) == lists[i].count, "CPU list \"%s\": %u, not %u", lists[i].list,
+              smoe_cpu_test_list_count(lists[i].list), lists[i].count);
+    FILE *f = fopen("/sys/devices/system/cpu/cpu0/cache/index2/size", "r");
+    if (f) { /* where sysfs describes the caches, an L2 is found, of a plausible size */
+        fclose(f);
+        const uint32_t l2 = smoe_cpu_l2_per_thread();
+        CHECK(l2 >= 16384 && l2 <= (64u << 20), "L2 per hardware thread: %u bytes", l2);
+    }
+#endif
     st = smoe_open_vault("/nonexistent", &v);
     CHECK(st == SMOE_ERR_VAULT, "this CPU: open_vault of a missing directory gave %d (%s)", (int)st, smoe_last_error());
     if (failures) {
