@@ -71,28 +71,25 @@ def _median(xs):
 
 # ================================================================== workers (children)
 
-def _vm_hwm():
-    """This process's peak resident set (VmHWM), bytes."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def _kib_fields(path, names):
-    """{name: bytes} of the `name: N kB` lines of a /proc file (smaps_rollup, meminfo); {} where unreadable."""
+    """{name: bytes} of the `name: N kB` lines of a /proc file (status, smaps_rollup, meminfo); {}
+    where unreadable."""
     out = {}
     try:
-        for line in open(path):
-            k, _, rest = line.partition(":")
-            if k in names and rest.split():
-                out[k] = int(rest.split()[0]) * 1024
+        with open(path) as f:
+            for line in f:
+                k, _, rest = line.partition(":")
+                words = rest.split()
+                if k in names and words:
+                    out[k] = int(words[0]) * 1024
     except OSError:
         pass
     return out
+
+
+def _vm_hwm():
+    """This process's peak resident set (VmHWM), bytes."""
+    return _kib_fields("/proc/self/status", ("VmHWM",)).get("VmHWM")
 
 
 def _join_cgroup(procs):

@@ -191,7 +191,7 @@ uint32_t smoe_cpu_l2_per_thread(void) {
     if (v >= 0) return (uint32_t)v;
     v = 0;
 #ifdef __linux__
-    for (int i = 0; i < 8 && v == 0; i++) {
+    for (int i = 0; i < 8; i++) { /* the first level-2 data or unified cache */
         char path[96], buf[256];
         snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/level", i);
         if (!read_line(path, buf, sizeof buf)) break;
