@@ -45,6 +45,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
 FLAGS="-std=c11 -Wall -Wextra -Werror -pthread -ffp-contract=off -D_GNU_SOURCE -DSMOE_BUILD -Icsrc"
+NSRC="csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_neon.c csrc/cpu/cpu.c csrc/util.c" # test_kernels_neon's
 KSRC="csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_neon.c csrc/cpu/kernels_avx2.c csrc/cpu/kernels_avx512.c csrc/cpu/cpu.c csrc/cpu/pool.c csrc/engine/sample.c csrc/util.c"
 LIBSRC="$(ls csrc/*.c csrc/engine/*.c csrc/cpu/*.c)"
 
@@ -108,14 +109,14 @@ if [ "$(uname -m)" = x86_64 ] && command -v gcc >/dev/null 2>&1 &&
 fi
 
 step "test_kernels_neon: O2, O3, ASan + UBSan, clang"
-build tkn_O2 -static -O2 tests/c/test_kernels_neon.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_neon.c
-build tkn_O3 -static -O3 tests/c/test_kernels_neon.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_neon.c
+build tkn_O2 -static -O2 tests/c/test_kernels_neon.c $NSRC
+build tkn_O3 -static -O3 tests/c/test_kernels_neon.c $NSRC
 run tkn_O2
 run tkn_O3
 [ "$(field checksum_neon tkn_O2)" = "$(field checksum_neon tkn_O3)" ] || fail "test_kernels_neon: O2 and O3 differ"
 # shellcheck disable=SC2086
 if $CROSS $FLAGS -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=all tests/c/test_kernels_neon.c \
-        csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_neon.c -lm -o "$OUT/tkn_asan" 2>"$OUT/tkn_asan.build.log" && [ -d "$SYSROOT" ]; then
+        $NSRC -lm -o "$OUT/tkn_asan" 2>"$OUT/tkn_asan.build.log" && [ -d "$SYSROOT" ]; then
     # LeakSanitizer needs ptrace, which qemu-user does not give
     (export QEMU_LD_PREFIX="$SYSROOT" ASAN_OPTIONS=detect_leaks=0 && run tkn_asan)
 else
@@ -126,7 +127,7 @@ fi
 if command -v clang >/dev/null 2>&1 && [ -d "$SYSROOT/include" ]; then
     ok=1
     rm -rf "$OUT/clang" "$OUT/clang.build.log" && mkdir -p "$OUT/clang"
-    for f in tests/c/test_kernels_neon.c csrc/cpu/kernels.c csrc/cpu/kernels_ref.c csrc/cpu/kernels_neon.c; do
+    for f in tests/c/test_kernels_neon.c $NSRC; do
         # shellcheck disable=SC2086
         clang --target=aarch64-linux-gnu --sysroot="$SYSROOT" -isystem "$SYSROOT/include" $FLAGS -O3 -c "$f" \
             -o "$OUT/clang/$(basename "$f" .c).o" 2>>"$OUT/clang.build.log" || ok=0
@@ -163,6 +164,7 @@ step "test_paths: the engine, layer-major against token-serial"
 # shellcheck disable=SC2046
 build tpaths -static -O2 tests/c/test_paths.c $LIBSRC
 if [ -x "$PY" ]; then
+    rm -rf "$OUT/vaults"
     "$PY" - "$OUT/vaults" <<'EOF' || fail "writing the tiny vaults"
 import sys
 import pysmoe
@@ -176,6 +178,8 @@ pysmoe.synth(f"{out}/tiny_mixed", preset="tiny", seed=2, experts="q8", formats=m
              progress=False)
 EOF
     for v in tiny tiny_f32 tiny_mixed; do run tpaths "$OUT/vaults/$v" 40; done
+    # the same with the NEON product's widening instance where the emulated CPU has SDOT
+    for v in tiny tiny_mixed; do SMOE_NO_DOTPROD=1 run tpaths "$OUT/vaults/$v" 40; done
 else
     echo "skipped: no $PY to write the vaults (make venv)"
 fi

@@ -15,7 +15,8 @@
  * CPU and OS run them, and kernels.c asks it before each 8-bit-activation product.
  *
  * An AArch64 build needs no check: its NEON kernels use only what ARMv8.0-A makes mandatory
- * (Advanced SIMD with float FMA and half-precision conversion), so smoe_cpu_check is SMOE_OK. */
+ * (Advanced SIMD with float FMA and half-precision conversion), so smoe_cpu_check is SMOE_OK; the
+ * one optional instance (SDOT, ARMv8.2) is asked for by smoe_cpu_neon_dot below. */
 #include "cpu.h"
 
 #include "internal.h"
@@ -32,6 +33,9 @@
 #endif
 #if SMOE_HAVE_AMX
 #include <sys/syscall.h>
+#endif
+#if SMOE_HAVE_NEON_DOT && !defined(__ARM_FEATURE_DOTPROD) && defined(__linux__)
+#include <sys/auxv.h>
 #endif
 
 #if SMOE_HAVE_AVX2 && defined(__GNUC__) && !defined(__clang__)
@@ -132,6 +136,28 @@ bool smoe_cpu_amx_hw(void) {
 #else
     return false;
 #endif
+}
+
+bool smoe_cpu_neon_dot_hw(void) {
+#if SMOE_HAVE_NEON_DOT && defined(__ARM_FEATURE_DOTPROD)
+    return true; /* every CPU this build targets has it */
+#elif SMOE_HAVE_NEON_DOT && defined(__linux__)
+    enum { HWCAP_ASIMDDP_BIT = 1 << 20 }; /* asm/hwcap.h's HWCAP_ASIMDDP */
+    return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP_BIT) != 0;
+#else
+    return false;
+#endif
+}
+
+static _Atomic int neon_dot_use = -1;
+
+bool smoe_cpu_neon_dot(void) {
+    int use = atomic_load_explicit(&neon_dot_use, memory_order_relaxed);
+    if (use < 0) {
+        use = !env_set("SMOE_NO_DOTPROD") && smoe_cpu_neon_dot_hw();
+        atomic_store_explicit(&neon_dot_use, use, memory_order_relaxed);
+    }
+    return use > 0;
 }
 
 static _Atomic int amx_use = -1;

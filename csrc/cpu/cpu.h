@@ -25,6 +25,13 @@ unsigned smoe_cpu_avx512_hw(void);
 bool smoe_cpu_amx(void);
 bool smoe_cpu_amx_hw(void);
 
+/* Whether the NEON dot-product instance (kernels_isa.h, SMOE_HAVE_NEON_DOT) may run here: the CPU
+ * has ARMv8.2's SDOT (Linux: AT_HWCAP's ASIMDDP; elsewhere only where the build's target has it).
+ * SMOE_NO_DOTPROD=1 gives false. Cached; false in builds without that instance.
+ * smoe_cpu_neon_dot_hw: without the environment. */
+bool smoe_cpu_neon_dot(void);
+bool smoe_cpu_neon_dot_hw(void);
+
 /* The bytes of L2 one hardware thread has: cpu0's L2 over the CPUs that share it (Linux's sysfs:
  * two SMT siblings share one core's L2), so that a kernel's per-thread tile fits beside its
  * sibling's; 0 where unknown. Read once and cached. Only tile sizes follow it, never a value. */

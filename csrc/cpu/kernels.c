@@ -7,6 +7,8 @@
  * the 8-bit-activation product then picks, at run time, an instance with these bits exactly:
  * AVX512-VNNI, AVX-512 (F + BW), AVX-VNNI or plain AVX2, the first this CPU has (cpu.h,
  * smoe_cpu_avx512; kernels_avx512.c, kernels_avx2_qx.h), unless SMOE_NO_AVX512=1 / SMOE_NO_VNNI=1.
+ * On AArch64 it takes, for q4/q8, the SDOT instance (the same bits) where the CPU has ARMv8.2's dot
+ * product (cpu.h, smoe_cpu_neon_dot), unless SMOE_NO_DOTPROD=1.
  *
  * One token (n = 1, decode's products and a short prompt's one-token experts) is a matrix-vector
  * product bound by reading the weights; both the AVX2 and the AVX-512 instances have one that
@@ -56,6 +58,9 @@ const char *smoe_kernels(void) {
     if (a512 & SMOE_CPU_AVX512VNNI) return "avx2+avx512vnni" SMOE_KERNELS_DEVICES;
     if (a512 & SMOE_CPU_AVX512) return "avx2+avx512" SMOE_KERNELS_DEVICES;
     if (smoe_avx2_qx_vnni()) return "avx2+avx-vnni" SMOE_KERNELS_DEVICES;
+#endif
+#if SMOE_HAVE_NEON_DOT
+    if (smoe_cpu_neon_dot()) return "neon+dotprod" SMOE_KERNELS_DEVICES;
 #endif
     return SMOE_HAVE_AVX2 ? "avx2" SMOE_KERNELS_DEVICES
            : SMOE_HAVE_NEON ? "neon" SMOE_KERNELS_DEVICES : "portable" SMOE_KERNELS_DEVICES;
@@ -192,6 +197,9 @@ void smoe_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *
 #endif
     if (smoe_avx2_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1)) return;
 #elif SMOE_HAVE_NEON
+#if SMOE_HAVE_NEON_DOT
+    if (smoe_cpu_neon_dot() && smoe_neon_matmul_rows_qx_dot(W, w, X, n, y, ldy, r0, r1)) return;
+#endif
     if (smoe_neon_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1)) return;
 #endif
     smoe_ref_matmul_rows_qx(W, w, X, n, y, ldy, r0, r1);

@@ -51,6 +51,16 @@
 #define SMOE_HAVE_NEON 0
 #endif
 
+/* The dot-product instance of the NEON 8-bit-activation product (ARMv8.2 SDOT: Apple M1 and later,
+ * Neoverse N1/V1 (Graviton 2/3), Cortex-A55/A76 and later), picked at run time (cpu.h,
+ * smoe_cpu_neon_dot): built where the target already has the extension (__ARM_FEATURE_DOTPROD:
+ * clang's default for Apple silicon) or by GCC 9+ for the functions that use it. */
+#if SMOE_HAVE_NEON && (defined(__ARM_FEATURE_DOTPROD) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 9))
+#define SMOE_HAVE_NEON_DOT 1
+#else
+#define SMOE_HAVE_NEON_DOT 0
+#endif
+
 /* Which kernels this build runs: "avx2", "neon" or "portable". */
 const char *smoe_kernels_isa(void);
 
@@ -131,6 +141,12 @@ bool smoe_neon_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *
                            size_t ldy, uint32_t r0, uint32_t r1);
 bool smoe_neon_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                               size_t ldy, uint32_t r0, uint32_t r1);
+#if SMOE_HAVE_NEON_DOT
+/* The same product, the same bits, by SDOT; q4 and q8 only (false for another format or shape).
+ * Only where smoe_cpu_neon_dot() (cpu.h) says so. */
+bool smoe_neon_matmul_rows_qx_dot(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                                  size_t ldy, uint32_t r0, uint32_t r1);
+#endif
 void smoe_neon_rmsnorm(float *out, const float *x, const smoe_tensor *weight, uint32_t dim, float eps);
 void smoe_neon_attend(float *out, const float *q, const void *k, const void *v, size_t stride, uint32_t n_pos,
                       uint32_t head_dim, uint32_t kv_dtype, float sink, float *scratch);

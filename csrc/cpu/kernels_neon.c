@@ -1,8 +1,10 @@
 /* kernels_neon.c — AArch64 Advanced SIMD (NEON) kernels (kernels_isa.h says when they are built).
  *
- * Baseline ARMv8.0-A only: float FMA (vfmaq_f32), half→single conversion (FCVTL), pairwise add;
- * no dot-product, FP16-arithmetic or SVE extension, so they run on every arm64 CPU and cpu.c
- * has nothing to check at run time (Advanced SIMD is mandatory in AArch64).
+ * Baseline ARMv8.0-A: float FMA (vfmaq_f32), half→single conversion (FCVTL), pairwise add; no
+ * FP16-arithmetic or SVE extension, so they run on every arm64 CPU (Advanced SIMD is mandatory in
+ * AArch64). One instance uses more: the 8-bit-activation product for q4/q8 by ARMv8.2's SDOT
+ * (smoe_neon_matmul_rows_qx_dot, at the end; the same integers, so the same bits), which kernels.c
+ * runs only where cpu.c says the CPU has it.
  *
  * What they must keep
  * -------------------
@@ -893,5 +895,136 @@ bool smoe_neon_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe
     }
     return true;
 }
+
+#if SMOE_HAVE_NEON_DOT
+/* ------------------------------------------- q with 8-bit activations, by SDOT (ARMv8.2)
+ *
+ * The same integers as smoe_neon_matmul_rows_qx, so the same bits: each block's sum of code
+ * products is formed by vdotq_s32 (4 products a lane, exact in int32) and the four units' lanes
+ * reduced by pairwise adds (exact), instead of widening multiplies and one across-vector add a
+ * block; the float part is that function's, operation for operation.
+ *  q4: the row's codes (0–15, as int8) and the tokens' in kernels_ref.c's layout (qx_unpack_neon).
+ *  q8: the stored codes are 0–255; as int8 they are w − 128 (the top bit flipped), so a block's
+ *      Σ w·x = Σ (w − 128)·x + 128·Σ x, with Σ x the block's sum of the token's codes. The tokens'
+ *      int16 codes are narrowed (exact: |x| ≤ 127) into column order, a tile of tokens at a time,
+ *      with those sums beside them. */
+#if !defined(__ARM_FEATURE_DOTPROD)
+#pragma GCC push_options
+#pragma GCC target("arch=armv8.2-a+dotprod")
+#endif
+
+enum { DOT_XTILE_BYTES = 65536 }; /* q8: the tokens' narrowed codes of a tile (stack) */
+
+/* A q8 row's stored codes, units [0, up), as int8 w − 128 in column order (a unit's block 0 in its
+ * bytes 0–31, block 1 in 32–63); zeros past cols (where every token's codes are zero too). */
+static void qx_unpack_q8_dot(int8_t *dst, const uint8_t *src, uint32_t cols, uint32_t up) {
+    const uint8x16_t top = vdupq_n_u8(0x80);
+    for (uint32_t c = 0; c < 64 * up; c += 16)
+        vst1q_s8(dst + c, c < cols ? vreinterpretq_s8_u8(veorq_u8(vld1q_u8(src + c), top)) : vdupq_n_s8(0));
+}
+
+/* A token's q8 codes (int16, kernels_ref.c's layout: per unit, for v < 4, columns 8v..8v+8 of
+ * block 0 then of block 1) narrowed into column order, and each block's sum: s0[u], s1[u]. */
+static void qx_x8_dot(int8_t *dst, int32_t *s0, int32_t *s1, const uint8_t *codes, uint32_t up) {
+    const int16_t *x = (const int16_t *)(const void *)codes;
+    for (uint32_t u = 0; u < up; u++, x += 64, dst += 64) {
+        int32x4_t a = vdupq_n_s32(0), b = vdupq_n_s32(0);
+        for (int v = 0; v < 4; v++) {
+            const int16x8_t lo = vld1q_s16(x + 16 * v), hi = vld1q_s16(x + 16 * v + 8);
+            vst1_s8(dst + 8 * v, vmovn_s16(lo));
+            vst1_s8(dst + 32 + 8 * v, vmovn_s16(hi));
+            a = vpadalq_s16(a, lo);
+            b = vpadalq_s16(b, hi);
+        }
+        s0[u] = vaddvq_s32(a);
+        s1[u] = vaddvq_s32(b);
+    }
+}
+
+/* [Σ of a0's lanes, a1's, a2's, a3's] */
+INLINE int32x4_t sum4x4(int32x4_t a0, int32x4_t a1, int32x4_t a2, int32x4_t a3) {
+    return vpaddq_s32(vpaddq_s32(a0, a1), vpaddq_s32(a2, a3));
+}
+
+/* One row against one token over units [0, up) (a multiple of 4): the float lanes of
+ * smoe_neon_matmul_rows_qx. w, x: 64 bytes a unit, block b's two 16-byte halves at offsets
+ * o[b][0], o[b][1]; xs0, xs1: the token's block sums (q8; NULL for q4). */
+INLINE f8 qx_row_dot(const int8_t *w, const int8_t *x, const int32_t *xs0, const int32_t *xs1, const float *se,
+                     const float *dt, uint32_t up, bool q8) {
+    const int p0 = 0, p1 = q8 ? 16 : 32, p2 = q8 ? 32 : 16, p3 = 48; /* block 0: p0, p1; block 1: p2, p3 */
+    float32x4_t t0 = vdupq_n_f32(0.0f), t1 = vdupq_n_f32(0.0f);
+    for (uint32_t g = 0; g < up; g += 4) {
+        int32x4_t a[4], b[4];
+        for (int k = 0; k < 4; k++) {
+            const int8_t *wk = w + 64 * (size_t)(g + k), *xk = x + 64 * (size_t)(g + k);
+            a[k] = vdotq_s32(vdotq_s32(vdupq_n_s32(0), vld1q_s8(wk + p0), vld1q_s8(xk + p0)), vld1q_s8(wk + p1),
+                             vld1q_s8(xk + p1));
+            b[k] = vdotq_s32(vdotq_s32(vdupq_n_s32(0), vld1q_s8(wk + p2), vld1q_s8(xk + p2)), vld1q_s8(wk + p3),
+                             vld1q_s8(xk + p3));
+        }
+        int32x4_t i0 = sum4x4(a[0], a[1], a[2], a[3]), i1 = sum4x4(b[0], b[1], b[2], b[3]);
+        if (q8) { /* + 128 · Σ x of each block */
+            i0 = vaddq_s32(i0, vshlq_n_s32(vld1q_s32(xs0 + g), 7));
+            i1 = vaddq_s32(i1, vshlq_n_s32(vld1q_s32(xs1 + g), 7));
+        }
+        const float32x4_t sd0 = vmulq_f32(vld1q_f32(se + 2 * g), vld1q_f32(dt + 2 * g));
+        const float32x4_t sd1 = vmulq_f32(vld1q_f32(se + 2 * g + 4), vld1q_f32(dt + 2 * g + 4));
+        t0 = vfmaq_f32(t0, vcvtq_f32_s32(i0), sd0);
+        t1 = vfmaq_f32(t1, vcvtq_f32_s32(i1), sd1);
+    }
+    return (f8){t0, t1};
+}
+
+bool smoe_neon_matmul_rows_qx_dot(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
+                                  size_t ldy, uint32_t r0, uint32_t r1) {
+    if (W->format != SMOE_FMT_Q4 && W->format != SMOE_FMT_Q8) return false;
+    const uint32_t G = W->group, cols = W->cols;
+    if (!group_ok(G) || cols % G || cols > MAXC) return false;
+    const bool q8 = W->format == SMOE_FMT_Q8;
+    const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
+    const uint32_t ng = cols / G, ng8 = (ng + 7) & ~7u, up = (uint32_t)z.d_floats / 2;
+    const size_t row_bytes = q8 ? cols : cols / 2, sbytes = scale_bytes(W->scale_format);
+    /* q8: tokens a tile, their narrowed codes and block sums on the stack; q4: all n at once */
+    const uint32_t tile = q8 ? DOT_XTILE_BYTES / (64 * up) : n;
+    _Alignas(16) int8_t cw[MAXU * 64];          /* one row's codes as int8 */
+    _Alignas(16) int8_t xq[DOT_XTILE_BYTES]; /* q8: a tile of tokens' codes as int8 */
+    int32_t xs[2 * DOT_XTILE_BYTES / 64];     /* q8: their block sums, [token][2][up] */
+    float sb[MAXG], bb[MAXG], se[2 * MAXU];
+    for (uint32_t t0 = 0; t0 < n; t0 += tile) {
+        const uint32_t nt = n - t0 < tile ? n - t0 : tile;
+        if (q8)
+            for (uint32_t t = 0; t < nt; t++)
+                qx_x8_dot(xq + (size_t)t * 64 * up, xs + (size_t)t * 2 * up, xs + (size_t)t * 2 * up + up,
+                          (const uint8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes, up);
+        for (uint32_t r = r0; r < r1; r++) {
+            if (q8)
+                qx_unpack_q8_dot(cw, w + (size_t)r * row_bytes, cols, up);
+            else
+                qx_unpack_neon((uint8_t *)cw, w + (size_t)r * row_bytes, cols, up, false);
+            load_scales(sb, w + W->scales_off + sbytes * (size_t)r * ng, ng, W->scale_format);
+            load_scales(bb, w + W->biases_off + sbytes * (size_t)r * ng, ng, W->scale_format);
+            for (uint32_t k = 0; k < up; k += 4)
+                for (uint32_t j = 0; j < 8; j++) {
+                    const uint32_t c0 = 64 * (k + j % 4) + 32 * (j / 4); /* the block's first column */
+                    se[2 * k + j] = c0 < cols ? sb[c0 / G] : 0.0f;
+                }
+            for (uint32_t t = 0; t < nt; t++) {
+                const uint32_t tt = t0 + t;
+                const float *dt = X->d + (size_t)tt * z.d_floats, *st = X->gsum + (size_t)tt * z.gsum_floats;
+                const f8 tot = q8 ? qx_row_dot(cw, xq + (size_t)t * 64 * up, xs + (size_t)t * 2 * up,
+                                               xs + (size_t)t * 2 * up + up, se, dt, up, true)
+                                  : qx_row_dot(cw, (const int8_t *)X->codes + (size_t)tt * z.code_bytes, NULL, NULL,
+                                               se, dt, up, false);
+                y[(size_t)tt * ldy + r] = hsum8(tot) + bias_dot(bb, st, ng8);
+            }
+        }
+    }
+    return true;
+}
+
+#if !defined(__ARM_FEATURE_DOTPROD)
+#pragma GCC pop_options
+#endif
+#endif /* SMOE_HAVE_NEON_DOT */
 
 #endif /* SMOE_HAVE_NEON */

@@ -1196,9 +1196,10 @@ static void test_qx_instances(void) {
         const char *name;
         qx_instance fn;
         const char *lacks; /* NULL: present and checked; else why not */
-    } inst[8] = {{"avx2", NULL, "not built"},       {"avx-vnni", NULL, "not built"}, {"avx512", NULL, "not built"},
-                 {"avx512vnni", NULL, "not built"}, {"amx", NULL, "not built"},      {"amx-packed", NULL, "not built"},
-                 {"avx512-few", NULL, "not built"}, {"avx512vnni-few", NULL, "not built"}};
+    } inst[10] = {{"avx2", NULL, "not built"},       {"avx-vnni", NULL, "not built"}, {"avx512", NULL, "not built"},
+                  {"avx512vnni", NULL, "not built"}, {"amx", NULL, "not built"},      {"amx-packed", NULL, "not built"},
+                  {"avx512-few", NULL, "not built"}, {"avx512vnni-few", NULL, "not built"},
+                  {"neon", NULL, "not built"},       {"neon-dot", NULL, "not built"}};
 #if SMOE_HAVE_AVX2
     inst[0].fn = smoe_avx2_matmul_rows_qx_plain;
     inst[0].lacks = NULL;
@@ -1224,6 +1225,14 @@ static void test_qx_instances(void) {
     inst[4].lacks = smoe_cpu_amx_hw() ? NULL : "CPU or OS lacks AMX-INT8 (or Linux's grant of its tiles)";
     inst[5].fn = amx_packed;
     inst[5].lacks = inst[4].lacks;
+#endif
+#if SMOE_HAVE_NEON
+    inst[8].fn = smoe_neon_matmul_rows_qx;
+    inst[8].lacks = NULL;
+#if SMOE_HAVE_NEON_DOT
+    inst[9].fn = smoe_neon_matmul_rows_qx_dot;
+    inst[9].lacks = smoe_cpu_neon_dot_hw() ? NULL : "CPU lacks SDOT (ARMv8.2 dot product)";
+#endif
 #endif
     enum { NINST = sizeof inst / sizeof *inst };
     int any = 0;
