@@ -947,8 +947,9 @@ INLINE int32x4_t sum4x4(int32x4_t a0, int32x4_t a1, int32x4_t a2, int32x4_t a3) 
 }
 
 /* One row against one token over units [0, up) (a multiple of 4): the float lanes of
- * smoe_neon_matmul_rows_qx. w, x: 64 bytes a unit, block b's two 16-byte halves at offsets
- * o[b][0], o[b][1]; xs0, xs1: the token's block sums (q8; NULL for q4). */
+ * smoe_neon_matmul_rows_qx. w, x: 64 bytes a unit, block 0's two 16-byte pieces at p0 and p1,
+ * block 1's at p2 and p3 (q4: kernels_ref.c's layout; q8: column order); xs0, xs1: the token's
+ * block sums by unit (q8; NULL for q4). */
 INLINE f8 qx_row_dot(const int8_t *w, const int8_t *x, const int32_t *xs0, const int32_t *xs1, const float *se,
                      const float *dt, uint32_t up, bool q8) {
     const int p0 = 0, p1 = q8 ? 16 : 32, p2 = q8 ? 32 : 16, p3 = 48; /* block 0: p0, p1; block 1: p2, p3 */
