@@ -26,6 +26,9 @@ CC      ?= cc
 CFLAGS_BASE := -std=c11 -Wall -Wextra -fPIC -pthread -ffp-contract=off -fvisibility=hidden \
                -D_GNU_SOURCE -D_DARWIN_C_SOURCE -DSMOE_BUILD -Icsrc
 OPT     ?= -O3 -g
+# libc's checked string and I/O functions, as Ubuntu's gcc turns them on by default: every build
+# here compiles against them, so code that cannot take them (cpu.c's baseline region) fails here.
+HARDEN  ?= -U_FORTIFY_SOURCE -D_FORTIFY_SOURCE=2
 ifeq ($(PORTABLE),1)
   ISA_FLAGS := -DSMOE_PORTABLE=1
 else ifeq ($(ARCH),x86_64)
@@ -33,7 +36,7 @@ else ifeq ($(ARCH),x86_64)
 else
   ISA_FLAGS :=
 endif
-CFLAGS  += $(CFLAGS_BASE) $(OPT) $(ISA_FLAGS)
+CFLAGS  += $(CFLAGS_BASE) $(OPT) $(HARDEN) $(ISA_FLAGS)
 LDLIBS  := -lm -pthread
 
 # The CUDA backend (csrc/cuda/, docs/gpu.md): machine code for the GPUs people own —

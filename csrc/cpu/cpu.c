@@ -171,6 +171,13 @@ bool smoe_cpu_amx(void) {
     return use > 0;
 }
 
+/* The rest is asked for after smoe_cpu_check, so it is built with the build's flags: libc's
+ * fortified open and read (_FORTIFY_SOURCE, the default of Ubuntu's gcc) are always-inline
+ * functions that cannot be inlined into the baseline region above. */
+#if SMOE_HAVE_AVX2 && defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
 #ifdef __linux__
 /* A sysfs file's first line into buf (NUL-terminated); false where it cannot be read. */
 static bool read_line(const char *path, char *buf, size_t cap) {
@@ -238,7 +245,3 @@ uint32_t smoe_cpu_l2_per_thread(void) {
     atomic_store_explicit(&l2_thread, v, memory_order_relaxed);
     return (uint32_t)v;
 }
-
-#if SMOE_HAVE_AVX2 && defined(__GNUC__) && !defined(__clang__)
-#pragma GCC pop_options
-#endif
