@@ -142,10 +142,11 @@ else
     echo "skipped: no clang (the same test built by clang, compared bit for bit)"
 fi
 
-step "test_ggml: the GGML block formats' products (NEON against the reference, bit for bit), O2 and portable"
+step "test_ggml: the GGML block formats' products (NEON against the reference, bit for bit), O2 (with and without SDOT) and portable"
 build tg_O2 -static -O2 tests/c/test_ggml.c $KSRC
 build tg_portable -static -O2 -DSMOE_PORTABLE=1 tests/c/test_ggml.c $KSRC
 run tg_O2
+SMOE_NO_DOTPROD=1 run tg_O2 # the widening instance where the emulated CPU has SDOT
 run tg_portable
 [ "$(field isa tg_O2)" = neon ] || fail "tg_O2: isa $(field isa tg_O2), expected neon"
 

@@ -787,73 +787,11 @@ INLINE void qx_sums_neon(const uint8_t *w, const uint8_t *x, bool q8, int32_t *i
     *i1 = vaddvq_s32(b);
 }
 
-/* The GGML block formats' 8-bit-activation product with the bits of kernels_ref.c's ref_ggml_qx:
- * per step of 8 blocks (256 columns), the row's blocks decoded once by the reference's decoder
- * (gb_qx_decode) and multiplied by every token's codes; each block's integer sum from vmull_s8 /
- * vmlal_high_s8 (two products per int16 lane, < 2^15) and vpaddlq_s16, exact; then the
- * reference's float operations on 8 lanes (lane j: block 2·(j%4) + j/4 of the step). */
-static bool g_matmul_qx_neon(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
-                             size_t ldy, uint32_t r0, uint32_t r1) {
-    enum { GT = 32 }; /* tokens of a tile: their accumulators live on the stack */
-    const uint8_t fmt = W->format;
-    const uint32_t cols = W->cols, nb = cols / 32, steps = (nb + 7) / 8;
-    uint32_t bs = 32, ts = 0;
-    smoe_ggml_block(fmt, &bs, &ts);
-    if (cols % bs) return false;
-    const smoe_qx_size z = smoe_qx_sizes(cols, fmt, 32);
-    const bool has_min = gb_has_min(fmt), q2k = fmt == SMOE_FMT_GGML_Q2_K;
-    const size_t row_bytes = (size_t)(cols / bs) * ts;
-    f8 tot[GT], bia[GT];
-    int16_t mm[16];
-    float nu[8], nul[8];
-    _Alignas(16) int8_t q[8 * 32];
-    int16_t sub[16];
-    float sg[8], sl[8], mu[8];
-    for (uint32_t t0 = 0; t0 < n; t0 += GT) {
-        const uint32_t nt = n - t0 < GT ? n - t0 : GT;
-        for (uint32_t r = r0; r < r1; r++) {
-            const uint8_t *row = w + (size_t)r * row_bytes;
-            for (uint32_t t = 0; t < nt; t++) tot[t] = bia[t] = f8_zero();
-            for (uint32_t k = 0; k < steps; k++) {
-                const uint32_t valid = nb - 8 * k < 8 ? nb - 8 * k : 8;
-                memset(q, 0, sizeof q);
-                memset(sub, 0, sizeof sub);
-                for (int i = 0; i < 8; i++) sg[i] = mu[i] = 0.0f;
-                gb_qx_decode(fmt, row, 8 * k, valid, q, sub, sg, mu);
-                for (int j = 0; j < 8; j++) sl[j] = sg[2 * (j % 4) + j / 4];
-                if (q2k) { /* Q2_K's mins per 16 columns (valid is 8: 256-column blocks) */
-                    for (int i = 0; i < 8; i++) nu[i] = gb_q2k_mins(row, 8 * k + (uint32_t)i, mm + 2 * i);
-                    for (int j = 0; j < 8; j++) nul[j] = nu[2 * (j % 4) + j / 4];
-                }
-                for (uint32_t t = 0; t < nt; t++) {
-                    const int8_t *ct = (const int8_t *)X->codes + (size_t)(t0 + t) * z.code_bytes + 256 * (size_t)k;
-                    const float *dt = X->d + (size_t)(t0 + t) * z.d_floats + 8 * k;
-                    int32_t I[8], M[8];
-                    for (int j = 0; j < 8; j++) {
-                        const int b = 2 * (j % 4) + j / 4;
-                        const int8x16_t w0 = vld1q_s8(q + 32 * b), w1 = vld1q_s8(q + 32 * b + 16);
-                        const int8x16_t c0 = vld1q_s8(ct + 32 * b), c1 = vld1q_s8(ct + 32 * b + 16);
-                        const int16x8_t p0 = vmlal_high_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(c0)), w0, c0);
-                        const int16x8_t p1 = vmlal_high_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(c1)), w1, c1);
-                        I[j] = sub[2 * b] * vaddvq_s32(vpaddlq_s16(p0)) + sub[2 * b + 1] * vaddvq_s32(vpaddlq_s16(p1));
-                        if (q2k) M[j] = mm[2 * b] * vaddvq_s16(vpaddlq_s8(c0)) + mm[2 * b + 1] * vaddvq_s16(vpaddlq_s8(c1));
-                    }
-                    const f8 If = {vcvtq_f32_s32(vld1q_s32(I)), vcvtq_f32_s32(vld1q_s32(I + 4))};
-                    tot[t] = f8_fma(tot[t], If, f8_mul(f8_load(sl), f8_load(dt)));
-                    if (has_min)
-                        bia[t] = f8_fma(bia[t], f8_load(mu), f8_load(X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k));
-                    if (q2k) {
-                        const f8 Mf = {vcvtq_f32_s32(vld1q_s32(M)), vcvtq_f32_s32(vld1q_s32(M + 4))};
-                        bia[t] = f8_fma(bia[t], Mf, f8_mul(f8_load(nul), f8_load(dt)));
-                    }
-                }
-            }
-            for (uint32_t t = 0; t < nt; t++)
-                y[(size_t)(t0 + t) * ldy + r] = has_min || q2k ? hsum8(tot[t]) + hsum8(bia[t]) : hsum8(tot[t]);
-        }
-    }
-    return true;
-}
+#define GQ(name) name
+#define GQ_DOT 0
+#include "kernels_neon_ggml.h"
+#undef GQ
+#undef GQ_DOT
 
 bool smoe_neon_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                               size_t ldy, uint32_t r0, uint32_t r1) {
@@ -946,6 +884,12 @@ INLINE int32x4_t sum4x4(int32x4_t a0, int32x4_t a1, int32x4_t a2, int32x4_t a3) 
     return vpaddq_s32(vpaddq_s32(a0, a1), vpaddq_s32(a2, a3));
 }
 
+#define GQ(name) name##_dot
+#define GQ_DOT 1
+#include "kernels_neon_ggml.h"
+#undef GQ
+#undef GQ_DOT
+
 /* One row against one token over units [0, up) (a multiple of 4): the float lanes of
  * smoe_neon_matmul_rows_qx. w, x: 64 bytes a unit, block 0's two 16-byte pieces at p0 and p1,
  * block 1's at p2 and p3 (q4: kernels_ref.c's layout; q8: column order); xs0, xs1: the token's
@@ -978,6 +922,7 @@ INLINE f8 qx_row_dot(const int8_t *w, const int8_t *x, const int32_t *xs0, const
 
 bool smoe_neon_matmul_rows_qx_dot(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                                   size_t ldy, uint32_t r0, uint32_t r1) {
+    if (gb_takes_codes(W->format)) return g_matmul_qx_neon_dot(W, w, X, n, y, ldy, r0, r1);
     if (W->format != SMOE_FMT_Q4 && W->format != SMOE_FMT_Q8) return false;
     const uint32_t G = W->group, cols = W->cols;
     if (!group_ok(G) || cols % G || cols > MAXC) return false;
