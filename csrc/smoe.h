@@ -526,7 +526,7 @@ SMOE_API smoe_status smoe_cache_clear(smoe_session *session);
  *                              the same bits either way)
  *   SMOE_MATVEC=avx2|avx512    one token's products (decode) on the AVX2 or the AVX-512 kernels
  *                              (default: by CPU, csrc/cpu/kernels.c; the same bits either way)
- *   SMOE_NO_DOTPROD=1          arm64: the q4/q8 products do not use SDOT (the same bits either way)
+ *   SMOE_NO_DOTPROD=1          arm64: the 8-bit-activation products do not use SDOT (the same bits)
  *   SMOE_RETENTION=lru|lrfu|lrfu:H  the host cache's victim order within a layer (default lrfu,
  *                              H its half-life in visits of a layer; docs/streamer.md)
  *   SMOE_CUDA_DEVICE_UNION=0   a GPU never forms a layer's union itself (every layer's routed

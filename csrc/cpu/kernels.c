@@ -7,8 +7,8 @@
  * the 8-bit-activation product then picks, at run time, an instance with these bits exactly:
  * AVX512-VNNI, AVX-512 (F + BW), AVX-VNNI or plain AVX2, the first this CPU has (cpu.h,
  * smoe_cpu_avx512; kernels_avx512.c, kernels_avx2_qx.h), unless SMOE_NO_AVX512=1 / SMOE_NO_VNNI=1.
- * On AArch64 it takes, for q4/q8, the SDOT instance (the same bits) where the CPU has ARMv8.2's dot
- * product (cpu.h, smoe_cpu_neon_dot), unless SMOE_NO_DOTPROD=1.
+ * On AArch64 it takes the SDOT instance (the same bits) where the CPU has ARMv8.2's dot product
+ * (cpu.h, smoe_cpu_neon_dot), unless SMOE_NO_DOTPROD=1.
  *
  * One token (n = 1, decode's products and a short prompt's one-token experts) is a matrix-vector
  * product bound by reading the weights; both the AVX2 and the AVX-512 instances have one that

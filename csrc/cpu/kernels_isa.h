@@ -142,8 +142,8 @@ bool smoe_neon_matmul_rows(const smoe_tensor *W, const uint8_t *w, const float *
 bool smoe_neon_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                               size_t ldy, uint32_t r0, uint32_t r1);
 #if SMOE_HAVE_NEON_DOT
-/* The same product, the same bits, by SDOT; q4 and q8 only (false for another format or shape).
- * Only where smoe_cpu_neon_dot() (cpu.h) says so. */
+/* The same product, the same bits, by SDOT: q4, q8 and the GGML formats that take codes (false
+ * for another format or shape). Only where smoe_cpu_neon_dot() (cpu.h) says so. */
 bool smoe_neon_matmul_rows_qx_dot(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                                   size_t ldy, uint32_t r0, uint32_t r1);
 #endif

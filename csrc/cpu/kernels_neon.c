@@ -2,9 +2,9 @@
  *
  * Baseline ARMv8.0-A: float FMA (vfmaq_f32), half→single conversion (FCVTL), pairwise add; no
  * FP16-arithmetic or SVE extension, so they run on every arm64 CPU (Advanced SIMD is mandatory in
- * AArch64). One instance uses more: the 8-bit-activation product for q4/q8 by ARMv8.2's SDOT
- * (smoe_neon_matmul_rows_qx_dot, at the end; the same integers, so the same bits), which kernels.c
- * runs only where cpu.c says the CPU has it.
+ * AArch64). One instance uses more: the 8-bit-activation product (q4/q8 and the GGML block
+ * formats) by ARMv8.2's SDOT (smoe_neon_matmul_rows_qx_dot, at the end; the same integers, so the
+ * same bits), which kernels.c runs only where cpu.c says the CPU has it.
  *
  * What they must keep
  * -------------------
@@ -845,7 +845,8 @@ bool smoe_neon_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe
  *  q8: the stored codes are 0–255; as int8 they are w − 128 (the top bit flipped), so a block's
  *      Σ w·x = Σ (w − 128)·x + 128·Σ x, with Σ x the block's sum of the token's codes. The tokens'
  *      int16 codes are narrowed (exact: |x| ≤ 127) into column order, a tile of tokens at a time,
- *      with those sums beside them. */
+ *      with those sums beside them.
+ *  GGML formats: kernels_neon_ggml.h's product with GQ_DOT 1. */
 #if !defined(__ARM_FEATURE_DOTPROD)
 #pragma GCC push_options
 #pragma GCC target("arch=armv8.2-a+dotprod")
