@@ -7,11 +7,12 @@
 
 /* The GGML block formats' 8-bit-activation product with the bits of kernels_ref.c's ref_ggml_qx:
  * per step of 8 blocks (256 columns), the row's blocks decoded once by the reference's decoder
- * (gb_qx_decode) and multiplied by every token's codes; each block's integer sum from vmull_s8 /
- * vmlal_high_s8 (two products per int16 lane, < 2^15) and vpaddlq_s16, exact; then the
- * reference's float operations on 8 lanes (lane j: block 2·(j%4) + j/4 of the step). */
+ * (gb_qx_decode) and multiplied by every token's codes; each block's integer sum exact, from
+ * vmull_s8 / vmlal_high_s8 (two products per int16 lane, < 2^15) and vpaddlq_s16 (GQ_DOT 0) or
+ * from vdotq_s32 (GQ_DOT 1); then the reference's float operations on 8 lanes (lane j: block
+ * 2·(j%4) + j/4 of the step). */
 static bool GQ(g_matmul_qx_neon)(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
-                             size_t ldy, uint32_t r0, uint32_t r1) {
+                                 size_t ldy, uint32_t r0, uint32_t r1) {
     enum { GT = 32 }; /* tokens of a tile: their accumulators live on the stack */
     const uint8_t fmt = W->format;
     const uint32_t cols = W->cols, nb = cols / 32, steps = (nb + 7) / 8;
