@@ -793,6 +793,22 @@ INLINE void qx_sums_neon(const uint8_t *w, const uint8_t *x, bool q8, int32_t *i
 #undef GQ
 #undef GQ_DOT
 
+/* Row r's scales and biases by group (sb, bb) and its scale by block in the lanes' order for units
+ * [0, up) (se, σ of kernels_ref.c: se[2k + j], k a multiple of 4, is unit k + j % 4's block j / 4;
+ * 0 past cols). */
+INLINE void qx_row_scales(const smoe_tensor *W, const uint8_t *w, uint32_t r, uint32_t up, float *sb, float *bb,
+                          float *se) {
+    const uint32_t G = W->group, cols = W->cols, ng = cols / G;
+    const size_t sbytes = scale_bytes(W->scale_format);
+    load_scales(sb, w + W->scales_off + sbytes * (size_t)r * ng, ng, W->scale_format);
+    load_scales(bb, w + W->biases_off + sbytes * (size_t)r * ng, ng, W->scale_format);
+    for (uint32_t k = 0; k < up; k += 4)
+        for (uint32_t j = 0; j < 8; j++) {
+            const uint32_t c0 = 64 * (k + j % 4) + 32 * (j / 4); /* the block's first column */
+            se[2 * k + j] = c0 < cols ? sb[c0 / G] : 0.0f;
+        }
+}
+
 bool smoe_neon_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe_qx *X, uint32_t n, float *y,
                               size_t ldy, uint32_t r0, uint32_t r1) {
     if (gb_takes_codes(W->format)) return g_matmul_qx_neon(W, w, X, n, y, ldy, r0, r1);
@@ -801,19 +817,13 @@ bool smoe_neon_matmul_rows_qx(const smoe_tensor *W, const uint8_t *w, const smoe
     const bool q8 = W->format == SMOE_FMT_Q8;
     const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
     const uint32_t ng = cols / G, ng8 = (ng + 7) & ~7u, up = (uint32_t)z.d_floats / 2;
-    const size_t row_bytes = q8 ? cols : cols / 2, gb = q8 ? 128 : 64, sbytes = scale_bytes(W->scale_format);
+    const size_t row_bytes = q8 ? cols : cols / 2, gb = q8 ? 128 : 64;
     _Alignas(16) uint8_t cw[MAXU * 128]; /* (units · bytes) one row's unpacked codes */
     float sb[MAXG], bb[MAXG];            /* (groups) its scales and biases, zero-padded */
     float se[2 * MAXU];                  /* (units · 2) σ of kernels_ref.c per lane: se[8k + j] for units 4k.. */
     for (uint32_t r = r0; r < r1; r++) {
         qx_unpack_neon(cw, w + (size_t)r * row_bytes, cols, up, q8);
-        load_scales(sb, w + W->scales_off + sbytes * (size_t)r * ng, ng, W->scale_format);
-        load_scales(bb, w + W->biases_off + sbytes * (size_t)r * ng, ng, W->scale_format);
-        for (uint32_t k = 0; k < up; k += 4)
-            for (uint32_t j = 0; j < 8; j++) {
-                const uint32_t c0 = 64 * (k + j % 4) + 32 * (j / 4); /* the block's first column */
-                se[2 * k + j] = c0 < cols ? sb[c0 / G] : 0.0f;
-            }
+        qx_row_scales(W, w, r, up, sb, bb, se);
         for (uint32_t t = 0; t < n; t++) {
             const uint8_t *xt = (const uint8_t *)X->codes + (size_t)t * z.code_bytes;
             const float *dt = X->d + (size_t)t * z.d_floats, *st = X->gsum + (size_t)t * z.gsum_floats;
@@ -930,7 +940,7 @@ bool smoe_neon_matmul_rows_qx_dot(const smoe_tensor *W, const uint8_t *w, const 
     const bool q8 = W->format == SMOE_FMT_Q8;
     const smoe_qx_size z = smoe_qx_sizes(cols, W->format, G);
     const uint32_t ng = cols / G, ng8 = (ng + 7) & ~7u, up = (uint32_t)z.d_floats / 2;
-    const size_t row_bytes = q8 ? cols : cols / 2, sbytes = scale_bytes(W->scale_format);
+    const size_t row_bytes = q8 ? cols : cols / 2;
     /* q8: tokens a tile, their narrowed codes and block sums on the stack; q4: all n at once */
     const uint32_t tile = q8 ? DOT_XTILE_BYTES / (64 * up) : n;
     _Alignas(16) int8_t cw[MAXU * 64];          /* one row's codes as int8 */
@@ -948,13 +958,7 @@ bool smoe_neon_matmul_rows_qx_dot(const smoe_tensor *W, const uint8_t *w, const 
                 qx_unpack_q8_dot(cw, w + (size_t)r * row_bytes, cols, up);
             else
                 qx_unpack_neon((uint8_t *)cw, w + (size_t)r * row_bytes, cols, up, false);
-            load_scales(sb, w + W->scales_off + sbytes * (size_t)r * ng, ng, W->scale_format);
-            load_scales(bb, w + W->biases_off + sbytes * (size_t)r * ng, ng, W->scale_format);
-            for (uint32_t k = 0; k < up; k += 4)
-                for (uint32_t j = 0; j < 8; j++) {
-                    const uint32_t c0 = 64 * (k + j % 4) + 32 * (j / 4); /* the block's first column */
-                    se[2 * k + j] = c0 < cols ? sb[c0 / G] : 0.0f;
-                }
+            qx_row_scales(W, w, r, up, sb, bb, se);
             for (uint32_t t = 0; t < nt; t++) {
                 const uint32_t tt = t0 + t;
                 const float *dt = X->d + (size_t)tt * z.d_floats, *st = X->gsum + (size_t)tt * z.gsum_floats;
