@@ -20,8 +20,8 @@
  *    Zen 4 itself not measured;
  *  - Intel with both (Sapphire Rapids and later Xeons): measured there, AVX512-VNNI 1-7 % (q4)
  *    and 2-20 % (q8) less CPU time per byte than the AVX-VNNI one;
- *  - AMD with both (Zen 5): an AVX-512 matvec with prefetch read at the AVX2 one's rate
- *    ("AVX-512 on Zen 5"); this one not measured there, so the AVX2 instance stays.
+ *  - AMD with both (Zen 5): the AVX2 instance; measured there in the engine, decode 1.23x
+ *    slower with the AVX-512 one, every product (bench/RESULTS.md, "Zen 5: every item").
  * SMOE_MATVEC=avx2 or avx512 forces one (to measure and test; avx512 only where the AVX-512
  * instances run at all). A few tokens (2 or more) always take the AVX-512 instance where it runs;
  * there up to 4 q4 and 6 q8 tokens go a row at a time as one token does (kernels_avx512.c, few_path), the

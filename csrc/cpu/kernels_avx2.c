@@ -451,7 +451,8 @@ _Static_assert(QX_FEW_XN_BYTES >= MAXC, "the few-token product takes a token of 
  * (bench/RESULTS.md, "The one-token product's prefetch into L2"), ms a token into L1 / into L2:
  * this file's q4/q8 matvec (forced with SMOE_MATVEC=avx2) q/k/v/o 10.0-10.5 / 8.0-9.2, lm_head
  * 17.8-20.3 / 15.6-16.9; the GGML one on a GGUF vault 8.7-9.1 / 7.7-8.0 and 17.2-17.6 / 15.6-16.7.
- * AMD CPUs not measured with it (Zen 5 measured the prefetch into L1: ×2.4 over none). */
+ * On Zen 5 into L2, two threads: decode's products at 43-46 GB/s, a plain read 36-52 that hour (bench/RESULTS.md,
+ * "Zen 5: every item"; earlier, the prefetch into L1 ×2.4 over none there). */
 #ifndef QX_AHEAD_BYTES
 #define QX_AHEAD_BYTES 3072 /* the q4/q8 matvec (6144 read 5-10 % slower here) */
 #endif
