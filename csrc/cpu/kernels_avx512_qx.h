@@ -160,6 +160,9 @@ QX_INLINE void QX(qx_mv_row)(const int T, const bool pf, const bool q8, const ui
         }
     }
     if (2 * h < ngr) { /* an odd last group of 4 units: its d alone (no read past the token's) */
+        if (pf) /* its bytes' worth ahead too, or on such rows (768 columns: 3 groups) the prefetches cover
+                   two thirds of what is read (bench/RESULTS.md, "Zen 5: every item") */
+            for (size_t b = 0; b < step / 2; b += 64) _mm_prefetch((const char *)row + AHEAD_BYTES + step * h + b, _MM_HINT_T1);
         __m512i lo[4], hi[4];
         QX(qx_mv_load)(false, q8, row, rb, h, lo, hi);
         const __m256 sig = _mm512_castps512_ps256(QX(qx_mv_sigma)(G, s, h));
