@@ -31,7 +31,9 @@ peer() { PYTHONPATH=$D/llama $PY bench/peer.py "$D/a3b8p" --gguf "$D/a3b8.gguf" 
     --omp-policies default,passive "$@"; }
 
 run_warm() {
-    for i in 1 2; do
+    local n=0 f # the runs are numbered on from those already in bench/results (a later call keeps the earlier JSON)
+    for f in "$R/peer31-$TAG-warm-"*.json; do f=${f##*-}; f=${f%.json}; [[ $f =~ ^[0-9]+$ ]] && ((f > n)) && n=$f; done
+    for i in $((n + 1)) $((n + 2)); do
         el "item 1, run $i"
         peer --modes warm --prompt-lengths 8,45,256 --repeats 9 --decode-tokens 16 --thp always --settle-ms 100 \
             --json "$R/peer31-$TAG-warm-$i.json" 2>&1 | grep -E '^\|'
