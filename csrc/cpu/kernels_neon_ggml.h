@@ -59,19 +59,14 @@ static bool GQ(g_matmul_qx_neon)(const smoe_tensor *W, const uint8_t *w, const s
                        then its sub-scales: the same integers as the widening form below */
                     int32x4_t h[8][2];
                     for (int b = 0; b < 8; b++)
-                        for (int k = 0; k < 2; k++)
-                            h[b][k] = vdotq_s32(vdupq_n_s32(0), vld1q_s8(q + 32 * b + 16 * k), vld1q_s8(ct + 32 * b + 16 * k));
+                        for (int half = 0; half < 2; half++)
+                            h[b][half] = vdotq_s32(vdupq_n_s32(0), vld1q_s8(q + 32 * b + 16 * half),
+                                                   vld1q_s8(ct + 32 * b + 16 * half));
                     const int32x4_t i0 = vmlaq_s32(vmulq_s32(sum4x4(h[0][0], h[2][0], h[4][0], h[6][0]), se0),
                                                    sum4x4(h[0][1], h[2][1], h[4][1], h[6][1]), se1);
                     const int32x4_t i1 = vmlaq_s32(vmulq_s32(sum4x4(h[1][0], h[3][0], h[5][0], h[7][0]), so0),
                                                    sum4x4(h[1][1], h[3][1], h[5][1], h[7][1]), so1);
                     const f8 If = {vcvtq_f32_s32(i0), vcvtq_f32_s32(i1)};
-                    if (q2k)
-                        for (int j = 0; j < 8; j++) {
-                            const int b = 2 * (j % 4) + j / 4;
-                            const int8x16_t c0 = vld1q_s8(ct + 32 * b), c1 = vld1q_s8(ct + 32 * b + 16);
-                            M[j] = mm[2 * b] * vaddvq_s16(vpaddlq_s8(c0)) + mm[2 * b + 1] * vaddvq_s16(vpaddlq_s8(c1));
-                        }
 #else
                     int32_t I[8];
                     for (int j = 0; j < 8; j++) {
@@ -81,10 +76,15 @@ static bool GQ(g_matmul_qx_neon)(const smoe_tensor *W, const uint8_t *w, const s
                         const int16x8_t p0 = vmlal_high_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(c0)), w0, c0);
                         const int16x8_t p1 = vmlal_high_s8(vmull_s8(vget_low_s8(w1), vget_low_s8(c1)), w1, c1);
                         I[j] = sub[2 * b] * vaddvq_s32(vpaddlq_s16(p0)) + sub[2 * b + 1] * vaddvq_s32(vpaddlq_s16(p1));
-                        if (q2k) M[j] = mm[2 * b] * vaddvq_s16(vpaddlq_s8(c0)) + mm[2 * b + 1] * vaddvq_s16(vpaddlq_s8(c1));
                     }
                     const f8 If = {vcvtq_f32_s32(vld1q_s32(I)), vcvtq_f32_s32(vld1q_s32(I + 4))};
 #endif
+                    if (q2k) /* Q2_K's mins against each half block's sum of codes */
+                        for (int j = 0; j < 8; j++) {
+                            const int b = 2 * (j % 4) + j / 4;
+                            const int8x16_t c0 = vld1q_s8(ct + 32 * b), c1 = vld1q_s8(ct + 32 * b + 16);
+                            M[j] = mm[2 * b] * vaddvq_s16(vpaddlq_s8(c0)) + mm[2 * b + 1] * vaddvq_s16(vpaddlq_s8(c1));
+                        }
                     tot[t] = f8_fma(tot[t], If, f8_mul(f8_load(sl), f8_load(dt)));
                     if (has_min)
                         bia[t] = f8_fma(bia[t], f8_load(mu), f8_load(X->gsum + (size_t)(t0 + t) * z.gsum_floats + 8 * k));
